@@ -1,0 +1,426 @@
+//! The token-bucket transition: the one piece of math every store implements.
+//!
+//! # Model
+//!
+//! A bucket of capacity `C` refilled at `amount` tokens per `period` holds `tokens` and was last
+//! refilled at `last`. On `take(now, cost)`, as one step (SPEC §2):
+//!
+//! 1. `tokens = min(C, tokens + max(0, now - last) * amount / period)`, `last = max(last, now)`;
+//! 2. if `tokens >= cost`, subtract and allow; otherwise reject and charge nothing.
+//!
+//! # Representation
+//!
+//! Instead of `(tokens, last)` a bucket keeps one number, the *theoretical arrival time* `tat`:
+//! the instant at which it will be full again. Time is measured in *units* on a scaled timeline
+//! (see [`Limit`]): one nanosecond is `a` units, one token is `p` units, both integers, so with
+//! `N = now * a` the balance is exactly
+//!
+//! ```text
+//! tokens(now) = (C*p - max(0, tat - N)) / p
+//! ```
+//!
+//! and taking `cost` tokens moves `tat` to `max(tat, N) + cost*p`. Everything is integer
+//! arithmetic on `u128`: no rounding, hence no drift over any run length. `tat` is stored as
+//! `full_at = ceil(tat / a)` nanoseconds and the sub-nanosecond remainder `frac = full_at*a - tat`
+//! (`frac < a < 2^32`), which lets a store expire a bucket without knowing its limit: the bucket is
+//! full, and indistinguishable from a new one, exactly when `full_at <= now`.
+//!
+//! # Invariants
+//!
+//! These hold for every input, and are checked by property tests against a reference model with
+//! exact rationals (`tests/bucket_model.rs`):
+//!
+//! * A new (absent) bucket is full.
+//! * A rejection charges nothing: the stored state is not written.
+//! * `tat` never decreases, so a `now` earlier than a previous one mints no tokens; the balance
+//!   it shows is at most the balance at the latest time seen (fewer tokens, never more).
+//! * Over any interval `[t0, t1]`, the cost allowed is at most `tokens(t0)` plus the exact refill
+//!   over `t1 - t0`.
+//! * `cost` outside `1..=capacity` is an [`Error::InvalidCost`], not a rejection: such a request
+//!   would never pass.
+
+use crate::clock::Timestamp;
+use crate::decision::Decision;
+use crate::error::Error;
+use crate::limit::Limit;
+
+/// The stored state of one bucket: the instant it is full again, to the sub-nanosecond.
+///
+/// Sixteen bytes. Meaningful only together with the [`Limit`] it was produced under, except for
+/// [`BucketState::full_at`], which needs no limit to tell whether the bucket is full.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BucketState {
+    full_at: u64,
+    frac: u32,
+}
+
+impl BucketState {
+    /// The first instant at which the bucket is full (and could be forgotten losslessly).
+    pub fn full_at(&self) -> Timestamp {
+        Timestamp::from_nanos(self.full_at)
+    }
+
+    /// Whether the bucket is full at `now`: then dropping it changes no future decision.
+    pub fn is_full(&self, now: Timestamp) -> bool {
+        self.full_at <= clamp(now)
+    }
+
+    fn tat(&self, limit: &Limit) -> u128 {
+        u128::from(self.full_at) * u128::from(limit.a()) - u128::from(self.frac)
+    }
+
+    fn from_tat(tat: u128, limit: &Limit) -> Self {
+        let a = limit.a();
+        if a == 1 {
+            // The common case (any rate whose period is a multiple of its amount in ns):
+            // units are nanoseconds, no division needed.
+            return Self {
+                full_at: tat as u64,
+                frac: 0,
+            };
+        }
+        let full_at = tat.div_ceil(u128::from(a));
+        let frac = full_at * u128::from(a) - tat;
+        // tat <= now*a + C*p with now <= 2^63 and C*p/a <= 2^62, and frac < a < 2^32, so both
+        // casts are lossless for every input a valid Limit admits.
+        Self {
+            full_at: full_at as u64,
+            frac: frac as u32,
+        }
+    }
+
+    /// The state holding exactly `tokens` at `now`, for tests and imports of foreign state.
+    ///
+    /// `tokens` above the capacity is clamped to it.
+    pub fn with_tokens(limit: &Limit, tokens: u64, now: Timestamp) -> Option<Self> {
+        let deficit = limit
+            .capacity_units()
+            .saturating_sub(u128::from(tokens) * u128::from(limit.p()));
+        (deficit > 0).then(|| Self::from_tat(scaled(now, limit) + deficit, limit))
+    }
+}
+
+/// The latest instant the math distinguishes: 2^63 ns, about 292 years after the clock's epoch.
+/// Later timestamps count as this one (time stops, which mints nothing), so that `full_at`, at
+/// most `MAX_NOW` plus [`crate::limit::MAX_TIME_TO_FULL`], always fits in a `u64`.
+const MAX_NOW: u64 = 1 << 63;
+
+fn clamp(now: Timestamp) -> u64 {
+    now.as_nanos().min(MAX_NOW)
+}
+
+/// `now` on the limit's scaled timeline: at most 2^63 * 2^32.
+fn scaled(now: Timestamp, limit: &Limit) -> u128 {
+    u128::from(clamp(now)) * u128::from(limit.a())
+}
+
+/// Takes `cost` tokens from a bucket in `state` (absent: a new, full bucket) at `now`.
+///
+/// Returns the decision and, when allowed, the state to store. When rejected the state to store
+/// is `None`: a rejection charges nothing and leaves the stored state as it was.
+///
+/// # Errors
+///
+/// [`Error::InvalidCost`] when `cost` is 0 or above the capacity; nothing is decided.
+#[inline]
+pub fn take(
+    limit: &Limit,
+    state: Option<BucketState>,
+    now: Timestamp,
+    cost: u64,
+) -> Result<(Decision, Option<BucketState>), Error> {
+    check_cost(limit, cost)?;
+    let n = scaled(now, limit);
+    let tat = state.map_or(n, |s| s.tat(limit)).max(n);
+    let next = tat + u128::from(cost) * u128::from(limit.p());
+    if next - n <= limit.capacity_units() {
+        let decision = Decision::new(true, *limit, cost, next - n);
+        Ok((decision, Some(BucketState::from_tat(next, limit))))
+    } else {
+        Ok((Decision::new(false, *limit, cost, tat - n), None))
+    }
+}
+
+/// What [`take`] would decide at `now`, without changing anything.
+///
+/// # Errors
+///
+/// [`Error::InvalidCost`] when `cost` is 0 or above the capacity.
+pub fn peek(
+    limit: &Limit,
+    state: Option<BucketState>,
+    now: Timestamp,
+    cost: u64,
+) -> Result<Decision, Error> {
+    take(limit, state, now, cost).map(|(decision, _)| decision)
+}
+
+/// The bucket's balance at `now` as an allowed but *uncharged* decision for `cost`: what an
+/// all-or-nothing check reports for the buckets that had room when another one rejected.
+pub(crate) fn balance(
+    limit: &Limit,
+    state: Option<BucketState>,
+    now: Timestamp,
+    cost: u64,
+) -> Decision {
+    let n = scaled(now, limit);
+    let tat = state.map_or(n, |s| s.tat(limit)).max(n);
+    Decision::new(true, *limit, cost, tat - n)
+}
+
+/// Carries a bucket over a change of parameters at `now`.
+///
+/// The balance is refilled under `old` up to `now`, then converted to `new`: the token count is
+/// kept (rounded down to `new`'s units, never up) and clamped to `new`'s capacity. Returns `None`
+/// when the converted bucket is full, which is also what an absent bucket means.
+pub fn rebase(
+    old: &Limit,
+    new: &Limit,
+    state: Option<BucketState>,
+    now: Timestamp,
+) -> Option<BucketState> {
+    let state = state?;
+    let n_old = scaled(now, old);
+    let deficit_old = state.tat(old).saturating_sub(n_old);
+    // tokens = (C_old*p_old - deficit_old) / p_old; in new units, times p_new, floored.
+    let tokens_old_units = old.capacity_units() - deficit_old.min(old.capacity_units());
+    let tokens_new_units =
+        (tokens_old_units * u128::from(new.p()) / u128::from(old.p())).min(new.capacity_units());
+    let deficit_new = new.capacity_units() - tokens_new_units;
+    (deficit_new > 0).then(|| BucketState::from_tat(scaled(now, new) + deficit_new, new))
+}
+
+#[inline]
+pub(crate) fn check_cost(limit: &Limit, cost: u64) -> Result<(), Error> {
+    if cost == 0 || cost > limit.capacity() {
+        return Err(Error::InvalidCost {
+            cost,
+            capacity: limit.capacity(),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Rate;
+    use std::time::Duration;
+
+    const SEC: u64 = 1_000_000_000;
+
+    fn limit(capacity: u64, rate: &str) -> Limit {
+        let rate: Rate = rate.parse().unwrap();
+        Limit::new(capacity, rate).unwrap()
+    }
+
+    fn at(nanos: u64) -> Timestamp {
+        Timestamp::from_nanos(nanos)
+    }
+
+    /// Runs `take` and returns (allowed, remaining) while threading the state.
+    fn step(l: &Limit, state: &mut Option<BucketState>, now: u64, cost: u64) -> (bool, u64) {
+        let (decision, next) = take(l, *state, at(now), cost).unwrap();
+        if let Some(next) = next {
+            *state = Some(next);
+        }
+        (decision.allowed(), decision.remaining())
+    }
+
+    #[test]
+    fn new_bucket_is_full() {
+        let l = limit(5, "1/s");
+        let decision = peek(&l, None, at(123), 1).unwrap();
+        assert!(decision.allowed());
+        assert_eq!(decision.remaining(), 4);
+        assert_eq!(decision.reset_after(), Duration::from_secs(1));
+    }
+
+    #[test]
+    fn drains_then_rejects_repeatedly_without_charging() {
+        let l = limit(3, "1/s");
+        let mut state = None;
+        for left in [2, 1, 0] {
+            assert_eq!(step(&l, &mut state, 0, 1), (true, left));
+        }
+        let before = state;
+        for _ in 0..5 {
+            let (decision, next) = take(&l, state, at(0), 1).unwrap();
+            assert!(!decision.allowed());
+            assert_eq!(next, None);
+            assert_eq!(decision.retry_after(), Some(Duration::from_secs(1)));
+        }
+        assert_eq!(state, before);
+    }
+
+    #[test]
+    fn refills_exactly_at_the_boundary() {
+        let l = limit(1, "1/s");
+        let mut state = None;
+        assert!(step(&l, &mut state, 0, 1).0);
+        assert!(!step(&l, &mut state, SEC - 1, 1).0);
+        assert!(step(&l, &mut state, SEC, 1).0);
+    }
+
+    #[test]
+    fn retry_after_is_exact_and_rounded_up() {
+        // 3 tokens per second: one token every 333_333_333.33.. ns.
+        let l = limit(3, "3/s");
+        let mut state = None;
+        for _ in 0..3 {
+            assert!(step(&l, &mut state, 0, 1).0);
+        }
+        let (decision, _) = take(&l, state, at(0), 1).unwrap();
+        assert_eq!(
+            decision.retry_after(),
+            Some(Duration::from_nanos(333_333_334))
+        );
+        assert!(!step(&l, &mut state, 333_333_333, 1).0);
+        assert!(step(&l, &mut state, 333_333_334, 1).0);
+        // Two thirds of a nanosecond's refill are left over: three tokens are 1 s - 2/3 ns
+        // away, which rounds up to exactly one second.
+        let (decision, _) = take(&l, state, at(333_333_334), 3).unwrap();
+        assert!(!decision.allowed());
+        assert_eq!(decision.retry_after(), Some(Duration::from_secs(1)));
+        assert!(!step(&l, &mut state, 1_333_333_333, 3).0);
+        assert!(step(&l, &mut state, 1_333_333_334, 3).0);
+    }
+
+    #[test]
+    fn cost_equal_to_capacity_passes_only_when_full() {
+        let l = limit(10, "10/s");
+        let mut state = None;
+        assert_eq!(step(&l, &mut state, 0, 10), (true, 0));
+        assert!(!step(&l, &mut state, SEC - 1, 10).0);
+        assert_eq!(step(&l, &mut state, SEC, 10), (true, 0));
+    }
+
+    #[test]
+    fn zero_or_oversized_cost_is_an_error_and_changes_nothing() {
+        let l = limit(10, "10/s");
+        for cost in [0, 11, u64::MAX] {
+            assert_eq!(
+                take(&l, None, at(0), cost),
+                Err(Error::InvalidCost { cost, capacity: 10 })
+            );
+        }
+    }
+
+    #[test]
+    fn no_time_advance_no_refill() {
+        let l = limit(2, "1/ns");
+        let mut state = None;
+        assert!(step(&l, &mut state, 7, 2).0);
+        for _ in 0..100 {
+            assert!(!step(&l, &mut state, 7, 1).0);
+        }
+        assert!(step(&l, &mut state, 8, 1).0);
+    }
+
+    #[test]
+    fn clock_going_back_mints_nothing() {
+        let l = limit(10, "1/s");
+        let mut state = None;
+        assert!(step(&l, &mut state, 100 * SEC, 10).0);
+        let full_at = state.unwrap().full_at();
+        // Far in the past: the bucket is no fuller than it was at 100 s.
+        for now in [0, 50 * SEC, 100 * SEC - 1] {
+            let (decision, next) = take(&l, state, at(now), 1).unwrap();
+            assert!(!decision.allowed());
+            assert_eq!(next, None);
+        }
+        assert_eq!(state.unwrap().full_at(), full_at);
+        // Time resumes: exactly one token at 101 s.
+        assert_eq!(step(&l, &mut state, 101 * SEC, 1), (true, 0));
+    }
+
+    #[test]
+    fn idle_for_years_is_full_and_does_not_overflow() {
+        let l = limit(1_000, "1/d");
+        let mut state = None;
+        assert!(step(&l, &mut state, 0, 1_000).0);
+        let fifty_years = 50 * 365 * 86_400 * SEC;
+        assert_eq!(step(&l, &mut state, fifty_years, 1), (true, 999));
+        // Past 2^63 ns (292 years) time stops: no overflow, nothing minted.
+        assert_eq!(step(&l, &mut state, u64::MAX - 1, 1_000), (true, 0));
+        assert!(!step(&l, &mut state, u64::MAX, 1).0);
+    }
+
+    #[test]
+    fn extreme_rates() {
+        // A billion per second, one per nanosecond.
+        let fast = limit(1_000_000_000, "1000000000/s");
+        let mut state = None;
+        assert!(step(&fast, &mut state, 0, 1_000_000_000).0);
+        assert_eq!(step(&fast, &mut state, 1, 1), (true, 0));
+        assert!(!step(&fast, &mut state, 1, 1).0);
+        // A prime rate close to a billion: a = 999_999_937 units per ns.
+        let odd = limit(1, "999999937/s");
+        let mut state = None;
+        assert!(step(&odd, &mut state, 0, 1).0);
+        assert!(!step(&odd, &mut state, 1, 1).0);
+        assert!(step(&odd, &mut state, 2, 1).0);
+        // One a day.
+        let slow = limit(1, "1/d");
+        let mut state = None;
+        assert!(step(&slow, &mut state, 0, 1).0);
+        assert!(!step(&slow, &mut state, 86_400 * SEC - 1, 1).0);
+        assert!(step(&slow, &mut state, 86_400 * SEC, 1).0);
+    }
+
+    #[test]
+    fn full_bucket_refill_is_not_counted_twice() {
+        let l = limit(2, "1/s");
+        let mut state = None;
+        // Full and idle for an hour: still only 2 tokens.
+        assert!(step(&l, &mut state, 3_600 * SEC, 2).0);
+        assert!(!step(&l, &mut state, 3_600 * SEC, 1).0);
+    }
+
+    #[test]
+    fn state_is_full_exactly_when_idle_past_time_to_full() {
+        let l = limit(4, "3/s");
+        let (_, state) = take(&l, None, at(0), 4).unwrap();
+        let state = state.unwrap();
+        let full = state.full_at().as_nanos();
+        assert_eq!(full, l.time_to_full().as_nanos() as u64);
+        assert!(!state.is_full(at(full - 1)));
+        assert!(state.is_full(at(full)));
+        // One ns before full the bucket is short of capacity; at full_at a cost of 4 passes.
+        assert!(!peek(&l, Some(state), at(full - 1), 4).unwrap().allowed());
+        assert!(peek(&l, Some(state), at(full), 4).unwrap().allowed());
+    }
+
+    #[test]
+    fn rebase_refills_under_old_then_clamps_to_new() {
+        let old = limit(10, "1/s");
+        let (_, state) = take(&old, None, at(0), 10).unwrap();
+        // 4 s later there are 4 tokens under the old limit.
+        let smaller = limit(3, "1/s");
+        let rebased = rebase(&old, &smaller, state, at(4 * SEC));
+        assert_eq!(rebased, None, "4 tokens clamp to a full bucket of 3");
+        let larger = limit(100, "50/s");
+        let rebased = rebase(&old, &larger, state, at(4 * SEC));
+        let decision = peek(&larger, rebased, at(4 * SEC), 1).unwrap();
+        assert_eq!(decision.remaining(), 3);
+        assert!(!peek(&larger, rebased, at(4 * SEC), 5).unwrap().allowed());
+        // Non-integer conversions round down to fewer tokens.
+        let thirds = limit(10, "3/s");
+        let rebased = rebase(&old, &thirds, state, at(4 * SEC));
+        assert_eq!(
+            peek(&thirds, rebased, at(4 * SEC), 1).unwrap().remaining(),
+            3
+        );
+    }
+
+    #[test]
+    fn with_tokens_builds_the_named_balance() {
+        let l = limit(10, "7/s");
+        let state = BucketState::with_tokens(&l, 4, at(SEC));
+        let decision = peek(&l, state, at(SEC), 4).unwrap();
+        assert!(decision.allowed());
+        assert_eq!(decision.remaining(), 0);
+        assert!(!peek(&l, state, at(SEC), 5).unwrap().allowed());
+        assert_eq!(BucketState::with_tokens(&l, 11, at(SEC)), None);
+    }
+}

@@ -1,0 +1,55 @@
+//! The one error type of the core crate.
+//!
+//! A rejection is not an error: it is a [`Decision`](crate::Decision) with `allowed == false`.
+//! Errors are for requests that cannot be decided at all (bad parameters, a cost the bucket can
+//! never hold), and none of them changes any state.
+
+/// Everything that can go wrong when building a limit or asking for a decision.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A rate string that does not parse, such as `10/x`.
+    #[error("invalid rate {text:?}: {reason}")]
+    InvalidRate {
+        /// The offending text (at most 64 characters of it).
+        text: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// A refill rate of zero tokens.
+    #[error("refill amount must be greater than zero")]
+    ZeroRefill,
+    /// A refill period of zero.
+    #[error("refill period must be greater than zero")]
+    ZeroPeriod,
+    /// A bucket that can hold no token.
+    #[error("capacity must be greater than zero")]
+    ZeroCapacity,
+    /// Parameters the exact arithmetic cannot represent: a reduced rate of 2^32 tokens per
+    /// nanosecond or more, or a bucket that takes longer than about 146 years to fill.
+    #[error(
+        "limit out of range: the refill rate must stay below 2^32 tokens per nanosecond and an \
+         empty bucket must fill within 146 years"
+    )]
+    LimitTooLarge,
+    /// A cost of zero, or more than the bucket can ever hold (it would wait forever).
+    #[error("cost {cost} is invalid: it must be between 1 and the capacity ({capacity})")]
+    InvalidCost {
+        /// The cost asked for.
+        cost: u64,
+        /// The capacity of the bucket it was asked of.
+        capacity: u64,
+    },
+    /// The same key twice in one all-or-nothing check.
+    #[error("the key at position {index} appears twice in one check")]
+    DuplicateKey {
+        /// Position of the second occurrence.
+        index: usize,
+    },
+    /// A multi-limit check with nothing in it.
+    #[error("a check must name at least one bucket")]
+    EmptyCheck,
+    /// A retried `request_id` whose key set or costs differ from the first attempt's.
+    #[error("request id was already used for a different check")]
+    IdempotencyConflict,
+}

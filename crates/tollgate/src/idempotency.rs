@@ -1,0 +1,161 @@
+//! Records of charged checks, so that a retried request is not charged twice.
+//!
+//! Clients retry on timeouts without knowing whether the first attempt reached us. A check that
+//! carries a `request_id` leaves a record here when it charges; a retry with the same id inside
+//! the window finds it and gets the first decision back, charging nothing. Records are kept in
+//! the shard of the (first) key, under the same lock as the buckets, so a retry racing the first
+//! attempt sees either nothing or the finished record, never a half-made one.
+//!
+//! Memory is bounded twice: records expire after the window, and each shard keeps at most a
+//! fixed number (the oldest go first). Both expire in insertion order, so a queue finds them.
+//!
+//! Only charged (allowed) checks are recorded: a rejection charges nothing, so retrying it is
+//! already harmless, and a client that waited out `Retry-After` must be evaluated afresh.
+
+use std::collections::VecDeque;
+
+use hashbrown::HashTable;
+
+use crate::decision::Decision;
+use crate::error::Error;
+
+/// The decisions a request got the first time.
+#[derive(Debug, Clone)]
+pub(crate) enum Recorded {
+    One(Decision),
+    Many(Box<[Decision]>),
+}
+
+#[derive(Debug)]
+struct Record {
+    /// Identifies the request: its id and first key, hashed to 128 bits.
+    id: u128,
+    /// Identifies what was asked (keys, limits, costs): a retry asking something else under the
+    /// same id is a client bug, answered with [`Error::IdempotencyConflict`].
+    content: u64,
+    expires_at: u64,
+    decisions: Recorded,
+}
+
+/// One shard's records.
+#[derive(Debug, Default)]
+pub(crate) struct Records {
+    by_id: HashTable<Record>,
+    /// `(id, expires_at)` in insertion order, which is also expiry order.
+    queue: VecDeque<(u128, u64)>,
+}
+
+impl Records {
+    /// The decisions recorded for `id`, if a live record exists.
+    pub(crate) fn get(&self, id: u128, content: u64, now: u64) -> Option<Result<Recorded, Error>> {
+        let record = self.by_id.find(id as u64, |r| r.id == id)?;
+        if record.expires_at <= now {
+            return None;
+        }
+        Some(if record.content == content {
+            Ok(record.decisions.clone())
+        } else {
+            Err(Error::IdempotencyConflict)
+        })
+    }
+
+    /// Records `decisions` for `id` until `expires_at`, keeping at most `max` records.
+    pub(crate) fn insert(
+        &mut self,
+        id: u128,
+        content: u64,
+        decisions: Recorded,
+        now: u64,
+        expires_at: u64,
+        max: usize,
+    ) {
+        self.expire(now);
+        while self.queue.len() >= max.max(1) {
+            self.pop_oldest();
+        }
+        let record = Record {
+            id,
+            content,
+            expires_at,
+            decisions,
+        };
+        // An expired record under the same id may still be in the table: replace it.
+        match self.by_id.entry(id as u64, |r| r.id == id, |r| r.id as u64) {
+            hashbrown::hash_table::Entry::Occupied(mut entry) => *entry.get_mut() = record,
+            hashbrown::hash_table::Entry::Vacant(entry) => {
+                entry.insert(record);
+            }
+        }
+        self.queue.push_back((id, expires_at));
+    }
+
+    fn expire(&mut self, now: u64) {
+        while self.queue.front().is_some_and(|&(_, at)| at <= now) {
+            self.pop_oldest();
+        }
+    }
+
+    fn pop_oldest(&mut self) {
+        if let Some((id, expires_at)) = self.queue.pop_front() {
+            // Remove only the record this queue entry was made for: a newer one under the
+            // same id has its own, later queue entry.
+            if let Ok(entry) = self
+                .by_id
+                .find_entry(id as u64, |r| r.id == id && r.expires_at == expires_at)
+            {
+                entry.remove();
+            }
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.by_id.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Limit, bucket};
+
+    fn decision() -> Decision {
+        let limit = Limit::per(5, std::time::Duration::from_secs(1)).unwrap();
+        bucket::peek(&limit, None, crate::Timestamp::ZERO, 1).unwrap()
+    }
+
+    #[test]
+    fn returns_live_records_and_refuses_conflicts() {
+        let mut records = Records::default();
+        records.insert(7, 1, Recorded::One(decision()), 0, 10, 4);
+        assert!(matches!(records.get(7, 1, 9), Some(Ok(Recorded::One(_)))));
+        assert!(matches!(
+            records.get(7, 2, 9),
+            Some(Err(Error::IdempotencyConflict))
+        ));
+        assert!(records.get(7, 1, 10).is_none(), "expired at its deadline");
+        assert!(records.get(8, 1, 0).is_none());
+    }
+
+    #[test]
+    fn keeps_at_most_max_records_and_expires_in_order() {
+        let mut records = Records::default();
+        for id in 0..10u128 {
+            records.insert(id, 0, Recorded::One(decision()), 0, 100 + id as u64, 4);
+        }
+        assert_eq!(records.len(), 4);
+        assert!(records.get(5, 0, 0).is_none());
+        assert!(records.get(6, 0, 0).is_some());
+        records.insert(20, 0, Recorded::One(decision()), 108, 200, 4);
+        // 6 and 7 expired at 106 and 107; 8 expires at 108 too.
+        assert_eq!(records.len(), 2);
+    }
+
+    #[test]
+    fn a_reused_id_replaces_its_expired_record() {
+        let mut records = Records::default();
+        records.insert(1, 0, Recorded::One(decision()), 0, 10, 4);
+        records.insert(1, 5, Recorded::One(decision()), 10, 20, 4);
+        assert!(matches!(records.get(1, 5, 15), Some(Ok(_))));
+        assert_eq!(records.len(), 1);
+    }
+}

@@ -1,0 +1,54 @@
+//! Exact token-bucket rate limiting.
+//!
+//! `tollgate` decides, for a key and a cost, whether a request may pass, with exact integer
+//! arithmetic, monotonic time and bounded memory. It is the core of the tollgate rate-limiting
+//! system: the server, the policy engine and the tower layer all decide through the math in
+//! [`bucket`].
+//!
+//! ```
+//! use std::time::Duration;
+//! use tollgate::{Limit, ManualClock, RateLimiter};
+//!
+//! // 20 tokens of burst, refilled at 10 per second.
+//! let clock = ManualClock::new();
+//! let limiter = RateLimiter::new(Limit::new(20, "10/s".parse()?)?, clock.clone());
+//!
+//! assert!(limiter.check_n("tenant-a", 20)?.allowed());
+//! let denied = limiter.check("tenant-a")?;
+//! assert!(!denied.allowed());
+//! assert_eq!(denied.retry_after(), Some(Duration::from_millis(100)));
+//!
+//! clock.advance(Duration::from_millis(100));
+//! assert!(limiter.check("tenant-a")?.allowed());
+//! # Ok::<(), tollgate::Error>(())
+//! ```
+//!
+//! # Semantics
+//!
+//! * A bucket holds at most `capacity` tokens and gains `amount` per `period`, lazily, exactly.
+//!   A new bucket is full.
+//! * A check of `cost` passes if the bucket holds `cost` tokens, and takes them; otherwise it is
+//!   rejected and **charges nothing**. `cost` must be in `1..=capacity`, else it is an error.
+//! * Time only moves forward: a clock that goes back mints no tokens.
+//! * Concurrent checks never admit more than the math allows; several buckets can be checked
+//!   all-or-nothing ([`MemoryStore::check_all`]); a `request_id` makes a retry free.
+//! * A [`Decision`] reports `remaining` (floored), `retry_after` (exact, rounded up) and
+//!   `reset_after`.
+
+pub mod bucket;
+mod clock;
+mod decision;
+mod error;
+mod idempotency;
+mod limit;
+mod limiter;
+pub mod memory;
+mod sync;
+
+pub use bucket::BucketState;
+pub use clock::{Clock, ManualClock, MonotonicClock, Timestamp};
+pub use decision::Decision;
+pub use error::Error;
+pub use limit::{Limit, MAX_TIME_TO_FULL, Rate};
+pub use limiter::RateLimiter;
+pub use memory::{Item, MemoryStats, MemoryStore, MemoryStoreBuilder};

@@ -1,0 +1,867 @@
+//! The in-memory keyed store: many buckets, many threads, bounded memory.
+//!
+//! # Concurrency
+//!
+//! Keys are spread over shards, each a small `HashTable` behind its own mutex (no global lock).
+//! A check hashes the key once, locks one shard, runs [`bucket::take`] on the slot and unlocks:
+//! the critical section is a lookup and a few integer operations, so two threads collide only
+//! when they touch the same shard at the same moment. A multi-key check locks its shards in
+//! ascending index order, which makes it deadlock-free and all-or-nothing.
+//!
+//! # Memory
+//!
+//! A live bucket costs its key plus a 16-byte [`BucketState`] in a slot of the shard's table.
+//! Keys are stored as given (use `u64` or `Box<str>` rather than `String` to save bytes).
+//!
+//! * **Lossless expiry.** A bucket idle for its time-to-full is full, which is what an absent
+//!   bucket means, so dropping it changes nothing. Each shard drops its full buckets whenever its
+//!   table would otherwise grow, and when it reaches its bound: an amortised sweep, with no timer
+//!   or thread per bucket. Counted in [`MemoryStats::expired`].
+//! * **The bound.** [`MemoryStoreBuilder::max_buckets`] caps live buckets, split evenly across
+//!   shards. When a shard is at its share and a new key arrives, it first drops its full buckets;
+//!   if none can go, it evicts the 1/64 of its buckets closest to full (earliest `full_at`),
+//!   because a re-created bucket starts full and those grant the smallest unearned burst. Those
+//!   evictions are counted in [`MemoryStats::evicted`]. The hash table itself may hold up to twice
+//!   the slots it uses (tables grow by doubling).
+
+use std::borrow::Borrow;
+use std::hash::{BuildHasher, Hash};
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use hashbrown::HashTable;
+
+use crate::bucket::{self, BucketState};
+use crate::clock::Timestamp;
+use crate::decision::Decision;
+use crate::error::Error;
+use crate::idempotency::{Recorded, Records};
+use crate::limit::Limit;
+use crate::sync::{self, Mutex, MutexGuard};
+
+/// The default hasher: fast, and seeded per store so keys cannot be chosen to collide.
+pub type DefaultHashBuilder = foldhash::fast::RandomState;
+
+/// One bucket of an all-or-nothing [`MemoryStore::check_all`].
+#[derive(Debug)]
+pub struct Item<'a, Q: ?Sized> {
+    /// The bucket.
+    pub key: &'a Q,
+    /// Its parameters.
+    pub limit: &'a Limit,
+    /// Tokens to take from it.
+    pub cost: u64,
+}
+
+impl<Q: ?Sized> Clone for Item<'_, Q> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<Q: ?Sized> Copy for Item<'_, Q> {}
+
+/// Counters of the memory store's housekeeping.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MemoryStats {
+    /// Buckets held now.
+    pub live_buckets: usize,
+    /// Full buckets dropped (lossless: nobody can tell).
+    pub expired: u64,
+    /// Non-full buckets dropped to stay within the bound (each may grant one extra burst).
+    pub evicted: u64,
+    /// Idempotency records held now.
+    pub idempotency_records: usize,
+}
+
+/// Builds a [`MemoryStore`].
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate::MemoryStore;
+///
+/// let store: MemoryStore<u64> = MemoryStore::builder()
+///     .max_buckets(100_000)
+///     .idempotency_window(Duration::from_secs(30))
+///     .build();
+/// assert_eq!(store.stats().live_buckets, 0);
+/// ```
+#[derive(Debug)]
+#[must_use]
+pub struct MemoryStoreBuilder<K> {
+    shards: usize,
+    max_buckets: usize,
+    idempotency_window: Duration,
+    max_idempotency_records: usize,
+    keys: PhantomData<fn() -> K>,
+}
+
+impl<K> Default for MemoryStoreBuilder<K> {
+    fn default() -> Self {
+        Self {
+            shards: 64,
+            max_buckets: 10_000_000,
+            idempotency_window: Duration::from_secs(60),
+            max_idempotency_records: 1 << 20,
+            keys: PhantomData,
+        }
+    }
+}
+
+impl<K> MemoryStoreBuilder<K> {
+    /// The number of independently locked shards (default 64; at least 1). More shards mean
+    /// fewer collisions between threads and a finer-grained bound.
+    pub fn shards(mut self, shards: usize) -> Self {
+        self.shards = shards.max(1);
+        self
+    }
+
+    /// The most live buckets the store keeps (default ten million; at least one per shard).
+    pub fn max_buckets(mut self, max_buckets: usize) -> Self {
+        self.max_buckets = max_buckets;
+        self
+    }
+
+    /// How long a charged check's `request_id` is remembered (default 60 s).
+    pub fn idempotency_window(mut self, window: Duration) -> Self {
+        self.idempotency_window = window;
+        self
+    }
+
+    /// The most idempotency records kept (default 2^20); the oldest are forgotten first.
+    pub fn max_idempotency_records(mut self, max: usize) -> Self {
+        self.max_idempotency_records = max;
+        self
+    }
+
+    /// The store, with the default hasher.
+    pub fn build(self) -> MemoryStore<K> {
+        self.build_with_hasher(DefaultHashBuilder::default())
+    }
+
+    /// The store, with `hasher` for keys.
+    pub fn build_with_hasher<S: BuildHasher>(self, hasher: S) -> MemoryStore<K, S> {
+        let shards = self.shards;
+        let shard_bound = self.max_buckets.div_ceil(shards).max(1);
+        let record_bound = self.max_idempotency_records.div_ceil(shards).max(1);
+        MemoryStore {
+            shards: (0..shards)
+                .map(|_| Padded(Mutex::new(Shard::default())))
+                .collect(),
+            hasher,
+            id_hashers: (
+                foldhash::quality::RandomState::default(),
+                foldhash::quality::RandomState::default(),
+            ),
+            shard_bound,
+            record_bound,
+            window_ns: u64::try_from(self.idempotency_window.as_nanos()).unwrap_or(u64::MAX),
+            expired: AtomicU64::new(0),
+            evicted: AtomicU64::new(0),
+        }
+    }
+}
+
+/// Token buckets in memory, keyed by `K`, shared by any number of threads.
+///
+/// Every method takes `now`: the store keeps no clock, so it is deterministic under test. Feed
+/// one store from one [`Clock`](crate::Clock). For a store bundled with a limit and a clock, see
+/// [`RateLimiter`](crate::RateLimiter).
+///
+/// # Guarantees
+///
+/// * Each check is atomic per bucket: concurrent checks on one key never admit more than the
+///   bucket math allows for the sequence of times they were given.
+/// * A rejection, an error or a rejected multi-check charges nothing.
+/// * A `now` earlier than one already seen for a bucket mints no tokens.
+/// * `cost` outside `1..=capacity` is an [`Error::InvalidCost`] and changes nothing.
+/// * A key's bucket is forgotten only when full (lossless) or, at the bound, by the documented
+///   eviction policy, counted in [`MemoryStats::evicted`].
+///
+/// ```
+/// use tollgate::{Limit, MemoryStore, Timestamp};
+///
+/// let store: MemoryStore<Box<str>> = MemoryStore::builder().build();
+/// let limit = Limit::new(2, "1/s".parse()?)?;
+/// let now = Timestamp::ZERO;
+/// assert!(store.check("alice", &limit, 2, now)?.allowed());
+/// assert!(!store.check("alice", &limit, 1, now)?.allowed());
+/// assert!(store.check("bob", &limit, 1, now)?.allowed());
+/// # Ok::<(), tollgate::Error>(())
+/// ```
+pub struct MemoryStore<K, S = DefaultHashBuilder> {
+    shards: Box<[Padded<Mutex<Shard<K>>>]>,
+    hasher: S,
+    /// Two independent hashers give request ids 128-bit identities: a collision would hand one
+    /// request another's decision, so 64 bits are not enough at this scale.
+    id_hashers: (
+        foldhash::quality::RandomState,
+        foldhash::quality::RandomState,
+    ),
+    shard_bound: usize,
+    record_bound: usize,
+    window_ns: u64,
+    expired: AtomicU64,
+    evicted: AtomicU64,
+}
+
+/// Keeps each shard's lock on its own cache lines (two, for adjacent-line prefetchers), so
+/// threads working on different shards do not slow each other down.
+#[repr(align(128))]
+struct Padded<T>(T);
+
+struct Shard<K> {
+    buckets: HashTable<Slot<K>>,
+    records: Records,
+}
+
+impl<K> Default for Shard<K> {
+    fn default() -> Self {
+        Self {
+            buckets: HashTable::new(),
+            records: Records::default(),
+        }
+    }
+}
+
+struct Slot<K> {
+    key: K,
+    state: BucketState,
+}
+
+impl<K> MemoryStore<K> {
+    /// A builder with the defaults.
+    pub fn builder() -> MemoryStoreBuilder<K> {
+        MemoryStoreBuilder::default()
+    }
+}
+
+impl<K> Default for MemoryStore<K> {
+    fn default() -> Self {
+        MemoryStoreBuilder::default().build()
+    }
+}
+
+impl<K, S> MemoryStore<K, S>
+where
+    K: Hash + Eq,
+    S: BuildHasher,
+{
+    /// Takes `cost` tokens from `key`'s bucket at `now`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidCost`] when `cost` is 0 or above `limit`'s capacity.
+    #[inline]
+    pub fn check<Q>(
+        &self,
+        key: &Q,
+        limit: &Limit,
+        cost: u64,
+        now: Timestamp,
+    ) -> Result<Decision, Error>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ToOwned + ?Sized,
+        Q::Owned: Into<K>,
+    {
+        bucket::check_cost(limit, cost)?;
+        let hash = self.hasher.hash_one(key);
+        let mut shard = self.lock(hash);
+        self.take_one(&mut shard, hash, key, limit, cost, now)
+    }
+
+    /// Like [`check`](Self::check), but a retry with the same `key` and `request_id` within the
+    /// idempotency window gets the first (charged) decision back and is not charged again.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidCost`] as for `check`; [`Error::IdempotencyConflict`] when the id was
+    /// used for this key with another limit or cost.
+    pub fn check_idempotent<Q>(
+        &self,
+        key: &Q,
+        limit: &Limit,
+        cost: u64,
+        now: Timestamp,
+        request_id: &str,
+    ) -> Result<Decision, Error>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ToOwned + ?Sized,
+        Q::Owned: Into<K>,
+    {
+        bucket::check_cost(limit, cost)?;
+        let hash = self.hasher.hash_one(key);
+        let id = self.request_identity(request_id, key);
+        let content = self.hasher.hash_one((limit, cost));
+        let mut shard = self.lock(hash);
+        if let Some(found) = shard.records.get(id, content, now.as_nanos()) {
+            return match found? {
+                Recorded::One(decision) => Ok(decision),
+                Recorded::Many(_) => Err(Error::IdempotencyConflict),
+            };
+        }
+        let decision = self.take_one(&mut shard, hash, key, limit, cost, now)?;
+        if decision.allowed() {
+            self.record(&mut shard, id, content, Recorded::One(decision), now);
+        }
+        Ok(decision)
+    }
+
+    /// Takes from several buckets at once, all or nothing: if any would reject, none is
+    /// charged. Decisions come back in the order of `items`.
+    ///
+    /// In a rejected check, the buckets that had enough tokens report `allowed` with their
+    /// uncharged balance; the check as a whole passed only if every decision is `allowed`.
+    /// With a `request_id`, a retry within the window (same keys, limits and costs, same order)
+    /// gets the first decisions back and is not charged again.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::EmptyCheck`], [`Error::DuplicateKey`], [`Error::InvalidCost`] for any item,
+    /// [`Error::IdempotencyConflict`]. None of them charges anything.
+    pub fn check_all<Q>(
+        &self,
+        items: &[Item<'_, Q>],
+        now: Timestamp,
+        request_id: Option<&str>,
+    ) -> Result<Vec<Decision>, Error>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ToOwned + ?Sized,
+        Q::Owned: Into<K>,
+    {
+        let first = items.first().ok_or(Error::EmptyCheck)?;
+        let mut hashes = Vec::with_capacity(items.len());
+        for (index, item) in items.iter().enumerate() {
+            bucket::check_cost(item.limit, item.cost)?;
+            let hash = self.hasher.hash_one(item.key);
+            let duplicate = hashes
+                .iter()
+                .zip(items)
+                .any(|(&h, earlier)| h == hash && earlier.key == item.key);
+            if duplicate {
+                return Err(Error::DuplicateKey { index });
+            }
+            hashes.push(hash);
+        }
+        let identity = request_id.map(|id| {
+            let content = self.hasher.hash_one(
+                items
+                    .iter()
+                    .map(|item| (item.key, item.limit, item.cost))
+                    .collect::<Vec<_>>(),
+            );
+            (self.request_identity(id, first.key), content)
+        });
+
+        // Lock every shard involved, in ascending order: deadlock-free against other
+        // multi-checks, and nothing can change between deciding and charging.
+        let mut order: Vec<usize> = hashes.iter().map(|&h| self.shard_index(h)).collect();
+        order.sort_unstable();
+        order.dedup();
+        let mut guards: Vec<(usize, MutexGuard<'_, Shard<K>>)> = order
+            .into_iter()
+            .map(|index| (index, sync::lock(&self.shards[index].0)))
+            .collect();
+        let guard_of = |guards: &[(usize, MutexGuard<'_, Shard<K>>)], hash: u64| {
+            let index = self.shard_index(hash);
+            guards.iter().position(|(i, _)| *i == index).unwrap_or(0)
+        };
+
+        let first_guard = guard_of(&guards, hashes[0]);
+        if let Some((id, content)) = identity {
+            let records = &guards[first_guard].1.records;
+            if let Some(found) = records.get(id, content, now.as_nanos()) {
+                return match found? {
+                    Recorded::Many(decisions) => Ok(decisions.into_vec()),
+                    Recorded::One(_) => Err(Error::IdempotencyConflict),
+                };
+            }
+        }
+
+        let mut decisions = Vec::with_capacity(items.len());
+        let mut next_states = Vec::with_capacity(items.len());
+        for (item, &hash) in items.iter().zip(&hashes) {
+            let shard = &guards[guard_of(&guards, hash)].1;
+            let state = shard
+                .buckets
+                .find(hash, |slot| slot.key.borrow() == item.key)
+                .map(|slot| slot.state);
+            let (decision, next) = bucket::take(item.limit, state, now, item.cost)?;
+            decisions.push(decision);
+            next_states.push((state, next));
+        }
+
+        if decisions.iter().all(Decision::allowed) {
+            for ((item, &hash), (_, next)) in items.iter().zip(&hashes).zip(&next_states) {
+                if let Some(next) = *next {
+                    let g = guard_of(&guards, hash);
+                    self.store(&mut guards[g].1, hash, item.key, next, now);
+                }
+            }
+            if let Some((id, content)) = identity {
+                let recorded = Recorded::Many(decisions.clone().into_boxed_slice());
+                self.record(&mut guards[first_guard].1, id, content, recorded, now);
+            }
+        } else {
+            // Nothing is charged: the buckets that would have allowed report their balance as
+            // it stands.
+            for ((item, decision), (state, _)) in items.iter().zip(&mut decisions).zip(&next_states)
+            {
+                if decision.allowed() {
+                    *decision = bucket::balance(item.limit, *state, now, item.cost);
+                }
+            }
+        }
+        Ok(decisions)
+    }
+
+    /// What [`check`](Self::check) would decide, without changing anything.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidCost`] when `cost` is 0 or above `limit`'s capacity.
+    pub fn peek<Q>(
+        &self,
+        key: &Q,
+        limit: &Limit,
+        cost: u64,
+        now: Timestamp,
+    ) -> Result<Decision, Error>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        bucket::check_cost(limit, cost)?;
+        let hash = self.hasher.hash_one(key);
+        let shard = self.lock(hash);
+        let state = shard
+            .buckets
+            .find(hash, |slot| slot.key.borrow() == key)
+            .map(|slot| slot.state);
+        bucket::peek(limit, state, now, cost)
+    }
+
+    /// Live buckets and housekeeping counters. Locks each shard in turn, so the figures are a
+    /// consistent sum only when the store is quiet.
+    pub fn stats(&self) -> MemoryStats {
+        let mut stats = MemoryStats {
+            expired: self.expired.load(Ordering::Relaxed),
+            evicted: self.evicted.load(Ordering::Relaxed),
+            ..MemoryStats::default()
+        };
+        for shard in &self.shards {
+            let shard = sync::lock(&shard.0);
+            stats.live_buckets += shard.buckets.len();
+            stats.idempotency_records += shard.records.len();
+        }
+        stats
+    }
+
+    /// Drops every full bucket now, instead of waiting for the amortised sweeps. Returns how
+    /// many were dropped.
+    pub fn sweep(&self, now: Timestamp) -> usize {
+        let mut dropped = 0;
+        for shard in &self.shards {
+            dropped += self.drop_full(&mut sync::lock(&shard.0), now);
+        }
+        dropped
+    }
+
+    #[inline]
+    fn shard_index(&self, hash: u64) -> usize {
+        // Bits 24..56 pick the shard: hashbrown uses the low bits for the slot and the top seven
+        // as the tag, so a shard's keys must not share either, or probes would slow down.
+        ((((hash >> 24) as u32 as u64) * self.shards.len() as u64) >> 32) as usize
+    }
+
+    #[inline]
+    fn lock(&self, hash: u64) -> MutexGuard<'_, Shard<K>> {
+        sync::lock(&self.shards[self.shard_index(hash)].0)
+    }
+
+    #[inline]
+    fn take_one<Q>(
+        &self,
+        shard: &mut Shard<K>,
+        hash: u64,
+        key: &Q,
+        limit: &Limit,
+        cost: u64,
+        now: Timestamp,
+    ) -> Result<Decision, Error>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ToOwned + ?Sized,
+        Q::Owned: Into<K>,
+    {
+        if let Some(slot) = shard
+            .buckets
+            .find_mut(hash, |slot| slot.key.borrow() == key)
+        {
+            let (decision, next) = bucket::take(limit, Some(slot.state), now, cost)?;
+            if let Some(next) = next {
+                slot.state = next;
+            }
+            return Ok(decision);
+        }
+        let (decision, next) = bucket::take(limit, None, now, cost)?;
+        if let Some(next) = next {
+            self.insert(shard, hash, key.to_owned().into(), next, now);
+        }
+        Ok(decision)
+    }
+
+    /// Writes `state` for `key`, inserting the bucket if it is new.
+    fn store<Q>(&self, shard: &mut Shard<K>, hash: u64, key: &Q, state: BucketState, now: Timestamp)
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ToOwned + ?Sized,
+        Q::Owned: Into<K>,
+    {
+        match shard
+            .buckets
+            .find_mut(hash, |slot| slot.key.borrow() == key)
+        {
+            Some(slot) => slot.state = state,
+            None => self.insert(shard, hash, key.to_owned().into(), state, now),
+        }
+    }
+
+    #[cold]
+    fn insert(&self, shard: &mut Shard<K>, hash: u64, key: K, state: BucketState, now: Timestamp) {
+        let len = shard.buckets.len();
+        if len >= self.shard_bound {
+            self.make_room(shard, now);
+        } else if len == shard.buckets.capacity() && len > 0 {
+            // The table is about to grow: first drop what no one can miss. If that frees less
+            // than an eighth, grow anyway, so sweeps stay at least len/8 inserts apart.
+            let dropped = self.drop_full(shard, now);
+            if dropped < len / 8 {
+                shard
+                    .buckets
+                    .reserve(1, |slot| self.hasher.hash_one(&slot.key));
+            }
+        }
+        shard
+            .buckets
+            .insert_unique(hash, Slot { key, state }, |slot| {
+                self.hasher.hash_one(&slot.key)
+            });
+    }
+
+    fn drop_full(&self, shard: &mut Shard<K>, now: Timestamp) -> usize {
+        let before = shard.buckets.len();
+        shard.buckets.retain(|slot| !slot.state.is_full(now));
+        let dropped = before - shard.buckets.len();
+        if dropped > 0 {
+            self.expired.fetch_add(dropped as u64, Ordering::Relaxed);
+        }
+        dropped
+    }
+
+    /// The shard is at its bound: free at least 1/64 of it, full buckets first, then those
+    /// closest to full. Freeing a fixed fraction keeps the O(len) pass amortised.
+    #[cold]
+    fn make_room(&self, shard: &mut Shard<K>, now: Timestamp) {
+        let count = (shard.buckets.len() / 64).max(1);
+        let dropped = self.drop_full(shard, now);
+        if dropped >= count || shard.buckets.is_empty() {
+            return;
+        }
+        let count = (count - dropped).min(shard.buckets.len());
+        let mut full_at: Vec<u64> = shard
+            .buckets
+            .iter()
+            .map(|slot| slot.state.full_at().as_nanos())
+            .collect();
+        let (earlier, &mut threshold, _) = full_at.select_nth_unstable(count - 1);
+        // Evict everything before the threshold and as many at it as make up `count`.
+        let mut at_threshold = count - earlier.iter().filter(|&&t| t < threshold).count();
+        shard.buckets.retain(|slot| {
+            let t = slot.state.full_at().as_nanos();
+            if t < threshold {
+                false
+            } else if t == threshold && at_threshold > 0 {
+                at_threshold -= 1;
+                false
+            } else {
+                true
+            }
+        });
+        self.evicted.fetch_add(count as u64, Ordering::Relaxed);
+    }
+
+    fn request_identity<Q: Hash + ?Sized>(&self, request_id: &str, key: &Q) -> u128 {
+        let high = self.id_hashers.0.hash_one((request_id, key));
+        let low = self.id_hashers.1.hash_one((request_id, key));
+        (u128::from(high) << 64) | u128::from(low)
+    }
+
+    fn record(
+        &self,
+        shard: &mut Shard<K>,
+        id: u128,
+        content: u64,
+        decisions: Recorded,
+        now: Timestamp,
+    ) {
+        let now = now.as_nanos();
+        let expires_at = now.saturating_add(self.window_ns);
+        shard
+            .records
+            .insert(id, content, decisions, now, expires_at, self.record_bound);
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    const SEC: u64 = 1_000_000_000;
+
+    fn at(nanos: u64) -> Timestamp {
+        Timestamp::from_nanos(nanos)
+    }
+
+    fn limit(capacity: u64, rate: &str) -> Limit {
+        Limit::new(capacity, rate.parse().unwrap()).unwrap()
+    }
+
+    #[test]
+    fn keys_are_independent() {
+        let store: MemoryStore<u64> = MemoryStore::default();
+        let l = limit(1, "1/s");
+        assert!(store.check(&1, &l, 1, at(0)).unwrap().allowed());
+        assert!(!store.check(&1, &l, 1, at(0)).unwrap().allowed());
+        assert!(store.check(&2, &l, 1, at(0)).unwrap().allowed());
+        assert_eq!(store.stats().live_buckets, 2);
+    }
+
+    #[test]
+    fn string_keys_borrow_as_str() {
+        let store: MemoryStore<Box<str>> = MemoryStore::default();
+        let l = limit(1, "1/s");
+        assert!(store.check("a", &l, 1, at(0)).unwrap().allowed());
+        assert!(!store.check("a", &l, 1, at(0)).unwrap().allowed());
+    }
+
+    #[test]
+    fn errors_change_nothing() {
+        let store: MemoryStore<u64> = MemoryStore::default();
+        let l = limit(3, "1/s");
+        assert!(store.check(&1, &l, 0, at(0)).is_err());
+        assert!(store.check(&1, &l, 4, at(0)).is_err());
+        assert_eq!(store.stats().live_buckets, 0);
+        assert_eq!(store.check(&1, &l, 3, at(0)).unwrap().remaining(), 0);
+    }
+
+    #[test]
+    fn full_buckets_are_dropped_losslessly_before_growth() {
+        let store: MemoryStore<u64> = MemoryStore::builder().shards(1).build();
+        let l = limit(1, "1/s");
+        for key in 0..1_000 {
+            store.check(&key, &l, 1, at(0)).unwrap();
+        }
+        // A new key every 10 ms, each full again a second later: about a hundred are ever
+        // non-full, and the full ones make room instead of the table growing.
+        for key in 1_000..100_000 {
+            store.check(&key, &l, 1, at(key * SEC / 100)).unwrap();
+        }
+        let stats = store.stats();
+        assert!(stats.expired > 90_000, "{stats:?}");
+        assert_eq!(stats.evicted, 0);
+        assert!(stats.live_buckets < 4_096, "{stats:?}");
+    }
+
+    #[test]
+    fn bound_evicts_buckets_closest_to_full_first() {
+        let store: MemoryStore<u64> = MemoryStore::builder().shards(1).max_buckets(64).build();
+        let l = limit(10, "1/s");
+        // Key k is charged 1 + k % 10 tokens at time 0: higher k % 10 means further from full.
+        for key in 0..64u64 {
+            store.check(&key, &l, 1 + key % 10, at(0)).unwrap();
+        }
+        store.check(&1_000, &l, 10, at(0)).unwrap();
+        let stats = store.stats();
+        assert_eq!((stats.live_buckets, stats.evicted), (64, 1));
+        // The evicted bucket was one of those charged a single token (k % 10 == 0).
+        let survivors_of_cost_one = [0u64, 10, 20, 30, 40, 50, 60]
+            .iter()
+            .filter(|k| store.peek(*k, &l, 10, at(0)).map(|d| !d.allowed()).unwrap())
+            .count();
+        assert_eq!(survivors_of_cost_one, 6);
+    }
+
+    #[test]
+    fn idempotent_retry_is_not_charged() {
+        let store: MemoryStore<Box<str>> = MemoryStore::default();
+        let l = limit(2, "1/s");
+        let first = store.check_idempotent("k", &l, 1, at(0), "r-1").unwrap();
+        let retry = store.check_idempotent("k", &l, 1, at(1), "r-1").unwrap();
+        assert_eq!(first, retry);
+        assert_eq!(store.peek("k", &l, 1, at(1)).unwrap().remaining(), 0);
+        assert_eq!(
+            store.check_idempotent("k", &l, 2, at(1), "r-1"),
+            Err(Error::IdempotencyConflict)
+        );
+        // Another id is another request; the same id on another key too.
+        assert!(
+            store
+                .check_idempotent("k", &l, 1, at(1), "r-2")
+                .unwrap()
+                .allowed()
+        );
+        assert!(
+            store
+                .check_idempotent("j", &l, 1, at(1), "r-1")
+                .unwrap()
+                .allowed()
+        );
+    }
+
+    #[test]
+    fn idempotency_window_expires() {
+        let store: MemoryStore<Box<str>> = MemoryStore::builder()
+            .idempotency_window(Duration::from_secs(1))
+            .build();
+        let l = limit(5, "1/ms");
+        store.check_idempotent("k", &l, 5, at(0), "r").unwrap();
+        // Past the window the id is forgotten and the request is new (and the bucket refilled).
+        let again = store.check_idempotent("k", &l, 5, at(SEC), "r").unwrap();
+        assert!(again.allowed());
+        assert!(
+            !store
+                .check_idempotent("k", &l, 5, at(SEC), "r2")
+                .unwrap()
+                .allowed()
+        );
+    }
+
+    #[test]
+    fn rejected_checks_are_not_recorded() {
+        let store: MemoryStore<Box<str>> = MemoryStore::default();
+        let l = limit(1, "1/s");
+        store.check("k", &l, 1, at(0)).unwrap();
+        assert!(
+            !store
+                .check_idempotent("k", &l, 1, at(0), "r")
+                .unwrap()
+                .allowed()
+        );
+        assert!(
+            store
+                .check_idempotent("k", &l, 1, at(SEC), "r")
+                .unwrap()
+                .allowed()
+        );
+    }
+
+    #[test]
+    fn check_all_is_all_or_nothing() {
+        let store: MemoryStore<Box<str>> = MemoryStore::default();
+        let user = limit(5, "1/s");
+        let tenant = limit(2, "1/s");
+        let items = |cost| {
+            [
+                Item {
+                    key: "user",
+                    limit: &user,
+                    cost,
+                },
+                Item {
+                    key: "tenant",
+                    limit: &tenant,
+                    cost,
+                },
+            ]
+        };
+        let decisions = store.check_all(&items(2), at(0), None).unwrap();
+        assert!(decisions.iter().all(Decision::allowed));
+        assert_eq!(decisions[0].remaining(), 3);
+        // The tenant is empty: nothing is taken from the user either.
+        let decisions = store.check_all(&items(1), at(0), None).unwrap();
+        assert!(decisions[0].allowed() && !decisions[1].allowed());
+        assert_eq!(decisions[0].remaining(), 3, "the uncharged balance");
+        assert_eq!(store.peek("user", &user, 1, at(0)).unwrap().remaining(), 2);
+    }
+
+    #[test]
+    fn check_all_refuses_bad_requests_without_charging() {
+        let store: MemoryStore<Box<str>> = MemoryStore::default();
+        let l = limit(2, "1/s");
+        let empty: [Item<'_, str>; 0] = [];
+        assert_eq!(store.check_all(&empty, at(0), None), Err(Error::EmptyCheck));
+        let dup = [
+            Item {
+                key: "a",
+                limit: &l,
+                cost: 1,
+            },
+            Item {
+                key: "a",
+                limit: &l,
+                cost: 1,
+            },
+        ];
+        assert_eq!(
+            store.check_all(&dup, at(0), None),
+            Err(Error::DuplicateKey { index: 1 })
+        );
+        let bad_cost = [
+            Item {
+                key: "a",
+                limit: &l,
+                cost: 1,
+            },
+            Item {
+                key: "b",
+                limit: &l,
+                cost: 3,
+            },
+        ];
+        assert!(matches!(
+            store.check_all(&bad_cost, at(0), None),
+            Err(Error::InvalidCost { .. })
+        ));
+        assert_eq!(store.stats().live_buckets, 0);
+    }
+
+    #[test]
+    fn check_all_idempotent() {
+        let store: MemoryStore<Box<str>> = MemoryStore::default();
+        let l = limit(3, "1/s");
+        let items = [
+            Item {
+                key: "a",
+                limit: &l,
+                cost: 1,
+            },
+            Item {
+                key: "b",
+                limit: &l,
+                cost: 2,
+            },
+        ];
+        let first = store.check_all(&items, at(0), Some("r")).unwrap();
+        let retry = store.check_all(&items, at(5), Some("r")).unwrap();
+        assert_eq!(first, retry);
+        assert_eq!(store.peek("b", &l, 1, at(5)).unwrap().remaining(), 0);
+        let other = [
+            Item {
+                key: "a",
+                limit: &l,
+                cost: 2,
+            },
+            items[1],
+        ];
+        assert_eq!(
+            store.check_all(&other, at(5), Some("r")),
+            Err(Error::IdempotencyConflict)
+        );
+    }
+}
