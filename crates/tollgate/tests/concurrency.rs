@@ -1,0 +1,151 @@
+//! Many threads on few keys: the store must never admit more than the bucket math allows.
+//!
+//! These are correctness tests, not benchmarks: they count admissions, never time them.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread;
+use std::time::Duration;
+
+use tollgate::{Clock, Item, Limit, ManualClock, MemoryStore, RateLimiter, Timestamp};
+
+const THREADS: usize = 8;
+
+#[test]
+fn frozen_time_admits_exactly_the_capacity() {
+    for capacity in [1, 7, 1_000] {
+        let limit = Limit::new(capacity, "1/s".parse().unwrap()).unwrap();
+        let limiter = Arc::new(RateLimiter::new(limit, ManualClock::new()));
+        let admitted = AtomicU64::new(0);
+        thread::scope(|scope| {
+            for _ in 0..THREADS {
+                scope.spawn(|| {
+                    for _ in 0..capacity * 2 {
+                        if limiter.check("hot").unwrap().allowed() {
+                            admitted.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                });
+            }
+        });
+        assert_eq!(admitted.into_inner(), capacity);
+    }
+}
+
+#[test]
+fn moving_time_admits_at_most_capacity_plus_refill() {
+    // One thread moves time forward in small steps while the others hammer one key with
+    // mixed costs. The total admitted can never exceed capacity + rate * elapsed.
+    let limit = Limit::new(50, "1000/s".parse().unwrap()).unwrap();
+    let clock = ManualClock::new();
+    let limiter = RateLimiter::new(limit, clock.clone());
+    let admitted = AtomicU64::new(0);
+    let attempts = AtomicU64::new(0);
+    let done = AtomicBool::new(false);
+    thread::scope(|scope| {
+        scope.spawn(|| {
+            for step in 1..=2_000 {
+                // Let the checkers make progress between steps, so time and checks interleave.
+                while attempts.load(Ordering::Relaxed) < step * 4 {
+                    thread::yield_now();
+                }
+                clock.advance(Duration::from_micros(100));
+            }
+            done.store(true, Ordering::Release);
+        });
+        for t in 0..THREADS as u64 {
+            let (limiter, admitted, attempts, done) = (&limiter, &admitted, &attempts, &done);
+            scope.spawn(move || {
+                let mut i = t;
+                while !done.load(Ordering::Acquire) {
+                    let cost = 1 + i % 3;
+                    if limiter.check_n("hot", cost).unwrap().allowed() {
+                        admitted.fetch_add(cost, Ordering::Relaxed);
+                    }
+                    attempts.fetch_add(1, Ordering::Relaxed);
+                    i += 1;
+                }
+            });
+        }
+    });
+    let elapsed_ms = clock.now().as_nanos() / 1_000_000;
+    let bound = 50 + elapsed_ms; // 1000/s = one per millisecond
+    let admitted = admitted.into_inner();
+    assert!(admitted <= bound, "admitted {admitted} > bound {bound}");
+    // And the limiter was not simply rejecting everything.
+    assert!(admitted > bound / 2, "admitted only {admitted} of {bound}");
+}
+
+#[test]
+fn multi_key_checks_in_opposite_orders_neither_deadlock_nor_over_admit() {
+    // Two keys in every shard order, checked together and alone by many threads.
+    let limit = Limit::new(100, "1/s".parse().unwrap()).unwrap();
+    let store: Arc<MemoryStore<Box<str>>> = Arc::new(MemoryStore::builder().shards(4).build());
+    let now = Timestamp::ZERO;
+    let per_key = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
+    let names = ["a", "b", "c"];
+    thread::scope(|scope| {
+        for t in 0..THREADS {
+            let (store, per_key) = (&store, &per_key);
+            scope.spawn(move || {
+                for i in 0..300 {
+                    let (x, y) = match (t + i) % 3 {
+                        0 => (0, 1),
+                        1 => (1, 2),
+                        _ => (2, 0),
+                    };
+                    let (x, y) = if t % 2 == 0 { (x, y) } else { (y, x) };
+                    let items = [
+                        Item {
+                            key: names[x],
+                            limit: &limit,
+                            cost: 1,
+                        },
+                        Item {
+                            key: names[y],
+                            limit: &limit,
+                            cost: 2,
+                        },
+                    ];
+                    let decisions = store.check_all(&items, now, None).unwrap();
+                    if decisions.iter().all(|d| d.allowed()) {
+                        per_key[x].fetch_add(1, Ordering::Relaxed);
+                        per_key[y].fetch_add(2, Ordering::Relaxed);
+                    }
+                    if i % 5 == 0 && store.check(names[x], &limit, 1, now).unwrap().allowed() {
+                        per_key[x].fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            });
+        }
+    });
+    for (name, admitted) in names.iter().zip(&per_key) {
+        let admitted = admitted.load(Ordering::Relaxed);
+        assert!(admitted <= 100, "{name}: {admitted}");
+        // Every token is accounted for: what was admitted is exactly what is gone.
+        let left = 100 - admitted;
+        assert!(left == 0 || store.peek(*name, &limit, left, now).unwrap().allowed());
+        assert!(!store.peek(*name, &limit, left + 1, now).unwrap().allowed());
+    }
+}
+
+#[test]
+fn idempotent_retries_racing_are_charged_once() {
+    let limit = Limit::new(1_000, "1/s".parse().unwrap()).unwrap();
+    let store: MemoryStore<Box<str>> = MemoryStore::default();
+    let now = Timestamp::ZERO;
+    thread::scope(|scope| {
+        for _ in 0..THREADS {
+            scope.spawn(|| {
+                for request in 0..200 {
+                    let id = format!("req-{request}");
+                    let decision = store.check_idempotent("k", &limit, 3, now, &id).unwrap();
+                    assert!(decision.allowed());
+                }
+            });
+        }
+    });
+    // 200 distinct requests of cost 3, each retried by 8 threads: charged 600, not 4_800.
+    assert!(store.peek("k", &limit, 400, now).unwrap().allowed());
+    assert!(!store.peek("k", &limit, 401, now).unwrap().allowed());
+}
