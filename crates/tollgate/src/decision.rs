@@ -41,6 +41,14 @@ impl Decision {
         }
     }
 
+    /// A decision made elsewhere (by a remote store), from the bucket's deficit after it: how
+    /// many units short of full the bucket is, in `limit`'s units
+    /// ([`Limit::units_per_token`]). A deficit above the capacity is clamped to it.
+    pub fn from_deficit(allowed: bool, limit: Limit, cost: u64, deficit: u128) -> Self {
+        let deficit = deficit.min(limit.capacity_units());
+        Self::new(allowed, limit, cost, deficit)
+    }
+
     /// Whether the tokens were taken.
     pub fn allowed(&self) -> bool {
         self.allowed

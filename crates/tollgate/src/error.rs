@@ -52,4 +52,64 @@ pub enum Error {
     /// A retried `request_id` whose key set or costs differ from the first attempt's.
     #[error("request id was already used for a different check")]
     IdempotencyConflict,
+    /// A `request_id` that is empty or longer than [`MAX_REQUEST_ID_BYTES`](crate::MAX_REQUEST_ID_BYTES).
+    #[error("request id must be 1 to 256 bytes long, not {len}")]
+    InvalidRequestId {
+        /// Its length in bytes.
+        len: usize,
+    },
+    /// A limit this store cannot decide exactly (Redis, for one, computes in doubles and
+    /// refuses limits whose figures would pass 2^53).
+    #[error("this store cannot represent the limit exactly: {reason}")]
+    UnsupportedLimit {
+        /// Which bound it passes.
+        reason: &'static str,
+    },
+    /// The store could not decide: its state is out of reach. Not a rejection.
+    #[error("store unavailable: {reason}")]
+    StoreUnavailable {
+        /// Why.
+        reason: Unavailable,
+    },
+}
+
+impl Error {
+    /// Whether trying again later may succeed: true only for store failures.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, Error::StoreUnavailable { .. })
+    }
+}
+
+/// Why a store could not decide. A closed set, so it can label metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
+#[non_exhaustive]
+pub enum Unavailable {
+    /// No answer within the store's timeout.
+    #[error("timeout")]
+    Timeout,
+    /// The connection failed or could not be made.
+    #[error("connection")]
+    Connection,
+    /// The circuit breaker is open: the store failed recently and is not being waited on.
+    #[error("circuit_open")]
+    CircuitOpen,
+    /// The store answered something that is not a decision.
+    #[error("protocol")]
+    Protocol,
+    /// The store's script failed.
+    #[error("script")]
+    Script,
+}
+
+impl Unavailable {
+    /// A stable lowercase name, for metric labels and logs.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Unavailable::Timeout => "timeout",
+            Unavailable::Connection => "connection",
+            Unavailable::CircuitOpen => "circuit_open",
+            Unavailable::Protocol => "protocol",
+            Unavailable::Script => "script",
+        }
+    }
 }

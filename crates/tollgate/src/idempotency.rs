@@ -19,6 +19,22 @@ use hashbrown::HashTable;
 use crate::decision::Decision;
 use crate::error::Error;
 
+/// The longest `request_id` accepted, in bytes: ids are stored (and, in Redis, become part of a
+/// key), so they are bounded like any other input.
+pub const MAX_REQUEST_ID_BYTES: usize = 256;
+
+/// Refuses empty and oversized request ids.
+///
+/// # Errors
+///
+/// [`Error::InvalidRequestId`].
+pub fn check_request_id(id: &str) -> Result<(), Error> {
+    if id.is_empty() || id.len() > MAX_REQUEST_ID_BYTES {
+        return Err(Error::InvalidRequestId { len: id.len() });
+    }
+    Ok(())
+}
+
 /// The decisions a request got the first time.
 #[derive(Debug, Clone)]
 pub(crate) enum Recorded {

@@ -43,12 +43,17 @@ mod idempotency;
 mod limit;
 mod limiter;
 pub mod memory;
+mod store;
 mod sync;
+#[cfg(feature = "testkit")]
+pub mod testkit;
 
 pub use bucket::BucketState;
 pub use clock::{Clock, ManualClock, MonotonicClock, Timestamp};
 pub use decision::Decision;
-pub use error::Error;
+pub use error::{Error, Unavailable};
+pub use idempotency::{MAX_REQUEST_ID_BYTES, check_request_id};
 pub use limit::{Limit, MAX_TIME_TO_FULL, Rate};
 pub use limiter::RateLimiter;
 pub use memory::{Item, MemoryStats, MemoryStore, MemoryStoreBuilder};
+pub use store::{CheckRequest, LocalStore, Store, Take};

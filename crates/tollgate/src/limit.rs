@@ -222,12 +222,21 @@ impl Limit {
         Duration::from_nanos(self.units_to_nanos_ceil(self.capacity_units()))
     }
 
-    /// Units gained per nanosecond.
+    /// Units gained per nanosecond on the limit's exact scaled timeline: `amount / g` with
+    /// `g = gcd(amount, period in ns)`. See [`crate::bucket`].
+    pub fn units_per_nanosecond(&self) -> u32 {
+        self.a
+    }
+
+    /// Units per token on the same timeline: `period in ns / g`.
+    pub fn units_per_token(&self) -> u64 {
+        self.p
+    }
+
     pub(crate) fn a(&self) -> u32 {
         self.a
     }
 
-    /// Units per token.
     pub(crate) fn p(&self) -> u64 {
         self.p
     }

@@ -36,7 +36,7 @@ use crate::bucket::{self, BucketState};
 use crate::clock::Timestamp;
 use crate::decision::Decision;
 use crate::error::Error;
-use crate::idempotency::{Recorded, Records};
+use crate::idempotency::{self, Recorded, Records};
 use crate::limit::Limit;
 use crate::sync::{self, Mutex, MutexGuard};
 
@@ -278,8 +278,9 @@ where
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidCost`] as for `check`; [`Error::IdempotencyConflict`] when the id was
-    /// used for this key with another limit or cost.
+    /// [`Error::InvalidCost`] as for `check`; [`Error::InvalidRequestId`] for an empty or
+    /// oversized id; [`Error::IdempotencyConflict`] when the id was used for this key with
+    /// another limit or cost.
     pub fn check_idempotent<Q>(
         &self,
         key: &Q,
@@ -294,6 +295,7 @@ where
         Q::Owned: Into<K>,
     {
         bucket::check_cost(limit, cost)?;
+        idempotency::check_request_id(request_id)?;
         let hash = self.hasher.hash_one(key);
         let id = self.request_identity(request_id, key);
         let content = self.hasher.hash_one((limit, cost));
@@ -335,6 +337,9 @@ where
         Q::Owned: Into<K>,
     {
         let first = items.first().ok_or(Error::EmptyCheck)?;
+        if let Some(id) = request_id {
+            idempotency::check_request_id(id)?;
+        }
         let mut hashes = Vec::with_capacity(items.len());
         for (index, item) in items.iter().enumerate() {
             bucket::check_cost(item.limit, item.cost)?;

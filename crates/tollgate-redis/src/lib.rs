@@ -1,0 +1,43 @@
+//! Redis and Redis Cluster store for tollgate: many processes, one set of buckets.
+//!
+//! [`RedisStore`] implements [`tollgate::Store`] with one atomic Lua script per decision (per
+//! cluster slot), so every tollgate process sharing a Redis decides against the same buckets,
+//! on Redis' own clock, with the same exact arithmetic as the in-memory store. [`Failover`]
+//! wraps any store with per-limit failure modes: fail closed (a distinct "unavailable"
+//! outcome) or open on a bounded local emergency budget.
+//!
+//! ```no_run
+//! use tollgate::{CheckRequest, Limit, Store, Take};
+//! use tollgate_redis::{RedisConfig, RedisStore};
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let store = RedisStore::connect("redis://127.0.0.1:6379", RedisConfig::default()).await?;
+//! let limit = Limit::new(20, "10/s".parse()?)?;
+//! let takes = [Take { key: "user:{42}", limit: &limit, cost: 1 }];
+//! let decisions = store
+//!     .check(CheckRequest { takes: &takes, request_id: None, now: None })
+//!     .await?;
+//! println!("allowed: {}", decisions[0].allowed());
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Semantics
+//!
+//! * Time is Redis' `TIME` (microseconds) unless the caller supplies it; a limit whose period is
+//!   not a whole number of microseconds, or whose figures would pass 2^53 inside Lua, is refused
+//!   with [`tollgate::Error::UnsupportedLimit`] rather than decided inexactly.
+//! * Keys expire exactly when their bucket is full again (`PX` to the time-to-full).
+//! * Multi-bucket checks are atomic within a cluster slot; across slots they charge, then refund
+//!   if any slot rejects (never over-admitting). Share a `{hash tag}` per subject.
+//! * Every call has a timeout (default 20 ms) and a circuit breaker stops waiting on a dead
+//!   Redis; failures surface as [`tollgate::Error::StoreUnavailable`], never as rejections.
+
+mod breaker;
+mod failover;
+mod store;
+mod units;
+
+pub use breaker::BreakerConfig;
+pub use failover::{Failover, FailoverStats, FailureMode, Guarded, Outcome};
+pub use store::{ConnectError, RedisConfig, RedisStore, redact};

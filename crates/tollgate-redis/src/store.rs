@@ -1,0 +1,560 @@
+//! `RedisStore`: buckets in Redis or Redis Cluster, decided by one Lua script per slot.
+//!
+//! Each decision is one `EVALSHA` of `scripts/take.lua` (falling back to loading the script on
+//! `NOSCRIPT`, so `SCRIPT FLUSH` and restarts are survived): the read, the decision and the write
+//! happen inside Redis in one atomic step, so processes sharing a Redis can never over-admit
+//! between a read and a write. Concurrent callers share one multiplexed connection per node, so
+//! their scripts are pipelined onto the wire together without a connection per request.
+//!
+//! A multi-bucket request whose keys share a slot (always, on a single node) is one script call,
+//! all or nothing. Keys in different cluster slots are decided in parallel, one call per slot;
+//! if any slot rejects, the slots that charged are refunded (`scripts/refund.lua`): the store
+//! may under-admit for the moment between charge and refund, never over-admit. Give the keys of
+//! one subject a shared `{hash tag}` to keep them in one slot.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use futures_util::future::join_all;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::Slot;
+use redis::{RedisError, Script, ScriptInvocation};
+use tollgate::{CheckRequest, Decision, Error, MonotonicClock, Store, Take, Unavailable};
+
+use crate::breaker::{Breaker, BreakerConfig, Transition};
+use crate::units::ScriptLimit;
+
+/// How a [`RedisStore`] talks to Redis.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct RedisConfig {
+    /// Prefixed to every key (default `tollgate:`); must not contain `{`.
+    pub prefix: String,
+    /// The longest a decision may wait for Redis before it fails with
+    /// [`Unavailable::Timeout`] (default 20 ms, Envoy's own default timeout for a rate-limit
+    /// call: past it, Envoy has given up anyway).
+    pub timeout: Duration,
+    /// How long a charged request's id is remembered (default 60 s).
+    pub idempotency_window: Duration,
+    /// When to stop waiting on a failing Redis.
+    pub breaker: BreakerConfig,
+}
+
+impl Default for RedisConfig {
+    fn default() -> Self {
+        Self {
+            prefix: "tollgate:".to_owned(),
+            timeout: Duration::from_millis(20),
+            idempotency_window: Duration::from_secs(60),
+            breaker: BreakerConfig::default(),
+        }
+    }
+}
+
+/// Why a [`RedisStore`] could not be set up.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConnectError {
+    /// The store URL is not one of the accepted forms.
+    #[error(
+        "invalid store URL {url:?}: expected redis://HOST:PORT[/DB] or \
+         redis+cluster://HOST:PORT,HOST:PORT,..."
+    )]
+    InvalidUrl {
+        /// The URL, with any password removed.
+        url: String,
+    },
+    /// `rediss://` needs TLS, which this build does not include.
+    #[error("TLS (rediss://) is not supported by this build; use redis:// on a trusted network")]
+    TlsUnsupported,
+    /// The prefix contains `{`, which would change the keys' cluster slots.
+    #[error("the key prefix must not contain '{{'")]
+    InvalidPrefix,
+    /// Redis refused or could not be reached.
+    #[error("cannot connect to Redis at {url}: {source}")]
+    Connect {
+        /// The URL, with any password removed.
+        url: String,
+        /// The client's error.
+        source: RedisError,
+    },
+}
+
+/// Removes passwords from `redis://user:password@host` URLs, for logs and errors.
+pub fn redact(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let nodes: Vec<String> = rest
+        .split(',')
+        .map(|node| match node.rsplit_once('@') {
+            Some((credentials, host)) if credentials.contains(':') => {
+                let user = credentials.split_once(':').map_or("", |(user, _)| user);
+                format!("{user}:***@{host}")
+            }
+            _ => node.to_owned(),
+        })
+        .collect();
+    format!("{scheme}://{}", nodes.join(","))
+}
+
+#[derive(Clone)]
+enum Connection {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl Connection {
+    async fn invoke(&self, invocation: &ScriptInvocation<'_>) -> Result<Vec<i64>, RedisError> {
+        match self.clone() {
+            Connection::Single(mut connection) => invocation.invoke_async(&mut connection).await,
+            Connection::Cluster(mut connection) => invocation.invoke_async(&mut connection).await,
+        }
+    }
+
+    async fn ping(&self) -> Result<(), RedisError> {
+        let ping = redis::cmd("PING");
+        match self.clone() {
+            Connection::Single(mut connection) => ping.query_async(&mut connection).await,
+            Connection::Cluster(mut connection) => ping.query_async(&mut connection).await,
+        }
+    }
+}
+
+/// Buckets in Redis or Redis Cluster. Cheap to share (`Arc` it); one per process is enough.
+pub struct RedisStore {
+    connection: Connection,
+    cluster: bool,
+    take: Script,
+    refund: Script,
+    config: RedisConfig,
+    breaker: Breaker<MonotonicClock>,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("cluster", &self.cluster)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One script call: the buckets of one slot.
+struct Group {
+    /// Indexes into the request's takes.
+    takes: Vec<usize>,
+    /// The idempotency record's key, when the request has an id.
+    record: Option<String>,
+}
+
+/// What one slot's script said.
+struct GroupReply {
+    status: i64,
+    /// (allowed, deficit) per bucket of the group.
+    buckets: Vec<(bool, i64)>,
+}
+
+impl RedisStore {
+    /// Connects to `url`: `redis://HOST:PORT[/DB]` for one server, or
+    /// `redis+cluster://HOST:PORT,HOST:PORT,...` for a cluster (any reachable nodes; the rest are
+    /// discovered). A single server is connected lazily, so a process can start while Redis is
+    /// down and serve from its failure modes; a cluster needs one node up to learn its layout.
+    ///
+    /// # Errors
+    ///
+    /// [`ConnectError`] for a malformed URL or an unreachable cluster.
+    pub async fn connect(url: &str, config: RedisConfig) -> Result<Self, ConnectError> {
+        if config.prefix.contains('{') {
+            return Err(ConnectError::InvalidPrefix);
+        }
+        let invalid = || ConnectError::InvalidUrl { url: redact(url) };
+        let connect_error = |source| ConnectError::Connect {
+            url: redact(url),
+            source,
+        };
+        let (connection, cluster) = if let Some(nodes) = url.strip_prefix("redis+cluster://") {
+            let nodes: Vec<String> = nodes
+                .split(',')
+                .map(str::trim)
+                .filter(|node| !node.is_empty())
+                .map(|node| format!("redis://{node}"))
+                .collect();
+            if nodes.is_empty() {
+                return Err(invalid());
+            }
+            let client = redis::cluster::ClusterClientBuilder::new(nodes)
+                .connection_timeout(config.timeout.max(Duration::from_millis(100)))
+                .response_timeout(config.timeout)
+                .retries(1)
+                .build()
+                .map_err(|_| invalid())?;
+            let connection = client.get_async_connection().await.map_err(connect_error)?;
+            (Connection::Cluster(connection), true)
+        } else if url.starts_with("rediss://") {
+            return Err(ConnectError::TlsUnsupported);
+        } else if url.starts_with("redis://") {
+            let client = redis::Client::open(url).map_err(|_| invalid())?;
+            let manager = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(config.timeout.max(Duration::from_millis(100))))
+                .set_response_timeout(None)
+                .set_max_delay(Duration::from_secs(1));
+            let connection = client
+                .get_connection_manager_lazy(manager)
+                .map_err(connect_error)?;
+            (Connection::Single(connection), false)
+        } else {
+            return Err(invalid());
+        };
+        Ok(Self {
+            connection,
+            cluster,
+            take: Script::new(include_str!("../scripts/take.lua")),
+            refund: Script::new(include_str!("../scripts/refund.lua")),
+            breaker: Breaker::new(config.breaker, MonotonicClock::new()),
+            config,
+        })
+    }
+
+    /// Whether this store talks to a cluster.
+    pub fn is_cluster(&self) -> bool {
+        self.cluster
+    }
+
+    /// Whether Redis answers a `PING` within the timeout: for readiness checks.
+    pub async fn ping(&self) -> Result<(), Unavailable> {
+        match tokio::time::timeout(self.config.timeout, self.connection.ping()).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(err)) => Err(classify(&err)),
+            Err(_) => Err(Unavailable::Timeout),
+        }
+    }
+
+    /// Whether the circuit breaker is failing requests fast now.
+    pub fn is_degraded(&self) -> bool {
+        self.breaker.is_open()
+    }
+
+    async fn decide(
+        &self,
+        request: CheckRequest<'_>,
+        limits: &[ScriptLimit],
+        keys: &[String],
+    ) -> Result<Result<Vec<Decision>, Error>, RedisError> {
+        let now = match request.now {
+            Some(now) => (now.as_nanos() / 1_000).to_string(),
+            None => String::new(),
+        };
+        let fingerprint = request.request_id.map(|_| fingerprint(request.takes));
+        let groups = self.groups(keys, request.request_id);
+        let window_ms = self
+            .config
+            .idempotency_window
+            .as_millis()
+            .max(1)
+            .to_string();
+
+        let calls = groups.iter().map(|group| {
+            let mut invocation = self.take.prepare_invoke();
+            for &i in &group.takes {
+                invocation.key(&keys[i]);
+            }
+            if let Some(record) = &group.record {
+                invocation.key(record);
+            }
+            invocation.arg(&now).arg(group.takes.len());
+            match (&group.record, &fingerprint) {
+                (Some(_), Some(print)) => invocation.arg(&window_ms).arg(print),
+                _ => invocation.arg("").arg(""),
+            };
+            for &i in &group.takes {
+                let limit = &limits[i];
+                invocation
+                    .arg(limit.a)
+                    .arg(limit.p)
+                    .arg(limit.cap)
+                    .arg(limit.cost(request.takes[i].cost));
+            }
+            async move {
+                let reply = self.connection.invoke(&invocation).await?;
+                parse_reply(&reply, group.takes.len())
+            }
+        });
+        let replies = join_all(calls).await;
+        let replies: Vec<GroupReply> = replies.into_iter().collect::<Result<_, _>>()?;
+
+        let charged = |reply: &GroupReply| reply.status == 1;
+        let conflict = replies.iter().any(|reply| reply.status == -1);
+        let rejected = replies.iter().any(|reply| reply.status == 0);
+        let mut refunded = vec![false; groups.len()];
+        if conflict || rejected {
+            let refunds = groups
+                .iter()
+                .zip(&replies)
+                .enumerate()
+                .filter(|(_, (_, reply))| charged(reply))
+                .map(|(index, (group, _))| {
+                    refunded[index] = true;
+                    self.refund(&now, group, limits, keys, request.takes)
+                })
+                .collect::<Vec<_>>();
+            for result in join_all(refunds).await {
+                result?;
+            }
+        }
+        if conflict {
+            return Ok(Err(Error::IdempotencyConflict));
+        }
+
+        let mut decisions: Vec<Option<Decision>> = vec![None; request.takes.len()];
+        for ((group, reply), refunded) in groups.iter().zip(&replies).zip(refunded) {
+            for (&i, &(allowed, deficit)) in group.takes.iter().zip(&reply.buckets) {
+                let take = &request.takes[i];
+                let limit = &limits[i];
+                // A refunded bucket reports the balance it has uncharged.
+                let deficit = if refunded {
+                    deficit - i64::try_from(limit.cost(take.cost)).unwrap_or(i64::MAX)
+                } else {
+                    deficit
+                };
+                decisions[i] = Some(limit.decision(take.limit, allowed, take.cost, deficit));
+            }
+        }
+        Ok(Ok(decisions.into_iter().flatten().collect()))
+    }
+
+    async fn refund(
+        &self,
+        now: &str,
+        group: &Group,
+        limits: &[ScriptLimit],
+        keys: &[String],
+        takes: &[Take<'_>],
+    ) -> Result<(), RedisError> {
+        let mut invocation = self.refund.prepare_invoke();
+        for &i in &group.takes {
+            invocation.key(&keys[i]);
+        }
+        if let Some(record) = &group.record {
+            invocation.key(record);
+        }
+        invocation.arg(now).arg(group.takes.len());
+        for &i in &group.takes {
+            invocation
+                .arg(limits[i].a)
+                .arg(limits[i].cost(takes[i].cost));
+        }
+        self.connection.invoke(&invocation).await.map(|_| ())
+    }
+
+    /// Groups the request's keys by cluster slot, in the order they first appear.
+    fn groups(&self, keys: &[String], request_id: Option<&str>) -> Vec<Group> {
+        let mut groups: Vec<Group> = Vec::new();
+        if self.cluster {
+            let mut by_slot: HashMap<Slot, usize> = HashMap::new();
+            for (i, key) in keys.iter().enumerate() {
+                let index = *by_slot.entry(Slot::for_key(key)).or_insert_with(|| {
+                    groups.push(Group {
+                        takes: Vec::new(),
+                        record: None,
+                    });
+                    groups.len() - 1
+                });
+                groups[index].takes.push(i);
+            }
+        } else {
+            groups.push(Group {
+                takes: (0..keys.len()).collect(),
+                record: None,
+            });
+        }
+        if let Some(id) = request_id {
+            for group in &mut groups {
+                group.record = Some(record_key(&keys[group.takes[0]], id));
+            }
+        }
+        groups
+    }
+}
+
+impl Store for RedisStore {
+    async fn check(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
+        let takes = request.takes;
+        if takes.is_empty() {
+            return Err(Error::EmptyCheck);
+        }
+        let mut limits = Vec::with_capacity(takes.len());
+        for (index, take) in takes.iter().enumerate() {
+            if take.cost == 0 || take.cost > take.limit.capacity() {
+                return Err(Error::InvalidCost {
+                    cost: take.cost,
+                    capacity: take.limit.capacity(),
+                });
+            }
+            if takes[..index].iter().any(|earlier| earlier.key == take.key) {
+                return Err(Error::DuplicateKey { index });
+            }
+            limits.push(ScriptLimit::new(take.limit)?);
+        }
+        if let Some(id) = request.request_id {
+            tollgate::check_request_id(id)?;
+        }
+        let keys: Vec<String> = takes
+            .iter()
+            .map(|take| format!("{}{}", self.config.prefix, take.key))
+            .collect();
+
+        let permit = self
+            .breaker
+            .permit()
+            .map_err(|reason| Error::StoreUnavailable { reason })?;
+        let outcome =
+            tokio::time::timeout(self.config.timeout, self.decide(request, &limits, &keys))
+                .await
+                .map_err(|_| Unavailable::Timeout)
+                .and_then(|result| result.map_err(|err| classify(&err)));
+        let transition = self.breaker.record(permit, outcome.is_ok());
+        match transition {
+            Some(Transition::Opened) => tracing::warn!(
+                "redis store failing: circuit breaker open, decisions take their failure modes"
+            ),
+            Some(Transition::Closed) => {
+                tracing::info!("redis store recovered: circuit breaker closed")
+            }
+            None => {}
+        }
+        outcome.map_err(|reason| Error::StoreUnavailable { reason })?
+    }
+}
+
+/// A stable fingerprint of what a request asks (keys, limits, costs), the same in every
+/// process: FNV-1a over the fields.
+fn fingerprint(takes: &[Take<'_>]) -> String {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut feed = |bytes: &[u8]| {
+        for &byte in bytes {
+            hash ^= u64::from(byte);
+            hash = hash.wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    for take in takes {
+        feed(take.key.as_bytes());
+        feed(&[0]);
+        feed(&take.limit.capacity().to_le_bytes());
+        feed(&take.limit.refill().amount().to_le_bytes());
+        feed(&take.limit.refill().period().as_nanos().to_le_bytes());
+        feed(&take.cost.to_le_bytes());
+    }
+    format!("{hash:016x}")
+}
+
+/// The idempotency record's key: in the same cluster slot as `bucket_key`.
+fn record_key(bucket_key: &str, request_id: &str) -> String {
+    let slot = Slot::for_key(bucket_key);
+    // A key with a hash tag keeps it as a prefix; a key without one becomes the tag.
+    for candidate in [
+        format!("{bucket_key}:rid:{request_id}"),
+        format!("{{{bucket_key}}}:rid:{request_id}"),
+    ] {
+        if Slot::for_key(&candidate) == slot {
+            return candidate;
+        }
+    }
+    // Keys such as `a{}b` (an empty tag hashes the whole key) defeat both forms: search for a
+    // suffix landing in the same slot. One slot in 16384 matches, so this ends quickly.
+    (0u32..)
+        .map(|n| format!("{bucket_key}:rid:{request_id}:{n}"))
+        .find(|candidate| Slot::for_key(candidate) == slot)
+        .unwrap_or_else(|| format!("{bucket_key}:rid:{request_id}"))
+}
+
+fn parse_reply(reply: &[i64], buckets: usize) -> Result<GroupReply, RedisError> {
+    let protocol = || {
+        RedisError::from((
+            redis::ErrorKind::UnexpectedReturnType,
+            "tollgate script reply has the wrong shape",
+        ))
+    };
+    let (&status, rest) = reply.split_first().ok_or_else(protocol)?;
+    if status == -1 {
+        return Ok(GroupReply {
+            status,
+            buckets: Vec::new(),
+        });
+    }
+    if !(0..=2).contains(&status) || rest.len() != 2 * buckets {
+        return Err(protocol());
+    }
+    Ok(GroupReply {
+        status,
+        buckets: rest
+            .chunks_exact(2)
+            .map(|pair| (pair[0] == 1, pair[1]))
+            .collect(),
+    })
+}
+
+/// Maps a client error to a closed set of reasons for metrics and failure modes.
+fn classify(err: &RedisError) -> Unavailable {
+    if err.is_timeout() {
+        Unavailable::Timeout
+    } else if err.is_io_error()
+        || err.is_connection_dropped()
+        || err.is_connection_refusal()
+        || err.is_cluster_error()
+    {
+        Unavailable::Connection
+    } else if matches!(err.kind(), redis::ErrorKind::Server(_)) {
+        Unavailable::Script
+    } else {
+        Unavailable::Protocol
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redacts_passwords() {
+        assert_eq!(
+            redact("redis://user:secret@h:6379/0"),
+            "redis://user:***@h:6379/0"
+        );
+        assert_eq!(redact("redis://h:6379"), "redis://h:6379");
+        assert_eq!(
+            redact("redis+cluster://:pw@a:1,b:2"),
+            "redis+cluster://:***@a:1,b:2"
+        );
+    }
+
+    #[test]
+    fn record_keys_share_the_bucket_slot() {
+        for key in [
+            "tollgate:{u1}:l0",
+            "tollgate:plain",
+            "a{}b",
+            "x{y",
+            "{}",
+            "}{a}",
+        ] {
+            let record = record_key(key, "r-1");
+            assert_eq!(
+                Slot::for_key(&record),
+                Slot::for_key(key),
+                "{key} -> {record}"
+            );
+        }
+    }
+
+    #[test]
+    fn malformed_replies_are_protocol_errors() {
+        assert!(parse_reply(&[], 1).is_err());
+        assert!(parse_reply(&[1, 1], 1).is_err());
+        assert!(parse_reply(&[7, 1, 0], 1).is_err());
+        assert!(parse_reply(&[-1], 3).is_ok());
+        let reply = parse_reply(&[0, 1, 5, 0, 9], 2).unwrap();
+        assert_eq!(reply.buckets, vec![(true, 5), (false, 9)]);
+    }
+}

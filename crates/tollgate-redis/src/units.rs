@@ -1,0 +1,130 @@
+//! Limits in the units the Lua scripts compute with.
+//!
+//! Redis keeps time in microseconds (`TIME`), and Lua computes in doubles, exact only below
+//! 2^53. So a limit is re-expressed on a microsecond timeline (`a` units per microsecond, `p`
+//! units per token, reduced by their gcd like the core's nanosecond units), and refused up front
+//! when its capacity in those units passes 2^51: then every sum the script forms (a deficit plus a
+//! cost, a time plus a wait) stays below 2^53, and the script is as exact as the memory store.
+
+use tollgate::{Decision, Error, Limit};
+
+/// The largest capacity in units the scripts accept: deficits up to twice this, plus times in
+/// microseconds since 1970 (about 2^51 today), stay below 2^53.
+const MAX_CAPACITY_UNITS: u64 = 1 << 51;
+
+/// A limit prepared for the scripts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ScriptLimit {
+    /// Units per microsecond.
+    pub(crate) a: u64,
+    /// Units per token.
+    pub(crate) p: u64,
+    /// Capacity in units.
+    pub(crate) cap: u64,
+    /// Core units (nanosecond timeline) per script unit: the core's `p` over ours, an integer.
+    ratio: u64,
+}
+
+impl ScriptLimit {
+    pub(crate) fn new(limit: &Limit) -> Result<Self, Error> {
+        let refill = limit.refill();
+        let period_ns = refill.period().as_nanos();
+        if !period_ns.is_multiple_of(1_000) {
+            return Err(Error::UnsupportedLimit {
+                reason: "the refill period must be a whole number of microseconds",
+            });
+        }
+        let period_us = u64::try_from(period_ns / 1_000).map_err(|_| Error::LimitTooLarge)?;
+        let g = gcd(refill.amount(), period_us);
+        let (a, p) = (refill.amount() / g, period_us / g);
+        let cap = u128::from(limit.capacity()) * u128::from(p);
+        if cap > u128::from(MAX_CAPACITY_UNITS) {
+            return Err(Error::UnsupportedLimit {
+                reason: "capacity times the refill period per token must stay below 2^51 \
+                         microseconds (exact arithmetic in Lua)",
+            });
+        }
+        // The core reduces amount/period_ns by gcd(amount, 1000 * period_us), a multiple of
+        // ours that divides 1000 times ours, so its units per token are a whole multiple.
+        let core_p = limit.units_per_token();
+        if !core_p.is_multiple_of(p) {
+            return Err(Error::UnsupportedLimit {
+                reason: "refill period not representable in microseconds",
+            });
+        }
+        Ok(Self {
+            a,
+            p,
+            cap: cap as u64,
+            ratio: core_p / p,
+        })
+    }
+
+    /// `cost` tokens in units. `cost <= capacity` was checked, so this is at most `cap`.
+    pub(crate) fn cost(&self, cost: u64) -> u64 {
+        cost * self.p
+    }
+
+    /// The core's decision for a script's reply about this bucket.
+    pub(crate) fn decision(
+        &self,
+        limit: &Limit,
+        allowed: bool,
+        cost: u64,
+        deficit: i64,
+    ) -> Decision {
+        let deficit = u128::try_from(deficit).unwrap_or(0) * u128::from(self.ratio);
+        Decision::from_deficit(allowed, *limit, cost, deficit)
+    }
+}
+
+fn gcd(mut x: u64, mut y: u64) -> u64 {
+    while y != 0 {
+        (x, y) = (y, x % y);
+    }
+    x
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limit(capacity: u64, rate: &str) -> Limit {
+        Limit::new(capacity, rate.parse().unwrap()).unwrap()
+    }
+
+    #[test]
+    fn converts_and_keeps_the_core_ratio_integral() {
+        for (capacity, rate) in [
+            (10, "3/s"),
+            (5, "1000/s"),
+            (7, "7/1ms"),
+            (3, "999999937/s"),
+            (100, "1/d"),
+        ] {
+            let l = limit(capacity, rate);
+            let s = ScriptLimit::new(&l).unwrap();
+            assert_eq!(s.p * s.ratio, l.units_per_token(), "{rate}");
+            // The same rate: tokens per microsecond = 1000 * tokens per nanosecond.
+            assert_eq!(
+                u128::from(s.a) * u128::from(l.units_per_token()),
+                u128::from(l.units_per_nanosecond()) * 1_000 * u128::from(s.p),
+                "{rate}"
+            );
+        }
+    }
+
+    #[test]
+    fn refuses_what_lua_cannot_hold() {
+        assert!(matches!(
+            ScriptLimit::new(&limit(1, "9/7ns")),
+            Err(Error::UnsupportedLimit { .. })
+        ));
+        // 50,000 tokens at one a day: 4.3e15 microseconds to fill, past 2^51.
+        assert!(matches!(
+            ScriptLimit::new(&limit(50_000, "1/d")),
+            Err(Error::UnsupportedLimit { .. })
+        ));
+        assert!(ScriptLimit::new(&limit(20_000, "1/d")).is_ok());
+    }
+}

@@ -1,0 +1,363 @@
+//! The Redis store against a real single-node Redis that each test starts for itself.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use support::{RedisServer, command};
+use tollgate::testkit::{Trace, compare_with_memory};
+use tollgate::{CheckRequest, Decision, Error, Limit, Store, Take, Timestamp, Unavailable};
+use tollgate_redis::{Failover, FailureMode, Guarded, Outcome, RedisConfig, RedisStore};
+
+fn limit(capacity: u64, rate: &str) -> Limit {
+    Limit::new(capacity, rate.parse().unwrap()).unwrap()
+}
+
+async fn connect(server: &RedisServer) -> RedisStore {
+    RedisStore::connect(&server.url(), RedisConfig::default())
+        .await
+        .expect("connect")
+}
+
+async fn check(
+    store: &impl Store,
+    takes: &[Take<'_>],
+    now: Option<Timestamp>,
+) -> Result<Vec<Decision>, Error> {
+    store
+        .check(CheckRequest {
+            takes,
+            request_id: None,
+            now,
+        })
+        .await
+}
+
+const T0: Timestamp = Timestamp::from_nanos(1_700_000_000_000_000_000);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decides_exactly_like_the_memory_store() {
+    let server = RedisServer::start();
+    let store = connect(&server).await;
+    for seed in 1..=6 {
+        let trace = Trace::new(seed, 400, format!("conformance-{seed}"));
+        if let Err(mismatch) = compare_with_memory(&store, &trace).await {
+            panic!("{mismatch}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_tasks_on_one_key_never_over_admit() {
+    let server = RedisServer::start();
+    // Several stores: several connections, as several processes would have.
+    let mut stores = Vec::new();
+    for _ in 0..4 {
+        stores.push(Arc::new(connect(&server).await));
+    }
+    let limit = limit(1_000, "1/h");
+    let admitted = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for task in 0..64 {
+        let store = stores[task % stores.len()].clone();
+        let admitted = admitted.clone();
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..40 {
+                let takes = [Take {
+                    key: "hot",
+                    limit: &limit,
+                    cost: 1,
+                }];
+                // Time frozen for every caller: exactly the capacity may pass.
+                match check(&*store, &takes, Some(T0)).await {
+                    Ok(decisions) if decisions[0].allowed() => {
+                        admitted.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok(_) => {}
+                    Err(err) => panic!("{err}"),
+                }
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    assert_eq!(admitted.load(Ordering::Relaxed), 1_000);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn survives_script_flush_mid_run() {
+    let server = RedisServer::start();
+    let store = connect(&server).await;
+    let limit = limit(10, "1/s");
+    let takes = [Take {
+        key: "k",
+        limit: &limit,
+        cost: 1,
+    }];
+    for i in 0..20 {
+        if i == 5 || i == 12 {
+            assert_eq!(
+                command(server.port, &["SCRIPT", "FLUSH"]).as_deref(),
+                Some("+OK\r\n")
+            );
+        }
+        let decisions = check(&store, &takes, Some(T0)).await.unwrap();
+        assert_eq!(decisions[0].allowed(), i < 10, "check {i}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exhausted_limit_charges_nothing_on_the_others() {
+    let server = RedisServer::start();
+    let store = connect(&server).await;
+    let user = limit(5, "1/m");
+    let tenant = limit(1, "1/m");
+    let both = [
+        Take {
+            key: "{acme}:user",
+            limit: &user,
+            cost: 1,
+        },
+        Take {
+            key: "{acme}:tenant",
+            limit: &tenant,
+            cost: 1,
+        },
+    ];
+    assert!(
+        check(&store, &both, Some(T0))
+            .await
+            .unwrap()
+            .iter()
+            .all(Decision::allowed)
+    );
+    for _ in 0..3 {
+        let decisions = check(&store, &both, Some(T0)).await.unwrap();
+        assert!(decisions[0].allowed() && !decisions[1].allowed());
+        assert_eq!(decisions[0].remaining(), 4, "the user's balance, uncharged");
+    }
+    // The user was charged once: four tokens left.
+    let user_only = [Take {
+        key: "{acme}:user",
+        limit: &user,
+        cost: 4,
+    }];
+    assert!(check(&store, &user_only, Some(T0)).await.unwrap()[0].allowed());
+    let one_more = [Take {
+        key: "{acme}:user",
+        limit: &user,
+        cost: 1,
+    }];
+    assert!(!check(&store, &one_more, Some(T0)).await.unwrap()[0].allowed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_with_a_request_id_are_charged_once() {
+    let server = RedisServer::start();
+    let store = connect(&server).await;
+    let limit = limit(3, "1/m");
+    let takes = [Take {
+        key: "k",
+        limit: &limit,
+        cost: 2,
+    }];
+    let request = |id| CheckRequest {
+        takes: &takes,
+        request_id: Some(id),
+        now: None,
+    };
+    let first = store.check(request("r-1")).await.unwrap();
+    let retry = store.check(request("r-1")).await.unwrap();
+    assert_eq!(first, retry);
+    assert!(first[0].allowed());
+    assert!(!store.check(request("r-2")).await.unwrap()[0].allowed());
+    let other_cost = [Take {
+        key: "k",
+        limit: &limit,
+        cost: 1,
+    }];
+    let conflict = store
+        .check(CheckRequest {
+            takes: &other_cost,
+            request_id: Some("r-1"),
+            now: None,
+        })
+        .await;
+    assert_eq!(conflict, Err(Error::IdempotencyConflict));
+    let too_long = "x".repeat(300);
+    assert!(matches!(
+        store.check(request(&too_long)).await,
+        Err(Error::InvalidRequestId { len: 300 })
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refuses_bad_input_without_touching_redis_state() {
+    let server = RedisServer::start();
+    let store = connect(&server).await;
+    let limit1 = limit(2, "1/s");
+    for cost in [0, 3] {
+        let takes = [Take {
+            key: "k",
+            limit: &limit1,
+            cost,
+        }];
+        assert!(matches!(
+            check(&store, &takes, None).await,
+            Err(Error::InvalidCost { .. })
+        ));
+    }
+    let odd = limit(1, "9/7ns");
+    let takes = [Take {
+        key: "k",
+        limit: &odd,
+        cost: 1,
+    }];
+    assert!(matches!(
+        check(&store, &takes, None).await,
+        Err(Error::UnsupportedLimit { .. })
+    ));
+    let dup = [
+        Take {
+            key: "k",
+            limit: &limit1,
+            cost: 1,
+        },
+        Take {
+            key: "k",
+            limit: &limit1,
+            cost: 1,
+        },
+    ];
+    assert_eq!(
+        check(&store, &dup, None).await,
+        Err(Error::DuplicateKey { index: 1 })
+    );
+    assert_eq!(command(server.port, &["DBSIZE"]).as_deref(), Some(":0\r\n"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_expire_when_their_bucket_is_full() {
+    let server = RedisServer::start();
+    let store = connect(&server).await;
+    let limit = limit(2, "1/s");
+    let takes = [Take {
+        key: "ttl",
+        limit: &limit,
+        cost: 2,
+    }];
+    check(&store, &takes, None).await.unwrap();
+    let ttl = command(server.port, &["PTTL", "tollgate:ttl"]).unwrap();
+    let ttl: i64 = ttl.trim().trim_start_matches(':').parse().unwrap();
+    assert!(
+        (1_900..=2_000).contains(&ttl),
+        "PTTL {ttl}: two tokens take 2 s to refill"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_mid_run_then_restarted() {
+    let mut server = RedisServer::start();
+    let store = connect(&server).await;
+    let failover = Failover::new(store);
+    let limit = limit(100, "100/s");
+    let closed = [Guarded {
+        take: Take {
+            key: "closed",
+            limit: &limit,
+            cost: 1,
+        },
+        on_failure: FailureMode::Closed,
+    }];
+    let open = [Guarded {
+        take: Take {
+            key: "open",
+            limit: &limit,
+            cost: 1,
+        },
+        on_failure: FailureMode::Open {
+            emergency: Limit::new(3, "1/h".parse().unwrap()).unwrap(),
+        },
+    }];
+    assert!(matches!(
+        failover.check(&closed, None, None).await.unwrap()[0],
+        Outcome::Decided(_)
+    ));
+
+    server.kill();
+    let mut open_allowed = 0;
+    let mut slowest = Duration::ZERO;
+    for _ in 0..50 {
+        let started = tokio::time::Instant::now();
+        let outcome = failover.check(&closed, None, None).await.unwrap()[0];
+        assert!(
+            matches!(outcome, Outcome::Unavailable { .. }),
+            "{outcome:?}"
+        );
+        let outcome = failover.check(&open, None, None).await.unwrap()[0];
+        assert!(matches!(outcome, Outcome::Emergency { .. }), "{outcome:?}");
+        open_allowed += usize::from(outcome.allowed());
+        slowest = slowest.max(started.elapsed());
+    }
+    assert_eq!(open_allowed, 3, "the emergency budget, never unlimited");
+    // Bounded by the 20 ms timeout per call, with room for a loaded machine: never seconds.
+    assert!(
+        slowest < Duration::from_millis(500),
+        "slowest pair took {slowest:?}"
+    );
+    let stats = failover.stats();
+    assert_eq!((stats.unavailable, stats.emergency), (50, 50));
+
+    server.restart();
+    let recovered = async {
+        loop {
+            if let Outcome::Decided(_) = failover.check(&closed, None, None).await.unwrap()[0] {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(15), recovered)
+        .await
+        .expect("recovers once Redis is back");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_redis_times_out_and_the_breaker_stops_waiting() {
+    let server = RedisServer::start();
+    let store = connect(&server).await;
+    let limit = limit(10, "1/s");
+    let takes = [Take {
+        key: "k",
+        limit: &limit,
+        cost: 1,
+    }];
+    assert!(check(&store, &takes, None).await.is_ok());
+
+    server.pause();
+    let mut reasons = Vec::new();
+    for _ in 0..6 {
+        match check(&store, &takes, None).await {
+            Err(Error::StoreUnavailable { reason }) => reasons.push(reason),
+            other => panic!("expected unavailable, got {other:?}"),
+        }
+    }
+    server.resume();
+    // The first calls wait out the timeout; then the breaker fails the rest fast.
+    assert_eq!(reasons[0], Unavailable::Timeout);
+    assert!(reasons.contains(&Unavailable::CircuitOpen), "{reasons:?}");
+    assert!(store.is_degraded());
+
+    let recovered = async {
+        while check(&store, &takes, None).await.is_err() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(15), recovered)
+        .await
+        .expect("recovers once Redis answers");
+    assert!(!store.is_degraded());
+}

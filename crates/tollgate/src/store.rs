@@ -1,0 +1,144 @@
+//! The store interface every backend implements, so the limiter, the policy engine and the
+//! server decide the same way whether buckets live in this process or in Redis.
+//!
+//! The operation is named, not a closure: "take `cost` from each bucket at `now`, all or
+//! nothing". Rust and Lua implement the same meaning, and the conformance suite in
+//! [`crate::testkit`] holds every implementation to the memory store's decisions.
+
+use std::future::Future;
+
+use crate::clock::{Clock, Timestamp};
+use crate::decision::Decision;
+use crate::error::Error;
+use crate::limit::Limit;
+use crate::memory::{Item, MemoryStore};
+
+/// One bucket of a check.
+#[derive(Debug, Clone, Copy)]
+pub struct Take<'a> {
+    /// The bucket's identity. Keys of one subject (one user, one tenant) should share a
+    /// `{hash tag}` so that a clustered store can decide them in one atomic step.
+    pub key: &'a str,
+    /// The bucket's parameters.
+    pub limit: &'a Limit,
+    /// Tokens to take.
+    pub cost: u64,
+}
+
+/// A check of one or more buckets.
+#[derive(Debug, Clone, Copy)]
+pub struct CheckRequest<'a> {
+    /// The buckets, decided all or nothing.
+    pub takes: &'a [Take<'a>],
+    /// Makes a retry free: see [`MemoryStore::check_idempotent`].
+    pub request_id: Option<&'a str>,
+    /// The time of the decision. `None` uses the store's own clock (for Redis, the server's
+    /// `TIME`, one clock for every process sharing it). Supplying it is for tests and for
+    /// replaying traces; never mix both on the same buckets.
+    pub now: Option<Timestamp>,
+}
+
+/// A place where buckets live.
+///
+/// # Contract
+///
+/// Every implementation must:
+///
+/// * decide a request atomically with respect to every other request on the same buckets;
+/// * be all-or-nothing: if any bucket rejects, none is charged. Where one atomic step over all
+///   buckets is impossible, charge and then refund, so the store may briefly under-admit but
+///   never over-admit (and document which it does);
+/// * never grant more than the bucket math of [`crate::bucket`] allows: a `now` that goes back
+///   mints no tokens, a rejection charges nothing;
+/// * refuse `cost` outside `1..=capacity` with [`Error::InvalidCost`] before changing anything;
+/// * return decisions in the order of `takes`;
+/// * report a failure to reach its state as [`Error::StoreUnavailable`], never as a rejection.
+pub trait Store: Send + Sync {
+    /// Decides `request`.
+    fn check(
+        &self,
+        request: CheckRequest<'_>,
+    ) -> impl Future<Output = Result<Vec<Decision>, Error>> + Send;
+}
+
+/// The memory store behind the [`Store`] interface, timed by a [`Clock`].
+///
+/// ```
+/// use tollgate::{CheckRequest, Limit, LocalStore, ManualClock, Store, Take};
+///
+/// # fn block_on<F: std::future::Future>(f: F) -> F::Output {
+/// #     let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+/// #     let mut f = std::pin::pin!(f);
+/// #     loop { if let std::task::Poll::Ready(v) = f.as_mut().poll(&mut cx) { return v; } }
+/// # }
+/// let store = LocalStore::new(ManualClock::new());
+/// let limit = Limit::new(1, "1/s".parse()?)?;
+/// let takes = [Take { key: "user:{42}", limit: &limit, cost: 1 }];
+/// let request = CheckRequest { takes: &takes, request_id: None, now: None };
+/// assert!(block_on(store.check(request))?[0].allowed());
+/// assert!(!block_on(store.check(request))?[0].allowed());
+/// # Ok::<(), tollgate::Error>(())
+/// ```
+pub struct LocalStore<C> {
+    store: MemoryStore<Box<str>>,
+    clock: C,
+}
+
+impl<C: Clock> LocalStore<C> {
+    /// A default [`MemoryStore`] read through `clock`.
+    pub fn new(clock: C) -> Self {
+        Self::with_store(MemoryStore::default(), clock)
+    }
+
+    /// `store`, read through `clock`.
+    pub fn with_store(store: MemoryStore<Box<str>>, clock: C) -> Self {
+        Self { store, clock }
+    }
+
+    /// The memory store inside.
+    pub fn memory(&self) -> &MemoryStore<Box<str>> {
+        &self.store
+    }
+
+    /// The clock that times requests without a `now`.
+    pub fn clock(&self) -> &C {
+        &self.clock
+    }
+
+    /// [`Store::check`], without the future: the memory store never waits.
+    ///
+    /// # Errors
+    ///
+    /// As [`MemoryStore::check_all`].
+    pub fn check_now(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
+        let now = request.now.unwrap_or_else(|| self.clock.now());
+        if let [take] = request.takes {
+            let decision = match request.request_id {
+                None => self.store.check(take.key, take.limit, take.cost, now)?,
+                Some(id) => self
+                    .store
+                    .check_idempotent(take.key, take.limit, take.cost, now, id)?,
+            };
+            return Ok(vec![decision]);
+        }
+        let items: Vec<Item<'_, str>> = request
+            .takes
+            .iter()
+            .map(|take| Item {
+                key: take.key,
+                limit: take.limit,
+                cost: take.cost,
+            })
+            .collect();
+        self.store.check_all(&items, now, request.request_id)
+    }
+}
+
+impl<C: Clock> Store for LocalStore<C> {
+    fn check(
+        &self,
+        request: CheckRequest<'_>,
+    ) -> impl Future<Output = Result<Vec<Decision>, Error>> + Send {
+        std::future::ready(self.check_now(request))
+    }
+}

@@ -1,0 +1,278 @@
+//! One conformance suite for every [`Store`]: the same random trace, with caller-supplied
+//! time, must give exactly the decisions the memory store gives.
+//!
+//! The memory store is the reference because its math is checked against the exact rational
+//! model (`tests/bucket_model.rs`); any other store is then held to it here, decision for
+//! decision, including balances, retry times, all-or-nothing rejections, idempotent retries and
+//! refused costs. Enabled by the `testkit` feature, for other crates' tests.
+
+use std::fmt;
+
+use crate::clock::{ManualClock, Timestamp};
+use crate::decision::Decision;
+use crate::error::Error;
+use crate::limit::{Limit, Rate};
+use crate::store::{CheckRequest, LocalStore, Store, Take};
+
+/// Where a store under test parted from the memory store.
+#[derive(Debug)]
+pub struct Mismatch {
+    /// The step of the trace.
+    pub step: usize,
+    /// The request, in words.
+    pub request: String,
+    /// What the memory store answered.
+    pub expected: Result<Vec<Decision>, Error>,
+    /// What the store under test answered.
+    pub actual: Result<Vec<Decision>, Error>,
+}
+
+impl fmt::Display for Mismatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "step {}: {}\n  memory: {:?}\n  store:  {:?}",
+            self.step, self.request, self.expected, self.actual
+        )
+    }
+}
+
+/// What a trace looks like.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct Trace {
+    /// Seeds the trace; the same seed gives the same trace.
+    pub seed: u64,
+    /// Requests in the trace.
+    pub steps: usize,
+    /// Distinct subjects; each has one bucket per limit it uses.
+    pub subjects: usize,
+    /// Prefixed to every key, so traces against a shared server do not meet old state.
+    pub prefix: String,
+    /// The time of the first request. Steps advance it by whole microseconds, the resolution
+    /// of stores that keep time in microseconds (Redis).
+    pub start: Timestamp,
+    /// Whether keys carry a per-subject `{hash tag}`. Without one, the buckets of a
+    /// multi-bucket request land in different cluster slots.
+    pub hash_tags: bool,
+}
+
+impl Trace {
+    /// A trace of `steps` requests over a few subjects, keys prefixed with `prefix`.
+    pub fn new(seed: u64, steps: usize, prefix: impl Into<String>) -> Self {
+        Self {
+            seed,
+            steps,
+            subjects: 4,
+            prefix: prefix.into(),
+            start: Timestamp::from_nanos(1_700_000_000_000_000_000),
+            hash_tags: true,
+        }
+    }
+
+    /// The same trace with or without hash tags.
+    pub fn hash_tags(mut self, on: bool) -> Self {
+        self.hash_tags = on;
+        self
+    }
+}
+
+/// Limits with awkward rates: reduced amounts above one, long and short periods.
+fn limits() -> Vec<Limit> {
+    let make = |capacity, amount, period_us: u64| {
+        Rate::new(amount, std::time::Duration::from_micros(period_us))
+            .and_then(|rate| Limit::new(capacity, rate))
+    };
+    [
+        make(5, 5, 1_000_000),
+        make(10, 3, 1_000_000),
+        make(3, 7, 100_000),
+        make(2, 1, 60_000_000),
+        make(50, 1_000, 1_000_000),
+        make(4, 9, 7),
+    ]
+    .into_iter()
+    .filter_map(Result::ok)
+    .collect()
+}
+
+/// xorshift64*: deterministic and dependency-free; quality is not a concern here.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+/// One bucket of a generated request: (subject, limit index, cost).
+type Spec = (usize, usize, u64);
+
+/// Runs `trace` through `store` and through a fresh memory store, and returns the first
+/// difference.
+///
+/// # Errors
+///
+/// The first [`Mismatch`].
+pub async fn compare_with_memory<S: Store>(store: &S, trace: &Trace) -> Result<(), Box<Mismatch>> {
+    let reference = LocalStore::new(ManualClock::new());
+    let limits = limits();
+    let mut rng = Rng(trace.seed | 1);
+    let mut now = trace.start;
+    let steps_us = [
+        0u64, 0, 1, 3, 137, 10_000, 100_000, 333_333, 1_000_000, 70_000_000,
+    ];
+    // Requests that charged, by id, to retry later: (id, [(subject, limit, cost)]).
+    let mut recent: Vec<(String, Vec<Spec>)> = Vec::new();
+    for step in 0..trace.steps {
+        now = now + std::time::Duration::from_micros(steps_us[rng.below(10) as usize]);
+        let mut takes_spec: Vec<Spec> = Vec::new();
+        let buckets = match rng.below(10) {
+            0..=6 => 1,
+            7 | 8 => 2,
+            _ => 3,
+        };
+        let subject = rng.below(trace.subjects as u64) as usize;
+        while takes_spec.len() < buckets {
+            let limit = rng.below(limits.len() as u64) as usize;
+            if takes_spec.iter().any(|&(_, l, _)| l == limit) {
+                continue;
+            }
+            let capacity = limits[limit].capacity();
+            let cost = match rng.below(20) {
+                0 => 0,
+                1 => capacity + 1,
+                2..=5 => capacity,
+                _ => 1 + rng.below(capacity.min(3)),
+            };
+            takes_spec.push((subject, limit, cost));
+        }
+        let mut request_id = None;
+        match rng.below(10) {
+            0 => request_id = Some(format!("{}-req-{step}", trace.prefix)),
+            1 if !recent.is_empty() => {
+                // Retry an earlier request, usually unchanged.
+                let (id, spec) = &recent[rng.below(recent.len() as u64) as usize];
+                request_id = Some(id.clone());
+                if rng.below(4) != 0 {
+                    takes_spec.clone_from(spec);
+                }
+            }
+            _ => {}
+        }
+        let keys: Vec<String> = takes_spec
+            .iter()
+            .map(|&(subject, limit, _)| {
+                if trace.hash_tags {
+                    format!("{}:{{s{subject}}}:l{limit}", trace.prefix)
+                } else {
+                    format!("{}:s{subject}:l{limit}", trace.prefix)
+                }
+            })
+            .collect();
+        let takes: Vec<Take<'_>> = takes_spec
+            .iter()
+            .zip(&keys)
+            .map(|(&(_, limit, cost), key)| Take {
+                key,
+                limit: &limits[limit],
+                cost,
+            })
+            .collect();
+        let request = CheckRequest {
+            takes: &takes,
+            request_id: request_id.as_deref(),
+            now: Some(now),
+        };
+        let expected = reference.check_now(request);
+        let actual = store.check(request).await;
+        if let (Some(id), Ok(decisions)) = (&request_id, &expected)
+            && decisions.iter().all(Decision::allowed)
+        {
+            recent.push((id.clone(), takes_spec.clone()));
+        }
+        if !same(&expected, &actual) {
+            return Err(Box::new(Mismatch {
+                step,
+                request: format!("{takes:?} id {request_id:?} at {now:?}"),
+                expected,
+                actual,
+            }));
+        }
+    }
+    Ok(())
+}
+
+/// Equal decisions, or the same kind of error.
+fn same(expected: &Result<Vec<Decision>, Error>, actual: &Result<Vec<Decision>, Error>) -> bool {
+    match (expected, actual) {
+        (Ok(e), Ok(a)) => e == a,
+        (Err(e), Err(a)) => std::mem::discriminant(e) == std::mem::discriminant(a),
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn block_on<F: std::future::Future>(future: F) -> F::Output {
+        let waker = std::task::Waker::noop();
+        let mut cx = std::task::Context::from_waker(waker);
+        let mut future = std::pin::pin!(future);
+        loop {
+            if let std::task::Poll::Ready(value) = future.as_mut().poll(&mut cx) {
+                return value;
+            }
+        }
+    }
+
+    #[test]
+    fn the_memory_store_conforms_to_itself() {
+        let store = LocalStore::new(ManualClock::new());
+        for seed in 1..20 {
+            let trace = Trace::new(seed, 500, format!("t{seed}"));
+            if let Err(mismatch) = block_on(compare_with_memory(&store, &trace)) {
+                panic!("{mismatch}");
+            }
+        }
+    }
+
+    /// A store that charges one token too few must be caught.
+    struct Lenient(LocalStore<ManualClock>);
+
+    impl Store for Lenient {
+        async fn check(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
+            let takes: Vec<Take<'_>> = request
+                .takes
+                .iter()
+                .map(|take| Take {
+                    cost: if take.cost > 1 {
+                        take.cost - 1
+                    } else {
+                        take.cost
+                    },
+                    ..*take
+                })
+                .collect();
+            self.0.check_now(CheckRequest {
+                takes: &takes,
+                ..request
+            })
+        }
+    }
+
+    #[test]
+    fn a_lenient_store_is_caught() {
+        let store = Lenient(LocalStore::new(ManualClock::new()));
+        let trace = Trace::new(3, 500, "lenient");
+        assert!(block_on(compare_with_memory(&store, &trace)).is_err());
+    }
+}
