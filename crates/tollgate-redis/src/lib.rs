@@ -36,6 +36,8 @@
 mod breaker;
 mod failover;
 mod store;
+#[cfg(feature = "test-server")]
+pub mod test_server;
 mod units;
 
 pub use breaker::BreakerConfig;
