@@ -1,17 +1,21 @@
--- tollgate: take tokens from one or more buckets, all or nothing, in one atomic step.
+-- tollgate: decide one or more requests, each taking tokens from its buckets all or nothing.
 --
--- KEYS[1..n]   bucket keys (one slot: the caller groups keys by cluster slot)
--- KEYS[n+1]    optional: the idempotency record of this request
+-- Several independent requests may share one call (the client batches concurrent callers):
+-- Redis then pays its per-call cost once for all of them. Each request is decided on its own,
+-- as if it had its own call, in the order given.
 --
 -- ARGV[1]      now in microseconds, or "" to use the server's TIME (one clock for every client)
--- ARGV[2]      n, the number of buckets
--- ARGV[3]      idempotency window in milliseconds ("" when there is no record key)
--- ARGV[4]      fingerprint of the request's content ("" when there is no record key)
--- ARGV[5..]    per bucket, four integers: a, p, cap, cost
---                a    units gained per microsecond
---                p    units per token
---                cap  capacity in units (capacity * p)
---                cost cost in units (tokens * p)
+-- ARGV[2]      m, the number of requests in this call
+-- then, per request:
+--   n            the number of buckets
+--   window       idempotency window in milliseconds, or "" when the request has no id
+--   fingerprint  the request's content, or "" when it has no id
+--   per bucket, three integers: a, cap, cost
+--     a    units gained per microsecond
+--     cap  capacity in units (capacity * units per token)
+--     cost cost in units (tokens * units per token)
+-- KEYS: per request, its n bucket keys, then its idempotency record key when it has an id.
+-- All keys of one call are in one cluster slot.
 --
 -- A bucket is one string: the microsecond at which it is full again, and, when a > 1, the
 -- sub-microsecond remainder: "full" or "full:frac", meaning the bucket is full at
@@ -21,15 +25,12 @@
 -- Every figure stays below 2^53 (the caller refuses limits whose cap passes 2^51), so the
 -- doubles Lua computes with hold them exactly.
 --
--- Reply: { status, allowed_1, deficit_1, ..., allowed_n, deficit_n }
+-- Reply: per request, 1 + 2n integers: { status, allowed_1, deficit_1, ..., allowed_n, deficit_n }
 --   status 1: every bucket allowed and charged; 0: rejected, nothing charged;
 --          2: a retry of a recorded request, its first reply returned, nothing charged;
---         -1: the request id was recorded for different content.
+--         -1: the request id was recorded for different content (buckets reported as 0, 0).
 --   deficit_i: units bucket i is short of full afterwards (when rejected: as it stands, since
 --   nothing was charged).
-
-local n = tonumber(ARGV[2])
-local record = KEYS[n + 1]
 
 local now
 if ARGV[1] == '' then
@@ -37,25 +38,6 @@ if ARGV[1] == '' then
   now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 else
   now = tonumber(ARGV[1])
-end
-
--- A record lives for the window on the request's clock (TIME, or the caller's time) as well as
--- by its PX, so replays with caller-supplied time expire exactly as in the memory store.
-if record then
-  local seen = redis.call('GET', record)
-  if seen then
-    local content, expires, fields = string.match(seen, '^([^|]*)|([^|]*)|(.*)$')
-    if expires and tonumber(expires) > now then
-      if content ~= ARGV[4] then
-        return { -1 }
-      end
-      local reply = { 2 }
-      for field in string.gmatch(fields, '[^,]+') do
-        reply[#reply + 1] = tonumber(field)
-      end
-      return reply
-    end
-  end
 end
 
 -- x / a rounded up, exactly: the division is in doubles, so correct it by one either way.
@@ -66,70 +48,120 @@ local function ceil_div(x, a)
   return q
 end
 
-local reply = { 1 }
-local deficits = {}
-local all = true
-for i = 1, n do
-  local base = 4 + (i - 1) * 4
-  local a = tonumber(ARGV[base + 1])
-  local cap = tonumber(ARGV[base + 3])
-  local cost = tonumber(ARGV[base + 4])
-  local deficit = 0
-  local state = redis.call('GET', KEYS[i])
-  if state then
-    local sep = string.find(state, ':', 1, true)
-    local full, frac
-    if sep then
-      full = tonumber(string.sub(state, 1, sep - 1))
-      frac = tonumber(string.sub(state, sep + 1))
+local function deficit_of(key, a)
+  local state = redis.call('GET', key)
+  if not state then
+    return 0
+  end
+  local sep = string.find(state, ':', 1, true)
+  local full, frac
+  if sep then
+    full = tonumber(string.sub(state, 1, sep - 1))
+    frac = tonumber(string.sub(state, sep + 1))
+  else
+    full = tonumber(state)
+    frac = 0
+  end
+  if full > now then
+    return (full - now) * a - frac
+  end
+  return 0
+end
+
+local reply = {}
+local k = 0 -- keys used so far
+local v = 2 -- arguments used so far
+
+for _ = 1, tonumber(ARGV[2]) do
+  local n = tonumber(ARGV[v + 1])
+  local window = ARGV[v + 2]
+  local fingerprint = ARGV[v + 3]
+  local params = v + 3
+  v = v + 3 + 3 * n
+  local first_key = k
+  k = k + n
+  local record
+  if window ~= '' then
+    k = k + 1
+    record = KEYS[k]
+  end
+  local at = #reply + 1
+
+  -- A record lives for the window on the request's clock (TIME, or the caller's time) as well
+  -- as by its PX, so replays with caller-supplied time expire exactly as in the memory store.
+  local replayed = false
+  if record then
+    local seen = redis.call('GET', record)
+    if seen then
+      local content, expires, fields = string.match(seen, '^([^|]*)|([^|]*)|(.*)$')
+      if expires and tonumber(expires) > now then
+        replayed = true
+        if content ~= fingerprint then
+          reply[at] = -1
+          for i = 1, 2 * n do reply[at + i] = 0 end
+        else
+          reply[at] = 2
+          local i = 0
+          for field in string.gmatch(fields, '[^,]+') do
+            i = i + 1
+            reply[at + i] = tonumber(field)
+          end
+        end
+      end
+    end
+  end
+
+  if not replayed then
+    local deficits = {}
+    local all = true
+    for i = 1, n do
+      local a = tonumber(ARGV[params + 3 * i - 2])
+      local cap = tonumber(ARGV[params + 3 * i - 1])
+      local cost = tonumber(ARGV[params + 3 * i])
+      local deficit = deficit_of(KEYS[first_key + i], a)
+      deficits[i] = deficit
+      if deficit + cost <= cap then
+        reply[at + 2 * i - 1] = 1
+        reply[at + 2 * i] = deficit + cost
+      else
+        all = false
+        reply[at + 2 * i - 1] = 0
+        reply[at + 2 * i] = deficit
+      end
+    end
+
+    if all then
+      reply[at] = 1
+      for i = 1, n do
+        local a = tonumber(ARGV[params + 3 * i - 2])
+        local deficit = reply[at + 2 * i]
+        local micros = ceil_div(deficit, a)
+        local frac = micros * a - deficit
+        local value
+        if frac == 0 then
+          value = string.format('%d', now + micros)
+        else
+          value = string.format('%d:%d', now + micros, frac)
+        end
+        redis.call('SET', KEYS[first_key + i], value, 'PX', math.max(1, ceil_div(micros, 1000)))
+      end
+      if record then
+        local fields = {}
+        for i = 1, 2 * n do
+          fields[i] = string.format('%d', reply[at + i])
+        end
+        local expires = string.format('%d', now + tonumber(window) * 1000)
+        redis.call('SET', record, fingerprint .. '|' .. expires .. '|' .. table.concat(fields, ','),
+          'PX', window)
+      end
     else
-      full = tonumber(state)
-      frac = 0
+      -- Nothing is charged: every bucket reports its balance as it stands.
+      reply[at] = 0
+      for i = 1, n do
+        reply[at + 2 * i] = deficits[i]
+      end
     end
-    if full > now then
-      deficit = (full - now) * a - frac
-    end
-  end
-  deficits[i] = deficit
-  if deficit + cost <= cap then
-    reply[2 * i] = 1
-    reply[2 * i + 1] = deficit + cost
-  else
-    all = false
-    reply[2 * i] = 0
-    reply[2 * i + 1] = deficit
   end
 end
 
-if not all then
-  -- Nothing is charged: every bucket reports its balance as it stands.
-  reply[1] = 0
-  for i = 1, n do
-    reply[2 * i + 1] = deficits[i]
-  end
-  return reply
-end
-
-for i = 1, n do
-  local a = tonumber(ARGV[4 + (i - 1) * 4 + 1])
-  local deficit = reply[2 * i + 1]
-  local micros = ceil_div(deficit, a)
-  local frac = micros * a - deficit
-  local value
-  if frac == 0 then
-    value = string.format('%d', now + micros)
-  else
-    value = string.format('%d:%d', now + micros, frac)
-  end
-  redis.call('SET', KEYS[i], value, 'PX', math.max(1, ceil_div(micros, 1000)))
-end
-
-if record then
-  local fields = {}
-  for i = 2, #reply do
-    fields[#fields + 1] = string.format('%d', reply[i])
-  end
-  local expires = string.format('%d', now + tonumber(ARGV[3]) * 1000)
-  redis.call('SET', record, ARGV[4] .. '|' .. expires .. '|' .. table.concat(fields, ','), 'PX', ARGV[3])
-end
 return reply

@@ -33,6 +33,7 @@
 //! * Every call has a timeout (default 20 ms) and a circuit breaker stops waiting on a dead
 //!   Redis; failures surface as [`tollgate::Error::StoreUnavailable`], never as rejections.
 
+mod batch;
 mod breaker;
 mod failover;
 mod store;

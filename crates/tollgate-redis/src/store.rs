@@ -22,6 +22,7 @@ use redis::cluster_routing::Slot;
 use redis::{RedisError, Script, ScriptInvocation};
 use tollgate::{CheckRequest, Decision, Error, MonotonicClock, Store, Take, Unavailable};
 
+use crate::batch::{self, Batcher, Segment};
 use crate::breaker::{Breaker, BreakerConfig, Transition};
 use crate::units::ScriptLimit;
 
@@ -39,6 +40,11 @@ pub struct RedisConfig {
     pub idempotency_window: Duration,
     /// When to stop waiting on a failing Redis.
     pub breaker: BreakerConfig,
+    /// Script calls in flight at once per single-node store before requests queue up and
+    /// share calls (default 8).
+    pub max_in_flight: usize,
+    /// The most requests one script call carries (default 32).
+    pub max_batch: usize,
 }
 
 impl Default for RedisConfig {
@@ -48,7 +54,48 @@ impl Default for RedisConfig {
             timeout: Duration::from_millis(20),
             idempotency_window: Duration::from_secs(60),
             breaker: BreakerConfig::default(),
+            max_in_flight: 8,
+            max_batch: 32,
         }
+    }
+}
+
+impl RedisConfig {
+    /// Sets [`RedisConfig::timeout`].
+    #[must_use]
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Sets [`RedisConfig::prefix`].
+    #[must_use]
+    pub fn with_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// Sets [`RedisConfig::idempotency_window`].
+    #[must_use]
+    pub fn with_idempotency_window(mut self, window: Duration) -> Self {
+        self.idempotency_window = window;
+        self
+    }
+
+    /// Sets [`RedisConfig::max_in_flight`] and [`RedisConfig::max_batch`]; `(1, 1)` sends
+    /// every request in a call of its own, one at a time.
+    #[must_use]
+    pub fn with_batching(mut self, max_in_flight: usize, max_batch: usize) -> Self {
+        self.max_in_flight = max_in_flight;
+        self.max_batch = max_batch;
+        self
+    }
+
+    /// Sets [`RedisConfig::breaker`].
+    #[must_use]
+    pub fn with_breaker(mut self, breaker: BreakerConfig) -> Self {
+        self.breaker = breaker;
+        self
     }
 }
 
@@ -100,13 +147,16 @@ pub fn redact(url: &str) -> String {
 }
 
 #[derive(Clone)]
-enum Connection {
+pub(crate) enum Connection {
     Single(ConnectionManager),
     Cluster(ClusterConnection),
 }
 
 impl Connection {
-    async fn invoke(&self, invocation: &ScriptInvocation<'_>) -> Result<Vec<i64>, RedisError> {
+    pub(crate) async fn invoke(
+        &self,
+        invocation: &ScriptInvocation<'_>,
+    ) -> Result<Vec<i64>, RedisError> {
         match self.clone() {
             Connection::Single(mut connection) => invocation.invoke_async(&mut connection).await,
             Connection::Cluster(mut connection) => invocation.invoke_async(&mut connection).await,
@@ -126,6 +176,9 @@ impl Connection {
 pub struct RedisStore {
     connection: Connection,
     cluster: bool,
+    /// Batches concurrent requests into shared script calls (single node only: in a cluster,
+    /// one call can only touch one slot, and random keys rarely share one).
+    batcher: Option<Batcher>,
     take: Script,
     refund: Script,
     config: RedisConfig,
@@ -207,10 +260,20 @@ impl RedisStore {
         } else {
             return Err(invalid());
         };
+        let take = Script::new(include_str!("../scripts/take.lua"));
+        let batcher = (!cluster).then(|| {
+            Batcher::start(
+                take.clone(),
+                connection.clone(),
+                config.max_in_flight,
+                config.max_batch,
+            )
+        });
         Ok(Self {
             connection,
             cluster,
-            take: Script::new(include_str!("../scripts/take.lua")),
+            batcher,
+            take,
             refund: Script::new(include_str!("../scripts/refund.lua")),
             breaker: Breaker::new(config.breaker, MonotonicClock::new()),
             config,
@@ -241,7 +304,7 @@ impl RedisStore {
         request: CheckRequest<'_>,
         limits: &[ScriptLimit],
         keys: &[String],
-    ) -> Result<Result<Vec<Decision>, Error>, RedisError> {
+    ) -> Result<Result<Vec<Decision>, Error>, Unavailable> {
         let now = match request.now {
             Some(now) => (now.as_nanos() / 1_000).to_string(),
             None => String::new(),
@@ -256,29 +319,39 @@ impl RedisStore {
             .to_string();
 
         let calls = groups.iter().map(|group| {
-            let mut invocation = self.take.prepare_invoke();
-            for &i in &group.takes {
-                invocation.key(&keys[i]);
-            }
-            if let Some(record) = &group.record {
-                invocation.key(record);
-            }
-            invocation.arg(&now).arg(group.takes.len());
+            let mut keys_of: Vec<String> = group.takes.iter().map(|&i| keys[i].clone()).collect();
+            let mut args = Vec::with_capacity(3 + 3 * group.takes.len());
+            args.push(group.takes.len().to_string());
             match (&group.record, &fingerprint) {
-                (Some(_), Some(print)) => invocation.arg(&window_ms).arg(print),
-                _ => invocation.arg("").arg(""),
-            };
+                (Some(record), Some(print)) => {
+                    keys_of.push(record.clone());
+                    args.push(window_ms.clone());
+                    args.push(print.clone());
+                }
+                _ => args.extend([String::new(), String::new()]),
+            }
             for &i in &group.takes {
                 let limit = &limits[i];
-                invocation
-                    .arg(limit.a)
-                    .arg(limit.p)
-                    .arg(limit.cap)
-                    .arg(limit.cost(request.takes[i].cost));
+                args.push(limit.a.to_string());
+                args.push(limit.cap.to_string());
+                args.push(limit.cost(request.takes[i].cost).to_string());
             }
+            let segment = Segment {
+                keys: keys_of,
+                args,
+                buckets: group.takes.len(),
+            };
+            let now = now.clone();
+            let buckets = group.takes.len();
             async move {
-                let reply = self.connection.invoke(&invocation).await?;
-                parse_reply(&reply, group.takes.len())
+                let reply = match &self.batcher {
+                    Some(batcher) => batcher.submit(now, segment).await?,
+                    None => batch::invoke(&self.take, &self.connection, &now, &[&segment])
+                        .await?
+                        .pop()
+                        .ok_or(Unavailable::Protocol)?,
+                };
+                parse_reply(&reply, buckets)
             }
         });
         let replies = join_all(calls).await;
@@ -300,7 +373,7 @@ impl RedisStore {
                 })
                 .collect::<Vec<_>>();
             for result in join_all(refunds).await {
-                result?;
+                result.map_err(|err| classify(&err))?;
             }
         }
         if conflict {
@@ -413,7 +486,7 @@ impl Store for RedisStore {
             tokio::time::timeout(self.config.timeout, self.decide(request, &limits, &keys))
                 .await
                 .map_err(|_| Unavailable::Timeout)
-                .and_then(|result| result.map_err(|err| classify(&err)));
+                .and_then(|result| result);
         let transition = self.breaker.record(permit, outcome.is_ok());
         match transition {
             Some(Transition::Opened) => tracing::warn!(
@@ -469,22 +542,10 @@ fn record_key(bucket_key: &str, request_id: &str) -> String {
         .unwrap_or_else(|| format!("{bucket_key}:rid:{request_id}"))
 }
 
-fn parse_reply(reply: &[i64], buckets: usize) -> Result<GroupReply, RedisError> {
-    let protocol = || {
-        RedisError::from((
-            redis::ErrorKind::UnexpectedReturnType,
-            "tollgate script reply has the wrong shape",
-        ))
-    };
-    let (&status, rest) = reply.split_first().ok_or_else(protocol)?;
-    if status == -1 {
-        return Ok(GroupReply {
-            status,
-            buckets: Vec::new(),
-        });
-    }
-    if !(0..=2).contains(&status) || rest.len() != 2 * buckets {
-        return Err(protocol());
+fn parse_reply(reply: &[i64], buckets: usize) -> Result<GroupReply, Unavailable> {
+    let (&status, rest) = reply.split_first().ok_or(Unavailable::Protocol)?;
+    if !(-1..=2).contains(&status) || rest.len() != 2 * buckets {
+        return Err(Unavailable::Protocol);
     }
     Ok(GroupReply {
         status,
@@ -496,7 +557,7 @@ fn parse_reply(reply: &[i64], buckets: usize) -> Result<GroupReply, RedisError> 
 }
 
 /// Maps a client error to a closed set of reasons for metrics and failure modes.
-fn classify(err: &RedisError) -> Unavailable {
+pub(crate) fn classify(err: &RedisError) -> Unavailable {
     if err.is_timeout() {
         Unavailable::Timeout
     } else if err.is_io_error()
@@ -553,7 +614,8 @@ mod tests {
         assert!(parse_reply(&[], 1).is_err());
         assert!(parse_reply(&[1, 1], 1).is_err());
         assert!(parse_reply(&[7, 1, 0], 1).is_err());
-        assert!(parse_reply(&[-1], 3).is_ok());
+        assert!(parse_reply(&[-1], 3).is_err());
+        assert!(parse_reply(&[-1, 0, 0], 1).is_ok());
         let reply = parse_reply(&[0, 1, 5, 0, 9], 2).unwrap();
         assert_eq!(reply.buckets, vec![(true, 5), (false, 9)]);
     }
