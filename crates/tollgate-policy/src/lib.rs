@@ -32,7 +32,9 @@
 //! # Ok::<(), tollgate_policy::Error>(())
 //! ```
 
+pub mod audit;
 mod compile;
+mod engine;
 mod error;
 mod key;
 mod policy;
@@ -41,6 +43,7 @@ mod wall;
 
 pub use compile::compile;
 
+pub use engine::{EngineOptions, LimitOutcome, Outcome, PolicyEngine, PolicyStatus};
 pub use error::{Diagnostic, Error};
 pub use policy::{Effect, Exemption, FailureMode, LimitDef, Matched, Mode, Override, Policy};
 pub use wall::{ManualWallClock, SystemWallClock, UnixTime, WallClock};
