@@ -58,6 +58,14 @@ pub enum Error {
         /// The core's reason.
         source: tollgate::Error,
     },
+    /// The file watcher could not be started.
+    #[error("cannot watch {}: {source}", path.display())]
+    Watch {
+        /// The directory watched.
+        path: PathBuf,
+        /// The watcher's reason.
+        source: notify_debouncer_full::notify::Error,
+    },
 }
 
 impl Error {

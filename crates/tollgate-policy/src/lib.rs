@@ -40,6 +40,7 @@ mod key;
 mod policy;
 mod schema;
 mod wall;
+pub mod watch;
 
 pub use compile::compile;
 

@@ -25,7 +25,8 @@ pub(crate) struct PolicyFile {
     pub(crate) version: Option<Spanned<Text>>,
     #[serde(default)]
     pub(crate) defaults: Defaults,
-    #[serde(default)]
+    /// Required, even if empty: a truncated or empty file (caught mid-write) must be refused,
+    /// not read as a policy without limits.
     pub(crate) limits: Vec<LimitSpec>,
     #[serde(default)]
     pub(crate) exemptions: Vec<ExemptionSpec>,

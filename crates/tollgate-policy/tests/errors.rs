@@ -47,7 +47,7 @@ fn unknown_fields_are_refused_everywhere() {
         "unknown field",
     );
     case(
-        "defaults:\n  failure: open\n",
+        "defaults:\n  failure: open\nlimits: []\n",
         2,
         3,
         "defaults.failure",
@@ -226,7 +226,13 @@ fn rules_across_fields_point_at_the_field() {
         "limits[0].overrides[1].name",
         "duplicate override name",
     );
-    case("version: \"\"\n", 1, 10, "version", "1 to 64 characters");
+    case(
+        "version: \"\"\nlimits: []\n",
+        1,
+        10,
+        "version",
+        "1 to 64 characters",
+    );
 }
 
 #[test]
@@ -242,6 +248,18 @@ fn syntax_errors_have_positions() {
     let d = refused(&format!("{HEAD}    capacity: 20\n"));
     assert_eq!((d.line, d.path.as_str()), (5, "limits[0]"), "{d}");
     assert!(d.message.contains("missing field `refill`"), "{d}");
+}
+
+#[test]
+fn an_empty_or_truncated_file_is_not_an_empty_policy() {
+    for text in ["", "\n", "# only a comment\n", "version: 3\n"] {
+        let d = refused(text);
+        assert!(
+            d.message.contains("limits") || d.message.contains("EOF") || d.message.contains("end"),
+            "{text:?}: {d}"
+        );
+    }
+    assert!(compile("p.yaml", "limits: []\n").is_ok_and(|p| p.limits().is_empty()));
 }
 
 #[test]

@@ -224,7 +224,7 @@ fn version_is_derived_from_content_when_not_declared() {
     assert_eq!(a, b);
     assert_ne!(a, c);
     assert_eq!(
-        compile("v", "version: 3\n")
+        compile("v", "version: 3\nlimits: []\n")
             .map(|p| p.version().to_owned())
             .ok(),
         Some("3".into())
