@@ -472,6 +472,56 @@ where
         dropped
     }
 
+    /// Carries buckets over a change of parameters: the policy engine calls it when a reload
+    /// changes a limit's capacity or rate.
+    ///
+    /// For every stored bucket for which `change` returns `Some((new_key, old, new))`, the
+    /// bucket is removed and its balance is refilled under `old` up to `at`, clamped to `new`'s
+    /// capacity ([`bucket::rebase`]), and stored under `new_key`. A converted bucket that is
+    /// full is simply dropped (absent means full). If `new_key` already holds a bucket (checked
+    /// under `new` since the change), the one with fewer tokens is kept, so the conversion never
+    /// adds tokens. Returns the number of buckets carried over (full or not).
+    ///
+    /// `new_key` must differ from every key `change` selects (the caller names parameters in
+    /// its keys, so state is never read under parameters it was not produced under). Shards are
+    /// locked one at a time: checks proceed meanwhile, and a check of `new_key` that runs before
+    /// its bucket is carried over sees a new, full bucket (bounded by one burst per key, for the
+    /// duration of the pass).
+    pub fn rebase_where<F>(&self, at: Timestamp, mut change: F) -> usize
+    where
+        F: FnMut(&K) -> Option<(K, Limit, Limit)>,
+    {
+        let mut moved = Vec::new();
+        for shard in &self.shards {
+            let mut shard = sync::lock(&shard.0);
+            let taken = shard.buckets.extract_if(|slot| match change(&slot.key) {
+                Some((key, old, new)) => {
+                    moved.push((key, bucket::rebase(&old, &new, Some(slot.state), at)));
+                    true
+                }
+                None => false,
+            });
+            // extract_if removes lazily: drain it.
+            taken.for_each(drop);
+        }
+        let count = moved.len();
+        for (key, state) in moved {
+            let Some(state) = state else { continue };
+            let hash = self.hasher.hash_one(&key);
+            let mut shard = self.lock(hash);
+            match shard.buckets.find_mut(hash, |slot| slot.key == key) {
+                Some(slot) => {
+                    // Same parameters on both sides: the later full_at holds fewer tokens.
+                    if state.full_at() > slot.state.full_at() {
+                        slot.state = state;
+                    }
+                }
+                None => self.insert(&mut shard, hash, key, state, at),
+            }
+        }
+        count
+    }
+
     #[inline]
     fn shard_index(&self, hash: u64) -> usize {
         // Bits 24..56 pick the shard: hashbrown uses the low bits for the slot and the top seven
@@ -630,6 +680,56 @@ mod tests {
 
     fn limit(capacity: u64, rate: &str) -> Limit {
         Limit::new(capacity, rate.parse().unwrap()).unwrap()
+    }
+
+    #[test]
+    fn rebase_where_refills_under_old_then_clamps_under_new() {
+        let store: MemoryStore<String> = MemoryStore::default();
+        let old = limit(20, "10/s");
+        let new = limit(10, "1/s");
+        // a: 20 - 20 = 0 tokens at 0; at 0.5 s it holds 5 under the old rate.
+        assert!(store.check("a@old", &old, 20, at(0)).unwrap().allowed());
+        // b: 20 - 2 = 18 tokens; clamped to the new capacity, 10.
+        assert!(store.check("b@old", &old, 2, at(0)).unwrap().allowed());
+        // c: another limit, untouched.
+        assert!(store.check("c", &old, 20, at(0)).unwrap().allowed());
+        let moved = store.rebase_where(at(SEC / 2), |key: &String| {
+            key.strip_suffix("@old")
+                .map(|base| (format!("{base}@new"), old, new))
+        });
+        assert_eq!(moved, 2);
+        let a = store.peek("a@new", &new, 1, at(SEC / 2)).unwrap();
+        assert_eq!(a.remaining(), 4, "5 tokens carried over, 1 asked");
+        // b was full under the new capacity: dropped, and absent means full.
+        assert_eq!(
+            store
+                .peek("b@new", &new, 1, at(SEC / 2))
+                .unwrap()
+                .remaining(),
+            9
+        );
+        assert_eq!(store.stats().live_buckets, 2);
+        assert!(!store.check("c", &old, 1, at(0)).unwrap().allowed());
+        assert!(
+            store
+                .peek("a@old", &old, 1, at(SEC / 2))
+                .unwrap()
+                .remaining()
+                == 19
+        );
+    }
+
+    #[test]
+    fn rebase_where_keeps_the_emptier_bucket_on_collision() {
+        let store: MemoryStore<String> = MemoryStore::default();
+        let l = limit(10, "1/s");
+        assert!(store.check("k@old", &l, 3, at(0)).unwrap().allowed());
+        assert!(store.check("k@new", &l, 8, at(0)).unwrap().allowed());
+        store.rebase_where(at(0), |key: &String| {
+            (key == "k@old").then(|| ("k@new".to_owned(), l, l))
+        });
+        assert_eq!(store.peek("k@new", &l, 1, at(0)).unwrap().remaining(), 1);
+        assert_eq!(store.stats().live_buckets, 1);
     }
 
     #[test]
