@@ -9,12 +9,13 @@
 //!
 //! Buckets live in one [`MemoryStore`] shared by every version, keyed by the match's bucket key
 //! (limit name and key values, never the version), so a reload keeps everyone's balance. The
-//! store key adds a tag of the bucket's parameters: a stored state means something only under
-//! the parameters that produced it, so a limit whose capacity or rate changes gets fresh buckets
-//! instead of misread ones. (Carrying those balances over, refilled under the old parameters and
-//! clamped to the new capacity, needs a rebasing API in the core store; see `docs/policy.md`.)
+//! store key adds a tag of the bucket's parameters, because a stored state means something only
+//! under the parameters that produced it. When a load or rollback changes a limit's (or an
+//! override's) capacity or rate, its buckets are carried over right after the swap with
+//! [`MemoryStore::rebase_where`]: refilled under the old parameters up to that moment, clamped
+//! to the new capacity, and re-keyed under the new tag.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -325,6 +326,7 @@ impl PolicyEngine {
         };
         let changed = changed_limits(&current, &policy);
         self.current.store(Arc::clone(&policy));
+        self.carry_over(&current, &policy);
         control.history.push_back(Arc::clone(&current));
         while control.history.len() > self.options.history {
             control.history.pop_front();
@@ -365,6 +367,7 @@ impl PolicyEngine {
         let mut control = self.control.lock();
         let previous = control.history.pop_back().ok_or(Error::NothingToRollBack)?;
         let from = self.current.swap(Arc::clone(&previous));
+        self.carry_over(&from, &previous);
         control.loaded_at = self.options.wall.now();
         // The file no longer matches what is in force: the next reload must load it.
         control.text_hash = None;
@@ -593,6 +596,39 @@ impl PolicyEngine {
         })
     }
 
+    /// Carries the buckets of every limit and override whose parameters differ between `old`
+    /// and `new` over to the new parameters (SPEC §2: refill under the old ones up to now, then
+    /// clamp to the new capacity).
+    fn carry_over(&self, old: &Policy, new: &Policy) -> usize {
+        let mut changes: HashMap<(&str, &str), (u32, u32, Limit, Limit)> = HashMap::new();
+        for limit in new.limits() {
+            let Some(before) = old.limit(limit.name()) else {
+                continue;
+            };
+            let pairs = std::iter::once(("", before.params(), limit.params())).chain(
+                limit.overrides().iter().filter_map(|o| {
+                    let b = before.overrides().iter().find(|b| b.name() == o.name())?;
+                    Some((o.name(), b.params(), o.params()))
+                }),
+            );
+            for (name, was, is) in pairs {
+                if was != is {
+                    let entry = (params_tag(was), params_tag(is), *was, *is);
+                    changes.insert((limit.name(), name), entry);
+                }
+            }
+        }
+        if changes.is_empty() {
+            return 0;
+        }
+        let now = self.options.clock.now();
+        self.store.rebase_where(now, |key| {
+            let (limit, override_, tag, bucket) = split_store_key(key)?;
+            let &(old_tag, new_tag, was, is) = changes.get(&(limit, override_))?;
+            (tag == old_tag).then(|| (format!("{bucket}@{new_tag:08x}").into_boxed_str(), was, is))
+        })
+    }
+
     fn audit(&self, event: impl FnOnce() -> AuditEvent) {
         if let Some(audit) = &self.options.audit {
             audit.record(&event());
@@ -604,6 +640,30 @@ impl PolicyEngine {
 fn store_key(bucket_key: &str, params: &Limit) -> Box<str> {
     let tag = params_tag(params);
     format!("{bucket_key}@{tag:08x}").into_boxed_str()
+}
+
+/// Splits a store key into limit name, override name (empty for none), parameter tag and
+/// bucket key. Names never contain `|`, `#`, `\` or `@`; values escape `|`, `#` and `\`.
+fn split_store_key(key: &str) -> Option<(&str, &str, u32, &str)> {
+    let (bucket, tag) = key.rsplit_once('@')?;
+    let tag = u32::from_str_radix(tag, 16).ok()?;
+    let limit = bucket.split(['|', '#']).next()?;
+    let override_ = match bucket.rfind('#') {
+        Some(at) if !escaped(bucket, at) => &bucket[at + 1..],
+        _ => "",
+    };
+    Some((limit, override_, tag, bucket))
+}
+
+/// Whether the character at byte `at` is preceded by an odd number of backslashes.
+fn escaped(text: &str, at: usize) -> bool {
+    text.as_bytes()[..at]
+        .iter()
+        .rev()
+        .take_while(|&&b| b == b'\\')
+        .count()
+        % 2
+        == 1
 }
 
 /// 32 bits of a stable hash of the parameters.
@@ -640,4 +700,33 @@ fn read(path: &Path) -> Result<String, Error> {
         path: path.to_owned(),
         source,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn store_keys_split_back() {
+        let cases = [
+            (
+                "per-user|acme|u1@0000002a",
+                ("per-user", "", 42, "per-user|acme|u1"),
+            ),
+            (
+                "per-user|a\\#b@ffffffff",
+                ("per-user", "", u32::MAX, "per-user|a\\#b"),
+            ),
+            (
+                "per-user|a\\\\#gold@00000001",
+                ("per-user", "gold", 1, "per-user|a\\\\#gold"),
+            ),
+            ("global#0@00000000", ("global", "0", 0, "global#0")),
+            ("l|x@y@00000003", ("l", "", 3, "l|x@y")),
+        ];
+        for (key, expected) in cases {
+            assert_eq!(split_store_key(key), Some(expected), "{key}");
+        }
+        assert_eq!(split_store_key("no-tag"), None);
+    }
 }

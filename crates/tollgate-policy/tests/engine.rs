@@ -477,3 +477,103 @@ fn retries_with_a_request_id_are_free() {
     }
     assert_eq!(decide(&r.engine, &user("a", "t")).1[0].2, 1);
 }
+
+const CHANGE: &str = r#"
+version: "1"
+limits:
+  - name: per-user
+    domain: api
+    key: [user]
+    capacity: 20
+    refill: 10/s
+    overrides:
+      - name: gold
+        when: {tier: gold}
+        capacity: 40
+  - name: untouched
+    domain: api
+    key: [team]
+    capacity: 20
+    refill: 1/d
+"#;
+
+fn remaining(engine: &PolicyEngine, d: &[(&str, &str)]) -> Vec<u64> {
+    engine
+        .explain("api", &[d], 1)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .limits
+        .iter()
+        // Explaining a cost of 1 reports the balance after a hypothetical charge when it fits.
+        .map(|l| {
+            l.decision
+                .map_or(0, |d| d.remaining() + u64::from(d.allowed()))
+        })
+        .collect()
+}
+
+#[test]
+fn a_capacity_change_refills_under_the_old_rate_then_clamps() {
+    let r = rig(CHANGE);
+    let plain = [("user", "a")];
+    let gold = [("user", "a"), ("tier", "gold")];
+    // Empty the plain bucket (20) and take 30 of gold's 40.
+    assert!(
+        r.engine
+            .decide("api", &[plain], 20, None)
+            .is_ok_and(|o| o.allowed)
+    );
+    assert!(
+        r.engine
+            .decide("api", &[gold], 20, None)
+            .is_ok_and(|o| o.allowed)
+    );
+    assert!(
+        r.engine
+            .decide("api", &[gold], 10, None)
+            .is_ok_and(|o| o.allowed)
+    );
+    let team = [("team", "t")];
+    assert!(
+        r.engine
+            .decide("api", &[team], 20, None)
+            .is_ok_and(|o| o.allowed)
+    );
+    assert_eq!(remaining(&r.engine, &plain), [0]);
+    assert_eq!(remaining(&r.engine, &gold), [10]);
+    assert_eq!(remaining(&r.engine, &team), [0]);
+
+    // 0.5 s later the limit shrinks to 3 tokens at 1/s, gold to 8 at 1/s.
+    r.clock.advance(Duration::from_millis(500));
+    let v2 = CHANGE
+        .replace("version: \"1\"", "version: \"2\"")
+        .replace(
+            "capacity: 20\n    refill: 10/s",
+            "capacity: 3\n    refill: 1/s",
+        )
+        .replace("capacity: 40", "capacity: 8");
+    assert!(r.engine.load("p.yaml", &v2).is_ok());
+    // Plain: 0 + 0.5 s * 10/s = 5 under the old rate, clamped to 3.
+    // Gold: 10 + 5 = 15 under the old rate, clamped to 8.
+    // Untouched: its bucket kept its balance (0 tokens, refilling 1/d).
+    assert_eq!(remaining(&r.engine, &plain), [3]);
+    assert_eq!(remaining(&r.engine, &gold), [8]);
+    assert_eq!(remaining(&r.engine, &team), [0]);
+    let loaded = r
+        .audit
+        .events()
+        .into_iter()
+        .rfind(|e| e["event"] == "loaded");
+    assert_eq!(
+        loaded.map(|e| e["changed_limits"].clone()),
+        Some(serde_json::json!(["per-user"]))
+    );
+
+    // Growing back (rollback to 1) keeps the balance: 3 tokens, not a full 20.
+    assert!(
+        r.engine
+            .decide("api", &[plain], 2, None)
+            .is_ok_and(|o| o.allowed)
+    );
+    assert!(r.engine.rollback().is_ok());
+    assert_eq!(remaining(&r.engine, &plain), [1]);
+}
