@@ -239,12 +239,18 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
             ModeSpec::Enforce => Mode::Enforce,
             ModeSpec::Shadow => Mode::Shadow,
         };
+        // A key entry also listed in `when` is one entry of the descriptor, not two.
+        let exact = spec.exact.then(|| {
+            let in_when = |k: &String| spec.when.as_ref().is_some_and(|w| w.value.contains_key(k));
+            when.len() + key.iter().filter(|k| !in_when(k)).count()
+        });
         limits.push(LimitDef {
             index: i as u32,
             name: spec.name.value.as_str().into(),
             domain: spec.domain.value.as_str().into(),
             when,
             key: key.iter().map(|k| k.as_str().into()).collect(),
+            exact,
             params,
             mode,
             rollout: spec.rollout.map_or(10_000, |p| p.0),

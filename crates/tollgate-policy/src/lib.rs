@@ -35,6 +35,7 @@
 pub mod audit;
 mod compile;
 mod engine;
+pub mod envoy;
 mod error;
 mod key;
 mod policy;
@@ -45,6 +46,7 @@ pub mod watch;
 pub use compile::compile;
 
 pub use engine::{EngineOptions, LimitOutcome, Outcome, PolicyEngine, PolicyStatus};
+pub use envoy::import_envoy;
 pub use error::{Diagnostic, Error};
 pub use policy::{Effect, Exemption, FailureMode, LimitDef, Matched, Mode, Override, Policy};
 pub use wall::{ManualWallClock, SystemWallClock, UnixTime, WallClock};

@@ -74,6 +74,9 @@ pub struct LimitDef {
     pub(crate) domain: Box<str>,
     pub(crate) when: Conditions,
     pub(crate) key: Box<[Box<str>]>,
+    /// With `exact: true`, the number of distinct entries a descriptor must have (those of
+    /// `when` and `key`, no others).
+    pub(crate) exact: Option<usize>,
     pub(crate) params: Limit,
     pub(crate) mode: Mode,
     /// Hundredths of a percent of subjects that are enforced (10,000 = all).
@@ -103,6 +106,11 @@ impl LimitDef {
     /// Descriptor entries whose values identify the bucket.
     pub fn key(&self) -> impl Iterator<Item = &str> {
         self.key.iter().map(|k| &**k)
+    }
+
+    /// Whether a descriptor must hold exactly the `when` and `key` entries, no others.
+    pub fn exact(&self) -> bool {
+        self.exact.is_some()
     }
 
     /// The parameters when no override applies.
@@ -393,7 +401,7 @@ impl Policy {
         out: &mut Vec<Matched<'p>>,
     ) {
         let limit = &self.limits[index as usize];
-        if !all_equal(&limit.when, entries) {
+        if limit.exact.is_some_and(|n| n != entries.len()) || !all_equal(&limit.when, entries) {
             return;
         }
         let mut size = limit.name.len();

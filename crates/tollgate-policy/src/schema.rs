@@ -57,6 +57,8 @@ pub(crate) struct LimitSpec {
     pub(crate) capacity: Spanned<u64>,
     pub(crate) refill: Spanned<RateText>,
     #[serde(default)]
+    pub(crate) exact: bool,
+    #[serde(default)]
     pub(crate) algorithm: Option<Spanned<String>>,
     #[serde(default)]
     pub(crate) mode: Option<ModeSpec>,

@@ -338,3 +338,20 @@ fn owned_descriptors_work_too() {
         "per-ip|9"
     );
 }
+
+#[test]
+fn exact_limits_want_exactly_their_entries() {
+    let text = "limits:\n  - name: exact\n    domain: d\n    when: {a: \"1\"}\n    key: [b]\n    exact: true\n    capacity: 1\n    refill: 1/s\n  - name: loose\n    domain: d\n    when: {a: \"1\"}\n    key: [b]\n    capacity: 1\n    refill: 1/s\n";
+    let p = compile("x.yaml", text).unwrap_or_else(|e| panic!("{e}"));
+    assert!(p.limits()[0].exact() && !p.limits()[1].exact());
+    type Case<'a> = (&'a [(&'a str, &'a str)], &'a [&'a str]);
+    let cases: &[Case<'_>] = &[
+        (&[("a", "1"), ("b", "x")], &["exact|x@0", "loose|x@0"]),
+        (&[("b", "x"), ("a", "1")], &["exact|x@0", "loose|x@0"]),
+        (&[("a", "1"), ("b", "x"), ("c", "y")], &["loose|x@0"]),
+        (&[("a", "1")], &[]),
+    ];
+    for (descriptor, expected) in cases {
+        assert_eq!(names(&p, "d", &[descriptor]), *expected, "{descriptor:?}");
+    }
+}
