@@ -251,6 +251,7 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
             when,
             key: key.iter().map(|k| k.as_str().into()).collect(),
             exact,
+            filed: 0,
             params,
             mode,
             rollout: spec.rollout.map_or(10_000, |p| p.0),
@@ -300,20 +301,56 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
     let mut domains: HashMap<Box<str>, DomainIndex, _> =
         HashMap::with_hasher(foldhash::fast::RandomState::default());
     type Lists = StdHashMap<u64, Vec<u32>>;
+    // File each limit under its most selective condition: the `when` pair (or, without `when`,
+    // the key entry) that the fewest limits of its domain share. Filing under a pair such as
+    // method=POST would make every POST request try every limit filed there.
+    let mut pair_use: StdHashMap<(&str, &str, &str), usize> = StdHashMap::new();
+    let mut entry_use: StdHashMap<(&str, &str), usize> = StdHashMap::new();
+    for limit in &limits {
+        for (entry, value) in &*limit.when {
+            *pair_use
+                .entry((&*limit.domain, &**entry, &**value))
+                .or_default() += 1;
+        }
+        for entry in &*limit.key {
+            *entry_use.entry((&*limit.domain, &**entry)).or_default() += 1;
+        }
+    }
+    let mut filed_at = Vec::with_capacity(limits.len());
     let mut staging: StdHashMap<&str, (Lists, Lists, Vec<u32>)> = StdHashMap::new();
     for limit in &limits {
         let (pairs, entries, always) = staging.entry(&*limit.domain).or_default();
-        let filed = if let Some((entry, value)) = limit.when.first() {
-            Some((pairs, hasher.hash_one((&**entry, &**value))))
-        } else {
-            limit
-                .key
-                .first()
-                .map(|entry| (entries, hasher.hash_one(&**entry)))
+        let domain = &*limit.domain;
+        let best_pair = (0..limit.when.len()).min_by_key(|&i| {
+            let (entry, value) = &limit.when[i];
+            pair_use
+                .get(&(domain, &**entry, &**value))
+                .copied()
+                .unwrap_or(0)
+        });
+        let best_entry = (0..limit.key.len()).min_by_key(|&i| {
+            entry_use
+                .get(&(domain, &*limit.key[i]))
+                .copied()
+                .unwrap_or(0)
+        });
+        let filed = match (best_pair, best_entry) {
+            (Some(i), _) => {
+                let (entry, value) = &limit.when[i];
+                Some((pairs, hasher.hash_one((&**entry, &**value)), i))
+            }
+            (None, Some(i)) => Some((entries, hasher.hash_one(&*limit.key[i]), i)),
+            (None, None) => None,
         };
         match filed {
-            Some((lists, hash)) => lists.entry(hash).or_default().push(limit.index),
-            None => always.push(limit.index),
+            Some((lists, hash, i)) => {
+                lists.entry(hash).or_default().push(limit.index);
+                filed_at.push(i);
+            }
+            None => {
+                always.push(limit.index);
+                filed_at.push(0);
+            }
         }
     }
     for (domain, (pairs, entries, always)) in staging {
@@ -334,6 +371,9 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
         );
     }
 
+    for (limit, filed) in limits.iter_mut().zip(filed_at) {
+        limit.filed = filed;
+    }
     Ok(Policy {
         version,
         source: file.into(),

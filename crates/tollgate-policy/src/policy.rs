@@ -10,8 +10,9 @@
 //! Matching runs on every request, so it must not scan the limits. Per domain, each limit is
 //! filed once, under the most specific thing it requires:
 //!
-//! * its first `when` entry and value (a hash of the pair), or else
-//! * its first `key` entry name, or else
+//! * the `when` entry and value (a hash of the pair) that the fewest limits of its domain share,
+//!   or else
+//! * the `key` entry name that the fewest limits of its domain share, or else
 //! * nothing: it applies to every descriptor of the domain.
 //!
 //! A descriptor of `n` entries then costs `2n` hash lookups plus a verification of each
@@ -77,6 +78,9 @@ pub struct LimitDef {
     /// With `exact: true`, the number of distinct entries a descriptor must have (those of
     /// `when` and `key`, no others).
     pub(crate) exact: Option<usize>,
+    /// The position, in `when` (or in `key` when `when` is empty), of the entry the limit is
+    /// filed under in its domain's index.
+    pub(crate) filed: usize,
     pub(crate) params: Limit,
     pub(crate) mode: Mode,
     /// Hundredths of a percent of subjects that are enforced (10,000 = all).
@@ -269,9 +273,9 @@ impl Matched<'_> {
 /// Candidate lists of one domain.
 #[derive(Debug, Default)]
 pub(crate) struct DomainIndex {
-    /// Keyed by the hash of a limit's first `when` (entry, value).
+    /// Keyed by the hash of the `when` (entry, value) a limit is filed under.
     pub(crate) by_pair: HashTable<(u64, Box<[u32]>)>,
-    /// Keyed by the hash of a `when`-less limit's first key entry name.
+    /// Keyed by the hash of the key entry name a `when`-less limit is filed under.
     pub(crate) by_entry: HashTable<(u64, Box<[u32]>)>,
     /// Limits with neither conditions nor key entries.
     pub(crate) always: Box<[u32]>,
@@ -357,8 +361,9 @@ impl Policy {
                     for &limit in &**list {
                         // A hash collision could file another pair's limits here: check the
                         // pair this limit is filed under, so it is tried once only.
-                        let first = &self.limits[limit as usize].when[0];
-                        if &*first.0 == entry && &*first.1 == value {
+                        let candidate = &self.limits[limit as usize];
+                        let filed = &candidate.when[candidate.filed];
+                        if &*filed.0 == entry && &*filed.1 == value {
                             self.try_limit(limit, position, entries, now, out);
                         }
                     }
@@ -366,7 +371,8 @@ impl Policy {
                 let name = self.hasher.hash_one(entry);
                 if let Some((_, list)) = index.by_entry.find(name, |(h, _)| *h == name) {
                     for &limit in &**list {
-                        if &*self.limits[limit as usize].key[0] == entry {
+                        let candidate = &self.limits[limit as usize];
+                        if &*candidate.key[candidate.filed] == entry {
                             self.try_limit(limit, position, entries, now, out);
                         }
                     }

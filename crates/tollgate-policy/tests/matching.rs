@@ -355,3 +355,29 @@ fn exact_limits_want_exactly_their_entries() {
         assert_eq!(names(&p, "d", &[descriptor]), *expected, "{descriptor:?}");
     }
 }
+
+#[test]
+fn limits_sharing_a_condition_are_filed_under_their_rarest_one() {
+    let mut text = String::from("limits:\n");
+    for i in 0..50 {
+        text.push_str(&format!(
+            "  - name: r{i}\n    domain: d\n    when: {{method: POST, route: /r{i}}}\n    key: [user, tenant]\n    capacity: 1\n    refill: 1/s\n"
+        ));
+    }
+    for i in 0..3 {
+        text.push_str(&format!(
+            "  - name: t{i}\n    domain: d\n    key: [tenant, user{i}]\n    capacity: 1\n    refill: 1/s\n"
+        ));
+    }
+    let p = compile("x.yaml", &text).unwrap_or_else(|e| panic!("{e}"));
+    let d = [
+        ("method", "POST"),
+        ("route", "/r7"),
+        ("user", "u"),
+        ("tenant", "t"),
+        ("user1", "v"),
+    ];
+    assert_eq!(names(&p, "d", &[&d]), ["r7|u|t@0", "t1|t|v@0"]);
+    let d = [("route", "/r7"), ("user", "u"), ("tenant", "t")];
+    assert_eq!(names(&p, "d", &[&d]), Vec::<String>::new());
+}
