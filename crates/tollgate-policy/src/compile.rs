@@ -23,6 +23,10 @@ use crate::wall::UnixTime;
 /// The longest name a limit or override may have: names go into every bucket key.
 const MAX_NAME: usize = 128;
 
+/// The most limits (and, separately, exemptions) one policy may hold: far above any real
+/// policy, and low enough that positions fit the `u32` indexes of the matcher.
+const MAX_ENTRIES: usize = 1_000_000;
+
 /// Parses and validates policy `text`, reporting problems against `file`.
 pub fn compile(file: &str, text: &str) -> Result<Policy, Error> {
     let parsed = schema::parse(file, text)?;
@@ -102,6 +106,22 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
         .unwrap_or(FailureModeSpec::Closed);
     let default_emergency = parsed.defaults.emergency.map(|r| r.0);
 
+    if let Some(spec) = parsed.limits.get(MAX_ENTRIES) {
+        return Err(at(
+            file,
+            &spec.name,
+            format!("limits[{MAX_ENTRIES}]"),
+            format!("a policy may hold at most {MAX_ENTRIES} limits"),
+        ));
+    }
+    if let Some(spec) = parsed.exemptions.get(MAX_ENTRIES) {
+        return Err(at(
+            file,
+            &spec.limit,
+            format!("exemptions[{MAX_ENTRIES}]"),
+            format!("a policy may hold at most {MAX_ENTRIES} exemptions"),
+        ));
+    }
     let mut names: HashSet<String> = HashSet::new();
     let mut limits = Vec::with_capacity(parsed.limits.len());
     for (i, spec) in parsed.limits.iter().enumerate() {
@@ -245,6 +265,7 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
             when.len() + key.iter().filter(|k| !in_when(k)).count()
         });
         limits.push(LimitDef {
+            // At most MAX_ENTRIES, checked above.
             index: i as u32,
             name: spec.name.value.as_str().into(),
             domain: spec.domain.value.as_str().into(),

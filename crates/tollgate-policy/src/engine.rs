@@ -29,7 +29,7 @@ use crate::audit::{AuditEvent, AuditLog};
 use crate::compile::compile;
 use crate::error::Error;
 use crate::key::stable_hash;
-use crate::policy::{Effect, Policy};
+use crate::policy::{Effect, FailureMode, Policy};
 use crate::wall::{SystemWallClock, UnixTime, WallClock};
 
 /// How a [`PolicyEngine`] is set up.
@@ -116,6 +116,11 @@ pub struct Outcome {
     pub policy_version: Arc<str>,
     /// Every applicable limit, grouped by descriptor, in declaration order.
     pub limits: Vec<LimitOutcome>,
+    /// Decided without the shared store ([`PolicyEngine::decide_degraded`]).
+    pub degraded: bool,
+    /// Denied because a limit fails closed while the store is down: not an ordinary rejection
+    /// (HTTP 503 / gRPC UNAVAILABLE rather than 429).
+    pub failed_closed: bool,
 }
 
 impl Outcome {
@@ -185,6 +190,9 @@ pub struct PolicyEngine {
     current: ArcSwap<Policy>,
     control: Mutex<Control>,
     store: MemoryStore<Box<str>>,
+    /// Local emergency buckets of limits that fail open, used only while the shared store is
+    /// down.
+    emergency: MemoryStore<Box<str>>,
     options: EngineOptions,
     path: Option<PathBuf>,
     unmatched: AtomicU64,
@@ -242,6 +250,9 @@ impl PolicyEngine {
                 changes: 1,
             }),
             store,
+            emergency: MemoryStore::builder()
+                .max_buckets(options.max_buckets)
+                .build(),
             options,
             path,
             unmatched: AtomicU64::new(0),
@@ -474,6 +485,8 @@ impl PolicyEngine {
                 allowed: true,
                 policy_version: Arc::clone(policy.version_arc()),
                 limits: Vec::new(),
+                degraded: false,
+                failed_closed: false,
             });
         }
 
@@ -593,6 +606,148 @@ impl PolicyEngine {
             allowed,
             policy_version: version,
             limits,
+            degraded: false,
+            failed_closed: false,
+        })
+    }
+
+    /// Decides one request while the shared store cannot answer (down, slow, failing), with
+    /// `reason` for the audit log. Every enforced limit follows its `failure_mode`:
+    ///
+    /// * `closed`: the request is denied with [`Outcome::failed_closed`] set, distinguishable
+    ///   from an ordinary rejection;
+    /// * `open`: the request is checked against a local emergency bucket per key, all or
+    ///   nothing; a cost above the emergency capacity is rejected (never unlimited).
+    ///
+    /// Shadow and outside-rollout limits are not decided (they could not reject anyway);
+    /// exemptions apply as usual. Every degraded limit decision is audited with its reason.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Check`] when `cost` is 0.
+    pub fn decide_degraded<D, S>(
+        &self,
+        domain: &str,
+        descriptors: &[D],
+        cost: u64,
+        reason: &str,
+    ) -> Result<Outcome, Error>
+    where
+        D: AsRef<[(S, S)]>,
+        S: AsRef<str>,
+    {
+        let policy = self.current.load();
+        let now = self.options.clock.now();
+        let matched = policy.matches(domain, descriptors, self.options.wall.now());
+        let version = Arc::clone(policy.version_arc());
+        if matched.is_empty() {
+            self.unmatched.fetch_add(1, Ordering::Relaxed);
+            return Ok(Outcome {
+                allowed: true,
+                policy_version: version,
+                limits: Vec::new(),
+                degraded: true,
+                failed_closed: false,
+            });
+        }
+        if cost == 0 {
+            return Err(Error::Check {
+                limit: matched[0].limit.name().to_owned(),
+                source: tollgate::Error::InvalidCost { cost, capacity: 0 },
+            });
+        }
+        let mut failed_closed = false;
+        let mut open: Vec<(usize, Box<str>, Limit)> = Vec::new();
+        for (i, m) in matched.iter().enumerate() {
+            if m.effect != Effect::Enforce {
+                continue;
+            }
+            match m.limit.failure_mode() {
+                FailureMode::Closed => failed_closed = true,
+                FailureMode::Open { emergency } => {
+                    let key = store_key(&m.bucket_key, &emergency);
+                    if !open.iter().any(|(_, k, _)| *k == key) {
+                        open.push((i, key, emergency));
+                    }
+                }
+            }
+        }
+        let mut decisions: Vec<Option<Decision>> = vec![None; matched.len()];
+        let mut emergency_ok = true;
+        if !failed_closed && !open.is_empty() {
+            if open.iter().any(|(_, _, limit)| cost > limit.capacity()) {
+                emergency_ok = false;
+            } else {
+                let items: Vec<Item<'_, str>> = open
+                    .iter()
+                    .map(|(_, key, limit)| Item {
+                        key: &**key,
+                        limit,
+                        cost,
+                    })
+                    .collect();
+                let results = self
+                    .emergency
+                    .check_all(&items, now, None)
+                    .map_err(|source| Error::Check {
+                        limit: matched[open[0].0].limit.name().to_owned(),
+                        source,
+                    })?;
+                for ((i, ..), d) in open.iter().zip(results) {
+                    emergency_ok &= d.allowed();
+                    decisions[*i] = Some(d);
+                }
+            }
+        }
+        let allowed = !failed_closed && emergency_ok;
+        let mut limits = Vec::with_capacity(matched.len());
+        for (m, decision) in matched.iter().zip(decisions) {
+            let mut exempted_by = None;
+            match m.effect {
+                Effect::Exempt(exemption) => {
+                    exempted_by = Some(exemption.owner().to_owned());
+                    exemption.record_use();
+                    self.audit(|| AuditEvent::ExemptionUsed {
+                        limit: m.limit.name().to_owned(),
+                        bucket_key: m.bucket_key.clone(),
+                        owner: exemption.owner().to_owned(),
+                        reason: exemption.reason().to_owned(),
+                        expires: exemption.expires().to_rfc3339(),
+                        uses: exemption.uses(),
+                        policy_version: version.to_string(),
+                    });
+                }
+                Effect::Enforce => {
+                    let mode = match m.limit.failure_mode() {
+                        FailureMode::Closed => "closed",
+                        _ => "open",
+                    };
+                    self.audit(|| AuditEvent::Degraded {
+                        limit: m.limit.name().to_owned(),
+                        bucket_key: m.bucket_key.clone(),
+                        reason: reason.to_owned(),
+                        failure_mode: mode.to_owned(),
+                        allowed,
+                        policy_version: version.to_string(),
+                    });
+                }
+                _ => {}
+            }
+            limits.push(LimitOutcome {
+                name: m.limit.name().to_owned(),
+                descriptor: m.descriptor,
+                bucket_key: m.bucket_key.clone(),
+                mode: m.effect.as_str(),
+                decision,
+                exempted_by,
+            });
+        }
+        Ok(Outcome {
+            allowed,
+            policy_version: version,
+            limits,
+            degraded: true,
+            failed_closed,
         })
     }
 

@@ -257,7 +257,8 @@ pub struct Matched<'p> {
     pub limit: &'p LimitDef,
     /// The override that set the parameters, if any (the first that matched).
     pub override_: Option<&'p Override>,
-    /// The bucket's key in the store (see [`crate::key`] for the encoding).
+    /// The bucket's key in the store: `limit-name|value...[#override]`, with `\`, `|` and `#` in
+    /// values escaped by a backslash, so different subjects never share a bucket.
     pub bucket_key: String,
     /// Whether it can reject.
     pub effect: Effect<'p>,

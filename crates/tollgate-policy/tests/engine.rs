@@ -577,3 +577,82 @@ fn a_capacity_change_refills_under_the_old_rate_then_clamps() {
     assert!(r.engine.rollback().is_ok());
     assert_eq!(remaining(&r.engine, &plain), [1]);
 }
+
+const FAILURE: &str = r#"
+version: "f"
+defaults:
+  emergency: 2/s
+limits:
+  - name: open-one
+    domain: api
+    key: [user]
+    capacity: 100
+    refill: 100/s
+    failure_mode: open
+  - name: closed-one
+    domain: api
+    key: [tenant]
+    capacity: 100
+    refill: 100/s
+  - name: watching
+    domain: api
+    key: [user]
+    capacity: 1
+    refill: 1/s
+    mode: shadow
+"#;
+
+#[test]
+fn degraded_decisions_follow_failure_modes_and_are_audited() {
+    let r = rig(FAILURE);
+    // Open: the emergency budget (2 tokens, 2/s), never unlimited.
+    let d = |cost| {
+        r.engine
+            .decide_degraded("api", &[[("user", "u")]], cost, "store timeout")
+            .unwrap_or_else(|e| panic!("{e}"))
+    };
+    let first = d(1);
+    assert!(first.allowed && first.degraded && !first.failed_closed);
+    assert_eq!(
+        first.limits[0].decision.map(|d| d.limit().capacity()),
+        Some(2)
+    );
+    assert_eq!(first.limits[1].mode, "shadow");
+    assert!(first.limits[1].decision.is_none());
+    assert!(d(1).allowed);
+    assert!(!d(1).allowed);
+    // A cost above the emergency capacity is rejected, not an error.
+    r.clock.advance(Duration::from_secs(5));
+    assert!(!d(3).allowed);
+    // Closed: denied, distinguishably.
+    let closed = r
+        .engine
+        .decide_degraded("api", &[[("tenant", "t"), ("user", "v")]], 1, "store down")
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(!closed.allowed && closed.failed_closed);
+    // Decisions against the store were not touched by any of it.
+    let normal = r.engine.decide("api", &[[("user", "u")]], 1, None);
+    assert!(normal.is_ok_and(|o| o.allowed
+        && !o.degraded
+        && o.limits[0].decision.map(|d| d.remaining()) == Some(99)));
+
+    let degraded: Vec<_> = r
+        .audit
+        .events()
+        .into_iter()
+        .filter(|e| e["event"] == "degraded")
+        .collect();
+    assert_eq!(degraded.len(), 6, "{degraded:?}");
+    assert_eq!(degraded[0]["reason"], "store timeout");
+    assert_eq!(degraded[0]["failure_mode"], "open");
+    assert_eq!(degraded[0]["allowed"], true);
+    assert_eq!(
+        (&degraded[3]["failure_mode"], &degraded[3]["allowed"]),
+        (&"open".into(), &false.into())
+    );
+    // Both limits of the closed request are logged, each with its own mode.
+    assert_eq!(degraded[4]["limit"], "open-one");
+    assert_eq!(degraded[5]["limit"], "closed-one");
+    assert_eq!(degraded[5]["failure_mode"], "closed");
+    assert_eq!(degraded[5]["allowed"], false);
+}
