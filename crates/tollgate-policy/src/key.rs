@@ -96,6 +96,18 @@ mod tests {
         assert_eq!(key(&["a|b", "c#d"]), "l|a\\|b|c\\#d");
     }
 
+    proptest::proptest! {
+        #[test]
+        fn different_values_never_share_a_key(
+            a in proptest::collection::vec("[a|#\\\\b]{0,4}", 0..4),
+            b in proptest::collection::vec("[a|#\\\\b]{0,4}", 0..4),
+        ) {
+            let a_ref: Vec<&str> = a.iter().map(String::as_str).collect();
+            let b_ref: Vec<&str> = b.iter().map(String::as_str).collect();
+            proptest::prop_assert_eq!(a == b, key(&a_ref) == key(&b_ref));
+        }
+    }
+
     #[test]
     fn hash_is_stable() {
         // Pinned values: changing them would move subjects in or out of every rollout.

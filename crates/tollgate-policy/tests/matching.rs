@@ -381,3 +381,37 @@ fn limits_sharing_a_condition_are_filed_under_their_rarest_one() {
     let d = [("route", "/r7"), ("user", "u"), ("tenant", "t")];
     assert_eq!(names(&p, "d", &[&d]), Vec::<String>::new());
 }
+
+#[test]
+fn the_documented_example_is_a_valid_policy() {
+    let doc = include_str!("../../../docs/policy.md");
+    let start = doc
+        .find("```yaml\n")
+        .map(|i| i + "```yaml\n".len())
+        .unwrap_or_default();
+    let end = doc[start..].find("```").map_or(doc.len(), |i| start + i);
+    let p = compile("docs/policy.md", &doc[start..end]).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(p.version(), "2026-11-30.1");
+    assert_eq!(p.limits().len(), 4);
+    let pay = [
+        ("route", "/v1/payments"),
+        ("method", "POST"),
+        ("tenant", "globex"),
+        ("user", "u1"),
+        ("tier", "premium"),
+    ];
+    let m = p.matches("api", &[pay], NOW);
+    assert_eq!(m[0].bucket_key, "payments-per-user|globex|u1#premium");
+    assert_eq!(m[0].params().capacity(), 200);
+    let before_expiry = UnixTime::from_secs(1_790_000_000);
+    let acme = [
+        ("route", "/v1/payments"),
+        ("method", "POST"),
+        ("tenant", "acme"),
+        ("user", "u1"),
+    ];
+    assert!(matches!(
+        p.matches("api", &[acme], before_expiry)[0].effect,
+        Effect::Exempt(_)
+    ));
+}
