@@ -118,7 +118,8 @@ impl<K> MemoryStoreBuilder<K> {
         self
     }
 
-    /// The most live buckets the store keeps (default ten million; at least one per shard).
+    /// The most live buckets the store keeps (default ten million; at least one per shard),
+    /// split evenly across shards.
     pub fn max_buckets(mut self, max_buckets: usize) -> Self {
         self.max_buckets = max_buckets;
         self
@@ -144,18 +145,19 @@ impl<K> MemoryStoreBuilder<K> {
     /// The store, with `hasher` for keys.
     pub fn build_with_hasher<S: BuildHasher>(self, hasher: S) -> MemoryStore<K, S> {
         let shards = self.shards;
-        let shard_bound = self.max_buckets.div_ceil(shards).max(1);
+        // Split the bound exactly: the first `max % shards` shards take one more.
+        let max_buckets = self.max_buckets.max(shards);
+        let shard_bound = |i: usize| max_buckets / shards + usize::from(i < max_buckets % shards);
         let record_bound = self.max_idempotency_records.div_ceil(shards).max(1);
         MemoryStore {
             shards: (0..shards)
-                .map(|_| Padded(Mutex::new(Shard::default())))
+                .map(|i| Padded(Mutex::new(Shard::new(shard_bound(i)))))
                 .collect(),
             hasher,
             id_hashers: (
                 foldhash::quality::RandomState::default(),
                 foldhash::quality::RandomState::default(),
             ),
-            shard_bound,
             record_bound,
             window_ns: u64::try_from(self.idempotency_window.as_nanos()).unwrap_or(u64::MAX),
             expired: AtomicU64::new(0),
@@ -200,7 +202,6 @@ pub struct MemoryStore<K, S = DefaultHashBuilder> {
         foldhash::quality::RandomState,
         foldhash::quality::RandomState,
     ),
-    shard_bound: usize,
     record_bound: usize,
     window_ns: u64,
     expired: AtomicU64,
@@ -214,13 +215,16 @@ struct Padded<T>(T);
 
 struct Shard<K> {
     buckets: HashTable<Slot<K>>,
+    /// This shard's share of the store's bucket bound.
+    bound: usize,
     records: Records,
 }
 
-impl<K> Default for Shard<K> {
-    fn default() -> Self {
+impl<K> Shard<K> {
+    fn new(bound: usize) -> Self {
         Self {
             buckets: HashTable::new(),
+            bound,
             records: Records::default(),
         }
     }
@@ -477,6 +481,56 @@ where
         dropped
     }
 
+    /// Carries buckets over a change of parameters: the policy engine calls it when a reload
+    /// changes a limit's capacity or rate.
+    ///
+    /// For every stored bucket for which `change` returns `Some((new_key, old, new))`, the
+    /// bucket is removed and its balance is refilled under `old` up to `at`, clamped to `new`'s
+    /// capacity ([`bucket::rebase`]), and stored under `new_key`. A converted bucket that is
+    /// full is simply dropped (absent means full). If `new_key` already holds a bucket (checked
+    /// under `new` since the change), the one with fewer tokens is kept, so the conversion never
+    /// adds tokens. Returns the number of buckets carried over (full or not).
+    ///
+    /// `new_key` must differ from every key `change` selects (the caller names parameters in
+    /// its keys, so state is never read under parameters it was not produced under). Shards are
+    /// locked one at a time: checks proceed meanwhile, and a check of `new_key` that runs before
+    /// its bucket is carried over sees a new, full bucket (bounded by one burst per key, for the
+    /// duration of the pass).
+    pub fn rebase_where<F>(&self, at: Timestamp, mut change: F) -> usize
+    where
+        F: FnMut(&K) -> Option<(K, Limit, Limit)>,
+    {
+        let mut moved = Vec::new();
+        for shard in &self.shards {
+            let mut shard = sync::lock(&shard.0);
+            let taken = shard.buckets.extract_if(|slot| match change(&slot.key) {
+                Some((key, old, new)) => {
+                    moved.push((key, bucket::rebase(&old, &new, Some(slot.state), at)));
+                    true
+                }
+                None => false,
+            });
+            // extract_if removes lazily: drain it.
+            taken.for_each(drop);
+        }
+        let count = moved.len();
+        for (key, state) in moved {
+            let Some(state) = state else { continue };
+            let hash = self.hasher.hash_one(&key);
+            let mut shard = self.lock(hash);
+            match shard.buckets.find_mut(hash, |slot| slot.key == key) {
+                Some(slot) => {
+                    // Same parameters on both sides: the later full_at holds fewer tokens.
+                    if state.full_at() > slot.state.full_at() {
+                        slot.state = state;
+                    }
+                }
+                None => self.insert(&mut shard, hash, key, state, at),
+            }
+        }
+        count
+    }
+
     #[inline]
     fn shard_index(&self, hash: u64) -> usize {
         // Bits 24..56 pick the shard: hashbrown uses the low bits for the slot and the top seven
@@ -540,7 +594,7 @@ where
     #[cold]
     fn insert(&self, shard: &mut Shard<K>, hash: u64, key: K, state: BucketState, now: Timestamp) {
         let len = shard.buckets.len();
-        if len >= self.shard_bound {
+        if len >= shard.bound {
             self.make_room(shard, now);
         } else if len == shard.buckets.capacity() && len > 0 {
             // The table is about to grow: first drop what no one can miss. If that frees less
@@ -635,6 +689,56 @@ mod tests {
 
     fn limit(capacity: u64, rate: &str) -> Limit {
         Limit::new(capacity, rate.parse().unwrap()).unwrap()
+    }
+
+    #[test]
+    fn rebase_where_refills_under_old_then_clamps_under_new() {
+        let store: MemoryStore<String> = MemoryStore::default();
+        let old = limit(20, "10/s");
+        let new = limit(10, "1/s");
+        // a: 20 - 20 = 0 tokens at 0; at 0.5 s it holds 5 under the old rate.
+        assert!(store.check("a@old", &old, 20, at(0)).unwrap().allowed());
+        // b: 20 - 2 = 18 tokens; clamped to the new capacity, 10.
+        assert!(store.check("b@old", &old, 2, at(0)).unwrap().allowed());
+        // c: another limit, untouched.
+        assert!(store.check("c", &old, 20, at(0)).unwrap().allowed());
+        let moved = store.rebase_where(at(SEC / 2), |key: &String| {
+            key.strip_suffix("@old")
+                .map(|base| (format!("{base}@new"), old, new))
+        });
+        assert_eq!(moved, 2);
+        let a = store.peek("a@new", &new, 1, at(SEC / 2)).unwrap();
+        assert_eq!(a.remaining(), 4, "5 tokens carried over, 1 asked");
+        // b was full under the new capacity: dropped, and absent means full.
+        assert_eq!(
+            store
+                .peek("b@new", &new, 1, at(SEC / 2))
+                .unwrap()
+                .remaining(),
+            9
+        );
+        assert_eq!(store.stats().live_buckets, 2);
+        assert!(!store.check("c", &old, 1, at(0)).unwrap().allowed());
+        assert!(
+            store
+                .peek("a@old", &old, 1, at(SEC / 2))
+                .unwrap()
+                .remaining()
+                == 19
+        );
+    }
+
+    #[test]
+    fn rebase_where_keeps_the_emptier_bucket_on_collision() {
+        let store: MemoryStore<String> = MemoryStore::default();
+        let l = limit(10, "1/s");
+        assert!(store.check("k@old", &l, 3, at(0)).unwrap().allowed());
+        assert!(store.check("k@new", &l, 8, at(0)).unwrap().allowed());
+        store.rebase_where(at(0), |key: &String| {
+            (key == "k@old").then(|| ("k@new".to_owned(), l, l))
+        });
+        assert_eq!(store.peek("k@new", &l, 1, at(0)).unwrap().remaining(), 1);
+        assert_eq!(store.stats().live_buckets, 1);
     }
 
     #[test]

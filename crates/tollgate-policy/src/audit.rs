@@ -1,0 +1,232 @@
+//! The audit trail of the control plane, as JSON lines.
+//!
+//! Operators need to answer "who changed what, when, and what did it do" after the fact: every
+//! policy load, refused file, rollback, exemption use and degraded decision is one JSON object
+//! on one line, with a wall-clock timestamp, so the log can be shipped and queried as is.
+//! Writing must never break a decision: a failed write is counted, not returned.
+
+use std::fs::OpenOptions;
+use std::io::{self, Write};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+use serde::Serialize;
+
+use crate::wall::{UnixTime, WallClock};
+
+/// One audited event.
+#[derive(Debug, Clone, Serialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum AuditEvent {
+    /// A policy version was put in force.
+    Loaded {
+        /// The new version.
+        version: String,
+        /// The version it replaced, if any.
+        previous: Option<String>,
+        /// Where it came from.
+        source: String,
+        /// How many limits it has.
+        limits: usize,
+        /// How many exemptions it has.
+        exemptions: usize,
+        /// Limits whose capacity or rate changed (their buckets are carried over).
+        changed_limits: Vec<String>,
+    },
+    /// A file failed validation; the version in force stays.
+    Refused {
+        /// Where it came from.
+        source: String,
+        /// The full error, one line.
+        error: String,
+        /// The version that stays in force.
+        kept_version: String,
+    },
+    /// The previous version was put back.
+    RolledBack {
+        /// The version taken out of force.
+        from: String,
+        /// The version put back.
+        to: String,
+    },
+    /// An exemption lifted a limit for one decision.
+    ExemptionUsed {
+        /// The limit lifted.
+        limit: String,
+        /// The bucket that was not charged.
+        bucket_key: String,
+        /// Who owns the exemption.
+        owner: String,
+        /// Why it exists.
+        reason: String,
+        /// When it ends (RFC 3339).
+        expires: String,
+        /// Uses so far, including this one.
+        uses: u64,
+        /// The policy version that decided.
+        policy_version: String,
+    },
+    /// A decision made without the shared store (failure mode closed or open).
+    Degraded {
+        /// The limit.
+        limit: String,
+        /// The bucket.
+        bucket_key: String,
+        /// Why the store could not answer.
+        reason: String,
+        /// `closed` or `open`.
+        failure_mode: String,
+        /// What was decided.
+        allowed: bool,
+        /// The policy version that decided.
+        policy_version: String,
+    },
+}
+
+#[derive(Serialize)]
+struct Line<'a> {
+    ts: String,
+    #[serde(flatten)]
+    event: &'a AuditEvent,
+}
+
+/// Where audit lines go: a file (appended), standard output, or any writer.
+///
+/// Shared by reference; lines from concurrent writers never interleave.
+pub struct AuditLog {
+    out: Mutex<Box<dyn Write + Send>>,
+    clock: Box<dyn WallClock>,
+    failed_writes: AtomicU64,
+}
+
+impl std::fmt::Debug for AuditLog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AuditLog")
+            .field("failed_writes", &self.failed_writes())
+            .finish_non_exhaustive()
+    }
+}
+
+impl AuditLog {
+    /// Lines to `out`, stamped by `clock`.
+    pub fn new(out: Box<dyn Write + Send>, clock: Box<dyn WallClock>) -> Self {
+        Self {
+            out: Mutex::new(out),
+            clock,
+            failed_writes: AtomicU64::new(0),
+        }
+    }
+
+    /// Lines to standard output.
+    pub fn stdout(clock: Box<dyn WallClock>) -> Self {
+        Self::new(Box::new(io::stdout()), clock)
+    }
+
+    /// Lines appended to the file at `path` (created if absent).
+    ///
+    /// # Errors
+    ///
+    /// When the file cannot be opened for appending.
+    pub fn file(path: &Path, clock: Box<dyn WallClock>) -> io::Result<Self> {
+        let file = OpenOptions::new().create(true).append(true).open(path)?;
+        Ok(Self::new(Box::new(file), clock))
+    }
+
+    /// Writes one event as one line.
+    pub fn record(&self, event: &AuditEvent) {
+        let line = Line {
+            ts: self.clock.now().to_rfc3339(),
+            event,
+        };
+        let Ok(mut text) = serde_json::to_vec(&line) else {
+            self.failed_writes.fetch_add(1, Ordering::Relaxed);
+            return;
+        };
+        text.push(b'\n');
+        let mut out = self.out.lock();
+        // One write_all of a whole line under the lock: lines never interleave.
+        if out.write_all(&text).and_then(|()| out.flush()).is_err() {
+            self.failed_writes.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Events that could not be written.
+    pub fn failed_writes(&self) -> u64 {
+        self.failed_writes.load(Ordering::Relaxed)
+    }
+
+    /// The time the log stamps lines with.
+    pub fn now(&self) -> UnixTime {
+        self.clock.now()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wall::ManualWallClock;
+    use std::sync::Arc;
+
+    #[derive(Clone, Default)]
+    struct Shared(Arc<Mutex<Vec<u8>>>);
+
+    impl Write for Shared {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            self.0.lock().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    struct Broken;
+
+    impl Write for Broken {
+        fn write(&mut self, _: &[u8]) -> io::Result<usize> {
+            Err(io::Error::other("disk full"))
+        }
+
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn one_json_object_per_line() {
+        let out = Shared::default();
+        let clock = ManualWallClock::new(UnixTime::from_secs(1_800_000_000));
+        let log = AuditLog::new(Box::new(out.clone()), Box::new(clock));
+        log.record(&AuditEvent::RolledBack {
+            from: "2".into(),
+            to: "1".into(),
+        });
+        log.record(&AuditEvent::Refused {
+            source: "p.yaml".into(),
+            error: "p.yaml:3:4: limits[0].name: bad\nname".into(),
+            kept_version: "1".into(),
+        });
+        let text = String::from_utf8(out.0.lock().clone()).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 2, "{text}");
+        let first: serde_json::Value = serde_json::from_str(lines[0]).unwrap_or_default();
+        assert_eq!(first["event"], "rolled_back");
+        assert_eq!(first["ts"], "2027-01-15T08:00:00Z");
+        assert_eq!(first["to"], "1");
+        let second: serde_json::Value = serde_json::from_str(lines[1]).unwrap_or_default();
+        assert_eq!(second["kept_version"], "1");
+    }
+
+    #[test]
+    fn failed_writes_are_counted_not_raised() {
+        let log = AuditLog::new(Box::new(Broken), Box::new(ManualWallClock::default()));
+        log.record(&AuditEvent::RolledBack {
+            from: "2".into(),
+            to: "1".into(),
+        });
+        assert_eq!(log.failed_writes(), 1);
+    }
+}

@@ -1,0 +1,406 @@
+//! From the serde mirror to a [`Policy`]: every rule that spans fields, and the indexes.
+//!
+//! This is the only constructor of [`Policy`], so a policy that exists is valid: parameters are
+//! core [`Limit`]s, names are unique and key-safe, references resolve, open failure modes have a
+//! bounded emergency budget. The first problem found is reported, with its position and path.
+
+use std::collections::{BTreeMap, HashMap as StdHashMap, HashSet};
+use std::hash::BuildHasher;
+use std::sync::Arc;
+
+use hashbrown::{HashMap, HashTable};
+use serde_saphyr::Spanned;
+use tollgate::{Limit, Rate};
+
+use crate::error::Error;
+use crate::key::stable_hash;
+use crate::policy::{
+    Conditions, DomainIndex, Exemption, FailureMode, LimitDef, Mode, Override, Policy,
+};
+use crate::schema::{self, FailureModeSpec, ModeSpec, PolicyFile, Text, at};
+use crate::wall::UnixTime;
+
+/// The longest name a limit or override may have: names go into every bucket key.
+const MAX_NAME: usize = 128;
+
+/// The most limits (and, separately, exemptions) one policy may hold: far above any real
+/// policy, and low enough that positions fit the `u32` indexes of the matcher.
+const MAX_ENTRIES: usize = 1_000_000;
+
+/// Parses and validates policy `text`, reporting problems against `file`.
+pub fn compile(file: &str, text: &str) -> Result<Policy, Error> {
+    let parsed = schema::parse(file, text)?;
+    build(file, text, parsed)
+}
+
+fn check_name(file: &str, name: &Spanned<String>, path: String, what: &str) -> Result<(), Error> {
+    let value = &name.value;
+    let valid = !value.is_empty()
+        && value.len() <= MAX_NAME
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if valid {
+        return Ok(());
+    }
+    Err(at(
+        file,
+        name,
+        path,
+        format!(
+            "invalid {what} name {value:?}: use 1 to {MAX_NAME} characters among letters, digits, \
+             '-', '_' and '.'"
+        ),
+    ))
+}
+
+fn conditions(
+    file: &str,
+    when: &Spanned<BTreeMap<String, Text>>,
+    path: String,
+) -> Result<Conditions, Error> {
+    if when.value.keys().any(String::is_empty) {
+        return Err(at(
+            file,
+            when,
+            path,
+            "descriptor entry names must not be empty".into(),
+        ));
+    }
+    Ok(plain_conditions(&when.value))
+}
+
+fn plain_conditions(when: &BTreeMap<String, Text>) -> Conditions {
+    when.iter()
+        .map(|(k, v)| (k.as_str().into(), v.0.as_str().into()))
+        .collect()
+}
+
+fn limit_of(file: &str, capacity: &Spanned<u64>, refill: Rate, path: &str) -> Result<Limit, Error> {
+    Limit::new(capacity.value, refill)
+        .map_err(|err| at(file, capacity, format!("{path}.capacity"), format!("{err}")))
+}
+
+fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
+    let version: Arc<str> = match &parsed.version {
+        Some(version) => {
+            let value = version.value.0.trim();
+            if value.is_empty() || value.len() > 64 {
+                return Err(at(
+                    file,
+                    version,
+                    "version".into(),
+                    "version must be 1 to 64 characters".into(),
+                ));
+            }
+            value.into()
+        }
+        // Same content, same version: a reload of an unchanged file is recognisable as such.
+        None => format!("sha-{:016x}", stable_hash(text.as_bytes())).into(),
+    };
+
+    let default_mode = parsed.defaults.mode.unwrap_or(ModeSpec::Enforce);
+    let default_failure = parsed
+        .defaults
+        .failure_mode
+        .unwrap_or(FailureModeSpec::Closed);
+    let default_emergency = parsed.defaults.emergency.map(|r| r.0);
+
+    if let Some(spec) = parsed.limits.get(MAX_ENTRIES) {
+        return Err(at(
+            file,
+            &spec.name,
+            format!("limits[{MAX_ENTRIES}]"),
+            format!("a policy may hold at most {MAX_ENTRIES} limits"),
+        ));
+    }
+    if let Some(spec) = parsed.exemptions.get(MAX_ENTRIES) {
+        return Err(at(
+            file,
+            &spec.limit,
+            format!("exemptions[{MAX_ENTRIES}]"),
+            format!("a policy may hold at most {MAX_ENTRIES} exemptions"),
+        ));
+    }
+    let mut names: HashSet<String> = HashSet::new();
+    let mut limits = Vec::with_capacity(parsed.limits.len());
+    for (i, spec) in parsed.limits.iter().enumerate() {
+        let path = format!("limits[{i}]");
+        check_name(file, &spec.name, format!("{path}.name"), "limit")?;
+        if !names.insert(spec.name.value.clone()) {
+            return Err(at(
+                file,
+                &spec.name,
+                format!("{path}.name"),
+                format!(
+                    "duplicate limit name {:?}: names identify buckets",
+                    spec.name.value
+                ),
+            ));
+        }
+        if spec.domain.value.is_empty() {
+            return Err(at(
+                file,
+                &spec.domain,
+                format!("{path}.domain"),
+                "domain must not be empty".into(),
+            ));
+        }
+        let when = match &spec.when {
+            Some(when) => conditions(file, when, format!("{path}.when"))?,
+            None => Box::new([]),
+        };
+        let key: &[String] = spec.key.as_ref().map_or(&[], |k| &k.value);
+        let mut seen = HashSet::new();
+        for (entry, spanned) in key.iter().zip(spec.key.iter().cycle()) {
+            if entry.is_empty() || !seen.insert(entry.as_str()) {
+                return Err(at(
+                    file,
+                    spanned,
+                    format!("{path}.key"),
+                    format!("key entry {entry:?} is empty or repeated"),
+                ));
+            }
+        }
+        if let Some(algorithm) = &spec.algorithm
+            && algorithm.value != "token_bucket"
+        {
+            return Err(at(
+                file,
+                algorithm,
+                format!("{path}.algorithm"),
+                format!(
+                    "algorithm {:?} is not available in this release: use token_bucket",
+                    algorithm.value
+                ),
+            ));
+        }
+        let params = limit_of(file, &spec.capacity, spec.refill.value.0, &path)?;
+
+        let failure_mode = match spec.failure_mode.unwrap_or(default_failure) {
+            FailureModeSpec::Closed => FailureMode::Closed,
+            FailureModeSpec::Open => {
+                let rate = spec
+                    .emergency
+                    .as_ref()
+                    .map(|e| e.value.0)
+                    .or(default_emergency);
+                let Some(rate) = rate else {
+                    return Err(at(
+                        file,
+                        &spec.name,
+                        format!("{path}.emergency"),
+                        "failure_mode open needs an emergency rate (here or in defaults), such \
+                         as emergency: 2/s: a failing store must never mean unlimited"
+                            .into(),
+                    ));
+                };
+                let emergency = Limit::new(rate.amount(), rate).map_err(|err| {
+                    at(
+                        file,
+                        &spec.name,
+                        format!("{path}.emergency"),
+                        err.to_string(),
+                    )
+                })?;
+                FailureMode::Open { emergency }
+            }
+        };
+
+        let mut override_names = HashSet::new();
+        let mut overrides = Vec::with_capacity(spec.overrides.len());
+        for (j, o) in spec.overrides.iter().enumerate() {
+            let opath = format!("{path}.overrides[{j}]");
+            let name: Box<str> = match &o.name {
+                Some(name) => {
+                    check_name(file, name, format!("{opath}.name"), "override")?;
+                    name.value.as_str().into()
+                }
+                None => j.to_string().into(),
+            };
+            if !override_names.insert(name.clone()) {
+                let message = format!("duplicate override name {name:?}");
+                return Err(match &o.name {
+                    Some(spanned) => at(file, spanned, format!("{opath}.name"), message),
+                    None => at(file, &o.when, format!("{opath}.name"), message),
+                });
+            }
+            if o.when.value.is_empty() {
+                return Err(at(
+                    file,
+                    &o.when,
+                    format!("{opath}.when"),
+                    "an override needs conditions: without them it would replace the limit's \
+                     own parameters (change those instead)"
+                        .into(),
+                ));
+            }
+            let when = conditions(file, &o.when, format!("{opath}.when"))?;
+            let params = match (&o.capacity, &o.refill) {
+                (None, None) => {
+                    return Err(at(
+                        file,
+                        &o.when,
+                        opath,
+                        "an override must set capacity, refill or both".into(),
+                    ));
+                }
+                (Some(capacity), refill) => {
+                    let rate = refill.as_ref().map_or(params.refill(), |r| r.value.0);
+                    limit_of(file, capacity, rate, &opath)?
+                }
+                (None, Some(refill)) => Limit::new(params.capacity(), refill.value.0)
+                    .map_err(|err| at(file, refill, format!("{opath}.refill"), err.to_string()))?,
+            };
+            overrides.push(Override { name, when, params });
+        }
+
+        let mode = match spec.mode.unwrap_or(default_mode) {
+            ModeSpec::Enforce => Mode::Enforce,
+            ModeSpec::Shadow => Mode::Shadow,
+        };
+        // A key entry also listed in `when` is one entry of the descriptor, not two.
+        let exact = spec.exact.then(|| {
+            let in_when = |k: &String| spec.when.as_ref().is_some_and(|w| w.value.contains_key(k));
+            when.len() + key.iter().filter(|k| !in_when(k)).count()
+        });
+        limits.push(LimitDef {
+            // At most MAX_ENTRIES, checked above.
+            index: i as u32,
+            name: spec.name.value.as_str().into(),
+            domain: spec.domain.value.as_str().into(),
+            when,
+            key: key.iter().map(|k| k.as_str().into()).collect(),
+            exact,
+            filed: 0,
+            params,
+            mode,
+            rollout: spec.rollout.map_or(10_000, |p| p.0),
+            failure_mode,
+            overrides: overrides.into_boxed_slice(),
+            exemptions: Box::new([]),
+        });
+    }
+
+    let mut exemptions = Vec::with_capacity(parsed.exemptions.len());
+    let mut per_limit: Vec<Vec<u32>> = vec![Vec::new(); limits.len()];
+    for (i, spec) in parsed.exemptions.iter().enumerate() {
+        let path = format!("exemptions[{i}]");
+        let Some(limit) = limits.iter().position(|l| *l.name == *spec.limit.value) else {
+            return Err(at(
+                file,
+                &spec.limit,
+                format!("{path}.limit"),
+                format!("no limit is named {:?}", spec.limit.value),
+            ));
+        };
+        for (field, value) in [("owner", &spec.owner), ("reason", &spec.reason)] {
+            if value.value.trim().is_empty() {
+                return Err(at(
+                    file,
+                    value,
+                    format!("{path}.{field}"),
+                    format!("an exemption needs a non-empty {field}"),
+                ));
+            }
+        }
+        per_limit[limit].push(i as u32);
+        exemptions.push(Exemption {
+            limit: spec.limit.value.as_str().into(),
+            when: plain_conditions(&spec.when),
+            owner: spec.owner.value.as_str().into(),
+            reason: spec.reason.value.as_str().into(),
+            expires: UnixTime::from_nanos(spec.expires.0),
+            uses: Default::default(),
+        });
+    }
+    for (limit, list) in limits.iter_mut().zip(per_limit) {
+        limit.exemptions = list.into_boxed_slice();
+    }
+
+    let hasher = foldhash::fast::RandomState::default();
+    let mut domains: HashMap<Box<str>, DomainIndex, _> =
+        HashMap::with_hasher(foldhash::fast::RandomState::default());
+    type Lists = StdHashMap<u64, Vec<u32>>;
+    // File each limit under its most selective condition: the `when` pair (or, without `when`,
+    // the key entry) that the fewest limits of its domain share. Filing under a pair such as
+    // method=POST would make every POST request try every limit filed there.
+    let mut pair_use: StdHashMap<(&str, &str, &str), usize> = StdHashMap::new();
+    let mut entry_use: StdHashMap<(&str, &str), usize> = StdHashMap::new();
+    for limit in &limits {
+        for (entry, value) in &*limit.when {
+            *pair_use
+                .entry((&*limit.domain, &**entry, &**value))
+                .or_default() += 1;
+        }
+        for entry in &*limit.key {
+            *entry_use.entry((&*limit.domain, &**entry)).or_default() += 1;
+        }
+    }
+    let mut filed_at = Vec::with_capacity(limits.len());
+    let mut staging: StdHashMap<&str, (Lists, Lists, Vec<u32>)> = StdHashMap::new();
+    for limit in &limits {
+        let (pairs, entries, always) = staging.entry(&*limit.domain).or_default();
+        let domain = &*limit.domain;
+        let best_pair = (0..limit.when.len()).min_by_key(|&i| {
+            let (entry, value) = &limit.when[i];
+            pair_use
+                .get(&(domain, &**entry, &**value))
+                .copied()
+                .unwrap_or(0)
+        });
+        let best_entry = (0..limit.key.len()).min_by_key(|&i| {
+            entry_use
+                .get(&(domain, &*limit.key[i]))
+                .copied()
+                .unwrap_or(0)
+        });
+        let filed = match (best_pair, best_entry) {
+            (Some(i), _) => {
+                let (entry, value) = &limit.when[i];
+                Some((pairs, hasher.hash_one((&**entry, &**value)), i))
+            }
+            (None, Some(i)) => Some((entries, hasher.hash_one(&*limit.key[i]), i)),
+            (None, None) => None,
+        };
+        match filed {
+            Some((lists, hash, i)) => {
+                lists.entry(hash).or_default().push(limit.index);
+                filed_at.push(i);
+            }
+            None => {
+                always.push(limit.index);
+                filed_at.push(0);
+            }
+        }
+    }
+    for (domain, (pairs, entries, always)) in staging {
+        let table = |lists: Lists| {
+            let mut table = HashTable::with_capacity(lists.len());
+            for (hash, list) in lists {
+                table.insert_unique(hash, (hash, list.into_boxed_slice()), |(h, _)| *h);
+            }
+            table
+        };
+        domains.insert(
+            domain.into(),
+            DomainIndex {
+                by_pair: table(pairs),
+                by_entry: table(entries),
+                always: always.into_boxed_slice(),
+            },
+        );
+    }
+
+    for (limit, filed) in limits.iter_mut().zip(filed_at) {
+        limit.filed = filed;
+    }
+    Ok(Policy {
+        version,
+        source: file.into(),
+        limits: limits.into_boxed_slice(),
+        exemptions: exemptions.into_boxed_slice(),
+        domains,
+        hasher,
+    })
+}

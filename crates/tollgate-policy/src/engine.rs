@@ -1,0 +1,887 @@
+//! The policy in force, its history, and decisions against it.
+//!
+//! A [`PolicyEngine`] lives as long as the process. Readers (every decision) load the current
+//! [`Policy`] through an atomic pointer swap and keep that whole version until they finish, so
+//! no decision ever sees a half-loaded policy and none waits on a reload. Writers (load, reload,
+//! rollback) are serialised by a mutex that decisions never take.
+//!
+//! # Buckets across versions
+//!
+//! Buckets live in one [`MemoryStore`] shared by every version, keyed by the match's bucket key
+//! (limit name and key values, never the version), so a reload keeps everyone's balance. The
+//! store key adds a tag of the bucket's parameters, because a stored state means something only
+//! under the parameters that produced it. When a load or rollback changes a limit's (or an
+//! override's) capacity or rate, its buckets are carried over right after the swap with
+//! [`MemoryStore::rebase_where`]: refilled under the old parameters up to that moment, clamped
+//! to the new capacity, and re-keyed under the new tag.
+
+use std::collections::{HashMap, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use parking_lot::Mutex;
+use tollgate::{Clock, Decision, Item, Limit, MemoryStore, MonotonicClock};
+
+use crate::audit::{AuditEvent, AuditLog};
+use crate::compile::compile;
+use crate::error::Error;
+use crate::key::stable_hash;
+use crate::policy::{Effect, FailureMode, Policy};
+use crate::wall::{SystemWallClock, UnixTime, WallClock};
+
+/// How a [`PolicyEngine`] is set up.
+#[derive(Clone)]
+#[non_exhaustive]
+#[must_use]
+pub struct EngineOptions {
+    history: usize,
+    max_buckets: usize,
+    idempotency_window: Duration,
+    clock: Arc<dyn Clock>,
+    wall: Arc<dyn WallClock>,
+    audit: Option<Arc<AuditLog>>,
+}
+
+impl std::fmt::Debug for EngineOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineOptions")
+            .field("history", &self.history)
+            .field("max_buckets", &self.max_buckets)
+            .field("idempotency_window", &self.idempotency_window)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        Self {
+            history: 10,
+            max_buckets: 10_000_000,
+            idempotency_window: Duration::from_secs(60),
+            clock: Arc::new(MonotonicClock::new()),
+            wall: Arc::new(SystemWallClock),
+            audit: None,
+        }
+    }
+}
+
+impl EngineOptions {
+    /// How many earlier versions are kept for rollback (default 10).
+    pub fn history(mut self, versions: usize) -> Self {
+        self.history = versions;
+        self
+    }
+
+    /// The most live buckets (default ten million).
+    pub fn max_buckets(mut self, max: usize) -> Self {
+        self.max_buckets = max;
+        self
+    }
+
+    /// How long a `request_id` is remembered (default 60 s).
+    pub fn idempotency_window(mut self, window: Duration) -> Self {
+        self.idempotency_window = window;
+        self
+    }
+
+    /// The monotonic clock buckets run on (default [`MonotonicClock`]).
+    pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// The calendar clock exemption expiry runs on (default [`SystemWallClock`]).
+    pub fn wall_clock(mut self, wall: Arc<dyn WallClock>) -> Self {
+        self.wall = wall;
+        self
+    }
+
+    /// Where audit events go (default: nowhere).
+    pub fn audit(mut self, audit: Arc<AuditLog>) -> Self {
+        self.audit = Some(audit);
+        self
+    }
+}
+
+/// The result of deciding one request.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct Outcome {
+    /// Whether the request may pass: no enforced limit rejected it.
+    pub allowed: bool,
+    /// The policy version that decided.
+    pub policy_version: Arc<str>,
+    /// Every applicable limit, grouped by descriptor, in declaration order.
+    pub limits: Vec<LimitOutcome>,
+    /// Decided without the shared store ([`PolicyEngine::decide_degraded`]).
+    pub degraded: bool,
+    /// Denied because a limit fails closed while the store is down: not an ordinary rejection
+    /// (HTTP 503 / gRPC UNAVAILABLE rather than 429).
+    pub failed_closed: bool,
+}
+
+impl Outcome {
+    /// Whether no limit applied (the request is allowed and counted as unmatched).
+    pub fn unmatched(&self) -> bool {
+        self.limits.is_empty()
+    }
+}
+
+/// What one applicable limit decided.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct LimitOutcome {
+    /// The limit's name.
+    pub name: String,
+    /// The request descriptor it matched.
+    pub descriptor: usize,
+    /// The bucket.
+    pub bucket_key: String,
+    /// `enforce`, `shadow`, `rollout` (outside a rollout: decided like shadow) or `exempt`.
+    pub mode: &'static str,
+    /// The bucket's decision; `None` when exempt (not decided at all).
+    pub decision: Option<Decision>,
+    /// The owner of the exemption that lifted the limit.
+    pub exempted_by: Option<String>,
+}
+
+impl LimitOutcome {
+    /// Whether the bucket was short, whatever the mode (a shadow limit that would have
+    /// rejected says so here while the request is allowed).
+    pub fn would_reject(&self) -> bool {
+        self.decision.is_some_and(|d| !d.allowed())
+    }
+}
+
+/// What a status endpoint shows about the control plane.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct PolicyStatus {
+    /// The version in force.
+    pub version: String,
+    /// Where it came from.
+    pub source: String,
+    /// When it was put in force.
+    pub loaded_at: UnixTime,
+    /// Earlier versions kept for rollback, oldest first.
+    pub history: Vec<String>,
+    /// The last refused load since the last good one (one line), and when.
+    pub last_error: Option<(UnixTime, String)>,
+    /// Requests no limit applied to.
+    pub unmatched: u64,
+    /// Versions put in force since start (loads and rollbacks).
+    pub changes: u64,
+}
+
+struct Control {
+    history: VecDeque<Arc<Policy>>,
+    loaded_at: UnixTime,
+    last_error: Option<(UnixTime, String)>,
+    /// Hash of the text in force, to recognise a reload of an unchanged file.
+    text_hash: Option<u64>,
+    changes: u64,
+}
+
+/// The control plane of one process: the policy in force, earlier versions, the buckets.
+pub struct PolicyEngine {
+    current: ArcSwap<Policy>,
+    control: Mutex<Control>,
+    store: MemoryStore<Box<str>>,
+    /// Local emergency buckets of limits that fail open, used only while the shared store is
+    /// down.
+    emergency: MemoryStore<Box<str>>,
+    options: EngineOptions,
+    path: Option<PathBuf>,
+    unmatched: AtomicU64,
+}
+
+impl std::fmt::Debug for PolicyEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PolicyEngine")
+            .field("version", &self.current.load().version())
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PolicyEngine {
+    /// An engine with `policy` in force.
+    pub fn new(policy: Policy, options: EngineOptions) -> Self {
+        Self::build(policy, None, None, options)
+    }
+
+    /// An engine with the policy file at `path` in force; [`reload`](Self::reload) reads it
+    /// again.
+    ///
+    /// # Errors
+    ///
+    /// When the file cannot be read or does not validate: there is no last good version yet.
+    pub fn from_file(path: &Path, options: EngineOptions) -> Result<Self, Error> {
+        let text = read(path)?;
+        let policy = compile(&path.display().to_string(), &text)?;
+        Ok(Self::build(
+            policy,
+            Some(path.to_owned()),
+            Some(stable_hash(text.as_bytes())),
+            options,
+        ))
+    }
+
+    fn build(
+        policy: Policy,
+        path: Option<PathBuf>,
+        text_hash: Option<u64>,
+        options: EngineOptions,
+    ) -> Self {
+        let store = MemoryStore::builder()
+            .max_buckets(options.max_buckets)
+            .idempotency_window(options.idempotency_window)
+            .build();
+        let engine = Self {
+            current: ArcSwap::from_pointee(policy),
+            control: Mutex::new(Control {
+                history: VecDeque::new(),
+                loaded_at: options.wall.now(),
+                last_error: None,
+                text_hash,
+                changes: 1,
+            }),
+            store,
+            emergency: MemoryStore::builder()
+                .max_buckets(options.max_buckets)
+                .build(),
+            options,
+            path,
+            unmatched: AtomicU64::new(0),
+        };
+        let policy = engine.current.load_full();
+        engine.audit(|| AuditEvent::Loaded {
+            version: policy.version().to_owned(),
+            previous: None,
+            source: policy.source().to_owned(),
+            limits: policy.limits().len(),
+            exemptions: policy.exemptions().len(),
+            changed_limits: Vec::new(),
+        });
+        engine
+    }
+
+    /// The policy in force. Holding it keeps that version alive, whatever reloads happen.
+    pub fn current(&self) -> Arc<Policy> {
+        self.current.load_full()
+    }
+
+    /// The file this engine reloads from, if any.
+    pub fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
+    }
+
+    /// Validates `text` and, if it is good, puts it in force; otherwise keeps the version in
+    /// force, remembers the error for [`status`](Self::status) and audits the refusal.
+    ///
+    /// # Errors
+    ///
+    /// The validation error.
+    pub fn load(&self, source: &str, text: &str) -> Result<Arc<Policy>, Error> {
+        let mut control = self.control.lock();
+        self.load_locked(&mut control, source, text)
+    }
+
+    /// Reads the engine's file again (see [`load`](Self::load)). A file whose content has not
+    /// changed is not loaded again.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Io`] when the engine has no file or it cannot be read; the validation error.
+    /// The version in force stays in every case, and the error is kept for
+    /// [`status`](Self::status).
+    pub fn reload(&self) -> Result<Arc<Policy>, Error> {
+        let mut control = self.control.lock();
+        let Some(path) = &self.path else {
+            return Err(Error::Io {
+                path: PathBuf::new(),
+                source: std::io::Error::other("this engine was not started from a file"),
+            });
+        };
+        let text = match read(path) {
+            Ok(text) => text,
+            Err(err) => {
+                self.refuse(&mut control, &path.display().to_string(), &err);
+                return Err(err);
+            }
+        };
+        self.load_locked(&mut control, &path.display().to_string(), &text)
+    }
+
+    fn load_locked(
+        &self,
+        control: &mut Control,
+        source: &str,
+        text: &str,
+    ) -> Result<Arc<Policy>, Error> {
+        let hash = stable_hash(text.as_bytes());
+        let current = self.current.load_full();
+        if control.text_hash == Some(hash) && current.source() == source {
+            control.last_error = None;
+            return Ok(current);
+        }
+        let policy = match compile(source, text) {
+            Ok(policy) => Arc::new(policy),
+            Err(err) => {
+                self.refuse(control, source, &err);
+                return Err(err);
+            }
+        };
+        let changed = changed_limits(&current, &policy);
+        self.current.store(Arc::clone(&policy));
+        self.carry_over(&current, &policy);
+        control.history.push_back(Arc::clone(&current));
+        while control.history.len() > self.options.history {
+            control.history.pop_front();
+        }
+        control.loaded_at = self.options.wall.now();
+        control.last_error = None;
+        control.text_hash = Some(hash);
+        control.changes += 1;
+        self.audit(|| AuditEvent::Loaded {
+            version: policy.version().to_owned(),
+            previous: Some(current.version().to_owned()),
+            source: source.to_owned(),
+            limits: policy.limits().len(),
+            exemptions: policy.exemptions().len(),
+            changed_limits: changed,
+        });
+        Ok(policy)
+    }
+
+    fn refuse(&self, control: &mut Control, source: &str, err: &Error) {
+        let message = err.to_string();
+        control.last_error = Some((self.options.wall.now(), message.clone()));
+        let kept = self.current.load().version().to_owned();
+        self.audit(|| AuditEvent::Refused {
+            source: source.to_owned(),
+            error: message,
+            kept_version: kept,
+        });
+    }
+
+    /// Puts the previous version back in force. The version taken out is dropped, so repeated
+    /// rollbacks walk further back.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NothingToRollBack`] when no earlier version is kept.
+    pub fn rollback(&self) -> Result<Arc<Policy>, Error> {
+        let mut control = self.control.lock();
+        let previous = control.history.pop_back().ok_or(Error::NothingToRollBack)?;
+        let from = self.current.swap(Arc::clone(&previous));
+        self.carry_over(&from, &previous);
+        control.loaded_at = self.options.wall.now();
+        // The file no longer matches what is in force: the next reload must load it.
+        control.text_hash = None;
+        control.changes += 1;
+        self.audit(|| AuditEvent::RolledBack {
+            from: from.version().to_owned(),
+            to: previous.version().to_owned(),
+        });
+        Ok(previous)
+    }
+
+    /// The control plane's state, for status endpoints.
+    pub fn status(&self) -> PolicyStatus {
+        let control = self.control.lock();
+        let current = self.current.load();
+        PolicyStatus {
+            version: current.version().to_owned(),
+            source: current.source().to_owned(),
+            loaded_at: control.loaded_at,
+            history: control
+                .history
+                .iter()
+                .map(|p| p.version().to_owned())
+                .collect(),
+            last_error: control.last_error.clone(),
+            unmatched: self.unmatched.load(Ordering::Relaxed),
+            changes: control.changes,
+        }
+    }
+
+    /// Requests no limit applied to, since start.
+    pub fn unmatched(&self) -> u64 {
+        self.unmatched.load(Ordering::Relaxed)
+    }
+
+    /// Decides one request: `cost` tokens from every applicable bucket.
+    ///
+    /// * Enforced limits are checked together, all or nothing: if one rejects, none is charged.
+    /// * Shadow limits, and enforced limits whose subject is outside the rollout, are decided
+    ///   and reported but never reject. They are charged only when the request passes (as they
+    ///   would be if enforced); when it is rejected they report their balance uncharged.
+    /// * Exempt limits are not decided; each use is counted and audited.
+    /// * A request no limit applies to is allowed and counted as unmatched.
+    /// * Two descriptors that land on one bucket charge it once for their summed cost.
+    ///
+    /// With a `request_id`, a retry within the idempotency window is not charged again.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Check`] when `cost` is 0 or above an applicable limit's capacity; nothing is
+    /// charged.
+    pub fn decide<D, S>(
+        &self,
+        domain: &str,
+        descriptors: &[D],
+        cost: u64,
+        request_id: Option<&str>,
+    ) -> Result<Outcome, Error>
+    where
+        D: AsRef<[(S, S)]>,
+        S: AsRef<str>,
+    {
+        self.run(domain, descriptors, cost, request_id, true)
+    }
+
+    /// What [`decide`](Self::decide) would answer, without charging or counting anything.
+    ///
+    /// # Errors
+    ///
+    /// As for `decide`.
+    pub fn explain<D, S>(
+        &self,
+        domain: &str,
+        descriptors: &[D],
+        cost: u64,
+    ) -> Result<Outcome, Error>
+    where
+        D: AsRef<[(S, S)]>,
+        S: AsRef<str>,
+    {
+        self.run(domain, descriptors, cost, None, false)
+    }
+
+    fn run<D, S>(
+        &self,
+        domain: &str,
+        descriptors: &[D],
+        cost: u64,
+        request_id: Option<&str>,
+        consume: bool,
+    ) -> Result<Outcome, Error>
+    where
+        D: AsRef<[(S, S)]>,
+        S: AsRef<str>,
+    {
+        let policy = self.current.load();
+        let now = self.options.clock.now();
+        let matched = policy.matches(domain, descriptors, self.options.wall.now());
+        if matched.is_empty() {
+            if consume {
+                self.unmatched.fetch_add(1, Ordering::Relaxed);
+            }
+            return Ok(Outcome {
+                allowed: true,
+                policy_version: Arc::clone(policy.version_arc()),
+                limits: Vec::new(),
+                degraded: false,
+                failed_closed: false,
+            });
+        }
+
+        // One store entry per distinct bucket, with the summed cost of the matches on it.
+        let mut buckets: Vec<(Box<str>, Limit, u64, usize)> = Vec::with_capacity(matched.len());
+        let mut slot_of = Vec::with_capacity(matched.len());
+        for (i, m) in matched.iter().enumerate() {
+            if let Effect::Exempt(_) = m.effect {
+                slot_of.push(usize::MAX);
+                continue;
+            }
+            let key = store_key(&m.bucket_key, m.params());
+            match buckets.iter().position(|(k, ..)| *k == key) {
+                Some(slot) => {
+                    buckets[slot].2 = buckets[slot].2.saturating_add(cost);
+                    slot_of.push(slot);
+                }
+                None => {
+                    slot_of.push(buckets.len());
+                    buckets.push((key, *m.params(), cost, i));
+                }
+            }
+        }
+        for (_, limit, cost, first) in &buckets {
+            if *cost == 0 || *cost > limit.capacity() {
+                return Err(Error::Check {
+                    limit: matched[*first].limit.name().to_owned(),
+                    source: tollgate::Error::InvalidCost {
+                        cost: *cost,
+                        capacity: limit.capacity(),
+                    },
+                });
+            }
+        }
+        let enforced =
+            |slot: &(Box<str>, Limit, u64, usize)| matched[slot.3].effect == Effect::Enforce;
+
+        let mut decisions: Vec<Option<Decision>> = vec![None; buckets.len()];
+        let enforce_slots: Vec<usize> = (0..buckets.len())
+            .filter(|&s| enforced(&buckets[s]))
+            .collect();
+        let check_error = |slot: usize, source: tollgate::Error| Error::Check {
+            limit: matched[buckets[slot].3].limit.name().to_owned(),
+            source,
+        };
+        if !enforce_slots.is_empty() {
+            if consume {
+                let items: Vec<Item<'_, str>> = enforce_slots
+                    .iter()
+                    .map(|&s| Item {
+                        key: &*buckets[s].0,
+                        limit: &buckets[s].1,
+                        cost: buckets[s].2,
+                    })
+                    .collect();
+                let results = self
+                    .store
+                    .check_all(&items, now, request_id)
+                    .map_err(|err| check_error(enforce_slots[0], err))?;
+                for (&s, d) in enforce_slots.iter().zip(results) {
+                    decisions[s] = Some(d);
+                }
+            } else {
+                for &s in &enforce_slots {
+                    let (key, limit, cost, _) = &buckets[s];
+                    let d = self
+                        .store
+                        .peek(&**key, limit, *cost, now)
+                        .map_err(|e| check_error(s, e))?;
+                    decisions[s] = Some(d);
+                }
+            }
+        }
+        let allowed = decisions.iter().flatten().all(Decision::allowed);
+        for s in (0..buckets.len()).filter(|&s| !enforced(&buckets[s])) {
+            let (key, limit, cost, _) = &buckets[s];
+            let d = if consume && allowed {
+                match request_id {
+                    Some(id) => self.store.check_idempotent(&**key, limit, *cost, now, id),
+                    None => self.store.check(&**key, limit, *cost, now),
+                }
+            } else {
+                self.store.peek(&**key, limit, *cost, now)
+            };
+            decisions[s] = Some(d.map_err(|e| check_error(s, e))?);
+        }
+
+        let version = Arc::clone(policy.version_arc());
+        let mut limits = Vec::with_capacity(matched.len());
+        for (m, &slot) in matched.iter().zip(&slot_of) {
+            let mut exempted_by = None;
+            if let Effect::Exempt(exemption) = m.effect {
+                exempted_by = Some(exemption.owner().to_owned());
+                if consume {
+                    exemption.record_use();
+                    self.audit(|| AuditEvent::ExemptionUsed {
+                        limit: m.limit.name().to_owned(),
+                        bucket_key: m.bucket_key.clone(),
+                        owner: exemption.owner().to_owned(),
+                        reason: exemption.reason().to_owned(),
+                        expires: exemption.expires().to_rfc3339(),
+                        uses: exemption.uses(),
+                        policy_version: version.to_string(),
+                    });
+                }
+            }
+            limits.push(LimitOutcome {
+                name: m.limit.name().to_owned(),
+                descriptor: m.descriptor,
+                bucket_key: m.bucket_key.clone(),
+                mode: m.effect.as_str(),
+                decision: decisions.get(slot).copied().flatten(),
+                exempted_by,
+            });
+        }
+        Ok(Outcome {
+            allowed,
+            policy_version: version,
+            limits,
+            degraded: false,
+            failed_closed: false,
+        })
+    }
+
+    /// Decides one request while the shared store cannot answer (down, slow, failing), with
+    /// `reason` for the audit log. Every enforced limit follows its `failure_mode`:
+    ///
+    /// * `closed`: the request is denied with [`Outcome::failed_closed`] set, distinguishable
+    ///   from an ordinary rejection;
+    /// * `open`: the request is checked against a local emergency bucket per key, all or
+    ///   nothing; a cost above the emergency capacity is rejected (never unlimited).
+    ///
+    /// Shadow and outside-rollout limits are not decided (they could not reject anyway);
+    /// exemptions apply as usual. Every degraded limit decision is audited with its reason.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Check`] when `cost` is 0.
+    pub fn decide_degraded<D, S>(
+        &self,
+        domain: &str,
+        descriptors: &[D],
+        cost: u64,
+        reason: &str,
+    ) -> Result<Outcome, Error>
+    where
+        D: AsRef<[(S, S)]>,
+        S: AsRef<str>,
+    {
+        let policy = self.current.load();
+        let now = self.options.clock.now();
+        let matched = policy.matches(domain, descriptors, self.options.wall.now());
+        let version = Arc::clone(policy.version_arc());
+        if matched.is_empty() {
+            self.unmatched.fetch_add(1, Ordering::Relaxed);
+            return Ok(Outcome {
+                allowed: true,
+                policy_version: version,
+                limits: Vec::new(),
+                degraded: true,
+                failed_closed: false,
+            });
+        }
+        if cost == 0 {
+            return Err(Error::Check {
+                limit: matched[0].limit.name().to_owned(),
+                source: tollgate::Error::InvalidCost { cost, capacity: 0 },
+            });
+        }
+        let mut failed_closed = false;
+        let mut open: Vec<(usize, Box<str>, Limit)> = Vec::new();
+        for (i, m) in matched.iter().enumerate() {
+            if m.effect != Effect::Enforce {
+                continue;
+            }
+            match m.limit.failure_mode() {
+                FailureMode::Closed => failed_closed = true,
+                FailureMode::Open { emergency } => {
+                    let key = store_key(&m.bucket_key, &emergency);
+                    if !open.iter().any(|(_, k, _)| *k == key) {
+                        open.push((i, key, emergency));
+                    }
+                }
+            }
+        }
+        let mut decisions: Vec<Option<Decision>> = vec![None; matched.len()];
+        let mut emergency_ok = true;
+        if !failed_closed && !open.is_empty() {
+            if open.iter().any(|(_, _, limit)| cost > limit.capacity()) {
+                emergency_ok = false;
+            } else {
+                let items: Vec<Item<'_, str>> = open
+                    .iter()
+                    .map(|(_, key, limit)| Item {
+                        key: &**key,
+                        limit,
+                        cost,
+                    })
+                    .collect();
+                let results = self
+                    .emergency
+                    .check_all(&items, now, None)
+                    .map_err(|source| Error::Check {
+                        limit: matched[open[0].0].limit.name().to_owned(),
+                        source,
+                    })?;
+                for ((i, ..), d) in open.iter().zip(results) {
+                    emergency_ok &= d.allowed();
+                    decisions[*i] = Some(d);
+                }
+            }
+        }
+        let allowed = !failed_closed && emergency_ok;
+        let mut limits = Vec::with_capacity(matched.len());
+        for (m, decision) in matched.iter().zip(decisions) {
+            let mut exempted_by = None;
+            match m.effect {
+                Effect::Exempt(exemption) => {
+                    exempted_by = Some(exemption.owner().to_owned());
+                    exemption.record_use();
+                    self.audit(|| AuditEvent::ExemptionUsed {
+                        limit: m.limit.name().to_owned(),
+                        bucket_key: m.bucket_key.clone(),
+                        owner: exemption.owner().to_owned(),
+                        reason: exemption.reason().to_owned(),
+                        expires: exemption.expires().to_rfc3339(),
+                        uses: exemption.uses(),
+                        policy_version: version.to_string(),
+                    });
+                }
+                Effect::Enforce => {
+                    let mode = match m.limit.failure_mode() {
+                        FailureMode::Closed => "closed",
+                        _ => "open",
+                    };
+                    self.audit(|| AuditEvent::Degraded {
+                        limit: m.limit.name().to_owned(),
+                        bucket_key: m.bucket_key.clone(),
+                        reason: reason.to_owned(),
+                        failure_mode: mode.to_owned(),
+                        allowed,
+                        policy_version: version.to_string(),
+                    });
+                }
+                _ => {}
+            }
+            limits.push(LimitOutcome {
+                name: m.limit.name().to_owned(),
+                descriptor: m.descriptor,
+                bucket_key: m.bucket_key.clone(),
+                mode: m.effect.as_str(),
+                decision,
+                exempted_by,
+            });
+        }
+        Ok(Outcome {
+            allowed,
+            policy_version: version,
+            limits,
+            degraded: true,
+            failed_closed,
+        })
+    }
+
+    /// Carries the buckets of every limit and override whose parameters differ between `old`
+    /// and `new` over to the new parameters (SPEC §2: refill under the old ones up to now, then
+    /// clamp to the new capacity).
+    fn carry_over(&self, old: &Policy, new: &Policy) -> usize {
+        let mut changes: HashMap<(&str, &str), (u32, u32, Limit, Limit)> = HashMap::new();
+        for limit in new.limits() {
+            let Some(before) = old.limit(limit.name()) else {
+                continue;
+            };
+            let pairs = std::iter::once(("", before.params(), limit.params())).chain(
+                limit.overrides().iter().filter_map(|o| {
+                    let b = before.overrides().iter().find(|b| b.name() == o.name())?;
+                    Some((o.name(), b.params(), o.params()))
+                }),
+            );
+            for (name, was, is) in pairs {
+                if was != is {
+                    let entry = (params_tag(was), params_tag(is), *was, *is);
+                    changes.insert((limit.name(), name), entry);
+                }
+            }
+        }
+        if changes.is_empty() {
+            return 0;
+        }
+        let now = self.options.clock.now();
+        self.store.rebase_where(now, |key| {
+            let (limit, override_, tag, bucket) = split_store_key(key)?;
+            let &(old_tag, new_tag, was, is) = changes.get(&(limit, override_))?;
+            (tag == old_tag).then(|| (format!("{bucket}@{new_tag:08x}").into_boxed_str(), was, is))
+        })
+    }
+
+    fn audit(&self, event: impl FnOnce() -> AuditEvent) {
+        if let Some(audit) = &self.options.audit {
+            audit.record(&event());
+        }
+    }
+}
+
+/// The store key: the bucket key plus a tag of the parameters its state was produced under.
+fn store_key(bucket_key: &str, params: &Limit) -> Box<str> {
+    let tag = params_tag(params);
+    format!("{bucket_key}@{tag:08x}").into_boxed_str()
+}
+
+/// Splits a store key into limit name, override name (empty for none), parameter tag and
+/// bucket key. Names never contain `|`, `#`, `\` or `@`; values escape `|`, `#` and `\`.
+fn split_store_key(key: &str) -> Option<(&str, &str, u32, &str)> {
+    let (bucket, tag) = key.rsplit_once('@')?;
+    let tag = u32::from_str_radix(tag, 16).ok()?;
+    let limit = bucket.split(['|', '#']).next()?;
+    let override_ = match bucket.rfind('#') {
+        Some(at) if !escaped(bucket, at) => &bucket[at + 1..],
+        _ => "",
+    };
+    Some((limit, override_, tag, bucket))
+}
+
+/// Whether the character at byte `at` is preceded by an odd number of backslashes.
+fn escaped(text: &str, at: usize) -> bool {
+    text.as_bytes()[..at]
+        .iter()
+        .rev()
+        .take_while(|&&b| b == b'\\')
+        .count()
+        % 2
+        == 1
+}
+
+/// 32 bits of a stable hash of the parameters.
+fn params_tag(params: &Limit) -> u32 {
+    let mut bytes = [0u8; 24];
+    bytes[..8].copy_from_slice(&params.capacity().to_le_bytes());
+    bytes[8..16].copy_from_slice(&params.refill().amount().to_le_bytes());
+    let period = u64::try_from(params.refill().period().as_nanos()).unwrap_or(u64::MAX);
+    bytes[16..].copy_from_slice(&period.to_le_bytes());
+    (stable_hash(&bytes) >> 32) as u32
+}
+
+/// Names of limits present in both versions whose base or override parameters differ.
+fn changed_limits(old: &Policy, new: &Policy) -> Vec<String> {
+    new.limits()
+        .iter()
+        .filter(|limit| {
+            old.limit(limit.name()).is_some_and(|before| {
+                before.params() != limit.params()
+                    || before.overrides().len() != limit.overrides().len()
+                    || before
+                        .overrides()
+                        .iter()
+                        .zip(limit.overrides())
+                        .any(|(a, b)| a.name() != b.name() || a.params() != b.params())
+            })
+        })
+        .map(|limit| limit.name().to_owned())
+        .collect()
+}
+
+fn read(path: &Path) -> Result<String, Error> {
+    std::fs::read_to_string(path).map_err(|source| Error::Io {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn store_keys_split_back() {
+        let cases = [
+            (
+                "per-user|acme|u1@0000002a",
+                ("per-user", "", 42, "per-user|acme|u1"),
+            ),
+            (
+                "per-user|a\\#b@ffffffff",
+                ("per-user", "", u32::MAX, "per-user|a\\#b"),
+            ),
+            (
+                "per-user|a\\\\#gold@00000001",
+                ("per-user", "gold", 1, "per-user|a\\\\#gold"),
+            ),
+            ("global#0@00000000", ("global", "0", 0, "global#0")),
+            ("l|x@y@00000003", ("l", "", 3, "l|x@y")),
+        ];
+        for (key, expected) in cases {
+            assert_eq!(split_store_key(key), Some(expected), "{key}");
+        }
+        assert_eq!(split_store_key("no-tag"), None);
+    }
+}

@@ -1,0 +1,474 @@
+//! Import of envoyproxy/ratelimit configurations: what `tollgate import envoy FILE` runs.
+//!
+//! An envoyproxy/ratelimit file declares one domain and a tree of descriptors; a request
+//! descriptor (an ordered list of entries) walks the tree one entry per level, preferring a node
+//! with the entry's value over a wildcard node of the same key, and gets the limit of the node
+//! its last entry lands on. The conversion:
+//!
+//! * Every node with a `rate_limit` becomes a limit with `exact: true` (a descriptor with extra
+//!   entries does not match, as in Envoy); entries of the path with a `value` become `when`,
+//!   wildcard ones become `key` (one bucket per value, as in Envoy).
+//! * A node with a value next to a wildcard sibling with a limit becomes an **override** of the
+//!   sibling's limit, which is exactly Envoy's precedence (first match wins, same key).
+//! * `N` requests per `unit` becomes capacity `N`, refill `N/unit`: Envoy counts in calendar fixed
+//!   windows, tollgate refills a token bucket continuously, so a client can no longer burst `2N`
+//!   across a window edge. Said once in the notes.
+//! * `shadow_mode` becomes `mode: shadow`; `unlimited` means no limit.
+//!
+//! What tollgate cannot express is listed in [`EnvoyImport::notes`], with the descriptor path:
+//! `replaces`, wildcard values (`foo*`), `unlimited` exceptions to a wildcard sibling, entry order,
+//! month and year units (approximated), and fields it does not know.
+
+use std::collections::{BTreeMap, HashSet};
+use std::fmt::Write as _;
+
+use serde::Deserialize;
+use serde::de::IgnoredAny;
+
+use crate::compile::compile;
+use crate::error::Error;
+use crate::schema::{Text, parse_as};
+
+/// A converted configuration.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct EnvoyImport {
+    /// The tollgate policy, as YAML text that [`crate::compile`] accepts.
+    pub policy: String,
+    /// How many limits it holds.
+    pub limits: usize,
+    /// What could not be expressed exactly, one line each, with the descriptor path.
+    pub notes: Vec<String>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Config {
+    domain: String,
+    #[serde(default)]
+    descriptors: Vec<Node>,
+    #[serde(flatten)]
+    other: BTreeMap<String, IgnoredAny>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Node {
+    key: String,
+    #[serde(default)]
+    value: Option<Text>,
+    #[serde(default)]
+    rate_limit: Option<RateLimit>,
+    #[serde(default)]
+    descriptors: Vec<Node>,
+    #[serde(default)]
+    shadow_mode: bool,
+    #[serde(default)]
+    detailed_metric: bool,
+    #[serde(flatten)]
+    other: BTreeMap<String, IgnoredAny>,
+}
+
+#[derive(Debug, Deserialize)]
+struct RateLimit {
+    #[serde(default)]
+    unit: Option<String>,
+    #[serde(default)]
+    requests_per_unit: Option<u64>,
+    #[serde(default)]
+    unlimited: bool,
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    replaces: Vec<IgnoredAny>,
+    #[serde(flatten)]
+    other: BTreeMap<String, IgnoredAny>,
+}
+
+/// One limit on its way out.
+struct Out {
+    name: String,
+    when: Vec<(String, String)>,
+    key: Vec<String>,
+    capacity: u64,
+    refill: String,
+    shadow: bool,
+    overrides: Vec<(String, (String, String), u64, String)>,
+}
+
+struct Importer {
+    domain: String,
+    limits: Vec<Out>,
+    names: HashSet<String>,
+    notes: Vec<String>,
+}
+
+/// Converts the envoyproxy/ratelimit configuration `text` (named `file` in errors and notes)
+/// into a tollgate policy, listing what it cannot express.
+///
+/// # Errors
+///
+/// [`Error::Invalid`] when the file is not an envoyproxy/ratelimit configuration (not YAML, no
+/// `domain`, a descriptor without `key`), with its position; also when the result would not
+/// validate (a rate tollgate cannot represent), which names the limit.
+pub fn import_envoy(file: &str, text: &str) -> Result<EnvoyImport, Error> {
+    let config: Config = parse_as(file, text, false)?;
+    let mut importer = Importer {
+        domain: config.domain.clone(),
+        limits: Vec::new(),
+        names: HashSet::new(),
+        notes: Vec::new(),
+    };
+    for field in config.other.keys() {
+        importer.note("", format!("unknown field `{field}` ignored"));
+    }
+    importer.level(&config.descriptors, &[]);
+    let policy = importer.render(file);
+    // The output must be a policy tollgate accepts: compile it now rather than hand the
+    // operator a file that fails at load time.
+    compile(&format!("{file} (imported)"), &policy)?;
+    let mut notes = importer.notes;
+    if !importer.limits.is_empty() {
+        notes.insert(
+            0,
+            "envoy counts requests in calendar fixed windows; each limit becomes a token bucket \
+             of capacity N refilled at N per unit (same long-run rate, no double burst at window \
+             edges)"
+                .to_owned(),
+        );
+        notes.insert(
+            1,
+            "envoy matches descriptor entries in order; tollgate's exact limits match the same \
+             entries in any order"
+                .to_owned(),
+        );
+    }
+    Ok(EnvoyImport {
+        limits: importer.limits.len(),
+        policy,
+        notes,
+    })
+}
+
+type Path<'a> = [(&'a str, Option<&'a str>)];
+
+fn describe(path: &Path<'_>) -> String {
+    let mut text = String::new();
+    for (key, value) in path {
+        if !text.is_empty() {
+            text.push_str(" > ");
+        }
+        match value {
+            Some(value) => {
+                let _ = write!(text, "{key}={value}");
+            }
+            None => text.push_str(key),
+        }
+    }
+    text
+}
+
+impl Importer {
+    fn note(&mut self, path: &str, message: String) {
+        self.notes.push(if path.is_empty() {
+            message
+        } else {
+            format!("{path}: {message}")
+        });
+    }
+
+    /// One level of the descriptor tree under `path`.
+    fn level<'a>(&mut self, nodes: &'a [Node], path: &Path<'a>) {
+        let mut keys: Vec<&str> = Vec::new();
+        for node in nodes {
+            if !keys.contains(&node.key.as_str()) {
+                keys.push(&node.key);
+            }
+        }
+        for key in keys {
+            let group: Vec<&Node> = nodes.iter().filter(|n| n.key == key).collect();
+            let wildcards: Vec<&Node> = group
+                .iter()
+                .copied()
+                .filter(|n| n.value.is_none())
+                .collect();
+            if wildcards.len() > 1 {
+                let here = describe(&[path, &[(key, None)]].concat());
+                self.note(
+                    &here,
+                    "several wildcard nodes for one key: envoy uses one; all were converted".into(),
+                );
+            }
+            let wildcard = wildcards.first().copied();
+            let wildcard_limit =
+                wildcard.and_then(|w| self.parsed_rate(w, &[path, &[(key, None)]].concat()));
+
+            let mut overrides = Vec::new();
+            for node in group.iter().filter(|n| n.value.is_some()) {
+                let value = node
+                    .value
+                    .as_ref()
+                    .map(|v| v.0.as_str())
+                    .unwrap_or_default();
+                let mut here_path = path.to_vec();
+                here_path.push((key, Some(value)));
+                let here = describe(&here_path);
+                self.check_node(node, &here);
+                if value.ends_with('*') {
+                    self.note(
+                        &here,
+                        "wildcard values (prefix*) cannot be expressed: this node and its \
+                         children were skipped"
+                            .into(),
+                    );
+                    continue;
+                }
+                let rate = self.parsed_rate(node, &here_path);
+                match (&wildcard_limit, rate) {
+                    (Some(_), Some((capacity, refill))) => {
+                        if wildcard.is_some_and(|w| w.shadow_mode != node.shadow_mode) {
+                            self.note(&here, "shadow_mode differs from the wildcard sibling's; the sibling's mode applies".into());
+                        }
+                        let name = self.override_name(&overrides, value);
+                        overrides.push((
+                            name,
+                            (key.to_owned(), value.to_owned()),
+                            capacity,
+                            refill,
+                        ));
+                    }
+                    (Some(_), None) => {
+                        if node.rate_limit.as_ref().is_some_and(|r| r.unlimited)
+                            || node.rate_limit.is_none()
+                        {
+                            self.note(
+                                &here,
+                                format!(
+                                    "has no limit of its own but a wildcard sibling `{key}` does: \
+                                     in tollgate the sibling's limit applies to {key}={value} too"
+                                ),
+                            );
+                        }
+                    }
+                    (None, Some((capacity, refill))) => {
+                        self.push(&here_path, capacity, refill, node, Vec::new());
+                    }
+                    (None, None) => {}
+                }
+                self.level(&node.descriptors, &here_path);
+            }
+            if let Some(w) = wildcard {
+                let mut here_path = path.to_vec();
+                here_path.push((key, None));
+                self.check_node(w, &describe(&here_path));
+                if let Some((capacity, refill)) = wildcard_limit {
+                    self.push(&here_path, capacity, refill, w, overrides);
+                }
+                self.level(&w.descriptors, &here_path);
+            }
+            for extra in wildcards.iter().skip(1) {
+                let mut here_path = path.to_vec();
+                here_path.push((key, None));
+                if let Some((capacity, refill)) = self.parsed_rate(extra, &here_path) {
+                    self.push(&here_path, capacity, refill, extra, Vec::new());
+                }
+                self.level(&extra.descriptors, &here_path);
+            }
+        }
+    }
+
+    fn check_node(&mut self, node: &Node, here: &str) {
+        for field in node.other.keys() {
+            self.note(here, format!("unknown field `{field}` ignored"));
+        }
+        if node.detailed_metric {
+            self.note(here, "detailed_metric ignored: tollgate labels metrics by limit name only, never by value".into());
+        }
+        if let Some(rate) = &node.rate_limit {
+            for field in rate.other.keys() {
+                self.note(here, format!("unknown rate_limit field `{field}` ignored"));
+            }
+            if !rate.replaces.is_empty() {
+                self.note(
+                    here,
+                    "replaces cannot be expressed: in tollgate the replaced limits apply too"
+                        .into(),
+                );
+            }
+        }
+    }
+
+    /// The node's limit as (capacity, refill text), or `None` for no limit (absent or
+    /// unlimited) or one that cannot be converted (noted).
+    fn parsed_rate(&mut self, node: &Node, path: &Path<'_>) -> Option<(u64, String)> {
+        let rate = node.rate_limit.as_ref()?;
+        if rate.unlimited {
+            return None;
+        }
+        let here = describe(path);
+        let (Some(unit), Some(n)) = (rate.unit.as_deref(), rate.requests_per_unit) else {
+            self.note(
+                &here,
+                "rate_limit without unit and requests_per_unit skipped".into(),
+            );
+            return None;
+        };
+        if n == 0 {
+            self.note(
+                &here,
+                "requests_per_unit 0 (deny all) cannot be expressed: skipped".into(),
+            );
+            return None;
+        }
+        let period = match unit.to_ascii_lowercase().as_str() {
+            "second" => "s",
+            "minute" => "m",
+            "hour" => "h",
+            "day" => "d",
+            "week" => "7d",
+            "month" => {
+                self.note(&here, "unit month approximated as 30 days".into());
+                "30d"
+            }
+            "year" => {
+                self.note(&here, "unit year approximated as 365 days".into());
+                "365d"
+            }
+            other => {
+                self.note(&here, format!("unknown unit `{other}`: skipped"));
+                return None;
+            }
+        };
+        Some((n, format!("{n}/{period}")))
+    }
+
+    fn unique(&mut self, base: String) -> String {
+        let mut name = base.clone();
+        let mut n = 2;
+        while !self.names.insert(name.clone()) {
+            name = format!("{base}-{n}");
+            n += 1;
+        }
+        name
+    }
+
+    fn override_name(
+        &self,
+        taken: &[(String, (String, String), u64, String)],
+        value: &str,
+    ) -> String {
+        let base = sanitize(value, 100);
+        let mut name = base.clone();
+        let mut n = 2;
+        while taken.iter().any(|(t, ..)| *t == name) {
+            name = format!("{base}-{n}");
+            n += 1;
+        }
+        name
+    }
+
+    fn push(
+        &mut self,
+        path: &Path<'_>,
+        capacity: u64,
+        refill: String,
+        node: &Node,
+        overrides: Vec<(String, (String, String), u64, String)>,
+    ) {
+        let declared = node.rate_limit.as_ref().and_then(|r| r.name.as_deref());
+        let base = match declared {
+            Some(name) => sanitize(name, 120),
+            None => {
+                let mut parts = vec![self.domain.clone()];
+                for (key, value) in path {
+                    parts.push(match value {
+                        Some(value) => format!("{key}_{value}"),
+                        None => (*key).to_owned(),
+                    });
+                }
+                sanitize(&parts.join("."), 120)
+            }
+        };
+        let name = self.unique(base);
+        let when = path
+            .iter()
+            .filter_map(|(k, v)| v.map(|v| ((*k).to_owned(), v.to_owned())))
+            .collect();
+        let key = path
+            .iter()
+            .filter(|(_, v)| v.is_none())
+            .map(|(k, _)| (*k).to_owned())
+            .collect();
+        self.limits.push(Out {
+            name,
+            when,
+            key,
+            capacity,
+            refill,
+            shadow: node.shadow_mode,
+            overrides,
+        });
+    }
+
+    fn render(&self, file: &str) -> String {
+        let q = |text: &str| serde_json::to_string(text).unwrap_or_else(|_| "\"\"".into());
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "# Imported from envoyproxy/ratelimit config {} (domain {}).",
+            file, self.domain
+        );
+        out.push_str("limits:\n");
+        if self.limits.is_empty() {
+            out.truncate(out.len() - 1);
+            out.push_str(" []\n");
+        }
+        for limit in &self.limits {
+            let _ = writeln!(out, "  - name: {}", q(&limit.name));
+            let _ = writeln!(out, "    domain: {}", q(&self.domain));
+            if !limit.when.is_empty() {
+                out.push_str("    when:\n");
+                for (k, v) in &limit.when {
+                    let _ = writeln!(out, "      {}: {}", q(k), q(v));
+                }
+            }
+            if !limit.key.is_empty() {
+                let keys: Vec<String> = limit.key.iter().map(|k| q(k)).collect();
+                let _ = writeln!(out, "    key: [{}]", keys.join(", "));
+            }
+            out.push_str("    exact: true\n");
+            let _ = writeln!(out, "    capacity: {}", limit.capacity);
+            let _ = writeln!(out, "    refill: {}", limit.refill);
+            if limit.shadow {
+                out.push_str("    mode: shadow\n");
+            }
+            if !limit.overrides.is_empty() {
+                out.push_str("    overrides:\n");
+                for (name, (k, v), capacity, refill) in &limit.overrides {
+                    let _ = writeln!(out, "      - name: {}", q(name));
+                    let _ = writeln!(out, "        when: {{{}: {}}}", q(k), q(v));
+                    let _ = writeln!(out, "        capacity: {capacity}");
+                    let _ = writeln!(out, "        refill: {refill}");
+                }
+            }
+        }
+        out
+    }
+}
+
+/// A limit or override name from arbitrary text: other characters become `_`.
+fn sanitize(text: &str, max: usize) -> String {
+    let mut name: String = text
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .take(max)
+        .collect();
+    if name.is_empty() {
+        name.push('_');
+    }
+    name
+}

@@ -1,0 +1,79 @@
+//! The one error type of the policy crate.
+//!
+//! Policy errors are read by operators at a terminal or on a status endpoint, so the ones about a
+//! file carry everything needed to fix it without guessing: the file, the line and column, the
+//! field path (`limits[2].refill`) and what is wrong.
+
+use std::fmt;
+use std::path::PathBuf;
+
+/// Where in a policy file a problem is, and what it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Diagnostic {
+    /// The file (or `<input>` for text that came from no file).
+    pub file: String,
+    /// 1-based line; 0 when the position is unknown (an empty file, an I/O error).
+    pub line: u64,
+    /// 1-based column; 0 when unknown.
+    pub column: u64,
+    /// The field path, such as `limits[2].overrides[0].capacity`; empty for the whole document.
+    pub path: String,
+    /// What is wrong and, where it helps, what to write instead.
+    pub message: String,
+}
+
+impl fmt::Display for Diagnostic {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}:{}: ", self.file, self.line, self.column)?;
+        if !self.path.is_empty() {
+            write!(f, "{}: ", self.path)?;
+        }
+        f.write_str(&self.message)
+    }
+}
+
+/// Everything that can go wrong in the policy crate.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A policy (or an import source) that does not parse or does not validate.
+    #[error("{0}")]
+    Invalid(Box<Diagnostic>),
+    /// A file that cannot be read.
+    #[error("cannot read {}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A rollback with no earlier version kept.
+    #[error("no earlier policy version is kept to roll back to")]
+    NothingToRollBack,
+    /// The core refused a check (a cost of zero or above a limit's capacity).
+    #[error("limit {limit}: {source}")]
+    Check {
+        /// The limit that refused it.
+        limit: String,
+        /// The core's reason.
+        source: tollgate::Error,
+    },
+    /// The file watcher could not be started.
+    #[error("cannot watch {}: {source}", path.display())]
+    Watch {
+        /// The directory watched.
+        path: PathBuf,
+        /// The watcher's reason.
+        source: notify_debouncer_full::notify::Error,
+    },
+}
+
+impl Error {
+    /// The diagnostic, when the error is about a position in a file.
+    pub fn diagnostic(&self) -> Option<&Diagnostic> {
+        match self {
+            Error::Invalid(diagnostic) => Some(diagnostic),
+            _ => None,
+        }
+    }
+}

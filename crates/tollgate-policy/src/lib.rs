@@ -1,0 +1,67 @@
+//! tollgate's control plane: the policy file, compiled into indexes that map requests to limits.
+//!
+//! The policy file (YAML, documented in `docs/policy.md`) says which limits apply to which
+//! requests and how to change them safely in production. This crate turns it into a [`Policy`]:
+//!
+//! * [`compile`] parses and validates a file in one pass; a [`Policy`] that exists is valid, and
+//!   every error names the file, line, column and field path ([`Diagnostic`]).
+//! * [`Policy::match_into`] maps a domain and descriptors to the applicable limits, with bucket
+//!   keys and effective parameters (overrides, shadow, rollout, exemptions), through per-domain
+//!   indexes: no scan of the limits, no allocation beyond the bucket keys.
+//! * [`PolicyEngine`] holds the version in force behind an atomic pointer swap, keeps the last
+//!   versions for rollback, reloads from a file (refusing a bad one and keeping the last good),
+//!   and decides requests against a [`tollgate::MemoryStore`], all or nothing.
+//! * [`audit`] writes loads, refusals, rollbacks, exemption uses and degraded decisions as JSON
+//!   lines; [`watch`] reloads on file changes; [`envoy`] imports envoyproxy/ratelimit configs.
+//!
+//! ```
+//! use tollgate_policy::{UnixTime, compile};
+//!
+//! let policy = compile("inline.yaml", r#"
+//! version: "7"
+//! limits:
+//!   - name: per-user
+//!     domain: api
+//!     key: [user]
+//!     capacity: 20
+//!     refill: 10/s
+//! "#)?;
+//! let matched = policy.matches("api", &[[("user", "u1")]], UnixTime::from_secs(0));
+//! assert_eq!(matched[0].bucket_key, "per-user|u1");
+//! assert_eq!(matched[0].params().capacity(), 20);
+//! # Ok::<(), tollgate_policy::Error>(())
+//! ```
+
+pub mod audit;
+mod compile;
+mod engine;
+pub mod envoy;
+mod error;
+mod key;
+mod policy;
+mod schema;
+mod wall;
+pub mod watch;
+
+pub use compile::compile;
+
+pub use engine::{EngineOptions, LimitOutcome, Outcome, PolicyEngine, PolicyStatus};
+pub use envoy::import_envoy;
+pub use error::{Diagnostic, Error};
+pub use policy::{Effect, Exemption, FailureMode, LimitDef, Matched, Mode, Override, Policy};
+pub use wall::{ManualWallClock, SystemWallClock, UnixTime, WallClock};
+
+use std::path::Path;
+
+/// Reads and validates the policy file at `path`: what `tollgate validate FILE` runs.
+///
+/// # Errors
+///
+/// [`Error::Io`] when the file cannot be read, [`Error::Invalid`] with the first problem.
+pub fn validate(path: &Path) -> Result<Policy, Error> {
+    let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+        path: path.to_owned(),
+        source,
+    })?;
+    compile(&path.display().to_string(), &text)
+}

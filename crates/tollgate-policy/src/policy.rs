@@ -1,0 +1,470 @@
+//! A compiled policy and request matching.
+//!
+//! A [`Policy`] is built only by [`crate::compile`], so everything in it has been validated:
+//! limits hold a [`tollgate::Limit`] (never a zero rate), names are unique and safe to put in a
+//! bucket key, and every exemption names an existing limit. Matching then needs no checks and
+//! no fallible step.
+//!
+//! # Indexes
+//!
+//! Matching runs on every request, so it must not scan the limits. Per domain, each limit is
+//! filed once, under the most specific thing it requires:
+//!
+//! * the `when` entry and value (a hash of the pair) that the fewest limits of its domain share,
+//!   or else
+//! * the `key` entry name that the fewest limits of its domain share, or else
+//! * nothing: it applies to every descriptor of the domain.
+//!
+//! A descriptor of `n` entries then costs `2n` hash lookups plus a verification of each
+//! candidate's remaining conditions, whatever the number of limits. Results are returned in
+//! declaration order, so decisions do not depend on hash order.
+
+use std::hash::BuildHasher;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use hashbrown::{HashMap, HashTable};
+use tollgate::Limit;
+
+use crate::key;
+use crate::wall::UnixTime;
+
+/// Descriptor entries and the values they must equal.
+pub(crate) type Conditions = Box<[(Box<str>, Box<str>)]>;
+
+/// Whether a limit can reject requests or only reports what it would have done.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Mode {
+    /// Decide, and reject when the bucket is empty.
+    Enforce,
+    /// Decide and count, but always allow: for trying a limit on live traffic.
+    Shadow,
+}
+
+impl Mode {
+    /// The name used in the policy file, metrics and the audit log.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Mode::Enforce => "enforce",
+            Mode::Shadow => "shadow",
+        }
+    }
+}
+
+/// What a limit does when its shared store cannot answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum FailureMode {
+    /// Deny, distinguishably from an ordinary rejection.
+    Closed,
+    /// Allow within an emergency budget: a local bucket per key with these parameters (its
+    /// capacity is one period's worth of the configured rate), never unlimited.
+    Open {
+        /// The local budget per key.
+        emergency: Limit,
+    },
+}
+
+/// One limit of a compiled policy.
+#[derive(Debug)]
+pub struct LimitDef {
+    /// Position in declaration order.
+    pub(crate) index: u32,
+    pub(crate) name: Box<str>,
+    pub(crate) domain: Box<str>,
+    pub(crate) when: Conditions,
+    pub(crate) key: Box<[Box<str>]>,
+    /// With `exact: true`, the number of distinct entries a descriptor must have (those of
+    /// `when` and `key`, no others).
+    pub(crate) exact: Option<usize>,
+    /// The position, in `when` (or in `key` when `when` is empty), of the entry the limit is
+    /// filed under in its domain's index.
+    pub(crate) filed: usize,
+    pub(crate) params: Limit,
+    pub(crate) mode: Mode,
+    /// Hundredths of a percent of subjects that are enforced (10,000 = all).
+    pub(crate) rollout: u16,
+    pub(crate) failure_mode: FailureMode,
+    pub(crate) overrides: Box<[Override]>,
+    /// Indexes into the policy's exemptions that name this limit.
+    pub(crate) exemptions: Box<[u32]>,
+}
+
+impl LimitDef {
+    /// The limit's name: its identity, in bucket keys, metrics and the audit log.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The domain it applies to.
+    pub fn domain(&self) -> &str {
+        &self.domain
+    }
+
+    /// Descriptor entries that must equal the given values.
+    pub fn when(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.when.iter().map(|(k, v)| (&**k, &**v))
+    }
+
+    /// Descriptor entries whose values identify the bucket.
+    pub fn key(&self) -> impl Iterator<Item = &str> {
+        self.key.iter().map(|k| &**k)
+    }
+
+    /// Whether a descriptor must hold exactly the `when` and `key` entries, no others.
+    pub fn exact(&self) -> bool {
+        self.exact.is_some()
+    }
+
+    /// The parameters when no override applies.
+    pub fn params(&self) -> &Limit {
+        &self.params
+    }
+
+    /// Enforce or shadow.
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    /// The enforced share of subjects, in hundredths of a percent (10,000 = 100%).
+    pub fn rollout(&self) -> u16 {
+        self.rollout
+    }
+
+    /// What to do when the store fails.
+    pub fn failure_mode(&self) -> FailureMode {
+        self.failure_mode
+    }
+
+    /// The overrides, in the order they are tried.
+    pub fn overrides(&self) -> &[Override] {
+        &self.overrides
+    }
+}
+
+/// Other parameters for the requests of a limit that match extra conditions.
+#[derive(Debug)]
+pub struct Override {
+    pub(crate) name: Box<str>,
+    pub(crate) when: Conditions,
+    pub(crate) params: Limit,
+}
+
+impl Override {
+    /// The override's name (its position when the file gives none): part of the bucket key.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The parameters it applies.
+    pub fn params(&self) -> &Limit {
+        &self.params
+    }
+}
+
+/// A documented, expiring exception to one limit.
+#[derive(Debug)]
+pub struct Exemption {
+    pub(crate) limit: Box<str>,
+    pub(crate) when: Conditions,
+    pub(crate) owner: Box<str>,
+    pub(crate) reason: Box<str>,
+    pub(crate) expires: UnixTime,
+    pub(crate) uses: AtomicU64,
+}
+
+impl Exemption {
+    /// The limit it lifts.
+    pub fn limit(&self) -> &str {
+        &self.limit
+    }
+
+    /// Who is accountable for it.
+    pub fn owner(&self) -> &str {
+        &self.owner
+    }
+
+    /// Why it exists.
+    pub fn reason(&self) -> &str {
+        &self.reason
+    }
+
+    /// When it stops applying.
+    pub fn expires(&self) -> UnixTime {
+        self.expires
+    }
+
+    /// Whether it applies at `now`: an exemption ends by itself at its expiry.
+    pub fn is_active(&self, now: UnixTime) -> bool {
+        now < self.expires
+    }
+
+    /// How many decisions it has lifted the limit for.
+    pub fn uses(&self) -> u64 {
+        self.uses.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn record_use(&self) {
+        self.uses.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Why a matched limit will or will not reject.
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub enum Effect<'p> {
+    /// Enforced: an empty bucket rejects the request.
+    Enforce,
+    /// The limit is in shadow mode: decided and counted, always allowed.
+    Shadow,
+    /// The subject is outside the limit's rollout: decided and counted like shadow.
+    OutsideRollout,
+    /// An active exemption lifts the limit: not decided at all.
+    Exempt(&'p Exemption),
+}
+
+impl PartialEq for Effect<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            // The same exemption of the same policy, not merely an equal one.
+            (Effect::Exempt(a), Effect::Exempt(b)) => std::ptr::eq(*a, *b),
+            (a, b) => std::mem::discriminant(a) == std::mem::discriminant(b),
+        }
+    }
+}
+
+impl Eq for Effect<'_> {}
+
+impl Effect<'_> {
+    /// The mode label for metrics and responses: `enforce`, `shadow`, `rollout` or `exempt`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Effect::Enforce => "enforce",
+            Effect::Shadow => "shadow",
+            Effect::OutsideRollout => "rollout",
+            Effect::Exempt(_) => "exempt",
+        }
+    }
+}
+
+/// A limit that applies to a request, with its bucket and effective parameters.
+#[derive(Debug, Clone)]
+pub struct Matched<'p> {
+    /// The index of the request descriptor it matched.
+    pub descriptor: usize,
+    /// The limit.
+    pub limit: &'p LimitDef,
+    /// The override that set the parameters, if any (the first that matched).
+    pub override_: Option<&'p Override>,
+    /// The bucket's key in the store: `limit-name|value...[#override]`, with `\`, `|` and `#` in
+    /// values escaped by a backslash, so different subjects never share a bucket.
+    pub bucket_key: String,
+    /// Whether it can reject.
+    pub effect: Effect<'p>,
+}
+
+impl Matched<'_> {
+    /// The effective parameters: the override's, or else the limit's.
+    pub fn params(&self) -> &Limit {
+        self.override_.map_or(&self.limit.params, |o| &o.params)
+    }
+}
+
+/// Candidate lists of one domain.
+#[derive(Debug, Default)]
+pub(crate) struct DomainIndex {
+    /// Keyed by the hash of the `when` (entry, value) a limit is filed under.
+    pub(crate) by_pair: HashTable<(u64, Box<[u32]>)>,
+    /// Keyed by the hash of the key entry name a `when`-less limit is filed under.
+    pub(crate) by_entry: HashTable<(u64, Box<[u32]>)>,
+    /// Limits with neither conditions nor key entries.
+    pub(crate) always: Box<[u32]>,
+}
+
+/// A validated, indexed policy: one version of the control plane.
+///
+/// Immutable once built, and shared behind an `Arc` so that readers hold a whole version for as
+/// long as they need it, whatever reloads happen meanwhile.
+#[derive(Debug)]
+pub struct Policy {
+    pub(crate) version: Arc<str>,
+    pub(crate) source: Arc<str>,
+    pub(crate) limits: Box<[LimitDef]>,
+    pub(crate) exemptions: Box<[Exemption]>,
+    pub(crate) domains: HashMap<Box<str>, DomainIndex, foldhash::fast::RandomState>,
+    pub(crate) hasher: foldhash::fast::RandomState,
+}
+
+impl Policy {
+    /// The version: declared in the file, or `sha-` and a hash of its content.
+    pub fn version(&self) -> &str {
+        &self.version
+    }
+
+    /// The version, cheaply cloned into decisions.
+    pub fn version_arc(&self) -> &Arc<str> {
+        &self.version
+    }
+
+    /// Where the policy came from (a file name, or `<input>`).
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// The limits in declaration order.
+    pub fn limits(&self) -> &[LimitDef] {
+        &self.limits
+    }
+
+    /// The limit named `name`.
+    pub fn limit(&self, name: &str) -> Option<&LimitDef> {
+        self.limits.iter().find(|l| &*l.name == name)
+    }
+
+    /// The exemptions in declaration order.
+    pub fn exemptions(&self) -> &[Exemption] {
+        &self.exemptions
+    }
+
+    /// Appends to `out` the limits that apply to one request: `domain` and its descriptors, each
+    /// a list of `(entry, value)` pairs. Within a descriptor the first occurrence of an entry
+    /// counts. Allocates only the bucket keys (and `out`'s growth, which a reused buffer avoids).
+    ///
+    /// `now` is the wall-clock time, used only for exemption expiry; it is an argument so that
+    /// matching is a pure function of its inputs.
+    pub fn match_into<'p, D, S>(
+        &'p self,
+        domain: &str,
+        descriptors: &[D],
+        now: UnixTime,
+        out: &mut Vec<Matched<'p>>,
+    ) where
+        D: AsRef<[(S, S)]>,
+        S: AsRef<str>,
+    {
+        let Some(index) = self.domains.get(domain) else {
+            return;
+        };
+        for (position, descriptor) in descriptors.iter().enumerate() {
+            let entries = descriptor.as_ref();
+            let start = out.len();
+            for &limit in &*index.always {
+                self.try_limit(limit, position, entries, now, out);
+            }
+            for (i, (entry, value)) in entries.iter().enumerate() {
+                let (entry, value) = (entry.as_ref(), value.as_ref());
+                if entries[..i].iter().any(|(e, _)| e.as_ref() == entry) {
+                    continue;
+                }
+                let pair = self.hasher.hash_one((entry, value));
+                if let Some((_, list)) = index.by_pair.find(pair, |(h, _)| *h == pair) {
+                    for &limit in &**list {
+                        // A hash collision could file another pair's limits here: check the
+                        // pair this limit is filed under, so it is tried once only.
+                        let candidate = &self.limits[limit as usize];
+                        let filed = &candidate.when[candidate.filed];
+                        if &*filed.0 == entry && &*filed.1 == value {
+                            self.try_limit(limit, position, entries, now, out);
+                        }
+                    }
+                }
+                let name = self.hasher.hash_one(entry);
+                if let Some((_, list)) = index.by_entry.find(name, |(h, _)| *h == name) {
+                    for &limit in &**list {
+                        let candidate = &self.limits[limit as usize];
+                        if &*candidate.key[candidate.filed] == entry {
+                            self.try_limit(limit, position, entries, now, out);
+                        }
+                    }
+                }
+            }
+            out[start..].sort_unstable_by_key(|m| m.limit.index);
+        }
+    }
+
+    /// The limits that apply to one request (see [`match_into`](Self::match_into)).
+    pub fn matches<'p, D, S>(
+        &'p self,
+        domain: &str,
+        descriptors: &[D],
+        now: UnixTime,
+    ) -> Vec<Matched<'p>>
+    where
+        D: AsRef<[(S, S)]>,
+        S: AsRef<str>,
+    {
+        let mut out = Vec::new();
+        self.match_into(domain, descriptors, now, &mut out);
+        out
+    }
+
+    fn try_limit<'p, S: AsRef<str>>(
+        &'p self,
+        index: u32,
+        position: usize,
+        entries: &[(S, S)],
+        now: UnixTime,
+        out: &mut Vec<Matched<'p>>,
+    ) {
+        let limit = &self.limits[index as usize];
+        if limit.exact.is_some_and(|n| n != entries.len()) || !all_equal(&limit.when, entries) {
+            return;
+        }
+        let mut size = limit.name.len();
+        for entry in &*limit.key {
+            match lookup(entries, entry) {
+                Some(value) => size += value.len() + 1,
+                None => return,
+            }
+        }
+        let override_ = limit.overrides.iter().find(|o| all_equal(&o.when, entries));
+        let mut bucket_key =
+            String::with_capacity(size + override_.map_or(0, |o| o.name.len() + 1));
+        bucket_key.push_str(&limit.name);
+        for entry in &*limit.key {
+            bucket_key.push('|');
+            key::push_escaped(&mut bucket_key, lookup(entries, entry).unwrap_or_default());
+        }
+        let exemption = limit
+            .exemptions
+            .iter()
+            .map(|&e| &self.exemptions[e as usize])
+            .find(|e| e.is_active(now) && all_equal(&e.when, entries));
+        let effect = if let Some(exemption) = exemption {
+            Effect::Exempt(exemption)
+        } else if limit.mode == Mode::Shadow {
+            Effect::Shadow
+        } else if !key::in_rollout(&bucket_key, limit.rollout) {
+            // Hashed before the override suffix: a subject is in or out of the rollout whatever
+            // override its request picks.
+            Effect::OutsideRollout
+        } else {
+            Effect::Enforce
+        };
+        if let Some(o) = override_ {
+            bucket_key.push('#');
+            bucket_key.push_str(&o.name);
+        }
+        out.push(Matched {
+            descriptor: position,
+            limit,
+            override_,
+            bucket_key,
+            effect,
+        });
+    }
+}
+
+fn lookup<'e, S: AsRef<str>>(entries: &'e [(S, S)], entry: &str) -> Option<&'e str> {
+    entries
+        .iter()
+        .find(|(e, _)| e.as_ref() == entry)
+        .map(|(_, v)| v.as_ref())
+}
+
+fn all_equal<S: AsRef<str>>(conditions: &[(Box<str>, Box<str>)], entries: &[(S, S)]) -> bool {
+    conditions
+        .iter()
+        .all(|(entry, value)| lookup(entries, entry) == Some(&**value))
+}

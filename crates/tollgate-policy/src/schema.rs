@@ -1,0 +1,336 @@
+//! The serde mirror of the policy file.
+//!
+//! These types say what the YAML may contain and nothing more: every struct refuses unknown
+//! fields (a misspelt `capacty` must not silently fall back to a default), and scalars that have
+//! a syntax of their own (rates, percentages, RFC 3339 times) are parsed here, so their errors
+//! come out of the deserializer with the line, column and field path of the offending value.
+//! Rules that span several fields (unique names, references between sections, parameter ranges)
+//! live in [`crate::compile`].
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::Deserialize;
+use serde::de::{self, Deserializer, Visitor};
+use serde_saphyr::Spanned;
+use tollgate::Rate;
+
+use crate::error::{Diagnostic, Error};
+
+/// The whole file.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct PolicyFile {
+    #[serde(default)]
+    pub(crate) version: Option<Spanned<Text>>,
+    #[serde(default)]
+    pub(crate) defaults: Defaults,
+    /// Required, even if empty: a truncated or empty file (caught mid-write) must be refused,
+    /// not read as a policy without limits.
+    pub(crate) limits: Vec<LimitSpec>,
+    #[serde(default)]
+    pub(crate) exemptions: Vec<ExemptionSpec>,
+}
+
+/// Policy-wide defaults for the per-limit fields that have them.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Defaults {
+    #[serde(default)]
+    pub(crate) failure_mode: Option<FailureModeSpec>,
+    #[serde(default)]
+    pub(crate) emergency: Option<RateText>,
+    #[serde(default)]
+    pub(crate) mode: Option<ModeSpec>,
+}
+
+/// One entry of `limits`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct LimitSpec {
+    pub(crate) name: Spanned<String>,
+    pub(crate) domain: Spanned<String>,
+    #[serde(default)]
+    pub(crate) when: Option<Spanned<BTreeMap<String, Text>>>,
+    #[serde(default)]
+    pub(crate) key: Option<Spanned<Vec<String>>>,
+    pub(crate) capacity: Spanned<u64>,
+    pub(crate) refill: Spanned<RateText>,
+    #[serde(default)]
+    pub(crate) exact: bool,
+    #[serde(default)]
+    pub(crate) algorithm: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(crate) mode: Option<ModeSpec>,
+    #[serde(default)]
+    pub(crate) rollout: Option<Percent>,
+    #[serde(default)]
+    pub(crate) failure_mode: Option<FailureModeSpec>,
+    #[serde(default)]
+    pub(crate) emergency: Option<Spanned<RateText>>,
+    #[serde(default)]
+    pub(crate) overrides: Vec<OverrideSpec>,
+}
+
+/// One entry of a limit's `overrides`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct OverrideSpec {
+    #[serde(default)]
+    pub(crate) name: Option<Spanned<String>>,
+    pub(crate) when: Spanned<BTreeMap<String, Text>>,
+    #[serde(default)]
+    pub(crate) capacity: Option<Spanned<u64>>,
+    #[serde(default)]
+    pub(crate) refill: Option<Spanned<RateText>>,
+}
+
+/// One entry of `exemptions`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ExemptionSpec {
+    pub(crate) limit: Spanned<String>,
+    #[serde(default)]
+    pub(crate) when: BTreeMap<String, Text>,
+    pub(crate) owner: Spanned<String>,
+    pub(crate) reason: Spanned<String>,
+    pub(crate) expires: Expiry,
+}
+
+/// `enforce` or `shadow`.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum ModeSpec {
+    Enforce,
+    Shadow,
+}
+
+/// `closed` or `open`.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum FailureModeSpec {
+    Closed,
+    Open,
+}
+
+/// A rate such as `10/s`, parsed by the core's own syntax.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(try_from = "String")]
+pub(crate) struct RateText(pub(crate) Rate);
+
+impl TryFrom<String> for RateText {
+    type Error = String;
+
+    fn try_from(text: String) -> Result<Self, String> {
+        text.parse().map(RateText).map_err(|err: tollgate::Error| {
+            format!("{err} (write AMOUNT/PERIOD, as in 10/s, 600/m, 5/100ms or 1/d)")
+        })
+    }
+}
+
+/// A percentage in hundredths: `12.5%` is 1250. At most two decimals, at most 100%.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(try_from = "Text")]
+pub(crate) struct Percent(pub(crate) u16);
+
+impl TryFrom<Text> for Percent {
+    type Error = String;
+
+    fn try_from(text: Text) -> Result<Self, String> {
+        parse_percent(&text.0).ok_or_else(|| {
+            format!(
+                "invalid percentage {:?}: write 0% to 100%, with at most two decimals, as in 25% or 12.5%",
+                text.0
+            )
+        })
+    }
+}
+
+fn parse_percent(text: &str) -> Option<Percent> {
+    let number = text.trim().strip_suffix('%')?.trim_end();
+    let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
+    if whole.is_empty()
+        || whole.len() > 3
+        || fraction.len() > 2
+        || !whole
+            .bytes()
+            .chain(fraction.bytes())
+            .all(|b| b.is_ascii_digit())
+    {
+        return None;
+    }
+    let whole: u16 = whole.parse().ok()?;
+    let mut hundredths: u16 = 0;
+    for (i, b) in fraction.bytes().enumerate() {
+        let digit = u16::from(b - b'0');
+        hundredths += if i == 0 { digit * 10 } else { digit };
+    }
+    let value = whole.checked_mul(100)?.checked_add(hundredths)?;
+    (value <= 10_000).then_some(Percent(value))
+}
+
+/// An RFC 3339 instant with an explicit offset, such as `2026-12-31T00:00:00Z`, as nanoseconds
+/// since the Unix epoch.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(try_from = "String")]
+pub(crate) struct Expiry(pub(crate) i64);
+
+impl TryFrom<String> for Expiry {
+    type Error = String;
+
+    fn try_from(text: String) -> Result<Self, String> {
+        let instant: jiff::Timestamp = text.trim().parse().map_err(|err| {
+            format!("invalid RFC 3339 time {text:?} ({err}): write it as 2026-12-31T00:00:00Z")
+        })?;
+        i64::try_from(instant.as_nanosecond())
+            .map(Expiry)
+            .map_err(|_| format!("time {text:?} is out of range"))
+    }
+}
+
+/// Any YAML scalar taken as text: descriptor values such as `443` or `true` are strings on the
+/// wire (Envoy sends strings), so the file may write them unquoted.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct Text(pub(crate) String);
+
+impl<'de> Deserialize<'de> for Text {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct TextVisitor;
+
+        impl Visitor<'_> for TextVisitor {
+            type Value = Text;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string, number or boolean")
+            }
+
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Text, E> {
+                Ok(Text(v.to_owned()))
+            }
+
+            fn visit_string<E: de::Error>(self, v: String) -> Result<Text, E> {
+                Ok(Text(v))
+            }
+
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Text, E> {
+                Ok(Text(v.to_string()))
+            }
+
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Text, E> {
+                Ok(Text(v.to_string()))
+            }
+
+            fn visit_bool<E: de::Error>(self, v: bool) -> Result<Text, E> {
+                Ok(Text(v.to_string()))
+            }
+        }
+
+        deserializer.deserialize_any(TextVisitor)
+    }
+}
+
+/// Parses `text` (named `file` in errors) into the mirror, or the first problem with its
+/// position and field path.
+pub(crate) fn parse(file: &str, text: &str) -> Result<PolicyFile, Error> {
+    parse_as(file, text, true)
+}
+
+/// Parses any mirror type the same way: shared with the Envoy importer. `spanned` says the type
+/// uses [`Spanned`], whose inner `.value` step is dropped from paths (users never wrote it).
+pub(crate) fn parse_as<T: de::DeserializeOwned>(
+    file: &str,
+    text: &str,
+    spanned: bool,
+) -> Result<T, Error> {
+    let options = serde_saphyr::options! {
+        with_snippet: false,
+        duplicate_keys: serde_saphyr::DuplicateKeyPolicy::Error,
+    };
+    let mut path = String::new();
+    let result = serde_saphyr::with_deserializer_from_str_with_options(text, options, |de| {
+        serde_path_to_error::deserialize(de).map_err(|err| {
+            path = err.path().to_string();
+            err.into_inner()
+        })
+    });
+    result.map_err(|err| {
+        let (line, column) = err
+            .location()
+            .map_or((0, 0), |location| (location.line(), location.column()));
+        let message = message_of(&err);
+        Error::Invalid(Box::new(Diagnostic {
+            file: file.to_owned(),
+            line,
+            column,
+            path: clean_path(&path, spanned),
+            message,
+        }))
+    })
+}
+
+/// The path as the user wrote it: serde_path_to_error writes `.` for the root and `?` for a
+/// step it cannot name (a map key), and [`Spanned`] adds a `.value` step of its own.
+fn clean_path(path: &str, spanned: bool) -> String {
+    let mut cleaned = if path == "." { "" } else { path }.to_owned();
+    if spanned {
+        cleaned = cleaned.replace(".value", "");
+    }
+    while let Some(stripped) = cleaned.strip_suffix(".?") {
+        cleaned.truncate(stripped.len());
+    }
+    cleaned
+}
+
+/// The bare message of a deserializer error, without the position the renderer appends (the
+/// diagnostic carries that itself).
+fn message_of(err: &serde_saphyr::Error) -> String {
+    let mut message = match err.without_snippet() {
+        serde_saphyr::Error::Message { msg, .. } => msg.clone(),
+        other => other.to_string(),
+    };
+    if let Some(at) = message.rfind(" at line ") {
+        message.truncate(at);
+    }
+    // The parser suggests a library option; the operator needs the fix in the file.
+    if let Some(at) = message.find(", set DuplicateKeyPolicy") {
+        message.truncate(at);
+        message.push_str(" (each entry may appear once)");
+    }
+    message
+}
+
+/// A diagnostic at a spanned value.
+pub(crate) fn at<T>(file: &str, spanned: &Spanned<T>, path: String, message: String) -> Error {
+    Error::Invalid(Box::new(Diagnostic {
+        file: file.to_owned(),
+        line: spanned.referenced.line(),
+        column: spanned.referenced.column(),
+        path,
+        message,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentages() {
+        let ok = [
+            ("0%", 0),
+            ("100%", 10_000),
+            ("25%", 2_500),
+            ("12.5%", 1_250),
+            ("0.01%", 1),
+            (" 50 %", 5_000),
+        ];
+        for (text, hundredths) in ok {
+            assert_eq!(parse_percent(text).map(|p| p.0), Some(hundredths), "{text}");
+        }
+        for text in [
+            "", "%", "50", "101%", "100.01%", "1.234%", "-1%", "+1%", "a%", "1e2%", ".5%",
+        ] {
+            assert!(parse_percent(text).is_none(), "{text:?}");
+        }
+    }
+}

@@ -1,0 +1,107 @@
+//! Reload the policy when its file changes.
+//!
+//! The watcher watches the file's **directory**, not the file: editors and deploy tools replace
+//! a file by writing a new one and renaming it over the old (the old inode, which a file watch
+//! would follow, never changes), and Kubernetes updates a mounted ConfigMap by swapping a
+//! `..data` symlink inside the directory. Any change in the directory triggers a reload after a
+//! debounce; the engine skips content it already has, refuses a bad file and keeps the last good
+//! version, so a spurious event costs one read.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use notify_debouncer_full::notify::{EventKind, RecommendedWatcher, RecursiveMode};
+use notify_debouncer_full::{DebounceEventResult, Debouncer, RecommendedCache, new_debouncer};
+
+use crate::engine::PolicyEngine;
+use crate::error::Error;
+use crate::policy::Policy;
+
+/// The result of one reload the watcher triggered.
+pub type ReloadResult = Result<Arc<Policy>, Error>;
+
+/// Reloads a [`PolicyEngine`] from its file on every change, until dropped.
+pub struct PolicyWatcher {
+    _debouncer: Debouncer<RecommendedWatcher, RecommendedCache>,
+    dir: PathBuf,
+}
+
+impl std::fmt::Debug for PolicyWatcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PolicyWatcher")
+            .field("dir", &self.dir)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PolicyWatcher {
+    /// Watches the directory of `engine`'s file, reloading `debounce` after the last change.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Watch`] when the engine has no file or the directory cannot be watched.
+    pub fn start(engine: Arc<PolicyEngine>, debounce: Duration) -> Result<Self, Error> {
+        Self::start_with(engine, debounce, |_| {})
+    }
+
+    /// Like [`start`](Self::start), and calls `on_reload` with each reload's result (for
+    /// metrics and tests). It runs on the watcher's thread.
+    ///
+    /// # Errors
+    ///
+    /// As for `start`.
+    pub fn start_with(
+        engine: Arc<PolicyEngine>,
+        debounce: Duration,
+        mut on_reload: impl FnMut(ReloadResult) + Send + 'static,
+    ) -> Result<Self, Error> {
+        let Some(file) = engine.path() else {
+            return Err(Error::Watch {
+                path: PathBuf::new(),
+                source: notify_debouncer_full::notify::Error::generic(
+                    "the engine was not started from a file",
+                ),
+            });
+        };
+        let dir = directory_of(file);
+        let handler = move |result: DebounceEventResult| {
+            let relevant = match &result {
+                // Reading the file ourselves produces access events: reacting to them would
+                // reload forever.
+                Ok(events) => events
+                    .iter()
+                    .any(|e| !matches!(e.event.kind, EventKind::Access(_))),
+                // Lost events (a queue overflow) may hide a change: reload to be sure.
+                Err(_) => true,
+            };
+            if relevant {
+                on_reload(engine.reload());
+            }
+        };
+        let watch_error = |source| Error::Watch {
+            path: dir.clone(),
+            source,
+        };
+        let mut debouncer = new_debouncer(debounce, None, handler).map_err(watch_error)?;
+        debouncer
+            .watch(&dir, RecursiveMode::NonRecursive)
+            .map_err(watch_error)?;
+        Ok(Self {
+            _debouncer: debouncer,
+            dir,
+        })
+    }
+
+    /// The directory watched.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+fn directory_of(file: &Path) -> PathBuf {
+    match file.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir.to_owned(),
+        _ => PathBuf::from("."),
+    }
+}

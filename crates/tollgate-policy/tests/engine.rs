@@ -1,0 +1,658 @@
+//! The engine: decisions against the policy in force, reloads, rollback, the audit trail.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tollgate::ManualClock;
+use tollgate_policy::audit::AuditLog;
+use tollgate_policy::{EngineOptions, ManualWallClock, PolicyEngine, UnixTime, compile};
+
+const NOW: UnixTime = UnixTime::from_secs(1_790_000_000); // 2026-09-21
+
+#[derive(Clone, Default)]
+struct Lines(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Lines {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Lines {
+    fn events(&self) -> Vec<serde_json::Value> {
+        let text = String::from_utf8(self.0.lock().clone()).unwrap_or_default();
+        text.lines()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+            .collect()
+    }
+
+    fn kinds(&self) -> Vec<String> {
+        self.events()
+            .iter()
+            .map(|e| e["event"].as_str().unwrap_or_default().to_owned())
+            .collect()
+    }
+}
+
+struct Rig {
+    engine: PolicyEngine,
+    clock: ManualClock,
+    wall: ManualWallClock,
+    audit: Lines,
+}
+
+fn rig_with(policy: &str, path: Option<PathBuf>) -> Rig {
+    let clock = ManualClock::new();
+    let wall = ManualWallClock::new(NOW);
+    let audit = Lines::default();
+    let log = AuditLog::new(Box::new(audit.clone()), Box::new(wall.clone()));
+    let options = EngineOptions::default()
+        .clock(Arc::new(clock.clone()))
+        .wall_clock(Arc::new(wall.clone()))
+        .audit(Arc::new(log))
+        .history(3);
+    let engine = match path {
+        Some(path) => {
+            std::fs::write(&path, policy).unwrap_or_else(|e| panic!("{e}"));
+            PolicyEngine::from_file(&path, options)
+        }
+        None => compile("p.yaml", policy).map(|p| PolicyEngine::new(p, options)),
+    }
+    .unwrap_or_else(|e| panic!("{e}"));
+    Rig {
+        engine,
+        clock,
+        wall,
+        audit,
+    }
+}
+
+fn rig(policy: &str) -> Rig {
+    rig_with(policy, None)
+}
+
+fn temp_file(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tollgate-policy-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
+    dir.join("policy.yaml")
+}
+
+const TWO: &str = r#"
+version: "1"
+limits:
+  - name: per-user
+    domain: api
+    key: [user]
+    capacity: 3
+    refill: 1/s
+  - name: per-tenant
+    domain: api
+    key: [tenant]
+    capacity: 4
+    refill: 1/s
+"#;
+
+fn user(u: &str, t: &str) -> [(&'static str, String); 2] {
+    [("user", u.to_owned()), ("tenant", t.to_owned())]
+}
+
+fn decide(
+    engine: &PolicyEngine,
+    descriptor: &[(&str, String)],
+) -> (bool, Vec<(String, bool, u64)>, String) {
+    let d: Vec<(&str, &str)> = descriptor.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let outcome = engine
+        .decide("api", &[d], 1, None)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let limits = outcome
+        .limits
+        .iter()
+        .map(|l| {
+            let d = l.decision;
+            (
+                l.name.clone(),
+                d.is_some_and(|d| d.allowed()),
+                d.map_or(0, |d| d.remaining()),
+            )
+        })
+        .collect();
+    (outcome.allowed, limits, outcome.policy_version.to_string())
+}
+
+#[test]
+fn all_or_nothing_with_the_version() {
+    let r = rig(TWO);
+    for _ in 0..3 {
+        assert!(decide(&r.engine, &user("a", "t")).0);
+    }
+    // per-user is empty; per-tenant had room but is not charged.
+    let (allowed, limits, version) = decide(&r.engine, &user("a", "t"));
+    assert!(!allowed);
+    assert_eq!(version, "1");
+    assert_eq!(
+        limits,
+        [
+            ("per-user".into(), false, 0),
+            ("per-tenant".into(), true, 1)
+        ]
+    );
+    // So another user of the tenant still gets the tenant's last token.
+    assert!(decide(&r.engine, &user("b", "t")).0);
+    assert!(!decide(&r.engine, &user("c", "t")).0);
+    r.clock.advance(Duration::from_secs(1));
+    assert!(decide(&r.engine, &user("c", "t")).0);
+}
+
+#[test]
+fn unmatched_requests_are_allowed_and_counted() {
+    let r = rig(TWO);
+    let outcome = r.engine.decide("api", &[[("other", "x")]], 1, None);
+    assert!(outcome.as_ref().is_ok_and(|o| o.allowed && o.unmatched()));
+    let outcome = r.engine.decide("nope", &[[("user", "x")]], 1, None);
+    assert!(outcome.is_ok_and(|o| o.allowed && o.unmatched()));
+    assert_eq!(r.engine.unmatched(), 2);
+    assert_eq!(r.engine.status().unmatched, 2);
+}
+
+#[test]
+fn invalid_costs_are_errors_that_charge_nothing() {
+    let r = rig(TWO);
+    let err = r
+        .engine
+        .decide("api", &[[("user", "a"), ("tenant", "t")]], 4, None);
+    assert!(err.is_err_and(|e| e.to_string().contains("per-user")));
+    assert!(r.engine.decide("api", &[[("user", "a")]], 0, None).is_err());
+    assert_eq!(decide(&r.engine, &user("a", "t")).1[0].2, 2);
+}
+
+const SHADOW: &str = r#"
+version: "s"
+limits:
+  - name: enforced
+    domain: api
+    key: [user]
+    capacity: 2
+    refill: 1/s
+  - name: trial
+    domain: api
+    key: [user]
+    capacity: 1
+    refill: 1/s
+    mode: shadow
+"#;
+
+#[test]
+fn shadow_decides_but_never_rejects() {
+    let r = rig(SHADOW);
+    let d = |u: &str| {
+        r.engine
+            .decide("api", &[[("user", u)]], 1, None)
+            .unwrap_or_else(|e| panic!("{e}"))
+    };
+    let first = d("a");
+    assert!(first.allowed);
+    assert_eq!(first.limits[1].mode, "shadow");
+    assert!(!first.limits[1].would_reject());
+    let second = d("a");
+    // The shadow limit would have rejected; the request passes anyway.
+    assert!(second.allowed);
+    assert!(second.limits[1].would_reject());
+    assert_eq!(second.limits[0].decision.map(|d| d.remaining()), Some(0));
+    let third = d("a");
+    assert!(!third.allowed);
+    assert_eq!(third.limits[0].mode, "enforce");
+}
+
+#[test]
+fn shadow_is_not_charged_when_the_request_is_rejected() {
+    let r = rig(&SHADOW.replace("capacity: 1\n", "capacity: 5\n"));
+    let d = || {
+        r.engine
+            .decide("api", &[[("user", "a")]], 1, None)
+            .unwrap_or_else(|e| panic!("{e}"))
+    };
+    d();
+    d();
+    let rejected = d();
+    assert!(!rejected.allowed);
+    // Uncharged, a shadow decision reports what a charge would leave: 5 - 2 - 1.
+    assert_eq!(rejected.limits[1].decision.map(|d| d.remaining()), Some(2));
+    // And the rejection really charged nothing: the shadow bucket still holds 3.
+    let explained = r.engine.explain("api", &[[("user", "a")]], 1);
+    assert!(explained.is_ok_and(|o| o.limits[1].decision.map(|d| d.remaining()) == Some(2)));
+}
+
+#[test]
+fn outside_the_rollout_is_decided_like_shadow() {
+    let r = rig(&TWO.replace("    capacity: 3\n", "    capacity: 1\n    rollout: 50%\n"));
+    let mut modes = std::collections::BTreeMap::new();
+    for i in 0..200 {
+        let u = format!("u{i}");
+        let t = format!("t{i}");
+        decide(&r.engine, &user(&u, &t));
+        let outcome = r.engine.decide(
+            "api",
+            &[[("user", u.as_str()), ("tenant", t.as_str())]],
+            1,
+            None,
+        );
+        let Ok(outcome) = outcome else { panic!() };
+        let mode = outcome.limits[0].mode;
+        // Inside: second request rejected; outside: allowed, but reported short.
+        assert_eq!(outcome.allowed, mode == "rollout", "{u}");
+        assert!(outcome.limits[0].would_reject());
+        *modes.entry(mode).or_insert(0) += 1;
+    }
+    assert!(
+        modes.get("rollout").is_some_and(|&n| n > 60 && n < 140),
+        "{modes:?}"
+    );
+}
+
+const EXEMPT: &str = r#"
+version: "e"
+limits:
+  - name: per-user
+    domain: api
+    key: [tenant, user]
+    capacity: 1
+    refill: 1/d
+exemptions:
+  - limit: per-user
+    when: {tenant: acme}
+    owner: ops@example.com
+    reason: launch week
+    expires: 2026-12-31T00:00:00Z
+"#;
+
+#[test]
+fn exemptions_are_counted_audited_and_expire_by_themselves() {
+    let r = rig(EXEMPT);
+    let acme = [("tenant", "acme"), ("user", "u")];
+    for _ in 0..5 {
+        let outcome = r
+            .engine
+            .decide("api", &[acme], 1, None)
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(outcome.allowed);
+        assert_eq!(outcome.limits[0].mode, "exempt");
+        assert!(outcome.limits[0].decision.is_none());
+        assert_eq!(
+            outcome.limits[0].exempted_by.as_deref(),
+            Some("ops@example.com")
+        );
+    }
+    // explain does not count.
+    let explained = r.engine.explain("api", &[acme], 1);
+    assert!(explained.is_ok_and(|o| o.limits[0].mode == "exempt"));
+    assert_eq!(r.engine.current().exemptions()[0].uses(), 5);
+    let events = r.audit.events();
+    let used: Vec<_> = events
+        .iter()
+        .filter(|e| e["event"] == "exemption_used")
+        .collect();
+    assert_eq!(used.len(), 5);
+    assert_eq!(used[4]["uses"], 5);
+    assert_eq!(used[4]["owner"], "ops@example.com");
+    assert_eq!(used[4]["bucket_key"], "per-user|acme|u");
+    assert_eq!(used[4]["expires"], "2026-12-31T00:00:00Z");
+
+    // Past the expiry, with nothing reloaded, the limit applies again.
+    r.wall
+        .set(UnixTime::parse_rfc3339("2026-12-31T00:00:00Z").unwrap_or_default());
+    let first = r
+        .engine
+        .decide("api", &[acme], 1, None)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(first.limits[0].mode, "enforce");
+    assert!(first.allowed);
+    assert!(
+        r.engine
+            .decide("api", &[acme], 1, None)
+            .is_ok_and(|o| !o.allowed)
+    );
+    assert_eq!(r.engine.current().exemptions()[0].uses(), 5);
+}
+
+#[test]
+fn reload_refuses_bad_files_and_keeps_the_last_good() {
+    let path = temp_file("reload");
+    let r = rig_with(TWO, Some(path.clone()));
+    assert_eq!(r.engine.status().version, "1");
+    for _ in 0..3 {
+        decide(&r.engine, &user("a", "t"));
+    }
+
+    // A broken file: refused, version 1 stays, the error is kept for status.
+    std::fs::write(
+        &path,
+        TWO.replace("version: \"1\"", "version: \"2\"")
+            .replace("refill: 1/s\n  - name", "refill: 1/x\n  - name"),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let err = r.engine.reload();
+    assert!(err.is_err());
+    let status = r.engine.status();
+    assert_eq!(status.version, "1");
+    let (_, message) = status.last_error.unwrap_or_default();
+    assert!(
+        message.contains("policy.yaml:8:13: limits[0].refill"),
+        "{message}"
+    );
+    assert_eq!(decide(&r.engine, &user("a", "t")).2, "1");
+
+    // A good file: in force, error cleared, balances of unchanged limits kept.
+    let v2 = TWO.replace("version: \"1\"", "version: \"2\"");
+    std::fs::write(&path, &v2).unwrap_or_else(|e| panic!("{e}"));
+    let loaded = r.engine.reload();
+    assert!(loaded.is_ok_and(|p| p.version() == "2"));
+    let status = r.engine.status();
+    assert!(status.last_error.is_none());
+    assert_eq!(status.history, ["1"]);
+    let (allowed, _, version) = decide(&r.engine, &user("a", "t"));
+    assert_eq!(
+        (allowed, version.as_str()),
+        (false, "2"),
+        "a reload must not refill buckets"
+    );
+
+    // The same content again is not a new load.
+    assert!(r.engine.reload().is_ok());
+    assert_eq!(r.engine.status().history, ["1"]);
+
+    // Rollback puts 1 back, and the rolled-back-from version is gone.
+    assert!(r.engine.rollback().is_ok_and(|p| p.version() == "1"));
+    assert_eq!(decide(&r.engine, &user("z", "y")).2, "1");
+    assert!(r.engine.rollback().is_err());
+    assert!(r.engine.status().history.is_empty());
+    // The file still holds 2; reloading it puts it back in force.
+    assert!(r.engine.reload().is_ok_and(|p| p.version() == "2"));
+
+    assert_eq!(
+        r.audit.kinds(),
+        ["loaded", "refused", "loaded", "rolled_back", "loaded"]
+    );
+    let events = r.audit.events();
+    assert_eq!(events[1]["kept_version"], "1");
+    assert_eq!(events[2]["previous"], "1");
+    assert_eq!(events[3]["from"], "2");
+    let _ = std::fs::remove_dir_all(path.parent().unwrap_or(&path));
+}
+
+#[test]
+fn missing_file_is_refused_too() {
+    let path = temp_file("missing");
+    let r = rig_with(TWO, Some(path.clone()));
+    let _ = std::fs::remove_file(&path);
+    assert!(r.engine.reload().is_err());
+    assert_eq!(r.engine.status().version, "1");
+    assert!(r.engine.status().last_error.is_some());
+    let _ = std::fs::remove_dir_all(path.parent().unwrap_or(&path));
+}
+
+#[test]
+fn history_keeps_the_last_n_versions() {
+    let r = rig(TWO);
+    for v in 2..=6 {
+        let text = TWO.replace("version: \"1\"", &format!("version: \"{v}\""));
+        assert!(r.engine.load("p.yaml", &text).is_ok());
+    }
+    assert_eq!(r.engine.status().history, ["3", "4", "5"]);
+    assert!(r.engine.rollback().is_ok_and(|p| p.version() == "5"));
+    assert_eq!(r.engine.status().version, "5");
+}
+
+#[test]
+fn reload_under_concurrent_decisions() {
+    let r = rig(&TWO.replace("capacity: 3", "capacity: 1000"));
+    let v2 = TWO
+        .replace("capacity: 3", "capacity: 1000")
+        .replace("version: \"1\"", "version: \"2\"");
+    let v1 = TWO.replace("capacity: 3", "capacity: 1000");
+    let engine = &r.engine;
+    let allowed = std::sync::atomic::AtomicU64::new(0);
+    std::thread::scope(|s| {
+        for t in 0..3 {
+            let allowed = &allowed;
+            s.spawn(move || {
+                for i in 0..600 {
+                    let outcome = engine
+                        .decide(
+                            "api",
+                            &[[("user", "shared"), ("tenant", format!("t{t}-{i}").as_str())]],
+                            1,
+                            None,
+                        )
+                        .unwrap_or_else(|e| panic!("{e}"));
+                    assert!(matches!(&*outcome.policy_version, "1" | "2"));
+                    if outcome.allowed {
+                        allowed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                }
+            });
+        }
+        s.spawn(|| {
+            for i in 0..200 {
+                let text = if i % 2 == 0 { &v2 } else { &v1 };
+                assert!(engine.load("p.yaml", text).is_ok());
+            }
+        });
+    });
+    // The shared bucket is keyed by name, not version: reloads never refilled it.
+    assert_eq!(allowed.into_inner(), 1000);
+}
+
+#[test]
+fn two_descriptors_on_one_bucket_charge_it_once_for_both() {
+    let r = rig(TWO);
+    let outcome = r
+        .engine
+        .decide("api", &[[("user", "a")], [("user", "a")]], 1, None)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(outcome.allowed);
+    assert_eq!(outcome.limits.len(), 2);
+    assert_eq!(outcome.limits[1].descriptor, 1);
+    assert_eq!(decide(&r.engine, &user("a", "t")).1[0].2, 0);
+}
+
+#[test]
+fn retries_with_a_request_id_are_free() {
+    let r = rig(TWO);
+    let d = [("user", "a")];
+    for _ in 0..3 {
+        assert!(
+            r.engine
+                .decide("api", &[d], 1, Some("req-1"))
+                .is_ok_and(|o| o.allowed)
+        );
+    }
+    assert_eq!(decide(&r.engine, &user("a", "t")).1[0].2, 1);
+}
+
+const CHANGE: &str = r#"
+version: "1"
+limits:
+  - name: per-user
+    domain: api
+    key: [user]
+    capacity: 20
+    refill: 10/s
+    overrides:
+      - name: gold
+        when: {tier: gold}
+        capacity: 40
+  - name: untouched
+    domain: api
+    key: [team]
+    capacity: 20
+    refill: 1/d
+"#;
+
+fn remaining(engine: &PolicyEngine, d: &[(&str, &str)]) -> Vec<u64> {
+    engine
+        .explain("api", &[d], 1)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .limits
+        .iter()
+        // Explaining a cost of 1 reports the balance after a hypothetical charge when it fits.
+        .map(|l| {
+            l.decision
+                .map_or(0, |d| d.remaining() + u64::from(d.allowed()))
+        })
+        .collect()
+}
+
+#[test]
+fn a_capacity_change_refills_under_the_old_rate_then_clamps() {
+    let r = rig(CHANGE);
+    let plain = [("user", "a")];
+    let gold = [("user", "a"), ("tier", "gold")];
+    // Empty the plain bucket (20) and take 30 of gold's 40.
+    assert!(
+        r.engine
+            .decide("api", &[plain], 20, None)
+            .is_ok_and(|o| o.allowed)
+    );
+    assert!(
+        r.engine
+            .decide("api", &[gold], 20, None)
+            .is_ok_and(|o| o.allowed)
+    );
+    assert!(
+        r.engine
+            .decide("api", &[gold], 10, None)
+            .is_ok_and(|o| o.allowed)
+    );
+    let team = [("team", "t")];
+    assert!(
+        r.engine
+            .decide("api", &[team], 20, None)
+            .is_ok_and(|o| o.allowed)
+    );
+    assert_eq!(remaining(&r.engine, &plain), [0]);
+    assert_eq!(remaining(&r.engine, &gold), [10]);
+    assert_eq!(remaining(&r.engine, &team), [0]);
+
+    // 0.5 s later the limit shrinks to 3 tokens at 1/s, gold to 8 at 1/s.
+    r.clock.advance(Duration::from_millis(500));
+    let v2 = CHANGE
+        .replace("version: \"1\"", "version: \"2\"")
+        .replace(
+            "capacity: 20\n    refill: 10/s",
+            "capacity: 3\n    refill: 1/s",
+        )
+        .replace("capacity: 40", "capacity: 8");
+    assert!(r.engine.load("p.yaml", &v2).is_ok());
+    // Plain: 0 + 0.5 s * 10/s = 5 under the old rate, clamped to 3.
+    // Gold: 10 + 5 = 15 under the old rate, clamped to 8.
+    // Untouched: its bucket kept its balance (0 tokens, refilling 1/d).
+    assert_eq!(remaining(&r.engine, &plain), [3]);
+    assert_eq!(remaining(&r.engine, &gold), [8]);
+    assert_eq!(remaining(&r.engine, &team), [0]);
+    let loaded = r
+        .audit
+        .events()
+        .into_iter()
+        .rfind(|e| e["event"] == "loaded");
+    assert_eq!(
+        loaded.map(|e| e["changed_limits"].clone()),
+        Some(serde_json::json!(["per-user"]))
+    );
+
+    // Growing back (rollback to 1) keeps the balance: 3 tokens, not a full 20.
+    assert!(
+        r.engine
+            .decide("api", &[plain], 2, None)
+            .is_ok_and(|o| o.allowed)
+    );
+    assert!(r.engine.rollback().is_ok());
+    assert_eq!(remaining(&r.engine, &plain), [1]);
+}
+
+const FAILURE: &str = r#"
+version: "f"
+defaults:
+  emergency: 2/s
+limits:
+  - name: open-one
+    domain: api
+    key: [user]
+    capacity: 100
+    refill: 100/s
+    failure_mode: open
+  - name: closed-one
+    domain: api
+    key: [tenant]
+    capacity: 100
+    refill: 100/s
+  - name: watching
+    domain: api
+    key: [user]
+    capacity: 1
+    refill: 1/s
+    mode: shadow
+"#;
+
+#[test]
+fn degraded_decisions_follow_failure_modes_and_are_audited() {
+    let r = rig(FAILURE);
+    // Open: the emergency budget (2 tokens, 2/s), never unlimited.
+    let d = |cost| {
+        r.engine
+            .decide_degraded("api", &[[("user", "u")]], cost, "store timeout")
+            .unwrap_or_else(|e| panic!("{e}"))
+    };
+    let first = d(1);
+    assert!(first.allowed && first.degraded && !first.failed_closed);
+    assert_eq!(
+        first.limits[0].decision.map(|d| d.limit().capacity()),
+        Some(2)
+    );
+    assert_eq!(first.limits[1].mode, "shadow");
+    assert!(first.limits[1].decision.is_none());
+    assert!(d(1).allowed);
+    assert!(!d(1).allowed);
+    // A cost above the emergency capacity is rejected, not an error.
+    r.clock.advance(Duration::from_secs(5));
+    assert!(!d(3).allowed);
+    // Closed: denied, distinguishably.
+    let closed = r
+        .engine
+        .decide_degraded("api", &[[("tenant", "t"), ("user", "v")]], 1, "store down")
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(!closed.allowed && closed.failed_closed);
+    // Decisions against the store were not touched by any of it.
+    let normal = r.engine.decide("api", &[[("user", "u")]], 1, None);
+    assert!(normal.is_ok_and(|o| o.allowed
+        && !o.degraded
+        && o.limits[0].decision.map(|d| d.remaining()) == Some(99)));
+
+    let degraded: Vec<_> = r
+        .audit
+        .events()
+        .into_iter()
+        .filter(|e| e["event"] == "degraded")
+        .collect();
+    assert_eq!(degraded.len(), 6, "{degraded:?}");
+    assert_eq!(degraded[0]["reason"], "store timeout");
+    assert_eq!(degraded[0]["failure_mode"], "open");
+    assert_eq!(degraded[0]["allowed"], true);
+    assert_eq!(
+        (&degraded[3]["failure_mode"], &degraded[3]["allowed"]),
+        (&"open".into(), &false.into())
+    );
+    // Both limits of the closed request are logged, each with its own mode.
+    assert_eq!(degraded[4]["limit"], "open-one");
+    assert_eq!(degraded[5]["limit"], "closed-one");
+    assert_eq!(degraded[5]["failure_mode"], "closed");
+    assert_eq!(degraded[5]["allowed"], false);
+}

@@ -1,0 +1,417 @@
+//! Matching: which limits apply to a request, with which bucket and which parameters.
+
+use tollgate_policy::{Effect, FailureMode, Mode, Policy, UnixTime, compile};
+
+const POLICY: &str = r#"
+version: "12"
+defaults:
+  failure_mode: open
+  emergency: 2/s
+limits:
+  - name: payments-per-user
+    domain: api
+    when: {route: /v1/payments, method: POST}
+    key: [tenant, user]
+    capacity: 20
+    refill: 10/s
+    failure_mode: closed
+    overrides:
+      - name: premium
+        when: {tier: premium}
+        capacity: 200
+        refill: 100/s
+      - when: {tier: premium, region: eu}
+        capacity: 1
+      - name: gold
+        when: {tier: gold}
+        refill: 1/s
+  - name: per-tenant
+    domain: api
+    key: [tenant]
+    capacity: 1000
+    refill: 600/m
+  - name: global
+    domain: api
+    capacity: 100000
+    refill: 100000/s
+    mode: shadow
+  - name: per-ip
+    domain: edge
+    key: [ip]
+    capacity: 5
+    refill: 5/100ms
+  - name: port-443
+    domain: edge
+    when: {port: 443}
+    capacity: 1
+    refill: 1/d
+"#;
+
+fn policy() -> Policy {
+    compile("p.yaml", POLICY).unwrap_or_else(|err| panic!("{err}"))
+}
+
+const NOW: UnixTime = UnixTime::from_secs(1_800_000_000);
+
+fn names(policy: &Policy, domain: &str, descriptors: &[&[(&str, &str)]]) -> Vec<String> {
+    policy
+        .matches(domain, descriptors, NOW)
+        .iter()
+        .map(|m| format!("{}@{}", m.bucket_key, m.descriptor))
+        .collect()
+}
+
+#[test]
+fn matching_table() {
+    let p = policy();
+    let pay = [
+        ("route", "/v1/payments"),
+        ("method", "POST"),
+        ("tenant", "acme"),
+        ("user", "u1"),
+    ];
+    type Case<'a> = (&'a str, &'a [&'a [(&'a str, &'a str)]], &'a [&'a str]);
+    let cases: &[Case<'_>] = &[
+        // Every applicable limit, in declaration order.
+        (
+            "api",
+            &[&pay],
+            &[
+                "payments-per-user|acme|u1@0",
+                "per-tenant|acme@0",
+                "global@0",
+            ],
+        ),
+        // A `when` that differs excludes the limit.
+        (
+            "api",
+            &[&[
+                ("route", "/v1/payments"),
+                ("method", "GET"),
+                ("tenant", "acme"),
+                ("user", "u1"),
+            ]],
+            &["per-tenant|acme@0", "global@0"],
+        ),
+        // A key entry missing excludes the limit, even when `when` matches.
+        (
+            "api",
+            &[&[
+                ("route", "/v1/payments"),
+                ("method", "POST"),
+                ("tenant", "acme"),
+            ]],
+            &["per-tenant|acme@0", "global@0"],
+        ),
+        // Limits without conditions or key apply to every descriptor of their domain.
+        ("api", &[&[]], &["global@0"]),
+        (
+            "api",
+            &[&[("x", "y")], &[("tenant", "t")]],
+            &["global@0", "per-tenant|t@1", "global@1"],
+        ),
+        // Another domain sees none of api's limits.
+        ("edge", &[&[("tenant", "acme")]], &[]),
+        (
+            "edge",
+            &[&[("ip", "10.0.0.1"), ("port", "443")]],
+            &["per-ip|10.0.0.1@0", "port-443@0"],
+        ),
+        // Unquoted numbers in the file match string values.
+        ("edge", &[&[("port", "443")]], &["port-443@0"]),
+        ("edge", &[&[("port", "0443")]], &[]),
+        ("unknown", &[&pay], &[]),
+        // The first occurrence of an entry counts.
+        ("edge", &[&[("ip", "a"), ("ip", "b")]], &["per-ip|a@0"]),
+        // Separators in values are escaped, so keys stay distinct.
+        ("edge", &[&[("ip", "a|b#c\\")]], &["per-ip|a\\|b\\#c\\\\@0"]),
+    ];
+    for (domain, descriptors, expected) in cases {
+        assert_eq!(
+            names(&p, domain, descriptors),
+            *expected,
+            "{domain} {descriptors:?}"
+        );
+    }
+}
+
+#[test]
+fn overrides_first_match_wins() {
+    let p = policy();
+    let base = [
+        ("route", "/v1/payments"),
+        ("method", "POST"),
+        ("tenant", "acme"),
+        ("user", "u1"),
+    ];
+    let with = |extra: &[(&'static str, &'static str)]| {
+        let mut d = base.to_vec();
+        d.extend_from_slice(extra);
+        let m = p.matches("api", &[d], NOW);
+        let first = &m[0];
+        (
+            first.bucket_key.clone(),
+            first.params().capacity(),
+            first.params().refill().to_string(),
+        )
+    };
+    assert_eq!(
+        with(&[]),
+        ("payments-per-user|acme|u1".into(), 20, "10/s".into())
+    );
+    assert_eq!(
+        with(&[("tier", "premium")]),
+        (
+            "payments-per-user|acme|u1#premium".into(),
+            200,
+            "100/s".into()
+        )
+    );
+    // The second override also matches, but the first one listed wins.
+    assert_eq!(
+        with(&[("tier", "premium"), ("region", "eu")]),
+        (
+            "payments-per-user|acme|u1#premium".into(),
+            200,
+            "100/s".into()
+        )
+    );
+    // An override that sets only refill keeps the limit's capacity.
+    assert_eq!(
+        with(&[("tier", "gold")]),
+        ("payments-per-user|acme|u1#gold".into(), 20, "1/s".into())
+    );
+    let unnamed = &p.limits()[0].overrides()[1];
+    assert_eq!((unnamed.name(), unnamed.params().capacity()), ("1", 1));
+    assert_eq!(unnamed.params().refill().to_string(), "10/s");
+}
+
+#[test]
+fn defaults_modes_and_failure_modes() {
+    let p = policy();
+    assert_eq!(p.version(), "12");
+    let pay = p.limit("payments-per-user").map(|l| l.failure_mode());
+    assert_eq!(pay, Some(FailureMode::Closed));
+    let Some(tenant) = p.limit("per-tenant") else {
+        panic!("missing")
+    };
+    match tenant.failure_mode() {
+        FailureMode::Open { emergency } => {
+            assert_eq!(
+                (emergency.capacity(), emergency.refill().to_string()),
+                (2, "2/s".into())
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(tenant.mode(), Mode::Enforce);
+    assert_eq!(tenant.rollout(), 10_000);
+    let global = p.matches("api", &[[("a", "b")]], NOW);
+    assert_eq!(global[0].effect, Effect::Shadow);
+    assert_eq!(global[0].effect.as_str(), "shadow");
+}
+
+#[test]
+fn version_is_derived_from_content_when_not_declared() {
+    let text = "limits:\n  - name: a\n    domain: d\n    capacity: 1\n    refill: 1/s\n";
+    let a = compile("a.yaml", text).map(|p| p.version().to_owned());
+    let b = compile("b.yaml", text).map(|p| p.version().to_owned());
+    let c = compile("a.yaml", &text.replace("1/s", "2/s")).map(|p| p.version().to_owned());
+    let (Ok(a), Ok(b), Ok(c)) = (a, b, c) else {
+        panic!("refused")
+    };
+    assert!(a.starts_with("sha-") && a.len() == 20, "{a}");
+    assert_eq!(a, b);
+    assert_ne!(a, c);
+    assert_eq!(
+        compile("v", "version: 3\nlimits: []\n")
+            .map(|p| p.version().to_owned())
+            .ok(),
+        Some("3".into())
+    );
+}
+
+fn rollout_policy(percent: &str) -> Policy {
+    let text = format!(
+        "limits:\n  - name: canary\n    domain: api\n    key: [user]\n    capacity: 1\n    refill: 1/s\n    rollout: {percent}\n"
+    );
+    compile("r.yaml", &text).unwrap_or_else(|err| panic!("{err}"))
+}
+
+fn enforced(policy: &Policy, user: &str) -> bool {
+    let m = policy.matches("api", &[[("user", user)]], NOW);
+    match m[0].effect {
+        Effect::Enforce => true,
+        Effect::OutsideRollout => false,
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn rollout_is_stable_and_proportional() {
+    let quarter = rollout_policy("25%");
+    let users: Vec<String> = (0..4_000).map(|i| format!("user-{i}")).collect();
+    let inside: Vec<bool> = users.iter().map(|u| enforced(&quarter, u)).collect();
+    let count = inside.iter().filter(|&&b| b).count();
+    assert!((850..1_150).contains(&count), "{count} of 4000 at 25%");
+    // Recompiling (a reload) keeps every subject on the same side.
+    let again = rollout_policy("25%");
+    assert!(
+        users
+            .iter()
+            .zip(&inside)
+            .all(|(u, &i)| enforced(&again, u) == i)
+    );
+    // Widening the rollout only adds subjects.
+    let half = rollout_policy("50%");
+    assert!(
+        users
+            .iter()
+            .zip(&inside)
+            .all(|(u, &i)| !i || enforced(&half, u))
+    );
+    let (all, none) = (rollout_policy("100%"), rollout_policy("0%"));
+    assert!(
+        users
+            .iter()
+            .all(|u| enforced(&all, u) && !enforced(&none, u))
+    );
+}
+
+const EXEMPT: &str = r#"
+limits:
+  - name: per-user
+    domain: api
+    key: [tenant, user]
+    capacity: 5
+    refill: 1/s
+    mode: shadow
+exemptions:
+  - limit: per-user
+    when: {tenant: acme}
+    owner: ops@example.com
+    reason: launch week
+    expires: 2026-12-31T00:00:00Z
+"#;
+
+#[test]
+fn exemptions_apply_until_they_expire() {
+    let p = compile("e.yaml", EXEMPT).unwrap_or_else(|err| panic!("{err}"));
+    let expiry = UnixTime::parse_rfc3339("2026-12-31T00:00:00Z").unwrap_or_default();
+    let acme = [("tenant", "acme"), ("user", "u1")];
+    let other = [("tenant", "globex"), ("user", "u1")];
+    let before = UnixTime::from_nanos(expiry.as_nanos() - 1);
+    let m = p.matches("api", &[acme], before);
+    match m[0].effect {
+        Effect::Exempt(e) => {
+            assert_eq!(
+                (e.owner(), e.reason(), e.limit()),
+                ("ops@example.com", "launch week", "per-user")
+            );
+            assert_eq!(e.expires(), expiry);
+        }
+        other => panic!("{other:?}"),
+    }
+    // Exemptions win over shadow; other tenants are not exempt.
+    assert_eq!(p.matches("api", &[other], before)[0].effect, Effect::Shadow);
+    // At the expiry instant the exemption has ended, with nobody touching the policy.
+    assert_eq!(p.matches("api", &[acme], expiry)[0].effect, Effect::Shadow);
+    assert_eq!(expiry.to_rfc3339(), "2026-12-31T00:00:00Z");
+}
+
+#[test]
+fn match_into_reuses_the_buffer() {
+    let p = policy();
+    let mut out = Vec::with_capacity(8);
+    p.match_into("edge", &[[("ip", "1")]], NOW, &mut out);
+    p.match_into("edge", &[[("ip", "2")]], NOW, &mut out);
+    let keys: Vec<&str> = out.iter().map(|m| m.bucket_key.as_str()).collect();
+    assert_eq!(keys, ["per-ip|1", "per-ip|2"]);
+}
+
+#[test]
+fn owned_descriptors_work_too() {
+    let p = policy();
+    let descriptors: Vec<Vec<(String, String)>> = vec![vec![("ip".into(), "9".into())]];
+    assert_eq!(
+        p.matches("edge", &descriptors, NOW)[0].bucket_key,
+        "per-ip|9"
+    );
+}
+
+#[test]
+fn exact_limits_want_exactly_their_entries() {
+    let text = "limits:\n  - name: exact\n    domain: d\n    when: {a: \"1\"}\n    key: [b]\n    exact: true\n    capacity: 1\n    refill: 1/s\n  - name: loose\n    domain: d\n    when: {a: \"1\"}\n    key: [b]\n    capacity: 1\n    refill: 1/s\n";
+    let p = compile("x.yaml", text).unwrap_or_else(|e| panic!("{e}"));
+    assert!(p.limits()[0].exact() && !p.limits()[1].exact());
+    type Case<'a> = (&'a [(&'a str, &'a str)], &'a [&'a str]);
+    let cases: &[Case<'_>] = &[
+        (&[("a", "1"), ("b", "x")], &["exact|x@0", "loose|x@0"]),
+        (&[("b", "x"), ("a", "1")], &["exact|x@0", "loose|x@0"]),
+        (&[("a", "1"), ("b", "x"), ("c", "y")], &["loose|x@0"]),
+        (&[("a", "1")], &[]),
+    ];
+    for (descriptor, expected) in cases {
+        assert_eq!(names(&p, "d", &[descriptor]), *expected, "{descriptor:?}");
+    }
+}
+
+#[test]
+fn limits_sharing_a_condition_are_filed_under_their_rarest_one() {
+    let mut text = String::from("limits:\n");
+    for i in 0..50 {
+        text.push_str(&format!(
+            "  - name: r{i}\n    domain: d\n    when: {{method: POST, route: /r{i}}}\n    key: [user, tenant]\n    capacity: 1\n    refill: 1/s\n"
+        ));
+    }
+    for i in 0..3 {
+        text.push_str(&format!(
+            "  - name: t{i}\n    domain: d\n    key: [tenant, user{i}]\n    capacity: 1\n    refill: 1/s\n"
+        ));
+    }
+    let p = compile("x.yaml", &text).unwrap_or_else(|e| panic!("{e}"));
+    let d = [
+        ("method", "POST"),
+        ("route", "/r7"),
+        ("user", "u"),
+        ("tenant", "t"),
+        ("user1", "v"),
+    ];
+    assert_eq!(names(&p, "d", &[&d]), ["r7|u|t@0", "t1|t|v@0"]);
+    let d = [("route", "/r7"), ("user", "u"), ("tenant", "t")];
+    assert_eq!(names(&p, "d", &[&d]), Vec::<String>::new());
+}
+
+#[test]
+fn the_documented_example_is_a_valid_policy() {
+    let doc = include_str!("../../../docs/policy.md");
+    let start = doc
+        .find("```yaml\n")
+        .map(|i| i + "```yaml\n".len())
+        .unwrap_or_default();
+    let end = doc[start..].find("```").map_or(doc.len(), |i| start + i);
+    let p = compile("docs/policy.md", &doc[start..end]).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(p.version(), "2026-11-30.1");
+    assert_eq!(p.limits().len(), 4);
+    let pay = [
+        ("route", "/v1/payments"),
+        ("method", "POST"),
+        ("tenant", "globex"),
+        ("user", "u1"),
+        ("tier", "premium"),
+    ];
+    let m = p.matches("api", &[pay], NOW);
+    assert_eq!(m[0].bucket_key, "payments-per-user|globex|u1#premium");
+    assert_eq!(m[0].params().capacity(), 200);
+    let before_expiry = UnixTime::from_secs(1_790_000_000);
+    let acme = [
+        ("route", "/v1/payments"),
+        ("method", "POST"),
+        ("tenant", "acme"),
+        ("user", "u1"),
+    ];
+    assert!(matches!(
+        p.matches("api", &[acme], before_expiry)[0].effect,
+        Effect::Exempt(_)
+    ));
+}

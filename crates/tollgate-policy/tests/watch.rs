@@ -1,0 +1,115 @@
+//! The watcher sees atomic renames and ConfigMap-style symlink swaps, and keeps the last good
+//! version when a bad file lands. Waits are on a channel fed by the watcher, never on sleeps.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use tollgate_policy::watch::{PolicyWatcher, ReloadResult};
+use tollgate_policy::{EngineOptions, PolicyEngine};
+
+fn policy(version: &str) -> String {
+    format!(
+        "version: \"{version}\"\nlimits:\n  - name: a\n    domain: api\n    key: [user]\n    capacity: 1\n    refill: 1/s\n"
+    )
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tollgate-watch-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
+    dir
+}
+
+fn write(path: &Path, text: &str) {
+    std::fs::write(path, text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+}
+
+/// Waits (up to 10 s) for a reload that put `version` in force, or for a refusal when
+/// `version` is `None`.
+fn wait_for(rx: &mpsc::Receiver<ReloadResult>, version: Option<&str>) {
+    loop {
+        match rx.recv_timeout(Duration::from_secs(10)) {
+            Ok(Ok(p)) if Some(p.version()) == version => return,
+            Ok(Err(_)) if version.is_none() => return,
+            Ok(_) => {}
+            Err(err) => panic!("no reload to {version:?}: {err}"),
+        }
+    }
+}
+
+fn start(
+    path: &Path,
+) -> (
+    Arc<PolicyEngine>,
+    PolicyWatcher,
+    mpsc::Receiver<ReloadResult>,
+) {
+    let engine = PolicyEngine::from_file(path, EngineOptions::default())
+        .map(Arc::new)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let (tx, rx) = mpsc::channel();
+    let watcher =
+        PolicyWatcher::start_with(Arc::clone(&engine), Duration::from_millis(50), move |r| {
+            let _ = tx.send(r);
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+    (engine, watcher, rx)
+}
+
+#[test]
+fn atomic_rename_and_bad_files() {
+    let dir = temp_dir("rename");
+    let path = dir.join("policy.yaml");
+    write(&path, &policy("1"));
+    let (engine, watcher, rx) = start(&path);
+    assert_eq!(watcher.dir(), dir);
+
+    // Write elsewhere, rename over: the file watched by name is a new inode.
+    let tmp = dir.join(".policy.yaml.tmp");
+    write(&tmp, &policy("2"));
+    std::fs::rename(&tmp, &path).unwrap_or_else(|e| panic!("{e}"));
+    wait_for(&rx, Some("2"));
+    assert_eq!(engine.status().version, "2");
+
+    // A bad file is refused and 2 stays in force.
+    write(&tmp, "limits: [\n");
+    std::fs::rename(&tmp, &path).unwrap_or_else(|e| panic!("{e}"));
+    wait_for(&rx, None);
+    let status = engine.status();
+    assert_eq!(status.version, "2");
+    assert!(status.last_error.is_some());
+
+    // An in-place write is seen too.
+    write(&path, &policy("3"));
+    wait_for(&rx, Some("3"));
+    drop(watcher);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[cfg(unix)]
+#[test]
+fn configmap_symlink_swap() {
+    use std::os::unix::fs::symlink;
+    // The layout kubelet gives a mounted ConfigMap.
+    let dir = temp_dir("configmap");
+    let v1 = dir.join("..2026_11_30_00_00_00.1");
+    std::fs::create_dir(&v1).unwrap_or_else(|e| panic!("{e}"));
+    write(&v1.join("policy.yaml"), &policy("1"));
+    symlink("..2026_11_30_00_00_00.1", dir.join("..data")).unwrap_or_else(|e| panic!("{e}"));
+    symlink("..data/policy.yaml", dir.join("policy.yaml")).unwrap_or_else(|e| panic!("{e}"));
+    let (engine, _watcher, rx) = start(&dir.join("policy.yaml"));
+    assert_eq!(engine.status().version, "1");
+
+    // The update: a new timestamped directory, then ..data swapped to it by rename.
+    let v2 = dir.join("..2026_11_30_00_01_00.2");
+    std::fs::create_dir(&v2).unwrap_or_else(|e| panic!("{e}"));
+    write(&v2.join("policy.yaml"), &policy("2"));
+    symlink("..2026_11_30_00_01_00.2", dir.join("..data_tmp")).unwrap_or_else(|e| panic!("{e}"));
+    std::fs::rename(dir.join("..data_tmp"), dir.join("..data")).unwrap_or_else(|e| panic!("{e}"));
+    let _ = std::fs::remove_dir_all(&v1);
+    wait_for(&rx, Some("2"));
+    assert_eq!(engine.status().version, "2");
+    let _ = std::fs::remove_dir_all(&dir);
+}
