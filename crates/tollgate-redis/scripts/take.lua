@@ -10,6 +10,7 @@
 --   n            the number of buckets
 --   window       idempotency window in milliseconds, or "" when the request has no id
 --   fingerprint  the request's content, or "" when it has no id
+--   dry          "1" to decide without charging or recording anything (a peek), else "0"
 --   per bucket, three integers: a, cap, cost
 --     a    units gained per microsecond
 --     cap  capacity in units (capacity * units per token)
@@ -76,8 +77,9 @@ for _ = 1, tonumber(ARGV[2]) do
   local n = tonumber(ARGV[v + 1])
   local window = ARGV[v + 2]
   local fingerprint = ARGV[v + 3]
-  local params = v + 3
-  v = v + 3 + 3 * n
+  local dry = ARGV[v + 4] == '1'
+  local params = v + 4
+  v = v + 4 + 3 * n
   local first_key = k
   k = k + n
   local record
@@ -90,7 +92,7 @@ for _ = 1, tonumber(ARGV[2]) do
   -- A record lives for the window on the request's clock (TIME, or the caller's time) as well
   -- as by its PX, so replays with caller-supplied time expire exactly as in the memory store.
   local replayed = false
-  if record then
+  if record and not dry then
     local seen = redis.call('GET', record)
     if seen then
       local content, expires, fields = string.match(seen, '^([^|]*)|([^|]*)|(.*)$')
@@ -130,7 +132,10 @@ for _ = 1, tonumber(ARGV[2]) do
       end
     end
 
-    if all then
+    if dry then
+      -- A peek: each bucket's own verdict, nothing written.
+      reply[at] = all and 1 or 0
+    elseif all then
       reply[at] = 1
       for i = 1, n do
         local a = tonumber(ARGV[params + 3 * i - 2])

@@ -299,6 +299,10 @@ mod tests {
                 reason: Unavailable::Connection,
             })
         }
+
+        async fn peek(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
+            self.check(request).await
+        }
     }
 
     fn block_on<F: std::future::Future>(future: F) -> F::Output {

@@ -304,7 +304,13 @@ impl RedisStore {
         request: CheckRequest<'_>,
         limits: &[ScriptLimit],
         keys: &[String],
+        dry: bool,
     ) -> Result<Result<Vec<Decision>, Error>, Unavailable> {
+        // A peek records nothing, so it has no use for the request id.
+        let request = CheckRequest {
+            request_id: request.request_id.filter(|_| !dry),
+            ..request
+        };
         let now = match request.now {
             Some(now) => (now.as_nanos() / 1_000).to_string(),
             None => String::new(),
@@ -320,7 +326,7 @@ impl RedisStore {
 
         let calls = groups.iter().map(|group| {
             let mut keys_of: Vec<String> = group.takes.iter().map(|&i| keys[i].clone()).collect();
-            let mut args = Vec::with_capacity(3 + 3 * group.takes.len());
+            let mut args = Vec::with_capacity(4 + 3 * group.takes.len());
             args.push(group.takes.len().to_string());
             match (&group.record, &fingerprint) {
                 (Some(record), Some(print)) => {
@@ -330,6 +336,7 @@ impl RedisStore {
                 }
                 _ => args.extend([String::new(), String::new()]),
             }
+            args.push(if dry { "1" } else { "0" }.to_owned());
             for &i in &group.takes {
                 let limit = &limits[i];
                 args.push(limit.a.to_string());
@@ -361,7 +368,7 @@ impl RedisStore {
         let conflict = replies.iter().any(|reply| reply.status == -1);
         let rejected = replies.iter().any(|reply| reply.status == 0);
         let mut refunded = vec![false; groups.len()];
-        if conflict || rejected {
+        if (conflict || rejected) && !dry {
             let refunds = groups
                 .iter()
                 .zip(&replies)
@@ -451,8 +458,9 @@ impl RedisStore {
     }
 }
 
-impl Store for RedisStore {
-    async fn check(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
+impl RedisStore {
+    /// Validates `request` and decides it (or peeks), through the breaker and the timeout.
+    async fn run(&self, request: CheckRequest<'_>, dry: bool) -> Result<Vec<Decision>, Error> {
         let takes = request.takes;
         if takes.is_empty() {
             return Err(Error::EmptyCheck);
@@ -482,22 +490,31 @@ impl Store for RedisStore {
             .breaker
             .permit()
             .map_err(|reason| Error::StoreUnavailable { reason })?;
-        let outcome =
-            tokio::time::timeout(self.config.timeout, self.decide(request, &limits, &keys))
-                .await
-                .map_err(|_| Unavailable::Timeout)
-                .and_then(|result| result);
-        let transition = self.breaker.record(permit, outcome.is_ok());
-        match transition {
+        let decided = self.decide(request, &limits, &keys, dry);
+        let outcome = tokio::time::timeout(self.config.timeout, decided)
+            .await
+            .map_err(|_| Unavailable::Timeout)
+            .and_then(|result| result);
+        match self.breaker.record(permit, outcome.is_ok()) {
             Some(Transition::Opened) => tracing::warn!(
                 "redis store failing: circuit breaker open, decisions take their failure modes"
             ),
             Some(Transition::Closed) => {
-                tracing::info!("redis store recovered: circuit breaker closed")
+                tracing::info!("redis store recovered: circuit breaker closed");
             }
             None => {}
         }
         outcome.map_err(|reason| Error::StoreUnavailable { reason })?
+    }
+}
+
+impl Store for RedisStore {
+    async fn check(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
+        self.run(request, false).await
+    }
+
+    async fn peek(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
+        self.run(request, true).await
     }
 }
 

@@ -59,6 +59,13 @@ pub trait Store: Send + Sync {
         &self,
         request: CheckRequest<'_>,
     ) -> impl Future<Output = Result<Vec<Decision>, Error>> + Send;
+
+    /// What each bucket of `request` would decide on its own, charging nothing and recording
+    /// nothing (the request id is ignored): for "explain" endpoints.
+    fn peek(
+        &self,
+        request: CheckRequest<'_>,
+    ) -> impl Future<Output = Result<Vec<Decision>, Error>> + Send;
 }
 
 /// The memory store behind the [`Store`] interface, timed by a [`Clock`].
@@ -132,6 +139,20 @@ impl<C: Clock> LocalStore<C> {
             .collect();
         self.store.check_all(&items, now, request.request_id)
     }
+
+    /// [`Store::peek`], without the future.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidCost`] for any bucket.
+    pub fn peek_now(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
+        let now = request.now.unwrap_or_else(|| self.clock.now());
+        request
+            .takes
+            .iter()
+            .map(|take| self.store.peek(take.key, take.limit, take.cost, now))
+            .collect()
+    }
 }
 
 impl<C: Clock> Store for LocalStore<C> {
@@ -140,5 +161,12 @@ impl<C: Clock> Store for LocalStore<C> {
         request: CheckRequest<'_>,
     ) -> impl Future<Output = Result<Vec<Decision>, Error>> + Send {
         std::future::ready(self.check_now(request))
+    }
+
+    fn peek(
+        &self,
+        request: CheckRequest<'_>,
+    ) -> impl Future<Output = Result<Vec<Decision>, Error>> + Send {
+        std::future::ready(self.peek_now(request))
     }
 }

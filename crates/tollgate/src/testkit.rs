@@ -191,6 +191,19 @@ pub async fn compare_with_memory<S: Store>(store: &S, trace: &Trace) -> Result<(
             request_id: request_id.as_deref(),
             now: Some(now),
         };
+        // Now and then, a look without charging first: it must agree and change nothing.
+        if rng.below(8) == 0 {
+            let expected = reference.peek_now(request);
+            let actual = store.peek(request).await;
+            if !same(&expected, &actual) {
+                return Err(Box::new(Mismatch {
+                    step,
+                    request: format!("peek {takes:?} at {now:?}"),
+                    expected,
+                    actual,
+                }));
+            }
+        }
         let expected = reference.check_now(request);
         let actual = store.check(request).await;
         if let (Some(id), Ok(decisions)) = (&request_id, &expected)
@@ -266,6 +279,10 @@ mod tests {
                 takes: &takes,
                 ..request
             })
+        }
+
+        async fn peek(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
+            self.0.peek_now(request)
         }
     }
 
