@@ -23,7 +23,10 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use parking_lot::Mutex;
-use tollgate::{Clock, Decision, Item, Limit, MemoryStore, MonotonicClock};
+use tollgate::{
+    CheckRequest, Clock, Decision, Item, Limit, LocalStore, MemoryStore, MonotonicClock, Store,
+    Take,
+};
 
 use crate::audit::{AuditEvent, AuditLog};
 use crate::compile::compile;
@@ -189,7 +192,8 @@ struct Control {
 pub struct PolicyEngine {
     current: ArcSwap<Policy>,
     control: Mutex<Control>,
-    store: MemoryStore<Box<str>>,
+    /// The in-process buckets, behind the same [`Store`] interface a shared store offers.
+    local: LocalStore<Arc<dyn Clock>>,
     /// Local emergency buckets of limits that fail open, used only while the shared store is
     /// down.
     emergency: MemoryStore<Box<str>>,
@@ -240,6 +244,7 @@ impl PolicyEngine {
             .max_buckets(options.max_buckets)
             .idempotency_window(options.idempotency_window)
             .build();
+        let local = LocalStore::with_store(store, Arc::clone(&options.clock));
         let engine = Self {
             current: ArcSwap::from_pointee(policy),
             control: Mutex::new(Control {
@@ -249,7 +254,7 @@ impl PolicyEngine {
                 text_hash,
                 changes: 1,
             }),
-            store,
+            local,
             emergency: MemoryStore::builder()
                 .max_buckets(options.max_buckets)
                 .build(),
@@ -441,7 +446,7 @@ impl PolicyEngine {
         D: AsRef<[(S, S)]>,
         S: AsRef<str>,
     {
-        self.run(domain, descriptors, cost, request_id, true)
+        ready(self.run_on(&self.local, domain, descriptors, cost, request_id, true))
     }
 
     /// What [`decide`](Self::decide) would answer, without charging or counting anything.
@@ -459,11 +464,58 @@ impl PolicyEngine {
         D: AsRef<[(S, S)]>,
         S: AsRef<str>,
     {
-        self.run(domain, descriptors, cost, None, false)
+        ready(self.run_on(&self.local, domain, descriptors, cost, None, false))
     }
 
-    fn run<D, S>(
+    /// [`decide`](Self::decide) against a shared `store` (Redis) instead of this process's
+    /// buckets, on the store's clock. When the store cannot decide, the error is
+    /// [`tollgate::Error::StoreUnavailable`] inside [`Error::Check`]: answer with
+    /// [`decide_degraded`](Self::decide_degraded).
+    ///
+    /// # Errors
+    ///
+    /// As for `decide`, plus the store's errors.
+    pub async fn decide_on<St, D, S>(
         &self,
+        store: &St,
+        domain: &str,
+        descriptors: &[D],
+        cost: u64,
+        request_id: Option<&str>,
+    ) -> Result<Outcome, Error>
+    where
+        St: Store,
+        D: AsRef<[(S, S)]>,
+        S: AsRef<str>,
+    {
+        self.run_on(store, domain, descriptors, cost, request_id, true)
+            .await
+    }
+
+    /// [`explain`](Self::explain) against a shared `store`.
+    ///
+    /// # Errors
+    ///
+    /// As for `decide_on`.
+    pub async fn explain_on<St, D, S>(
+        &self,
+        store: &St,
+        domain: &str,
+        descriptors: &[D],
+        cost: u64,
+    ) -> Result<Outcome, Error>
+    where
+        St: Store,
+        D: AsRef<[(S, S)]>,
+        S: AsRef<str>,
+    {
+        self.run_on(store, domain, descriptors, cost, None, false)
+            .await
+    }
+
+    async fn run_on<St, D, S>(
+        &self,
+        store: &St,
         domain: &str,
         descriptors: &[D],
         cost: u64,
@@ -471,11 +523,11 @@ impl PolicyEngine {
         consume: bool,
     ) -> Result<Outcome, Error>
     where
+        St: Store,
         D: AsRef<[(S, S)]>,
         S: AsRef<str>,
     {
-        let policy = self.current.load();
-        let now = self.options.clock.now();
+        let policy = self.current.load_full();
         let matched = policy.matches(domain, descriptors, self.options.wall.now());
         if matched.is_empty() {
             if consume {
@@ -532,46 +584,50 @@ impl PolicyEngine {
             limit: matched[buckets[slot].3].limit.name().to_owned(),
             source,
         };
+        let takes_of = |slots: &[usize]| -> Vec<Take<'_>> {
+            slots
+                .iter()
+                .map(|&s| Take {
+                    key: &buckets[s].0,
+                    limit: &buckets[s].1,
+                    cost: buckets[s].2,
+                })
+                .collect()
+        };
         if !enforce_slots.is_empty() {
-            if consume {
-                let items: Vec<Item<'_, str>> = enforce_slots
-                    .iter()
-                    .map(|&s| Item {
-                        key: &*buckets[s].0,
-                        limit: &buckets[s].1,
-                        cost: buckets[s].2,
-                    })
-                    .collect();
-                let results = self
-                    .store
-                    .check_all(&items, now, request_id)
-                    .map_err(|err| check_error(enforce_slots[0], err))?;
-                for (&s, d) in enforce_slots.iter().zip(results) {
-                    decisions[s] = Some(d);
-                }
+            let takes = takes_of(&enforce_slots);
+            let request = CheckRequest {
+                takes: &takes,
+                request_id,
+                now: None,
+            };
+            let results = if consume {
+                store.check(request).await
             } else {
-                for &s in &enforce_slots {
-                    let (key, limit, cost, _) = &buckets[s];
-                    let d = self
-                        .store
-                        .peek(&**key, limit, *cost, now)
-                        .map_err(|e| check_error(s, e))?;
-                    decisions[s] = Some(d);
-                }
+                store.peek(request).await
+            };
+            let results = results.map_err(|err| check_error(enforce_slots[0], err))?;
+            for (&s, d) in enforce_slots.iter().zip(results) {
+                decisions[s] = Some(d);
             }
         }
         let allowed = decisions.iter().flatten().all(Decision::allowed);
+        // Limits that cannot reject (shadow, outside a rollout) are charged, each on its own,
+        // only when the request passes; otherwise they report their balance as it stands.
         for s in (0..buckets.len()).filter(|&s| !enforced(&buckets[s])) {
-            let (key, limit, cost, _) = &buckets[s];
-            let d = if consume && allowed {
-                match request_id {
-                    Some(id) => self.store.check_idempotent(&**key, limit, *cost, now, id),
-                    None => self.store.check(&**key, limit, *cost, now),
-                }
-            } else {
-                self.store.peek(&**key, limit, *cost, now)
+            let takes = takes_of(&[s]);
+            let request = CheckRequest {
+                takes: &takes,
+                request_id,
+                now: None,
             };
-            decisions[s] = Some(d.map_err(|e| check_error(s, e))?);
+            let result = if consume && allowed {
+                store.check(request).await
+            } else {
+                store.peek(request).await
+            };
+            let mut result = result.map_err(|e| check_error(s, e))?;
+            decisions[s] = result.pop();
         }
 
         let version = Arc::clone(policy.version_arc());
@@ -777,7 +833,7 @@ impl PolicyEngine {
             return 0;
         }
         let now = self.options.clock.now();
-        self.store.rebase_where(now, |key| {
+        self.local.memory().rebase_where(now, |key| {
             let (limit, override_, tag, bucket) = split_store_key(key)?;
             let &(old_tag, new_tag, was, is) = changes.get(&(limit, override_))?;
             (tag == old_tag).then(|| (format!("{bucket}@{new_tag:08x}").into_boxed_str(), was, is))
@@ -792,6 +848,17 @@ impl PolicyEngine {
 }
 
 /// The store key: the bucket key plus a tag of the parameters its state was produced under.
+/// The output of a future that never waits, as every future over the in-process store is.
+fn ready<F: std::future::Future>(future: F) -> F::Output {
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    let mut future = std::pin::pin!(future);
+    loop {
+        if let std::task::Poll::Ready(value) = future.as_mut().poll(&mut cx) {
+            return value;
+        }
+    }
+}
+
 fn store_key(bucket_key: &str, params: &Limit) -> Box<str> {
     let tag = params_tag(params);
     format!("{bucket_key}@{tag:08x}").into_boxed_str()
