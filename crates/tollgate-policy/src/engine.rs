@@ -419,6 +419,11 @@ impl PolicyEngine {
         self.unmatched.load(Ordering::Relaxed)
     }
 
+    /// Buckets held in this process (the in-memory store's housekeeping counters).
+    pub fn memory_stats(&self) -> tollgate::MemoryStats {
+        self.local.memory().stats()
+    }
+
     /// Decides one request: `cost` tokens from every applicable bucket.
     ///
     /// * Enforced limits are checked together, all or nothing: if one rejects, none is charged.

@@ -44,3 +44,4 @@ mod units;
 pub use breaker::BreakerConfig;
 pub use failover::{Failover, FailoverStats, FailureMode, Guarded, Outcome};
 pub use store::{ConnectError, RedisConfig, RedisStore, redact};
+pub use units::check_limit;

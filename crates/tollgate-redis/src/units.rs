@@ -78,6 +78,16 @@ impl ScriptLimit {
     }
 }
 
+/// Whether the Redis store can decide `limit` exactly; callers check a policy's limits up
+/// front, so a limit Lua cannot represent is refused at start, not at the first request.
+///
+/// # Errors
+///
+/// [`Error::UnsupportedLimit`] naming the bound it passes.
+pub fn check_limit(limit: &Limit) -> Result<(), Error> {
+    ScriptLimit::new(limit).map(drop)
+}
+
 fn gcd(mut x: u64, mut y: u64) -> u64 {
     while y != 0 {
         (x, y) = (y, x % y);

@@ -1,0 +1,434 @@
+//! The `tollgate` command line: `serve`, `validate`, `check` and `import envoy`.
+//!
+//! Every `serve` flag is also a `TOLLGATE_*` environment variable. Errors print as one line that
+//! says what to do, and exit with status 1.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, anyhow};
+use axum::http::StatusCode;
+use clap::{Parser, Subcommand};
+use tokio::net::TcpListener;
+use tollgate_policy::audit::AuditLog;
+use tollgate_policy::watch::PolicyWatcher;
+use tollgate_policy::{EngineOptions, PolicyEngine, SystemWallClock, compile};
+use tollgate_redis::{RedisConfig, RedisStore, redact};
+
+use crate::decider::{Backend, Decider};
+use crate::http::{AppState, HttpOptions};
+
+/// The demo policy `serve` runs without `--config`.
+pub const DEMO_POLICY: &str = include_str!("demo.yaml");
+
+/// tollgate: exact, fast rate limiting as a service.
+#[derive(Debug, Parser)]
+#[command(name = "tollgate", version, about)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Serve decisions: Envoy RLS over gRPC, HTTP JSON, forward-auth, metrics.
+    Serve(ServeArgs),
+    /// Check a policy file; exit 0 if it is valid, 1 with the errors if not.
+    Validate {
+        /// The policy file.
+        file: PathBuf,
+    },
+    /// Decide locally against a policy file (in memory) and print the decisions.
+    Check(CheckArgs),
+    /// Convert another rate limiter's configuration into a tollgate policy.
+    Import {
+        #[command(subcommand)]
+        from: ImportFrom,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum ImportFrom {
+    /// An envoyproxy/ratelimit configuration file (one domain).
+    Envoy {
+        /// The configuration file.
+        file: PathBuf,
+    },
+}
+
+/// `tollgate serve` flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeArgs {
+    /// Policy file (YAML, see docs/policy.md). Without one, a built-in demo policy is used and
+    /// printed. The file is watched and reloaded when it changes.
+    #[arg(long, env = "TOLLGATE_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// HTTP listen address (JSON API, forward-auth, metrics, health, admin).
+    #[arg(long, env = "TOLLGATE_HTTP", default_value = "127.0.0.1:8080")]
+    pub http: SocketAddr,
+    /// gRPC listen address (Envoy Rate Limit Service v3).
+    #[arg(long, env = "TOLLGATE_GRPC", default_value = "127.0.0.1:8081")]
+    pub grpc: SocketAddr,
+    /// Where buckets live: `memory`, `redis://HOST:PORT[/DB]` or
+    /// `redis+cluster://HOST:PORT,HOST:PORT`.
+    #[arg(long, env = "TOLLGATE_STORE", default_value = "memory")]
+    pub store: String,
+    /// How long a decision may wait for Redis before its limits follow their failure modes.
+    #[arg(long, env = "TOLLGATE_STORE_TIMEOUT", default_value = "20ms", value_parser = parse_duration)]
+    pub store_timeout: Duration,
+    /// Bearer token for the admin endpoints; without one they answer loopback clients only.
+    #[arg(long, env = "TOLLGATE_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    /// Forward-auth: take descriptor entry ENTRY from request header HEADER (repeatable).
+    #[arg(
+        long = "forward-auth-header",
+        env = "TOLLGATE_FORWARD_AUTH_HEADER",
+        value_name = "ENTRY=HEADER",
+        value_delimiter = ',',
+        value_parser = parse_mapping
+    )]
+    pub forward_auth_headers: Vec<(String, String)>,
+    /// Forward-auth: the status of a rejection (429; 403 for nginx auth_request).
+    #[arg(long, env = "TOLLGATE_FORWARD_AUTH_DENY_STATUS", default_value_t = 429)]
+    pub forward_auth_deny_status: u16,
+    /// Audit log (JSON lines): a file path, or `-` for stdout.
+    #[arg(long, env = "TOLLGATE_AUDIT_LOG")]
+    pub audit_log: Option<PathBuf>,
+    /// The most buckets held in this process (memory store and emergency budgets).
+    #[arg(long, env = "TOLLGATE_MAX_BUCKETS", default_value_t = 10_000_000)]
+    pub max_buckets: usize,
+}
+
+/// `tollgate check` flags.
+#[derive(Debug, clap::Args)]
+struct CheckArgs {
+    /// The policy file.
+    #[arg(long)]
+    config: PathBuf,
+    /// The domain.
+    #[arg(long)]
+    domain: String,
+    /// A descriptor, as `entry=value,entry=value` (repeatable).
+    #[arg(long, required = true, value_parser = parse_descriptor)]
+    descriptor: Vec<Vec<(String, String)>>,
+    /// Tokens per matched limit.
+    #[arg(long, default_value_t = 1)]
+    cost: u64,
+    /// How many times to send the request, back to back.
+    #[arg(long, default_value_t = 1)]
+    times: u32,
+}
+
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .ok_or("a unit is needed: ms or s, as in 20ms")?;
+    let (count, unit) = text.split_at(split);
+    let count: u64 = count
+        .parse()
+        .map_err(|_| format!("not a duration: {text}"))?;
+    match unit {
+        "ms" => Ok(Duration::from_millis(count)),
+        "s" => Ok(Duration::from_secs(count)),
+        _ => Err(format!("unknown unit in {text}: use ms or s")),
+    }
+}
+
+fn parse_mapping(text: &str) -> Result<(String, String), String> {
+    let (entry, header) = text
+        .split_once('=')
+        .ok_or_else(|| format!("expected ENTRY=HEADER, as in user=X-User-Id, not {text}"))?;
+    if entry.is_empty() || header.is_empty() {
+        return Err(format!(
+            "expected ENTRY=HEADER, as in user=X-User-Id, not {text}"
+        ));
+    }
+    Ok((entry.to_owned(), header.to_ascii_lowercase()))
+}
+
+fn parse_descriptor(text: &str) -> Result<Vec<(String, String)>, String> {
+    text.split(',')
+        .map(|pair| {
+            pair.split_once('=')
+                .filter(|(key, _)| !key.is_empty())
+                .map(|(key, value)| (key.to_owned(), value.to_owned()))
+                .ok_or_else(|| format!("expected entry=value, not {pair}"))
+        })
+        .collect()
+}
+
+/// Runs the command line and returns the process's exit status.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Serve(args) => serve_main(args),
+        Command::Validate { file } => validate(&file),
+        Command::Check(args) => check(args),
+        Command::Import {
+            from: ImportFrom::Envoy { file },
+        } => import_envoy(&file),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn validate(file: &Path) -> Result<()> {
+    let policy = tollgate_policy::validate(file).map_err(|err| anyhow!("{err}"))?;
+    println!(
+        "{}: valid, version {}, {} limits, {} exemptions",
+        file.display(),
+        policy.version(),
+        policy.limits().len(),
+        policy.exemptions().len()
+    );
+    Ok(())
+}
+
+fn check(args: CheckArgs) -> Result<()> {
+    let engine = PolicyEngine::from_file(&args.config, EngineOptions::default())
+        .map_err(|err| anyhow!("{err}"))?;
+    for attempt in 1..=args.times {
+        let outcome = engine
+            .decide(&args.domain, &args.descriptor, args.cost, None)
+            .map_err(|err| anyhow!("{err}"))?;
+        let verdict = if outcome.allowed {
+            "allowed"
+        } else {
+            "rejected"
+        };
+        println!("#{attempt} {verdict} (policy {})", outcome.policy_version);
+        if outcome.unmatched() {
+            println!("    no limit applies");
+        }
+        for limit in &outcome.limits {
+            match &limit.decision {
+                Some(d) => println!(
+                    "    {} [{}] {} remaining {}/{} reset in {:?}{}",
+                    limit.name,
+                    limit.mode,
+                    if d.allowed() { "allowed" } else { "rejected" },
+                    d.remaining(),
+                    d.limit().capacity(),
+                    d.reset_after(),
+                    d.retry_after()
+                        .map(|wait| format!(", retry after {wait:?}"))
+                        .unwrap_or_default(),
+                ),
+                None => println!(
+                    "    {} [{}] exempted by {}",
+                    limit.name,
+                    limit.mode,
+                    limit.exempted_by.as_deref().unwrap_or("?")
+                ),
+            }
+        }
+    }
+    Ok(())
+}
+
+fn import_envoy(file: &Path) -> Result<()> {
+    let text =
+        std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))?;
+    let imported = tollgate_policy::import_envoy(&file.display().to_string(), &text)
+        .map_err(|err| anyhow!("{err}"))?;
+    print!("{}", imported.policy);
+    for note in &imported.notes {
+        eprintln!("note: {note}");
+    }
+    eprintln!(
+        "imported {} limits from {}; {} notes on what could not be expressed exactly",
+        imported.limits,
+        file.display(),
+        imported.notes.len()
+    );
+    Ok(())
+}
+
+fn serve_main(args: ServeArgs) -> Result<()> {
+    init_tracing();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(serve(args, shutdown_signal()))
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("TOLLGATE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Logs go to stderr; stdout carries the start-up banner and, with --audit-log -, the audit.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Resolves on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = terminate => {},
+    }
+    tracing::info!("shutting down: finishing requests in flight");
+}
+
+/// Sets everything up from `args`, prints where it listens, and serves until `shutdown`.
+///
+/// # Errors
+///
+/// A bad policy, an unreachable cluster, a port in use: one line each.
+pub async fn serve(
+    args: ServeArgs,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    let mut options = EngineOptions::default().max_buckets(args.max_buckets);
+    if let Some(path) = &args.audit_log {
+        let audit = if path.as_os_str() == "-" {
+            AuditLog::stdout(Box::new(SystemWallClock))
+        } else {
+            AuditLog::file(path, Box::new(SystemWallClock))
+                .with_context(|| format!("cannot open the audit log {}", path.display()))?
+        };
+        options = options.audit(Arc::new(audit));
+    }
+    let engine = match &args.config {
+        Some(path) => PolicyEngine::from_file(path, options).map_err(|err| anyhow!("{err}"))?,
+        None => {
+            let policy = compile("<built-in demo policy>", DEMO_POLICY)
+                .map_err(|err| anyhow!("the built-in demo policy is invalid: {err}"))?;
+            PolicyEngine::new(policy, options)
+        }
+    };
+    let engine = Arc::new(engine);
+    // Keep the watcher alive as long as the server: dropping it stops the watching.
+    let _watcher = match &args.config {
+        Some(_) => Some(
+            PolicyWatcher::start(Arc::clone(&engine), Duration::from_millis(200))
+                .map_err(|err| anyhow!("{err}"))?,
+        ),
+        None => None,
+    };
+
+    let backend = if args.store == "memory" {
+        Backend::Memory
+    } else {
+        let policy = engine.current();
+        for limit in policy.limits() {
+            let params =
+                std::iter::once(limit.params()).chain(limit.overrides().iter().map(|o| o.params()));
+            for params in params {
+                tollgate_redis::check_limit(params)
+                    .with_context(|| format!("limit {} cannot be kept in Redis", limit.name()))?;
+            }
+        }
+        let config = RedisConfig::default().with_timeout(args.store_timeout);
+        let store = RedisStore::connect(&args.store, config)
+            .await
+            .with_context(|| format!("cannot use the store {}", redact(&args.store)))?;
+        Backend::Redis(Box::new(store))
+    };
+    let store_name = match &backend {
+        Backend::Memory => "memory".to_owned(),
+        Backend::Redis(_) => redact(&args.store),
+    };
+    let decider = Arc::new(Decider::new(Arc::clone(&engine), backend));
+
+    let deny = StatusCode::from_u16(args.forward_auth_deny_status)
+        .ok()
+        .filter(StatusCode::is_client_error)
+        .ok_or_else(|| {
+            anyhow!(
+                "--forward-auth-deny-status {} is not a 4xx status (use 429, or 403 for nginx)",
+                args.forward_auth_deny_status
+            )
+        })?;
+    let http_options = HttpOptions {
+        admin_token: args.admin_token.clone(),
+        forward_auth_headers: args.forward_auth_headers.clone(),
+        forward_auth_deny: deny,
+    };
+    let metrics = match crate::metrics::install() {
+        Ok(handle) => Some(handle),
+        Err(err) => {
+            tracing::warn!(error = %err, "metrics disabled");
+            None
+        }
+    };
+    let state = Arc::new(AppState::new(decider, metrics, http_options));
+
+    let http = TcpListener::bind(args.http)
+        .await
+        .with_context(|| format!("cannot listen on {} for HTTP (--http)", args.http))?;
+    let grpc = TcpListener::bind(args.grpc)
+        .await
+        .with_context(|| format!("cannot listen on {} for gRPC (--grpc)", args.grpc))?;
+    let http_addr = http.local_addr().context("HTTP listener address")?;
+    let grpc_addr = grpc.local_addr().context("gRPC listener address")?;
+
+    let policy = engine.current();
+    if args.config.is_none() {
+        println!("no --config given: serving the built-in demo policy\n");
+        println!("{}", DEMO_POLICY.trim_end());
+        println!();
+    }
+    println!(
+        "tollgate {}: policy {} ({}), store {store_name}",
+        env!("CARGO_PKG_VERSION"),
+        policy.version(),
+        policy.source()
+    );
+    println!(
+        "  HTTP  http://{http_addr}  (/v1/check, /v1/explain, /v1/forward-auth/{{domain}}, /metrics, /healthz)"
+    );
+    println!("  gRPC  {grpc_addr}  (envoy.service.ratelimit.v3.RateLimitService)");
+    println!("try:");
+    println!(
+        "  curl -si -X POST http://{http_addr}/v1/check -H 'content-type: application/json' \\\n    -d '{}'",
+        example_body(&policy)
+    );
+    println!("listening http={http_addr} grpc={grpc_addr}");
+
+    crate::run(state, http, grpc, shutdown)
+        .await
+        .map_err(|err| anyhow!("{err}"))?;
+    Ok(())
+}
+
+/// A request body that matches the policy's first limit, for the banner's example.
+fn example_body(policy: &tollgate_policy::Policy) -> String {
+    let Some(limit) = policy.limits().first() else {
+        return r#"{"domain":"api","descriptors":[{"user":"alice"}]}"#.to_owned();
+    };
+    let mut entries: Vec<String> = limit
+        .when()
+        .map(|(key, value)| format!("\"{key}\":\"{value}\""))
+        .collect();
+    entries.extend(limit.key().map(|key| format!("\"{key}\":\"alice\"")));
+    format!(
+        "{{\"domain\":\"{}\",\"descriptors\":[{{{}}}]}}",
+        limit.domain(),
+        entries.join(",")
+    )
+}

@@ -1,0 +1,193 @@
+//! Where every API's decision is made: the policy in force, against the configured store.
+//!
+//! The HTTP, forward-auth and gRPC front ends all call [`Decider::decide`], so they answer the
+//! same request the same way. With the memory store the policy engine decides against its own
+//! buckets; with Redis it decides against the shared store, and when Redis cannot answer
+//! (down, slow, breaker open) each limit follows its failure mode through
+//! [`PolicyEngine::decide_degraded`].
+
+use std::sync::Arc;
+
+use tollgate::{Clock, Error as CoreError, MonotonicClock, Unavailable};
+use tollgate_policy::{Error as PolicyError, Outcome, PolicyEngine};
+use tollgate_redis::RedisStore;
+
+use crate::metrics::{self, Api};
+
+/// Where buckets live.
+pub enum Backend {
+    /// In this process (the policy engine's own store).
+    Memory,
+    /// In Redis or Redis Cluster, shared by every tollgate process pointed at it.
+    Redis(Box<RedisStore>),
+}
+
+impl Backend {
+    /// `memory` or `redis`, for metric labels.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Backend::Memory => "memory",
+            Backend::Redis(_) => "redis",
+        }
+    }
+}
+
+/// One request, as every API hands it over.
+pub struct Request<'a> {
+    /// The Envoy RLS domain (HTTP callers pass it too).
+    pub domain: &'a str,
+    /// Descriptors: entry → value lists.
+    pub descriptors: &'a [Vec<(String, String)>],
+    /// Tokens per matched limit.
+    pub cost: u64,
+    /// Makes a retry free.
+    pub request_id: Option<&'a str>,
+}
+
+/// Why a request could not be decided.
+#[derive(Debug, thiserror::Error)]
+pub enum DecideError {
+    /// The request asks for something no limit can give (a cost above a capacity): the caller's
+    /// to fix, answered 400.
+    #[error("{0}")]
+    Invalid(PolicyError),
+    /// A fault on our side (a limit the store cannot represent), answered 500.
+    #[error("{0}")]
+    Internal(PolicyError),
+    /// The store cannot answer and nothing was decided (an explanation needs the store).
+    #[error("store unavailable: {0}")]
+    Unavailable(Unavailable),
+}
+
+/// The decision maker shared by all front ends.
+pub struct Decider {
+    engine: Arc<PolicyEngine>,
+    backend: Backend,
+    /// Times decisions for the latency histogram.
+    clock: MonotonicClock,
+}
+
+impl Decider {
+    /// Decides with `engine`'s policy against `backend`.
+    pub fn new(engine: Arc<PolicyEngine>, backend: Backend) -> Self {
+        Self {
+            engine,
+            backend,
+            clock: MonotonicClock::new(),
+        }
+    }
+
+    /// The policy engine (for admin endpoints).
+    pub fn engine(&self) -> &Arc<PolicyEngine> {
+        &self.engine
+    }
+
+    /// The store.
+    pub fn backend(&self) -> &Backend {
+        &self.backend
+    }
+
+    /// Decides `request`, charging the buckets it passes, and records the metrics.
+    ///
+    /// # Errors
+    ///
+    /// [`DecideError`] when the request cannot be decided at all.
+    pub async fn decide(&self, api: Api, request: &Request<'_>) -> Result<Outcome, DecideError> {
+        let started = self.clock.now();
+        let outcome = self.run(request, true).await;
+        let elapsed = self.clock.now().saturating_duration_since(started);
+        metrics::record_decision(api, self.backend.name(), elapsed, &outcome);
+        outcome
+    }
+
+    /// What [`decide`](Self::decide) would answer, charging nothing.
+    ///
+    /// # Errors
+    ///
+    /// As for `decide`.
+    pub async fn explain(&self, request: &Request<'_>) -> Result<Outcome, DecideError> {
+        self.run(request, false).await
+    }
+
+    async fn run(&self, request: &Request<'_>, consume: bool) -> Result<Outcome, DecideError> {
+        let Request {
+            domain,
+            descriptors,
+            cost,
+            request_id,
+        } = *request;
+        let result = match (&self.backend, consume) {
+            (Backend::Memory, true) => self.engine.decide(domain, descriptors, cost, request_id),
+            (Backend::Memory, false) => self.engine.explain(domain, descriptors, cost),
+            (Backend::Redis(store), true) => {
+                self.engine
+                    .decide_on(&**store, domain, descriptors, cost, request_id)
+                    .await
+            }
+            (Backend::Redis(store), false) => {
+                self.engine
+                    .explain_on(&**store, domain, descriptors, cost)
+                    .await
+            }
+        };
+        match result {
+            Ok(outcome) => Ok(outcome),
+            Err(PolicyError::Check {
+                source: CoreError::StoreUnavailable { reason },
+                ..
+            }) => {
+                metrics::record_store_error(reason);
+                self.degraded(request, reason, consume)
+            }
+            Err(err @ PolicyError::Check { .. }) if is_caller_error(&err) => {
+                Err(DecideError::Invalid(err))
+            }
+            Err(err) => Err(DecideError::Internal(err)),
+        }
+    }
+
+    /// The store could not answer: every limit follows its failure mode.
+    fn degraded(
+        &self,
+        request: &Request<'_>,
+        reason: Unavailable,
+        consume: bool,
+    ) -> Result<Outcome, DecideError> {
+        if !consume {
+            // An explanation reports the store's balances; without the store there are none.
+            return Err(DecideError::Unavailable(reason));
+        }
+        let outcome = self
+            .engine
+            .decide_degraded(
+                request.domain,
+                request.descriptors,
+                request.cost,
+                reason.as_str(),
+            )
+            .map_err(DecideError::Invalid)?;
+        metrics::record_degraded(reason, &outcome);
+        Ok(outcome)
+    }
+
+    /// Whether the store answers: for `/readyz`.
+    pub async fn store_ready(&self) -> Result<(), Unavailable> {
+        match &self.backend {
+            Backend::Memory => Ok(()),
+            Backend::Redis(store) => store.ping().await,
+        }
+    }
+}
+
+/// Costs the buckets can never hold, ids out of bounds: the request is wrong, not the server.
+fn is_caller_error(err: &PolicyError) -> bool {
+    matches!(
+        err,
+        PolicyError::Check {
+            source: CoreError::InvalidCost { .. }
+                | CoreError::InvalidRequestId { .. }
+                | CoreError::IdempotencyConflict,
+            ..
+        }
+    )
+}

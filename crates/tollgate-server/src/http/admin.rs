@@ -1,0 +1,190 @@
+//! Health, readiness, metrics and the policy admin endpoints.
+//!
+//! `/v1/policy`, `/v1/policy/reload` and `/v1/policy/rollback` change or reveal the control
+//! plane, so they need the bearer token when one is configured and are answered to loopback
+//! clients only when none is.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::Json;
+use axum::extract::{ConnectInfo, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+use tollgate_policy::Error as PolicyError;
+
+use super::AppState;
+use super::error::ApiError;
+use crate::metrics;
+
+pub(crate) async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+pub(crate) async fn readyz(State(state): State<Arc<AppState>>) -> Response {
+    let version = state.decider.engine().current().version().to_owned();
+    let store = state.decider.backend().name();
+    match state.decider.store_ready().await {
+        Ok(()) => {
+            Json(json!({"ready": true, "policy_version": version, "store": store})).into_response()
+        }
+        Err(reason) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({
+                "ready": false,
+                "policy_version": version,
+                "store": store,
+                "store_error": reason.as_str(),
+            })),
+        )
+            .into_response(),
+    }
+}
+
+pub(crate) async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    let Some(handle) = &state.metrics else {
+        return ApiError::new(
+            StatusCode::NOT_FOUND,
+            "metrics_disabled",
+            "metrics are not enabled in this process",
+        )
+        .into_response();
+    };
+    metrics::refresh(state.decider.engine(), &mut state.exported_version.lock());
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        handle.render(),
+    )
+        .into_response()
+}
+
+/// Lets the request through if it carries the admin token, or, with no token configured,
+/// comes from this machine.
+fn authorize(state: &AppState, headers: &HeaderMap, peer: SocketAddr) -> Result<(), ApiError> {
+    match &state.options.admin_token {
+        Some(token) => {
+            let given = headers
+                .get(header::AUTHORIZATION)
+                .and_then(|value| value.to_str().ok())
+                .and_then(|value| value.strip_prefix("Bearer "))
+                .unwrap_or("");
+            if constant_time_eq(given.as_bytes(), token.as_bytes()) {
+                Ok(())
+            } else {
+                Err(ApiError::new(
+                    StatusCode::UNAUTHORIZED,
+                    "unauthorized",
+                    "admin endpoints need Authorization: Bearer <admin token>",
+                ))
+            }
+        }
+        None if peer.ip().is_loopback() => Ok(()),
+        None => Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            "admin endpoints answer loopback clients only; set --admin-token to open them",
+        )),
+    }
+}
+
+/// Compares without an early exit, so response times do not reveal how much of a guess matched.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = a.len() ^ b.len();
+    for (i, &byte) in b.iter().enumerate() {
+        diff |= usize::from(a.get(i).copied().unwrap_or(0) ^ byte);
+    }
+    diff == 0
+}
+
+fn status_body(state: &AppState) -> serde_json::Value {
+    let status = state.decider.engine().status();
+    json!({
+        "version": status.version,
+        "source": status.source,
+        "loaded_at": status.loaded_at.to_rfc3339(),
+        "history": status.history,
+        "last_error": status.last_error.map(|(at, message)| json!({
+            "at": at.to_rfc3339(),
+            "message": message,
+        })),
+        "unmatched": status.unmatched,
+        "changes": status.changes,
+    })
+}
+
+pub(crate) async fn policy(
+    State(state): State<Arc<AppState>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers, peer)?;
+    Ok(Json(status_body(&state)).into_response())
+}
+
+pub(crate) async fn reload(
+    State(state): State<Arc<AppState>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers, peer)?;
+    let engine = state.decider.engine();
+    if engine.path().is_none() {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "no_policy_file",
+            "this server runs the built-in demo policy; start it with --config FILE to reload",
+        ));
+    }
+    match engine.reload() {
+        Ok(_) => Ok(Json(status_body(&state)).into_response()),
+        Err(err @ (PolicyError::Invalid(_) | PolicyError::Io { .. })) => Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "policy_refused",
+            format!(
+                "{err}; version {} stays in force",
+                engine.current().version()
+            ),
+        )),
+        Err(err) => Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            err.to_string(),
+        )),
+    }
+}
+
+pub(crate) async fn rollback(
+    State(state): State<Arc<AppState>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers, peer)?;
+    match state.decider.engine().rollback() {
+        Ok(_) => Ok(Json(status_body(&state)).into_response()),
+        Err(PolicyError::NothingToRollBack) => Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "nothing_to_roll_back",
+            "no earlier policy version is kept",
+        )),
+        Err(err) => Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            err.to_string(),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::constant_time_eq;
+
+    #[test]
+    fn compares_tokens() {
+        assert!(constant_time_eq(b"secret", b"secret"));
+        assert!(!constant_time_eq(b"secret", b"secreT"));
+        assert!(!constant_time_eq(b"secre", b"secret"));
+        assert!(!constant_time_eq(b"secrets", b"secret"));
+        assert!(!constant_time_eq(b"", b"secret"));
+    }
+}

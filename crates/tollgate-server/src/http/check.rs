@@ -1,0 +1,329 @@
+//! `POST /v1/check` and `POST /v1/explain`: the JSON decision API.
+//!
+//! ```text
+//! POST /v1/check
+//! {"domain":"api","descriptors":[{"tenant":"acme","user":"u1"}],"cost":1,"request_id":"r-1"}
+//! ```
+//!
+//! 200 when allowed, 429 when an enforced limit rejects (with `Retry-After`), 503 when a limit
+//! fails closed because the shared store is down, 400 for bad input. `/v1/explain` answers the
+//! same body, with bucket keys, and charges nothing.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::extract::rejection::BytesRejection;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tollgate_policy::Outcome;
+
+use super::error::ApiError;
+use super::{AppState, MAX_DESCRIPTORS, MAX_ENTRIES, MAX_NAME_BYTES, MAX_VALUE_BYTES};
+use crate::decider::{DecideError, Request};
+use crate::headers;
+use crate::metrics::Api;
+
+/// The request body. Unknown fields are refused: a misspelt `cost` must not silently be 1.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CheckBody {
+    domain: String,
+    descriptors: Vec<serde_json::Map<String, Value>>,
+    #[serde(default = "one")]
+    cost: u64,
+    #[serde(default)]
+    request_id: Option<String>,
+}
+
+fn one() -> u64 {
+    1
+}
+
+/// A request, parsed and within bounds.
+pub(crate) struct Parsed {
+    pub(crate) domain: String,
+    pub(crate) descriptors: Vec<Vec<(String, String)>>,
+    pub(crate) cost: u64,
+    pub(crate) request_id: Option<String>,
+}
+
+impl Parsed {
+    pub(crate) fn request(&self) -> Request<'_> {
+        Request {
+            domain: &self.domain,
+            descriptors: &self.descriptors,
+            cost: self.cost,
+            request_id: self.request_id.as_deref(),
+        }
+    }
+}
+
+fn parse(body: Result<Bytes, BytesRejection>) -> Result<Parsed, ApiError> {
+    let body = body.map_err(|rejection| {
+        ApiError::new(
+            rejection.status(),
+            "body_unreadable",
+            format!(
+                "cannot read the body: {rejection} (at most {} bytes)",
+                super::MAX_BODY_BYTES
+            ),
+        )
+    })?;
+    let body: CheckBody = serde_json::from_slice(&body).map_err(|err| {
+        ApiError::bad_request("invalid_json", format!("invalid request body: {err}"))
+    })?;
+    let mut descriptors = Vec::with_capacity(body.descriptors.len());
+    for (index, descriptor) in body.descriptors.into_iter().enumerate() {
+        let mut entries = Vec::with_capacity(descriptor.len());
+        for (key, value) in descriptor {
+            let Value::String(value) = value else {
+                return Err(ApiError::bad_request(
+                    "invalid_descriptor",
+                    format!("descriptors[{index}].{key}: values must be strings"),
+                ));
+            };
+            entries.push((key, value));
+        }
+        descriptors.push(entries);
+    }
+    let parsed = Parsed {
+        domain: body.domain,
+        descriptors,
+        cost: body.cost,
+        request_id: body.request_id,
+    };
+    check_bounds(&parsed)?;
+    Ok(parsed)
+}
+
+/// The bounds every front end applies before deciding anything.
+pub(crate) fn check_bounds(parsed: &Parsed) -> Result<(), ApiError> {
+    let too_long = |what: &str, len: usize, max: usize| {
+        ApiError::bad_request(
+            "too_large",
+            format!("{what} is {len} bytes long; at most {max} are accepted"),
+        )
+    };
+    if parsed.domain.is_empty() {
+        return Err(ApiError::bad_request(
+            "invalid_domain",
+            "domain must not be empty",
+        ));
+    }
+    if parsed.domain.len() > MAX_NAME_BYTES {
+        return Err(too_long("domain", parsed.domain.len(), MAX_NAME_BYTES));
+    }
+    if parsed.descriptors.is_empty() {
+        return Err(ApiError::bad_request(
+            "invalid_descriptor",
+            "at least one descriptor is needed, such as {\"user\":\"u1\"}",
+        ));
+    }
+    if parsed.descriptors.len() > MAX_DESCRIPTORS {
+        return Err(ApiError::bad_request(
+            "too_large",
+            format!("at most {MAX_DESCRIPTORS} descriptors per request"),
+        ));
+    }
+    for (index, entries) in parsed.descriptors.iter().enumerate() {
+        if entries.is_empty() || entries.len() > MAX_ENTRIES {
+            return Err(ApiError::bad_request(
+                "invalid_descriptor",
+                format!("descriptors[{index}] must have 1 to {MAX_ENTRIES} entries"),
+            ));
+        }
+        for (key, value) in entries {
+            if key.is_empty() {
+                return Err(ApiError::bad_request(
+                    "invalid_descriptor",
+                    format!("descriptors[{index}] has an empty entry name"),
+                ));
+            }
+            if key.len() > MAX_NAME_BYTES {
+                return Err(too_long("an entry name", key.len(), MAX_NAME_BYTES));
+            }
+            if value.len() > MAX_VALUE_BYTES {
+                return Err(too_long("an entry value", value.len(), MAX_VALUE_BYTES));
+            }
+        }
+    }
+    if parsed.cost == 0 {
+        return Err(ApiError::bad_request(
+            "invalid_cost",
+            "cost must be at least 1",
+        ));
+    }
+    if let Some(id) = &parsed.request_id
+        && (id.is_empty() || id.len() > MAX_NAME_BYTES)
+    {
+        return Err(ApiError::bad_request(
+            "invalid_request_id",
+            format!("request_id must be 1 to {MAX_NAME_BYTES} bytes"),
+        ));
+    }
+    Ok(())
+}
+
+/// Maps a decision failure to its answer.
+pub(crate) fn decide_error(err: DecideError) -> ApiError {
+    match err {
+        DecideError::Invalid(err) => {
+            let source = match &err {
+                tollgate_policy::Error::Check { source, .. } => Some(source),
+                _ => None,
+            };
+            match source {
+                Some(tollgate::Error::IdempotencyConflict) => ApiError::new(
+                    StatusCode::CONFLICT,
+                    "idempotency_conflict",
+                    "request_id was already used for a different request",
+                ),
+                Some(tollgate::Error::InvalidRequestId { .. }) => {
+                    ApiError::bad_request("invalid_request_id", err.to_string())
+                }
+                _ => ApiError::bad_request("invalid_cost", err.to_string()),
+            }
+        }
+        DecideError::Unavailable(reason) => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "store_unavailable",
+            format!("the shared store cannot answer ({reason})"),
+        ),
+        DecideError::Internal(err) => {
+            tracing::error!(error = %err, "decision failed");
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                err.to_string(),
+            )
+        }
+    }
+}
+
+/// The status an outcome is answered with: 503 when failing closed, 429 when rejected.
+pub(crate) fn status_of(outcome: &Outcome, deny: StatusCode) -> StatusCode {
+    if outcome.failed_closed {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else if outcome.allowed {
+        StatusCode::OK
+    } else {
+        deny
+    }
+}
+
+/// `RateLimit-Policy`, `RateLimit` and, when rejected, `Retry-After`, from the enforced limits.
+pub(crate) fn rate_limit_headers(outcome: &Outcome) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    let enforced = || {
+        outcome
+            .limits
+            .iter()
+            .filter(|limit| limit.mode == "enforce")
+            .filter_map(|limit| limit.decision.as_ref().map(|d| (limit.name.as_str(), d)))
+    };
+    if let Some((policy, state)) = headers::rate_limit_fields(enforced()) {
+        // The fields are printable ASCII by construction, so these always convert.
+        if let (Ok(policy), Ok(state)) = (
+            HeaderValue::from_str(&policy),
+            HeaderValue::from_str(&state),
+        ) {
+            headers.insert("ratelimit-policy", policy);
+            headers.insert("ratelimit", state);
+        }
+    }
+    if !outcome.allowed && !outcome.failed_closed {
+        let wait = enforced()
+            .filter(|(_, decision)| !decision.allowed())
+            .map(|(_, decision)| headers::retry_after_secs(decision))
+            .max()
+            .unwrap_or(1);
+        headers.insert("retry-after", HeaderValue::from(wait));
+    }
+    headers
+}
+
+fn millis_ceil(duration: std::time::Duration) -> u64 {
+    u64::try_from(duration.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX)
+}
+
+/// The JSON body of SPEC §6; `explain` adds bucket keys and descriptors.
+pub(crate) fn body_of(outcome: &Outcome, explain: bool) -> Value {
+    let limits: Vec<Value> = outcome
+        .limits
+        .iter()
+        .map(|limit| {
+            let mut item = json!({
+                "name": limit.name,
+                "mode": limit.mode,
+            });
+            match &limit.decision {
+                Some(decision) => {
+                    item["allowed"] = json!(decision.allowed());
+                    item["remaining"] = json!(decision.remaining());
+                    item["capacity"] = json!(decision.limit().capacity());
+                    item["retry_after_ms"] = json!(decision.retry_after().map_or(0, millis_ceil));
+                    item["reset_after_ms"] = json!(millis_ceil(decision.reset_after()));
+                }
+                None => item["allowed"] = json!(!outcome.failed_closed),
+            }
+            if let Some(owner) = &limit.exempted_by {
+                item["exempted_by"] = json!(owner);
+            }
+            if explain {
+                item["bucket_key"] = json!(limit.bucket_key);
+                item["descriptor"] = json!(limit.descriptor);
+            }
+            item
+        })
+        .collect();
+    let mut body = json!({
+        "allowed": outcome.allowed,
+        "policy_version": &*outcome.policy_version,
+        "limits": limits,
+    });
+    if outcome.degraded {
+        body["degraded"] = json!(true);
+    }
+    if outcome.failed_closed {
+        body["error"] = json!({
+            "code": "store_unavailable",
+            "message": "the shared store cannot answer and a limit fails closed",
+        });
+    }
+    body
+}
+
+pub(crate) async fn check(
+    State(state): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let parsed = parse(body)?;
+    let outcome = state
+        .decider
+        .decide(Api::Http, &parsed.request())
+        .await
+        .map_err(decide_error)?;
+    let status = status_of(&outcome, StatusCode::TOO_MANY_REQUESTS);
+    Ok((
+        status,
+        rate_limit_headers(&outcome),
+        axum::Json(body_of(&outcome, false)),
+    )
+        .into_response())
+}
+
+pub(crate) async fn explain(
+    State(state): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let parsed = parse(body)?;
+    let outcome = state
+        .decider
+        .explain(&parsed.request())
+        .await
+        .map_err(decide_error)?;
+    Ok(axum::Json(body_of(&outcome, true)).into_response())
+}

@@ -1,0 +1,146 @@
+//! `GET|POST /v1/forward-auth/{domain}`: rate limiting as an auth subrequest, for nginx
+//! `auth_request` and Traefik `ForwardAuth`.
+//!
+//! The proxy forwards the client's headers; one descriptor is built from them:
+//! `x-tollgate-<entry>: value` gives that entry, `--forward-auth-header ENTRY=HEADER` maps an
+//! existing header (`user=X-User-Id`), and `X-Forwarded-Method`, `X-Forwarded-Uri` or
+//! `X-Original-URI` give `method` and `path`. The cost comes from `x-tollgate-cost` (default 1).
+//! Allowed: 200 with the rate-limit headers; over the limit: 429 (or the configured deny status,
+//! 403 for nginx); failing closed: 503.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+
+use super::AppState;
+use super::check::{Parsed, check_bounds, decide_error, rate_limit_headers, status_of};
+use super::error::ApiError;
+use crate::metrics::Api;
+
+const PREFIX: &str = "x-tollgate-";
+const COST: &str = "x-tollgate-cost";
+
+fn header_str<'h>(headers: &'h HeaderMap, name: &str) -> Result<Option<&'h str>, ApiError> {
+    match headers.get(name) {
+        None => Ok(None),
+        Some(value) => value.to_str().map(Some).map_err(|_| {
+            ApiError::bad_request(
+                "invalid_header",
+                format!("header {name} is not visible ASCII"),
+            )
+        }),
+    }
+}
+
+fn descriptor(
+    headers: &HeaderMap,
+    mapping: &[(String, String)],
+) -> Result<Vec<(String, String)>, ApiError> {
+    let mut entries: Vec<(String, String)> = Vec::new();
+    let mut set = |entry: &str, value: &str| match entries.iter_mut().find(|(key, _)| key == entry)
+    {
+        Some(existing) => existing.1 = value.to_owned(),
+        None => entries.push((entry.to_owned(), value.to_owned())),
+    };
+    if let Some(method) = header_str(headers, "x-forwarded-method")? {
+        set("method", method);
+    }
+    let uri = match header_str(headers, "x-forwarded-uri")? {
+        Some(uri) => Some(uri),
+        None => header_str(headers, "x-original-uri")?,
+    };
+    if let Some(uri) = uri {
+        // The path alone: a query string would make every URL its own bucket.
+        set("path", uri.split('?').next().unwrap_or(uri));
+    }
+    for (entry, header) in mapping {
+        if let Some(value) = header_str(headers, header)? {
+            set(entry, value);
+        }
+    }
+    // Explicit entries come last, so they win over mapped and derived ones.
+    for name in headers.keys() {
+        let name = name.as_str();
+        if let Some(entry) = name.strip_prefix(PREFIX)
+            && name != COST
+            && !entry.is_empty()
+            && let Some(value) = header_str(headers, name)?
+        {
+            set(entry, value);
+        }
+    }
+    Ok(entries)
+}
+
+pub(crate) async fn forward_auth(
+    State(state): State<Arc<AppState>>,
+    Path(domain): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    let cost = match header_str(&headers, COST)? {
+        None => 1,
+        Some(text) => text.trim().parse().map_err(|_| {
+            ApiError::bad_request("invalid_cost", format!("{COST} must be a whole number ≥ 1"))
+        })?,
+    };
+    let parsed = Parsed {
+        domain,
+        descriptors: vec![descriptor(&headers, &state.options.forward_auth_headers)?],
+        cost,
+        request_id: None,
+    };
+    check_bounds(&parsed)?;
+    let outcome = state
+        .decider
+        .decide(Api::ForwardAuth, &parsed.request())
+        .await
+        .map_err(decide_error)?;
+    let status = status_of(&outcome, state.options.forward_auth_deny);
+    let text = match status {
+        StatusCode::OK => "allowed",
+        StatusCode::SERVICE_UNAVAILABLE => "rate limiter store unavailable",
+        _ => "rate limited",
+    };
+    Ok((status, rate_limit_headers(&outcome), text).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::HeaderValue;
+
+    #[test]
+    fn builds_one_descriptor_from_headers() {
+        let mut headers = HeaderMap::new();
+        headers.insert("x-forwarded-method", HeaderValue::from_static("POST"));
+        headers.insert("x-original-uri", HeaderValue::from_static("/v1/pay?x=1"));
+        headers.insert("x-user-id", HeaderValue::from_static("u1"));
+        headers.insert("x-tollgate-tenant", HeaderValue::from_static("acme"));
+        headers.insert("x-tollgate-cost", HeaderValue::from_static("3"));
+        let mapping = vec![("user".to_owned(), "x-user-id".to_owned())];
+        let mut entries = descriptor(&headers, &mapping).unwrap();
+        entries.sort();
+        let expected = [
+            ("method", "POST"),
+            ("path", "/v1/pay"),
+            ("tenant", "acme"),
+            ("user", "u1"),
+        ];
+        let expected: Vec<(String, String)> = expected
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        assert_eq!(entries, expected);
+    }
+
+    #[test]
+    fn explicit_entries_win() {
+        let mut headers = HeaderMap::new();
+        headers.insert("x-forwarded-method", HeaderValue::from_static("GET"));
+        headers.insert("x-tollgate-method", HeaderValue::from_static("POST"));
+        let entries = descriptor(&headers, &[]).unwrap();
+        assert_eq!(entries, vec![("method".to_owned(), "POST".to_owned())]);
+    }
+}

@@ -1,0 +1,92 @@
+//! The HTTP front end: the JSON decision API, forward-auth, health, metrics and admin.
+//!
+//! Every handler is a thin translation: parse and bound the input, call the shared
+//! [`Decider`], and shape its outcome into a status code, a JSON body and the IETF rate-limit
+//! headers. Bad input of any kind is a 4xx with `{"error":{"code","message"}}` and decides
+//! nothing.
+
+mod admin;
+mod check;
+mod error;
+mod forward_auth;
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::DefaultBodyLimit;
+use axum::http::StatusCode;
+use axum::routing::{get, post};
+use metrics_exporter_prometheus::PrometheusHandle;
+use parking_lot::Mutex;
+
+use crate::decider::Decider;
+
+pub use error::ApiError;
+
+/// The largest request body accepted, in bytes.
+pub const MAX_BODY_BYTES: usize = 64 * 1024;
+/// The most descriptors in one request.
+pub const MAX_DESCRIPTORS: usize = 32;
+/// The most entries in one descriptor.
+pub const MAX_ENTRIES: usize = 32;
+/// The longest domain, entry name or request id, in bytes.
+pub const MAX_NAME_BYTES: usize = 256;
+/// The longest entry value, in bytes.
+pub const MAX_VALUE_BYTES: usize = 1024;
+
+/// How the HTTP front end behaves.
+#[derive(Debug, Clone)]
+pub struct HttpOptions {
+    /// Bearer token for admin endpoints; without one they answer loopback clients only.
+    pub admin_token: Option<String>,
+    /// `(entry, header)` pairs: forward-auth takes `entry` from `header`.
+    pub forward_auth_headers: Vec<(String, String)>,
+    /// The status forward-auth answers when a request is over its limit (429, or 403 for
+    /// nginx, whose `auth_request` passes on only 401 and 403).
+    pub forward_auth_deny: StatusCode,
+}
+
+/// What every handler shares.
+pub struct AppState {
+    pub(crate) decider: Arc<Decider>,
+    pub(crate) metrics: Option<PrometheusHandle>,
+    pub(crate) options: HttpOptions,
+    /// The policy version last exported as a metric.
+    pub(crate) exported_version: Mutex<Option<String>>,
+}
+
+impl AppState {
+    /// State for the router.
+    pub fn new(
+        decider: Arc<Decider>,
+        metrics: Option<PrometheusHandle>,
+        options: HttpOptions,
+    ) -> Self {
+        Self {
+            decider,
+            metrics,
+            options,
+            exported_version: Mutex::new(None),
+        }
+    }
+}
+
+/// The routes of SPEC §6.
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/check", post(check::check))
+        .route("/v1/explain", post(check::explain))
+        .route(
+            "/v1/forward-auth/{domain}",
+            get(forward_auth::forward_auth).post(forward_auth::forward_auth),
+        )
+        .route("/healthz", get(admin::healthz))
+        .route("/readyz", get(admin::readyz))
+        .route("/metrics", get(admin::metrics))
+        .route("/v1/policy", get(admin::policy))
+        .route("/v1/policy/reload", post(admin::reload))
+        .route("/v1/policy/rollback", post(admin::rollback))
+        .fallback(error::not_found)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(state)
+}

@@ -1,0 +1,73 @@
+//! The tollgate decision service.
+//!
+//! `tollgate serve` answers rate-limit decisions over three front ends that share one
+//! [`Decider`]: Envoy's Rate Limit Service v3 over gRPC ([`rls`]), an HTTP JSON API and a
+//! forward-auth endpoint for nginx and Traefik ([`http`]), with Prometheus metrics, health and
+//! admin endpoints. [`run`] serves them on listeners it is given until a shutdown future
+//! resolves, so `main` and the end-to-end tests start the server the same way.
+
+pub mod cli;
+pub mod decider;
+pub mod headers;
+pub mod http;
+pub mod metrics;
+pub mod rls;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+pub use decider::{Backend, Decider};
+pub use http::{AppState, HttpOptions};
+
+/// Why serving stopped with an error.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ServeError {
+    /// The HTTP server failed.
+    #[error("HTTP server: {0}")]
+    Http(std::io::Error),
+    /// The gRPC server failed.
+    #[error("gRPC server: {0}")]
+    Grpc(tonic::transport::Error),
+}
+
+/// Serves HTTP on `http` and gRPC on `grpc` until `shutdown` resolves, then stops accepting,
+/// lets requests in flight finish, and returns.
+///
+/// # Errors
+///
+/// [`ServeError`] when a server fails.
+pub async fn run(
+    state: Arc<AppState>,
+    http: TcpListener,
+    grpc: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    let (stop, stopped) = watch::channel(false);
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop.send(true);
+    });
+    let wait = |mut stopped: watch::Receiver<bool>| async move {
+        // Resolves on the signal, or if the sender is gone (nothing can signal any more).
+        let _ = stopped.wait_for(|stop| *stop).await;
+    };
+
+    let app = http::router(Arc::clone(&state)).into_make_service_with_connect_info::<SocketAddr>();
+    let http_server = axum::serve(http, app).with_graceful_shutdown(wait(stopped.clone()));
+
+    let rls = rls::Rls::new(Arc::clone(&state.decider)).into_server();
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc);
+    let grpc_server = tonic::transport::Server::builder()
+        .add_service(rls)
+        .serve_with_incoming_shutdown(incoming, wait(stopped));
+
+    let (http_result, grpc_result) = tokio::join!(http_server, grpc_server);
+    http_result.map_err(ServeError::Http)?;
+    grpc_result.map_err(ServeError::Grpc)?;
+    Ok(())
+}

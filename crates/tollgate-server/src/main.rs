@@ -1,0 +1,7 @@
+//! The `tollgate` command: parse the arguments and hand over to [`tollgate_server::cli`].
+
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    tollgate_server::cli::main()
+}

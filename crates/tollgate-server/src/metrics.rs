@@ -1,0 +1,186 @@
+//! Every metric tollgate serves, named once, with labels from closed sets.
+//!
+//! Names and labels are stable API for dashboards and alerts (SPEC §8). Label values come from
+//! the policy (limit names), fixed enums (result, mode, api, store, reason) and never from
+//! request data such as keys or addresses, so cardinality stays bounded by the policy.
+
+use std::time::Duration;
+
+use metrics::{counter, gauge, histogram};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use tollgate::Unavailable;
+use tollgate_policy::{Outcome, PolicyEngine};
+
+use crate::decider::DecideError;
+
+/// Decisions per limit: labels `limit`, `result` (`allowed`, `rejected`, `unavailable`,
+/// `exempt`), `mode` (`enforce`, `shadow`, `rollout`, `exempt`), `api`.
+pub const DECISIONS: &str = "tollgate_decisions_total";
+/// Requests no limit applied to (allowed): label `api`.
+pub const UNMATCHED: &str = "tollgate_unmatched_requests_total";
+/// Requests refused as malformed or impossible: label `api`.
+pub const INVALID: &str = "tollgate_invalid_requests_total";
+/// Time to decide a request, in seconds: labels `api`, `store`.
+pub const LATENCY: &str = "tollgate_decision_duration_seconds";
+/// Shared-store failures: label `reason` (`timeout`, `connection`, `circuit_open`, `protocol`,
+/// `script`).
+pub const STORE_ERRORS: &str = "tollgate_store_errors_total";
+/// Limit decisions made without the shared store: labels `reason`, `failure_mode` (`open`: an
+/// emergency budget decided; `closed`: denied as unavailable).
+pub const DEGRADED: &str = "tollgate_degraded_decisions_total";
+/// Buckets held in this process.
+pub const LIVE_BUCKETS: &str = "tollgate_live_buckets";
+/// Non-full buckets dropped to stay within the bucket bound.
+pub const EVICTIONS: &str = "tollgate_evictions_total";
+/// Full buckets dropped (lossless).
+pub const EXPIRED: &str = "tollgate_expired_buckets_total";
+/// The policy version in force: label `version`, value 1.
+pub const POLICY_INFO: &str = "tollgate_policy_info";
+/// Versions put in force since start (loads and rollbacks).
+pub const POLICY_CHANGES: &str = "tollgate_policy_changes_total";
+/// 1 while the last attempt to load the policy file was refused (the previous version is in
+/// force), else 0.
+pub const POLICY_REFUSED: &str = "tollgate_policy_last_load_refused";
+
+/// The front end a request came through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    /// `POST /v1/check`.
+    Http,
+    /// `/v1/forward-auth/{domain}`.
+    ForwardAuth,
+    /// Envoy RLS `ShouldRateLimit`.
+    Grpc,
+}
+
+impl Api {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Api::Http => "http",
+            Api::ForwardAuth => "forward_auth",
+            Api::Grpc => "grpc",
+        }
+    }
+}
+
+/// Installs the process-wide recorder and returns the handle that renders `/metrics`.
+///
+/// # Errors
+///
+/// When a recorder is already installed (a second server in one process).
+pub fn install() -> Result<PrometheusHandle, metrics_exporter_prometheus::BuildError> {
+    // Sub-millisecond buckets: a memory decision takes microseconds, a Redis one a few hundred.
+    let buckets = [
+        0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01,
+        0.025, 0.05, 0.1,
+    ];
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Full(LATENCY.to_owned()), &buckets)?
+        .install_recorder()?;
+    describe();
+    Ok(handle)
+}
+
+fn describe() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram};
+    describe_counter!(DECISIONS, "Limit decisions by limit, result, mode and API.");
+    describe_counter!(UNMATCHED, "Requests no limit applied to (allowed).");
+    describe_counter!(INVALID, "Requests refused as malformed or impossible.");
+    describe_histogram!(LATENCY, metrics::Unit::Seconds, "Time to decide a request.");
+    describe_counter!(STORE_ERRORS, "Shared-store failures by reason.");
+    describe_counter!(DEGRADED, "Limit decisions made without the shared store.");
+    describe_gauge!(LIVE_BUCKETS, "Buckets held in this process.");
+    describe_counter!(
+        EVICTIONS,
+        "Non-full buckets dropped to stay within the bound."
+    );
+    describe_counter!(EXPIRED, "Full buckets dropped (lossless).");
+    describe_gauge!(POLICY_INFO, "The policy version in force (value 1).");
+    describe_counter!(
+        POLICY_CHANGES,
+        "Policy versions put in force (loads and rollbacks)."
+    );
+    describe_gauge!(POLICY_REFUSED, "1 while the last policy load was refused.");
+}
+
+/// Records one decided request.
+pub fn record_decision(
+    api: Api,
+    store: &'static str,
+    elapsed: Duration,
+    outcome: &Result<Outcome, DecideError>,
+) {
+    let api_label = api.as_str();
+    histogram!(LATENCY, "api" => api_label, "store" => store).record(elapsed.as_secs_f64());
+    let outcome = match outcome {
+        Ok(outcome) => outcome,
+        Err(_) => {
+            counter!(INVALID, "api" => api_label).increment(1);
+            return;
+        }
+    };
+    if outcome.unmatched() {
+        counter!(UNMATCHED, "api" => api_label).increment(1);
+    }
+    for limit in &outcome.limits {
+        let result = match (&limit.decision, outcome.failed_closed) {
+            (_, true) => "unavailable",
+            (None, false) => "exempt",
+            (Some(decision), false) if decision.allowed() => "allowed",
+            (Some(_), false) => "rejected",
+        };
+        counter!(
+            DECISIONS,
+            "limit" => limit.name.clone(),
+            "result" => result,
+            "mode" => limit.mode,
+            "api" => api_label
+        )
+        .increment(1);
+    }
+}
+
+/// Records a failure of the shared store.
+pub fn record_store_error(reason: Unavailable) {
+    counter!(STORE_ERRORS, "reason" => reason.as_str()).increment(1);
+}
+
+/// Records the limits a degraded outcome decided without the store.
+pub fn record_degraded(reason: Unavailable, outcome: &Outcome) {
+    let mode = if outcome.failed_closed {
+        "closed"
+    } else {
+        "open"
+    };
+    let count = outcome
+        .limits
+        .iter()
+        .filter(|l| l.mode == "enforce")
+        .count();
+    counter!(DEGRADED, "reason" => reason.as_str(), "failure_mode" => mode).increment(count as u64);
+}
+
+/// Refreshes the figures read from state rather than counted as they happen; called on scrape.
+/// `previous` remembers the version last exported, to retire its series.
+pub fn refresh(engine: &PolicyEngine, previous: &mut Option<String>) {
+    let status = engine.status();
+    let version = status.version.as_str();
+    counter!(POLICY_CHANGES).absolute(status.changes);
+    gauge!(POLICY_REFUSED).set(if status.last_error.is_some() {
+        1.0
+    } else {
+        0.0
+    });
+    let stats = engine.memory_stats();
+    gauge!(LIVE_BUCKETS).set(stats.live_buckets as f64);
+    counter!(EVICTIONS).absolute(stats.evicted);
+    counter!(EXPIRED).absolute(stats.expired);
+    if previous.as_deref() != Some(version) {
+        if let Some(old) = previous.take() {
+            gauge!(POLICY_INFO, "version" => old).set(0.0);
+        }
+        gauge!(POLICY_INFO, "version" => version.to_owned()).set(1.0);
+        *previous = Some(version.to_owned());
+    }
+}

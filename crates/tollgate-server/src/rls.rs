@@ -1,0 +1,284 @@
+//! Envoy's Rate Limit Service v3 (`envoy.service.ratelimit.v3.RateLimitService`), so Envoy,
+//! Istio, Gloo and Contour can use tollgate unchanged.
+//!
+//! What Envoy expects, and how it maps onto tollgate:
+//!
+//! * `hits_addend` is the cost; Envoy sends 0 (or nothing) to mean 1. A descriptor may carry its
+//!   own `hits_addend`, which wins; 0 there means "check only, charge nothing". Descriptors of
+//!   one cost are decided together, all or nothing; descriptors of different costs are decided
+//!   one cost group after another.
+//! * `statuses` has one entry per request descriptor, in order. A descriptor no limit applies
+//!   to gets `OK`; otherwise its most constrained enforced limit fills `current_limit` (with its
+//!   name), `limit_remaining` and `duration_until_reset`, from which Envoy builds its own
+//!   `X-RateLimit-*` headers. The IETF `RateLimit-Policy`/`RateLimit` fields go in
+//!   `response_headers_to_add`.
+//! * Never `UNKNOWN`. An unknown domain answers `OK`.
+//! * When the shared store is down, a limit that fails closed answers `OVER_LIMIT` with the
+//!   response header `x-tollgate-unavailable: store` (so logs tell an outage from a quota). We
+//!   deliberately do not answer a gRPC error: Envoy treats an error as "allow" unless its own
+//!   `failure_mode_deny` is set, which would quietly turn a closed limit open. Limits that fail
+//!   open are decided by their emergency budgets and answer as usual.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use envoy_types::pb::envoy::config::core::v3::HeaderValue;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
+    Code, DescriptorStatus, RateLimit, rate_limit::Unit,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{
+    RateLimitService, RateLimitServiceServer,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use tollgate::Decision;
+use tollgate_policy::{LimitOutcome, Outcome};
+use tonic::{Request, Response, Status};
+
+use crate::decider::{DecideError, Decider, Request as Decide};
+use crate::headers;
+use crate::http::{MAX_DESCRIPTORS, MAX_ENTRIES, MAX_NAME_BYTES, MAX_VALUE_BYTES};
+use crate::metrics::Api;
+
+/// The gRPC service.
+pub struct Rls {
+    decider: Arc<Decider>,
+}
+
+impl Rls {
+    /// A service deciding through `decider`.
+    pub fn new(decider: Arc<Decider>) -> Self {
+        Self { decider }
+    }
+
+    /// The tonic server for this service.
+    pub fn into_server(self) -> RateLimitServiceServer<Self> {
+        RateLimitServiceServer::new(self)
+    }
+}
+
+fn invalid(message: impl Into<String>) -> Status {
+    Status::invalid_argument(message.into())
+}
+
+/// A descriptor's entries.
+type Entries = Vec<(String, String)>;
+
+/// Descriptors and their costs, checked against the same bounds as the HTTP API.
+fn parse(request: &RateLimitRequest) -> Result<Vec<(Entries, u64)>, Status> {
+    if request.domain.is_empty() || request.domain.len() > MAX_NAME_BYTES {
+        return Err(invalid(format!(
+            "domain must be 1 to {MAX_NAME_BYTES} bytes"
+        )));
+    }
+    if request.descriptors.len() > MAX_DESCRIPTORS {
+        return Err(invalid(format!("at most {MAX_DESCRIPTORS} descriptors")));
+    }
+    // Envoy: a request hits_addend of 0 means 1.
+    let default_cost = u64::from(request.hits_addend.max(1));
+    request
+        .descriptors
+        .iter()
+        .enumerate()
+        .map(|(index, descriptor)| {
+            if descriptor.entries.len() > MAX_ENTRIES {
+                return Err(invalid(format!(
+                    "descriptors[{index}]: at most {MAX_ENTRIES} entries"
+                )));
+            }
+            let mut entries = Vec::with_capacity(descriptor.entries.len());
+            for entry in &descriptor.entries {
+                if entry.key.is_empty() || entry.key.len() > MAX_NAME_BYTES {
+                    return Err(invalid(format!(
+                        "descriptors[{index}]: entry keys must be 1 to {MAX_NAME_BYTES} bytes"
+                    )));
+                }
+                if entry.value.len() > MAX_VALUE_BYTES {
+                    return Err(invalid(format!(
+                        "descriptors[{index}]: entry values must be at most {MAX_VALUE_BYTES} bytes"
+                    )));
+                }
+                entries.push((entry.key.clone(), entry.value.clone()));
+            }
+            // A descriptor's own hits_addend wins, and 0 there means check only.
+            let cost = descriptor
+                .hits_addend
+                .as_ref()
+                .map_or(default_cost, |hits| hits.value);
+            Ok((entries, cost))
+        })
+        .collect()
+}
+
+/// Envoy's `current_limit`: the refill as requests per whole unit. Envoy can only say "N per
+/// second/minute/hour/day", so the largest unit in which the refill is a whole number is used,
+/// falling back to a per-day figure rounded down.
+fn current_limit(name: &str, decision: &Decision) -> RateLimit {
+    let refill = decision.limit().refill();
+    let period = refill.period().as_nanos();
+    let units = [
+        (Unit::Second, 1_000_000_000u128),
+        (Unit::Minute, 60_000_000_000),
+        (Unit::Hour, 3_600_000_000_000),
+        (Unit::Day, 86_400_000_000_000),
+    ];
+    let (unit, per_unit) = units
+        .iter()
+        .find(|(_, unit_ns)| (u128::from(refill.amount()) * unit_ns) % period == 0)
+        .map(|&(unit, unit_ns)| (unit, u128::from(refill.amount()) * unit_ns / period))
+        .unwrap_or((
+            Unit::Day,
+            u128::from(refill.amount()) * 86_400_000_000_000 / period,
+        ));
+    RateLimit {
+        name: name.to_owned(),
+        requests_per_unit: u32::try_from(per_unit).unwrap_or(u32::MAX),
+        unit: unit as i32,
+    }
+}
+
+fn duration(d: Duration) -> envoy_types::pb::google::protobuf::Duration {
+    envoy_types::pb::google::protobuf::Duration {
+        seconds: i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
+        nanos: i32::try_from(d.subsec_nanos()).unwrap_or(0),
+    }
+}
+
+fn header(key: &str, value: String) -> HeaderValue {
+    HeaderValue {
+        key: key.to_owned(),
+        value,
+        ..HeaderValue::default()
+    }
+}
+
+/// A descriptor's status: its most constrained enforced limit (rejected first, then the fewest
+/// tokens left).
+fn status_of(limits: &[&LimitOutcome], failed_closed: bool) -> DescriptorStatus {
+    let enforced = limits
+        .iter()
+        .filter(|limit| limit.mode == "enforce")
+        .filter_map(|limit| limit.decision.as_ref().map(|d| (limit.name.as_str(), d)))
+        .min_by_key(|(_, d)| (d.allowed(), d.remaining()));
+    let over = failed_closed || enforced.is_some_and(|(_, d)| !d.allowed());
+    let mut status = DescriptorStatus {
+        code: if over { Code::OverLimit } else { Code::Ok } as i32,
+        ..DescriptorStatus::default()
+    };
+    if let Some((name, decision)) = enforced {
+        status.current_limit = Some(current_limit(name, decision));
+        status.limit_remaining = u32::try_from(decision.remaining()).unwrap_or(u32::MAX);
+        let until = decision
+            .retry_after()
+            .unwrap_or_else(|| decision.reset_after());
+        status.duration_until_reset = Some(duration(until));
+    }
+    status
+}
+
+#[tonic::async_trait]
+impl RateLimitService for Rls {
+    async fn should_rate_limit(
+        &self,
+        request: Request<RateLimitRequest>,
+    ) -> Result<Response<RateLimitResponse>, Status> {
+        let request = request.into_inner();
+        let descriptors = parse(&request)?;
+
+        // Group descriptors by cost: each group is one all-or-nothing decision.
+        let mut costs: Vec<u64> = descriptors.iter().map(|(_, cost)| *cost).collect();
+        costs.sort_unstable();
+        costs.dedup();
+        let mut per_descriptor: Vec<Vec<LimitOutcome>> = vec![Vec::new(); descriptors.len()];
+        let mut failed_closed = false;
+        let mut outcomes: Vec<Outcome> = Vec::new();
+        for cost in costs {
+            let indexes: Vec<usize> = (0..descriptors.len())
+                .filter(|&i| descriptors[i].1 == cost)
+                .collect();
+            let group: Vec<Vec<(String, String)>> =
+                indexes.iter().map(|&i| descriptors[i].0.clone()).collect();
+            let decide = Decide {
+                domain: &request.domain,
+                descriptors: &group,
+                cost: cost.max(1),
+                request_id: None,
+            };
+            let outcome = if cost == 0 {
+                self.decider.explain(&decide).await
+            } else {
+                self.decider.decide(Api::Grpc, &decide).await
+            };
+            let outcome = outcome.map_err(|err| match err {
+                DecideError::Invalid(err) => invalid(err.to_string()),
+                DecideError::Unavailable(reason) => {
+                    Status::unavailable(format!("store unavailable: {reason}"))
+                }
+                DecideError::Internal(err) => Status::internal(err.to_string()),
+            })?;
+            failed_closed |= outcome.failed_closed;
+            for limit in &outcome.limits {
+                if let Some(&index) = indexes.get(limit.descriptor) {
+                    per_descriptor[index].push(limit.clone());
+                }
+            }
+            outcomes.push(outcome);
+        }
+
+        let statuses: Vec<DescriptorStatus> = per_descriptor
+            .iter()
+            .map(|limits| status_of(&limits.iter().collect::<Vec<_>>(), failed_closed))
+            .collect();
+        let over = failed_closed || statuses.iter().any(|s| s.code == Code::OverLimit as i32);
+        let mut response_headers = Vec::new();
+        let enforced = per_descriptor
+            .iter()
+            .flatten()
+            .filter(|limit| limit.mode == "enforce")
+            .filter_map(|limit| limit.decision.as_ref().map(|d| (limit.name.as_str(), d)));
+        if let Some((policy, state)) = headers::rate_limit_fields(enforced) {
+            response_headers.push(header("ratelimit-policy", policy));
+            response_headers.push(header("ratelimit", state));
+        }
+        if failed_closed {
+            response_headers.push(header("x-tollgate-unavailable", "store".to_owned()));
+        }
+        Ok(Response::new(RateLimitResponse {
+            overall_code: if over { Code::OverLimit } else { Code::Ok } as i32,
+            statuses,
+            response_headers_to_add: response_headers,
+            ..RateLimitResponse::default()
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tollgate::{Limit, Timestamp, bucket};
+
+    fn decision(capacity: u64, rate: &str) -> Decision {
+        let limit = Limit::new(capacity, rate.parse().unwrap()).unwrap();
+        bucket::peek(&limit, None, Timestamp::ZERO, 1).unwrap()
+    }
+
+    #[test]
+    fn current_limit_picks_a_whole_unit() {
+        let cases = [
+            ("10/s", 10, Unit::Second),
+            ("600/m", 600, Unit::Minute),
+            ("1/m", 1, Unit::Minute),
+            ("5/100ms", 50, Unit::Second),
+            ("1/d", 1, Unit::Day),
+            ("7/2h", 84, Unit::Day),
+            ("1/7s", 12_342, Unit::Day),
+        ];
+        for (rate, per_unit, unit) in cases {
+            let limit = current_limit("l", &decision(10, rate));
+            assert_eq!(
+                (limit.requests_per_unit, limit.unit),
+                (per_unit, unit as i32),
+                "{rate}"
+            );
+        }
+    }
+}
