@@ -110,8 +110,9 @@ fn parse(request: &RateLimitRequest) -> Result<Vec<(Entries, u64)>, Status> {
 }
 
 /// Envoy's `current_limit`: the refill as requests per whole unit. Envoy can only say "N per
-/// second/minute/hour/day", so the largest unit in which the refill is a whole number is used,
-/// falling back to a per-day figure rounded down.
+/// second/minute/hour/day", so the smallest unit at least as long as the refill period in which
+/// the refill is a whole number is used (`600/m` stays 600 per minute), falling back to a
+/// per-day figure rounded down.
 fn current_limit(name: &str, decision: &Decision) -> RateLimit {
     let refill = decision.limit().refill();
     let period = refill.period().as_nanos();
@@ -123,6 +124,7 @@ fn current_limit(name: &str, decision: &Decision) -> RateLimit {
     ];
     let (unit, per_unit) = units
         .iter()
+        .filter(|(_, unit_ns)| *unit_ns >= period)
         .find(|(_, unit_ns)| (u128::from(refill.amount()) * unit_ns) % period == 0)
         .map(|&(unit, unit_ns)| (unit, u128::from(refill.amount()) * unit_ns / period))
         .unwrap_or((

@@ -1,0 +1,508 @@
+//! End to end: the real `tollgate` binary, over HTTP and gRPC, as clients and Envoy use it.
+
+mod support;
+
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use support::{Scratch, Server, path_str, post_json, request, run};
+
+const POLICY: &str = r#"
+version: "1"
+limits:
+  - name: per-user
+    domain: api
+    key: [user]
+    capacity: 3
+    refill: 1/m
+  - name: per-tenant
+    domain: api
+    key: [tenant]
+    capacity: 100
+    refill: 1/m
+  - name: shadowed
+    domain: api
+    when: {route: /search}
+    key: [user]
+    capacity: 1
+    refill: 1/h
+    mode: shadow
+"#;
+
+fn check_body(user: &str) -> String {
+    format!(r#"{{"domain":"api","descriptors":[{{"user":"{user}"}}]}}"#)
+}
+
+#[test]
+fn http_check_until_429_with_rate_limit_headers() {
+    let scratch = Scratch::new("http");
+    let config = scratch.write("policy.yaml", POLICY);
+    let server = Server::start(&["--config", path_str(&config)]);
+    for left in [2, 1, 0] {
+        let answer = post_json(server.http, "/v1/check", &check_body("alice"));
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        let body = answer.json();
+        assert_eq!(body["allowed"], true);
+        assert_eq!(body["policy_version"], "1");
+        assert_eq!(body["limits"][0]["remaining"], left);
+        assert_eq!(
+            answer.header("ratelimit-policy"),
+            Some(r#""per-user";q=3;w=180"#)
+        );
+        assert!(answer.header("retry-after").is_none());
+    }
+    let answer = post_json(server.http, "/v1/check", &check_body("alice"));
+    assert_eq!(answer.status, 429);
+    let body = answer.json();
+    assert_eq!(body["allowed"], false);
+    assert_eq!(body["limits"][0]["name"], "per-user");
+    // One token a minute: the next one is at most 60 s away, rounded up.
+    let retry: u64 = answer.header("retry-after").unwrap().parse().unwrap();
+    assert!((59..=60).contains(&retry), "Retry-After {retry}");
+    let ratelimit = answer.header("ratelimit").unwrap();
+    assert!(ratelimit.starts_with(r#""per-user";r=0;t="#), "{ratelimit}");
+    // Another user is untouched.
+    assert_eq!(
+        post_json(server.http, "/v1/check", &check_body("bob")).status,
+        200
+    );
+    // Explain shows the bucket without charging it.
+    let explain = post_json(server.http, "/v1/explain", &check_body("bob"));
+    assert_eq!(explain.status, 200);
+    assert_eq!(explain.json()["limits"][0]["bucket_key"], "per-user|bob");
+    assert_eq!(explain.json()["limits"][0]["remaining"], 1);
+    assert_eq!(
+        explain.json()["limits"][0]["remaining"],
+        1,
+        "explain charges nothing"
+    );
+}
+
+#[test]
+fn shadow_limits_decide_but_never_reject() {
+    let scratch = Scratch::new("shadow");
+    let config = scratch.write("policy.yaml", POLICY);
+    let server = Server::start(&["--config", path_str(&config)]);
+    let body = r#"{"domain":"api","descriptors":[{"route":"/search","user":"carol"}]}"#;
+    post_json(server.http, "/v1/check", body);
+    let answer = post_json(server.http, "/v1/check", body);
+    assert_eq!(answer.status, 200);
+    let limits = answer.json()["limits"].clone();
+    let shadow = limits
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["name"] == "shadowed")
+        .cloned()
+        .unwrap();
+    assert_eq!(shadow["mode"], "shadow");
+    assert_eq!(
+        shadow["allowed"], false,
+        "the shadow limit would have rejected"
+    );
+}
+
+#[test]
+fn forward_auth_for_nginx_and_traefik() {
+    let scratch = Scratch::new("forward");
+    let config = scratch.write("policy.yaml", POLICY);
+    let server = Server::start(&[
+        "--config",
+        path_str(&config),
+        "--forward-auth-header",
+        "user=X-User-Id",
+        "--forward-auth-deny-status",
+        "403",
+    ]);
+    let headers = [("X-User-Id", "dave"), ("X-Original-URI", "/pay?x=1")];
+    for _ in 0..3 {
+        let answer = request(server.http, "GET", "/v1/forward-auth/api", &headers, "");
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        assert!(answer.header("ratelimit").is_some());
+    }
+    let answer = request(server.http, "GET", "/v1/forward-auth/api", &headers, "");
+    assert_eq!(answer.status, 403, "nginx passes only 401/403 on");
+    assert!(answer.header("retry-after").is_some());
+    // x-tollgate-<entry> headers and a cost.
+    let answer = request(
+        server.http,
+        "POST",
+        "/v1/forward-auth/api",
+        &[("x-tollgate-user", "erin"), ("x-tollgate-cost", "3")],
+        "",
+    );
+    assert_eq!(answer.status, 200);
+    let answer = request(
+        server.http,
+        "POST",
+        "/v1/forward-auth/api",
+        &[("x-tollgate-user", "erin"), ("x-tollgate-cost", "abc")],
+        "",
+    );
+    assert_eq!(answer.status, 400);
+}
+
+async fn should_rate_limit(
+    server: &Server,
+    request: RateLimitRequest,
+) -> Result<RateLimitResponse, tonic::Status> {
+    let mut client = RateLimitServiceClient::connect(format!("http://{}", server.grpc))
+        .await
+        .expect("connect to the gRPC port");
+    client
+        .should_rate_limit(request)
+        .await
+        .map(tonic::Response::into_inner)
+}
+
+fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        entries: entries
+            .iter()
+            .map(|(key, value)| Entry {
+                key: (*key).to_owned(),
+                value: (*value).to_owned(),
+            })
+            .collect(),
+        ..RateLimitDescriptor::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_rls_over_grpc() {
+    let scratch = Scratch::new("grpc");
+    let config = scratch.write("policy.yaml", POLICY);
+    let server = Server::start(&["--config", path_str(&config)]);
+    let request = |hits| RateLimitRequest {
+        domain: "api".to_owned(),
+        descriptors: vec![
+            descriptor(&[("user", "frank")]),
+            descriptor(&[("other", "x")]),
+        ],
+        hits_addend: hits,
+    };
+    // hits_addend 0 means 1: three pass.
+    for left in [2, 1, 0] {
+        let response = should_rate_limit(&server, request(0)).await.unwrap();
+        assert_eq!(response.overall_code, Code::Ok as i32);
+        assert_eq!(
+            response.statuses.len(),
+            2,
+            "one status per descriptor, in order"
+        );
+        let status = &response.statuses[0];
+        assert_eq!(status.limit_remaining, left);
+        let limit = status.current_limit.as_ref().unwrap();
+        assert_eq!(
+            (limit.name.as_str(), limit.requests_per_unit),
+            ("per-user", 1)
+        );
+        // The unmatched descriptor is OK with no limit.
+        assert_eq!(response.statuses[1].code, Code::Ok as i32);
+        assert!(response.statuses[1].current_limit.is_none());
+    }
+    let response = should_rate_limit(&server, request(0)).await.unwrap();
+    assert_eq!(response.overall_code, Code::OverLimit as i32);
+    assert_eq!(response.statuses[0].code, Code::OverLimit as i32);
+    assert!(response.statuses[0].duration_until_reset.is_some());
+    let names: Vec<&str> = response
+        .response_headers_to_add
+        .iter()
+        .map(|h| h.key.as_str())
+        .collect();
+    assert!(
+        names.contains(&"ratelimit") && names.contains(&"ratelimit-policy"),
+        "{names:?}"
+    );
+    // An unknown domain is OK.
+    let unknown = RateLimitRequest {
+        domain: "nowhere".to_owned(),
+        descriptors: vec![descriptor(&[("user", "frank")])],
+        hits_addend: 1,
+    };
+    let response = should_rate_limit(&server, unknown).await.unwrap();
+    assert_eq!(response.overall_code, Code::Ok as i32);
+    // A cost above the capacity is the caller's error.
+    let status = should_rate_limit(&server, request(50)).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+}
+
+#[test]
+fn metrics_count_decisions() {
+    let server = Server::start(&[]);
+    for _ in 0..12 {
+        post_json(server.http, "/v1/check", &check_body("gina"));
+    }
+    post_json(
+        server.http,
+        "/v1/check",
+        r#"{"domain":"elsewhere","descriptors":[{"a":"b"}]}"#,
+    );
+    let metrics = request(server.http, "GET", "/metrics", &[], "").body;
+    let value = |series: &str| -> f64 {
+        metrics
+            .lines()
+            .find(|line| line.starts_with(series))
+            .and_then(|line| line.rsplit(' ').next())
+            .and_then(|value| value.parse().ok())
+            .unwrap_or_else(|| panic!("no {series} in\n{metrics}"))
+    };
+    assert_eq!(
+        value(
+            r#"tollgate_decisions_total{limit="per-user",result="allowed",mode="enforce",api="http"}"#
+        ),
+        10.0
+    );
+    assert_eq!(
+        value(
+            r#"tollgate_decisions_total{limit="per-user",result="rejected",mode="enforce",api="http"}"#
+        ),
+        2.0
+    );
+    assert_eq!(
+        value(r#"tollgate_unmatched_requests_total{api="http"}"#),
+        1.0
+    );
+    assert_eq!(value(r#"tollgate_policy_info{version="demo-1"}"#), 1.0);
+    assert_eq!(value("tollgate_live_buckets"), 1.0);
+    assert!(metrics.contains("tollgate_decision_duration_seconds_bucket"));
+}
+
+#[test]
+fn reload_and_rollback_through_the_api() {
+    let scratch = Scratch::new("reload");
+    let config = scratch.write("policy.yaml", POLICY);
+    let server = Server::start(&["--config", path_str(&config), "--admin-token", "s3cret"]);
+    let auth = [("Authorization", "Bearer s3cret")];
+    let version = |server: &Server| {
+        request(server.http, "GET", "/v1/policy", &auth, "").json()["version"].clone()
+    };
+    assert_eq!(version(&server), "1");
+    assert_eq!(
+        request(server.http, "POST", "/v1/policy/reload", &[], "").status,
+        401
+    );
+
+    std::fs::write(&config, POLICY.replace("version: \"1\"", "version: \"2\"")).unwrap();
+    let answer = request(server.http, "POST", "/v1/policy/reload", &auth, "");
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(version(&server), "2");
+    let decided = post_json(server.http, "/v1/check", &check_body("hank"));
+    assert_eq!(decided.json()["policy_version"], "2");
+
+    // A broken file is refused; version 2 stays, and the error is reported.
+    std::fs::write(&config, "limits: [ {name: x, capacity: 0} ]").unwrap();
+    let answer = request(server.http, "POST", "/v1/policy/reload", &auth, "");
+    assert_eq!(answer.status, 422);
+    assert_eq!(answer.json()["error"]["code"], "policy_refused");
+    let status = request(server.http, "GET", "/v1/policy", &auth, "").json();
+    assert_eq!(status["version"], "2");
+    assert!(
+        status["last_error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("policy.yaml")
+    );
+
+    let answer = request(server.http, "POST", "/v1/policy/rollback", &auth, "");
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(version(&server), "1");
+    let answer = request(server.http, "POST", "/v1/policy/rollback", &auth, "");
+    assert_eq!(answer.status, 409);
+}
+
+#[test]
+fn bad_requests_are_4xx_and_the_server_keeps_serving() {
+    let server = Server::start(&[]);
+    let long = "x".repeat(5_000);
+    let many: Vec<String> = (0..40).map(|i| format!(r#"{{"user":"u{i}"}}"#)).collect();
+    let cases: Vec<(String, u16, &str)> = vec![
+        ("not json".to_owned(), 400, "invalid_json"),
+        ("{}".to_owned(), 400, "invalid_json"),
+        (
+            r#"{"domain":"api","descriptors":[{"user":"u"}],"cost":1,"extra":1}"#.to_owned(),
+            400,
+            "invalid_json",
+        ),
+        (
+            r#"{"domain":"api","descriptors":[{"user":"u"}],"cost":0}"#.to_owned(),
+            400,
+            "invalid_cost",
+        ),
+        (
+            r#"{"domain":"api","descriptors":[{"user":"u"}],"cost":-1}"#.to_owned(),
+            400,
+            "invalid_json",
+        ),
+        (
+            r#"{"domain":"api","descriptors":[{"user":"u"}],"cost":11}"#.to_owned(),
+            400,
+            "invalid_cost",
+        ),
+        (
+            r#"{"domain":"api","descriptors":[{"user":"u"}],"cost":1e400}"#.to_owned(),
+            400,
+            "invalid_json",
+        ),
+        (
+            r#"{"domain":"","descriptors":[{"user":"u"}]}"#.to_owned(),
+            400,
+            "invalid_domain",
+        ),
+        (
+            r#"{"domain":"api","descriptors":[]}"#.to_owned(),
+            400,
+            "invalid_descriptor",
+        ),
+        (
+            r#"{"domain":"api","descriptors":[{}]}"#.to_owned(),
+            400,
+            "invalid_descriptor",
+        ),
+        (
+            r#"{"domain":"api","descriptors":[{"":"u"}]}"#.to_owned(),
+            400,
+            "invalid_descriptor",
+        ),
+        (
+            r#"{"domain":"api","descriptors":[{"user":5}]}"#.to_owned(),
+            400,
+            "invalid_descriptor",
+        ),
+        (
+            format!(r#"{{"domain":"api","descriptors":[{{"user":"{long}"}}]}}"#),
+            400,
+            "too_large",
+        ),
+        (
+            format!(r#"{{"domain":"api","descriptors":[{}]}}"#, many.join(",")),
+            400,
+            "too_large",
+        ),
+        (
+            r#"{"domain":"api","descriptors":[{"user":"u"}],"request_id":""}"#.to_owned(),
+            400,
+            "invalid_request_id",
+        ),
+    ];
+    for (body, status, code) in &cases {
+        let answer = post_json(server.http, "/v1/check", body);
+        assert_eq!(answer.status, *status, "{body}: {}", answer.body);
+        assert_eq!(answer.json()["error"]["code"], *code, "{body}");
+    }
+    let huge = format!(
+        r#"{{"domain":"api","descriptors":[{{"user":"{}"}}]}}"#,
+        "y".repeat(100_000)
+    );
+    assert_eq!(post_json(server.http, "/v1/check", &huge).status, 413);
+    assert_eq!(request(server.http, "GET", "/nope", &[], "").status, 404);
+    // Nothing was charged by any of them, and the server still decides.
+    let answer = post_json(server.http, "/v1/check", &check_body("u"));
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.json()["limits"][0]["remaining"], 9);
+}
+
+#[test]
+fn sigterm_shuts_down_cleanly() {
+    let server = Server::start(&[]);
+    assert_eq!(request(server.http, "GET", "/healthz", &[], "").status, 200);
+    assert_eq!(
+        request(server.http, "GET", "/readyz", &[], "").json()["ready"],
+        true
+    );
+    let status = server.terminate();
+    assert!(status.success(), "exit {status:?}");
+}
+
+#[test]
+fn start_up_errors_are_one_line_and_exit_non_zero() {
+    let scratch = Scratch::new("errors");
+    let bad = scratch.write(
+        "bad.yaml",
+        "limits:\n  - name: x\n    domain: api\n    capacity: 5\n    refill: 10/x\n",
+    );
+    let (status, _, stderr) = run(&[
+        "serve",
+        "--config",
+        path_str(&bad),
+        "--http",
+        "127.0.0.1:0",
+        "--grpc",
+        "127.0.0.1:0",
+    ]);
+    assert!(!status.success());
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("bad.yaml:5:") && stderr.contains("refill"),
+        "{stderr}"
+    );
+
+    // A port already taken.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().to_string();
+    let (status, _, stderr) = run(&["serve", "--http", &port, "--grpc", "127.0.0.1:0"]);
+    assert!(!status.success());
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("cannot listen on") && stderr.contains("--http"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn validate_check_and_import_from_the_command_line() {
+    let scratch = Scratch::new("cli");
+    let good = scratch.write("good.yaml", POLICY);
+    let (status, stdout, _) = run(&["validate", path_str(&good)]);
+    assert!(status.success());
+    assert!(stdout.contains("valid, version 1"), "{stdout}");
+    let bad = scratch.write("bad.yaml", "limits:\n  - name: x\n    capacty: 5\n");
+    let (status, _, stderr) = run(&["validate", path_str(&bad)]);
+    assert_eq!(status.code(), Some(1));
+    assert!(
+        stderr.contains("bad.yaml:3:") && stderr.contains("capacty"),
+        "{stderr}"
+    );
+
+    let (status, stdout, _) = run(&[
+        "check",
+        "--config",
+        path_str(&good),
+        "--domain",
+        "api",
+        "--descriptor",
+        "user=ivy",
+        "--times",
+        "4",
+    ]);
+    assert!(status.success());
+    assert_eq!(stdout.matches(" allowed (policy").count(), 3, "{stdout}");
+    assert!(stdout.contains("#4 rejected"), "{stdout}");
+
+    let envoy = scratch.write(
+        "envoy.yaml",
+        "domain: edge\ndescriptors:\n  - key: remote_address\n    rate_limit:\n      unit: second\n      requests_per_unit: 10\n",
+    );
+    let (status, stdout, stderr) = run(&["import", "envoy", path_str(&envoy)]);
+    assert!(status.success(), "{stderr}");
+    let imported = scratch.write("imported.yaml", &stdout);
+    let (status, _, stderr) = run(&["validate", path_str(&imported)]);
+    assert!(status.success(), "the import validates: {stderr}");
+}
+
+#[test]
+fn idempotent_retries_over_http() {
+    let server = Server::start(&[]);
+    let body = r#"{"domain":"api","descriptors":[{"user":"jo"}],"cost":4,"request_id":"r-1"}"#;
+    let first = post_json(server.http, "/v1/check", body).json();
+    let retry = post_json(server.http, "/v1/check", body).json();
+    assert_eq!(first, retry);
+    assert_eq!(first["limits"][0]["remaining"], 6);
+    let next = post_json(server.http, "/v1/check", &check_body("jo")).json();
+    assert_eq!(
+        next["limits"][0]["remaining"], 5,
+        "the retry was not charged"
+    );
+}

@@ -1,0 +1,221 @@
+//! The real `tollgate` binary, started by the tests on free loopback ports and killed when
+//! dropped, and a minimal blocking HTTP/1.1 client to talk to it.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdout, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// A `tollgate serve` process.
+pub struct Server {
+    child: Option<Child>,
+    pub http: SocketAddr,
+    pub grpc: SocketAddr,
+}
+
+/// A scratch directory removed on drop.
+pub struct Scratch(pub PathBuf);
+
+impl Scratch {
+    pub fn new(name: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("tollgate-e2e-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("create a scratch directory");
+        Self(dir)
+    }
+
+    pub fn write(&self, file: &str, text: &str) -> PathBuf {
+        let path = self.0.join(file);
+        std::fs::write(&path, text).expect("write a scratch file");
+        path
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn binary() -> &'static str {
+    env!("CARGO_BIN_EXE_tollgate")
+}
+
+impl Server {
+    /// Starts `tollgate serve ARGS --http 127.0.0.1:0 --grpc 127.0.0.1:0` and waits for its
+    /// `listening` line.
+    pub fn start(args: &[&str]) -> Self {
+        let mut child = Command::new(binary())
+            .arg("serve")
+            .args(["--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
+            .args(args)
+            .env("TOLLGATE_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start the tollgate binary");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (http, grpc) = match wait_for_listening(stdout) {
+            Some(addresses) => addresses,
+            None => {
+                let _ = child.kill();
+                let status = child.wait().ok();
+                panic!("tollgate serve did not start (exit {status:?})");
+            }
+        };
+        Self {
+            child: Some(child),
+            http,
+            grpc,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, Child::id)
+    }
+
+    /// Sends SIGTERM and waits for the exit status.
+    pub fn terminate(mut self) -> ExitStatus {
+        let mut child = self.child.take().expect("running");
+        let status = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success());
+        child.wait().expect("wait for tollgate")
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.http)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Reads stdout on a thread (it must keep being drained) until the `listening` line.
+fn wait_for_listening(stdout: ChildStdout) -> Option<(SocketAddr, SocketAddr)> {
+    let (found, wait) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut sent = false;
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if !sent && let Some(rest) = line.strip_prefix("listening ") {
+                let mut http = None;
+                let mut grpc = None;
+                for part in rest.split_whitespace() {
+                    if let Some(addr) = part.strip_prefix("http=") {
+                        http = addr.parse().ok();
+                    }
+                    if let Some(addr) = part.strip_prefix("grpc=") {
+                        grpc = addr.parse().ok();
+                    }
+                }
+                let _ = found.send(http.zip(grpc));
+                sent = true;
+            }
+        }
+        if !sent {
+            let _ = found.send(None);
+        }
+    });
+    wait.recv_timeout(Duration::from_secs(30)).ok().flatten()
+}
+
+/// Runs `tollgate ARGS` to completion: (status, stdout, stderr).
+pub fn run(args: &[&str]) -> (ExitStatus, String, String) {
+    let output = Command::new(binary())
+        .args(args)
+        .env("TOLLGATE_LOG", "warn")
+        .output()
+        .expect("run the tollgate binary");
+    (
+        output.status,
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+/// An HTTP answer.
+#[derive(Debug)]
+pub struct Answer {
+    pub status: u16,
+    pub headers: HashMap<String, String>,
+    pub body: String,
+}
+
+impl Answer {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(String::as_str)
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body)
+            .unwrap_or_else(|err| panic!("not JSON ({err}): {}", self.body))
+    }
+}
+
+/// One HTTP/1.1 request on a fresh connection.
+pub fn request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Answer {
+    let mut stream = TcpStream::connect(addr).expect("connect");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let mut text = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    for (name, value) in headers {
+        text.push_str(&format!("{name}: {value}\r\n"));
+    }
+    text.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
+    stream.write_all(text.as_bytes()).expect("send");
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).expect("read");
+    let raw = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = raw.split_once("\r\n\r\n").expect("a full response");
+    let mut lines = head.lines();
+    let status = lines
+        .next()
+        .and_then(|line| line.split_whitespace().nth(1))
+        .and_then(|code| code.parse().ok())
+        .expect("a status line");
+    let headers = lines
+        .filter_map(|line| line.split_once(':'))
+        .map(|(name, value)| (name.trim().to_ascii_lowercase(), value.trim().to_owned()))
+        .collect();
+    Answer {
+        status,
+        headers,
+        body: body.to_owned(),
+    }
+}
+
+/// `POST path` with a JSON body.
+pub fn post_json(addr: SocketAddr, path: &str, body: &str) -> Answer {
+    request(
+        addr,
+        "POST",
+        path,
+        &[("Content-Type", "application/json")],
+        body,
+    )
+}
+
+pub fn path_str(path: &Path) -> &str {
+    path.to_str().expect("utf-8 path")
+}
