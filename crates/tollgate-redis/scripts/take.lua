@@ -4,13 +4,20 @@
 -- Redis then pays its per-call cost once for all of them. Each request is decided on its own,
 -- as if it had its own call, in the order given.
 --
+-- A request can also peek (decide without writing) or refund: give back what an earlier take
+-- charged, when a request spanning several cluster slots was charged in one slot and rejected in
+-- another. Refunding the exact cost restores the balance the bucket would have had uncharged
+-- (clamped at full), so the store may briefly under-admit between charge and refund, never
+-- over-admit.
+--
 -- ARGV[1]      now in microseconds, or "" to use the server's TIME (one clock for every client)
 -- ARGV[2]      m, the number of requests in this call
 -- then, per request:
 --   n            the number of buckets
 --   window       idempotency window in milliseconds, or "" when the request has no id
 --   fingerprint  the request's content, or "" when it has no id
---   dry          "1" to decide without charging or recording anything (a peek), else "0"
+--   mode         "take"; "peek" to decide without writing anything; "refund" to give back
+--                `cost` from each bucket and forget the request's record
 --   per bucket, three integers: a, cap, cost
 --     a    units gained per microsecond
 --     cap  capacity in units (capacity * units per token)
@@ -27,6 +34,7 @@
 -- doubles Lua computes with hold them exactly.
 --
 -- Reply: per request, 1 + 2n integers: { status, allowed_1, deficit_1, ..., allowed_n, deficit_n }
+--   (a refund answers status 1 and each bucket's deficit after it)
 --   status 1: every bucket allowed and charged; 0: rejected, nothing charged;
 --          2: a retry of a recorded request, its first reply returned, nothing charged;
 --         -1: the request id was recorded for different content (buckets reported as 0, 0).
@@ -69,6 +77,32 @@ local function deficit_of(key, a)
   return 0
 end
 
+-- Redis expires keys on its own clock. On TIME that is the decisions' clock, and a key expires
+-- exactly when its bucket is full. With a caller-supplied time the two clocks differ, so keys
+-- live at least a minute: a key outliving its bucket's refill is harmless (it reads as full),
+-- one expiring early would mint tokens.
+local min_ttl_ms = 1
+if ARGV[1] ~= '' then
+  min_ttl_ms = 60000
+end
+
+-- Stores a bucket `deficit` units short of full, expiring when it is full again.
+local function write(key, deficit, a)
+  if deficit <= 0 then
+    redis.call('DEL', key)
+    return
+  end
+  local micros = ceil_div(deficit, a)
+  local frac = micros * a - deficit
+  local value
+  if frac == 0 then
+    value = string.format('%d', now + micros)
+  else
+    value = string.format('%d:%d', now + micros, frac)
+  end
+  redis.call('SET', key, value, 'PX', math.max(min_ttl_ms, ceil_div(micros, 1000)))
+end
+
 local reply = {}
 local k = 0 -- keys used so far
 local v = 2 -- arguments used so far
@@ -77,7 +111,8 @@ for _ = 1, tonumber(ARGV[2]) do
   local n = tonumber(ARGV[v + 1])
   local window = ARGV[v + 2]
   local fingerprint = ARGV[v + 3]
-  local dry = ARGV[v + 4] == '1'
+  local mode = ARGV[v + 4]
+  local dry = mode == 'peek'
   local params = v + 4
   v = v + 4 + 3 * n
   local first_key = k
@@ -92,7 +127,21 @@ for _ = 1, tonumber(ARGV[2]) do
   -- A record lives for the window on the request's clock (TIME, or the caller's time) as well
   -- as by its PX, so replays with caller-supplied time expire exactly as in the memory store.
   local replayed = false
-  if record and not dry then
+  if mode == 'refund' then
+    replayed = true
+    reply[at] = 1
+    for i = 1, n do
+      local a = tonumber(ARGV[params + 3 * i - 2])
+      local cost = tonumber(ARGV[params + 3 * i])
+      local deficit = math.max(0, deficit_of(KEYS[first_key + i], a) - cost)
+      write(KEYS[first_key + i], deficit, a)
+      reply[at + 2 * i - 1] = 1
+      reply[at + 2 * i] = deficit
+    end
+    if record then
+      redis.call('DEL', record)
+    end
+  elseif record and not dry then
     local seen = redis.call('GET', record)
     if seen then
       local content, expires, fields = string.match(seen, '^([^|]*)|([^|]*)|(.*)$')
@@ -138,17 +187,7 @@ for _ = 1, tonumber(ARGV[2]) do
     elseif all then
       reply[at] = 1
       for i = 1, n do
-        local a = tonumber(ARGV[params + 3 * i - 2])
-        local deficit = reply[at + 2 * i]
-        local micros = ceil_div(deficit, a)
-        local frac = micros * a - deficit
-        local value
-        if frac == 0 then
-          value = string.format('%d', now + micros)
-        else
-          value = string.format('%d:%d', now + micros, frac)
-        end
-        redis.call('SET', KEYS[first_key + i], value, 'PX', math.max(1, ceil_div(micros, 1000)))
+        write(KEYS[first_key + i], reply[at + 2 * i], tonumber(ARGV[params + 3 * i - 2]))
       end
       if record then
         local fields = {}

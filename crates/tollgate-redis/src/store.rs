@@ -8,7 +8,7 @@
 //!
 //! A multi-bucket request whose keys share a slot (always, on a single node) is one script call,
 //! all or nothing. Keys in different cluster slots are decided in parallel, one call per slot;
-//! if any slot rejects, the slots that charged are refunded (`scripts/refund.lua`): the store
+//! if any slot rejects, the slots that charged are refunded (by the same script): the store
 //! may under-admit for the moment between charge and refund, never over-admit. Give the keys of
 //! one subject a shared `{hash tag}` to keep them in one slot.
 
@@ -180,7 +180,6 @@ pub struct RedisStore {
     /// one call can only touch one slot, and random keys rarely share one).
     batcher: Option<Batcher>,
     take: Script,
-    refund: Script,
     config: RedisConfig,
     breaker: Breaker<MonotonicClock>,
 }
@@ -274,7 +273,6 @@ impl RedisStore {
             cluster,
             batcher,
             take,
-            refund: Script::new(include_str!("../scripts/refund.lua")),
             breaker: Breaker::new(config.breaker, MonotonicClock::new()),
             config,
         })
@@ -324,39 +322,16 @@ impl RedisStore {
             .max(1)
             .to_string();
 
+        let mode = if dry { "peek" } else { "take" };
         let calls = groups.iter().map(|group| {
-            let mut keys_of: Vec<String> = group.takes.iter().map(|&i| keys[i].clone()).collect();
-            let mut args = Vec::with_capacity(4 + 3 * group.takes.len());
-            args.push(group.takes.len().to_string());
-            match (&group.record, &fingerprint) {
-                (Some(record), Some(print)) => {
-                    keys_of.push(record.clone());
-                    args.push(window_ms.clone());
-                    args.push(print.clone());
-                }
-                _ => args.extend([String::new(), String::new()]),
-            }
-            args.push(if dry { "1" } else { "0" }.to_owned());
-            for &i in &group.takes {
-                let limit = &limits[i];
-                args.push(limit.a.to_string());
-                args.push(limit.cap.to_string());
-                args.push(limit.cost(request.takes[i].cost).to_string());
-            }
-            let segment = Segment {
-                keys: keys_of,
-                args,
-                buckets: group.takes.len(),
-            };
+            let record = group.record.as_deref().zip(fingerprint.as_deref());
+            let segment = segment(group, keys, limits, request.takes, mode, record, &window_ms);
             let now = now.clone();
             let buckets = group.takes.len();
             async move {
                 let reply = match &self.batcher {
                     Some(batcher) => batcher.submit(now, segment).await?,
-                    None => batch::invoke(&self.take, &self.connection, &now, &[&segment])
-                        .await?
-                        .pop()
-                        .ok_or(Unavailable::Protocol)?,
+                    None => self.call(&now, &segment).await?,
                 };
                 parse_reply(&reply, buckets)
             }
@@ -376,11 +351,23 @@ impl RedisStore {
                 .filter(|(_, (_, reply))| charged(reply))
                 .map(|(index, (group, _))| {
                     refunded[index] = true;
-                    self.refund(&now, group, limits, keys, request.takes)
+                    // The record goes too: the request as a whole was not charged.
+                    let record = group.record.as_deref().map(|record| (record, ""));
+                    let segment = segment(
+                        group,
+                        keys,
+                        limits,
+                        request.takes,
+                        "refund",
+                        record,
+                        &window_ms,
+                    );
+                    let now = now.clone();
+                    async move { self.call(&now, &segment).await }
                 })
                 .collect::<Vec<_>>();
             for result in join_all(refunds).await {
-                result.map_err(|err| classify(&err))?;
+                result?;
             }
         }
         if conflict {
@@ -404,28 +391,12 @@ impl RedisStore {
         Ok(Ok(decisions.into_iter().flatten().collect()))
     }
 
-    async fn refund(
-        &self,
-        now: &str,
-        group: &Group,
-        limits: &[ScriptLimit],
-        keys: &[String],
-        takes: &[Take<'_>],
-    ) -> Result<(), RedisError> {
-        let mut invocation = self.refund.prepare_invoke();
-        for &i in &group.takes {
-            invocation.key(&keys[i]);
-        }
-        if let Some(record) = &group.record {
-            invocation.key(record);
-        }
-        invocation.arg(now).arg(group.takes.len());
-        for &i in &group.takes {
-            invocation
-                .arg(limits[i].a)
-                .arg(limits[i].cost(takes[i].cost));
-        }
-        self.connection.invoke(&invocation).await.map(|_| ())
+    /// One script call carrying one segment, outside the batcher.
+    async fn call(&self, now: &str, segment: &Segment) -> Result<Vec<i64>, Unavailable> {
+        batch::invoke(&self.take, &self.connection, now, &[segment])
+            .await?
+            .pop()
+            .ok_or(Unavailable::Protocol)
     }
 
     /// Groups the request's keys by cluster slot, in the order they first appear.
@@ -515,6 +486,42 @@ impl Store for RedisStore {
 
     async fn peek(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
         self.run(request, true).await
+    }
+}
+
+/// The keys and arguments of one request of a script call (see `scripts/take.lua`): `group`'s
+/// buckets, in `mode`, with its idempotency record and the request's fingerprint if any.
+fn segment(
+    group: &Group,
+    keys: &[String],
+    limits: &[ScriptLimit],
+    takes: &[Take<'_>],
+    mode: &str,
+    record: Option<(&str, &str)>,
+    window_ms: &str,
+) -> Segment {
+    let mut segment_keys: Vec<String> = group.takes.iter().map(|&i| keys[i].clone()).collect();
+    let mut args = Vec::with_capacity(4 + 3 * group.takes.len());
+    args.push(group.takes.len().to_string());
+    match record {
+        Some((record, fingerprint)) => {
+            segment_keys.push(record.to_owned());
+            args.push(window_ms.to_owned());
+            args.push(fingerprint.to_owned());
+        }
+        None => args.extend([String::new(), String::new()]),
+    }
+    args.push(mode.to_owned());
+    for &i in &group.takes {
+        let limit = &limits[i];
+        args.push(limit.a.to_string());
+        args.push(limit.cap.to_string());
+        args.push(limit.cost(takes[i].cost).to_string());
+    }
+    Segment {
+        keys: segment_keys,
+        args,
+        buckets: group.takes.len(),
     }
 }
 
