@@ -32,7 +32,7 @@ use crate::audit::{AuditEvent, AuditLog};
 use crate::compile::compile;
 use crate::error::Error;
 use crate::key::stable_hash;
-use crate::policy::{Effect, FailureMode, Policy};
+use crate::policy::{Effect, Exemption, FailureMode, Matched, Policy};
 use crate::wall::{SystemWallClock, UnixTime, WallClock};
 
 /// How a [`PolicyEngine`] is set up.
@@ -642,16 +642,7 @@ impl PolicyEngine {
             if let Effect::Exempt(exemption) = m.effect {
                 exempted_by = Some(exemption.owner().to_owned());
                 if consume {
-                    exemption.record_use();
-                    self.audit(|| AuditEvent::ExemptionUsed {
-                        limit: m.limit.name().to_owned(),
-                        bucket_key: m.bucket_key.clone(),
-                        owner: exemption.owner().to_owned(),
-                        reason: exemption.reason().to_owned(),
-                        expires: exemption.expires().to_rfc3339(),
-                        uses: exemption.uses(),
-                        policy_version: version.to_string(),
-                    });
+                    self.use_exemption(m, exemption, &version);
                 }
             }
             limits.push(LimitOutcome {
@@ -767,16 +758,7 @@ impl PolicyEngine {
             match m.effect {
                 Effect::Exempt(exemption) => {
                     exempted_by = Some(exemption.owner().to_owned());
-                    exemption.record_use();
-                    self.audit(|| AuditEvent::ExemptionUsed {
-                        limit: m.limit.name().to_owned(),
-                        bucket_key: m.bucket_key.clone(),
-                        owner: exemption.owner().to_owned(),
-                        reason: exemption.reason().to_owned(),
-                        expires: exemption.expires().to_rfc3339(),
-                        uses: exemption.uses(),
-                        policy_version: version.to_string(),
-                    });
+                    self.use_exemption(m, exemption, &version);
                 }
                 Effect::Enforce => {
                     let mode = match m.limit.failure_mode() {
@@ -810,6 +792,20 @@ impl PolicyEngine {
             degraded: true,
             failed_closed,
         })
+    }
+
+    /// Counts one use of `exemption` by the match `m` and audits it.
+    fn use_exemption(&self, m: &Matched<'_>, exemption: &Exemption, version: &str) {
+        exemption.record_use();
+        self.audit(|| AuditEvent::ExemptionUsed {
+            limit: m.limit.name().to_owned(),
+            bucket_key: m.bucket_key.clone(),
+            owner: exemption.owner().to_owned(),
+            reason: exemption.reason().to_owned(),
+            expires: exemption.expires().to_rfc3339(),
+            uses: exemption.uses(),
+            policy_version: version.to_owned(),
+        });
     }
 
     /// Carries the buckets of every limit and override whose parameters differ between `old`
