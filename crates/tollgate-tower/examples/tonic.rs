@@ -1,8 +1,8 @@
 //! A tonic gRPC service (the standard health service) behind tollgate, with a client in the
 //! same process: 2 calls of burst per client IP, then the limiter answers.
 //!
-//! gRPC clients read the layer's HTTP 429 as status `UNAVAILABLE` (the gRPC mapping of HTTP
-//! statuses); the rate-limit fields are in the response metadata.
+//! A denied call ends with status `RESOURCE_EXHAUSTED`; the rate-limit fields and
+//! `Retry-After` are in the response metadata.
 //!
 //! ```sh
 //! cargo run -p tollgate-tower --example tonic

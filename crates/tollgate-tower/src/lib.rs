@@ -57,8 +57,11 @@
 //!   decides on its bounded emergency budget.
 //! * **Stores**: memory by default; Redis with the `redis` feature (`LimitBuilder::redis`,
 //!   `PolicyBuilder::redis`), so many processes share one budget.
-//! * **gRPC**: tonic clients read an HTTP 429 as `UNAVAILABLE` (the gRPC mapping of HTTP
-//!   statuses), with the fields above in the response headers.
+//! * **gRPC**: calls (`content-type: application/grpc…`) get the same answers in gRPC's form,
+//!   a trailers-only response: `RESOURCE_EXHAUSTED` for a quota, `UNAVAILABLE` when failing
+//!   closed, `INVALID_ARGUMENT` for a missing key; the rate-limit fields and `Retry-After` are
+//!   in the response metadata. (A bare HTTP 429 would reach a gRPC client as a decoding
+//!   error.)
 
 mod error;
 pub mod extract;

@@ -362,6 +362,36 @@ fn policy_error(err: tollgate_policy::Error) -> Verdict {
     Verdict::Answer(error_response(&err))
 }
 
+/// Whether `head` is a gRPC call, which needs its answers in gRPC's own form.
+pub(crate) fn is_grpc(head: &RequestHead<'_>) -> bool {
+    head.header("content-type")
+        .is_some_and(|ct| ct.starts_with("application/grpc"))
+}
+
+/// The limiter's answer `response` in gRPC form: a trailers-only response (HTTP 200,
+/// `grpc-status` in the headers, no body), keeping the rate-limit fields. A gRPC client reads
+/// a bare HTTP 429 as `UNAVAILABLE` and would try to decode the problem document as a message;
+/// this way it gets `RESOURCE_EXHAUSTED` for a quota, `UNAVAILABLE` when the store fails
+/// closed, `INVALID_ARGUMENT` for a request without a usable key.
+pub(crate) fn for_grpc(response: Response<Bytes>) -> Response<Bytes> {
+    let (code, message) = match response.status() {
+        StatusCode::TOO_MANY_REQUESTS => (8, "rate limit exceeded"),
+        StatusCode::SERVICE_UNAVAILABLE => (14, "rate limiting unavailable"),
+        StatusCode::BAD_REQUEST => (3, "the request carries no usable rate-limit key or cost"),
+        _ => (13, "the rate limiter cannot decide"),
+    };
+    let (mut parts, _) = response.into_parts();
+    parts.status = StatusCode::OK;
+    parts
+        .headers
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    parts.headers.insert("grpc-status", HeaderValue::from(code));
+    parts
+        .headers
+        .insert("grpc-message", HeaderValue::from_static(message));
+    Response::from_parts(parts, Bytes::new())
+}
+
 fn problem(status: StatusCode, body: String) -> Response<Bytes> {
     let mut response = Response::new(Bytes::from(body));
     *response.status_mut() = status;
@@ -388,6 +418,18 @@ fn push_json_string(out: &mut String, s: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn grpc_answers_are_trailers_only() {
+        let response = for_grpc(too_many_requests(std::iter::empty(), Some(3)));
+        assert_eq!(response.status(), StatusCode::OK);
+        assert_eq!(response.headers()["grpc-status"], "8");
+        assert_eq!(response.headers()["content-type"], "application/grpc");
+        assert_eq!(response.headers()["retry-after"], "3");
+        assert!(response.body().is_empty());
+        let response = for_grpc(unavailable("test"));
+        assert_eq!(response.headers()["grpc-status"], "14");
+    }
 
     #[test]
     fn json_strings_are_escaped() {

@@ -12,7 +12,7 @@ use tower_service::Service;
 
 use crate::extract::RequestHead;
 use crate::future::{ResponseBody, ResponseFuture, with_headers};
-use crate::limiter::{Shared, Step, Verdict};
+use crate::limiter::{Shared, Step, Verdict, for_grpc, is_grpc};
 
 /// A service behind tollgate: made by [`TollgateLayer`](crate::TollgateLayer). Every clone
 /// shares the layer's limiter.
@@ -76,11 +76,14 @@ where
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
-        match self.shared.start(&RequestHead::of(&request)) {
+        let head = RequestHead::of(&request);
+        let grpc = is_grpc(&head);
+        let answer = move |response| if grpc { for_grpc(response) } else { response };
+        match self.shared.start(&head) {
             Step::Done(Verdict::Allow(headers)) => {
                 ResponseFuture::called(self.inner.call(request), headers)
             }
-            Step::Done(Verdict::Answer(response)) => ResponseFuture::answered(response),
+            Step::Done(Verdict::Answer(response)) => ResponseFuture::answered(answer(response)),
             Step::Pending(pending) => {
                 // The service that was made ready goes into the future; this one keeps a
                 // fresh clone, which is polled ready before its own next call.
@@ -93,7 +96,7 @@ where
                             let response = inner.call(request).await?;
                             Ok(with_headers(response, headers))
                         }
-                        Verdict::Answer(response) => Ok(response.map(ResponseBody::denied)),
+                        Verdict::Answer(response) => Ok(answer(response).map(ResponseBody::denied)),
                     }
                 }))
             }
