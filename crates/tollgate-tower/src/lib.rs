@@ -57,6 +57,9 @@
 //!   decides on its bounded emergency budget.
 //! * **Stores**: memory by default; Redis with the `redis` feature (`LimitBuilder::redis`,
 //!   `PolicyBuilder::redis`), so many processes share one budget.
+//! * **hyper**: hyper 1 has its own `Service` trait; wrap the layered service with
+//!   `hyper_util::service::TowerToHyperService`, and insert the peer's `SocketAddr` into each
+//!   request's extensions in the accept loop for [`PeerIp`].
 //! * **gRPC**: calls (`content-type: application/grpc…`) get the same answers in gRPC's form,
 //!   a trailers-only response: `RESOURCE_EXHAUSTED` for a quota, `UNAVAILABLE` when failing
 //!   closed, `INVALID_ARGUMENT` for a missing key; the rate-limit fields and `Retry-After` are
