@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use http::HeaderValue;
 use http::header::HeaderName;
-use tollgate::Decision;
+use tollgate::{Decision, Limit};
 
 /// `RateLimit-Policy`: the quota of each applicable limit.
 pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
@@ -90,40 +90,66 @@ pub fn reset_secs(decision: &Decision) -> u64 {
 /// # Ok::<(), tollgate::Error>(())
 /// ```
 pub fn rate_limit_headers<'a>(
-    items: impl IntoIterator<Item = (&'a str, &'a Decision)>,
+    items: impl IntoIterator<Item = (&'a str, &'a Decision)> + Clone,
 ) -> Option<(HeaderValue, HeaderValue)> {
-    let mut policy = String::new();
-    let mut ratelimit = String::new();
-    for (name, decision) in items {
-        if !policy.is_empty() {
-            policy.push_str(", ");
-            ratelimit.push_str(", ");
+    let policy = rate_limit_policy_value(
+        items
+            .clone()
+            .into_iter()
+            .map(|(name, decision)| (name, decision.limit())),
+    )?;
+    Some((policy, rate_limit_value(items)?))
+}
+
+/// The `RateLimit-Policy` value alone, from the limits: it does not change from one decision
+/// to the next, so a caller with fixed limits can build it once. `None` when there is none.
+pub fn rate_limit_policy_value<'a>(
+    items: impl IntoIterator<Item = (&'a str, &'a Limit)>,
+) -> Option<HeaderValue> {
+    let mut value = String::new();
+    for (name, limit) in items {
+        if !value.is_empty() {
+            value.push_str(", ");
         }
-        let limit = decision.limit();
-        push_sf_string(&mut policy, name);
+        push_sf_string(&mut value, name);
         // Writing to a String cannot fail.
         let _ = write!(
-            policy,
+            value,
             ";q={};w={}",
             limit.capacity(),
             ceil_secs(limit.time_to_full())
         );
-        push_sf_string(&mut ratelimit, name);
+    }
+    to_header_value(value)
+}
+
+/// The `RateLimit` value alone. `None` when there is none.
+pub fn rate_limit_value<'a>(
+    items: impl IntoIterator<Item = (&'a str, &'a Decision)>,
+) -> Option<HeaderValue> {
+    let mut value = String::new();
+    for (name, decision) in items {
+        if !value.is_empty() {
+            value.push_str(", ");
+        }
+        push_sf_string(&mut value, name);
         let _ = write!(
-            ratelimit,
+            value,
             ";r={};t={}",
             decision.remaining(),
             reset_secs(decision)
         );
     }
-    if policy.is_empty() {
+    to_header_value(value)
+}
+
+fn to_header_value(value: String) -> Option<HeaderValue> {
+    if value.is_empty() {
         return None;
     }
-    // Only visible ASCII was written, so both conversions succeed; a failure would drop the
-    // headers rather than panic.
-    let policy = HeaderValue::try_from(policy).ok()?;
-    let ratelimit = HeaderValue::try_from(ratelimit).ok()?;
-    Some((policy, ratelimit))
+    // Only visible ASCII was written, so the conversion succeeds; a failure would drop the
+    // field rather than panic.
+    HeaderValue::try_from(value).ok()
 }
 
 /// Appends `name` as a Structured Field string (RFC 9651 §3.3.3).

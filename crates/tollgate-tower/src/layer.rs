@@ -178,6 +178,10 @@ impl LimitBuilder {
         TollgateLayer {
             shared: Arc::new(Shared {
                 limiter: Limiter::Single(Single {
+                    policy_field: crate::headers::rate_limit_policy_value([(
+                        &*self.name,
+                        &self.limit,
+                    )]),
                     name: self.name,
                     limit: self.limit,
                     key: self.key,

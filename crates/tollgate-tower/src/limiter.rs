@@ -17,7 +17,9 @@ use tollgate_policy::PolicyEngine;
 
 use crate::error::Error;
 use crate::extract::{KeyExtractor, MissingKey, RequestHead};
-use crate::headers::{RATELIMIT, RATELIMIT_POLICY, rate_limit_headers, retry_after_secs};
+use crate::headers::{
+    RATELIMIT, RATELIMIT_POLICY, rate_limit_headers, rate_limit_value, retry_after_secs,
+};
 
 /// One descriptor of a request, for a policy: `(entry, value)` pairs such as
 /// `[("user", "u1"), ("route", "/v1/payments")]`.
@@ -76,6 +78,8 @@ pub(crate) struct Single {
     pub(crate) key: Box<dyn KeyExtractor>,
     pub(crate) missing: MissingKey,
     pub(crate) store: SingleStore,
+    /// The limit's `RateLimit-Policy` value, which never changes: built once.
+    pub(crate) policy_field: Option<HeaderValue>,
 }
 
 pub(crate) enum SingleStore {
@@ -238,7 +242,11 @@ impl Shared {
     fn single_verdict(&self, single: &Single, decision: &Decision) -> Verdict {
         let items = [(&*single.name, decision)];
         if decision.allowed() {
-            Verdict::Allow(self.success_headers(items))
+            if !self.headers_on_success {
+                return Verdict::Allow(None);
+            }
+            let fields = single.policy_field.clone().zip(rate_limit_value(items));
+            Verdict::Allow(fields)
         } else {
             Verdict::Answer(too_many_requests(items, retry_after_secs(decision)))
         }
@@ -264,7 +272,7 @@ impl Shared {
 
     fn success_headers<'a>(
         &self,
-        items: impl IntoIterator<Item = (&'a str, &'a Decision)>,
+        items: impl IntoIterator<Item = (&'a str, &'a Decision)> + Clone,
     ) -> Headers {
         if self.headers_on_success {
             rate_limit_headers(items)
