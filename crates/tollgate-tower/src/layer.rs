@@ -61,6 +61,50 @@ impl TollgateLayer {
     ///
     /// The descriptor function reads the request head; an [`Error::MissingKey`] or
     /// [`Error::InvalidKey`] from it is answered 400.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use axum::{Router, body::Body, routing::post};
+    /// use http::{Request, StatusCode};
+    /// use tollgate_policy::{EngineOptions, PolicyEngine, compile};
+    /// use tollgate_tower::{Error, RequestHead, TollgateLayer};
+    /// use tower::ServiceExt;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let policy = compile("inline.yaml", r#"
+    /// version: "1"
+    /// limits:
+    ///   - name: payments-per-user
+    ///     domain: api
+    ///     when: {method: POST}
+    ///     key: [user]
+    ///     capacity: 1
+    ///     refill: 1/m
+    /// "#)?;
+    /// let engine = Arc::new(PolicyEngine::new(policy, EngineOptions::default()));
+    /// // One descriptor per request: the user (from a header set by the auth proxy) and the
+    /// // method.
+    /// let layer = TollgateLayer::policy(engine, "api", |head: &RequestHead<'_>| {
+    ///     let user = head.header("x-user-id").ok_or_else(|| Error::MissingKey {
+    ///         what: "header x-user-id".into(),
+    ///     })?;
+    ///     Ok(vec![vec![
+    ///         ("user".to_owned(), user.to_owned()),
+    ///         ("method".to_owned(), head.method.to_string()),
+    ///     ]])
+    /// })
+    /// .build();
+    /// let app = Router::new().route("/pay", post(|| async { "paid" })).layer(layer);
+    ///
+    /// let pay = || Request::post("/pay").header("x-user-id", "u1").body(Body::empty()).unwrap();
+    /// assert_eq!(app.clone().oneshot(pay()).await?.status(), StatusCode::OK);
+    /// let denied = app.clone().oneshot(pay()).await?;
+    /// assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
+    /// assert_eq!(denied.headers()["retry-after"], "60");
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn policy<F>(
         engine: Arc<PolicyEngine>,
         domain: impl Into<String>,
@@ -141,6 +185,30 @@ impl LimitBuilder {
     /// Buckets in a shared Redis, so that every process sharing it shares the limit. When
     /// Redis cannot decide, the limit follows `on_failure`: fail closed (503) or decide on a
     /// local emergency budget per key.
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::get};
+    /// use http::{Request, StatusCode};
+    /// use tollgate::Limit;
+    /// use tollgate_redis::{FailureMode, RedisConfig, RedisStore};
+    /// use tollgate_tower::{Global, TollgateLayer};
+    /// use tower::ServiceExt;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let server = tollgate_redis::test_server::RedisServer::start();
+    /// # let url = server.url();
+    /// let store = RedisStore::connect(&url, RedisConfig::default()).await?;
+    /// let layer = TollgateLayer::limit("global", Limit::new(100, "100/s".parse()?)?, Global)
+    ///     // While Redis is unreachable, each process admits up to 10 a second on its own.
+    ///     .redis(store, FailureMode::Open { emergency: Limit::new(10, "10/s".parse()?)? })
+    ///     .build();
+    /// let app = Router::new().route("/", get(|| async { "hello" })).layer(layer);
+    /// let response = app.oneshot(Request::get("/").body(Body::empty())?).await?;
+    /// assert_eq!(response.status(), StatusCode::OK);
+    /// # Ok(())
+    /// # }
+    /// ```
     #[cfg(feature = "redis")]
     pub fn redis(
         mut self,
