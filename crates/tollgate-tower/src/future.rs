@@ -1,0 +1,183 @@
+//! The response future and body of the rate-limited service.
+//!
+//! A request the limiter lets through becomes the inner service's future, with the rate-limit
+//! headers added to its response; a denied one is a finished response that never touches the
+//! inner service; one waiting on a shared store is a boxed future that decides, then calls.
+//! The body type carries either the inner service's body or the limiter's own short answer.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+
+use bytes::Bytes;
+use http::Response;
+use http_body::{Body, Frame, SizeHint};
+use pin_project_lite::pin_project;
+
+use crate::headers::{RATELIMIT, RATELIMIT_POLICY};
+use crate::limiter::Headers;
+
+pub(crate) type BoxResponseFuture<B, E> =
+    Pin<Box<dyn Future<Output = Result<Response<ResponseBody<B>>, E>> + Send>>;
+
+pin_project! {
+    /// The future of [`Tollgate`](crate::Tollgate)'s response.
+    ///
+    /// # Panics
+    ///
+    /// When polled again after it completed, like most futures.
+    pub struct ResponseFuture<F, B, E> {
+        #[pin]
+        kind: Kind<F, B, E>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    enum Kind<F, B, E> {
+        // Admitted: the inner service is answering.
+        Called {
+            #[pin]
+            future: F,
+            headers: Headers,
+        },
+        // Answered by the limiter (denied, or a bad request).
+        Answered {
+            response: Option<Response<ResponseBody<B>>>,
+        },
+        // Deciding on a shared store, then calling the inner service.
+        Deciding {
+            future: BoxResponseFuture<B, E>,
+        },
+    }
+}
+
+impl<F, B, E> ResponseFuture<F, B, E> {
+    pub(crate) fn called(future: F, headers: Headers) -> Self {
+        Self {
+            kind: Kind::Called { future, headers },
+        }
+    }
+
+    pub(crate) fn answered(response: Response<Bytes>) -> Self {
+        Self {
+            kind: Kind::Answered {
+                response: Some(response.map(ResponseBody::denied)),
+            },
+        }
+    }
+
+    pub(crate) fn deciding(future: BoxResponseFuture<B, E>) -> Self {
+        Self {
+            kind: Kind::Deciding { future },
+        }
+    }
+}
+
+impl<F, B, E> Future for ResponseFuture<F, B, E>
+where
+    F: Future<Output = Result<Response<B>, E>>,
+{
+    type Output = Result<Response<ResponseBody<B>>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().kind.project() {
+            KindProj::Called { future, headers } => {
+                let response = ready!(future.poll(cx))?;
+                Poll::Ready(Ok(with_headers(response, headers.take())))
+            }
+            KindProj::Answered { response } => Poll::Ready(Ok(response
+                .take()
+                .expect("ResponseFuture polled after completion"))),
+            KindProj::Deciding { future } => future.as_mut().poll(cx),
+        }
+    }
+}
+
+/// The inner service's response, with the rate-limit fields appended: both are Structured
+/// Field Lists, so lines added by another limiter (an outer layer, the service itself) combine
+/// with ours into one list rather than being overwritten.
+pub(crate) fn with_headers<B>(
+    response: Response<B>,
+    headers: Headers,
+) -> Response<ResponseBody<B>> {
+    let mut response = response.map(ResponseBody::inner);
+    if let Some((policy, ratelimit)) = headers {
+        let map = response.headers_mut();
+        map.append(RATELIMIT_POLICY, policy);
+        map.append(RATELIMIT, ratelimit);
+    }
+    response
+}
+
+pin_project! {
+    /// The body of [`Tollgate`](crate::Tollgate)'s responses: the inner service's, or the
+    /// limiter's own (a short `application/problem+json` document).
+    pub struct ResponseBody<B> {
+        #[pin]
+        kind: BodyKind<B>,
+    }
+}
+
+pin_project! {
+    #[project = BodyProj]
+    enum BodyKind<B> {
+        Inner {
+            #[pin]
+            body: B,
+        },
+        Denied {
+            data: Option<Bytes>,
+        },
+    }
+}
+
+impl<B> ResponseBody<B> {
+    pub(crate) fn inner(body: B) -> Self {
+        Self {
+            kind: BodyKind::Inner { body },
+        }
+    }
+
+    pub(crate) fn denied(data: Bytes) -> Self {
+        Self {
+            kind: BodyKind::Denied {
+                data: (!data.is_empty()).then_some(data),
+            },
+        }
+    }
+}
+
+impl<B> Body for ResponseBody<B>
+where
+    B: Body<Data = Bytes>,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        match self.project().kind.project() {
+            BodyProj::Inner { body } => body.poll_frame(cx),
+            BodyProj::Denied { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.kind {
+            BodyKind::Inner { body } => body.is_end_stream(),
+            BodyKind::Denied { data } => data.is_none(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.kind {
+            BodyKind::Inner { body } => body.size_hint(),
+            BodyKind::Denied { data } => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
+        }
+    }
+}

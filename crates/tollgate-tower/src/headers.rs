@@ -1,0 +1,253 @@
+//! The HTTP rate-limit fields, built from decisions.
+//!
+//! This is the one place that turns a [`Decision`] into `RateLimit-Policy`, `RateLimit` and
+//! `Retry-After`, so the layer and the server answer with the same figures. The syntax is
+//! draft-ietf-httpapi-ratelimit-headers (draft 10), whose fields are Structured Field Lists
+//! (RFC 9651):
+//!
+//! ```text
+//! RateLimit-Policy: "per-user";q=20;w=2
+//! RateLimit: "per-user";r=0;t=1
+//! Retry-After: 1
+//! ```
+//!
+//! * `q`: the capacity (burst); `w`: seconds for an empty bucket to refill fully, rounded up.
+//! * `r`: whole tokens left after this request.
+//! * `t`: seconds, rounded up, until the request could pass when `r` is 0 (until the denied
+//!   request's cost is there, or one token after an admitted request that emptied the bucket);
+//!   otherwise until the bucket is full again.
+//! * `Retry-After`: whole seconds, rounded up, at least 1, never earlier than `t`.
+//!
+//! Every figure rounds up, so a client that waits what it is told is never refused for coming
+//! back early.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use http::HeaderValue;
+use http::header::HeaderName;
+use tollgate::{Decision, Limit};
+
+/// `RateLimit-Policy`: the quota of each applicable limit.
+pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+
+/// `RateLimit`: what is left of each applicable limit.
+pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+
+/// `Duration` in whole seconds, rounded up (a nanosecond over a second is two seconds).
+pub fn ceil_secs(duration: Duration) -> u64 {
+    duration.as_secs() + u64::from(duration.subsec_nanos() > 0)
+}
+
+/// The `Retry-After` seconds for a rejection: its exact wait rounded up, and at least 1 (a 0
+/// would invite an immediate retry that the client has no reason to expect will pass). `None`
+/// when the decision allowed the request.
+pub fn retry_after_secs(decision: &Decision) -> Option<u64> {
+    decision.retry_after().map(|wait| ceil_secs(wait).max(1))
+}
+
+/// The `t` parameter of a `RateLimit` item, in seconds, rounded up.
+///
+/// When tokens remain it is the time until the bucket is full. When none remain, it is the time
+/// until the request could pass: for a rejection, until its cost is there; for an admission
+/// that emptied the bucket, until one token is (the reset time less the time that refills the
+/// other `capacity - 1` tokens, rounded so that it never comes out early).
+pub fn reset_secs(decision: &Decision) -> u64 {
+    if let Some(wait) = decision.retry_after() {
+        return ceil_secs(wait);
+    }
+    let reset = decision.reset_after();
+    if decision.remaining() > 0 {
+        return ceil_secs(reset);
+    }
+    let limit = decision.limit();
+    let rate = limit.refill();
+    let others = u128::from(limit.capacity() - 1);
+    // Floor of the time `others` tokens take: subtracted from a reset that was rounded up, the
+    // result is never below the exact wait for one token.
+    let others_nanos = others * rate.period().as_nanos() / u128::from(rate.amount());
+    let one_token = reset.as_nanos().saturating_sub(others_nanos);
+    let secs = one_token.div_ceil(1_000_000_000);
+    u64::try_from(secs).unwrap_or(u64::MAX)
+}
+
+/// The `RateLimit-Policy` and `RateLimit` values for the applicable limits, one list item per
+/// `(name, decision)` in the order given; `None` when there is none.
+///
+/// Names become Structured Field strings: `"` and `\` are escaped, and characters a
+/// Structured Field string cannot hold (control characters, anything outside ASCII) are
+/// written as `?`, so any name yields a valid header.
+///
+/// ```
+/// use tollgate::{Limit, ManualClock, RateLimiter};
+/// use tollgate_tower::headers::rate_limit_headers;
+///
+/// let limiter = RateLimiter::new(Limit::new(20, "10/s".parse()?)?, ManualClock::new());
+/// let decision = limiter.check_n("alice", 20)?;
+/// let (policy, ratelimit) = rate_limit_headers([("per-user", &decision)]).unwrap();
+/// assert_eq!(policy, r#""per-user";q=20;w=2"#);
+/// assert_eq!(ratelimit, r#""per-user";r=0;t=1"#);
+/// # Ok::<(), tollgate::Error>(())
+/// ```
+pub fn rate_limit_headers<'a>(
+    items: impl IntoIterator<Item = (&'a str, &'a Decision)> + Clone,
+) -> Option<(HeaderValue, HeaderValue)> {
+    let policy = rate_limit_policy_value(
+        items
+            .clone()
+            .into_iter()
+            .map(|(name, decision)| (name, decision.limit())),
+    )?;
+    Some((policy, rate_limit_value(items)?))
+}
+
+/// The `RateLimit-Policy` value alone, from the limits: it does not change from one decision
+/// to the next, so a caller with fixed limits can build it once. `None` when there is none.
+pub fn rate_limit_policy_value<'a>(
+    items: impl IntoIterator<Item = (&'a str, &'a Limit)>,
+) -> Option<HeaderValue> {
+    let mut value = String::new();
+    for (name, limit) in items {
+        if !value.is_empty() {
+            value.push_str(", ");
+        }
+        push_sf_string(&mut value, name);
+        // Writing to a String cannot fail.
+        let _ = write!(
+            value,
+            ";q={};w={}",
+            limit.capacity(),
+            ceil_secs(limit.time_to_full())
+        );
+    }
+    to_header_value(value)
+}
+
+/// The `RateLimit` value alone. `None` when there is none.
+pub fn rate_limit_value<'a>(
+    items: impl IntoIterator<Item = (&'a str, &'a Decision)>,
+) -> Option<HeaderValue> {
+    let mut value = String::new();
+    for (name, decision) in items {
+        if !value.is_empty() {
+            value.push_str(", ");
+        }
+        push_sf_string(&mut value, name);
+        let _ = write!(
+            value,
+            ";r={};t={}",
+            decision.remaining(),
+            reset_secs(decision)
+        );
+    }
+    to_header_value(value)
+}
+
+fn to_header_value(value: String) -> Option<HeaderValue> {
+    if value.is_empty() {
+        return None;
+    }
+    // Only visible ASCII was written, so the conversion succeeds; a failure would drop the
+    // field rather than panic.
+    HeaderValue::try_from(value).ok()
+}
+
+/// Appends `name` as a Structured Field string (RFC 9651 §3.3.3).
+fn push_sf_string(out: &mut String, name: &str) {
+    out.push('"');
+    for c in name.chars() {
+        match c {
+            '"' | '\\' => {
+                out.push('\\');
+                out.push(c);
+            }
+            ' '..='~' => out.push(c),
+            _ => out.push('?'),
+        }
+    }
+    out.push('"');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tollgate::{Limit, ManualClock, RateLimiter};
+
+    fn limiter(capacity: u64, rate: &str) -> (RateLimiter<Box<str>, ManualClock>, ManualClock) {
+        let clock = ManualClock::new();
+        let limit = Limit::new(capacity, rate.parse().unwrap()).unwrap();
+        (RateLimiter::new(limit, clock.clone()), clock)
+    }
+
+    #[test]
+    fn seconds_round_up() {
+        assert_eq!(ceil_secs(Duration::ZERO), 0);
+        assert_eq!(ceil_secs(Duration::from_nanos(1)), 1);
+        assert_eq!(ceil_secs(Duration::from_secs(2)), 2);
+        assert_eq!(ceil_secs(Duration::from_millis(2001)), 3);
+    }
+
+    #[test]
+    fn a_rejection_retries_after_at_least_a_second() {
+        let (limiter, _) = limiter(2, "10/s");
+        limiter.check_n("k", 2).unwrap();
+        let denied = limiter.check("k").unwrap();
+        assert_eq!(denied.retry_after(), Some(Duration::from_millis(100)));
+        assert_eq!(retry_after_secs(&denied), Some(1));
+        assert_eq!(reset_secs(&denied), 1);
+        let (limiter, _) = limiter_slow();
+        limiter.check("k").unwrap();
+        let denied = limiter.check("k").unwrap();
+        // One token per 90 s: a whole number of seconds stays as it is.
+        assert_eq!(retry_after_secs(&denied), Some(90));
+    }
+
+    fn limiter_slow() -> (RateLimiter<Box<str>, ManualClock>, ManualClock) {
+        limiter(1, "2/3m")
+    }
+
+    #[test]
+    fn t_is_the_time_to_full_while_tokens_remain() {
+        let (limiter, _) = limiter(10, "1/s");
+        let decision = limiter.check_n("k", 3).unwrap();
+        assert_eq!(decision.remaining(), 7);
+        let (_, ratelimit) = rate_limit_headers([("a", &decision)]).unwrap();
+        assert_eq!(ratelimit, r#""a";r=7;t=3"#);
+    }
+
+    #[test]
+    fn t_is_the_time_to_one_token_when_an_admission_empties_the_bucket() {
+        let (limiter, clock) = limiter(10, "1/s");
+        let decision = limiter.check_n("k", 10).unwrap();
+        assert_eq!(decision.remaining(), 0);
+        assert_eq!(reset_secs(&decision), 1);
+        // Partway through a refill, then emptied again: 0.4 s to the next token rounds up.
+        clock.advance(Duration::from_millis(1600));
+        let decision = limiter.check("k").unwrap();
+        assert_eq!(decision.remaining(), 0);
+        assert_eq!(reset_secs(&decision), 1);
+        let (limiter, _) = limiter_slow();
+        let decision = limiter.check("k").unwrap();
+        assert_eq!(reset_secs(&decision), 90);
+    }
+
+    #[test]
+    fn several_limits_are_one_list() {
+        let (a, _) = limiter(20, "10/s");
+        let (b, _) = limiter(100, "100/m");
+        let da = a.check("k").unwrap();
+        let db = b.check("k").unwrap();
+        let (policy, ratelimit) = rate_limit_headers([("a", &da), ("b", &db)]).unwrap();
+        assert_eq!(policy, r#""a";q=20;w=2, "b";q=100;w=60"#);
+        assert_eq!(ratelimit, r#""a";r=19;t=1, "b";r=99;t=1"#);
+    }
+
+    #[test]
+    fn any_name_makes_a_valid_field() {
+        let (limiter, _) = limiter(1, "1/s");
+        let d = limiter.check("k").unwrap();
+        let (policy, _) = rate_limit_headers([("a\"b\\c\né", &d)]).unwrap();
+        assert_eq!(policy, r#""a\"b\\c??";q=1;w=1"#);
+        assert!(rate_limit_headers(std::iter::empty()).is_none());
+    }
+}

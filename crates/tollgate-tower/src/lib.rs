@@ -1,0 +1,84 @@
+//! tollgate in front of any tower service: axum, hyper or tonic, in-process.
+//!
+//! [`TollgateLayer`] decides every request against a tollgate limit (or a whole policy), in
+//! memory or in a shared Redis, before the service sees it. A request over its limit is
+//! answered `429 Too Many Requests` at once, with the IETF rate-limit fields and `Retry-After`;
+//! it is never queued (the layer applies no back-pressure).
+//!
+//! ```
+//! use axum::{Router, body::Body, routing::get};
+//! use http::{Request, StatusCode, header::HeaderName};
+//! use tollgate::Limit;
+//! use tollgate_tower::{Header, TollgateLayer};
+//! use tower::ServiceExt;
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! // 2 requests of burst per API key, refilled at 1 per second.
+//! let layer = TollgateLayer::limit(
+//!     "per-key",
+//!     Limit::new(2, "1/s".parse()?)?,
+//!     Header::new(HeaderName::from_static("x-api-key")),
+//! )
+//! .build();
+//! let app = Router::new().route("/", get(|| async { "hello" })).layer(layer);
+//!
+//! let request = || Request::get("/").header("x-api-key", "k1").body(Body::empty()).unwrap();
+//! assert_eq!(app.clone().oneshot(request()).await?.status(), StatusCode::OK);
+//! assert_eq!(app.clone().oneshot(request()).await?.status(), StatusCode::OK);
+//!
+//! let denied = app.clone().oneshot(request()).await?;
+//! assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
+//! assert_eq!(denied.headers()["ratelimit-policy"], r#""per-key";q=2;w=2"#);
+//! assert_eq!(denied.headers()["ratelimit"], r#""per-key";r=0;t=1"#);
+//! assert_eq!(denied.headers()["retry-after"], "1");
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Semantics
+//!
+//! * **Shared**: the layer, every service it makes and every clone of those decide against one
+//!   limiter; cloning a service never hands out a fresh budget.
+//! * **Keys** ([`extract`]): the peer address ([`PeerIp`]), a header ([`Header`]), the
+//!   `X-Forwarded-For` entry your own proxy wrote ([`ForwardedFor`]; never trust forwarded
+//!   headers unless a proxy you run sets them), a closure ([`KeyFn`]) or one global bucket
+//!   ([`Global`]). A request without a usable key is answered 400 or counted against a
+//!   fallback key ([`MissingKey`]); nothing a request carries can make the layer panic.
+//! * **Cost**: 1 per request, or what a cost function says; 0 lets a request through
+//!   unchecked, more than the capacity is a 400 (it could never pass).
+//! * **Limits**: one [`tollgate::Limit`] ([`TollgateLayer::limit`]), or a
+//!   [`tollgate_policy::PolicyEngine`] fed with descriptors built from the request
+//!   ([`TollgateLayer::policy`]): several limits, all or nothing, hot reload, shadow mode.
+//! * **Answers**: admitted responses get `RateLimit-Policy` and `RateLimit` (one list item per
+//!   enforced limit; see [`headers`]); a denial is a 429 with those, `Retry-After` in whole
+//!   seconds rounded up (at least 1), and an `application/problem+json` body. When a shared
+//!   store is down, a limit that fails closed answers 503 (not 429), one that fails open
+//!   decides on its bounded emergency budget.
+//! * **Stores**: memory by default; Redis with the `redis` feature (`LimitBuilder::redis`,
+//!   `PolicyBuilder::redis`), so many processes share one budget.
+//! * **hyper**: hyper 1 has its own `Service` trait; wrap the layered service with
+//!   `hyper_util::service::TowerToHyperService`, and insert the peer's `SocketAddr` into each
+//!   request's extensions in the accept loop for [`PeerIp`].
+//! * **gRPC**: calls (`content-type: application/grpc…`) get the same answers in gRPC's form,
+//!   a trailers-only response: `RESOURCE_EXHAUSTED` for a quota, `UNAVAILABLE` when failing
+//!   closed, `INVALID_ARGUMENT` for a missing key; the rate-limit fields and `Retry-After` are
+//!   in the response metadata. (A bare HTTP 429 would reach a gRPC client as a decoding
+//!   error.)
+
+mod error;
+pub mod extract;
+mod future;
+pub mod headers;
+mod layer;
+mod limiter;
+mod service;
+
+pub use error::Error;
+pub use extract::{
+    ForwardedFor, Global, Header, KeyExtractor, KeyFn, MissingKey, PeerIp, RequestHead,
+};
+pub use future::{ResponseBody, ResponseFuture};
+pub use layer::{LimitBuilder, PolicyBuilder, TollgateLayer};
+pub use limiter::Descriptor;
+pub use service::Tollgate;

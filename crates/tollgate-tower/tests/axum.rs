@@ -1,0 +1,385 @@
+//! An axum app behind the layer, in memory: the answers, the headers, the shared budget,
+//! extractor failures and policies. Time is a `ManualClock`; nothing sleeps.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, to_bytes};
+use axum::extract::ConnectInfo;
+use axum::response::Response;
+use axum::routing::get;
+use http::header::HeaderName;
+use http::{Request, StatusCode};
+use tollgate::{Limit, ManualClock};
+use tollgate_policy::{EngineOptions, PolicyEngine, compile};
+use tollgate_tower::{Error, Header, MissingKey, PeerIp, RequestHead, TollgateLayer};
+use tower::ServiceExt;
+
+fn limit(capacity: u64, rate: &str) -> Limit {
+    Limit::new(capacity, rate.parse().unwrap()).unwrap()
+}
+
+fn api_key() -> Header {
+    Header::new(HeaderName::from_static("x-api-key"))
+}
+
+fn app(layer: TollgateLayer) -> Router {
+    Router::new()
+        .route("/", get(|| async { "hello" }))
+        .layer(layer)
+}
+
+fn get_with_key(key: &str) -> Request<Body> {
+    Request::get("/")
+        .header("x-api-key", key)
+        .body(Body::empty())
+        .unwrap()
+}
+
+async fn send(app: &Router, request: Request<Body>) -> Response {
+    app.clone().oneshot(request).await.unwrap()
+}
+
+fn header<'a>(response: &'a Response, name: &str) -> &'a str {
+    response
+        .headers()
+        .get(name)
+        .unwrap_or_else(|| panic!("no {name} header"))
+        .to_str()
+        .unwrap()
+}
+
+async fn body(response: Response) -> String {
+    let bytes = to_bytes(response.into_body(), 1 << 16).await.unwrap();
+    String::from_utf8(bytes.to_vec()).unwrap()
+}
+
+#[tokio::test]
+async fn answers_429_with_the_rate_limit_fields_after_the_burst() {
+    let clock = ManualClock::new();
+    let layer = TollgateLayer::limit("per-key", limit(3, "1/2s"), api_key())
+        .clock(clock.clone())
+        .build();
+    let app = app(layer);
+
+    for remaining in (0..3).rev() {
+        let ok = send(&app, get_with_key("k1")).await;
+        assert_eq!(ok.status(), StatusCode::OK);
+        assert_eq!(header(&ok, "ratelimit-policy"), r#""per-key";q=3;w=6"#);
+        // Until full while tokens remain (2 s a token), until the next token at 0.
+        let t = if remaining == 0 {
+            2
+        } else {
+            2 * (3 - remaining)
+        };
+        assert_eq!(
+            header(&ok, "ratelimit"),
+            format!(r#""per-key";r={remaining};t={t}"#)
+        );
+        assert!(ok.headers().get("retry-after").is_none());
+        assert_eq!(body(ok).await, "hello");
+    }
+
+    clock.advance(Duration::from_millis(500));
+    let denied = send(&app, get_with_key("k1")).await;
+    assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
+    // 1.5 s to the next token: rounded up, never down.
+    assert_eq!(header(&denied, "retry-after"), "2");
+    assert_eq!(header(&denied, "ratelimit-policy"), r#""per-key";q=3;w=6"#);
+    assert_eq!(header(&denied, "ratelimit"), r#""per-key";r=0;t=2"#);
+    assert_eq!(header(&denied, "content-type"), "application/problem+json");
+    let text = body(denied).await;
+    assert!(text.contains("quota-exceeded"), "{text}");
+    assert!(
+        text.contains(r#""violated-policies":["per-key"]"#),
+        "{text}"
+    );
+
+    // Another key has its own bucket; the first refills on time.
+    assert_eq!(
+        send(&app, get_with_key("k2")).await.status(),
+        StatusCode::OK
+    );
+    clock.advance(Duration::from_millis(1500));
+    assert_eq!(
+        send(&app, get_with_key("k1")).await.status(),
+        StatusCode::OK
+    );
+    assert_eq!(
+        send(&app, get_with_key("k1")).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
+#[tokio::test]
+async fn every_clone_and_every_service_of_a_layer_share_one_budget() {
+    let layer = TollgateLayer::limit("global", limit(2, "1/h"), tollgate_tower::Global)
+        .clock(ManualClock::new())
+        .build();
+    let a = app(layer.clone());
+    let b = Router::new()
+        .route("/", get(|| async { "other" }))
+        .layer(layer);
+    assert_eq!(send(&a, get_with_key("x")).await.status(), StatusCode::OK);
+    assert_eq!(send(&b, get_with_key("y")).await.status(), StatusCode::OK);
+    assert_eq!(
+        send(&a.clone(), get_with_key("z")).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(
+        send(&b, get_with_key("z")).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_requests_never_over_admit() {
+    const CAPACITY: u64 = 100;
+    // The clock never moves: exactly the burst may pass, whatever the interleaving.
+    let layer = TollgateLayer::limit("per-key", limit(CAPACITY, "1/h"), api_key())
+        .clock(ManualClock::new())
+        .build();
+    let app = app(layer);
+    let tasks: Vec<_> = (0..32)
+        .map(|_| {
+            let app = app.clone();
+            tokio::spawn(async move {
+                let mut admitted = 0u64;
+                for _ in 0..20 {
+                    let response = app.clone().oneshot(get_with_key("hot")).await.unwrap();
+                    match response.status() {
+                        StatusCode::OK => admitted += 1,
+                        StatusCode::TOO_MANY_REQUESTS => {}
+                        other => panic!("unexpected {other}"),
+                    }
+                }
+                admitted
+            })
+        })
+        .collect();
+    let mut admitted = 0;
+    for task in tasks {
+        admitted += task.await.unwrap();
+    }
+    assert_eq!(admitted, CAPACITY);
+}
+
+#[tokio::test]
+async fn a_missing_key_is_a_400_by_default() {
+    let layer = TollgateLayer::limit("per-key", limit(5, "1/s"), api_key())
+        .clock(ManualClock::new())
+        .build();
+    let app = app(layer);
+    let response = send(&app, Request::get("/").body(Body::empty()).unwrap()).await;
+    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(
+        header(&response, "content-type"),
+        "application/problem+json"
+    );
+    let text = body(response).await;
+    assert!(text.contains("header x-api-key"), "{text}");
+
+    // Invalid values are refused the same way, never a panic.
+    let bad = Request::get("/")
+        .header(
+            "x-api-key",
+            http::HeaderValue::from_bytes(b"\xfe\xff").unwrap(),
+        )
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(send(&app, bad).await.status(), StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test]
+async fn a_missing_key_can_fall_back_to_one_shared_bucket() {
+    let layer = TollgateLayer::limit("per-key", limit(2, "1/h"), api_key())
+        .on_missing_key(MissingKey::Fallback("anonymous".into()))
+        .clock(ManualClock::new())
+        .build();
+    let app = app(layer);
+    let anonymous = || Request::get("/").body(Body::empty()).unwrap();
+    assert_eq!(send(&app, anonymous()).await.status(), StatusCode::OK);
+    assert_eq!(send(&app, anonymous()).await.status(), StatusCode::OK);
+    assert_eq!(
+        send(&app, anonymous()).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // Identified clients are unaffected by the anonymous bucket.
+    assert_eq!(send(&app, get_with_key("k")).await.status(), StatusCode::OK);
+}
+
+#[tokio::test]
+async fn the_peer_address_from_axum_connect_info() {
+    let key = PeerIp::from_extension(|info: &ConnectInfo<SocketAddr>| Some(info.0.ip()));
+    let layer = TollgateLayer::limit("per-ip", limit(1, "1/h"), key)
+        .clock(ManualClock::new())
+        .build();
+    let app = app(layer);
+    let from = |addr: &str| {
+        let mut request = Request::get("/").body(Body::empty()).unwrap();
+        request
+            .extensions_mut()
+            .insert(ConnectInfo(addr.parse::<SocketAddr>().unwrap()));
+        request
+    };
+    assert_eq!(
+        send(&app, from("10.0.0.1:1000")).await.status(),
+        StatusCode::OK
+    );
+    // Another port of the same host is the same client.
+    assert_eq!(
+        send(&app, from("10.0.0.1:2000")).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(
+        send(&app, from("10.0.0.2:1000")).await.status(),
+        StatusCode::OK
+    );
+}
+
+#[tokio::test]
+async fn the_cost_function_charges_and_exempts() {
+    let cost = |head: &RequestHead<'_>| match head.uri.path() {
+        "/healthz" => 0,
+        "/" => 1,
+        _ => 100,
+    };
+    let layer = TollgateLayer::limit("per-key", limit(3, "1/h"), api_key())
+        .cost(cost)
+        .clock(ManualClock::new())
+        .build();
+    let app = Router::new()
+        .route("/", get(|| async { "hello" }))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/big", get(|| async { "big" }))
+        .layer(layer);
+    let path = |p: &str| {
+        Request::get(p)
+            .header("x-api-key", "k")
+            .body(Body::empty())
+            .unwrap()
+    };
+    for _ in 0..3 {
+        assert_eq!(send(&app, path("/")).await.status(), StatusCode::OK);
+    }
+    assert_eq!(
+        send(&app, path("/")).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // Free requests pass unchecked, and carry no rate-limit fields.
+    let health = send(&app, path("/healthz")).await;
+    assert_eq!(health.status(), StatusCode::OK);
+    assert!(health.headers().get("ratelimit").is_none());
+    // A cost above the capacity could never pass: refused, not told to retry.
+    let big = send(&app, path("/big")).await;
+    assert_eq!(big.status(), StatusCode::BAD_REQUEST);
+    assert!(big.headers().get("retry-after").is_none());
+}
+
+#[tokio::test]
+async fn headers_on_success_can_be_turned_off() {
+    let layer = TollgateLayer::limit("per-key", limit(1, "1/h"), api_key())
+        .headers_on_success(false)
+        .clock(ManualClock::new())
+        .build();
+    let app = app(layer);
+    let ok = send(&app, get_with_key("k")).await;
+    assert!(ok.headers().get("ratelimit").is_none());
+    let denied = send(&app, get_with_key("k")).await;
+    assert_eq!(header(&denied, "ratelimit"), r#""per-key";r=0;t=3600"#);
+}
+
+const POLICY: &str = r#"
+version: "3"
+limits:
+  - name: per-user
+    domain: api
+    key: [user]
+    capacity: 2
+    refill: 1/s
+  - name: per-tenant
+    domain: api
+    key: [tenant]
+    capacity: 10
+    refill: 10/m
+  - name: watching
+    domain: api
+    key: [user]
+    capacity: 1
+    refill: 1/h
+    mode: shadow
+"#;
+
+fn descriptors(head: &RequestHead<'_>) -> Result<Vec<tollgate_tower::Descriptor>, Error> {
+    let user = head.header("x-user").ok_or_else(|| Error::MissingKey {
+        what: "header x-user".into(),
+    })?;
+    let tenant = head.header("x-tenant").unwrap_or("none");
+    Ok(vec![vec![
+        ("user".into(), user.into()),
+        ("tenant".into(), tenant.into()),
+    ]])
+}
+
+#[tokio::test]
+async fn a_policy_decides_all_its_limits_and_reports_the_enforced_ones() {
+    let clock = ManualClock::new();
+    let engine = PolicyEngine::new(
+        compile("test.yaml", POLICY).unwrap(),
+        EngineOptions::default().clock(Arc::new(clock.clone())),
+    );
+    let layer = TollgateLayer::policy(Arc::new(engine), "api", descriptors).build();
+    let app = app(layer);
+    let user = |u: &str| {
+        Request::get("/")
+            .header("x-user", u)
+            .header("x-tenant", "acme")
+            .body(Body::empty())
+            .unwrap()
+    };
+
+    let ok = send(&app, user("u1")).await;
+    assert_eq!(ok.status(), StatusCode::OK);
+    // The shadow limit has already run dry, but it never speaks to the client.
+    assert_eq!(
+        header(&ok, "ratelimit-policy"),
+        r#""per-user";q=2;w=2, "per-tenant";q=10;w=60"#
+    );
+    assert_eq!(
+        header(&ok, "ratelimit"),
+        r#""per-user";r=1;t=1, "per-tenant";r=9;t=6"#
+    );
+    assert_eq!(send(&app, user("u1")).await.status(), StatusCode::OK);
+
+    let denied = send(&app, user("u1")).await;
+    assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(header(&denied, "retry-after"), "1");
+    assert_eq!(
+        header(&denied, "ratelimit"),
+        r#""per-user";r=0;t=1, "per-tenant";r=8;t=12"#
+    );
+    let text = body(denied).await;
+    assert!(
+        text.contains(r#""violated-policies":["per-user"]"#),
+        "{text}"
+    );
+
+    // All or nothing: the rejected request charged the tenant nothing.
+    let other = send(&app, user("u2")).await;
+    assert_eq!(
+        header(&other, "ratelimit"),
+        r#""per-user";r=1;t=1, "per-tenant";r=7;t=18"#
+    );
+
+    clock.advance(Duration::from_secs(1));
+    assert_eq!(send(&app, user("u1")).await.status(), StatusCode::OK);
+
+    // No user: the descriptor function says so, and the request is refused.
+    let anonymous = Request::get("/").body(Body::empty()).unwrap();
+    assert_eq!(
+        send(&app, anonymous).await.status(),
+        StatusCode::BAD_REQUEST
+    );
+}
