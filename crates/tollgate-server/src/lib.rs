@@ -8,7 +8,6 @@
 
 pub mod cli;
 pub mod decider;
-pub mod headers;
 pub mod http;
 pub mod metrics;
 pub mod rls;

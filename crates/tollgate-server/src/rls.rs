@@ -35,9 +35,9 @@ use tollgate_policy::{LimitOutcome, Outcome};
 use tonic::{Request, Response, Status};
 
 use crate::decider::{DecideError, Decider, Request as Decide};
-use crate::headers;
 use crate::http::{MAX_DESCRIPTORS, MAX_ENTRIES, MAX_NAME_BYTES, MAX_VALUE_BYTES};
 use crate::metrics::Api;
+use tollgate_tower::headers as fields;
 
 /// The gRPC service.
 pub struct Rls {
@@ -232,14 +232,19 @@ impl RateLimitService for Rls {
             .collect();
         let over = failed_closed || statuses.iter().any(|s| s.code == Code::OverLimit as i32);
         let mut response_headers = Vec::new();
-        let enforced = per_descriptor
+        let enforced: Vec<(&str, &Decision)> = per_descriptor
             .iter()
             .flatten()
             .filter(|limit| limit.mode == "enforce")
-            .filter_map(|limit| limit.decision.as_ref().map(|d| (limit.name.as_str(), d)));
-        if let Some((policy, state)) = headers::rate_limit_fields(enforced) {
-            response_headers.push(header("ratelimit-policy", policy));
-            response_headers.push(header("ratelimit", state));
+            .filter_map(|limit| limit.decision.as_ref().map(|d| (limit.name.as_str(), d)))
+            .collect();
+        if let Some((policy, state)) = fields::rate_limit_headers(enforced.iter().copied()) {
+            // The values are visible ASCII by construction.
+            for (name, value) in [("ratelimit-policy", policy), ("ratelimit", state)] {
+                if let Ok(value) = value.to_str() {
+                    response_headers.push(header(name, value.to_owned()));
+                }
+            }
         }
         if failed_closed {
             response_headers.push(header("x-tollgate-unavailable", "store".to_owned()));

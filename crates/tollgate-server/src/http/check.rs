@@ -23,8 +23,8 @@ use tollgate_policy::Outcome;
 use super::error::ApiError;
 use super::{AppState, MAX_DESCRIPTORS, MAX_ENTRIES, MAX_NAME_BYTES, MAX_VALUE_BYTES};
 use crate::decider::{DecideError, Request};
-use crate::headers;
 use crate::metrics::Api;
+use tollgate_tower::headers as fields;
 
 /// The request body. Unknown fields are refused: a misspelt `cost` must not silently be 1.
 #[derive(Debug, Deserialize)]
@@ -217,32 +217,30 @@ pub(crate) fn status_of(outcome: &Outcome, deny: StatusCode) -> StatusCode {
 /// `RateLimit-Policy`, `RateLimit` and, when rejected, `Retry-After`, from the enforced limits.
 pub(crate) fn rate_limit_headers(outcome: &Outcome) -> HeaderMap {
     let mut headers = HeaderMap::new();
-    let enforced = || {
-        outcome
-            .limits
-            .iter()
-            .filter(|limit| limit.mode == "enforce")
-            .filter_map(|limit| limit.decision.as_ref().map(|d| (limit.name.as_str(), d)))
-    };
-    if let Some((policy, state)) = headers::rate_limit_fields(enforced()) {
-        // The fields are printable ASCII by construction, so these always convert.
-        if let (Ok(policy), Ok(state)) = (
-            HeaderValue::from_str(&policy),
-            HeaderValue::from_str(&state),
-        ) {
-            headers.insert("ratelimit-policy", policy);
-            headers.insert("ratelimit", state);
-        }
+    let enforced = enforced_decisions(outcome);
+    if let Some((policy, state)) = fields::rate_limit_headers(enforced.iter().copied()) {
+        headers.insert(fields::RATELIMIT_POLICY, policy);
+        headers.insert(fields::RATELIMIT, state);
     }
     if !outcome.allowed && !outcome.failed_closed {
-        let wait = enforced()
-            .filter(|(_, decision)| !decision.allowed())
-            .map(|(_, decision)| headers::retry_after_secs(decision))
+        let wait = enforced
+            .iter()
+            .filter_map(|(_, decision)| fields::retry_after_secs(decision))
             .max()
             .unwrap_or(1);
         headers.insert("retry-after", HeaderValue::from(wait));
     }
     headers
+}
+
+/// The enforced limits' decisions, by name: the ones a client is held to.
+pub(crate) fn enforced_decisions(outcome: &Outcome) -> Vec<(&str, &tollgate::Decision)> {
+    outcome
+        .limits
+        .iter()
+        .filter(|limit| limit.mode == "enforce")
+        .filter_map(|limit| limit.decision.as_ref().map(|d| (limit.name.as_str(), d)))
+        .collect()
 }
 
 fn millis_ceil(duration: std::time::Duration) -> u64 {
