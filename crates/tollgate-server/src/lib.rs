@@ -10,6 +10,7 @@ pub mod cli;
 pub mod decider;
 pub mod headers;
 pub mod http;
+pub mod loadgen;
 pub mod metrics;
 pub mod rls;
 
