@@ -43,6 +43,8 @@ enum Command {
     },
     /// Decide locally against a policy file (in memory) and print the decisions.
     Check(CheckArgs),
+    /// Load a tollgate deployment over HTTP or gRPC and report decisions/s and latency.
+    Bench(crate::loadgen::BenchArgs),
     /// Convert another rate limiter's configuration into a tollgate policy.
     Import {
         #[command(subcommand)]
@@ -167,6 +169,7 @@ pub fn main() -> ExitCode {
         Command::Serve(args) => serve_main(args),
         Command::Validate { file } => validate(&file),
         Command::Check(args) => check(args),
+        Command::Bench(args) => crate::loadgen::main(&args),
         Command::Import {
             from: ImportFrom::Envoy { file },
         } => import_envoy(&file),

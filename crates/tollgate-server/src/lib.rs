@@ -9,6 +9,7 @@
 pub mod cli;
 pub mod decider;
 pub mod http;
+pub mod loadgen;
 pub mod metrics;
 pub mod rls;
 

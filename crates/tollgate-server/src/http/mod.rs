@@ -13,6 +13,7 @@ mod forward_auth;
 use std::sync::Arc;
 
 use axum::Router;
+use axum::body::Bytes;
 use axum::extract::DefaultBodyLimit;
 use axum::http::StatusCode;
 use axum::routing::{get, post};
@@ -80,6 +81,7 @@ pub fn router(state: Arc<AppState>) -> Router {
             "/v1/forward-auth/{domain}",
             get(forward_auth::forward_auth).post(forward_auth::forward_auth),
         )
+        .route("/v1/noop", get(noop).post(noop))
         .route("/healthz", get(admin::healthz))
         .route("/readyz", get(admin::readyz))
         .route("/metrics", get(admin::metrics))
@@ -89,4 +91,11 @@ pub fn router(state: Arc<AppState>) -> Router {
         .fallback(error::not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
+}
+
+/// `GET|POST /v1/noop`: 200 and a short body, deciding nothing. The baseline of
+/// `tollgate bench --path /v1/noop`: it goes through the same listener, router and body
+/// reading as `/v1/check`, so the two rates differ only by the decision.
+async fn noop(_body: Bytes) -> &'static str {
+    "noop\n"
 }

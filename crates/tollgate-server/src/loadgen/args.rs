@@ -1,0 +1,308 @@
+//! `tollgate bench` flags, and the checked [`Plan`] they turn into.
+//!
+//! Everything a user can get wrong is caught here, before a connection is opened, so a run
+//! either starts with sane settings or stops with one line saying which flag to fix.
+
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+
+/// The most distinct keys: the skewed distribution keeps one `f64` per key.
+pub(crate) const MAX_KEYS: u64 = 10_000_000;
+/// The most concurrent workers (each holds one connection).
+pub(crate) const MAX_CONCURRENCY: usize = 10_000;
+
+/// `tollgate bench` flags: load a tollgate deployment to see what it sustains before a limit
+/// is raised.
+#[derive(Debug, Clone, Parser)]
+pub struct BenchArgs {
+    /// HTTP target, as `http://HOST:PORT`; requests go to `POST /v1/check` (see --path).
+    #[arg(
+        long,
+        value_name = "URL",
+        conflicts_with = "grpc",
+        required_unless_present = "grpc"
+    )]
+    pub target: Option<String>,
+    /// gRPC target, as `HOST:PORT`: Envoy RLS v3 `ShouldRateLimit`.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub grpc: Option<String>,
+    /// HTTP path to send the check body to; `/v1/noop` measures the stack without deciding.
+    #[arg(long, default_value = "/v1/check")]
+    pub path: String,
+    /// Concurrent workers, each with its own keep-alive connection and one request in flight.
+    #[arg(long, short = 'c', default_value_t = 16)]
+    pub concurrency: usize,
+    /// How long to run, as `500ms`, `10s` or `2m` (ignored with --requests).
+    #[arg(long, short = 'd', default_value = "10s", value_parser = parse_duration)]
+    pub duration: Duration,
+    /// Send exactly this many requests instead of running for --duration.
+    #[arg(long, short = 'n')]
+    pub requests: Option<u64>,
+    /// The descriptor domain.
+    #[arg(long, default_value = "api")]
+    pub domain: String,
+    /// The descriptor entry that carries the varying key (`user` → `{"user":"bench-42"}`).
+    #[arg(long, default_value = "user")]
+    pub key_entry: String,
+    /// A fixed descriptor entry added to every request, as `entry=value` (repeatable).
+    #[arg(long = "entry", value_name = "ENTRY=VALUE", value_parser = parse_entry)]
+    pub entries: Vec<(String, String)>,
+    /// Distinct key values (`bench-0` … `bench-{N-1}`).
+    #[arg(long, default_value_t = 10_000)]
+    pub keys: u64,
+    /// How keys are drawn: `uniform`, or `zipf` (exponent 1.1: a few hot keys, a long tail).
+    #[arg(long, value_enum, default_value_t = Distribution::Uniform)]
+    pub distribution: Distribution,
+    /// Tokens per request (`cost` over HTTP, `hits_addend` over gRPC).
+    #[arg(long, default_value_t = 1)]
+    pub cost: u32,
+    /// Open loop: send this many requests per second in total, on schedule, and measure
+    /// latency from when each request was due (so a stalled server cannot hide its queue).
+    #[arg(long, value_name = "PER_SECOND")]
+    pub rate: Option<f64>,
+    /// Give up on a request after this long and count an error.
+    #[arg(long, default_value = "2s", value_parser = parse_duration)]
+    pub timeout: Duration,
+    /// Print one JSON object instead of the text summary (and no progress bar).
+    #[arg(long)]
+    pub json: bool,
+    /// Seed of the key sequence, for runs that repeat exactly.
+    #[arg(long, default_value_t = 0x7011_6a7e)]
+    pub seed: u64,
+}
+
+/// How keys are drawn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Distribution {
+    /// Every key equally often.
+    Uniform,
+    /// Zipf with exponent 1.1: key `k` drawn in proportion to `1 / (k+1)^1.1`.
+    Zipf,
+}
+
+/// Where the load goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Target {
+    /// `host:port` and the path, over HTTP/1.1.
+    Http { authority: String, path: String },
+    /// `host:port`, over gRPC.
+    Grpc { authority: String },
+}
+
+/// When a run stops.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Stop {
+    After(Duration),
+    Count(u64),
+}
+
+/// Checked settings of one run.
+#[derive(Debug, Clone)]
+pub(crate) struct Plan {
+    pub(crate) target: Target,
+    pub(crate) concurrency: usize,
+    pub(crate) stop: Stop,
+    pub(crate) domain: String,
+    pub(crate) key_entry: String,
+    pub(crate) entries: Vec<(String, String)>,
+    pub(crate) keys: u64,
+    pub(crate) distribution: Distribution,
+    pub(crate) cost: u32,
+    /// The interval between two requests of one worker, in open loop.
+    pub(crate) interval: Option<Duration>,
+    pub(crate) timeout: Duration,
+    pub(crate) seed: u64,
+}
+
+impl BenchArgs {
+    /// Checks the flags together.
+    pub(crate) fn plan(&self) -> Result<Plan, String> {
+        let target = match (&self.target, &self.grpc) {
+            (Some(url), None) => Target::Http {
+                authority: http_authority(url)?,
+                path: check_path(&self.path)?,
+            },
+            (None, Some(authority)) => Target::Grpc {
+                authority: check_authority(authority, "--grpc")?,
+            },
+            _ => return Err("give one of --target http://HOST:PORT or --grpc HOST:PORT".into()),
+        };
+        if self.concurrency == 0 || self.concurrency > MAX_CONCURRENCY {
+            return Err(format!(
+                "--concurrency must be 1 to {MAX_CONCURRENCY}, not {}",
+                self.concurrency
+            ));
+        }
+        let stop = match self.requests {
+            Some(0) => return Err("--requests must be at least 1".into()),
+            Some(count) => Stop::Count(count),
+            None if self.duration.is_zero() => return Err("--duration must be above 0".into()),
+            None => Stop::After(self.duration),
+        };
+        if self.keys == 0 || self.keys > MAX_KEYS {
+            return Err(format!("--keys must be 1 to {MAX_KEYS}, not {}", self.keys));
+        }
+        if self.domain.is_empty() || self.key_entry.is_empty() {
+            return Err("--domain and --key-entry must not be empty".into());
+        }
+        if self.cost == 0 {
+            return Err("--cost must be at least 1".into());
+        }
+        if self.timeout.is_zero() {
+            return Err("--timeout must be above 0".into());
+        }
+        let interval = match self.rate {
+            None => None,
+            Some(rate) if rate.is_finite() && rate > 0.0 => {
+                // Each worker sends its share of the rate on its own schedule.
+                let per_worker = rate / self.concurrency as f64;
+                let interval = Duration::try_from_secs_f64(1.0 / per_worker)
+                    .map_err(|_| format!("--rate {rate} is too low"))?;
+                if interval.is_zero() {
+                    return Err(format!("--rate {rate} is too high"));
+                }
+                Some(interval)
+            }
+            Some(rate) => return Err(format!("--rate must be above 0, not {rate}")),
+        };
+        Ok(Plan {
+            target,
+            concurrency: self.concurrency,
+            stop,
+            domain: self.domain.clone(),
+            key_entry: self.key_entry.clone(),
+            entries: self.entries.clone(),
+            keys: self.keys,
+            distribution: self.distribution,
+            cost: self.cost,
+            interval,
+            timeout: self.timeout,
+            seed: self.seed,
+        })
+    }
+}
+
+/// `http://host:port[/]` → `host:port`. TLS is for a proxy in front: the generator measures
+/// tollgate, not a handshake.
+fn http_authority(url: &str) -> Result<String, String> {
+    let rest = url.strip_prefix("http://").ok_or_else(|| {
+        format!("--target must start with http:// (https is not supported), not {url}")
+    })?;
+    let authority = rest.strip_suffix('/').unwrap_or(rest);
+    if authority.contains('/') {
+        return Err(format!(
+            "--target is http://HOST:PORT without a path (use --path), not {url}"
+        ));
+    }
+    check_authority(authority, "--target")
+}
+
+fn check_authority(authority: &str, flag: &str) -> Result<String, String> {
+    match authority.rsplit_once(':') {
+        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {
+            Ok(authority.to_owned())
+        }
+        _ => Err(format!("{flag} needs HOST:PORT, not {authority}")),
+    }
+}
+
+fn check_path(path: &str) -> Result<String, String> {
+    if path.starts_with('/') && path.bytes().all(|b| b.is_ascii_graphic()) {
+        Ok(path.to_owned())
+    } else {
+        Err(format!(
+            "--path must start with / and hold no spaces, not {path}"
+        ))
+    }
+}
+
+/// `500ms`, `10s`, `2m`.
+pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .ok_or("a unit is needed: ms, s or m, as in 10s")?;
+    let (count, unit) = text.split_at(split);
+    let count: u64 = count
+        .parse()
+        .map_err(|_| format!("not a duration: {text}"))?;
+    match unit {
+        "ms" => Ok(Duration::from_millis(count)),
+        "s" => Ok(Duration::from_secs(count)),
+        "m" => Ok(Duration::from_secs(count.saturating_mul(60))),
+        _ => Err(format!("unknown unit in {text}: use ms, s or m")),
+    }
+}
+
+fn parse_entry(text: &str) -> Result<(String, String), String> {
+    text.split_once('=')
+        .filter(|(entry, _)| !entry.is_empty())
+        .map(|(entry, value)| (entry.to_owned(), value.to_owned()))
+        .ok_or_else(|| format!("expected ENTRY=VALUE, as in method=GET, not {text}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(args: &[&str]) -> Result<Plan, String> {
+        let args = BenchArgs::try_parse_from(std::iter::once("bench").chain(args.iter().copied()))
+            .map_err(|err| err.to_string())?;
+        args.plan()
+    }
+
+    #[test]
+    fn targets_parse() {
+        let http = plan(&["--target", "http://127.0.0.1:8080/"]).map(|p| p.target);
+        assert_eq!(
+            http,
+            Ok(Target::Http {
+                authority: "127.0.0.1:8080".into(),
+                path: "/v1/check".into()
+            })
+        );
+        let grpc = plan(&["--grpc", "localhost:8081"]).map(|p| p.target);
+        assert_eq!(
+            grpc,
+            Ok(Target::Grpc {
+                authority: "localhost:8081".into()
+            })
+        );
+    }
+
+    #[test]
+    fn bad_flags_are_one_line_errors() {
+        for args in [
+            &["--target", "https://x:1"][..],
+            &["--target", "http://x:1/v1/check"],
+            &["--target", "http://x"],
+            &["--grpc", "x:port"],
+            &["--target", "http://x:1", "--concurrency", "0"],
+            &["--target", "http://x:1", "--requests", "0"],
+            &["--target", "http://x:1", "--keys", "0"],
+            &["--target", "http://x:1", "--rate", "-3"],
+            &["--target", "http://x:1", "--cost", "0"],
+            &["--target", "http://x:1", "--path", "v1"],
+        ] {
+            let err = plan(args).err();
+            assert!(err.is_some(), "{args:?} was accepted");
+        }
+        assert!(plan(&[]).is_err());
+        assert!(plan(&["--target", "http://x:1", "--grpc", "x:2"]).is_err());
+    }
+
+    #[test]
+    fn open_loop_splits_the_rate_between_workers() {
+        let plan = plan(&["--target", "http://x:1", "-c", "4", "--rate", "1000"]);
+        assert_eq!(plan.map(|p| p.interval), Ok(Some(Duration::from_millis(4))));
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert!(parse_duration("10").is_err());
+        assert!(parse_duration("1h").is_err());
+    }
+}

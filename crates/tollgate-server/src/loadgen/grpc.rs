@@ -1,0 +1,102 @@
+//! The gRPC client of `tollgate bench`: Envoy RLS v3 `ShouldRateLimit`, as Envoy calls it.
+//!
+//! Each worker has its own channel (one HTTP/2 connection) with one call in flight, so
+//! `--concurrency` means the same over gRPC as over HTTP and the two can be compared.
+
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use tonic::transport::{Channel, Endpoint};
+
+use super::Verdict;
+use super::args::Plan;
+
+/// One worker's connection to a gRPC target.
+pub(crate) struct GrpcClient {
+    authority: String,
+    domain: String,
+    key_entry: String,
+    fixed: Vec<Entry>,
+    cost: u32,
+    /// `None` before the first call and after a failure: the next call reconnects.
+    client: Option<RateLimitServiceClient<Channel>>,
+}
+
+impl GrpcClient {
+    pub(crate) fn new(plan: &Plan, authority: &str) -> Self {
+        Self {
+            authority: authority.to_owned(),
+            domain: plan.domain.clone(),
+            key_entry: plan.key_entry.clone(),
+            fixed: plan
+                .entries
+                .iter()
+                .map(|(key, value)| Entry {
+                    key: key.clone(),
+                    value: value.clone(),
+                })
+                .collect(),
+            cost: plan.cost,
+            client: None,
+        }
+    }
+
+    /// Opens the connection now, so a run does not start before every worker is connected.
+    pub(crate) async fn connect(&mut self) -> Result<(), String> {
+        let endpoint = Endpoint::from_shared(format!("http://{}", self.authority))
+            .map_err(|err| format!("--grpc {}: {err}", self.authority))?
+            .tcp_nodelay(true);
+        let channel = endpoint
+            .connect()
+            .await
+            .map_err(|err| format!("cannot connect to gRPC {}: {err}", self.authority))?;
+        self.client = Some(RateLimitServiceClient::new(channel));
+        Ok(())
+    }
+
+    /// Forgets the connection (after a timeout its state is unknown).
+    pub(crate) fn reset(&mut self) {
+        self.client = None;
+    }
+
+    /// Sends one `ShouldRateLimit` for key `key`.
+    pub(crate) async fn send(&mut self, key: u64) -> Result<Verdict, String> {
+        if self.client.is_none() {
+            self.connect().await?;
+        }
+        let Some(client) = self.client.as_mut() else {
+            return Err("no connection".into());
+        };
+        let mut entries = self.fixed.clone();
+        entries.push(Entry {
+            key: self.key_entry.clone(),
+            value: format!("{}{key}", super::KEY_PREFIX),
+        });
+        let request = RateLimitRequest {
+            domain: self.domain.clone(),
+            descriptors: vec![RateLimitDescriptor {
+                entries,
+                ..Default::default()
+            }],
+            hits_addend: self.cost,
+        };
+        let response = match client.should_rate_limit(request).await {
+            Ok(response) => response.into_inner(),
+            Err(status) => {
+                // A transport failure leaves the channel in an unknown state; a request the
+                // server refused (bad domain, too many entries) does not.
+                if status.code() != tonic::Code::InvalidArgument {
+                    self.reset();
+                }
+                return Err(format!("gRPC {:?}: {}", status.code(), status.message()));
+            }
+        };
+        match response.overall_code() {
+            Code::Ok => Ok(Verdict::Allowed),
+            Code::OverLimit => Ok(Verdict::Rejected),
+            Code::Unknown => Err("gRPC answer with overall_code UNKNOWN".into()),
+        }
+    }
+}

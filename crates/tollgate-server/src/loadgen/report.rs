@@ -1,0 +1,160 @@
+//! The summary of a `tollgate bench` run, as text for people and JSON for scripts.
+
+use std::fmt;
+use std::time::Duration;
+
+use hdrhistogram::Histogram;
+use serde::Serialize;
+
+use super::args::{BenchArgs, Distribution, Plan, Target};
+use super::run::Tally;
+
+/// Latency of the requests that got a decision, in microseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct Latency {
+    /// Median.
+    pub p50: f64,
+    /// 90th percentile.
+    pub p90: f64,
+    /// 99th percentile.
+    pub p99: f64,
+    /// 99.9th percentile.
+    pub p99_9: f64,
+    /// The slowest.
+    pub max: f64,
+    /// The mean.
+    pub mean: f64,
+}
+
+/// What a run measured.
+#[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
+pub struct Summary {
+    /// `http` or `grpc`.
+    pub api: &'static str,
+    /// Where the load went: a URL, or `HOST:PORT` for gRPC.
+    pub target: String,
+    /// Concurrent workers (connections).
+    pub concurrency: usize,
+    /// How keys were drawn.
+    pub distribution: Distribution,
+    /// Distinct keys.
+    pub keys: u64,
+    /// The open-loop target rate per second, if any.
+    pub rate: Option<f64>,
+    /// Wall time of the run, in seconds.
+    pub elapsed_s: f64,
+    /// Requests sent.
+    pub requests: u64,
+    /// Requests allowed (HTTP 200, gRPC `OK`).
+    pub allowed: u64,
+    /// Requests rejected (HTTP 429, gRPC `OVER_LIMIT`).
+    pub rejected: u64,
+    /// Requests without a decision: another status, a transport failure, a timeout.
+    pub errors: u64,
+    /// Allowed and rejected per second of the run.
+    pub decisions_per_s: f64,
+    /// Latency of the decisions.
+    pub latency_us: Latency,
+    /// The first error, to say what went wrong.
+    pub first_error: Option<String>,
+}
+
+impl Summary {
+    /// Merges the workers' tallies into `merged` (an empty histogram of their bounds).
+    pub(crate) fn new(
+        args: &BenchArgs,
+        plan: &Plan,
+        elapsed: Duration,
+        tallies: Vec<Tally>,
+        mut merged: Histogram<u64>,
+    ) -> Self {
+        let (mut allowed, mut rejected, mut errors) = (0, 0, 0);
+        let mut first_error = None;
+        for tally in tallies {
+            allowed += tally.allowed;
+            rejected += tally.rejected;
+            errors += tally.errors;
+            first_error = first_error.or(tally.first_error);
+            // Same bounds on every histogram, so adding cannot overflow their range; a count
+            // that did would only be lost from the percentiles.
+            let _ = merged.add(&tally.latency);
+        }
+        let micros = |nanos: u64| nanos as f64 / 1000.0;
+        let latency_us = Latency {
+            p50: micros(merged.value_at_quantile(0.5)),
+            p90: micros(merged.value_at_quantile(0.9)),
+            p99: micros(merged.value_at_quantile(0.99)),
+            p99_9: micros(merged.value_at_quantile(0.999)),
+            max: micros(merged.max()),
+            mean: merged.mean() / 1000.0,
+        };
+        let elapsed_s = elapsed.as_secs_f64();
+        let (api, target) = match &plan.target {
+            Target::Http { authority, path } => ("http", format!("http://{authority}{path}")),
+            Target::Grpc { authority } => ("grpc", authority.clone()),
+        };
+        Self {
+            api,
+            target,
+            concurrency: plan.concurrency,
+            distribution: plan.distribution,
+            keys: plan.keys,
+            rate: args.rate,
+            elapsed_s,
+            requests: allowed + rejected + errors,
+            allowed,
+            rejected,
+            errors,
+            decisions_per_s: if elapsed_s > 0.0 {
+                (allowed + rejected) as f64 / elapsed_s
+            } else {
+                0.0
+            },
+            latency_us,
+            first_error,
+        }
+    }
+
+    /// The summary as one line of JSON.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).unwrap_or_else(|err| format!("{{\"error\":\"{err}\"}}"))
+    }
+}
+
+impl fmt::Display for Summary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let distribution = match self.distribution {
+            Distribution::Uniform => "uniform",
+            Distribution::Zipf => "zipf",
+        };
+        let load = match self.rate {
+            Some(rate) => format!("open loop at {rate:.0}/s"),
+            None => "closed loop".to_owned(),
+        };
+        writeln!(
+            f,
+            "tollgate bench: {} {}, {} workers, {load}, {distribution} over {} keys, {:.2} s",
+            self.api, self.target, self.concurrency, self.keys, self.elapsed_s
+        )?;
+        writeln!(f, "  decisions/s  {:.0}", self.decisions_per_s)?;
+        writeln!(f, "  requests     {}", self.requests)?;
+        writeln!(f, "  allowed      {}", self.allowed)?;
+        writeln!(f, "  rejected     {}", self.rejected)?;
+        match &self.first_error {
+            Some(first) => writeln!(f, "  errors       {} (first: {first})", self.errors)?,
+            None => writeln!(f, "  errors       {}", self.errors)?,
+        }
+        let l = &self.latency_us;
+        writeln!(
+            f,
+            "  latency ms   p50 {:.3}  p90 {:.3}  p99 {:.3}  p99.9 {:.3}  max {:.3}",
+            l.p50 / 1000.0,
+            l.p90 / 1000.0,
+            l.p99 / 1000.0,
+            l.p99_9 / 1000.0,
+            l.max / 1000.0
+        )
+    }
+}

@@ -1,0 +1,282 @@
+//! One `tollgate bench` run: connect every worker, send until the duration or count is reached,
+//! and merge what the workers saw.
+//!
+//! Workers keep their own counts and histogram and share only two relaxed counters (requests
+//! claimed, for `--requests`; requests done, for the progress bar), so the generator adds no
+//! lock to the path it measures.
+
+use std::io::IsTerminal;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use hdrhistogram::Histogram;
+use indicatif::{ProgressBar, ProgressStyle};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use super::Verdict;
+use super::args::{BenchArgs, Plan, Stop, Target};
+use super::grpc::GrpcClient;
+use super::http::HttpClient;
+use super::keys::{KeyPicker, zipf_cdf};
+use super::report::Summary;
+
+/// The longest latency the histogram holds, in nanoseconds (longer ones count as this).
+const MAX_LATENCY_NS: u64 = 3_600_000_000_000;
+/// How long a closed-loop worker waits after an error, so a dead target is not hammered.
+const ERROR_PAUSE: Duration = Duration::from_millis(10);
+/// How often the progress bar is redrawn.
+const PROGRESS_TICK: Duration = Duration::from_millis(200);
+
+/// Why a run could not start or finish.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BenchError {
+    /// A flag is wrong; the message names it.
+    #[error("{0}")]
+    Args(String),
+    /// The target could not be reached before the run started.
+    #[error("{0}")]
+    Connect(String),
+    /// The generator itself failed.
+    #[error("load generator: {0}")]
+    Internal(String),
+}
+
+/// A worker's connection, whichever the API.
+enum Client {
+    Http(HttpClient),
+    Grpc(GrpcClient),
+}
+
+impl Client {
+    async fn connect(&mut self) -> Result<(), String> {
+        match self {
+            Self::Http(client) => client.connect().await,
+            Self::Grpc(client) => client.connect().await,
+        }
+    }
+
+    fn reset(&mut self) {
+        match self {
+            Self::Http(client) => client.reset(),
+            Self::Grpc(client) => client.reset(),
+        }
+    }
+
+    async fn send(&mut self, key: u64) -> Result<Verdict, String> {
+        match self {
+            Self::Http(client) => client.send(key).await,
+            Self::Grpc(client) => client.send(key).await,
+        }
+    }
+}
+
+/// What one worker saw.
+pub(crate) struct Tally {
+    pub(crate) allowed: u64,
+    pub(crate) rejected: u64,
+    pub(crate) errors: u64,
+    pub(crate) first_error: Option<String>,
+    /// Latencies of the requests that got a decision, in nanoseconds.
+    pub(crate) latency: Histogram<u64>,
+}
+
+/// The counters workers share with each other and the progress bar.
+#[derive(Default)]
+struct Shared {
+    claimed: AtomicU64,
+    done: AtomicU64,
+}
+
+/// Runs the load `args` describe and returns what it measured. The progress bar goes to stderr
+/// when stderr is a terminal and `--json` is off.
+///
+/// # Errors
+///
+/// [`BenchError::Args`] for bad flags, [`BenchError::Connect`] when a worker cannot connect
+/// before the start. Failures during the run are counted as errors in the [`Summary`].
+pub async fn run(args: &BenchArgs) -> Result<Summary, BenchError> {
+    let plan = Arc::new(args.plan().map_err(BenchError::Args)?);
+    let histogram = Histogram::<u64>::new_with_bounds(1, MAX_LATENCY_NS, 3)
+        .map_err(|err| BenchError::Internal(err.to_string()))?;
+    let cdf = match plan.distribution {
+        super::Distribution::Uniform => None,
+        super::Distribution::Zipf => Some(zipf_cdf(plan.keys)),
+    };
+
+    let mut clients = Vec::with_capacity(plan.concurrency);
+    for _ in 0..plan.concurrency {
+        let mut client = match &plan.target {
+            Target::Http { authority, path } => {
+                Client::Http(HttpClient::new(&plan, authority, path))
+            }
+            Target::Grpc { authority } => Client::Grpc(GrpcClient::new(&plan, authority)),
+        };
+        client.connect().await.map_err(BenchError::Connect)?;
+        clients.push(client);
+    }
+
+    let shared = Arc::new(Shared::default());
+    let progress = progress_bar(&plan, args.json);
+    let start = Instant::now();
+    let deadline = match plan.stop {
+        Stop::After(duration) => Some(start + duration),
+        Stop::Count(_) => None,
+    };
+    let mut workers = JoinSet::new();
+    for (id, client) in clients.into_iter().enumerate() {
+        // Distinct, reproducible key sequences per worker.
+        let seed = plan
+            .seed
+            .wrapping_add((id as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        let picker = KeyPicker::new(plan.distribution, plan.keys, seed, cdf.clone());
+        // Open loop: stagger the workers' schedules evenly across one interval.
+        let first_due = plan
+            .interval
+            .map(|interval| start + interval.mul_f64(id as f64 / plan.concurrency as f64));
+        workers.spawn(worker(
+            Arc::clone(&plan),
+            client,
+            picker,
+            histogram.clone(),
+            Arc::clone(&shared),
+            first_due,
+            deadline,
+        ));
+    }
+
+    let ticker = tokio::spawn(tick(
+        progress.clone(),
+        Arc::clone(&shared),
+        plan.stop,
+        start,
+    ));
+    let mut tallies = Vec::with_capacity(plan.concurrency);
+    while let Some(joined) = workers.join_next().await {
+        tallies.push(joined.map_err(|err| BenchError::Internal(err.to_string()))?);
+    }
+    let elapsed = start.elapsed();
+    ticker.abort();
+    progress.finish_and_clear();
+    Ok(Summary::new(args, &plan, elapsed, tallies, histogram))
+}
+
+/// Sends requests until the run is over.
+async fn worker(
+    plan: Arc<Plan>,
+    mut client: Client,
+    mut picker: KeyPicker,
+    latency: Histogram<u64>,
+    shared: Arc<Shared>,
+    mut due: Option<Instant>,
+    deadline: Option<Instant>,
+) -> Tally {
+    let mut tally = Tally {
+        allowed: 0,
+        rejected: 0,
+        errors: 0,
+        first_error: None,
+        latency,
+    };
+    loop {
+        if let Stop::Count(count) = plan.stop
+            && shared.claimed.fetch_add(1, Ordering::Relaxed) >= count
+        {
+            break;
+        }
+        let sent = match due {
+            Some(at) => {
+                if deadline.is_some_and(|deadline| at >= deadline) {
+                    break;
+                }
+                let now = Instant::now();
+                if now < at {
+                    tokio::time::sleep_until(at).await;
+                    // The worker was idle: time from when it woke, because tokio's timer can
+                    // wake up to a millisecond late and that lateness is the generator's.
+                    Instant::now()
+                } else {
+                    // Behind schedule: the request waited for the server's earlier answers,
+                    // and that wait is part of its latency (no coordinated omission).
+                    at
+                }
+            }
+            None => {
+                let now = Instant::now();
+                if deadline.is_some_and(|deadline| now >= deadline) {
+                    break;
+                }
+                now
+            }
+        };
+        if let (Some(at), Some(interval)) = (due, plan.interval) {
+            due = Some(at + interval);
+        }
+        let key = picker.next();
+        let result = tokio::time::timeout(plan.timeout, client.send(key)).await;
+        let result = result.unwrap_or_else(|_| {
+            client.reset();
+            Err(format!("no answer within {:?} (--timeout)", plan.timeout))
+        });
+        match result {
+            Ok(verdict) => {
+                let nanos = u64::try_from(sent.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                tally.latency.saturating_record(nanos.max(1));
+                match verdict {
+                    Verdict::Allowed => tally.allowed += 1,
+                    Verdict::Rejected => tally.rejected += 1,
+                }
+            }
+            Err(message) => {
+                tally.errors += 1;
+                tally.first_error.get_or_insert(message);
+                if due.is_none() {
+                    tokio::time::sleep(ERROR_PAUSE).await;
+                }
+            }
+        }
+        shared.done.fetch_add(1, Ordering::Relaxed);
+    }
+    tally
+}
+
+/// A progress bar on stderr, or a hidden one when nobody is watching.
+fn progress_bar(plan: &Plan, json: bool) -> ProgressBar {
+    if json || !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let (len, template) = match plan.stop {
+        Stop::Count(count) => (count, "{bar:40} {pos}/{len} requests  {msg}"),
+        Stop::After(duration) => (
+            u64::try_from(duration.as_millis()).unwrap_or(u64::MAX),
+            "{bar:40} {elapsed_precise}  {msg}",
+        ),
+    };
+    let style =
+        ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar());
+    ProgressBar::new(len).with_style(style)
+}
+
+/// Redraws the progress bar until aborted.
+async fn tick(progress: ProgressBar, shared: Arc<Shared>, stop: Stop, start: Instant) {
+    let mut ticks = tokio::time::interval(PROGRESS_TICK);
+    let mut last = (start, 0u64);
+    loop {
+        ticks.tick().await;
+        let now = Instant::now();
+        let done = shared.done.load(Ordering::Relaxed);
+        let position = match stop {
+            Stop::Count(_) => done,
+            Stop::After(_) => u64::try_from(now.duration_since(start).as_millis()).unwrap_or(0),
+        };
+        progress.set_position(position);
+        let seconds = now.duration_since(last.0).as_secs_f64();
+        if seconds > 0.0 {
+            let rate = done.saturating_sub(last.1) as f64 / seconds;
+            progress.set_message(format!("{done} sent, {rate:.0}/s"));
+        }
+        last = (now, done);
+    }
+}

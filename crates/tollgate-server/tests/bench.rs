@@ -1,0 +1,205 @@
+//! `tollgate bench` against a server in this process, on loopback: every request is counted
+//! once, and the demo policy's limit shows up as rejections over both HTTP and gRPC.
+//!
+//! Bounded by request count (a few hundred), never by wall time; no assertion on speed.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::http::StatusCode;
+use clap::Parser;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tollgate_policy::{EngineOptions, PolicyEngine, compile};
+use tollgate_server::cli::DEMO_POLICY;
+use tollgate_server::loadgen::{BenchArgs, BenchError, Summary, run};
+use tollgate_server::{AppState, Backend, Decider, HttpOptions};
+
+/// The demo policy's per-user burst and refill per second.
+const CAPACITY: u64 = 10;
+const REFILL_PER_S: f64 = 5.0;
+
+/// A server on free loopback ports, stopped on drop.
+struct Server {
+    http: SocketAddr,
+    grpc: SocketAddr,
+    _stop: oneshot::Sender<()>,
+}
+
+async fn start() -> Server {
+    let policy = compile("demo", DEMO_POLICY).expect("demo policy compiles");
+    let engine = Arc::new(PolicyEngine::new(policy, EngineOptions::default()));
+    let decider = Arc::new(Decider::new(engine, Backend::Memory));
+    let options = HttpOptions {
+        admin_token: None,
+        forward_auth_headers: Vec::new(),
+        forward_auth_deny: StatusCode::TOO_MANY_REQUESTS,
+    };
+    let state = Arc::new(AppState::new(decider, None, options));
+    let http = TcpListener::bind("127.0.0.1:0").await.expect("bind http");
+    let grpc = TcpListener::bind("127.0.0.1:0").await.expect("bind grpc");
+    let (http_addr, grpc_addr) = (
+        http.local_addr().expect("http addr"),
+        grpc.local_addr().expect("grpc addr"),
+    );
+    let (stop, stopped) = oneshot::channel::<()>();
+    tokio::spawn(tollgate_server::run(state, http, grpc, async move {
+        let _ = stopped.await;
+    }));
+    Server {
+        http: http_addr,
+        grpc: grpc_addr,
+        _stop: stop,
+    }
+}
+
+async fn bench(args: &[&str]) -> Result<Summary, BenchError> {
+    let args = BenchArgs::try_parse_from(std::iter::once("bench").chain(args.iter().copied()))
+        .expect("flags parse");
+    run(&args).await
+}
+
+/// Every request counted once, none failed, and the demo limit both admitted and rejected
+/// without admitting more than its burst plus refill over the run.
+fn assert_limited(summary: &Summary, requests: u64, keys: u64) {
+    assert_eq!(
+        summary.allowed + summary.rejected + summary.errors,
+        requests,
+        "{summary:?}"
+    );
+    assert_eq!(summary.requests, requests);
+    assert_eq!(summary.errors, 0, "{:?}", summary.first_error);
+    assert!(summary.rejected > 0, "no rejection: {summary:?}");
+    assert!(summary.allowed >= CAPACITY, "{summary:?}");
+    let most = keys as f64 * (CAPACITY as f64 + REFILL_PER_S * summary.elapsed_s) + 1.0;
+    assert!(
+        summary.allowed as f64 <= most,
+        "over-admission: {summary:?}"
+    );
+    assert!(summary.latency_us.p50 > 0.0 && summary.latency_us.p99 >= summary.latency_us.p50);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_counts_add_up_and_the_demo_limit_rejects() {
+    let server = start().await;
+    let target = format!("http://{}", server.http);
+    let summary = bench(&[
+        "--target",
+        &target,
+        "--requests",
+        "200",
+        "--keys",
+        "2",
+        "-c",
+        "4",
+    ])
+    .await
+    .expect("bench runs");
+    assert_eq!(summary.api, "http");
+    assert_limited(&summary, 200, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_counts_add_up_and_the_demo_limit_rejects() {
+    let server = start().await;
+    let target = server.grpc.to_string();
+    let summary = bench(&[
+        "--grpc",
+        &target,
+        "--requests",
+        "200",
+        "--keys",
+        "2",
+        "-c",
+        "4",
+        "--distribution",
+        "zipf",
+    ])
+    .await
+    .expect("bench runs");
+    assert_eq!(summary.api, "grpc");
+    assert_limited(&summary, 200, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_noop_endpoint_allows_everything() {
+    let server = start().await;
+    let target = format!("http://{}", server.http);
+    let summary = bench(&[
+        "--target",
+        &target,
+        "--path",
+        "/v1/noop",
+        "--requests",
+        "150",
+        "--keys",
+        "1",
+    ])
+    .await
+    .expect("bench runs");
+    assert_eq!(
+        (summary.allowed, summary.rejected, summary.errors),
+        (150, 0, 0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unexpected_statuses_are_errors_with_the_reason() {
+    let server = start().await;
+    let target = format!("http://{}", server.http);
+    let summary = bench(&[
+        "--target",
+        &target,
+        "--path",
+        "/v1/nowhere",
+        "--requests",
+        "20",
+        "-c",
+        "2",
+    ])
+    .await
+    .expect("bench runs");
+    assert_eq!(
+        (summary.allowed, summary.rejected, summary.errors),
+        (0, 0, 20)
+    );
+    let first = summary.first_error.unwrap_or_default();
+    assert!(first.starts_with("HTTP 404"), "{first}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_loop_keeps_to_its_rate() {
+    let server = start().await;
+    let target = format!("http://{}", server.http);
+    // 40 requests at 400/s cannot finish in much less than 0.1 s.
+    let summary = bench(&[
+        "--target",
+        &target,
+        "--path",
+        "/v1/noop",
+        "--requests",
+        "40",
+        "-c",
+        "4",
+        "--rate",
+        "400",
+    ])
+    .await
+    .expect("bench runs");
+    assert_eq!(summary.allowed, 40);
+    assert!(summary.elapsed_s >= 0.075, "{summary:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_target_is_one_clear_error() {
+    let closed = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = closed.local_addr().expect("addr");
+    drop(closed);
+    let target = format!("http://{addr}");
+    let err = bench(&["--target", &target, "--requests", "5"]).await.err();
+    let message = err.map(|err| err.to_string()).unwrap_or_default();
+    assert!(
+        message.starts_with(&format!("cannot connect to http://{addr}")),
+        "{message}"
+    );
+}
