@@ -6,8 +6,12 @@
 
 use std::time::Duration;
 
-use metrics::{counter, gauge, histogram};
+use std::collections::HashMap;
+use std::sync::LazyLock;
+
+use metrics::{Counter, Histogram, counter, gauge, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use parking_lot::RwLock;
 use tollgate::Unavailable;
 use tollgate_policy::{Outcome, PolicyEngine};
 
@@ -104,6 +108,65 @@ fn describe() {
     describe_gauge!(POLICY_REFUSED, "1 while the last policy load was refused.");
 }
 
+/// Metric handles already registered, so a decision costs an atomic add rather than a registry
+/// lookup with freshly allocated labels. Bounded: limit names come from the policies loaded.
+struct Handles {
+    /// Per limit name: ((result, mode, api), counter).
+    decisions: RwLock<HashMap<String, Vec<(DecisionLabels, Counter)>>>,
+    latency: RwLock<Vec<((Api, &'static str), Histogram)>>,
+}
+
+/// `result`, `mode` and `api` of a decision counter.
+type DecisionLabels = (&'static str, &'static str, Api);
+
+static HANDLES: LazyLock<Handles> = LazyLock::new(|| Handles {
+    decisions: RwLock::new(HashMap::new()),
+    latency: RwLock::new(Vec::new()),
+});
+
+fn decision_counter(limit: &str, result: &'static str, mode: &'static str, api: Api) -> Counter {
+    let key = (result, mode, api);
+    let cached = HANDLES.decisions.read().get(limit).and_then(|handles| {
+        handles
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map(|(_, counter)| counter.clone())
+    });
+    if let Some(counter) = cached {
+        return counter;
+    }
+    let counter = counter!(
+        DECISIONS,
+        "limit" => limit.to_owned(),
+        "result" => result,
+        "mode" => mode,
+        "api" => api.as_str()
+    );
+    HANDLES
+        .decisions
+        .write()
+        .entry(limit.to_owned())
+        .or_default()
+        .push((key, counter.clone()));
+    counter
+}
+
+fn latency_histogram(api: Api, store: &'static str) -> Histogram {
+    let key = (api, store);
+    let cached = HANDLES
+        .latency
+        .read()
+        .iter()
+        .find(|(k, _)| *k == key)
+        .map(|(_, histogram)| histogram.clone());
+    if let Some(histogram) = cached {
+        return histogram;
+    }
+    let histogram = histogram!(LATENCY, "api" => api.as_str(), "store" => store);
+    HANDLES.latency.write().push((key, histogram.clone()));
+    histogram
+}
+
 /// Records one decided request.
 pub fn record_decision(
     api: Api,
@@ -111,17 +174,16 @@ pub fn record_decision(
     elapsed: Duration,
     outcome: &Result<Outcome, DecideError>,
 ) {
-    let api_label = api.as_str();
-    histogram!(LATENCY, "api" => api_label, "store" => store).record(elapsed.as_secs_f64());
+    latency_histogram(api, store).record(elapsed.as_secs_f64());
     let outcome = match outcome {
         Ok(outcome) => outcome,
         Err(_) => {
-            counter!(INVALID, "api" => api_label).increment(1);
+            counter!(INVALID, "api" => api.as_str()).increment(1);
             return;
         }
     };
     if outcome.unmatched() {
-        counter!(UNMATCHED, "api" => api_label).increment(1);
+        counter!(UNMATCHED, "api" => api.as_str()).increment(1);
     }
     for limit in &outcome.limits {
         let result = match (&limit.decision, outcome.failed_closed) {
@@ -130,14 +192,7 @@ pub fn record_decision(
             (Some(decision), false) if decision.allowed() => "allowed",
             (Some(_), false) => "rejected",
         };
-        counter!(
-            DECISIONS,
-            "limit" => limit.name.clone(),
-            "result" => result,
-            "mode" => limit.mode,
-            "api" => api_label
-        )
-        .increment(1);
+        decision_counter(&limit.name, result, limit.mode, api).increment(1);
     }
 }
 

@@ -16,8 +16,9 @@ use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
+use tollgate::Decision;
 use tollgate_policy::Outcome;
 
 use super::error::ApiError;
@@ -247,51 +248,74 @@ fn millis_ceil(duration: std::time::Duration) -> u64 {
     u64::try_from(duration.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX)
 }
 
-/// The JSON body of SPEC §6; `explain` adds bucket keys and descriptors.
-pub(crate) fn body_of(outcome: &Outcome, explain: bool) -> Value {
-    let limits: Vec<Value> = outcome
+/// One limit in the JSON body.
+#[derive(Serialize)]
+struct LimitBody<'a> {
+    name: &'a str,
+    mode: &'a str,
+    allowed: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    remaining: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    capacity: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    retry_after_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reset_after_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    exempted_by: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bucket_key: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    descriptor: Option<usize>,
+}
+
+/// The JSON body of SPEC §6, serialized straight from the outcome (no intermediate tree: this
+/// is on every request's path).
+#[derive(Serialize)]
+pub(crate) struct Body<'a> {
+    allowed: bool,
+    policy_version: &'a str,
+    limits: Vec<LimitBody<'a>>,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    degraded: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<Value>,
+}
+
+/// The body for `outcome`; `explain` adds bucket keys and descriptors.
+pub(crate) fn body_of(outcome: &Outcome, explain: bool) -> Body<'_> {
+    let limits = outcome
         .limits
         .iter()
         .map(|limit| {
-            let mut item = json!({
-                "name": limit.name,
-                "mode": limit.mode,
-            });
-            match &limit.decision {
-                Some(decision) => {
-                    item["allowed"] = json!(decision.allowed());
-                    item["remaining"] = json!(decision.remaining());
-                    item["capacity"] = json!(decision.limit().capacity());
-                    item["retry_after_ms"] = json!(decision.retry_after().map_or(0, millis_ceil));
-                    item["reset_after_ms"] = json!(millis_ceil(decision.reset_after()));
-                }
-                None => item["allowed"] = json!(!outcome.failed_closed),
+            let decision = limit.decision.as_ref();
+            LimitBody {
+                name: &limit.name,
+                mode: limit.mode,
+                allowed: decision.map_or(!outcome.failed_closed, Decision::allowed),
+                remaining: decision.map(Decision::remaining),
+                capacity: decision.map(|d| d.limit().capacity()),
+                retry_after_ms: decision.map(|d| d.retry_after().map_or(0, millis_ceil)),
+                reset_after_ms: decision.map(|d| millis_ceil(d.reset_after())),
+                exempted_by: limit.exempted_by.as_deref(),
+                bucket_key: explain.then_some(limit.bucket_key.as_str()),
+                descriptor: explain.then_some(limit.descriptor),
             }
-            if let Some(owner) = &limit.exempted_by {
-                item["exempted_by"] = json!(owner);
-            }
-            if explain {
-                item["bucket_key"] = json!(limit.bucket_key);
-                item["descriptor"] = json!(limit.descriptor);
-            }
-            item
         })
         .collect();
-    let mut body = json!({
-        "allowed": outcome.allowed,
-        "policy_version": &*outcome.policy_version,
-        "limits": limits,
-    });
-    if outcome.degraded {
-        body["degraded"] = json!(true);
+    Body {
+        allowed: outcome.allowed,
+        policy_version: &outcome.policy_version,
+        limits,
+        degraded: outcome.degraded,
+        error: outcome.failed_closed.then(|| {
+            json!({
+                "code": "store_unavailable",
+                "message": "the shared store cannot answer and a limit fails closed",
+            })
+        }),
     }
-    if outcome.failed_closed {
-        body["error"] = json!({
-            "code": "store_unavailable",
-            "message": "the shared store cannot answer and a limit fails closed",
-        });
-    }
-    body
 }
 
 pub(crate) async fn check(
