@@ -6,12 +6,16 @@
 //! wraps any store with per-limit failure modes: fail closed (a distinct "unavailable"
 //! outcome) or open on a bounded local emergency budget.
 //!
-//! ```no_run
+#![cfg_attr(feature = "test-server", doc = "```")]
+#![cfg_attr(not(feature = "test-server"), doc = "```ignore")]
 //! use tollgate::{CheckRequest, Limit, Store, Take};
 //! use tollgate_redis::{RedisConfig, RedisStore};
 //!
-//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-//! let store = RedisStore::connect("redis://127.0.0.1:6379", RedisConfig::default()).await?;
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # let server = tollgate_redis::test_server::RedisServer::start();
+//! # let url = server.url();
+//! let store = RedisStore::connect(&url, RedisConfig::default()).await?;
 //! let limit = Limit::new(20, "10/s".parse()?)?;
 //! let takes = [Take { key: "user:{42}", limit: &limit, cost: 1 }];
 //! let decisions = store
