@@ -5,6 +5,43 @@
 //! forward-auth endpoint for nginx and Traefik ([`http`]), with Prometheus metrics, health and
 //! admin endpoints. [`run`] serves them on listeners it is given until a shutdown future
 //! resolves, so `main` and the end-to-end tests start the server the same way.
+//!
+//! Every front end decides through the [`Decider`]: the policy in force against the memory
+//! store or Redis.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use tollgate_policy::{EngineOptions, PolicyEngine, compile};
+//! use tollgate_server::decider::Request;
+//! use tollgate_server::metrics::Api;
+//! use tollgate_server::{Backend, Decider};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let policy = compile(
+//!     "inline.yaml",
+//!     "limits: [{name: per-user, domain: api, key: [user], capacity: 2, refill: 1/s}]",
+//! )?;
+//! let engine = Arc::new(PolicyEngine::new(policy, EngineOptions::default()));
+//! let decider = Decider::new(engine, Backend::Memory);
+//!
+//! let descriptors = [vec![("user".to_owned(), "u1".to_owned())]];
+//! let request = Request { domain: "api", descriptors: &descriptors, cost: 1, request_id: None };
+//! assert!(decider.decide(Api::Http, &request).await?.allowed);
+//! assert!(decider.decide(Api::Http, &request).await?.allowed);
+//! let third = decider.decide(Api::Http, &request).await?;
+//! assert!(!third.allowed);
+//! assert_eq!(third.limits[0].name, "per-user");
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Semantics
+//!
+//! * A request carries a domain and descriptors; every limit whose domain, `when` entries and
+//!   `key` entries match applies, all or nothing. No limit applying means allowed (counted).
+//! * HTTP answers 200 / 429 (with `Retry-After`, rounded up) / 503 (a limit failing closed
+//!   while Redis is down) / 400 (bad input, nothing decided); gRPC answers Envoy's codes.
 
 pub mod cli;
 pub mod decider;
