@@ -20,6 +20,7 @@ use tollgate_redis::{RedisConfig, RedisStore, redact};
 
 use crate::decider::{Backend, Decider};
 use crate::http::{AppState, HttpOptions};
+use crate::loadgen::args::parse_duration;
 
 /// The demo policy `serve` runs without `--config`.
 pub const DEMO_POLICY: &str = include_str!("demo.yaml");
@@ -122,21 +123,6 @@ struct CheckArgs {
     /// How many times to send the request, back to back.
     #[arg(long, default_value_t = 1)]
     times: u32,
-}
-
-fn parse_duration(text: &str) -> Result<Duration, String> {
-    let split = text
-        .find(|c: char| !c.is_ascii_digit())
-        .ok_or("a unit is needed: ms or s, as in 20ms")?;
-    let (count, unit) = text.split_at(split);
-    let count: u64 = count
-        .parse()
-        .map_err(|_| format!("not a duration: {text}"))?;
-    match unit {
-        "ms" => Ok(Duration::from_millis(count)),
-        "s" => Ok(Duration::from_secs(count)),
-        _ => Err(format!("unknown unit in {text}: use ms or s")),
-    }
 }
 
 fn parse_mapping(text: &str) -> Result<(String, String), String> {

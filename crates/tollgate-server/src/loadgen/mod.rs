@@ -10,7 +10,7 @@
 //! The generator shares the machine with the server when both run on one host; the figures
 //! are then for the pair, which is the documented setup of crates/tollgate-server/BENCHMARKS-server.md.
 
-mod args;
+pub(crate) mod args;
 mod grpc;
 mod http;
 mod keys;
