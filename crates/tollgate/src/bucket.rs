@@ -65,6 +65,17 @@ impl BucketState {
         self.full_at <= clamp(now)
     }
 
+    /// A state with no sub-nanosecond remainder, full at `full_at` nanoseconds.
+    pub(crate) fn whole(full_at: u64) -> Self {
+        Self { full_at, frac: 0 }
+    }
+
+    /// The sub-nanosecond remainder (0 for every limit whose tokens are a whole number of
+    /// nanoseconds apart).
+    pub(crate) fn frac(&self) -> u32 {
+        self.frac
+    }
+
     fn tat(&self, limit: &Limit) -> u128 {
         u128::from(self.full_at) * u128::from(limit.a()) - u128::from(self.frac)
     }

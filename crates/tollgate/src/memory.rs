@@ -10,8 +10,12 @@
 //!
 //! # Memory
 //!
-//! A live bucket costs its key plus a 16-byte [`BucketState`] in a slot of the shard's table.
-//! Keys are stored as given (use `u64` or `Box<str>` rather than `String` to save bytes).
+//! A live bucket costs its key plus 8 bytes in a slot of the shard's table: the nanosecond at
+//! which it is full again. That is its whole state for every limit whose tokens are a whole
+//! number of nanoseconds apart (`10/s`, `600/m`, `5/100ms`, `1/d`, ...). Rates such as `3/s`
+//! also carry a sub-nanosecond remainder; such a bucket keeps its exact state in the shard's
+//! spill table, under a second copy of its key (counted in [`MemoryStats::spilled`]). Keys are
+//! stored as given (use `u64` or `Box<str>` rather than `String` to save bytes).
 //!
 //! * **Lossless expiry.** A bucket idle for its time-to-full is full, which is what an absent
 //!   bucket means, so dropping it changes nothing. Each shard drops its full buckets whenever its
@@ -74,6 +78,9 @@ pub struct MemoryStats {
     pub evicted: u64,
     /// Idempotency records held now.
     pub idempotency_records: usize,
+    /// Live buckets whose state has a sub-nanosecond remainder and is kept in a spill table
+    /// (limits such as `3/s`; see the module docs).
+    pub spilled: usize,
 }
 
 /// Builds a [`MemoryStore`].
@@ -215,6 +222,8 @@ struct Padded<T>(T);
 
 struct Shard<K> {
     buckets: HashTable<Slot<K>>,
+    /// Exact states of the slots marked [`SPILLED`].
+    spill: HashTable<Spilled<K>>,
     /// This shard's share of the store's bucket bound.
     bound: usize,
     records: Records,
@@ -224,15 +233,70 @@ impl<K> Shard<K> {
     fn new(bound: usize) -> Self {
         Self {
             buckets: HashTable::new(),
+            spill: HashTable::new(),
             bound,
             records: Records::default(),
         }
     }
 }
 
+/// A live bucket in a shard's table: its key and, packed into 8 bytes, its state.
+///
+/// For a limit whose tokens are a whole number of nanoseconds apart (any `N/period` where N
+/// divides the period in ns: `10/s`, `600/m`, `5/100ms`, `1/d`, ...) the state is just the
+/// nanosecond the bucket is full again, which fits in 63 bits, so a slot is the key plus 8 bytes.
+/// A state with a sub-nanosecond remainder (rates such as `3/s`) does not fit: the slot is then
+/// marked [`SPILLED`] and the exact state lives in the shard's spill table under the same key.
 struct Slot<K> {
     key: K,
+    packed: u64,
+}
+
+/// A state too wide for a [`Slot`], kept exactly.
+struct Spilled<K> {
+    key: K,
     state: BucketState,
+}
+
+/// The top bit of [`Slot::packed`]: the state is in the spill table. Timestamps below 2^63 ns
+/// leave it clear (the bucket math clamps time there).
+const SPILLED: u64 = 1 << 63;
+
+/// The packed form of `state`, if it fits in a slot.
+fn pack(state: BucketState) -> Option<u64> {
+    let full_at = state.full_at().as_nanos();
+    (state.frac() == 0 && full_at < SPILLED).then_some(full_at)
+}
+
+/// The state of the slot holding `key` (with hash `hash`) and `packed`.
+fn unpack<K: Eq>(
+    packed: u64,
+    key: &K,
+    hash: u64,
+    spill: &HashTable<Spilled<K>>,
+) -> Option<BucketState> {
+    if packed & SPILLED == 0 {
+        return Some(BucketState::whole(packed));
+    }
+    // A spilled slot always has its entry (they are written and removed together); were it
+    // missing, the bucket would read as new.
+    spill
+        .find(hash, |spilled| spilled.key == *key)
+        .map(|spilled| spilled.state)
+}
+
+/// The instant the slot's bucket is full again, for expiry and eviction.
+fn full_at_of<K: Eq>(packed: u64, key: &K, hash: u64, spill: &HashTable<Spilled<K>>) -> u64 {
+    unpack(packed, key, hash, spill).map_or(0, |state| state.full_at().as_nanos())
+}
+
+/// Removes the spill entry of a slot that is going away or becoming packed.
+fn unspill<K: Eq>(packed: u64, key: &K, hash: u64, spill: &mut HashTable<Spilled<K>>) {
+    if packed & SPILLED != 0
+        && let Ok(entry) = spill.find_entry(hash, |spilled| spilled.key == *key)
+    {
+        entry.remove();
+    }
 }
 
 impl<K> MemoryStore<K> {
@@ -399,7 +463,7 @@ where
             let state = shard
                 .buckets
                 .find(hash, |slot| slot.key.borrow() == item.key)
-                .map(|slot| slot.state);
+                .and_then(|slot| unpack(slot.packed, &slot.key, hash, &shard.spill));
             let (decision, next) = bucket::take(item.limit, state, now, item.cost)?;
             decisions.push(decision);
             next_states.push((state, next));
@@ -451,7 +515,7 @@ where
         let state = shard
             .buckets
             .find(hash, |slot| slot.key.borrow() == key)
-            .map(|slot| slot.state);
+            .and_then(|slot| unpack(slot.packed, &slot.key, hash, &shard.spill));
         bucket::peek(limit, state, now, cost)
     }
 
@@ -466,6 +530,7 @@ where
         for shard in &self.shards {
             let shard = sync::lock(&shard.0);
             stats.live_buckets += shard.buckets.len();
+            stats.spilled += shard.spill.len();
             stats.idempotency_records += shard.records.len();
         }
         stats
@@ -498,14 +563,19 @@ where
     /// duration of the pass).
     pub fn rebase_where<F>(&self, at: Timestamp, mut change: F) -> usize
     where
+        K: Clone,
         F: FnMut(&K) -> Option<(K, Limit, Limit)>,
     {
         let mut moved = Vec::new();
         for shard in &self.shards {
             let mut shard = sync::lock(&shard.0);
-            let taken = shard.buckets.extract_if(|slot| match change(&slot.key) {
+            let Shard { buckets, spill, .. } = &mut *shard;
+            let taken = buckets.extract_if(|slot| match change(&slot.key) {
                 Some((key, old, new)) => {
-                    moved.push((key, bucket::rebase(&old, &new, Some(slot.state), at)));
+                    let hash = self.hasher.hash_one(&slot.key);
+                    let state = unpack(slot.packed, &slot.key, hash, spill);
+                    unspill(slot.packed, &slot.key, hash, spill);
+                    moved.push((key, bucket::rebase(&old, &new, state, at)));
                     true
                 }
                 None => false,
@@ -518,14 +588,16 @@ where
             let Some(state) = state else { continue };
             let hash = self.hasher.hash_one(&key);
             let mut shard = self.lock(hash);
-            match shard.buckets.find_mut(hash, |slot| slot.key == key) {
+            let Shard { buckets, spill, .. } = &mut *shard;
+            match buckets.find_mut(hash, |slot| slot.key == key) {
                 Some(slot) => {
                     // Same parameters on both sides: the later full_at holds fewer tokens.
-                    if state.full_at() > slot.state.full_at() {
-                        slot.state = state;
+                    let current = full_at_of(slot.packed, &slot.key, hash, spill);
+                    if state.full_at().as_nanos() > current {
+                        self.write(slot, spill, hash, state, || key.clone());
                     }
                 }
-                None => self.insert(&mut shard, hash, key, state, at),
+                None => self.insert(&mut shard, hash, || key.clone(), state, at),
             }
         }
         count
@@ -558,19 +630,18 @@ where
         Q: Hash + Eq + ToOwned + ?Sized,
         Q::Owned: Into<K>,
     {
-        if let Some(slot) = shard
-            .buckets
-            .find_mut(hash, |slot| slot.key.borrow() == key)
-        {
-            let (decision, next) = bucket::take(limit, Some(slot.state), now, cost)?;
+        let Shard { buckets, spill, .. } = shard;
+        if let Some(slot) = buckets.find_mut(hash, |slot| slot.key.borrow() == key) {
+            let state = unpack(slot.packed, &slot.key, hash, spill);
+            let (decision, next) = bucket::take(limit, state, now, cost)?;
             if let Some(next) = next {
-                slot.state = next;
+                self.write(slot, spill, hash, next, || key.to_owned().into());
             }
             return Ok(decision);
         }
         let (decision, next) = bucket::take(limit, None, now, cost)?;
         if let Some(next) = next {
-            self.insert(shard, hash, key.to_owned().into(), next, now);
+            self.insert(shard, hash, || key.to_owned().into(), next, now);
         }
         Ok(decision)
     }
@@ -582,17 +653,55 @@ where
         Q: Hash + Eq + ToOwned + ?Sized,
         Q::Owned: Into<K>,
     {
-        match shard
-            .buckets
-            .find_mut(hash, |slot| slot.key.borrow() == key)
-        {
-            Some(slot) => slot.state = state,
-            None => self.insert(shard, hash, key.to_owned().into(), state, now),
+        let Shard { buckets, spill, .. } = shard;
+        match buckets.find_mut(hash, |slot| slot.key.borrow() == key) {
+            Some(slot) => self.write(slot, spill, hash, state, || key.to_owned().into()),
+            None => self.insert(shard, hash, || key.to_owned().into(), state, now),
         }
     }
 
+    /// Stores `state` in `slot`: packed when it fits, else in the spill table (`new_key` makes
+    /// the spill entry's copy of the key).
+    #[inline]
+    fn write(
+        &self,
+        slot: &mut Slot<K>,
+        spill: &mut HashTable<Spilled<K>>,
+        hash: u64,
+        state: BucketState,
+        new_key: impl FnOnce() -> K,
+    ) {
+        if let Some(packed) = pack(state) {
+            unspill(slot.packed, &slot.key, hash, spill);
+            slot.packed = packed;
+            return;
+        }
+        if slot.packed & SPILLED != 0
+            && let Some(spilled) = spill.find_mut(hash, |spilled| spilled.key == slot.key)
+        {
+            spilled.state = state;
+            return;
+        }
+        spill.insert_unique(
+            hash,
+            Spilled {
+                key: new_key(),
+                state,
+            },
+            |spilled| self.hasher.hash_one(&spilled.key),
+        );
+        slot.packed = SPILLED;
+    }
+
     #[cold]
-    fn insert(&self, shard: &mut Shard<K>, hash: u64, key: K, state: BucketState, now: Timestamp) {
+    fn insert(
+        &self,
+        shard: &mut Shard<K>,
+        hash: u64,
+        new_key: impl Fn() -> K,
+        state: BucketState,
+        now: Timestamp,
+    ) {
         let len = shard.buckets.len();
         if len >= shard.bound {
             self.make_room(shard, now);
@@ -606,17 +715,42 @@ where
                     .reserve(1, |slot| self.hasher.hash_one(&slot.key));
             }
         }
-        shard
-            .buckets
-            .insert_unique(hash, Slot { key, state }, |slot| {
+        let Shard { buckets, spill, .. } = shard;
+        let slot = buckets
+            .insert_unique(
+                hash,
+                Slot {
+                    key: new_key(),
+                    packed: 0,
+                },
+                |slot| self.hasher.hash_one(&slot.key),
+            )
+            .into_mut();
+        self.write(slot, spill, hash, state, new_key);
+    }
+
+    /// Drops the buckets `drop` selects (given each bucket's `full_at`), with their spill
+    /// entries. Returns how many went.
+    fn drop_where(&self, shard: &mut Shard<K>, mut drop: impl FnMut(u64) -> bool) -> usize {
+        let before = shard.buckets.len();
+        let Shard { buckets, spill, .. } = shard;
+        buckets.retain(|slot| {
+            let hash = if slot.packed & SPILLED != 0 {
                 self.hasher.hash_one(&slot.key)
-            });
+            } else {
+                0
+            };
+            let going = drop(full_at_of(slot.packed, &slot.key, hash, spill));
+            if going {
+                unspill(slot.packed, &slot.key, hash, spill);
+            }
+            !going
+        });
+        before - shard.buckets.len()
     }
 
     fn drop_full(&self, shard: &mut Shard<K>, now: Timestamp) -> usize {
-        let before = shard.buckets.len();
-        shard.buckets.retain(|slot| !slot.state.is_full(now));
-        let dropped = before - shard.buckets.len();
+        let dropped = self.drop_where(shard, |full_at| BucketState::whole(full_at).is_full(now));
         if dropped > 0 {
             self.expired.fetch_add(dropped as u64, Ordering::Relaxed);
         }
@@ -636,20 +770,22 @@ where
         let mut full_at: Vec<u64> = shard
             .buckets
             .iter()
-            .map(|slot| slot.state.full_at().as_nanos())
+            .map(|slot| {
+                let hash = self.hasher.hash_one(&slot.key);
+                full_at_of(slot.packed, &slot.key, hash, &shard.spill)
+            })
             .collect();
         let (earlier, &mut threshold, _) = full_at.select_nth_unstable(count - 1);
         // Evict everything before the threshold and as many at it as make up `count`.
         let mut at_threshold = count - earlier.iter().filter(|&&t| t < threshold).count();
-        shard.buckets.retain(|slot| {
-            let t = slot.state.full_at().as_nanos();
+        self.drop_where(shard, |t| {
             if t < threshold {
-                false
+                true
             } else if t == threshold && at_threshold > 0 {
                 at_threshold -= 1;
-                false
-            } else {
                 true
+            } else {
+                false
             }
         });
         self.evicted.fetch_add(count as u64, Ordering::Relaxed);
@@ -804,6 +940,36 @@ mod tests {
             .filter(|k| store.peek(*k, &l, 10, at(0)).map(|d| !d.allowed()).unwrap())
             .count();
         assert_eq!(survivors_of_cost_one, 6);
+    }
+
+    #[test]
+    fn spilled_states_expire_and_are_evicted_with_their_buckets() {
+        // 3/s: one token is 333,333,333.3 ns, so states carry a remainder and spill.
+        let l = limit(3, "3/s");
+        let store: MemoryStore<u64> = MemoryStore::builder().shards(1).max_buckets(64).build();
+        for key in 0..100 {
+            assert!(store.check(&key, &l, 1, at(0)).unwrap().allowed());
+        }
+        let stats = store.stats();
+        assert_eq!(stats.live_buckets, 64);
+        assert_eq!(
+            stats.spilled, 64,
+            "one spill entry per live bucket, none left behind"
+        );
+        // A spilled bucket decides exactly: two more tokens, then a wait of 1/3 s rounded up.
+        assert!(store.check(&99, &l, 2, at(0)).unwrap().allowed());
+        let wait = store.check(&99, &l, 1, at(0)).unwrap().retry_after();
+        assert_eq!(wait, Some(Duration::from_nanos(333_333_334)));
+        // Whole-nanosecond rates pack; full buckets go with their spill entries.
+        assert!(
+            store
+                .check(&1_000, &limit(3, "1/s"), 1, at(0))
+                .unwrap()
+                .allowed()
+        );
+        assert_eq!(store.sweep(at(2 * SEC)), 64);
+        let stats = store.stats();
+        assert_eq!((stats.live_buckets, stats.spilled), (0, 0), "{stats:?}");
     }
 
     #[test]
