@@ -735,18 +735,23 @@ where
         let before = shard.buckets.len();
         let Shard { buckets, spill, .. } = shard;
         buckets.retain(|slot| {
-            let hash = if slot.packed & SPILLED != 0 {
-                self.hasher.hash_one(&slot.key)
-            } else {
-                0
-            };
-            let going = drop(full_at_of(slot.packed, &slot.key, hash, spill));
-            if going {
+            let going = drop(self.full_at(slot, spill));
+            if going && slot.packed & SPILLED != 0 {
+                let hash = self.hasher.hash_one(&slot.key);
                 unspill(slot.packed, &slot.key, hash, spill);
             }
             !going
         });
         before - shard.buckets.len()
+    }
+
+    /// When `slot`'s bucket is full again; only a spilled slot needs its key hashed.
+    fn full_at(&self, slot: &Slot<K>, spill: &HashTable<Spilled<K>>) -> u64 {
+        if slot.packed & SPILLED == 0 {
+            return slot.packed;
+        }
+        let hash = self.hasher.hash_one(&slot.key);
+        full_at_of(slot.packed, &slot.key, hash, spill)
     }
 
     fn drop_full(&self, shard: &mut Shard<K>, now: Timestamp) -> usize {
@@ -770,10 +775,7 @@ where
         let mut full_at: Vec<u64> = shard
             .buckets
             .iter()
-            .map(|slot| {
-                let hash = self.hasher.hash_one(&slot.key);
-                full_at_of(slot.packed, &slot.key, hash, &shard.spill)
-            })
+            .map(|slot| self.full_at(slot, &shard.spill))
             .collect();
         let (earlier, &mut threshold, _) = full_at.select_nth_unstable(count - 1);
         // Evict everything before the threshold and as many at it as make up `count`.
