@@ -224,6 +224,25 @@ async fn envoy_rls_over_grpc() {
     };
     let response = should_rate_limit(&server, unknown).await.unwrap();
     assert_eq!(response.overall_code, Code::Ok as i32);
+    // A descriptor's own hits_addend of 0 checks without charging: georgia keeps all three.
+    let check_only = RateLimitRequest {
+        domain: "api".to_owned(),
+        descriptors: vec![RateLimitDescriptor {
+            hits_addend: Some(envoy_types::pb::google::protobuf::UInt64Value { value: 0 }),
+            ..descriptor(&[("user", "georgia")])
+        }],
+        hits_addend: 1,
+    };
+    for _ in 0..5 {
+        let response = should_rate_limit(&server, check_only.clone())
+            .await
+            .unwrap();
+        assert_eq!(response.overall_code, Code::Ok as i32);
+        assert_eq!(
+            response.statuses[0].limit_remaining, 2,
+            "peeked, never charged"
+        );
+    }
     // A cost above the capacity is the caller's error.
     let status = should_rate_limit(&server, request(50)).await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::InvalidArgument);
@@ -449,6 +468,34 @@ fn start_up_errors_are_one_line_and_exit_non_zero() {
         stderr.contains("cannot listen on") && stderr.contains("--http"),
         "{stderr}"
     );
+}
+
+#[test]
+fn limits_redis_cannot_hold_exactly_are_refused_at_start() {
+    let scratch = Scratch::new("unsupported");
+    let config = scratch.write(
+        "policy.yaml",
+        "limits:\n  - name: odd\n    domain: api\n    key: [user]\n    capacity: 3\n    refill: 9/7ns\n",
+    );
+    // Checked before connecting: no Redis is needed to be refused.
+    let (status, _, stderr) = run(&[
+        "serve",
+        "--config",
+        path_str(&config),
+        "--store",
+        "redis://127.0.0.1:1",
+        "--http",
+        "127.0.0.1:0",
+        "--grpc",
+        "127.0.0.1:0",
+    ]);
+    assert!(!status.success());
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("limit odd cannot be kept in Redis"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("microseconds"), "{stderr}");
 }
 
 #[test]
