@@ -637,18 +637,18 @@ impl PolicyEngine {
 
         let version = Arc::clone(policy.version_arc());
         let mut limits = Vec::with_capacity(matched.len());
-        for (m, &slot) in matched.iter().zip(&slot_of) {
+        for (m, &slot) in matched.into_iter().zip(&slot_of) {
             let mut exempted_by = None;
             if let Effect::Exempt(exemption) = m.effect {
                 exempted_by = Some(exemption.owner().to_owned());
                 if consume {
-                    self.use_exemption(m, exemption, &version);
+                    self.use_exemption(&m, exemption, &version);
                 }
             }
             limits.push(LimitOutcome {
                 name: m.limit.name().to_owned(),
                 descriptor: m.descriptor,
-                bucket_key: m.bucket_key.clone(),
+                bucket_key: m.bucket_key,
                 mode: m.effect.as_str(),
                 decision: decisions.get(slot).copied().flatten(),
                 exempted_by,
@@ -861,8 +861,17 @@ fn ready<F: std::future::Future>(future: F) -> F::Output {
 }
 
 fn store_key(bucket_key: &str, params: &Limit) -> Box<str> {
+    // Built on every decision, so by hand: `format!` costs several times as much.
     let tag = params_tag(params);
-    format!("{bucket_key}@{tag:08x}").into_boxed_str()
+    let mut key = String::with_capacity(bucket_key.len() + 9);
+    key.push_str(bucket_key);
+    key.push('@');
+    for shift in (0..8).rev() {
+        key.push(char::from(
+            b"0123456789abcdef"[(tag >> (shift * 4)) as usize & 0xf],
+        ));
+    }
+    key.into_boxed_str()
 }
 
 /// Splits a store key into limit name, override name (empty for none), parameter tag and
@@ -951,5 +960,16 @@ mod tests {
             assert_eq!(split_store_key(key), Some(expected), "{key}");
         }
         assert_eq!(split_store_key("no-tag"), None);
+    }
+
+    #[test]
+    fn store_keys_carry_the_parameter_tag_in_eight_hex_digits() {
+        for (capacity, rate) in [(10, "5/s"), (1, "1/d"), (1_000_000, "999999937/s")] {
+            let limit = Limit::new(capacity, rate.parse().unwrap()).unwrap();
+            let tag = params_tag(&limit);
+            let key = store_key("per-user|u1", &limit);
+            assert_eq!(&*key, format!("per-user|u1@{tag:08x}"));
+            assert_eq!(split_store_key(&key).map(|parts| parts.2), Some(tag));
+        }
     }
 }

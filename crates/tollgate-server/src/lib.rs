@@ -54,6 +54,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -95,10 +96,16 @@ pub async fn run(
     };
 
     let app = http::router(Arc::clone(&state)).into_make_service_with_connect_info::<SocketAddr>();
+    // Answers are small and written whole: nothing is gained by holding them back (Nagle).
+    let http = http.tap_io(|stream| {
+        if let Err(err) = stream.set_nodelay(true) {
+            tracing::debug!(error = %err, "cannot set TCP_NODELAY");
+        }
+    });
     let http_server = axum::serve(http, app).with_graceful_shutdown(wait(stopped.clone()));
 
     let rls = rls::Rls::new(Arc::clone(&state.decider)).into_server();
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc);
+    let incoming = tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true));
     let grpc_server = tonic::transport::Server::builder()
         .add_service(rls)
         .serve_with_incoming_shutdown(incoming, wait(stopped));

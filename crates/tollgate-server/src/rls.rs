@@ -63,8 +63,9 @@ fn invalid(message: impl Into<String>) -> Status {
 /// A descriptor's entries.
 type Entries = Vec<(String, String)>;
 
-/// Descriptors and their costs, checked against the same bounds as the HTTP API.
-fn parse(request: &RateLimitRequest) -> Result<Vec<(Entries, u64)>, Status> {
+/// Descriptors and their costs, checked against the same bounds as the HTTP API. The
+/// descriptors are taken out of `request`: their strings move rather than copy.
+fn parse(request: &mut RateLimitRequest) -> Result<Vec<(Entries, u64)>, Status> {
     if request.domain.is_empty() || request.domain.len() > MAX_NAME_BYTES {
         return Err(invalid(format!(
             "domain must be 1 to {MAX_NAME_BYTES} bytes"
@@ -75,9 +76,8 @@ fn parse(request: &RateLimitRequest) -> Result<Vec<(Entries, u64)>, Status> {
     }
     // Envoy: a request hits_addend of 0 means 1.
     let default_cost = u64::from(request.hits_addend.max(1));
-    request
-        .descriptors
-        .iter()
+    std::mem::take(&mut request.descriptors)
+        .into_iter()
         .enumerate()
         .map(|(index, descriptor)| {
             if descriptor.entries.len() > MAX_ENTRIES {
@@ -86,7 +86,7 @@ fn parse(request: &RateLimitRequest) -> Result<Vec<(Entries, u64)>, Status> {
                 )));
             }
             let mut entries = Vec::with_capacity(descriptor.entries.len());
-            for entry in &descriptor.entries {
+            for entry in descriptor.entries {
                 if entry.key.is_empty() || entry.key.len() > MAX_NAME_BYTES {
                     return Err(invalid(format!(
                         "descriptors[{index}]: entry keys must be 1 to {MAX_NAME_BYTES} bytes"
@@ -97,7 +97,7 @@ fn parse(request: &RateLimitRequest) -> Result<Vec<(Entries, u64)>, Status> {
                         "descriptors[{index}]: entry values must be at most {MAX_VALUE_BYTES} bytes"
                     )));
                 }
-                entries.push((entry.key.clone(), entry.value.clone()));
+                entries.push((entry.key, entry.value));
             }
             // A descriptor's own hits_addend wins, and 0 there means check only.
             let cost = descriptor
@@ -183,22 +183,25 @@ impl RateLimitService for Rls {
         &self,
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
-        let request = request.into_inner();
-        let descriptors = parse(&request)?;
+        let mut request = request.into_inner();
+        let descriptors = parse(&mut request)?;
 
-        // Group descriptors by cost: each group is one all-or-nothing decision.
-        let mut costs: Vec<u64> = descriptors.iter().map(|(_, cost)| *cost).collect();
-        costs.sort_unstable();
-        costs.dedup();
-        let mut per_descriptor: Vec<Vec<LimitOutcome>> = vec![Vec::new(); descriptors.len()];
+        // Descriptors with the same cost are decided together (all or nothing); usually that
+        // is every descriptor, in one group.
+        let mut groups: Vec<(u64, Vec<usize>, Vec<Entries>)> = Vec::with_capacity(1);
+        for (index, (entries, cost)) in descriptors.into_iter().enumerate() {
+            match groups.iter_mut().find(|(c, ..)| *c == cost) {
+                Some((_, indexes, group)) => {
+                    indexes.push(index);
+                    group.push(entries);
+                }
+                None => groups.push((cost, vec![index], vec![entries])),
+            }
+        }
+        let count = groups.iter().map(|(_, indexes, _)| indexes.len()).sum();
         let mut failed_closed = false;
-        let mut outcomes: Vec<Outcome> = Vec::new();
-        for cost in costs {
-            let indexes: Vec<usize> = (0..descriptors.len())
-                .filter(|&i| descriptors[i].1 == cost)
-                .collect();
-            let group: Vec<Vec<(String, String)>> =
-                indexes.iter().map(|&i| descriptors[i].0.clone()).collect();
+        let mut decided: Vec<(Vec<usize>, Outcome)> = Vec::with_capacity(groups.len());
+        for (cost, indexes, group) in groups {
             let decide = Decide {
                 domain: &request.domain,
                 descriptors: &group,
@@ -218,17 +221,20 @@ impl RateLimitService for Rls {
                 DecideError::Internal(err) => Status::internal(err.to_string()),
             })?;
             failed_closed |= outcome.failed_closed;
+            decided.push((indexes, outcome));
+        }
+        let mut per_descriptor: Vec<Vec<&LimitOutcome>> = vec![Vec::new(); count];
+        for (indexes, outcome) in &decided {
             for limit in &outcome.limits {
                 if let Some(&index) = indexes.get(limit.descriptor) {
-                    per_descriptor[index].push(limit.clone());
+                    per_descriptor[index].push(limit);
                 }
             }
-            outcomes.push(outcome);
         }
 
         let statuses: Vec<DescriptorStatus> = per_descriptor
             .iter()
-            .map(|limits| status_of(&limits.iter().collect::<Vec<_>>(), failed_closed))
+            .map(|limits| status_of(limits, failed_closed))
             .collect();
         let over = failed_closed || statuses.iter().any(|s| s.code == Code::OverLimit as i32);
         let mut response_headers = Vec::new();

@@ -391,6 +391,16 @@ fn bad_requests_are_4xx_and_the_server_keeps_serving() {
             "invalid_descriptor",
         ),
         (
+            r#"{"domain":"api","descriptors":[{"user":"a","user":"b"}]}"#.to_owned(),
+            400,
+            "invalid_descriptor",
+        ),
+        (
+            r#"{"domain":"api","descriptors":[["user","u"]]}"#.to_owned(),
+            400,
+            "invalid_json",
+        ),
+        (
             format!(r#"{{"domain":"api","descriptors":[{{"user":"{long}"}}]}}"#),
             400,
             "too_large",

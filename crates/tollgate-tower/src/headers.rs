@@ -21,7 +21,6 @@
 //! Every figure rounds up, so a client that waits what it is told is never refused for coming
 //! back early.
 
-use std::fmt::Write as _;
 use std::time::Duration;
 
 use http::HeaderValue;
@@ -106,19 +105,14 @@ pub fn rate_limit_headers<'a>(
 pub fn rate_limit_policy_value<'a>(
     items: impl IntoIterator<Item = (&'a str, &'a Limit)>,
 ) -> Option<HeaderValue> {
-    let mut value = String::new();
+    let mut value = String::with_capacity(64);
     for (name, limit) in items {
         if !value.is_empty() {
             value.push_str(", ");
         }
         push_sf_string(&mut value, name);
-        // Writing to a String cannot fail.
-        let _ = write!(
-            value,
-            ";q={};w={}",
-            limit.capacity(),
-            ceil_secs(limit.time_to_full())
-        );
+        push_param(&mut value, ";q=", limit.capacity());
+        push_param(&mut value, ";w=", ceil_secs(limit.time_to_full()));
     }
     to_header_value(value)
 }
@@ -127,18 +121,14 @@ pub fn rate_limit_policy_value<'a>(
 pub fn rate_limit_value<'a>(
     items: impl IntoIterator<Item = (&'a str, &'a Decision)>,
 ) -> Option<HeaderValue> {
-    let mut value = String::new();
+    let mut value = String::with_capacity(64);
     for (name, decision) in items {
         if !value.is_empty() {
             value.push_str(", ");
         }
         push_sf_string(&mut value, name);
-        let _ = write!(
-            value,
-            ";r={};t={}",
-            decision.remaining(),
-            reset_secs(decision)
-        );
+        push_param(&mut value, ";r=", decision.remaining());
+        push_param(&mut value, ";t=", reset_secs(decision));
     }
     to_header_value(value)
 }
@@ -152,9 +142,25 @@ fn to_header_value(value: String) -> Option<HeaderValue> {
     HeaderValue::try_from(value).ok()
 }
 
+/// Appends `;key=` and `value`. These fields are built on every answer: `itoa` writes the
+/// integer without the formatting machinery.
+fn push_param(out: &mut String, key: &str, value: u64) {
+    out.push_str(key);
+    out.push_str(itoa::Buffer::new().format(value));
+}
+
 /// Appends `name` as a Structured Field string (RFC 9651 §3.3.3).
 fn push_sf_string(out: &mut String, name: &str) {
     out.push('"');
+    // Limit names are nearly always plain: copy them whole.
+    if name
+        .bytes()
+        .all(|b| (b' '..=b'~').contains(&b) && b != b'"' && b != b'\\')
+    {
+        out.push_str(name);
+        out.push('"');
+        return;
+    }
     for c in name.chars() {
         match c {
             '"' | '\\' => {
@@ -172,6 +178,21 @@ fn push_sf_string(out: &mut String, name: &str) {
 mod tests {
     use super::*;
     use tollgate::{Limit, ManualClock, RateLimiter};
+
+    #[test]
+    fn names_become_valid_structured_field_strings() {
+        let cases = [
+            ("per-user", r#""per-user""#),
+            (r#"a"b\c"#, r#""a\"b\\c""#),
+            ("caf\u{e9}\tx", r#""caf??x""#),
+            ("", "\"\""),
+        ];
+        for (name, quoted) in cases {
+            let mut out = String::new();
+            push_sf_string(&mut out, name);
+            assert_eq!(out, quoted, "{name:?}");
+        }
+    }
 
     fn limiter(capacity: u64, rate: &str) -> (RateLimiter<Box<str>, ManualClock>, ManualClock) {
         let clock = ManualClock::new();

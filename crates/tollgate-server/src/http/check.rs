@@ -16,6 +16,9 @@ use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
+use std::fmt;
+
+use serde::de::{Deserializer, MapAccess, Visitor};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use tollgate::Decision;
@@ -32,7 +35,7 @@ use tollgate_tower::headers as fields;
 #[serde(deny_unknown_fields)]
 struct CheckBody {
     domain: String,
-    descriptors: Vec<serde_json::Map<String, Value>>,
+    descriptors: Vec<RawDescriptor>,
     #[serde(default = "one")]
     cost: u64,
     #[serde(default)]
@@ -41,6 +44,35 @@ struct CheckBody {
 
 fn one() -> u64 {
     1
+}
+
+/// A descriptor's entries in the order they came, values not yet checked to be strings. A
+/// `serde_json::Map` would sort them into a tree, an allocation per entry on every request.
+#[derive(Debug)]
+struct RawDescriptor(Vec<(String, Value)>);
+
+impl<'de> Deserialize<'de> for RawDescriptor {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Entries;
+
+        impl<'de> Visitor<'de> for Entries {
+            type Value = RawDescriptor;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an object of entry names to string values")
+            }
+
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawDescriptor, A::Error> {
+                let mut entries = Vec::with_capacity(map.size_hint().unwrap_or(1).min(8));
+                while let Some(entry) = map.next_entry()? {
+                    entries.push(entry);
+                }
+                Ok(RawDescriptor(entries))
+            }
+        }
+
+        deserializer.deserialize_map(Entries)
+    }
 }
 
 /// A request, parsed and within bounds.
@@ -78,8 +110,8 @@ fn parse(body: Result<Bytes, BytesRejection>) -> Result<Parsed, ApiError> {
     })?;
     let mut descriptors = Vec::with_capacity(body.descriptors.len());
     for (index, descriptor) in body.descriptors.into_iter().enumerate() {
-        let mut entries = Vec::with_capacity(descriptor.len());
-        for (key, value) in descriptor {
+        let mut entries = Vec::with_capacity(descriptor.0.len());
+        for (key, value) in descriptor.0 {
             let Value::String(value) = value else {
                 return Err(ApiError::bad_request(
                     "invalid_descriptor",
@@ -136,11 +168,17 @@ pub(crate) fn check_bounds(parsed: &Parsed) -> Result<(), ApiError> {
                 format!("descriptors[{index}] must have 1 to {MAX_ENTRIES} entries"),
             ));
         }
-        for (key, value) in entries {
+        for (at, (key, value)) in entries.iter().enumerate() {
             if key.is_empty() {
                 return Err(ApiError::bad_request(
                     "invalid_descriptor",
                     format!("descriptors[{index}] has an empty entry name"),
+                ));
+            }
+            if entries[..at].iter().any(|(earlier, _)| earlier == key) {
+                return Err(ApiError::bad_request(
+                    "invalid_descriptor",
+                    format!("descriptors[{index}] names entry {key:?} twice"),
                 ));
             }
             if key.len() > MAX_NAME_BYTES {

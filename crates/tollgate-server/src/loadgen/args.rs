@@ -70,6 +70,10 @@ pub struct BenchArgs {
     /// Seed of the key sequence, for runs that repeat exactly.
     #[arg(long, default_value_t = 0x7011_6a7e)]
     pub seed: u64,
+    /// Threads driving the load (default: one per core). On the machine the server runs on,
+    /// fewer threads leave it more of the cores and measure its latency with less interference.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub threads: Option<u16>,
 }
 
 /// How keys are drawn.

@@ -41,7 +41,11 @@ pub(crate) enum Verdict {
 ///
 /// Bad flags, an unreachable target, or a run in which every request failed.
 pub fn main(args: &BenchArgs) -> anyhow::Result<()> {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if let Some(threads) = args.threads {
+        runtime.worker_threads(usize::from(threads));
+    }
+    let runtime = runtime
         .enable_all()
         .build()
         .map_err(|err| anyhow::anyhow!("cannot start the async runtime: {err}"))?;

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Measures `tollgate serve` with `tollgate bench`, every run against one server process, as
+# BENCHMARKS.md reports it. Usage: scripts/bench-server.sh [memory|redis] [seconds]
+# Starts its own server (and redis-server for `redis`) on free loopback ports; kills them on exit.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+store=${1:-memory}
+secs=${2:-10}
+cargo build --release -q -p tollgate-server
+B=target/release/tollgate
+work=$(mktemp -d)
+pids=()
+cleanup() { for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done; rm -rf "$work"; }
+trap cleanup EXIT
+
+store_flag=memory
+if [[ $store == redis ]]; then
+  rport=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+  redis-server --port "$rport" --bind 127.0.0.1 --save "" --appendonly no >"$work/redis.log" 2>&1 &
+  pids+=($!)
+  until redis-cli -p "$rport" ping >/dev/null 2>&1; do sleep 0.1; done
+  store_flag=redis://127.0.0.1:$rport
+fi
+$B serve --http 127.0.0.1:0 --grpc 127.0.0.1:0 --store "$store_flag" >"$work/server.out" 2>&1 &
+server=$!
+pids+=($server)
+until grep -q '^listening' "$work/server.out" 2>/dev/null; do sleep 0.1; done
+line=$(grep '^listening' "$work/server.out")
+http=$(sed -E 's/.*http=([^ ]+).*/\1/' <<<"$line")
+grpc=$(sed -E 's/.*grpc=([^ ]+).*/\1/' <<<"$line")
+
+# CPU ticks: the server's (utime + stime) and the whole machine's busy time.
+cpu() { awk '{print $14 + $15}' "/proc/$server/stat"; }
+busy() { awk '/^cpu /{print $2 + $3 + $4 + $7 + $8}' /proc/stat; }
+run() {
+  local name=$1; shift
+  local before busy_before after busy_after out
+  before=$(cpu)
+  busy_before=$(busy)
+  out=$(/usr/bin/time -f '%U %S' -o "$work/time" $B bench "$@" -d "${secs}s" --json 2>/dev/null)
+  after=$(cpu)
+  busy_after=$(busy)
+  echo "$out" >"$work/last.json"
+  python3 - "$name" "$before" "$after" "$busy_before" "$busy_after" "$(cat "$work/time")" "$out" <<'PY'
+import json, os, sys
+name = sys.argv[1]
+before, after, busy_before, busy_after = map(int, sys.argv[2:6])
+gen = sum(map(float, sys.argv[6].split()))
+out = json.loads(sys.argv[7])
+total = max(out["allowed"] + out["rejected"] + out["errors"], 1)
+tick = os.sysconf("SC_CLK_TCK")
+server_us = (after - before) / tick * 1e6 / total
+gen_us = gen * 1e6 / total
+other_us = (busy_after - busy_before) / tick * 1e6 / total - server_us - gen_us
+l = out["latency_us"]
+print(f"| {name} | {out['decisions_per_s']:,.0f} | {out['allowed']:,} | {out['rejected']:,} | {out['errors']} "
+      f"| {l['p50']/1000:.3f} | {l['p99']/1000:.3f} | {l['p99_9']/1000:.3f} "
+      f"| {server_us:.1f} | {gen_us:.1f} | {other_us:.1f} |")
+PY
+}
+echo "| run ($store) | decisions/s | allowed | rejected | errors | p50 ms | p99 ms | p99.9 ms | server CPU µs/req | generator CPU µs/req | other CPU µs/req |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|"
+run "HTTP /v1/noop" --target "http://$http" --path /v1/noop -c 16
+run "HTTP /v1/check" --target "http://$http" -c 16
+half=$(python3 -c 'import json,sys; print(int(json.load(open(sys.argv[1]))["decisions_per_s"] / 2))' "$work/last.json")
+run "gRPC RLS" --grpc "$grpc" -c 16
+run "HTTP /v1/check, open loop at $half/s (half of peak)" --target "http://$http" -c 32 --rate "$half"
+run "HTTP /v1/check, open loop at $half/s, generator on 1 thread" --target "http://$http" -c 32 --rate "$half" --threads 1
