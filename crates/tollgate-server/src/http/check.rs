@@ -9,6 +9,7 @@
 //! fails closed because the shared store is down, 400 for bad input. `/v1/explain` answers the
 //! same body, with bucket keys, and charges nothing.
 
+use std::fmt;
 use std::sync::Arc;
 
 use axum::body::Bytes;
@@ -16,11 +17,9 @@ use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use std::fmt;
-
+use serde::Deserialize;
 use serde::de::{Deserializer, MapAccess, Visitor};
-use serde::{Deserialize, Serialize};
-use serde_json::{Value, json};
+use serde_json::Value;
 use tollgate::Decision;
 use tollgate_policy::Outcome;
 
@@ -286,74 +285,93 @@ fn millis_ceil(duration: std::time::Duration) -> u64 {
     u64::try_from(duration.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX)
 }
 
-/// One limit in the JSON body.
-#[derive(Serialize)]
-struct LimitBody<'a> {
-    name: &'a str,
-    mode: &'a str,
-    allowed: bool,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    remaining: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    capacity: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    retry_after_ms: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    reset_after_ms: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    exempted_by: Option<&'a str>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    bucket_key: Option<&'a str>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    descriptor: Option<usize>,
-}
-
-/// The JSON body of SPEC §6, serialized straight from the outcome (no intermediate tree: this
-/// is on every request's path).
-#[derive(Serialize)]
-pub(crate) struct Body<'a> {
-    allowed: bool,
-    policy_version: &'a str,
-    limits: Vec<LimitBody<'a>>,
-    #[serde(skip_serializing_if = "std::ops::Not::not")]
-    degraded: bool,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    error: Option<Value>,
-}
-
-/// The body for `outcome`; `explain` adds bucket keys and descriptors.
-pub(crate) fn body_of(outcome: &Outcome, explain: bool) -> Body<'_> {
-    let limits = outcome
-        .limits
-        .iter()
-        .map(|limit| {
-            let decision = limit.decision.as_ref();
-            LimitBody {
-                name: &limit.name,
-                mode: limit.mode,
-                allowed: decision.map_or(!outcome.failed_closed, Decision::allowed),
-                remaining: decision.map(Decision::remaining),
-                capacity: decision.map(|d| d.limit().capacity()),
-                retry_after_ms: decision.map(|d| d.retry_after().map_or(0, millis_ceil)),
-                reset_after_ms: decision.map(|d| millis_ceil(d.reset_after())),
-                exempted_by: limit.exempted_by.as_deref(),
-                bucket_key: explain.then_some(limit.bucket_key.as_str()),
-                descriptor: explain.then_some(limit.descriptor),
-            }
-        })
-        .collect();
-    Body {
-        allowed: outcome.allowed,
-        policy_version: &outcome.policy_version,
-        limits,
-        degraded: outcome.degraded,
-        error: outcome.failed_closed.then(|| {
-            json!({
-                "code": "store_unavailable",
-                "message": "the shared store cannot answer and a limit fails closed",
-            })
-        }),
+/// The JSON body of SPEC §6 for `outcome`; `explain` adds bucket keys and descriptors.
+///
+/// Written by hand because it is on every request's path: serde's generic serializer cost more
+/// instructions than the rest of the response put together. Strings still go through
+/// `serde_json`, which escapes them; the test below holds the output to a serde-derived
+/// reference, byte for byte.
+pub(crate) fn write_body(outcome: &Outcome, explain: bool) -> Vec<u8> {
+    let mut out = Vec::with_capacity(80 + 192 * outcome.limits.len());
+    out.extend_from_slice(b"{\"allowed\":");
+    push_bool(&mut out, outcome.allowed);
+    out.extend_from_slice(b",\"policy_version\":");
+    push_str(&mut out, &outcome.policy_version);
+    out.extend_from_slice(b",\"limits\":[");
+    for (index, limit) in outcome.limits.iter().enumerate() {
+        if index > 0 {
+            out.push(b',');
+        }
+        let decision = limit.decision.as_ref();
+        out.extend_from_slice(b"{\"name\":");
+        push_str(&mut out, &limit.name);
+        out.extend_from_slice(b",\"mode\":");
+        push_str(&mut out, limit.mode);
+        out.extend_from_slice(b",\"allowed\":");
+        push_bool(
+            &mut out,
+            decision.map_or(!outcome.failed_closed, Decision::allowed),
+        );
+        if let Some(d) = decision {
+            push_number(&mut out, b",\"remaining\":", d.remaining());
+            push_number(&mut out, b",\"capacity\":", d.limit().capacity());
+            let retry = d.retry_after().map_or(0, millis_ceil);
+            push_number(&mut out, b",\"retry_after_ms\":", retry);
+            push_number(
+                &mut out,
+                b",\"reset_after_ms\":",
+                millis_ceil(d.reset_after()),
+            );
+        }
+        if let Some(owner) = &limit.exempted_by {
+            out.extend_from_slice(b",\"exempted_by\":");
+            push_str(&mut out, owner);
+        }
+        if explain {
+            out.extend_from_slice(b",\"bucket_key\":");
+            push_str(&mut out, &limit.bucket_key);
+            push_number(&mut out, b",\"descriptor\":", limit.descriptor as u64);
+        }
+        out.push(b'}');
     }
+    out.push(b']');
+    if outcome.degraded {
+        out.extend_from_slice(b",\"degraded\":true");
+    }
+    if outcome.failed_closed {
+        out.extend_from_slice(STORE_UNAVAILABLE.as_bytes());
+    }
+    out.push(b'}');
+    out
+}
+
+/// The `error` member of a body that failed closed.
+const STORE_UNAVAILABLE: &str = concat!(
+    r#","error":{"code":"store_unavailable","#,
+    r#""message":"the shared store cannot answer and a limit fails closed"}"#
+);
+
+fn push_bool(out: &mut Vec<u8>, value: bool) {
+    out.extend_from_slice(if value { b"true" } else { b"false" });
+}
+
+fn push_number(out: &mut Vec<u8>, key: &[u8], value: u64) {
+    out.extend_from_slice(key);
+    out.extend_from_slice(itoa::Buffer::new().format(value).as_bytes());
+}
+
+fn push_str(out: &mut Vec<u8>, value: &str) {
+    // Serializing a string into a Vec cannot fail.
+    let _ = serde_json::to_writer(&mut *out, value);
+}
+
+/// A JSON answer.
+fn json(status: StatusCode, headers: HeaderMap, body: Vec<u8>) -> Response {
+    let content_type = [(
+        axum::http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    )];
+    (status, headers, content_type, body).into_response()
 }
 
 pub(crate) async fn check(
@@ -367,12 +385,11 @@ pub(crate) async fn check(
         .await
         .map_err(decide_error)?;
     let status = status_of(&outcome, StatusCode::TOO_MANY_REQUESTS);
-    Ok((
+    Ok(json(
         status,
         rate_limit_headers(&outcome),
-        axum::Json(body_of(&outcome, false)),
-    )
-        .into_response())
+        write_body(&outcome, false),
+    ))
 }
 
 pub(crate) async fn explain(
@@ -385,5 +402,136 @@ pub(crate) async fn explain(
         .explain(&parsed.request())
         .await
         .map_err(decide_error)?;
-    Ok(axum::Json(body_of(&outcome, true)).into_response())
+    Ok(json(
+        StatusCode::OK,
+        HeaderMap::new(),
+        write_body(&outcome, true),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use serde::Serialize;
+    use tollgate_policy::{EngineOptions, PolicyEngine, compile};
+
+    use super::*;
+
+    /// The body as serde would write it from a derived `Serialize`: the reference that
+    /// [`write_body`] must match byte for byte.
+    #[derive(Serialize)]
+    struct Reference<'a> {
+        allowed: bool,
+        policy_version: &'a str,
+        limits: Vec<LimitReference<'a>>,
+        #[serde(skip_serializing_if = "std::ops::Not::not")]
+        degraded: bool,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        error: Option<Value>,
+    }
+
+    #[derive(Serialize)]
+    struct LimitReference<'a> {
+        name: &'a str,
+        mode: &'a str,
+        allowed: bool,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        remaining: Option<u64>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        capacity: Option<u64>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        retry_after_ms: Option<u64>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        reset_after_ms: Option<u64>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        exempted_by: Option<&'a str>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        bucket_key: Option<&'a str>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        descriptor: Option<usize>,
+    }
+
+    fn reference(outcome: &Outcome, explain: bool) -> Vec<u8> {
+        let limits = outcome
+            .limits
+            .iter()
+            .map(|limit| {
+                let decision = limit.decision.as_ref();
+                LimitReference {
+                    name: &limit.name,
+                    mode: limit.mode,
+                    allowed: decision.map_or(!outcome.failed_closed, Decision::allowed),
+                    remaining: decision.map(Decision::remaining),
+                    capacity: decision.map(|d| d.limit().capacity()),
+                    retry_after_ms: decision.map(|d| d.retry_after().map_or(0, millis_ceil)),
+                    reset_after_ms: decision.map(|d| millis_ceil(d.reset_after())),
+                    exempted_by: limit.exempted_by.as_deref(),
+                    bucket_key: explain.then_some(limit.bucket_key.as_str()),
+                    descriptor: explain.then_some(limit.descriptor),
+                }
+            })
+            .collect();
+        let body = Reference {
+            allowed: outcome.allowed,
+            policy_version: &outcome.policy_version,
+            limits,
+            degraded: outcome.degraded,
+            error: outcome.failed_closed.then(|| {
+                serde_json::json!({
+                    "code": "store_unavailable",
+                    "message": "the shared store cannot answer and a limit fails closed",
+                })
+            }),
+        };
+        serde_json::to_vec(&body).unwrap()
+    }
+
+    const POLICY: &str = r#"
+version: "v\"1\" \u00e9\u0001"
+defaults: {failure_mode: closed}
+limits:
+  - {name: per-user, domain: api, key: [user], capacity: 3, refill: 1/s}
+  - {name: trial, domain: api, key: [user], capacity: 3, refill: 1/m, mode: shadow}
+  - {name: vip, domain: api, key: [user], capacity: 3, refill: 1/h}
+exemptions:
+  - {limit: vip, when: {user: "a\"b"}, owner: "ops <ops@example.com>", reason: test, expires: "2099-01-01T00:00:00Z"}
+"#;
+
+    #[test]
+    fn the_body_matches_serde_byte_for_byte() {
+        let policy = compile("test.yaml", POLICY).unwrap();
+        let engine = PolicyEngine::new(policy, EngineOptions::default());
+        let descriptors = |user: &str| vec![vec![("user".to_owned(), user.to_owned())]];
+        let mut outcomes = Vec::new();
+        for user in ["u1", "a\"b", "\u{1F600}\\"] {
+            for cost in [1, 2, 3] {
+                outcomes.push(engine.decide("api", &descriptors(user), cost, None));
+            }
+            outcomes.push(engine.explain("api", &descriptors(user), 1));
+        }
+        outcomes.push(engine.decide("api", &descriptors("u9"), 1, Some("r-1")));
+        outcomes.push(engine.decide("other", &descriptors("u1"), 1, None));
+        outcomes.push(engine.decide_degraded("api", &descriptors("u1"), 1, "test"));
+        let outcomes: Vec<Outcome> = outcomes.into_iter().map(Result::unwrap).collect();
+        assert!(
+            outcomes.iter().any(|o| !o.allowed),
+            "some request is rejected"
+        );
+        assert!(outcomes.iter().any(|o| o.failed_closed && o.degraded));
+        assert!(
+            outcomes
+                .iter()
+                .any(|o| o.limits.iter().any(|l| l.exempted_by.is_some()))
+        );
+        assert!(outcomes.iter().any(Outcome::unmatched));
+        for outcome in &outcomes {
+            for explain in [false, true] {
+                let written = write_body(outcome, explain);
+                assert_eq!(
+                    String::from_utf8(written).unwrap(),
+                    String::from_utf8(reference(outcome, explain)).unwrap(),
+                    "{outcome:?}"
+                );
+            }
+        }
+    }
 }
