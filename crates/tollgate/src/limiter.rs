@@ -80,7 +80,7 @@ impl<K, C, S> RateLimiter<K, C, S> {
 
 impl<K, C, S> RateLimiter<K, C, S>
 where
-    K: Hash + Eq,
+    K: Hash + Eq + Default,
     C: Clock,
     S: BuildHasher,
 {
