@@ -114,7 +114,7 @@ pub(crate) struct Plan {
     pub(crate) keys: u64,
     pub(crate) distribution: Distribution,
     pub(crate) cost: u32,
-    /// The interval between two requests of one worker, in open loop.
+    /// The interval between two requests, in open loop (whichever worker sends them).
     pub(crate) interval: Option<Duration>,
     pub(crate) timeout: Duration,
     pub(crate) seed: u64,
@@ -160,9 +160,7 @@ impl BenchArgs {
         let interval = match self.rate {
             None => None,
             Some(rate) if rate.is_finite() && rate > 0.0 => {
-                // Each worker sends its share of the rate on its own schedule.
-                let per_worker = rate / self.concurrency as f64;
-                let interval = Duration::try_from_secs_f64(1.0 / per_worker)
+                let interval = Duration::try_from_secs_f64(1.0 / rate)
                     .map_err(|_| format!("--rate {rate} is too low"))?;
                 if interval.is_zero() {
                     return Err(format!("--rate {rate} is too high"));
@@ -297,9 +295,9 @@ mod tests {
     }
 
     #[test]
-    fn open_loop_splits_the_rate_between_workers() {
+    fn open_loop_spaces_requests_by_the_rate() {
         let plan = plan(&["--target", "http://x:1", "-c", "4", "--rate", "1000"]);
-        assert_eq!(plan.map(|p| p.interval), Ok(Some(Duration::from_millis(4))));
+        assert_eq!(plan.map(|p| p.interval), Ok(Some(Duration::from_millis(1))));
     }
 
     #[test]

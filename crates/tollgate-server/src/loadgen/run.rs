@@ -4,6 +4,13 @@
 //! Workers keep their own counts and histogram and share only two relaxed counters (requests
 //! claimed, for `--requests`; requests done, for the progress bar), so the generator adds no
 //! lock to the path it measures.
+//!
+//! In open loop (`--rate`) a pacer thread releases one ticket per scheduled send time and the
+//! next free worker takes it. The pacer sleeps on the operating system's high-resolution timer:
+//! tokio's timer wheel has a 1 ms tick, so workers sleeping on it would wake together and send
+//! each millisecond's requests as one burst, which the server would queue and the latencies
+//! would show. A request's latency counts from its ticket's time, so a server that falls behind
+//! cannot hide the queue it builds (no coordinated omission).
 
 use std::io::IsTerminal;
 use std::sync::Arc;
@@ -12,6 +19,7 @@ use std::time::Duration;
 
 use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressStyle};
+use tokio::sync::{Mutex, mpsc};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
@@ -28,6 +36,12 @@ const MAX_LATENCY_NS: u64 = 3_600_000_000_000;
 const ERROR_PAUSE: Duration = Duration::from_millis(10);
 /// How often the progress bar is redrawn.
 const PROGRESS_TICK: Duration = Duration::from_millis(200);
+/// Open-loop tickets the pacer may release ahead of the workers taking them. When the server
+/// falls further behind, the pacer waits; the tickets keep their scheduled times.
+const MAX_PENDING_TICKETS: usize = 65_536;
+
+/// Open loop: each ticket is one request's scheduled send time.
+type Tickets = Arc<Mutex<mpsc::Receiver<Instant>>>;
 
 /// Why a run could not start or finish.
 #[derive(Debug, thiserror::Error)]
@@ -125,6 +139,12 @@ pub async fn run(args: &BenchArgs) -> Result<Summary, BenchError> {
         Stop::After(duration) => Some(start + duration),
         Stop::Count(_) => None,
     };
+    let tickets: Option<Tickets> = plan.interval.map(|interval| {
+        let (release, tickets) = mpsc::channel(MAX_PENDING_TICKETS);
+        let (stop, shared) = (plan.stop, Arc::clone(&shared));
+        std::thread::spawn(move || pace(&release, start, interval, stop, &shared));
+        Arc::new(Mutex::new(tickets))
+    });
     let mut workers = JoinSet::new();
     for (id, client) in clients.into_iter().enumerate() {
         // Distinct, reproducible key sequences per worker.
@@ -132,20 +152,18 @@ pub async fn run(args: &BenchArgs) -> Result<Summary, BenchError> {
             .seed
             .wrapping_add((id as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
         let picker = KeyPicker::new(plan.distribution, plan.keys, seed, cdf.clone());
-        // Open loop: stagger the workers' schedules evenly across one interval.
-        let first_due = plan
-            .interval
-            .map(|interval| start + interval.mul_f64(id as f64 / plan.concurrency as f64));
         workers.spawn(worker(
             Arc::clone(&plan),
             client,
             picker,
             histogram.clone(),
             Arc::clone(&shared),
-            first_due,
+            tickets.clone(),
             deadline,
         ));
     }
+    // The workers hold the only receivers now: once they stop, the pacer's sends fail.
+    drop(tickets);
 
     let ticker = tokio::spawn(tick(
         progress.clone(),
@@ -163,14 +181,48 @@ pub async fn run(args: &BenchArgs) -> Result<Summary, BenchError> {
     Ok(Summary::new(args, &plan, elapsed, tallies, histogram))
 }
 
-/// Sends requests until the run is over.
+/// Releases one ticket per `interval` from `start` until the run is over, on the operating
+/// system's timer (see the module docs). Runs on a thread of its own, outside the runtime.
+fn pace(
+    release: &mpsc::Sender<Instant>,
+    start: Instant,
+    interval: Duration,
+    stop: Stop,
+    shared: &Shared,
+) {
+    let interval_ns = interval.as_nanos();
+    for index in 0u64.. {
+        let offset = u64::try_from(interval_ns * u128::from(index)).unwrap_or(u64::MAX);
+        let due = start + Duration::from_nanos(offset);
+        let over = match stop {
+            Stop::After(duration) => due >= start + duration,
+            Stop::Count(count) => index >= count || shared.claimed.load(Ordering::Relaxed) >= count,
+        };
+        if over {
+            return;
+        }
+        let now = Instant::now();
+        if due > now {
+            // The generator's own thread, not the code under test: the clippy rule against
+            // sleeping is for tests of the limiter.
+            #[allow(clippy::disallowed_methods)]
+            std::thread::sleep(due - now);
+        }
+        // Waits while the channel is full; fails once every worker has stopped.
+        if release.blocking_send(due).is_err() {
+            return;
+        }
+    }
+}
+
+/// Sends requests until the run is over: back to back (closed loop), or one per ticket.
 async fn worker(
     plan: Arc<Plan>,
     mut client: Client,
     mut picker: KeyPicker,
     latency: Histogram<u64>,
     shared: Arc<Shared>,
-    mut due: Option<Instant>,
+    tickets: Option<Tickets>,
     deadline: Option<Instant>,
 ) -> Tally {
     let mut tally = Tally {
@@ -181,26 +233,13 @@ async fn worker(
         latency,
     };
     loop {
-        if let Stop::Count(count) = plan.stop
-            && shared.claimed.fetch_add(1, Ordering::Relaxed) >= count
-        {
-            break;
-        }
-        let sent = match due {
-            Some(at) => {
-                if deadline.is_some_and(|deadline| at >= deadline) {
-                    break;
-                }
-                let now = Instant::now();
-                if now < at {
-                    tokio::time::sleep_until(at).await;
-                    // The worker was idle: time from when it woke, because tokio's timer can
-                    // wake up to a millisecond late and that lateness is the generator's.
-                    Instant::now()
-                } else {
-                    // Behind schedule: the request waited for the server's earlier answers,
-                    // and that wait is part of its latency (no coordinated omission).
-                    at
+        let sent = match &tickets {
+            Some(tickets) => {
+                // The pacer ends the run: its channel closes after the last ticket.
+                let ticket = tickets.lock().await.recv().await;
+                match ticket {
+                    Some(due) if deadline.is_none_or(|deadline| Instant::now() < deadline) => due,
+                    _ => break,
                 }
             }
             None => {
@@ -211,8 +250,10 @@ async fn worker(
                 now
             }
         };
-        if let (Some(at), Some(interval)) = (due, plan.interval) {
-            due = Some(at + interval);
+        if let Stop::Count(count) = plan.stop
+            && shared.claimed.fetch_add(1, Ordering::Relaxed) >= count
+        {
+            break;
         }
         let key = picker.next();
         let result = tokio::time::timeout(plan.timeout, client.send(key)).await;
@@ -232,7 +273,7 @@ async fn worker(
             Err(message) => {
                 tally.errors += 1;
                 tally.first_error.get_or_insert(message);
-                if due.is_none() {
+                if tickets.is_none() {
                     tokio::time::sleep(ERROR_PAUSE).await;
                 }
             }
