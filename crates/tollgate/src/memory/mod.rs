@@ -10,12 +10,14 @@
 //!
 //! # Memory
 //!
-//! A live bucket costs its key plus 8 bytes in a slot of the shard's table: the nanosecond at
-//! which it is full again. That is its whole state for every limit whose tokens are a whole
-//! number of nanoseconds apart (`10/s`, `600/m`, `5/100ms`, `1/d`, ...). Rates such as `3/s`
-//! also carry a sub-nanosecond remainder; such a bucket keeps its exact state in the shard's
-//! spill table, under a second copy of its key (counted in [`MemoryStats::spilled`]). Keys are
-//! stored as given (use `u64` or `Box<str>` rather than `String` to save bytes).
+//! A live bucket costs its key plus 8 bytes in a slot of the shard's table: a byte of the key's
+//! hash and the nanosecond at which the bucket is full again. That is its whole state for every
+//! limit whose tokens are a whole number of nanoseconds apart (`10/s`, `600/m`, `5/100ms`, `1/d`,
+//! ...), for the first 2^55 ns (417 days) of the clock's epoch. Rates such as `3/s` also carry a
+//! sub-nanosecond remainder; such a bucket, or one full again later than that, keeps its exact
+//! state in the shard's spill table, under a second copy of its key (counted in
+//! [`MemoryStats::spilled`]). Keys are stored as given (use `u64` or `Box<str>` rather than
+//! `String` to save bytes).
 //!
 //! A slot is nothing more: no control byte, no stored hash. The table is open addressing with
 //! linear probing, so a lookup reads slots from the key's home onward and usually touches a single
@@ -261,17 +263,16 @@ struct Spilled<K> {
     state: BucketState,
 }
 
-/// The top bit of [`Slot::packed`]: the state is in the spill table. Timestamps below 2^63 ns
-/// leave it clear (the bucket math clamps time there).
+/// The state of a slot whose exact state is in the spill table. Whole states are below it.
 ///
 /// A live bucket's slot holds its key and, packed into 8 bytes, its state. For a limit whose
 /// tokens are a whole number of nanoseconds apart (any `N/period` where N divides the period in
 /// ns: `10/s`, `600/m`, `5/100ms`, `1/d`, ...) the state is just the nanosecond the bucket is full
-/// again, which fits in 63 bits, so a slot is the key plus 8 bytes. A state with a sub-nanosecond
-/// remainder (rates such as `3/s`) does not fit: the slot is then marked `SPILLED` and the exact
-/// state lives in the shard's spill table under the same key. Neither is ever `u64::MAX`, the
-/// table's mark of a free slot.
-const SPILLED: u64 = 1 << 63;
+/// again, which fits in the slot's 55 bits for every instant in the first 2^55 ns (417 days) of
+/// the clock's epoch, so a slot is the key plus 8 bytes. A state with a sub-nanosecond remainder
+/// (rates such as `3/s`), or one further in time, does not fit: the slot then holds `SPILLED` and
+/// the exact state lives in the shard's spill table under the same key.
+const SPILLED: u64 = table::MAX_STATE;
 
 /// The packed form of `state`, if it fits in a slot.
 fn pack(state: BucketState) -> Option<u64> {
@@ -474,7 +475,7 @@ where
             let state = shard
                 .buckets
                 .find(hash, item.key)
-                .and_then(|slot| unpack(slot.packed, &slot.key, hash, &shard.spill));
+                .and_then(|slot| unpack(slot.state(), &slot.key, hash, &shard.spill));
             let (decision, next) = bucket::take(item.limit, state, now, item.cost)?;
             decisions.push(decision);
             next_states.push((state, next));
@@ -526,7 +527,7 @@ where
         let state = shard
             .buckets
             .find(hash, key)
-            .and_then(|slot| unpack(slot.packed, &slot.key, hash, &shard.spill));
+            .and_then(|slot| unpack(slot.state(), &slot.key, hash, &shard.spill));
         bucket::peek(limit, state, now, cost)
     }
 
@@ -585,8 +586,8 @@ where
                 |slot| match change(&slot.key) {
                     Some((key, old, new)) => {
                         let hash = self.hasher.hash_one(&slot.key);
-                        let state = unpack(slot.packed, &slot.key, hash, spill);
-                        unspill(slot.packed, &slot.key, hash, spill);
+                        let state = unpack(slot.state(), &slot.key, hash, spill);
+                        unspill(slot.state(), &slot.key, hash, spill);
                         moved.push((key, bucket::rebase(&old, &new, state, at)));
                         false
                     }
@@ -604,7 +605,7 @@ where
             match buckets.find_mut(hash, &key) {
                 Some(slot) => {
                     // Same parameters on both sides: the later full_at holds fewer tokens.
-                    let current = full_at_of(slot.packed, &slot.key, hash, spill);
+                    let current = full_at_of(slot.state(), &slot.key, hash, spill);
                     if state.full_at().as_nanos() > current {
                         self.write(slot, spill, hash, state, || key.clone());
                     }
@@ -645,7 +646,7 @@ where
     {
         let Shard { buckets, spill, .. } = shard;
         if let Some(slot) = buckets.find_mut(hash, key) {
-            let state = unpack(slot.packed, &slot.key, hash, spill);
+            let state = unpack(slot.state(), &slot.key, hash, spill);
             let (decision, next) = bucket::take(limit, state, now, cost)?;
             if let Some(next) = next {
                 self.write(slot, spill, hash, next, || key.to_owned().into());
@@ -685,11 +686,11 @@ where
         new_key: impl FnOnce() -> K,
     ) {
         if let Some(packed) = pack(state) {
-            unspill(slot.packed, &slot.key, hash, spill);
-            slot.packed = packed;
+            unspill(slot.state(), &slot.key, hash, spill);
+            slot.set_state(packed);
             return;
         }
-        if slot.packed & SPILLED != 0
+        if slot.state() & SPILLED != 0
             && let Some(spilled) = spill.find_mut(hash, |spilled| spilled.key == slot.key)
         {
             spilled.state = state;
@@ -703,7 +704,7 @@ where
             },
             |spilled| self.hasher.hash_one(&spilled.key),
         );
-        slot.packed = SPILLED;
+        slot.set_state(SPILLED);
     }
 
     #[cold]
@@ -727,7 +728,7 @@ where
             }
         }
         let Shard { buckets, spill, .. } = shard;
-        // Any packed value but the free mark will do: `write` sets the real one.
+        // Any state will do: `write` sets the real one.
         let slot = buckets.insert(hash, new_key(), 0, |key| self.hasher.hash_one(key));
         self.write(slot, spill, hash, state, new_key);
     }
@@ -740,9 +741,9 @@ where
         buckets.retain(
             |slot| {
                 let going = drop(self.full_at(slot, spill));
-                if going && slot.packed & SPILLED != 0 {
+                if going && slot.state() & SPILLED != 0 {
                     let hash = self.hasher.hash_one(&slot.key);
-                    unspill(slot.packed, &slot.key, hash, spill);
+                    unspill(slot.state(), &slot.key, hash, spill);
                 }
                 !going
             },
@@ -753,11 +754,11 @@ where
 
     /// When `slot`'s bucket is full again; only a spilled slot needs its key hashed.
     fn full_at(&self, slot: &Slot<K>, spill: &HashTable<Spilled<K>>) -> u64 {
-        if slot.packed & SPILLED == 0 {
-            return slot.packed;
+        if slot.state() & SPILLED == 0 {
+            return slot.state();
         }
         let hash = self.hasher.hash_one(&slot.key);
-        full_at_of(slot.packed, &slot.key, hash, spill)
+        full_at_of(slot.state(), &slot.key, hash, spill)
     }
 
     fn drop_full(&self, shard: &mut Shard<K>, now: Timestamp) -> usize {
@@ -883,6 +884,24 @@ mod tests {
         });
         assert_eq!(store.peek("k@new", &l, 1, at(0)).unwrap().remaining(), 1);
         assert_eq!(store.stats().live_buckets, 1);
+    }
+
+    #[test]
+    fn states_past_the_slots_room_spill_and_stay_exact() {
+        let store: MemoryStore<u64> = MemoryStore::builder().shards(1).build();
+        let l = limit(10, "10/s");
+        assert!(store.check(&1, &l, 1, at(0)).unwrap().allowed());
+        assert_eq!(store.stats().spilled, 0);
+        // Full again after 2^55 ns: the state no longer fits in the slot.
+        let late = 1u64 << 56;
+        assert_eq!(store.check(&2, &l, 4, at(late)).unwrap().remaining(), 6);
+        assert_eq!(store.stats().spilled, 1);
+        // 0.1 s refills one token; one is taken.
+        let later = at(late + SEC / 10);
+        assert_eq!(store.check(&2, &l, 1, later).unwrap().remaining(), 6);
+        assert_eq!(store.peek(&1, &l, 10, later).unwrap().remaining(), 0);
+        assert_eq!(store.sweep(at(late + 10 * SEC)), 2);
+        assert_eq!(store.stats().spilled, 0);
     }
 
     #[test]

@@ -4,28 +4,33 @@
 //! At a million live keys a check is bound by memory latency, not by instructions. A SwissTable
 //! (hashbrown) keeps its control bytes in an array apart from its slots, so a lookup costs two
 //! dependent cache misses: the control-byte group, then the slot it points to (28 % and 65 % of
-//! the samples of a check in the profile in BENCHMARKS.md). This table has no metadata at all: a
-//! slot is the key and the 8-byte packed state, a free slot is one whose packed value is
-//! [`EMPTY`] (no state packs to it), and a lookup walks the slots from the key's home until it
-//! finds the key or a free slot. At the load kept here (at most 3/4) the walk is short, and a
-//! 16-byte slot shares its 64-byte line with the next ones, so a lookup usually costs one miss.
+//! the samples of a check in the profile in BENCHMARKS.md). Here a slot is the key and 8 bytes:
+//! a byte of the key's hash (the tag) and the store's 56-bit state. A free slot is one whose
+//! packed value is [`EMPTY`], and a lookup walks the slots from the key's home until it finds the
+//! key or a free slot. At the load kept here (at most 3/4) the walk is short, and a 16-byte slot
+//! shares its 64-byte line with the next ones, so a lookup usually costs one miss.
 //!
-//! What it gives up against hashbrown: without tag bytes a probe compares the key of every slot it
-//! passes. For a `u64` key that is one integer compare. For a heap key such as `Box<str>`, each
-//! passed key of the same length is read through its pointer, likely another miss: a found key
-//! costs about what it did (hashbrown's control-byte miss traded for the occasional passed key),
-//! but the lookup of an absent key (a new bucket) passes from about one key at 3/8 load to seven at
-//! 3/4, where hashbrown's tags let it read almost none. And linear probing needs a lower load
-//! factor than SwissTable's 7/8 to keep the walks short. Removal shifts the entries after a hole
-//! back toward their homes (no tombstones), so lookups do not slow down as keys come and go; the
-//! store only removes in bulk (expiry, eviction, rebasing), so that is the one removal offered.
+//! The tag is what keeps heap keys cheap: a probe compares a passed slot's tag first and reads
+//! its key (through a pointer, for `Box<str>`) only when the tags agree, one time in 256. Without
+//! it, the lookup of an absent key (a new bucket) read every key it passed, up to seven at 3/4
+//! load. Linear probing needs a lower load factor than SwissTable's 7/8 to keep the walks short.
+//! Removal shifts the entries after a hole back toward their homes (no tombstones), so lookups do
+//! not slow down as keys come and go; the store only removes in bulk (expiry, eviction,
+//! rebasing), so that is the one removal offered.
 
 use std::borrow::Borrow;
 use std::mem;
 
-/// The packed value of a free slot. The store never packs a state to it: its values are below
-/// 2^63 or exactly 2^63 (the spilled marker).
+/// The packed value of a free slot. No occupied slot holds it: their states are at most
+/// [`MAX_STATE`], below the tag byte.
 pub(super) const EMPTY: u64 = u64::MAX;
+
+/// The largest state the store may keep in a slot (the low 56 bits of `packed`; the byte above
+/// holds a tag of the key's hash).
+pub(super) const MAX_STATE: u64 = 1 << 55;
+
+/// Where the tag sits in `packed`.
+const TAG_SHIFT: u32 = 56;
 
 /// The fewest slots an allocated table has. A new table has none and allocates on first insert,
 /// so a store's many shards cost nothing until used.
@@ -36,14 +41,27 @@ const MIN_SLOTS: usize = 16;
 pub(super) struct Slot<K> {
     /// The bucket's key. Callers must not change it in place: its position depends on its hash.
     pub(super) key: K,
-    /// The bucket's state, as the store packs it; callers may change it, but never to [`EMPTY`].
-    pub(super) packed: u64,
+    /// The key's tag in the top byte and the store's state below it.
+    packed: u64,
 }
 
 impl<K> Slot<K> {
     #[inline]
     fn is_free(&self) -> bool {
         self.packed == EMPTY
+    }
+
+    /// The state the store keeps in the slot.
+    #[inline]
+    pub(super) fn state(&self) -> u64 {
+        self.packed & ((1 << TAG_SHIFT) - 1)
+    }
+
+    /// Replaces the state (at most [`MAX_STATE`]), keeping the tag.
+    #[inline]
+    pub(super) fn set_state(&mut self, state: u64) {
+        debug_assert!(state <= MAX_STATE, "a state above the slot's room");
+        self.packed = (self.packed & !((1 << TAG_SHIFT) - 1)) | state;
     }
 }
 
@@ -66,6 +84,15 @@ impl<K: Default> Slot<K> {
 #[inline]
 fn home(hash: u64) -> usize {
     hash.rotate_left(8) as usize
+}
+
+/// The tag of a key with `hash`, in place in `packed`: a probe compares the tag before the key,
+/// so it reads a passed key (through its pointer, for heap keys) only once in 256 times. Bits
+/// 32..40 are neither home bits (56..64, 0..24) nor the bits the store's shard choice depends on
+/// (the top of 24..56).
+#[inline]
+fn tag(hash: u64) -> u64 {
+    ((hash >> 32) & 0xff) << TAG_SHIFT
 }
 
 /// An open-addressing table of [`Slot`]s, found by a hash the caller computes (as with
@@ -139,13 +166,14 @@ impl<K> Table<K> {
         }
         let mask = self.slots.len() - 1;
         let mut i = home(hash) & mask;
+        let tag = tag(hash);
         // Terminates: at most 3/4 of the slots are used.
         loop {
             let slot = &self.slots[i];
             if slot.is_free() {
                 return None;
             }
-            if slot.key.borrow() == key {
+            if slot.packed & !((1 << TAG_SHIFT) - 1) == tag && slot.key.borrow() == key {
                 return Some(i);
             }
             i = (i + 1) & mask;
@@ -174,16 +202,18 @@ impl<K> Table<K> {
 }
 
 impl<K: Default> Table<K> {
-    /// Inserts `key`, which must not be in the table, with `packed` (not [`EMPTY`]), growing the
-    /// table first if it is at [`capacity`](Self::capacity). `rehash` gives a stored key's hash.
+    /// Inserts `key`, which must not be in the table, with `state` (at most [`MAX_STATE`]),
+    /// growing the table first if it is at [`capacity`](Self::capacity). `rehash` gives a stored
+    /// key's hash.
     pub(super) fn insert(
         &mut self,
         hash: u64,
         key: K,
-        packed: u64,
+        state: u64,
         rehash: impl Fn(&K) -> u64,
     ) -> &mut Slot<K> {
-        debug_assert_ne!(packed, EMPTY, "a free slot's marker");
+        debug_assert!(state <= MAX_STATE, "a state above the slot's room");
+        let packed = tag(hash) | state;
         if self.len >= self.capacity() {
             self.grow(rehash);
         }
@@ -358,7 +388,7 @@ mod tests {
     fn op() -> impl Strategy<Value = Op> {
         let key = 0u64..96;
         prop_oneof![
-            6 => (key.clone(), 0u64..1 << 62).prop_map(|(k, v)| Op::Upsert(k, v)),
+            6 => (key.clone(), 0u64..=MAX_STATE).prop_map(|(k, v)| Op::Upsert(k, v)),
             3 => key.clone().prop_map(Op::Find),
             2 => key.prop_map(Op::Remove),
             1 => (2u64..6, 0u64..6).prop_map(|(modulus, residue)| Op::Retain { modulus, residue }),
@@ -376,7 +406,7 @@ mod tests {
         assert!(slots == 0 || (slots.is_power_of_two() && slots >= MIN_SLOTS));
         for (key, (rc, packed)) in model {
             let found = table.find(hasher.hash(*key), key).expect("a held key");
-            assert_eq!(found.packed, *packed);
+            assert_eq!(found.state(), *packed);
             assert!(Rc::ptr_eq(&found.key, rc), "the key inserted, held once");
             assert_eq!(Rc::strong_count(rc), 2, "the model's and the table's");
         }
@@ -409,18 +439,18 @@ mod tests {
                 Op::Upsert(key, packed) => {
                     let hash = hasher.hash(key);
                     if let Some(slot) = table.find_mut(hash, &key) {
-                        slot.packed = packed;
+                        slot.set_state(packed);
                         model.get_mut(&key).expect("in the model").1 = packed;
                     } else {
                         assert!(!model.contains_key(&key));
                         let rc = Rc::new(key);
                         let slot = table.insert(hash, rc.clone(), packed, &rehash);
-                        assert_eq!((*slot.key, slot.packed), (key, packed));
+                        assert_eq!((*slot.key, slot.state()), (key, packed));
                         model.insert(key, (rc, packed));
                     }
                 }
                 Op::Find(key) => {
-                    let found = table.find(hasher.hash(key), &key).map(|slot| slot.packed);
+                    let found = table.find(hasher.hash(key), &key).map(Slot::state);
                     assert_eq!(found, model.get(&key).map(|(_, packed)| *packed));
                 }
                 Op::Remove(key) => {
@@ -547,7 +577,7 @@ mod tests {
         table.insert(hash(&4), 4, 7, hash);
         assert!(table.find(hash(&0), &0).is_none(), "free slots hold 0");
         table.insert(hash(&0), 0, 9, hash);
-        assert_eq!(table.find(hash(&0), &0).map(|slot| slot.packed), Some(9));
+        assert_eq!(table.find(hash(&0), &0).map(Slot::state), Some(9));
     }
 
     #[test]
@@ -562,7 +592,7 @@ mod tests {
         assert!(!table.slots[15].is_free() && !table.slots[0].is_free());
         table.retain(|slot| slot.key % 3 != 0, hash);
         for key in 0..9 {
-            let found = table.find(hash(&key), &key).map(|slot| slot.packed);
+            let found = table.find(hash(&key), &key).map(Slot::state);
             assert_eq!(found, (key % 3 != 0).then_some(key), "key {key}");
         }
         assert_eq!(table.len(), 6);
