@@ -15,6 +15,7 @@ use std::sync::Arc;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
+use axum::http::header::{CONTENT_TYPE, RETRY_AFTER};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
@@ -252,33 +253,32 @@ pub(crate) fn status_of(outcome: &Outcome, deny: StatusCode) -> StatusCode {
     }
 }
 
-/// `RateLimit-Policy`, `RateLimit` and, when rejected, `Retry-After`, from the enforced limits.
-pub(crate) fn rate_limit_headers(outcome: &Outcome) -> HeaderMap {
-    let mut headers = HeaderMap::new();
-    let enforced = enforced_decisions(outcome);
-    if let Some((policy, state)) = fields::rate_limit_headers(enforced.iter().copied()) {
+/// Adds `RateLimit-Policy`, `RateLimit` and, when rejected, `Retry-After` to `headers`, from the
+/// enforced limits. Added to the response's own map: a map of their own would cost an allocation
+/// and a merge on every answer.
+pub(crate) fn add_rate_limit_headers(headers: &mut HeaderMap, outcome: &Outcome) {
+    if let Some((policy, state)) = fields::rate_limit_headers(enforced_decisions(outcome)) {
         headers.insert(fields::RATELIMIT_POLICY, policy);
         headers.insert(fields::RATELIMIT, state);
     }
     if !outcome.allowed && !outcome.failed_closed {
-        let wait = enforced
-            .iter()
+        let wait = enforced_decisions(outcome)
             .filter_map(|(_, decision)| fields::retry_after_secs(decision))
             .max()
             .unwrap_or(1);
-        headers.insert("retry-after", HeaderValue::from(wait));
+        headers.insert(RETRY_AFTER, HeaderValue::from(wait));
     }
-    headers
 }
 
 /// The enforced limits' decisions, by name: the ones a client is held to.
-pub(crate) fn enforced_decisions(outcome: &Outcome) -> Vec<(&str, &tollgate::Decision)> {
+fn enforced_decisions(
+    outcome: &Outcome,
+) -> impl Iterator<Item = (&str, &tollgate::Decision)> + Clone {
     outcome
         .limits
         .iter()
         .filter(|limit| limit.mode == "enforce")
         .filter_map(|limit| limit.decision.as_ref().map(|d| (limit.name.as_str(), d)))
-        .collect()
 }
 
 fn millis_ceil(duration: std::time::Duration) -> u64 {
@@ -366,12 +366,9 @@ fn push_str(out: &mut Vec<u8>, value: &str) {
 }
 
 /// A JSON answer.
-fn json(status: StatusCode, headers: HeaderMap, body: Vec<u8>) -> Response {
-    let content_type = [(
-        axum::http::header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    )];
-    (status, headers, content_type, body).into_response()
+fn json(status: StatusCode, body: Vec<u8>) -> Response {
+    let content_type = [(CONTENT_TYPE, HeaderValue::from_static("application/json"))];
+    (status, content_type, body).into_response()
 }
 
 pub(crate) async fn check(
@@ -385,11 +382,9 @@ pub(crate) async fn check(
         .await
         .map_err(decide_error)?;
     let status = status_of(&outcome, StatusCode::TOO_MANY_REQUESTS);
-    Ok(json(
-        status,
-        rate_limit_headers(&outcome),
-        write_body(&outcome, false),
-    ))
+    let mut response = json(status, write_body(&outcome, false));
+    add_rate_limit_headers(response.headers_mut(), &outcome);
+    Ok(response)
 }
 
 pub(crate) async fn explain(
@@ -402,11 +397,7 @@ pub(crate) async fn explain(
         .explain(&parsed.request())
         .await
         .map_err(decide_error)?;
-    Ok(json(
-        StatusCode::OK,
-        HeaderMap::new(),
-        write_body(&outcome, true),
-    ))
+    Ok(json(StatusCode::OK, write_body(&outcome, true)))
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 
 use super::AppState;
-use super::check::{Parsed, check_bounds, decide_error, rate_limit_headers, status_of};
+use super::check::{Parsed, add_rate_limit_headers, check_bounds, decide_error, status_of};
 use super::error::ApiError;
 use crate::metrics::Api;
 
@@ -103,7 +103,9 @@ pub(crate) async fn forward_auth(
         StatusCode::SERVICE_UNAVAILABLE => "rate limiter store unavailable",
         _ => "rate limited",
     };
-    Ok((status, rate_limit_headers(&outcome), text).into_response())
+    let mut response = (status, text).into_response();
+    add_rate_limit_headers(response.headers_mut(), &outcome);
+    Ok(response)
 }
 
 #[cfg(test)]
