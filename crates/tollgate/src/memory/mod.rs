@@ -348,7 +348,7 @@ where
         Q::Owned: Into<K>,
     {
         bucket::check_cost(limit, cost)?;
-        let hash = self.hasher.hash_one(key);
+        let hash = self.hash(key);
         let mut shard = self.lock(hash);
         self.take_one(&mut shard, hash, key, limit, cost, now)
     }
@@ -376,7 +376,7 @@ where
     {
         bucket::check_cost(limit, cost)?;
         idempotency::check_request_id(request_id)?;
-        let hash = self.hasher.hash_one(key);
+        let hash = self.hash(key);
         let id = self.request_identity(request_id, key);
         let content = self.hasher.hash_one((limit, cost));
         let mut shard = self.lock(hash);
@@ -423,7 +423,7 @@ where
         let mut hashes = Vec::with_capacity(items.len());
         for (index, item) in items.iter().enumerate() {
             bucket::check_cost(item.limit, item.cost)?;
-            let hash = self.hasher.hash_one(item.key);
+            let hash = self.hash(item.key);
             let duplicate = hashes
                 .iter()
                 .zip(items)
@@ -522,7 +522,7 @@ where
         Q: Hash + Eq + ?Sized,
     {
         bucket::check_cost(limit, cost)?;
-        let hash = self.hasher.hash_one(key);
+        let hash = self.hash(key);
         let shard = self.lock(hash);
         let state = shard
             .buckets
@@ -585,7 +585,7 @@ where
             buckets.retain(
                 |slot| match change(&slot.key) {
                     Some((key, old, new)) => {
-                        let hash = self.hasher.hash_one(&slot.key);
+                        let hash = self.hash(&slot.key);
                         let state = unpack(slot.state(), &slot.key, hash, spill);
                         unspill(slot.state(), &slot.key, hash, spill);
                         moved.push((key, bucket::rebase(&old, &new, state, at)));
@@ -593,13 +593,13 @@ where
                     }
                     None => true,
                 },
-                |key| self.hasher.hash_one(key),
+                |key| self.hash(key),
             );
         }
         let count = moved.len();
         for (key, state) in moved {
             let Some(state) = state else { continue };
-            let hash = self.hasher.hash_one(&key);
+            let hash = self.hash(&key);
             let mut shard = self.lock(hash);
             let Shard { buckets, spill, .. } = &mut *shard;
             match buckets.find_mut(hash, &key) {
@@ -616,11 +616,24 @@ where
         count
     }
 
+    /// The hash every table of the store uses for `key`: the hasher's, spread once more. The
+    /// shard, the home slot and the tag come from different bits of it, so they must all be
+    /// good; a fast hasher's top bits follow its middle ones for keys that differ only in their
+    /// low bits (sequential integers), which with some seeds crowded a shard's keys one to six
+    /// slots from their homes. One more folded multiply costs a nanosecond and makes every bit
+    /// depend on every input bit, whatever hasher the store was given.
+    #[inline]
+    fn hash<Q: Hash + ?Sized>(&self, key: &Q) -> u64 {
+        let product = u128::from(self.hasher.hash_one(key)) * 0x9e37_79b9_7f4a_7c15;
+        (product as u64) ^ ((product >> 64) as u64)
+    }
+
     #[inline]
     fn shard_index(&self, hash: u64) -> usize {
-        // Bits 24..56 pick the shard: a shard's table takes a key's home slot from the others
-        // (see `table::home`), and hashbrown's spill table uses the low bits for the slot and the
-        // top seven as the tag, so a shard's keys must not share them, or probes would slow down.
+        // Bits 24..56 pick the shard: a shard's table takes a key's home slot from the low bits
+        // and its tag from bits 32..40 (see `table::home` and `table::tag`), and hashbrown's spill
+        // table uses the low bits for the slot and the top seven as its tag, so a shard's keys
+        // must not share those, or probes would slow down.
         ((((hash >> 24) as u32 as u64) * self.shards.len() as u64) >> 32) as usize
     }
 
@@ -702,7 +715,7 @@ where
                 key: new_key(),
                 state,
             },
-            |spilled| self.hasher.hash_one(&spilled.key),
+            |spilled| self.hash(&spilled.key),
         );
         slot.set_state(SPILLED);
     }
@@ -724,12 +737,12 @@ where
             // than an eighth, grow anyway, so sweeps stay at least len/8 inserts apart.
             let dropped = self.drop_full(shard, now);
             if dropped < len / 8 {
-                shard.buckets.grow(|key| self.hasher.hash_one(key));
+                shard.buckets.grow(|key| self.hash(key));
             }
         }
         let Shard { buckets, spill, .. } = shard;
         // Any state will do: `write` sets the real one.
-        let slot = buckets.insert(hash, new_key(), 0, |key| self.hasher.hash_one(key));
+        let slot = buckets.insert(hash, new_key(), 0, |key| self.hash(key));
         self.write(slot, spill, hash, state, new_key);
     }
 
@@ -742,12 +755,12 @@ where
             |slot| {
                 let going = drop(self.full_at(slot, spill));
                 if going && slot.state() & SPILLED != 0 {
-                    let hash = self.hasher.hash_one(&slot.key);
+                    let hash = self.hash(&slot.key);
                     unspill(slot.state(), &slot.key, hash, spill);
                 }
                 !going
             },
-            |key| self.hasher.hash_one(key),
+            |key| self.hash(key),
         );
         before - shard.buckets.len()
     }
@@ -757,7 +770,7 @@ where
         if slot.state() & SPILLED == 0 {
             return slot.state();
         }
-        let hash = self.hasher.hash_one(&slot.key);
+        let hash = self.hash(&slot.key);
         full_at_of(slot.state(), &slot.key, hash, spill)
     }
 
@@ -965,7 +978,7 @@ mod tests {
         for shard in &store.shards {
             let shard = sync::lock(&shard.0);
             held += shard.buckets.len();
-            displacement += shard.buckets.displacement(|key| store.hasher.hash_one(key));
+            displacement += shard.buckets.displacement(|key| store.hash(key));
         }
         assert_eq!(held as u64, keys);
         // Linear probing at load a finds a key (1 + 1 / (1 - a)) / 2 - 1 slots past its home

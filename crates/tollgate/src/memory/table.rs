@@ -74,22 +74,20 @@ impl<K: Default> Slot<K> {
     }
 }
 
-/// The slot a key with `hash` probes first, before masking to the table's size.
+/// The slot a key with `hash` probes first, before masking to the table's size: the low bits.
 ///
-/// The store picks a key's shard from bits 24..56 of the same hash, so every key of a shard
-/// shares the top bits of that range, and hashbrown's spill table uses the low bits. A home drawn
-/// from the shard bits would crowd a shard's keys into part of its table; the rotation puts bits
-/// 56..64 and then 0..24 in the low 32 bits, none of them a shard bit, for tables of up to 2^32
-/// slots per shard.
+/// The store picks a key's shard from the top of bits 24..56 of the same hash, so every key of a
+/// shard shares those bits; a home drawn from them would crowd a shard's keys into part of its
+/// table. The low 24 bits are free of them for tables of up to 2^24 slots per shard.
 #[inline]
 fn home(hash: u64) -> usize {
-    hash.rotate_left(8) as usize
+    hash as usize
 }
 
 /// The tag of a key with `hash`, in place in `packed`: a probe compares the tag before the key,
 /// so it reads a passed key (through its pointer, for heap keys) only once in 256 times. Bits
-/// 32..40 are neither home bits (56..64, 0..24) nor the bits the store's shard choice depends on
-/// (the top of 24..56).
+/// 32..40 are neither home bits (0..24) nor the bits the store's shard choice depends on (the
+/// top of 24..56).
 #[inline]
 fn tag(hash: u64) -> u64 {
     ((hash >> 32) & 0xff) << TAG_SHIFT
@@ -355,10 +353,10 @@ mod tests {
             use std::hash::BuildHasher;
             match self {
                 Self::Good => foldhash::fast::FixedState::with_seed(3).hash_one(key),
-                // home() rotates left by 8: undo it so the home is key % 4.
-                Self::Few => (key % 4).rotate_right(8),
+                // The home is the hash's low bits: key % 4.
+                Self::Few => key % 4,
                 // Likewise, the home is !(key % 3) & mask.
-                Self::AtTheEnd => (!(key % 3)).rotate_right(8),
+                Self::AtTheEnd => !(key % 3),
             }
         }
 
