@@ -191,6 +191,24 @@ async fn open_loop_keeps_to_its_rate() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_loop_for_a_duration_sends_the_rate_times_the_duration() {
+    let server = start().await;
+    let target = format!("http://{}", server.http);
+    // 200/s for half a second: 100 tickets, the first at the start; none after the deadline.
+    let summary = bench(&[
+        "--target", &target, "--path", "/v1/noop", "-d", "500ms", "-c", "8", "--rate", "200",
+    ])
+    .await
+    .expect("bench runs");
+    assert_eq!(summary.errors, 0, "{summary:?}");
+    assert!(
+        (90..=100).contains(&summary.allowed),
+        "{} requests: {summary:?}",
+        summary.allowed
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_target_is_one_clear_error() {
     let closed = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = closed.local_addr().expect("addr");

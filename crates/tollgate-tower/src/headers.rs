@@ -105,30 +105,46 @@ pub fn rate_limit_headers<'a>(
 pub fn rate_limit_policy_value<'a>(
     items: impl IntoIterator<Item = (&'a str, &'a Limit)>,
 ) -> Option<HeaderValue> {
-    let mut value = String::with_capacity(64);
-    for (name, limit) in items {
-        if !value.is_empty() {
-            value.push_str(", ");
-        }
-        push_sf_string(&mut value, name);
-        push_param(&mut value, ";q=", limit.capacity());
-        push_param(&mut value, ";w=", ceil_secs(limit.time_to_full()));
-    }
-    to_header_value(value)
+    list(items.into_iter().map(|(name, limit)| {
+        (
+            name,
+            [
+                ("q", limit.capacity()),
+                ("w", ceil_secs(limit.time_to_full())),
+            ],
+        )
+    }))
 }
 
 /// The `RateLimit` value alone. `None` when there is none.
 pub fn rate_limit_value<'a>(
     items: impl IntoIterator<Item = (&'a str, &'a Decision)>,
 ) -> Option<HeaderValue> {
+    list(items.into_iter().map(|(name, decision)| {
+        (
+            name,
+            [("r", decision.remaining()), ("t", reset_secs(decision))],
+        )
+    }))
+}
+
+/// A Structured Field List of `"name";k=v;k=v` items; `None` when empty. Built on every answer,
+/// so the integers go through `itoa` rather than the formatting machinery.
+fn list<'a>(
+    items: impl Iterator<Item = (&'a str, [(&'static str, u64); 2])>,
+) -> Option<HeaderValue> {
     let mut value = String::with_capacity(64);
-    for (name, decision) in items {
+    for (name, params) in items {
         if !value.is_empty() {
             value.push_str(", ");
         }
         push_sf_string(&mut value, name);
-        push_param(&mut value, ";r=", decision.remaining());
-        push_param(&mut value, ";t=", reset_secs(decision));
+        for (key, number) in params {
+            value.push(';');
+            value.push_str(key);
+            value.push('=');
+            value.push_str(itoa::Buffer::new().format(number));
+        }
     }
     to_header_value(value)
 }
@@ -140,13 +156,6 @@ fn to_header_value(value: String) -> Option<HeaderValue> {
     // Only visible ASCII was written, so the conversion succeeds; a failure would drop the
     // field rather than panic.
     HeaderValue::try_from(value).ok()
-}
-
-/// Appends `;key=` and `value`. These fields are built on every answer: `itoa` writes the
-/// integer without the formatting machinery.
-fn push_param(out: &mut String, key: &str, value: u64) {
-    out.push_str(key);
-    out.push_str(itoa::Buffer::new().format(value));
 }
 
 /// Appends `name` as a Structured Field string (RFC 9651 §3.3.3).
