@@ -68,6 +68,7 @@ run "HTTP /v1/noop" --target "http://$http" --path /v1/noop -c 16
 run "HTTP /v1/check" --target "http://$http" -c 16
 half=$(python3 -c 'import json,sys; print(int(json.load(open(sys.argv[1]))["decisions_per_s"] / 2))' "$work/last.json")
 run "gRPC RLS" --grpc "$grpc" -c 16
+run "gRPC RLS, 16 streams over 2 connections" --grpc "$grpc" -c 16 --connections 2
 run "HTTP /v1/check, open loop at $half/s (half of peak)" --target "http://$http" -c 32 --rate "$half"
 quarter=$((half / 2))
 run "HTTP /v1/check, open loop at $quarter/s (quarter of peak)" --target "http://$http" -c 32 --rate "$quarter"

@@ -5,6 +5,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use axum::http::StatusCode;
 use clap::Parser;
@@ -119,6 +120,49 @@ async fn grpc_counts_add_up_and_the_demo_limit_rejects() {
     .expect("bench runs");
     assert_eq!(summary.api, "grpc");
     assert_limited(&summary, 200, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_calls_multiplexed_over_shared_connections_all_count() {
+    let server = start().await;
+    let (target, accepted) = counting_proxy(server.grpc).await;
+    let target = target.to_string();
+    let summary = bench(&[
+        "--grpc",
+        &target,
+        "--requests",
+        "200",
+        "--keys",
+        "2",
+        "-c",
+        "8",
+        "--connections",
+        "2",
+    ])
+    .await
+    .expect("bench runs");
+    assert_eq!((summary.concurrency, summary.connections), (8, 2));
+    assert_eq!(accepted.load(Ordering::Relaxed), 2, "connections opened");
+    assert_limited(&summary, 200, 2);
+}
+
+/// A loopback proxy to `upstream` that counts the connections it accepts.
+async fn counting_proxy(upstream: SocketAddr) -> (SocketAddr, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
+    let addr = listener.local_addr().expect("proxy addr");
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&accepted);
+    tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = listener.accept().await {
+            counter.fetch_add(1, Ordering::Relaxed);
+            tokio::spawn(async move {
+                if let Ok(mut outbound) = tokio::net::TcpStream::connect(upstream).await {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                }
+            });
+        }
+    });
+    (addr, accepted)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

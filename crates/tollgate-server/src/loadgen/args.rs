@@ -30,9 +30,15 @@ pub struct BenchArgs {
     /// HTTP path to send the check body to; `/v1/noop` measures the stack without deciding.
     #[arg(long, default_value = "/v1/check")]
     pub path: String,
-    /// Concurrent workers, each with its own keep-alive connection and one request in flight.
+    /// Concurrent workers, each with one request in flight. Over HTTP each has its own
+    /// keep-alive connection; over gRPC they share --connections.
     #[arg(long, short = 'c', default_value_t = 16)]
     pub concurrency: usize,
+    /// gRPC only: HTTP/2 connections the workers' calls are multiplexed over (default: one per
+    /// worker). Envoy sends its rate-limit calls as streams over a few connections per worker
+    /// thread; fewer connections measure that, and let each read and write carry several calls.
+    #[arg(long, value_name = "N")]
+    pub connections: Option<usize>,
     /// How long to run, as `500ms`, `10s` or `2m` (ignored with --requests).
     #[arg(long, short = 'd', default_value = "10s", value_parser = parse_duration)]
     pub duration: Duration,
@@ -107,6 +113,8 @@ pub(crate) enum Stop {
 pub(crate) struct Plan {
     pub(crate) target: Target,
     pub(crate) concurrency: usize,
+    /// Connections the workers share: `concurrency` over HTTP, `--connections` over gRPC.
+    pub(crate) connections: usize,
     pub(crate) stop: Stop,
     pub(crate) domain: String,
     pub(crate) key_entry: String,
@@ -139,6 +147,23 @@ impl BenchArgs {
                 self.concurrency
             ));
         }
+        let connections = match (self.connections, &target) {
+            (None, _) => self.concurrency,
+            (Some(_), Target::Http { .. }) => {
+                return Err(
+                    "--connections is for --grpc: HTTP/1.1 carries one request at a \
+                            time per connection, so --concurrency sets the connections"
+                        .into(),
+                );
+            }
+            (Some(n), Target::Grpc { .. }) if n == 0 || n > self.concurrency => {
+                return Err(format!(
+                    "--connections must be 1 to --concurrency ({}), not {n}",
+                    self.concurrency
+                ));
+            }
+            (Some(n), Target::Grpc { .. }) => n,
+        };
         let stop = match self.requests {
             Some(0) => return Err("--requests must be at least 1".into()),
             Some(count) => Stop::Count(count),
@@ -172,6 +197,7 @@ impl BenchArgs {
         Ok(Plan {
             target,
             concurrency: self.concurrency,
+            connections,
             stop,
             domain: self.domain.clone(),
             key_entry: self.key_entry.clone(),
@@ -286,12 +312,29 @@ mod tests {
             &["--target", "http://x:1", "--rate", "-3"],
             &["--target", "http://x:1", "--cost", "0"],
             &["--target", "http://x:1", "--path", "v1"],
+            &["--target", "http://x:1", "--connections", "1"],
+            &["--grpc", "x:1", "-c", "4", "--connections", "0"],
+            &["--grpc", "x:1", "-c", "4", "--connections", "5"],
         ] {
             let err = plan(args).err();
             assert!(err.is_some(), "{args:?} was accepted");
         }
         assert!(plan(&[]).is_err());
         assert!(plan(&["--target", "http://x:1", "--grpc", "x:2"]).is_err());
+    }
+
+    #[test]
+    fn grpc_workers_share_connections_only_when_asked() {
+        let connections = |args: &[&str]| plan(args).map(|p| (p.concurrency, p.connections));
+        assert_eq!(connections(&["--grpc", "x:1", "-c", "8"]), Ok((8, 8)));
+        assert_eq!(
+            connections(&["--grpc", "x:1", "-c", "8", "--connections", "2"]),
+            Ok((8, 2))
+        );
+        assert_eq!(
+            connections(&["--target", "http://x:1", "-c", "8"]),
+            Ok((8, 8))
+        );
     }
 
     #[test]

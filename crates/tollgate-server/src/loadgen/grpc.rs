@@ -1,9 +1,11 @@
 //! The gRPC client of `tollgate bench`: Envoy RLS v3 `ShouldRateLimit`, as Envoy calls it.
 //!
-//! Each worker has its own HTTP/2 connection with one call in flight, so `--concurrency` means
-//! the same over gRPC as over HTTP and the two can be compared. Calls go straight to the
-//! connection: tonic's `Channel` would pass every call through a buffer task first, a task hop
-//! per request that the generator would pay on the cores it shares with the server.
+//! Each worker has one call in flight. By default it also has its own HTTP/2 connection, so
+//! `--concurrency` means the same over gRPC as over HTTP and the two can be compared; with
+//! `--connections N` the workers' calls are streams multiplexed over N shared connections, as
+//! Envoy sends them. Calls go straight to the connection: tonic's `Channel` would pass every
+//! call through a buffer task first, a task hop per request that the generator would pay on the
+//! cores it shares with the server.
 
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
@@ -12,6 +14,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 
 use hyper::client::conn::http2::SendRequest;
@@ -21,15 +24,48 @@ use tokio::net::TcpStream;
 use super::Verdict;
 use super::args::Plan;
 
-/// One worker's connection to a gRPC target.
+/// One worker's handle on a gRPC target.
 pub(crate) struct GrpcClient {
     authority: String,
     domain: String,
     key_entry: String,
     fixed: Vec<Entry>,
     cost: u32,
-    /// `None` before the first call and after a failure: the next call reconnects.
-    client: Option<RateLimitServiceClient<Connection>>,
+    /// The connection this worker shares with others (or has alone).
+    shared: Arc<SharedConnection>,
+    /// `None` before the first call and after a failure: the next call reconnects. The number
+    /// is the shared connection's generation it was taken from.
+    client: Option<(u64, RateLimitServiceClient<Connection>)>,
+}
+
+/// A connection several workers send their calls over. After a failure the first worker to
+/// notice drops it and the next call opens a new one, which the others then pick up.
+#[derive(Default)]
+pub(crate) struct SharedConnection {
+    /// The generation counts the connections opened here, so a worker holding an older one
+    /// cannot drop its replacement.
+    current: Mutex<(u64, Option<RateLimitServiceClient<Connection>>)>,
+}
+
+impl SharedConnection {
+    fn get(&self) -> (u64, Option<RateLimitServiceClient<Connection>>) {
+        let current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
+        (current.0, current.1.clone())
+    }
+
+    fn set(&self, client: &RateLimitServiceClient<Connection>) -> u64 {
+        let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
+        current.0 += 1;
+        current.1 = Some(client.clone());
+        current.0
+    }
+
+    fn drop_generation(&self, generation: u64) {
+        let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
+        if current.0 == generation {
+            current.1 = None;
+        }
+    }
 }
 
 /// One HTTP/2 connection as a gRPC transport. Its driver runs in a task of its own and ends
@@ -56,7 +92,7 @@ impl tower_service::Service<http::Request<tonic::body::Body>> for Connection {
 }
 
 impl GrpcClient {
-    pub(crate) fn new(plan: &Plan, authority: &str) -> Self {
+    pub(crate) fn new(plan: &Plan, authority: &str, shared: Arc<SharedConnection>) -> Self {
         Self {
             authority: authority.to_owned(),
             domain: plan.domain.clone(),
@@ -70,12 +106,18 @@ impl GrpcClient {
                 })
                 .collect(),
             cost: plan.cost,
+            shared,
             client: None,
         }
     }
 
-    /// Opens the connection now, so a run does not start before every worker is connected.
+    /// Takes the shared connection, or opens it now (so a run does not start before every
+    /// worker is connected).
     pub(crate) async fn connect(&mut self) -> Result<(), String> {
+        if let (generation, Some(client)) = self.shared.get() {
+            self.client = Some((generation, client));
+            return Ok(());
+        }
         let origin: http::Uri = format!("http://{}", self.authority)
             .parse()
             .map_err(|err| format!("--grpc {}: {err}", self.authority))?;
@@ -91,16 +133,17 @@ impl GrpcClient {
                 .await
                 .map_err(|err| cannot(&err))?;
         tokio::spawn(connection);
-        self.client = Some(RateLimitServiceClient::with_origin(
-            Connection(send),
-            origin,
-        ));
+        let client = RateLimitServiceClient::with_origin(Connection(send), origin);
+        self.client = Some((self.shared.set(&client), client));
         Ok(())
     }
 
-    /// Forgets the connection (after a timeout its state is unknown).
+    /// Forgets the connection, for every worker sharing it (after a timeout or a transport
+    /// error its state is unknown).
     pub(crate) fn reset(&mut self) {
-        self.client = None;
+        if let Some((generation, _)) = self.client.take() {
+            self.shared.drop_generation(generation);
+        }
     }
 
     /// Sends one `ShouldRateLimit` for key `key`.
@@ -108,7 +151,7 @@ impl GrpcClient {
         if self.client.is_none() {
             self.connect().await?;
         }
-        let Some(client) = self.client.as_mut() else {
+        let Some((_, client)) = self.client.as_mut() else {
             return Err("no connection".into());
         };
         let mut entries = self.fixed.clone();

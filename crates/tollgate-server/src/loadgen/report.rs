@@ -35,8 +35,10 @@ pub struct Summary {
     pub api: &'static str,
     /// Where the load went: a URL, or `HOST:PORT` for gRPC.
     pub target: String,
-    /// Concurrent workers (connections).
+    /// Concurrent workers, each with one request in flight.
     pub concurrency: usize,
+    /// Connections they sent over (fewer than the workers when gRPC calls were multiplexed).
+    pub connections: usize,
     /// How keys were drawn.
     pub distribution: Distribution,
     /// Distinct keys.
@@ -99,6 +101,7 @@ impl Summary {
             api,
             target,
             concurrency: plan.concurrency,
+            connections: plan.connections,
             distribution: plan.distribution,
             keys: plan.keys,
             rate: args.rate,
@@ -135,8 +138,9 @@ impl fmt::Display for Summary {
         };
         writeln!(
             f,
-            "tollgate bench: {} {}, {} workers, {load}, {distribution} over {} keys, {:.2} s",
-            self.api, self.target, self.concurrency, self.keys, self.elapsed_s
+            "tollgate bench: {} {}, {} workers over {} connections, {load}, {distribution} over {} \
+             keys, {:.2} s",
+            self.api, self.target, self.concurrency, self.connections, self.keys, self.elapsed_s
         )?;
         writeln!(f, "  decisions/s  {:.0}", self.decisions_per_s)?;
         writeln!(f, "  requests     {}", self.requests)?;

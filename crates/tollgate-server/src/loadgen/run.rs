@@ -25,7 +25,7 @@ use tokio::time::Instant;
 
 use super::Verdict;
 use super::args::{BenchArgs, Plan, Stop, Target};
-use super::grpc::GrpcClient;
+use super::grpc::{GrpcClient, SharedConnection};
 use super::http::HttpClient;
 use super::keys::{KeyPicker, zipf_cdf};
 use super::report::Summary;
@@ -120,13 +120,18 @@ pub async fn run(args: &BenchArgs) -> Result<Summary, BenchError> {
         super::Distribution::Zipf => Some(zipf_cdf(plan.keys)),
     };
 
+    let connections: Vec<Arc<SharedConnection>> =
+        (0..plan.connections).map(|_| Arc::default()).collect();
     let mut clients = Vec::with_capacity(plan.concurrency);
-    for _ in 0..plan.concurrency {
+    for worker in 0..plan.concurrency {
         let mut client = match &plan.target {
             Target::Http { authority, path } => {
                 Client::Http(HttpClient::new(&plan, authority, path))
             }
-            Target::Grpc { authority } => Client::Grpc(GrpcClient::new(&plan, authority)),
+            Target::Grpc { authority } => {
+                let connection = Arc::clone(&connections[worker % connections.len()]);
+                Client::Grpc(GrpcClient::new(&plan, authority, connection))
+            }
         };
         client.connect().await.map_err(BenchError::Connect)?;
         clients.push(client);
