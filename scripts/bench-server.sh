@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # Measures `tollgate serve` with `tollgate bench`, every run against one server process, as
-# BENCHMARKS.md reports it. Usage: scripts/bench-server.sh [memory|redis] [seconds]
+# BENCHMARKS.md reports it. Usage: scripts/bench-server.sh [memory|redis] [seconds] [rounds]
 # Starts its own server (and redis-server for `redis`) on free loopback ports; kills them on exit.
+# The closed-loop runs repeat `rounds` times, interleaved (no-op, check, gRPC, no-op, ...), so a
+# slow spell of the host hits every kind of run alike; the ratios are taken within each round and
+# their medians printed at the end. The open-loop runs follow, at half and a quarter of the
+# median check rate.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 store=${1:-memory}
 secs=${2:-10}
+rounds=${3:-1}
 cargo build --release -q -p tollgate-server
 B=target/release/tollgate
 work=$(mktemp -d)
@@ -45,6 +50,7 @@ run() {
   busy_after=$(busy)
   steal_after=$(steal)
   echo "$out" >"$work/last.json"
+  echo "$out" >>"$work/$(tr -c 'a-zA-Z0-9\n' _ <<<"$name").jsonl"
   python3 - "$name" "$before" "$after" "$busy_before" "$busy_after" "$((steal_after - steal_before))" "$(cat "$work/time")" "$out" <<'PY'
 import json, os, sys
 name = sys.argv[1]
@@ -64,11 +70,35 @@ PY
 }
 echo "| run ($store) | decisions/s | allowed | rejected | errors | p50 ms | p99 ms | p99.9 ms | server CPU µs/req | generator CPU µs/req | other CPU µs/req | stolen ms |"
 echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
-run "HTTP /v1/noop" --target "http://$http" --path /v1/noop -c 16
-run "HTTP /v1/check" --target "http://$http" -c 16
-half=$(python3 -c 'import json,sys; print(int(json.load(open(sys.argv[1]))["decisions_per_s"] / 2))' "$work/last.json")
-run "gRPC RLS" --grpc "$grpc" -c 16
-run "gRPC RLS, 16 streams over 2 connections" --grpc "$grpc" -c 16 --connections 2
-run "HTTP /v1/check, open loop at $half/s (half of peak)" --target "http://$http" -c 32 --rate "$half"
+for round in $(seq "$rounds"); do
+  run "HTTP /v1/noop" --target "http://$http" --path /v1/noop -c 16
+  run "HTTP /v1/check" --target "http://$http" -c 16
+  run "gRPC RLS" --grpc "$grpc" -c 16
+  run "gRPC RLS, 16 streams over 2 connections" --grpc "$grpc" -c 16 --connections 2
+done
+# Medians of the rates and of the ratios within each round.
+python3 - "$work" <<'PY' >"$work/summary"
+import json, statistics, sys
+work = sys.argv[1]
+def rates(name):
+    with open(f"{work}/{name}.jsonl") as f:
+        return [json.loads(line)["decisions_per_s"] for line in f if line.strip()]
+noop, check = rates("HTTP__v1_noop"), rates("HTTP__v1_check")
+grpc, mux = rates("gRPC_RLS"), rates("gRPC_RLS__16_streams_over_2_connections")
+med = statistics.median
+def ratios(a, b):
+    return ", ".join(f"{x / y:.0%}" for x, y in zip(a, b))
+print(f"half={int(med(check) / 2)}")
+print(f"# medians over {len(check)} rounds: no-op {med(noop):,.0f}/s, check {med(check):,.0f}/s, "
+      f"gRPC {med(grpc):,.0f}/s, gRPC over 2 connections {med(mux):,.0f}/s")
+print(f"# check / no-op per round: {ratios(check, noop)} (median {med([c / n for c, n in zip(check, noop)]):.0%})")
+print(f"# gRPC / check per round: {ratios(grpc, check)} (median {med([g / c for g, c in zip(grpc, check)]):.0%})")
+print(f"# gRPC over 2 connections / check per round: {ratios(mux, check)} "
+      f"(median {med([m / c for m, c in zip(mux, check)]):.0%})")
+PY
+half=$(sed -n 's/^half=//p' "$work/summary")
 quarter=$((half / 2))
+run "HTTP /v1/check, open loop at $half/s (half of peak)" --target "http://$http" -c 32 --rate "$half"
 run "HTTP /v1/check, open loop at $quarter/s (quarter of peak)" --target "http://$http" -c 32 --rate "$quarter"
+echo
+grep '^#' "$work/summary"
