@@ -5,6 +5,12 @@
 //! that keeps a bounded number of calls in flight; while they are out, new requests queue, and
 //! the next call carries all of them (up to a maximum). An idle store sends each request at once
 //! in a call of its own, so batching adds no latency when there is nothing to batch with.
+//!
+//! Callers hand their requests to the dispatcher rather than sending them themselves: it runs
+//! after the callers woken by one reply have queued their next requests, so they leave together.
+//! A caller that found a slot free and sent its own request at once would leave alone, and
+//! under load most calls would carry one decision (measured: a third fewer decisions per second
+//! at 16 and 64 callers).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -146,6 +152,12 @@ async fn dispatch(
                 carried.push_back(next);
                 break;
             }
+        }
+        // A caller that gave up while its request queued (its timeout passed) must not be
+        // charged for a decision nobody will read.
+        batch.retain(|job| !job.reply.is_closed());
+        if batch.is_empty() {
+            continue;
         }
         let (script, connection) = (script.clone(), connection.clone());
         tokio::spawn(async move {

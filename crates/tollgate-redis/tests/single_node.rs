@@ -361,3 +361,110 @@ async fn a_frozen_redis_times_out_and_the_breaker_stops_waiting() {
         .expect("recovers once Redis answers");
     assert!(!store.is_degraded());
 }
+
+/// `calls=N` of `EVALSHA` in `INFO commandstats`.
+fn evalsha_calls(port: u16) -> u64 {
+    let stats = command(port, &["INFO", "commandstats"]).unwrap_or_default();
+    stats
+        .lines()
+        .find(|line| line.starts_with("cmdstat_evalsha:"))
+        .and_then(|line| {
+            line.split([':', ','])
+                .find_map(|f| f.strip_prefix("calls="))
+        })
+        .and_then(|calls| calls.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_callers_share_script_calls() {
+    let server = RedisServer::start();
+    // A generous timeout: this is about how many calls, not how fast.
+    let config = RedisConfig::default()
+        .with_batching(1, 64)
+        .with_timeout(Duration::from_secs(5));
+    let store = Arc::new(RedisStore::connect(&server.url(), config).await.unwrap());
+    let limit = limit(1_000_000, "1000/s");
+    command(server.port, &["CONFIG", "RESETSTAT"]);
+    let tasks: Vec<_> = (0..64)
+        .map(|task| {
+            let store = Arc::clone(&store);
+            tokio::spawn(async move {
+                for round in 0..10 {
+                    let key = format!("k{task}-{round}");
+                    let takes = [Take {
+                        key: &key,
+                        limit: &limit,
+                        cost: 1,
+                    }];
+                    let decided = check(&*store, &takes, None).await.unwrap();
+                    assert!(decided[0].allowed());
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    // 640 decisions; with one call in flight, those that arrive during a call share the next.
+    let calls = evalsha_calls(server.port);
+    assert!((1..640).contains(&calls), "{calls} calls for 640 decisions");
+    assert_eq!(
+        command(server.port, &["DBSIZE"]).as_deref(),
+        Some(":640\r\n"),
+        "every decision charged its own bucket"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_caller_gave_up_in_the_queue_is_not_charged() {
+    let server = RedisServer::start();
+    let config = RedisConfig::default()
+        .with_batching(1, 64)
+        .with_timeout(Duration::from_millis(500));
+    let store = Arc::new(RedisStore::connect(&server.url(), config).await.unwrap());
+    let limit = limit(10, "1/h");
+    let take = |key: &'static str| {
+        let (store, limit) = (Arc::clone(&store), limit);
+        async move {
+            let takes = [Take {
+                key,
+                limit: &limit,
+                cost: 1,
+            }];
+            check(&*store, &takes, None).await
+        }
+    };
+    assert!(take("warm").await.is_ok());
+
+    server.pause();
+    // `first` takes the only call slot and is sent; `queued` waits for the slot, and its caller
+    // drops it after 100 ms (a client that went away), well before `first` times out and frees
+    // the slot, all while Redis is frozen.
+    let first = tokio::spawn(take("first"));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let queued = tokio::spawn(tokio::time::timeout(
+        Duration::from_millis(100),
+        take("queued"),
+    ));
+    let (first, queued) = (first.await.unwrap(), queued.await.unwrap());
+    assert!(
+        matches!(first, Err(Error::StoreUnavailable { .. })),
+        "{first:?}"
+    );
+    assert!(queued.is_err(), "{queued:?}");
+    server.resume();
+
+    // The sent call runs once Redis wakes up; the abandoned one was never sent.
+    let exists = |key: &str| command(server.port, &["EXISTS", key]);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while exists("tollgate:first").as_deref() != Some(":1\r\n") {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the sent call never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(exists("tollgate:queued").as_deref(), Some(":0\r\n"));
+}
