@@ -424,6 +424,13 @@ impl PolicyEngine {
         self.local.memory().stats()
     }
 
+    /// Drops this process's full buckets and shrinks tables left mostly empty
+    /// ([`tollgate::MemoryStore::sweep`]); returns how many buckets went. Buckets in a shared
+    /// store expire on their own.
+    pub fn sweep(&self) -> usize {
+        self.local.memory().sweep(self.local.clock().now())
+    }
+
     /// Decides one request: `cost` tokens from every applicable bucket.
     ///
     /// * Enforced limits are checked together, all or nothing: if one rejects, none is charged.

@@ -656,3 +656,25 @@ fn degraded_decisions_follow_failure_modes_and_are_audited() {
     assert_eq!(degraded[5]["failure_mode"], "closed");
     assert_eq!(degraded[5]["allowed"], false);
 }
+
+#[test]
+fn a_sweep_drops_refilled_buckets_and_their_tables() {
+    let r = rig(TWO);
+    for u in 0..2_000 {
+        assert!(decide(&r.engine, &user(&format!("u{u}"), &format!("t{u}"))).0);
+    }
+    let peak = r.engine.memory_stats();
+    assert_eq!(peak.live_buckets, 4_000);
+    // Nothing is full yet: the sweep keeps every bucket.
+    assert_eq!(r.engine.sweep(), 0);
+    // One token each, back a second later: every bucket is full, and goes.
+    r.clock.advance(Duration::from_secs(1));
+    assert_eq!(r.engine.sweep(), 4_000);
+    let after = r.engine.memory_stats();
+    assert_eq!((after.live_buckets, after.slots), (0, 0), "{after:?}");
+    assert!(peak.slots > 4_000, "{peak:?}");
+    // Dropped buckets were full: the next request sees a full bucket.
+    let (allowed, limits, _) = decide(&r.engine, &user("u0", "t0"));
+    assert!(allowed);
+    assert_eq!(limits[0], ("per-user".into(), true, 2));
+}

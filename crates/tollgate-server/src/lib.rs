@@ -53,6 +53,7 @@ pub mod rls;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
@@ -71,6 +72,30 @@ pub enum ServeError {
     /// The gRPC server failed.
     #[error("gRPC server: {0}")]
     Grpc(tonic::transport::Error),
+}
+
+/// How often this process's full buckets are dropped and emptied tables shrunk.
+const SWEEP_EVERY: Duration = Duration::from_secs(10);
+
+/// Sweeps the in-process buckets every [`SWEEP_EVERY`] until `stopped` resolves, so that after
+/// a spike of keys the live-bucket count falls and the tables give their memory back instead of
+/// staying at their peak until the next growth.
+async fn sweep(engine: Arc<tollgate_policy::PolicyEngine>, stopped: impl Future<Output = ()>) {
+    let mut ticks = tokio::time::interval(SWEEP_EVERY);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The first tick is immediate; there is nothing to sweep at the start.
+    ticks.tick().await;
+    let sweeping = async {
+        loop {
+            ticks.tick().await;
+            let dropped = engine.sweep();
+            tracing::debug!(dropped, "swept full buckets");
+        }
+    };
+    tokio::select! {
+        () = sweeping => {}
+        () = stopped => {}
+    }
 }
 
 /// Serves HTTP on `http` and gRPC on `grpc` until `shutdown` resolves, then stops accepting,
@@ -94,6 +119,10 @@ pub async fn run(
         // Resolves on the signal, or if the sender is gone (nothing can signal any more).
         let _ = stopped.wait_for(|stop| *stop).await;
     };
+    tokio::spawn(sweep(
+        Arc::clone(state.decider.engine()),
+        wait(stopped.clone()),
+    ));
 
     let app = http::router(Arc::clone(&state)).into_make_service_with_connect_info::<SocketAddr>();
     // Answers are small and written whole: nothing is gained by holding them back (Nagle).

@@ -92,6 +92,9 @@ pub struct MemoryStats {
     /// Live buckets whose state has a sub-nanosecond remainder and is kept in a spill table
     /// (limits such as `3/s`; see the module docs).
     pub spilled: usize,
+    /// Bucket slots allocated, used or free: the tables' memory is this many times the key's
+    /// size plus 8 bytes. Tables grow as buckets arrive and shrink in [`MemoryStore::sweep`].
+    pub slots: usize,
 }
 
 /// Builds a [`MemoryStore`].
@@ -542,18 +545,29 @@ where
         for shard in &self.shards {
             let shard = sync::lock(&shard.0);
             stats.live_buckets += shard.buckets.len();
+            stats.slots += shard.buckets.slots();
             stats.spilled += shard.spill.len();
             stats.idempotency_records += shard.records.len();
         }
         stats
     }
 
-    /// Drops every full bucket now, instead of waiting for the amortised sweeps. Returns how
-    /// many were dropped.
+    /// Drops every full bucket now, instead of waiting for the amortised sweeps, and gives back
+    /// the memory of tables left mostly empty (after a spike of keys, say). Returns how many
+    /// buckets were dropped.
+    ///
+    /// Without sweeps, full buckets are dropped only when a table is about to grow, so a store
+    /// whose traffic has fallen keeps its tables at their peak size. A server calls this now and
+    /// then; each shard is locked in turn, for one pass over its table.
     pub fn sweep(&self, now: Timestamp) -> usize {
         let mut dropped = 0;
         for shard in &self.shards {
-            dropped += self.drop_full(&mut sync::lock(&shard.0), now);
+            let mut shard = sync::lock(&shard.0);
+            dropped += self.drop_full(&mut shard, now);
+            let Shard { buckets, spill, .. } = &mut *shard;
+            if buckets.shrink(|key| self.hash(key)) {
+                spill.shrink_to_fit(|spilled| self.hash(&spilled.key));
+            }
         }
         dropped
     }
@@ -961,6 +975,46 @@ mod tests {
         assert!(stats.expired > 90_000, "{stats:?}");
         assert_eq!(stats.evicted, 0);
         assert!(stats.live_buckets < 4_096, "{stats:?}");
+    }
+
+    #[test]
+    fn a_sweep_after_a_spike_gives_the_tables_back() {
+        let store: MemoryStore<u64> = MemoryStore::builder().build();
+        let l = limit(1, "1/s");
+        let spike = limit(10, "1/s");
+        for key in 0..50_000 {
+            store.check(&key, &spike, 1, at(0)).unwrap();
+        }
+        // A few buckets stay in use: they take their last token at 10 s, as the spike's refill.
+        for key in 0..100 {
+            store
+                .check(&(1_000_000 + key), &l, 1, at(10 * SEC))
+                .unwrap();
+        }
+        let peak = store.stats();
+        assert_eq!(peak.live_buckets, 50_100);
+        assert!(peak.slots >= 50_100 * 4 / 3, "{peak:?}");
+
+        // At 10.5 s the spike's buckets are full again; the hundred are not.
+        assert_eq!(store.sweep(at(10 * SEC + SEC / 2)), 50_000);
+        let after = store.stats();
+        assert_eq!(after.live_buckets, 100);
+        assert!(after.slots <= 64 * 16, "{after:?}");
+        for key in 0..100 {
+            let d = store
+                .peek(&(1_000_000 + key), &l, 1, at(10 * SEC + SEC / 2))
+                .unwrap();
+            assert!(
+                !d.allowed(),
+                "bucket {key} kept its state through the shrink"
+            );
+        }
+
+        // Once those are full too, nothing is held at all, and the store still works.
+        assert_eq!(store.sweep(at(12 * SEC)), 100);
+        assert_eq!(store.stats().slots, 0);
+        assert!(store.check(&7, &l, 1, at(12 * SEC)).unwrap().allowed());
+        assert!(!store.check(&7, &l, 1, at(12 * SEC)).unwrap().allowed());
     }
 
     #[test]

@@ -124,6 +124,11 @@ impl<K> Table<K> {
     }
 
     /// Entries the table holds before an insert grows it: 3/4 of its slots.
+    /// Slots allocated, free or not: what the table's memory is proportional to.
+    pub(super) fn slots(&self) -> usize {
+        self.slots.len()
+    }
+
     pub(super) fn capacity(&self) -> usize {
         self.slots.len() / 4 * 3
     }
@@ -224,7 +229,32 @@ impl<K: Default> Table<K> {
 
     /// Doubles the slots (or allocates the first ones), placing every entry anew.
     pub(super) fn grow(&mut self, rehash: impl Fn(&K) -> u64) {
-        let slots = (self.slots.len() * 2).max(MIN_SLOTS);
+        self.resize((self.slots.len() * 2).max(MIN_SLOTS), rehash);
+    }
+
+    /// Gives memory back after a spike: when the entries fill less than an eighth of the slots,
+    /// moves them to the smallest table they fill at most half of (none at all when empty).
+    /// Half full leaves room for a quarter more entries before the table grows again, so a
+    /// table does not shrink and grow back on every sweep. Returns whether it shrank.
+    pub(super) fn shrink(&mut self, rehash: impl Fn(&K) -> u64) -> bool {
+        if self.len >= self.slots.len() / 8 && self.len > 0 {
+            return false;
+        }
+        let slots = match self.len {
+            0 => 0,
+            len => (len * 2).next_power_of_two().max(MIN_SLOTS),
+        };
+        if slots >= self.slots.len() {
+            return false;
+        }
+        self.resize(slots, rehash);
+        true
+    }
+
+    /// Moves every entry to a new table of `slots` slots (0, or a power of two that holds them
+    /// below the growth threshold).
+    fn resize(&mut self, slots: usize, rehash: impl Fn(&K) -> u64) {
+        debug_assert!(slots == 0 || (slots.is_power_of_two() && self.len < slots));
         let old = mem::replace(&mut self.slots, (0..slots).map(|_| Slot::free()).collect());
         // Counted as placed: should `rehash` panic, the entries not yet placed are dropped and
         // the table stays consistent without them.
@@ -381,6 +411,7 @@ mod tests {
         /// entry it sees.
         PanickingRetain(usize),
         Grow,
+        Shrink,
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -392,6 +423,7 @@ mod tests {
             1 => (2u64..6, 0u64..6).prop_map(|(modulus, residue)| Op::Retain { modulus, residue }),
             1 => (0usize..40).prop_map(Op::PanickingRetain),
             1 => Just(Op::Grow),
+            1 => Just(Op::Shrink),
         ]
     }
 
@@ -503,6 +535,27 @@ mod tests {
                     assert_eq!(table.slots.len(), (slots * 2).max(MIN_SLOTS));
                 }
                 Op::Grow => {}
+                Op::Shrink => {
+                    let (slots, len) = (table.slots.len(), table.len());
+                    let shrank = table.shrink(&rehash);
+                    assert_eq!(shrank, table.slots.len() < slots);
+                    if len == 0 {
+                        assert_eq!(table.slots.len(), 0, "an empty table lets go of its slots");
+                    } else if shrank {
+                        assert!(len < slots / 8, "shrank at {len} of {slots}");
+                        let now = table.slots.len();
+                        assert!(len * 2 <= now, "at most half full: {len} of {now}");
+                        assert!(
+                            len * 4 > now || now == MIN_SLOTS,
+                            "the smallest: {len} of {now}"
+                        );
+                    } else {
+                        assert!(
+                            len >= slots / 8 || slots <= MIN_SLOTS,
+                            "{len} of {slots} kept"
+                        );
+                    }
+                }
             }
             check(&table, &model, hasher);
             for rc in &dropped {
