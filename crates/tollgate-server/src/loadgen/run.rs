@@ -5,12 +5,15 @@
 //! claimed, for `--requests`; requests done, for the progress bar), so the generator adds no
 //! lock to the path it measures.
 //!
-//! In open loop (`--rate`) a pacer thread releases one ticket per scheduled send time and the
-//! next free worker takes it. The pacer sleeps on the operating system's high-resolution timer:
-//! tokio's timer wheel has a 1 ms tick, so workers sleeping on it would wake together and send
-//! each millisecond's requests as one burst, which the server would queue and the latencies
-//! would show. A request's latency counts from its ticket's time, so a server that falls behind
-//! cannot hide the queue it builds (no coordinated omission).
+//! In open loop (`--rate`) a pacer thread releases tickets, one per scheduled send time, and
+//! the next free worker takes each. The pacer sleeps on the operating system's high-resolution
+//! timer: tokio's timer wheel has a 1 ms tick, so workers sleeping on it would wake together and
+//! send each millisecond's requests as one burst, which the server would queue and the latencies
+//! would show. It wakes at most every [`PACER_TICK`] and then releases every ticket due, all at
+//! once, as permits of one semaphore: waking the runtime once per ticket cost the generator as
+//! much CPU per request as the server spends deciding it, on the cores the two share. A request's
+//! latency counts from its ticket's time, so neither a late pacer nor a server that falls behind
+//! can hide a queue (no coordinated omission).
 
 use std::io::IsTerminal;
 use std::sync::Arc;
@@ -19,7 +22,7 @@ use std::time::Duration;
 
 use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressStyle};
-use tokio::sync::{Mutex, mpsc};
+use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
@@ -39,9 +42,61 @@ const PROGRESS_TICK: Duration = Duration::from_millis(200);
 /// Open-loop tickets the pacer may release ahead of the workers taking them. When the server
 /// falls further behind, the pacer waits; the tickets keep their scheduled times.
 const MAX_PENDING_TICKETS: usize = 65_536;
+/// The pacer's shortest sleep: below it, waking for each ticket costs more than it measures.
+const PACER_TICK: Duration = Duration::from_micros(100);
 
-/// Open loop: each ticket is one request's scheduled send time.
-type Tickets = Arc<Mutex<mpsc::Receiver<Instant>>>;
+/// Open loop: the run's schedule (ticket `k` is due at `start + k * interval`), the tickets
+/// released so far as permits, and how many the workers have taken.
+struct Tickets {
+    start: Instant,
+    interval_ns: u128,
+    /// Tickets in the whole run.
+    total: u64,
+    released: Semaphore,
+    taken: AtomicU64,
+}
+
+impl Tickets {
+    fn new(start: Instant, interval: Duration, stop: Stop) -> Self {
+        let interval_ns = interval.as_nanos().max(1);
+        let total = match stop {
+            Stop::Count(count) => count,
+            // Tickets 0, 1, ... while `k * interval < duration`.
+            Stop::After(duration) => {
+                u64::try_from(duration.as_nanos().div_ceil(interval_ns)).unwrap_or(u64::MAX)
+            }
+        };
+        Self {
+            start,
+            interval_ns,
+            total,
+            released: Semaphore::new(0),
+            taken: AtomicU64::new(0),
+        }
+    }
+
+    /// When ticket `k` is due.
+    fn due(&self, k: u64) -> Instant {
+        let offset = u64::try_from(u128::from(k) * self.interval_ns).unwrap_or(u64::MAX);
+        self.start + Duration::from_nanos(offset)
+    }
+
+    /// How many tickets are due by `now`.
+    fn due_by(&self, now: Instant) -> u64 {
+        let elapsed = now.saturating_duration_since(self.start).as_nanos();
+        u64::try_from(elapsed / self.interval_ns + 1)
+            .unwrap_or(u64::MAX)
+            .min(self.total)
+    }
+
+    /// Waits for a released ticket and returns its due time, or `None` once the run's tickets
+    /// are all taken.
+    async fn next(&self) -> Option<Instant> {
+        self.released.acquire().await.ok()?.forget();
+        let k = self.taken.fetch_add(1, Ordering::Relaxed);
+        (k < self.total).then(|| self.due(k))
+    }
+}
 
 /// Why a run could not start or finish.
 #[derive(Debug, thiserror::Error)]
@@ -144,11 +199,11 @@ pub async fn run(args: &BenchArgs) -> Result<Summary, BenchError> {
         Stop::After(duration) => Some(start + duration),
         Stop::Count(_) => None,
     };
-    let tickets: Option<Tickets> = plan.interval.map(|interval| {
-        let (release, tickets) = mpsc::channel(MAX_PENDING_TICKETS);
-        let (stop, shared) = (plan.stop, Arc::clone(&shared));
-        std::thread::spawn(move || pace(&release, start, interval, stop, &shared));
-        Arc::new(Mutex::new(tickets))
+    let tickets: Option<Arc<Tickets>> = plan.interval.map(|interval| {
+        let tickets = Arc::new(Tickets::new(start, interval, plan.stop));
+        let (pacer, workers) = (Arc::clone(&tickets), plan.concurrency);
+        std::thread::spawn(move || pace(&pacer, workers));
+        tickets
     });
     let mut workers = JoinSet::new();
     for (id, client) in clients.into_iter().enumerate() {
@@ -167,8 +222,6 @@ pub async fn run(args: &BenchArgs) -> Result<Summary, BenchError> {
             deadline,
         ));
     }
-    // The workers hold the only receivers now: once they stop, the pacer's sends fail.
-    drop(tickets);
 
     let ticker = tokio::spawn(tick(
         progress.clone(),
@@ -186,38 +239,31 @@ pub async fn run(args: &BenchArgs) -> Result<Summary, BenchError> {
     Ok(Summary::new(args, &plan, elapsed, tallies, histogram))
 }
 
-/// Releases one ticket per `interval` from `start` until the run is over, on the operating
-/// system's timer (see the module docs). Runs on a thread of its own, outside the runtime.
-fn pace(
-    release: &mpsc::Sender<Instant>,
-    start: Instant,
-    interval: Duration,
-    stop: Stop,
-    shared: &Shared,
-) {
-    let interval_ns = interval.as_nanos();
-    for index in 0u64.. {
-        let offset = u64::try_from(interval_ns * u128::from(index)).unwrap_or(u64::MAX);
-        let due = start + Duration::from_nanos(offset);
-        let over = match stop {
-            Stop::After(duration) => due >= start + duration,
-            Stop::Count(count) => index >= count || shared.claimed.load(Ordering::Relaxed) >= count,
-        };
-        if over {
-            return;
-        }
+/// Releases each ticket at its time, waking at most every [`PACER_TICK`], then one more permit
+/// per worker, so that every worker waiting for a ticket wakes, finds none left and stops. Runs on
+/// a thread of its own, outside the runtime, on the operating system's timer.
+fn pace(tickets: &Tickets, workers: usize) {
+    let mut released = 0;
+    while released < tickets.total {
         let now = Instant::now();
-        if due > now {
-            // The generator's own thread, not the code under test: the clippy rule against
-            // sleeping is for tests of the limiter.
-            #[allow(clippy::disallowed_methods)]
-            std::thread::sleep(due - now);
+        let pending = tickets.released.available_permits();
+        let due = tickets.due_by(now);
+        if due > released && pending < MAX_PENDING_TICKETS {
+            let batch = usize::try_from(due - released)
+                .unwrap_or(usize::MAX)
+                .min(MAX_PENDING_TICKETS - pending);
+            tickets.released.add_permits(batch);
+            released += batch as u64;
+            continue;
         }
-        // Waits while the channel is full; fails once every worker has stopped.
-        if release.blocking_send(due).is_err() {
-            return;
-        }
+        let next = tickets.due(released);
+        let wait = next.saturating_duration_since(now).max(PACER_TICK);
+        // The generator's own thread, not the code under test: the clippy rule against
+        // sleeping is for tests of the limiter.
+        #[allow(clippy::disallowed_methods)]
+        std::thread::sleep(wait);
     }
+    tickets.released.add_permits(workers);
 }
 
 /// Sends requests until the run is over: back to back (closed loop), or one per ticket.
@@ -227,7 +273,7 @@ async fn worker(
     mut picker: KeyPicker,
     latency: Histogram<u64>,
     shared: Arc<Shared>,
-    tickets: Option<Tickets>,
+    tickets: Option<Arc<Tickets>>,
     deadline: Option<Instant>,
 ) -> Tally {
     let mut tally = Tally {
@@ -239,14 +285,11 @@ async fn worker(
     };
     loop {
         let sent = match &tickets {
-            Some(tickets) => {
-                // The pacer ends the run: its channel closes after the last ticket.
-                let ticket = tickets.lock().await.recv().await;
-                match ticket {
-                    Some(due) if deadline.is_none_or(|deadline| Instant::now() < deadline) => due,
-                    _ => break,
-                }
-            }
+            // The pacer's tickets end the run; a worker past the deadline stops early.
+            Some(tickets) => match tickets.next().await {
+                Some(due) if deadline.is_none_or(|deadline| Instant::now() < deadline) => due,
+                _ => break,
+            },
             None => {
                 let now = Instant::now();
                 if deadline.is_some_and(|deadline| now >= deadline) {
@@ -324,5 +367,68 @@ async fn tick(progress: ProgressBar, shared: Arc<Shared>, stop: Stop, start: Ins
             progress.set_message(format!("{done} sent, {rate:.0}/s"));
         }
         last = (now, done);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_schedule_covers_the_run_and_nothing_after_it() {
+        let start = Instant::now();
+        let ms = Duration::from_millis(1);
+        let count = Tickets::new(start, ms, Stop::Count(7));
+        assert_eq!(count.total, 7);
+        let timed = Tickets::new(start, ms, Stop::After(Duration::from_micros(10_500)));
+        // Tickets at 0, 1, ..., 10 ms: all before the end at 10.5 ms.
+        assert_eq!(timed.total, 11);
+        assert_eq!(timed.due(10), start + 10 * ms);
+        let exact = Tickets::new(start, ms, Stop::After(10 * ms));
+        assert_eq!(exact.total, 10, "a ticket at the end itself is not sent");
+    }
+
+    #[test]
+    fn tickets_fall_due_one_interval_apart_from_the_start() {
+        let start = Instant::now();
+        let ms = Duration::from_millis(1);
+        let tickets = Tickets::new(start, ms, Stop::Count(5));
+        assert_eq!(tickets.due_by(start), 1, "the first is due at the start");
+        assert_eq!(tickets.due_by(start + ms - Duration::from_nanos(1)), 1);
+        assert_eq!(tickets.due_by(start + ms), 2);
+        assert_eq!(
+            tickets.due_by(start + 100 * ms),
+            5,
+            "never more than the run has"
+        );
+    }
+
+    #[tokio::test]
+    async fn every_waiting_worker_stops_once_the_tickets_are_taken() {
+        let tickets = Arc::new(Tickets::new(
+            Instant::now(),
+            Duration::from_micros(10),
+            Stop::Count(20),
+        ));
+        let pacer = Arc::clone(&tickets);
+        let paced = std::thread::spawn(move || pace(&pacer, 4));
+        let workers: Vec<_> = (0..4)
+            .map(|_| {
+                let tickets = Arc::clone(&tickets);
+                tokio::spawn(async move {
+                    let mut taken = 0;
+                    while tickets.next().await.is_some() {
+                        taken += 1;
+                    }
+                    taken
+                })
+            })
+            .collect();
+        let mut taken = 0;
+        for worker in workers {
+            taken += worker.await.expect("worker");
+        }
+        paced.join().expect("pacer");
+        assert_eq!(taken, 20);
     }
 }
