@@ -235,6 +235,9 @@ pub async fn run(args: &BenchArgs) -> Result<Summary, BenchError> {
     }
     let elapsed = start.elapsed();
     ticker.abort();
+    if let Some(tickets) = &tickets {
+        tickets.released.close();
+    }
     progress.finish_and_clear();
     Ok(Summary::new(args, &plan, elapsed, tallies, histogram))
 }
@@ -244,7 +247,8 @@ pub async fn run(args: &BenchArgs) -> Result<Summary, BenchError> {
 /// a thread of its own, outside the runtime, on the operating system's timer.
 fn pace(tickets: &Tickets, workers: usize) {
     let mut released = 0;
-    while released < tickets.total {
+    // Closed by the run once its workers are done: nobody takes tickets any more.
+    while released < tickets.total && !tickets.released.is_closed() {
         let now = Instant::now();
         let pending = tickets.released.available_permits();
         let due = tickets.due_by(now);
@@ -400,6 +404,26 @@ mod tests {
             tickets.due_by(start + 100 * ms),
             5,
             "never more than the run has"
+        );
+    }
+
+    #[test]
+    fn the_pacer_stops_when_the_run_closes_its_tickets() {
+        let tickets = Arc::new(Tickets::new(
+            Instant::now(),
+            Duration::from_millis(1),
+            Stop::Count(u64::MAX),
+        ));
+        let (done, finished) = std::sync::mpsc::channel();
+        let pacer = Arc::clone(&tickets);
+        std::thread::spawn(move || {
+            pace(&pacer, 1);
+            let _ = done.send(());
+        });
+        tickets.released.close();
+        assert!(
+            finished.recv_timeout(Duration::from_secs(5)).is_ok(),
+            "the pacer still runs after the run ended"
         );
     }
 
