@@ -997,7 +997,8 @@ mod tests {
         assert_eq!(store.sweep(at(30 * SEC)), 50_000);
         let after = store.stats();
         assert_eq!(after.live_buckets, 100);
-        assert!(after.slots <= 64 * 16, "{after:?}");
+        // 64 shards of 16 slots, or 32 for the rare shard that drew more than 8 of the 100.
+        assert!(after.slots <= 64 * 32, "{after:?}");
         for key in 0..100 {
             let d = store
                 .peek(&(1_000_000 + key), &lasting, 1, at(30 * SEC))
