@@ -35,6 +35,21 @@ fn scratch_dir(name: &str) -> PathBuf {
     dir
 }
 
+/// Reads a figure from `INFO` text: `field=value` inside the line starting with `line_prefix`
+/// (`cmdstat_evalsha:calls=3,usec=40,...`), or that line's own `field:value`
+/// (`used_cpu_user:0.12`). 0 when absent.
+pub fn info_field(info: &str, line_prefix: &str, field: &str) -> f64 {
+    info.lines()
+        .find(|line| line.starts_with(line_prefix))
+        .and_then(|line| {
+            line.split([',', ':'])
+                .find_map(|part| part.strip_prefix(&format!("{field}=")))
+                .or_else(|| line.strip_prefix(&format!("{field}:")))
+        })
+        .and_then(|value| value.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
 /// Sends one command over a fresh connection and returns the raw reply's first line or bulk.
 pub fn command(port: u16, args: &[&str]) -> Option<String> {
     let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;

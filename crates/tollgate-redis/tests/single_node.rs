@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use support::{RedisServer, command};
+use support::{RedisServer, command, info_field};
 use tollgate::testkit::{Trace, compare_with_memory};
 use tollgate::{CheckRequest, Decision, Error, Limit, Store, Take, Timestamp, Unavailable};
 use tollgate_redis::{Failover, FailureMode, Guarded, Outcome, RedisConfig, RedisStore};
@@ -362,20 +362,6 @@ async fn a_frozen_redis_times_out_and_the_breaker_stops_waiting() {
     assert!(!store.is_degraded());
 }
 
-/// `calls=N` of `EVALSHA` in `INFO commandstats`.
-fn evalsha_calls(port: u16) -> u64 {
-    let stats = command(port, &["INFO", "commandstats"]).unwrap_or_default();
-    stats
-        .lines()
-        .find(|line| line.starts_with("cmdstat_evalsha:"))
-        .and_then(|line| {
-            line.split([':', ','])
-                .find_map(|f| f.strip_prefix("calls="))
-        })
-        .and_then(|calls| calls.trim().parse().ok())
-        .unwrap_or(0)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_callers_share_script_calls() {
     let server = RedisServer::start();
@@ -407,7 +393,8 @@ async fn concurrent_callers_share_script_calls() {
         task.await.unwrap();
     }
     // 640 decisions; with one call in flight, those that arrive during a call share the next.
-    let calls = evalsha_calls(server.port);
+    let stats = command(server.port, &["INFO", "commandstats"]).unwrap_or_default();
+    let calls = info_field(&stats, "cmdstat_evalsha:", "calls") as u64;
     assert!((1..640).contains(&calls), "{calls} calls for 640 decisions");
     assert_eq!(
         command(server.port, &["DBSIZE"]).as_deref(),

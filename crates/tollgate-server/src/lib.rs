@@ -144,3 +144,44 @@ pub async fn run(
     grpc_result.map_err(ServeError::Grpc)?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tollgate::ManualClock;
+    use tollgate_policy::{EngineOptions, PolicyEngine, compile};
+
+    #[tokio::test(start_paused = true)]
+    async fn the_sweeper_drops_refilled_buckets_every_interval_until_stopped() {
+        let policy = compile(
+            "p.yaml",
+            "limits: [{name: per-user, domain: api, key: [user], capacity: 2, refill: 1/s}]",
+        )
+        .expect("policy");
+        let clock = ManualClock::new();
+        let options = EngineOptions::default().clock(Arc::new(clock.clone()));
+        let engine = Arc::new(PolicyEngine::new(policy, options));
+        let decide = |user: &str| {
+            let descriptor = [("user", user)];
+            engine
+                .decide("api", &[descriptor], 1, None)
+                .expect("decides");
+        };
+        decide("a");
+        decide("b");
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let sweeper = tokio::spawn(sweep(Arc::clone(&engine), async {
+            let _ = stopped.await;
+        }));
+
+        // Not yet refilled at the first sweep; refilled (full, so dropped) by the second.
+        tokio::time::sleep(SWEEP_EVERY + Duration::from_millis(1)).await;
+        assert_eq!(engine.memory_stats().live_buckets, 2);
+        clock.advance(Duration::from_secs(1));
+        tokio::time::sleep(SWEEP_EVERY).await;
+        assert_eq!(engine.memory_stats().live_buckets, 0);
+
+        drop(stop);
+        sweeper.await.expect("the sweeper stops with the server");
+    }
+}

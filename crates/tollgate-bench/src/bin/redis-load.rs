@@ -20,7 +20,7 @@ use rand::Rng;
 use redis::Script;
 use redis::aio::ConnectionManager;
 use tollgate::{CheckRequest, Limit, Store, Take};
-use tollgate_redis::test_server::{RedisServer, command};
+use tollgate_redis::test_server::{RedisServer, command, info_field};
 use tollgate_redis::{RedisConfig, RedisStore};
 
 /// One measured run.
@@ -30,19 +30,6 @@ struct Run {
     p99_us: f64,
     script_us: f64,
     server_cpu_us: f64,
-}
-
-/// Reads `field:value` from an `INFO` section.
-fn info_field(info: &str, line_prefix: &str, field: &str) -> f64 {
-    info.lines()
-        .find(|line| line.starts_with(line_prefix))
-        .and_then(|line| {
-            line.split([',', ':'])
-                .find_map(|part| part.strip_prefix(&format!("{field}=")).or(None))
-                .or_else(|| line.strip_prefix(&format!("{field}:")))
-        })
-        .and_then(|value| value.trim().parse().ok())
-        .unwrap_or(0.0)
 }
 
 fn server_cpu_seconds(port: u16) -> f64 {

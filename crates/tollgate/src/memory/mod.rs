@@ -22,13 +22,15 @@
 //! A slot is nothing more: no control byte, no stored hash. The table is open addressing with
 //! linear probing, so a lookup reads slots from the key's home onward and usually touches a single
 //! cache line. A table doubles when 3/4 of its slots are in use, so between 3/8 and 3/4 of them
-//! hold buckets (fewer after expiry empties some: tables do not shrink). With `u64` keys a slot is
-//! 16 bytes and a live bucket costs 21 to 43 bytes of table, about 34 at a million keys.
+//! hold buckets (fewer after expiry empties some, until a [`MemoryStore::sweep`] shrinks a table
+//! left under an eighth full). With `u64` keys a slot is 16 bytes and a live bucket costs 21 to 43
+//! bytes of table, about 34 at a million keys.
 //!
 //! * **Lossless expiry.** A bucket idle for its time-to-full is full, which is what an absent
 //!   bucket means, so dropping it changes nothing. Each shard drops its full buckets whenever its
 //!   table would otherwise grow, and when it reaches its bound: an amortised sweep, with no timer
-//!   or thread per bucket. Counted in [`MemoryStats::expired`].
+//!   or thread per bucket. [`MemoryStore::sweep`] does it for every shard at once, for an owner
+//!   that calls it now and then (the server, every 10 s). Counted in [`MemoryStats::expired`].
 //! * **The bound.** [`MemoryStoreBuilder::max_buckets`] caps live buckets, split evenly across
 //!   shards. When a shard is at its share and a new key arrives, it first drops its full buckets;
 //!   if none can go, it evicts the 1/64 of its buckets closest to full (earliest `full_at`),

@@ -123,12 +123,12 @@ impl<K> Table<K> {
         self.len == 0
     }
 
-    /// Entries the table holds before an insert grows it: 3/4 of its slots.
     /// Slots allocated, free or not: what the table's memory is proportional to.
     pub(super) fn slots(&self) -> usize {
         self.slots.len()
     }
 
+    /// Entries the table holds before an insert grows it: 3/4 of its slots.
     pub(super) fn capacity(&self) -> usize {
         self.slots.len() / 4 * 3
     }
@@ -234,8 +234,8 @@ impl<K: Default> Table<K> {
 
     /// Gives memory back after a spike: when the entries fill less than an eighth of the slots,
     /// moves them to the smallest table they fill at most half of (none at all when empty).
-    /// Half full leaves room for a quarter more entries before the table grows again, so a
-    /// table does not shrink and grow back on every sweep. Returns whether it shrank.
+    /// Half full leaves a quarter of the slots to fill before the table grows again, so a table
+    /// does not shrink and grow back on every sweep. Returns whether it shrank.
     pub(super) fn shrink(&mut self, rehash: impl Fn(&K) -> u64) -> bool {
         if self.len >= self.slots.len() / 8 && self.len > 0 {
             return false;
