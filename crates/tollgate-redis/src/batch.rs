@@ -15,43 +15,134 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use redis::Script;
+use redis::{Cmd, ErrorKind, Script, ServerErrorKind};
 use tokio::sync::{Semaphore, mpsc, oneshot};
 use tollgate::Unavailable;
 
 use crate::store::{Connection, classify};
 
-/// One request's part of a script call: its keys and arguments (see `scripts/take.lua`).
-pub(crate) struct Segment {
-    pub(crate) keys: Vec<String>,
-    pub(crate) args: Vec<String>,
-    pub(crate) buckets: usize,
+/// What a request does to its buckets: the script's `mode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// Decide, and charge when every bucket allows.
+    Take,
+    /// Decide without writing anything.
+    Peek,
+    /// Give back what an earlier take charged.
+    Refund,
 }
 
-/// Runs `segments` in one call of `script`, returning each segment's reply.
+impl Mode {
+    fn as_str(self) -> &'static str {
+        match self {
+            Mode::Take => "take",
+            Mode::Peek => "peek",
+            Mode::Refund => "refund",
+        }
+    }
+}
+
+/// A request's idempotency record, in its script arguments.
+pub(crate) struct Record {
+    pub(crate) key: String,
+    pub(crate) window_ms: u64,
+    /// The request's content; empty for a refund, which only deletes the record.
+    pub(crate) fingerprint: String,
+}
+
+/// One bucket of a request, in the script's units.
+pub(crate) struct Bucket {
+    pub(crate) key: String,
+    /// Units gained per microsecond.
+    pub(crate) a: u64,
+    /// Capacity in units.
+    pub(crate) cap: u64,
+    /// Cost in units.
+    pub(crate) cost: u64,
+}
+
+/// One request's part of a script call (see `scripts/take.lua`).
+pub(crate) struct Segment {
+    pub(crate) buckets: Vec<Bucket>,
+    pub(crate) record: Option<Record>,
+    pub(crate) mode: Mode,
+}
+
+/// The script's reply length for `segment`: a status, then (allowed, deficit) per bucket.
+fn reply_len(segment: &Segment) -> usize {
+    1 + 2 * segment.buckets.len()
+}
+
+/// The `EVALSHA` of the script with hash `sha` deciding `segments`. Integers are written
+/// straight into the command, with no string in between.
+fn command(sha: &str, now: Option<u64>, segments: &[&Segment]) -> Cmd {
+    let keys: usize = segments
+        .iter()
+        .map(|segment| segment.buckets.len() + usize::from(segment.record.is_some()))
+        .sum();
+    // Sized up front, so that building the command never reallocates: an argument is at most
+    // 20 digits, and keys and fingerprints are counted as they are.
+    let (mut args, mut bytes) = (5, 7 + sha.len() + 60);
+    for segment in segments {
+        args += 4 + 4 * segment.buckets.len();
+        bytes += 30 + 60 * segment.buckets.len();
+        bytes += segment.buckets.iter().map(|b| b.key.len()).sum::<usize>();
+        if let Some(record) = &segment.record {
+            args += 1;
+            bytes += record.key.len() + record.fingerprint.len();
+        }
+    }
+    let mut cmd = Cmd::with_capacity(args, bytes);
+    cmd.arg("EVALSHA").arg(sha).arg(keys);
+    for segment in segments {
+        for bucket in &segment.buckets {
+            cmd.arg(&bucket.key);
+        }
+        if let Some(record) = &segment.record {
+            cmd.arg(&record.key);
+        }
+    }
+    match now {
+        Some(now) => cmd.arg(now),
+        None => cmd.arg(""),
+    };
+    cmd.arg(segments.len());
+    for segment in segments {
+        cmd.arg(segment.buckets.len());
+        match &segment.record {
+            Some(record) => cmd.arg(record.window_ms).arg(&record.fingerprint),
+            None => cmd.arg("").arg(""),
+        };
+        cmd.arg(segment.mode.as_str());
+        for bucket in &segment.buckets {
+            cmd.arg(bucket.a).arg(bucket.cap).arg(bucket.cost);
+        }
+    }
+    cmd
+}
+
+/// Runs `segments` in one call of `script`, at `now` (microseconds; `None` for Redis' `TIME`),
+/// returning each segment's reply. A `NOSCRIPT` answer (after `SCRIPT FLUSH` or a restart)
+/// loads the script and sends the call again.
 pub(crate) async fn invoke(
     script: &Script,
     connection: &Connection,
-    now: &str,
+    now: Option<u64>,
     segments: &[&Segment],
 ) -> Result<Vec<Vec<i64>>, Unavailable> {
-    let mut invocation = script.prepare_invoke();
-    for segment in segments {
-        for key in &segment.keys {
-            invocation.key(key);
+    let call = command(script.get_hash(), now, segments);
+    let reply = match connection.query(&call).await {
+        Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+            connection
+                .load(script)
+                .await
+                .map_err(|err| classify(&err))?;
+            connection.query(&call).await
         }
+        reply => reply,
     }
-    invocation.arg(now).arg(segments.len());
-    for segment in segments {
-        for arg in &segment.args {
-            invocation.arg(arg);
-        }
-    }
-    let reply = connection
-        .invoke(&invocation)
-        .await
-        .map_err(|err| classify(&err))?;
-    let expected: usize = segments.iter().map(|s| 1 + 2 * s.buckets).sum();
+    .map_err(|err| classify(&err))?;
+    let expected: usize = segments.iter().map(|segment| reply_len(segment)).sum();
     if reply.len() != expected {
         return Err(Unavailable::Protocol);
     }
@@ -59,7 +150,7 @@ pub(crate) async fn invoke(
     Ok(segments
         .iter()
         .map(|segment| {
-            let (mine, others) = rest.split_at(1 + 2 * segment.buckets);
+            let (mine, others) = rest.split_at(reply_len(segment));
             rest = others;
             mine.to_vec()
         })
@@ -67,7 +158,7 @@ pub(crate) async fn invoke(
 }
 
 struct Job {
-    now: String,
+    now: Option<u64>,
     segment: Segment,
     reply: oneshot::Sender<Result<Vec<i64>, Unavailable>>,
 }
@@ -99,7 +190,7 @@ impl Batcher {
     /// Decides `segment` in the next call.
     pub(crate) async fn submit(
         &self,
-        now: String,
+        now: Option<u64>,
         segment: Segment,
     ) -> Result<Vec<i64>, Unavailable> {
         let (reply, answer) = oneshot::channel();
@@ -162,7 +253,7 @@ async fn dispatch(
         let (script, connection) = (script.clone(), connection.clone());
         tokio::spawn(async move {
             let segments: Vec<&Segment> = batch.iter().map(|job| &job.segment).collect();
-            let result = invoke(&script, &connection, &batch[0].now, &segments).await;
+            let result = invoke(&script, &connection, batch[0].now, &segments).await;
             match result {
                 Ok(replies) => {
                     for (job, reply) in batch.into_iter().zip(replies) {

@@ -19,10 +19,10 @@ use futures_util::future::join_all;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::Slot;
-use redis::{RedisError, Script, ScriptInvocation};
+use redis::{Cmd, RedisError, Script};
 use tollgate::{CheckRequest, Decision, Error, MonotonicClock, Store, Take, Unavailable};
 
-use crate::batch::{self, Batcher, Segment};
+use crate::batch::{self, Batcher, Bucket, Mode, Record, Segment};
 use crate::breaker::{Breaker, BreakerConfig, Transition};
 use crate::units::ScriptLimit;
 
@@ -153,14 +153,21 @@ pub(crate) enum Connection {
 }
 
 impl Connection {
-    pub(crate) async fn invoke(
-        &self,
-        invocation: &ScriptInvocation<'_>,
-    ) -> Result<Vec<i64>, RedisError> {
+    /// Sends `call`, expecting a list of integers back.
+    pub(crate) async fn query(&self, call: &Cmd) -> Result<Vec<i64>, RedisError> {
         match self.clone() {
-            Connection::Single(mut connection) => invocation.invoke_async(&mut connection).await,
-            Connection::Cluster(mut connection) => invocation.invoke_async(&mut connection).await,
+            Connection::Single(mut connection) => call.query_async(&mut connection).await,
+            Connection::Cluster(mut connection) => call.query_async(&mut connection).await,
         }
+    }
+
+    /// Loads `script` (on every primary, in a cluster).
+    pub(crate) async fn load(&self, script: &Script) -> Result<(), RedisError> {
+        match self.clone() {
+            Connection::Single(mut connection) => script.load_async(&mut connection).await,
+            Connection::Cluster(mut connection) => script.load_async(&mut connection).await,
+        }
+        .map(drop)
     }
 
     async fn ping(&self) -> Result<(), RedisError> {
@@ -309,35 +316,33 @@ impl RedisStore {
             request_id: request.request_id.filter(|_| !dry),
             ..request
         };
-        let now = match request.now {
-            Some(now) => (now.as_nanos() / 1_000).to_string(),
-            None => String::new(),
-        };
+        let now = request.now.map(|now| now.as_nanos() / 1_000);
         let fingerprint = request.request_id.map(|_| fingerprint(request.takes));
         let groups = self.groups(keys, request.request_id);
-        let window_ms = self
-            .config
-            .idempotency_window
-            .as_millis()
-            .max(1)
-            .to_string();
+        let window_ms = self.window_ms();
 
-        let mode = if dry { "peek" } else { "take" };
-        let calls = groups.iter().map(|group| {
+        let mode = if dry { Mode::Peek } else { Mode::Take };
+        let call = |group: &Group| {
             let record = group.record.as_deref().zip(fingerprint.as_deref());
-            let segment = segment(group, keys, limits, request.takes, mode, record, &window_ms);
-            let now = now.clone();
+            let segment = segment(group, keys, limits, request.takes, mode, record, window_ms);
             let buckets = group.takes.len();
             async move {
                 let reply = match &self.batcher {
                     Some(batcher) => batcher.submit(now, segment).await?,
-                    None => self.call(&now, &segment).await?,
+                    None => self.call(now, &segment).await?,
                 };
                 parse_reply(&reply, buckets)
             }
-        });
-        let replies = join_all(calls).await;
-        let replies: Vec<GroupReply> = replies.into_iter().collect::<Result<_, _>>()?;
+        };
+        // On a single node (and for a cluster request within one slot) there is one call:
+        // awaited directly, without the bookkeeping of joining several.
+        let replies: Vec<GroupReply> = match groups.as_slice() {
+            [group] => vec![call(group).await?],
+            groups => join_all(groups.iter().map(call))
+                .await
+                .into_iter()
+                .collect::<Result<_, _>>()?,
+        };
 
         let charged = |reply: &GroupReply| reply.status == 1;
         let conflict = replies.iter().any(|reply| reply.status == -1);
@@ -358,12 +363,11 @@ impl RedisStore {
                         keys,
                         limits,
                         request.takes,
-                        "refund",
+                        Mode::Refund,
                         record,
-                        &window_ms,
+                        window_ms,
                     );
-                    let now = now.clone();
-                    async move { self.call(&now, &segment).await }
+                    async move { self.call(now, &segment).await }
                 })
                 .collect::<Vec<_>>();
             for result in join_all(refunds).await {
@@ -392,11 +396,18 @@ impl RedisStore {
     }
 
     /// One script call carrying one segment, outside the batcher.
-    async fn call(&self, now: &str, segment: &Segment) -> Result<Vec<i64>, Unavailable> {
+    async fn call(&self, now: Option<u64>, segment: &Segment) -> Result<Vec<i64>, Unavailable> {
         batch::invoke(&self.take, &self.connection, now, &[segment])
             .await?
             .pop()
             .ok_or(Unavailable::Protocol)
+    }
+
+    /// How long idempotency records live, in whole milliseconds (at least one).
+    fn window_ms(&self) -> u64 {
+        u64::try_from(self.config.idempotency_window.as_millis())
+            .unwrap_or(u64::MAX)
+            .max(1)
     }
 
     /// Groups the request's keys by cluster slot, in the order they first appear.
@@ -489,39 +500,37 @@ impl Store for RedisStore {
     }
 }
 
-/// The keys and arguments of one request of a script call (see `scripts/take.lua`): `group`'s
-/// buckets, in `mode`, with its idempotency record and the request's fingerprint if any.
+/// One request of a script call (see `scripts/take.lua`): `group`'s buckets, in `mode`, with
+/// its idempotency record and the request's fingerprint if any.
 fn segment(
     group: &Group,
     keys: &[String],
     limits: &[ScriptLimit],
     takes: &[Take<'_>],
-    mode: &str,
+    mode: Mode,
     record: Option<(&str, &str)>,
-    window_ms: &str,
+    window_ms: u64,
 ) -> Segment {
-    let mut segment_keys: Vec<String> = group.takes.iter().map(|&i| keys[i].clone()).collect();
-    let mut args = Vec::with_capacity(4 + 3 * group.takes.len());
-    args.push(group.takes.len().to_string());
-    match record {
-        Some((record, fingerprint)) => {
-            segment_keys.push(record.to_owned());
-            args.push(window_ms.to_owned());
-            args.push(fingerprint.to_owned());
-        }
-        None => args.extend([String::new(), String::new()]),
-    }
-    args.push(mode.to_owned());
-    for &i in &group.takes {
-        let limit = &limits[i];
-        args.push(limit.a.to_string());
-        args.push(limit.cap.to_string());
-        args.push(limit.cost(takes[i].cost).to_string());
-    }
     Segment {
-        keys: segment_keys,
-        args,
-        buckets: group.takes.len(),
+        buckets: group
+            .takes
+            .iter()
+            .map(|&i| {
+                let limit = &limits[i];
+                Bucket {
+                    key: keys[i].clone(),
+                    a: limit.a,
+                    cap: limit.cap,
+                    cost: limit.cost(takes[i].cost),
+                }
+            })
+            .collect(),
+        record: record.map(|(key, fingerprint)| Record {
+            key: key.to_owned(),
+            window_ms,
+            fingerprint: fingerprint.to_owned(),
+        }),
+        mode,
     }
 }
 

@@ -125,9 +125,9 @@ async fn run(seconds: f64) {
     let keys: Arc<Vec<String>> = Arc::new((0..100_000).map(|k| format!("bench:{{{k}}}")).collect());
 
     println!(
-        "| keys | callers | tollgate decisions/s | p50 µs | p99 µs | `return 1` calls/s | ratio | script µs/decision | redis-server CPU µs/decision |"
+        "| keys | callers | tollgate decisions/s | p50 µs | p99 µs | `return 1` calls/s | ratio | script µs/decision | redis-server CPU µs/decision | `return 1` script µs/call | `return 1` redis-server CPU µs/call |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for key_count in [1u64, 100_000] {
         for callers in [1usize, 16, 64] {
             let ours = {
@@ -167,7 +167,7 @@ async fn run(seconds: f64) {
                 .await
             };
             println!(
-                "| {key_count} | {callers} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} | {:.2} |",
+                "| {key_count} | {callers} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
                 ours.per_second,
                 ours.p50_us,
                 ours.p99_us,
@@ -175,6 +175,8 @@ async fn run(seconds: f64) {
                 ours.per_second / ceiling.per_second,
                 ours.script_us,
                 ours.server_cpu_us,
+                ceiling.script_us,
+                ceiling.server_cpu_us,
             );
         }
     }
