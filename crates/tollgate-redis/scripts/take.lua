@@ -18,10 +18,13 @@
 --   fingerprint  the request's content, or "" when it has no id
 --   mode         "take"; "peek" to decide without writing anything; "refund" to give back
 --                `cost` from each bucket and forget the request's record
---   per bucket, three integers: a, cap, cost
+--   per bucket, one 24-byte argument: three little-endian doubles, a, cap and cost
 --     a    units gained per microsecond
 --     cap  capacity in units (capacity * units per token)
 --     cost cost in units (tokens * units per token)
+--   (binary because `tonumber` on a decimal string runs `strtod` twice: read that way, the three
+--   figures cost about a seventh of Redis' instructions per decision; each is an integer below
+--   2^51, so its double is exact)
 -- KEYS: per request, its n bucket keys, then its idempotency record key when it has an id.
 -- All keys of one call are in one cluster slot.
 --
@@ -100,7 +103,10 @@ local function write(key, deficit, a)
   else
     value = string.format('%d:%d', now + micros, frac)
   end
-  redis.call('SET', key, value, 'PX', math.max(min_ttl_ms, ceil_div(micros, 1000)))
+  -- The TTL goes as an integer string: Redis turns a Lua number argument into a 17-digit float
+  -- string and SET parses it back, which measurably costs more than formatting it here.
+  local ttl = string.format('%d', math.max(min_ttl_ms, ceil_div(micros, 1000)))
+  redis.call('SET', key, value, 'PX', ttl)
 end
 
 local reply = {}
@@ -114,7 +120,7 @@ for _ = 1, tonumber(ARGV[2]) do
   local mode = ARGV[v + 4]
   local dry = mode == 'peek'
   local params = v + 4
-  v = v + 4 + 3 * n
+  v = v + 4 + n
   local first_key = k
   k = k + n
   local record
@@ -131,8 +137,7 @@ for _ = 1, tonumber(ARGV[2]) do
     replayed = true
     reply[at] = 1
     for i = 1, n do
-      local a = tonumber(ARGV[params + 3 * i - 2])
-      local cost = tonumber(ARGV[params + 3 * i])
+      local a, _, cost = struct.unpack('<ddd', ARGV[params + i])
       local deficit = math.max(0, deficit_of(KEYS[first_key + i], a) - cost)
       write(KEYS[first_key + i], deficit, a)
       reply[at + 2 * i - 1] = 1
@@ -166,9 +171,7 @@ for _ = 1, tonumber(ARGV[2]) do
     local deficits = {}
     local all = true
     for i = 1, n do
-      local a = tonumber(ARGV[params + 3 * i - 2])
-      local cap = tonumber(ARGV[params + 3 * i - 1])
-      local cost = tonumber(ARGV[params + 3 * i])
+      local a, cap, cost = struct.unpack('<ddd', ARGV[params + i])
       local deficit = deficit_of(KEYS[first_key + i], a)
       deficits[i] = deficit
       if deficit + cost <= cap then
@@ -187,7 +190,7 @@ for _ = 1, tonumber(ARGV[2]) do
     elseif all then
       reply[at] = 1
       for i = 1, n do
-        write(KEYS[first_key + i], reply[at + 2 * i], tonumber(ARGV[params + 3 * i - 2]))
+        write(KEYS[first_key + i], reply[at + 2 * i], (struct.unpack('<d', ARGV[params + i])))
       end
       if record then
         local fields = {}

@@ -61,6 +61,18 @@ pub(crate) struct Bucket {
     pub(crate) cost: u64,
 }
 
+impl Bucket {
+    /// The bucket's figures as the script reads them: `a`, `cap` and `cost` as little-endian
+    /// doubles. All three stay below 2^51 (see `ScriptLimit`), so each double is exact.
+    fn params(&self) -> [u8; 24] {
+        let mut bytes = [0; 24];
+        for (chunk, value) in bytes.chunks_exact_mut(8).zip([self.a, self.cap, self.cost]) {
+            chunk.copy_from_slice(&(value as f64).to_le_bytes());
+        }
+        bytes
+    }
+}
+
 /// One request's part of a script call (see `scripts/take.lua`).
 pub(crate) struct Segment {
     pub(crate) buckets: Vec<Bucket>,
@@ -84,8 +96,8 @@ fn command(sha: &str, now: Option<u64>, segments: &[&Segment]) -> Cmd {
     // 20 digits, and keys and fingerprints are counted as they are.
     let (mut args, mut bytes) = (5, 7 + sha.len() + 60);
     for segment in segments {
-        args += 4 + 4 * segment.buckets.len();
-        bytes += 30 + 60 * segment.buckets.len();
+        args += 4 + 2 * segment.buckets.len();
+        bytes += 30 + 24 * segment.buckets.len();
         bytes += segment.buckets.iter().map(|b| b.key.len()).sum::<usize>();
         if let Some(record) = &segment.record {
             args += 1;
@@ -115,7 +127,7 @@ fn command(sha: &str, now: Option<u64>, segments: &[&Segment]) -> Cmd {
         };
         cmd.arg(segment.mode.as_str());
         for bucket in &segment.buckets {
-            cmd.arg(bucket.a).arg(bucket.cap).arg(bucket.cost);
+            cmd.arg(&bucket.params()[..]);
         }
     }
     cmd

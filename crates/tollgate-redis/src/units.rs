@@ -15,7 +15,8 @@ const MAX_CAPACITY_UNITS: u64 = 1 << 51;
 /// A limit prepared for the scripts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct ScriptLimit {
-    /// Units per microsecond.
+    /// Units per microsecond. At most 1000 times the core's reduced amount per nanosecond
+    /// (below 2^32), so far below 2^51 like `cap`: the scripts' doubles hold both exactly.
     pub(crate) a: u64,
     /// Units per token.
     pub(crate) p: u64,

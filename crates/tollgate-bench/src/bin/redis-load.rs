@@ -4,11 +4,13 @@
 //! and 100,000 random keys at 1, 16 and 64 concurrent callers measures:
 //!
 //! * tollgate decisions per second and their p50/p99 latency, through `RedisStore` (one
-//!   multiplexed connection, Redis `TIME`, one `EVALSHA` per decision);
+//!   multiplexed connection, Redis `TIME`, concurrent decisions sharing `EVALSHA` calls), and
+//!   how many decisions a call carried on average;
 //! * the same for a raw `EVALSHA` of `return 1` on the same kind of connection: no client in
 //!   the world can make one script call per decision faster;
 //! * Redis' own CPU per decision: the `usec` of `EVALSHA` from `INFO commandstats` (the
-//!   scripts' time inside Redis) and the whole server's CPU (`INFO cpu`), over decisions.
+//!   scripts' time inside Redis) and the whole server's CPU (`INFO cpu`), over decisions; and
+//!   the same per `return 1` call, the floor of any script call on this host.
 //!
 //! `cargo run --release -p tollgate-bench --bin redis-load -- [SECONDS_PER_RUN]`
 
@@ -30,6 +32,8 @@ struct Run {
     p99_us: f64,
     script_us: f64,
     server_cpu_us: f64,
+    /// Decisions per script call: how much the batcher shares calls.
+    per_call: f64,
 }
 
 fn server_cpu_seconds(port: u16) -> f64 {
@@ -82,12 +86,14 @@ where
     // Total script time over decisions: one call may carry several decisions.
     let script_us = info_field(&stats, "cmdstat_evalsha:", "usec") / total.max(1) as f64;
     let cpu = server_cpu_seconds(port) - cpu_before;
+    let calls = info_field(&stats, "cmdstat_evalsha:", "calls");
     Run {
         per_second: total as f64 / elapsed,
         p50_us: histogram.value_at_quantile(0.5) as f64 / 1_000.0,
         p99_us: histogram.value_at_quantile(0.99) as f64 / 1_000.0,
         script_us,
         server_cpu_us: cpu * 1e6 / total.max(1) as f64,
+        per_call: total as f64 / calls.max(1.0),
     }
 }
 
@@ -125,9 +131,9 @@ async fn run(seconds: f64) {
     let keys: Arc<Vec<String>> = Arc::new((0..100_000).map(|k| format!("bench:{{{k}}}")).collect());
 
     println!(
-        "| keys | callers | tollgate decisions/s | p50 µs | p99 µs | `return 1` calls/s | ratio | script µs/decision | redis-server CPU µs/decision | `return 1` script µs/call | `return 1` redis-server CPU µs/call |"
+        "| keys | callers | tollgate decisions/s | p50 µs | p99 µs | `return 1` calls/s | ratio | decisions/call | script µs/decision | redis-server CPU µs/decision | `return 1` script µs/call | `return 1` redis-server CPU µs/call |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     for key_count in [1u64, 100_000] {
         for callers in [1usize, 16, 64] {
             let ours = {
@@ -167,12 +173,13 @@ async fn run(seconds: f64) {
                 .await
             };
             println!(
-                "| {key_count} | {callers} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+                "| {key_count} | {callers} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.1} | {:.2} | {:.2} | {:.2} | {:.2} |",
                 ours.per_second,
                 ours.p50_us,
                 ours.p99_us,
                 ceiling.per_second,
                 ours.per_second / ceiling.per_second,
+                ours.per_call,
                 ours.script_us,
                 ours.server_cpu_us,
                 ceiling.script_us,
