@@ -15,7 +15,7 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use redis::{Cmd, ErrorKind, Script, ServerErrorKind};
+use redis::{Cmd, ErrorKind, ServerErrorKind};
 use tokio::sync::{Semaphore, mpsc, oneshot};
 use tollgate::Unavailable;
 
@@ -85,16 +85,34 @@ fn reply_len(segment: &Segment) -> usize {
     1 + 2 * segment.buckets.len()
 }
 
-/// The `EVALSHA` of the script with hash `sha` deciding `segments`. Integers are written
-/// straight into the command, with no string in between.
-fn command(sha: &str, now: Option<u64>, segments: &[&Segment]) -> Cmd {
+/// The take script, as Redis is sent it.
+#[derive(Debug, Clone)]
+pub(crate) struct TakeScript {
+    source: &'static str,
+    /// The SHA1 of `source`, which `EVALSHA` names it by.
+    sha: String,
+}
+
+impl TakeScript {
+    pub(crate) fn new() -> Self {
+        let source = include_str!("../scripts/take.lua");
+        Self {
+            source,
+            sha: redis::Script::new(source).get_hash().to_owned(),
+        }
+    }
+}
+
+/// The script call deciding `segments`: `verb` is `EVALSHA` with the script's hash or `EVAL`
+/// with its source. Integers are written straight into the command, with no string between.
+fn command(verb: &str, script: &str, now: Option<u64>, segments: &[&Segment]) -> Cmd {
     let keys: usize = segments
         .iter()
         .map(|segment| segment.buckets.len() + usize::from(segment.record.is_some()))
         .sum();
     // Sized up front, so that building the command never reallocates: an argument is at most
     // 20 digits, and keys and fingerprints are counted as they are.
-    let (mut args, mut bytes) = (5, 7 + sha.len() + 60);
+    let (mut args, mut bytes) = (5, verb.len() + script.len() + 60);
     for segment in segments {
         args += 4 + 2 * segment.buckets.len();
         bytes += 30 + 24 * segment.buckets.len();
@@ -105,7 +123,7 @@ fn command(sha: &str, now: Option<u64>, segments: &[&Segment]) -> Cmd {
         }
     }
     let mut cmd = Cmd::with_capacity(args, bytes);
-    cmd.arg("EVALSHA").arg(sha).arg(keys);
+    cmd.arg(verb).arg(script).arg(keys);
     for segment in segments {
         for bucket in &segment.buckets {
             cmd.arg(&bucket.key);
@@ -135,20 +153,18 @@ fn command(sha: &str, now: Option<u64>, segments: &[&Segment]) -> Cmd {
 
 /// Runs `segments` in one call of `script`, at `now` (microseconds; `None` for Redis' `TIME`),
 /// returning each segment's reply. A `NOSCRIPT` answer (after `SCRIPT FLUSH` or a restart)
-/// loads the script and sends the call again.
+/// sends the call again as an `EVAL` of the source, which also caches the script in that node
+/// for the next `EVALSHA`: one more round trip, once.
 pub(crate) async fn invoke(
-    script: &Script,
+    script: &TakeScript,
     connection: &Connection,
     now: Option<u64>,
     segments: &[&Segment],
 ) -> Result<Vec<Vec<i64>>, Unavailable> {
-    let call = command(script.get_hash(), now, segments);
+    let call = command("EVALSHA", &script.sha, now, segments);
     let reply = match connection.query(&call).await {
         Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-            connection
-                .load(script)
-                .await
-                .map_err(|err| classify(&err))?;
+            let call = command("EVAL", script.source, now, segments);
             connection.query(&call).await
         }
         reply => reply,
@@ -183,7 +199,7 @@ pub(crate) struct Batcher {
 impl Batcher {
     /// Starts the dispatcher on the current tokio runtime; it ends when the batcher is dropped.
     pub(crate) fn start(
-        script: Script,
+        script: TakeScript,
         connection: Connection,
         max_in_flight: usize,
         max_batch: usize,
@@ -218,7 +234,7 @@ impl Batcher {
 }
 
 async fn dispatch(
-    script: Arc<Script>,
+    script: Arc<TakeScript>,
     connection: Connection,
     mut queue: mpsc::UnboundedReceiver<Job>,
     max_in_flight: usize,

@@ -1,10 +1,11 @@
 //! `RedisStore`: buckets in Redis or Redis Cluster, decided by one Lua script per slot.
 //!
-//! Each decision is one `EVALSHA` of `scripts/take.lua` (falling back to loading the script on
-//! `NOSCRIPT`, so `SCRIPT FLUSH` and restarts are survived): the read, the decision and the write
-//! happen inside Redis in one atomic step, so processes sharing a Redis can never over-admit
-//! between a read and a write. Concurrent callers share one multiplexed connection per node, so
-//! their scripts are pipelined onto the wire together without a connection per request.
+//! Each decision runs in an `EVALSHA` of `scripts/take.lua` (falling back to an `EVAL` of its
+//! source on `NOSCRIPT`, so `SCRIPT FLUSH` and restarts are survived): the read, the decision
+//! and the write happen inside Redis in one atomic step, so processes sharing a Redis can never
+//! over-admit between a read and a write. Concurrent callers share one multiplexed connection
+//! per node, so their scripts are pipelined onto the wire together without a connection per
+//! request, and on a single node concurrent decisions share script calls (see `batch`).
 //!
 //! A multi-bucket request whose keys share a slot (always, on a single node) is one script call,
 //! all or nothing. Keys in different cluster slots are decided in parallel, one call per slot;
@@ -19,10 +20,10 @@ use futures_util::future::join_all;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::Slot;
-use redis::{Cmd, RedisError, Script};
+use redis::{Cmd, RedisError};
 use tollgate::{CheckRequest, Decision, Error, MonotonicClock, Store, Take, Unavailable};
 
-use crate::batch::{self, Batcher, Bucket, Mode, Record, Segment};
+use crate::batch::{self, Batcher, Bucket, Mode, Record, Segment, TakeScript};
 use crate::breaker::{Breaker, BreakerConfig, Transition};
 use crate::units::ScriptLimit;
 
@@ -161,15 +162,6 @@ impl Connection {
         }
     }
 
-    /// Loads `script` (on every primary, in a cluster).
-    pub(crate) async fn load(&self, script: &Script) -> Result<(), RedisError> {
-        match self.clone() {
-            Connection::Single(mut connection) => script.load_async(&mut connection).await,
-            Connection::Cluster(mut connection) => script.load_async(&mut connection).await,
-        }
-        .map(drop)
-    }
-
     async fn ping(&self) -> Result<(), RedisError> {
         let ping = redis::cmd("PING");
         match self.clone() {
@@ -186,7 +178,7 @@ pub struct RedisStore {
     /// Batches concurrent requests into shared script calls (single node only: in a cluster,
     /// one call can only touch one slot, and random keys rarely share one).
     batcher: Option<Batcher>,
-    take: Script,
+    take: TakeScript,
     config: RedisConfig,
     breaker: Breaker<MonotonicClock>,
 }
@@ -266,7 +258,7 @@ impl RedisStore {
         } else {
             return Err(invalid());
         };
-        let take = Script::new(include_str!("../scripts/take.lua"));
+        let take = TakeScript::new();
         let batcher = (!cluster).then(|| {
             Batcher::start(
                 take.clone(),

@@ -107,6 +107,15 @@ async fn survives_script_flush_mid_run() {
         let decisions = check(&store, &takes, Some(T0)).await.unwrap();
         assert_eq!(decisions[0].allowed(), i < 10, "check {i}");
     }
+    // The first call and the first after each flush found no script and fell back to one EVAL
+    // of the source, which cached it again: every call went out as an EVALSHA first.
+    let stats = command(server.port, &["INFO", "commandstats"]).unwrap();
+    assert_eq!(info_field(&stats, "cmdstat_eval:", "calls"), 3.0, "{stats}");
+    assert_eq!(
+        info_field(&stats, "cmdstat_evalsha:", "calls"),
+        20.0,
+        "{stats}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
