@@ -15,8 +15,10 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
 use redis::{Cmd, ErrorKind, ServerErrorKind};
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot};
 use tollgate::Unavailable;
 
 use crate::store::{Connection, classify};
@@ -233,6 +235,8 @@ impl Batcher {
     }
 }
 
+/// Sends batches of queued jobs, at most `max_in_flight` calls at a time. The calls run
+/// inside this task rather than in a task each: a spawn and a task wake-up fewer per call.
 async fn dispatch(
     script: Arc<TakeScript>,
     connection: Connection,
@@ -240,19 +244,28 @@ async fn dispatch(
     max_in_flight: usize,
     max_batch: usize,
 ) {
-    let in_flight = Arc::new(Semaphore::new(max_in_flight));
+    let mut calls = FuturesUnordered::new();
     // Jobs taken from the queue that could not join the last batch (another `now`).
     let mut carried: VecDeque<Job> = VecDeque::new();
-    loop {
-        let Ok(permit) = in_flight.clone().acquire_owned().await else {
-            return;
-        };
+    let mut open = true;
+    while open || !calls.is_empty() {
+        if !open || calls.len() >= max_in_flight {
+            calls.next().await;
+            continue;
+        }
         let first = match carried.pop_front() {
-            Some(job) => job,
-            None => match queue.recv().await {
-                Some(job) => job,
-                None => return,
+            Some(job) => Some(job),
+            None => tokio::select! {
+                biased;
+                // A call ended: its callers have their replies, and a slot is free.
+                Some(()) = calls.next(), if !calls.is_empty() => continue,
+                job = queue.recv() => job,
             },
+        };
+        let Some(first) = first else {
+            // The batcher is gone: finish the calls in flight, then stop.
+            open = false;
+            continue;
         };
         let mut batch = vec![first];
         while batch.len() < max_batch {
@@ -275,26 +288,26 @@ async fn dispatch(
         // A caller that gave up while its request queued (its timeout passed) must not be
         // charged for a decision nobody will read.
         batch.retain(|job| !job.reply.is_closed());
-        if batch.is_empty() {
-            continue;
+        if !batch.is_empty() {
+            calls.push(call(script.clone(), connection.clone(), batch));
         }
-        let (script, connection) = (script.clone(), connection.clone());
-        tokio::spawn(async move {
-            let segments: Vec<&Segment> = batch.iter().map(|job| &job.segment).collect();
-            let result = invoke(&script, &connection, batch[0].now, &segments).await;
-            match result {
-                Ok(replies) => {
-                    for (job, reply) in batch.into_iter().zip(replies) {
-                        let _ = job.reply.send(Ok(reply));
-                    }
-                }
-                Err(reason) => {
-                    for job in batch {
-                        let _ = job.reply.send(Err(reason));
-                    }
-                }
+    }
+}
+
+/// One script call deciding `batch`, each job answered with its own part of the reply.
+async fn call(script: Arc<TakeScript>, connection: Connection, batch: Vec<Job>) {
+    let segments: Vec<&Segment> = batch.iter().map(|job| &job.segment).collect();
+    let result = invoke(&script, &connection, batch[0].now, &segments).await;
+    match result {
+        Ok(replies) => {
+            for (job, reply) in batch.into_iter().zip(replies) {
+                let _ = job.reply.send(Ok(reply));
             }
-            drop(permit);
-        });
+        }
+        Err(reason) => {
+            for job in batch {
+                let _ = job.reply.send(Err(reason));
+            }
+        }
     }
 }
