@@ -4,8 +4,9 @@
 # load, so two versions of the script can be compared on a busy machine. Usage:
 #   scripts/redis-script-cost.sh [decisions-per-call ...]      (default: 1 8 32)
 # Each call takes one token from each of its decisions' buckets (distinct keys, Redis `TIME`),
-# as `RedisStore` sends it. Needs valgrind and python3; starts its own redis-server on a free
-# loopback port and kills it on exit.
+# as `RedisStore` sends it. TAKE_LUA=path measures another version of the script (same
+# arguments). Needs valgrind and python3; starts its own redis-server on a free loopback port and
+# kills it on exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 (($# > 0)) || set -- 1 8 32
@@ -25,7 +26,7 @@ until redis-cli -p "$port" ping >/dev/null 2>&1; do sleep 0.2; done
 # Sends `calls` EVALSHA calls of `m` decisions each, four in flight, in the argument layout of
 # take.lua (bucket figures as three little-endian doubles).
 drive() {
-  python3 - "$port" crates/tollgate-redis/scripts/take.lua "$1" "$2" <<'EOF'
+  python3 - "$port" "${TAKE_LUA:-crates/tollgate-redis/scripts/take.lua}" "$1" "$2" <<'EOF'
 import hashlib, socket, struct, sys
 port, path, m, calls = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 source = open(path, 'rb').read()
