@@ -44,7 +44,7 @@ pub struct RedisConfig {
     /// Script calls in flight at once per single-node store before requests queue up and
     /// share calls (default 4). With fewer calls in flight each carries more decisions, and a
     /// call's own cost inside Redis is about that of a decision: through `tollgate serve` at
-    /// 16 concurrent checks, Redis spent 35 %, 21 % and 12 % less per decision with 1, 2 and 4
+    /// 16 concurrent checks, Redis spent 33 %, 21 % and 12 % less per decision with 1, 2 and 4
     /// calls in flight than with 8, at the same throughput (1: a few percent lower). 4 leaves
     /// room for a Redis farther away, where every call waits longer for its round trip.
     pub max_in_flight: usize,
