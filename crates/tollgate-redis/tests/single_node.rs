@@ -413,6 +413,56 @@ async fn concurrent_callers_share_script_calls() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_requests_at_different_times_are_each_decided_at_their_own() {
+    let server = RedisServer::start();
+    // One call in flight, so requests queue and batches form; a batch holds one time only.
+    let config = RedisConfig::default()
+        .with_batching(1, 64)
+        .with_timeout(Duration::from_secs(5));
+    let store = Arc::new(RedisStore::connect(&server.url(), config).await.unwrap());
+    let limit = limit(10, "1/s");
+    let keys: Vec<String> = (0..64).map(|i| format!("k{i}")).collect();
+    for key in &keys {
+        let takes = [Take {
+            key,
+            limit: &limit,
+            cost: 10,
+        }];
+        assert!(check(&*store, &takes, Some(T0)).await.unwrap()[0].allowed());
+    }
+    // Every bucket is empty at T0. Key i is checked d = 1 + i % 4 seconds later for d tokens,
+    // exactly what refilled by then: decided at its own time it is allowed and leaves nothing;
+    // at a neighbour's time it would be rejected (earlier) or leave tokens (later).
+    let at = |i: usize| {
+        let d = 1 + i as u64 % 4;
+        (Timestamp::from_nanos(T0.as_nanos() + d * 1_000_000_000), d)
+    };
+    for round in 0..2 {
+        let tasks: Vec<_> = (0..keys.len())
+            .map(|i| {
+                let (store, key) = (Arc::clone(&store), keys[i].clone());
+                tokio::spawn(async move {
+                    let (now, d) = at(i);
+                    // The second round asks one token more than is left: rejected.
+                    let cost = if round == 0 { d } else { 1 };
+                    let takes = [Take {
+                        key: &key,
+                        limit: &limit,
+                        cost,
+                    }];
+                    check(&*store, &takes, Some(now)).await.unwrap()[0]
+                })
+            })
+            .collect();
+        for (i, task) in tasks.into_iter().enumerate() {
+            let decision = task.await.unwrap();
+            assert_eq!(decision.allowed(), round == 0, "key {i}, round {round}");
+            assert_eq!(decision.remaining(), 0, "key {i}, round {round}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_whose_caller_gave_up_in_the_queue_is_not_charged() {
     let server = RedisServer::start();
     let config = RedisConfig::default()
