@@ -21,6 +21,15 @@ async fn connect(server: &RedisServer) -> RedisStore {
         .expect("connect")
 }
 
+/// A store with one script call in flight at a time, so concurrent requests queue and share
+/// the next call: the batcher's tests. `timeout` bounds each decision.
+async fn one_call_in_flight(server: &RedisServer, timeout: Duration) -> Arc<RedisStore> {
+    let config = RedisConfig::default()
+        .with_batching(1, 64)
+        .with_timeout(timeout);
+    Arc::new(RedisStore::connect(&server.url(), config).await.unwrap())
+}
+
 async fn check(
     store: &impl Store,
     takes: &[Take<'_>],
@@ -375,10 +384,7 @@ async fn a_frozen_redis_times_out_and_the_breaker_stops_waiting() {
 async fn concurrent_callers_share_script_calls() {
     let server = RedisServer::start();
     // A generous timeout: this is about how many calls, not how fast.
-    let config = RedisConfig::default()
-        .with_batching(1, 64)
-        .with_timeout(Duration::from_secs(5));
-    let store = Arc::new(RedisStore::connect(&server.url(), config).await.unwrap());
+    let store = one_call_in_flight(&server, Duration::from_secs(5)).await;
     let limit = limit(1_000_000, "1000/s");
     command(server.port, &["CONFIG", "RESETSTAT"]);
     let tasks: Vec<_> = (0..64)
@@ -415,11 +421,8 @@ async fn concurrent_callers_share_script_calls() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queued_requests_at_different_times_are_each_decided_at_their_own() {
     let server = RedisServer::start();
-    // One call in flight, so requests queue and batches form; a batch holds one time only.
-    let config = RedisConfig::default()
-        .with_batching(1, 64)
-        .with_timeout(Duration::from_secs(5));
-    let store = Arc::new(RedisStore::connect(&server.url(), config).await.unwrap());
+    // Requests queue and batches form; a batch holds one time only.
+    let store = one_call_in_flight(&server, Duration::from_secs(5)).await;
     let limit = limit(10, "1/s");
     let keys: Vec<String> = (0..64).map(|i| format!("k{i}")).collect();
     for key in &keys {
@@ -465,10 +468,7 @@ async fn queued_requests_at_different_times_are_each_decided_at_their_own() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_whose_caller_gave_up_in_the_queue_is_not_charged() {
     let server = RedisServer::start();
-    let config = RedisConfig::default()
-        .with_batching(1, 64)
-        .with_timeout(Duration::from_millis(500));
-    let store = Arc::new(RedisStore::connect(&server.url(), config).await.unwrap());
+    let store = one_call_in_flight(&server, Duration::from_millis(500)).await;
     let limit = limit(10, "1/h");
     let take = |key: &'static str| {
         let (store, limit) = (Arc::clone(&store), limit);
