@@ -112,12 +112,13 @@ fn command(verb: &str, script: &str, now: Option<u64>, segments: &[&Segment]) ->
         .iter()
         .map(|segment| segment.buckets.len() + usize::from(segment.record.is_some()))
         .sum();
-    // Sized up front, so that building the command never reallocates: an argument is at most
-    // 20 digits, and keys and fingerprints are counted as they are.
+    // Sized up front, so that building the command never reallocates: an integer argument is
+    // at most 20 digits (three per call, two per segment, with a mode of at most 6 bytes), a
+    // bucket's figures 24 bytes, and keys and fingerprints are counted as they are.
     let (mut args, mut bytes) = (5, verb.len() + script.len() + 60);
     for segment in segments {
         args += 4 + 2 * segment.buckets.len();
-        bytes += 30 + 24 * segment.buckets.len();
+        bytes += 46 + 24 * segment.buckets.len();
         bytes += segment.buckets.iter().map(|b| b.key.len()).sum::<usize>();
         if let Some(record) = &segment.record {
             args += 1;
