@@ -14,6 +14,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
@@ -21,7 +22,8 @@ use redis::{Cmd, ErrorKind, ServerErrorKind};
 use tokio::sync::{mpsc, oneshot};
 use tollgate::Unavailable;
 
-use crate::store::{Connection, classify};
+use crate::connection::{Connection, Link};
+use crate::store::classify;
 
 /// What a request does to its buckets: the script's `mode`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -201,16 +203,20 @@ pub(crate) struct Batcher {
 
 impl Batcher {
     /// Starts the dispatcher on the current tokio runtime; it ends when the batcher is dropped.
+    /// A call still unanswered after `timeout` is abandoned: its callers have all given up by
+    /// then (each waits at most `timeout` in all), and its slot is needed.
     pub(crate) fn start(
         script: TakeScript,
-        connection: Connection,
+        link: Arc<Link>,
+        timeout: Duration,
         max_in_flight: usize,
         max_batch: usize,
     ) -> Self {
         let (jobs, queue) = mpsc::unbounded_channel();
         tokio::spawn(dispatch(
             Arc::new(script),
-            connection,
+            link,
+            timeout,
             queue,
             max_in_flight.max(1),
             max_batch.max(1),
@@ -240,7 +246,8 @@ impl Batcher {
 /// inside this task rather than in a task each: a spawn and a task wake-up fewer per call.
 async fn dispatch(
     script: Arc<TakeScript>,
-    connection: Connection,
+    link: Arc<Link>,
+    timeout: Duration,
     mut queue: mpsc::UnboundedReceiver<Job>,
     max_in_flight: usize,
     max_batch: usize,
@@ -290,15 +297,20 @@ async fn dispatch(
         // charged for a decision nobody will read.
         batch.retain(|job| !job.reply.is_closed());
         if !batch.is_empty() {
-            calls.push(call(script.clone(), connection.clone(), batch));
+            calls.push(call(script.clone(), link.get(), timeout, batch));
         }
     }
 }
 
 /// One script call deciding `batch`, each job answered with its own part of the reply.
-async fn call(script: Arc<TakeScript>, connection: Connection, batch: Vec<Job>) {
+async fn call(script: Arc<TakeScript>, connection: Connection, timeout: Duration, batch: Vec<Job>) {
     let segments: Vec<&Segment> = batch.iter().map(|job| &job.segment).collect();
-    let result = invoke(&script, &connection, batch[0].now, &segments).await;
+    let result = tokio::time::timeout(
+        timeout,
+        invoke(&script, &connection, batch[0].now, &segments),
+    )
+    .await
+    .unwrap_or(Err(Unavailable::Timeout));
     match result {
         Ok(replies) => {
             for (job, reply) in batch.into_iter().zip(replies) {

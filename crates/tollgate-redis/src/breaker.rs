@@ -61,6 +61,8 @@ pub(crate) enum Permit {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Transition {
     Opened,
+    /// A probe failed: the breaker is open again, for longer.
+    ProbeFailed,
     Closed,
 }
 
@@ -116,7 +118,7 @@ impl<C: Clock> Breaker<C> {
                     until: self.clock.now() + cool_down,
                     cool_down,
                 };
-                None
+                Some(Transition::ProbeFailed)
             }
             (State::Closed { .. }, _, true) => {
                 *state = State::Closed { failures: 0 };
@@ -188,7 +190,10 @@ mod tests {
             assert!(breaker.permit().is_err());
             clock.advance(Duration::from_nanos(1));
             assert_eq!(breaker.permit(), Ok(Permit::Probe));
-            breaker.record(Permit::Probe, false);
+            assert_eq!(
+                breaker.record(Permit::Probe, false),
+                Some(Transition::ProbeFailed)
+            );
             wait = (wait * 2).min(Duration::from_secs(10));
         }
         assert!(breaker.is_open());

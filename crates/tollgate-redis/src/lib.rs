@@ -39,6 +39,7 @@
 
 mod batch;
 mod breaker;
+mod connection;
 mod failover;
 mod store;
 #[cfg(feature = "test-server")]

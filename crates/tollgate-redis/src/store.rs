@@ -14,17 +14,18 @@
 //! one subject a shared `{hash tag}` to keep them in one slot.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::join_all;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::cluster_async::ClusterConnection;
+use redis::RedisError;
+use redis::aio::ConnectionManagerConfig;
 use redis::cluster_routing::Slot;
-use redis::{Cmd, RedisError};
 use tollgate::{CheckRequest, Decision, Error, MonotonicClock, Store, Take, Unavailable};
 
 use crate::batch::{self, Batcher, Bucket, Mode, Record, Segment, TakeScript};
 use crate::breaker::{Breaker, BreakerConfig, Transition};
+use crate::connection::{Connection, Link, Opener};
 use crate::units::ScriptLimit;
 
 /// How a [`RedisStore`] talks to Redis.
@@ -151,33 +152,9 @@ pub fn redact(url: &str) -> String {
     format!("{scheme}://{}", nodes.join(","))
 }
 
-#[derive(Clone)]
-pub(crate) enum Connection {
-    Single(ConnectionManager),
-    Cluster(ClusterConnection),
-}
-
-impl Connection {
-    /// Sends `call`, expecting a list of integers back.
-    pub(crate) async fn query(&self, call: &Cmd) -> Result<Vec<i64>, RedisError> {
-        match self.clone() {
-            Connection::Single(mut connection) => call.query_async(&mut connection).await,
-            Connection::Cluster(mut connection) => call.query_async(&mut connection).await,
-        }
-    }
-
-    async fn ping(&self) -> Result<(), RedisError> {
-        let ping = redis::cmd("PING");
-        match self.clone() {
-            Connection::Single(mut connection) => ping.query_async(&mut connection).await,
-            Connection::Cluster(mut connection) => ping.query_async(&mut connection).await,
-        }
-    }
-}
-
 /// Buckets in Redis or Redis Cluster. Cheap to share (`Arc` it); one per process is enough.
 pub struct RedisStore {
-    connection: Connection,
+    link: Arc<Link>,
     cluster: bool,
     /// Batches concurrent requests into shared script calls (single node only: in a cluster,
     /// one call can only touch one slot, and random keys rarely share one).
@@ -229,7 +206,7 @@ impl RedisStore {
             url: redact(url),
             source,
         };
-        let (connection, cluster) = if let Some(nodes) = url.strip_prefix("redis+cluster://") {
+        let (link, cluster) = if let Some(nodes) = url.strip_prefix("redis+cluster://") {
             let nodes: Vec<String> = nodes
                 .split(',')
                 .map(str::trim)
@@ -246,7 +223,8 @@ impl RedisStore {
                 .build()
                 .map_err(|_| invalid())?;
             let connection = client.get_async_connection().await.map_err(connect_error)?;
-            (Connection::Cluster(connection), true)
+            let link = Link::new(Connection::Cluster(connection), Opener::Cluster(client));
+            (link, true)
         } else if url.starts_with("rediss://") {
             return Err(ConnectError::TlsUnsupported);
         } else if url.starts_with("redis://") {
@@ -256,23 +234,29 @@ impl RedisStore {
                 .set_response_timeout(None)
                 .set_max_delay(Duration::from_secs(1));
             let connection = client
-                .get_connection_manager_lazy(manager)
+                .get_connection_manager_lazy(manager.clone())
                 .map_err(connect_error)?;
-            (Connection::Single(connection), false)
+            let link = Link::new(
+                Connection::Single(connection),
+                Opener::Single(client, manager),
+            );
+            (link, false)
         } else {
             return Err(invalid());
         };
+        let link = Arc::new(link);
         let take = TakeScript::new();
         let batcher = (!cluster).then(|| {
             Batcher::start(
                 take.clone(),
-                connection.clone(),
+                Arc::clone(&link),
+                config.timeout,
                 config.max_in_flight,
                 config.max_batch,
             )
         });
         Ok(Self {
-            connection,
+            link,
             cluster,
             batcher,
             take,
@@ -288,7 +272,7 @@ impl RedisStore {
 
     /// Whether Redis answers a `PING` within the timeout: for readiness checks.
     pub async fn ping(&self) -> Result<(), Unavailable> {
-        match tokio::time::timeout(self.config.timeout, self.connection.ping()).await {
+        match tokio::time::timeout(self.config.timeout, self.link.get().ping()).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(err)) => Err(classify(&err)),
             Err(_) => Err(Unavailable::Timeout),
@@ -393,7 +377,7 @@ impl RedisStore {
 
     /// One script call carrying one segment, outside the batcher.
     async fn call(&self, now: Option<u64>, segment: &Segment) -> Result<Vec<i64>, Unavailable> {
-        batch::invoke(&self.take, &self.connection, now, &[segment])
+        batch::invoke(&self.take, &self.link.get(), now, &[segment])
             .await?
             .pop()
             .ok_or(Unavailable::Protocol)
@@ -474,9 +458,15 @@ impl RedisStore {
             .map_err(|_| Unavailable::Timeout)
             .and_then(|result| result);
         match self.breaker.record(permit, outcome.is_ok()) {
-            Some(Transition::Opened) => tracing::warn!(
-                "redis store failing: circuit breaker open, decisions take their failure modes"
-            ),
+            Some(Transition::Opened) => {
+                tracing::warn!(
+                    "redis store failing: circuit breaker open, decisions take their failure modes"
+                );
+                // The probe after the cool-down must not go to a connection that stopped
+                // answering (see `connection`).
+                self.link.renew();
+            }
+            Some(Transition::ProbeFailed) => self.link.renew(),
             Some(Transition::Closed) => {
                 tracing::info!("redis store recovered: circuit breaker closed");
             }

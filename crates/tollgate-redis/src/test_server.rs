@@ -2,10 +2,13 @@
 //! persisted, killed when dropped, so nothing ever touches a Redis someone else started.
 //! Public under the `test-server` feature.
 
-use std::io::{BufRead, BufReader, Write};
-use std::net::{TcpListener, TcpStream};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// Waiting for an external process to come up is the one place tests must wait on real time.
@@ -248,5 +251,145 @@ impl RedisCluster {
             .map(|node| format!("127.0.0.1:{}", node.port))
             .collect();
         format!("redis+cluster://{}", nodes.join(","))
+    }
+}
+
+/// A loopback TCP proxy in front of a Redis server, for the one failure a paused or killed
+/// server cannot show: a peer that vanishes without closing its connections (a Redis replaced
+/// behind the same name, a firewall that forgot the flow). After [`Proxy::black_hole`], every
+/// connection open at that moment swallows what it is sent and answers nothing, yet stays
+/// open; connections made afterwards are forwarded as before.
+pub struct Proxy {
+    /// The loopback port clients connect to.
+    pub port: u16,
+    shared: Arc<ProxyShared>,
+    acceptor: Option<JoinHandle<()>>,
+}
+
+#[derive(Default)]
+struct ProxyShared {
+    /// Bumped by `black_hole`: a connection accepted in an older epoch forwards nothing.
+    epoch: AtomicU64,
+    accepted: AtomicU64,
+    /// Connections the client has closed.
+    ended: AtomicU64,
+    closed: AtomicBool,
+    /// Both ends of every connection, to unblock their pumps on drop.
+    streams: Mutex<Vec<TcpStream>>,
+    pumps: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Proxy {
+    /// Listens on a free loopback port and forwards each connection to `127.0.0.1:upstream`.
+    ///
+    /// # Panics
+    ///
+    /// When no loopback port can be bound.
+    pub fn start(upstream: u16) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind a free loopback port");
+        let port = listener.local_addr().expect("local address").port();
+        let shared = Arc::new(ProxyShared::default());
+        let acceptor = {
+            let shared = Arc::clone(&shared);
+            std::thread::spawn(move || {
+                for client in listener.incoming() {
+                    if shared.closed.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    let Ok(client) = client else { continue };
+                    let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)) else {
+                        continue;
+                    };
+                    shared.accepted.fetch_add(1, Ordering::SeqCst);
+                    let epoch = shared.epoch.load(Ordering::SeqCst);
+                    let (Ok(client_end), Ok(server_end)) = (client.try_clone(), server.try_clone())
+                    else {
+                        continue;
+                    };
+                    lock(&shared.streams).extend([client_end, server_end]);
+                    let pumps = [
+                        (client.try_clone(), server.try_clone(), true),
+                        (Ok(server), Ok(client), false),
+                    ]
+                    .into_iter()
+                    .filter_map(|(from, to, outbound)| Some((from.ok()?, to.ok()?, outbound)))
+                    .map(|(from, to, outbound)| {
+                        let shared = Arc::clone(&shared);
+                        std::thread::spawn(move || pump(&shared, epoch, from, to, outbound))
+                    })
+                    .collect::<Vec<_>>();
+                    lock(&shared.pumps).extend(pumps);
+                }
+            })
+        };
+        Self {
+            port,
+            shared,
+            acceptor: Some(acceptor),
+        }
+    }
+
+    /// `redis://127.0.0.1:PORT` of the proxy.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Makes every connection open now go silent, for good.
+    pub fn black_hole(&self) {
+        self.shared.epoch.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Connections accepted so far.
+    pub fn connections(&self) -> u64 {
+        self.shared.accepted.load(Ordering::SeqCst)
+    }
+
+    /// Connections accepted and not yet closed by the client.
+    pub fn open_connections(&self) -> u64 {
+        self.connections() - self.shared.ended.load(Ordering::SeqCst)
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Copies `from` to `to` until either end closes; once the connection's epoch has passed, reads
+/// and drops everything instead. `outbound`: `from` is the client.
+fn pump(shared: &ProxyShared, epoch: u64, mut from: TcpStream, mut to: TcpStream, outbound: bool) {
+    let mut buffer = [0; 16 * 1024];
+    loop {
+        let read = match from.read(&mut buffer) {
+            Ok(0) | Err(_) => break,
+            Ok(read) => read,
+        };
+        if shared.epoch.load(Ordering::SeqCst) != epoch {
+            continue;
+        }
+        if to.write_all(&buffer[..read]).is_err() {
+            break;
+        }
+    }
+    if outbound {
+        shared.ended.fetch_add(1, Ordering::SeqCst);
+    }
+    let _ = from.shutdown(Shutdown::Both);
+    let _ = to.shutdown(Shutdown::Both);
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.shared.closed.store(true, Ordering::SeqCst);
+        // Wakes the acceptor, which sees `closed` and stops.
+        let _ = TcpStream::connect(("127.0.0.1", self.port));
+        if let Some(acceptor) = self.acceptor.take() {
+            let _ = acceptor.join();
+        }
+        for stream in lock(&self.shared.streams).drain(..) {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+        for pump in lock(&self.shared.pumps).drain(..) {
+            let _ = pump.join();
+        }
     }
 }

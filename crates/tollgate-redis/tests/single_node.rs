@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use support::{RedisServer, command, info_field};
+use support::{Proxy, RedisServer, command, info_field};
 use tollgate::testkit::{Trace, compare_with_memory};
 use tollgate::{CheckRequest, Decision, Error, Limit, Store, Take, Timestamp, Unavailable};
 use tollgate_redis::{Failover, FailureMode, Guarded, Outcome, RedisConfig, RedisStore};
@@ -378,6 +378,72 @@ async fn a_frozen_redis_times_out_and_the_breaker_stops_waiting() {
         .await
         .expect("recovers once Redis answers");
     assert!(!store.is_degraded());
+}
+
+/// A connection whose peer vanished without closing it (the kernel would give up on it only
+/// after minutes of retransmissions) must not hold the store in its failure modes once Redis
+/// is reachable again: the store replaces it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_stops_answering_is_replaced() {
+    let server = RedisServer::start();
+    let proxy = Proxy::start(server.port);
+    let store = Arc::new(
+        RedisStore::connect(&proxy.url(), RedisConfig::default())
+            .await
+            .unwrap(),
+    );
+    let limit = limit(1_000, "1/s");
+    let take = |key: &'static str| {
+        let (store, limit) = (Arc::clone(&store), limit);
+        async move {
+            let takes = [Take {
+                key,
+                limit: &limit,
+                cost: 1,
+            }];
+            check(&*store, &takes, None).await
+        }
+    };
+    assert!(take("k").await.is_ok());
+    assert_eq!(proxy.connections(), 1);
+
+    proxy.black_hole();
+    // Enough concurrent requests to fill every call slot of the batcher with a call that will
+    // never be answered.
+    let stuck: Vec<_> = (0..16).map(|_| tokio::spawn(take("k"))).collect();
+    for request in stuck {
+        let outcome = request.await.unwrap();
+        assert!(
+            matches!(
+                outcome,
+                Err(Error::StoreUnavailable {
+                    reason: Unavailable::Timeout | Unavailable::CircuitOpen
+                })
+            ),
+            "{outcome:?}"
+        );
+    }
+
+    let recovered = async {
+        while take("k").await.is_err() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), recovered)
+        .await
+        .expect("a new connection once the old one stopped answering");
+    assert!(proxy.connections() >= 2, "{}", proxy.connections());
+    assert!(!store.is_degraded());
+    // The silent connection is closed once its last call has timed out, not leaked.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while proxy.open_connections() > 1 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} connections still open",
+            proxy.open_connections()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
