@@ -44,9 +44,11 @@ mod failover;
 mod store;
 #[cfg(feature = "test-server")]
 pub mod test_server;
+mod tls;
 mod units;
 
 pub use breaker::BreakerConfig;
 pub use failover::{Failover, FailoverStats, FailureMode, Guarded, Outcome};
 pub use store::{ConnectError, RedisConfig, RedisStore, redact};
+pub use tls::TlsFiles;
 pub use units::check_limit;

@@ -26,6 +26,7 @@ use tollgate::{CheckRequest, Decision, Error, MonotonicClock, Store, Take, Unava
 use crate::batch::{self, Batcher, Bucket, Mode, Record, Segment, TakeScript};
 use crate::breaker::{Breaker, BreakerConfig, Transition};
 use crate::connection::{Connection, Link, Opener};
+use crate::tls::{self, TlsFiles};
 use crate::units::ScriptLimit;
 
 /// How a [`RedisStore`] talks to Redis.
@@ -51,6 +52,8 @@ pub struct RedisConfig {
     pub max_in_flight: usize,
     /// The most requests one script call carries (default 32).
     pub max_batch: usize,
+    /// Certificate files for `rediss://` (default none: the system's authorities).
+    pub tls: TlsFiles,
 }
 
 impl Default for RedisConfig {
@@ -62,6 +65,7 @@ impl Default for RedisConfig {
             breaker: BreakerConfig::default(),
             max_in_flight: 4,
             max_batch: 32,
+            tls: TlsFiles::default(),
         }
     }
 }
@@ -103,6 +107,13 @@ impl RedisConfig {
         self.breaker = breaker;
         self
     }
+
+    /// Sets [`RedisConfig::tls`].
+    #[must_use]
+    pub fn with_tls(mut self, tls: TlsFiles) -> Self {
+        self.tls = tls;
+        self
+    }
 }
 
 /// Why a [`RedisStore`] could not be set up.
@@ -112,15 +123,40 @@ pub enum ConnectError {
     /// The store URL is not one of the accepted forms.
     #[error(
         "invalid store URL {url:?}: expected redis://HOST:PORT[/DB] or \
-         redis+cluster://HOST:PORT,HOST:PORT,..."
+         redis+cluster://HOST:PORT,HOST:PORT,... (rediss:// and rediss+cluster:// for TLS)"
     )]
     InvalidUrl {
         /// The URL, with any password removed.
         url: String,
     },
-    /// `rediss://` needs TLS, which this build does not include.
-    #[error("TLS (rediss://) is not supported by this build; use redis:// on a trusted network")]
-    TlsUnsupported,
+    /// TLS certificate files were given for a URL without TLS.
+    #[error(
+        "TLS certificate files were given, but the store URL is not rediss:// or rediss+cluster://"
+    )]
+    TlsFilesWithoutTls,
+    /// A client certificate without its key, or a key without its certificate.
+    #[error("a TLS client certificate and its key go together: give both or neither")]
+    TlsClientPair,
+    /// The certificate files could not be used (not PEM, a key that does not match).
+    #[error("invalid TLS certificate files: {source}")]
+    InvalidTls {
+        /// The client's error.
+        source: RedisError,
+    },
+    /// A certificate file holds no PEM certificate.
+    #[error("{} holds no PEM certificate (-----BEGIN CERTIFICATE-----)", path.display())]
+    TlsNoCertificate {
+        /// The file.
+        path: std::path::PathBuf,
+    },
+    /// A certificate file could not be read.
+    #[error("cannot read TLS file {}: {source}", path.display())]
+    TlsFile {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
     /// The prefix contains `{`, which would change the keys' cluster slots.
     #[error("the key prefix must not contain '{{'")]
     InvalidPrefix,
@@ -191,12 +227,14 @@ struct GroupReply {
 impl RedisStore {
     /// Connects to `url`: `redis://HOST:PORT[/DB]` for one server, or
     /// `redis+cluster://HOST:PORT,HOST:PORT,...` for a cluster (any reachable nodes; the rest are
-    /// discovered). A single server is connected lazily, so a process can start while Redis is
-    /// down and serve from its failure modes; a cluster needs one node up to learn its layout.
+    /// discovered). `rediss://` and `rediss+cluster://` are the same over TLS, with
+    /// [`RedisConfig::tls`]'s files. A single server is connected lazily, so a process can start
+    /// while Redis is down and serve from its failure modes; a cluster needs one node up to
+    /// learn its layout.
     ///
     /// # Errors
     ///
-    /// [`ConnectError`] for a malformed URL or an unreachable cluster.
+    /// [`ConnectError`] for a malformed URL, unusable TLS files or an unreachable cluster.
     pub async fn connect(url: &str, config: RedisConfig) -> Result<Self, ConnectError> {
         if config.prefix.contains('{') {
             return Err(ConnectError::InvalidPrefix);
@@ -206,29 +244,58 @@ impl RedisStore {
             url: redact(url),
             source,
         };
-        let (link, cluster) = if let Some(nodes) = url.strip_prefix("redis+cluster://") {
-            let nodes: Vec<String> = nodes
+        // (scheme, TLS, cluster) for each accepted form.
+        let (scheme, secure, cluster) = [
+            ("redis+cluster://", false, true),
+            ("rediss+cluster://", true, true),
+            ("redis://", false, false),
+            ("rediss://", true, false),
+        ]
+        .into_iter()
+        .find(|(scheme, _, _)| url.starts_with(scheme))
+        .ok_or_else(invalid)?;
+        if !secure && !config.tls.is_empty() {
+            return Err(ConnectError::TlsFilesWithoutTls);
+        }
+        let certificates = config.tls.load()?;
+        if secure {
+            tls::install_provider();
+        }
+        let link = if cluster {
+            let node_scheme = if secure { "rediss://" } else { "redis://" };
+            let nodes: Vec<String> = url[scheme.len()..]
                 .split(',')
                 .map(str::trim)
                 .filter(|node| !node.is_empty())
-                .map(|node| format!("redis://{node}"))
+                .map(|node| format!("{node_scheme}{node}"))
                 .collect();
             if nodes.is_empty() {
                 return Err(invalid());
             }
-            let client = redis::cluster::ClusterClientBuilder::new(nodes)
-                .connection_timeout(config.timeout.max(Duration::from_millis(100)))
-                .response_timeout(config.timeout)
-                .retries(1)
-                .build()
-                .map_err(|_| invalid())?;
+            let builder = || {
+                redis::cluster::ClusterClientBuilder::new(nodes.clone())
+                    .connection_timeout(config.timeout.max(Duration::from_millis(100)))
+                    .response_timeout(config.timeout)
+                    .retries(1)
+            };
+            // The nodes' URLs alone first, so a typo is not reported as bad files.
+            let client = builder().build().map_err(|_| invalid())?;
+            let client = match certificates {
+                Some(certificates) => builder()
+                    .certs(certificates)
+                    .build()
+                    .map_err(|source| ConnectError::InvalidTls { source })?,
+                None => client,
+            };
             let connection = client.get_async_connection().await.map_err(connect_error)?;
-            let link = Link::new(Connection::Cluster(connection), Opener::Cluster(client));
-            (link, true)
-        } else if url.starts_with("rediss://") {
-            return Err(ConnectError::TlsUnsupported);
-        } else if url.starts_with("redis://") {
+            Link::new(Connection::Cluster(connection), Opener::Cluster(client))
+        } else {
             let client = redis::Client::open(url).map_err(|_| invalid())?;
+            let client = match certificates {
+                Some(certificates) => redis::Client::build_with_tls(url, certificates)
+                    .map_err(|source| ConnectError::InvalidTls { source })?,
+                None => client,
+            };
             let manager = ConnectionManagerConfig::new()
                 .set_connection_timeout(Some(config.timeout.max(Duration::from_millis(100))))
                 .set_response_timeout(None)
@@ -236,13 +303,10 @@ impl RedisStore {
             let connection = client
                 .get_connection_manager_lazy(manager.clone())
                 .map_err(connect_error)?;
-            let link = Link::new(
+            Link::new(
                 Connection::Single(connection),
                 Opener::Single(client, manager),
-            );
-            (link, false)
-        } else {
-            return Err(invalid());
+            )
         };
         let link = Arc::new(link);
         let take = TakeScript::new();

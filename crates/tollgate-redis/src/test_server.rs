@@ -79,6 +79,8 @@ pub struct RedisServer {
     child: Option<Child>,
     /// The loopback port it listens on.
     pub port: u16,
+    /// The loopback port it speaks TLS on, if started with [`RedisServer::start_tls`].
+    pub tls_port: Option<u16>,
     dir: PathBuf,
     extra: Vec<String>,
 }
@@ -93,11 +95,26 @@ impl RedisServer {
         Self::start_with(free_port(), Vec::new())
     }
 
+    /// Starts a server that also speaks TLS, with `certificates`' server certificate, on
+    /// [`RedisServer::tls_port`]; with `require_client_cert` it refuses TLS clients without a
+    /// certificate of that authority (Redis' default). The plain port stays open for the
+    /// tests' own commands.
+    pub fn start_tls(certificates: &TestCertificates, require_client_cert: bool) -> Self {
+        let tls_port = free_port();
+        let mut server = Self::start_with(
+            free_port(),
+            tls_args(certificates, tls_port, require_client_cert),
+        );
+        server.tls_port = Some(tls_port);
+        server
+    }
+
     fn start_with(port: u16, extra: Vec<String>) -> Self {
         let dir = scratch_dir(&port.to_string());
         let mut server = Self {
             child: None,
             port,
+            tls_port: None,
             dir,
             extra,
         };
@@ -137,6 +154,16 @@ impl RedisServer {
     /// `redis://127.0.0.1:PORT`.
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// `rediss://127.0.0.1:TLS_PORT`.
+    ///
+    /// # Panics
+    ///
+    /// When the server was not started with TLS.
+    pub fn tls_url(&self) -> String {
+        let port = self.tls_port.expect("a server started with start_tls");
+        format!("rediss://127.0.0.1:{port}")
     }
 
     /// Kills the server at once (SIGKILL), as a crash would.
@@ -195,20 +222,37 @@ impl RedisCluster {
     ///
     /// When `redis-server` or `redis-cli` is missing, or the cluster does not form.
     pub fn start() -> Self {
+        Self::start_with(None)
+    }
+
+    /// Starts a cluster whose nodes also speak TLS with `certificates` (clients need no
+    /// certificate of their own), to each other too. The cluster tells a TLS client the
+    /// nodes' TLS ports.
+    pub fn start_tls(certificates: &TestCertificates) -> Self {
+        Self::start_with(Some(certificates))
+    }
+
+    fn start_with(certificates: Option<&TestCertificates>) -> Self {
         let nodes: Vec<RedisServer> = (0..3)
             .map(|_| {
                 let port = free_port();
-                RedisServer::start_with(
-                    port,
-                    vec![
-                        "--cluster-enabled".into(),
-                        "yes".into(),
-                        "--cluster-config-file".into(),
-                        format!("nodes-{port}.conf"),
-                        "--cluster-node-timeout".into(),
-                        "2000".into(),
-                    ],
-                )
+                let mut args: Vec<String> = vec![
+                    "--cluster-enabled".into(),
+                    "yes".into(),
+                    "--cluster-config-file".into(),
+                    format!("nodes-{port}.conf"),
+                    "--cluster-node-timeout".into(),
+                    "2000".into(),
+                ];
+                let tls_port = certificates.map(|certificates| {
+                    let tls_port = free_port();
+                    args.extend(tls_args(certificates, tls_port, false));
+                    args.extend(["--tls-cluster".into(), "yes".into()]);
+                    tls_port
+                });
+                let mut node = RedisServer::start_with(port, args);
+                node.tls_port = tls_port;
+                node
             })
             .collect();
         let addresses: Vec<String> = nodes
@@ -251,6 +295,23 @@ impl RedisCluster {
             .map(|node| format!("127.0.0.1:{}", node.port))
             .collect();
         format!("redis+cluster://{}", nodes.join(","))
+    }
+
+    /// `rediss+cluster://127.0.0.1:T1,127.0.0.1:T2,127.0.0.1:T3`, the TLS ports.
+    ///
+    /// # Panics
+    ///
+    /// When the cluster was not started with TLS.
+    pub fn tls_url(&self) -> String {
+        let nodes: Vec<String> = self
+            .nodes
+            .iter()
+            .map(|node| {
+                let port = node.tls_port.expect("a cluster started with start_tls");
+                format!("127.0.0.1:{port}")
+            })
+            .collect();
+        format!("rediss+cluster://{}", nodes.join(","))
     }
 }
 
@@ -392,4 +453,99 @@ impl Drop for Proxy {
             let _ = pump.join();
         }
     }
+}
+
+/// A throwaway certificate authority, a server certificate for `127.0.0.1` and `localhost`,
+/// and a client certificate, all signed by it and written as PEM files into a scratch
+/// directory that goes when this is dropped.
+pub struct TestCertificates {
+    dir: PathBuf,
+    /// The authority's certificate.
+    pub ca: PathBuf,
+    /// The server's certificate and key.
+    pub server_cert: PathBuf,
+    /// See [`TestCertificates::server_cert`].
+    pub server_key: PathBuf,
+    /// A client certificate and key.
+    pub client_cert: PathBuf,
+    /// See [`TestCertificates::client_cert`].
+    pub client_key: PathBuf,
+}
+
+impl TestCertificates {
+    /// Generates a new authority and its certificates; `name` keeps the directories of
+    /// several sets apart.
+    ///
+    /// # Panics
+    ///
+    /// When a key cannot be generated or a file written.
+    pub fn generate(name: &str) -> Self {
+        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+
+        let dir = scratch_dir(&format!("tls-{name}"));
+        let write = |file: &str, pem: String| {
+            let path = dir.join(file);
+            std::fs::write(&path, pem).expect("write a PEM file");
+            path
+        };
+        let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("CA parameters");
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca_params
+            .distinguished_name
+            .push(DnType::CommonName, format!("tollgate test CA {name}"));
+        let ca_key = KeyPair::generate().expect("a CA key");
+        let ca_cert = ca_params.self_signed(&ca_key).expect("the CA certificate");
+        let issuer = Issuer::new(ca_params, ca_key);
+        let leaf = |names: Vec<String>, common_name: &str| {
+            let mut params = CertificateParams::new(names).expect("certificate parameters");
+            params
+                .distinguished_name
+                .push(DnType::CommonName, common_name);
+            let key = KeyPair::generate().expect("a key");
+            let cert = params
+                .signed_by(&key, &issuer)
+                .expect("a signed certificate");
+            (cert.pem(), key.serialize_pem())
+        };
+        let (server_cert, server_key) = leaf(
+            vec!["127.0.0.1".to_owned(), "localhost".to_owned()],
+            "tollgate test redis",
+        );
+        let (client_cert, client_key) = leaf(Vec::new(), "tollgate test client");
+        Self {
+            ca: write("ca.pem", ca_cert.pem()),
+            server_cert: write("server.pem", server_cert),
+            server_key: write("server.key", server_key),
+            client_cert: write("client.pem", client_cert),
+            client_key: write("client.key", client_key),
+            dir,
+        }
+    }
+}
+
+impl Drop for TestCertificates {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// `redis-server` arguments for TLS on `tls_port` with `certificates`.
+fn tls_args(
+    certificates: &TestCertificates,
+    tls_port: u16,
+    require_client_cert: bool,
+) -> Vec<String> {
+    let path = |path: &PathBuf| path.display().to_string();
+    vec![
+        "--tls-port".into(),
+        tls_port.to_string(),
+        "--tls-cert-file".into(),
+        path(&certificates.server_cert),
+        "--tls-key-file".into(),
+        path(&certificates.server_key),
+        "--tls-ca-cert-file".into(),
+        path(&certificates.ca),
+        "--tls-auth-clients".into(),
+        if require_client_cert { "yes" } else { "no" }.into(),
+    ]
 }

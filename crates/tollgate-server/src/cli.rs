@@ -9,14 +9,14 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, Result, anyhow};
+use anyhow::{Context, Result, anyhow, bail};
 use axum::http::StatusCode;
 use clap::{Parser, Subcommand};
 use tokio::net::TcpListener;
 use tollgate_policy::audit::AuditLog;
 use tollgate_policy::watch::PolicyWatcher;
 use tollgate_policy::{EngineOptions, PolicyEngine, SystemWallClock, compile};
-use tollgate_redis::{RedisConfig, RedisStore, redact};
+use tollgate_redis::{RedisConfig, RedisStore, TlsFiles, redact};
 
 use crate::decider::{Backend, Decider};
 use crate::http::{AppState, HttpOptions};
@@ -76,9 +76,30 @@ pub struct ServeArgs {
     #[arg(long, env = "TOLLGATE_GRPC", default_value = "127.0.0.1:8081")]
     pub grpc: SocketAddr,
     /// Where buckets live: `memory`, `redis://HOST:PORT[/DB]` or
-    /// `redis+cluster://HOST:PORT,HOST:PORT`.
+    /// `redis+cluster://HOST:PORT,HOST:PORT`; `rediss://` and `rediss+cluster://` for TLS.
     #[arg(long, env = "TOLLGATE_STORE", default_value = "memory")]
     pub store: String,
+    /// TLS to Redis: PEM file of the certificate authorities to trust instead of the
+    /// system's.
+    #[arg(long, env = "TOLLGATE_STORE_TLS_CA", value_name = "FILE")]
+    pub store_tls_ca: Option<PathBuf>,
+    /// TLS to Redis: PEM client certificate, for a Redis that requires one
+    /// (`tls-auth-clients yes`); needs --store-tls-key.
+    #[arg(
+        long,
+        env = "TOLLGATE_STORE_TLS_CERT",
+        value_name = "FILE",
+        requires = "store_tls_key"
+    )]
+    pub store_tls_cert: Option<PathBuf>,
+    /// TLS to Redis: the client certificate's PEM private key.
+    #[arg(
+        long,
+        env = "TOLLGATE_STORE_TLS_KEY",
+        value_name = "FILE",
+        requires = "store_tls_cert"
+    )]
+    pub store_tls_key: Option<PathBuf>,
     /// How long a decision may wait for Redis before its limits follow their failure modes.
     #[arg(long, env = "TOLLGATE_STORE_TIMEOUT", default_value = "20ms", value_parser = parse_duration)]
     pub store_timeout: Duration,
@@ -321,6 +342,9 @@ pub async fn serve(
     };
 
     let backend = if args.store == "memory" {
+        if args.store_tls_ca.is_some() || args.store_tls_cert.is_some() {
+            bail!("--store-tls-ca/--store-tls-cert are for a rediss:// store, not --store memory");
+        }
         Backend::Memory
     } else {
         let policy = engine.current();
@@ -332,7 +356,16 @@ pub async fn serve(
                     .with_context(|| format!("limit {} cannot be kept in Redis", limit.name()))?;
             }
         }
-        let config = RedisConfig::default().with_timeout(args.store_timeout);
+        let mut tls = TlsFiles::new();
+        if let Some(ca) = &args.store_tls_ca {
+            tls = tls.with_ca(ca);
+        }
+        if let (Some(cert), Some(key)) = (&args.store_tls_cert, &args.store_tls_key) {
+            tls = tls.with_client_cert(cert, key);
+        }
+        let config = RedisConfig::default()
+            .with_timeout(args.store_timeout)
+            .with_tls(tls);
         let store = RedisStore::connect(&args.store, config)
             .await
             .with_context(|| format!("cannot use the store {}", redact(&args.store)))?;

@@ -3,8 +3,8 @@
 
 mod support;
 
-use support::{Scratch, Server, path_str, post_json};
-use tollgate_redis::test_server::RedisServer;
+use support::{Scratch, Server, path_str, post_json, run};
+use tollgate_redis::test_server::{RedisServer, TestCertificates, command};
 
 const POLICY: &str = r#"
 version: "shared"
@@ -91,4 +91,50 @@ fn redis_killed_under_closed_and_open_limits() {
         metrics.contains(r#"tollgate_degraded_decisions_total{reason="#),
         "{metrics}"
     );
+}
+
+#[test]
+fn decides_through_a_redis_that_requires_tls_and_a_client_certificate() {
+    let certificates = TestCertificates::generate("e2e");
+    let redis = RedisServer::start_tls(&certificates, true);
+    let scratch = Scratch::new("tls");
+    let config = scratch.write("policy.yaml", POLICY);
+    let server = Server::start(&[
+        "--config",
+        path_str(&config),
+        "--store",
+        &redis.tls_url(),
+        "--store-timeout",
+        "2s",
+        "--store-tls-ca",
+        path_str(&certificates.ca),
+        "--store-tls-cert",
+        path_str(&certificates.client_cert),
+        "--store-tls-key",
+        path_str(&certificates.client_key),
+    ]);
+    let body = r#"{"domain":"api","descriptors":[{"user":"tls"}]}"#;
+    let answer = post_json(server.http, "/v1/check", body);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(answer.json()["limits"][0]["remaining"], 49);
+    let keys = command(redis.port, &["DBSIZE"]);
+    assert_eq!(keys.as_deref(), Some(":1\r\n"));
+}
+
+#[test]
+fn an_unreadable_tls_file_stops_the_start_with_its_name() {
+    let (status, _, stderr) = run(&[
+        "serve",
+        "--store",
+        "rediss://127.0.0.1:1",
+        "--store-tls-ca",
+        "/nonexistent/tollgate-ca.pem",
+        "--http",
+        "127.0.0.1:0",
+        "--grpc",
+        "127.0.0.1:0",
+    ]);
+    assert!(!status.success());
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("/nonexistent/tollgate-ca.pem"), "{stderr}");
 }
