@@ -867,11 +867,33 @@ fn ready<F: std::future::Future>(future: F) -> F::Output {
     }
 }
 
+///
+/// The subject's values go between braces, `per-user|{acme|u1}#gold@0a1b2c3d`: a Redis Cluster
+/// hashes only what is inside the first `{…}` of a key, so every bucket of one subject (its
+/// limits, their overrides) lands in one slot and a request over them is one atomic script,
+/// while different subjects spread over the cluster. A tag per limit or per domain would put
+/// all of its traffic on one node. A limit keyed by nothing (one bucket for everyone) has no
+/// braces: its key hashes whole.
 fn store_key(bucket_key: &str, params: &Limit) -> Box<str> {
     // Built on every decision, so by hand: `format!` costs several times as much.
     let tag = params_tag(params);
-    let mut key = String::with_capacity(bucket_key.len() + 9);
-    key.push_str(bucket_key);
+    let mut key = String::with_capacity(bucket_key.len() + 11);
+    match bucket_key.split_once('|') {
+        // Names hold no `|`, so the first one ends the name; an override is the last `#`
+        // unless escaped (values escape theirs, names hold none).
+        Some((name, rest)) => {
+            let values_end = match rest.rfind('#') {
+                Some(at) if !escaped(rest, at) => at,
+                _ => rest.len(),
+            };
+            key.push_str(name);
+            key.push_str("|{");
+            key.push_str(&rest[..values_end]);
+            key.push('}');
+            key.push_str(&rest[values_end..]);
+        }
+        None => key.push_str(bucket_key),
+    }
     key.push('@');
     for shift in (0..8).rev() {
         key.push(char::from(
@@ -881,8 +903,9 @@ fn store_key(bucket_key: &str, params: &Limit) -> Box<str> {
     key.into_boxed_str()
 }
 
-/// Splits a store key into limit name, override name (empty for none), parameter tag and
-/// bucket key. Names never contain `|`, `#`, `\` or `@`; values escape `|`, `#` and `\`.
+/// Splits a store key into limit name, override name (empty for none), parameter tag and the
+/// key without its tag. Names never contain `|`, `#`, `\`, `{` or `@`; values escape `|`, `#`
+/// and `\`.
 fn split_store_key(key: &str) -> Option<(&str, &str, u32, &str)> {
     let (bucket, tag) = key.rsplit_once('@')?;
     let tag = u32::from_str_radix(tag, 16).ok()?;
@@ -949,19 +972,19 @@ mod tests {
     fn store_keys_split_back() {
         let cases = [
             (
-                "per-user|acme|u1@0000002a",
-                ("per-user", "", 42, "per-user|acme|u1"),
+                "per-user|{acme|u1}@0000002a",
+                ("per-user", "", 42, "per-user|{acme|u1}"),
             ),
             (
-                "per-user|a\\#b@ffffffff",
-                ("per-user", "", u32::MAX, "per-user|a\\#b"),
+                "per-user|{a\\#b}@ffffffff",
+                ("per-user", "", u32::MAX, "per-user|{a\\#b}"),
             ),
             (
-                "per-user|a\\\\#gold@00000001",
-                ("per-user", "gold", 1, "per-user|a\\\\#gold"),
+                "per-user|{a\\\\}#gold@00000001",
+                ("per-user", "gold", 1, "per-user|{a\\\\}#gold"),
             ),
             ("global#0@00000000", ("global", "0", 0, "global#0")),
-            ("l|x@y@00000003", ("l", "", 3, "l|x@y")),
+            ("l|{x@y}@00000003", ("l", "", 3, "l|{x@y}")),
         ];
         for (key, expected) in cases {
             assert_eq!(split_store_key(key), Some(expected), "{key}");
@@ -975,8 +998,43 @@ mod tests {
             let limit = Limit::new(capacity, rate.parse().unwrap()).unwrap();
             let tag = params_tag(&limit);
             let key = store_key("per-user|u1", &limit);
-            assert_eq!(&*key, format!("per-user|u1@{tag:08x}"));
+            assert_eq!(&*key, format!("per-user|{{u1}}@{tag:08x}"));
             assert_eq!(split_store_key(&key).map(|parts| parts.2), Some(tag));
         }
+    }
+
+    /// What a Redis Cluster hashes of a key: the first `{…}`, if not empty, else all of it.
+    fn hash_tag(key: &str) -> &str {
+        key.find('{')
+            .and_then(|open| {
+                let close = open + 1 + key[open + 1..].find('}')?;
+                (close > open + 1).then(|| &key[open + 1..close])
+            })
+            .unwrap_or(key)
+    }
+
+    #[test]
+    fn the_buckets_of_one_subject_share_a_cluster_slot() {
+        let a = Limit::new(10, "5/s".parse().unwrap()).unwrap();
+        let b = Limit::new(3, "1/s".parse().unwrap()).unwrap();
+        let subject = [
+            store_key("per-user|acme|u1", &a),
+            store_key("writes-per-user|acme|u1", &b),
+            store_key("per-user|acme|u1#gold", &b),
+        ];
+        for key in &subject {
+            assert_eq!(hash_tag(key), "acme|u1", "{key}");
+        }
+        // Another subject, even one whose values hold separators or braces, gets its own.
+        for (bucket, tag) in [
+            ("per-user|acme|u2", "acme|u2"),
+            ("per-user|a\\#b#gold", "a\\#b"),
+            ("per-user|x}y", "x"),
+        ] {
+            assert_eq!(hash_tag(&store_key(bucket, &a)), tag, "{bucket}");
+        }
+        // One bucket for everyone: hashed whole.
+        let global = store_key("global", &a);
+        assert_eq!(hash_tag(&global), &*global);
     }
 }

@@ -33,7 +33,8 @@
 //!   with [`tollgate::Error::UnsupportedLimit`] rather than decided inexactly.
 //! * Keys expire exactly when their bucket is full again (`PX` to the time-to-full).
 //! * Multi-bucket checks are atomic within a cluster slot; across slots they charge, then refund
-//!   if any slot rejects (never over-admitting). Share a `{hash tag}` per subject.
+//!   if any slot rejects (never over-admitting). Share a `{hash tag}` per subject (the
+//!   policy engine's keys put the descriptor values in one).
 //! * Every call has a timeout (default 20 ms) and a circuit breaker stops waiting on a dead
 //!   Redis; failures surface as [`tollgate::Error::StoreUnavailable`], never as rejections.
 

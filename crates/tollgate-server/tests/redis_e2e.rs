@@ -4,7 +4,7 @@
 mod support;
 
 use support::{Scratch, Server, path_str, post_json, run};
-use tollgate_redis::test_server::{RedisServer, TestCertificates, command};
+use tollgate_redis::test_server::{RedisCluster, RedisServer, TestCertificates, command};
 
 const POLICY: &str = r#"
 version: "shared"
@@ -137,4 +137,61 @@ fn an_unreadable_tls_file_stops_the_start_with_its_name() {
     assert!(!status.success());
     assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
     assert!(stderr.contains("/nonexistent/tollgate-ca.pem"), "{stderr}");
+}
+
+/// Two limits on the same subject, as the per-user and writes-per-user limits of the demo.
+const SUBJECT_POLICY: &str = r#"
+version: "subjects"
+limits:
+  - name: per-user
+    domain: api
+    key: [user]
+    capacity: 10
+    refill: 1/h
+  - name: writes-per-user
+    domain: api
+    key: [user]
+    capacity: 3
+    refill: 1/h
+"#;
+
+#[test]
+fn on_a_cluster_the_buckets_of_one_subject_share_a_slot() {
+    let cluster = RedisCluster::start();
+    let scratch = Scratch::new("cluster");
+    let config = scratch.write("policy.yaml", SUBJECT_POLICY);
+    let server = Server::start(&[
+        "--config",
+        path_str(&config),
+        "--store",
+        &cluster.url(),
+        "--store-timeout",
+        "2s",
+    ]);
+    let users = ["ann", "bob", "cy", "dee", "eve", "fay"];
+    for user in users {
+        let body = format!(r#"{{"domain":"api","descriptors":[{{"user":"{user}"}}]}}"#);
+        let answer = post_json(server.http, "/v1/check", &body);
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        assert_eq!(answer.json()["limits"].as_array().map(Vec::len), Some(2));
+    }
+    let integer = |port: u16, args: &[&str]| -> i64 {
+        command(port, args)
+            .and_then(|reply| reply.trim().trim_start_matches(':').parse().ok())
+            .unwrap_or(-1)
+    };
+    let mut nodes_used = std::collections::BTreeSet::new();
+    for user in users {
+        // The slot of the user's hash tag holds both of its buckets, on whichever node owns it.
+        let slot = integer(cluster.nodes[0].port, &["CLUSTER", "KEYSLOT", user]).to_string();
+        let counts: Vec<i64> = cluster
+            .nodes
+            .iter()
+            .map(|node| integer(node.port, &["CLUSTER", "COUNTKEYSINSLOT", &slot]))
+            .collect();
+        assert_eq!(counts.iter().sum::<i64>(), 2, "{user}: {counts:?}");
+        nodes_used.insert(counts.iter().position(|&count| count == 2));
+    }
+    // Subjects spread over the cluster rather than sharing one slot.
+    assert!(nodes_used.len() >= 2, "{nodes_used:?}");
 }
