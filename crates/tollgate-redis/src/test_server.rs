@@ -275,8 +275,19 @@ impl RedisCluster {
             "redis-cli --cluster create failed: {}",
             String::from_utf8_lossy(&output.stdout)
         );
+        let cluster = Self { nodes };
+        cluster.wait_until_ready();
+        cluster
+    }
+
+    /// Waits until every node reports `cluster_state:ok`.
+    ///
+    /// # Panics
+    ///
+    /// After 20 s.
+    pub fn wait_until_ready(&self) {
         let until = deadline(Duration::from_secs(20));
-        for node in &nodes {
+        for node in &self.nodes {
             while !command(node.port, &["CLUSTER", "INFO"])
                 .is_some_and(|info| info.contains("cluster_state:ok"))
             {
@@ -284,7 +295,6 @@ impl RedisCluster {
                 pause_briefly();
             }
         }
-        Self { nodes }
     }
 
     /// `redis+cluster://127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3`.

@@ -6,9 +6,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use redis::cluster_routing::Slot;
-use support::RedisCluster;
+use support::{RedisCluster, command};
 use tollgate::testkit::{Trace, compare_with_memory};
-use tollgate::{CheckRequest, Decision, Limit, Store, Take, Timestamp};
+use tollgate::{CheckRequest, Decision, Error, Limit, Store, Take, Timestamp};
 use tollgate_redis::{RedisConfig, RedisStore};
 
 const T0: Timestamp = Timestamp::from_nanos(1_700_000_000_000_000_000);
@@ -31,7 +31,7 @@ async fn check(store: &RedisStore, takes: &[Take<'_>]) -> Vec<Decision> {
 /// One cluster for every test in this binary: starting one takes seconds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster() {
-    let cluster = RedisCluster::start();
+    let mut cluster = RedisCluster::start();
     let url = cluster.url();
     let store = RedisStore::connect(&url, RedisConfig::default())
         .await
@@ -41,6 +41,7 @@ async fn cluster() {
     conforms_with_and_without_hash_tags(&store).await;
     cross_slot_rejection_charges_nothing(&store).await;
     sixty_four_tasks_on_one_key(&url).await;
+    a_master_killed_then_restarted(&mut cluster, &store).await;
 }
 
 async fn conforms_with_and_without_hash_tags(store: &RedisStore) {
@@ -134,4 +135,70 @@ async fn sixty_four_tasks_on_one_key(url: &str) {
         task.await.expect("task");
     }
     assert_eq!(admitted.load(Ordering::Relaxed), 500);
+}
+
+/// A master dies (its slots, then the whole cluster, stop answering), then comes back empty:
+/// the store fails fast and distinguishably meanwhile, and decides on every master again once
+/// the cluster is whole, on connections it opened anew.
+async fn a_master_killed_then_restarted(cluster: &mut RedisCluster, store: &RedisStore) {
+    let limit = limit(1_000, "1/s");
+    // One key in each master's third of the slots, as `redis-cli --cluster create` deals them.
+    let port = cluster.nodes[0].port;
+    let slot = |key: &str| -> u32 {
+        command(port, &["CLUSTER", "KEYSLOT", key])
+            .and_then(|reply| reply.trim().trim_start_matches(':').parse().ok())
+            .expect("a slot")
+    };
+    let keys: Vec<String> = (0..3)
+        .map(|third| {
+            (0..)
+                .map(|n| format!("{{failover-{n}}}"))
+                .find(|key| slot(key) / 5462 == third)
+                .expect("a key in every third")
+        })
+        .collect();
+    let attempt = |key: &str| {
+        let key = key.to_owned();
+        async move {
+            let takes = [Take {
+                key: &key,
+                limit: &limit,
+                cost: 1,
+            }];
+            store
+                .check(CheckRequest {
+                    takes: &takes,
+                    request_id: None,
+                    now: Some(T0),
+                })
+                .await
+        }
+    };
+    for key in &keys {
+        assert!(attempt(key).await.is_ok());
+    }
+
+    cluster.nodes[0].kill();
+    for _ in 0..10 {
+        let outcome = tokio::time::timeout(std::time::Duration::from_secs(1), attempt(&keys[0]))
+            .await
+            .expect("a failure within the timeout, not a hang");
+        assert!(
+            matches!(outcome, Err(Error::StoreUnavailable { .. })),
+            "{outcome:?}"
+        );
+    }
+
+    cluster.nodes[0].restart();
+    cluster.wait_until_ready();
+    let recovered = async {
+        for key in &keys {
+            while attempt(key).await.is_err() {
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+        }
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(30), recovered)
+        .await
+        .expect("decides on every master again");
 }
