@@ -44,6 +44,23 @@ async fn check(
         .await
 }
 
+/// One unit of `limit` on `key` at Redis' time, as a future that can be spawned.
+fn take_one(
+    store: &Arc<RedisStore>,
+    limit: Limit,
+    key: &'static str,
+) -> impl Future<Output = Result<Vec<Decision>, Error>> + Send + 'static {
+    let store = Arc::clone(store);
+    async move {
+        let takes = [Take {
+            key,
+            limit: &limit,
+            cost: 1,
+        }];
+        check(&*store, &takes, None).await
+    }
+}
+
 const T0: Timestamp = Timestamp::from_nanos(1_700_000_000_000_000_000);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -393,17 +410,7 @@ async fn a_connection_that_stops_answering_is_replaced() {
             .unwrap(),
     );
     let limit = limit(1_000, "1/s");
-    let take = |key: &'static str| {
-        let (store, limit) = (Arc::clone(&store), limit);
-        async move {
-            let takes = [Take {
-                key,
-                limit: &limit,
-                cost: 1,
-            }];
-            check(&*store, &takes, None).await
-        }
-    };
+    let take = |key| take_one(&store, limit, key);
     assert!(take("k").await.is_ok());
     assert_eq!(proxy.connections(), 1);
 
@@ -536,17 +543,7 @@ async fn a_request_whose_caller_gave_up_in_the_queue_is_not_charged() {
     let server = RedisServer::start();
     let store = one_call_in_flight(&server, Duration::from_millis(500)).await;
     let limit = limit(10, "1/h");
-    let take = |key: &'static str| {
-        let (store, limit) = (Arc::clone(&store), limit);
-        async move {
-            let takes = [Take {
-                key,
-                limit: &limit,
-                cost: 1,
-            }];
-            check(&*store, &takes, None).await
-        }
-    };
+    let take = |key| take_one(&store, limit, key);
     assert!(take("warm").await.is_ok());
 
     server.pause();
