@@ -481,6 +481,25 @@ fn start_up_errors_are_one_line_and_exit_non_zero() {
 }
 
 #[test]
+fn the_number_of_threads_is_a_setting() {
+    let server = Server::start(&["--threads", "1"]);
+    let answer = post_json(server.http, "/v1/check", &check_body("threads"));
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    // The runtime's threads are named tollgate-worker: one here, and none of the blocking
+    // pool's yet, as nothing blocking has run.
+    let workers = std::fs::read_dir(format!("/proc/{}/task", server.pid()))
+        .unwrap()
+        .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("comm")).ok())
+        .filter(|name| name.trim() == "tollgate-worker")
+        .count();
+    assert_eq!(workers, 1);
+
+    let (status, _, stderr) = run(&["serve", "--threads", "0"]);
+    assert!(!status.success());
+    assert!(stderr.contains("--threads"), "{stderr}");
+}
+
+#[test]
 fn limits_redis_cannot_hold_exactly_are_refused_at_start() {
     let scratch = Scratch::new("unsupported");
     let config = scratch.write(
