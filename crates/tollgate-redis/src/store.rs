@@ -261,6 +261,12 @@ impl RedisStore {
         if secure {
             tls::install_provider();
         }
+        // Opening a connection happens beside the decisions, which wait only their own timeout;
+        // a TLS handshake takes two more round trips and a signature check, so it gets longer.
+        let connect_timeout =
+            config
+                .timeout
+                .max(Duration::from_millis(if secure { 1_000 } else { 100 }));
         let link = if cluster {
             let node_scheme = if secure { "rediss://" } else { "redis://" };
             let nodes: Vec<String> = url[scheme.len()..]
@@ -274,7 +280,7 @@ impl RedisStore {
             }
             let builder = || {
                 redis::cluster::ClusterClientBuilder::new(nodes.clone())
-                    .connection_timeout(config.timeout.max(Duration::from_millis(100)))
+                    .connection_timeout(connect_timeout)
                     .response_timeout(config.timeout)
                     .retries(1)
             };
@@ -297,7 +303,7 @@ impl RedisStore {
                 None => client,
             };
             let manager = ConnectionManagerConfig::new()
-                .set_connection_timeout(Some(config.timeout.max(Duration::from_millis(100))))
+                .set_connection_timeout(Some(connect_timeout))
                 .set_response_timeout(None)
                 .set_max_delay(Duration::from_secs(1));
             let connection = client
