@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use redis::cluster_routing::Slot;
-use support::{RedisCluster, command};
+use support::{RedisCluster, command, take_one_unit};
 use tollgate::testkit::{Trace, compare_with_memory};
 use tollgate::{CheckRequest, Decision, Error, Limit, Store, Take, Timestamp};
 use tollgate_redis::{RedisConfig, RedisStore};
@@ -159,20 +159,7 @@ async fn a_master_killed_then_restarted(cluster: &mut RedisCluster, store: &Redi
         .collect();
     let attempt = |key: &str| {
         let key = key.to_owned();
-        async move {
-            let takes = [Take {
-                key: &key,
-                limit: &limit,
-                cost: 1,
-            }];
-            store
-                .check(CheckRequest {
-                    takes: &takes,
-                    request_id: None,
-                    now: Some(T0),
-                })
-                .await
-        }
+        async move { take_one_unit(store, &key, &limit, Some(T0)).await }
     };
     for key in &keys {
         assert!(attempt(key).await.is_ok());

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use support::{Proxy, RedisServer, command, info_field};
+use support::{Proxy, RedisServer, command, info_field, take_one_unit};
 use tollgate::testkit::{Trace, compare_with_memory};
 use tollgate::{CheckRequest, Decision, Error, Limit, Store, Take, Timestamp, Unavailable};
 use tollgate_redis::{Failover, FailureMode, Guarded, Outcome, RedisConfig, RedisStore};
@@ -51,14 +51,7 @@ fn take_one(
     key: &'static str,
 ) -> impl Future<Output = Result<Vec<Decision>, Error>> + Send + 'static {
     let store = Arc::clone(store);
-    async move {
-        let takes = [Take {
-            key,
-            limit: &limit,
-            cost: 1,
-        }];
-        check(&*store, &takes, None).await
-    }
+    async move { take_one_unit(&*store, key, &limit, None).await }
 }
 
 const T0: Timestamp = Timestamp::from_nanos(1_700_000_000_000_000_000);

@@ -3,8 +3,8 @@
 
 mod support;
 
-use support::{RedisCluster, RedisServer, TestCertificates, command};
-use tollgate::{CheckRequest, Decision, Error, Limit, Store, Take};
+use support::{RedisCluster, RedisServer, TestCertificates, command, take_one_unit};
+use tollgate::{Decision, Error, Limit};
 use tollgate_redis::{ConnectError, RedisConfig, RedisStore, TlsFiles};
 
 fn limit() -> Limit {
@@ -12,19 +12,7 @@ fn limit() -> Limit {
 }
 
 async fn check(store: &RedisStore, key: &str) -> Result<Vec<Decision>, Error> {
-    let limit = limit();
-    let takes = [Take {
-        key,
-        limit: &limit,
-        cost: 1,
-    }];
-    store
-        .check(CheckRequest {
-            takes: &takes,
-            request_id: None,
-            now: None,
-        })
-        .await
+    take_one_unit(store, key, &limit(), None).await
 }
 
 async fn connect(url: &str, tls: TlsFiles) -> Result<RedisStore, ConnectError> {

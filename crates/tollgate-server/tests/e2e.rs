@@ -7,7 +7,7 @@ use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descri
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
-use support::{Scratch, Server, path_str, post_json, request, run};
+use support::{Scratch, Server, path_str, post_json, request, run, serve_refused};
 
 const POLICY: &str = r#"
 version: "1"
@@ -452,17 +452,7 @@ fn start_up_errors_are_one_line_and_exit_non_zero() {
         "bad.yaml",
         "limits:\n  - name: x\n    domain: api\n    capacity: 5\n    refill: 10/x\n",
     );
-    let (status, _, stderr) = run(&[
-        "serve",
-        "--config",
-        path_str(&bad),
-        "--http",
-        "127.0.0.1:0",
-        "--grpc",
-        "127.0.0.1:0",
-    ]);
-    assert!(!status.success());
-    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    let stderr = serve_refused(&["--config", path_str(&bad)]);
     assert!(
         stderr.contains("bad.yaml:5:") && stderr.contains("refill"),
         "{stderr}"
@@ -494,6 +484,7 @@ fn the_number_of_threads_is_a_setting() {
         .count();
     assert_eq!(workers, 1);
 
+    // Refused by the flag parser, with its usage hint on the following lines.
     let (status, _, stderr) = run(&["serve", "--threads", "0"]);
     assert!(!status.success());
     assert!(stderr.contains("--threads"), "{stderr}");
@@ -507,19 +498,12 @@ fn limits_redis_cannot_hold_exactly_are_refused_at_start() {
         "limits:\n  - name: odd\n    domain: api\n    key: [user]\n    capacity: 3\n    refill: 9/7ns\n",
     );
     // Checked before connecting: no Redis is needed to be refused.
-    let (status, _, stderr) = run(&[
-        "serve",
+    let stderr = serve_refused(&[
         "--config",
         path_str(&config),
         "--store",
         "redis://127.0.0.1:1",
-        "--http",
-        "127.0.0.1:0",
-        "--grpc",
-        "127.0.0.1:0",
     ]);
-    assert!(!status.success());
-    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
     assert!(
         stderr.contains("limit odd cannot be kept in Redis"),
         "{stderr}"

@@ -7,3 +7,26 @@ mod test_server;
 
 #[allow(unused_imports)]
 pub(crate) use test_server::*;
+
+use tollgate::{CheckRequest, Decision, Error, Limit, Store, Take, Timestamp};
+
+/// Checks one unit of `limit` on `key` at `now` (Redis' own time when `None`).
+pub(crate) async fn take_one_unit(
+    store: &impl Store,
+    key: &str,
+    limit: &Limit,
+    now: Option<Timestamp>,
+) -> Result<Vec<Decision>, Error> {
+    let takes = [Take {
+        key,
+        limit,
+        cost: 1,
+    }];
+    store
+        .check(CheckRequest {
+            takes: &takes,
+            request_id: None,
+            now,
+        })
+        .await
+}

@@ -147,6 +147,17 @@ pub fn run(args: &[&str]) -> (ExitStatus, String, String) {
     )
 }
 
+/// Runs `tollgate serve ARGS` on free ports, expecting it to refuse to start as a start-up
+/// error should: a non-zero exit and one line on stderr, which is returned.
+pub fn serve_refused(args: &[&str]) -> String {
+    let mut all = vec!["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"];
+    all.extend_from_slice(args);
+    let (status, _, stderr) = run(&all);
+    assert!(!status.success(), "tollgate serve {args:?} started");
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    stderr
+}
+
 /// An HTTP answer.
 #[derive(Debug)]
 pub struct Answer {
