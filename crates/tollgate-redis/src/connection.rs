@@ -9,15 +9,21 @@
 //! the connection itself when the circuit breaker opens and whenever a probe fails (see
 //! [`Link::renew`]); a connection that was merely slow costs a reconnect, once per breaker
 //! trip.
+//!
+//! A new connection is opened by a task of its own, not by the decisions that will use it:
+//! they wait only their own short timeout, and a connection that must finish a handshake over
+//! a slow network would otherwise be abandoned, and replaced, before it was ever up.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, RedisError};
+use tollgate::{Clock, MonotonicClock, Timestamp};
 
 /// One connection to a single node (multiplexed, reconnecting on errors), or to a cluster.
 #[derive(Clone)]
@@ -57,14 +63,27 @@ pub(crate) struct Link {
     opener: Opener,
     /// A cluster connection is opened asynchronously: one replacement at a time.
     renewing: AtomicBool,
+    /// The longest a connection may take to open.
+    connect_timeout: Duration,
+    /// When the current connection was opened: a younger one than `connect_timeout` may still
+    /// be connecting, and is not replaced.
+    opened: Mutex<Timestamp>,
+    clock: MonotonicClock,
 }
 
 impl Link {
-    pub(crate) fn new(connection: Connection, opener: Opener) -> Self {
+    /// A link over `connection`, which it starts opening now (a single node's connection is
+    /// lazy until then).
+    pub(crate) fn new(connection: Connection, opener: Opener, connect_timeout: Duration) -> Self {
+        let clock = MonotonicClock::new();
+        open_in_background(&connection, connect_timeout);
         Self {
             current: ArcSwap::from_pointee(connection),
             opener,
             renewing: AtomicBool::new(false),
+            connect_timeout,
+            opened: Mutex::new(clock.now()),
+            clock,
         }
     }
 
@@ -73,17 +92,28 @@ impl Link {
         Connection::clone(&self.current.load())
     }
 
-    /// Drops the current connection for a new one. A single node's is opened lazily, by the
-    /// next call; a cluster's is opened in the background (it must learn the cluster's layout)
-    /// and replaces the current one only once it is up, so a cluster that cannot be reached
-    /// keeps the connection it had.
+    /// Drops the current connection for a new one, unless the current one is still within its
+    /// time to open. A single node's replaces it at once and opens in the background; a
+    /// cluster's is opened in the background (it must learn the cluster's layout) and replaces
+    /// the current one only once it is up, so a cluster that cannot be reached keeps the
+    /// connection it had.
     pub(crate) fn renew(self: &Arc<Self>) {
+        {
+            let now = self.clock.now();
+            let mut opened = self.opened.lock().unwrap_or_else(PoisonError::into_inner);
+            if now < *opened + self.connect_timeout {
+                return;
+            }
+            *opened = now;
+        }
         match &self.opener {
             Opener::Single(client, config) => {
                 match client.get_connection_manager_lazy(config.clone()) {
                     Ok(connection) => {
                         tracing::warn!("redis store: replacing its connection to Redis");
-                        self.current.store(Arc::new(Connection::Single(connection)));
+                        let connection = Connection::Single(connection);
+                        open_in_background(&connection, self.connect_timeout);
+                        self.current.store(Arc::new(connection));
                     }
                     Err(err) => tracing::warn!("redis store: cannot open a connection: {err}"),
                 }
@@ -109,4 +139,13 @@ impl Link {
             }
         }
     }
+}
+
+/// Drives `connection` open (a `PING` it must answer) in a task of its own, for at most
+/// `timeout`: a lazy connection otherwise advances only while some decision waits on it.
+fn open_in_background(connection: &Connection, timeout: Duration) {
+    let connection = connection.clone();
+    tokio::spawn(async move {
+        let _ = tokio::time::timeout(timeout, connection.ping()).await;
+    });
 }

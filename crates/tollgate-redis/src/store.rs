@@ -294,7 +294,11 @@ impl RedisStore {
                 None => client,
             };
             let connection = client.get_async_connection().await.map_err(connect_error)?;
-            Link::new(Connection::Cluster(connection), Opener::Cluster(client))
+            Link::new(
+                Connection::Cluster(connection),
+                Opener::Cluster(client),
+                connect_timeout,
+            )
         } else {
             let client = redis::Client::open(url).map_err(|_| invalid())?;
             let client = match certificates {
@@ -312,6 +316,7 @@ impl RedisStore {
             Link::new(
                 Connection::Single(connection),
                 Opener::Single(client, manager),
+                connect_timeout,
             )
         };
         let link = Arc::new(link);
@@ -340,12 +345,17 @@ impl RedisStore {
         self.cluster
     }
 
-    /// Whether Redis answers a `PING` within the timeout: for readiness checks.
+    /// Whether Redis answers a `PING` within the timeout: for readiness checks. A `PING` left
+    /// unanswered replaces the connection as a failed decision would: a process taken out of
+    /// service because it is not ready gets no decisions to find that out.
     pub async fn ping(&self) -> Result<(), Unavailable> {
         match tokio::time::timeout(self.config.timeout, self.link.get().ping()).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(err)) => Err(classify(&err)),
-            Err(_) => Err(Unavailable::Timeout),
+            Err(_) => {
+                self.link.renew();
+                Err(Unavailable::Timeout)
+            }
         }
     }
 

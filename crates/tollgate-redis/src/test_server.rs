@@ -17,6 +17,12 @@ fn pause_briefly() {
     std::thread::sleep(Duration::from_millis(20));
 }
 
+/// The proxy's stand-in for a slow network.
+#[allow(clippy::disallowed_methods)]
+fn hold(delay: Duration) {
+    std::thread::sleep(delay);
+}
+
 #[allow(clippy::disallowed_methods)]
 fn deadline(after: Duration) -> Instant {
     Instant::now() + after
@@ -344,6 +350,8 @@ struct ProxyShared {
     accepted: AtomicU64,
     /// Connections the client has closed.
     ended: AtomicU64,
+    /// Milliseconds a new connection holds its client's first bytes before passing them on.
+    first_delay_ms: AtomicU64,
     closed: AtomicBool,
     /// Both ends of every connection, to unblock their pumps on drop.
     streams: Mutex<Vec<TcpStream>>,
@@ -373,6 +381,7 @@ impl Proxy {
                     };
                     shared.accepted.fetch_add(1, Ordering::SeqCst);
                     let epoch = shared.epoch.load(Ordering::SeqCst);
+                    let delay = Duration::from_millis(shared.first_delay_ms.load(Ordering::SeqCst));
                     let (Ok(client_end), Ok(server_end)) = (client.try_clone(), server.try_clone())
                     else {
                         continue;
@@ -386,7 +395,8 @@ impl Proxy {
                     .filter_map(|(from, to, outbound)| Some((from.ok()?, to.ok()?, outbound)))
                     .map(|(from, to, outbound)| {
                         let shared = Arc::clone(&shared);
-                        std::thread::spawn(move || pump(&shared, epoch, from, to, outbound))
+                        let delay = if outbound { delay } else { Duration::ZERO };
+                        std::thread::spawn(move || pump(&shared, epoch, delay, from, to, outbound))
                     })
                     .collect::<Vec<_>>();
                     lock(&shared.pumps).extend(pumps);
@@ -410,6 +420,13 @@ impl Proxy {
         self.shared.epoch.fetch_add(1, Ordering::SeqCst);
     }
 
+    /// Makes connections accepted from now on hold their client's first bytes for `delay`
+    /// before passing them on, as a server far away, or slow to finish a handshake, would.
+    pub fn delay_new_connections(&self, delay: Duration) {
+        let millis = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+        self.shared.first_delay_ms.store(millis, Ordering::SeqCst);
+    }
+
     /// Connections accepted so far.
     pub fn connections(&self) -> u64 {
         self.shared.accepted.load(Ordering::SeqCst)
@@ -425,15 +442,27 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// Copies `from` to `to` until either end closes; once the connection's epoch has passed, reads
-/// and drops everything instead. `outbound`: `from` is the client.
-fn pump(shared: &ProxyShared, epoch: u64, mut from: TcpStream, mut to: TcpStream, outbound: bool) {
+/// Copies `from` to `to` until either end closes, the first bytes after `delay`; once the
+/// connection's epoch has passed, reads and drops everything instead. `outbound`: `from` is the
+/// client.
+fn pump(
+    shared: &ProxyShared,
+    epoch: u64,
+    mut delay: Duration,
+    mut from: TcpStream,
+    mut to: TcpStream,
+    outbound: bool,
+) {
     let mut buffer = [0; 16 * 1024];
     loop {
         let read = match from.read(&mut buffer) {
             Ok(0) | Err(_) => break,
             Ok(read) => read,
         };
+        if !delay.is_zero() {
+            hold(delay);
+            delay = Duration::ZERO;
+        }
         if shared.epoch.load(Ordering::SeqCst) != epoch {
             continue;
         }

@@ -446,6 +446,58 @@ async fn a_connection_that_stops_answering_is_replaced() {
     }
 }
 
+/// After a connection goes silent, its replacement's first exchange takes longer than a
+/// decision may wait (a handshake across a slow network): the store must still get it up,
+/// rather than give up on each new connection before it is ready and open another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replacement_slower_to_open_than_the_timeout_still_opens() {
+    let server = RedisServer::start();
+    let proxy = Proxy::start(server.port);
+    let store = Arc::new(
+        RedisStore::connect(&proxy.url(), RedisConfig::default())
+            .await
+            .unwrap(),
+    );
+    let limit = limit(1_000, "1/s");
+    assert!(take_one_unit(&*store, "k", &limit, None).await.is_ok());
+
+    proxy.delay_new_connections(Duration::from_millis(60));
+    proxy.black_hole();
+    let recovered = async {
+        while take_one_unit(&*store, "k", &limit, None).await.is_err() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), recovered)
+        .await
+        .expect("a replacement connection, however slow its first exchange");
+    // Readiness follows: the store's ping answers on the new connection.
+    assert_eq!(store.ping().await, Ok(()));
+}
+
+/// A process whose readiness check fails gets no traffic: its pings alone must bring back a
+/// connection that went silent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_pings_replace_a_silent_connection() {
+    let server = RedisServer::start();
+    let proxy = Proxy::start(server.port);
+    let store = RedisStore::connect(&proxy.url(), RedisConfig::default())
+        .await
+        .unwrap();
+    assert_eq!(store.ping().await, Ok(()));
+    proxy.black_hole();
+    assert_eq!(store.ping().await, Err(Unavailable::Timeout));
+    let ready = async {
+        while store.ping().await.is_err() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(5), ready)
+        .await
+        .expect("ready again on a new connection");
+    assert!(proxy.connections() >= 2);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_callers_share_script_calls() {
     let server = RedisServer::start();
