@@ -855,7 +855,6 @@ impl PolicyEngine {
     }
 }
 
-/// The store key: the bucket key plus a tag of the parameters its state was produced under.
 /// The output of a future that never waits, as every future over the in-process store is.
 fn ready<F: std::future::Future>(future: F) -> F::Output {
     let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
@@ -867,6 +866,7 @@ fn ready<F: std::future::Future>(future: F) -> F::Output {
     }
 }
 
+/// The store key: the bucket key plus a tag of the parameters its state was produced under.
 ///
 /// The subject's values go between braces, `per-user|{acme|u1}#gold@0a1b2c3d`: a Redis Cluster
 /// hashes only what is inside the first `{…}` of a key, so every bucket of one subject (its

@@ -6,9 +6,9 @@
 //! same name, a firewall or NAT that forgot the flow): the kernel gives up on it only after
 //! minutes of retransmissions, and until then every decision would wait out its timeout and
 //! take its failure mode, though Redis is reachable on a new connection. So the store replaces
-//! the connection itself when the circuit breaker opens and whenever a probe fails (see
-//! [`Link::renew`]); a connection that was merely slow costs a reconnect, once per breaker
-//! trip.
+//! the connection itself when the circuit breaker opens, whenever a probe fails and when a
+//! readiness `PING` goes unanswered (see [`Link::renew`]); a connection that was merely slow
+//! costs a reconnect, at most once per connection timeout.
 //!
 //! A new connection is opened by a task of its own, not by the decisions that will use it:
 //! they wait only their own short timeout, and a connection that must finish a handshake over

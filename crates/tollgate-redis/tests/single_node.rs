@@ -340,15 +340,13 @@ async fn redis_killed_mid_run_then_restarted() {
     assert_eq!((stats.unavailable, stats.emergency), (50, 50));
 
     server.restart();
-    let recovered = async {
-        loop {
-            if let Outcome::Decided(_) = failover.check(&closed, None, None).await.unwrap()[0] {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+    let decided = || async {
+        matches!(
+            failover.check(&closed, None, None).await.unwrap()[0],
+            Outcome::Decided(_)
+        )
     };
-    tokio::time::timeout(Duration::from_secs(15), recovered)
+    until(Duration::from_secs(15), decided)
         .await
         .expect("recovers once Redis is back");
 }
@@ -379,15 +377,37 @@ async fn a_frozen_redis_times_out_and_the_breaker_stops_waiting() {
     assert!(reasons.contains(&Unavailable::CircuitOpen), "{reasons:?}");
     assert!(store.is_degraded());
 
-    let recovered = async {
-        while check(&store, &takes, None).await.is_err() {
+    until(Duration::from_secs(15), || async {
+        check(&store, &takes, None).await.is_ok()
+    })
+    .await
+    .expect("recovers once Redis answers");
+    assert!(!store.is_degraded());
+}
+
+/// A store whose connections go through a proxy in front of its own Redis, so a test can make
+/// them go silent.
+async fn behind_proxy() -> (RedisServer, Proxy, Arc<RedisStore>) {
+    let server = RedisServer::start();
+    let proxy = Proxy::start(server.port);
+    let store = RedisStore::connect(&proxy.url(), RedisConfig::default())
+        .await
+        .unwrap();
+    (server, proxy, Arc::new(store))
+}
+
+/// Tries `attempt` every 50 ms until it succeeds, for at most `within`.
+async fn until<F, Fut>(within: Duration, attempt: F) -> Result<(), tokio::time::error::Elapsed>
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    tokio::time::timeout(within, async {
+        while !attempt().await {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-    };
-    tokio::time::timeout(Duration::from_secs(15), recovered)
-        .await
-        .expect("recovers once Redis answers");
-    assert!(!store.is_degraded());
+    })
+    .await
 }
 
 /// A connection whose peer vanished without closing it (the kernel would give up on it only
@@ -395,13 +415,7 @@ async fn a_frozen_redis_times_out_and_the_breaker_stops_waiting() {
 /// is reachable again: the store replaces it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_that_stops_answering_is_replaced() {
-    let server = RedisServer::start();
-    let proxy = Proxy::start(server.port);
-    let store = Arc::new(
-        RedisStore::connect(&proxy.url(), RedisConfig::default())
-            .await
-            .unwrap(),
-    );
+    let (_server, proxy, store) = behind_proxy().await;
     let limit = limit(1_000, "1/s");
     let take = |key| take_one(&store, limit, key);
     assert!(take("k").await.is_ok());
@@ -424,14 +438,11 @@ async fn a_connection_that_stops_answering_is_replaced() {
         );
     }
 
-    let recovered = async {
-        while take("k").await.is_err() {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(10), recovered)
-        .await
-        .expect("a new connection once the old one stopped answering");
+    until(Duration::from_secs(10), || async {
+        take("k").await.is_ok()
+    })
+    .await
+    .expect("a new connection once the old one stopped answering");
     assert!(proxy.connections() >= 2, "{}", proxy.connections());
     assert!(!store.is_degraded());
     // The silent connection is closed once its last call has timed out, not leaked.
@@ -451,24 +462,14 @@ async fn a_connection_that_stops_answering_is_replaced() {
 /// rather than give up on each new connection before it is ready and open another.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replacement_slower_to_open_than_the_timeout_still_opens() {
-    let server = RedisServer::start();
-    let proxy = Proxy::start(server.port);
-    let store = Arc::new(
-        RedisStore::connect(&proxy.url(), RedisConfig::default())
-            .await
-            .unwrap(),
-    );
+    let (_server, proxy, store) = behind_proxy().await;
     let limit = limit(1_000, "1/s");
     assert!(take_one_unit(&*store, "k", &limit, None).await.is_ok());
 
     proxy.delay_new_connections(Duration::from_millis(60));
     proxy.black_hole();
-    let recovered = async {
-        while take_one_unit(&*store, "k", &limit, None).await.is_err() {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(10), recovered)
+    let decided = || async { take_one_unit(&*store, "k", &limit, None).await.is_ok() };
+    until(Duration::from_secs(10), decided)
         .await
         .expect("a replacement connection, however slow its first exchange");
     // Readiness follows: the store's ping answers on the new connection.
@@ -479,22 +480,15 @@ async fn a_replacement_slower_to_open_than_the_timeout_still_opens() {
 /// connection that went silent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readiness_pings_replace_a_silent_connection() {
-    let server = RedisServer::start();
-    let proxy = Proxy::start(server.port);
-    let store = RedisStore::connect(&proxy.url(), RedisConfig::default())
-        .await
-        .unwrap();
+    let (_server, proxy, store) = behind_proxy().await;
     assert_eq!(store.ping().await, Ok(()));
     proxy.black_hole();
     assert_eq!(store.ping().await, Err(Unavailable::Timeout));
-    let ready = async {
-        while store.ping().await.is_err() {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(5), ready)
-        .await
-        .expect("ready again on a new connection");
+    until(Duration::from_secs(5), || async {
+        store.ping().await.is_ok()
+    })
+    .await
+    .expect("ready again on a new connection");
     assert!(proxy.connections() >= 2);
 }
 

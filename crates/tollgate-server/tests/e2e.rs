@@ -458,6 +458,13 @@ fn start_up_errors_are_one_line_and_exit_non_zero() {
         "{stderr}"
     );
 
+    // TLS files for a store that has no TLS: a mistake, not something to ignore.
+    let stderr = serve_refused(&["--store-tls-ca", "/etc/ssl/ca.pem"]);
+    assert!(
+        stderr.contains("--store-tls-ca") && stderr.contains("memory"),
+        "{stderr}"
+    );
+
     // A port already taken.
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = taken.local_addr().unwrap().to_string();

@@ -148,12 +148,29 @@ pub fn run(args: &[&str]) -> (ExitStatus, String, String) {
 }
 
 /// Runs `tollgate serve ARGS` on free ports, expecting it to refuse to start as a start-up
-/// error should: a non-zero exit and one line on stderr, which is returned.
+/// error should: a non-zero exit and one line on stderr, which is returned. A server that
+/// starts instead is killed after 10 s and fails the test, rather than hanging it.
 pub fn serve_refused(args: &[&str]) -> String {
-    let mut all = vec!["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"];
-    all.extend_from_slice(args);
-    let (status, _, stderr) = run(&all);
-    assert!(!status.success(), "tollgate serve {args:?} started");
+    let child = Command::new(binary())
+        .args(["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
+        .args(args)
+        .env("TOLLGATE_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the tollgate binary");
+    let pid = child.id();
+    let (done, outcome) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = done.send(child.wait_with_output());
+    });
+    let Ok(output) = outcome.recv_timeout(Duration::from_secs(10)) else {
+        let _ = Command::new("kill").arg(pid.to_string()).status();
+        panic!("tollgate serve {args:?} started instead of refusing to");
+    };
+    let output = output.expect("wait for the tollgate binary");
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(!output.status.success(), "tollgate serve {args:?} exited 0");
     assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
     stderr
 }
