@@ -74,26 +74,31 @@ pub enum ServeError {
     Grpc(tonic::transport::Error),
 }
 
-/// How often this process's full buckets are dropped and emptied tables shrunk.
-const SWEEP_EVERY: Duration = Duration::from_secs(10);
-
-/// Sweeps the in-process buckets every [`SWEEP_EVERY`] until `stopped` resolves, so that after
+/// How often this process's full buckets are dropped and emptied tables shrunk, so that after
 /// a spike of keys the live-bucket count falls and the tables give their memory back instead of
 /// staying at their peak until the next growth.
-async fn sweep(engine: Arc<tollgate_policy::PolicyEngine>, stopped: impl Future<Output = ()>) {
-    let mut ticks = tokio::time::interval(SWEEP_EVERY);
+const SWEEP_EVERY: Duration = Duration::from_secs(10);
+
+/// How often the metrics' histogram samples are folded into their buckets. The exporter keeps
+/// every sample until then (or until `/metrics` is scraped): a server nobody scrapes would
+/// otherwise grow by a sample per decision, without end. Often, so that each fold is short: it
+/// runs on a worker thread, ahead of the requests queued behind it.
+const METRICS_UPKEEP_EVERY: Duration = Duration::from_secs(1);
+
+/// Runs `task` every `period` (the first time one period from now) until `stopped` resolves.
+async fn every(period: Duration, stopped: impl Future<Output = ()>, mut task: impl FnMut()) {
+    let mut ticks = tokio::time::interval(period);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // The first tick is immediate; there is nothing to sweep at the start.
+    // The first tick is immediate; there is nothing to do at the start.
     ticks.tick().await;
-    let sweeping = async {
+    let repeating = async {
         loop {
             ticks.tick().await;
-            let dropped = engine.sweep();
-            tracing::debug!(dropped, "swept full buckets");
+            task();
         }
     };
     tokio::select! {
-        () = sweeping => {}
+        () = repeating => {}
         () = stopped => {}
     }
 }
@@ -119,10 +124,20 @@ pub async fn run(
         // Resolves on the signal, or if the sender is gone (nothing can signal any more).
         let _ = stopped.wait_for(|stop| *stop).await;
     };
-    tokio::spawn(sweep(
-        Arc::clone(state.decider.engine()),
-        wait(stopped.clone()),
-    ));
+    let engine = Arc::clone(state.decider.engine());
+    tokio::spawn(every(SWEEP_EVERY, wait(stopped.clone()), move || {
+        let dropped = engine.sweep();
+        tracing::debug!(dropped, "swept full buckets");
+    }));
+    if let Some(metrics) = state.metrics.clone() {
+        tokio::spawn(every(
+            METRICS_UPKEEP_EVERY,
+            wait(stopped.clone()),
+            move || {
+                metrics.run_upkeep();
+            },
+        ));
+    }
 
     let app = http::router(Arc::clone(&state)).into_make_service_with_connect_info::<SocketAddr>();
     // Answers are small and written whole: nothing is gained by holding them back (Nagle).
@@ -170,9 +185,16 @@ mod tests {
         decide("a");
         decide("b");
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let sweeper = tokio::spawn(sweep(Arc::clone(&engine), async {
-            let _ = stopped.await;
-        }));
+        let swept = Arc::clone(&engine);
+        let sweeper = tokio::spawn(every(
+            SWEEP_EVERY,
+            async {
+                let _ = stopped.await;
+            },
+            move || {
+                swept.sweep();
+            },
+        ));
 
         // Not yet refilled at the first sweep; refilled (full, so dropped) by the second.
         tokio::time::sleep(SWEEP_EVERY + Duration::from_millis(1)).await;
