@@ -98,6 +98,10 @@ async fn http_counts_add_up_and_the_demo_limit_rejects() {
     .expect("bench runs");
     assert_eq!(summary.api, "http");
     assert_limited(&summary, 200, 2);
+    assert!(
+        summary.schedule_lag_us.is_none(),
+        "closed loop has no schedule"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -212,6 +216,35 @@ async fn unexpected_statuses_are_errors_with_the_reason() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_errors_say_the_status_and_the_server_message() {
+    let server = start().await;
+    let target = server.grpc.to_string();
+    // A domain longer than the server accepts: refused as an invalid argument, every time.
+    let domain = "d".repeat(300);
+    let summary = bench(&[
+        "--grpc",
+        &target,
+        "--domain",
+        &domain,
+        "--requests",
+        "20",
+        "-c",
+        "2",
+    ])
+    .await
+    .expect("bench runs");
+    assert_eq!(
+        (summary.allowed, summary.rejected, summary.errors),
+        (0, 0, 20)
+    );
+    let first = summary.first_error.unwrap_or_default();
+    assert!(
+        first.starts_with("gRPC InvalidArgument: domain must be"),
+        "{first}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn open_loop_keeps_to_its_rate() {
     let server = start().await;
     let target = format!("http://{}", server.http);
@@ -232,6 +265,15 @@ async fn open_loop_keeps_to_its_rate() {
     .expect("bench runs");
     assert_eq!(summary.allowed, 40);
     assert!(summary.elapsed_s >= 0.075, "{summary:?}");
+    // Every request's lateness is part of its latency, so each percentile of one is at most
+    // that of the other.
+    let lag = summary.schedule_lag_us.expect("open loop reports its lag");
+    let latency = summary.latency_us;
+    assert!(lag.p50 > 0.0, "{lag:?}");
+    assert!(
+        lag.p50 <= latency.p50 && lag.p99 <= latency.p99 && lag.max <= latency.max,
+        "{lag:?} {latency:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

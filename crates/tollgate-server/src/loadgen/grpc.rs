@@ -3,39 +3,53 @@
 //! Each worker has one call in flight. By default it also has its own HTTP/2 connection, so
 //! `--concurrency` means the same over gRPC as over HTTP and the two can be compared; with
 //! `--connections N` the workers' calls are streams multiplexed over N shared connections, as
-//! Envoy sends them. Calls go straight to the connection: tonic's `Channel` would pass every
-//! call through a buffer task first, a task hop per request that the generator would pay on the
-//! cores it shares with the server.
+//! Envoy sends them.
+//!
+//! Calls are HTTP/2 streams written with `h2` directly, not through a gRPC client library, for
+//! what the server sees: a call's HEADERS and its one DATA frame leave in one write, as Envoy
+//! sends them. A client that hands the message over as a streaming body (tonic over hyper) has
+//! it written a pass later, so every call arrived as two TCP segments, and the server paid for
+//! the second one out of the cores it shares with the generator. The message is encoded with
+//! prost, and the answer's status read from the trailers (or from the headers, when the server
+//! answers with headers only).
 
+use bytes::{BufMut, Bytes, BytesMut};
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
-use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
-use std::future::Future;
-use std::pin::Pin;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use h2::client::SendRequest;
+use http::header::{CONTENT_TYPE, HeaderMap, TE};
+use http::{Request, StatusCode, Uri};
+use prost::Message;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::task::{Context, Poll};
-
-use hyper::client::conn::http2::SendRequest;
-use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpStream;
 
 use super::Verdict;
 use super::args::Plan;
 
+/// The method's path, from the service's package, name and method.
+const PATH: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
+/// The length-prefixed message framing of gRPC: a compression flag and a big-endian length.
+const PREFIX_BYTES: usize = 5;
+/// The largest answer accepted: far above any real one, so a broken server cannot make a worker
+/// buffer without end.
+const MAX_ANSWER_BYTES: usize = 1 << 20;
+
 /// One worker's handle on a gRPC target.
 pub(crate) struct GrpcClient {
     authority: String,
-    domain: String,
-    key_entry: String,
-    fixed: Vec<Entry>,
-    cost: u32,
+    /// `http://authority/…/ShouldRateLimit`, parsed once.
+    uri: Uri,
+    /// The request with every field but the key's value filled in.
+    template: RateLimitRequest,
+    /// Where the message is encoded; each call's body is split off it.
+    buffer: BytesMut,
     /// The connection this worker shares with others (or has alone).
     shared: Arc<SharedConnection>,
     /// `None` before the first call and after a failure: the next call reconnects. The number
     /// is the shared connection's generation it was taken from.
-    client: Option<(u64, RateLimitServiceClient<Connection>)>,
+    client: Option<(u64, SendRequest<Bytes>)>,
 }
 
 /// A connection several workers send their calls over. After a failure the first worker to
@@ -44,16 +58,16 @@ pub(crate) struct GrpcClient {
 pub(crate) struct SharedConnection {
     /// The generation counts the connections opened here, so a worker holding an older one
     /// cannot drop its replacement.
-    current: Mutex<(u64, Option<RateLimitServiceClient<Connection>>)>,
+    current: Mutex<(u64, Option<SendRequest<Bytes>>)>,
 }
 
 impl SharedConnection {
-    fn get(&self) -> (u64, Option<RateLimitServiceClient<Connection>>) {
+    fn get(&self) -> (u64, Option<SendRequest<Bytes>>) {
         let current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
         (current.0, current.1.clone())
     }
 
-    fn set(&self, client: &RateLimitServiceClient<Connection>) -> u64 {
+    fn set(&self, client: &SendRequest<Bytes>) -> u64 {
         let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
         current.0 += 1;
         current.1 = Some(client.clone());
@@ -68,47 +82,71 @@ impl SharedConnection {
     }
 }
 
-/// One HTTP/2 connection as a gRPC transport. Its driver runs in a task of its own and ends
-/// when the connection does.
-#[derive(Clone)]
-pub(crate) struct Connection(SendRequest<tonic::body::Body>);
+/// Why a call failed, and whether the connection can still be trusted.
+struct CallError {
+    message: String,
+    /// A transport failure leaves the connection in an unknown state; an answer the server
+    /// chose (a bad domain, too many entries) does not.
+    transport: bool,
+}
 
-type Exchange = Pin<
-    Box<dyn Future<Output = Result<http::Response<hyper::body::Incoming>, hyper::Error>> + Send>,
->;
-
-impl tower_service::Service<http::Request<tonic::body::Body>> for Connection {
-    type Response = http::Response<hyper::body::Incoming>;
-    type Error = hyper::Error;
-    type Future = Exchange;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.0.poll_ready(cx)
+impl CallError {
+    fn transport(message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+            transport: true,
+        }
     }
+}
 
-    fn call(&mut self, request: http::Request<tonic::body::Body>) -> Self::Future {
-        Box::pin(self.0.send_request(request))
+impl From<h2::Error> for CallError {
+    fn from(err: h2::Error) -> Self {
+        Self::transport(format!("HTTP/2: {err}"))
     }
 }
 
 impl GrpcClient {
-    pub(crate) fn new(plan: &Plan, authority: &str, shared: Arc<SharedConnection>) -> Self {
-        Self {
-            authority: authority.to_owned(),
+    /// A client for `authority` (`host:port`).
+    ///
+    /// # Errors
+    ///
+    /// When `authority` does not make a URI.
+    pub(crate) fn new(
+        plan: &Plan,
+        authority: &str,
+        shared: Arc<SharedConnection>,
+    ) -> Result<Self, String> {
+        let uri: Uri = format!("http://{authority}{PATH}")
+            .parse()
+            .map_err(|err| format!("--grpc {authority}: {err}"))?;
+        let mut entries: Vec<Entry> = plan
+            .entries
+            .iter()
+            .map(|(key, value)| Entry {
+                key: key.clone(),
+                value: value.clone(),
+            })
+            .collect();
+        entries.push(Entry {
+            key: plan.key_entry.clone(),
+            value: String::new(),
+        });
+        let template = RateLimitRequest {
             domain: plan.domain.clone(),
-            key_entry: plan.key_entry.clone(),
-            fixed: plan
-                .entries
-                .iter()
-                .map(|(key, value)| Entry {
-                    key: key.clone(),
-                    value: value.clone(),
-                })
-                .collect(),
-            cost: plan.cost,
+            descriptors: vec![RateLimitDescriptor {
+                entries,
+                ..Default::default()
+            }],
+            hits_addend: plan.cost,
+        };
+        Ok(Self {
+            authority: authority.to_owned(),
+            uri,
+            template,
+            buffer: BytesMut::new(),
             shared,
             client: None,
-        }
+        })
     }
 
     /// Takes the shared connection, or opens it now (so a run does not start before every
@@ -118,9 +156,6 @@ impl GrpcClient {
             self.client = Some((generation, client));
             return Ok(());
         }
-        let origin: http::Uri = format!("http://{}", self.authority)
-            .parse()
-            .map_err(|err| format!("--grpc {}: {err}", self.authority))?;
         let cannot = |err: &dyn std::fmt::Display| {
             format!("cannot connect to gRPC {}: {err}", self.authority)
         };
@@ -128,12 +163,13 @@ impl GrpcClient {
             .await
             .map_err(|err| cannot(&err))?;
         stream.set_nodelay(true).map_err(|err| cannot(&err))?;
-        let (send, connection) =
-            hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
-                .await
-                .map_err(|err| cannot(&err))?;
-        tokio::spawn(connection);
-        let client = RateLimitServiceClient::with_origin(Connection(send), origin);
+        let (client, connection) = h2::client::handshake(stream)
+            .await
+            .map_err(|err| cannot(&err))?;
+        // The driver ends when the connection does; the next call then reports the failure.
+        tokio::spawn(async move {
+            let _ = connection.await;
+        });
         self.client = Some((self.shared.set(&client), client));
         Ok(())
     }
@@ -151,37 +187,186 @@ impl GrpcClient {
         if self.client.is_none() {
             self.connect().await?;
         }
+        let body = self.encode(key)?;
         let Some((_, client)) = self.client.as_mut() else {
             return Err("no connection".into());
         };
-        let mut entries = self.fixed.clone();
-        entries.push(Entry {
-            key: self.key_entry.clone(),
-            value: format!("{}{key}", super::KEY_PREFIX),
-        });
-        let request = RateLimitRequest {
-            domain: self.domain.clone(),
-            descriptors: vec![RateLimitDescriptor {
-                entries,
-                ..Default::default()
-            }],
-            hits_addend: self.cost,
-        };
-        let response = match client.should_rate_limit(request).await {
-            Ok(response) => response.into_inner(),
-            Err(status) => {
-                // A transport failure leaves the channel in an unknown state; a request the
-                // server refused (bad domain, too many entries) does not.
-                if status.code() != tonic::Code::InvalidArgument {
+        match call(client, &self.uri, body).await {
+            Ok(response) => match response.overall_code() {
+                Code::Ok => Ok(Verdict::Allowed),
+                Code::OverLimit => Ok(Verdict::Rejected),
+                Code::Unknown => Err("gRPC answer with overall_code UNKNOWN".into()),
+            },
+            Err(err) => {
+                if err.transport {
                     self.reset();
                 }
-                return Err(format!("gRPC {:?}: {}", status.code(), status.message()));
+                Err(err.message)
             }
-        };
-        match response.overall_code() {
-            Code::Ok => Ok(Verdict::Allowed),
-            Code::OverLimit => Ok(Verdict::Rejected),
-            Code::Unknown => Err("gRPC answer with overall_code UNKNOWN".into()),
         }
+    }
+
+    /// The length-prefixed message for `key`.
+    fn encode(&mut self, key: u64) -> Result<Bytes, String> {
+        if let Some(entry) = self
+            .template
+            .descriptors
+            .first_mut()
+            .and_then(|descriptor| descriptor.entries.last_mut())
+        {
+            entry.value.clear();
+            entry.value.push_str(super::KEY_PREFIX);
+            entry.value.push_str(itoa::Buffer::new().format(key));
+        }
+        let length = self.template.encoded_len();
+        let prefix = u32::try_from(length).map_err(|_| "the request is too large")?;
+        self.buffer.reserve(PREFIX_BYTES + length);
+        self.buffer.put_u8(0);
+        self.buffer.put_u32(prefix);
+        self.template
+            .encode(&mut self.buffer)
+            .map_err(|err| format!("cannot encode the request: {err}"))?;
+        Ok(self.buffer.split().freeze())
+    }
+}
+
+/// One call on `client`: the request's HEADERS and DATA queued together, then the answer.
+async fn call(
+    client: &mut SendRequest<Bytes>,
+    uri: &Uri,
+    body: Bytes,
+) -> Result<RateLimitResponse, CallError> {
+    let request = Request::post(uri.clone())
+        .header(CONTENT_TYPE, "application/grpc")
+        .header(TE, "trailers")
+        .body(())
+        .map_err(|err| CallError::transport(format!("cannot build the request: {err}")))?;
+    // Waits while the connection has as many streams open as the server allows.
+    std::future::poll_fn(|cx| client.poll_ready(cx)).await?;
+    let (response, mut stream) = client.send_request(request, false)?;
+    stream.send_data(body, true)?;
+    let response = response.await?;
+    let (head, mut body) = response.into_parts();
+    if head.status != StatusCode::OK {
+        return Err(CallError::transport(format!(
+            "HTTP/2 status {}",
+            head.status
+        )));
+    }
+    // An error may come as headers alone, without a message.
+    status(&head.headers)?;
+    let mut message = BytesMut::new();
+    while let Some(chunk) = body.data().await {
+        let chunk = chunk?;
+        // Credit the server's window back, or a long run stalls the connection.
+        let _ = body.flow_control().release_capacity(chunk.len());
+        if message.len() + chunk.len() > MAX_ANSWER_BYTES {
+            return Err(CallError::transport(format!(
+                "an answer over {MAX_ANSWER_BYTES} bytes"
+            )));
+        }
+        message.extend_from_slice(&chunk);
+    }
+    match body.trailers().await? {
+        Some(trailers) => status(&trailers)?,
+        None if head.headers.contains_key("grpc-status") => {}
+        None => return Err(CallError::transport("an answer without grpc-status")),
+    }
+    decode(&message)
+}
+
+/// Fails when `headers` carry a `grpc-status` other than OK (the message percent-decoded).
+fn status(headers: &HeaderMap) -> Result<(), CallError> {
+    let Some(status) = tonic::Status::from_header_map(headers) else {
+        return Ok(());
+    };
+    if status.code() == tonic::Code::Ok {
+        return Ok(());
+    }
+    Err(CallError {
+        message: format!("gRPC {:?}: {}", status.code(), status.message()),
+        transport: status.code() != tonic::Code::InvalidArgument,
+    })
+}
+
+/// The one message of a unary answer.
+fn decode(message: &[u8]) -> Result<RateLimitResponse, CallError> {
+    let Some((&[compressed, a, b, c, d], rest)) = message.split_first_chunk::<PREFIX_BYTES>()
+    else {
+        return Err(CallError::transport("an answer without a message"));
+    };
+    if compressed != 0 {
+        return Err(CallError::transport(
+            "a compressed answer (none was asked for)",
+        ));
+    }
+    let length = usize::try_from(u32::from_be_bytes([a, b, c, d])).unwrap_or(usize::MAX);
+    if rest.len() != length {
+        return Err(CallError::transport(format!(
+            "an answer of {} bytes announced as {length}",
+            rest.len()
+        )));
+    }
+    RateLimitResponse::decode(rest)
+        .map_err(|err| CallError::transport(format!("cannot decode the answer: {err}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    fn framed(message: &[u8]) -> Vec<u8> {
+        let mut framed = vec![0];
+        framed.extend_from_slice(&u32::try_from(message.len()).unwrap_or(0).to_be_bytes());
+        framed.extend_from_slice(message);
+        framed
+    }
+
+    #[test]
+    fn an_answer_decodes_from_its_frame() {
+        let answer = RateLimitResponse {
+            overall_code: Code::OverLimit.into(),
+            ..Default::default()
+        };
+        let decoded = decode(&framed(&answer.encode_to_vec()));
+        assert_eq!(
+            decoded.ok().map(|answer| answer.overall_code()),
+            Some(Code::OverLimit)
+        );
+    }
+
+    #[test]
+    fn broken_frames_are_errors() {
+        let message = RateLimitResponse::default().encode_to_vec();
+        let mut short = framed(&message);
+        short.push(0);
+        let mut compressed = framed(&message);
+        compressed[0] = 1;
+        for frame in [&[0u8, 0, 0][..], &short, &compressed] {
+            assert!(decode(frame).is_err(), "{frame:?}");
+        }
+    }
+
+    #[test]
+    fn a_grpc_status_other_than_ok_says_which_and_why() {
+        let mut headers = HeaderMap::new();
+        assert!(status(&headers).is_ok(), "no status yet");
+        headers.insert("grpc-status", HeaderValue::from_static("0"));
+        assert!(status(&headers).is_ok());
+        headers.insert("grpc-status", HeaderValue::from_static("3"));
+        headers.insert(
+            "grpc-message",
+            HeaderValue::from_static("domain%20is%20empty"),
+        );
+        let refused = status(&headers).err();
+        assert_eq!(
+            refused
+                .as_ref()
+                .map(|err| (err.message.as_str(), err.transport)),
+            Some(("gRPC InvalidArgument: domain is empty", false))
+        );
+        headers.insert("grpc-status", HeaderValue::from_static("14"));
+        assert!(status(&headers).is_err_and(|err| err.transport));
     }
 }

@@ -9,7 +9,8 @@ use serde::Serialize;
 use super::args::{BenchArgs, Distribution, Plan, Target};
 use super::run::Tally;
 
-/// Latency of the requests that got a decision, in microseconds.
+/// A distribution of durations in microseconds: the latency of the requests that got a
+/// decision, or how late requests left in open loop.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 #[non_exhaustive]
 pub struct Latency {
@@ -25,6 +26,33 @@ pub struct Latency {
     pub max: f64,
     /// The mean.
     pub mean: f64,
+}
+
+impl Latency {
+    /// The percentiles of `nanos`, a histogram in nanoseconds.
+    fn of(nanos: &Histogram<u64>) -> Self {
+        let micros = |nanos: u64| nanos as f64 / 1000.0;
+        Self {
+            p50: micros(nanos.value_at_quantile(0.5)),
+            p90: micros(nanos.value_at_quantile(0.9)),
+            p99: micros(nanos.value_at_quantile(0.99)),
+            p99_9: micros(nanos.value_at_quantile(0.999)),
+            max: micros(nanos.max()),
+            mean: nanos.mean() / 1000.0,
+        }
+    }
+
+    /// `p50 … max` in milliseconds.
+    fn milliseconds(&self) -> String {
+        format!(
+            "p50 {:.3}  p90 {:.3}  p99 {:.3}  p99.9 {:.3}  max {:.3}",
+            self.p50 / 1000.0,
+            self.p90 / 1000.0,
+            self.p99 / 1000.0,
+            self.p99_9 / 1000.0,
+            self.max / 1000.0
+        )
+    }
 }
 
 /// What a run measured.
@@ -57,8 +85,12 @@ pub struct Summary {
     pub errors: u64,
     /// Allowed and rejected per second of the run.
     pub decisions_per_s: f64,
-    /// Latency of the decisions.
+    /// Latency of the decisions, from each request's scheduled time in open loop.
     pub latency_us: Latency,
+    /// Open loop only: how late requests left after their scheduled time. It is part of the
+    /// latency above; when it is most of it, the generator itself fell behind (starved of CPU,
+    /// or every worker busy), not the target.
+    pub schedule_lag_us: Option<Latency>,
     /// The first error, to say what went wrong.
     pub first_error: Option<String>,
 }
@@ -74,6 +106,7 @@ impl Summary {
     ) -> Self {
         let (mut allowed, mut rejected, mut errors) = (0, 0, 0);
         let mut first_error = None;
+        let mut lag = merged.clone();
         for tally in tallies {
             allowed += tally.allowed;
             rejected += tally.rejected;
@@ -82,16 +115,8 @@ impl Summary {
             // Same bounds on every histogram, so adding cannot overflow their range; a count
             // that did would only be lost from the percentiles.
             let _ = merged.add(&tally.latency);
+            let _ = lag.add(&tally.lag);
         }
-        let micros = |nanos: u64| nanos as f64 / 1000.0;
-        let latency_us = Latency {
-            p50: micros(merged.value_at_quantile(0.5)),
-            p90: micros(merged.value_at_quantile(0.9)),
-            p99: micros(merged.value_at_quantile(0.99)),
-            p99_9: micros(merged.value_at_quantile(0.999)),
-            max: micros(merged.max()),
-            mean: merged.mean() / 1000.0,
-        };
         let elapsed_s = elapsed.as_secs_f64();
         let (api, target) = match &plan.target {
             Target::Http { authority, path } => ("http", format!("http://{authority}{path}")),
@@ -115,7 +140,8 @@ impl Summary {
             } else {
                 0.0
             },
-            latency_us,
+            latency_us: Latency::of(&merged),
+            schedule_lag_us: plan.interval.map(|_| Latency::of(&lag)),
             first_error,
         }
     }
@@ -150,15 +176,14 @@ impl fmt::Display for Summary {
             Some(first) => writeln!(f, "  errors       {} (first: {first})", self.errors)?,
             None => writeln!(f, "  errors       {}", self.errors)?,
         }
-        let l = &self.latency_us;
-        writeln!(
-            f,
-            "  latency ms   p50 {:.3}  p90 {:.3}  p99 {:.3}  p99.9 {:.3}  max {:.3}",
-            l.p50 / 1000.0,
-            l.p90 / 1000.0,
-            l.p99 / 1000.0,
-            l.p99_9 / 1000.0,
-            l.max / 1000.0
-        )
+        writeln!(f, "  latency ms   {}", self.latency_us.milliseconds())?;
+        if let Some(lag) = &self.schedule_lag_us {
+            writeln!(
+                f,
+                "  late ms      {}  (sent after the scheduled time; part of the latency)",
+                lag.milliseconds()
+            )?;
+        }
+        Ok(())
     }
 }
