@@ -91,6 +91,11 @@ pub struct Summary {
     /// latency above; when it is most of it, the generator itself fell behind (starved of CPU,
     /// or every worker busy), not the target.
     pub schedule_lag_us: Option<Latency>,
+    /// Open loop only: the latency counted from when each request was sent rather than from
+    /// its scheduled time, so without the lateness above: what the target (and the network, and
+    /// the generator's receiving) took once asked. It hides any queue the target makes its
+    /// clients wait in; read it beside the latency, not instead of it.
+    pub service_us: Option<Latency>,
     /// The first error, to say what went wrong.
     pub first_error: Option<String>,
 }
@@ -107,6 +112,7 @@ impl Summary {
         let (mut allowed, mut rejected, mut errors) = (0, 0, 0);
         let mut first_error = None;
         let mut lag = merged.clone();
+        let mut service = merged.clone();
         for tally in tallies {
             allowed += tally.allowed;
             rejected += tally.rejected;
@@ -116,6 +122,7 @@ impl Summary {
             // that did would only be lost from the percentiles.
             let _ = merged.add(&tally.latency);
             let _ = lag.add(&tally.lag);
+            let _ = service.add(&tally.service);
         }
         let elapsed_s = elapsed.as_secs_f64();
         let (api, target) = match &plan.target {
@@ -142,6 +149,7 @@ impl Summary {
             },
             latency_us: Latency::of(&merged),
             schedule_lag_us: plan.interval.map(|_| Latency::of(&lag)),
+            service_us: plan.interval.map(|_| Latency::of(&service)),
             first_error,
         }
     }
@@ -182,6 +190,13 @@ impl fmt::Display for Summary {
                 f,
                 "  late ms      {}  (sent after the scheduled time; part of the latency)",
                 lag.milliseconds()
+            )?;
+        }
+        if let Some(service) = &self.service_us {
+            writeln!(
+                f,
+                "  sent→answer  {}  (the latency without the lateness)",
+                service.milliseconds()
             )?;
         }
         Ok(())

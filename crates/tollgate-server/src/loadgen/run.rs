@@ -188,6 +188,8 @@ pub(crate) struct Tally {
     pub(crate) latency: Histogram<u64>,
     /// Open loop: how late each request left after its scheduled time, in nanoseconds.
     pub(crate) lag: Histogram<u64>,
+    /// Open loop: the latencies counted from the send instead of the schedule.
+    pub(crate) service: Histogram<u64>,
 }
 
 /// The counters workers share with each other and the progress bar.
@@ -326,6 +328,7 @@ async fn worker(
         errors: 0,
         first_error: None,
         lag: latency.clone(),
+        service: latency.clone(),
         latency,
     };
     loop {
@@ -349,8 +352,9 @@ async fn worker(
             break;
         }
         let key = picker.next();
+        let started = Instant::now();
         if tickets.is_some() {
-            let late = u64::try_from(sent.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            let late = u64::try_from((started - sent).as_nanos()).unwrap_or(u64::MAX);
             tally.lag.saturating_record(late.max(1));
         }
         let result = tokio::time::timeout(plan.timeout, client.send(key)).await;
@@ -360,8 +364,16 @@ async fn worker(
         });
         match result {
             Ok(verdict) => {
-                let nanos = u64::try_from(sent.elapsed().as_nanos()).unwrap_or(u64::MAX);
-                tally.latency.saturating_record(nanos.max(1));
+                let answered = Instant::now();
+                let nanos = |since: Instant| {
+                    u64::try_from((answered - since).as_nanos())
+                        .unwrap_or(u64::MAX)
+                        .max(1)
+                };
+                tally.latency.saturating_record(nanos(sent));
+                if tickets.is_some() {
+                    tally.service.saturating_record(nanos(started));
+                }
                 match verdict {
                     Verdict::Allowed => tally.allowed += 1,
                     Verdict::Rejected => tally.rejected += 1,
