@@ -9,23 +9,23 @@
 //! the next free worker takes each. The pacer sleeps on the operating system's high-resolution
 //! timer: tokio's timer wheel has a 1 ms tick, so workers sleeping on it would wake together and
 //! send each millisecond's requests as one burst, which the server would queue and the latencies
-//! would show. It wakes at most every [`PACER_TICK`] and then releases every ticket due, all at
-//! once, as permits of one semaphore: waking the runtime once per ticket cost the generator as
-//! much CPU per request as the server spends deciding it, on the cores the two share. Workers
-//! also release the tickets due whenever they finish a request: on a busy machine the pacer's
-//! thread can wait milliseconds for a CPU while the runtime's threads, woken by every answer,
-//! keep the schedule. A request's latency counts from its ticket's time, so neither a late
-//! generator nor a server that falls behind can hide a queue (no coordinated omission), and the
-//! summary reports the lateness on its own.
+//! would show. It wakes at most every [`PACER_TICK`] and then releases every ticket due at
+//! once: waking the runtime once per ticket cost the generator as much CPU per request as the
+//! server spends deciding it, on the cores the two share. Workers also release the tickets due
+//! whenever they finish a request, and take one themselves without waking anyone: on a busy
+//! machine the pacer's thread can wait milliseconds for a CPU while the runtime's threads, woken
+//! by every answer, keep the schedule. A request's latency counts from its ticket's time, so
+//! neither a late generator nor a server that falls behind can hide a queue (no coordinated
+//! omission), and the summary reports the lateness, and the latency from the send, on their own.
 
 use std::io::IsTerminal;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressStyle};
-use tokio::sync::Semaphore;
+use tokio::sync::Notify;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
@@ -48,18 +48,26 @@ const MAX_PENDING_TICKETS: usize = 65_536;
 /// The pacer's shortest sleep: below it, waking for each ticket costs more than it measures.
 const PACER_TICK: Duration = Duration::from_micros(100);
 
-/// Open loop: the run's schedule (ticket `k` is due at `start + k * interval`), the tickets
-/// released so far as permits, and how many the workers have taken.
+/// Open loop: the run's schedule (ticket `k` is due at `start + k * interval`), how many
+/// tickets have been released (are due) and how many the workers have taken.
+///
+/// A worker that finishes a request releases what is due and takes a ticket itself, without
+/// waking anyone: under load most tickets go that way, and the generator costs about what it
+/// does in closed loop. Only workers that found nothing to take wait, and each ticket released
+/// beyond the one its releaser takes wakes one of them.
 struct Tickets {
     start: Instant,
     interval_ns: u128,
     /// Tickets in the whole run.
     total: u64,
-    /// Released tickets not yet taken.
-    released: Semaphore,
-    /// Tickets released so far, by the pacer or a worker.
-    released_count: AtomicU64,
+    /// Tickets released so far, by the pacer or a worker: tickets `0..released` are due.
+    released: AtomicU64,
+    /// Tickets taken so far: tickets `0..taken` are sent or being sent. Never above `released`.
     taken: AtomicU64,
+    /// Wakes a worker waiting for a ticket.
+    wake: Notify,
+    /// Set when the run ends: waiting workers stop, the pacer too.
+    closed: AtomicBool,
 }
 
 impl Tickets {
@@ -76,9 +84,10 @@ impl Tickets {
             start,
             interval_ns,
             total,
-            released: Semaphore::new(0),
-            released_count: AtomicU64::new(0),
+            released: AtomicU64::new(0),
             taken: AtomicU64::new(0),
+            wake: Notify::new(),
+            closed: AtomicBool::new(false),
         }
     }
 
@@ -96,41 +105,107 @@ impl Tickets {
             .min(self.total)
     }
 
+    /// Tickets released and not yet taken.
+    fn pending(&self) -> u64 {
+        let taken = self.taken.load(Ordering::Acquire);
+        self.released.load(Ordering::Acquire).saturating_sub(taken)
+    }
+
     /// Releases every ticket due by `now` and not released yet, keeping at most
-    /// [`MAX_PENDING_TICKETS`] untaken, and returns how many are released in all. The pacer and
-    /// the workers may call it at once: each ticket is released exactly once.
-    fn release_due(&self, now: Instant) -> u64 {
+    /// [`MAX_PENDING_TICKETS`] untaken, and returns `(released in all, released by this call)`.
+    /// The pacer and the workers may call it at once: each ticket is released exactly once.
+    fn release_due(&self, now: Instant) -> (u64, u64) {
         let due = self.due_by(now);
-        let mut released = self.released_count.load(Ordering::Acquire);
+        let mut released = self.released.load(Ordering::Acquire);
+        let mut by_me = 0;
         while due > released {
-            let room = MAX_PENDING_TICKETS.saturating_sub(self.released.available_permits());
+            let room = (MAX_PENDING_TICKETS as u64).saturating_sub(self.pending());
             if room == 0 {
                 break;
             }
-            let upto = due.min(released.saturating_add(room as u64));
-            match self.released_count.compare_exchange_weak(
+            let upto = due.min(released.saturating_add(room));
+            match self.released.compare_exchange_weak(
                 released,
                 upto,
                 Ordering::AcqRel,
                 Ordering::Acquire,
             ) {
                 Ok(_) => {
-                    self.released
-                        .add_permits(usize::try_from(upto - released).unwrap_or(room));
+                    by_me += upto - released;
                     released = upto;
                 }
                 Err(current) => released = current,
             }
         }
-        released
+        (released, by_me)
     }
 
-    /// Waits for a released ticket and returns its due time, or `None` once the run's tickets
-    /// are all taken.
+    /// Wakes `count` waiting workers (fewer if fewer wait: a worker checks for tickets before
+    /// it waits, so none is left waiting beside an untaken ticket).
+    fn wake(&self, count: u64) {
+        for _ in 0..count.min(MAX_PENDING_TICKETS as u64) {
+            self.wake.notify_one();
+        }
+    }
+
+    /// Takes a released ticket, if there is one.
+    fn try_take(&self) -> Option<u64> {
+        let mut taken = self.taken.load(Ordering::Acquire);
+        loop {
+            if taken >= self.released.load(Ordering::Acquire) {
+                return None;
+            }
+            match self.taken.compare_exchange_weak(
+                taken,
+                taken + 1,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => {
+                    if taken + 1 == self.total {
+                        // The last one: whoever still waits has nothing left to wait for.
+                        self.wake.notify_waiters();
+                    }
+                    return Some(taken);
+                }
+                Err(current) => taken = current,
+            }
+        }
+    }
+
+    /// Whether no ticket will be taken any more: all are, or the run ended.
+    fn finished(&self) -> bool {
+        self.closed.load(Ordering::Acquire) || self.taken.load(Ordering::Acquire) >= self.total
+    }
+
+    /// Ends the run: waiting workers stop, and so does the pacer.
+    fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        self.wake.notify_waiters();
+    }
+
+    /// Takes a released ticket, waiting for one if need be, and returns its due time; `None`
+    /// once the run's tickets are all taken or the run ended.
     async fn next(&self) -> Option<Instant> {
-        self.released.acquire().await.ok()?.forget();
-        let k = self.taken.fetch_add(1, Ordering::Relaxed);
-        (k < self.total).then(|| self.due(k))
+        loop {
+            if let Some(k) = self.try_take() {
+                return Some(self.due(k));
+            }
+            if self.finished() {
+                return None;
+            }
+            let notified = self.wake.notified();
+            let mut notified = std::pin::pin!(notified);
+            // Registered before looking again, so a ticket released in between wakes it.
+            notified.as_mut().enable();
+            if let Some(k) = self.try_take() {
+                return Some(self.due(k));
+            }
+            if self.finished() {
+                return None;
+            }
+            notified.await;
+        }
     }
 }
 
@@ -243,8 +318,8 @@ pub async fn run(args: &BenchArgs) -> Result<Summary, BenchError> {
     };
     let tickets: Option<Arc<Tickets>> = plan.interval.map(|interval| {
         let tickets = Arc::new(Tickets::new(start, interval, plan.stop));
-        let (pacer, workers) = (Arc::clone(&tickets), plan.concurrency);
-        std::thread::spawn(move || pace(&pacer, workers));
+        let pacer = Arc::clone(&tickets);
+        std::thread::spawn(move || pace(&pacer));
         tickets
     });
     let mut workers = JoinSet::new();
@@ -278,25 +353,26 @@ pub async fn run(args: &BenchArgs) -> Result<Summary, BenchError> {
     let elapsed = start.elapsed();
     ticker.abort();
     if let Some(tickets) = &tickets {
-        tickets.released.close();
+        tickets.close();
     }
     progress.finish_and_clear();
     Ok(Summary::new(args, &plan, elapsed, tallies, histogram))
 }
 
-/// Releases each ticket at its time, waking at most every [`PACER_TICK`], then one more permit
-/// per worker, so that every worker waiting for a ticket wakes, finds none left and stops. Runs on
-/// a thread of its own, outside the runtime, on the operating system's timer.
-fn pace(tickets: &Tickets, workers: usize) {
+/// Releases each ticket at its time, waking at most every [`PACER_TICK`] and a waiting worker
+/// per ticket it released. Runs on a thread of its own, outside the runtime, on the operating
+/// system's timer.
+fn pace(tickets: &Tickets) {
     // Linux lets a sleep end up to 50 µs late by default, to batch wake-ups; every ticket would
     // leave that much later, and its latency show it. Best effort: a pacer that cannot ask for
     // precise wake-ups is still correct, only later.
     #[cfg(target_os = "linux")]
     let _ = rustix::thread::set_current_timer_slack(std::num::NonZeroU64::new(1));
     // Closed by the run once its workers are done: nobody takes tickets any more.
-    while !tickets.released.is_closed() {
+    while !tickets.closed.load(Ordering::Acquire) {
         let now = Instant::now();
-        let released = tickets.release_due(now);
+        let (released, by_me) = tickets.release_due(now);
+        tickets.wake(by_me);
         if released >= tickets.total {
             break;
         }
@@ -309,7 +385,6 @@ fn pace(tickets: &Tickets, workers: usize) {
         #[allow(clippy::disallowed_methods)]
         std::thread::sleep(wait);
     }
-    tickets.released.add_permits(workers);
 }
 
 /// Sends requests until the run is over: back to back (closed loop), or one per ticket.
@@ -389,7 +464,9 @@ async fn worker(
         }
         shared.done.fetch_add(1, Ordering::Relaxed);
         if let Some(tickets) = &tickets {
-            tickets.release_due(Instant::now());
+            // It takes one of them itself, next.
+            let (_, by_me) = tickets.release_due(Instant::now());
+            tickets.wake(by_me.saturating_sub(1));
         }
     }
     tally
@@ -478,13 +555,46 @@ mod tests {
                     for step in 0..=100u32 {
                         tickets.release_due(start + Duration::from_micros(u64::from(step) * 100));
                     }
-                    tickets.release_due(late)
+                    tickets.release_due(late).1
                 });
             }
         });
-        assert_eq!(tickets.released.available_permits(), 10_000);
-        assert_eq!(tickets.release_due(late), 10_000, "nothing left to release");
-        assert_eq!(tickets.released.available_permits(), 10_000);
+        assert_eq!(tickets.pending(), 10_000);
+        assert_eq!(
+            tickets.release_due(late),
+            (10_000, 0),
+            "nothing left to release"
+        );
+        let taken = std::iter::from_fn(|| tickets.try_take()).count();
+        assert_eq!(taken, 10_000, "each released ticket is taken once");
+        assert_eq!(tickets.pending(), 0);
+    }
+
+    #[test]
+    fn tickets_released_by_concurrent_callers_add_up() {
+        let start = Instant::now();
+        let tickets = Tickets::new(start, Duration::from_micros(1), Stop::Count(10_000));
+        let late = start + Duration::from_secs(1);
+        let by_each: Vec<u64> = std::thread::scope(|scope| {
+            let callers: Vec<_> = (0..4)
+                .map(|_| {
+                    scope.spawn(|| {
+                        (0..=100u32)
+                            .map(|step| {
+                                let now = start + Duration::from_micros(u64::from(step) * 100);
+                                tickets.release_due(now).1
+                            })
+                            .sum::<u64>()
+                            + tickets.release_due(late).1
+                    })
+                })
+                .collect();
+            callers
+                .into_iter()
+                .map(|caller| caller.join().unwrap_or(0))
+                .collect()
+        });
+        assert_eq!(by_each.iter().sum::<u64>(), 10_000, "{by_each:?}");
     }
 
     #[test]
@@ -493,16 +603,18 @@ mod tests {
         let total = 3 * MAX_PENDING_TICKETS as u64;
         let tickets = Tickets::new(start, Duration::from_nanos(1), Stop::Count(total));
         let late = start + Duration::from_secs(1);
-        assert_eq!(tickets.release_due(late), MAX_PENDING_TICKETS as u64);
+        let bound = MAX_PENDING_TICKETS as u64;
+        assert_eq!(tickets.release_due(late), (bound, bound));
         assert_eq!(
             tickets.release_due(late),
-            MAX_PENDING_TICKETS as u64,
+            (bound, 0),
             "none while the bound is full"
         );
-        let taken = tickets.released.try_acquire_many(10).expect("permits");
-        taken.forget();
-        assert_eq!(tickets.release_due(late), MAX_PENDING_TICKETS as u64 + 10);
-        assert_eq!(tickets.released.available_permits(), MAX_PENDING_TICKETS);
+        for _ in 0..10 {
+            assert!(tickets.try_take().is_some());
+        }
+        assert_eq!(tickets.release_due(late), (bound + 10, 10));
+        assert_eq!(tickets.pending(), bound);
     }
 
     #[test]
@@ -515,10 +627,10 @@ mod tests {
         let (done, finished) = std::sync::mpsc::channel();
         let pacer = Arc::clone(&tickets);
         std::thread::spawn(move || {
-            pace(&pacer, 1);
+            pace(&pacer);
             let _ = done.send(());
         });
-        tickets.released.close();
+        tickets.close();
         assert!(
             finished.recv_timeout(Duration::from_secs(5)).is_ok(),
             "the pacer still runs after the run ended"
@@ -533,7 +645,7 @@ mod tests {
             Stop::Count(20),
         ));
         let pacer = Arc::clone(&tickets);
-        let paced = std::thread::spawn(move || pace(&pacer, 4));
+        let paced = std::thread::spawn(move || pace(&pacer));
         let workers: Vec<_> = (0..4)
             .map(|_| {
                 let tickets = Arc::clone(&tickets);
@@ -552,5 +664,38 @@ mod tests {
         }
         paced.join().expect("pacer");
         assert_eq!(taken, 20);
+    }
+
+    #[tokio::test]
+    async fn waiting_workers_stop_when_the_run_closes() {
+        let tickets = Arc::new(Tickets::new(
+            Instant::now(),
+            Duration::from_secs(3600),
+            Stop::Count(1_000),
+        ));
+        // The first ticket is due at once; the next in an hour.
+        assert_eq!(tickets.release_due(Instant::now()), (1, 1));
+        let workers: Vec<_> = (0..3)
+            .map(|_| {
+                let tickets = Arc::clone(&tickets);
+                tokio::spawn(async move {
+                    let mut taken = 0;
+                    while tickets.next().await.is_some() {
+                        taken += 1;
+                    }
+                    taken
+                })
+            })
+            .collect();
+        tokio::task::yield_now().await;
+        tickets.close();
+        let mut taken = 0;
+        for worker in workers {
+            taken += tokio::time::timeout(Duration::from_secs(5), worker)
+                .await
+                .expect("a waiting worker stops when the run closes")
+                .expect("worker");
+        }
+        assert!(taken <= 1, "{taken}");
     }
 }
