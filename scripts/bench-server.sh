@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Measures `tollgate serve` with `tollgate bench`, every run against one server process, as
 # BENCHMARKS.md reports it. Usage: scripts/bench-server.sh [memory|redis] [seconds] [rounds]
+# (SERVE_ARGS="--runtime per-core" adds flags to `tollgate serve`).
 # Starts its own server (and redis-server for `redis`) on free loopback ports; kills them on exit.
 # The closed-loop runs repeat `rounds` times, interleaved (no-op, check, gRPC, no-op, ...), so a
 # slow spell of the host hits every kind of run alike; the ratios are taken within each round and
@@ -28,7 +29,8 @@ if [[ $store == redis ]]; then
   until redis-cli -p "$rport" ping >/dev/null 2>&1; do sleep 0.1; done
   store_flag=redis://127.0.0.1:$rport
 fi
-$B serve --http 127.0.0.1:0 --grpc 127.0.0.1:0 --store "$store_flag" >"$work/server.out" 2>&1 &
+# shellcheck disable=SC2086 # SERVE_ARGS is a list of flags
+$B serve --http 127.0.0.1:0 --grpc 127.0.0.1:0 --store "$store_flag" ${SERVE_ARGS:-} >"$work/server.out" 2>&1 &
 server=$!
 pids+=($server)
 until grep -q '^listening' "$work/server.out" 2>/dev/null; do sleep 0.1; done

@@ -72,6 +72,9 @@ pub enum ServeError {
     /// The gRPC server failed.
     #[error("gRPC server: {0}")]
     Grpc(tonic::transport::Error),
+    /// A serving thread of [`run_per_core`] could not start, or failed.
+    #[error("serving thread: {0}")]
+    Thread(std::io::Error),
 }
 
 /// How often this process's full buckets are dropped and emptied tables shrunk, so that after
@@ -120,25 +123,139 @@ pub async fn run(
         shutdown.await;
         let _ = stop.send(true);
     });
-    let wait = |mut stopped: watch::Receiver<bool>| async move {
-        // Resolves on the signal, or if the sender is gone (nothing can signal any more).
-        let _ = stopped.wait_for(|stop| *stop).await;
-    };
+    housekeeping(&state, &stopped);
+    serve_listeners(state, http, grpc, stopped).await
+}
+
+/// Serves like [`run`], and serves `others` too, each pair of listeners on a thread of its own
+/// with a single-threaded runtime. The listeners are meant to share their ports
+/// (`SO_REUSEPORT`): the kernel then spreads new connections over the threads, and each
+/// connection, with every request and HTTP/2 stream on it, stays on one thread, where a shared
+/// runtime's threads would hand work to each other and wake each other up for it. The decision
+/// state (policy, buckets, store) is shared by all. One thread stopping, for whatever reason,
+/// stops them all.
+///
+/// # Errors
+///
+/// [`ServeError`] when a thread cannot start or a server fails; the first error is returned
+/// once every thread has stopped.
+pub async fn run_per_core(
+    state: Arc<AppState>,
+    http: TcpListener,
+    grpc: TcpListener,
+    others: Vec<(std::net::TcpListener, std::net::TcpListener)>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    let (stop, stopped) = watch::channel(false);
+    let stop = Arc::new(stop);
+    let mut threads = Vec::with_capacity(others.len());
+    let mut started = Ok(());
+    for (index, (http, grpc)) in others.into_iter().enumerate() {
+        let (state, stopped, stopping) = (Arc::clone(&state), stopped.clone(), Arc::clone(&stop));
+        let spawned = std::thread::Builder::new()
+            // Named for `top -H` and the like (a thread name holds 15 bytes).
+            .name("tollgate-worker".to_owned())
+            .spawn(move || {
+                let result = serve_on_own_runtime(state, http, grpc, stopped);
+                if let Err(err) = &result {
+                    tracing::error!(thread = index + 1, error = %err, "serving thread failed");
+                }
+                let _ = stopping.send(true);
+                result
+            });
+        match spawned {
+            Ok(thread) => threads.push(thread),
+            Err(err) => {
+                started = Err(ServeError::Thread(err));
+                let _ = stop.send(true);
+                break;
+            }
+        }
+    }
+    let signal = Arc::clone(&stop);
+    let mut stopping = stopped.clone();
+    tokio::spawn(async move {
+        tokio::select! {
+            () = shutdown => {}
+            _ = stopping.wait_for(|stop| *stop) => {}
+        }
+        let _ = signal.send(true);
+    });
+    housekeeping(&state, &stopped);
+    let served = serve_listeners(state, http, grpc, stopped).await;
+    let _ = stop.send(true);
+    let joined = tokio::task::spawn_blocking(move || {
+        threads
+            .into_iter()
+            .map(|thread| {
+                thread.join().unwrap_or_else(|_| {
+                    Err(ServeError::Thread(std::io::Error::other(
+                        "a serving thread panicked",
+                    )))
+                })
+            })
+            .collect::<Vec<_>>()
+    })
+    .await
+    .map_err(|err| ServeError::Thread(std::io::Error::other(err)))?;
+    started?;
+    served?;
+    joined.into_iter().collect()
+}
+
+/// One thread of [`run_per_core`]: its own runtime, serving its own listeners.
+fn serve_on_own_runtime(
+    state: Arc<AppState>,
+    http: std::net::TcpListener,
+    grpc: std::net::TcpListener,
+    stopped: watch::Receiver<bool>,
+) -> Result<(), ServeError> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(ServeError::Thread)?;
+    runtime.block_on(async move {
+        let http = TcpListener::from_std(http).map_err(ServeError::Thread)?;
+        let grpc = TcpListener::from_std(grpc).map_err(ServeError::Thread)?;
+        serve_listeners(state, http, grpc, stopped).await
+    })
+}
+
+/// Resolves once `stopped` turns true, or once nothing can turn it any more.
+async fn until_stopped(mut stopped: watch::Receiver<bool>) {
+    let _ = stopped.wait_for(|stop| *stop).await;
+}
+
+/// The process-wide chores, once per process, until `stopped`.
+fn housekeeping(state: &Arc<AppState>, stopped: &watch::Receiver<bool>) {
     let engine = Arc::clone(state.decider.engine());
-    tokio::spawn(every(SWEEP_EVERY, wait(stopped.clone()), move || {
-        let dropped = engine.sweep();
-        tracing::debug!(dropped, "swept full buckets");
-    }));
+    tokio::spawn(every(
+        SWEEP_EVERY,
+        until_stopped(stopped.clone()),
+        move || {
+            let dropped = engine.sweep();
+            tracing::debug!(dropped, "swept full buckets");
+        },
+    ));
     if let Some(metrics) = state.metrics.clone() {
         tokio::spawn(every(
             METRICS_UPKEEP_EVERY,
-            wait(stopped.clone()),
+            until_stopped(stopped.clone()),
             move || {
                 metrics.run_upkeep();
             },
         ));
     }
+}
 
+/// Serves HTTP on `http` and gRPC on `grpc` until `stopped`, then lets requests in flight
+/// finish.
+async fn serve_listeners(
+    state: Arc<AppState>,
+    http: TcpListener,
+    grpc: TcpListener,
+    stopped: watch::Receiver<bool>,
+) -> Result<(), ServeError> {
     let app = http::router(Arc::clone(&state)).into_make_service_with_connect_info::<SocketAddr>();
     // Answers are small and written whole: nothing is gained by holding them back (Nagle).
     let http = http.tap_io(|stream| {
@@ -146,13 +263,13 @@ pub async fn run(
             tracing::debug!(error = %err, "cannot set TCP_NODELAY");
         }
     });
-    let http_server = axum::serve(http, app).with_graceful_shutdown(wait(stopped.clone()));
+    let http_server = axum::serve(http, app).with_graceful_shutdown(until_stopped(stopped.clone()));
 
     let rls = rls::Rls::new(Arc::clone(&state.decider)).into_server();
     let incoming = tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true));
     let grpc_server = tonic::transport::Server::builder()
         .add_service(rls)
-        .serve_with_incoming_shutdown(incoming, wait(stopped));
+        .serve_with_incoming_shutdown(incoming, until_stopped(stopped));
 
     let (http_result, grpc_result) = tokio::join!(http_server, grpc_server);
     http_result.map_err(ServeError::Http)?;

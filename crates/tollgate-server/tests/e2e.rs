@@ -475,6 +475,22 @@ fn start_up_errors_are_one_line_and_exit_non_zero() {
         stderr.contains("cannot listen on") && stderr.contains("--http"),
         "{stderr}"
     );
+    // Sharing a port between tollgate's own threads does not take one from another program.
+    let (status, _, stderr) = run(&[
+        "serve",
+        "--runtime",
+        "per-core",
+        "--http",
+        &port,
+        "--grpc",
+        "127.0.0.1:0",
+    ]);
+    assert!(!status.success());
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("cannot listen on") && stderr.contains("--http"),
+        "{stderr}"
+    );
 }
 
 #[test]
@@ -495,6 +511,73 @@ fn the_number_of_threads_is_a_setting() {
     let (status, _, stderr) = run(&["serve", "--threads", "0"]);
     assert!(!status.success());
     assert!(stderr.contains("--threads"), "{stderr}");
+}
+
+/// Sockets listening on `port` (any address), from the kernel's table.
+fn listening_on(port: u16) -> usize {
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default()
+        + &std::fs::read_to_string("/proc/net/tcp6").unwrap_or_default();
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace();
+            let local = fields.nth(1)?;
+            let state = fields.nth(1)?;
+            let (_, hex_port) = local.rsplit_once(':')?;
+            (state == "0A" && u16::from_str_radix(hex_port, 16).ok()? == port).then_some(())
+        })
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_core_threads_share_the_ports_and_the_buckets() {
+    let scratch = Scratch::new("per-core");
+    let config = scratch.write("policy.yaml", POLICY);
+    let server = Server::start(&[
+        "--config",
+        path_str(&config),
+        "--runtime",
+        "per-core",
+        "--threads",
+        "3",
+    ]);
+    // Three threads, each with its own listener on each port.
+    assert_eq!(listening_on(server.http.port()), 3);
+    assert_eq!(listening_on(server.grpc.port()), 3);
+
+    // A connection per check: the kernel spreads them over the threads, and the bucket (3 a
+    // minute) is still one.
+    let http = server.http;
+    let statuses = tokio::task::spawn_blocking(move || {
+        (0..12)
+            .map(|_| post_json(http, "/v1/check", &check_body("ivan")).status)
+            .collect::<Vec<_>>()
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        statuses.iter().filter(|&&status| status == 200).count(),
+        3,
+        "{statuses:?}"
+    );
+    assert!(
+        statuses
+            .iter()
+            .all(|&status| status == 200 || status == 429)
+    );
+    let request = RateLimitRequest {
+        domain: "api".to_owned(),
+        descriptors: vec![descriptor(&[("user", "ivan")])],
+        hits_addend: 1,
+    };
+    for _ in 0..3 {
+        let response = should_rate_limit(&server, request.clone()).await.unwrap();
+        assert_eq!(response.overall_code, Code::OverLimit as i32);
+    }
+
+    let status = server.terminate();
+    assert!(status.success(), "exit {status:?}");
 }
 
 #[test]
