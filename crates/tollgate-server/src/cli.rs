@@ -129,8 +129,8 @@ pub struct ServeArgs {
     #[arg(long, env = "TOLLGATE_THREADS", value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub threads: Option<u16>,
     /// How the threads share the work: `shared`, one runtime whose threads take work from each
-    /// other; or `per-core`, a runtime per thread, each accepting its own connections on the
-    /// same ports (SO_REUSEPORT), which costs less CPU per request and serves multiplexed
+    /// other; or `per-core`, a runtime per thread, connections handed to the threads in turn
+    /// and each kept on its thread, which costs less CPU per request and serves multiplexed
     /// gRPC faster, but cannot move a busy connection's work to an idle thread.
     #[arg(long, env = "TOLLGATE_RUNTIME", value_enum, default_value_t = RuntimeModel::Shared)]
     pub runtime: RuntimeModel,
@@ -142,10 +142,10 @@ pub enum RuntimeModel {
     /// One tokio runtime whose threads steal work from each other: any thread may run any
     /// request, so an uneven spread of connections does not leave a thread idle.
     Shared,
-    /// A single-threaded runtime per thread, each with its own listeners on the shared ports:
-    /// a connection and every request on it stay on one thread, so no thread hands work to
-    /// another or wakes it for it. The kernel spreads connections, not load: a few busy
-    /// connections may land on one thread while another idles.
+    /// A single-threaded runtime per thread; connections are handed to the threads in turn
+    /// and a connection, with every request on it, stays on its thread, so no thread hands
+    /// work to another or wakes it for it. Connections are spread by count, not load: a few
+    /// busy connections may share a thread while another serves idle ones.
     PerCore,
 }
 
@@ -437,32 +437,12 @@ pub async fn serve(
     };
     let state = Arc::new(AppState::new(decider, metrics, http_options));
 
-    let listen_http = |err| anyhow!("cannot listen on {} for HTTP (--http): {err}", args.http);
-    let listen_grpc = |err| anyhow!("cannot listen on {} for gRPC (--grpc): {err}", args.grpc);
-    let (http, grpc, others) = match args.runtime {
-        RuntimeModel::Shared => (
-            TcpListener::bind(args.http).await.map_err(listen_http)?,
-            TcpListener::bind(args.grpc).await.map_err(listen_grpc)?,
-            Vec::new(),
-        ),
-        RuntimeModel::PerCore => {
-            let http = bind_shared(args.http).map_err(listen_http)?;
-            let grpc = bind_shared(args.grpc).map_err(listen_grpc)?;
-            // Port 0 picked a port: the other threads take the same one.
-            let (http_addr, grpc_addr) = (http.local_addr()?, grpc.local_addr()?);
-            let threads = match args.threads {
-                Some(threads) => usize::from(threads),
-                None => std::thread::available_parallelism().map_or(1, usize::from),
-            };
-            let mut others = Vec::with_capacity(threads.saturating_sub(1));
-            for _ in 1..threads {
-                let http = bind_shared(http_addr).and_then(TcpListener::into_std);
-                let grpc = bind_shared(grpc_addr).and_then(TcpListener::into_std);
-                others.push((http.map_err(listen_http)?, grpc.map_err(listen_grpc)?));
-            }
-            (http, grpc, others)
-        }
-    };
+    let http = TcpListener::bind(args.http)
+        .await
+        .with_context(|| format!("cannot listen on {} for HTTP (--http)", args.http))?;
+    let grpc = TcpListener::bind(args.grpc)
+        .await
+        .with_context(|| format!("cannot listen on {} for gRPC (--grpc)", args.grpc))?;
     let http_addr = http.local_addr().context("HTTP listener address")?;
     let grpc_addr = grpc.local_addr().context("gRPC listener address")?;
 
@@ -491,33 +471,16 @@ pub async fn serve(
 
     match args.runtime {
         RuntimeModel::Shared => crate::run(state, http, grpc, shutdown).await,
-        RuntimeModel::PerCore => crate::run_per_core(state, http, grpc, others, shutdown).await,
+        RuntimeModel::PerCore => {
+            let threads = match args.threads {
+                Some(threads) => usize::from(threads),
+                None => std::thread::available_parallelism().map_or(1, usize::from),
+            };
+            crate::run_per_core(state, http, grpc, threads, shutdown).await
+        }
     }
     .map_err(|err| anyhow!("{err}"))?;
     Ok(())
-}
-
-/// A listener on `addr` that other listeners of this process may share (`SO_REUSEPORT`).
-#[cfg(unix)]
-fn bind_shared(addr: SocketAddr) -> std::io::Result<TcpListener> {
-    let socket = if addr.is_ipv4() {
-        tokio::net::TcpSocket::new_v4()?
-    } else {
-        tokio::net::TcpSocket::new_v6()?
-    };
-    // As a plain bind does: a restart need not wait for the old connections' TIME_WAIT.
-    socket.set_reuseaddr(true)?;
-    socket.set_reuseport(true)?;
-    socket.bind(addr)?;
-    socket.listen(1024)
-}
-
-#[cfg(not(unix))]
-fn bind_shared(_: SocketAddr) -> std::io::Result<TcpListener> {
-    Err(std::io::Error::new(
-        std::io::ErrorKind::Unsupported,
-        "--runtime per-core needs SO_REUSEPORT (Linux and other Unix systems)",
-    ))
 }
 
 /// A request body that matches the policy's first limit, for the banner's example.

@@ -57,7 +57,7 @@ use std::time::Duration;
 
 use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 
 pub use decider::{Backend, Decider};
 pub use http::{AppState, HttpOptions};
@@ -127,13 +127,14 @@ pub async fn run(
     serve_listeners(state, http, grpc, stopped).await
 }
 
-/// Serves like [`run`], and serves `others` too, each pair of listeners on a thread of its own
-/// with a single-threaded runtime. The listeners are meant to share their ports
-/// (`SO_REUSEPORT`): the kernel then spreads new connections over the threads, and each
-/// connection, with every request and HTTP/2 stream on it, stays on one thread, where a shared
-/// runtime's threads would hand work to each other and wake each other up for it. The decision
-/// state (policy, buckets, store) is shared by all. One thread stopping, for whatever reason,
-/// stops them all.
+/// Serves like [`run`], on `threads` threads, each with a single-threaded runtime of its own:
+/// this one (call it from a current-thread runtime) and `threads - 1` it starts. This thread
+/// accepts every connection and hands each to the threads in
+/// turn; a connection, with every request and HTTP/2 stream on it, then stays on its thread,
+/// where a shared runtime's threads would hand work to each other and wake each other up for
+/// it. Turn by turn, long-lived connections are spread evenly by count (a kernel hash of
+/// `SO_REUSEPORT` listeners would not be). The decision state (policy, buckets, store) is
+/// shared by all. One thread stopping, for whatever reason, stops them all.
 ///
 /// # Errors
 ///
@@ -143,28 +144,38 @@ pub async fn run_per_core(
     state: Arc<AppState>,
     http: TcpListener,
     grpc: TcpListener,
-    others: Vec<(std::net::TcpListener, std::net::TcpListener)>,
+    threads: usize,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     let (stop, stopped) = watch::channel(false);
     let stop = Arc::new(stop);
-    let mut threads = Vec::with_capacity(others.len());
+    let http_addr = http.local_addr().map_err(ServeError::Http)?;
+    let (own_http, own_grpc) = (mpsc::unbounded_channel(), mpsc::unbounded_channel());
+    let (mut to_http, mut to_grpc) = (vec![own_http.0], vec![own_grpc.0]);
+    let mut spawned = Vec::with_capacity(threads.saturating_sub(1));
     let mut started = Ok(());
-    for (index, (http, grpc)) in others.into_iter().enumerate() {
+    for index in 1..threads.max(1) {
+        let (http_in, http_out) = mpsc::unbounded_channel();
+        let (grpc_in, grpc_out) = mpsc::unbounded_channel();
         let (state, stopped, stopping) = (Arc::clone(&state), stopped.clone(), Arc::clone(&stop));
-        let spawned = std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             // Named for `top -H` and the like (a thread name holds 15 bytes).
             .name("tollgate-worker".to_owned())
             .spawn(move || {
-                let result = serve_on_own_runtime(state, http, grpc, stopped);
+                let handed = (Handed::new(http_out, http_addr), grpc_out);
+                let result = serve_on_own_runtime(state, handed, stopped);
                 if let Err(err) = &result {
-                    tracing::error!(thread = index + 1, error = %err, "serving thread failed");
+                    tracing::error!(thread = index, error = %err, "serving thread failed");
                 }
                 let _ = stopping.send(true);
                 result
             });
-        match spawned {
-            Ok(thread) => threads.push(thread),
+        match thread {
+            Ok(thread) => {
+                spawned.push(thread);
+                to_http.push(http_in);
+                to_grpc.push(grpc_in);
+            }
             Err(err) => {
                 started = Err(ServeError::Thread(err));
                 let _ = stop.send(true);
@@ -182,10 +193,18 @@ pub async fn run_per_core(
         let _ = signal.send(true);
     });
     housekeeping(&state, &stopped);
-    let served = serve_listeners(state, http, grpc, stopped).await;
+    tokio::spawn(hand_out(http, to_http, stopped.clone()));
+    tokio::spawn(hand_out(grpc, to_grpc, stopped.clone()));
+    let served = serve_incoming(
+        state,
+        Handed::new(own_http.1, http_addr),
+        handed_streams(own_grpc.1),
+        stopped,
+    )
+    .await;
     let _ = stop.send(true);
     let joined = tokio::task::spawn_blocking(move || {
-        threads
+        spawned
             .into_iter()
             .map(|thread| {
                 thread.join().unwrap_or_else(|_| {
@@ -203,22 +222,100 @@ pub async fn run_per_core(
     joined.into_iter().collect()
 }
 
-/// One thread of [`run_per_core`]: its own runtime, serving its own listeners.
+/// Accepts connections on `listener` and hands them to `threads` in turn, until `stopped`.
+async fn hand_out(
+    listener: TcpListener,
+    threads: Vec<mpsc::UnboundedSender<std::net::TcpStream>>,
+    stopped: watch::Receiver<bool>,
+) {
+    let mut turn = 0;
+    let stop = until_stopped(stopped);
+    tokio::pin!(stop);
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = &mut stop => return,
+        };
+        match accepted.and_then(|(stream, _)| stream.into_std()) {
+            Ok(stream) => {
+                if let Some(thread) = threads.get(turn % threads.len().max(1)) {
+                    // A thread that is gone has stopped them all; the connection just closes.
+                    let _ = thread.send(stream);
+                }
+                turn = turn.wrapping_add(1);
+            }
+            Err(err) => {
+                // Out of file descriptors, most likely: wait rather than spin.
+                tracing::warn!(error = %err, "cannot accept a connection");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    }
+}
+
+/// Connections handed to this thread, as an HTTP listener.
+struct Handed {
+    connections: mpsc::UnboundedReceiver<std::net::TcpStream>,
+    local: SocketAddr,
+}
+
+impl Handed {
+    fn new(connections: mpsc::UnboundedReceiver<std::net::TcpStream>, local: SocketAddr) -> Self {
+        Self { connections, local }
+    }
+}
+
+impl axum::serve::Listener for Handed {
+    type Io = tokio::net::TcpStream;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        loop {
+            let Some(stream) = self.connections.recv().await else {
+                // Nothing more will come; the server stops on its shutdown signal.
+                return std::future::pending().await;
+            };
+            match tokio::net::TcpStream::from_std(stream) {
+                Ok(stream) => {
+                    let peer = stream.peer_addr().unwrap_or(self.local);
+                    return (stream, peer);
+                }
+                Err(err) => tracing::debug!(error = %err, "cannot take a handed connection"),
+            }
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        Ok(self.local)
+    }
+}
+
+/// Connections handed to this thread, as the gRPC server's incoming stream.
+fn handed_streams(
+    mut connections: mpsc::UnboundedReceiver<std::net::TcpStream>,
+) -> impl futures_util::Stream<Item = std::io::Result<tokio::net::TcpStream>> + Send + 'static {
+    futures_util::stream::poll_fn(move |cx| {
+        connections.poll_recv(cx).map(|stream| {
+            stream.map(|stream| {
+                let stream = tokio::net::TcpStream::from_std(stream)?;
+                stream.set_nodelay(true)?;
+                Ok(stream)
+            })
+        })
+    })
+}
+
+/// One thread of [`run_per_core`]: its own runtime, serving the connections handed to it.
 fn serve_on_own_runtime(
     state: Arc<AppState>,
-    http: std::net::TcpListener,
-    grpc: std::net::TcpListener,
+    (http, grpc): (Handed, mpsc::UnboundedReceiver<std::net::TcpStream>),
     stopped: watch::Receiver<bool>,
 ) -> Result<(), ServeError> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(ServeError::Thread)?;
-    runtime.block_on(async move {
-        let http = TcpListener::from_std(http).map_err(ServeError::Thread)?;
-        let grpc = TcpListener::from_std(grpc).map_err(ServeError::Thread)?;
-        serve_listeners(state, http, grpc, stopped).await
-    })
+    runtime.block_on(serve_incoming(state, http, handed_streams(grpc), stopped))
 }
 
 /// Resolves once `stopped` turns true, or once nothing can turn it any more.
@@ -256,6 +353,22 @@ async fn serve_listeners(
     grpc: TcpListener,
     stopped: watch::Receiver<bool>,
 ) -> Result<(), ServeError> {
+    let grpc = tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true));
+    serve_incoming(state, http, grpc, stopped).await
+}
+
+/// Serves HTTP on the connections `http` accepts and gRPC on those `grpc` yields, until
+/// `stopped`, then lets requests in flight finish.
+async fn serve_incoming<L, G>(
+    state: Arc<AppState>,
+    http: L,
+    grpc: G,
+    stopped: watch::Receiver<bool>,
+) -> Result<(), ServeError>
+where
+    L: axum::serve::Listener<Io = tokio::net::TcpStream, Addr = SocketAddr>,
+    G: futures_util::Stream<Item = std::io::Result<tokio::net::TcpStream>> + Send + 'static,
+{
     let app = http::router(Arc::clone(&state)).into_make_service_with_connect_info::<SocketAddr>();
     // Answers are small and written whole: nothing is gained by holding them back (Nagle).
     let http = http.tap_io(|stream| {
@@ -266,10 +379,9 @@ async fn serve_listeners(
     let http_server = axum::serve(http, app).with_graceful_shutdown(until_stopped(stopped.clone()));
 
     let rls = rls::Rls::new(Arc::clone(&state.decider)).into_server();
-    let incoming = tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true));
     let grpc_server = tonic::transport::Server::builder()
         .add_service(rls)
-        .serve_with_incoming_shutdown(incoming, until_stopped(stopped));
+        .serve_with_incoming_shutdown(grpc, until_stopped(stopped));
 
     let (http_result, grpc_result) = tokio::join!(http_server, grpc_server);
     http_result.map_err(ServeError::Http)?;

@@ -475,7 +475,7 @@ fn start_up_errors_are_one_line_and_exit_non_zero() {
         stderr.contains("cannot listen on") && stderr.contains("--http"),
         "{stderr}"
     );
-    // Sharing a port between tollgate's own threads does not take one from another program.
+    // Likewise with a runtime per thread.
     let (status, _, stderr) = run(&[
         "serve",
         "--runtime",
@@ -500,12 +500,7 @@ fn the_number_of_threads_is_a_setting() {
     assert_eq!(answer.status, 200, "{}", answer.body);
     // The runtime's threads are named tollgate-worker: one here, and none of the blocking
     // pool's yet, as nothing blocking has run.
-    let workers = std::fs::read_dir(format!("/proc/{}/task", server.pid()))
-        .unwrap()
-        .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("comm")).ok())
-        .filter(|name| name.trim() == "tollgate-worker")
-        .count();
-    assert_eq!(workers, 1);
+    assert_eq!(threads_named(server.pid(), "tollgate-worker"), 1);
 
     // Refused by the flag parser, with its usage hint on the following lines.
     let (status, _, stderr) = run(&["serve", "--threads", "0"]);
@@ -513,25 +508,36 @@ fn the_number_of_threads_is_a_setting() {
     assert!(stderr.contains("--threads"), "{stderr}");
 }
 
-/// Sockets listening on `port` (any address), from the kernel's table.
-fn listening_on(port: u16) -> usize {
-    let table = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default()
-        + &std::fs::read_to_string("/proc/net/tcp6").unwrap_or_default();
-    table
-        .lines()
-        .skip(1)
-        .filter_map(|line| {
-            let mut fields = line.split_whitespace();
-            let local = fields.nth(1)?;
-            let state = fields.nth(1)?;
-            let (_, hex_port) = local.rsplit_once(':')?;
-            (state == "0A" && u16::from_str_radix(hex_port, 16).ok()? == port).then_some(())
+/// Threads of process `pid` named `name`.
+fn threads_named(pid: u32, name: &str) -> usize {
+    wake_ups(pid, name).len()
+}
+
+/// How often each thread of process `pid` named `name` has gone to sleep and been woken, by
+/// thread id: a thread that serves a request is woken for it.
+fn wake_ups(pid: u32, name: &str) -> std::collections::BTreeMap<String, u64> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|task| {
+            let task = task.ok()?.path();
+            let comm = std::fs::read_to_string(task.join("comm")).ok()?;
+            if comm.trim() != name {
+                return None;
+            }
+            let status = std::fs::read_to_string(task.join("status")).ok()?;
+            let switches = status
+                .lines()
+                .find_map(|line| line.strip_prefix("voluntary_ctxt_switches:"))?
+                .trim()
+                .parse()
+                .ok()?;
+            Some((task.file_name()?.to_string_lossy().into_owned(), switches))
         })
-        .count()
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn per_core_threads_share_the_ports_and_the_buckets() {
+async fn per_core_threads_share_the_connections_and_the_buckets() {
     let scratch = Scratch::new("per-core");
     let config = scratch.write("policy.yaml", POLICY);
     let server = Server::start(&[
@@ -542,12 +548,20 @@ async fn per_core_threads_share_the_ports_and_the_buckets() {
         "--threads",
         "3",
     ]);
-    // Three threads, each with its own listener on each port.
-    assert_eq!(listening_on(server.http.port()), 3);
-    assert_eq!(listening_on(server.grpc.port()), 3);
+    // The main thread and two more, each with a runtime of its own (started just after the
+    // listening line).
+    let mut idle = wake_ups(server.pid(), "tollgate-worker");
+    for _ in 0..500 {
+        if idle.len() >= 2 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        idle = wake_ups(server.pid(), "tollgate-worker");
+    }
+    assert_eq!(idle.len(), 2);
 
-    // A connection per check: the kernel spreads them over the threads, and the bucket (3 a
-    // minute) is still one.
+    // A connection per check: they are handed to the three threads in turn, and the bucket
+    // (3 a minute) is still one.
     let http = server.http;
     let statuses = tokio::task::spawn_blocking(move || {
         (0..12)
@@ -566,6 +580,14 @@ async fn per_core_threads_share_the_ports_and_the_buckets() {
             .iter()
             .all(|&status| status == 200 || status == 429)
     );
+    // Both of the other threads served some of them.
+    let served = wake_ups(server.pid(), "tollgate-worker");
+    for (thread, before) in &idle {
+        assert!(
+            served.get(thread).is_some_and(|after| after > before),
+            "thread {thread} never woke: {idle:?} then {served:?}"
+        );
+    }
     let request = RateLimitRequest {
         domain: "api".to_owned(),
         descriptors: vec![descriptor(&[("user", "ivan")])],
