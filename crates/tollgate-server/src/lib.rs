@@ -129,12 +129,12 @@ pub async fn run(
 
 /// Serves like [`run`], on `threads` threads, each with a single-threaded runtime of its own:
 /// this one (call it from a current-thread runtime) and `threads - 1` it starts. This thread
-/// accepts every connection and hands each to the threads in
-/// turn; a connection, with every request and HTTP/2 stream on it, then stays on its thread,
-/// where a shared runtime's threads would hand work to each other and wake each other up for
-/// it. Turn by turn, long-lived connections are spread evenly by count (a kernel hash of
-/// `SO_REUSEPORT` listeners would not be). The decision state (policy, buckets, store) is
-/// shared by all. One thread stopping, for whatever reason, stops them all.
+/// accepts every connection and hands each to the threads in turn; a connection, with every
+/// request and HTTP/2 stream on it, then stays on its thread, where a shared runtime's threads
+/// would hand work to each other and wake each other up for it. Turn by turn, long-lived
+/// connections are spread evenly by count (a kernel hash of `SO_REUSEPORT` listeners would not
+/// be). The decision state (policy, buckets, store) is shared by all. One thread stopping, for
+/// whatever reason, stops them all.
 ///
 /// # Errors
 ///
@@ -184,12 +184,8 @@ pub async fn run_per_core(
         }
     }
     let signal = Arc::clone(&stop);
-    let mut stopping = stopped.clone();
     tokio::spawn(async move {
-        tokio::select! {
-            () = shutdown => {}
-            _ = stopping.wait_for(|stop| *stop) => {}
-        }
+        shutdown.await;
         let _ = signal.send(true);
     });
     housekeeping(&state, &stopped);

@@ -207,12 +207,17 @@ async fn unexpected_statuses_are_errors_with_the_reason() {
     ])
     .await
     .expect("bench runs");
+    let first = all_failed(summary, 20);
+    assert!(first.starts_with("HTTP 404"), "{first}");
+}
+
+/// Asserts that every one of `requests` failed, and returns the first error.
+fn all_failed(summary: Summary, requests: u64) -> String {
     assert_eq!(
         (summary.allowed, summary.rejected, summary.errors),
-        (0, 0, 20)
+        (0, 0, requests)
     );
-    let first = summary.first_error.unwrap_or_default();
-    assert!(first.starts_with("HTTP 404"), "{first}");
+    summary.first_error.unwrap_or_default()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -233,11 +238,7 @@ async fn grpc_errors_say_the_status_and_the_server_message() {
     ])
     .await
     .expect("bench runs");
-    assert_eq!(
-        (summary.allowed, summary.rejected, summary.errors),
-        (0, 0, 20)
-    );
-    let first = summary.first_error.unwrap_or_default();
+    let first = all_failed(summary, 20);
     assert!(
         first.starts_with("gRPC InvalidArgument: domain must be"),
         "{first}"

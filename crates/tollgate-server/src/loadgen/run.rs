@@ -427,27 +427,25 @@ async fn worker(
             break;
         }
         let key = picker.next();
-        let started = Instant::now();
+        // In closed loop a request leaves as it is scheduled.
+        let started = match tickets {
+            Some(_) => Instant::now(),
+            None => sent,
+        };
         if tickets.is_some() {
-            let late = u64::try_from((started - sent).as_nanos()).unwrap_or(u64::MAX);
-            tally.lag.saturating_record(late.max(1));
+            tally.lag.saturating_record(nanos(started - sent));
         }
         let result = tokio::time::timeout(plan.timeout, client.send(key)).await;
         let result = result.unwrap_or_else(|_| {
             client.reset();
             Err(format!("no answer within {:?} (--timeout)", plan.timeout))
         });
+        let finished = Instant::now();
         match result {
             Ok(verdict) => {
-                let answered = Instant::now();
-                let nanos = |since: Instant| {
-                    u64::try_from((answered - since).as_nanos())
-                        .unwrap_or(u64::MAX)
-                        .max(1)
-                };
-                tally.latency.saturating_record(nanos(sent));
+                tally.latency.saturating_record(nanos(finished - sent));
                 if tickets.is_some() {
-                    tally.service.saturating_record(nanos(started));
+                    tally.service.saturating_record(nanos(finished - started));
                 }
                 match verdict {
                     Verdict::Allowed => tally.allowed += 1,
@@ -465,11 +463,18 @@ async fn worker(
         shared.done.fetch_add(1, Ordering::Relaxed);
         if let Some(tickets) = &tickets {
             // It takes one of them itself, next.
-            let (_, by_me) = tickets.release_due(Instant::now());
+            let (_, by_me) = tickets.release_due(finished);
             tickets.wake(by_me.saturating_sub(1));
         }
     }
     tally
+}
+
+/// `duration` for a histogram of nanoseconds, which holds no zero.
+fn nanos(duration: Duration) -> u64 {
+    u64::try_from(duration.as_nanos())
+        .unwrap_or(u64::MAX)
+        .max(1)
 }
 
 /// A progress bar on stderr, or a hidden one when nobody is watching.
@@ -545,37 +550,12 @@ mod tests {
     }
 
     #[test]
-    fn each_due_ticket_is_released_once_whoever_releases_it() {
+    fn each_due_ticket_is_released_and_taken_once_whoever_does_it() {
         let start = Instant::now();
         let tickets = Tickets::new(start, Duration::from_micros(1), Stop::Count(10_000));
         let late = start + Duration::from_secs(1);
-        std::thread::scope(|scope| {
-            for _ in 0..4 {
-                scope.spawn(|| {
-                    for step in 0..=100u32 {
-                        tickets.release_due(start + Duration::from_micros(u64::from(step) * 100));
-                    }
-                    tickets.release_due(late).1
-                });
-            }
-        });
-        assert_eq!(tickets.pending(), 10_000);
-        assert_eq!(
-            tickets.release_due(late),
-            (10_000, 0),
-            "nothing left to release"
-        );
-        let taken = std::iter::from_fn(|| tickets.try_take()).count();
-        assert_eq!(taken, 10_000, "each released ticket is taken once");
-        assert_eq!(tickets.pending(), 0);
-    }
-
-    #[test]
-    fn tickets_released_by_concurrent_callers_add_up() {
-        let start = Instant::now();
-        let tickets = Tickets::new(start, Duration::from_micros(1), Stop::Count(10_000));
-        let late = start + Duration::from_secs(1);
-        let by_each: Vec<u64> = std::thread::scope(|scope| {
+        // Four callers release as time goes by, then everything; each says how many it did.
+        let released: u64 = std::thread::scope(|scope| {
             let callers: Vec<_> = (0..4)
                 .map(|_| {
                     scope.spawn(|| {
@@ -592,9 +572,22 @@ mod tests {
             callers
                 .into_iter()
                 .map(|caller| caller.join().unwrap_or(0))
-                .collect()
+                .sum()
         });
-        assert_eq!(by_each.iter().sum::<u64>(), 10_000, "{by_each:?}");
+        assert_eq!(released, 10_000);
+        assert_eq!(tickets.release_due(late), (10_000, 0), "nothing left");
+        // Four takers at once: every ticket once.
+        let taken: usize = std::thread::scope(|scope| {
+            let takers: Vec<_> = (0..4)
+                .map(|_| scope.spawn(|| std::iter::from_fn(|| tickets.try_take()).count()))
+                .collect();
+            takers
+                .into_iter()
+                .map(|taker| taker.join().unwrap_or(0))
+                .sum()
+        });
+        assert_eq!(taken, 10_000);
+        assert_eq!(tickets.pending(), 0);
     }
 
     #[test]
@@ -637,6 +630,22 @@ mod tests {
         );
     }
 
+    /// `count` tasks taking tickets until there are none; each returns how many it took.
+    fn takers(tickets: &Arc<Tickets>, count: usize) -> Vec<tokio::task::JoinHandle<u64>> {
+        (0..count)
+            .map(|_| {
+                let tickets = Arc::clone(tickets);
+                tokio::spawn(async move {
+                    let mut taken = 0;
+                    while tickets.next().await.is_some() {
+                        taken += 1;
+                    }
+                    taken
+                })
+            })
+            .collect()
+    }
+
     #[tokio::test]
     async fn every_waiting_worker_stops_once_the_tickets_are_taken() {
         let tickets = Arc::new(Tickets::new(
@@ -646,18 +655,7 @@ mod tests {
         ));
         let pacer = Arc::clone(&tickets);
         let paced = std::thread::spawn(move || pace(&pacer));
-        let workers: Vec<_> = (0..4)
-            .map(|_| {
-                let tickets = Arc::clone(&tickets);
-                tokio::spawn(async move {
-                    let mut taken = 0;
-                    while tickets.next().await.is_some() {
-                        taken += 1;
-                    }
-                    taken
-                })
-            })
-            .collect();
+        let workers = takers(&tickets, 4);
         let mut taken = 0;
         for worker in workers {
             taken += worker.await.expect("worker");
@@ -675,18 +673,7 @@ mod tests {
         ));
         // The first ticket is due at once; the next in an hour.
         assert_eq!(tickets.release_due(Instant::now()), (1, 1));
-        let workers: Vec<_> = (0..3)
-            .map(|_| {
-                let tickets = Arc::clone(&tickets);
-                tokio::spawn(async move {
-                    let mut taken = 0;
-                    while tickets.next().await.is_some() {
-                        taken += 1;
-                    }
-                    taken
-                })
-            })
-            .collect();
+        let workers = takers(&tickets, 3);
         tokio::task::yield_now().await;
         tickets.close();
         let mut taken = 0;
