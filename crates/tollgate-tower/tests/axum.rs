@@ -383,3 +383,28 @@ async fn a_policy_decides_all_its_limits_and_reports_the_enforced_ones() {
         StatusCode::BAD_REQUEST
     );
 }
+
+/// The layer reads the clock before the store takes its lock, so on a real clock two requests
+/// on one key often reach the bucket with their times in the opposite order. The later-timed
+/// charge empties the bucket; the earlier-timed request must get a clean 429 showing 0 left
+/// (its balance once overflowed: a panic in debug builds, a garbage `r` in release).
+#[tokio::test]
+async fn a_request_timed_before_the_last_charge_gets_a_clean_429() {
+    let start = tollgate::Timestamp::from_nanos(10_000_000_000);
+    let clock = ManualClock::starting_at(start);
+    let layer = TollgateLayer::limit("per-key", limit(2, "1/s"), api_key())
+        .clock(clock.clone())
+        .build();
+    let app = app(layer);
+    for _ in 0..2 {
+        assert_eq!(send(&app, get_with_key("k")).await.status(), StatusCode::OK);
+    }
+    clock.set(start - Duration::from_micros(1));
+    let denied = send(&app, get_with_key("k")).await;
+    assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(
+        header(&denied, "ratelimit").starts_with(r#""per-key";r=0;"#),
+        "{}",
+        header(&denied, "ratelimit")
+    );
+}

@@ -148,7 +148,12 @@ pub fn take(
         let decision = Decision::new(true, *limit, cost, next - n);
         Ok((decision, Some(BucketState::from_tat(next, limit))))
     } else {
-        Ok((Decision::new(false, *limit, cost, tat - n), None))
+        // `tat - n` exceeds the capacity when `now` is earlier than the bucket's last charge
+        // (a clock read before another thread's charge, or a clock that went back). Reported
+        // as empty: fewer tokens, never more, and `retry_after` then counts from the caller's
+        // present, which is no earlier than that charge.
+        let deficit = (tat - n).min(limit.capacity_units());
+        Ok((Decision::new(false, *limit, cost, deficit), None))
     }
 }
 
@@ -176,7 +181,8 @@ pub(crate) fn balance(
 ) -> Decision {
     let n = scaled(now, limit);
     let tat = state.map_or(n, |s| s.tat(limit)).max(n);
-    Decision::new(true, *limit, cost, tat - n)
+    // Clamped as in `take`: a `now` before the last charge shows an empty bucket.
+    Decision::new(true, *limit, cost, (tat - n).min(limit.capacity_units()))
 }
 
 /// Carries a bucket over a change of parameters at `now`.
@@ -195,8 +201,15 @@ pub fn rebase(
     let deficit_old = state.tat(old).saturating_sub(n_old);
     // tokens = (C_old*p_old - deficit_old) / p_old; in new units, times p_new, floored.
     let tokens_old_units = old.capacity_units() - deficit_old.min(old.capacity_units());
-    let tokens_new_units =
-        (tokens_old_units * u128::from(new.p()) / u128::from(old.p())).min(new.capacity_units());
+    // floor(tokens_old_units * p_new / p_old), split into whole tokens and the rest of one:
+    // the direct product can pass 2^128 (up to 2^94 units times a p near 2^64), while each
+    // part stays below it (whole tokens are at most a u64, the rest is below p_old).
+    let (p_old, p_new) = (u128::from(old.p()), u128::from(new.p()));
+    let (whole, rest) = (tokens_old_units / p_old, tokens_old_units % p_old);
+    let tokens_new_units = whole
+        .saturating_mul(p_new)
+        .saturating_add(rest * p_new / p_old)
+        .min(new.capacity_units());
     let deficit_new = new.capacity_units() - tokens_new_units;
     (deficit_new > 0).then(|| BucketState::from_tat(scaled(now, new) + deficit_new, new))
 }
@@ -339,6 +352,12 @@ mod tests {
             let (decision, next) = take(&l, state, at(now), 1).unwrap();
             assert!(!decision.allowed());
             assert_eq!(next, None);
+            // Seen from before the charge the bucket is empty, not over-empty: the deficit is
+            // clamped to the capacity, so the figures stay in range (no overflow).
+            assert_eq!(decision.remaining(), 0);
+            assert_eq!(decision.retry_after(), Some(Duration::from_secs(1)));
+            assert_eq!(decision.reset_after(), Duration::from_secs(10));
+            assert_eq!(balance(&l, state, at(now), 1).remaining(), 0);
         }
         assert_eq!(state.unwrap().full_at(), full_at);
         // Time resumes: exactly one token at 101 s.
@@ -422,6 +441,24 @@ mod tests {
             peek(&thirds, rebased, at(4 * SEC), 1).unwrap().remaining(),
             3
         );
+    }
+
+    #[test]
+    fn rebase_between_extreme_limits_does_not_overflow() {
+        // The largest capacity at a prime rate near 2^32/s (p near 2^32 units per token) to
+        // and from a small daily limit (p near 2^46): the balance times the new p passes 2^128.
+        let rate = Rate::new(4_294_967_291, Duration::from_secs(1)).unwrap();
+        let huge = Limit::new(u64::MAX, rate).unwrap();
+        let daily = limit(1, "1/d");
+        let (_, state) = take(&huge, None, at(0), 1).unwrap();
+        assert_eq!(rebase(&huge, &daily, state, at(0)), None, "clamps to full");
+        // A bucket u64::MAX - 1 tokens full into the largest daily limit: full again.
+        let roomy = Limit::new(50_000, "1/d".parse().unwrap()).unwrap();
+        assert_eq!(rebase(&huge, &roomy, state, at(0)), None);
+        // And back, exactly: a daily bucket two tokens short carries 49,998 tokens over.
+        let (_, state) = take(&roomy, None, at(0), 2).unwrap();
+        let rebased = rebase(&roomy, &huge, state, at(0));
+        assert_eq!(peek(&huge, rebased, at(0), 1).unwrap().remaining(), 49_997);
     }
 
     #[test]

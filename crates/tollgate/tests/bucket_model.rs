@@ -229,6 +229,8 @@ proptest! {
             if decision.allowed() {
                 allowed += cost;
             }
+            // Decided from before the last charge, the figures stay in range.
+            prop_assert!(decision.remaining() <= capacity);
             let bound = int(capacity) + int(latest - first.min(latest)) * &rate;
             prop_assert!(int(allowed) <= bound);
         }

@@ -151,3 +151,24 @@ fn idempotent_retries_racing_are_charged_once() {
     assert!(store.peek("k", &limit, 400, now).unwrap().allowed());
     assert!(!store.peek("k", &limit, 401, now).unwrap().allowed());
 }
+
+/// On the real clock, threads read the time before taking the shard lock, so a hot key's
+/// checks reach the bucket with their times out of order all the time; a rejection decided at
+/// a time before the last charge must still report a balance in range (it once overflowed).
+#[test]
+fn a_hot_key_on_the_real_clock_reports_balances_in_range() {
+    let limiter = RateLimiter::with_limit(Limit::new(1, "1000000/s".parse().unwrap()).unwrap());
+    let checks = AtomicU64::new(0);
+    thread::scope(|scope| {
+        for _ in 0..4 {
+            scope.spawn(|| {
+                for _ in 0..100_000 {
+                    let decision = limiter.check("hot").unwrap();
+                    assert!(decision.remaining() <= 1, "{decision:?}");
+                    checks.fetch_add(1, Ordering::Relaxed);
+                }
+            });
+        }
+    });
+    assert_eq!(checks.into_inner(), 400_000);
+}
