@@ -2,9 +2,10 @@
 //!
 //! Clients retry on timeouts without knowing whether the first attempt reached us. A check that
 //! carries a `request_id` leaves a record here when it charges; a retry with the same id inside
-//! the window finds it and gets the first decision back, charging nothing. Records are kept in
-//! the shard of the (first) key, under the same lock as the buckets, so a retry racing the first
-//! attempt sees either nothing or the finished record, never a half-made one.
+//! the window finds it and gets the first decision back, charging nothing. A record is kept in a
+//! shard chosen by its request id, locked together with the bucket's shard for the whole check,
+//! so a retry racing the first attempt sees either nothing or the finished record, never a
+//! half-made one; spreading by id keeps one busy key's records from crowding a single shard.
 //!
 //! Memory is bounded twice: records expire after the window, and each shard keeps at most a
 //! fixed number (the oldest go first). Both expire in insertion order, so a queue finds them.

@@ -154,7 +154,9 @@ impl<K> MemoryStoreBuilder<K> {
         self
     }
 
-    /// The most idempotency records kept (default 2^20); the oldest are forgotten first.
+    /// The most idempotency records kept (default 2^20), split evenly across shards (at least
+    /// one each); a shard at its share forgets its oldest record first. Records are spread by
+    /// request id, so one key's requests use every shard's share.
     pub fn max_idempotency_records(mut self, max: usize) -> Self {
         self.max_idempotency_records = max;
         self
@@ -384,8 +386,23 @@ where
         let hash = self.hash(key);
         let id = self.request_identity(request_id, key);
         let content = self.hasher.hash_one((limit, cost));
-        let mut shard = self.lock(hash);
-        if let Some(found) = shard.records.get(id, content, now.as_nanos()) {
+        // The bucket's shard and the record's, locked in ascending order like a multi-key
+        // check; one lock when they are the same shard.
+        let (bucket_index, record_index) = (self.shard_index(hash), self.record_shard(id));
+        let first = sync::lock(&self.shards[bucket_index.min(record_index)].0);
+        let second = (bucket_index != record_index)
+            .then(|| sync::lock(&self.shards[bucket_index.max(record_index)].0));
+        let (mut shard, mut record_shard) = match second {
+            Some(second) if bucket_index > record_index => (second, Some(first)),
+            second => (first, second),
+        };
+        let records =
+            record_shard
+                .as_deref()
+                .unwrap_or(&*shard)
+                .records
+                .get(id, content, now.as_nanos());
+        if let Some(found) = records {
             return match found? {
                 Recorded::One(decision) => Ok(decision),
                 Recorded::Many(_) => Err(Error::IdempotencyConflict),
@@ -393,7 +410,8 @@ where
         }
         let decision = self.take_one(&mut shard, hash, key, limit, cost, now)?;
         if decision.allowed() {
-            self.record(&mut shard, id, content, Recorded::One(decision), now);
+            let records = record_shard.as_deref_mut().unwrap_or(&mut *shard);
+            self.record(records, id, content, Recorded::One(decision), now);
         }
         Ok(decision)
     }
@@ -448,23 +466,26 @@ where
             (self.request_identity(id, first.key), content)
         });
 
-        // Lock every shard involved, in ascending order: deadlock-free against other
-        // multi-checks, and nothing can change between deciding and charging.
+        // Lock every shard involved (the record's too), in ascending order: deadlock-free
+        // against other multi-checks, and nothing can change between deciding and charging.
         let mut order: Vec<usize> = hashes.iter().map(|&h| self.shard_index(h)).collect();
+        order.extend(identity.map(|(id, _)| self.record_shard(id)));
         order.sort_unstable();
         order.dedup();
         let mut guards: Vec<(usize, MutexGuard<'_, Shard<K>>)> = order
             .into_iter()
             .map(|index| (index, sync::lock(&self.shards[index].0)))
             .collect();
-        let guard_of = |guards: &[(usize, MutexGuard<'_, Shard<K>>)], hash: u64| {
-            let index = self.shard_index(hash);
+        let guard_at = |guards: &[(usize, MutexGuard<'_, Shard<K>>)], index: usize| {
             guards.iter().position(|(i, _)| *i == index).unwrap_or(0)
         };
+        let guard_of = |guards: &[(usize, MutexGuard<'_, Shard<K>>)], hash: u64| {
+            guard_at(guards, self.shard_index(hash))
+        };
 
-        let first_guard = guard_of(&guards, hashes[0]);
-        if let Some((id, content)) = identity {
-            let records = &guards[first_guard].1.records;
+        let record_guard = identity.map(|(id, _)| guard_at(&guards, self.record_shard(id)));
+        if let (Some((id, content)), Some(record_guard)) = (identity, record_guard) {
+            let records = &guards[record_guard].1.records;
             if let Some(found) = records.get(id, content, now.as_nanos()) {
                 return match found? {
                     Recorded::Many(decisions) => Ok(decisions.into_vec()),
@@ -493,9 +514,9 @@ where
                     self.store(&mut guards[g].1, hash, item.key, next, now);
                 }
             }
-            if let Some((id, content)) = identity {
+            if let (Some((id, content)), Some(record_guard)) = (identity, record_guard) {
                 let recorded = Recorded::Many(decisions.clone().into_boxed_slice());
-                self.record(&mut guards[first_guard].1, id, content, recorded, now);
+                self.record(&mut guards[record_guard].1, id, content, recorded, now);
             }
         } else {
             // Nothing is charged: the buckets that would have allowed report their balance as
@@ -651,6 +672,14 @@ where
         // table uses the low bits for the slot and the top seven as its tag, so a shard's keys
         // must not share those, or probes would slow down.
         ((((hash >> 24) as u32 as u64) * self.shards.len() as u64) >> 32) as usize
+    }
+
+    /// The shard that keeps the idempotency record `id`: drawn from the id, not from the key,
+    /// so that one busy key's records spread over every shard's share of the record bound
+    /// instead of crowding its own shard's (where they would be forgotten within the window).
+    /// The high half of the id, which the records' own table does not hash by.
+    fn record_shard(&self, id: u128) -> usize {
+        self.shard_index((id >> 64) as u64)
     }
 
     #[inline]
@@ -1117,6 +1146,41 @@ mod tests {
                 .unwrap()
                 .allowed()
         );
+    }
+
+    #[test]
+    fn a_busy_keys_records_use_every_shards_share() {
+        // 640 records over 64 shards: 10 per shard. Twenty requests on one key would overflow
+        // the key's own shard and forget the first id inside its window; spread by id, they
+        // fit, and the retry of the first is not charged again.
+        let store: MemoryStore<Box<str>> =
+            MemoryStore::builder().max_idempotency_records(640).build();
+        let l = limit(1_000, "1/h");
+        for i in 0..20 {
+            let id = format!("r-{i}");
+            assert!(
+                store
+                    .check_idempotent("k", &l, 1, at(0), &id)
+                    .unwrap()
+                    .allowed()
+            );
+        }
+        store.check_idempotent("k", &l, 1, at(1), "r-0").unwrap();
+        assert_eq!(store.peek("k", &l, 1, at(1)).unwrap().remaining(), 979);
+        assert_eq!(store.stats().idempotency_records, 20);
+    }
+
+    #[test]
+    fn a_check_timed_before_the_last_charge_sees_an_empty_bucket() {
+        // Two threads read the clock in one order and take the shard lock in the other: the
+        // second decides at a `now` 100 ns before the first one's charge.
+        let store: MemoryStore<Box<str>> = MemoryStore::default();
+        let l = limit(5, "10/s");
+        assert!(store.check("k", &l, 5, at(SEC + 100)).unwrap().allowed());
+        let late = store.check("k", &l, 1, at(SEC)).unwrap();
+        assert!(!late.allowed());
+        assert_eq!(late.remaining(), 0);
+        assert_eq!(late.retry_after(), Some(Duration::from_millis(100)));
     }
 
     #[test]
