@@ -103,7 +103,8 @@ pub struct ServeArgs {
     /// How long a decision may wait for Redis before its limits follow their failure modes.
     #[arg(long, env = "TOLLGATE_STORE_TIMEOUT", default_value = "20ms", value_parser = parse_duration)]
     pub store_timeout: Duration,
-    /// Bearer token for the admin endpoints; without one they answer loopback clients only.
+    /// Bearer token for the admin endpoints (must not be empty); without one they answer
+    /// loopback clients only.
     #[arg(long, env = "TOLLGATE_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
     /// Forward-auth: take descriptor entry ENTRY from request header HEADER (repeatable).
@@ -350,6 +351,18 @@ pub async fn serve(
     args: ServeArgs,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
+    // `--admin-token "$TOKEN"` with TOKEN unset must not quietly stand for "no token", nor for
+    // a token that an absent credential matches: both would surprise whoever set it.
+    if args
+        .admin_token
+        .as_deref()
+        .is_some_and(|token| token.trim().is_empty())
+    {
+        bail!(
+            "--admin-token (TOLLGATE_ADMIN_TOKEN) is empty: give a non-empty token, or leave it \
+             unset to keep the admin endpoints to loopback clients"
+        );
+    }
     let mut options = EngineOptions::default().max_buckets(args.max_buckets);
     if let Some(path) = &args.audit_log {
         let audit = if path.as_os_str() == "-" {
@@ -424,7 +437,12 @@ pub async fn serve(
             )
         })?;
     let http_options = HttpOptions {
-        admin_token: args.admin_token.clone(),
+        // A token read from a file or a secret often ends in a newline, which no header value
+        // can carry (proxies and clients strip it): compared as written, it would match nothing.
+        admin_token: args
+            .admin_token
+            .as_deref()
+            .map(|token| token.trim().to_owned()),
         forward_auth_headers: args.forward_auth_headers.clone(),
         forward_auth_deny: deny,
     };

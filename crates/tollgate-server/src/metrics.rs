@@ -49,7 +49,7 @@ pub const POLICY_REFUSED: &str = "tollgate_policy_last_load_refused";
 /// The front end a request came through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Api {
-    /// `POST /v1/check`.
+    /// `POST /v1/check` and `POST /v1/explain`.
     Http,
     /// `/v1/forward-auth/{domain}`.
     ForwardAuth,
@@ -178,7 +178,7 @@ pub fn record_decision(
     let outcome = match outcome {
         Ok(outcome) => outcome,
         Err(_) => {
-            counter!(INVALID, "api" => api.as_str()).increment(1);
+            record_invalid(api);
             return;
         }
     };
@@ -194,6 +194,12 @@ pub fn record_decision(
         };
         decision_counter(&limit.name, result, limit.mode, api).increment(1);
     }
+}
+
+/// Records a request refused as malformed before anything was decided (a request the
+/// decision refuses is counted by [`record_decision`]).
+pub fn record_invalid(api: Api) {
+    counter!(INVALID, "api" => api.as_str()).increment(1);
 }
 
 /// Records a failure of the shared store.

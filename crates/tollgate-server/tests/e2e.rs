@@ -7,7 +7,9 @@ use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descri
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
-use support::{Scratch, Server, path_str, post_json, request, run, serve_refused};
+use support::{
+    Scratch, Server, path_str, post_json, request, run, serve_refused, serve_refused_with_env,
+};
 
 const POLICY: &str = r#"
 version: "1"
@@ -142,6 +144,64 @@ fn forward_auth_for_nginx_and_traefik() {
         "",
     );
     assert_eq!(answer.status, 400);
+}
+
+/// SPEC §5: a request no limit applies to is allowed. A forward-auth subrequest that carries
+/// none of the mapped headers (an anonymous client) must not be a 400, which nginx
+/// `auth_request` turns into a 500 for the client.
+#[test]
+fn forward_auth_without_any_descriptor_header_is_allowed() {
+    let scratch = Scratch::new("forward-anonymous");
+    let policy =
+        format!("{POLICY}  - {{name: everyone, domain: open, capacity: 1, refill: 1/h}}\n");
+    let config = scratch.write("policy.yaml", &policy);
+    let server = Server::start(&[
+        "--config",
+        path_str(&config),
+        "--forward-auth-header",
+        "user=X-User-Id",
+    ]);
+    let answer = request(server.http, "GET", "/v1/forward-auth/api", &[], "");
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let metrics = request(server.http, "GET", "/metrics", &[], "").body;
+    assert!(
+        metrics.contains("tollgate_unmatched_requests_total{api=\"forward_auth\"} 1"),
+        "counted as unmatched:\n{metrics}"
+    );
+    // A limit on every request of a domain still applies to anonymous clients.
+    let answer = request(server.http, "GET", "/v1/forward-auth/open", &[], "");
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let answer = request(server.http, "GET", "/v1/forward-auth/open", &[], "");
+    assert_eq!(answer.status, 429, "{}", answer.body);
+    // Without headers, a bad cost is still refused.
+    let cost = [("x-tollgate-cost", "0")];
+    let answer = request(server.http, "GET", "/v1/forward-auth/api", &cost, "");
+    assert_eq!(answer.status, 400, "{}", answer.body);
+}
+
+/// nginx and Traefik pass header bytes through as they came; a user id in UTF-8 (`josé`) in a
+/// mapped header must be rate limited like anyone else's, not answered 400 (`invalid_header`),
+/// which nginx `auth_request` turns into a 500 for that user on every request.
+#[test]
+fn forward_auth_accepts_a_utf8_header_value() {
+    let scratch = Scratch::new("forward-utf8");
+    let config = scratch.write("policy.yaml", POLICY);
+    let server = Server::start(&[
+        "--config",
+        path_str(&config),
+        "--forward-auth-header",
+        "user=X-User-Id",
+    ]);
+    let headers = [("X-User-Id", "jos\u{e9}"), ("X-Original-URI", "/pay")];
+    for _ in 0..3 {
+        let answer = request(server.http, "GET", "/v1/forward-auth/api", &headers, "");
+        assert_eq!(answer.status, 200, "{}", answer.body);
+    }
+    let answer = request(server.http, "GET", "/v1/forward-auth/api", &headers, "");
+    assert_eq!(answer.status, 429, "josé has a bucket of their own");
+    let other = [("X-User-Id", "jose")];
+    let answer = request(server.http, "GET", "/v1/forward-auth/api", &other, "");
+    assert_eq!(answer.status, 200, "{}", answer.body);
 }
 
 async fn should_rate_limit(
@@ -332,6 +392,63 @@ fn reload_and_rollback_through_the_api() {
     assert_eq!(answer.status, 409);
 }
 
+/// `tollgate_invalid_requests_total` counts requests refused as malformed or impossible, by
+/// API, whether the body, the headers or the decision refused them.
+#[test]
+fn malformed_requests_are_counted_as_invalid() {
+    let server = Server::start(&[]);
+    let over_capacity = r#"{"domain":"api","descriptors":[{"user":"u"}],"cost":11}"#;
+    for (path, body) in [
+        ("/v1/check", "not json"),
+        (
+            "/v1/check",
+            r#"{"domain":"api","descriptors":[{"user":"u"}],"cost":0}"#,
+        ),
+        ("/v1/check", over_capacity),
+        ("/v1/explain", "not json"),
+        ("/v1/explain", over_capacity),
+    ] {
+        let answer = post_json(server.http, path, body);
+        assert_eq!(answer.status, 400, "{path} {body}: {}", answer.body);
+    }
+    let answer = request(
+        server.http,
+        "GET",
+        "/v1/forward-auth/api",
+        &[("x-tollgate-user", "u"), ("x-tollgate-cost", "0")],
+        "",
+    );
+    assert_eq!(answer.status, 400, "{}", answer.body);
+    let metrics = request(server.http, "GET", "/metrics", &[], "").body;
+    let value = |api: &str| {
+        let series = format!("tollgate_invalid_requests_total{{api=\"{api}\"}} ");
+        metrics
+            .lines()
+            .find_map(|line| line.strip_prefix(&series))
+            .map(str::to_owned)
+    };
+    assert_eq!(value("http").as_deref(), Some("5"), "{metrics}");
+    assert_eq!(value("forward_auth").as_deref(), Some("1"), "{metrics}");
+}
+
+/// http/mod.rs: "Bad input of any kind is a 4xx with {"error":{"code","message"}}", a wrong
+/// method too, with the methods the path serves in `Allow`.
+#[test]
+fn wrong_method_is_a_json_error() {
+    let server = Server::start(&[]);
+    let answer = request(server.http, "GET", "/v1/check", &[], "");
+    assert_eq!(answer.status, 405);
+    assert_eq!(answer.json()["error"]["code"], "method_not_allowed");
+    assert_eq!(answer.header("allow"), Some("POST"));
+    let answer = request(server.http, "DELETE", "/v1/forward-auth/api", &[], "");
+    assert_eq!(answer.status, 405);
+    assert_eq!(answer.json()["error"]["code"], "method_not_allowed");
+    let answer = request(server.http, "POST", "/v1/policy", &[], "");
+    assert_eq!(answer.status, 405);
+    assert_eq!(answer.json()["error"]["code"], "method_not_allowed");
+    assert_eq!(request(server.http, "GET", "/nope", &[], "").status, 404);
+}
+
 #[test]
 fn bad_requests_are_4xx_and_the_server_keeps_serving() {
     let server = Server::start(&[]);
@@ -431,6 +548,58 @@ fn bad_requests_are_4xx_and_the_server_keeps_serving() {
     let answer = post_json(server.http, "/v1/check", &check_body("u"));
     assert_eq!(answer.status, 200);
     assert_eq!(answer.json()["limits"][0]["remaining"], 9);
+}
+
+/// `--admin-token "$TOKEN"` with TOKEN unset gives an empty token, which an absent credential
+/// would match: refused at start, however it is given.
+#[test]
+fn an_empty_admin_token_is_refused_at_start() {
+    for token in ["", "  "] {
+        let stderr = serve_refused(&["--admin-token", token]);
+        assert!(stderr.contains("--admin-token"), "{stderr}");
+        let stderr = serve_refused_with_env(&[], &[("TOLLGATE_ADMIN_TOKEN", token)]);
+        assert!(stderr.contains("TOLLGATE_ADMIN_TOKEN"), "{stderr}");
+    }
+}
+
+/// `--http [::]:8080` (a dual-stack listener) and `curl http://127.0.0.1:8080/v1/policy` on
+/// the same machine: the peer is `::ffff:127.0.0.1`, loopback as much as `::1` is.
+#[test]
+fn admin_accepts_ipv4_loopback_on_a_dual_stack_listener() {
+    let server = Server::start_on("[::]:0", &[]);
+    let port = server.http.port();
+    for local in [format!("127.0.0.1:{port}"), format!("[::1]:{port}")] {
+        let answer = request(local.parse().unwrap(), "GET", "/v1/policy", &[], "");
+        assert_eq!(answer.status, 200, "{local}: {}", answer.body);
+    }
+}
+
+/// RFC 9110 §11.1: the auth scheme is case-insensitive.
+#[test]
+fn admin_bearer_scheme_is_case_insensitive() {
+    // A token read from a secret file keeps its newline; no header can carry it, so it is
+    // trimmed at start.
+    let server = Server::start(&["--admin-token", "s3cret\n"]);
+    for auth in ["Bearer s3cret", "bearer s3cret", "BEARER  s3cret"] {
+        let answer = request(
+            server.http,
+            "GET",
+            "/v1/policy",
+            &[("Authorization", auth)],
+            "",
+        );
+        assert_eq!(answer.status, 200, "{auth}: {}", answer.body);
+    }
+    for auth in ["Bearer", "Bearer ", "Basic s3cret", "Bearer s3cre"] {
+        let answer = request(
+            server.http,
+            "GET",
+            "/v1/policy",
+            &[("Authorization", auth)],
+            "",
+        );
+        assert_eq!(answer.status, 401, "{auth}: {}", answer.body);
+    }
 }
 
 #[test]

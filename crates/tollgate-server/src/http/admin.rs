@@ -61,15 +61,19 @@ pub(crate) async fn metrics(State(state): State<Arc<AppState>>) -> Response {
 
 /// Lets the request through if it carries the admin token, or, with no token configured,
 /// comes from this machine.
-fn authorize(state: &AppState, headers: &HeaderMap, peer: SocketAddr) -> Result<(), ApiError> {
-    match &state.options.admin_token {
+fn authorize(token: Option<&str>, headers: &HeaderMap, peer: SocketAddr) -> Result<(), ApiError> {
+    match token {
         Some(token) => {
             let given = headers
                 .get(header::AUTHORIZATION)
                 .and_then(|value| value.to_str().ok())
-                .and_then(|value| value.strip_prefix("Bearer "))
-                .unwrap_or("");
-            if constant_time_eq(given.as_bytes(), token.as_bytes()) {
+                .and_then(bearer_credentials);
+            // An empty token would match an absent credential: the CLI refuses one, and a
+            // server built without the CLI must not open admin to everyone either.
+            let matches = given.is_some_and(|given| {
+                !token.trim().is_empty() && constant_time_eq(given.as_bytes(), token.as_bytes())
+            });
+            if matches {
                 Ok(())
             } else {
                 Err(ApiError::new(
@@ -79,13 +83,24 @@ fn authorize(state: &AppState, headers: &HeaderMap, peer: SocketAddr) -> Result<
                 ))
             }
         }
-        None if peer.ip().is_loopback() => Ok(()),
+        // On a dual-stack listener an IPv4 client shows up as `::ffff:a.b.c.d`, which
+        // `is_loopback` alone does not recognise as 127.0.0.1.
+        None if peer.ip().to_canonical().is_loopback() => Ok(()),
         None => Err(ApiError::new(
             StatusCode::FORBIDDEN,
             "forbidden",
             "admin endpoints answer loopback clients only; set --admin-token to open them",
         )),
     }
+}
+
+/// The credentials of an `Authorization: Bearer <credentials>` value, or `None` for another
+/// scheme or no credentials. RFC 9110 §11.1 makes the scheme case-insensitive, and clients and
+/// proxies differ in the spaces they put around it.
+fn bearer_credentials(value: &str) -> Option<&str> {
+    let (scheme, credentials) = value.trim().split_once([' ', '\t'])?;
+    let credentials = credentials.trim();
+    (scheme.eq_ignore_ascii_case("bearer") && !credentials.is_empty()).then_some(credentials)
 }
 
 /// Compares without an early exit, so response times do not reveal how much of a guess matched.
@@ -118,7 +133,7 @@ pub(crate) async fn policy(
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
-    authorize(&state, &headers, peer)?;
+    authorize(state.options.admin_token.as_deref(), &headers, peer)?;
     Ok(Json(status_body(&state)).into_response())
 }
 
@@ -127,7 +142,7 @@ pub(crate) async fn reload(
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
-    authorize(&state, &headers, peer)?;
+    authorize(state.options.admin_token.as_deref(), &headers, peer)?;
     let engine = state.decider.engine();
     if engine.path().is_none() {
         return Err(ApiError::new(
@@ -159,7 +174,7 @@ pub(crate) async fn rollback(
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
-    authorize(&state, &headers, peer)?;
+    authorize(state.options.admin_token.as_deref(), &headers, peer)?;
     match state.decider.engine().rollback() {
         Ok(_) => Ok(Json(status_body(&state)).into_response()),
         Err(PolicyError::NothingToRollBack) => Err(ApiError::new(
@@ -177,7 +192,91 @@ pub(crate) async fn rollback(
 
 #[cfg(test)]
 mod tests {
-    use super::constant_time_eq;
+    use super::*;
+
+    const REMOTE: &str = "203.0.113.7:40000";
+
+    fn with_authorization(value: &str) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::AUTHORIZATION, value.parse().unwrap());
+        headers
+    }
+
+    fn peer(addr: &str) -> SocketAddr {
+        addr.parse().unwrap()
+    }
+
+    /// `--admin-token ""` (say `--admin-token "$TOKEN"` with TOKEN unset) is refused at start;
+    /// a server built without the CLI must still not let a client without credentials in,
+    /// which would be worse than no token (admin kept to loopback).
+    #[test]
+    fn an_empty_admin_token_does_not_open_admin_to_everyone() {
+        for token in ["", "  "] {
+            for headers in [
+                HeaderMap::new(),
+                with_authorization("Bearer "),
+                with_authorization("Bearer"),
+                with_authorization(""),
+            ] {
+                assert!(
+                    authorize(Some(token), &headers, peer(REMOTE)).is_err(),
+                    "token {token:?}, {headers:?}"
+                );
+            }
+        }
+        assert!(authorize(Some("s3cret"), &HeaderMap::new(), peer(REMOTE)).is_err());
+        assert!(authorize(Some("s3cret"), &HeaderMap::new(), peer("127.0.0.1:1")).is_err());
+    }
+
+    /// RFC 9110 §11.1: the auth scheme is case-insensitive; `bearer TOKEN` is a valid
+    /// credential.
+    #[test]
+    fn the_bearer_scheme_is_case_insensitive_and_spaces_are_allowed() {
+        for value in [
+            "Bearer s3cret",
+            "bearer s3cret",
+            "BEARER s3cret",
+            "  Bearer   s3cret  ",
+            "Bearer\ts3cret",
+        ] {
+            let headers = with_authorization(value);
+            assert!(
+                authorize(Some("s3cret"), &headers, peer(REMOTE)).is_ok(),
+                "{value:?}"
+            );
+        }
+        for value in [
+            "Bearer s3cre",
+            "Bearer s3crets",
+            "Basic s3cret",
+            "Bearers3cret",
+            "s3cret",
+        ] {
+            let headers = with_authorization(value);
+            assert!(
+                authorize(Some("s3cret"), &headers, peer(REMOTE)).is_err(),
+                "{value:?}"
+            );
+        }
+    }
+
+    /// On a dual-stack listener (`--http [::]:8080`) `curl http://127.0.0.1:8080/v1/policy`
+    /// comes from `::ffff:127.0.0.1`.
+    #[test]
+    fn ipv4_loopback_mapped_to_ipv6_is_loopback() {
+        let none = HeaderMap::new();
+        for local in [
+            "127.0.0.1:1",
+            "[::1]:1",
+            "[::ffff:127.0.0.1]:1",
+            "[::ffff:127.1.2.3]:1",
+        ] {
+            assert!(authorize(None, &none, peer(local)).is_ok(), "{local}");
+        }
+        for remote in [REMOTE, "[::ffff:203.0.113.7]:1", "[2001:db8::1]:1"] {
+            assert!(authorize(None, &none, peer(remote)).is_err(), "{remote}");
+        }
+    }
 
     #[test]
     fn compares_tokens() {

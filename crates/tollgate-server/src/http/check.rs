@@ -27,7 +27,7 @@ use tollgate_policy::Outcome;
 use super::error::ApiError;
 use super::{AppState, MAX_DESCRIPTORS, MAX_ENTRIES, MAX_NAME_BYTES, MAX_VALUE_BYTES};
 use crate::decider::{DecideError, Request};
-use crate::metrics::Api;
+use crate::metrics::{self, Api};
 use tollgate_tower::headers as fields;
 
 /// The request body. Unknown fields are refused: a misspelt `cost` must not silently be 1.
@@ -375,7 +375,7 @@ pub(crate) async fn check(
     State(state): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let parsed = parse(body)?;
+    let parsed = parse(body).inspect_err(|_| metrics::record_invalid(Api::Http))?;
     let outcome = state
         .decider
         .decide(Api::Http, &parsed.request())
@@ -391,11 +391,17 @@ pub(crate) async fn explain(
     State(state): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let parsed = parse(body)?;
+    let parsed = parse(body).inspect_err(|_| metrics::record_invalid(Api::Http))?;
+    // Unlike `decide`, `explain` records no metrics; count a request it refuses here.
     let outcome = state
         .decider
         .explain(&parsed.request())
         .await
+        .inspect_err(|err| {
+            if matches!(err, DecideError::Invalid(_)) {
+                metrics::record_invalid(Api::Http);
+            }
+        })
         .map_err(decide_error)?;
     Ok(json(StatusCode::OK, write_body(&outcome, true)))
 }

@@ -43,3 +43,12 @@ pub(crate) async fn not_found() -> ApiError {
         "no such endpoint: see /v1/check, /v1/explain, /v1/forward-auth/{domain}, /metrics",
     )
 }
+
+/// A known path asked with a method it does not serve. axum adds the `Allow` header.
+pub(crate) async fn method_not_allowed() -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        "this endpoint does not serve that method: see the Allow header",
+    )
+}

@@ -8,16 +8,17 @@
 //! Allowed: 200 with the rate-limit headers; over the limit: 429 (or the configured deny status,
 //! 403 for nginx); failing closed: 503.
 
+use std::num::NonZeroU64;
 use std::sync::Arc;
 
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 
-use super::AppState;
 use super::check::{Parsed, add_rate_limit_headers, check_bounds, decide_error, status_of};
 use super::error::ApiError;
-use crate::metrics::Api;
+use super::{AppState, MAX_NAME_BYTES};
+use crate::metrics::{self, Api};
 
 const PREFIX: &str = "x-tollgate-";
 const COST: &str = "x-tollgate-cost";
@@ -25,12 +26,16 @@ const COST: &str = "x-tollgate-cost";
 fn header_str<'h>(headers: &'h HeaderMap, name: &str) -> Result<Option<&'h str>, ApiError> {
     match headers.get(name) {
         None => Ok(None),
-        Some(value) => value.to_str().map(Some).map_err(|_| {
-            ApiError::bad_request(
-                "invalid_header",
-                format!("header {name} is not visible ASCII"),
-            )
-        }),
+        // Proxies pass header bytes on as they came, and user ids and paths are often UTF-8;
+        // `HeaderValue::to_str` would refuse everything but visible ASCII.
+        Some(value) => std::str::from_utf8(value.as_bytes())
+            .map(Some)
+            .map_err(|_| {
+                ApiError::bad_request(
+                    "invalid_header",
+                    format!("header {name} is not valid UTF-8"),
+                )
+            }),
     }
 }
 
@@ -74,24 +79,51 @@ fn descriptor(
     Ok(entries)
 }
 
-pub(crate) async fn forward_auth(
-    State(state): State<Arc<AppState>>,
-    Path(domain): Path<String>,
-    headers: HeaderMap,
-) -> Result<Response, ApiError> {
-    let cost = match header_str(&headers, COST)? {
-        None => 1,
+/// The request the headers describe, within the bounds of every front end.
+fn parse(
+    domain: String,
+    headers: &HeaderMap,
+    mapping: &[(String, String)],
+) -> Result<Parsed, ApiError> {
+    let cost = match header_str(headers, COST)? {
+        None => NonZeroU64::MIN,
         Some(text) => text.trim().parse().map_err(|_| {
             ApiError::bad_request("invalid_cost", format!("{COST} must be a whole number ≥ 1"))
         })?,
     };
     let parsed = Parsed {
         domain,
-        descriptors: vec![descriptor(&headers, &state.options.forward_auth_headers)?],
-        cost,
+        descriptors: vec![descriptor(headers, mapping)?],
+        cost: cost.get(),
         request_id: None,
     };
-    check_bounds(&parsed)?;
+    if parsed.descriptors.iter().all(Vec::is_empty) {
+        // A client with none of the headers (an anonymous one, say) is not bad input, as an
+        // empty descriptor in a JSON body is, which `check_bounds` refuses: only limits that
+        // apply to every request of the domain match it, and with none the request is allowed
+        // and counted as unmatched (SPEC §5). A 400 would be a 500 for the client behind nginx.
+        if parsed.domain.len() > MAX_NAME_BYTES {
+            return Err(ApiError::bad_request(
+                "too_large",
+                format!(
+                    "domain is {} bytes long; at most {MAX_NAME_BYTES} are accepted",
+                    parsed.domain.len()
+                ),
+            ));
+        }
+    } else {
+        check_bounds(&parsed)?;
+    }
+    Ok(parsed)
+}
+
+pub(crate) async fn forward_auth(
+    State(state): State<Arc<AppState>>,
+    Path(domain): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    let parsed = parse(domain, &headers, &state.options.forward_auth_headers)
+        .inspect_err(|_| metrics::record_invalid(Api::ForwardAuth))?;
     let outcome = state
         .decider
         .decide(Api::ForwardAuth, &parsed.request())
@@ -135,6 +167,32 @@ mod tests {
             .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
             .collect();
         assert_eq!(entries, expected);
+    }
+
+    #[test]
+    fn utf8_header_values_are_taken_and_invalid_bytes_refused() {
+        let mapping = vec![("user".to_owned(), "x-user-id".to_owned())];
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            "x-user-id",
+            HeaderValue::from_bytes("jos\u{e9}".as_bytes()).unwrap(),
+        );
+        let entries = descriptor(&headers, &mapping).unwrap();
+        assert_eq!(entries, vec![("user".to_owned(), "jos\u{e9}".to_owned())]);
+        headers.insert("x-user-id", HeaderValue::from_bytes(b"jos\xe9").unwrap());
+        let err = descriptor(&headers, &mapping).unwrap_err();
+        assert!(format!("{err:?}").contains("invalid_header"), "{err:?}");
+    }
+
+    #[test]
+    fn no_descriptor_header_is_an_empty_descriptor_not_an_error() {
+        let parsed = parse("api".to_owned(), &HeaderMap::new(), &[]).unwrap();
+        assert_eq!(parsed.descriptors, vec![Vec::<(String, String)>::new()]);
+        assert_eq!(parsed.cost, 1);
+        let mut headers = HeaderMap::new();
+        headers.insert("x-tollgate-cost", HeaderValue::from_static("0"));
+        assert!(parse("api".to_owned(), &headers, &[]).is_err());
+        assert!(parse("d".repeat(MAX_NAME_BYTES + 1), &HeaderMap::new(), &[]).is_err());
     }
 
     #[test]

@@ -38,7 +38,8 @@ pub const MAX_VALUE_BYTES: usize = 1024;
 /// How the HTTP front end behaves.
 #[derive(Debug, Clone)]
 pub struct HttpOptions {
-    /// Bearer token for admin endpoints; without one they answer loopback clients only.
+    /// Bearer token for admin endpoints; without one they answer loopback clients only. An
+    /// empty token lets no one in (the CLI refuses one).
     pub admin_token: Option<String>,
     /// `(entry, header)` pairs: forward-auth takes `entry` from `header`.
     pub forward_auth_headers: Vec<(String, String)>,
@@ -88,6 +89,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/policy", get(admin::policy))
         .route("/v1/policy/reload", post(admin::reload))
         .route("/v1/policy/rollback", post(admin::rollback))
+        // After the routes: it applies to the routes registered before it.
+        .method_not_allowed_fallback(error::method_not_allowed)
         .fallback(error::not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)

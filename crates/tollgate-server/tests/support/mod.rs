@@ -50,9 +50,14 @@ impl Server {
     /// Starts `tollgate serve ARGS --http 127.0.0.1:0 --grpc 127.0.0.1:0` and waits for its
     /// `listening` line.
     pub fn start(args: &[&str]) -> Self {
+        Self::start_on("127.0.0.1:0", args)
+    }
+
+    /// As [`Server::start`], with HTTP on `http` (such as `[::]:0`, dual-stack).
+    pub fn start_on(http: &str, args: &[&str]) -> Self {
         let mut child = Command::new(binary())
             .arg("serve")
-            .args(["--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
+            .args(["--http", http, "--grpc", "127.0.0.1:0"])
             .args(args)
             .env("TOLLGATE_LOG", "warn")
             .stdout(Stdio::piped())
@@ -151,10 +156,16 @@ pub fn run(args: &[&str]) -> (ExitStatus, String, String) {
 /// error should: a non-zero exit and one line on stderr, which is returned. A server that
 /// starts instead is killed after 10 s and fails the test, rather than hanging it.
 pub fn serve_refused(args: &[&str]) -> String {
+    serve_refused_with_env(args, &[])
+}
+
+/// As [`serve_refused`], with environment variables `env` set.
+pub fn serve_refused_with_env(args: &[&str], env: &[(&str, &str)]) -> String {
     let child = Command::new(binary())
         .args(["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
         .args(args)
         .env("TOLLGATE_LOG", "warn")
+        .envs(env.iter().copied())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
