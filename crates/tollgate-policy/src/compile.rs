@@ -104,7 +104,7 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
         .defaults
         .failure_mode
         .unwrap_or(FailureModeSpec::Closed);
-    let default_emergency = parsed.defaults.emergency.map(|r| r.0);
+    let default_emergency = parsed.defaults.emergency.as_ref();
 
     if let Some(spec) = parsed.limits.get(MAX_ENTRIES) {
         return Err(at(
@@ -180,12 +180,13 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
         let failure_mode = match spec.failure_mode.unwrap_or(default_failure) {
             FailureModeSpec::Closed => FailureMode::Closed,
             FailureModeSpec::Open => {
-                let rate = spec
-                    .emergency
-                    .as_ref()
-                    .map(|e| e.value.0)
-                    .or(default_emergency);
-                let Some(rate) = rate else {
+                // The error points at the rate that was used: the limit's own, or the default.
+                let rate = match (&spec.emergency, default_emergency) {
+                    (Some(own), _) => Some((own, format!("{path}.emergency"))),
+                    (None, Some(default)) => Some((default, "defaults.emergency".to_owned())),
+                    (None, None) => None,
+                };
+                let Some((rate, rate_path)) = rate else {
                     return Err(at(
                         file,
                         &spec.name,
@@ -195,14 +196,8 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
                             .into(),
                     ));
                 };
-                let emergency = Limit::new(rate.amount(), rate).map_err(|err| {
-                    at(
-                        file,
-                        &spec.name,
-                        format!("{path}.emergency"),
-                        err.to_string(),
-                    )
-                })?;
+                let emergency = Limit::new(rate.value.0.amount(), rate.value.0)
+                    .map_err(|err| at(file, rate, rate_path, err.to_string()))?;
                 FailureMode::Open { emergency }
             }
         };

@@ -183,8 +183,13 @@ struct Control {
     history: VecDeque<Arc<Policy>>,
     loaded_at: UnixTime,
     last_error: Option<(UnixTime, String)>,
-    /// Hash of the text in force, to recognise a reload of an unchanged file.
+    /// Hash of the text in force, to recognise a reload of an unchanged file; `None` after a
+    /// rollback (what is in force then is not the file).
     text_hash: Option<u64>,
+    /// Hash of the file's bytes as last read, whether they were put in force or refused. Kept
+    /// apart from `text_hash` so that a watcher event that did not change the file (another
+    /// file written in the directory) does not re-apply it over a rollback or a refusal.
+    read_hash: Option<u64>,
     changes: u64,
 }
 
@@ -252,6 +257,7 @@ impl PolicyEngine {
                 loaded_at: options.wall.now(),
                 last_error: None,
                 text_hash,
+                read_hash: text_hash,
                 changes: 1,
             }),
             local,
@@ -295,8 +301,9 @@ impl PolicyEngine {
         self.load_locked(&mut control, source, text)
     }
 
-    /// Reads the engine's file again (see [`load`](Self::load)). A file whose content has not
-    /// changed is not loaded again.
+    /// Reads the engine's file again (see [`load`](Self::load)): what `POST /v1/policy/reload`
+    /// runs. The file is put in force unless its content is what is already in force, so after
+    /// a [`rollback`](Self::rollback) this re-applies the file.
     ///
     /// # Errors
     ///
@@ -304,6 +311,22 @@ impl PolicyEngine {
     /// The version in force stays in every case, and the error is kept for
     /// [`status`](Self::status).
     pub fn reload(&self) -> Result<Arc<Policy>, Error> {
+        self.reload_from_file(true)
+    }
+
+    /// Like [`reload`](Self::reload), but does nothing (and answers the policy in force) when
+    /// the file's bytes are the ones last read, whether those were put in force or refused:
+    /// what the file watcher runs on every event in the directory. A rollback, or a refused
+    /// file, then stays as it is until the file really changes.
+    ///
+    /// # Errors
+    ///
+    /// As for `reload`, when the bytes changed.
+    pub fn reload_if_changed(&self) -> Result<Arc<Policy>, Error> {
+        self.reload_from_file(false)
+    }
+
+    fn reload_from_file(&self, force: bool) -> Result<Arc<Policy>, Error> {
         let mut control = self.control.lock();
         let Some(path) = &self.path else {
             return Err(Error::Io {
@@ -318,6 +341,11 @@ impl PolicyEngine {
                 return Err(err);
             }
         };
+        let hash = stable_hash(text.as_bytes());
+        if !force && control.read_hash == Some(hash) {
+            return Ok(self.current.load_full());
+        }
+        control.read_hash = Some(hash);
         self.load_locked(&mut control, &path.display().to_string(), &text)
     }
 
@@ -385,7 +413,9 @@ impl PolicyEngine {
         let from = self.current.swap(Arc::clone(&previous));
         self.carry_over(&from, &previous);
         control.loaded_at = self.options.wall.now();
-        // The file no longer matches what is in force: the next reload must load it.
+        // The file no longer matches what is in force: an explicit reload must load it again.
+        // `read_hash` stays, so a watcher event that did not change the file leaves the
+        // rollback in force.
         control.text_hash = None;
         control.changes += 1;
         self.audit(|| AuditEvent::RolledBack {
@@ -436,7 +466,10 @@ impl PolicyEngine {
     /// * Enforced limits are checked together, all or nothing: if one rejects, none is charged.
     /// * Shadow limits, and enforced limits whose subject is outside the rollout, are decided
     ///   and reported but never reject. They are charged only when the request passes (as they
-    ///   would be if enforced); when it is rejected they report their balance uncharged.
+    ///   would be if enforced); when it is rejected they report their balance uncharged. A cost
+    ///   above such a limit's capacity is not an error: the limit reports a would-reject (shown
+    ///   as an empty bucket: `remaining` 0, `retry_after` = `reset_after` = its time to full)
+    ///   and is not charged.
     /// * Exempt limits are not decided; each use is counted and audited.
     /// * A request no limit applies to is allowed and counted as unmatched.
     /// * Two descriptors that land on one bucket charge it once for their summed cost.
@@ -445,7 +478,8 @@ impl PolicyEngine {
     ///
     /// # Errors
     ///
-    /// [`Error::Check`] when `cost` is 0 or above an applicable limit's capacity; nothing is
+    /// [`Error::Check`] when `cost` is 0 (whatever applies, even nothing or only exemptions;
+    /// the error then names no limit) or above an enforced limit's capacity; nothing is
     /// charged.
     pub fn decide<D, S>(
         &self,
@@ -539,6 +573,11 @@ impl PolicyEngine {
         D: AsRef<[(S, S)]>,
         S: AsRef<str>,
     {
+        // Before matching: whether a cost of 0 is refused must not depend on what applies
+        // (an exempt or unmatched request would otherwise accept it).
+        if cost == 0 {
+            return Err(zero_cost());
+        }
         let policy = self.current.load_full();
         let matched = policy.matches(domain, descriptors, self.options.wall.now());
         if matched.is_empty() {
@@ -574,8 +613,18 @@ impl PolicyEngine {
                 }
             }
         }
-        for (_, limit, cost, first) in &buckets {
-            if *cost == 0 || *cost > limit.capacity() {
+        let enforced =
+            |slot: &(Box<str>, Limit, u64, usize)| matched[slot.3].effect == Effect::Enforce;
+        // A cost above an enforced limit's capacity could never pass: a typed error, before
+        // anything is charged. A limit that cannot reject (shadow, outside a rollout) must not
+        // fail the request for it: it reports a would-reject and is left out of every charge.
+        let mut decisions: Vec<Option<Decision>> = vec![None; buckets.len()];
+        for (slot, bucket) in buckets.iter().enumerate() {
+            let (_, limit, cost, first) = bucket;
+            if *cost <= limit.capacity() {
+                continue;
+            }
+            if enforced(bucket) {
                 return Err(Error::Check {
                     limit: matched[*first].limit.name().to_owned(),
                     source: tollgate::Error::InvalidCost {
@@ -584,11 +633,8 @@ impl PolicyEngine {
                     },
                 });
             }
+            decisions[slot] = Some(never_fits(limit));
         }
-        let enforced =
-            |slot: &(Box<str>, Limit, u64, usize)| matched[slot.3].effect == Effect::Enforce;
-
-        let mut decisions: Vec<Option<Decision>> = vec![None; buckets.len()];
         let enforce_slots: Vec<usize> = (0..buckets.len())
             .filter(|&s| enforced(&buckets[s]))
             .collect();
@@ -623,10 +669,18 @@ impl PolicyEngine {
                 decisions[s] = Some(d);
             }
         }
-        let allowed = decisions.iter().flatten().all(Decision::allowed);
+        // Only enforced limits decide; a would-reject of one that cannot reject is already in
+        // `decisions` and must not count.
+        let allowed = enforce_slots
+            .iter()
+            .all(|&s| decisions[s].is_some_and(|d| d.allowed()));
         // Limits that cannot reject (shadow, outside a rollout) are charged, each on its own,
-        // only when the request passes; otherwise they report their balance as it stands.
-        for s in (0..buckets.len()).filter(|&s| !enforced(&buckets[s])) {
+        // only when the request passes; otherwise they report their balance as it stands. One
+        // already decided was asked for more than it can ever hold: charged nothing.
+        for s in 0..buckets.len() {
+            if enforced(&buckets[s]) || decisions[s].is_some() {
+                continue;
+            }
             let takes = takes_of(&[s]);
             let request = CheckRequest {
                 takes: &takes,
@@ -676,14 +730,18 @@ impl PolicyEngine {
     /// * `closed`: the request is denied with [`Outcome::failed_closed`] set, distinguishable
     ///   from an ordinary rejection;
     /// * `open`: the request is checked against a local emergency bucket per key, all or
-    ///   nothing; a cost above the emergency capacity is rejected (never unlimited).
+    ///   nothing; two descriptors on one bucket take their summed cost from it. A (summed) cost
+    ///   above the emergency capacity is rejected, never unlimited and never charged: that
+    ///   limit's [`LimitOutcome::decision`] is a rejection by its emergency limit, shown as an
+    ///   empty bucket (`remaining` 0, `retry_after` = `reset_after` = the emergency budget's
+    ///   time to full), and the other emergency buckets report what they would decide.
     ///
     /// Shadow and outside-rollout limits are not decided (they could not reject anyway);
     /// exemptions apply as usual. Every degraded limit decision is audited with its reason.
     ///
     /// # Errors
     ///
-    /// [`Error::Check`] when `cost` is 0.
+    /// [`Error::Check`] when `cost` is 0 (whatever applies).
     pub fn decide_degraded<D, S>(
         &self,
         domain: &str,
@@ -695,6 +753,10 @@ impl PolicyEngine {
         D: AsRef<[(S, S)]>,
         S: AsRef<str>,
     {
+        // Refused whatever applies, as in `decide`.
+        if cost == 0 {
+            return Err(zero_cost());
+        }
         let policy = self.current.load();
         let now = self.options.clock.now();
         let matched = policy.matches(domain, descriptors, self.options.wall.now());
@@ -709,14 +771,11 @@ impl PolicyEngine {
                 failed_closed: false,
             });
         }
-        if cost == 0 {
-            return Err(Error::Check {
-                limit: matched[0].limit.name().to_owned(),
-                source: tollgate::Error::InvalidCost { cost, capacity: 0 },
-            });
-        }
         let mut failed_closed = false;
-        let mut open: Vec<(usize, Box<str>, Limit)> = Vec::new();
+        // One emergency bucket per distinct key, with the summed cost of the matches on it (as
+        // in `decide`: two descriptors on one bucket take from it for both).
+        let mut open: Vec<(Box<str>, Limit, u64)> = Vec::new();
+        let mut slot_of = vec![usize::MAX; matched.len()];
         for (i, m) in matched.iter().enumerate() {
             if m.effect != Effect::Enforce {
                 continue;
@@ -725,42 +784,68 @@ impl PolicyEngine {
                 FailureMode::Closed => failed_closed = true,
                 FailureMode::Open { emergency } => {
                     let key = store_key(&m.bucket_key, &emergency);
-                    if !open.iter().any(|(_, k, _)| *k == key) {
-                        open.push((i, key, emergency));
+                    match open.iter().position(|(k, ..)| *k == key) {
+                        Some(slot) => {
+                            open[slot].2 = open[slot].2.saturating_add(cost);
+                            slot_of[i] = slot;
+                        }
+                        None => {
+                            slot_of[i] = open.len();
+                            open.push((key, emergency, cost));
+                        }
                     }
                 }
             }
         }
-        let mut decisions: Vec<Option<Decision>> = vec![None; matched.len()];
+        let check_error = |slot: usize, source: tollgate::Error| Error::Check {
+            limit: slot_of
+                .iter()
+                .position(|&s| s == slot)
+                .map(|i| matched[i].limit.name().to_owned())
+                .unwrap_or_default(),
+            source,
+        };
+        let mut decisions: Vec<Option<Decision>> = vec![None; open.len()];
         let mut emergency_ok = true;
         if !failed_closed && !open.is_empty() {
-            if open.iter().any(|(_, _, limit)| cost > limit.capacity()) {
+            if open.iter().any(|(_, limit, cost)| *cost > limit.capacity()) {
+                // The emergency budget can never hold this cost: rejected (never unlimited),
+                // and reported as a rejection of that limit with real retry figures, not as a
+                // limit that decided nothing. Nothing is charged; the other emergency buckets
+                // report what they would decide.
                 emergency_ok = false;
+                for (slot, (key, limit, cost)) in open.iter().enumerate() {
+                    decisions[slot] = Some(if *cost > limit.capacity() {
+                        never_fits(limit)
+                    } else {
+                        self.emergency
+                            .peek(&**key, limit, *cost, now)
+                            .map_err(|source| check_error(slot, source))?
+                    });
+                }
             } else {
                 let items: Vec<Item<'_, str>> = open
                     .iter()
-                    .map(|(_, key, limit)| Item {
+                    .map(|(key, limit, cost)| Item {
                         key: &**key,
                         limit,
-                        cost,
+                        cost: *cost,
                     })
                     .collect();
                 let results = self
                     .emergency
                     .check_all(&items, now, None)
-                    .map_err(|source| Error::Check {
-                        limit: matched[open[0].0].limit.name().to_owned(),
-                        source,
-                    })?;
-                for ((i, ..), d) in open.iter().zip(results) {
+                    .map_err(|source| check_error(0, source))?;
+                for (slot, d) in results.into_iter().enumerate() {
                     emergency_ok &= d.allowed();
-                    decisions[*i] = Some(d);
+                    decisions[slot] = Some(d);
                 }
             }
         }
         let allowed = !failed_closed && emergency_ok;
         let mut limits = Vec::with_capacity(matched.len());
-        for (m, decision) in matched.iter().zip(decisions) {
+        for (m, &slot) in matched.iter().zip(&slot_of) {
+            let decision = decisions.get(slot).copied().flatten();
             let mut exempted_by = None;
             match m.effect {
                 Effect::Exempt(exemption) => {
@@ -853,6 +938,28 @@ impl PolicyEngine {
             audit.record(&event());
         }
     }
+}
+
+/// The error for a cost of 0, refused before any limit is looked at.
+fn zero_cost() -> Error {
+    Error::Check {
+        limit: String::new(),
+        source: tollgate::Error::InvalidCost {
+            cost: 0,
+            capacity: 0,
+        },
+    }
+}
+
+/// The rejection reported for a cost above `limit`'s capacity when that must not be an error
+/// (a limit that cannot reject, or an emergency budget): the bucket is shown empty, asked for
+/// its whole capacity, so `remaining` is 0 and `retry_after` equals `reset_after`, the limit's
+/// time to full, the soonest it could grant the most it ever can. Asking for the real cost
+/// would make `retry_after` a wait for tokens the bucket can never hold (and its arithmetic
+/// could overflow for a cost far above the capacity).
+fn never_fits(limit: &Limit) -> Decision {
+    // A deficit above the capacity is clamped to it: an empty bucket.
+    Decision::from_deficit(false, *limit, limit.capacity(), u128::MAX)
 }
 
 /// The output of a future that never waits, as every future over the in-process store is.

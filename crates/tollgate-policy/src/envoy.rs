@@ -14,10 +14,12 @@
 //!   windows, tollgate refills a token bucket continuously, so a client can no longer burst `2N`
 //!   across a window edge. Said once in the notes.
 //! * `shadow_mode` becomes `mode: shadow`; `unlimited` means no limit.
+//! * `value: ""` is a wildcard, as in Envoy; values are taken as written (`1.50`, `007`).
 //!
 //! What tollgate cannot express is listed in [`EnvoyImport::notes`], with the descriptor path:
-//! `replaces`, wildcard values (`foo*`), `unlimited` exceptions to a wildcard sibling, entry order,
-//! month and year units (approximated), and fields it does not know.
+//! `replaces`, wildcard values (`foo*`), `unlimited` exceptions to a wildcard sibling, a valued
+//! node hiding its wildcard sibling's subtree, a key repeated further down its own path
+//! (skipped), entry order, month and year units (approximated), and fields it does not know.
 
 use std::collections::{BTreeMap, HashSet};
 use std::fmt::Write as _;
@@ -67,6 +69,17 @@ struct Node {
     other: BTreeMap<String, IgnoredAny>,
 }
 
+impl Node {
+    /// The node's value, `None` for a wildcard. envoyproxy/ratelimit builds a node's map key as
+    /// `key`, plus `_value` only when the value is not empty, so `value: ""` is a wildcard.
+    fn value(&self) -> Option<&str> {
+        self.value
+            .as_ref()
+            .map(|v| v.0.as_str())
+            .filter(|v| !v.is_empty())
+    }
+}
+
 #[derive(Debug, Deserialize)]
 struct RateLimit {
     #[serde(default)]
@@ -85,6 +98,8 @@ struct RateLimit {
 
 /// One limit on its way out.
 struct Out {
+    /// The descriptor path it came from, for notes.
+    path: String,
     name: String,
     when: Vec<(String, String)>,
     key: Vec<String>,
@@ -185,10 +200,27 @@ impl Importer {
         }
         for key in keys {
             let group: Vec<&Node> = nodes.iter().filter(|n| n.key == key).collect();
+            // Envoy walks one level per descriptor entry, so `a > a` is legal there (a request
+            // [a=1, a=2]); a tollgate descriptor is matched by entry name, the first occurrence
+            // counting, so a limit cannot name one entry twice.
+            if path.iter().any(|(k, _)| *k == key) {
+                for node in &group {
+                    let mut here_path = path.to_vec();
+                    here_path.push((key, node.value()));
+                    self.note(
+                        &describe(&here_path),
+                        format!(
+                            "entry `{key}` already appears above on this path, which tollgate \
+                             cannot express: this node and its children were skipped"
+                        ),
+                    );
+                }
+                continue;
+            }
             let wildcards: Vec<&Node> = group
                 .iter()
                 .copied()
-                .filter(|n| n.value.is_none())
+                .filter(|n| n.value().is_none())
                 .collect();
             if wildcards.len() > 1 {
                 let here = describe(&[path, &[(key, None)]].concat());
@@ -202,12 +234,10 @@ impl Importer {
                 wildcard.and_then(|w| self.parsed_rate(w, &[path, &[(key, None)]].concat()));
 
             let mut overrides = Vec::new();
-            for node in group.iter().filter(|n| n.value.is_some()) {
-                let value = node
-                    .value
-                    .as_ref()
-                    .map(|v| v.0.as_str())
-                    .unwrap_or_default();
+            for node in &group {
+                let Some(value) = node.value() else {
+                    continue;
+                };
                 let mut here_path = path.to_vec();
                 here_path.push((key, Some(value)));
                 let here = describe(&here_path);
@@ -262,7 +292,13 @@ impl Importer {
                 if let Some((capacity, refill)) = wildcard_limit {
                     self.push(&here_path, capacity, refill, w, overrides);
                 }
+                let before = self.limits.len();
                 self.level(&w.descriptors, &here_path);
+                let nested: Vec<String> = self.limits[before..]
+                    .iter()
+                    .map(|l| l.path.clone())
+                    .collect();
+                self.note_hidden_subtree(&group, &nested, path, key);
             }
             for extra in wildcards.iter().skip(1) {
                 let mut here_path = path.to_vec();
@@ -272,6 +308,36 @@ impl Importer {
                 }
                 self.level(&extra.descriptors, &here_path);
             }
+        }
+    }
+
+    /// Envoy looks an entry up by `key_value` first and only then by `key`, and goes on from
+    /// the node it found: a request with `key=value` walks the valued node's subtree and never
+    /// reaches the wildcard sibling's. tollgate matches every limit on its own, so the limits
+    /// of the wildcard's subtree (`nested`, their paths) apply to such requests too. A `when`
+    /// cannot say "not equal", so this is noted for each valued sibling rather than expressed.
+    fn note_hidden_subtree(
+        &mut self,
+        group: &[&Node],
+        nested: &[String],
+        path: &Path<'_>,
+        key: &str,
+    ) {
+        if nested.is_empty() {
+            return;
+        }
+        for node in group {
+            let Some(value) = node.value() else {
+                continue;
+            };
+            let mut here_path = path.to_vec();
+            here_path.push((key, Some(value)));
+            let message = format!(
+                "hides the subtree of its wildcard sibling `{key}` in envoy, but in tollgate the \
+                 limits under it apply to {key}={value} too: {}",
+                nested.join(", ")
+            );
+            self.note(&describe(&here_path), message);
         }
     }
 
@@ -398,6 +464,7 @@ impl Importer {
             .map(|(k, _)| (*k).to_owned())
             .collect();
         self.limits.push(Out {
+            path: describe(path),
             name,
             when,
             key,
@@ -411,10 +478,13 @@ impl Importer {
     fn render(&self, file: &str) -> String {
         let q = |text: &str| serde_json::to_string(text).unwrap_or_else(|_| "\"\"".into());
         let mut out = String::new();
+        // Both come from outside (the domain from the file, the file name from the caller):
+        // quoted and escaped, so a line break in either cannot end the comment and add fields
+        // to the policy. Debug formatting escapes every control and line-separator character.
         let _ = writeln!(
             out,
-            "# Imported from envoyproxy/ratelimit config {} (domain {}).",
-            file, self.domain
+            "# Imported from envoyproxy/ratelimit config {file:?} (domain {:?}).",
+            self.domain
         );
         out.push_str("limits:\n");
         if self.limits.is_empty() {

@@ -51,9 +51,10 @@ pub enum Error {
     #[error("no earlier policy version is kept to roll back to")]
     NothingToRollBack,
     /// The core refused a check (a cost of zero or above a limit's capacity).
-    #[error("limit {limit}: {source}")]
+    #[error("{}", check_message(.limit, .source))]
     Check {
-        /// The limit that refused it.
+        /// The limit that refused it; empty when the request was refused before any limit was
+        /// looked at (a cost of 0 is invalid whatever applies).
         limit: String,
         /// The core's reason.
         source: tollgate::Error,
@@ -66,6 +67,18 @@ pub enum Error {
         /// The watcher's reason.
         source: notify_debouncer_full::notify::Error,
     },
+}
+
+/// The text of [`Error::Check`]: a cost of 0 refused before matching has no limit, and no
+/// capacity to quote.
+fn check_message(limit: &str, source: &tollgate::Error) -> String {
+    match source {
+        tollgate::Error::InvalidCost { cost: 0, .. } if limit.is_empty() => {
+            "cost 0 is invalid: it must be at least 1".to_owned()
+        }
+        _ if limit.is_empty() => source.to_string(),
+        _ => format!("limit {limit}: {source}"),
+    }
 }
 
 impl Error {

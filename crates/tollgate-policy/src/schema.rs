@@ -39,7 +39,7 @@ pub(crate) struct Defaults {
     #[serde(default)]
     pub(crate) failure_mode: Option<FailureModeSpec>,
     #[serde(default)]
-    pub(crate) emergency: Option<RateText>,
+    pub(crate) emergency: Option<Spanned<RateText>>,
     #[serde(default)]
     pub(crate) mode: Option<ModeSpec>,
 }
@@ -188,8 +188,12 @@ impl TryFrom<String> for Expiry {
     }
 }
 
-/// Any YAML scalar taken as text: descriptor values such as `443` or `true` are strings on the
-/// wire (Envoy sends strings), so the file may write them unquoted.
+/// Any YAML scalar taken as text, exactly as written: descriptor values such as `443`,
+/// `01234`, `2.1` or `true` are strings on the wire (Envoy sends strings), so the file may
+/// write them unquoted and they must match what a request sends. Asking the deserializer for a
+/// string (rather than for "any" value) makes serde-saphyr hand over the scalar's own text
+/// instead of resolving it to a number first, which would turn `01234` into `1234`, `1.50` into
+/// `1.5`, and refuse floats altogether.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) struct Text(pub(crate) String);
 
@@ -211,21 +215,9 @@ impl<'de> Deserialize<'de> for Text {
             fn visit_string<E: de::Error>(self, v: String) -> Result<Text, E> {
                 Ok(Text(v))
             }
-
-            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Text, E> {
-                Ok(Text(v.to_string()))
-            }
-
-            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Text, E> {
-                Ok(Text(v.to_string()))
-            }
-
-            fn visit_bool<E: de::Error>(self, v: bool) -> Result<Text, E> {
-                Ok(Text(v.to_string()))
-            }
         }
 
-        deserializer.deserialize_any(TextVisitor)
+        deserializer.deserialize_str(TextVisitor)
     }
 }
 
@@ -291,6 +283,10 @@ fn message_of(err: &serde_saphyr::Error) -> String {
     if let Some(at) = message.rfind(" at line ") {
         message.truncate(at);
     }
+    // The parser suggests a Rust type; the operator needs the fix in the file.
+    if message.starts_with("cannot deserialize null into string") {
+        message = "a value is missing here: write one (quote \"\" for an empty string)".into();
+    }
     // The parser suggests a library option; the operator needs the fix in the file.
     if let Some(at) = message.find(", set DuplicateKeyPolicy") {
         message.truncate(at);
@@ -313,6 +309,61 @@ pub(crate) fn at<T>(file: &str, spanned: &Spanned<T>, path: String, message: Str
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[derive(Debug, Deserialize)]
+    struct Values {
+        v: BTreeMap<String, Text>,
+    }
+
+    fn values(text: &str) -> Result<Vec<String>, Error> {
+        parse_as::<Values>("v.yaml", text, false).map(|v| v.v.into_values().map(|t| t.0).collect())
+    }
+
+    #[test]
+    fn scalars_are_taken_as_written() {
+        // serde-saphyr hands a string request the scalar's own text: nothing is resolved to a
+        // number or a boolean and printed back.
+        for (written, text) in [
+            ("01234", "01234"),
+            ("2.1", "2.1"),
+            ("1.50", "1.50"),
+            ("1e3", "1e3"),
+            ("0x1F", "0x1F"),
+            (".inf", ".inf"),
+            ("-0", "-0"),
+            ("443", "443"),
+            ("true", "true"),
+            ("True", "True"),
+            ("'007'", "007"),
+            ("\"a: b\"", "a: b"),
+            ("/v1/payments", "/v1/payments"),
+        ] {
+            let parsed = values(&format!("v: {{k: {written}}}\n"));
+            assert_eq!(
+                parsed.map_err(|e| e.to_string()),
+                Ok(vec![text.to_owned()]),
+                "{written}"
+            );
+        }
+    }
+
+    #[test]
+    fn non_scalars_are_refused_with_their_position() {
+        for (text, line, column) in [
+            ("v:\n  k: [1, 2]\n", 2, 6),
+            ("v:\n  k: {a: 1}\n", 2, 6),
+            ("v:\n  k:\n", 2, 4),
+        ] {
+            let err = values(text).map(|_| ()).unwrap_err();
+            let d = err.diagnostic().cloned().unwrap_or_else(|| panic!("{err}"));
+            assert_eq!(
+                (d.file.as_str(), d.line, d.column, d.path.as_str()),
+                ("v.yaml", line, column, "v.k"),
+                "{text:?}: {d}"
+            );
+            assert!(!d.message.contains("Option<"), "{d}");
+        }
+    }
 
     #[test]
     fn percentages() {

@@ -4,8 +4,9 @@
 //! a file by writing a new one and renaming it over the old (the old inode, which a file watch
 //! would follow, never changes), and Kubernetes updates a mounted ConfigMap by swapping a
 //! `..data` symlink inside the directory. Any change in the directory triggers a reload after a
-//! debounce; the engine skips content it already has, refuses a bad file and keeps the last good
-//! version, so a spurious event costs one read.
+//! debounce; the engine skips bytes it has already read (so an unrelated file does not undo a
+//! rollback or retry a refused file), refuses a bad file and keeps the last good version, so a
+//! spurious event costs one read.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -46,7 +47,8 @@ impl PolicyWatcher {
     }
 
     /// Like [`start`](Self::start), and calls `on_reload` with each reload's result (for
-    /// metrics and tests). It runs on the watcher's thread.
+    /// metrics and tests); an event that left the file's bytes as last read gives the policy in
+    /// force ([`PolicyEngine::reload_if_changed`]). It runs on the watcher's thread.
     ///
     /// # Errors
     ///
@@ -76,7 +78,9 @@ impl PolicyWatcher {
                 Err(_) => true,
             };
             if relevant {
-                on_reload(engine.reload());
+                // Any file in the directory triggers this, so only bytes that changed since the
+                // last read are loaded: an unrelated file must not undo a rollback.
+                on_reload(engine.reload_if_changed());
             }
         };
         let watch_error = |source| Error::Watch {

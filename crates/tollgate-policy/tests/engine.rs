@@ -174,6 +174,33 @@ fn invalid_costs_are_errors_that_charge_nothing() {
     assert_eq!(decide(&r.engine, &user("a", "t")).1[0].2, 2);
 }
 
+#[test]
+fn cost_zero_is_an_error_even_when_every_limit_is_exempt() {
+    let r = rig(EXEMPT);
+    let acme = [("tenant", "acme"), ("user", "u")];
+    let err = r.engine.decide("api", &[acme], 0, None);
+    assert_eq!(
+        err.map(|_| ()).map_err(|e| e.to_string()),
+        Err("cost 0 is invalid: it must be at least 1".to_owned())
+    );
+    // Nor when nothing applies, nor when explaining or deciding without the store.
+    assert!(
+        r.engine
+            .decide("api", &[[("other", "x")]], 0, None)
+            .is_err()
+    );
+    assert!(r.engine.explain("api", &[acme], 0).is_err());
+    assert!(r.engine.decide_degraded("api", &[acme], 0, "down").is_err());
+    assert!(
+        r.engine
+            .decide_degraded("api", &[[("other", "x")]], 0, "down")
+            .is_err()
+    );
+    // Refused before anything was looked at: no exemption use, no unmatched request.
+    assert_eq!(r.engine.unmatched(), 0);
+    assert!(r.audit.kinds().iter().all(|k| k != "exemption_used"));
+}
+
 const SHADOW: &str = r#"
 version: "s"
 limits:
@@ -229,6 +256,65 @@ fn shadow_is_not_charged_when_the_request_is_rejected() {
     // And the rejection really charged nothing: the shadow bucket still holds 3.
     let explained = r.engine.explain("api", &[[("user", "a")]], 1);
     assert!(explained.is_ok_and(|o| o.limits[1].decision.map(|d| d.remaining()) == Some(2)));
+}
+
+/// The rejection reported for a cost a bucket can never hold: shown empty, retry and reset both
+/// the limit's time to full.
+fn assert_never_fits(decision: Option<tollgate::Decision>, capacity: u64, time_to_full: Duration) {
+    let Some(d) = decision else {
+        panic!("no decision reported")
+    };
+    assert!(!d.allowed());
+    assert_eq!(d.limit().capacity(), capacity);
+    assert_eq!(
+        (d.remaining(), d.retry_after(), d.reset_after()),
+        (0, Some(time_to_full), time_to_full)
+    );
+}
+
+#[test]
+fn shadow_limit_smaller_than_cost_does_not_fail_the_request() {
+    // enforced: 10 tokens; trial (shadow): 1 token.
+    let r = rig(&SHADOW.replace("capacity: 2\n", "capacity: 10\n"));
+    let outcome = r
+        .engine
+        .decide("api", &[[("user", "a")]], 2, None)
+        .unwrap_or_else(|e| panic!("a shadow limit broke the request: {e}"));
+    assert!(outcome.allowed);
+    assert_eq!(outcome.limits[0].decision.map(|d| d.remaining()), Some(8));
+    assert_eq!(outcome.limits[1].mode, "shadow");
+    assert!(outcome.limits[1].would_reject());
+    assert_never_fits(outcome.limits[1].decision, 1, Duration::from_secs(1));
+    // The shadow bucket was charged nothing: a cost of 1 still fits it.
+    let after = r.engine.explain("api", &[[("user", "a")]], 1);
+    assert!(after.is_ok_and(|o| !o.limits[1].would_reject()));
+    // Two descriptors on the shadow bucket sum past its capacity: the same, not an error.
+    let summed = r
+        .engine
+        .decide("api", &[[("user", "a")], [("user", "a")]], 1, None);
+    assert!(summed.is_ok_and(|o| o.allowed && o.limits[1].would_reject()));
+}
+
+#[test]
+fn outside_rollout_limit_smaller_than_cost_does_not_fail_the_request() {
+    let text = "limits:\n  - name: canary\n    domain: api\n    key: [user]\n    capacity: 1\n    refill: 1/s\n    rollout: 0%\n";
+    let r = rig(text);
+    // Far above the capacity too: the figures must not overflow.
+    for cost in [2, u64::MAX] {
+        let outcome = r
+            .engine
+            .decide("api", &[[("user", "a")]], cost, None)
+            .unwrap_or_else(|e| panic!("a limit at rollout 0% broke the request: {e}"));
+        assert!(outcome.allowed);
+        assert_eq!(outcome.limits[0].mode, "rollout");
+        assert_never_fits(outcome.limits[0].decision, 1, Duration::from_secs(1));
+    }
+    let after = r.engine.explain("api", &[[("user", "a")]], 1);
+    assert!(after.is_ok_and(|o| !o.limits[0].would_reject()));
+    // Enforced, the same cost is still an error: nothing could ever grant it.
+    let enforced = rig(&text.replace("    rollout: 0%\n", ""));
+    let err = enforced.engine.decide("api", &[[("user", "a")]], 2, None);
+    assert!(err.is_err_and(|e| e.to_string().contains("canary")));
 }
 
 #[test]
@@ -655,6 +741,84 @@ fn degraded_decisions_follow_failure_modes_and_are_audited() {
     assert_eq!(degraded[5]["limit"], "closed-one");
     assert_eq!(degraded[5]["failure_mode"], "closed");
     assert_eq!(degraded[5]["allowed"], false);
+}
+
+#[test]
+fn degraded_two_descriptors_on_one_bucket_charge_summed_cost() {
+    let text = "limits:\n  - name: per-user\n    domain: api\n    key: [user]\n    capacity: 100\n    refill: 100/s\n    failure_mode: open\n    emergency: 2/s\n";
+    let r = rig(text);
+    let first = r
+        .engine
+        .decide_degraded("api", &[[("user", "u")], [("user", "u")]], 1, "down")
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(first.allowed);
+    // Both matches report the one bucket's decision, after both tokens.
+    for limit in &first.limits {
+        assert_eq!(limit.decision.map(|d| d.remaining()), Some(0));
+    }
+    // Two tokens of the emergency budget (2) are gone: the next request must be rejected.
+    let second = r
+        .engine
+        .decide_degraded("api", &[[("user", "u")]], 1, "down")
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        !second.allowed,
+        "emergency budget 2/s admitted 3 tokens in one instant"
+    );
+    // Summed past the emergency capacity: rejected as a whole, as one cost of 3 would be.
+    r.clock.advance(Duration::from_secs(1));
+    let over = r
+        .engine
+        .decide_degraded(
+            "api",
+            &[[("user", "u")], [("user", "u")], [("user", "u")]],
+            1,
+            "down",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(!over.allowed);
+}
+
+#[test]
+fn degraded_cost_above_the_emergency_budget_is_a_reported_rejection() {
+    let text = "limits:\n  - name: per-user\n    domain: api\n    key: [user]\n    capacity: 100\n    refill: 100/s\n    failure_mode: open\n    emergency: 2/s\n  - name: per-tenant\n    domain: api\n    key: [tenant]\n    capacity: 100\n    refill: 100/s\n    failure_mode: open\n    emergency: 10/s\n";
+    let r = rig(text);
+    let d = [("user", "u"), ("tenant", "t")];
+    let outcome = r
+        .engine
+        .decide_degraded("api", &[d], 3, "down")
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(!outcome.allowed && outcome.degraded && !outcome.failed_closed);
+    // The limit whose emergency budget (2) cannot hold 3 reports the rejection, with real
+    // figures: not "no decision", which reads as allowed.
+    assert_eq!(outcome.limits[0].name, "per-user");
+    assert!(outcome.limits[0].would_reject());
+    assert_never_fits(outcome.limits[0].decision, 2, Duration::from_secs(1));
+    // The other budget had room: it says so, uncharged.
+    let tenant = outcome.limits[1].decision;
+    assert!(tenant.is_some_and(|d| d.allowed() && d.limit().capacity() == 10));
+    // Nothing was charged: both budgets are still full.
+    let next = r
+        .engine
+        .decide_degraded("api", &[d], 2, "down")
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(next.allowed);
+    let left: Vec<_> = next
+        .limits
+        .iter()
+        .map(|l| l.decision.map(|d| d.remaining()))
+        .collect();
+    assert_eq!(left, [Some(0), Some(8)]);
+    // Far above every capacity: still a rejection with in-range figures, never an error.
+    let huge = r.engine.decide_degraded("api", &[d], u64::MAX, "down");
+    assert!(huge.is_ok_and(|o| !o.allowed && o.limits.iter().all(|l| l.would_reject())));
+    let degraded: Vec<_> = r
+        .audit
+        .events()
+        .into_iter()
+        .filter(|e| e["event"] == "degraded")
+        .collect();
+    assert_eq!(degraded[0]["allowed"], false);
 }
 
 #[test]

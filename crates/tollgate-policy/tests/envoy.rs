@@ -222,3 +222,96 @@ fn an_empty_config_imports_to_an_empty_policy() {
     assert_eq!((imported.limits, p.limits().len()), (0, 0));
     assert!(imported.notes.is_empty());
 }
+
+#[test]
+fn envoy_empty_value_is_a_wildcard() {
+    // envoyproxy/ratelimit: `finalKey := key; if value != "" { finalKey += "_" + value }`.
+    let cfg = "domain: d\ndescriptors:\n  - key: user\n    value: \"\"\n    rate_limit:\n      unit: second\n      requests_per_unit: 5\n";
+    let (imported, p) = import(cfg);
+    assert_eq!(
+        matched(&p, "d", &[("user", "alice")]),
+        ["d.user|alice capacity 5 refill 5/s"],
+        "{}",
+        imported.policy
+    );
+}
+
+#[test]
+fn envoy_valued_node_hides_the_wildcard_subtree() {
+    // Envoy walks `key_value` first: [client=vip, path=x] lands on node client=vip, which has
+    // no child `path`, so no limit applies. tollgate's `when` cannot say "not vip", so the
+    // wildcard's child applies there too: the import must say so.
+    let cfg = "domain: d\ndescriptors:\n  - key: client\n    value: vip\n    rate_limit:\n      unit: second\n      requests_per_unit: 100\n  - key: client\n    rate_limit:\n      unit: second\n      requests_per_unit: 10\n    descriptors:\n      - key: path\n        rate_limit:\n          unit: second\n          requests_per_unit: 1\n";
+    let (imported, p) = import(cfg);
+    assert_eq!(
+        matched(&p, "d", &[("client", "vip"), ("path", "/a")]),
+        ["d.client.path|vip|/a capacity 1 refill 1/s"]
+    );
+    let hidden: Vec<&String> = imported
+        .notes
+        .iter()
+        .filter(|n| n.starts_with("client=vip: hides the subtree"))
+        .collect();
+    assert_eq!(hidden.len(), 1, "{:?}", imported.notes);
+    assert!(hidden[0].ends_with(": client > path"), "{}", hidden[0]);
+    // A wildcard without a subtree hides nothing: no such note.
+    let flat = import(&cfg[..cfg.find("    descriptors:").unwrap_or(cfg.len())]).0;
+    assert!(
+        flat.notes.iter().all(|n| !n.contains("hides")),
+        "{:?}",
+        flat.notes
+    );
+}
+
+#[test]
+fn envoy_decimal_value_imports() {
+    let cfg = "domain: d\ndescriptors:\n  - key: version\n    value: 1.50\n    rate_limit:\n      unit: second\n      requests_per_unit: 5\n";
+    let (imported, p) = import(cfg);
+    // As written, as Envoy compares it: "1.50", not "1.5".
+    assert_eq!(
+        matched(&p, "d", &[("version", "1.50")]).len(),
+        1,
+        "{}",
+        imported.policy
+    );
+    assert!(matched(&p, "d", &[("version", "1.5")]).is_empty());
+}
+
+#[test]
+fn envoy_same_key_at_two_levels_imports() {
+    // Legal in envoy (descriptor [a=1, a=2] walks both levels); skipped with a note here.
+    let cfg = "domain: d\ndescriptors:\n  - key: a\n    descriptors:\n      - key: a\n        rate_limit:\n          unit: second\n          requests_per_unit: 5\n      - key: b\n        rate_limit:\n          unit: second\n          requests_per_unit: 3\n  - key: c\n    value: \"1\"\n    descriptors:\n      - key: c\n        value: \"2\"\n        rate_limit:\n          unit: second\n          requests_per_unit: 5\n";
+    let (imported, p) = import(cfg);
+    // The sibling that does not repeat a key is kept.
+    assert_eq!(imported.limits, 1, "{}", imported.policy);
+    assert_eq!(
+        matched(&p, "d", &[("a", "1"), ("b", "2")]),
+        ["d.a.b|1|2 capacity 3 refill 3/s"]
+    );
+    let notes = imported.notes.join("\n");
+    for fragment in [
+        "a > a: entry `a` already appears above",
+        "c=1 > c=2: entry `c` already appears above",
+    ] {
+        assert!(notes.contains(fragment), "missing {fragment:?} in\n{notes}");
+    }
+}
+
+#[test]
+fn envoy_domain_cannot_inject_policy_fields() {
+    let cfg = "domain: \"x\\nversion: injected\\r\\nexemptions: []\\u2028#\"\ndescriptors:\n  - key: user\n    rate_limit:\n      unit: second\n      requests_per_unit: 5\n";
+    let (imported, p) = import(cfg);
+    assert_ne!(p.version(), "injected", "{}", imported.policy);
+    // The comment stays one line, and the domain is kept whole for matching.
+    assert_eq!(
+        imported
+            .policy
+            .lines()
+            .filter(|l| l.starts_with('#'))
+            .count(),
+        1
+    );
+    assert!(imported.policy.lines().all(|l| !l.starts_with("version")));
+    let domain = "x\nversion: injected\r\nexemptions: []\u{2028}#";
+    assert_eq!(matched(&p, domain, &[("user", "u")]).len(), 1);
+}

@@ -236,6 +236,26 @@ fn rules_across_fields_point_at_the_field() {
 }
 
 #[test]
+fn emergency_error_points_at_the_emergency_field() {
+    let open = "limits:\n  - name: l\n    domain: api\n    capacity: 1\n    refill: 1/s\n    failure_mode: open\n";
+    case(
+        &format!("{open}    emergency: 1/60000d\n"),
+        7,
+        16,
+        "limits[0].emergency",
+        "146 years",
+    );
+    // From the defaults: the default is what needs fixing.
+    case(
+        &format!("defaults:\n  emergency: 1/60000d\n{open}"),
+        2,
+        14,
+        "defaults.emergency",
+        "146 years",
+    );
+}
+
+#[test]
 fn syntax_errors_have_positions() {
     let d = refused("limits: [\n");
     assert_eq!(d.line, 1);

@@ -231,6 +231,42 @@ fn version_is_derived_from_content_when_not_declared() {
     );
 }
 
+#[test]
+fn numeric_version_with_decimals_is_accepted() {
+    // Taken as written: not refused as a float, not printed back as 1.5 from 1.50.
+    for (written, version) in [("1.5", "1.5"), ("1.50", "1.50"), ("007", "007")] {
+        let p = compile("p.yaml", &format!("version: {written}\nlimits: []\n"));
+        assert_eq!(
+            p.map(|p| p.version().to_owned()).map_err(|e| e.to_string()),
+            Ok(version.to_owned())
+        );
+    }
+}
+
+fn when_policy(when: &str) -> Policy {
+    let text = format!(
+        "limits:\n  - name: l\n    domain: api\n    when: {{{when}}}\n    capacity: 1\n    refill: 1/s\n"
+    );
+    compile("p.yaml", &text).unwrap_or_else(|e| panic!("{e}"))
+}
+
+#[test]
+fn when_value_with_decimals_is_accepted() {
+    let p = when_policy("api_version: 2.1");
+    assert_eq!(names(&p, "api", &[&[("api_version", "2.1")]]), ["l@0"]);
+    let p = when_policy("api_version: 2.10");
+    assert_eq!(names(&p, "api", &[&[("api_version", "2.10")]]), ["l@0"]);
+    assert!(names(&p, "api", &[&[("api_version", "2.1")]]).is_empty());
+}
+
+#[test]
+fn when_value_with_leading_zero_matches_as_written() {
+    let p = when_policy("zip: 01234");
+    assert_eq!(names(&p, "api", &[&[("zip", "01234")]]), ["l@0"]);
+    assert!(names(&p, "api", &[&[("zip", "1234")]]).is_empty());
+    assert!(names(&p, "api", &[&[("zip", "668")]]).is_empty());
+}
+
 fn rollout_policy(percent: &str) -> Policy {
     let text = format!(
         "limits:\n  - name: canary\n    domain: api\n    key: [user]\n    capacity: 1\n    refill: 1/s\n    rollout: {percent}\n"

@@ -113,3 +113,66 @@ fn configmap_symlink_swap() {
     assert_eq!(engine.status().version, "2");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn rollback_survives_an_unrelated_event_in_the_directory() {
+    let dir = temp_dir("rollback");
+    let path = dir.join("policy.yaml");
+    write(&path, &policy("1"));
+    let (engine, watcher, rx) = start(&path);
+    write(&path, &policy("2"));
+    wait_for(&rx, Some("2"));
+    // Version 2 is bad in production: the operator rolls back.
+    assert!(engine.rollback().is_ok_and(|p| p.version() == "1"));
+    // Something unrelated is written next to the policy (an editor swap file, another config).
+    write(&dir.join("notes.txt"), "hello");
+    // Until the watcher answers with version 1 (a late event of the earlier write may come
+    // first), version 1 must stay in force.
+    loop {
+        let reloaded = rx
+            .recv_timeout(Duration::from_secs(10))
+            .map(|r| r.map(|p| p.version().to_owned()).map_err(|e| e.to_string()));
+        assert_eq!(
+            engine.status().version,
+            "1",
+            "the rollback was undone by an unrelated file event: {reloaded:?}"
+        );
+        match reloaded {
+            Ok(Ok(version)) if version == "1" => break,
+            Ok(_) => {}
+            Err(err) => panic!("no answer from the watcher: {err}"),
+        }
+    }
+    // An explicit reload (POST /v1/policy/reload) still puts the file back in force, and a
+    // real change of the file is still seen.
+    assert!(engine.reload().is_ok_and(|p| p.version() == "2"));
+    write(&path, &policy("3"));
+    wait_for(&rx, Some("3"));
+    drop(watcher);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_refused_file_is_not_retried_on_unrelated_events() {
+    let dir = temp_dir("refused");
+    let path = dir.join("policy.yaml");
+    write(&path, &policy("1"));
+    let (engine, watcher, rx) = start(&path);
+    write(&path, "limits: [\n");
+    wait_for(&rx, None);
+    let refused_at = engine.status().last_error;
+    assert!(refused_at.is_some());
+    write(&dir.join("notes.txt"), "hello");
+    // Nothing new was read: the version in force is reported, the refusal is not repeated.
+    let reloaded = rx
+        .recv_timeout(Duration::from_secs(10))
+        .map(|r| r.map(|p| p.version().to_owned()).map_err(|e| e.to_string()));
+    assert_eq!(
+        reloaded,
+        Ok(Ok("1".to_owned())),
+        "the refused file was read again"
+    );
+    assert_eq!(engine.status().last_error, refused_at);
+    drop(watcher);
+    let _ = std::fs::remove_dir_all(&dir);
+}
