@@ -2,7 +2,8 @@
 --
 -- Several independent requests may share one call (the client batches concurrent callers):
 -- Redis then pays its per-call cost once for all of them. Each request is decided on its own,
--- as if it had its own call, in the order given.
+-- as if it had its own call, in the order given; a request whose keys hold something that is
+-- not ours fails alone (status -2), never the call.
 --
 -- A request can also peek (decide without writing) or refund: give back what an earlier take
 -- charged, when a request spanning several cluster slots was charged in one slot and rejected in
@@ -10,14 +11,17 @@
 -- (clamped at full), so the store may briefly under-admit between charge and refund, never
 -- over-admit.
 --
--- ARGV[1]      now in microseconds, or "" to use the server's TIME (one clock for every client)
+-- ARGV[1]      now: "" to use the server's TIME (one clock for every client), or a caller's time
+--              as "micros" or "micros:nanos" (nanos 1 to 999 past that microsecond)
 -- ARGV[2]      m, the number of requests in this call
 -- then, per request:
 --   n            the number of buckets
 --   window       idempotency window in milliseconds, or "" when the request has no id
---   fingerprint  the request's content, or "" when it has no id
+--   attempt      "content:attempt": the request's fingerprint and this attempt's own id (unique
+--                per try of the request), or "" when it has no id
 --   mode         "take"; "peek" to decide without writing anything; "refund" to give back
---                `cost` from each bucket and forget the request's record
+--                `cost` from each bucket and forget the request's record, only if the record
+--                is still this attempt's
 --   per bucket, one 24-byte argument: three little-endian doubles, a, cap and cost
 --     a    units gained per microsecond
 --     cap  capacity in units (capacity * units per token)
@@ -31,26 +35,48 @@
 -- A bucket is one string: the microsecond at which it is full again, and, when a > 1, the
 -- sub-microsecond remainder: "full" or "full:frac", meaning the bucket is full at
 -- (full * a - frac) units. Absent means full. The key expires exactly when the bucket is full,
--- so expiry loses nothing.
+-- so expiry loses nothing. A caller's time between two microseconds is read as the units it
+-- holds rounded down (fewer tokens) and charged from the units rounded up (full later): never
+-- more than the exact answer.
+--
+-- A record is "content|attempt|expires|figures": the request's first reply, for retries. A
+-- retry that replays it clears `attempt`: a reply now rests on that charge, so the first
+-- attempt's refund, if it comes later, must leave it (under-admitting, never over-admitting).
 --
 -- Every figure stays below 2^53 (the caller refuses limits whose cap passes 2^51), so the
--- doubles Lua computes with hold them exactly.
+-- doubles Lua computes with hold them exactly; a deficit past the capacity (a caller's clock
+-- gone back) is replied as the capacity, so every reply fits Redis' integers.
 --
 -- Reply: per request, 1 + 2n integers: { status, allowed_1, deficit_1, ..., allowed_n, deficit_n }
---   (a refund answers status 1 and each bucket's deficit after it)
 --   status 1: every bucket allowed and charged; 0: rejected, nothing charged;
 --          2: a retry of a recorded request, its first reply returned, nothing charged;
---         -1: the request id was recorded for different content (buckets reported as 0, 0).
+--         -1: the request id was recorded for different content (buckets reported as 0, 0);
+--         -2: a bucket or record key holds something that is not ours (buckets 0, 0; nothing
+--             written).
+--   A refund answers 1 and each bucket's deficit after it, or 0 when the record is no longer
+--   this attempt's (nothing given back).
 --   deficit_i: units bucket i is short of full afterwards (when rejected: as it stands, since
---   nothing was charged).
+--   nothing was charged), at the request's time rounded down to a whole unit: at most cap, or
+--   cap + 1 when charged from a caller's time between two units.
 
-local now
+local now, nanos
 if ARGV[1] == '' then
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  nanos = 0
 else
-  now = tonumber(ARGV[1])
+  local sep = string.find(ARGV[1], ':', 1, true)
+  if sep then
+    now = tonumber(string.sub(ARGV[1], 1, sep - 1))
+    nanos = tonumber(string.sub(ARGV[1], sep + 1))
+  else
+    now = tonumber(ARGV[1])
+    nanos = 0
+  end
 end
+-- The first whole microsecond at or after the request's time: a record must have outlived it.
+local now_up = now
+if nanos > 0 then now_up = now + 1 end
 
 -- x / a rounded up, exactly: the division is in doubles, so correct it by one either way.
 local function ceil_div(x, a)
@@ -60,13 +86,43 @@ local function ceil_div(x, a)
   return q
 end
 
-local function deficit_of(key, a)
-  local state = redis.call('GET', key)
-  if not state then
-    return 0
+-- x / y rounded down, for integers 0 <= x < 2^53: fmod is exact, so is the division after it.
+local function floor_div(x, y)
+  return (x - math.fmod(x, y)) / y
+end
+
+-- The units a bucket gains from the microsecond `now` to the request's time, rounded down and
+-- rounded up (nanos * a stays below 2^53: a is below 2^43).
+local function offsets(a)
+  if nanos == 0 then
+    return 0, 0
   end
-  local sep = string.find(state, ':', 1, true)
+  local lo = floor_div(nanos * a, 1000)
+  if lo * 1000 == nanos * a then
+    return lo, lo
+  end
+  return lo, lo + 1
+end
+
+local max_exact = 2 ^ 53
+
+-- Whether x is an integer Lua holds exactly (not NaN, not infinite, not negative).
+local function exact(x)
+  return x ~= nil and x >= 0 and x < max_exact and x == math.floor(x)
+end
+
+-- The bucket at `key` as (full, frac); nil when absent (full); false when the key holds
+-- anything else (another program's key, a type other than a string).
+local function state_of(key)
+  local state = redis.pcall('GET', key)
+  if not state then
+    return nil
+  end
+  if type(state) ~= 'string' then
+    return false
+  end
   local full, frac
+  local sep = string.find(state, ':', 1, true)
   if sep then
     full = tonumber(string.sub(state, 1, sep - 1))
     frac = tonumber(string.sub(state, sep + 1))
@@ -74,10 +130,19 @@ local function deficit_of(key, a)
     full = tonumber(state)
     frac = 0
   end
-  if full > now then
-    return (full - now) * a - frac
+  if not (exact(full) and exact(frac)) then
+    return false
   end
-  return 0
+  return full, frac
+end
+
+-- Units a bucket in state (full, frac) is short of full at the request's time, `lo` units into
+-- the microsecond `now`; the rounded-down `lo` makes it the larger figure.
+local function deficit_at(full, frac, a, lo)
+  if not full or full <= now then
+    return 0
+  end
+  return math.max(0, (full - now) * a - frac - lo)
 end
 
 -- Redis expires keys on its own clock. On TIME that is the decisions' clock, and a key expires
@@ -89,34 +154,51 @@ if ARGV[1] ~= '' then
   min_ttl_ms = 60000
 end
 
--- Stores a bucket `deficit` units short of full, expiring when it is full again.
-local function write(key, deficit, a)
-  if deficit <= 0 then
-    redis.call('DEL', key)
-    return
-  end
-  local micros = ceil_div(deficit, a)
-  local frac = micros * a - deficit
+-- Stores a bucket full again at microsecond `full` less `frac` units, expiring then.
+local function store(key, full, frac)
   local value
   if frac == 0 then
-    value = string.format('%d', now + micros)
+    value = string.format('%d', full)
   else
-    value = string.format('%d:%d', now + micros, frac)
+    value = string.format('%d:%d', full, frac)
   end
   -- The TTL goes as an integer string: Redis turns a Lua number argument into a 17-digit float
   -- string and SET parses it back, which measurably costs more than formatting it here.
-  local ttl = string.format('%d', math.max(min_ttl_ms, ceil_div(micros, 1000)))
+  local ttl = string.format('%d', math.max(min_ttl_ms, ceil_div(full - now, 1000)))
   redis.call('SET', key, value, 'PX', ttl)
+end
+
+-- Stores a bucket `deficit` units (> 0) short of full `lo` units into the microsecond `now`.
+local function write(key, deficit, a, lo)
+  local units = deficit + lo
+  local micros = ceil_div(units, a)
+  store(key, now + micros, micros * a - units)
+end
+
+-- A record's fields: content, attempt, expires (microseconds), figures; nil when unreadable.
+local function parse_record(seen)
+  local content, attempt, expires, figures = string.match(seen, '^([^|]*)|([^|]*)|([^|]*)|(.*)$')
+  expires = tonumber(expires)
+  if not expires then
+    return nil
+  end
+  return content, attempt, expires, figures
 end
 
 local reply = {}
 local k = 0 -- keys used so far
 local v = 2 -- arguments used so far
 
+-- Answers request `at` with `status` and zeros for its n buckets.
+local function zeros(at, status, n)
+  reply[at] = status
+  for i = 1, 2 * n do reply[at + i] = 0 end
+end
+
 for _ = 1, tonumber(ARGV[2]) do
   local n = tonumber(ARGV[v + 1])
   local window = ARGV[v + 2]
-  local fingerprint = ARGV[v + 3]
+  local fingerprint, attempt = ARGV[v + 3], ''
   local mode = ARGV[v + 4]
   local dry = mode == 'peek'
   local params = v + 4
@@ -127,85 +209,147 @@ for _ = 1, tonumber(ARGV[2]) do
   if window ~= '' then
     k = k + 1
     record = KEYS[k]
+    fingerprint, attempt = string.match(fingerprint, '^([^:]*):?(.*)$')
   end
   local at = #reply + 1
 
-  -- A record lives for the window on the request's clock (TIME, or the caller's time) as well
-  -- as by its PX, so replays with caller-supplied time expire exactly as in the memory store.
-  local replayed = false
-  if mode == 'refund' then
-    replayed = true
-    reply[at] = 1
-    for i = 1, n do
-      local a, _, cost = struct.unpack('<ddd', ARGV[params + i])
-      local deficit = math.max(0, deficit_of(KEYS[first_key + i], a) - cost)
-      write(KEYS[first_key + i], deficit, a)
-      reply[at + 2 * i - 1] = 1
-      reply[at + 2 * i] = deficit
+  -- Every bucket's state, read before anything is written, so a request with a key that is not
+  -- a bucket fails whole.
+  local fulls, fracs = {}, {}
+  local readable = true
+  for i = 1, n do
+    local full, frac = state_of(KEYS[first_key + i])
+    if full == false then
+      readable = false
     end
+    fulls[i], fracs[i] = full, frac
+  end
+
+  local seen
+  if readable and record and not dry then
+    seen = redis.pcall('GET', record)
+    if seen and type(seen) ~= 'string' then
+      readable = false
+    end
+  end
+
+  if not readable then
+    zeros(at, -2, n)
+  elseif mode == 'refund' then
+    -- Only the attempt that charged gives back, and only while nothing rests on its charge: a
+    -- record gone (expired) or claimed by a retry's replay keeps the charge.
+    local ours = true
     if record then
-      redis.call('DEL', record)
+      local recorded
+      if seen then
+        recorded = select(2, parse_record(seen))
+      end
+      ours = recorded ~= nil and recorded ~= '' and recorded == attempt
     end
-  elseif record and not dry then
-    local seen = redis.call('GET', record)
+    if not ours then
+      zeros(at, 0, n)
+    else
+      reply[at] = 1
+      for i = 1, n do
+        local a, cap, cost = struct.unpack('<ddd', ARGV[params + i])
+        local lo = offsets(a)
+        local full, frac = fulls[i], fracs[i]
+        local deficit = 0
+        if full then
+          -- Moves the time at which the bucket is full back by `cost` units, exactly, however
+          -- far the request's time is from it.
+          local back = floor_div(frac + cost, a)
+          full, frac = full - back, frac + cost - back * a
+          deficit = deficit_at(full, frac, a, lo)
+          if deficit > 0 then
+            store(KEYS[first_key + i], full, frac)
+          else
+            redis.call('DEL', KEYS[first_key + i])
+          end
+        end
+        reply[at + 2 * i - 1] = 1
+        reply[at + 2 * i] = math.min(deficit, cap)
+      end
+      if record then
+        redis.call('DEL', record)
+      end
+    end
+  else
+    -- A record lives for the window on the request's clock (TIME, or the caller's time) as well
+    -- as by its PX, so replays with caller-supplied time expire exactly as in the memory store.
+    local replayed = false
     if seen then
-      local content, expires, fields = string.match(seen, '^([^|]*)|([^|]*)|(.*)$')
-      if expires and tonumber(expires) > now then
+      local content, recorded, expires, figures = parse_record(seen)
+      if content and expires > now_up then
         replayed = true
         if content ~= fingerprint then
-          reply[at] = -1
-          for i = 1, 2 * n do reply[at + i] = 0 end
+          zeros(at, -1, n)
         else
           reply[at] = 2
           local i = 0
-          for field in string.gmatch(fields, '[^,]+') do
+          for field in string.gmatch(figures, '[^,]+') do
             i = i + 1
-            reply[at + i] = tonumber(field)
+            reply[at + i] = tonumber(field) or 0
+          end
+          for j = i + 1, 2 * n do reply[at + j] = 0 end
+          -- This reply rests on the first attempt's charge now: its refund must leave it.
+          if recorded ~= '' then
+            redis.call('SET', record,
+              content .. '||' .. string.format('%d', expires) .. '|' .. figures, 'KEEPTTL')
           end
         end
       end
     end
-  end
 
-  if not replayed then
-    local deficits = {}
-    local all = true
-    for i = 1, n do
-      local a, cap, cost = struct.unpack('<ddd', ARGV[params + i])
-      local deficit = deficit_of(KEYS[first_key + i], a)
-      deficits[i] = deficit
-      if deficit + cost <= cap then
-        reply[at + 2 * i - 1] = 1
-        reply[at + 2 * i] = deficit + cost
-      else
-        all = false
-        reply[at + 2 * i - 1] = 0
-        reply[at + 2 * i] = deficit
-      end
-    end
-
-    if dry then
-      -- A peek: each bucket's own verdict, nothing written.
-      reply[at] = all and 1 or 0
-    elseif all then
-      reply[at] = 1
+    if not replayed then
+      -- A rejection's deficit is replied at most the capacity: more only says the caller's clock
+      -- went back, and past 2^63 it would not fit Redis' integer reply.
+      local deficits, afters = {}, {}
+      local all = true
       for i = 1, n do
-        write(KEYS[first_key + i], reply[at + 2 * i], (struct.unpack('<d', ARGV[params + i])))
+        local a, cap, cost = struct.unpack('<ddd', ARGV[params + i])
+        local lo, hi = offsets(a)
+        local deficit = deficit_at(fulls[i], fracs[i], a, lo)
+        deficits[i] = math.min(deficit, cap)
+        if deficit + cost <= cap then
+          -- Charged from the request's time rounded up: a bucket full by then is full later.
+          local after = math.max(deficit, hi - lo) + cost
+          afters[i] = after
+          reply[at + 2 * i - 1] = 1
+          reply[at + 2 * i] = after
+        else
+          all = false
+          reply[at + 2 * i - 1] = 0
+          reply[at + 2 * i] = deficits[i]
+        end
       end
-      if record then
+
+      if dry then
+        -- A peek: each bucket's own verdict, nothing written.
+        reply[at] = all and 1 or 0
+      elseif all then
+        reply[at] = 1
+        for i = 1, n do
+          local a = struct.unpack('<d', ARGV[params + i])
+          write(KEYS[first_key + i], afters[i], a, (offsets(a)))
+        end
+      else
+        -- Nothing is charged: every bucket reports its balance as it stands.
+        reply[at] = 0
+        for i = 1, n do
+          reply[at + 2 * i] = deficits[i]
+        end
+      end
+
+      if all and record and not dry then
         local fields = {}
         for i = 1, 2 * n do
           fields[i] = string.format('%d', reply[at + i])
         end
         local expires = string.format('%d', now + tonumber(window) * 1000)
-        redis.call('SET', record, fingerprint .. '|' .. expires .. '|' .. table.concat(fields, ','),
+        redis.call('SET', record,
+          fingerprint .. '|' .. attempt .. '|' .. expires .. '|' .. table.concat(fields, ','),
           'PX', window)
-      end
-    else
-      -- Nothing is charged: every bucket reports its balance as it stands.
-      reply[at] = 0
-      for i = 1, n do
-        reply[at + 2 * i] = deficits[i]
       end
     end
   end

@@ -50,8 +50,11 @@ impl Mode {
 pub(crate) struct Record {
     pub(crate) key: String,
     pub(crate) window_ms: u64,
-    /// The request's content; empty for a refund, which only deletes the record.
+    /// The request's content, as a retry must repeat it.
     pub(crate) fingerprint: String,
+    /// This attempt's own id: a refund gives back only while the record still names it (no
+    /// retry's reply rests on the charge yet).
+    pub(crate) attempt: u64,
 }
 
 /// One bucket of a request, in the script's units.
@@ -124,7 +127,7 @@ fn command(verb: &str, script: &str, now: Option<u64>, segments: &[&Segment]) ->
         bytes += segment.buckets.iter().map(|b| b.key.len()).sum::<usize>();
         if let Some(record) = &segment.record {
             args += 1;
-            bytes += record.key.len() + record.fingerprint.len();
+            bytes += record.key.len() + record.fingerprint.len() + 21;
         }
     }
     let mut cmd = Cmd::with_capacity(args, bytes);
@@ -137,15 +140,20 @@ fn command(verb: &str, script: &str, now: Option<u64>, segments: &[&Segment]) ->
             cmd.arg(&record.key);
         }
     }
-    match now {
-        Some(now) => cmd.arg(now),
+    // The script counts in microseconds; a caller's time between two goes with its
+    // nanoseconds, which the script rounds the safe way (see `scripts/take.lua`).
+    match now.map(|nanos| (nanos / 1_000, nanos % 1_000)) {
+        Some((micros, 0)) => cmd.arg(micros),
+        Some((micros, nanos)) => cmd.arg(format!("{micros}:{nanos}")),
         None => cmd.arg(""),
     };
     cmd.arg(segments.len());
     for segment in segments {
         cmd.arg(segment.buckets.len());
         match &segment.record {
-            Some(record) => cmd.arg(record.window_ms).arg(&record.fingerprint),
+            Some(record) => cmd
+                .arg(record.window_ms)
+                .arg(format!("{}:{}", record.fingerprint, record.attempt)),
             None => cmd.arg("").arg(""),
         };
         cmd.arg(segment.mode.as_str());
@@ -156,7 +164,7 @@ fn command(verb: &str, script: &str, now: Option<u64>, segments: &[&Segment]) ->
     cmd
 }
 
-/// Runs `segments` in one call of `script`, at `now` (microseconds; `None` for Redis' `TIME`),
+/// Runs `segments` in one call of `script`, at `now` (nanoseconds; `None` for Redis' `TIME`),
 /// returning each segment's reply. A `NOSCRIPT` answer (after `SCRIPT FLUSH` or a restart)
 /// sends the call again as an `EVAL` of the source, which also caches the script in that node
 /// for the next `EVALSHA`: one more round trip, once.
@@ -304,9 +312,10 @@ async fn dispatch(
 
 /// One script call deciding `batch`, each job answered with its own part of the reply.
 async fn call(script: Arc<TakeScript>, connection: Connection, timeout: Duration, batch: Vec<Job>) {
+    let deadline = tokio::time::Instant::now() + timeout;
     let segments: Vec<&Segment> = batch.iter().map(|job| &job.segment).collect();
-    let result = tokio::time::timeout(
-        timeout,
+    let result = tokio::time::timeout_at(
+        deadline,
         invoke(&script, &connection, batch[0].now, &segments),
     )
     .await
@@ -316,6 +325,29 @@ async fn call(script: Arc<TakeScript>, connection: Connection, timeout: Duration
             for (job, reply) in batch.into_iter().zip(replies) {
                 let _ = job.reply.send(Ok(reply));
             }
+        }
+        // The script reports a request's unreadable data in that request's reply, so a failed
+        // call is rare; but one request's arguments or keys must not fail the requests that
+        // happened to share its call. Each goes again alone (in parallel, within the same
+        // deadline), so only the one at fault gets the error. A call that failed part-way may
+        // have charged the requests before the failure: sent again, they are charged twice
+        // (under-admission, never over-admission), unless their request id replays the first.
+        Err(Unavailable::Script) if batch.len() > 1 => {
+            let alone = batch.into_iter().map(|job| {
+                let connection = &connection;
+                let script = &script;
+                async move {
+                    let reply = tokio::time::timeout_at(
+                        deadline,
+                        invoke(script, connection, job.now, &[&job.segment]),
+                    )
+                    .await
+                    .unwrap_or(Err(Unavailable::Timeout))
+                    .and_then(|mut replies| replies.pop().ok_or(Unavailable::Protocol));
+                    let _ = job.reply.send(reply);
+                }
+            });
+            futures_util::future::join_all(alone).await;
         }
         Err(reason) => {
             for job in batch {

@@ -5,7 +5,9 @@
 //! After the cool-down one request is let through as a probe (half-open); its success closes
 //! the breaker, its failure reopens it with twice the cool-down, up to a maximum. Requests are
 //! never queued while open, so recovery sends Redis one probe and then ordinary traffic, not a
-//! backlog released at once.
+//! backlog released at once. A probe whose caller gives up on it (drops the request) says
+//! nothing about Redis: it hands the probe on to the next request rather than leaving the breaker
+//! half-open, refusing everything, for good.
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -91,21 +93,38 @@ impl<C: Clock> Breaker<C> {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// May a request go to Redis now?
-    pub(crate) fn permit(&self) -> Result<Permit, Unavailable> {
+    /// May a request go to Redis now? The answer is a ticket to report the request's result
+    /// with; dropped unreported, it gives a probe back.
+    pub(crate) fn permit(&self) -> Result<Ticket<'_, C>, Unavailable> {
         let mut state = self.state();
-        match *state {
-            State::Closed { .. } => Ok(Permit::Call),
+        let permit = match *state {
+            State::Closed { .. } => Permit::Call,
             State::Open { until, cool_down } if self.clock.now() >= until => {
                 *state = State::HalfOpen { cool_down };
-                Ok(Permit::Probe)
+                Permit::Probe
             }
-            State::Open { .. } | State::HalfOpen { .. } => Err(Unavailable::CircuitOpen),
+            State::Open { .. } | State::HalfOpen { .. } => return Err(Unavailable::CircuitOpen),
+        };
+        Ok(Ticket {
+            breaker: self,
+            permit: Some(permit),
+        })
+    }
+
+    /// A probe ended without a result: the breaker is open as before, with its cool-down
+    /// already over, so the next request probes.
+    fn release(&self, permit: Permit) {
+        let mut state = self.state();
+        if let (State::HalfOpen { cool_down }, Permit::Probe) = (*state, permit) {
+            *state = State::Open {
+                until: self.clock.now(),
+                cool_down,
+            };
         }
     }
 
     /// Reports a request's result.
-    pub(crate) fn record(&self, permit: Permit, ok: bool) -> Option<Transition> {
+    fn record(&self, permit: Permit, ok: bool) -> Option<Transition> {
         let mut state = self.state();
         match (*state, permit, ok) {
             (State::HalfOpen { .. }, Permit::Probe, true) => {
@@ -148,33 +167,67 @@ impl<C: Clock> Breaker<C> {
     }
 }
 
+/// One request's leave to go to Redis, from [`Breaker::permit`] until its result is reported.
+/// Callers drop requests (a client gone, an outer timeout): a probe dropped before its result
+/// is reported is released, so the breaker cannot stay half-open with no probe left to end it.
+#[derive(Debug)]
+#[must_use = "report the request's result with `record`"]
+pub(crate) struct Ticket<'a, C: Clock> {
+    breaker: &'a Breaker<C>,
+    /// `None` once reported.
+    permit: Option<Permit>,
+}
+
+impl<C: Clock> Ticket<'_, C> {
+    /// What the breaker said.
+    #[cfg(test)]
+    pub(crate) fn permit(&self) -> Option<Permit> {
+        self.permit
+    }
+
+    /// Reports the request's result: `ok` when Redis answered in time.
+    pub(crate) fn record(mut self, ok: bool) -> Option<Transition> {
+        let permit = self.permit.take()?;
+        self.breaker.record(permit, ok)
+    }
+}
+
+impl<C: Clock> Drop for Ticket<'_, C> {
+    fn drop(&mut self) {
+        if let Some(permit) = self.permit.take() {
+            self.breaker.release(permit);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use tollgate::ManualClock;
+
+    /// Asks for a permit and reports `ok` with it at once.
+    fn call(breaker: &Breaker<ManualClock>, ok: bool) -> Option<Transition> {
+        breaker.permit().ok()?.record(ok)
+    }
 
     #[test]
     fn opens_after_threshold_probes_and_closes() {
         let clock = ManualClock::new();
         let breaker = Breaker::new(BreakerConfig::default(), clock.clone());
         for _ in 0..2 {
-            assert_eq!(breaker.permit(), Ok(Permit::Call));
-            assert_eq!(breaker.record(Permit::Call, false), None);
+            let ticket = breaker.permit().unwrap();
+            assert_eq!(ticket.permit(), Some(Permit::Call));
+            assert_eq!(ticket.record(false), None);
         }
-        assert_eq!(
-            breaker.record(Permit::Call, false),
-            Some(Transition::Opened)
-        );
-        assert_eq!(breaker.permit(), Err(Unavailable::CircuitOpen));
+        assert_eq!(call(&breaker, false), Some(Transition::Opened));
+        assert_eq!(breaker.permit().err(), Some(Unavailable::CircuitOpen));
         clock.advance(Duration::from_millis(500));
-        assert_eq!(breaker.permit(), Ok(Permit::Probe));
+        let probe = breaker.permit().unwrap();
+        assert_eq!(probe.permit(), Some(Permit::Probe));
         // Only one probe at a time.
-        assert_eq!(breaker.permit(), Err(Unavailable::CircuitOpen));
-        assert_eq!(
-            breaker.record(Permit::Probe, true),
-            Some(Transition::Closed)
-        );
-        assert_eq!(breaker.permit(), Ok(Permit::Call));
+        assert_eq!(breaker.permit().err(), Some(Unavailable::CircuitOpen));
+        assert_eq!(probe.record(true), Some(Transition::Closed));
+        assert_eq!(breaker.permit().unwrap().permit(), Some(Permit::Call));
     }
 
     #[test]
@@ -182,18 +235,16 @@ mod tests {
         let clock = ManualClock::new();
         let breaker = Breaker::new(BreakerConfig::default(), clock.clone());
         for _ in 0..3 {
-            breaker.record(Permit::Call, false);
+            call(&breaker, false);
         }
         let mut wait = Duration::from_millis(500);
         for _ in 0..8 {
             clock.advance(wait - Duration::from_nanos(1));
             assert!(breaker.permit().is_err());
             clock.advance(Duration::from_nanos(1));
-            assert_eq!(breaker.permit(), Ok(Permit::Probe));
-            assert_eq!(
-                breaker.record(Permit::Probe, false),
-                Some(Transition::ProbeFailed)
-            );
+            let probe = breaker.permit().unwrap();
+            assert_eq!(probe.permit(), Some(Permit::Probe));
+            assert_eq!(probe.record(false), Some(Transition::ProbeFailed));
             wait = (wait * 2).min(Duration::from_secs(10));
         }
         assert!(breaker.is_open());
@@ -203,10 +254,31 @@ mod tests {
     fn a_success_resets_the_failure_count() {
         let breaker = Breaker::new(BreakerConfig::default(), ManualClock::new());
         for _ in 0..10 {
-            breaker.record(Permit::Call, false);
-            breaker.record(Permit::Call, false);
-            breaker.record(Permit::Call, true);
+            call(&breaker, false);
+            call(&breaker, false);
+            call(&breaker, true);
         }
+        assert!(!breaker.is_open());
+    }
+
+    #[test]
+    fn a_dropped_probe_hands_the_probe_on() {
+        let clock = ManualClock::new();
+        let breaker = Breaker::new(BreakerConfig::default(), clock.clone());
+        for _ in 0..3 {
+            call(&breaker, false);
+        }
+        clock.advance(Duration::from_millis(500));
+        let probe = breaker.permit().unwrap();
+        assert_eq!(probe.permit(), Some(Permit::Probe));
+        drop(probe);
+        // Still open (nothing was learned), but the next request is the probe, at once.
+        assert!(breaker.is_open());
+        let probe = breaker.permit().unwrap();
+        assert_eq!(probe.permit(), Some(Permit::Probe));
+        assert_eq!(probe.record(true), Some(Transition::Closed));
+        // A dropped ordinary call changes nothing.
+        drop(breaker.permit().unwrap());
         assert!(!breaker.is_open());
     }
 }

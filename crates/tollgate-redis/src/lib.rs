@@ -30,13 +30,20 @@
 //!
 //! * Time is Redis' `TIME` (microseconds) unless the caller supplies it; a limit whose period is
 //!   not a whole number of microseconds, or whose figures would pass 2^53 inside Lua, is refused
-//!   with [`tollgate::Error::UnsupportedLimit`] rather than decided inexactly.
+//!   with [`tollgate::Error::UnsupportedLimit`] rather than decided inexactly. A caller's time
+//!   between two microseconds is decided conservatively (at most what the memory store admits,
+//!   possibly a fraction of a token less), and its `retry_after` is always enough to wait.
 //! * Keys expire exactly when their bucket is full again (`PX` to the time-to-full).
 //! * Multi-bucket checks are atomic within a cluster slot; across slots they charge, then refund
-//!   if any slot rejects (never over-admitting). Share a `{hash tag}` per subject (the
-//!   policy engine's keys put the descriptor values in one).
+//!   if any slot rejects (never over-admitting; a retried request id whose first attempt's
+//!   refund comes after the retry's admission keeps that charge, under-admitting instead). Share
+//!   a `{hash tag}` per subject (the policy engine's keys put the descriptor values in one).
+//! * Idempotency records live at `{TAG}rid:LEN:ID:BUCKET-KEY`, in the bucket's slot, under keys
+//!   no bucket can have (bucket keys start with the non-empty prefix).
 //! * Every call has a timeout (default 20 ms) and a circuit breaker stops waiting on a dead
-//!   Redis; failures surface as [`tollgate::Error::StoreUnavailable`], never as rejections.
+//!   Redis; failures surface as [`tollgate::Error::StoreUnavailable`], never as rejections. A
+//!   key holding something that is not a bucket fails its own requests only
+//!   ([`tollgate::Unavailable::Script`]), and does not count towards the breaker.
 
 mod batch;
 mod breaker;

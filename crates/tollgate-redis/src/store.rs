@@ -10,18 +10,24 @@
 //! A multi-bucket request whose keys share a slot (always, on a single node) is one script call,
 //! all or nothing. Keys in different cluster slots are decided in parallel, one call per slot;
 //! if any slot rejects, the slots that charged are refunded (by the same script): the store
-//! may under-admit for the moment between charge and refund, never over-admit. Give the keys of
-//! one subject a shared `{hash tag}` to keep them in one slot.
+//! may under-admit for the moment between charge and refund, never over-admit. With a request
+//! id, a refund gives back only while no retry's reply rests on the charge (see
+//! `scripts/take.lua`). Give the keys of one subject a shared `{hash tag}` to keep them in one
+//! slot.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasher, RandomState};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use futures_util::future::join_all;
-use redis::RedisError;
 use redis::aio::ConnectionManagerConfig;
 use redis::cluster_routing::Slot;
-use tollgate::{CheckRequest, Decision, Error, MonotonicClock, Store, Take, Unavailable};
+use redis::{IntoConnectionInfo, RedisError};
+use tollgate::{
+    CheckRequest, Decision, Error, MonotonicClock, Store, Take, Timestamp, Unavailable,
+};
 
 use crate::batch::{self, Batcher, Bucket, Mode, Record, Segment, TakeScript};
 use crate::breaker::{Breaker, BreakerConfig, Transition};
@@ -33,7 +39,8 @@ use crate::units::ScriptLimit;
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct RedisConfig {
-    /// Prefixed to every key (default `tollgate:`); must not contain `{`.
+    /// Prefixed to every bucket's key (default `tollgate:`); must not be empty or contain `{`:
+    /// idempotency records have keys starting with `{`, which no bucket's key can then take.
     pub prefix: String,
     /// The longest a decision may wait for Redis before it fails with
     /// [`Unavailable::Timeout`] (default 20 ms, Envoy's own default timeout for a rate-limit
@@ -157,9 +164,18 @@ pub enum ConnectError {
         /// Why.
         source: std::io::Error,
     },
-    /// The prefix contains `{`, which would change the keys' cluster slots.
-    #[error("the key prefix must not contain '{{'")]
+    /// The prefix is empty or contains `{` (see [`RedisConfig::prefix`]).
+    #[error("the key prefix must not be empty or contain '{{'")]
     InvalidPrefix,
+    /// The cluster client refused the nodes of a well-formed URL, such as nodes given
+    /// different passwords.
+    #[error("the cluster nodes of {url} cannot be used together: {source}")]
+    InvalidCluster {
+        /// The URL, with any password removed.
+        url: String,
+        /// The client's error.
+        source: RedisError,
+    },
     /// Redis refused or could not be reached.
     #[error("cannot connect to Redis at {url}: {source}")]
     Connect {
@@ -188,6 +204,29 @@ pub fn redact(url: &str) -> String {
     format!("{scheme}://{}", nodes.join(","))
 }
 
+/// The node URLs in `nodes`, a cluster URL after its scheme (`[USERINFO@]HOST:PORT,...`). A
+/// password given once, on the first node (as other multi-host URLs carry it), applies to every
+/// node without one: the cluster client wants them all to carry the same.
+fn cluster_nodes(nodes: &str, secure: bool) -> Vec<String> {
+    let scheme = if secure { "rediss://" } else { "redis://" };
+    let nodes: Vec<&str> = nodes
+        .split(',')
+        .map(str::trim)
+        .filter(|node| !node.is_empty())
+        .collect();
+    let userinfo = nodes
+        .first()
+        .and_then(|node| node.rsplit_once('@'))
+        .map(|(userinfo, _)| userinfo);
+    nodes
+        .iter()
+        .map(|node| match userinfo {
+            Some(userinfo) if !node.contains('@') => format!("{scheme}{userinfo}@{node}"),
+            _ => format!("{scheme}{node}"),
+        })
+        .collect()
+}
+
 /// Buckets in Redis or Redis Cluster. Cheap to share (`Arc` it); one per process is enough.
 pub struct RedisStore {
     link: Arc<Link>,
@@ -198,6 +237,9 @@ pub struct RedisStore {
     take: TakeScript,
     config: RedisConfig,
     breaker: Breaker<MonotonicClock>,
+    /// Ids for the attempts of requests with a request id: randomly keyed, so processes sharing
+    /// a Redis do not repeat each other's, and counted, so one process does not repeat its own.
+    attempts: (RandomState, AtomicU64),
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -236,7 +278,7 @@ impl RedisStore {
     ///
     /// [`ConnectError`] for a malformed URL, unusable TLS files or an unreachable cluster.
     pub async fn connect(url: &str, config: RedisConfig) -> Result<Self, ConnectError> {
-        if config.prefix.contains('{') {
+        if config.prefix.is_empty() || config.prefix.contains('{') {
             return Err(ConnectError::InvalidPrefix);
         }
         let invalid = || ConnectError::InvalidUrl { url: redact(url) };
@@ -268,15 +310,14 @@ impl RedisStore {
                 .timeout
                 .max(Duration::from_millis(if secure { 1_000 } else { 100 }));
         let link = if cluster {
-            let node_scheme = if secure { "rediss://" } else { "redis://" };
-            let nodes: Vec<String> = url[scheme.len()..]
-                .split(',')
-                .map(str::trim)
-                .filter(|node| !node.is_empty())
-                .map(|node| format!("{node_scheme}{node}"))
-                .collect();
+            let nodes = cluster_nodes(&url[scheme.len()..], secure);
             if nodes.is_empty() {
                 return Err(invalid());
+            }
+            for node in &nodes {
+                node.as_str()
+                    .into_connection_info()
+                    .map_err(|_| invalid())?;
             }
             let builder = || {
                 redis::cluster::ClusterClientBuilder::new(nodes.clone())
@@ -285,7 +326,12 @@ impl RedisStore {
                     .retries(1)
             };
             // The nodes' URLs alone first, so a typo is not reported as bad files.
-            let client = builder().build().map_err(|_| invalid())?;
+            let client = builder()
+                .build()
+                .map_err(|source| ConnectError::InvalidCluster {
+                    url: redact(url),
+                    source,
+                })?;
             let client = match certificates {
                 Some(certificates) => builder()
                     .certs(certificates)
@@ -337,6 +383,7 @@ impl RedisStore {
             take,
             breaker: Breaker::new(config.breaker, MonotonicClock::new()),
             config,
+            attempts: (RandomState::new(), AtomicU64::new(0)),
         })
     }
 
@@ -376,15 +423,33 @@ impl RedisStore {
             request_id: request.request_id.filter(|_| !dry),
             ..request
         };
-        let now = request.now.map(|now| now.as_nanos() / 1_000);
+        let now = request.now.map(Timestamp::as_nanos);
         let fingerprint = request.request_id.map(|_| fingerprint(request.takes));
+        let attempt = match request.request_id {
+            Some(_) => {
+                let (hasher, count) = &self.attempts;
+                hasher.hash_one(count.fetch_add(1, Ordering::Relaxed))
+            }
+            None => 0,
+        };
         let groups = self.groups(keys, request.request_id);
         let window_ms = self.window_ms();
+        let record = |group: &Group| {
+            group
+                .record
+                .as_deref()
+                .zip(fingerprint.as_deref())
+                .map(|(key, fingerprint)| Record {
+                    key: key.to_owned(),
+                    window_ms,
+                    fingerprint: fingerprint.to_owned(),
+                    attempt,
+                })
+        };
 
         let mode = if dry { Mode::Peek } else { Mode::Take };
         let call = |group: &Group| {
-            let record = group.record.as_deref().zip(fingerprint.as_deref());
-            let segment = segment(group, keys, limits, request.takes, mode, record, window_ms);
+            let segment = segment(group, keys, limits, request.takes, mode, record(group));
             let buckets = group.takes.len();
             async move {
                 let reply = match &self.batcher {
@@ -404,11 +469,14 @@ impl RedisStore {
                 .collect::<Result<_, _>>()?,
         };
 
+        // A mix of charged (1) and replayed (2) slots is admitted: the replay claimed its record,
+        // so the attempt that charged that slot can no longer refund it (see the script).
         let charged = |reply: &GroupReply| reply.status == 1;
         let conflict = replies.iter().any(|reply| reply.status == -1);
+        let unreadable = replies.iter().any(|reply| reply.status == -2);
         let rejected = replies.iter().any(|reply| reply.status == 0);
         let mut refunded = vec![false; groups.len()];
-        if (conflict || rejected) && !dry {
+        if (conflict || unreadable || rejected) && !dry {
             let refunds = groups
                 .iter()
                 .zip(&replies)
@@ -416,16 +484,15 @@ impl RedisStore {
                 .filter(|(_, (_, reply))| charged(reply))
                 .map(|(index, (group, _))| {
                     refunded[index] = true;
-                    // The record goes too: the request as a whole was not charged.
-                    let record = group.record.as_deref().map(|record| (record, ""));
+                    // The record goes too (if no retry's reply rests on it yet): the request as
+                    // a whole was not charged.
                     let segment = segment(
                         group,
                         keys,
                         limits,
                         request.takes,
                         Mode::Refund,
-                        record,
-                        window_ms,
+                        record(group),
                     );
                     async move { self.call(now, &segment).await }
                 })
@@ -437,7 +504,16 @@ impl RedisStore {
         if conflict {
             return Ok(Err(Error::IdempotencyConflict));
         }
+        if unreadable {
+            // A key holding something that is not a bucket (another program's, or corrupted):
+            // this request cannot be decided, which its limits' failure modes answer for.
+            return Ok(Err(Error::StoreUnavailable {
+                reason: Unavailable::Script,
+            }));
+        }
 
+        // The request's time past its whole microsecond, which the script rounded.
+        let nanos = now.map_or(0, |now| now % 1_000);
         let mut decisions: Vec<Option<Decision>> = vec![None; request.takes.len()];
         for ((group, reply), refunded) in groups.iter().zip(&replies).zip(refunded) {
             for (&i, &(allowed, deficit)) in group.takes.iter().zip(&reply.buckets) {
@@ -445,11 +521,18 @@ impl RedisStore {
                 let limit = &limits[i];
                 // A refunded bucket reports the balance it has uncharged.
                 let deficit = if refunded {
-                    deficit - i64::try_from(limit.cost(take.cost)).unwrap_or(i64::MAX)
+                    i64::try_from(limit.cost(take.cost))
+                        .ok()
+                        .and_then(|cost| deficit.checked_sub(cost))
+                        .ok_or(Unavailable::Protocol)?
                 } else {
                     deficit
                 };
-                decisions[i] = Some(limit.decision(take.limit, allowed, take.cost, deficit));
+                // A replay's figures are from its first attempt's time: as the script rounded
+                // them, slightly short of full the more, never less.
+                let nanos = if reply.status == 2 { 0 } else { nanos };
+                decisions[i] =
+                    Some(limit.decision(take.limit, allowed, take.cost, deficit, nanos)?);
             }
         }
         Ok(Ok(decisions.into_iter().flatten().collect()))
@@ -528,7 +611,8 @@ impl RedisStore {
             .map(|take| format!("{}{}", self.config.prefix, take.key))
             .collect();
 
-        let permit = self
+        // Dropped with this future (a caller that gives up), the ticket hands a probe on.
+        let ticket = self
             .breaker
             .permit()
             .map_err(|reason| Error::StoreUnavailable { reason })?;
@@ -537,7 +621,11 @@ impl RedisStore {
             .await
             .map_err(|_| Unavailable::Timeout)
             .and_then(|result| result);
-        match self.breaker.record(permit, outcome.is_ok()) {
+        // The breaker is about a dead or stalled Redis. A script error is Redis answering: one
+        // request's data (or its arguments) is at fault, and failing every other key fast for it
+        // would turn one bad key into an outage.
+        let answered = !matches!(outcome, Err(reason) if reason != Unavailable::Script);
+        match ticket.record(answered) {
             Some(Transition::Opened) => {
                 tracing::warn!(
                     "redis store failing: circuit breaker open, decisions take their failure modes"
@@ -567,15 +655,14 @@ impl Store for RedisStore {
 }
 
 /// One request of a script call (see `scripts/take.lua`): `group`'s buckets, in `mode`, with
-/// its idempotency record and the request's fingerprint if any.
+/// its idempotency record if any.
 fn segment(
     group: &Group,
     keys: &[String],
     limits: &[ScriptLimit],
     takes: &[Take<'_>],
     mode: Mode,
-    record: Option<(&str, &str)>,
-    window_ms: u64,
+    record: Option<Record>,
 ) -> Segment {
     Segment {
         buckets: group
@@ -591,11 +678,7 @@ fn segment(
                 }
             })
             .collect(),
-        record: record.map(|(key, fingerprint)| Record {
-            key: key.to_owned(),
-            window_ms,
-            fingerprint: fingerprint.to_owned(),
-        }),
+        record,
         mode,
     }
 }
@@ -621,29 +704,51 @@ fn fingerprint(takes: &[Take<'_>]) -> String {
     format!("{hash:016x}")
 }
 
-/// The idempotency record's key: in the same cluster slot as `bucket_key`.
+/// The idempotency record's key for `request_id` on `bucket_key`: `{TAG}rid:LEN:ID:BUCKET`, in
+/// the same cluster slot as the bucket. It starts with `{`, which no bucket's key can (they
+/// start with the prefix, which is not empty and has no `{`), so a record never takes the place
+/// of a bucket; and the id's length makes (bucket, id) readable back from it, so two records
+/// never share a key.
 fn record_key(bucket_key: &str, request_id: &str) -> String {
-    let slot = Slot::for_key(bucket_key);
-    // A key with a hash tag keeps it as a prefix; a key without one becomes the tag.
-    for candidate in [
-        format!("{bucket_key}:rid:{request_id}"),
-        format!("{{{bucket_key}}}:rid:{request_id}"),
-    ] {
-        if Slot::for_key(&candidate) == slot {
-            return candidate;
-        }
+    let key = |tag: &str| {
+        format!(
+            "{{{tag}}}rid:{}:{request_id}:{bucket_key}",
+            request_id.len()
+        )
+    };
+    // The bucket's own hash tag, or, for a key hashed whole, the key itself, when it can stand
+    // in braces as a tag (ends at the first `}`).
+    let tag = hash_tag(bucket_key).unwrap_or(bucket_key);
+    if !tag.contains('}') {
+        return key(tag);
     }
-    // Keys such as `a{}b` (an empty tag hashes the whole key) defeat both forms: search for a
-    // suffix landing in the same slot. One slot in 16384 matches, so this ends quickly.
-    (0u32..)
-        .map(|n| format!("{bucket_key}:rid:{request_id}:{n}"))
-        .find(|candidate| Slot::for_key(candidate) == slot)
-        .unwrap_or_else(|| format!("{bucket_key}:rid:{request_id}"))
+    // A key hashed whole with a `}` in it (`a}b`, `a{}b`): any tag in its slot will do. One
+    // short decimal in 16384 has it, so this ends quickly.
+    let slot = Slot::for_key(bucket_key);
+    let tag = (0u32..)
+        .map(|n| n.to_string())
+        .find(|tag| Slot::for_key(tag) == slot)
+        .unwrap_or_default();
+    key(&tag)
 }
 
+/// The part of `key` Redis Cluster hashes, when it is not the whole key: between the first `{`
+/// and the first `}` after it, if not empty.
+fn hash_tag(key: &str) -> Option<&str> {
+    let open = key.find('{')?;
+    let rest = &key[open + 1..];
+    let tag = &rest[..rest.find('}')?];
+    (!tag.is_empty()).then_some(tag)
+}
+
+/// A request's part of the script's reply, checked: a figure the script never sends is not a
+/// decision.
 fn parse_reply(reply: &[i64], buckets: usize) -> Result<GroupReply, Unavailable> {
     let (&status, rest) = reply.split_first().ok_or(Unavailable::Protocol)?;
-    if !(-1..=2).contains(&status) || rest.len() != 2 * buckets {
+    if !(-2..=2).contains(&status)
+        || rest.len() != 2 * buckets
+        || rest.chunks_exact(2).any(|pair| pair[1] < 0)
+    {
         return Err(Unavailable::Protocol);
     }
     Ok(GroupReply {
@@ -698,6 +803,7 @@ mod tests {
             "x{y",
             "{}",
             "}{a}",
+            "a}b",
         ] {
             let record = record_key(key, "r-1");
             assert_eq!(
@@ -709,12 +815,51 @@ mod tests {
     }
 
     #[test]
+    fn record_keys_are_no_bucket_keys_and_never_shared() {
+        // Bucket keys start with the prefix, which is not empty and has no `{`.
+        let record = record_key("tollgate:{u1}:k", "r1");
+        assert_eq!(record, "{u1}rid:2:r1:tollgate:{u1}:k");
+        assert!(!record.starts_with("tollgate:"));
+        // Ids and keys that could run into each other keep their records apart.
+        let pairs = [
+            ("tollgate:{u}:a:rid:9:b", "c"),
+            ("tollgate:{u}:a", "b:rid:1:c"),
+            ("tollgate:{u}:a", "9:b:c"),
+            ("tollgate:{u}:a:9", "b:c"),
+        ];
+        let records: std::collections::HashSet<String> =
+            pairs.iter().map(|(key, id)| record_key(key, id)).collect();
+        assert_eq!(records.len(), pairs.len(), "{records:?}");
+    }
+
+    #[test]
+    fn a_password_given_once_applies_to_every_node() {
+        assert_eq!(
+            cluster_nodes(":pw@h1:1, h2:2,,", false),
+            ["redis://:pw@h1:1", "redis://:pw@h2:2"]
+        );
+        assert_eq!(
+            cluster_nodes("u:pw@h1:1,v:other@h2:2", true),
+            ["rediss://u:pw@h1:1", "rediss://v:other@h2:2"]
+        );
+        assert_eq!(
+            cluster_nodes("h1:1,h2:2", false),
+            ["redis://h1:1", "redis://h2:2"]
+        );
+        assert!(cluster_nodes(" , ", false).is_empty());
+    }
+
+    #[test]
     fn malformed_replies_are_protocol_errors() {
         assert!(parse_reply(&[], 1).is_err());
         assert!(parse_reply(&[1, 1], 1).is_err());
         assert!(parse_reply(&[7, 1, 0], 1).is_err());
         assert!(parse_reply(&[-1], 3).is_err());
         assert!(parse_reply(&[-1, 0, 0], 1).is_ok());
+        assert!(parse_reply(&[-2, 0, 0], 1).is_ok());
+        assert!(parse_reply(&[-3, 0, 0], 1).is_err());
+        // A negative deficit is never the script's: not read as a full bucket.
+        assert!(parse_reply(&[0, 0, -5], 1).is_err());
         let reply = parse_reply(&[0, 1, 5, 0, 9], 2).unwrap();
         assert_eq!(reply.buckets, vec![(true, 5), (false, 9)]);
     }

@@ -6,7 +6,7 @@
 //! when its capacity in those units passes 2^51: then every sum the script forms (a deficit plus a
 //! cost, a time plus a wait) stays below 2^53, and the script is as exact as the memory store.
 
-use tollgate::{Decision, Error, Limit};
+use tollgate::{Decision, Error, Limit, Unavailable};
 
 /// The largest capacity in units the scripts accept: deficits up to twice this, plus times in
 /// microseconds since 1970 (about 2^51 today), stay below 2^53.
@@ -66,16 +66,42 @@ impl ScriptLimit {
         cost * self.p
     }
 
-    /// The core's decision for a script's reply about this bucket.
+    /// The core's decision for a script's reply about this bucket, made at a time `nanos`
+    /// (0 to 999) past a whole microsecond.
+    ///
+    /// The script replies the deficit at that time rounded down to a whole unit of its own
+    /// (`offsets` in `take.lua`); the core's units are `ratio` times finer and hold the exact
+    /// time, so the deficit is given back the part of a unit the rounding took, and the
+    /// decision's `retry_after` and `reset_after`, waited from the request's own time, are
+    /// enough.
+    ///
+    /// # Errors
+    ///
+    /// [`Unavailable::Protocol`] for a negative deficit: the script never replies one, so it
+    /// is not a reply of ours, and reading it as 0 would report a full bucket.
     pub(crate) fn decision(
         &self,
         limit: &Limit,
         allowed: bool,
         cost: u64,
         deficit: i64,
-    ) -> Decision {
-        let deficit = u128::try_from(deficit).unwrap_or(0) * u128::from(self.ratio);
-        Decision::from_deficit(allowed, *limit, cost, deficit)
+        nanos: u64,
+    ) -> Result<Decision, Unavailable> {
+        let deficit = u128::try_from(deficit).map_err(|_| Unavailable::Protocol)?;
+        // The script replies at most `cap + 1` (below 2^52) and `ratio` is below 2^64.
+        let deficit = deficit.saturating_mul(u128::from(self.ratio));
+        // Units gained in `nanos`: exactly `nanos * a_core` core units, `lo` whole script units
+        // rounded down (as the script computes it), so `rounded` is below one script unit.
+        let nanos = u128::from(nanos % 1_000);
+        let lo = nanos * u128::from(self.a) / 1_000;
+        let rounded =
+            nanos * u128::from(limit.units_per_nanosecond()) - lo * u128::from(self.ratio);
+        Ok(Decision::from_deficit(
+            allowed,
+            *limit,
+            cost,
+            deficit.saturating_sub(rounded),
+        ))
     }
 }
 
@@ -123,6 +149,33 @@ mod tests {
                 "{rate}"
             );
         }
+    }
+
+    #[test]
+    fn a_negative_deficit_is_a_protocol_error_not_a_full_bucket() {
+        let l = limit(3, "999999937/s");
+        let s = ScriptLimit::new(&l).unwrap();
+        assert_eq!(s.decision(&l, false, 1, -1, 0), Err(Unavailable::Protocol));
+        assert_eq!(
+            s.decision(&l, false, 1, i64::MIN, 0),
+            Err(Unavailable::Protocol)
+        );
+        let empty = s.decision(&l, false, 1, s.cap as i64, 0).unwrap();
+        assert_eq!(empty.remaining(), 0);
+    }
+
+    #[test]
+    fn a_time_between_microseconds_gets_back_what_the_script_rounded_off() {
+        // 3/s: 3 script units per microsecond, a token is 10^6 of them; 334 ns past a
+        // microsecond is 1.002 units, 1 as the script counts. A bucket the script says is one
+        // token short (10^6 units) at that rounded time is exactly 0.002 units less short.
+        let l = limit(1, "3/s");
+        let s = ScriptLimit::new(&l).unwrap();
+        // In the core's units (10^3 finer): 10^9 - 2, full in 333,333,332.7 ns.
+        let d = s.decision(&l, true, 1, 1_000_000, 334).unwrap();
+        assert_eq!(d.reset_after().as_nanos(), 333_333_333);
+        let whole = s.decision(&l, true, 1, 1_000_000, 0).unwrap();
+        assert_eq!(whole.reset_after().as_nanos(), 333_333_334);
     }
 
     #[test]

@@ -9,7 +9,7 @@ use redis::cluster_routing::Slot;
 use support::{RedisCluster, command, take_one_unit};
 use tollgate::testkit::{Trace, compare_with_memory};
 use tollgate::{CheckRequest, Decision, Error, Limit, Store, Take, Timestamp};
-use tollgate_redis::{RedisConfig, RedisStore};
+use tollgate_redis::{ConnectError, RedisConfig, RedisStore};
 
 /// The timeout of the stress test's stores: 64 tasks on a busy 2-core machine, in a debug
 /// build, can take longer than the production default of 20 ms.
@@ -44,6 +44,8 @@ async fn cluster() {
 
     conforms_with_and_without_hash_tags(&store).await;
     cross_slot_rejection_charges_nothing(&store).await;
+    a_late_cross_slot_refund_never_over_admits_a_retried_request(&url).await;
+    a_refund_sent_twice_gives_back_once(&url).await;
     sixty_four_tasks_on_one_key(&url).await;
     a_master_killed_then_restarted(&mut cluster, &store).await;
 }
@@ -193,4 +195,215 @@ async fn a_master_killed_then_restarted(cluster: &mut RedisCluster, store: &Redi
     tokio::time::timeout(std::time::Duration::from_secs(30), recovered)
         .await
         .expect("decides on every master again");
+}
+
+/// FNV-1a over the takes, as the store fingerprints a request.
+fn fingerprint(takes: &[Take<'_>]) -> String {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut feed = |bytes: &[u8]| {
+        for &byte in bytes {
+            hash ^= u64::from(byte);
+            hash = hash.wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    for take in takes {
+        feed(take.key.as_bytes());
+        feed(&[0]);
+        feed(&take.limit.capacity().to_le_bytes());
+        feed(&take.limit.refill().amount().to_le_bytes());
+        feed(&take.limit.refill().period().as_nanos().to_le_bytes());
+        feed(&take.cost.to_le_bytes());
+    }
+    format!("{hash:016x}")
+}
+
+/// One request's call of `scripts/take.lua` on bucket `tollgate:{key}` of a 1/d limit of
+/// capacity 5, cost 1, at `now`, with request id `r-1` and this attempt's id: the arguments the
+/// store sends, written out by hand to pin an interleaving of two attempts.
+fn attempt_call(
+    key: &str,
+    mode: &str,
+    fingerprint: &str,
+    attempt: u64,
+    now: Timestamp,
+) -> redis::Cmd {
+    let p: u64 = 86_400_000_000; // units per token of 1/d on the microsecond timeline
+    let mut params = Vec::new();
+    for value in [1u64, 5 * p, p] {
+        params.extend_from_slice(&(value as f64).to_le_bytes());
+    }
+    let bucket = format!("tollgate:{key}");
+    let tag = &key[1..key.find('}').expect("a hash tag")];
+    let record = format!("{{{tag}}}rid:3:r-1:{bucket}");
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(include_str!("../scripts/take.lua"))
+        .arg(2)
+        .arg(bucket)
+        .arg(record)
+        .arg(now.as_nanos() / 1_000)
+        .arg(1)
+        .arg(1)
+        .arg(7_200_000)
+        .arg(format!("{fingerprint}:{attempt}"))
+        .arg(mode)
+        .arg(&params[..]);
+    cmd
+}
+
+/// Cross-slot charge-then-refund with a request id. Attempt 1 of a request over A and B
+/// charges A (recording the id there) while B rejects; before its refund of A reaches Redis,
+/// the client's retry (attempt 2, same id) arrives: A replays "allowed" without charging, B has
+/// refilled and charges, so the retry is admitted. Then attempt 1's refund lands on A: it must
+/// not give back the charge the retry's admission rests on (it used to, and deleted the record:
+/// an admitted request A was never charged for). Attempt 1's own script calls are sent by hand,
+/// exactly as the store sends them, to pin that interleaving; the retry goes through the store.
+async fn a_late_cross_slot_refund_never_over_admits_a_retried_request(url: &str) {
+    let store = RedisStore::connect(
+        url,
+        RedisConfig::default()
+            .with_timeout(LOADED)
+            .with_idempotency_window(std::time::Duration::from_secs(7_200)),
+    )
+    .await
+    .unwrap();
+    let (a_limit, b_limit) = (limit(5, "1/d"), limit(1, "1/h"));
+    let (a_key, b_key) = ("{ra}:x", "{rb}:y");
+    let both = [
+        Take {
+            key: a_key,
+            limit: &a_limit,
+            cost: 1,
+        },
+        Take {
+            key: b_key,
+            limit: &b_limit,
+            cost: 1,
+        },
+    ];
+    let one = |key, limit, cost| [Take { key, limit, cost }];
+    let hour = 3_600 * 1_000_000_000;
+    let t1 = Timestamp::from_nanos(T0.as_nanos() + hour);
+    // B is empty at T0.
+    assert!(check(&store, &one(b_key, &b_limit, 1)).await[0].allowed());
+
+    // Attempt 1's call on A's slot at T0: take, with the request's record.
+    let client = redis::cluster::ClusterClient::new(vec![
+        url.replace("redis+cluster", "redis")
+            .split(',')
+            .next()
+            .unwrap()
+            .to_owned(),
+    ])
+    .unwrap();
+    let mut connection = client.get_async_connection().await.unwrap();
+    let first = fingerprint(&both);
+    let charged: Vec<i64> = attempt_call(a_key, "take", &first, 1, T0)
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    assert_eq!(charged[0], 1, "attempt 1 charged A");
+    // (Attempt 1's call on B rejects: nothing written.)
+
+    // The retry, through the store, an hour later: B has refilled.
+    let retry = store
+        .check(CheckRequest {
+            takes: &both,
+            request_id: Some("r-1"),
+            now: Some(t1),
+        })
+        .await
+        .unwrap();
+    assert!(retry.iter().all(Decision::allowed), "{retry:?}");
+
+    // Attempt 1's refund of A lands now: the retry's admission rests on that charge.
+    let refund: Vec<i64> = attempt_call(a_key, "refund", &first, 1, T0)
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    assert_eq!(refund[0], 0, "nothing given back: {refund:?}");
+
+    // One request was admitted on A: 4 tokens (and 1/24 of a refill) are left, not 5.
+    let all = store
+        .check(CheckRequest {
+            takes: &one(a_key, &a_limit, 5),
+            request_id: None,
+            now: Some(t1),
+        })
+        .await
+        .unwrap();
+    assert!(
+        !all[0].allowed(),
+        "A admitted 6 tokens within an hour at capacity 5 and 1/d: {all:?}"
+    );
+}
+
+/// A refund that reaches Redis twice (a client library retrying it, say) gives back once: the
+/// first deletes the attempt's record, and the second finds none.
+async fn a_refund_sent_twice_gives_back_once(url: &str) {
+    let store = RedisStore::connect(url, RedisConfig::default().with_timeout(LOADED))
+        .await
+        .unwrap();
+    let a_limit = limit(5, "1/d");
+    let key = "{rc}:x";
+    let takes = [Take {
+        key,
+        limit: &a_limit,
+        cost: 1,
+    }];
+    let client = redis::cluster::ClusterClient::new(vec![
+        url.replace("redis+cluster", "redis")
+            .split(',')
+            .next()
+            .unwrap()
+            .to_owned(),
+    ])
+    .unwrap();
+    let mut connection = client.get_async_connection().await.unwrap();
+    let print = fingerprint(&takes);
+    // Another request takes a token, then this attempt takes one and is refunded twice.
+    assert!(check(&store, &takes).await[0].allowed());
+    for (mode, status) in [("take", 1), ("refund", 1), ("refund", 0)] {
+        let reply: Vec<i64> = attempt_call(key, mode, &print, 7, T0)
+            .query_async(&mut connection)
+            .await
+            .unwrap();
+        assert_eq!(reply[0], status, "{mode}: {reply:?}");
+    }
+    let four = [Take {
+        key,
+        limit: &a_limit,
+        cost: 4,
+    }];
+    assert!(check(&store, &four).await[0].allowed(), "4 tokens left");
+    assert!(
+        !check(&store, &takes).await[0].allowed(),
+        "and no more: the other request's token was not given back"
+    );
+}
+
+/// `redis+cluster://:password@h:p,h:p`: the password given once, in front, as for every other
+/// multi-host URL. It was refused as a malformed URL; only repeating it on every node worked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_url_with_one_password_is_not_malformed() {
+    let result = RedisStore::connect(
+        "redis+cluster://:pw@127.0.0.1:1,127.0.0.1:2",
+        RedisConfig::default(),
+    )
+    .await;
+    assert!(
+        matches!(result, Err(ConnectError::Connect { .. })),
+        "nothing listens there, so a connection error is due: {:?}",
+        result.err()
+    );
+    // Nodes given different passwords cannot be used together: said so, not "malformed".
+    let result = RedisStore::connect(
+        "redis+cluster://:pw@127.0.0.1:1,:other@127.0.0.1:2",
+        RedisConfig::default(),
+    )
+    .await;
+    assert!(
+        matches!(result, Err(ConnectError::InvalidCluster { .. })),
+        "{:?}",
+        result.err()
+    );
 }

@@ -8,8 +8,13 @@ use std::time::Duration;
 
 use support::{Proxy, RedisServer, command, info_field, take_one_unit};
 use tollgate::testkit::{Trace, compare_with_memory};
-use tollgate::{CheckRequest, Decision, Error, Limit, Store, Take, Timestamp, Unavailable};
-use tollgate_redis::{Failover, FailureMode, Guarded, Outcome, RedisConfig, RedisStore};
+use tollgate::{
+    CheckRequest, Decision, Error, Limit, LocalStore, ManualClock, Store, Take, Timestamp,
+    Unavailable,
+};
+use tollgate_redis::{
+    BreakerConfig, ConnectError, Failover, FailureMode, Guarded, Outcome, RedisConfig, RedisStore,
+};
 
 fn limit(capacity: u64, rate: &str) -> Limit {
     Limit::new(capacity, rate.parse().unwrap()).unwrap()
@@ -622,4 +627,336 @@ async fn a_request_whose_caller_gave_up_in_the_queue_is_not_charged() {
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(exists("tollgate:queued").as_deref(), Some(":0\r\n"));
+}
+
+/// One take of `cost` on `key` at `now` (Redis' time when `None`), with `request_id`.
+async fn check_at(
+    store: &impl Store,
+    key: &str,
+    limit: &Limit,
+    cost: u64,
+    now: Option<Timestamp>,
+    request_id: Option<&str>,
+) -> Result<Vec<Decision>, Error> {
+    let takes = [Take { key, limit, cost }];
+    store
+        .check(CheckRequest {
+            takes: &takes,
+            request_id,
+            now,
+        })
+        .await
+}
+
+/// Idempotency records once shared the buckets' key space: the record of (`{u1}:k`, `r1`) was
+/// the key of the bucket `{u1}:k:rid:r1`, so that bucket, never used before, could not be
+/// decided. Records now start with `{`, which no bucket key does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bucket_whose_key_equals_a_record_key_is_still_decided() {
+    let server = RedisServer::start();
+    let store = connect(&server).await;
+    let l = limit(10, "1/s");
+    let first = check_at(&store, "{u1}:k", &l, 1, None, Some("r1"))
+        .await
+        .unwrap();
+    assert!(first[0].allowed());
+    // A fresh bucket: full, so this must be allowed.
+    let fresh = check_at(&store, "{u1}:k:rid:r1", &l, 1, None, None).await;
+    assert!(
+        matches!(&fresh, Ok(d) if d[0].allowed()),
+        "a fresh bucket must be decided, got {fresh:?}"
+    );
+    // And the record still replays: the bucket did not overwrite it.
+    let retry = check_at(&store, "{u1}:k", &l, 1, None, Some("r1"))
+        .await
+        .unwrap();
+    assert_eq!(retry, first);
+}
+
+/// Writes values the take script cannot read as buckets at two bucket keys (a string that is
+/// not a number, and a hash), as another program sharing the Redis might, and returns those
+/// buckets' keys.
+fn poisoned_keys(server: &RedisServer) -> [&'static str; 2] {
+    let set = command(server.port, &["SET", "tollgate:{p}:text", "not-a-number"]);
+    assert_eq!(set.as_deref().map(str::trim), Some("+OK"));
+    let hash = command(server.port, &["HSET", "tollgate:{p}:hash", "f", "1"]);
+    assert_eq!(hash.as_deref().map(str::trim), Some(":1"));
+    ["{p}:text", "{p}:hash"]
+}
+
+/// A request whose bucket key holds something else is a store error of that request alone: it
+/// must not fail the other requests batched in the same script call.
+#[tokio::test(flavor = "current_thread")]
+async fn one_failing_request_does_not_fail_the_others_in_its_batch() {
+    let server = RedisServer::start();
+    let store = RedisStore::connect(
+        &server.url(),
+        RedisConfig::default().with_timeout(Duration::from_secs(2)),
+    )
+    .await
+    .unwrap();
+    let l = limit(10, "1/s");
+    let keys: Vec<String> = (0..8).map(|i| format!("good{i}")).collect();
+    // All queued before the dispatcher runs (one thread): they leave in one script call.
+    let mut futures = Vec::new();
+    for bad in poisoned_keys(&server) {
+        futures.push(Box::pin(check_at(&store, bad, &l, 1, None, None)));
+    }
+    for key in &keys {
+        futures.push(Box::pin(check_at(&store, key, &l, 1, None, None)));
+    }
+    let results = futures_util::future::join_all(futures).await;
+    for bad in &results[..2] {
+        assert!(
+            matches!(
+                bad,
+                Err(Error::StoreUnavailable {
+                    reason: Unavailable::Script
+                })
+            ),
+            "{bad:?}"
+        );
+    }
+    for (key, result) in keys.iter().zip(&results[2..]) {
+        assert!(
+            matches!(result, Ok(d) if d[0].allowed()),
+            "{key}: {result:?} (the bad requests were {:?})",
+            &results[..2]
+        );
+    }
+    // Nothing was written at the bad keys.
+    assert_eq!(
+        command(server.port, &["GET", "tollgate:{p}:text"]).as_deref(),
+        Some("not-a-number\r\n")
+    );
+}
+
+/// A script error caused by one key's data is not an outage: it must not open the circuit
+/// breaker for every other key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_bad_key_does_not_open_the_breaker_for_every_key() {
+    let server = RedisServer::start();
+    let store = connect(&server).await;
+    let [bad, _] = poisoned_keys(&server);
+    let l = limit(10, "1/s");
+    for _ in 0..5 {
+        let _ = check_at(&store, bad, &l, 1, None, None).await;
+    }
+    assert!(!store.is_degraded());
+    let other = check_at(&store, "innocent", &l, 1, None, None).await;
+    assert!(
+        matches!(&other, Ok(d) if d[0].allowed()),
+        "an unrelated key: {other:?}"
+    );
+}
+
+/// The half-open probe is a request like any other, and callers drop requests (a client that
+/// went away, an outer timeout). A dropped probe must not leave the breaker half-open forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_probe_does_not_wedge_the_breaker() {
+    let server = RedisServer::start();
+    let mut breaker = BreakerConfig::default();
+    breaker.threshold = 1;
+    breaker.cool_down = Duration::from_millis(100);
+    breaker.max_cool_down = Duration::from_millis(200);
+    let store = RedisStore::connect(&server.url(), RedisConfig::default().with_breaker(breaker))
+        .await
+        .unwrap();
+    let l = limit(1_000, "1/s");
+    assert!(take_one_unit(&store, "k", &l, None).await.is_ok());
+
+    server.pause();
+    // Times out: the breaker opens.
+    assert!(take_one_unit(&store, "k", &l, None).await.is_err());
+    assert!(store.is_degraded());
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    // The probe is sent, and its caller gives up on it after 2 ms.
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(2),
+        take_one_unit(&store, "k", &l, None),
+    )
+    .await;
+    assert!(dropped.is_err(), "the probe was dropped in flight");
+    server.resume();
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    let mut last = None;
+    while tokio::time::Instant::now() < deadline {
+        match take_one_unit(&store, "k", &l, None).await {
+            Ok(_) => return,
+            Err(err) => last = Some(err),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("never recovered in 5 s with Redis up: last {last:?}");
+}
+
+/// Caller-supplied times were cut to whole microseconds: a take at 999 ns was booked at 0, so a
+/// take at 1998 ns saw a full microsecond of refill. The memory store (and the bucket math)
+/// sees 999 ns: 0.999 tokens, a rejection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sub_microsecond_caller_times_do_not_over_admit() {
+    let server = RedisServer::start();
+    let store = connect(&server).await;
+    let reference = LocalStore::new(ManualClock::new());
+    let l = limit(1, "1/1us");
+    let at = |ns: u64| Some(Timestamp::from_nanos(T0.as_nanos() + ns));
+    for (ns, expected) in [(999, true), (1998, false)] {
+        let memory = check_at(&reference, "k", &l, 1, at(ns), None)
+            .await
+            .unwrap();
+        assert_eq!(memory[0].allowed(), expected, "reference at +{ns} ns");
+        let redis = check_at(&store, "k", &l, 1, at(ns), None).await.unwrap();
+        assert_eq!(
+            redis[0].allowed(),
+            expected,
+            "redis at +{ns} ns (1 token per µs, capacity 1: two takes 999 ns apart)"
+        );
+    }
+    // Many takes at random sub-microsecond times never pass what the exact memory store
+    // admits at the same times (the store may admit fewer, never more).
+    let l = limit(3, "7/3us");
+    let (mut redis_admitted, mut memory_admitted) = (0, 0);
+    let mut ns = 10_000u64;
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    for _ in 0..300 {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        ns += seed % 700;
+        let now = at(ns);
+        if check_at(&reference, "many", &l, 1, now, None)
+            .await
+            .unwrap()[0]
+            .allowed()
+        {
+            memory_admitted += 1;
+        }
+        if check_at(&store, "many", &l, 1, now, None).await.unwrap()[0].allowed() {
+            redis_admitted += 1;
+        }
+        assert!(
+            redis_admitted <= memory_admitted,
+            "at +{ns} ns: redis admitted {redis_admitted}, the exact model {memory_admitted}"
+        );
+    }
+    assert!(redis_admitted > 0);
+}
+
+/// A caller that waits exactly the `retry_after` (or `reset_after`) it was given must find the
+/// tokens there, as in the memory store, also when that wait is not whole microseconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_retry_after_is_enough() {
+    let server = RedisServer::start();
+    let store = connect(&server).await;
+    let reference = LocalStore::new(ManualClock::new());
+    let after = |wait: Duration| Timestamp::from_nanos(T0.as_nanos() + wait.as_nanos() as u64);
+    for (rate, capacity) in [("3/s", 1), ("7/3us", 2), ("1/1us", 1), ("999999937/s", 3)] {
+        let l = limit(capacity, rate);
+        for (name, store) in [("memory", &reference as &dyn Checker), ("redis", &store)] {
+            let key = format!("retry:{rate}");
+            assert!(store.at(&key, &l, capacity, T0).await[0].allowed());
+            let rejected = store.at(&key, &l, 1, T0).await[0];
+            let wait = rejected.retry_after().expect("rejected");
+            let retried = store.at(&key, &l, 1, after(wait)).await[0];
+            assert!(
+                retried.allowed(),
+                "{name} {rate}: waited retry_after = {wait:?} and was rejected again: {retried:?}"
+            );
+            if capacity == 1 {
+                // Taking a whole bucket at a time between microseconds charges Redis from the
+                // next one, up to a unit more than the capacity, which a `Decision` cannot
+                // carry: its `reset_after` may be short by that unit (never `retry_after`).
+                continue;
+            }
+            let full = retried.reset_after();
+            let all = store.at(&key, &l, capacity, after(wait + full)).await[0];
+            assert!(
+                all.allowed(),
+                "{name} {rate}: waited reset_after = {full:?} and the bucket was not full: {all:?}"
+            );
+        }
+    }
+}
+
+/// Object-safe shim over the two stores for `waiting_retry_after_is_enough`.
+trait Checker {
+    fn at<'a>(
+        &'a self,
+        key: &'a str,
+        l: &'a Limit,
+        cost: u64,
+        now: Timestamp,
+    ) -> std::pin::Pin<Box<dyn Future<Output = Vec<Decision>> + 'a>>;
+}
+
+impl<S: Store> Checker for S {
+    fn at<'a>(
+        &'a self,
+        key: &'a str,
+        l: &'a Limit,
+        cost: u64,
+        now: Timestamp,
+    ) -> std::pin::Pin<Box<dyn Future<Output = Vec<Decision>> + 'a>> {
+        Box::pin(async move { check_at(self, key, l, cost, Some(now), None).await.unwrap() })
+    }
+}
+
+/// A caller-supplied time a day behind a bucket's state: the store may show fewer tokens, but
+/// its rejection must not claim a full bucket (the deficit overflowed Redis' integer reply).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clock_gone_back_never_reports_a_full_bucket_on_a_rejection() {
+    let server = RedisServer::start();
+    let store = connect(&server).await;
+    let l = limit(3, "999999937/s");
+    assert!(
+        check_at(&store, "back", &l, 3, Some(T0), None)
+            .await
+            .unwrap()[0]
+            .allowed()
+    );
+    let day_before = Timestamp::from_nanos(T0.as_nanos() - 86_400 * 1_000_000_000);
+    let decision = check_at(&store, "back", &l, 1, Some(day_before), None)
+        .await
+        .unwrap()[0];
+    assert!(!decision.allowed(), "time going back mints nothing");
+    assert_eq!(
+        decision.remaining(),
+        0,
+        "rejected while reporting tokens left: {decision:?}"
+    );
+    let wait = std::panic::catch_unwind(|| decision.retry_after());
+    assert!(
+        matches!(wait, Ok(Some(wait)) if wait > Duration::ZERO),
+        "retry_after of a rejection: {wait:?}"
+    );
+}
+
+/// Malformed URLs give a typed error, never a panic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_urls_are_typed_errors() {
+    for url in [
+        "",
+        "localhost:6379",
+        "http://h:1",
+        "redis+cluster://",
+        "redis+cluster://,,",
+        "rediss+cluster:// , ",
+        "redis+cluster://h:notaport,h:1",
+        "redis://h:notaport",
+        "redis://[::1",
+        "redis://h:99999",
+    ] {
+        let url = url.to_owned();
+        let result = tokio::spawn(async move {
+            RedisStore::connect(&url, RedisConfig::default())
+                .await
+                .map(drop)
+        })
+        .await;
+        match result {
+            Ok(Err(ConnectError::InvalidUrl { .. } | ConnectError::Connect { .. })) => {}
+            other => panic!("{other:?}"),
+        }
+    }
 }
