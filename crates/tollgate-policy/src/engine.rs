@@ -481,17 +481,18 @@ impl PolicyEngine {
     /// [`Error::Check`] when `cost` is 0 (whatever applies, even nothing or only exemptions;
     /// the error then names no limit) or above an enforced limit's capacity; nothing is
     /// charged.
-    pub fn decide<D, S>(
+    pub fn decide<'c, D, S>(
         &self,
         domain: &str,
         descriptors: &[D],
-        cost: u64,
+        cost: impl Into<Costs<'c>>,
         request_id: Option<&str>,
     ) -> Result<Outcome, Error>
     where
         D: AsRef<[(S, S)]>,
         S: AsRef<str>,
     {
+        let cost = cost.into();
         ready(self.run_on(&self.local, domain, descriptors, cost, request_id, true))
     }
 
@@ -500,16 +501,17 @@ impl PolicyEngine {
     /// # Errors
     ///
     /// As for `decide`.
-    pub fn explain<D, S>(
+    pub fn explain<'c, D, S>(
         &self,
         domain: &str,
         descriptors: &[D],
-        cost: u64,
+        cost: impl Into<Costs<'c>>,
     ) -> Result<Outcome, Error>
     where
         D: AsRef<[(S, S)]>,
         S: AsRef<str>,
     {
+        let cost = cost.into();
         ready(self.run_on(&self.local, domain, descriptors, cost, None, false))
     }
 
@@ -521,12 +523,12 @@ impl PolicyEngine {
     /// # Errors
     ///
     /// As for `decide`, plus the store's errors.
-    pub async fn decide_on<St, D, S>(
+    pub async fn decide_on<'c, St, D, S>(
         &self,
         store: &St,
         domain: &str,
         descriptors: &[D],
-        cost: u64,
+        cost: impl Into<Costs<'c>>,
         request_id: Option<&str>,
     ) -> Result<Outcome, Error>
     where
@@ -534,6 +536,7 @@ impl PolicyEngine {
         D: AsRef<[(S, S)]>,
         S: AsRef<str>,
     {
+        let cost = cost.into();
         self.run_on(store, domain, descriptors, cost, request_id, true)
             .await
     }
@@ -543,18 +546,19 @@ impl PolicyEngine {
     /// # Errors
     ///
     /// As for `decide_on`.
-    pub async fn explain_on<St, D, S>(
+    pub async fn explain_on<'c, St, D, S>(
         &self,
         store: &St,
         domain: &str,
         descriptors: &[D],
-        cost: u64,
+        cost: impl Into<Costs<'c>>,
     ) -> Result<Outcome, Error>
     where
         St: Store,
         D: AsRef<[(S, S)]>,
         S: AsRef<str>,
     {
+        let cost = cost.into();
         self.run_on(store, domain, descriptors, cost, None, false)
             .await
     }
@@ -564,7 +568,7 @@ impl PolicyEngine {
         store: &St,
         domain: &str,
         descriptors: &[D],
-        cost: u64,
+        cost: Costs<'_>,
         request_id: Option<&str>,
         consume: bool,
     ) -> Result<Outcome, Error>
@@ -575,7 +579,7 @@ impl PolicyEngine {
     {
         // Before matching: whether a cost of 0 is refused must not depend on what applies
         // (an exempt or unmatched request would otherwise accept it).
-        if cost == 0 {
+        if cost.any_zero(descriptors.len()) {
             return Err(zero_cost());
         }
         let policy = self.current.load_full();
@@ -602,6 +606,7 @@ impl PolicyEngine {
                 continue;
             }
             let key = store_key(&m.bucket_key, m.params());
+            let cost = cost.of(m.descriptor);
             match buckets.iter().position(|(k, ..)| *k == key) {
                 Some(slot) => {
                     buckets[slot].2 = buckets[slot].2.saturating_add(cost);
@@ -742,19 +747,56 @@ impl PolicyEngine {
     /// # Errors
     ///
     /// [`Error::Check`] when `cost` is 0 (whatever applies).
-    pub fn decide_degraded<D, S>(
+    pub fn decide_degraded<'c, D, S>(
         &self,
         domain: &str,
         descriptors: &[D],
-        cost: u64,
+        cost: impl Into<Costs<'c>>,
         reason: &str,
     ) -> Result<Outcome, Error>
     where
         D: AsRef<[(S, S)]>,
         S: AsRef<str>,
     {
+        self.degraded(domain, descriptors, cost.into(), reason, true)
+    }
+
+    /// What [`decide_degraded`](Self::decide_degraded) would answer, charging, counting and
+    /// auditing nothing: for a check-only request (Envoy's `hits_addend: 0`) while the store is
+    /// down, so that a limit failing closed still denies and one failing open reports its
+    /// emergency budget.
+    ///
+    /// # Errors
+    ///
+    /// As for `decide_degraded`.
+    pub fn explain_degraded<'c, D, S>(
+        &self,
+        domain: &str,
+        descriptors: &[D],
+        cost: impl Into<Costs<'c>>,
+        reason: &str,
+    ) -> Result<Outcome, Error>
+    where
+        D: AsRef<[(S, S)]>,
+        S: AsRef<str>,
+    {
+        self.degraded(domain, descriptors, cost.into(), reason, false)
+    }
+
+    fn degraded<D, S>(
+        &self,
+        domain: &str,
+        descriptors: &[D],
+        cost: Costs<'_>,
+        reason: &str,
+        consume: bool,
+    ) -> Result<Outcome, Error>
+    where
+        D: AsRef<[(S, S)]>,
+        S: AsRef<str>,
+    {
         // Refused whatever applies, as in `decide`.
-        if cost == 0 {
+        if cost.any_zero(descriptors.len()) {
             return Err(zero_cost());
         }
         let policy = self.current.load();
@@ -762,7 +804,9 @@ impl PolicyEngine {
         let matched = policy.matches(domain, descriptors, self.options.wall.now());
         let version = Arc::clone(policy.version_arc());
         if matched.is_empty() {
-            self.unmatched.fetch_add(1, Ordering::Relaxed);
+            if consume {
+                self.unmatched.fetch_add(1, Ordering::Relaxed);
+            }
             return Ok(Outcome {
                 allowed: true,
                 policy_version: version,
@@ -784,6 +828,7 @@ impl PolicyEngine {
                 FailureMode::Closed => failed_closed = true,
                 FailureMode::Open { emergency } => {
                     let key = store_key(&m.bucket_key, &emergency);
+                    let cost = cost.of(m.descriptor);
                     match open.iter().position(|(k, ..)| *k == key) {
                         Some(slot) => {
                             open[slot].2 = open[slot].2.saturating_add(cost);
@@ -832,10 +877,15 @@ impl PolicyEngine {
                         cost: *cost,
                     })
                     .collect();
-                let results = self
-                    .emergency
-                    .check_all(&items, now, None)
-                    .map_err(|source| check_error(0, source))?;
+                let results = if consume {
+                    self.emergency.check_all(&items, now, None)
+                } else {
+                    items
+                        .iter()
+                        .map(|item| self.emergency.peek(item.key, item.limit, item.cost, now))
+                        .collect()
+                };
+                let results = results.map_err(|source| check_error(0, source))?;
                 for (slot, d) in results.into_iter().enumerate() {
                     emergency_ok &= d.allowed();
                     decisions[slot] = Some(d);
@@ -850,9 +900,11 @@ impl PolicyEngine {
             match m.effect {
                 Effect::Exempt(exemption) => {
                     exempted_by = Some(exemption.owner().to_owned());
-                    self.use_exemption(m, exemption, &version);
+                    if consume {
+                        self.use_exemption(m, exemption, &version);
+                    }
                 }
-                Effect::Enforce => {
+                Effect::Enforce if consume => {
                     let mode = match m.limit.failure_mode() {
                         FailureMode::Closed => "closed",
                         _ => "open",
@@ -937,6 +989,51 @@ impl PolicyEngine {
         if let Some(audit) = &self.options.audit {
             audit.record(&event());
         }
+    }
+}
+
+/// What a request costs each limit it matches: one cost for every descriptor (the HTTP API's
+/// `cost`, Envoy's request `hits_addend`), or a cost per descriptor (Envoy's per-descriptor
+/// `hits_addend`), decided together all the same: one rejection charges nothing anywhere.
+///
+/// A `u64` converts into [`Costs::Same`] and a slice into [`Costs::Each`], so the engine's
+/// methods take either.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Costs<'a> {
+    /// The same cost for every descriptor.
+    Same(u64),
+    /// The cost of each descriptor, in order; one per descriptor (a missing one counts as 0,
+    /// which is refused).
+    Each(&'a [u64]),
+}
+
+impl Costs<'_> {
+    /// The cost of the match on descriptor `index`.
+    fn of(self, index: usize) -> u64 {
+        match self {
+            Costs::Same(cost) => cost,
+            Costs::Each(costs) => costs.get(index).copied().unwrap_or(0),
+        }
+    }
+
+    /// Whether a descriptor of `descriptors` would cost 0, an error.
+    fn any_zero(self, descriptors: usize) -> bool {
+        match self {
+            Costs::Same(cost) => cost == 0,
+            Costs::Each(costs) => costs.len() < descriptors || costs.contains(&0),
+        }
+    }
+}
+
+impl From<u64> for Costs<'_> {
+    fn from(cost: u64) -> Self {
+        Costs::Same(cost)
+    }
+}
+
+impl<'a> From<&'a [u64]> for Costs<'a> {
+    fn from(costs: &'a [u64]) -> Self {
+        Costs::Each(costs)
     }
 }
 

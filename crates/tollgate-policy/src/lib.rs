@@ -45,7 +45,7 @@ pub mod watch;
 
 pub use compile::compile;
 
-pub use engine::{EngineOptions, LimitOutcome, Outcome, PolicyEngine, PolicyStatus};
+pub use engine::{Costs, EngineOptions, LimitOutcome, Outcome, PolicyEngine, PolicyStatus};
 pub use envoy::import_envoy;
 pub use error::{Diagnostic, Error};
 pub use policy::{Effect, Exemption, FailureMode, LimitDef, Matched, Mode, Override, Policy};

@@ -153,6 +153,40 @@ fn all_or_nothing_with_the_version() {
 }
 
 #[test]
+fn a_cost_per_descriptor_is_all_or_nothing_too() {
+    let r = rig(TWO);
+    let costs: &[u64] = &[2, 3];
+    let (a, b) = ([("user", "a")], [("user", "b")]);
+    // a takes 2, b takes all 3.
+    let first = r.engine.decide("api", &[a, b], costs, None).unwrap();
+    assert!(first.allowed);
+    let left: Vec<u64> = first
+        .limits
+        .iter()
+        .map(|l| l.decision.unwrap().remaining())
+        .collect();
+    assert_eq!(left, [1, 0]);
+    // b is empty: a's one token stays where it is.
+    let costs: &[u64] = &[1, 1];
+    assert!(
+        !r.engine
+            .decide("api", &[a, b], costs, None)
+            .unwrap()
+            .allowed
+    );
+    assert!(decide(&r.engine, &[("user", "a".to_owned())]).0);
+    // A missing or zero cost is an error, whatever applies.
+    for costs in [&[1u64][..], &[1, 0]] {
+        assert!(r.engine.decide("api", &[a, b], costs, None).is_err());
+        assert!(
+            r.engine
+                .decide_degraded("api", &[a, b], costs, "test")
+                .is_err()
+        );
+    }
+}
+
+#[test]
 fn unmatched_requests_are_allowed_and_counted() {
     let r = rig(TWO);
     let outcome = r.engine.decide("api", &[[("other", "x")]], 1, None);

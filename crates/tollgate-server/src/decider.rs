@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use tollgate::{Clock, Error as CoreError, MonotonicClock, Unavailable};
-use tollgate_policy::{Error as PolicyError, Outcome, PolicyEngine};
+use tollgate_policy::{Costs, Error as PolicyError, Outcome, PolicyEngine};
 use tollgate_redis::RedisStore;
 
 use crate::metrics::{self, Api};
@@ -38,8 +38,8 @@ pub struct Request<'a> {
     pub domain: &'a str,
     /// Descriptors: entry → value lists.
     pub descriptors: &'a [Vec<(String, String)>],
-    /// Tokens per matched limit.
-    pub cost: u64,
+    /// Tokens per matched limit: one cost for every descriptor, or one per descriptor.
+    pub cost: Costs<'a>,
     /// Makes a retry free.
     pub request_id: Option<&'a str>,
 }
@@ -107,6 +107,29 @@ impl Decider {
     /// As for `decide`.
     pub async fn explain(&self, request: &Request<'_>) -> Result<Outcome, DecideError> {
         self.run(request, false).await
+    }
+
+    /// What [`decide`](Self::decide) would answer, charging nothing, for a check that must be
+    /// answered even while the store is down (Envoy's check-only `hits_addend: 0`): then each
+    /// limit follows its failure mode, as in a degraded decision, without spending its
+    /// emergency budget. An explanation, by contrast, has no balances to show without the store.
+    ///
+    /// # Errors
+    ///
+    /// As for `decide`.
+    pub async fn check_only(&self, request: &Request<'_>) -> Result<Outcome, DecideError> {
+        match self.run(request, false).await {
+            Err(DecideError::Unavailable(reason)) => self
+                .engine
+                .explain_degraded(
+                    request.domain,
+                    request.descriptors,
+                    request.cost,
+                    reason.as_str(),
+                )
+                .map_err(DecideError::Invalid),
+            other => other,
+        }
     }
 
     async fn run(&self, request: &Request<'_>, consume: bool) -> Result<Outcome, DecideError> {

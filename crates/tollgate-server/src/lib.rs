@@ -26,7 +26,7 @@
 //! let decider = Decider::new(engine, Backend::Memory);
 //!
 //! let descriptors = [vec![("user".to_owned(), "u1".to_owned())]];
-//! let request = Request { domain: "api", descriptors: &descriptors, cost: 1, request_id: None };
+//! let request = Request { domain: "api", descriptors: &descriptors, cost: 1.into(), request_id: None };
 //! assert!(decider.decide(Api::Http, &request).await?.allowed);
 //! assert!(decider.decide(Api::Http, &request).await?.allowed);
 //! let third = decider.decide(Api::Http, &request).await?;

@@ -4,9 +4,10 @@
 //! What Envoy expects, and how it maps onto tollgate:
 //!
 //! * `hits_addend` is the cost; Envoy sends 0 (or nothing) to mean 1. A descriptor may carry its
-//!   own `hits_addend`, which wins; 0 there means "check only, charge nothing". Descriptors of
-//!   one cost are decided together, all or nothing; descriptors of different costs are decided
-//!   one cost group after another.
+//!   own `hits_addend`, which wins; 0 there means "check only, charge nothing" (would one more
+//!   hit pass?). All descriptors are decided together, all or nothing: the check-only ones
+//!   first, then the charged ones in one decision with a cost each, charged only if every
+//!   check passed; a rejected request is charged nowhere.
 //! * `statuses` has one entry per request descriptor, in order. A descriptor no limit applies
 //!   to gets `OK`; otherwise its most constrained enforced limit fills `current_limit` (with its
 //!   name), `limit_remaining` and `duration_until_reset`, from which Envoy builds its own
@@ -31,12 +32,12 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{
 };
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use tollgate::Decision;
-use tollgate_policy::{LimitOutcome, Outcome};
+use tollgate_policy::{Costs, LimitOutcome, Outcome};
 use tonic::{Request, Response, Status};
 
 use crate::decider::{DecideError, Decider, Request as Decide};
 use crate::http::{MAX_DESCRIPTORS, MAX_ENTRIES, MAX_NAME_BYTES, MAX_VALUE_BYTES};
-use crate::metrics::Api;
+use crate::metrics::{self, Api};
 use tollgate_tower::headers as fields;
 
 /// The gRPC service.
@@ -58,6 +59,17 @@ impl Rls {
 
 fn invalid(message: impl Into<String>) -> Status {
     Status::invalid_argument(message.into())
+}
+
+/// The gRPC status of a request that could not be decided.
+fn status(err: DecideError) -> Status {
+    match err {
+        DecideError::Invalid(err) => invalid(err.to_string()),
+        DecideError::Unavailable(reason) => {
+            Status::unavailable(format!("store unavailable: {reason}"))
+        }
+        DecideError::Internal(err) => Status::internal(err.to_string()),
+    }
 }
 
 /// A descriptor's entries.
@@ -184,63 +196,80 @@ impl RateLimitService for Rls {
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
         let mut request = request.into_inner();
-        let descriptors = parse(&mut request)?;
+        let descriptors =
+            parse(&mut request).inspect_err(|_| metrics::record_invalid(Api::Grpc))?;
+        let count = descriptors.len();
 
-        // Descriptors with the same cost are decided together (all or nothing); usually that
-        // is every descriptor, in one group.
-        let mut groups: Vec<(u64, Vec<usize>, Vec<Entries>)> = Vec::with_capacity(1);
+        // Check-only descriptors (`hits_addend: 0`) are decided first, charging nothing; the
+        // charged ones then go in one decision with a cost each, all or nothing, and are charged
+        // only if every check passed: a rejected request is charged nowhere.
+        let (mut checked, mut charged) = ((Vec::new(), Vec::new()), (Vec::new(), Vec::new()));
+        let mut costs = Vec::with_capacity(count);
         for (index, (entries, cost)) in descriptors.into_iter().enumerate() {
-            match groups.iter_mut().find(|(c, ..)| *c == cost) {
-                Some((_, indexes, group)) => {
-                    indexes.push(index);
-                    group.push(entries);
-                }
-                None => groups.push((cost, vec![index], vec![entries])),
+            let (indexes, group) = if cost == 0 {
+                &mut checked
+            } else {
+                &mut charged
+            };
+            indexes.push(index);
+            group.push(entries);
+            if cost > 0 {
+                costs.push(cost);
             }
         }
-        let count = groups.iter().map(|(_, indexes, _)| indexes.len()).sum();
-        let mut failed_closed = false;
-        let mut decided: Vec<(Vec<usize>, Outcome)> = Vec::with_capacity(groups.len());
-        for (cost, indexes, group) in groups {
-            let decide = Decide {
+        let mut decided: Vec<(Vec<usize>, Outcome)> = Vec::with_capacity(2);
+        if !checked.0.is_empty() {
+            let check = Decide {
                 domain: &request.domain,
-                descriptors: &group,
-                cost: cost.max(1),
+                descriptors: &checked.1,
+                cost: Costs::Same(1),
                 request_id: None,
             };
-            let outcome = if cost == 0 {
-                self.decider.explain(&decide).await
-            } else {
-                self.decider.decide(Api::Grpc, &decide).await
-            };
-            let outcome = outcome.map_err(|err| match err {
-                DecideError::Invalid(err) => invalid(err.to_string()),
-                DecideError::Unavailable(reason) => {
-                    Status::unavailable(format!("store unavailable: {reason}"))
-                }
-                DecideError::Internal(err) => Status::internal(err.to_string()),
-            })?;
-            failed_closed |= outcome.failed_closed;
-            decided.push((indexes, outcome));
+            let outcome = self.decider.check_only(&check).await.map_err(status)?;
+            decided.push((checked.0, outcome));
         }
-        let mut per_descriptor: Vec<Vec<&LimitOutcome>> = vec![Vec::new(); count];
+        if !charged.0.is_empty() {
+            let decide = Decide {
+                domain: &request.domain,
+                descriptors: &charged.1,
+                cost: Costs::Each(&costs),
+                request_id: None,
+            };
+            let outcome = if decided.iter().all(|(_, outcome)| outcome.allowed) {
+                self.decider.decide(Api::Grpc, &decide).await
+            } else {
+                self.decider.check_only(&decide).await
+            };
+            decided.push((charged.0, outcome.map_err(status)?));
+        }
+
+        // A descriptor fails closed when one of its own enforced limits went undecided because
+        // the store was down; a descriptor no limit applies to stays OK.
+        let failed_closed = decided.iter().any(|(_, outcome)| outcome.failed_closed);
+        let mut per_descriptor: Vec<(Vec<&LimitOutcome>, bool)> = vec![(Vec::new(), false); count];
         for (indexes, outcome) in &decided {
             for limit in &outcome.limits {
-                if let Some(&index) = indexes.get(limit.descriptor) {
-                    per_descriptor[index].push(limit);
+                if let Some((limits, closed)) = indexes
+                    .get(limit.descriptor)
+                    .and_then(|&index| per_descriptor.get_mut(index))
+                {
+                    *closed |= outcome.failed_closed
+                        && limit.mode == "enforce"
+                        && limit.decision.is_none();
+                    limits.push(limit);
                 }
             }
         }
 
         let statuses: Vec<DescriptorStatus> = per_descriptor
             .iter()
-            .map(|limits| status_of(limits, failed_closed))
+            .map(|(limits, closed)| status_of(limits, *closed))
             .collect();
         let over = failed_closed || statuses.iter().any(|s| s.code == Code::OverLimit as i32);
         let mut response_headers = Vec::new();
         let enforced: Vec<(&str, &Decision)> = per_descriptor
             .iter()
-            .flatten()
+            .flat_map(|(limits, _)| limits)
             .filter(|limit| limit.mode == "enforce")
             .filter_map(|limit| limit.decision.as_ref().map(|d| (limit.name.as_str(), d)))
             .collect();

@@ -230,6 +230,34 @@ fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
     }
 }
 
+/// Descriptors with different `hits_addend`s are still all or nothing: a request rejected on
+/// one descriptor charges none of the others (they were once decided one cost after another).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rls_descriptors_of_different_costs_are_all_or_nothing() {
+    let scratch = Scratch::new("grpc-mixed");
+    let config = scratch.write("policy.yaml", POLICY);
+    let server = Server::start(&["--config", path_str(&config)]);
+    let http = server.http;
+    let drain = r#"{"domain":"api","descriptors":[{"user":"drained"}],"cost":3}"#;
+    let drained = tokio::task::spawn_blocking(move || post_json(http, "/v1/check", drain));
+    assert_eq!(drained.await.unwrap().status, 200);
+    let mut costly = descriptor(&[("user", "mixed")]);
+    costly.hits_addend = Some(envoy_types::pb::google::protobuf::UInt64Value { value: 2 });
+    let request = RateLimitRequest {
+        domain: "api".to_owned(),
+        descriptors: vec![costly, descriptor(&[("user", "drained")])],
+        hits_addend: 1,
+    };
+    let response = should_rate_limit(&server, request).await.unwrap();
+    assert_eq!(response.overall_code, Code::OverLimit as i32);
+    assert_eq!(response.statuses[0].code, Code::Ok as i32, "mixed had room");
+    assert_eq!(response.statuses[1].code, Code::OverLimit as i32);
+    let all = r#"{"domain":"api","descriptors":[{"user":"mixed"}],"cost":3}"#;
+    let answer = tokio::task::spawn_blocking(move || post_json(http, "/v1/check", all));
+    let answer = answer.await.unwrap();
+    assert_eq!(answer.status, 200, "mixed was charged: {}", answer.body);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envoy_rls_over_grpc() {
     let scratch = Scratch::new("grpc");

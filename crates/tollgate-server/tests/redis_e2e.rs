@@ -3,6 +3,12 @@
 
 mod support;
 
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use envoy_types::pb::google::protobuf::UInt64Value;
 use support::{Scratch, Server, path_str, post_json, serve_refused};
 use tollgate_redis::test_server::{RedisCluster, RedisServer, TestCertificates, command};
 
@@ -83,6 +89,17 @@ fn redis_killed_under_closed_and_open_limits() {
         lenient_allowed += usize::from(answer.status == 200);
     }
     assert_eq!(lenient_allowed, 3, "the emergency budget, never unlimited");
+    // A cost the emergency budget can never hold is a rejection of that limit, with its real
+    // figures: not a limit reported as allowed beside a made-up Retry-After.
+    let big = r#"{"domain":"lenient","descriptors":[{"user":"big"}],"cost":5}"#;
+    let answer = post_json(server.http, "/v1/check", big);
+    assert_eq!(answer.status, 429, "{}", answer.body);
+    assert_eq!(
+        answer.json()["limits"][0]["allowed"],
+        false,
+        "{}",
+        answer.body
+    );
     let ready = support::request(server.http, "GET", "/readyz", &[], "");
     assert_eq!(ready.status, 503);
     let metrics = support::request(server.http, "GET", "/metrics", &[], "").body;
@@ -91,6 +108,71 @@ fn redis_killed_under_closed_and_open_limits() {
         metrics.contains(r#"tollgate_degraded_decisions_total{reason="#),
         "{metrics}"
     );
+}
+
+fn descriptor(entries: &[(&str, &str)], hits: Option<u64>) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        entries: entries
+            .iter()
+            .map(|(key, value)| Entry {
+                key: (*key).to_owned(),
+                value: (*value).to_owned(),
+            })
+            .collect(),
+        hits_addend: hits.map(|value| UInt64Value { value }),
+        ..RateLimitDescriptor::default()
+    }
+}
+
+/// With Redis down, Envoy must get an explicit OVER_LIMIT for a closed limit, never a gRPC
+/// error (which Envoy lets through unless `failure_mode_deny`), even beside a check-only
+/// descriptor; and only the descriptors whose own limits failed closed are marked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rls_with_redis_down_fails_closed_descriptor_by_descriptor() {
+    let mut redis = RedisServer::start();
+    let scratch = Scratch::new("rls-down");
+    let config = scratch.write("policy.yaml", POLICY);
+    let server = Server::start(&["--config", path_str(&config), "--store", &redis.url()]);
+    redis.kill();
+    let mut client = RateLimitServiceClient::connect(format!("http://{}", server.grpc))
+        .await
+        .expect("connect to the gRPC port");
+    let mut ask = async |domain: &str, descriptors| {
+        let request = RateLimitRequest {
+            domain: domain.to_owned(),
+            descriptors,
+            hits_addend: 1,
+        };
+        client
+            .should_rate_limit(request)
+            .await
+            .unwrap_or_else(|status| panic!("a gRPC error lets Envoy allow it: {status:?}"))
+            .into_inner()
+    };
+    let strict = ask(
+        "strict",
+        vec![
+            descriptor(&[("user", "q")], None),
+            descriptor(&[("user", "r")], Some(0)),
+        ],
+    )
+    .await;
+    assert_eq!(strict.overall_code, Code::OverLimit as i32);
+    assert_eq!(strict.statuses[0].code, Code::OverLimit as i32);
+    let unmatched = ask(
+        "strict",
+        vec![
+            descriptor(&[("user", "q")], None),
+            descriptor(&[("nothing", "matches")], None),
+        ],
+    )
+    .await;
+    assert_eq!(unmatched.overall_code, Code::OverLimit as i32);
+    let codes: Vec<i32> = unmatched.statuses.iter().map(|s| s.code).collect();
+    assert_eq!(codes, [Code::OverLimit as i32, Code::Ok as i32]);
+    // Failing open, a check-only descriptor reports the emergency budget and passes.
+    let lenient = ask("lenient", vec![descriptor(&[("user", "q")], Some(0))]).await;
+    assert_eq!(lenient.overall_code, Code::Ok as i32);
 }
 
 #[test]

@@ -88,7 +88,7 @@ impl Parsed {
         Request {
             domain: &self.domain,
             descriptors: &self.descriptors,
-            cost: self.cost,
+            cost: self.cost.into(),
             request_id: self.request_id.as_deref(),
         }
     }
