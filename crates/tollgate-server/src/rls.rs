@@ -13,7 +13,9 @@
 //!   name), `limit_remaining` and `duration_until_reset`, from which Envoy builds its own
 //!   `X-RateLimit-*` headers. The IETF `RateLimit-Policy`/`RateLimit` fields go in
 //!   `response_headers_to_add`.
-//! * Never `UNKNOWN`. An unknown domain answers `OK`.
+//! * Never `UNKNOWN`. An unknown domain answers `OK`. A `hits_addend` above a limit's capacity
+//!   can never pass: the request's charged descriptors answer `OVER_LIMIT` (as a gRPC error,
+//!   Envoy would let the request through).
 //! * When the shared store is down, a limit that fails closed answers `OVER_LIMIT` with the
 //!   response header `x-tollgate-unavailable: store` (so logs tell an outage from a quota). We
 //!   deliberately do not answer a gRPC error: Envoy treats an error as "allow" unless its own
@@ -32,7 +34,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{
 };
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use tollgate::Decision;
-use tollgate_policy::{Costs, LimitOutcome, Outcome};
+use tollgate_policy::{Costs, Error as PolicyError, LimitOutcome, Outcome};
 use tonic::{Request, Response, Status};
 
 use crate::decider::{DecideError, Decider, Request as Decide};
@@ -218,6 +220,7 @@ impl RateLimitService for Rls {
             }
         }
         let mut decided: Vec<(Vec<usize>, Outcome)> = Vec::with_capacity(2);
+        let mut impossible: Vec<usize> = Vec::new();
         if !checked.0.is_empty() {
             let check = Decide {
                 domain: &request.domain,
@@ -240,7 +243,17 @@ impl RateLimitService for Rls {
             } else {
                 self.decider.check_only(&decide).await
             };
-            decided.push((charged.0, outcome.map_err(status)?));
+            match outcome {
+                Ok(outcome) => decided.push((charged.0, outcome)),
+                // More hits than a limit can ever hold: OVER_LIMIT, which Envoy enforces. As a
+                // gRPC error it would let the request through (Envoy allows on errors unless
+                // `failure_mode_deny`), so a large enough hits_addend would pass any limit.
+                Err(DecideError::Invalid(PolicyError::Check {
+                    source: tollgate::Error::InvalidCost { .. },
+                    ..
+                })) => impossible = charged.0,
+                Err(err) => return Err(status(err)),
+            }
         }
 
         // A descriptor fails closed when one of its own enforced limits went undecided because
@@ -261,10 +274,15 @@ impl RateLimitService for Rls {
             }
         }
 
-        let statuses: Vec<DescriptorStatus> = per_descriptor
+        let mut statuses: Vec<DescriptorStatus> = per_descriptor
             .iter()
             .map(|(limits, closed)| status_of(limits, *closed))
             .collect();
+        for &index in &impossible {
+            if let Some(status) = statuses.get_mut(index) {
+                status.code = Code::OverLimit as i32;
+            }
+        }
         let over = failed_closed || statuses.iter().any(|s| s.code == Code::OverLimit as i32);
         let mut response_headers = Vec::new();
         let enforced: Vec<(&str, &Decision)> = per_descriptor

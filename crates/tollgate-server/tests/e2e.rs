@@ -331,9 +331,16 @@ async fn envoy_rls_over_grpc() {
             "peeked, never charged"
         );
     }
-    // A cost above the capacity is the caller's error.
-    let status = should_rate_limit(&server, request(50)).await.unwrap_err();
-    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    // A cost above the capacity can never pass: OVER_LIMIT, which Envoy enforces (a gRPC error
+    // would let the request through), and nothing charged.
+    let mut too_many = check_only.clone();
+    too_many.hits_addend = 50;
+    too_many.descriptors[0].hits_addend = None;
+    let response = should_rate_limit(&server, too_many).await.unwrap();
+    assert_eq!(response.overall_code, Code::OverLimit as i32);
+    assert_eq!(response.statuses[0].code, Code::OverLimit as i32);
+    let response = should_rate_limit(&server, check_only).await.unwrap();
+    assert_eq!(response.statuses[0].limit_remaining, 2, "nothing charged");
 }
 
 #[test]
