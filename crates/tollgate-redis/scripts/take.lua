@@ -186,6 +186,9 @@ local function parse_record(seen)
 end
 
 local reply = {}
+-- Per-bucket scratch of the request being decided, made once per call: a table per request
+-- cost a tenth of a decision's instructions. Each request writes indexes 1..n before reading.
+local fulls, fracs, deficits, afters = {}, {}, {}, {}
 local k = 0 -- keys used so far
 local v = 2 -- arguments used so far
 
@@ -215,7 +218,6 @@ for _ = 1, tonumber(ARGV[2]) do
 
   -- Every bucket's state, read before anything is written, so a request with a key that is not
   -- a bucket fails whole.
-  local fulls, fracs = {}, {}
   local readable = true
   for i = 1, n do
     local full, frac = state_of(KEYS[first_key + i])
@@ -304,7 +306,6 @@ for _ = 1, tonumber(ARGV[2]) do
     if not replayed then
       -- A rejection's deficit is replied at most the capacity: more only says the caller's clock
       -- went back, and past 2^63 it would not fit Redis' integer reply.
-      local deficits, afters = {}, {}
       local all = true
       for i = 1, n do
         local a, cap, cost = struct.unpack('<ddd', ARGV[params + i])
