@@ -145,7 +145,9 @@ pub struct LimitOutcome {
     pub bucket_key: String,
     /// `enforce`, `shadow`, `rollout` (outside a rollout: decided like shadow) or `exempt`.
     pub mode: &'static str,
-    /// The bucket's decision; `None` when exempt (not decided at all).
+    /// The bucket's decision; `None` when exempt (not decided at all), when the store was down
+    /// (a degraded decision that failed closed), or for a limit that cannot reject (shadow,
+    /// outside a rollout) whose store call failed after the enforced limits were decided.
     pub decision: Option<Decision>,
     /// The owner of the exemption that lifted the limit.
     pub exempted_by: Option<String>,
@@ -697,8 +699,12 @@ impl PolicyEngine {
             } else {
                 store.peek(request).await
             };
-            let mut result = result.map_err(|e| check_error(s, e))?;
-            decisions[s] = result.pop();
+            // A limit that cannot reject must not fail a request its enforced limits have
+            // decided (and, on a shared store, charged): the caller would decide it again
+            // without the store and spend emergency budgets on top. It goes undecided.
+            if let Ok(mut result) = result {
+                decisions[s] = result.pop();
+            }
         }
 
         let version = Arc::clone(policy.version_arc());

@@ -876,3 +876,66 @@ fn a_sweep_drops_refilled_buckets_and_their_tables() {
     assert!(allowed);
     assert_eq!(limits[0], ("per-user".into(), true, 2));
 }
+
+/// A shared store that answers every bucket but the shadow limit's: down for those.
+struct ShadowDown(tollgate::LocalStore<ManualClock>);
+
+impl ShadowDown {
+    fn fails(request: &tollgate::CheckRequest<'_>) -> bool {
+        request
+            .takes
+            .iter()
+            .any(|take| take.key.starts_with("trial"))
+    }
+}
+
+impl tollgate::Store for ShadowDown {
+    async fn check(
+        &self,
+        request: tollgate::CheckRequest<'_>,
+    ) -> Result<Vec<tollgate::Decision>, tollgate::Error> {
+        if Self::fails(&request) {
+            return Err(tollgate::Error::StoreUnavailable {
+                reason: tollgate::Unavailable::Timeout,
+            });
+        }
+        self.0.check(request).await
+    }
+
+    async fn peek(
+        &self,
+        request: tollgate::CheckRequest<'_>,
+    ) -> Result<Vec<tollgate::Decision>, tollgate::Error> {
+        if Self::fails(&request) {
+            return Err(tollgate::Error::StoreUnavailable {
+                reason: tollgate::Unavailable::Timeout,
+            });
+        }
+        self.0.peek(request).await
+    }
+}
+
+fn ready<F: std::future::Future>(future: F) -> F::Output {
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    let mut future = std::pin::pin!(future);
+    loop {
+        if let std::task::Poll::Ready(value) = future.as_mut().poll(&mut cx) {
+            return value;
+        }
+    }
+}
+
+/// The store failing on a shadow limit after the enforced limit was charged must not fail the
+/// request: the caller would then decide it again without the store, charging twice.
+#[test]
+fn a_store_failing_on_a_shadow_limit_does_not_fail_the_request() {
+    let r = rig(SHADOW);
+    let store = ShadowDown(tollgate::LocalStore::new(r.clock.clone()));
+    let request = [[("user", "a")]];
+    let outcome = ready(r.engine.decide_on(&store, "api", &request, 1, None))
+        .unwrap_or_else(|e| panic!("a shadow limit's store error failed the request: {e}"));
+    assert!(outcome.allowed);
+    assert_eq!(outcome.limits[0].decision.map(|d| d.remaining()), Some(1));
+    assert_eq!(outcome.limits[1].mode, "shadow");
+    assert!(outcome.limits[1].decision.is_none());
+}

@@ -188,7 +188,9 @@ pub fn record_decision(
     for limit in &outcome.limits {
         let result = match (&limit.decision, outcome.failed_closed) {
             (_, true) => "unavailable",
-            (None, false) => "exempt",
+            (None, false) if limit.mode == "exempt" => "exempt",
+            // A shadow or rollout limit the store failed to answer after the enforced ones.
+            (None, false) => "unavailable",
             (Some(decision), false) if decision.allowed() => "allowed",
             (Some(_), false) => "rejected",
         };
