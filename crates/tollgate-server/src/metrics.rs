@@ -177,10 +177,12 @@ pub fn record_decision(
     latency_histogram(api, store).record(elapsed.as_secs_f64());
     let outcome = match outcome {
         Ok(outcome) => outcome,
-        Err(_) => {
+        Err(DecideError::Invalid(_)) => {
             record_invalid(api);
             return;
         }
+        // Not the caller's fault: the store (counted as a store error) or this server.
+        Err(DecideError::Unavailable(_) | DecideError::Internal(_)) => return,
     };
     if outcome.unmatched() {
         counter!(UNMATCHED, "api" => api.as_str()).increment(1);
