@@ -46,7 +46,7 @@ pub struct RedisConfig {
     /// [`Unavailable::Timeout`] (default 20 ms, Envoy's own default timeout for a rate-limit
     /// call: past it, Envoy has given up anyway).
     pub timeout: Duration,
-    /// How long a charged request's id is remembered (default 60 s).
+    /// How long a charged request's id is remembered (default 60 s; at most a year).
     pub idempotency_window: Duration,
     /// When to stop waiting on a failing Redis.
     pub breaker: BreakerConfig,
@@ -433,7 +433,7 @@ impl RedisStore {
             None => 0,
         };
         let groups = self.groups(keys, request.request_id);
-        let window_ms = self.window_ms();
+        let window_ms = window_ms(self.config.idempotency_window);
         let record = |group: &Group| {
             group
                 .record
@@ -544,13 +544,6 @@ impl RedisStore {
             .await?
             .pop()
             .ok_or(Unavailable::Protocol)
-    }
-
-    /// How long idempotency records live, in whole milliseconds (at least one).
-    fn window_ms(&self) -> u64 {
-        u64::try_from(self.config.idempotency_window.as_millis())
-            .unwrap_or(u64::MAX)
-            .max(1)
     }
 
     /// Groups the request's keys by cluster slot, in the order they first appear.
@@ -777,9 +770,32 @@ pub(crate) fn classify(err: &RedisError) -> Unavailable {
     }
 }
 
+/// The longest idempotency window sent to Redis: a record's deadline (the request's time plus
+/// the window, in microseconds) must stay an exact Lua integer, and its `PX` a valid expiry; a
+/// year is far beyond any retry.
+const MAX_WINDOW_MS: u64 = 365 * 24 * 3600 * 1000;
+// Added to a time in microseconds since 1970 (about 2^51 today), it keeps the sum below 2^53.
+const _: () = assert!(MAX_WINDOW_MS * 1000 < 1 << 46);
+
+/// How long idempotency records live, in whole milliseconds: at least one, at most a year.
+fn window_ms(window: Duration) -> u64 {
+    u64::try_from(window.as_millis())
+        .unwrap_or(u64::MAX)
+        .clamp(1, MAX_WINDOW_MS)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn idempotency_windows_are_whole_milliseconds_between_one_and_a_year() {
+        assert_eq!(window_ms(Duration::from_secs(60)), 60_000);
+        assert_eq!(window_ms(Duration::ZERO), 1);
+        assert_eq!(window_ms(Duration::from_micros(1_500)), 1);
+        // Duration::MAX once went out as a PX Redis refuses: every request with an id failed.
+        assert_eq!(window_ms(Duration::MAX), MAX_WINDOW_MS);
+    }
 
     #[test]
     fn redacts_passwords() {
