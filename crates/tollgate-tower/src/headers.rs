@@ -71,7 +71,10 @@ pub fn reset_secs(decision: &Decision) -> u64 {
 }
 
 /// The `RateLimit-Policy` and `RateLimit` values for the applicable limits, one list item per
-/// `(name, decision)` in the order given; `None` when there is none.
+/// limit name in the order given; `None` when there is none. A name given more than once (one
+/// limit applied to several descriptors, each with its own bucket) gets one item, from its most
+/// constrained decision (a rejection first, then the fewest tokens left): clients tell items
+/// apart by name, and the tightest bucket is the one they must respect.
 ///
 /// Names become Structured Field strings: `"` and `\` are escaped, and characters a
 /// Structured Field string cannot hold (control characters, anything outside ASCII) are
@@ -92,12 +95,31 @@ pub fn rate_limit_headers<'a>(
     items: impl IntoIterator<Item = (&'a str, &'a Decision)> + Clone,
 ) -> Option<(HeaderValue, HeaderValue)> {
     let policy = rate_limit_policy_value(
-        items
-            .clone()
-            .into_iter()
-            .map(|(name, decision)| (name, decision.limit())),
+        most_constrained_per_name(items.clone()).map(|(name, decision)| (name, decision.limit())),
     )?;
-    Some((policy, rate_limit_value(items)?))
+    Some((policy, rate_limit_value(most_constrained_per_name(items))?))
+}
+
+/// `items` without the repeats of a name, each name kept at its most constrained decision (the
+/// first of equals), each where that decision stands in the order given. Quadratic, for the
+/// few items an answer has; no allocation.
+fn most_constrained_per_name<'a>(
+    items: impl IntoIterator<Item = (&'a str, &'a Decision)> + Clone,
+) -> impl Iterator<Item = (&'a str, &'a Decision)> {
+    let tightness = |decision: &Decision| (decision.allowed(), decision.remaining());
+    let all = items.clone();
+    items
+        .into_iter()
+        .enumerate()
+        .filter(move |&(i, (name, decision))| {
+            !all.clone()
+                .into_iter()
+                .enumerate()
+                .any(|(j, (other, theirs))| {
+                    other == name && j != i && (tightness(theirs), j) < (tightness(decision), i)
+                })
+        })
+        .map(|(_, item)| item)
 }
 
 /// The `RateLimit-Policy` value alone, from the limits: it does not change from one decision
@@ -230,6 +252,26 @@ mod tests {
         let denied = limiter.check("k").unwrap();
         // One token per 90 s: a whole number of seconds stays as it is.
         assert_eq!(retry_after_secs(&denied), Some(90));
+    }
+
+    #[test]
+    fn a_name_given_twice_gets_one_item_from_its_tightest_bucket() {
+        let (per_user, _) = limiter(5, "1/s");
+        let roomy = per_user.check("a").unwrap();
+        let tight = per_user.check_n("b", 4).unwrap();
+        let (global, _) = limiter(3, "1/s");
+        let other = global.check("c").unwrap();
+        let items = [
+            ("per-user", &roomy),
+            ("global", &other),
+            ("per-user", &tight),
+        ];
+        let (policy, state) = rate_limit_headers(items).unwrap();
+        assert_eq!(policy, r#""global";q=3;w=3, "per-user";q=5;w=5"#);
+        assert_eq!(state, r#""global";r=2;t=1, "per-user";r=1;t=4"#);
+        // Equals keep the first.
+        let (_, state) = rate_limit_headers([("l", &roomy), ("l", &roomy)]).unwrap();
+        assert_eq!(state, r#""l";r=4;t=1"#);
     }
 
     fn limiter_slow() -> (RateLimiter<Box<str>, ManualClock>, ManualClock) {
