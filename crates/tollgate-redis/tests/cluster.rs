@@ -42,8 +42,13 @@ async fn cluster() {
         .expect("connect to the cluster");
     assert!(store.is_cluster());
 
-    conforms_with_and_without_hash_tags(&store).await;
-    cross_slot_rejection_charges_nothing(&store).await;
+    // Decisions, not latency, are compared here: a loaded 2-core machine running a debug build
+    // can pass the production 20 ms timeout, which would fail the comparison for nothing.
+    let patient = RedisStore::connect(&url, RedisConfig::default().with_timeout(LOADED))
+        .await
+        .expect("connect to the cluster");
+    conforms_with_and_without_hash_tags(&patient).await;
+    cross_slot_rejection_charges_nothing(&patient).await;
     a_late_cross_slot_refund_never_over_admits_a_retried_request(&url).await;
     a_refund_sent_twice_gives_back_once(&url).await;
     sixty_four_tasks_on_one_key(&url).await;
