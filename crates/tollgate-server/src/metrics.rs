@@ -11,6 +11,7 @@ use std::sync::LazyLock;
 
 use metrics::{Counter, Histogram, counter, gauge, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use metrics_util::MetricKindMask;
 use parking_lot::RwLock;
 use tollgate::Unavailable;
 use tollgate_policy::{Outcome, PolicyEngine};
@@ -74,16 +75,27 @@ impl Api {
 ///
 /// When a recorder is already installed (a second server in one process).
 pub fn install() -> Result<PrometheusHandle, metrics_exporter_prometheus::BuildError> {
+    let handle = builder(GAUGE_IDLE_TIMEOUT)?.install_recorder()?;
+    describe();
+    Ok(handle)
+}
+
+/// How long a gauge stays exported after its last update. Every gauge in force is set on each
+/// scrape ([`refresh`]); what stops being set is the `tollgate_policy_info` series of a version
+/// no longer in force, which would otherwise stay, at 0, for every version ever loaded.
+const GAUGE_IDLE_TIMEOUT: Duration = Duration::from_secs(600);
+
+fn builder(
+    gauge_idle: Duration,
+) -> Result<PrometheusBuilder, metrics_exporter_prometheus::BuildError> {
     // Sub-millisecond buckets: a memory decision takes microseconds, a Redis one a few hundred.
     let buckets = [
         0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01,
         0.025, 0.05, 0.1,
     ];
-    let handle = PrometheusBuilder::new()
+    Ok(PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Full(LATENCY.to_owned()), &buckets)?
-        .install_recorder()?;
-    describe();
-    Ok(handle)
+        .idle_timeout(MetricKindMask::GAUGE, Some(gauge_idle)))
 }
 
 fn describe() {
@@ -243,9 +255,57 @@ pub fn refresh(engine: &PolicyEngine, previous: &mut Option<String>) {
     counter!(EXPIRED).absolute(stats.expired);
     if previous.as_deref() != Some(version) {
         if let Some(old) = previous.take() {
+            // Shown at 0 for a while, then dropped when idle (GAUGE_IDLE_TIMEOUT).
             gauge!(POLICY_INFO, "version" => old).set(0.0);
         }
-        gauge!(POLICY_INFO, "version" => version.to_owned()).set(1.0);
         *previous = Some(version.to_owned());
+    }
+    // Set on every scrape, so that the version in force never goes idle.
+    gauge!(POLICY_INFO, "version" => version.to_owned()).set(1.0);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use tollgate_policy::{EngineOptions, compile};
+
+    const POLICY: &str =
+        "version: v1\nlimits: [{name: l, domain: api, key: [user], capacity: 1, refill: 1/s}]\n";
+
+    /// A version no longer in force shows at 0, then goes: its series must not pile up, one per
+    /// version ever loaded. The version in force stays however long the scrapes are apart.
+    #[test]
+    // Waiting out the idle timeout needs real time: the exporter reads its own clock.
+    #[allow(clippy::disallowed_methods)]
+    fn old_policy_versions_leave_the_export() {
+        let idle = Duration::from_secs(1);
+        let recorder = builder(idle).unwrap().build_recorder();
+        let handle = recorder.handle();
+        let policy = compile("p.yaml", POLICY).unwrap();
+        let engine = Arc::new(PolicyEngine::new(policy, EngineOptions::default()));
+        let mut previous = None;
+        let scrape = |previous: &mut Option<String>| {
+            metrics::with_local_recorder(&recorder, || refresh(&engine, previous));
+            handle.render()
+        };
+        assert!(scrape(&mut previous).contains(r#"tollgate_policy_info{version="v1"} 1"#));
+        engine.load("p.yaml", &POLICY.replace("v1", "v2")).unwrap();
+        let both = scrape(&mut previous);
+        assert!(
+            both.contains(r#"tollgate_policy_info{version="v1"} 0"#),
+            "{both}"
+        );
+        assert!(
+            both.contains(r#"tollgate_policy_info{version="v2"} 1"#),
+            "{both}"
+        );
+        std::thread::sleep(idle * 2);
+        let after = scrape(&mut previous);
+        assert!(!after.contains(r#"version="v1""#), "{after}");
+        assert!(
+            after.contains(r#"tollgate_policy_info{version="v2"} 1"#),
+            "{after}"
+        );
     }
 }
