@@ -881,11 +881,17 @@ fn a_sweep_drops_refilled_buckets_and_their_tables() {
 struct ShadowDown(tollgate::LocalStore<ManualClock>);
 
 impl ShadowDown {
-    fn fails(request: &tollgate::CheckRequest<'_>) -> bool {
-        request
+    fn reach(request: &tollgate::CheckRequest<'_>) -> Result<(), tollgate::Error> {
+        if request
             .takes
             .iter()
             .any(|take| take.key.starts_with("trial"))
+        {
+            return Err(tollgate::Error::StoreUnavailable {
+                reason: tollgate::Unavailable::Timeout,
+            });
+        }
+        Ok(())
     }
 }
 
@@ -894,11 +900,7 @@ impl tollgate::Store for ShadowDown {
         &self,
         request: tollgate::CheckRequest<'_>,
     ) -> Result<Vec<tollgate::Decision>, tollgate::Error> {
-        if Self::fails(&request) {
-            return Err(tollgate::Error::StoreUnavailable {
-                reason: tollgate::Unavailable::Timeout,
-            });
-        }
+        Self::reach(&request)?;
         self.0.check(request).await
     }
 
@@ -906,11 +908,7 @@ impl tollgate::Store for ShadowDown {
         &self,
         request: tollgate::CheckRequest<'_>,
     ) -> Result<Vec<tollgate::Decision>, tollgate::Error> {
-        if Self::fails(&request) {
-            return Err(tollgate::Error::StoreUnavailable {
-                reason: tollgate::Unavailable::Timeout,
-            });
-        }
+        Self::reach(&request)?;
         self.0.peek(request).await
     }
 }

@@ -52,6 +52,14 @@ mod failover;
 mod store;
 #[cfg(feature = "test-server")]
 pub mod test_server;
+
+/// The fingerprint a [`RedisStore`] records with a request id for `takes`, for tests that write
+/// the store's script calls by hand (to pin an interleaving the store alone cannot produce).
+/// Public under the `test-server` feature.
+#[cfg(feature = "test-server")]
+pub fn request_fingerprint(takes: &[tollgate::Take<'_>]) -> String {
+    store::fingerprint(takes)
+}
 mod tls;
 mod units;
 

@@ -678,7 +678,7 @@ fn segment(
 
 /// A stable fingerprint of what a request asks (keys, limits, costs), the same in every
 /// process: FNV-1a over the fields.
-fn fingerprint(takes: &[Take<'_>]) -> String {
+pub(crate) fn fingerprint(takes: &[Take<'_>]) -> String {
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
     let mut feed = |bytes: &[u8]| {
         for &byte in bytes {

@@ -9,6 +9,7 @@ use redis::cluster_routing::Slot;
 use support::{RedisCluster, command, take_one_unit};
 use tollgate::testkit::{Trace, compare_with_memory};
 use tollgate::{CheckRequest, Decision, Error, Limit, Store, Take, Timestamp};
+use tollgate_redis::request_fingerprint;
 use tollgate_redis::{ConnectError, RedisConfig, RedisStore};
 
 /// The timeout of the stress test's stores: 64 tasks on a busy 2-core machine, in a debug
@@ -202,24 +203,12 @@ async fn a_master_killed_then_restarted(cluster: &mut RedisCluster, store: &Redi
         .expect("decides on every master again");
 }
 
-/// FNV-1a over the takes, as the store fingerprints a request.
-fn fingerprint(takes: &[Take<'_>]) -> String {
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut feed = |bytes: &[u8]| {
-        for &byte in bytes {
-            hash ^= u64::from(byte);
-            hash = hash.wrapping_mul(0x0100_0000_01b3);
-        }
-    };
-    for take in takes {
-        feed(take.key.as_bytes());
-        feed(&[0]);
-        feed(&take.limit.capacity().to_le_bytes());
-        feed(&take.limit.refill().amount().to_le_bytes());
-        feed(&take.limit.refill().period().as_nanos().to_le_bytes());
-        feed(&take.cost.to_le_bytes());
-    }
-    format!("{hash:016x}")
+/// A connection of the cluster's own, beside the store's, for script calls written by hand.
+async fn raw_connection(url: &str) -> redis::cluster_async::ClusterConnection {
+    let first_node = url.replace("redis+cluster", "redis");
+    let first_node = first_node.split(',').next().unwrap_or_default().to_owned();
+    let client = redis::cluster::ClusterClient::new(vec![first_node]).unwrap();
+    client.get_async_connection().await.unwrap()
 }
 
 /// One request's call of `scripts/take.lua` on bucket `tollgate:{key}` of a 1/d limit of
@@ -292,16 +281,8 @@ async fn a_late_cross_slot_refund_never_over_admits_a_retried_request(url: &str)
     assert!(check(&store, &one(b_key, &b_limit, 1)).await[0].allowed());
 
     // Attempt 1's call on A's slot at T0: take, with the request's record.
-    let client = redis::cluster::ClusterClient::new(vec![
-        url.replace("redis+cluster", "redis")
-            .split(',')
-            .next()
-            .unwrap()
-            .to_owned(),
-    ])
-    .unwrap();
-    let mut connection = client.get_async_connection().await.unwrap();
-    let first = fingerprint(&both);
+    let mut connection = raw_connection(url).await;
+    let first = request_fingerprint(&both);
     let charged: Vec<i64> = attempt_call(a_key, "take", &first, 1, T0)
         .query_async(&mut connection)
         .await
@@ -355,16 +336,8 @@ async fn a_refund_sent_twice_gives_back_once(url: &str) {
         limit: &a_limit,
         cost: 1,
     }];
-    let client = redis::cluster::ClusterClient::new(vec![
-        url.replace("redis+cluster", "redis")
-            .split(',')
-            .next()
-            .unwrap()
-            .to_owned(),
-    ])
-    .unwrap();
-    let mut connection = client.get_async_connection().await.unwrap();
-    let print = fingerprint(&takes);
+    let mut connection = raw_connection(url).await;
+    let print = request_fingerprint(&takes);
     // Another request takes a token, then this attempt takes one and is refunded twice.
     assert!(check(&store, &takes).await[0].allowed());
     for (mode, status) in [("take", 1), ("refund", 1), ("refund", 0)] {

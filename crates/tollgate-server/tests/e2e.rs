@@ -3,12 +3,12 @@
 mod support;
 
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use support::{
-    Scratch, Server, path_str, post_json, request, run, serve_refused, serve_refused_with_env,
+    Scratch, Server, descriptor, path_str, post_json, request, run, serve_refused,
+    serve_refused_with_env,
 };
 
 const POLICY: &str = r#"
@@ -215,19 +215,6 @@ async fn should_rate_limit(
         .should_rate_limit(request)
         .await
         .map(tonic::Response::into_inner)
-}
-
-fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
-    RateLimitDescriptor {
-        entries: entries
-            .iter()
-            .map(|(key, value)| Entry {
-                key: (*key).to_owned(),
-                value: (*value).to_owned(),
-            })
-            .collect(),
-        ..RateLimitDescriptor::default()
-    }
 }
 
 /// Descriptors with different `hits_addend`s are still all or nothing: a request rejected on

@@ -4,7 +4,6 @@
 mod support;
 
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
@@ -112,15 +111,8 @@ fn redis_killed_under_closed_and_open_limits() {
 
 fn descriptor(entries: &[(&str, &str)], hits: Option<u64>) -> RateLimitDescriptor {
     RateLimitDescriptor {
-        entries: entries
-            .iter()
-            .map(|(key, value)| Entry {
-                key: (*key).to_owned(),
-                value: (*value).to_owned(),
-            })
-            .collect(),
         hits_addend: hits.map(|value| UInt64Value { value }),
-        ..RateLimitDescriptor::default()
+        ..support::descriptor(entries)
     }
 }
 

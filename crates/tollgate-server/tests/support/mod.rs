@@ -258,3 +258,21 @@ pub fn post_json(addr: SocketAddr, path: &str, body: &str) -> Answer {
 pub fn path_str(path: &Path) -> &str {
     path.to_str().expect("utf-8 path")
 }
+
+/// An Envoy RLS descriptor of `entries`, as Envoy's rate-limit filter builds one.
+pub fn descriptor(
+    entries: &[(&str, &str)],
+) -> envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor {
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+    RateLimitDescriptor {
+        entries: entries
+            .iter()
+            .map(|(key, value)| Entry {
+                key: (*key).to_owned(),
+                value: (*value).to_owned(),
+            })
+            .collect(),
+        ..RateLimitDescriptor::default()
+    }
+}
