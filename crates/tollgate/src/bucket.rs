@@ -190,6 +190,12 @@ pub(crate) fn balance(
 /// The balance is refilled under `old` up to `now`, then converted to `new`: the token count is
 /// kept (rounded down to `new`'s units, never up) and clamped to `new`'s capacity. Returns `None`
 /// when the converted bucket is full, which is also what an absent bucket means.
+///
+/// A bucket full under `old` by `now` is full under `new`, whatever the capacities: a full
+/// bucket and an absent one are the same bucket (lossless expiry, SPEC §2), and an absent one
+/// cannot be converted, since no store knows every key that has no state. So a limit whose
+/// capacity grows gives its idle subjects the new burst at once; only the balances of subjects
+/// still refilling carry over (no fresh burst for those).
 pub fn rebase(
     old: &Limit,
     new: &Limit,
@@ -199,6 +205,9 @@ pub fn rebase(
     let state = state?;
     let n_old = scaled(now, old);
     let deficit_old = state.tat(old).saturating_sub(n_old);
+    if deficit_old == 0 {
+        return None;
+    }
     // tokens = (C_old*p_old - deficit_old) / p_old; in new units, times p_new, floored.
     let tokens_old_units = old.capacity_units() - deficit_old.min(old.capacity_units());
     // floor(tokens_old_units * p_new / p_old), split into whole tokens and the rest of one:
@@ -440,6 +449,24 @@ mod tests {
         assert_eq!(
             peek(&thirds, rebased, at(4 * SEC), 1).unwrap().remaining(),
             3
+        );
+    }
+
+    #[test]
+    fn a_bucket_full_at_the_change_is_full_under_the_new_limit() {
+        // Full and absent are the same bucket: a growing limit must not treat a full bucket
+        // still in memory (not swept yet) differently from one already dropped.
+        let old = limit(11, "2/s");
+        let (_, state) = take(&old, None, at(0), 9).unwrap();
+        let grown = limit(20, "1/s");
+        assert_eq!(rebase(&old, &grown, state, at(5 * SEC)), None);
+        assert_eq!(rebase(&old, &grown, None, at(5 * SEC)), None);
+        // Half a second earlier it is one token short, and keeps its 10 of the 20 (9 left
+        // after a take of 1).
+        let rebased = rebase(&old, &grown, state, at(4 * SEC));
+        assert_eq!(
+            peek(&grown, rebased, at(4 * SEC), 1).unwrap().remaining(),
+            9
         );
     }
 
