@@ -14,6 +14,12 @@
 //! override's) capacity or rate, its buckets are carried over right after the swap with
 //! [`MemoryStore::rebase_where`]: refilled under the old parameters up to that moment, clamped
 //! to the new capacity, and re-keyed under the new tag.
+//!
+//! A shared store (Redis) cannot be rewritten that way: every process changes at its own
+//! moment, and the buckets are not in this process. So the engine remembers each change
+//! (old parameters, when) for as long as it could matter, the new limit's time to full, and
+//! hands every take on a changed limit the old bucket's key as a [`Carry`]; the store reads it
+//! on the way and decides on the emptier of the two.
 
 use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
@@ -24,8 +30,8 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use parking_lot::Mutex;
 use tollgate::{
-    CheckRequest, Clock, Decision, Item, Limit, LocalStore, MemoryStore, MonotonicClock, Store,
-    Take,
+    Carry, CheckRequest, Clock, Decision, Item, Limit, LocalStore, MemoryStore, MonotonicClock,
+    Store, Take, Timestamp,
 };
 
 use crate::audit::{AuditEvent, AuditLog};
@@ -198,6 +204,10 @@ struct Control {
 /// The control plane of one process: the policy in force, earlier versions, the buckets.
 pub struct PolicyEngine {
     current: ArcSwap<Policy>,
+    /// Limits whose parameters changed lately, for stores that carry buckets over lazily.
+    /// Replaced before the version it belongs to goes in force (entries name the new
+    /// parameters' tag, so the version before never uses them).
+    carries: ArcSwap<Vec<Changed>>,
     control: Mutex<Control>,
     /// The in-process buckets, behind the same [`Store`] interface a shared store offers.
     local: LocalStore<Arc<dyn Clock>>,
@@ -254,6 +264,7 @@ impl PolicyEngine {
         let local = LocalStore::with_store(store, Arc::clone(&options.clock));
         let engine = Self {
             current: ArcSwap::from_pointee(policy),
+            carries: ArcSwap::from_pointee(Vec::new()),
             control: Mutex::new(Control {
                 history: VecDeque::new(),
                 loaded_at: options.wall.now(),
@@ -371,8 +382,10 @@ impl PolicyEngine {
             }
         };
         let changed = changed_limits(&current, &policy);
+        let changes = param_changes(&current, &policy);
+        self.remember_changes(&changes, &policy);
         self.current.store(Arc::clone(&policy));
-        self.carry_over(&current, &policy);
+        self.carry_over(&changes);
         control.history.push_back(Arc::clone(&current));
         while control.history.len() > self.options.history {
             control.history.pop_front();
@@ -412,8 +425,10 @@ impl PolicyEngine {
     pub fn rollback(&self) -> Result<Arc<Policy>, Error> {
         let mut control = self.control.lock();
         let previous = control.history.pop_back().ok_or(Error::NothingToRollBack)?;
+        let changes = param_changes(&self.current.load(), &previous);
+        self.remember_changes(&changes, &previous);
         let from = self.current.swap(Arc::clone(&previous));
-        self.carry_over(&from, &previous);
+        self.carry_over(&changes);
         control.loaded_at = self.options.wall.now();
         // The file no longer matches what is in force: an explicit reload must load it again.
         // `read_hash` stays, so a watcher event that did not change the file leaves the
@@ -649,13 +664,30 @@ impl PolicyEngine {
             limit: matched[buckets[slot].3].limit.name().to_owned(),
             source,
         };
+        // Buckets of limits changed lately carry their old selves over (in a shared store).
+        let carries = self.carries.load();
+        let olds: Vec<Option<(Box<str>, Limit, Duration)>> = if carries.is_empty() {
+            Vec::new()
+        } else {
+            let now = self.options.clock.now();
+            buckets
+                .iter()
+                .map(|(key, ..)| Self::carry_for(&carries, key, now))
+                .collect()
+        };
         let takes_of = |slots: &[usize]| -> Vec<Take<'_>> {
             slots
                 .iter()
-                .map(|&s| Take {
-                    key: &buckets[s].0,
-                    limit: &buckets[s].1,
-                    cost: buckets[s].2,
+                .map(|&s| {
+                    let take = Take::new(&buckets[s].0, &buckets[s].1, buckets[s].2);
+                    match olds.get(s) {
+                        Some(Some((key, limit, since))) => take.carried_from(Carry {
+                            key,
+                            limit,
+                            since: *since,
+                        }),
+                        _ => take,
+                    }
                 })
                 .collect()
         };
@@ -958,37 +990,88 @@ impl PolicyEngine {
         });
     }
 
-    /// Carries the buckets of every limit and override whose parameters differ between `old`
-    /// and `new` over to the new parameters (SPEC §2: refill under the old ones up to now, then
-    /// clamp to the new capacity).
-    fn carry_over(&self, old: &Policy, new: &Policy) -> usize {
-        let mut changes: HashMap<(&str, &str), (u32, u32, Limit, Limit)> = HashMap::new();
-        for limit in new.limits() {
-            let Some(before) = old.limit(limit.name()) else {
-                continue;
-            };
-            let pairs = std::iter::once(("", before.params(), limit.params())).chain(
-                limit.overrides().iter().filter_map(|o| {
-                    let b = before.overrides().iter().find(|b| b.name() == o.name())?;
-                    Some((o.name(), b.params(), o.params()))
-                }),
-            );
-            for (name, was, is) in pairs {
-                if was != is {
-                    let entry = (params_tag(was), params_tag(is), *was, *is);
-                    changes.insert((limit.name(), name), entry);
-                }
-            }
-        }
+    /// Carries this process's buckets of every limit and override in `changes` over to the
+    /// new parameters (SPEC §2: refill under the old ones up to now, then clamp to the new
+    /// capacity).
+    fn carry_over(&self, changes: &[ParamChange]) -> usize {
         if changes.is_empty() {
             return 0;
         }
+        let by_name: HashMap<(&str, &str), &ParamChange> = changes
+            .iter()
+            .map(|c| ((&*c.limit, &*c.override_), c))
+            .collect();
         let now = self.options.clock.now();
         self.local.memory().rebase_where(now, |key| {
             let (limit, override_, tag, bucket) = split_store_key(key)?;
-            let &(old_tag, new_tag, was, is) = changes.get(&(limit, override_))?;
-            (tag == old_tag).then(|| (format!("{bucket}@{new_tag:08x}").into_boxed_str(), was, is))
+            let change = by_name.get(&(limit, override_))?;
+            (tag == params_tag(&change.from)).then(|| {
+                let key = format!("{bucket}@{:08x}", params_tag(&change.to));
+                (key.into_boxed_str(), change.from, change.to)
+            })
         })
+    }
+
+    /// Remembers `changes` for shared stores, before `new` goes in force: takes on a changed
+    /// limit carry its old bucket until the new limit's time to full has passed (by then the
+    /// new bucket would have refilled from empty, so the old one cannot matter). Earlier
+    /// changes stay while they still describe `new` and have time left; a limit changed again
+    /// carries from the version just before only.
+    fn remember_changes(&self, changes: &[ParamChange], new: &Policy) {
+        let now = self.options.clock.now();
+        let current = self.carries.load();
+        if changes.is_empty() && current.is_empty() {
+            return;
+        }
+        let params_in_new = |limit: &str, override_: &str| {
+            let limit = new.limit(limit)?;
+            if override_.is_empty() {
+                return Some(*limit.params());
+            }
+            let found = limit.overrides().iter().find(|o| o.name() == override_)?;
+            Some(*found.params())
+        };
+        let mut kept: Vec<Changed> = current
+            .iter()
+            .filter(|c| c.until > now)
+            .filter(|c| {
+                !changes
+                    .iter()
+                    .any(|n| n.limit == c.limit && n.override_ == c.override_)
+            })
+            .filter(|c| {
+                params_in_new(&c.limit, &c.override_).map(|p| params_tag(&p)) == Some(c.to_tag)
+            })
+            .cloned()
+            .collect();
+        kept.extend(changes.iter().map(|change| {
+            let ttf = u64::try_from(change.to.time_to_full().as_nanos()).unwrap_or(u64::MAX);
+            Changed {
+                limit: change.limit.clone(),
+                override_: change.override_.clone(),
+                from_tag: params_tag(&change.from),
+                to_tag: params_tag(&change.to),
+                from: change.from,
+                at: now,
+                until: Timestamp::from_nanos(now.as_nanos().saturating_add(ttf)),
+            }
+        }));
+        self.carries.store(Arc::new(kept));
+    }
+
+    /// The old bucket the bucket at store key `key` carries over at `now`, if its limit changed
+    /// lately: (old key, old parameters, time since the change).
+    fn carry_for(
+        carries: &[Changed],
+        key: &str,
+        now: Timestamp,
+    ) -> Option<(Box<str>, Limit, Duration)> {
+        let (limit, override_, tag, bucket) = split_store_key(key)?;
+        let change = carries.iter().find(|c| {
+            c.to_tag == tag && *c.limit == *limit && *c.override_ == *override_ && now < c.until
+        })?;
+        let old = format!("{bucket}@{:08x}", change.from_tag).into_boxed_str();
+        Some((old, change.from, now.saturating_duration_since(change.at)))
     }
 
     fn audit(&self, event: impl FnOnce() -> AuditEvent) {
@@ -1082,8 +1165,10 @@ fn ready<F: std::future::Future>(future: F) -> F::Output {
 /// hashes only what is inside the first `{…}` of a key, so every bucket of one subject (its
 /// limits, their overrides) lands in one slot and a request over them is one atomic script,
 /// while different subjects spread over the cluster. A tag per limit or per domain would put
-/// all of its traffic on one node. A limit keyed by nothing (one bucket for everyone) has no
-/// braces: its key hashes whole.
+/// all of its traffic on one node. A limit keyed by nothing (one bucket for everyone) has its
+/// whole bucket key between braces, `{global#gold}@0a1b2c3d`. Either way the parameter tag
+/// stays outside the braces, so a bucket and its earlier self under other parameters share a
+/// slot, and a store can read both in one script (see [`Carry`]).
 fn store_key(bucket_key: &str, params: &Limit) -> Box<str> {
     // Built on every decision, so by hand: `format!` costs several times as much.
     let tag = params_tag(params);
@@ -1102,7 +1187,11 @@ fn store_key(bucket_key: &str, params: &Limit) -> Box<str> {
             key.push('}');
             key.push_str(&rest[values_end..]);
         }
-        None => key.push_str(bucket_key),
+        None => {
+            key.push('{');
+            key.push_str(bucket_key);
+            key.push('}');
+        }
     }
     key.push('@');
     for shift in (0..8).rev() {
@@ -1119,9 +1208,14 @@ fn store_key(bucket_key: &str, params: &Limit) -> Box<str> {
 fn split_store_key(key: &str) -> Option<(&str, &str, u32, &str)> {
     let (bucket, tag) = key.rsplit_once('@')?;
     let tag = u32::from_str_radix(tag, 16).ok()?;
-    let limit = bucket.split(['|', '#']).next()?;
-    let override_ = match bucket.rfind('#') {
-        Some(at) if !escaped(bucket, at) => &bucket[at + 1..],
+    // A limit keyed by nothing: its bucket key in braces (names hold no `{`).
+    let named = match bucket.strip_prefix('{') {
+        Some(inner) => inner.strip_suffix('}')?,
+        None => bucket,
+    };
+    let limit = named.split(['|', '#']).next()?;
+    let override_ = match named.rfind('#') {
+        Some(at) if !escaped(named, at) => &named[at + 1..],
         _ => "",
     };
     Some((limit, override_, tag, bucket))
@@ -1146,6 +1240,55 @@ fn params_tag(params: &Limit) -> u32 {
     let period = u64::try_from(params.refill().period().as_nanos()).unwrap_or(u64::MAX);
     bytes[16..].copy_from_slice(&period.to_le_bytes());
     (stable_hash(&bytes) >> 32) as u32
+}
+
+/// A limit (or one of its overrides, `override_` not empty) whose parameters differ between
+/// two versions.
+struct ParamChange {
+    limit: Box<str>,
+    override_: Box<str>,
+    from: Limit,
+    to: Limit,
+}
+
+/// Every limit and override present in both versions whose capacity or rate differs.
+fn param_changes(old: &Policy, new: &Policy) -> Vec<ParamChange> {
+    let mut changes = Vec::new();
+    for limit in new.limits() {
+        let Some(before) = old.limit(limit.name()) else {
+            continue;
+        };
+        let pairs = std::iter::once(("", before.params(), limit.params())).chain(
+            limit.overrides().iter().filter_map(|o| {
+                let b = before.overrides().iter().find(|b| b.name() == o.name())?;
+                Some((o.name(), b.params(), o.params()))
+            }),
+        );
+        for (name, was, is) in pairs {
+            if was != is {
+                changes.push(ParamChange {
+                    limit: limit.name().into(),
+                    override_: name.into(),
+                    from: *was,
+                    to: *is,
+                });
+            }
+        }
+    }
+    changes
+}
+
+/// A change remembered for shared stores: buckets tagged `to_tag` carry those tagged
+/// `from_tag` (parameters `from`), from `at` until `until` (engine clock).
+#[derive(Debug, Clone)]
+struct Changed {
+    limit: Box<str>,
+    override_: Box<str>,
+    from_tag: u32,
+    to_tag: u32,
+    from: Limit,
+    at: Timestamp,
+    until: Timestamp,
 }
 
 /// Names of limits present in both versions whose base or override parameters differ.
@@ -1194,6 +1337,8 @@ mod tests {
                 ("per-user", "gold", 1, "per-user|{a\\\\}#gold"),
             ),
             ("global#0@00000000", ("global", "0", 0, "global#0")),
+            ("{global#0}@00000000", ("global", "0", 0, "{global#0}")),
+            ("{global}@00000000", ("global", "", 0, "{global}")),
             ("l|{x@y}@00000003", ("l", "", 3, "l|{x@y}")),
         ];
         for (key, expected) in cases {
@@ -1243,8 +1388,15 @@ mod tests {
         ] {
             assert_eq!(hash_tag(&store_key(bucket, &a)), tag, "{bucket}");
         }
-        // One bucket for everyone: hashed whole.
+        // One bucket for everyone: its bucket key is the tag, the parameters' tag outside it.
         let global = store_key("global", &a);
-        assert_eq!(hash_tag(&global), &*global);
+        assert_eq!(hash_tag(&global), "global");
+        assert_eq!(hash_tag(&store_key("global", &b)), "global");
+        let gold = store_key("global#gold", &a);
+        assert_eq!(hash_tag(&gold), "global#gold");
+        assert_eq!(
+            split_store_key(&gold),
+            Some(("global", "gold", params_tag(&a), "{global#gold}"))
+        );
     }
 }

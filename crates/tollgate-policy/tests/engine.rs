@@ -937,3 +937,108 @@ fn a_store_failing_on_a_shadow_limit_does_not_fail_the_request() {
     assert_eq!(outcome.limits[1].mode, "shadow");
     assert!(outcome.limits[1].decision.is_none());
 }
+
+/// A shared store that records what each take carries over: (bucket key, old key, old
+/// capacity, time since the change).
+#[derive(Default)]
+struct Carries(Mutex<Vec<(String, String, u64, Duration)>>);
+
+impl Carries {
+    fn record(&self, request: &tollgate::CheckRequest<'_>) {
+        let mut seen = self.0.lock();
+        for take in request.takes {
+            if let Some(carry) = take.carry {
+                let old = carry.key.to_owned();
+                seen.push((
+                    take.key.to_owned(),
+                    old,
+                    carry.limit.capacity(),
+                    carry.since,
+                ));
+            }
+        }
+    }
+
+    /// What the last request carried, emptied for the next.
+    fn take(&self) -> Vec<(String, String, u64, Duration)> {
+        std::mem::take(&mut *self.0.lock())
+    }
+}
+
+impl tollgate::Store for Carries {
+    async fn check(
+        &self,
+        request: tollgate::CheckRequest<'_>,
+    ) -> Result<Vec<tollgate::Decision>, tollgate::Error> {
+        self.record(&request);
+        Ok(request
+            .takes
+            .iter()
+            .map(|take| tollgate::Decision::from_deficit(true, *take.limit, take.cost, 0))
+            .collect())
+    }
+
+    async fn peek(
+        &self,
+        request: tollgate::CheckRequest<'_>,
+    ) -> Result<Vec<tollgate::Decision>, tollgate::Error> {
+        self.check(request).await
+    }
+}
+
+#[test]
+fn a_shared_store_is_handed_the_old_bucket_until_the_new_one_would_have_refilled() {
+    let r = rig(CHANGE);
+    let store = Carries::default();
+    let decide = |d: &[(&str, &str)]| {
+        ready(r.engine.decide_on(&store, "api", &[d], 1, None)).unwrap_or_else(|e| panic!("{e}"));
+        store.take()
+    };
+    let (plain, gold, team) = (
+        [("user", "a"), ("tier", "")],
+        [("user", "a"), ("tier", "gold")],
+        [("team", "t"), ("tier", "")],
+    );
+    assert_eq!(decide(&plain), []);
+
+    // The base limit changes (20 at 10/s to 30 at 10/s: 3 s to refill); gold does not.
+    let v2 = CHANGE.replace("version: \"1\"", "version: \"2\"").replace(
+        "capacity: 20\n    refill: 10/s",
+        "capacity: 30\n    refill: 10/s",
+    );
+    assert!(r.engine.load("p.yaml", &v2).is_ok());
+    r.clock.advance(Duration::from_secs(1));
+    let carried = decide(&plain);
+    assert_eq!(carried.len(), 1, "{carried:?}");
+    let (key, old, capacity, since) = &carried[0];
+    assert!(key.starts_with("per-user|{a}@"), "{key}");
+    assert!(old.starts_with("per-user|{a}@") && old != key, "{old}");
+    assert_eq!((*capacity, *since), (20, Duration::from_secs(1)));
+    assert_eq!(decide(&gold), [], "the override did not change");
+    assert_eq!(decide(&team), []);
+
+    // A reload that changes another limit keeps the first change's carry, with its own time.
+    let v3 = v2
+        .replace("version: \"2\"", "version: \"3\"")
+        .replace("refill: 1/d", "refill: 2/d");
+    assert!(r.engine.load("p.yaml", &v3).is_ok());
+    r.clock.advance(Duration::from_secs(1));
+    let carried = decide(&plain);
+    assert_eq!(carried.len(), 1, "{carried:?}");
+    assert_eq!(carried[0].3, Duration::from_secs(2));
+    let carried = decide(&team);
+    assert_eq!(carried.len(), 1, "{carried:?}");
+    assert_eq!(carried[0].3, Duration::from_secs(1));
+
+    // 3 s after its change the new bucket would be full from empty: nothing left to carry.
+    r.clock.advance(Duration::from_secs(1));
+    assert_eq!(decide(&plain), []);
+    assert_eq!(decide(&team).len(), 1, "1/d takes 10 days to refill");
+
+    // A rollback is a change too: back to version 2, 2/d to 1/d carries the other way.
+    assert!(r.engine.rollback().is_ok());
+    let carried = decide(&team);
+    assert_eq!(carried.len(), 1, "{carried:?}");
+    assert_eq!(carried[0].3, Duration::ZERO);
+    assert_eq!(decide(&plain), []);
+}

@@ -26,11 +26,15 @@
 --     a    units gained per microsecond
 --     cap  capacity in units (capacity * units per token)
 --     cost cost in units (tokens * units per token)
+--   or 64 bytes when the bucket carries over an old one (its limit changed): five more doubles,
+--     the old a, cap and p (units per token), the new p, and the whole microseconds since the
+--     change
 --   (binary because `tonumber` on a decimal string runs `strtod` twice: read that way, the three
 --   figures cost about a seventh of Redis' instructions per decision; each is an integer below
 --   2^51, so its double is exact)
--- KEYS: per request, its n bucket keys, then its idempotency record key when it has an id.
--- All keys of one call are in one cluster slot.
+-- KEYS: per request, its n bucket keys, then the old key of each bucket that carries one over
+-- (in bucket order), then its idempotency record key when it has an id. All keys of one call
+-- are in one cluster slot.
 --
 -- A bucket is one string: the microsecond at which it is full again, and, when a > 1, the
 -- sub-microsecond remainder: "full" or "full:frac", meaning the bucket is full at
@@ -38,6 +42,13 @@
 -- so expiry loses nothing. A caller's time between two microseconds is read as the units it
 -- holds rounded down (fewer tokens) and charged from the units rounded up (full later): never
 -- more than the exact answer.
+--
+-- A carried-over bucket is decided on the emptier of itself and its old bucket converted: the
+-- old one's deficit at the change (now - since), its balance clamped to the new capacity (in
+-- the new units: exactly when one unit size divides the other, else rounded down to whole
+-- tokens), then refilled at the new rate since the change. A policy change thus never adds
+-- tokens, and charges made under the old parameters by processes that changed later still
+-- count. Only new keys are written; the old one expires on its own.
 --
 -- A record is "content|attempt|expires|figures": the request's first reply, for retries. A
 -- retry that replays it clears `attempt`: a reply now rests on that charge, so the first
@@ -175,6 +186,42 @@ local function write(key, deficit, a, lo)
   store(key, now + micros, micros * a - units)
 end
 
+-- The deficit, in the new units at the microsecond `now`, of the old bucket at `key` carried
+-- over with the figures in `arg` (see the header); false when the key is not a bucket.
+local function carried(key, arg)
+  local a, cap = struct.unpack('<dd', arg)
+  local old_a, old_cap, old_p, p, since = struct.unpack('<ddddd', arg, 25)
+  local full, frac = state_of(key)
+  if full == false then
+    return false
+  end
+  local change = now - since
+  if not full or full <= change then
+    return 0
+  end
+  -- Clamped first: a product past 2^53 is inexact, but then far above old_cap.
+  local old_deficit = math.min(old_cap, math.max(0, (full - change) * old_a - frac))
+  local held = old_cap - old_deficit
+  if p == old_p then
+    -- held as it is
+  elseif math.fmod(p, old_p) == 0 then
+    held = held * (p / old_p)
+  elseif math.fmod(old_p, p) == 0 then
+    held = floor_div(held, old_p / p)
+  else
+    held = floor_div(held, old_p) * p
+  end
+  if held >= cap then
+    return 0
+  end
+  local deficit = cap - held
+  -- since * a is exact whenever it is below deficit (< 2^51); above, it only needs to compare.
+  if since * a >= deficit then
+    return 0
+  end
+  return deficit - since * a
+end
+
 -- A record's fields: content, attempt, expires (microseconds), figures; nil when unreadable.
 local function parse_record(seen)
   local content, attempt, expires, figures = string.match(seen, '^([^|]*)|([^|]*)|([^|]*)|(.*)$')
@@ -208,12 +255,6 @@ for _ = 1, tonumber(ARGV[2]) do
   v = v + 4 + n
   local first_key = k
   k = k + n
-  local record
-  if window ~= '' then
-    k = k + 1
-    record = KEYS[k]
-    fingerprint, attempt = string.match(fingerprint, '^([^:]*):?(.*)$')
-  end
   local at = #reply + 1
 
   -- Every bucket's state, read before anything is written, so a request with a key that is not
@@ -224,7 +265,29 @@ for _ = 1, tonumber(ARGV[2]) do
     if full == false then
       readable = false
     end
+    local arg = ARGV[params + i]
+    if #arg > 24 then
+      k = k + 1
+      local old = carried(KEYS[k], arg)
+      if old == false then
+        readable = false
+      elseif old > 0 and mode ~= 'refund' then
+        -- The emptier of the two, as a state: `old` units short at the microsecond `now`.
+        local a = struct.unpack('<d', arg)
+        if old > deficit_at(full, frac, a, 0) then
+          local micros = ceil_div(old, a)
+          full, frac = now + micros, micros * a - old
+        end
+      end
+    end
     fulls[i], fracs[i] = full, frac
+  end
+
+  local record
+  if window ~= '' then
+    k = k + 1
+    record = KEYS[k]
+    fingerprint, attempt = string.match(fingerprint, '^([^:]*):?(.*)$')
   end
 
   local seen

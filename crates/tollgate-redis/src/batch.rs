@@ -62,21 +62,54 @@ pub(crate) struct Bucket {
     pub(crate) key: String,
     /// Units gained per microsecond.
     pub(crate) a: u64,
+    /// Units per token.
+    pub(crate) p: u64,
     /// Capacity in units.
     pub(crate) cap: u64,
     /// Cost in units.
     pub(crate) cost: u64,
+    /// The bucket under the parameters its limit had before a change, read on the way.
+    pub(crate) carry: Option<Carried>,
 }
 
+/// An old bucket to carry over (see `tollgate::Carry`), in the script's units.
+#[derive(Clone)]
+pub(crate) struct Carried {
+    pub(crate) key: String,
+    /// The old parameters: units per microsecond, units per token, capacity in units.
+    pub(crate) a: u64,
+    pub(crate) p: u64,
+    pub(crate) cap: u64,
+    /// Whole microseconds since the change (rounded down: the change is taken as later, so
+    /// the old bucket is read emptier and the new one has refilled less).
+    pub(crate) since_us: u64,
+}
+
+/// The most bytes of figures a bucket sends: three doubles, five more with a carry.
+const MAX_PARAMS: usize = 64;
+
 impl Bucket {
-    /// The bucket's figures as the script reads them: `a`, `cap` and `cost` as little-endian
-    /// doubles. All three stay below 2^51 (see `ScriptLimit`), so each double is exact.
-    fn params(&self) -> [u8; 24] {
-        let mut bytes = [0; 24];
-        for (chunk, value) in bytes.chunks_exact_mut(8).zip([self.a, self.cap, self.cost]) {
-            chunk.copy_from_slice(&(value as f64).to_le_bytes());
+    /// The bucket's figures as the script reads them, little-endian doubles: `a`, `cap` and
+    /// `cost`; with a carry, then the old `a`, `cap` and `p`, the new `p` and the microseconds
+    /// since the change. All stay below 2^53 (see `ScriptLimit`; the time is capped there), so
+    /// each double is exact. Returns the buffer and how much of it is used.
+    fn params(&self) -> ([u8; MAX_PARAMS], usize) {
+        let mut bytes = [0; MAX_PARAMS];
+        let mut put = |values: &[u64], from: usize| {
+            for (chunk, &value) in bytes[from..].chunks_exact_mut(8).zip(values) {
+                chunk.copy_from_slice(&(value as f64).to_le_bytes());
+            }
+        };
+        put(&[self.a, self.cap, self.cost], 0);
+        match &self.carry {
+            None => (bytes, 24),
+            Some(carry) => {
+                // Beyond 2^53 microseconds (285 years) every bucket has refilled.
+                let since = carry.since_us.min(1 << 53);
+                put(&[carry.a, carry.cap, carry.p, self.p, since], 24);
+                (bytes, MAX_PARAMS)
+            }
         }
-        bytes
     }
 }
 
@@ -113,18 +146,25 @@ impl TakeScript {
 /// The script call deciding `segments`: `verb` is `EVALSHA` with the script's hash or `EVAL`
 /// with its source. Integers are written straight into the command, with no string between.
 fn command(verb: &str, script: &str, now: Option<u64>, segments: &[&Segment]) -> Cmd {
+    let carried = |segment: &Segment| segment.buckets.iter().filter(|b| b.carry.is_some()).count();
     let keys: usize = segments
         .iter()
-        .map(|segment| segment.buckets.len() + usize::from(segment.record.is_some()))
+        .map(|segment| {
+            segment.buckets.len() + carried(segment) + usize::from(segment.record.is_some())
+        })
         .sum();
     // Sized up front, so that building the command never reallocates: an integer argument is
     // at most 20 digits (three per call, two per segment, with a mode of at most 6 bytes), a
-    // bucket's figures 24 bytes, and keys and fingerprints are counted as they are.
+    // bucket's figures at most 64 bytes, and keys and fingerprints are counted as they are.
     let (mut args, mut bytes) = (5, verb.len() + script.len() + 60);
     for segment in segments {
         args += 4 + 2 * segment.buckets.len();
-        bytes += 46 + 24 * segment.buckets.len();
+        bytes += 46 + MAX_PARAMS * segment.buckets.len();
         bytes += segment.buckets.iter().map(|b| b.key.len()).sum::<usize>();
+        for carry in segment.buckets.iter().filter_map(|b| b.carry.as_ref()) {
+            args += 1;
+            bytes += carry.key.len();
+        }
         if let Some(record) = &segment.record {
             args += 1;
             bytes += record.key.len() + record.fingerprint.len() + 21;
@@ -135,6 +175,9 @@ fn command(verb: &str, script: &str, now: Option<u64>, segments: &[&Segment]) ->
     for segment in segments {
         for bucket in &segment.buckets {
             cmd.arg(&bucket.key);
+        }
+        for carry in segment.buckets.iter().filter_map(|b| b.carry.as_ref()) {
+            cmd.arg(&carry.key);
         }
         if let Some(record) = &segment.record {
             cmd.arg(&record.key);
@@ -158,7 +201,8 @@ fn command(verb: &str, script: &str, now: Option<u64>, segments: &[&Segment]) ->
         };
         cmd.arg(segment.mode.as_str());
         for bucket in &segment.buckets {
-            cmd.arg(&bucket.params()[..]);
+            let (params, len) = bucket.params();
+            cmd.arg(&params[..len]);
         }
     }
     cmd

@@ -325,11 +325,7 @@ mod tests {
             Failover::with_clock(LocalStore::new(ManualClock::new()), ManualClock::new());
         let l = limit(1, "1/s");
         let takes = [Guarded {
-            take: Take {
-                key: "k",
-                limit: &l,
-                cost: 1,
-            },
+            take: Take::new("k", &l, 1),
             on_failure: FailureMode::Closed,
         }];
         let outcomes = block_on(failover.check(&takes, None, None)).unwrap();
@@ -343,11 +339,7 @@ mod tests {
         let failover = Failover::with_clock(Down, clock.clone());
         let l = limit(100, "100/s");
         let takes = [Guarded {
-            take: Take {
-                key: "k",
-                limit: &l,
-                cost: 1,
-            },
+            take: Take::new("k", &l, 1),
             on_failure: FailureMode::Open {
                 emergency: limit(2, "2/s"),
             },
@@ -373,19 +365,11 @@ mod tests {
         let emergency = limit(1, "1/s");
         let takes = [
             Guarded {
-                take: Take {
-                    key: "open",
-                    limit: &l,
-                    cost: 1,
-                },
+                take: Take::new("open", &l, 1),
                 on_failure: FailureMode::Open { emergency },
             },
             Guarded {
-                take: Take {
-                    key: "closed",
-                    limit: &l,
-                    cost: 1,
-                },
+                take: Take::new("closed", &l, 1),
                 on_failure: FailureMode::Closed,
             },
         ];
@@ -411,11 +395,7 @@ mod tests {
             Failover::with_clock(LocalStore::new(ManualClock::new()), ManualClock::new());
         let l = limit(1, "1/s");
         let takes = [Guarded {
-            take: Take {
-                key: "k",
-                limit: &l,
-                cost: 2,
-            },
+            take: Take::new("k", &l, 2),
             on_failure: FailureMode::Closed,
         }];
         assert!(matches!(

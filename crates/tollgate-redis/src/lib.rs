@@ -17,7 +17,7 @@
 //! # let url = server.url();
 //! let store = RedisStore::connect(&url, RedisConfig::default()).await?;
 //! let limit = Limit::new(20, "10/s".parse()?)?;
-//! let takes = [Take { key: "user:{42}", limit: &limit, cost: 1 }];
+//! let takes = [Take::new("user:{42}", &limit, 1)];
 //! let decisions = store
 //!     .check(CheckRequest { takes: &takes, request_id: None, now: None })
 //!     .await?;

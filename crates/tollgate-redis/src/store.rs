@@ -14,6 +14,14 @@
 //! id, a refund gives back only while no retry's reply rests on the charge (see
 //! `scripts/take.lua`). Give the keys of one subject a shared `{hash tag}` to keep them in one
 //! slot.
+//!
+//! A take may name the bucket's earlier self ([`tollgate::Carry`]: the same subject under a
+//! limit's parameters before a policy change). Processes sharing Redis change policy at their
+//! own moments and cannot rewrite millions of keys, so the script reads the old bucket beside
+//! the new one and decides on the emptier of the two, the old one carried over as SPEC §2 says
+//! (refilled under its parameters up to the change, clamped to the new capacity, refilled under
+//! the new ones since). The old key must share the new one's slot; in a cluster, one that does
+//! not is not read.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
@@ -29,7 +37,7 @@ use tollgate::{
     CheckRequest, Decision, Error, MonotonicClock, Store, Take, Timestamp, Unavailable,
 };
 
-use crate::batch::{self, Batcher, Bucket, Mode, Record, Segment, TakeScript};
+use crate::batch::{self, Batcher, Bucket, Carried, Mode, Record, Segment, TakeScript};
 use crate::breaker::{Breaker, BreakerConfig, Transition};
 use crate::connection::{Connection, Link, Opener};
 use crate::tls::{self, TlsFiles};
@@ -414,10 +422,10 @@ impl RedisStore {
     async fn decide(
         &self,
         request: CheckRequest<'_>,
-        limits: &[ScriptLimit],
-        keys: &[String],
+        prepared: &Prepared,
         dry: bool,
     ) -> Result<Result<Vec<Decision>, Error>, Unavailable> {
+        let (limits, keys) = (&prepared.limits[..], &prepared.keys[..]);
         // A peek records nothing, so it has no use for the request id.
         let request = CheckRequest {
             request_id: request.request_id.filter(|_| !dry),
@@ -449,7 +457,7 @@ impl RedisStore {
 
         let mode = if dry { Mode::Peek } else { Mode::Take };
         let call = |group: &Group| {
-            let segment = segment(group, keys, limits, request.takes, mode, record(group));
+            let segment = segment(group, prepared, request.takes, mode, record(group));
             let buckets = group.takes.len();
             async move {
                 let reply = match &self.batcher {
@@ -486,14 +494,8 @@ impl RedisStore {
                     refunded[index] = true;
                     // The record goes too (if no retry's reply rests on it yet): the request as
                     // a whole was not charged.
-                    let segment = segment(
-                        group,
-                        keys,
-                        limits,
-                        request.takes,
-                        Mode::Refund,
-                        record(group),
-                    );
+                    let segment =
+                        segment(group, prepared, request.takes, Mode::Refund, record(group));
                     async move { self.call(now, &segment).await }
                 })
                 .collect::<Vec<_>>();
@@ -603,13 +605,23 @@ impl RedisStore {
             .iter()
             .map(|take| format!("{}{}", self.config.prefix, take.key))
             .collect();
+        let carries = takes
+            .iter()
+            .zip(&keys)
+            .map(|(take, key)| self.carry_of(take, key))
+            .collect::<Result<_, _>>()?;
+        let prepared = Prepared {
+            limits,
+            keys,
+            carries,
+        };
 
         // Dropped with this future (a caller that gives up), the ticket hands a probe on.
         let ticket = self
             .breaker
             .permit()
             .map_err(|reason| Error::StoreUnavailable { reason })?;
-        let decided = self.decide(request, &limits, &keys, dry);
+        let decided = self.decide(request, &prepared, dry);
         let outcome = tokio::time::timeout(self.config.timeout, decided)
             .await
             .map_err(|_| Unavailable::Timeout)
@@ -637,6 +649,40 @@ impl RedisStore {
     }
 }
 
+impl RedisStore {
+    /// The old bucket `take` carries over, if the script should read it: not when it is the
+    /// bucket itself, lies in another cluster slot (a script cannot read it atomically), or
+    /// changed so long ago that the new bucket would have refilled from empty since.
+    fn carry_of(&self, take: &Take<'_>, key: &str) -> Result<Option<Carried>, Error> {
+        let Some(carry) = take.carry else {
+            return Ok(None);
+        };
+        if carry.since >= take.limit.time_to_full() {
+            return Ok(None);
+        }
+        let old = format!("{}{}", self.config.prefix, carry.key);
+        if old == key || (self.cluster && Slot::for_key(&old) != Slot::for_key(key)) {
+            return Ok(None);
+        }
+        let limit = ScriptLimit::new(carry.limit)?;
+        Ok(Some(Carried {
+            key: old,
+            a: limit.a,
+            p: limit.p,
+            cap: limit.cap,
+            since_us: u64::try_from(carry.since.as_micros()).unwrap_or(u64::MAX),
+        }))
+    }
+}
+
+/// A request's takes as the scripts see them, index for index.
+struct Prepared {
+    limits: Vec<ScriptLimit>,
+    /// Bucket keys, with the store's prefix.
+    keys: Vec<String>,
+    carries: Vec<Option<Carried>>,
+}
+
 impl Store for RedisStore {
     async fn check(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
         self.run(request, false).await
@@ -651,8 +697,7 @@ impl Store for RedisStore {
 /// its idempotency record if any.
 fn segment(
     group: &Group,
-    keys: &[String],
-    limits: &[ScriptLimit],
+    prepared: &Prepared,
     takes: &[Take<'_>],
     mode: Mode,
     record: Option<Record>,
@@ -662,12 +707,20 @@ fn segment(
             .takes
             .iter()
             .map(|&i| {
-                let limit = &limits[i];
+                let limit = &prepared.limits[i];
+                // A refund gives back what the take charged to the bucket as it was written,
+                // the carry included: nothing to read again.
+                let carry = match mode {
+                    Mode::Refund => None,
+                    Mode::Take | Mode::Peek => prepared.carries[i].clone(),
+                };
                 Bucket {
-                    key: keys[i].clone(),
+                    key: prepared.keys[i].clone(),
                     a: limit.a,
+                    p: limit.p,
                     cap: limit.cap,
                     cost: limit.cost(takes[i].cost),
+                    carry,
                 }
             })
             .collect(),

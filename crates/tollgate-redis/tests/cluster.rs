@@ -6,9 +6,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use redis::cluster_routing::Slot;
+use std::time::Duration;
 use support::{RedisCluster, command, take_one_unit};
 use tollgate::testkit::{Trace, compare_with_memory};
-use tollgate::{CheckRequest, Decision, Error, Limit, Store, Take, Timestamp};
+
+use tollgate::{Carry, CheckRequest, Decision, Error, Limit, Store, Take, Timestamp};
 use tollgate_redis::request_fingerprint;
 use tollgate_redis::{ConnectError, RedisConfig, RedisStore};
 
@@ -50,6 +52,7 @@ async fn cluster() {
         .expect("connect to the cluster");
     conforms_with_and_without_hash_tags(&patient).await;
     cross_slot_rejection_charges_nothing(&patient).await;
+    a_changed_limit_carries_over_within_its_slot(&patient).await;
     a_late_cross_slot_refund_never_over_admits_a_retried_request(&url).await;
     a_refund_sent_twice_gives_back_once(&url).await;
     sixty_four_tasks_on_one_key(&url).await;
@@ -81,16 +84,8 @@ async fn cross_slot_rejection_charges_nothing(store: &RedisStore) {
         "the keys must live in different slots for this test"
     );
     let both = [
-        Take {
-            key: user_key,
-            limit: &user,
-            cost: 1,
-        },
-        Take {
-            key: tenant_key,
-            limit: &tenant,
-            cost: 1,
-        },
+        Take::new(user_key, &user, 1),
+        Take::new(tenant_key, &tenant, 1),
     ];
     assert!(check(store, &both).await.iter().all(Decision::allowed));
     for _ in 0..3 {
@@ -98,21 +93,49 @@ async fn cross_slot_rejection_charges_nothing(store: &RedisStore) {
         assert!(decisions[0].allowed() && !decisions[1].allowed());
         assert_eq!(decisions[0].remaining(), 4, "charged, then refunded");
     }
-    let rest = [Take {
-        key: user_key,
-        limit: &user,
-        cost: 4,
-    }];
+    let rest = [Take::new(user_key, &user, 4)];
     assert!(
         check(store, &rest).await[0].allowed(),
         "the user was charged once"
     );
-    let more = [Take {
-        key: user_key,
-        limit: &user,
-        cost: 1,
-    }];
+    let more = [Take::new(user_key, &user, 1)];
     assert!(!check(store, &more).await[0].allowed());
+}
+
+async fn a_changed_limit_carries_over_within_its_slot(store: &RedisStore) {
+    let (old, new) = (limit(10, "1/h"), limit(20, "1/h"));
+    // Spent under the old limit: 1 token left, carried into the new bucket of the same subject.
+    let spent = [Take::new("carry|{bo}@old", &old, 9)];
+    assert!(check(store, &spent).await[0].allowed());
+    let carry = Carry {
+        key: "carry|{bo}@old",
+        limit: &old,
+        since: Duration::ZERO,
+    };
+    let two = [Take::new("carry|{bo}@new", &new, 2).carried_from(carry)];
+    assert!(
+        !check(store, &two).await[0].allowed(),
+        "1 token carried over"
+    );
+    let one = [Take::new("carry|{bo}@new", &new, 1).carried_from(carry)];
+    assert!(check(store, &one).await[0].allowed());
+
+    // An old key in another slot cannot be read in the same atomic script: it is not read.
+    let (old_key, new_key) = ("carry:old:cy", "carry:new:cy");
+    assert_ne!(
+        Slot::for_key(format!("tollgate:{old_key}")),
+        Slot::for_key(format!("tollgate:{new_key}")),
+        "the keys must live in different slots for this test"
+    );
+    let spent = [Take::new(old_key, &old, 10)];
+    assert!(check(store, &spent).await[0].allowed());
+    let carry = Carry {
+        key: old_key,
+        limit: &old,
+        since: Duration::ZERO,
+    };
+    let twenty = [Take::new(new_key, &new, 20).carried_from(carry)];
+    assert!(check(store, &twenty).await[0].allowed());
 }
 
 async fn sixty_four_tasks_on_one_key(url: &str) {
@@ -133,11 +156,7 @@ async fn sixty_four_tasks_on_one_key(url: &str) {
         let admitted = admitted.clone();
         tasks.push(tokio::spawn(async move {
             for _ in 0..20 {
-                let takes = [Take {
-                    key: "{hot}:key",
-                    limit: &limit,
-                    cost: 1,
-                }];
+                let takes = [Take::new("{hot}:key", &limit, 1)];
                 if check(&store, &takes).await[0].allowed() {
                     admitted.fetch_add(1, Ordering::Relaxed);
                 }
@@ -262,19 +281,8 @@ async fn a_late_cross_slot_refund_never_over_admits_a_retried_request(url: &str)
     .unwrap();
     let (a_limit, b_limit) = (limit(5, "1/d"), limit(1, "1/h"));
     let (a_key, b_key) = ("{ra}:x", "{rb}:y");
-    let both = [
-        Take {
-            key: a_key,
-            limit: &a_limit,
-            cost: 1,
-        },
-        Take {
-            key: b_key,
-            limit: &b_limit,
-            cost: 1,
-        },
-    ];
-    let one = |key, limit, cost| [Take { key, limit, cost }];
+    let both = [Take::new(a_key, &a_limit, 1), Take::new(b_key, &b_limit, 1)];
+    let one = |key, limit, cost| [Take::new(key, limit, cost)];
     let hour = 3_600 * 1_000_000_000;
     let t1 = Timestamp::from_nanos(T0.as_nanos() + hour);
     // B is empty at T0.
@@ -331,11 +339,7 @@ async fn a_refund_sent_twice_gives_back_once(url: &str) {
         .unwrap();
     let a_limit = limit(5, "1/d");
     let key = "{rc}:x";
-    let takes = [Take {
-        key,
-        limit: &a_limit,
-        cost: 1,
-    }];
+    let takes = [Take::new(key, &a_limit, 1)];
     let mut connection = raw_connection(url).await;
     let print = request_fingerprint(&takes);
     // Another request takes a token, then this attempt takes one and is refunded twice.
@@ -347,11 +351,7 @@ async fn a_refund_sent_twice_gives_back_once(url: &str) {
             .unwrap();
         assert_eq!(reply[0], status, "{mode}: {reply:?}");
     }
-    let four = [Take {
-        key,
-        limit: &a_limit,
-        cost: 4,
-    }];
+    let four = [Take::new(key, &a_limit, 4)];
     assert!(check(&store, &four).await[0].allowed(), "4 tokens left");
     assert!(
         !check(&store, &takes).await[0].allowed(),

@@ -9,7 +9,7 @@ use std::time::Duration;
 use support::{Proxy, RedisServer, command, info_field, take_one_unit};
 use tollgate::testkit::{Trace, compare_with_memory};
 use tollgate::{
-    CheckRequest, Decision, Error, Limit, LocalStore, ManualClock, Store, Take, Timestamp,
+    Carry, CheckRequest, Decision, Error, Limit, LocalStore, ManualClock, Store, Take, Timestamp,
     Unavailable,
 };
 use tollgate_redis::{
@@ -96,11 +96,7 @@ async fn sixty_four_tasks_on_one_key_never_over_admit() {
         let admitted = admitted.clone();
         tasks.push(tokio::spawn(async move {
             for _ in 0..40 {
-                let takes = [Take {
-                    key: "hot",
-                    limit: &limit,
-                    cost: 1,
-                }];
+                let takes = [Take::new("hot", &limit, 1)];
                 // Time frozen for every caller: exactly the capacity may pass.
                 match check(&*store, &takes, Some(T0)).await {
                     Ok(decisions) if decisions[0].allowed() => {
@@ -123,11 +119,7 @@ async fn survives_script_flush_mid_run() {
     let server = RedisServer::start();
     let store = connect(&server).await;
     let limit = limit(10, "1/s");
-    let takes = [Take {
-        key: "k",
-        limit: &limit,
-        cost: 1,
-    }];
+    let takes = [Take::new("k", &limit, 1)];
     for i in 0..20 {
         if i == 5 || i == 12 {
             assert_eq!(
@@ -156,16 +148,8 @@ async fn an_exhausted_limit_charges_nothing_on_the_others() {
     let user = limit(5, "1/m");
     let tenant = limit(1, "1/m");
     let both = [
-        Take {
-            key: "{acme}:user",
-            limit: &user,
-            cost: 1,
-        },
-        Take {
-            key: "{acme}:tenant",
-            limit: &tenant,
-            cost: 1,
-        },
+        Take::new("{acme}:user", &user, 1),
+        Take::new("{acme}:tenant", &tenant, 1),
     ];
     assert!(
         check(&store, &both, Some(T0))
@@ -180,17 +164,9 @@ async fn an_exhausted_limit_charges_nothing_on_the_others() {
         assert_eq!(decisions[0].remaining(), 4, "the user's balance, uncharged");
     }
     // The user was charged once: four tokens left.
-    let user_only = [Take {
-        key: "{acme}:user",
-        limit: &user,
-        cost: 4,
-    }];
+    let user_only = [Take::new("{acme}:user", &user, 4)];
     assert!(check(&store, &user_only, Some(T0)).await.unwrap()[0].allowed());
-    let one_more = [Take {
-        key: "{acme}:user",
-        limit: &user,
-        cost: 1,
-    }];
+    let one_more = [Take::new("{acme}:user", &user, 1)];
     assert!(!check(&store, &one_more, Some(T0)).await.unwrap()[0].allowed());
 }
 
@@ -199,11 +175,7 @@ async fn retries_with_a_request_id_are_charged_once() {
     let server = RedisServer::start();
     let store = connect(&server).await;
     let limit = limit(3, "1/m");
-    let takes = [Take {
-        key: "k",
-        limit: &limit,
-        cost: 2,
-    }];
+    let takes = [Take::new("k", &limit, 2)];
     let request = |id| CheckRequest {
         takes: &takes,
         request_id: Some(id),
@@ -214,11 +186,7 @@ async fn retries_with_a_request_id_are_charged_once() {
     assert_eq!(first, retry);
     assert!(first[0].allowed());
     assert!(!store.check(request("r-2")).await.unwrap()[0].allowed());
-    let other_cost = [Take {
-        key: "k",
-        limit: &limit,
-        cost: 1,
-    }];
+    let other_cost = [Take::new("k", &limit, 1)];
     let conflict = store
         .check(CheckRequest {
             takes: &other_cost,
@@ -240,38 +208,19 @@ async fn refuses_bad_input_without_touching_redis_state() {
     let store = connect(&server).await;
     let limit1 = limit(2, "1/s");
     for cost in [0, 3] {
-        let takes = [Take {
-            key: "k",
-            limit: &limit1,
-            cost,
-        }];
+        let takes = [Take::new("k", &limit1, cost)];
         assert!(matches!(
             check(&store, &takes, None).await,
             Err(Error::InvalidCost { .. })
         ));
     }
     let odd = limit(1, "9/7ns");
-    let takes = [Take {
-        key: "k",
-        limit: &odd,
-        cost: 1,
-    }];
+    let takes = [Take::new("k", &odd, 1)];
     assert!(matches!(
         check(&store, &takes, None).await,
         Err(Error::UnsupportedLimit { .. })
     ));
-    let dup = [
-        Take {
-            key: "k",
-            limit: &limit1,
-            cost: 1,
-        },
-        Take {
-            key: "k",
-            limit: &limit1,
-            cost: 1,
-        },
-    ];
+    let dup = [Take::new("k", &limit1, 1), Take::new("k", &limit1, 1)];
     assert_eq!(
         check(&store, &dup, None).await,
         Err(Error::DuplicateKey { index: 1 })
@@ -284,11 +233,7 @@ async fn keys_expire_when_their_bucket_is_full() {
     let server = RedisServer::start();
     let store = connect(&server).await;
     let limit = limit(2, "1/s");
-    let takes = [Take {
-        key: "ttl",
-        limit: &limit,
-        cost: 2,
-    }];
+    let takes = [Take::new("ttl", &limit, 2)];
     check(&store, &takes, None).await.unwrap();
     let ttl = command(server.port, &["PTTL", "tollgate:ttl"]).unwrap();
     let ttl: i64 = ttl.trim().trim_start_matches(':').parse().unwrap();
@@ -305,19 +250,11 @@ async fn redis_killed_mid_run_then_restarted() {
     let failover = Failover::new(store);
     let limit = limit(100, "100/s");
     let closed = [Guarded {
-        take: Take {
-            key: "closed",
-            limit: &limit,
-            cost: 1,
-        },
+        take: Take::new("closed", &limit, 1),
         on_failure: FailureMode::Closed,
     }];
     let open = [Guarded {
-        take: Take {
-            key: "open",
-            limit: &limit,
-            cost: 1,
-        },
+        take: Take::new("open", &limit, 1),
         on_failure: FailureMode::Open {
             emergency: Limit::new(3, "1/h".parse().unwrap()).unwrap(),
         },
@@ -368,11 +305,7 @@ async fn a_frozen_redis_times_out_and_the_breaker_stops_waiting() {
     let server = RedisServer::start();
     let store = connect(&server).await;
     let limit = limit(10, "1/s");
-    let takes = [Take {
-        key: "k",
-        limit: &limit,
-        cost: 1,
-    }];
+    let takes = [Take::new("k", &limit, 1)];
     assert!(check(&store, &takes, None).await.is_ok());
 
     server.pause();
@@ -517,11 +450,7 @@ async fn concurrent_callers_share_script_calls() {
             tokio::spawn(async move {
                 for round in 0..10 {
                     let key = format!("k{task}-{round}");
-                    let takes = [Take {
-                        key: &key,
-                        limit: &limit,
-                        cost: 1,
-                    }];
+                    let takes = [Take::new(&key, &limit, 1)];
                     let decided = check(&*store, &takes, None).await.unwrap();
                     assert!(decided[0].allowed());
                 }
@@ -550,11 +479,7 @@ async fn queued_requests_at_different_times_are_each_decided_at_their_own() {
     let limit = limit(10, "1/s");
     let keys: Vec<String> = (0..64).map(|i| format!("k{i}")).collect();
     for key in &keys {
-        let takes = [Take {
-            key,
-            limit: &limit,
-            cost: 10,
-        }];
+        let takes = [Take::new(key, &limit, 10)];
         assert!(check(&*store, &takes, Some(T0)).await.unwrap()[0].allowed());
     }
     // Every bucket is empty at T0. Key i is checked d = 1 + i % 4 seconds later for d tokens,
@@ -572,11 +497,7 @@ async fn queued_requests_at_different_times_are_each_decided_at_their_own() {
                     let (now, d) = at(i);
                     // The second round asks one token more than is left: rejected.
                     let cost = if round == 0 { d } else { 1 };
-                    let takes = [Take {
-                        key: &key,
-                        limit: &limit,
-                        cost,
-                    }];
+                    let takes = [Take::new(&key, &limit, cost)];
                     check(&*store, &takes, Some(now)).await.unwrap()[0]
                 })
             })
@@ -638,7 +559,7 @@ async fn check_at(
     now: Option<Timestamp>,
     request_id: Option<&str>,
 ) -> Result<Vec<Decision>, Error> {
-    let takes = [Take { key, limit, cost }];
+    let takes = [Take::new(key, limit, cost)];
     store
         .check(CheckRequest {
             takes: &takes,
@@ -959,4 +880,190 @@ async fn malformed_urls_are_typed_errors() {
             other => panic!("{other:?}"),
         }
     }
+}
+
+/// The script's units per token for `limit` (see `units.rs`): its period in microseconds over
+/// gcd(amount, period).
+fn units_per_token(limit: &Limit) -> u64 {
+    let amount = limit.refill().amount();
+    let period = limit.refill().period().as_micros() as u64;
+    let (mut x, mut y) = (amount, period);
+    while y != 0 {
+        (x, y) = (y, x % y);
+    }
+    period / x
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_limit_carries_its_buckets_over_as_the_memory_store_does() {
+    // Random histories: charges under an old limit, a change of capacity and rate, takes under
+    // the new one. The memory store carries its bucket over at the change (`rebase_where`);
+    // Redis reads the old bucket on the way (`Carry`). Where one unit size divides the other
+    // the two must grant the same, take after take; otherwise Redis rounds the carried
+    // balance down to whole tokens: never more, less by under one token.
+    let server = RedisServer::start();
+    let store = connect(&server).await;
+    let rates = [
+        "1/s", "2/s", "3/s", "10/s", "5/100ms", "7/3s", "3/7s", "1/m",
+    ];
+    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut next = move |n: u64| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state % n
+    };
+    let ms = 1_000_000;
+    let (mut exact_cases, mut rounded_cases, mut carried_short) = (0, 0, 0);
+    for case in 0..300 {
+        let old = limit(1 + next(20), rates[next(rates.len() as u64) as usize]);
+        let new = limit(1 + next(20), rates[next(rates.len() as u64) as usize]);
+        let (p_old, p_new) = (units_per_token(&old), units_per_token(&new));
+        let exact = p_old.is_multiple_of(p_new) || p_new.is_multiple_of(p_old);
+        let old_key = format!("{{s{case}}}:k@old");
+        let new_key = format!("{{s{case}}}:k@new");
+        let memory = LocalStore::new(ManualClock::new());
+        let mut t = T0.as_nanos();
+        for _ in 0..next(5) {
+            t += next(3_000) * ms;
+            let takes = [Take::new(&old_key, &old, 1 + next(old.capacity()))];
+            let now = Some(Timestamp::from_nanos(t));
+            let in_memory = check(&memory, &takes, now).await.unwrap();
+            assert_eq!(check(&store, &takes, now).await.unwrap(), in_memory);
+        }
+        t += next(3_000) * ms;
+        let change = t;
+        memory
+            .memory()
+            .rebase_where(Timestamp::from_nanos(change), |key| {
+                (**key == *old_key).then(|| (new_key.clone().into_boxed_str(), old, new))
+            });
+        for step in 0..1 + next(4) {
+            t += next(2_000) * ms;
+            let now = Some(Timestamp::from_nanos(t));
+            let cost = 1 + next(new.capacity());
+            let in_memory = check(&memory, &[Take::new(&new_key, &new, cost)], now)
+                .await
+                .unwrap()[0];
+            let carry = Carry {
+                key: &old_key,
+                limit: &old,
+                since: Duration::from_nanos(t - change),
+            };
+            let takes = [Take::new(&new_key, &new, cost).carried_from(carry)];
+            let in_redis = check(&store, &takes, now).await.unwrap()[0];
+            let context = format!("case {case} step {step}: {old:?} -> {new:?}");
+            if exact {
+                // Redis keeps microseconds, the memory store nanoseconds: converted, a balance
+                // is rounded down to the script's unit, a microsecond of refill at most, which
+                // never changes a whole token.
+                assert_eq!(in_redis.allowed(), in_memory.allowed(), "{context}");
+                assert_eq!(in_redis.remaining(), in_memory.remaining(), "{context}");
+                let late = in_redis.reset_after().checked_sub(in_memory.reset_after());
+                assert!(
+                    late.is_some_and(|late| late <= Duration::from_micros(1)),
+                    "{context}"
+                );
+                continue;
+            }
+            // A whole token short at most, never more generous.
+            assert!(in_redis.remaining() <= in_memory.remaining(), "{context}");
+            assert!(
+                in_redis.remaining() + 1 >= in_memory.remaining(),
+                "{context}"
+            );
+            assert!(!in_redis.allowed() || in_memory.allowed(), "{context}");
+            if in_redis != in_memory {
+                carried_short += 1;
+            }
+            // The histories part ways once a decision differs.
+            break;
+        }
+        if exact {
+            exact_cases += 1;
+        } else {
+            rounded_cases += 1;
+        }
+    }
+    // Both kinds were exercised.
+    assert!(
+        exact_cases > 100 && rounded_cases > 10,
+        "{exact_cases} {rounded_cases}"
+    );
+    eprintln!("{exact_cases} exact, {rounded_cases} rounded ({carried_short} a token short)");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn charges_under_the_old_limit_still_count_after_the_change() {
+    let server = RedisServer::start();
+    let store = connect(&server).await;
+    let (old, new) = (limit(10, "1/h"), limit(20, "1/h"));
+    let second = Duration::from_secs(1);
+    let at = |seconds: u64| {
+        Some(Timestamp::from_nanos(
+            T0.as_nanos() + seconds * 1_000_000_000,
+        ))
+    };
+    // This process changed to `new` at T0. One still on `old` spends the old bucket a second
+    // later: the capacity it grants under `old` is all either version may grant.
+    let spent = [Take::new("{u1}:k@old", &old, 10)];
+    assert!(check(&store, &spent, at(1)).await.unwrap()[0].allowed());
+    let carry = Carry {
+        key: "{u1}:k@old",
+        limit: &old,
+        since: 2 * second,
+    };
+    let one = [Take::new("{u1}:k@new", &new, 1).carried_from(carry)];
+    let decision = check(&store, &one, at(2)).await.unwrap()[0];
+    assert!(!decision.allowed(), "{decision:?}");
+    assert_eq!(decision.remaining(), 0);
+    // Without the carry, the new bucket alone would have granted it: the test can tell.
+    let alone = [Take::new("{u1}:k@new", &new, 1)];
+    assert!(check(&store, &alone, at(2)).await.unwrap()[0].allowed());
+
+    // A peek carries over too, and a rejection writes nothing.
+    let carry = Carry {
+        key: "{u2}:k@old",
+        limit: &old,
+        since: second,
+    };
+    let spent = [Take::new("{u2}:k@old", &old, 4)];
+    assert!(check(&store, &spent, at(0)).await.unwrap()[0].allowed());
+    let six = [Take::new("{u2}:k@new", &new, 6).carried_from(carry)];
+    let peeked = store
+        .peek(CheckRequest {
+            takes: &six,
+            request_id: None,
+            now: at(1),
+        })
+        .await
+        .unwrap()[0];
+    assert!(peeked.allowed() && peeked.remaining() == 0, "{peeked:?}");
+    let seven = [Take::new("{u2}:k@new", &new, 7).carried_from(carry)];
+    assert!(!check(&store, &seven, at(1)).await.unwrap()[0].allowed());
+    assert_eq!(
+        command(server.port, &["EXISTS", "tollgate:{u2}:k@new"]).as_deref(),
+        Some(":0\r\n")
+    );
+    let six = [Take::new("{u2}:k@new", &new, 6).carried_from(carry)];
+    assert!(check(&store, &six, at(1)).await.unwrap()[0].allowed());
+    assert_eq!(
+        command(server.port, &["EXISTS", "tollgate:{u2}:k@new"]).as_deref(),
+        Some(":1\r\n")
+    );
+
+    // An old key holding something else fails the request, as a bucket key would.
+    command(server.port, &["HSET", "tollgate:{u3}:k@old", "f", "v"]).unwrap();
+    let carry = Carry {
+        key: "{u3}:k@old",
+        limit: &old,
+        since: second,
+    };
+    let takes = [Take::new("{u3}:k@new", &new, 1).carried_from(carry)];
+    assert!(matches!(
+        check(&store, &takes, at(1)).await,
+        Err(Error::StoreUnavailable {
+            reason: Unavailable::Script
+        })
+    ));
 }

@@ -8,7 +8,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::google::protobuf::UInt64Value;
-use support::{Scratch, Server, path_str, post_json, serve_refused};
+use support::{Scratch, Server, path_str, post_json, request, serve_refused};
 use tollgate_redis::test_server::{RedisCluster, RedisServer, TestCertificates, command};
 
 const POLICY: &str = r#"
@@ -64,6 +64,53 @@ fn two_servers_share_a_quota_exactly() {
     });
     // 160 attempts through two processes against one bucket of 50 refilled at one an hour.
     assert!((50..=51).contains(&admitted), "admitted {admitted}");
+}
+
+#[test]
+fn a_reload_that_grows_a_limit_carries_redis_balances_over() {
+    let redis = RedisServer::start();
+    let scratch = Scratch::new("carry");
+    // Two processes, each with its own copy of the file: one is changed, the other not yet (a
+    // rolling change).
+    let changing = scratch.write("changing.yaml", POLICY);
+    let lagging = scratch.write("lagging.yaml", POLICY);
+    let start = |config| {
+        let args = ["--config", path_str(config), "--store", &redis.url()];
+        Server::start(&[&args[..], &["--admin-token", "s3cret"]].concat())
+    };
+    let (a, b) = (start(&changing), start(&lagging));
+    let spend = |server: &Server, cost: u64| {
+        let body = format!(r#"{{"domain":"api","descriptors":[{{"user":"max"}}],"cost":{cost}}}"#);
+        post_json(server.http, "/v1/check", &body)
+    };
+    assert_eq!(spend(&a, 45).status, 200);
+
+    // 50 → 60 tokens: max keeps his 5 (the refill of one an hour adds nothing here), he is not
+    // handed a fresh 60; one taken, 4 left.
+    let grown = POLICY
+        .replace("version: \"shared\"", "version: \"grown\"")
+        .replace("capacity: 50", "capacity: 60");
+    std::fs::write(&changing, grown).unwrap();
+    let auth = [("Authorization", "Bearer s3cret")];
+    let answer = request(a.http, "POST", "/v1/policy/reload", &auth, "");
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let answer = spend(&a, 1);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(answer.json()["policy_version"], "grown");
+    assert_eq!(answer.json()["limits"][0]["capacity"], 60);
+    let remaining = |answer: &support::Answer| answer.json()["limits"][0]["remaining"].clone();
+    assert_eq!(remaining(&answer), 4, "{}", answer.body);
+
+    // The lagging process spends 3 more under the old limit: the changed one counts them, as
+    // if spent at the change (1 left after this take; 3 on its own).
+    assert_eq!(spend(&b, 3).status, 200);
+    let answer = spend(&a, 1);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(remaining(&answer), 1, "{}", answer.body);
+    assert_eq!(spend(&a, 2).status, 429);
+    // A subject with no history starts with the new burst.
+    let fresh = r#"{"domain":"api","descriptors":[{"user":"new"}],"cost":60}"#;
+    assert_eq!(post_json(a.http, "/v1/check", fresh).status, 200);
 }
 
 #[test]

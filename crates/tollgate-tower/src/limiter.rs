@@ -132,11 +132,7 @@ impl Shared {
         let key = format!("{}|{key}", single.name);
         match &single.store {
             SingleStore::Memory(store) => {
-                let takes = [Take {
-                    key: &key,
-                    limit: &single.limit,
-                    cost,
-                }];
+                let takes = [Take::new(&key, &single.limit, cost)];
                 let request = CheckRequest {
                     takes: &takes,
                     request_id: None,
@@ -191,11 +187,7 @@ impl Shared {
                     return internal_error(&Error::Store(tollgate::Error::EmptyCheck));
                 };
                 let guarded = [tollgate_redis::Guarded {
-                    take: Take {
-                        key: &key,
-                        limit: &single.limit,
-                        cost,
-                    },
+                    take: Take::new(&key, &single.limit, cost),
                     on_failure: *on_failure,
                 }];
                 match failover.check(&guarded, None, None).await {

@@ -23,6 +23,52 @@ pub struct Take<'a> {
     pub limit: &'a Limit,
     /// Tokens to take.
     pub cost: u64,
+    /// Where this bucket's balance was kept before its parameters last changed, for a store
+    /// that cannot move every bucket over when a limit changes (see [`Carry`]).
+    pub carry: Option<Carry<'a>>,
+}
+
+impl<'a> Take<'a> {
+    /// `cost` tokens from the bucket at `key` with parameters `limit`, nothing carried.
+    pub fn new(key: &'a str, limit: &'a Limit, cost: u64) -> Self {
+        Self {
+            key,
+            limit,
+            cost,
+            carry: None,
+        }
+    }
+
+    /// The same take, reading the bucket's earlier balance from `carry`.
+    #[must_use]
+    pub fn carried_from(self, carry: Carry<'a>) -> Self {
+        Self {
+            carry: Some(carry),
+            ..self
+        }
+    }
+}
+
+/// A bucket's earlier self: the same subject's bucket under the parameters a limit had before
+/// a policy change, kept under another key.
+///
+/// When a limit's capacity or rate changes, its balances must carry over (SPEC §2: refilled
+/// under the old parameters up to the change, clamped to the new capacity, refilled under the
+/// new ones since). A store in this process moves every bucket at the change
+/// ([`MemoryStore::rebase_where`]) and ignores this. A store shared by many processes cannot:
+/// each process changes at its own moment, and there may be millions of buckets. It reads the
+/// old bucket on the way instead, and keeps the emptier of the new bucket and the old one
+/// carried over, so a change never hands anyone a fresh burst.
+#[derive(Debug, Clone, Copy)]
+pub struct Carry<'a> {
+    /// The old bucket's key. A clustered store reads it only when it shares the bucket's slot
+    /// (the same `{hash tag}`); otherwise the bucket is decided as if nothing were carried.
+    pub key: &'a str,
+    /// The parameters the old bucket was kept under.
+    pub limit: &'a Limit,
+    /// How long before the request the change took effect. Past the new limit's time to
+    /// full nothing carried can matter, and the carry may be dropped.
+    pub since: std::time::Duration,
 }
 
 /// A check of one or more buckets.
@@ -80,7 +126,7 @@ pub trait Store: Send + Sync {
 /// # }
 /// let store = LocalStore::new(ManualClock::new());
 /// let limit = Limit::new(1, "1/s".parse()?)?;
-/// let takes = [Take { key: "user:{42}", limit: &limit, cost: 1 }];
+/// let takes = [Take::new("user:{42}", &limit, 1)];
 /// let request = CheckRequest { takes: &takes, request_id: None, now: None };
 /// assert!(block_on(store.check(request))?[0].allowed());
 /// assert!(!block_on(store.check(request))?[0].allowed());

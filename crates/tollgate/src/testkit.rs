@@ -180,11 +180,7 @@ pub async fn compare_with_memory<S: Store>(store: &S, trace: &Trace) -> Result<(
         let takes: Vec<Take<'_>> = takes_spec
             .iter()
             .zip(&keys)
-            .map(|(&(_, limit, cost), key)| Take {
-                key,
-                limit: &limits[limit],
-                cost,
-            })
+            .map(|(&(_, limit, cost), key)| Take::new(key, &limits[limit], cost))
             .collect();
         let request = CheckRequest {
             takes: &takes,

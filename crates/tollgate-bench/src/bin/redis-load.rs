@@ -141,11 +141,7 @@ async fn run(seconds: f64) {
                 measure(server.port, callers, key_count, seconds, move |k| {
                     let (store, keys) = (store.clone(), keys.clone());
                     async move {
-                        let takes = [Take {
-                            key: &keys[k as usize],
-                            limit: &limit,
-                            cost: 1,
-                        }];
+                        let takes = [Take::new(&keys[k as usize], &limit, 1)];
                         let request = CheckRequest {
                             takes: &takes,
                             request_id: None,

@@ -17,11 +17,7 @@ pub(crate) async fn take_one_unit(
     limit: &Limit,
     now: Option<Timestamp>,
 ) -> Result<Vec<Decision>, Error> {
-    let takes = [Take {
-        key,
-        limit,
-        cost: 1,
-    }];
+    let takes = [Take::new(key, limit, 1)];
     store
         .check(CheckRequest {
             takes: &takes,
