@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Measures `tollgate serve` with `tollgate bench`, every run against one server process, as
 # BENCHMARKS.md reports it. Usage: scripts/bench-server.sh [memory|redis] [seconds] [rounds]
-# (SERVE_ARGS="--runtime per-core" adds flags to `tollgate serve`).
+# (SERVE_ARGS="--runtime per-core" adds flags to `tollgate serve`; TOLLGATE_BIN=path runs that
+# binary instead of building this checkout).
 # Starts its own server (and redis-server for `redis`) on free loopback ports; kills them on exit.
 # The closed-loop runs repeat `rounds` times, interleaved (no-op, check, gRPC, no-op, ...), so a
 # slow spell of the host hits every kind of run alike; the ratios are taken within each round and
@@ -14,8 +15,13 @@ cd "$(dirname "$0")/.."
 store=${1:-memory}
 secs=${2:-10}
 rounds=${3:-1}
-cargo build --release -q -p tollgate-server
-B=target/release/tollgate
+# TOLLGATE_BIN=path measures another build (server and generator alike) without building.
+if [[ -n ${TOLLGATE_BIN:-} ]]; then
+  B=$TOLLGATE_BIN
+else
+  cargo build --release -q -p tollgate-server
+  B=target/release/tollgate
+fi
 work=$(mktemp -d)
 pids=()
 cleanup() { for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done; rm -rf "$work"; }

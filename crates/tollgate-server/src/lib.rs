@@ -45,6 +45,7 @@
 
 pub mod cli;
 pub mod decider;
+mod grpc;
 pub mod http;
 pub mod loadgen;
 pub mod metrics;
@@ -69,9 +70,6 @@ pub enum ServeError {
     /// The HTTP server failed.
     #[error("HTTP server: {0}")]
     Http(std::io::Error),
-    /// The gRPC server failed.
-    #[error("gRPC server: {0}")]
-    Grpc(tonic::transport::Error),
     /// A serving thread of [`run_per_core`] could not start, or failed.
     #[error("serving thread: {0}")]
     Thread(std::io::Error),
@@ -375,14 +373,10 @@ where
     let http_server = axum::serve(http, app).with_graceful_shutdown(until_stopped(stopped.clone()));
 
     let rls = rls::Rls::new(Arc::clone(&state.decider)).into_server();
-    let grpc_server = tonic::transport::Server::builder()
-        .add_service(rls)
-        .serve_with_incoming_shutdown(grpc, until_stopped(stopped));
+    let grpc_server = grpc::serve(rls, grpc, stopped);
 
-    let (http_result, grpc_result) = tokio::join!(http_server, grpc_server);
-    http_result.map_err(ServeError::Http)?;
-    grpc_result.map_err(ServeError::Grpc)?;
-    Ok(())
+    let (http_result, ()) = tokio::join!(http_server, grpc_server);
+    http_result.map_err(ServeError::Http)
 }
 
 #[cfg(test)]
