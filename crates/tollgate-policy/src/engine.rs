@@ -510,7 +510,11 @@ impl PolicyEngine {
         S: AsRef<str>,
     {
         let cost = cost.into();
-        ready(self.run_on(&self.local, domain, descriptors, cost, request_id, true))
+        let run = Run {
+            consume: true,
+            carry: false,
+        };
+        ready(self.run_on(&self.local, domain, descriptors, cost, request_id, run))
     }
 
     /// What [`decide`](Self::decide) would answer, without charging or counting anything.
@@ -529,7 +533,11 @@ impl PolicyEngine {
         S: AsRef<str>,
     {
         let cost = cost.into();
-        ready(self.run_on(&self.local, domain, descriptors, cost, None, false))
+        let run = Run {
+            consume: false,
+            carry: false,
+        };
+        ready(self.run_on(&self.local, domain, descriptors, cost, None, run))
     }
 
     /// [`decide`](Self::decide) against a shared `store` (Redis) instead of this process's
@@ -554,7 +562,11 @@ impl PolicyEngine {
         S: AsRef<str>,
     {
         let cost = cost.into();
-        self.run_on(store, domain, descriptors, cost, request_id, true)
+        let run = Run {
+            consume: true,
+            carry: true,
+        };
+        self.run_on(store, domain, descriptors, cost, request_id, run)
             .await
     }
 
@@ -576,7 +588,11 @@ impl PolicyEngine {
         S: AsRef<str>,
     {
         let cost = cost.into();
-        self.run_on(store, domain, descriptors, cost, None, false)
+        let run = Run {
+            consume: false,
+            carry: true,
+        };
+        self.run_on(store, domain, descriptors, cost, None, run)
             .await
     }
 
@@ -587,7 +603,7 @@ impl PolicyEngine {
         descriptors: &[D],
         cost: Costs<'_>,
         request_id: Option<&str>,
-        consume: bool,
+        Run { consume, carry }: Run,
     ) -> Result<Outcome, Error>
     where
         St: Store,
@@ -664,9 +680,10 @@ impl PolicyEngine {
             limit: matched[buckets[slot].3].limit.name().to_owned(),
             source,
         };
-        // Buckets of limits changed lately carry their old selves over (in a shared store).
+        // Buckets of limits changed lately carry their old selves over in a shared store
+        // (this process's own were carried over at the change).
         let carries = self.carries.load();
-        let olds: Vec<Option<(Box<str>, Limit, Duration)>> = if carries.is_empty() {
+        let olds: Vec<Option<(Box<str>, Limit, Duration)>> = if !carry || carries.is_empty() {
             Vec::new()
         } else {
             let now = self.options.clock.now();
@@ -1240,6 +1257,15 @@ fn params_tag(params: &Limit) -> u32 {
     let period = u64::try_from(params.refill().period().as_nanos()).unwrap_or(u64::MAX);
     bytes[16..].copy_from_slice(&period.to_le_bytes());
     (stable_hash(&bytes) >> 32) as u32
+}
+
+/// How [`PolicyEngine::run_on`] decides: whether it charges (or only explains), and whether
+/// takes name the old buckets of changed limits (for a shared store; this process's buckets
+/// were carried over at the change).
+#[derive(Clone, Copy)]
+struct Run {
+    consume: bool,
+    carry: bool,
 }
 
 /// A limit (or one of its overrides, `override_` not empty) whose parameters differ between
