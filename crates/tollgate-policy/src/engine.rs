@@ -384,6 +384,7 @@ impl PolicyEngine {
         let changed = changed_limits(&current, &policy);
         let changes = param_changes(&current, &policy);
         self.remember_changes(&changes, &policy);
+        carry_exemption_uses(&current, &policy);
         self.current.store(Arc::clone(&policy));
         self.carry_over(&changes);
         control.history.push_back(Arc::clone(&current));
@@ -427,6 +428,7 @@ impl PolicyEngine {
         let previous = control.history.pop_back().ok_or(Error::NothingToRollBack)?;
         let changes = param_changes(&self.current.load(), &previous);
         self.remember_changes(&changes, &previous);
+        carry_exemption_uses(&self.current.load(), &previous);
         let from = self.current.swap(Arc::clone(&previous));
         self.carry_over(&changes);
         control.loaded_at = self.options.wall.now();
@@ -1266,6 +1268,17 @@ fn params_tag(params: &Limit) -> u32 {
 struct Run {
     consume: bool,
     carry: bool,
+}
+
+/// Gives every exemption of `new` that `old` also has (unchanged) the uses counted so far, so
+/// that the count an audit event reports is the exemption's since the process started, not
+/// since the last reload. Uses counted by decisions still finishing on `old` are lost.
+fn carry_exemption_uses(old: &Policy, new: &Policy) {
+    for exemption in new.exemptions() {
+        if let Some(before) = old.exemptions().iter().find(|e| e.same_as(exemption)) {
+            exemption.uses.store(before.uses(), Ordering::Relaxed);
+        }
+    }
 }
 
 /// A limit (or one of its overrides, `override_` not empty) whose parameters differ between

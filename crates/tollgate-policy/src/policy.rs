@@ -208,6 +208,16 @@ impl Exemption {
     pub(crate) fn record_use(&self) {
         self.uses.fetch_add(1, Ordering::Relaxed);
     }
+
+    /// Whether `other` is the same exemption (same limit, conditions, owner, reason and
+    /// expiry), as written again in another version of the policy.
+    pub(crate) fn same_as(&self, other: &Exemption) -> bool {
+        self.limit == other.limit
+            && self.when == other.when
+            && self.owner == other.owner
+            && self.reason == other.reason
+            && self.expires == other.expires
+    }
 }
 
 /// Why a matched limit will or will not reject.

@@ -395,6 +395,43 @@ exemptions:
 "#;
 
 #[test]
+fn an_exemption_keeps_its_count_across_reloads_while_unchanged() {
+    let r = rig(EXEMPT);
+    let acme = [("tenant", "acme"), ("user", "u")];
+    let uses = |r: &Rig| r.engine.current().exemptions()[0].uses();
+    let decide = |r: &Rig| {
+        let outcome = r.engine.decide("api", &[acme], 1, None);
+        assert!(outcome.is_ok_and(|o| o.limits[0].mode == "exempt"));
+    };
+    decide(&r);
+    decide(&r);
+    // Another version, the exemption as it was: the count goes on.
+    let v2 = EXEMPT
+        .replace("version: \"e\"", "version: \"e2\"")
+        .replace("capacity: 1\n", "capacity: 2\n");
+    assert!(r.engine.load("p.yaml", &v2).is_ok());
+    decide(&r);
+    assert_eq!(uses(&r), 3);
+    let last = r
+        .audit
+        .events()
+        .into_iter()
+        .rfind(|e| e["event"] == "exemption_used");
+    assert_eq!(last.map(|e| e["uses"].clone()), Some(serde_json::json!(3)));
+    // Rolled back, the first version's exemption has the count too.
+    assert!(r.engine.rollback().is_ok());
+    decide(&r);
+    assert_eq!(uses(&r), 4);
+    // A changed exemption (a new reason) is a new one: counted from zero.
+    let v3 = EXEMPT
+        .replace("version: \"e\"", "version: \"e3\"")
+        .replace("launch week", "launch week, extended");
+    assert!(r.engine.load("p.yaml", &v3).is_ok());
+    decide(&r);
+    assert_eq!(uses(&r), 1);
+}
+
+#[test]
 fn exemptions_are_counted_audited_and_expire_by_themselves() {
     let r = rig(EXEMPT);
     let acme = [("tenant", "acme"), ("user", "u")];
