@@ -46,9 +46,11 @@
 -- A carried-over bucket is decided on the emptier of itself and its old bucket converted: the
 -- old one's deficit at the change (now - since), its balance clamped to the new capacity (in
 -- the new units: exactly when one unit size divides the other, else rounded down to whole
--- tokens), then refilled at the new rate since the change. A policy change thus never adds
--- tokens, and charges made under the old parameters by processes that changed later still
--- count. Only new keys are written; the old one expires on its own.
+-- tokens), then refilled at the new rate since the change. An old bucket full at the change, or
+-- absent (expired: full by now), carries nothing: the new one starts full. A policy change
+-- thus never adds tokens to a bucket still refilling, and charges made under the old
+-- parameters by processes that changed later still count. Only new keys are written; the old
+-- one expires on its own.
 --
 -- A record is "content|attempt|expires|figures": the request's first reply, for retries. A
 -- retry that replays it clears `attempt`: a reply now rests on that charge, so the first

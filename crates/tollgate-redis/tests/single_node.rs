@@ -1067,3 +1067,64 @@ async fn charges_under_the_old_limit_still_count_after_the_change() {
         })
     ));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn carried_and_plain_requests_share_script_calls_without_mixing_keys() {
+    // Requests with and without a carry, some with a request id (whose record key follows the
+    // old keys), batched into shared calls: each must read its own old key and record.
+    let server = RedisServer::start();
+    let store = one_call_in_flight(&server, Duration::from_secs(5)).await;
+    let (old, new) = (limit(10, "1/h"), limit(20, "1/h"));
+    let old_key = |subject: u64| format!("{{s{subject}}}:k@old");
+    let new_key = |subject: u64| format!("{{s{subject}}}:k@new");
+    for subject in 0..48 {
+        let key = old_key(subject);
+        let spent = [Take::new(&key, &old, 1 + subject % 8)];
+        assert!(check(&*store, &spent, Some(T0)).await.unwrap()[0].allowed());
+    }
+    command(server.port, &["CONFIG", "RESETSTAT"]);
+    let tasks: Vec<_> = (0..48)
+        .map(|subject| {
+            let store = Arc::clone(&store);
+            let (old_key, new_key) = (old_key(subject), new_key(subject));
+            tokio::spawn(async move {
+                let carry = Carry {
+                    key: &old_key,
+                    limit: &old,
+                    since: Duration::ZERO,
+                };
+                let take = Take::new(&new_key, &new, 1);
+                let takes = [if subject % 3 == 0 {
+                    take
+                } else {
+                    take.carried_from(carry)
+                }];
+                let id = format!("r-{subject}");
+                let request = CheckRequest {
+                    takes: &takes,
+                    request_id: (subject % 2 == 0).then_some(id.as_str()),
+                    now: Some(T0),
+                };
+                (subject, store.check(request).await.unwrap()[0])
+            })
+        })
+        .collect();
+    for task in tasks {
+        let (subject, decision) = task.await.unwrap();
+        // Carried: the 10 - (1 + subject % 8) tokens left of the old bucket, one taken. Not
+        // carried: a full 20, one taken.
+        let expected = if subject % 3 == 0 {
+            19
+        } else {
+            8 - subject % 8
+        };
+        assert!(decision.allowed(), "{subject}: {decision:?}");
+        assert_eq!(decision.remaining(), expected, "{subject}");
+    }
+    let stats = command(server.port, &["INFO", "commandstats"]).unwrap_or_default();
+    let calls = info_field(&stats, "cmdstat_evalsha:", "calls") as u64;
+    assert!(
+        calls < 48,
+        "{calls} calls for 48 decisions: nothing was batched"
+    );
+}
