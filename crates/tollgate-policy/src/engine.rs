@@ -31,7 +31,7 @@ use arc_swap::ArcSwap;
 use parking_lot::Mutex;
 use tollgate::{
     Carry, CheckRequest, Clock, Decision, Item, Limit, LocalStore, MemoryStore, MonotonicClock,
-    Store, Take, Timestamp,
+    Store, Take, Timestamp, block_on_ready,
 };
 
 use crate::audit::{AuditEvent, AuditLog};
@@ -516,7 +516,7 @@ impl PolicyEngine {
             consume: true,
             carry: false,
         };
-        ready(self.run_on(&self.local, domain, descriptors, cost, request_id, run))
+        block_on_ready(self.run_on(&self.local, domain, descriptors, cost, request_id, run))
     }
 
     /// What [`decide`](Self::decide) would answer, without charging or counting anything.
@@ -539,7 +539,7 @@ impl PolicyEngine {
             consume: false,
             carry: false,
         };
-        ready(self.run_on(&self.local, domain, descriptors, cost, None, run))
+        block_on_ready(self.run_on(&self.local, domain, descriptors, cost, None, run))
     }
 
     /// [`decide`](Self::decide) against a shared `store` (Redis) instead of this process's
@@ -1024,8 +1024,8 @@ impl PolicyEngine {
         self.local.memory().rebase_where(now, |key| {
             let (limit, override_, tag, bucket) = split_store_key(key)?;
             let change = by_name.get(&(limit, override_))?;
-            (tag == params_tag(&change.from)).then(|| {
-                let key = format!("{bucket}@{:08x}", params_tag(&change.to));
+            (tag == change.from_tag).then(|| {
+                let key = format!("{bucket}@{:08x}", change.to_tag);
                 (key.into_boxed_str(), change.from, change.to)
             })
         })
@@ -1056,21 +1056,18 @@ impl PolicyEngine {
             .filter(|c| {
                 !changes
                     .iter()
-                    .any(|n| n.limit == c.limit && n.override_ == c.override_)
+                    .any(|n| n.limit == c.change.limit && n.override_ == c.change.override_)
             })
             .filter(|c| {
-                params_in_new(&c.limit, &c.override_).map(|p| params_tag(&p)) == Some(c.to_tag)
+                params_in_new(&c.change.limit, &c.change.override_).map(|p| params_tag(&p))
+                    == Some(c.change.to_tag)
             })
             .cloned()
             .collect();
         kept.extend(changes.iter().map(|change| {
             let ttf = u64::try_from(change.to.time_to_full().as_nanos()).unwrap_or(u64::MAX);
             Changed {
-                limit: change.limit.clone(),
-                override_: change.override_.clone(),
-                from_tag: params_tag(&change.from),
-                to_tag: params_tag(&change.to),
-                from: change.from,
+                change: change.clone(),
                 at: now,
                 until: Timestamp::from_nanos(now.as_nanos().saturating_add(ttf)),
             }
@@ -1086,11 +1083,16 @@ impl PolicyEngine {
         now: Timestamp,
     ) -> Option<(Box<str>, Limit, Duration)> {
         let (limit, override_, tag, bucket) = split_store_key(key)?;
-        let change = carries.iter().find(|c| {
-            c.to_tag == tag && *c.limit == *limit && *c.override_ == *override_ && now < c.until
+        let carried = carries.iter().find(|c| {
+            let change = &c.change;
+            change.to_tag == tag
+                && *change.limit == *limit
+                && *change.override_ == *override_
+                && now < c.until
         })?;
-        let old = format!("{bucket}@{:08x}", change.from_tag).into_boxed_str();
-        Some((old, change.from, now.saturating_duration_since(change.at)))
+        let old = format!("{bucket}@{:08x}", carried.change.from_tag).into_boxed_str();
+        let since = now.saturating_duration_since(carried.at);
+        Some((old, carried.change.from, since))
     }
 
     fn audit(&self, event: impl FnOnce() -> AuditEvent) {
@@ -1165,17 +1167,6 @@ fn zero_cost() -> Error {
 fn never_fits(limit: &Limit) -> Decision {
     // A deficit above the capacity is clamped to it: an empty bucket.
     Decision::from_deficit(false, *limit, limit.capacity(), u128::MAX)
-}
-
-/// The output of a future that never waits, as every future over the in-process store is.
-fn ready<F: std::future::Future>(future: F) -> F::Output {
-    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-    let mut future = std::pin::pin!(future);
-    loop {
-        if let std::task::Poll::Ready(value) = future.as_mut().poll(&mut cx) {
-            return value;
-        }
-    }
 }
 
 /// The store key: the bucket key plus a tag of the parameters its state was produced under.
@@ -1282,12 +1273,15 @@ fn carry_exemption_uses(old: &Policy, new: &Policy) {
 }
 
 /// A limit (or one of its overrides, `override_` not empty) whose parameters differ between
-/// two versions.
+/// two versions, with the tags of both parameter sets (see [`store_key`]).
+#[derive(Debug, Clone)]
 struct ParamChange {
     limit: Box<str>,
     override_: Box<str>,
     from: Limit,
     to: Limit,
+    from_tag: u32,
+    to_tag: u32,
 }
 
 /// Every limit and override present in both versions whose capacity or rate differs.
@@ -1310,6 +1304,8 @@ fn param_changes(old: &Policy, new: &Policy) -> Vec<ParamChange> {
                     override_: name.into(),
                     from: *was,
                     to: *is,
+                    from_tag: params_tag(was),
+                    to_tag: params_tag(is),
                 });
             }
         }
@@ -1317,15 +1313,11 @@ fn param_changes(old: &Policy, new: &Policy) -> Vec<ParamChange> {
     changes
 }
 
-/// A change remembered for shared stores: buckets tagged `to_tag` carry those tagged
-/// `from_tag` (parameters `from`), from `at` until `until` (engine clock).
+/// A change remembered for shared stores: buckets under the new parameters carry those under
+/// the old, from `at` until `until` (engine clock).
 #[derive(Debug, Clone)]
 struct Changed {
-    limit: Box<str>,
-    override_: Box<str>,
-    from_tag: u32,
-    to_tag: u32,
-    from: Limit,
+    change: ParamChange,
     at: Timestamp,
     until: Timestamp,
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use tollgate::ManualClock;
+use tollgate::{ManualClock, block_on_ready};
 use tollgate_policy::audit::AuditLog;
 use tollgate_policy::{EngineOptions, ManualWallClock, PolicyEngine, UnixTime, compile};
 
@@ -950,16 +950,6 @@ impl tollgate::Store for ShadowDown {
     }
 }
 
-fn ready<F: std::future::Future>(future: F) -> F::Output {
-    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-    let mut future = std::pin::pin!(future);
-    loop {
-        if let std::task::Poll::Ready(value) = future.as_mut().poll(&mut cx) {
-            return value;
-        }
-    }
-}
-
 /// The store failing on a shadow limit after the enforced limit was charged must not fail the
 /// request: the caller would then decide it again without the store, charging twice.
 #[test]
@@ -967,7 +957,7 @@ fn a_store_failing_on_a_shadow_limit_does_not_fail_the_request() {
     let r = rig(SHADOW);
     let store = ShadowDown(tollgate::LocalStore::new(r.clock.clone()));
     let request = [[("user", "a")]];
-    let outcome = ready(r.engine.decide_on(&store, "api", &request, 1, None))
+    let outcome = block_on_ready(r.engine.decide_on(&store, "api", &request, 1, None))
         .unwrap_or_else(|e| panic!("a shadow limit's store error failed the request: {e}"));
     assert!(outcome.allowed);
     assert_eq!(outcome.limits[0].decision.map(|d| d.remaining()), Some(1));
@@ -1028,7 +1018,8 @@ fn a_shared_store_is_handed_the_old_bucket_until_the_new_one_would_have_refilled
     let r = rig(CHANGE);
     let store = Carries::default();
     let decide = |d: &[(&str, &str)]| {
-        ready(r.engine.decide_on(&store, "api", &[d], 1, None)).unwrap_or_else(|e| panic!("{e}"));
+        block_on_ready(r.engine.decide_on(&store, "api", &[d], 1, None))
+            .unwrap_or_else(|e| panic!("{e}"));
         store.take()
     };
     let (plain, gold, team) = (

@@ -288,7 +288,7 @@ impl<S: Store, C: Clock> Failover<S, C> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tollgate::{LocalStore, ManualClock};
+    use tollgate::{LocalStore, ManualClock, block_on_ready};
 
     /// A store that is always down.
     struct Down;
@@ -305,16 +305,6 @@ mod tests {
         }
     }
 
-    fn block_on<F: std::future::Future>(future: F) -> F::Output {
-        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-        let mut future = std::pin::pin!(future);
-        loop {
-            if let std::task::Poll::Ready(value) = future.as_mut().poll(&mut cx) {
-                return value;
-            }
-        }
-    }
-
     fn limit(capacity: u64, rate: &str) -> Limit {
         Limit::new(capacity, rate.parse().unwrap()).unwrap()
     }
@@ -328,7 +318,7 @@ mod tests {
             take: Take::new("k", &l, 1),
             on_failure: FailureMode::Closed,
         }];
-        let outcomes = block_on(failover.check(&takes, None, None)).unwrap();
+        let outcomes = block_on_ready(failover.check(&takes, None, None)).unwrap();
         assert!(matches!(outcomes[0], Outcome::Decided(d) if d.allowed()));
         assert_eq!(failover.stats(), FailoverStats::default());
     }
@@ -345,15 +335,15 @@ mod tests {
             },
         }];
         let allowed = (0..10)
-            .filter(|_| block_on(failover.check(&takes, None, None)).unwrap()[0].allowed())
+            .filter(|_| block_on_ready(failover.check(&takes, None, None)).unwrap()[0].allowed())
             .count();
         assert_eq!(
             allowed, 2,
             "the emergency budget, not the limit and not unlimited"
         );
         clock.advance(Duration::from_millis(500));
-        assert!(block_on(failover.check(&takes, None, None)).unwrap()[0].allowed());
-        let outcome = block_on(failover.check(&takes, None, None)).unwrap()[0];
+        assert!(block_on_ready(failover.check(&takes, None, None)).unwrap()[0].allowed());
+        let outcome = block_on_ready(failover.check(&takes, None, None)).unwrap()[0];
         assert_eq!(outcome.degraded(), Some(Unavailable::Connection));
         assert_eq!(failover.stats().emergency, 12);
     }
@@ -374,7 +364,7 @@ mod tests {
             },
         ];
         for _ in 0..3 {
-            let outcomes = block_on(failover.check(&takes, None, None)).unwrap();
+            let outcomes = block_on_ready(failover.check(&takes, None, None)).unwrap();
             assert!(outcomes[0].allowed(), "the open limit alone would pass");
             assert_eq!(
                 outcomes[1],
@@ -385,8 +375,8 @@ mod tests {
         }
         // Nothing was charged: the single emergency token is still there.
         let alone = [takes[0]];
-        assert!(block_on(failover.check(&alone, None, None)).unwrap()[0].allowed());
-        assert!(!block_on(failover.check(&alone, None, None)).unwrap()[0].allowed());
+        assert!(block_on_ready(failover.check(&alone, None, None)).unwrap()[0].allowed());
+        assert!(!block_on_ready(failover.check(&alone, None, None)).unwrap()[0].allowed());
     }
 
     #[test]
@@ -399,7 +389,7 @@ mod tests {
             on_failure: FailureMode::Closed,
         }];
         assert!(matches!(
-            block_on(failover.check(&takes, None, None)),
+            block_on_ready(failover.check(&takes, None, None)),
             Err(Error::InvalidCost { .. })
         ));
     }

@@ -605,11 +605,16 @@ impl RedisStore {
             .iter()
             .map(|take| format!("{}{}", self.config.prefix, take.key))
             .collect();
-        let carries = takes
-            .iter()
-            .zip(&keys)
-            .map(|(take, key)| self.carry_of(take, key))
-            .collect::<Result<_, _>>()?;
+        // Empty (no allocation) unless a take carries an old bucket: the usual case.
+        let carries = if takes.iter().any(|take| take.carry.is_some()) {
+            takes
+                .iter()
+                .zip(&keys)
+                .map(|(take, key)| self.carry_of(take, key))
+                .collect::<Result<_, _>>()?
+        } else {
+            Vec::new()
+        };
         let prepared = Prepared {
             limits,
             keys,
@@ -680,6 +685,7 @@ struct Prepared {
     limits: Vec<ScriptLimit>,
     /// Bucket keys, with the store's prefix.
     keys: Vec<String>,
+    /// The old bucket each take carries over; empty when none does.
     carries: Vec<Option<Carried>>,
 }
 
@@ -712,7 +718,7 @@ fn segment(
                 // the carry included: nothing to read again.
                 let carry = match mode {
                     Mode::Refund => None,
-                    Mode::Take | Mode::Peek => prepared.carries[i].clone(),
+                    Mode::Take | Mode::Peek => prepared.carries.get(i).cloned().flatten(),
                 };
                 Bucket {
                     key: prepared.keys[i].clone(),

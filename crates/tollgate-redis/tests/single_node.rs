@@ -1052,6 +1052,18 @@ async fn charges_under_the_old_limit_still_count_after_the_change() {
         Some(":1\r\n")
     );
 
+    // A change older than the new limit's time to full (20 h here) cannot matter: the new
+    // bucket is full whatever the old one held (the store does not even read it).
+    let spent = [Take::new("{u4}:k@old", &old, 10)];
+    assert!(check(&store, &spent, at(0)).await.unwrap()[0].allowed());
+    let long_ago = Carry {
+        key: "{u4}:k@old",
+        limit: &old,
+        since: new.time_to_full(),
+    };
+    let twenty = [Take::new("{u4}:k@new", &new, 20).carried_from(long_ago)];
+    assert!(check(&store, &twenty, at(1)).await.unwrap()[0].allowed());
+
     // An old key holding something else fails the request, as a bucket key would.
     command(server.port, &["HSET", "tollgate:{u3}:k@old", "f", "v"]).unwrap();
     let carry = Carry {

@@ -56,4 +56,4 @@ pub use idempotency::{MAX_REQUEST_ID_BYTES, check_request_id};
 pub use limit::{Limit, MAX_TIME_TO_FULL, Rate};
 pub use limiter::RateLimiter;
 pub use memory::{Item, MemoryStats, MemoryStore, MemoryStoreBuilder};
-pub use store::{Carry, CheckRequest, LocalStore, Store, Take};
+pub use store::{Carry, CheckRequest, LocalStore, Store, Take, block_on_ready};

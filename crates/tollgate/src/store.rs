@@ -114,22 +114,31 @@ pub trait Store: Send + Sync {
     ) -> impl Future<Output = Result<Vec<Decision>, Error>> + Send;
 }
 
+/// Runs `future` to its end on this thread, without an async runtime: for futures that never
+/// wait on anything, as every future of [`LocalStore`] (the in-process store answers at once).
+/// Code generic over [`Store`] can so serve synchronous callers too. A future that did wait
+/// would be polled again and again, never woken: give those to a runtime.
+pub fn block_on_ready<F: Future>(future: F) -> F::Output {
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    let mut future = std::pin::pin!(future);
+    loop {
+        if let std::task::Poll::Ready(value) = future.as_mut().poll(&mut cx) {
+            return value;
+        }
+    }
+}
+
 /// The memory store behind the [`Store`] interface, timed by a [`Clock`].
 ///
 /// ```
-/// use tollgate::{CheckRequest, Limit, LocalStore, ManualClock, Store, Take};
+/// use tollgate::{CheckRequest, Limit, LocalStore, ManualClock, Store, Take, block_on_ready};
 ///
-/// # fn block_on<F: std::future::Future>(f: F) -> F::Output {
-/// #     let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-/// #     let mut f = std::pin::pin!(f);
-/// #     loop { if let std::task::Poll::Ready(v) = f.as_mut().poll(&mut cx) { return v; } }
-/// # }
 /// let store = LocalStore::new(ManualClock::new());
 /// let limit = Limit::new(1, "1/s".parse()?)?;
 /// let takes = [Take::new("user:{42}", &limit, 1)];
 /// let request = CheckRequest { takes: &takes, request_id: None, now: None };
-/// assert!(block_on(store.check(request))?[0].allowed());
-/// assert!(!block_on(store.check(request))?[0].allowed());
+/// assert!(block_on_ready(store.check(request))?[0].allowed());
+/// assert!(!block_on_ready(store.check(request))?[0].allowed());
 /// # Ok::<(), tollgate::Error>(())
 /// ```
 pub struct LocalStore<C> {

@@ -231,24 +231,14 @@ fn same(expected: &Result<Vec<Decision>, Error>, actual: &Result<Vec<Decision>, 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn block_on<F: std::future::Future>(future: F) -> F::Output {
-        let waker = std::task::Waker::noop();
-        let mut cx = std::task::Context::from_waker(waker);
-        let mut future = std::pin::pin!(future);
-        loop {
-            if let std::task::Poll::Ready(value) = future.as_mut().poll(&mut cx) {
-                return value;
-            }
-        }
-    }
+    use crate::store::block_on_ready;
 
     #[test]
     fn the_memory_store_conforms_to_itself() {
         let store = LocalStore::new(ManualClock::new());
         for seed in 1..20 {
             let trace = Trace::new(seed, 500, format!("t{seed}"));
-            if let Err(mismatch) = block_on(compare_with_memory(&store, &trace)) {
+            if let Err(mismatch) = block_on_ready(compare_with_memory(&store, &trace)) {
                 panic!("{mismatch}");
             }
         }
@@ -286,6 +276,6 @@ mod tests {
     fn a_lenient_store_is_caught() {
         let store = Lenient(LocalStore::new(ManualClock::new()));
         let trace = Trace::new(3, 500, "lenient");
-        assert!(block_on(compare_with_memory(&store, &trace)).is_err());
+        assert!(block_on_ready(compare_with_memory(&store, &trace)).is_err());
     }
 }
