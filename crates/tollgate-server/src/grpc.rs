@@ -1,54 +1,109 @@
-//! The gRPC listener: the Envoy RLS service (`rls`) on hyper's HTTP/2 server, connection by
-//! connection, without tonic's `transport::Server`.
+//! The gRPC listener: the Envoy RLS service (`rls`) on HTTP/2 connections that `h2` reads and
+//! this module drives, one task per connection.
 //!
-//! tonic's server puts a router in front of its services (for several of them), wraps every
-//! request in its layers, and reads each connection through a builder that could also speak
-//! HTTP/1. The RLS port serves one service over HTTP/2 only, and a call is cheap enough that
-//! this shows: served straight on hyper, a call costs the server about 1 µs less CPU (12.7
-//! against 13.75 µs, medians of six interleaved rounds in BENCHMARKS.md). The service itself is
-//! still tonic's generated one, so the protocol (framing, status codes and trailers, unknown
-//! methods answered `UNIMPLEMENTED`) is tonic's.
+//! A general HTTP/2 server (hyper's, and tonic's on top of it) spawns a task for every stream:
+//! the connection's task reads the call and wakes the stream's, which answers and wakes the
+//! connection's again to write. On a multi-threaded runtime the second task is often taken by
+//! the other thread, so every call costs two wake-ups, and often a thread woken from sleep,
+//! for a decision that takes a microsecond or two. Here a connection's calls run inside its own
+//! task (a `FuturesUnordered` beside the connection): a call decided at once is answered and
+//! written in the same pass that read it, and one waiting on Redis wakes only this task.
+//! Connections are still spread over the runtime's threads. The service is tonic's generated
+//! one, so the protocol (framing, status codes and trailers, unknown methods answered
+//! `UNIMPLEMENTED`, message size limits) is tonic's; this module only moves frames.
 //!
 //! Shutdown is graceful as for HTTP: once stopped, no connection is accepted, each open one is
 //! sent a GOAWAY, and the calls in flight finish before [`serve`] returns.
 
 use std::convert::Infallible;
+use std::future::poll_fn;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
-use futures_util::{Stream, StreamExt};
-use hyper::body::Incoming;
-use hyper::server::conn::http2;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::server::graceful::GracefulShutdown;
-use hyper_util::service::TowerToHyperService;
+use bytes::Bytes;
+use futures_util::stream::FuturesUnordered;
+use futures_util::{FutureExt, Stream, StreamExt};
+use h2::server::SendResponse;
+use h2::{Reason, RecvStream};
+use http_body::{Body, Frame};
+use http_body_util::BodyExt;
 use tokio::net::TcpStream;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tower_service::Service;
 
 /// How long to wait after a failed accept (out of file descriptors, say) before the next one:
 /// the error is likely to repeat at once, and the connections open meanwhile still need the CPU.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
+/// Calls a client may have open at once on one connection (hyper's default): a client that
+/// wants more opens another connection, as Envoy does.
+const MAX_CONCURRENT_STREAMS: u32 = 200;
+
+/// Flow-control windows, per stream and per connection, large enough that a client is never
+/// held back by them on a call of a few hundred bytes (hyper's defaults).
+const WINDOW: u32 = 1024 * 1024;
+
+/// The largest header block a client may send: an RLS call's headers are a few hundred bytes.
+const MAX_HEADER_LIST: u32 = 16 * 1024;
+
+/// Bytes of answers buffered for a stream whose client does not read them.
+const MAX_SEND_BUFFER: usize = 400 * 1024;
+
+/// A request's body as tonic reads it: the stream's data frames, whose flow-control capacity
+/// is handed back as soon as they are read (the message is small and read whole).
+pub(crate) struct Received(RecvStream);
+
+impl Body for Received {
+    type Data = Bytes;
+    type Error = h2::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, h2::Error>>> {
+        let stream = &mut self.0;
+        match stream.poll_data(cx) {
+            Poll::Ready(Some(Ok(data))) => {
+                // Fails only once the stream is reset, which the next read reports.
+                let _ = stream.flow_control().release_capacity(data.len());
+                Poll::Ready(Some(Ok(Frame::data(data))))
+            }
+            Poll::Ready(Some(Err(err))) => Poll::Ready(Some(Err(err))),
+            Poll::Ready(None) => match stream.poll_trailers(cx) {
+                Poll::Ready(Ok(Some(trailers))) => Poll::Ready(Some(Ok(Frame::trailers(trailers)))),
+                Poll::Ready(Ok(None)) => Poll::Ready(None),
+                Poll::Ready(Err(err)) => Poll::Ready(Some(Err(err))),
+                Poll::Pending => Poll::Pending,
+            },
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.0.is_end_stream()
+    }
+}
+
 /// Serves `service` on every connection `incoming` yields until `stopped` turns true (or
 /// `incoming` ends), then lets the calls in flight finish.
 pub(crate) async fn serve<S, B, I>(service: S, incoming: I, stopped: watch::Receiver<bool>)
 where
-    S: Service<http::Request<Incoming>, Response = http::Response<B>, Error = Infallible>
+    S: Service<http::Request<Received>, Response = http::Response<B>, Error = Infallible>
         + Clone
         + Send
         + 'static,
     S::Future: Send + 'static,
-    B: http_body::Body + Send + 'static,
-    B::Data: Send,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: std::fmt::Display,
     I: Stream<Item = std::io::Result<TcpStream>>,
 {
-    let graceful = GracefulShutdown::new();
-    let builder = http2::Builder::new(TokioExecutor::new());
+    // Every connection's task holds a sender; the channel closes once the last one ends.
+    let (open, mut all_closed) = mpsc::channel::<Infallible>(1);
     // Boxed to be dropped before the wait for calls in flight: that closes the listener, so
     // clients are refused at once instead of waiting on a backlog nobody will accept.
     let mut incoming = Box::pin(incoming);
-    let mut stop = std::pin::pin!(crate::until_stopped(stopped));
+    let mut stop = std::pin::pin!(crate::until_stopped(stopped.clone()));
     loop {
         let accepted = tokio::select! {
             () = &mut stop => break,
@@ -57,15 +112,14 @@ where
         match accepted {
             None => break,
             Some(Ok(stream)) => {
-                let service = TowerToHyperService::new(service.clone());
-                let connection = builder.serve_connection(TokioIo::new(stream), service);
-                let connection = graceful.watch(connection);
+                let (service, stopped, open) = (service.clone(), stopped.clone(), open.clone());
                 tokio::spawn(async move {
                     // A client that goes away mid-call is routine for a server; not an error
                     // of ours to report louder than this.
-                    if let Err(err) = connection.await {
+                    if let Err(err) = serve_connection(service, stream, stopped).await {
                         tracing::debug!(error = %err, "gRPC connection ended with an error");
                     }
+                    drop(open);
                 });
             }
             Some(Err(err)) => {
@@ -78,16 +132,133 @@ where
         }
     }
     drop(incoming);
-    graceful.shutdown().await;
+    drop(open);
+    let _ = all_closed.recv().await;
+}
+
+/// Serves one connection until the client closes it, or until it has drained after `stopped`.
+async fn serve_connection<S, B>(
+    service: S,
+    stream: TcpStream,
+    stopped: watch::Receiver<bool>,
+) -> Result<(), h2::Error>
+where
+    S: Service<http::Request<Received>, Response = http::Response<B>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: std::fmt::Display,
+{
+    let mut stop = std::pin::pin!(crate::until_stopped(stopped));
+    let handshake = h2::server::Builder::new()
+        .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
+        .initial_window_size(WINDOW)
+        .initial_connection_window_size(WINDOW)
+        .max_header_list_size(MAX_HEADER_LIST)
+        .max_send_buffer_size(MAX_SEND_BUFFER)
+        .handshake::<_, Bytes>(stream);
+    let mut connection = tokio::select! {
+        // Stopped before the client said a word: nothing is in flight.
+        () = &mut stop => return Ok(()),
+        connection = handshake => connection?,
+    };
+    let mut calls = FuturesUnordered::new();
+    let mut stopping = false;
+    // One pass reads what the client sent, starts a call per new stream, and runs the calls
+    // until neither the connection nor any call can go further: answers the calls write are
+    // flushed by the connection's next poll, hence the loop.
+    poll_fn(move |cx| {
+        if !stopping && stop.as_mut().poll(cx).is_ready() {
+            stopping = true;
+            connection.graceful_shutdown();
+        }
+        loop {
+            let mut progressed = false;
+            loop {
+                match connection.poll_accept(cx) {
+                    Poll::Ready(Some(Ok((request, respond)))) => {
+                        let call = answer(service.clone(), request, respond);
+                        // A panic fails its call alone (the stream is reset), not the
+                        // connection's other calls.
+                        calls.push(std::panic::AssertUnwindSafe(call).catch_unwind());
+                        progressed = true;
+                    }
+                    Poll::Ready(Some(Err(err))) => return Poll::Ready(Err(err)),
+                    // Closed, or drained after a GOAWAY: h2 waits for every open stream first.
+                    Poll::Ready(None) => return Poll::Ready(Ok(())),
+                    Poll::Pending => break,
+                }
+            }
+            while let Poll::Ready(Some(outcome)) = calls.poll_next_unpin(cx) {
+                if outcome.is_err() {
+                    tracing::error!("a gRPC call panicked");
+                }
+                progressed = true;
+            }
+            if !progressed {
+                return Poll::Pending;
+            }
+        }
+    })
+    .await
+}
+
+/// Runs one call: the request's body goes to `service` as it arrives, and the answer's frames
+/// go back on the stream as the service yields them.
+async fn answer<S, B>(
+    mut service: S,
+    request: http::Request<RecvStream>,
+    mut respond: SendResponse<Bytes>,
+) where
+    S: Service<http::Request<Received>, Response = http::Response<B>, Error = Infallible>,
+    B: Body<Data = Bytes>,
+    B::Error: std::fmt::Display,
+{
+    let Ok(response) = service.call(request.map(Received)).await;
+    let (head, body) = response.into_parts();
+    let end = body.is_end_stream();
+    let Ok(mut stream) = respond.send_response(http::Response::from_parts(head, ()), end) else {
+        // The client reset the stream: nobody is waiting for the answer.
+        return;
+    };
+    if end {
+        return;
+    }
+    let mut body = std::pin::pin!(body);
+    loop {
+        let sent = match body.frame().await {
+            None => {
+                let _ = stream.send_data(Bytes::new(), true);
+                return;
+            }
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(data) => stream.send_data(data, false),
+                Err(frame) => match frame.into_trailers() {
+                    Ok(trailers) => {
+                        let _ = stream.send_trailers(trailers);
+                        return;
+                    }
+                    Err(_) => continue,
+                },
+            },
+            Some(Err(err)) => {
+                tracing::debug!(error = %err, "a gRPC answer failed mid-body");
+                stream.send_reset(Reason::INTERNAL_ERROR);
+                return;
+            }
+        };
+        if sent.is_err() {
+            return;
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
-    use std::pin::Pin;
     use std::sync::Arc;
-    use std::task::{Context, Poll};
 
-    use bytes::Bytes;
     use http_body_util::Full;
     use tokio::sync::Notify;
 
@@ -100,7 +271,7 @@ mod tests {
         release: Arc<Notify>,
     }
 
-    impl Service<http::Request<Incoming>> for Held {
+    impl Service<http::Request<Received>> for Held {
         type Response = http::Response<Full<Bytes>>;
         type Error = Infallible;
         type Future =
@@ -110,14 +281,89 @@ mod tests {
             Poll::Ready(Ok(()))
         }
 
-        fn call(&mut self, _: http::Request<Incoming>) -> Self::Future {
+        /// `/echo` answers its request's body at once and `/panic` panics; any other path is
+        /// held until released.
+        fn call(&mut self, request: http::Request<Received>) -> Self::Future {
             let (started, release) = (Arc::clone(&self.started), Arc::clone(&self.release));
             Box::pin(async move {
-                started.notify_one();
-                release.notified().await;
-                Ok(http::Response::new(Full::new(Bytes::from_static(b"done"))))
+                match request.uri().path() {
+                    "/echo" => {
+                        let body = request.into_body().collect().await.unwrap().to_bytes();
+                        Ok(http::Response::new(Full::new(body)))
+                    }
+                    "/panic" => panic!("a call's own failure"),
+                    _ => {
+                        started.notify_one();
+                        release.notified().await;
+                        Ok(http::Response::new(Full::new(Bytes::from_static(b"done"))))
+                    }
+                }
             })
         }
+    }
+
+    /// Sends a POST to `path` with `body` on `client`'s connection.
+    fn post(
+        client: &mut h2::client::SendRequest<Bytes>,
+        path: &str,
+        body: &'static [u8],
+    ) -> h2::client::ResponseFuture {
+        let request = http::Request::post(format!("http://tollgate{path}"))
+            .body(())
+            .unwrap();
+        let (answer, mut stream) = client.send_request(request, false).unwrap();
+        stream.send_data(Bytes::from_static(body), true).unwrap();
+        answer
+    }
+
+    /// The whole body of an answer.
+    async fn read(answer: h2::client::ResponseFuture) -> Result<Bytes, h2::Error> {
+        let mut body = answer.await?.into_body();
+        let mut all = Vec::new();
+        while let Some(data) = body.data().await {
+            all.extend_from_slice(&data?);
+        }
+        Ok(Bytes::from(all))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn calls_on_one_connection_do_not_wait_for_each_other_and_a_panic_fails_its_call_alone() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let incoming = tonic::transport::server::TcpIncoming::from(listener);
+        let (stop, stopped) = watch::channel(false);
+        let held = Held::default();
+        let server = tokio::spawn(serve(held.clone(), incoming, stopped));
+        let (client, connection) = h2::client::handshake(TcpStream::connect(addr).await.unwrap())
+            .await
+            .unwrap();
+        tokio::spawn(connection);
+        let mut client = client.ready().await.unwrap();
+
+        // A call that waits (on Redis, say) holds up none of the others on its connection.
+        let waiting = post(&mut client, "/hold", b"");
+        held.started.notified().await;
+        let echoed = tokio::time::timeout(
+            Duration::from_secs(10),
+            read(post(&mut client, "/echo", b"a request body")),
+        )
+        .await
+        .expect("answered while another call waits");
+        assert_eq!(&echoed.unwrap()[..], b"a request body");
+
+        // A call that panics has its stream reset; the connection and its calls go on.
+        let failed = read(post(&mut client, "/panic", b"")).await;
+        assert!(failed.is_err(), "a panicked call answered: {failed:?}");
+        let echoed = read(post(&mut client, "/echo", b"still here")).await;
+        assert_eq!(&echoed.unwrap()[..], b"still here");
+
+        held.release.notify_one();
+        assert_eq!(&read(waiting).await.unwrap()[..], b"done");
+        stop.send(true).unwrap();
+        tokio::time::timeout(Duration::from_secs(10), server)
+            .await
+            .expect("serve returns once stopped")
+            .unwrap();
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
