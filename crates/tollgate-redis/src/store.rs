@@ -483,8 +483,10 @@ impl RedisStore {
         let conflict = replies.iter().any(|reply| reply.status == -1);
         let unreadable = replies.iter().any(|reply| reply.status == -2);
         let rejected = replies.iter().any(|reply| reply.status == 0);
-        let mut refunded = vec![false; groups.len()];
+        // Allocated only when something is refunded: most requests are admitted whole.
+        let mut refunded = Vec::new();
         if (conflict || unreadable || rejected) && !dry {
+            refunded = vec![false; groups.len()];
             let refunds = groups
                 .iter()
                 .zip(&replies)
@@ -517,7 +519,8 @@ impl RedisStore {
         // The request's time past its whole microsecond, which the script rounded.
         let nanos = now.map_or(0, |now| now % 1_000);
         let mut decisions: Vec<Option<Decision>> = vec![None; request.takes.len()];
-        for ((group, reply), refunded) in groups.iter().zip(&replies).zip(refunded) {
+        for (index, (group, reply)) in groups.iter().zip(&replies).enumerate() {
+            let refunded = refunded.get(index).copied().unwrap_or(false);
             for (&i, &(allowed, deficit)) in group.takes.iter().zip(&reply.buckets) {
                 let take = &request.takes[i];
                 let limit = &limits[i];
@@ -601,10 +604,7 @@ impl RedisStore {
         if let Some(id) = request.request_id {
             tollgate::check_request_id(id)?;
         }
-        let keys: Vec<String> = takes
-            .iter()
-            .map(|take| format!("{}{}", self.config.prefix, take.key))
-            .collect();
+        let keys: Vec<String> = takes.iter().map(|take| self.prefixed(take.key)).collect();
         // Empty (no allocation) unless a take carries an old bucket: the usual case.
         let carries = if takes.iter().any(|take| take.carry.is_some()) {
             takes
@@ -655,6 +655,15 @@ impl RedisStore {
 }
 
 impl RedisStore {
+    /// `key` as stored: after the store's prefix. Built at its exact size, as it is on every
+    /// decision's path (`format!` would grow it as it writes).
+    fn prefixed(&self, key: &str) -> String {
+        let mut stored = String::with_capacity(self.config.prefix.len() + key.len());
+        stored.push_str(&self.config.prefix);
+        stored.push_str(key);
+        stored
+    }
+
     /// The old bucket `take` carries over, if the script should read it: not when it is the
     /// bucket itself, lies in another cluster slot (a script cannot read it atomically), or
     /// changed so long ago that the new bucket would have refilled from empty since.
@@ -665,7 +674,7 @@ impl RedisStore {
         if carry.since >= take.limit.time_to_full() {
             return Ok(None);
         }
-        let old = format!("{}{}", self.config.prefix, carry.key);
+        let old = self.prefixed(carry.key);
         if old == key || (self.cluster && Slot::for_key(&old) != Slot::for_key(key)) {
             return Ok(None);
         }
