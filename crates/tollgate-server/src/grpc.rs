@@ -1,5 +1,5 @@
-//! The gRPC listener: the Envoy RLS service (`rls`) on HTTP/2 connections that `h2` reads and
-//! this module drives, one task per connection.
+//! The gRPC listener: the Envoy RLS service (`rls`, with gRPC health beside it, `health`) on
+//! HTTP/2 connections that `h2` reads and this module drives, one task per connection.
 //!
 //! A general HTTP/2 server (hyper's, and tonic's on top of it) spawns a task for every stream:
 //! the connection's task reads the call and wakes the stream's, which answers and wakes the
@@ -11,7 +11,7 @@
 //! Connections are still spread over the runtime's threads. Calls multiplexed as Envoy sends
 //! them cost the server 11–13 µs instead of 15.6–16.7 (BENCHMARKS.md, ninth session); the price
 //! is that a connection's calls wait while the thread running its task is paused, which shows
-//! in the tail at saturation. The service is tonic's generated one, so the protocol (framing,
+//! in the tail at saturation. The services are tonic's generated ones, so the protocol (framing,
 //! status codes and trailers, unknown methods answered `UNIMPLEMENTED`, message size limits)
 //! is tonic's; this module only moves frames.
 //!
@@ -219,6 +219,8 @@ async fn answer<S, B>(
     B: Body<Data = Bytes>,
     B::Error: std::fmt::Display,
 {
+    // tonic's services are always ready; the contract is kept all the same.
+    let Ok(()) = poll_fn(|cx| service.poll_ready(cx)).await;
     let Ok(response) = service.call(request.map(Received)).await;
     let (head, body) = response.into_parts();
     let end = body.is_end_stream();

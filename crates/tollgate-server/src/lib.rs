@@ -46,6 +46,7 @@
 pub mod cli;
 pub mod decider;
 mod grpc;
+mod health;
 pub mod http;
 pub mod loadgen;
 pub mod metrics;
@@ -373,7 +374,8 @@ where
     let http_server = axum::serve(http, app).with_graceful_shutdown(until_stopped(stopped.clone()));
 
     let rls = rls::Rls::new(Arc::clone(&state.decider)).into_server();
-    let grpc_server = grpc::serve(rls, grpc, stopped);
+    let health = health::GrpcHealth::new(Arc::clone(&state.decider), stopped.clone()).into_server();
+    let grpc_server = grpc::serve(health::Routes::new(rls, health), grpc, stopped);
 
     let (http_result, ()) = tokio::join!(http_server, grpc_server);
     http_result.map_err(ServeError::Http)

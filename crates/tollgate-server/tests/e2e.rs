@@ -6,6 +6,11 @@ use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescript
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use std::time::Duration;
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+
 use support::{
     Scratch, Server, descriptor, path_str, post_json, request, run, serve_refused,
     serve_refused_with_env,
@@ -622,6 +627,63 @@ fn admin_bearer_scheme_is_case_insensitive() {
         );
         assert_eq!(answer.status, 401, "{auth}: {}", answer.body);
     }
+}
+
+/// The standard gRPC health service answers on the RLS port, as Envoy's `grpc_health_check`
+/// and Kubernetes' gRPC probes ask it, beside the RLS service; and a `Watch` left open does not
+/// hold up a graceful stop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_health_beside_rls_and_a_watch_ends_at_the_stop() {
+    let scratch = Scratch::new("grpc-health");
+    let config = scratch.write("policy.yaml", POLICY);
+    let server = Server::start(&["--config", path_str(&config)]);
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.grpc))
+        .unwrap()
+        .connect()
+        .await
+        .expect("connect to the gRPC port");
+    let mut health = HealthClient::new(channel.clone());
+    let ask = |service: &str| HealthCheckRequest {
+        service: service.to_owned(),
+    };
+    for service in ["", "envoy.service.ratelimit.v3.RateLimitService"] {
+        let answer = health.check(ask(service)).await.expect("a known service");
+        assert_eq!(
+            answer.into_inner().status,
+            ServingStatus::Serving as i32,
+            "{service:?}"
+        );
+    }
+    let unknown = health.check(ask("no.such.Service")).await.unwrap_err();
+    assert_eq!(unknown.code(), tonic::Code::NotFound, "{unknown:?}");
+
+    // The same connection still reaches the RLS service.
+    let request = RateLimitRequest {
+        domain: "api".to_owned(),
+        descriptors: vec![descriptor(&[("user", "healthy")])],
+        hits_addend: 1,
+    };
+    let answer = RateLimitServiceClient::new(channel)
+        .should_rate_limit(request)
+        .await
+        .expect("RLS beside health");
+    assert_eq!(answer.into_inner().overall_code, Code::Ok as i32);
+
+    let mut watch = health.watch(ask("")).await.expect("watch").into_inner();
+    let first = watch.message().await.expect("a first status");
+    assert_eq!(first.map(|m| m.status), Some(ServingStatus::Serving as i32));
+    let status =
+        tokio::task::spawn_blocking(move || server.terminate_within(Duration::from_secs(10)))
+            .await
+            .unwrap();
+    assert!(
+        status.is_some_and(|status| status.success()),
+        "a watch held the stop: {status:?}"
+    );
+    let end = tokio::time::timeout(Duration::from_secs(5), watch.message())
+        .await
+        .expect("the watch ends with the server");
+    assert!(matches!(end, Ok(None) | Err(_)), "{end:?}");
 }
 
 #[test]

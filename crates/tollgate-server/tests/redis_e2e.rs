@@ -10,6 +10,9 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::R
 use envoy_types::pb::google::protobuf::UInt64Value;
 use support::{Scratch, Server, path_str, post_json, request, serve_refused};
 use tollgate_redis::test_server::{RedisCluster, RedisServer, TestCertificates, command};
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
 
 const POLICY: &str = r#"
 version: "shared"
@@ -161,6 +164,54 @@ fn descriptor(entries: &[(&str, &str)], hits: Option<u64>) -> RateLimitDescripto
         hits_addend: hits.map(|value| UInt64Value { value }),
         ..support::descriptor(entries)
     }
+}
+
+/// The gRPC health service follows the store, as `/readyz` does: Envoy's health checker takes
+/// an instance whose Redis is gone out of rotation, and a watcher hears of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_health_turns_not_serving_when_redis_dies() {
+    let mut redis = RedisServer::start();
+    let scratch = Scratch::new("health-down");
+    let config = scratch.write("policy.yaml", POLICY);
+    let server = Server::start(&["--config", path_str(&config), "--store", &redis.url()]);
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.grpc))
+        .unwrap()
+        .connect()
+        .await
+        .expect("connect to the gRPC port");
+    let mut health = HealthClient::new(channel);
+    let ask = || HealthCheckRequest {
+        service: String::new(),
+    };
+    let status = health
+        .check(ask())
+        .await
+        .expect("check")
+        .into_inner()
+        .status;
+    assert_eq!(status, ServingStatus::Serving as i32);
+    let mut watch = health.watch(ask()).await.expect("watch").into_inner();
+    let first = watch
+        .message()
+        .await
+        .expect("a first status")
+        .map(|m| m.status);
+    assert_eq!(first, Some(ServingStatus::Serving as i32));
+
+    redis.kill();
+    let status = health
+        .check(ask())
+        .await
+        .expect("check")
+        .into_inner()
+        .status;
+    assert_eq!(status, ServingStatus::NotServing as i32);
+    let next = tokio::time::timeout(std::time::Duration::from_secs(10), watch.message())
+        .await
+        .expect("the watcher hears of it")
+        .expect("a status")
+        .map(|m| m.status);
+    assert_eq!(next, Some(ServingStatus::NotServing as i32));
 }
 
 /// With Redis down, Envoy must get an explicit OVER_LIMIT for a closed limit, never a gRPC

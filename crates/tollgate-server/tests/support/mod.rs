@@ -95,6 +95,28 @@ impl Server {
         child.wait().expect("wait for tollgate")
     }
 
+    /// Sends SIGTERM and waits up to `limit` for the exit status; `None` (and the process
+    /// killed) if it did not stop by then.
+    pub fn terminate_within(mut self, limit: std::time::Duration) -> Option<ExitStatus> {
+        let mut child = self.child.take().expect("running");
+        let pid = child.id().to_string();
+        let status = Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .expect("run kill");
+        assert!(status.success());
+        let (exited, exit) = std::sync::mpsc::channel();
+        let waiter = std::thread::spawn(move || {
+            let _ = exited.send(child.wait().expect("wait for tollgate"));
+        });
+        let status = exit.recv_timeout(limit).ok();
+        if status.is_none() {
+            let _ = Command::new("kill").args(["-KILL", &pid]).status();
+        }
+        let _ = waiter.join();
+        status
+    }
+
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.http)
     }

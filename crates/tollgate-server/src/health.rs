@@ -1,0 +1,175 @@
+//! The standard gRPC health service (`grpc.health.v1.Health`) on the RLS port, and the router
+//! that puts it beside the RLS service.
+//!
+//! Envoy health-checks a gRPC cluster with this protocol (`grpc_health_check`), as do
+//! Kubernetes' gRPC probes, so an instance that cannot decide (its Redis unreachable) is taken
+//! out of rotation by the very client that calls it, without an HTTP port to probe. The answer
+//! is `/readyz`'s: serving when the store answers (always, on the memory store), computed on
+//! every `Check` so that the two never disagree. The service names known are the server as a
+//! whole (`""`) and the RLS service; others are `NOT_FOUND`, as the protocol asks.
+
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use futures_util::future::Either;
+use futures_util::{Stream, StreamExt, stream};
+use tokio::sync::watch;
+use tonic::{Request, Response, Status};
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_server::{Health, HealthServer};
+use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
+use tower_service::Service;
+
+use crate::decider::Decider;
+
+/// The path prefix of the health service's methods.
+const HEALTH_PATH: &str = "/grpc.health.v1.Health/";
+
+/// The service names `Check` and `Watch` know.
+const SERVICES: [&str; 2] = ["", "envoy.service.ratelimit.v3.RateLimitService"];
+
+/// How often a `Watch` looks at the store again: a ping every few seconds per watcher is
+/// nothing to Redis, and a status a few seconds late is what health checking tolerates.
+const WATCH_EVERY: Duration = Duration::from_secs(2);
+
+/// The health service of one server.
+pub(crate) struct GrpcHealth {
+    decider: Arc<Decider>,
+    /// Ends every `Watch` stream at shutdown: a stream that never ends would hold the graceful
+    /// stop forever.
+    stopped: watch::Receiver<bool>,
+}
+
+impl GrpcHealth {
+    pub(crate) fn new(decider: Arc<Decider>, stopped: watch::Receiver<bool>) -> Self {
+        Self { decider, stopped }
+    }
+
+    pub(crate) fn into_server(self) -> HealthServer<Self> {
+        HealthServer::new(self)
+    }
+}
+
+/// The status of `service` now: `None` for a name this server does not know.
+async fn status(decider: &Decider, service: &str) -> Option<ServingStatus> {
+    if !SERVICES.contains(&service) {
+        return None;
+    }
+    Some(match decider.store_ready().await {
+        Ok(()) => ServingStatus::Serving,
+        Err(_) => ServingStatus::NotServing,
+    })
+}
+
+fn response(status: ServingStatus) -> HealthCheckResponse {
+    HealthCheckResponse {
+        status: status as i32,
+    }
+}
+
+/// A `Watch` stream's state between two messages.
+struct Watching {
+    decider: Arc<Decider>,
+    service: String,
+    last: Option<ServingStatus>,
+    stopped: watch::Receiver<bool>,
+}
+
+impl Watching {
+    /// The next status that differs from the last one sent, or `None` once the server stops.
+    async fn next(mut self) -> Option<(Result<HealthCheckResponse, Status>, Self)> {
+        loop {
+            if *self.stopped.borrow() {
+                return None;
+            }
+            let now = status(&self.decider, &self.service)
+                .await
+                .unwrap_or(ServingStatus::ServiceUnknown);
+            if self.last != Some(now) {
+                self.last = Some(now);
+                return Some((Ok(response(now)), self));
+            }
+            tokio::select! {
+                () = tokio::time::sleep(WATCH_EVERY) => {}
+                // A closed channel means the server is gone too.
+                _ = self.stopped.changed() => {}
+            }
+        }
+    }
+}
+
+type WatchStream = Pin<Box<dyn Stream<Item = Result<HealthCheckResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Health for GrpcHealth {
+    async fn check(
+        &self,
+        request: Request<HealthCheckRequest>,
+    ) -> Result<Response<HealthCheckResponse>, Status> {
+        let service = request.into_inner().service;
+        match status(&self.decider, &service).await {
+            Some(status) => Ok(Response::new(response(status))),
+            None => Err(Status::not_found(format!("unknown service {service:?}"))),
+        }
+    }
+
+    type WatchStream = WatchStream;
+
+    async fn watch(
+        &self,
+        request: Request<HealthCheckRequest>,
+    ) -> Result<Response<WatchStream>, Status> {
+        let watching = Watching {
+            decider: Arc::clone(&self.decider),
+            service: request.into_inner().service,
+            last: None,
+            stopped: self.stopped.clone(),
+        };
+        Ok(Response::new(
+            stream::unfold(watching, Watching::next).boxed(),
+        ))
+    }
+}
+
+/// The gRPC port's services: health calls go to `health`, everything else to `rls` (which
+/// answers `UNIMPLEMENTED` for methods it does not have).
+#[derive(Clone)]
+pub(crate) struct Routes<R, H> {
+    rls: R,
+    health: H,
+}
+
+impl<R, H> Routes<R, H> {
+    pub(crate) fn new(rls: R, health: H) -> Self {
+        Self { rls, health }
+    }
+}
+
+impl<R, H, B, Req> Service<http::Request<Req>> for Routes<R, H>
+where
+    R: Service<http::Request<Req>, Response = http::Response<B>, Error = Infallible>,
+    H: Service<http::Request<Req>, Response = http::Response<B>, Error = Infallible>,
+{
+    type Response = http::Response<B>;
+    type Error = Infallible;
+    type Future = Either<R::Future, H::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        // Both are tonic's generated servers, always ready; asked anyway, as the contract says.
+        let Poll::Ready(Ok(())) = self.rls.poll_ready(cx) else {
+            return Poll::Pending;
+        };
+        self.health.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<Req>) -> Self::Future {
+        if request.uri().path().starts_with(HEALTH_PATH) {
+            Either::Right(self.health.call(request))
+        } else {
+            Either::Left(self.rls.call(request))
+        }
+    }
+}
