@@ -97,7 +97,7 @@ where
         + Send
         + 'static,
     S::Future: Send + 'static,
-    B: Body<Data = Bytes> + Send + 'static,
+    B: Body<Data = Bytes> + Default + Send + 'static,
     B::Error: std::fmt::Display,
     I: Stream<Item = std::io::Result<TcpStream>>,
 {
@@ -151,7 +151,7 @@ where
         + Send
         + 'static,
     S::Future: Send + 'static,
-    B: Body<Data = Bytes> + Send + 'static,
+    B: Body<Data = Bytes> + Default + Send + 'static,
     B::Error: std::fmt::Display,
 {
     let mut stop = std::pin::pin!(crate::until_stopped(stopped));
@@ -216,12 +216,27 @@ async fn answer<S, B>(
     mut respond: SendResponse<Bytes>,
 ) where
     S: Service<http::Request<Received>, Response = http::Response<B>, Error = Infallible>,
-    B: Body<Data = Bytes>,
+    B: Body<Data = Bytes> + Default,
     B::Error: std::fmt::Display,
 {
-    // tonic's services are always ready; the contract is kept all the same.
-    let Ok(()) = poll_fn(|cx| service.poll_ready(cx)).await;
-    let Ok(response) = service.call(request.map(Received)).await;
+    let deadline = grpc_timeout(request.headers());
+    let call = async {
+        // tonic's services are always ready; the contract is kept all the same.
+        let Ok(()) = poll_fn(|cx| service.poll_ready(cx)).await;
+        let Ok(response) = service.call(request.map(Received)).await;
+        response
+    };
+    // The client's deadline (Envoy sends its rate-limit timeout): past it the client has given
+    // up, so the call stops waiting (on a slow Redis, say) and says so.
+    let response = match deadline {
+        None => call.await,
+        Some(deadline) => match tokio::time::timeout(deadline, call).await {
+            Ok(response) => response,
+            Err(_) => {
+                tonic::Status::deadline_exceeded("the call's grpc-timeout passed").into_http()
+            }
+        },
+    };
     let (head, body) = response.into_parts();
     let end = body.is_end_stream();
     let Ok(mut stream) = respond.send_response(http::Response::from_parts(head, ()), end) else {
@@ -258,6 +273,29 @@ async fn answer<S, B>(
             return;
         }
     }
+}
+
+/// The `grpc-timeout` header: at most 8 digits and a unit (`H`, `M`, `S`, `m`, `u`, `n`). A
+/// malformed one is ignored, as if absent: the call then runs without a deadline of its own,
+/// still bounded by the store's timeout.
+fn grpc_timeout(headers: &http::HeaderMap) -> Option<Duration> {
+    let (&unit, digits) = headers.get("grpc-timeout")?.as_bytes().split_last()?;
+    if digits.is_empty() || digits.len() > 8 || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    // At most 8 digits: no overflow, even in hours.
+    let amount = digits
+        .iter()
+        .fold(0u64, |amount, digit| amount * 10 + u64::from(digit - b'0'));
+    Some(match unit {
+        b'H' => Duration::from_secs(amount * 3600),
+        b'M' => Duration::from_secs(amount * 60),
+        b'S' => Duration::from_secs(amount),
+        b'm' => Duration::from_millis(amount),
+        b'u' => Duration::from_micros(amount),
+        b'n' => Duration::from_nanos(amount),
+        _ => return None,
+    })
 }
 
 #[cfg(test)]
@@ -364,6 +402,67 @@ mod tests {
 
         held.release.notify_one();
         assert_eq!(&read(waiting).await.unwrap()[..], b"done");
+        stop.send(true).unwrap();
+        tokio::time::timeout(Duration::from_secs(10), server)
+            .await
+            .expect("serve returns once stopped")
+            .unwrap();
+    }
+
+    #[test]
+    fn grpc_timeouts_parse_by_the_protocol_and_malformed_ones_are_ignored() {
+        let parse = |value: &'static str| {
+            let mut headers = http::HeaderMap::new();
+            headers.insert("grpc-timeout", http::HeaderValue::from_static(value));
+            grpc_timeout(&headers)
+        };
+        assert_eq!(parse("20m"), Some(Duration::from_millis(20)));
+        assert_eq!(parse("1S"), Some(Duration::from_secs(1)));
+        assert_eq!(parse("2M"), Some(Duration::from_secs(120)));
+        assert_eq!(
+            parse("99999999H"),
+            Some(Duration::from_secs(99_999_999 * 3600))
+        );
+        assert_eq!(parse("5u"), Some(Duration::from_micros(5)));
+        assert_eq!(parse("7n"), Some(Duration::from_nanos(7)));
+        for bad in ["", "m", "20", "20x", "123456789m", "-1S", "1.5S", " 1S"] {
+            assert_eq!(parse(bad), None, "{bad:?}");
+        }
+        assert_eq!(grpc_timeout(&http::HeaderMap::new()), None);
+    }
+
+    /// A call still waiting when its client's `grpc-timeout` passes is answered
+    /// `DEADLINE_EXCEEDED` then, not when the service would have finished.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_call_past_its_grpc_timeout_is_answered_deadline_exceeded() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let incoming = tonic::transport::server::TcpIncoming::from(listener);
+        let (stop, stopped) = watch::channel(false);
+        let held = Held::default();
+        let server = tokio::spawn(serve(held.clone(), incoming, stopped));
+        let (client, connection) = h2::client::handshake(TcpStream::connect(addr).await.unwrap())
+            .await
+            .unwrap();
+        tokio::spawn(connection);
+        let mut client = client.ready().await.unwrap();
+
+        let request = http::Request::post("http://tollgate/hold")
+            .header("grpc-timeout", "50m")
+            .body(())
+            .unwrap();
+        let (answer, _) = client.send_request(request, true).unwrap();
+        let answer = tokio::time::timeout(Duration::from_secs(10), answer)
+            .await
+            .expect("answered at the deadline, though the call is still held")
+            .unwrap();
+        // A trailers-only answer: the status is in the headers.
+        assert_eq!(
+            answer.headers().get("grpc-status").map(|v| v.as_bytes()),
+            Some(&b"4"[..]),
+            "{answer:?}"
+        );
+        held.release.notify_waiters();
         stop.send(true).unwrap();
         tokio::time::timeout(Duration::from_secs(10), server)
             .await
