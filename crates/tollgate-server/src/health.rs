@@ -94,8 +94,12 @@ impl Watching {
             }
             tokio::select! {
                 () = tokio::time::sleep(WATCH_EVERY) => {}
-                // A closed channel means the server is gone too.
-                _ = self.stopped.changed() => {}
+                changed = self.stopped.changed() => {
+                    // The server that would say "stop" is gone: so is the reason to watch.
+                    if changed.is_err() {
+                        return None;
+                    }
+                }
             }
         }
     }
