@@ -177,3 +177,72 @@ where
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use tollgate_policy::{EngineOptions, PolicyEngine, compile};
+
+    use super::*;
+    use crate::Backend;
+
+    fn decider() -> Arc<Decider> {
+        let policy = compile(
+            "p.yaml",
+            "limits: [{name: l, domain: api, key: [user], capacity: 1, refill: 1/s}]",
+        )
+        .expect("policy");
+        let engine = Arc::new(PolicyEngine::new(policy, EngineOptions::default()));
+        Arc::new(Decider::new(engine, Backend::Memory))
+    }
+
+    fn watch(service: &str, stopped: watch::Receiver<bool>) -> WatchStream {
+        let watching = Watching {
+            decider: decider(),
+            service: service.to_owned(),
+            last: None,
+            stopped,
+        };
+        stream::unfold(watching, Watching::next).boxed()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_watch_says_the_status_once_and_ends_at_the_stop() {
+        let (stop, stopped) = watch::channel(false);
+        let mut statuses = watch("", stopped);
+        let first = statuses.next().await.expect("a status").expect("ok");
+        assert_eq!(first.status, ServingStatus::Serving as i32);
+        // Unchanged: nothing more, however long it runs.
+        let more = tokio::time::timeout(WATCH_EVERY * 10, statuses.next()).await;
+        assert!(more.is_err(), "{more:?}");
+        stop.send(true).expect("watched");
+        assert!(statuses.next().await.is_none());
+    }
+
+    #[test]
+    fn an_unknown_service_is_said_unknown_and_a_watch_ends_without_a_server() {
+        // On a thread of its own: a stream that spins instead of ending never gives its thread
+        // back, and the test must fail, not hang.
+        let (done, finished) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_time()
+                .start_paused(true)
+                .build()
+                .expect("runtime");
+            let end = runtime.block_on(async {
+                let (stop, stopped) = watch::channel(false);
+                let mut statuses = watch("no.such.Service", stopped);
+                let first = statuses.next().await.expect("a status").expect("ok");
+                assert_eq!(first.status, ServingStatus::ServiceUnknown as i32);
+                // The stop's sender dropped without a stop: the stream ends.
+                drop(stop);
+                statuses.next().await.is_none()
+            });
+            let _ = done.send(end);
+        });
+        let ended = finished
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the watch ended instead of spinning");
+        assert!(ended);
+    }
+}
