@@ -359,6 +359,35 @@ mod tests {
         answer
     }
 
+    /// `serve` running a [`Held`] service on a free port, with a client connected to it.
+    struct Running {
+        held: Held,
+        stop: watch::Sender<bool>,
+        server: tokio::task::JoinHandle<()>,
+        client: h2::client::SendRequest<Bytes>,
+    }
+
+    impl Running {
+        async fn start() -> Self {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let incoming = tonic::transport::server::TcpIncoming::from(listener);
+            let (stop, stopped) = watch::channel(false);
+            let held = Held::default();
+            let server = tokio::spawn(serve(held.clone(), incoming, stopped));
+            let stream = TcpStream::connect(addr).await.unwrap();
+            let (client, connection) = h2::client::handshake(stream).await.unwrap();
+            tokio::spawn(connection);
+            let client = client.ready().await.unwrap();
+            Self {
+                held,
+                stop,
+                server,
+                client,
+            }
+        }
+    }
+
     /// The whole body of an answer.
     async fn read(answer: h2::client::ResponseFuture) -> Result<Bytes, h2::Error> {
         let mut body = answer.await?.into_body();
@@ -371,17 +400,12 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn calls_on_one_connection_do_not_wait_for_each_other_and_a_panic_fails_its_call_alone() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let incoming = tonic::transport::server::TcpIncoming::from(listener);
-        let (stop, stopped) = watch::channel(false);
-        let held = Held::default();
-        let server = tokio::spawn(serve(held.clone(), incoming, stopped));
-        let (client, connection) = h2::client::handshake(TcpStream::connect(addr).await.unwrap())
-            .await
-            .unwrap();
-        tokio::spawn(connection);
-        let mut client = client.ready().await.unwrap();
+        let Running {
+            held,
+            stop,
+            server,
+            mut client,
+        } = Running::start().await;
 
         // A call that waits (on Redis, say) holds up none of the others on its connection.
         let waiting = post(&mut client, "/hold", b"");
@@ -435,17 +459,12 @@ mod tests {
     /// `DEADLINE_EXCEEDED` then, not when the service would have finished.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_call_past_its_grpc_timeout_is_answered_deadline_exceeded() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let incoming = tonic::transport::server::TcpIncoming::from(listener);
-        let (stop, stopped) = watch::channel(false);
-        let held = Held::default();
-        let server = tokio::spawn(serve(held.clone(), incoming, stopped));
-        let (client, connection) = h2::client::handshake(TcpStream::connect(addr).await.unwrap())
-            .await
-            .unwrap();
-        tokio::spawn(connection);
-        let mut client = client.ready().await.unwrap();
+        let Running {
+            held,
+            stop,
+            server,
+            mut client,
+        } = Running::start().await;
 
         let request = http::Request::post("http://tollgate/hold")
             .header("grpc-timeout", "50m")
