@@ -184,7 +184,15 @@ async fn grpc_health_turns_not_serving_when_redis_dies() {
     let mut redis = RedisServer::start();
     let scratch = Scratch::new("health-down");
     let config = scratch.write("policy.yaml", POLICY);
-    let server = Server::start(&["--config", path_str(&config), "--store", &redis.url()]);
+    // Room for a busy CI host while Redis is up; once it is killed, pings fail at once.
+    let server = Server::start(&[
+        "--config",
+        path_str(&config),
+        "--store",
+        &redis.url(),
+        "--store-timeout",
+        "2s",
+    ]);
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.grpc))
         .unwrap()
         .connect()
