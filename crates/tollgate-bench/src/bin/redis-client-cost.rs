@@ -9,17 +9,8 @@
 //!
 //! `redis-client-cost DECISIONS CALLERS [tollgate|return1]`
 
-use std::sync::Arc;
-use std::time::Duration;
-
-use redis::Script;
-use redis::aio::ConnectionManager;
-use tollgate::{CheckRequest, Limit, Store, Take};
-use tollgate_redis::test_server::RedisServer;
-use tollgate_redis::{RedisConfig, RedisStore};
-
-/// Distinct keys the callers spread over, as `redis-load`'s random-key rows.
-const KEYS: u64 = 100_000;
+use tollgate::{CheckRequest, Store, Take};
+use tollgate_bench::{REDIS_KEYS, RedisRig};
 
 fn main() {
     let mut args = std::env::args().skip(1);
@@ -45,21 +36,14 @@ fn main() {
 }
 
 async fn run(decisions: u64, callers: u64, raw: bool) {
-    let server = RedisServer::start();
-    let config = RedisConfig::default().with_timeout(Duration::from_secs(1));
-    let store = Arc::new(
-        RedisStore::connect(&server.url(), config)
-            .await
-            .expect("connect"),
-    );
-    let client = redis::Client::open(server.url()).expect("client");
-    let connection = ConnectionManager::new(client)
-        .await
-        .expect("raw connection");
-    let noop = Arc::new(Script::new("return 1"));
-    // Admits nearly everything: each decision reads, decides and writes its bucket.
-    let limit = Limit::new(1_000_000_000, "1000000000/s".parse().expect("rate")).expect("limit");
-    let keys: Arc<Vec<String>> = Arc::new((0..KEYS).map(|k| format!("bench:{{{k}}}")).collect());
+    let RedisRig {
+        server: _server,
+        store,
+        raw: connection,
+        noop,
+        limit,
+        keys,
+    } = RedisRig::start().await;
 
     // Both paths once before counting starts: the script is loaded, the connections are up.
     let takes = [Take::new(&keys[0], &limit, 1)];
@@ -82,7 +66,7 @@ async fn run(decisions: u64, callers: u64, raw: bool) {
         tasks.push(tokio::spawn(async move {
             for i in 0..decisions / callers {
                 // A fixed spread over the keys: the same sequence in every run.
-                let key = &keys[((caller * 7_919 + i * 104_729) % KEYS) as usize];
+                let key = &keys[((caller * 7_919 + i * 104_729) % REDIS_KEYS) as usize];
                 if raw {
                     let reply: redis::RedisResult<i64> =
                         noop.key(key).invoke_async(&mut connection).await;

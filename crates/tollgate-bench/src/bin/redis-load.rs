@@ -19,11 +19,9 @@ use std::time::Duration;
 
 use hdrhistogram::Histogram;
 use rand::Rng;
-use redis::Script;
-use redis::aio::ConnectionManager;
-use tollgate::{CheckRequest, Limit, Store, Take};
-use tollgate_redis::test_server::{RedisServer, command, info_field};
-use tollgate_redis::{RedisConfig, RedisStore};
+use tollgate::{CheckRequest, Store, Take};
+use tollgate_bench::{REDIS_KEYS, RedisRig};
+use tollgate_redis::test_server::{command, info_field};
 
 /// One measured run.
 struct Run {
@@ -113,28 +111,20 @@ fn main() {
 }
 
 async fn run(seconds: f64) {
-    let server = RedisServer::start();
-    // A generous timeout: this measures throughput, and a timeout would end the run.
-    let config = RedisConfig::default().with_timeout(Duration::from_secs(1));
-    let store = Arc::new(
-        RedisStore::connect(&server.url(), config)
-            .await
-            .expect("connect"),
-    );
-    let client = redis::Client::open(server.url()).expect("client");
-    let raw = ConnectionManager::new(client)
-        .await
-        .expect("raw connection");
-    let noop = Arc::new(Script::new("return 1"));
-    // A quota that admits nearly everything, so each decision is a full read-decide-write.
-    let limit = Limit::new(1_000_000_000, "1000000000/s".parse().expect("rate")).expect("limit");
-    let keys: Arc<Vec<String>> = Arc::new((0..100_000).map(|k| format!("bench:{{{k}}}")).collect());
+    let RedisRig {
+        server,
+        store,
+        raw,
+        noop,
+        limit,
+        keys,
+    } = RedisRig::start().await;
 
     println!(
         "| keys | callers | tollgate decisions/s | p50 µs | p99 µs | `return 1` calls/s | ratio | decisions/call | script µs/decision | redis-server CPU µs/decision | `return 1` script µs/call | `return 1` redis-server CPU µs/call |"
     );
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
-    for key_count in [1u64, 100_000] {
+    for key_count in [1, REDIS_KEYS] {
         for callers in [1usize, 16, 64] {
             let ours = {
                 let (store, keys) = (store.clone(), keys.clone());

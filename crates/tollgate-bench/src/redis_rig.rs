@@ -1,0 +1,61 @@
+//! What the Redis load generators share: a throwaway `redis-server`, tollgate's store and a raw
+//! connection on it, the quota and the keys, so that `redis-load` (rates) and
+//! `redis-client-cost` (instructions) measure the same thing.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::Script;
+use redis::aio::ConnectionManager;
+use tollgate::Limit;
+use tollgate_redis::test_server::RedisServer;
+use tollgate_redis::{RedisConfig, RedisStore};
+
+/// Distinct keys the callers spread over in the random-key runs.
+pub const REDIS_KEYS: u64 = 100_000;
+
+/// A Redis server of its own with both clients on it.
+pub struct RedisRig {
+    /// Killed when the rig is dropped.
+    pub server: RedisServer,
+    /// tollgate's store: one multiplexed connection, batched script calls, Redis `TIME`.
+    pub store: Arc<RedisStore>,
+    /// A raw connection of the same kind, for `EVALSHA` of [`RedisRig::noop`].
+    pub raw: ConnectionManager,
+    /// `return 1`: the ceiling of one script call per decision.
+    pub noop: Arc<Script>,
+    /// A quota that admits nearly everything, so each decision is a full read-decide-write.
+    pub limit: Limit,
+    /// `bench:{0}` … one hash tag per key, as per-subject keys have.
+    pub keys: Arc<Vec<String>>,
+}
+
+impl RedisRig {
+    /// Starts the server and connects both clients.
+    ///
+    /// # Panics
+    ///
+    /// When `redis-server` cannot start or be reached: a benchmark has nothing to measure then.
+    pub async fn start() -> Self {
+        let server = RedisServer::start();
+        // A generous timeout: this measures throughput, and a timeout would end the run.
+        let config = RedisConfig::default().with_timeout(Duration::from_secs(1));
+        let store = RedisStore::connect(&server.url(), config)
+            .await
+            .expect("connect");
+        let client = redis::Client::open(server.url()).expect("client");
+        let raw = ConnectionManager::new(client)
+            .await
+            .expect("raw connection");
+        let limit =
+            Limit::new(1_000_000_000, "1000000000/s".parse().expect("rate")).expect("limit");
+        Self {
+            server,
+            store: Arc::new(store),
+            raw,
+            noop: Arc::new(Script::new("return 1")),
+            limit,
+            keys: Arc::new((0..REDIS_KEYS).map(|k| format!("bench:{{{k}}}")).collect()),
+        }
+    }
+}
