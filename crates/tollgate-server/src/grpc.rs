@@ -88,17 +88,47 @@ impl Body for Received {
     }
 }
 
+/// A service this listener can run on its connections (tonic's generated servers are): answers
+/// calls with bodies of `B`, never fails as a service, and is shared by the connections' tasks.
+pub(crate) trait GrpcService<B>:
+    Service<
+        http::Request<Received>,
+        Response = http::Response<B>,
+        Error = Infallible,
+        Future: Send + 'static,
+    > + Clone
+    + Send
+    + 'static
+{
+}
+
+impl<S, B> GrpcService<B> for S where
+    S: Service<
+            http::Request<Received>,
+            Response = http::Response<B>,
+            Error = Infallible,
+            Future: Send + 'static,
+        > + Clone
+        + Send
+        + 'static
+{
+}
+
+/// An answer's body: frames of bytes, and a default (empty) body for answers made here.
+pub(crate) trait Answer:
+    Body<Data = Bytes, Error: std::fmt::Display> + Default + Send + 'static
+{
+}
+
+impl<B> Answer for B where B: Body<Data = Bytes, Error: std::fmt::Display> + Default + Send + 'static
+{}
+
 /// Serves `service` on every connection `incoming` yields until `stopped` turns true (or
 /// `incoming` ends), then lets the calls in flight finish.
 pub(crate) async fn serve<S, B, I>(service: S, incoming: I, stopped: watch::Receiver<bool>)
 where
-    S: Service<http::Request<Received>, Response = http::Response<B>, Error = Infallible>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
-    B: Body<Data = Bytes> + Default + Send + 'static,
-    B::Error: std::fmt::Display,
+    S: GrpcService<B>,
+    B: Answer,
     I: Stream<Item = std::io::Result<TcpStream>>,
 {
     // Every connection's task holds a sender; the channel closes once the last one ends.
@@ -146,13 +176,8 @@ async fn serve_connection<S, B>(
     stopped: watch::Receiver<bool>,
 ) -> Result<(), h2::Error>
 where
-    S: Service<http::Request<Received>, Response = http::Response<B>, Error = Infallible>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
-    B: Body<Data = Bytes> + Default + Send + 'static,
-    B::Error: std::fmt::Display,
+    S: GrpcService<B>,
+    B: Answer,
 {
     let mut stop = std::pin::pin!(crate::until_stopped(stopped));
     let handshake = h2::server::Builder::new()
@@ -215,9 +240,8 @@ async fn answer<S, B>(
     request: http::Request<RecvStream>,
     mut respond: SendResponse<Bytes>,
 ) where
-    S: Service<http::Request<Received>, Response = http::Response<B>, Error = Infallible>,
-    B: Body<Data = Bytes> + Default,
-    B::Error: std::fmt::Display,
+    S: GrpcService<B>,
+    B: Answer,
 {
     let deadline = grpc_timeout(request.headers());
     let call = async {
