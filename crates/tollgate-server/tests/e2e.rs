@@ -637,11 +637,7 @@ async fn grpc_health_beside_rls_and_a_watch_ends_at_the_stop() {
     let scratch = Scratch::new("grpc-health");
     let config = scratch.write("policy.yaml", POLICY);
     let server = Server::start(&["--config", path_str(&config)]);
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.grpc))
-        .unwrap()
-        .connect()
-        .await
-        .expect("connect to the gRPC port");
+    let channel = server.grpc_channel().await;
     let mut health = HealthClient::new(channel.clone());
     let ask = |service: &str| HealthCheckRequest {
         service: service.to_owned(),

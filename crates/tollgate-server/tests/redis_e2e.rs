@@ -3,6 +3,8 @@
 
 mod support;
 
+use std::path::Path;
+
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
@@ -37,22 +39,31 @@ limits:
     emergency: 3/h
 "#;
 
+/// `tollgate serve` with `config`, on the store at `url`, plus `args`. The store timeout is 2 s,
+/// not the production 20 ms: these tests are about what is decided, not how fast, and a debug
+/// build (or a TLS handshake) on a busy CI host can pass 20 ms, which would answer degraded and
+/// fail them for nothing.
+fn on_store(config: &Path, url: &str, args: &[&str]) -> Server {
+    let store = [
+        "--config",
+        path_str(config),
+        "--store",
+        url,
+        "--store-timeout",
+        "2s",
+    ];
+    Server::start(&[&store[..], args].concat())
+}
+
 #[test]
 fn two_servers_share_a_quota_exactly() {
     let redis = RedisServer::start();
     let scratch = Scratch::new("shared");
     let config = scratch.write("policy.yaml", POLICY);
-    // What is tested is exactness; a debug build on a busy CI host can pass the production
-    // 20 ms per call, which would fail the count for nothing.
-    let args = [
-        "--config",
-        path_str(&config),
-        "--store",
-        &redis.url(),
-        "--store-timeout",
-        "2s",
+    let servers = [
+        on_store(&config, &redis.url(), &[]),
+        on_store(&config, &redis.url(), &[]),
     ];
-    let servers = [Server::start(&args), Server::start(&args)];
     let admitted = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..8)
             .map(|worker| {
@@ -86,12 +97,7 @@ fn a_reload_that_grows_a_limit_carries_redis_balances_over() {
     // rolling change).
     let changing = scratch.write("changing.yaml", POLICY);
     let lagging = scratch.write("lagging.yaml", POLICY);
-    let start = |config| {
-        // Balances are tested, not latency: room for a busy CI host (see above).
-        let args = ["--config", path_str(config), "--store", &redis.url()];
-        let slack = ["--store-timeout", "2s", "--admin-token", "s3cret"];
-        Server::start(&[&args[..], &slack[..]].concat())
-    };
+    let start = |config| on_store(config, &redis.url(), &["--admin-token", "s3cret"]);
     let (a, b) = (start(&changing), start(&lagging));
     let spend = |server: &Server, cost: u64| {
         let body = format!(r#"{{"domain":"api","descriptors":[{{"user":"max"}}],"cost":{cost}}}"#);
@@ -184,20 +190,9 @@ async fn grpc_health_turns_not_serving_when_redis_dies() {
     let mut redis = RedisServer::start();
     let scratch = Scratch::new("health-down");
     let config = scratch.write("policy.yaml", POLICY);
-    // Room for a busy CI host while Redis is up; once it is killed, pings fail at once.
-    let server = Server::start(&[
-        "--config",
-        path_str(&config),
-        "--store",
-        &redis.url(),
-        "--store-timeout",
-        "2s",
-    ]);
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.grpc))
-        .unwrap()
-        .connect()
-        .await
-        .expect("connect to the gRPC port");
+    // Once Redis is killed, pings fail at once, whatever the timeout.
+    let server = on_store(&config, &redis.url(), &[]);
+    let channel = server.grpc_channel().await;
     let mut health = HealthClient::new(channel);
     let ask = || HealthCheckRequest {
         service: String::new(),
@@ -290,20 +285,15 @@ fn decides_through_a_redis_that_requires_tls_and_a_client_certificate() {
     let redis = RedisServer::start_tls(&certificates, true);
     let scratch = Scratch::new("tls");
     let config = scratch.write("policy.yaml", POLICY);
-    let server = Server::start(&[
-        "--config",
-        path_str(&config),
-        "--store",
-        &redis.tls_url(),
-        "--store-timeout",
-        "2s",
+    let tls = [
         "--store-tls-ca",
         path_str(&certificates.ca),
         "--store-tls-cert",
         path_str(&certificates.client_cert),
         "--store-tls-key",
         path_str(&certificates.client_key),
-    ]);
+    ];
+    let server = on_store(&config, &redis.tls_url(), &tls);
     let body = r#"{"domain":"api","descriptors":[{"user":"tls"}]}"#;
     let answer = post_json(server.http, "/v1/check", body);
     assert_eq!(answer.status, 200, "{}", answer.body);
@@ -344,14 +334,7 @@ fn on_a_cluster_the_buckets_of_one_subject_share_a_slot() {
     let cluster = RedisCluster::start();
     let scratch = Scratch::new("cluster");
     let config = scratch.write("policy.yaml", SUBJECT_POLICY);
-    let server = Server::start(&[
-        "--config",
-        path_str(&config),
-        "--store",
-        &cluster.url(),
-        "--store-timeout",
-        "2s",
-    ]);
+    let server = on_store(&config, &cluster.url(), &[]);
     let users = ["ann", "bob", "cy", "dee", "eve", "fay"];
     for user in users {
         let body = format!(r#"{{"domain":"api","descriptors":[{{"user":"{user}"}}]}}"#);

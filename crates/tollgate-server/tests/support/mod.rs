@@ -117,6 +117,15 @@ impl Server {
         status
     }
 
+    /// A gRPC channel to the server's gRPC port, connected.
+    pub async fn grpc_channel(&self) -> tonic::transport::Channel {
+        tonic::transport::Endpoint::from_shared(format!("http://{}", self.grpc))
+            .expect("a valid URI")
+            .connect()
+            .await
+            .expect("connect to the gRPC port")
+    }
+
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.http)
     }
