@@ -18,6 +18,7 @@ use tollgate_policy::watch::PolicyWatcher;
 use tollgate_policy::{EngineOptions, PolicyEngine, SystemWallClock, compile};
 use tollgate_redis::{RedisConfig, RedisStore, TlsFiles, redact};
 
+use crate::ConnectionLimits;
 use crate::decider::{Backend, Decider};
 use crate::http::{AppState, HttpOptions};
 use crate::loadgen::args::parse_duration;
@@ -103,6 +104,19 @@ pub struct ServeArgs {
     /// How long a decision may wait for Redis before its limits follow their failure modes.
     #[arg(long, env = "TOLLGATE_STORE_TIMEOUT", default_value = "20ms", value_parser = parse_duration)]
     pub store_timeout: Duration,
+    /// The most connections open at once on each listener (HTTP and gRPC); past it new
+    /// clients wait in the kernel's backlog until one closes.
+    #[arg(long, env = "TOLLGATE_MAX_CONNECTIONS", default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_connections: u32,
+    /// How long a client may take to send a whole HTTP request head (also how long an HTTP
+    /// keep-alive connection may wait for its next request), or to open HTTP/2 on the gRPC
+    /// port.
+    #[arg(long, env = "TOLLGATE_HEADER_TIMEOUT", default_value = "30s", value_parser = parse_timeout)]
+    pub header_timeout: Duration,
+    /// How long a client may send nothing before its connection is asked to close (a GOAWAY on
+    /// gRPC); still silent as long again, it is dropped.
+    #[arg(long, env = "TOLLGATE_IDLE_TIMEOUT", default_value = "10m", value_parser = parse_timeout)]
+    pub idle_timeout: Duration,
     /// Bearer token for the admin endpoints (must not be empty); without one they answer
     /// loopback clients only.
     #[arg(long, env = "TOLLGATE_ADMIN_TOKEN", hide_env_values = true)]
@@ -168,6 +182,17 @@ struct CheckArgs {
     /// How many times to send the request, back to back.
     #[arg(long, default_value_t = 1)]
     times: u32,
+}
+
+/// A connection timeout: more than nothing (a zero would close every connection at once) and
+/// at most a day.
+fn parse_timeout(text: &str) -> Result<Duration, String> {
+    const LONGEST: Duration = Duration::from_secs(24 * 3600);
+    match parse_duration(text)? {
+        Duration::ZERO => Err("a timeout must be longer than 0".to_owned()),
+        timeout if timeout > LONGEST => Err(format!("{text} is longer than a day (1440m)")),
+        timeout => Ok(timeout),
+    }
 }
 
 fn parse_mapping(text: &str) -> Result<(String, String), String> {
@@ -453,7 +478,13 @@ pub async fn serve(
             None
         }
     };
-    let state = Arc::new(AppState::new(decider, metrics, http_options));
+    let limits = ConnectionLimits {
+        max_connections: args.max_connections as usize,
+        header_timeout: args.header_timeout,
+        idle_timeout: args.idle_timeout,
+    };
+    let state =
+        Arc::new(AppState::new(decider, metrics, http_options).with_connection_limits(limits));
 
     let http = TcpListener::bind(args.http)
         .await

@@ -31,13 +31,11 @@ use h2::server::SendResponse;
 use h2::{Reason, RecvStream};
 use http_body::{Body, Frame};
 use http_body_util::BodyExt;
-use tokio::net::TcpStream;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 use tower_service::Service;
 
-/// How long to wait after a failed accept (out of file descriptors, say) before the next one:
-/// the error is likely to repeat at once, and the connections open meanwhile still need the CPU.
-const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+use crate::connection::{self, Admitted, ConnectionLimits, IdleClose, Listener, Quiet, Tracked};
+use crate::metrics::{self, Closed};
 
 /// Calls a client may have open at once on one connection (hyper's default): a client that
 /// wants more opens another connection, as Envoy does.
@@ -125,54 +123,35 @@ impl<B> Answer for B where B: Body<Data = Bytes, Error: std::fmt::Display> + Def
 
 /// Serves `service` on every connection `incoming` yields until `stopped` turns true (or
 /// `incoming` ends), then lets the calls in flight finish.
-pub(crate) async fn serve<S, B, I>(service: S, incoming: I, stopped: watch::Receiver<bool>)
-where
+pub(crate) async fn serve<S, B, I>(
+    service: S,
+    incoming: I,
+    limits: ConnectionLimits,
+    stopped: watch::Receiver<bool>,
+) where
     S: GrpcService<B>,
     B: Answer,
-    I: Stream<Item = std::io::Result<TcpStream>>,
+    I: Stream<Item = std::io::Result<Admitted>>,
 {
-    // Every connection's task holds a sender; the channel closes once the last one ends.
-    let (open, mut all_closed) = mpsc::channel::<Infallible>(1);
-    // Boxed to be dropped before the wait for calls in flight: that closes the listener, so
-    // clients are refused at once instead of waiting on a backlog nobody will accept.
-    let mut incoming = Box::pin(incoming);
-    let mut stop = std::pin::pin!(crate::until_stopped(stopped.clone()));
-    loop {
-        let accepted = tokio::select! {
-            () = &mut stop => break,
-            accepted = incoming.next() => accepted,
-        };
-        match accepted {
-            None => break,
-            Some(Ok(stream)) => {
-                let (service, stopped, open) = (service.clone(), stopped.clone(), open.clone());
-                tokio::spawn(async move {
-                    // A client that goes away mid-call is routine for a server; not an error
-                    // of ours to report louder than this.
-                    if let Err(err) = serve_connection(service, stream, stopped).await {
-                        tracing::debug!(error = %err, "gRPC connection ended with an error");
-                    }
-                    drop(open);
-                });
-            }
-            Some(Err(err)) => {
-                tracing::warn!(error = %err, "cannot accept a gRPC connection");
-                tokio::select! {
-                    () = &mut stop => break,
-                    () = tokio::time::sleep(ACCEPT_BACKOFF) => {}
-                }
+    let each = |admitted| {
+        let (service, stopped) = (service.clone(), stopped.clone());
+        async move {
+            // A client that goes away mid-call is routine for a server; not an error of ours
+            // to report louder than this.
+            if let Err(err) = serve_connection(service, admitted, limits, stopped).await {
+                tracing::debug!(error = %err, "gRPC connection ended with an error");
             }
         }
-    }
-    drop(incoming);
-    drop(open);
-    let _ = all_closed.recv().await;
+    };
+    connection::serve_each(incoming, stopped.clone(), Listener::Grpc, each).await;
 }
 
-/// Serves one connection until the client closes it, or until it has drained after `stopped`.
+/// Serves one connection until the client closes it, until it has drained after `stopped`,
+/// or until its client has been quiet too long (see [`ConnectionLimits`]).
 async fn serve_connection<S, B>(
     service: S,
-    stream: TcpStream,
+    admitted: Admitted,
+    limits: ConnectionLimits,
     stopped: watch::Receiver<bool>,
 ) -> Result<(), h2::Error>
 where
@@ -180,6 +159,7 @@ where
     B: Answer,
 {
     let mut stop = std::pin::pin!(crate::until_stopped(stopped));
+    let (stream, activity) = Tracked::new(admitted);
     let handshake = h2::server::Builder::new()
         .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
         .initial_window_size(WINDOW)
@@ -187,11 +167,21 @@ where
         .max_header_list_size(MAX_HEADER_LIST)
         .max_send_buffer_size(MAX_SEND_BUFFER)
         .handshake::<_, Bytes>(stream);
+    // The handshake ends once the client's connection preface is in: a client that connects
+    // and says nothing (or too slowly) is let go here.
+    let handshake = tokio::time::timeout(limits.header_timeout, handshake);
     let mut connection = tokio::select! {
         // Stopped before the client said a word: nothing is in flight.
         () = &mut stop => return Ok(()),
-        connection = handshake => connection?,
+        connection = handshake => match connection {
+            Ok(connection) => connection?,
+            Err(_) => {
+                metrics::record_connection_closed(Listener::Grpc, Closed::HeaderTimeout);
+                return Ok(());
+            }
+        },
     };
+    let mut idle = IdleClose::new(activity, limits.idle_timeout);
     let mut calls = FuturesUnordered::new();
     let mut stopping = false;
     // One pass reads what the client sent, starts a call per new stream, and runs the calls
@@ -201,6 +191,16 @@ where
         if !stopping && stop.as_mut().poll(cx).is_ready() {
             stopping = true;
             connection.graceful_shutdown();
+        }
+        while let Poll::Ready(step) = idle.poll_step(cx) {
+            match step {
+                Quiet::AskToClose => {
+                    metrics::record_connection_closed(Listener::Grpc, Closed::Idle);
+                    connection.graceful_shutdown();
+                }
+                // Asked and still quiet: its calls wait on a client that sends nothing.
+                Quiet::Drop => return Poll::Ready(Ok(())),
+            }
         }
         loop {
             let mut progressed = false;
@@ -329,7 +329,10 @@ mod tests {
     use http_body_util::Full;
     use tokio::sync::Notify;
 
+    use tokio::net::TcpStream;
+
     use super::*;
+    use crate::connection::Gate;
 
     /// A service whose calls answer only when released.
     #[derive(Clone, Default)]
@@ -395,10 +398,15 @@ mod tests {
         async fn start() -> Self {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             let addr = listener.local_addr().unwrap();
-            let incoming = tonic::transport::server::TcpIncoming::from(listener);
+            let incoming = connection::admit(listener, Arc::new(Gate::new(100)));
             let (stop, stopped) = watch::channel(false);
             let held = Held::default();
-            let server = tokio::spawn(serve(held.clone(), incoming, stopped));
+            let server = tokio::spawn(serve(
+                held.clone(),
+                incoming,
+                ConnectionLimits::default(),
+                stopped,
+            ));
             let stream = TcpStream::connect(addr).await.unwrap();
             let (client, connection) = h2::client::handshake(stream).await.unwrap();
             tokio::spawn(connection);
@@ -517,10 +525,15 @@ mod tests {
     async fn a_call_in_flight_finishes_after_the_stop_and_new_clients_are_refused() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let incoming = tonic::transport::server::TcpIncoming::from(listener);
+        let incoming = connection::admit(listener, Arc::new(Gate::new(100)));
         let (stop, stopped) = watch::channel(false);
         let held = Held::default();
-        let mut server = tokio::spawn(serve(held.clone(), incoming, stopped));
+        let mut server = tokio::spawn(serve(
+            held.clone(),
+            incoming,
+            ConnectionLimits::default(),
+            stopped,
+        ));
 
         let (mut client, connection) =
             h2::client::handshake(TcpStream::connect(addr).await.unwrap())

@@ -44,6 +44,7 @@
 //!   while Redis is down) / 400 (bad input, nothing decided); gRPC answers Envoy's codes.
 
 pub mod cli;
+mod connection;
 pub mod decider;
 mod grpc;
 mod health;
@@ -53,14 +54,15 @@ pub mod metrics;
 pub mod rls;
 
 use std::future::Future;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::serve::ListenerExt;
+use futures_util::StreamExt;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
 
+pub use connection::ConnectionLimits;
+use connection::{Admitted, Place};
 pub use decider::{Backend, Decider};
 pub use http::{AppState, HttpOptions};
 
@@ -68,9 +70,6 @@ pub use http::{AppState, HttpOptions};
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ServeError {
-    /// The HTTP server failed.
-    #[error("HTTP server: {0}")]
-    Http(std::io::Error),
     /// A serving thread of [`run_per_core`] could not start, or failed.
     #[error("serving thread: {0}")]
     Thread(std::io::Error),
@@ -148,7 +147,6 @@ pub async fn run_per_core(
 ) -> Result<(), ServeError> {
     let (stop, stopped) = watch::channel(false);
     let stop = Arc::new(stop);
-    let http_addr = http.local_addr().map_err(ServeError::Http)?;
     let (own_http, own_grpc) = (mpsc::unbounded_channel(), mpsc::unbounded_channel());
     let (mut to_http, mut to_grpc) = (vec![own_http.0], vec![own_grpc.0]);
     let mut spawned = Vec::with_capacity(threads.saturating_sub(1));
@@ -161,8 +159,7 @@ pub async fn run_per_core(
             // Named for `top -H` and the like (a thread name holds 15 bytes).
             .name("tollgate-worker".to_owned())
             .spawn(move || {
-                let handed = (Handed::new(http_out, http_addr), grpc_out);
-                let result = serve_on_own_runtime(state, handed, stopped);
+                let result = serve_on_own_runtime(state, (http_out, grpc_out), stopped);
                 if let Err(err) = &result {
                     tracing::error!(thread = index, error = %err, "serving thread failed");
                 }
@@ -188,15 +185,12 @@ pub async fn run_per_core(
         let _ = signal.send(true);
     });
     housekeeping(&state, &stopped);
+    let gates = &state.connections;
+    let http = connection::admit(http, Arc::clone(&gates.http));
+    let grpc = connection::admit(grpc, Arc::clone(&gates.grpc));
     tokio::spawn(hand_out(http, to_http, stopped.clone()));
     tokio::spawn(hand_out(grpc, to_grpc, stopped.clone()));
-    let served = serve_incoming(
-        state,
-        Handed::new(own_http.1, http_addr),
-        handed_streams(own_grpc.1),
-        stopped,
-    )
-    .await;
+    let served = serve_incoming(state, handed(own_http.1), handed(own_grpc.1), stopped).await;
     let _ = stop.send(true);
     let joined = tokio::task::spawn_blocking(move || {
         spawned
@@ -217,29 +211,35 @@ pub async fn run_per_core(
     joined.into_iter().collect()
 }
 
-/// Accepts connections on `listener` and hands them to `threads` in turn, until `stopped`.
+/// A connection handed from the accepting thread to another runtime's thread, with its place
+/// under the listener's bound.
+type Handoff = (std::net::TcpStream, Place);
+
+/// Hands the connections `incoming` admits to `threads` in turn, until `stopped`.
 async fn hand_out(
-    listener: TcpListener,
-    threads: Vec<mpsc::UnboundedSender<std::net::TcpStream>>,
+    incoming: impl futures_util::Stream<Item = std::io::Result<Admitted>>,
+    threads: Vec<mpsc::UnboundedSender<Handoff>>,
     stopped: watch::Receiver<bool>,
 ) {
+    let mut incoming = std::pin::pin!(incoming);
     let mut turn = 0;
     let stop = until_stopped(stopped);
     tokio::pin!(stop);
     loop {
         let accepted = tokio::select! {
-            accepted = listener.accept() => accepted,
+            accepted = incoming.next() => accepted,
             () = &mut stop => return,
         };
-        match accepted.and_then(|(stream, _)| stream.into_std()) {
-            Ok(stream) => {
+        match accepted.map(|accepted| accepted.and_then(Admitted::into_std)) {
+            None => return,
+            Some(Ok(handoff)) => {
                 if let Some(thread) = threads.get(turn % threads.len().max(1)) {
                     // A thread that is gone has stopped them all; the connection just closes.
-                    let _ = thread.send(stream);
+                    let _ = thread.send(handoff);
                 }
                 turn = turn.wrapping_add(1);
             }
-            Err(err) => {
+            Some(Err(err)) => {
                 // Out of file descriptors, most likely: wait rather than spin.
                 tracing::warn!(error = %err, "cannot accept a connection");
                 tokio::time::sleep(Duration::from_millis(10)).await;
@@ -248,53 +248,15 @@ async fn hand_out(
     }
 }
 
-/// Connections handed to this thread, as an HTTP listener.
-struct Handed {
-    connections: mpsc::UnboundedReceiver<std::net::TcpStream>,
-    local: SocketAddr,
-}
-
-impl Handed {
-    fn new(connections: mpsc::UnboundedReceiver<std::net::TcpStream>, local: SocketAddr) -> Self {
-        Self { connections, local }
-    }
-}
-
-impl axum::serve::Listener for Handed {
-    type Io = tokio::net::TcpStream;
-    type Addr = SocketAddr;
-
-    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-        loop {
-            let Some(stream) = self.connections.recv().await else {
-                // Nothing more will come; the server stops on its shutdown signal.
-                return std::future::pending().await;
-            };
-            match tokio::net::TcpStream::from_std(stream) {
-                Ok(stream) => {
-                    let peer = stream.peer_addr().unwrap_or(self.local);
-                    return (stream, peer);
-                }
-                Err(err) => tracing::debug!(error = %err, "cannot take a handed connection"),
-            }
-        }
-    }
-
-    fn local_addr(&self) -> std::io::Result<Self::Addr> {
-        Ok(self.local)
-    }
-}
-
-/// Connections handed to this thread, as the gRPC server's incoming stream.
-fn handed_streams(
-    mut connections: mpsc::UnboundedReceiver<std::net::TcpStream>,
-) -> impl futures_util::Stream<Item = std::io::Result<tokio::net::TcpStream>> + Send + 'static {
+/// The connections handed to this thread, admitted as they were by the accepting thread.
+fn handed(
+    mut connections: mpsc::UnboundedReceiver<Handoff>,
+) -> impl futures_util::Stream<Item = std::io::Result<Admitted>> + Send + 'static {
     futures_util::stream::poll_fn(move |cx| {
-        connections.poll_recv(cx).map(|stream| {
-            stream.map(|stream| {
+        connections.poll_recv(cx).map(|handoff| {
+            handoff.map(|(stream, place)| {
                 let stream = tokio::net::TcpStream::from_std(stream)?;
-                stream.set_nodelay(true)?;
-                Ok(stream)
+                Ok(Admitted::new(stream, place))
             })
         })
     })
@@ -303,14 +265,17 @@ fn handed_streams(
 /// One thread of [`run_per_core`]: its own runtime, serving the connections handed to it.
 fn serve_on_own_runtime(
     state: Arc<AppState>,
-    (http, grpc): (Handed, mpsc::UnboundedReceiver<std::net::TcpStream>),
+    (http, grpc): (
+        mpsc::UnboundedReceiver<Handoff>,
+        mpsc::UnboundedReceiver<Handoff>,
+    ),
     stopped: watch::Receiver<bool>,
 ) -> Result<(), ServeError> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(ServeError::Thread)?;
-    runtime.block_on(serve_incoming(state, http, handed_streams(grpc), stopped))
+    runtime.block_on(serve_incoming(state, handed(http), handed(grpc), stopped))
 }
 
 /// Resolves once `stopped` turns true, or once nothing can turn it any more.
@@ -348,37 +313,36 @@ async fn serve_listeners(
     grpc: TcpListener,
     stopped: watch::Receiver<bool>,
 ) -> Result<(), ServeError> {
-    let grpc = tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true));
+    let gates = &state.connections;
+    let http = connection::admit(http, Arc::clone(&gates.http));
+    let grpc = connection::admit(grpc, Arc::clone(&gates.grpc));
     serve_incoming(state, http, grpc, stopped).await
 }
 
-/// Serves HTTP on the connections `http` accepts and gRPC on those `grpc` yields, until
+/// Serves HTTP on the connections `http` yields and gRPC on those `grpc` yields, until
 /// `stopped`, then lets requests in flight finish.
-async fn serve_incoming<L, G>(
+async fn serve_incoming<H, G>(
     state: Arc<AppState>,
-    http: L,
+    http: H,
     grpc: G,
     stopped: watch::Receiver<bool>,
 ) -> Result<(), ServeError>
 where
-    L: axum::serve::Listener<Io = tokio::net::TcpStream, Addr = SocketAddr>,
-    G: futures_util::Stream<Item = std::io::Result<tokio::net::TcpStream>> + Send + 'static,
+    H: futures_util::Stream<Item = std::io::Result<Admitted>>,
+    G: futures_util::Stream<Item = std::io::Result<Admitted>>,
 {
-    let app = http::router(Arc::clone(&state)).into_make_service_with_connect_info::<SocketAddr>();
-    // Answers are small and written whole: nothing is gained by holding them back (Nagle).
-    let http = http.tap_io(|stream| {
-        if let Err(err) = stream.set_nodelay(true) {
-            tracing::debug!(error = %err, "cannot set TCP_NODELAY");
-        }
-    });
-    let http_server = axum::serve(http, app).with_graceful_shutdown(until_stopped(stopped.clone()));
-
+    let limits = state.connections.limits;
     let rls = rls::Rls::new(Arc::clone(&state.decider)).into_server();
     let health = health::GrpcHealth::new(Arc::clone(&state.decider), stopped.clone()).into_server();
-    let grpc_server = grpc::serve(health::Routes::new(rls, health), grpc, stopped);
-
-    let (http_result, ()) = tokio::join!(http_server, grpc_server);
-    http_result.map_err(ServeError::Http)
+    let grpc_server = grpc::serve(
+        health::Routes::new(rls, health),
+        grpc,
+        limits,
+        stopped.clone(),
+    );
+    let http_server = http::listener::serve(state, http, stopped);
+    tokio::join!(http_server, grpc_server);
+    Ok(())
 }
 
 #[cfg(test)]

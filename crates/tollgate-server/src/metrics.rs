@@ -16,6 +16,7 @@ use parking_lot::RwLock;
 use tollgate::Unavailable;
 use tollgate_policy::{Outcome, PolicyEngine};
 
+use crate::connection::{Connections, Listener};
 use crate::decider::DecideError;
 
 /// Decisions per limit: labels `limit`, `result` (`allowed`, `rejected`, `unavailable`,
@@ -46,6 +47,32 @@ pub const POLICY_CHANGES: &str = "tollgate_policy_changes_total";
 /// 1 while the last attempt to load the policy file was refused (the previous version is in
 /// force), else 0.
 pub const POLICY_REFUSED: &str = "tollgate_policy_last_load_refused";
+
+/// Connections open: label `listener` (`http`, `grpc`).
+pub const CONNECTIONS_OPEN: &str = "tollgate_connections_open";
+/// Connections the server closed on its clients: labels `listener`, `reason` (`header_timeout`:
+/// a request head or the HTTP/2 preface did not arrive in time; `idle`: the client sent
+/// nothing for the idle timeout).
+pub const CONNECTIONS_CLOSED: &str = "tollgate_connections_closed_total";
+
+/// Why the server closed a connection on its client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Closed {
+    /// A request head (HTTP/1) or the connection preface (gRPC) did not arrive in time.
+    HeaderTimeout,
+    /// The client sent nothing for the idle timeout.
+    Idle,
+}
+
+impl Closed {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Closed::HeaderTimeout => "header_timeout",
+            Closed::Idle => "idle",
+        }
+    }
+}
 
 /// The front end a request came through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,6 +145,11 @@ fn describe() {
         "Policy versions put in force (loads and rollbacks)."
     );
     describe_gauge!(POLICY_REFUSED, "1 while the last policy load was refused.");
+    describe_gauge!(CONNECTIONS_OPEN, "Connections open, by listener.");
+    describe_counter!(
+        CONNECTIONS_CLOSED,
+        "Connections closed by the server on a slow or silent client, by listener and reason."
+    );
 }
 
 /// Metric handles already registered, so a decision costs an atomic add rather than a registry
@@ -236,6 +268,22 @@ pub fn record_degraded(reason: Unavailable, outcome: &Outcome) {
         .filter(|l| l.mode == "enforce")
         .count();
     counter!(DEGRADED, "reason" => reason.as_str(), "failure_mode" => mode).increment(count as u64);
+}
+
+/// Records a connection the server closed on its client.
+pub(crate) fn record_connection_closed(listener: Listener, reason: Closed) {
+    counter!(CONNECTIONS_CLOSED, "listener" => listener.as_str(), "reason" => reason.as_str())
+        .increment(1);
+}
+
+/// Sets the open-connection gauges; called on scrape.
+pub(crate) fn refresh_connections(connections: &Connections) {
+    for (listener, gate) in [
+        (Listener::Http, &connections.http),
+        (Listener::Grpc, &connections.grpc),
+    ] {
+        gauge!(CONNECTIONS_OPEN, "listener" => listener.as_str()).set(gate.open() as f64);
+    }
 }
 
 /// Refreshes the figures read from state rather than counted as they happen; called on scrape.

@@ -52,6 +52,7 @@ pub(crate) async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         .into_response();
     };
     metrics::refresh(state.decider.engine(), &mut state.exported_version.lock());
+    metrics::refresh_connections(&state.connections);
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         handle.render(),

@@ -9,6 +9,7 @@ mod admin;
 mod check;
 mod error;
 mod forward_auth;
+pub(crate) mod listener;
 
 use std::sync::Arc;
 
@@ -20,6 +21,7 @@ use axum::routing::{get, post};
 use metrics_exporter_prometheus::PrometheusHandle;
 use parking_lot::Mutex;
 
+use crate::connection::{ConnectionLimits, Connections};
 use crate::decider::Decider;
 
 pub use error::ApiError;
@@ -55,6 +57,8 @@ pub struct AppState {
     pub(crate) options: HttpOptions,
     /// The policy version last exported as a metric.
     pub(crate) exported_version: Mutex<Option<String>>,
+    /// Both listeners' connection bounds, and the connections open under them.
+    pub(crate) connections: Connections,
 }
 
 impl AppState {
@@ -69,7 +73,16 @@ impl AppState {
             metrics,
             options,
             exported_version: Mutex::new(None),
+            connections: Connections::new(ConnectionLimits::default()),
         }
+    }
+
+    /// The same state, with `limits` on both listeners' connections instead of the defaults
+    /// (timeouts are taken between a millisecond and a year).
+    #[must_use]
+    pub fn with_connection_limits(mut self, limits: ConnectionLimits) -> Self {
+        self.connections = Connections::new(limits);
+        self
     }
 }
 

@@ -1,0 +1,522 @@
+//! Bounds on the connections a listener keeps: how many at once, how long a client may take to
+//! start speaking, and how long one may stay silent.
+//!
+//! A decision service sits on other services' request paths, so it must keep answering however
+//! its clients behave. Without bounds, a client that opens connections and never speaks (or
+//! stops halfway through a request) holds a task, buffers and a file descriptor each, forever;
+//! enough of them and the process runs out of descriptors, and Envoy's and nginx's calls are
+//! refused with it. So each listener admits at most [`ConnectionLimits::max_connections`] at
+//! once (past that it stops accepting and new clients wait in the kernel's backlog, as a busy
+//! server's should, until a connection closes), a new connection must start speaking within
+//! [`ConnectionLimits::header_timeout`], and one whose client sends nothing for
+//! [`ConnectionLimits::idle_timeout`] is asked to close and, silent for that long again, is
+//! dropped.
+//!
+//! Both listeners (HTTP and gRPC) use the same pieces: [`admit`] hands out connections with
+//! their [`Admitted`] permit, [`Tracked`] counts what a client sends, and [`IdleClose`] tells a
+//! connection's task when its client has gone quiet.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use futures_util::{Stream, StreamExt};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
+use tokio::time::{Instant, Sleep};
+
+/// How the server bounds each listener's connections (the same for HTTP and gRPC).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectionLimits {
+    /// The most connections open at once on each listener. At the bound the listener stops
+    /// accepting; new clients wait in the kernel's backlog until a connection closes.
+    pub max_connections: usize,
+    /// How long a client may take to send a whole HTTP/1 request head (the first on a
+    /// connection and each next one, so it also bounds how long a kept-alive connection may
+    /// wait between requests), or to open HTTP/2 on the gRPC port.
+    pub header_timeout: Duration,
+    /// How long a client may send nothing at all before its connection is asked to close
+    /// (HTTP/2 GOAWAY; an HTTP/1 connection between requests closes at once). One still open
+    /// after as long again is dropped, calls in flight with it.
+    pub idle_timeout: Duration,
+}
+
+impl Default for ConnectionLimits {
+    /// 10,000 connections per listener, 30 s for a request head (hyper's own default), and
+    /// 10 minutes of silence: Envoy keeps its gRPC connections open and idle between bursts,
+    /// and a reconnection costs its next call a handshake.
+    fn default() -> Self {
+        Self {
+            max_connections: 10_000,
+            header_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(600),
+        }
+    }
+}
+
+/// Both listeners' limits and admission gates, shared by every thread serving them.
+#[derive(Debug)]
+pub(crate) struct Connections {
+    pub(crate) limits: ConnectionLimits,
+    pub(crate) http: Arc<Gate>,
+    pub(crate) grpc: Arc<Gate>,
+}
+
+/// The longest timeout kept: past it a deadline could overflow the clock, and a longer one
+/// means no timeout in practice.
+const LONGEST_TIMEOUT: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// The shortest timeout kept: a zero would close every connection at once.
+const SHORTEST_TIMEOUT: Duration = Duration::from_millis(1);
+
+impl Connections {
+    /// Gates for `limits`, whose timeouts are taken between a millisecond and a year.
+    pub(crate) fn new(limits: ConnectionLimits) -> Self {
+        let limits = ConnectionLimits {
+            header_timeout: limits
+                .header_timeout
+                .clamp(SHORTEST_TIMEOUT, LONGEST_TIMEOUT),
+            idle_timeout: limits.idle_timeout.clamp(SHORTEST_TIMEOUT, LONGEST_TIMEOUT),
+            ..limits
+        };
+        Self {
+            limits,
+            http: Arc::new(Gate::new(limits.max_connections)),
+            grpc: Arc::new(Gate::new(limits.max_connections)),
+        }
+    }
+}
+
+/// A listener: the label of its connection metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Listener {
+    Http,
+    Grpc,
+}
+
+impl Listener {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Listener::Http => "http",
+            Listener::Grpc => "grpc",
+        }
+    }
+}
+
+/// One listener's admission: a permit per open connection.
+#[derive(Debug)]
+pub(crate) struct Gate {
+    permits: Arc<Semaphore>,
+    /// Connections holding a [`Place`]: the permits taken, less the one the listener holds
+    /// while it waits for its next connection.
+    open: Arc<AtomicUsize>,
+}
+
+impl Gate {
+    pub(crate) fn new(max: usize) -> Self {
+        // Semaphore::MAX_PERMITS is far above any descriptor limit; at least one, or nothing
+        // would ever be served.
+        let max = max.clamp(1, Semaphore::MAX_PERMITS);
+        Self {
+            permits: Arc::new(Semaphore::new(max)),
+            open: Arc::default(),
+        }
+    }
+
+    /// Connections open now (admitted and not yet closed).
+    pub(crate) fn open(&self) -> usize {
+        self.open.load(Ordering::Relaxed)
+    }
+
+    /// Waits for room for one more connection, then holds it for the connection accepted next.
+    pub(crate) async fn room(&self) -> Room {
+        match Arc::clone(&self.permits).acquire_owned().await {
+            Ok(permit) => Room {
+                permit,
+                open: Arc::clone(&self.open),
+            },
+            // Never closed: this gate owns the semaphore and does not close it.
+            Err(_) => std::future::pending().await,
+        }
+    }
+}
+
+/// Room for one connection under a listener's bound, not yet taken by one.
+#[derive(Debug)]
+pub(crate) struct Room {
+    permit: OwnedSemaphorePermit,
+    open: Arc<AtomicUsize>,
+}
+
+impl Room {
+    /// Taken by an accepted connection, which holds it until it closes.
+    fn take(self) -> Place {
+        self.open.fetch_add(1, Ordering::Relaxed);
+        Place {
+            _permit: self.permit,
+            open: self.open,
+        }
+    }
+}
+
+/// An open connection's place under its listener's bound, given back when dropped.
+#[derive(Debug)]
+pub(crate) struct Place {
+    _permit: OwnedSemaphorePermit,
+    open: Arc<AtomicUsize>,
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        self.open.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A connection the listener let in, holding its place under the bound until dropped.
+#[derive(Debug)]
+pub(crate) struct Admitted {
+    stream: TcpStream,
+    place: Place,
+}
+
+impl Admitted {
+    /// `stream`, answered without delay: answers are small and written whole, so nothing is
+    /// gained by holding them back (Nagle).
+    pub(crate) fn new(stream: TcpStream, place: Place) -> Self {
+        if let Err(err) = stream.set_nodelay(true) {
+            tracing::debug!(error = %err, "cannot set TCP_NODELAY");
+        }
+        Self { stream, place }
+    }
+
+    /// The connection as a std stream with its permit, to be handed to another runtime.
+    pub(crate) fn into_std(self) -> io::Result<(std::net::TcpStream, Place)> {
+        Ok((self.stream.into_std()?, self.place))
+    }
+
+    /// The client's address.
+    pub(crate) fn peer(&self) -> io::Result<std::net::SocketAddr> {
+        self.stream.peer_addr()
+    }
+}
+
+/// The connections `listener` accepts, each once `gate` has room for it.
+pub(crate) fn admit(
+    listener: TcpListener,
+    gate: Arc<Gate>,
+) -> impl Stream<Item = io::Result<Admitted>> + Send + 'static {
+    futures_util::stream::unfold((listener, gate), |(listener, gate)| async move {
+        let room = gate.room().await;
+        let accepted = listener
+            .accept()
+            .await
+            .map(|(stream, _)| Admitted::new(stream, room.take()));
+        Some((accepted, (listener, gate)))
+    })
+}
+
+/// How long to wait after a failed accept (out of file descriptors, say) before the next one:
+/// the error is likely to repeat at once, and the connections open meanwhile still need the CPU.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+
+/// Runs `serve_one` on each connection `incoming` yields, in a task of its own, until `stopped`
+/// turns true (or `incoming` ends); then stops accepting and waits for those tasks to end
+/// (each connection drains on the same signal).
+pub(crate) async fn serve_each<I, F, Fut>(
+    incoming: I,
+    stopped: watch::Receiver<bool>,
+    listener: Listener,
+    mut serve_one: F,
+) where
+    I: Stream<Item = io::Result<Admitted>>,
+    F: FnMut(Admitted) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    // Every connection's task holds a sender; the channel closes once the last one ends.
+    let (open, mut all_closed) = mpsc::channel::<Infallible>(1);
+    // Boxed to be dropped before the wait for the connections: that closes the listener, so
+    // clients are refused at once instead of waiting on a backlog nobody will accept.
+    let mut incoming = Box::pin(incoming);
+    let mut stop = std::pin::pin!(crate::until_stopped(stopped));
+    loop {
+        let accepted = tokio::select! {
+            () = &mut stop => break,
+            accepted = incoming.next() => accepted,
+        };
+        match accepted {
+            None => break,
+            Some(Ok(admitted)) => {
+                let (connection, open) = (serve_one(admitted), open.clone());
+                tokio::spawn(async move {
+                    connection.await;
+                    drop(open);
+                });
+            }
+            Some(Err(err)) => {
+                tracing::warn!(error = %err, listener = listener.as_str(), "cannot accept a connection");
+                tokio::select! {
+                    () = &mut stop => break,
+                    () = tokio::time::sleep(ACCEPT_BACKOFF) => {}
+                }
+            }
+        }
+    }
+    drop(incoming);
+    drop(open);
+    let _ = all_closed.recv().await;
+}
+
+/// A client's bytes so far, as [`Tracked`] counts them and an [`IdleClose`] reads them.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Activity(Arc<AtomicU64>);
+
+impl Activity {
+    fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// An admitted connection's stream, counting the reads that brought the client's bytes; its
+/// place under the bound is given back when the server drops it.
+///
+/// Counted in the stream itself because both servers (hyper's and h2's) own their stream
+/// whole. A read costs one plain store more: the count is kept here and published, not added
+/// to atomically, since only this stream writes it.
+#[derive(Debug)]
+pub(crate) struct Tracked {
+    admitted: Admitted,
+    reads: u64,
+    activity: Activity,
+}
+
+impl Tracked {
+    pub(crate) fn new(admitted: Admitted) -> (Self, Activity) {
+        let activity = Activity::default();
+        let tracked = Self {
+            admitted,
+            reads: 0,
+            activity: activity.clone(),
+        };
+        (tracked, activity)
+    }
+}
+
+impl AsyncRead for Tracked {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let this = &mut *self;
+        ready!(Pin::new(&mut this.admitted.stream).poll_read(cx, buf))?;
+        if buf.filled().len() > before {
+            this.reads = this.reads.wrapping_add(1);
+            this.activity.0.store(this.reads, Ordering::Relaxed);
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl AsyncWrite for Tracked {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.admitted.stream).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.admitted.stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.admitted.stream.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.admitted.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.admitted.stream).poll_shutdown(cx)
+    }
+}
+
+/// What to do with a connection whose client has gone quiet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Quiet {
+    /// Quiet for a whole idle period: ask the connection to close gracefully.
+    AskToClose,
+    /// Quiet for another period after being asked: drop it.
+    Drop,
+}
+
+/// Looks at a connection's [`Activity`] a few times per idle period and says when its client
+/// has sent nothing for a whole period, first to ask the connection to close and then, a
+/// period later, to drop it. The connection's task polls it beside the connection.
+///
+/// Checks come every quarter period, so a quiet connection is noticed between one and one and
+/// a quarter periods after its client's last bytes; a timer reset per read would be exact but
+/// would cost every request a timer update, for a bound nobody needs to the millisecond.
+pub(crate) struct IdleClose {
+    activity: Activity,
+    seen: u64,
+    quiet_checks: u32,
+    check_every: Duration,
+    next: Pin<Box<Sleep>>,
+    asked: bool,
+}
+
+/// Consecutive checks that saw nothing new, making a whole quiet period.
+const CHECKS_PER_PERIOD: u32 = 4;
+
+impl IdleClose {
+    pub(crate) fn new(activity: Activity, idle_timeout: Duration) -> Self {
+        let check_every =
+            (idle_timeout.min(LONGEST_TIMEOUT) / CHECKS_PER_PERIOD).max(Duration::from_millis(1));
+        Self {
+            seen: activity.get(),
+            activity,
+            quiet_checks: 0,
+            check_every,
+            next: Box::pin(tokio::time::sleep(check_every)),
+            asked: false,
+        }
+    }
+
+    /// Ready with the next step each time the client has been quiet for a whole period since
+    /// the last step (or the start); pending while it speaks.
+    pub(crate) fn poll_step(&mut self, cx: &mut Context<'_>) -> Poll<Quiet> {
+        loop {
+            ready!(self.next.as_mut().poll(cx));
+            let deadline = Instant::now() + self.check_every;
+            self.next.as_mut().reset(deadline);
+            let seen = self.activity.get();
+            if seen == self.seen {
+                self.quiet_checks += 1;
+            } else {
+                self.seen = seen;
+                self.quiet_checks = 0;
+            }
+            if self.quiet_checks >= CHECKS_PER_PERIOD {
+                self.quiet_checks = 0;
+                let step = if self.asked {
+                    Quiet::Drop
+                } else {
+                    Quiet::AskToClose
+                };
+                self.asked = true;
+                return Poll::Ready(step);
+            }
+        }
+    }
+
+    /// The next step, once due.
+    pub(crate) async fn step(&mut self) -> Quiet {
+        std::future::poll_fn(|cx| self.poll_step(cx)).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    /// A client's stream and the server's end of it, admitted.
+    async fn pair() -> (TcpStream, Admitted) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let client = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (server, _) = listener.accept().await.unwrap();
+        (
+            client,
+            Admitted::new(server, Gate::new(1).room().await.take()),
+        )
+    }
+
+    /// Quiet is a whole period without the client's bytes, counted again from each read.
+    #[tokio::test(start_paused = true)]
+    async fn quiet_comes_a_whole_period_after_the_last_read() {
+        let (mut client, server) = pair().await;
+        let (mut tracked, activity) = Tracked::new(server);
+        let period = Duration::from_secs(60);
+        let mut idle = IdleClose::new(activity, period);
+        let started = Instant::now();
+        let mut buf = [0u8; 16];
+
+        // The client speaks at 50 s: nothing is quiet at 60 s.
+        tokio::time::sleep(Duration::from_secs(50)).await;
+        client.write_all(b"hello").await.unwrap();
+        let read = tracked.read(&mut buf).await.unwrap();
+        assert_eq!(read, 5);
+        let step = idle.step().await;
+        let waited = started.elapsed();
+        assert_eq!(step, Quiet::AskToClose);
+        assert!(
+            waited >= Duration::from_secs(110) && waited <= Duration::from_secs(125),
+            "asked to close after {waited:?}"
+        );
+        // And a period later, still quiet: dropped.
+        let asked_at = Instant::now();
+        assert_eq!(idle.step().await, Quiet::Drop);
+        assert_eq!(asked_at.elapsed(), period);
+    }
+
+    /// Writes (the server's answers) do not count as the client speaking.
+    #[tokio::test(start_paused = true)]
+    async fn only_the_clients_bytes_keep_a_connection_alive() {
+        let (mut client, server) = pair().await;
+        let (mut tracked, activity) = Tracked::new(server);
+        let mut idle = IdleClose::new(activity, Duration::from_secs(8));
+        let started = Instant::now();
+        let writing = async {
+            for _ in 0..20 {
+                tracked.write_all(b"tick").await.unwrap();
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        };
+        tokio::select! {
+            step = idle.step() => assert_eq!(step, Quiet::AskToClose),
+            () = writing => panic!("a quiet client was missed"),
+        }
+        assert_eq!(started.elapsed(), Duration::from_secs(8));
+        let mut buf = [0u8; 4];
+        client.read_exact(&mut buf).await.unwrap();
+        assert_eq!(&buf, b"tick");
+    }
+
+    /// At the bound, the next connection waits for one to close.
+    #[tokio::test]
+    async fn a_gate_admits_up_to_its_bound_and_then_waits() {
+        let gate = Arc::new(Gate::new(2));
+        let first = gate.room().await.take();
+        let second = gate.room().await;
+        assert_eq!(gate.open(), 1, "room not yet taken is not a connection");
+        let _second = second.take();
+        assert_eq!(gate.open(), 2);
+        let waiting = tokio::time::timeout(Duration::from_millis(50), gate.room()).await;
+        assert!(waiting.is_err(), "a third connection was admitted");
+        drop(first);
+        assert_eq!(gate.open(), 1);
+        let third = tokio::time::timeout(Duration::from_secs(5), gate.room()).await;
+        assert!(third.is_ok());
+        let one = Gate::new(0);
+        let _only = one.room().await;
+        let none = tokio::time::timeout(Duration::from_millis(50), one.room()).await;
+        assert!(none.is_err(), "a bound of 0 is a bound of 1");
+    }
+}

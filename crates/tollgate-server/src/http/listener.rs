@@ -1,0 +1,92 @@
+//! The HTTP listener: the router served with hyper's HTTP/1 on each admitted connection, under
+//! the server's connection bounds ([`ConnectionLimits`]).
+//!
+//! axum's own `serve` gives no say over hyper's settings and runs hyper without a timer, so a
+//! client could take forever over a request head; here hyper gets a timer and the head
+//! timeout, and each connection's task also watches for a client gone quiet. Clients see
+//! what they saw with axum's: HTTP/1.1 with keep-alive, the peer's address for the admin
+//! endpoints' loopback rule, and a graceful stop.
+
+use std::net::SocketAddr;
+use std::pin::pin;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::ConnectInfo;
+use futures_util::Stream;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::sync::watch;
+use tower_service::Service;
+
+use super::AppState;
+use crate::connection::{self, Admitted, ConnectionLimits, IdleClose, Listener, Quiet, Tracked};
+use crate::metrics::{self, Closed};
+
+/// Serves the HTTP API on every connection `incoming` yields until `stopped` turns true (or
+/// `incoming` ends), then lets the requests in flight finish.
+pub(crate) async fn serve<I>(state: Arc<AppState>, incoming: I, stopped: watch::Receiver<bool>)
+where
+    I: Stream<Item = std::io::Result<Admitted>>,
+{
+    let limits = state.connections.limits;
+    let app = super::router(state);
+    let each = |admitted| serve_connection(app.clone(), admitted, limits, stopped.clone());
+    connection::serve_each(incoming, stopped.clone(), Listener::Http, each).await;
+}
+
+/// Serves one connection until the client closes it, until it has drained after `stopped`,
+/// or until its client has been slow or quiet too long.
+async fn serve_connection(
+    app: Router,
+    admitted: Admitted,
+    limits: ConnectionLimits,
+    stopped: watch::Receiver<bool>,
+) {
+    let peer = match admitted.peer() {
+        Ok(peer) => peer,
+        // Gone between the accept and now.
+        Err(_) => return,
+    };
+    let (stream, activity) = Tracked::new(admitted);
+    let service = hyper::service::service_fn(move |mut request: hyper::Request<Incoming>| {
+        request
+            .extensions_mut()
+            .insert(ConnectInfo::<SocketAddr>(peer));
+        // A router is always ready, and cloning it is a reference count.
+        app.clone().call(request)
+    });
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout);
+    let mut connection = pin!(builder.serve_connection(TokioIo::new(stream), service));
+    let mut stop = pin!(crate::until_stopped(stopped));
+    let mut stopping = false;
+    let mut idle = IdleClose::new(activity, limits.idle_timeout);
+    loop {
+        tokio::select! {
+            served = connection.as_mut() => {
+                if let Err(err) = served {
+                    if err.is_timeout() {
+                        metrics::record_connection_closed(Listener::Http, Closed::HeaderTimeout);
+                    }
+                    tracing::debug!(error = %err, "HTTP connection ended with an error");
+                }
+                return;
+            }
+            () = &mut stop, if !stopping => {
+                stopping = true;
+                connection.as_mut().graceful_shutdown();
+            }
+            step = idle.step() => match step {
+                Quiet::AskToClose => {
+                    metrics::record_connection_closed(Listener::Http, Closed::Idle);
+                    connection.as_mut().graceful_shutdown();
+                }
+                // Asked and still quiet: a request waits on a body that is not coming.
+                Quiet::Drop => return,
+            },
+        }
+    }
+}

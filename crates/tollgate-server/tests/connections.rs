@@ -1,0 +1,219 @@
+//! The server's bounds on its connections, seen by clients of the real binary: a client that
+//! never finishes a request head, never opens HTTP/2 or goes quiet is let go (and counted),
+//! while clients that speak keep their connections; past `--max-connections` a new client
+//! waits until a connection closes.
+
+mod support;
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use support::{Server, descriptor, post_json, request, run};
+
+const CHECK: &str = r#"{"domain":"api","descriptors":[{"user":"alice"}]}"#;
+
+/// Whether the server closed `stream` (end of stream or reset) within `limit`, reading and
+/// dropping whatever it sends.
+// The server's timeouts run on its own clock, in another process: only real time can see them.
+#[allow(clippy::disallowed_methods)]
+fn closed_within(stream: &mut TcpStream, limit: Duration) -> bool {
+    let started = Instant::now();
+    stream
+        .set_read_timeout(Some(Duration::from_millis(100)))
+        .expect("set a read timeout");
+    let mut buf = [0u8; 4096];
+    while started.elapsed() < limit {
+        match stream.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(err) if matches!(err.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(_) => return true,
+        }
+    }
+    false
+}
+
+/// The value of the metric line starting with `series` (name and labels), 0 if absent.
+fn metric(server: &Server, series: &str) -> f64 {
+    let text = request(server.http, "GET", "/metrics", &[], "").body;
+    text.lines()
+        .find_map(|line| line.strip_prefix(series))
+        .and_then(|value| value.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+const HTTP_HEADER_TIMEOUTS: &str =
+    r#"tollgate_connections_closed_total{listener="http",reason="header_timeout"}"#;
+const GRPC_HEADER_TIMEOUTS: &str =
+    r#"tollgate_connections_closed_total{listener="grpc",reason="header_timeout"}"#;
+const GRPC_IDLE: &str = r#"tollgate_connections_closed_total{listener="grpc",reason="idle"}"#;
+
+fn connect(addr: SocketAddr) -> TcpStream {
+    TcpStream::connect(addr).expect("connect")
+}
+
+#[test]
+// As in closed_within: the server's timeouts can only be seen in real time.
+#[allow(clippy::disallowed_methods)]
+fn clients_that_never_finish_a_request_head_are_let_go() {
+    let server = Server::start(&["--header-timeout", "1s"]);
+    let started = Instant::now();
+    // Connects and says nothing, on each port.
+    let mut silent_http = connect(server.http);
+    let mut silent_grpc = connect(server.grpc);
+    // Starts a request and stops halfway through its head.
+    let mut half_head = connect(server.http);
+    half_head
+        .write_all(b"POST /v1/check HTTP/1.1\r\nHost: tollgate\r\n")
+        .expect("send half a head");
+    // Sends a request, is answered, and keeps the connection without a next request.
+    let mut kept_alive = connect(server.http);
+    let body = CHECK;
+    write!(
+        kept_alive,
+        "POST /v1/check HTTP/1.1\r\nHost: tollgate\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("send a request");
+
+    // The server keeps serving everyone else meanwhile.
+    assert_eq!(post_json(server.http, "/v1/check", CHECK).status, 200);
+
+    for (name, stream) in [
+        ("silent HTTP", &mut silent_http),
+        ("silent gRPC", &mut silent_grpc),
+        ("half a head", &mut half_head),
+        ("kept alive", &mut kept_alive),
+    ] {
+        assert!(
+            closed_within(stream, Duration::from_secs(15)),
+            "{name}: still open after 15 s"
+        );
+        // Not closed at once: given the whole timeout (less the time to set the others up).
+        let open_for = started.elapsed();
+        assert!(
+            open_for >= Duration::from_millis(900),
+            "{name}: closed after {open_for:?}, before its 1 s"
+        );
+    }
+    assert_eq!(metric(&server, HTTP_HEADER_TIMEOUTS), 3.0);
+    assert_eq!(metric(&server, GRPC_HEADER_TIMEOUTS), 1.0);
+}
+
+/// One RLS call on `client`, which must be answered OK.
+async fn call(client: &mut RateLimitServiceClient<tonic::transport::Channel>) {
+    let request = RateLimitRequest {
+        domain: "unknown-domain".to_owned(),
+        descriptors: vec![descriptor(&[("user", "alice")])],
+        hits_addend: 1,
+    };
+    let answer = client
+        .should_rate_limit(request)
+        .await
+        .expect("an RLS answer");
+    assert_eq!(answer.into_inner().overall_code, Code::Ok as i32);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quiet_grpc_connection_is_sent_away_and_busy_ones_are_kept() {
+    let server = Server::start(&["--idle-timeout", "2s"]);
+    // Opens HTTP/2, then is quiet.
+    let quiet = tokio::net::TcpStream::connect(server.grpc)
+        .await
+        .expect("connect");
+    let (_quiet_client, quiet_connection) = h2::client::handshake(quiet)
+        .await
+        .expect("an HTTP/2 handshake");
+    let quiet_connection = tokio::spawn(quiet_connection);
+    // Calls every 300 ms, for twice the idle timeout.
+    let mut busy = RateLimitServiceClient::new(server.grpc_channel().await);
+    for _ in 0..14 {
+        call(&mut busy).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    // Closed by the client, before it could go quiet too.
+    drop(busy);
+    // Asked to close between 2 and 2.5 s, with no calls open it is closed by then.
+    let ended = tokio::time::timeout(Duration::from_secs(10), quiet_connection).await;
+    let ended = ended.expect("the quiet connection is still open");
+    assert!(matches!(ended, Ok(Ok(()))), "not a graceful end: {ended:?}");
+    assert_eq!(metric(&server, GRPC_IDLE), 1.0, "only the quiet connection");
+
+    // A client whose connection went quiet and was sent away reconnects on its next call.
+    let mut idle_client = RateLimitServiceClient::new(server.grpc_channel().await);
+    call(&mut idle_client).await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    call(&mut idle_client).await;
+    assert_eq!(metric(&server, GRPC_IDLE), 2.0);
+}
+
+#[test]
+fn past_max_connections_a_client_waits_for_one_to_close() {
+    let server = Server::start(&["--max-connections", "2"]);
+    let first = connect(server.http);
+    let _second = connect(server.http);
+    // Both are admitted (the bound is per listener): the gRPC port is not affected.
+    let _grpc = connect(server.grpc);
+    // The server accepts in the order the kernel queued: these two took the places.
+
+    let mut third = connect(server.http);
+    let body = CHECK;
+    write!(
+        third,
+        "POST /v1/check HTTP/1.1\r\nHost: tollgate\r\nContent-Type: application/json\r\n\
+         Connection: close\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("send a request");
+    third
+        .set_read_timeout(Some(Duration::from_secs(1)))
+        .expect("set a read timeout");
+    let mut answer = Vec::new();
+    let waited = third.read_to_end(&mut answer);
+    assert!(
+        matches!(&waited, Err(err) if matches!(err.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut)),
+        "answered past the bound: {waited:?} {}",
+        String::from_utf8_lossy(&answer)
+    );
+
+    drop(first);
+    third
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("set a read timeout");
+    third
+        .read_to_end(&mut answer)
+        .expect("answered once a connection closed");
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+
+    // The silent second connection and the scrape's own.
+    assert_eq!(
+        metric(&server, r#"tollgate_connections_open{listener="http"}"#),
+        2.0
+    );
+    assert_eq!(
+        metric(&server, r#"tollgate_connections_open{listener="grpc"}"#),
+        1.0
+    );
+}
+
+#[test]
+fn connection_limits_are_checked_at_start() {
+    for (flag, value, reason) in [
+        ("--header-timeout", "0s", "longer than 0"),
+        ("--idle-timeout", "1441m", "longer than a day"),
+        ("--max-connections", "0", "not in 1.."),
+    ] {
+        let (status, _, stderr) = run(&["serve", flag, value]);
+        assert!(!status.success(), "{flag} {value} accepted");
+        assert!(
+            stderr.contains(flag) && stderr.contains(reason),
+            "{flag} {value}: {stderr}"
+        );
+    }
+}
