@@ -117,6 +117,10 @@ pub struct ServeArgs {
     /// gRPC); still silent as long again, it is dropped.
     #[arg(long, env = "TOLLGATE_IDLE_TIMEOUT", default_value = "10m", value_parser = parse_timeout)]
     pub idle_timeout: Duration,
+    /// How long, on SIGTERM or SIGINT, connections may take to finish the requests in flight
+    /// before they are dropped and the process exits.
+    #[arg(long, env = "TOLLGATE_DRAIN_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub drain_timeout: Duration,
     /// Bearer token for the admin endpoints (must not be empty); without one they answer
     /// loopback clients only.
     #[arg(long, env = "TOLLGATE_ADMIN_TOKEN", hide_env_values = true)]
@@ -482,6 +486,7 @@ pub async fn serve(
         max_connections: args.max_connections as usize,
         header_timeout: args.header_timeout,
         idle_timeout: args.idle_timeout,
+        drain_timeout: args.drain_timeout,
     };
     let state =
         Arc::new(AppState::new(decider, metrics, http_options).with_connection_limits(limits));

@@ -16,7 +16,6 @@
 //! their [`Admitted`] permit, [`Tracked`] counts what a client sends, and [`IdleClose`] tells a
 //! connection's task when its client has gone quiet.
 
-use std::convert::Infallible;
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
@@ -28,7 +27,8 @@ use std::time::Duration;
 use futures_util::{Stream, StreamExt};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
+use tokio::task::JoinSet;
 use tokio::time::{Instant, Sleep};
 
 /// How the server bounds each listener's connections (the same for HTTP and gRPC).
@@ -45,17 +45,22 @@ pub struct ConnectionLimits {
     /// (HTTP/2 GOAWAY; an HTTP/1 connection between requests closes at once). One still open
     /// after as long again is dropped, calls in flight with it.
     pub idle_timeout: Duration,
+    /// How long, once the server is stopping, its connections may take to finish the requests
+    /// in flight; connections still open then are dropped.
+    pub drain_timeout: Duration,
 }
 
 impl Default for ConnectionLimits {
-    /// 10,000 connections per listener, 30 s for a request head (hyper's own default), and
-    /// 10 minutes of silence: Envoy keeps its gRPC connections open and idle between bursts,
-    /// and a reconnection costs its next call a handshake.
+    /// 10,000 connections per listener; 30 s for a request head (hyper's own default); 10
+    /// minutes of silence, since Envoy keeps its gRPC connections open and idle between bursts
+    /// and a reconnection costs its next call a handshake; 10 s to drain, well inside the 30 s
+    /// an orchestrator such as Kubernetes waits before killing a stopping process.
     fn default() -> Self {
         Self {
             max_connections: 10_000,
             header_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(600),
+            drain_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -83,6 +88,7 @@ impl Connections {
                 .header_timeout
                 .clamp(SHORTEST_TIMEOUT, LONGEST_TIMEOUT),
             idle_timeout: limits.idle_timeout.clamp(SHORTEST_TIMEOUT, LONGEST_TIMEOUT),
+            drain_timeout: limits.drain_timeout.min(LONGEST_TIMEOUT),
             ..limits
         };
         Self {
@@ -226,20 +232,21 @@ pub(crate) fn admit(
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
 /// Runs `serve_one` on each connection `incoming` yields, in a task of its own, until `stopped`
-/// turns true (or `incoming` ends); then stops accepting and waits for those tasks to end
-/// (each connection drains on the same signal).
+/// turns true (or `incoming` ends); then stops accepting and waits for those tasks to end (each
+/// connection drains on the same signal), for at most `drain`: past it, the connections still
+/// open are dropped, so that a client holding one cannot hold the process's stop.
 pub(crate) async fn serve_each<I, F, Fut>(
     incoming: I,
     stopped: watch::Receiver<bool>,
     listener: Listener,
+    drain: Duration,
     mut serve_one: F,
 ) where
     I: Stream<Item = io::Result<Admitted>>,
     F: FnMut(Admitted) -> Fut,
     Fut: Future<Output = ()> + Send + 'static,
 {
-    // Every connection's task holds a sender; the channel closes once the last one ends.
-    let (open, mut all_closed) = mpsc::channel::<Infallible>(1);
+    let mut connections = JoinSet::new();
     // Boxed to be dropped before the wait for the connections: that closes the listener, so
     // clients are refused at once instead of waiting on a backlog nobody will accept.
     let mut incoming = Box::pin(incoming);
@@ -247,16 +254,16 @@ pub(crate) async fn serve_each<I, F, Fut>(
     loop {
         let accepted = tokio::select! {
             () = &mut stop => break,
+            Some(ended) = connections.join_next() => {
+                report_panic(ended, listener);
+                continue;
+            }
             accepted = incoming.next() => accepted,
         };
         match accepted {
             None => break,
             Some(Ok(admitted)) => {
-                let (connection, open) = (serve_one(admitted), open.clone());
-                tokio::spawn(async move {
-                    connection.await;
-                    drop(open);
-                });
+                connections.spawn(serve_one(admitted));
             }
             Some(Err(err)) => {
                 tracing::warn!(error = %err, listener = listener.as_str(), "cannot accept a connection");
@@ -268,8 +275,29 @@ pub(crate) async fn serve_each<I, F, Fut>(
         }
     }
     drop(incoming);
-    drop(open);
-    let _ = all_closed.recv().await;
+    let drained = tokio::time::timeout(drain, async {
+        while let Some(ended) = connections.join_next().await {
+            report_panic(ended, listener);
+        }
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!(
+            listener = listener.as_str(),
+            connections = connections.len(),
+            "connections still open at the drain deadline are dropped"
+        );
+        connections.shutdown().await;
+    }
+}
+
+/// Logs a connection task that panicked (a bug; the other connections are unaffected).
+fn report_panic(ended: Result<(), tokio::task::JoinError>, listener: Listener) {
+    if let Err(err) = ended
+        && err.is_panic()
+    {
+        tracing::error!(listener = listener.as_str(), "a connection's task panicked");
+    }
 }
 
 /// A client's bytes so far, as [`Tracked`] counts them and an [`IdleClose`] reads them.

@@ -143,7 +143,8 @@ pub(crate) async fn serve<S, B, I>(
             }
         }
     };
-    connection::serve_each(incoming, stopped.clone(), Listener::Grpc, each).await;
+    let drain = limits.drain_timeout;
+    connection::serve_each(incoming, stopped.clone(), Listener::Grpc, drain, each).await;
 }
 
 /// Serves one connection until the client closes it, until it has drained after `stopped`,

@@ -217,3 +217,23 @@ fn connection_limits_are_checked_at_start() {
         );
     }
 }
+
+#[test]
+fn a_stop_waits_for_requests_in_flight_only_until_the_drain_deadline() {
+    let server = Server::start(&["--drain-timeout", "1s"]);
+    // A request whose body never comes: its handler waits for it, and a graceful stop with it.
+    let mut stalled = connect(server.http);
+    stalled
+        .write_all(
+            b"POST /v1/check HTTP/1.1\r\nHost: tollgate\r\nContent-Type: application/json\r\n\
+              Content-Length: 100\r\n\r\n{\"domain\":",
+        )
+        .expect("send part of a request");
+    // The server has it in hand once another request on a later connection is answered.
+    assert_eq!(post_json(server.http, "/v1/check", CHECK).status, 200);
+
+    let status = server.terminate_within(Duration::from_secs(10));
+    let status = status.expect("still running 10 s after SIGTERM, with a 1 s drain deadline");
+    assert!(status.success(), "{status:?}");
+    assert!(closed_within(&mut stalled, Duration::from_secs(1)));
+}

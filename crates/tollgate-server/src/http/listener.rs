@@ -32,7 +32,8 @@ where
     let limits = state.connections.limits;
     let app = super::router(state);
     let each = |admitted| serve_connection(app.clone(), admitted, limits, stopped.clone());
-    connection::serve_each(incoming, stopped.clone(), Listener::Http, each).await;
+    let drain = limits.drain_timeout;
+    connection::serve_each(incoming, stopped.clone(), Listener::Http, drain, each).await;
 }
 
 /// Serves one connection until the client closes it, until it has drained after `stopped`,
