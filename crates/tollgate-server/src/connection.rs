@@ -382,6 +382,46 @@ impl AsyncWrite for Tracked {
     }
 }
 
+/// The server's stop signal as a connection's task watches it.
+///
+/// A connection's task wakes for every request, and polling the signal's future each time
+/// costs a few hundred instructions; once the future holds the task's waker it is polled
+/// again only when the signal may have changed, which the receiver tells from one load.
+pub(crate) struct StopSignal {
+    changes: watch::Receiver<bool>,
+    /// The signal's future, until it resolves.
+    stopped: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+    /// Whether `stopped` has been polled, so that it holds the task's waker.
+    armed: bool,
+}
+
+impl StopSignal {
+    pub(crate) fn new(stopped: watch::Receiver<bool>) -> Self {
+        Self {
+            changes: stopped.clone(),
+            stopped: Some(Box::pin(crate::until_stopped(stopped))),
+            armed: false,
+        }
+    }
+
+    /// Ready once the server is stopping, and on every poll after; polled by one task.
+    pub(crate) fn poll_stopped(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        let Some(stopped) = &mut self.stopped else {
+            return Poll::Ready(());
+        };
+        // `Err`: the sender is gone, which the future reads as a stop.
+        if self.armed && matches!(self.changes.has_changed(), Ok(false)) {
+            return Poll::Pending;
+        }
+        if stopped.as_mut().poll(cx).is_pending() {
+            self.armed = true;
+            return Poll::Pending;
+        }
+        self.stopped = None;
+        Poll::Ready(())
+    }
+}
+
 /// What to do with a connection whose client has gone quiet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Quiet {
@@ -404,6 +444,8 @@ pub(crate) struct IdleClose {
     quiet_checks: u32,
     check_every: Duration,
     next: Pin<Box<Sleep>>,
+    /// Whether `next` has been polled since it was last set, so that it holds the task's waker.
+    armed: bool,
     asked: bool,
 }
 
@@ -420,15 +462,28 @@ impl IdleClose {
             quiet_checks: 0,
             check_every,
             next: Box::pin(tokio::time::sleep(check_every)),
+            armed: false,
             asked: false,
         }
     }
 
     /// Ready with the next step each time the client has been quiet for a whole period since
     /// the last step (or the start); pending while it speaks.
+    ///
+    /// Meant to be polled by one task for its whole life (a connection's), as the task wakes,
+    /// which it does for every request: once the timer holds that task's waker, a poll only
+    /// looks at whether it has fired, which costs a load where polling the timer costs a few
+    /// hundred instructions.
     pub(crate) fn poll_step(&mut self, cx: &mut Context<'_>) -> Poll<Quiet> {
         loop {
-            ready!(self.next.as_mut().poll(cx));
+            if self.armed && !self.next.is_elapsed() {
+                return Poll::Pending;
+            }
+            if self.next.as_mut().poll(cx).is_pending() {
+                self.armed = true;
+                return Poll::Pending;
+            }
+            self.armed = false;
             let deadline = Instant::now() + self.check_every;
             self.next.as_mut().reset(deadline);
             let seen = self.activity.get();
@@ -452,7 +507,8 @@ impl IdleClose {
     }
 
     /// The next step, once due.
-    pub(crate) async fn step(&mut self) -> Quiet {
+    #[cfg(test)]
+    async fn step(&mut self) -> Quiet {
         std::future::poll_fn(|cx| self.poll_step(cx)).await
     }
 }
@@ -525,6 +581,38 @@ mod tests {
         let mut buf = [0u8; 4];
         client.read_exact(&mut buf).await.unwrap();
         assert_eq!(&buf, b"tick");
+    }
+
+    /// The signal wakes a connection's task that polled it once, and stays ready; a dropped
+    /// sender is a stop too.
+    #[tokio::test]
+    async fn a_stop_signal_is_seen_once_sent_or_once_its_sender_is_gone() {
+        let (stop, stopped) = watch::channel(false);
+        let mut signal = StopSignal::new(stopped.clone());
+        let waiting = tokio::spawn(async move {
+            std::future::poll_fn(|cx| signal.poll_stopped(cx)).await;
+            // Ready again, without panicking on a finished future.
+            std::future::poll_fn(|cx| signal.poll_stopped(cx)).await;
+        });
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished());
+        stop.send(true).unwrap();
+        tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("woken by the stop")
+            .unwrap();
+
+        let (stop, stopped) = watch::channel(false);
+        let mut signal = StopSignal::new(stopped);
+        let waiting = tokio::spawn(async move {
+            std::future::poll_fn(|cx| signal.poll_stopped(cx)).await;
+        });
+        tokio::task::yield_now().await;
+        drop(stop);
+        tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("woken by the sender's end")
+            .unwrap();
     }
 
     /// At the bound, the next connection waits for one to close.

@@ -34,7 +34,9 @@ use http_body_util::BodyExt;
 use tokio::sync::watch;
 use tower_service::Service;
 
-use crate::connection::{self, Admitted, ConnectionLimits, IdleClose, Listener, Quiet, Tracked};
+use crate::connection::{
+    self, Admitted, ConnectionLimits, IdleClose, Listener, Quiet, StopSignal, Tracked,
+};
 use crate::metrics::{self, Closed};
 
 /// Calls a client may have open at once on one connection (hyper's default): a client that
@@ -159,7 +161,7 @@ where
     S: GrpcService<B>,
     B: Answer,
 {
-    let mut stop = std::pin::pin!(crate::until_stopped(stopped));
+    let mut stop = StopSignal::new(stopped);
     let (stream, activity) = Tracked::new(admitted);
     let handshake = h2::server::Builder::new()
         .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
@@ -173,7 +175,7 @@ where
     let handshake = tokio::time::timeout(limits.header_timeout, handshake);
     let mut connection = tokio::select! {
         // Stopped before the client said a word: nothing is in flight.
-        () = &mut stop => return Ok(()),
+        () = poll_fn(|cx| stop.poll_stopped(cx)) => return Ok(()),
         connection = handshake => match connection {
             Ok(connection) => connection?,
             Err(_) => {
@@ -189,7 +191,7 @@ where
     // until neither the connection nor any call can go further: answers the calls write are
     // flushed by the connection's next poll, hence the loop.
     poll_fn(move |cx| {
-        if !stopping && stop.as_mut().poll(cx).is_ready() {
+        if !stopping && stop.poll_stopped(cx).is_ready() {
             stopping = true;
             connection.graceful_shutdown();
         }

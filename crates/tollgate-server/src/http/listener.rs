@@ -7,9 +7,11 @@
 //! what they saw with axum's: HTTP/1.1 with keep-alive, the peer's address for the admin
 //! endpoints' loopback rule, and a graceful stop.
 
+use std::future::poll_fn;
 use std::net::SocketAddr;
 use std::pin::pin;
 use std::sync::Arc;
+use std::task::Poll;
 
 use axum::Router;
 use axum::extract::ConnectInfo;
@@ -20,7 +22,9 @@ use tokio::sync::watch;
 use tower_service::Service;
 
 use super::AppState;
-use crate::connection::{self, Admitted, ConnectionLimits, IdleClose, Listener, Quiet, Tracked};
+use crate::connection::{
+    self, Admitted, ConnectionLimits, IdleClose, Listener, Quiet, StopSignal, Tracked,
+};
 use crate::metrics::{self, Closed};
 
 /// Serves the HTTP API on every connection `incoming` yields until `stopped` turns true (or
@@ -62,32 +66,33 @@ async fn serve_connection(
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_timeout);
     let mut connection = pin!(builder.serve_connection(TokioIo::new(stream), service));
-    let mut stop = pin!(crate::until_stopped(stopped));
+    let mut stop = StopSignal::new(stopped);
     let mut stopping = false;
     let mut idle = IdleClose::new(activity, limits.idle_timeout);
-    loop {
-        tokio::select! {
-            served = connection.as_mut() => {
-                if let Err(err) = served {
-                    if err.is_timeout() {
-                        metrics::record_connection_closed(Listener::Http, Closed::HeaderTimeout);
-                    }
-                    tracing::debug!(error = %err, "HTTP connection ended with an error");
-                }
-                return;
-            }
-            () = &mut stop, if !stopping => {
-                stopping = true;
-                connection.as_mut().graceful_shutdown();
-            }
-            step = idle.step() => match step {
+    // Polled by hand rather than with `select!`: the stop signal and the idle timer are looked
+    // at cheaply on each of the many wake-ups that are the connection's (see their docs).
+    let served = poll_fn(|cx| {
+        if !stopping && stop.poll_stopped(cx).is_ready() {
+            stopping = true;
+            connection.as_mut().graceful_shutdown();
+        }
+        while let Poll::Ready(step) = idle.poll_step(cx) {
+            match step {
                 Quiet::AskToClose => {
                     metrics::record_connection_closed(Listener::Http, Closed::Idle);
                     connection.as_mut().graceful_shutdown();
                 }
                 // Asked and still quiet: a request waits on a body that is not coming.
-                Quiet::Drop => return,
-            },
+                Quiet::Drop => return Poll::Ready(Ok(())),
+            }
         }
+        connection.as_mut().poll(cx)
+    })
+    .await;
+    if let Err(err) = served {
+        if err.is_timeout() {
+            metrics::record_connection_closed(Listener::Http, Closed::HeaderTimeout);
+        }
+        tracing::debug!(error = %err, "HTTP connection ended with an error");
     }
 }

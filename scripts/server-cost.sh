@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Counts `tollgate serve`'s instructions per request under callgrind, on the memory store: the
+# no-op endpoint, the HTTP check, and the RLS gRPC call with a connection per worker and with
+# the workers' calls multiplexed over one connection. Unlike a rate, the count does not move
+# with the host's load, so it compares builds (or the paths of one build) on a noisy host.
+# Usage: scripts/server-cost.sh [rounds]   (TOLLGATE_BIN=path measures that build instead)
+# Each figure is the instructions counted while `tollgate bench` (not under valgrind) sends N
+# requests from 4 workers, divided by N; counting is on only then, after a warm-up.
+# KEEP=dir keeps each run's callgrind file there, for callgrind_annotate.
+# Needs valgrind. Starts its own server on free loopback ports and stops it on exit.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rounds=${1:-2}
+n=${REQUESTS:-5000}
+command -v valgrind >/dev/null || { echo "valgrind is needed (apt-get install -y valgrind)" >&2; exit 1; }
+if [[ -n ${TOLLGATE_BIN:-} ]]; then
+  B=$TOLLGATE_BIN
+else
+  cargo build --release -q -p tollgate-server
+  B=target/release/tollgate
+fi
+work=$(mktemp -d)
+server=
+cleanup() { [[ -n $server ]] && kill "$server" 2>/dev/null; rm -rf "$work"; }
+trap cleanup EXIT
+
+valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$work/cg.out" \
+  "$B" serve --http 127.0.0.1:0 --grpc 127.0.0.1:0 >"$work/server.out" 2>"$work/server.err" &
+server=$!
+for _ in $(seq 1 120); do grep -q '^listening' "$work/server.out" 2>/dev/null && break; sleep 0.5; done
+line=$(grep '^listening' "$work/server.out") || { cat "$work/server.err" >&2; exit 1; }
+http=$(sed -n 's/.*http=\([^ ]*\).*/\1/p' <<<"$line")
+grpc=$(sed -n 's/.*grpc=\([^ ]*\).*/\1/p' <<<"$line")
+
+runs=("http /v1/noop" "http /v1/check" "grpc 4" "grpc 1")
+send() { # kind arg count
+  if [[ $1 == http ]]; then
+    "$B" bench --target "http://$http" --path "$2" -c 4 -n "$3" >/dev/null 2>&1
+  else
+    "$B" bench --grpc "$grpc" --connections "$2" -c 4 -n "$3" >/dev/null 2>&1
+  fi
+}
+for run in "${runs[@]}"; do send $run 1000; done # warm-up: connections, buckets, caches
+echo "| round | no-op | HTTP check | gRPC, a connection per worker | gRPC, 4 workers over 1 connection |"
+echo "|---|---|---|---|---|"
+for round in $(seq 1 "$rounds"); do
+  row="| $round"
+  for run in "${runs[@]}"; do
+    rm -f "$work"/cg.out.*
+    callgrind_control -z "$server" >/dev/null 2>&1
+    callgrind_control -i on "$server" >/dev/null 2>&1
+    send $run "$n"
+    callgrind_control -i off "$server" >/dev/null 2>&1
+    callgrind_control -d "$server" >/dev/null 2>&1
+    for _ in $(seq 1 50); do compgen -G "$work/cg.out.*" >/dev/null && break; sleep 0.2; done
+    total=$(sed -n 's/^totals: *//p' "$work"/cg.out.* | head -1)
+    if [[ -n ${KEEP:-} ]]; then
+      mkdir -p "$KEEP"
+      name=${run// /}; cp "$work"/cg.out.* "$KEEP/round$round-${name//\//}.cg"
+    fi
+    row+=" | $((total / n))"
+  done
+  echo "$row |"
+done
