@@ -15,13 +15,8 @@ cd "$(dirname "$0")/.."
 store=${1:-memory}
 secs=${2:-10}
 rounds=${3:-1}
-# TOLLGATE_BIN=path measures another build (server and generator alike) without building.
-if [[ -n ${TOLLGATE_BIN:-} ]]; then
-  B=$TOLLGATE_BIN
-else
-  cargo build --release -q -p tollgate-server
-  B=target/release/tollgate
-fi
+# shellcheck source=scripts/tollgate-bin.sh
+source scripts/tollgate-bin.sh
 work=$(mktemp -d)
 pids=()
 cleanup() { for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done; rm -rf "$work"; }

@@ -13,12 +13,8 @@ cd "$(dirname "$0")/.."
 rounds=${1:-2}
 n=${REQUESTS:-5000}
 command -v valgrind >/dev/null || { echo "valgrind is needed (apt-get install -y valgrind)" >&2; exit 1; }
-if [[ -n ${TOLLGATE_BIN:-} ]]; then
-  B=$TOLLGATE_BIN
-else
-  cargo build --release -q -p tollgate-server
-  B=target/release/tollgate
-fi
+# shellcheck source=scripts/tollgate-bin.sh
+source scripts/tollgate-bin.sh
 work=$(mktemp -d)
 server=
 cleanup() { [[ -n $server ]] && kill "$server" 2>/dev/null; rm -rf "$work"; }
