@@ -105,9 +105,10 @@ pub struct ServeArgs {
     #[arg(long, env = "TOLLGATE_STORE_TIMEOUT", default_value = "20ms", value_parser = parse_duration)]
     pub store_timeout: Duration,
     /// The most connections open at once on each listener (HTTP and gRPC); past it new
-    /// clients wait in the kernel's backlog until one closes.
-    #[arg(long, env = "TOLLGATE_MAX_CONNECTIONS", default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..))]
-    pub max_connections: u32,
+    /// clients wait in the kernel's backlog until one closes. Default: 10,000, or fewer where
+    /// the open-file limit cannot hold that many on both listeners.
+    #[arg(long, env = "TOLLGATE_MAX_CONNECTIONS", value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_connections: Option<u32>,
     /// How long a client may take to send a whole HTTP request head (also how long an HTTP
     /// keep-alive connection may wait for its next request), or to open HTTP/2 on the gRPC
     /// port.
@@ -483,7 +484,7 @@ pub async fn serve(
         }
     };
     let limits = ConnectionLimits {
-        max_connections: args.max_connections as usize,
+        max_connections: max_connections(args.max_connections),
         header_timeout: args.header_timeout,
         idle_timeout: args.idle_timeout,
         drain_timeout: args.drain_timeout,
@@ -521,7 +522,10 @@ pub async fn serve(
         "  curl -si -X POST http://{http_addr}/v1/check -H 'content-type: application/json' \\\n    -d '{}'",
         example_body(&policy)
     );
-    println!("listening http={http_addr} grpc={grpc_addr}");
+    println!(
+        "listening http={http_addr} grpc={grpc_addr} max_connections={}",
+        limits.max_connections
+    );
 
     match args.runtime {
         RuntimeModel::Shared => crate::run(state, http, grpc, shutdown).await,
@@ -535,6 +539,70 @@ pub async fn serve(
     }
     .map_err(|err| anyhow!("{err}"))?;
     Ok(())
+}
+
+/// Descriptors the process needs beside its connections: listeners, Redis, the policy file's
+/// watch, logs.
+const SPARE_DESCRIPTORS: u64 = 64;
+
+/// The bound on each listener's connections: `asked`, or by default 10,000 or as many as the
+/// open-file limit holds on both listeners, whichever is fewer. The limit is raised first to
+/// what the system allows this process; an `asked` bound it cannot hold is kept, with a warning.
+///
+/// Every connection is a descriptor, and a common default of 1,024 would refuse clients at
+/// accept long before the bound. The soft limit is there to be raised up to the hard one by the
+/// process that needs it, as Go's runtime and nginx's `worker_rlimit_nofile` do; a default
+/// bound drawn from the limit is HAProxy's way, so that a host with a low limit still gets a
+/// bound that holds, without a warning at every start.
+fn max_connections(asked: Option<u32>) -> usize {
+    let fits = raise_open_file_limit().map(|limit| limit.saturating_sub(SPARE_DESCRIPTORS) / 2);
+    match asked {
+        None => {
+            let default = ConnectionLimits::default().max_connections as u64;
+            usize::try_from(fits.map_or(default, |fits| fits.clamp(1, default)))
+                .unwrap_or(usize::MAX)
+        }
+        Some(asked) => {
+            if let Some(fits) = fits
+                && u64::from(asked) > fits
+            {
+                tracing::warn!(
+                    max_connections = asked,
+                    open_file_limit = fits * 2 + SPARE_DESCRIPTORS,
+                    "the open-file limit cannot hold --max-connections on both listeners: \
+                     clients past it are refused at accept; raise the limit or lower the bound"
+                );
+            }
+            asked as usize
+        }
+    }
+}
+
+/// Sets the soft open-file limit to the hard one; returns the limit then in force (`None`: no
+/// limit, or none this platform reports).
+#[cfg(target_os = "linux")]
+fn raise_open_file_limit() -> Option<u64> {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let mut limit = getrlimit(Resource::Nofile);
+    // A hard limit of "unlimited" is not one the kernel lets a soft limit take for files.
+    if let (Some(current), Some(maximum)) = (limit.current, limit.maximum)
+        && current < maximum
+    {
+        let raised = rustix::process::Rlimit {
+            current: Some(maximum),
+            maximum: Some(maximum),
+        };
+        match setrlimit(Resource::Nofile, raised) {
+            Ok(()) => limit = raised,
+            Err(err) => tracing::debug!(error = %err, "cannot raise the open-file limit"),
+        }
+    }
+    limit.current
+}
+
+#[cfg(not(target_os = "linux"))]
+fn raise_open_file_limit() -> Option<u64> {
+    None
 }
 
 /// A request body that matches the policy's first limit, for the banner's example.

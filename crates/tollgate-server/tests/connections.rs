@@ -237,3 +237,62 @@ fn a_stop_waits_for_requests_in_flight_only_until_the_drain_deadline() {
     assert!(status.success(), "{status:?}");
     assert!(closed_within(&mut stalled, Duration::from_secs(1)));
 }
+
+/// The soft and hard open-file limits of process `pid`.
+fn open_file_limits(pid: u32) -> (u64, u64) {
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).expect("read the limits");
+    let line = limits
+        .lines()
+        .find(|line| line.starts_with("Max open files"))
+        .expect("a Max open files line");
+    let mut figures = line
+        .split_whitespace()
+        .filter_map(|word| word.parse::<u64>().ok());
+    let soft = figures.next().expect("a soft limit");
+    let hard = figures.next().expect("a hard limit");
+    (soft, hard)
+}
+
+/// Started under a shell's low soft limit on open files, the server raises it to the hard
+/// limit, so that connections are not refused at accept long before `--max-connections`.
+#[test]
+#[cfg(target_os = "linux")]
+fn the_open_file_limit_is_raised_to_the_hard_limit() {
+    let (_, hard) = open_file_limits(std::process::id());
+    assert!(
+        hard > 256,
+        "this test needs a hard open-file limit above 256, not {hard}"
+    );
+    let server = Server::start_after("ulimit -Sn 256", &[]);
+    assert_eq!(open_file_limits(server.pid()), (hard, hard));
+    assert_eq!(post_json(server.http, "/v1/check", CHECK).status, 200);
+}
+
+/// Where even the hard limit is low, the default bound is what it holds on both listeners
+/// (half of it, less 64 descriptors for the rest); a bound asked for is kept as asked.
+#[test]
+#[cfg(target_os = "linux")]
+fn the_default_connection_bound_fits_the_open_file_limit() {
+    let server = Server::start_after("ulimit -n 256", &[]);
+    assert!(
+        server.listening.ends_with(" max_connections=96"),
+        "{}",
+        server.listening
+    );
+    let server = Server::start_after("ulimit -n 256", &["--max-connections", "500"]);
+    assert!(
+        server.listening.ends_with(" max_connections=500"),
+        "{}",
+        server.listening
+    );
+    let server = Server::start(&[]);
+    let (_, hard) = open_file_limits(server.pid());
+    let expected = ((hard - 64) / 2).min(10_000);
+    assert!(
+        server
+            .listening
+            .ends_with(&format!(" max_connections={expected}")),
+        "{}",
+        server.listening
+    );
+}

@@ -16,6 +16,8 @@ pub struct Server {
     child: Option<Child>,
     pub http: SocketAddr,
     pub grpc: SocketAddr,
+    /// The server's `listening ...` line.
+    pub listening: String,
 }
 
 /// A scratch directory removed on drop.
@@ -55,17 +57,37 @@ impl Server {
 
     /// As [`Server::start`], with HTTP on `http` (such as `[::]:0`, dual-stack).
     pub fn start_on(http: &str, args: &[&str]) -> Self {
-        let mut child = Command::new(binary())
+        let mut command = Command::new(binary());
+        command
             .arg("serve")
             .args(["--http", http, "--grpc", "127.0.0.1:0"])
-            .args(args)
+            .args(args);
+        Self::spawn(command)
+    }
+
+    /// As [`Server::start`], from a shell that first runs `setup` (such as `ulimit -Sn 256`),
+    /// then execs the server in its own place (same process id).
+    pub fn start_after(setup: &str, args: &[&str]) -> Self {
+        let mut command = Command::new("sh");
+        command
+            .arg("-c")
+            .arg(format!("{setup} && exec \"$0\" \"$@\""))
+            .arg(binary())
+            .args(["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
+            .args(args);
+        Self::spawn(command)
+    }
+
+    /// Runs `command` (a `tollgate serve`) and waits for its `listening` line.
+    fn spawn(mut command: Command) -> Self {
+        let mut child = command
             .env("TOLLGATE_LOG", "warn")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
             .expect("start the tollgate binary");
         let stdout = child.stdout.take().expect("piped stdout");
-        let (http, grpc) = match wait_for_listening(stdout) {
+        let (http, grpc, listening) = match wait_for_listening(stdout) {
             Some(addresses) => addresses,
             None => {
                 let _ = child.kill();
@@ -77,6 +99,7 @@ impl Server {
             child: Some(child),
             http,
             grpc,
+            listening,
         }
     }
 
@@ -141,7 +164,7 @@ impl Drop for Server {
 }
 
 /// Reads stdout on a thread (it must keep being drained) until the `listening` line.
-fn wait_for_listening(stdout: ChildStdout) -> Option<(SocketAddr, SocketAddr)> {
+fn wait_for_listening(stdout: ChildStdout) -> Option<(SocketAddr, SocketAddr, String)> {
     let (found, wait) = mpsc::channel();
     std::thread::spawn(move || {
         let mut sent = false;
@@ -158,7 +181,10 @@ fn wait_for_listening(stdout: ChildStdout) -> Option<(SocketAddr, SocketAddr)> {
                         grpc = addr.parse().ok();
                     }
                 }
-                let _ = found.send(http.zip(grpc));
+                let _ = found.send(
+                    http.zip(grpc)
+                        .map(|(http, grpc)| (http, grpc, line.clone())),
+                );
                 sent = true;
             }
         }
