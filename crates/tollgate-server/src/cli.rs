@@ -109,13 +109,14 @@ pub struct ServeArgs {
     /// the open-file limit cannot hold that many on both listeners.
     #[arg(long, env = "TOLLGATE_MAX_CONNECTIONS", value_parser = clap::value_parser!(u32).range(1..))]
     pub max_connections: Option<u32>,
-    /// How long a client may take to send a whole HTTP request head (also how long an HTTP
-    /// keep-alive connection may wait for its next request), or to open HTTP/2 on the gRPC
-    /// port.
+    /// How long a client may take to send a whole HTTP request head (the first counted from
+    /// the connection's start, each next one from its first bytes), or to open HTTP/2 on the
+    /// gRPC port.
     #[arg(long, env = "TOLLGATE_HEADER_TIMEOUT", default_value = "30s", value_parser = parse_timeout)]
     pub header_timeout: Duration,
-    /// How long a client may send nothing before its connection is asked to close (a GOAWAY on
-    /// gRPC); still silent as long again, it is dropped.
+    /// How long a client may send nothing (a kept-alive HTTP connection waiting for its next
+    /// request included) before its connection is asked to close (a GOAWAY on HTTP/2); still
+    /// silent as long again, it is dropped.
     #[arg(long, env = "TOLLGATE_IDLE_TIMEOUT", default_value = "10m", value_parser = parse_timeout)]
     pub idle_timeout: Duration,
     /// How long, on SIGTERM or SIGINT, connections may take to finish the requests in flight

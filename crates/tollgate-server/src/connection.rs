@@ -37,13 +37,15 @@ pub struct ConnectionLimits {
     /// The most connections open at once on each listener. At the bound the listener stops
     /// accepting; new clients wait in the kernel's backlog until a connection closes.
     pub max_connections: usize,
-    /// How long a client may take to send a whole HTTP/1 request head (the first on a
-    /// connection and each next one, so it also bounds how long a kept-alive connection may
-    /// wait between requests), or to open HTTP/2 on the gRPC port.
+    /// How long a client may take to send a whole HTTP/1 request head: the first from the
+    /// connection's start, each next one from its first bytes (a kept-alive connection
+    /// waiting between requests is the idle timeout's business); or to open HTTP/2 on the
+    /// gRPC port.
     pub header_timeout: Duration,
-    /// How long a client may send nothing at all before its connection is asked to close
-    /// (HTTP/2 GOAWAY; an HTTP/1 connection between requests closes at once). One still open
-    /// after as long again is dropped, calls in flight with it.
+    /// How long a client may send nothing at all (a kept-alive HTTP/1 connection waiting for
+    /// its next request included) before its connection is asked to close (HTTP/2 GOAWAY; an
+    /// HTTP/1 connection between requests closes at once). One still open after as long again
+    /// is dropped, calls in flight with it.
     pub idle_timeout: Duration,
     /// How long, once the server is stopping, its connections may take to finish the requests
     /// in flight; connections still open then are dropped.
@@ -300,13 +302,47 @@ fn report_panic(ended: Result<(), tokio::task::JoinError>, listener: Listener) {
     }
 }
 
-/// A client's bytes so far, as [`Tracked`] counts them and an [`IdleClose`] reads them.
+/// What a connection's client has sent and, on HTTP/1, how far its requests have got, as
+/// [`Tracked`] and the listener record it and the connection's watchers ([`IdleClose`],
+/// [`HeadTimeout`]) read it. Each figure has one writer, the connection's own task, so each is
+/// published with a plain store rather than an atomic add.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct Activity(Arc<AtomicU64>);
+pub(crate) struct Activity(Arc<Marks>);
+
+#[derive(Debug, Default)]
+struct Marks {
+    /// Reads that brought bytes.
+    reads: AtomicU64,
+    /// Requests whose head was read whole (HTTP/1).
+    started: AtomicU64,
+    /// `started` as of the server's last write: the requests answered (or being answered).
+    answered: AtomicU64,
+    /// `reads` as of the server's last write.
+    reads_at_answer: AtomicU64,
+}
 
 impl Activity {
-    fn get(&self) -> u64 {
-        self.0.load(Ordering::Relaxed)
+    fn reads(&self) -> u64 {
+        self.0.reads.load(Ordering::Relaxed)
+    }
+
+    /// Marks a request whose head has been read whole; called by the connection's task.
+    pub(crate) fn request_started(&self) {
+        let started = self.0.started.load(Ordering::Relaxed);
+        self.0
+            .started
+            .store(started.wrapping_add(1), Ordering::Relaxed);
+    }
+
+    /// Whether the client is partway through a request head: nothing in flight and either no
+    /// request yet or bytes since the last answer. Kept-alive connections waiting for their
+    /// next request have sent nothing since, and are the idle timeout's business.
+    fn head_pending(&self) -> Option<u64> {
+        let started = self.0.started.load(Ordering::Relaxed);
+        let in_flight = started != self.0.answered.load(Ordering::Relaxed);
+        let pending = !in_flight
+            && (started == 0 || self.reads() != self.0.reads_at_answer.load(Ordering::Relaxed));
+        pending.then_some(started)
     }
 }
 
@@ -346,9 +382,20 @@ impl AsyncRead for Tracked {
         ready!(Pin::new(&mut this.admitted.stream).poll_read(cx, buf))?;
         if buf.filled().len() > before {
             this.reads = this.reads.wrapping_add(1);
-            this.activity.0.store(this.reads, Ordering::Relaxed);
+            this.activity.0.reads.store(this.reads, Ordering::Relaxed);
         }
         Poll::Ready(Ok(()))
+    }
+}
+
+impl Tracked {
+    /// Notes that the server wrote: the requests started so far are being answered.
+    fn wrote(&self) {
+        let marks = &self.activity.0;
+        marks
+            .answered
+            .store(marks.started.load(Ordering::Relaxed), Ordering::Relaxed);
+        marks.reads_at_answer.store(self.reads, Ordering::Relaxed);
     }
 }
 
@@ -358,7 +405,9 @@ impl AsyncWrite for Tracked {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.admitted.stream).poll_write(cx, buf)
+        let written = ready!(Pin::new(&mut self.admitted.stream).poll_write(cx, buf))?;
+        self.wrote();
+        Poll::Ready(Ok(written))
     }
 
     fn poll_write_vectored(
@@ -366,7 +415,9 @@ impl AsyncWrite for Tracked {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.admitted.stream).poll_write_vectored(cx, bufs)
+        let written = ready!(Pin::new(&mut self.admitted.stream).poll_write_vectored(cx, bufs))?;
+        self.wrote();
+        Poll::Ready(Ok(written))
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -431,62 +482,79 @@ pub(crate) enum Quiet {
     Drop,
 }
 
+/// A timer that fires every `every`, polled cheaply by the one task that owns it.
+///
+/// A connection's task wakes for every request and polls its watchers each time; polling a
+/// tokio timer costs a few hundred instructions, so once the timer holds the task's waker a
+/// poll only looks at whether it has fired, which costs a load. Meant to be polled by one task
+/// for its whole life (a connection's).
+struct Ticker {
+    every: Duration,
+    next: Pin<Box<Sleep>>,
+    /// Whether `next` has been polled since it was last set, so that it holds the task's waker.
+    armed: bool,
+}
+
+impl Ticker {
+    fn new(every: Duration) -> Self {
+        let every = every.clamp(Duration::from_millis(1), LONGEST_TIMEOUT);
+        Self {
+            every,
+            next: Box::pin(tokio::time::sleep(every)),
+            armed: false,
+        }
+    }
+
+    /// Ready once per tick.
+    fn poll_tick(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        if self.armed && !self.next.is_elapsed() {
+            return Poll::Pending;
+        }
+        if self.next.as_mut().poll(cx).is_pending() {
+            self.armed = true;
+            return Poll::Pending;
+        }
+        self.armed = false;
+        let deadline = Instant::now() + self.every;
+        self.next.as_mut().reset(deadline);
+        Poll::Ready(())
+    }
+}
+
+/// Checks per timeout: a watcher looks this often, so a timeout is noticed between one and
+/// one and a quarter timeouts after it began. A timer reset per read or per request would be
+/// exact but would cost every request a timer update, for a bound nobody needs to the
+/// millisecond.
+const CHECKS_PER_PERIOD: u32 = 4;
+
 /// Looks at a connection's [`Activity`] a few times per idle period and says when its client
 /// has sent nothing for a whole period, first to ask the connection to close and then, a
 /// period later, to drop it. The connection's task polls it beside the connection.
-///
-/// Checks come every quarter period, so a quiet connection is noticed between one and one and
-/// a quarter periods after its client's last bytes; a timer reset per read would be exact but
-/// would cost every request a timer update, for a bound nobody needs to the millisecond.
 pub(crate) struct IdleClose {
     activity: Activity,
     seen: u64,
     quiet_checks: u32,
-    check_every: Duration,
-    next: Pin<Box<Sleep>>,
-    /// Whether `next` has been polled since it was last set, so that it holds the task's waker.
-    armed: bool,
+    ticker: Ticker,
     asked: bool,
 }
 
-/// Consecutive checks that saw nothing new, making a whole quiet period.
-const CHECKS_PER_PERIOD: u32 = 4;
-
 impl IdleClose {
     pub(crate) fn new(activity: Activity, idle_timeout: Duration) -> Self {
-        let check_every =
-            (idle_timeout.min(LONGEST_TIMEOUT) / CHECKS_PER_PERIOD).max(Duration::from_millis(1));
         Self {
-            seen: activity.get(),
+            seen: activity.reads(),
             activity,
             quiet_checks: 0,
-            check_every,
-            next: Box::pin(tokio::time::sleep(check_every)),
-            armed: false,
+            ticker: Ticker::new(idle_timeout.min(LONGEST_TIMEOUT) / CHECKS_PER_PERIOD),
             asked: false,
         }
     }
 
     /// Ready with the next step each time the client has been quiet for a whole period since
     /// the last step (or the start); pending while it speaks.
-    ///
-    /// Meant to be polled by one task for its whole life (a connection's), as the task wakes,
-    /// which it does for every request: once the timer holds that task's waker, a poll only
-    /// looks at whether it has fired, which costs a load where polling the timer costs a few
-    /// hundred instructions.
     pub(crate) fn poll_step(&mut self, cx: &mut Context<'_>) -> Poll<Quiet> {
         loop {
-            if self.armed && !self.next.is_elapsed() {
-                return Poll::Pending;
-            }
-            if self.next.as_mut().poll(cx).is_pending() {
-                self.armed = true;
-                return Poll::Pending;
-            }
-            self.armed = false;
-            let deadline = Instant::now() + self.check_every;
-            self.next.as_mut().reset(deadline);
-            let seen = self.activity.get();
+            ready!(self.ticker.poll_tick(cx));
+            let seen = self.activity.reads();
             if seen == self.seen {
                 self.quiet_checks += 1;
             } else {
@@ -510,6 +578,56 @@ impl IdleClose {
     #[cfg(test)]
     async fn step(&mut self) -> Quiet {
         std::future::poll_fn(|cx| self.poll_step(cx)).await
+    }
+}
+
+/// Says when an HTTP/1 client has been partway through a request head for the whole head
+/// timeout: from its connection's start until its first request's head is in, or from its
+/// first bytes after an answer until the next head is. A kept-alive connection that sends
+/// nothing between requests is left to [`IdleClose`], so the two timeouts stay apart.
+///
+/// Done here from the connection's [`Activity`] rather than by hyper's own head timeout, which
+/// makes a timer for every request head and so costs every request about 700 instructions
+/// (BENCHMARKS.md, tenth session), and which also closes kept-alive connections that wait.
+pub(crate) struct HeadTimeout {
+    activity: Activity,
+    /// Checks in a row that found the same head pending (the same count of requests started).
+    pending_checks: u32,
+    started: u64,
+    ticker: Ticker,
+}
+
+impl HeadTimeout {
+    pub(crate) fn new(activity: Activity, header_timeout: Duration) -> Self {
+        Self {
+            activity,
+            pending_checks: 0,
+            started: 0,
+            ticker: Ticker::new(header_timeout.min(LONGEST_TIMEOUT) / CHECKS_PER_PERIOD),
+        }
+    }
+
+    /// Ready once a head has been pending for the whole timeout.
+    pub(crate) fn poll_expired(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        loop {
+            ready!(self.ticker.poll_tick(cx));
+            match self.activity.head_pending() {
+                None => self.pending_checks = 0,
+                Some(started) if self.pending_checks > 0 && started == self.started => {
+                    self.pending_checks += 1;
+                }
+                // A head began since the last check (which may have been just before it).
+                Some(started) => {
+                    self.started = started;
+                    self.pending_checks = 1;
+                }
+            }
+            // The first check that saw the head came at most a quarter timeout after it
+            // began; this many more make a whole timeout.
+            if self.pending_checks > CHECKS_PER_PERIOD {
+                return Poll::Ready(());
+            }
+        }
     }
 }
 
@@ -613,6 +731,47 @@ mod tests {
             .await
             .expect("woken by the sender's end")
             .unwrap();
+    }
+
+    /// The head timeout runs while a head is partway in: from the start until the first
+    /// request, and from the first bytes after an answer; not while a request is in flight,
+    /// nor while a kept-alive connection waits with nothing sent.
+    #[tokio::test(start_paused = true)]
+    async fn a_head_times_out_only_while_partway_in() {
+        let timeout = Duration::from_secs(40);
+        let (mut client, server) = pair().await;
+        let (mut tracked, activity) = Tracked::new(server);
+        let mut head = HeadTimeout::new(activity.clone(), timeout);
+        /// How long `head` took to expire, if it did within three timeouts.
+        async fn expired(head: &mut HeadTimeout) -> Option<Duration> {
+            let started = Instant::now();
+            let expiry = std::future::poll_fn(|cx| head.poll_expired(cx));
+            tokio::time::timeout(Duration::from_secs(120), expiry)
+                .await
+                .ok()
+                .map(|()| started.elapsed())
+        }
+        // Silent from the start: a first head that never comes.
+        let waited = expired(&mut head).await.expect("a silent start times out");
+        assert!(waited >= timeout && waited <= timeout * 5 / 4, "{waited:?}");
+
+        // A request read, then in flight while the client waits: no head is pending.
+        let mut buf = [0u8; 64];
+        let mut head = HeadTimeout::new(activity.clone(), timeout);
+        client.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
+        let _ = tracked.read(&mut buf).await.unwrap();
+        activity.request_started();
+        assert_eq!(expired(&mut head).await, None, "timed out in flight");
+
+        // Answered, then kept alive with nothing sent: the idle timeout's business.
+        tracked.write_all(b"HTTP/1.1 200 OK\r\n\r\n").await.unwrap();
+        assert_eq!(expired(&mut head).await, None, "timed out while kept alive");
+
+        // The next head starts and stalls: it times out, counted from its first bytes.
+        client.write_all(b"GET / HT").await.unwrap();
+        let _ = tracked.read(&mut buf).await.unwrap();
+        let waited = expired(&mut head).await.expect("a stalled head times out");
+        assert!(waited >= timeout && waited <= timeout * 5 / 4, "{waited:?}");
     }
 
     /// At the bound, the next connection waits for one to close.

@@ -50,17 +50,55 @@ const HTTP_HEADER_TIMEOUTS: &str =
     r#"tollgate_connections_closed_total{listener="http",reason="header_timeout"}"#;
 const GRPC_HEADER_TIMEOUTS: &str =
     r#"tollgate_connections_closed_total{listener="grpc",reason="header_timeout"}"#;
+const HTTP_IDLE: &str = r#"tollgate_connections_closed_total{listener="http",reason="idle"}"#;
 const GRPC_IDLE: &str = r#"tollgate_connections_closed_total{listener="grpc",reason="idle"}"#;
 
 fn connect(addr: SocketAddr) -> TcpStream {
     TcpStream::connect(addr).expect("connect")
 }
 
+/// Sends a check on `stream` and reads its answer whole, leaving the connection open.
+fn check_kept_alive(stream: &mut TcpStream) {
+    write!(
+        stream,
+        "POST /v1/check HTTP/1.1\r\nHost: tollgate\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{CHECK}",
+        CHECK.len()
+    )
+    .expect("send a request");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("set a read timeout");
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let read = stream.read(&mut buf).expect("read the answer");
+        assert!(read > 0, "closed before answering");
+        answer.extend_from_slice(&buf[..read]);
+        let text = String::from_utf8_lossy(&answer);
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let length: usize = head
+                .lines()
+                .find_map(|line| {
+                    line.to_ascii_lowercase()
+                        .strip_prefix("content-length:")
+                        .map(str::to_owned)
+                })
+                .and_then(|value| value.trim().parse().ok())
+                .expect("a content-length");
+            if body.len() >= length {
+                assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+                return;
+            }
+        }
+    }
+}
+
 #[test]
 // As in closed_within: the server's timeouts can only be seen in real time.
 #[allow(clippy::disallowed_methods)]
 fn clients_that_never_finish_a_request_head_are_let_go() {
-    let server = Server::start(&["--header-timeout", "1s"]);
+    let server = Server::start(&["--header-timeout", "1s", "--idle-timeout", "3s"]);
     let started = Instant::now();
     // Connects and says nothing, on each port.
     let mut silent_http = connect(server.http);
@@ -70,16 +108,15 @@ fn clients_that_never_finish_a_request_head_are_let_go() {
     half_head
         .write_all(b"POST /v1/check HTTP/1.1\r\nHost: tollgate\r\n")
         .expect("send half a head");
-    // Sends a request, is answered, and keeps the connection without a next request.
+    // Is answered, then starts its next request and stops halfway through that head.
+    let mut half_next_head = connect(server.http);
+    check_kept_alive(&mut half_next_head);
+    half_next_head
+        .write_all(b"POST /v1/check HTTP/1.1\r\n")
+        .expect("send half a head");
+    // Is answered and keeps the connection, waiting with nothing to send.
     let mut kept_alive = connect(server.http);
-    let body = CHECK;
-    write!(
-        kept_alive,
-        "POST /v1/check HTTP/1.1\r\nHost: tollgate\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .expect("send a request");
+    check_kept_alive(&mut kept_alive);
 
     // The server keeps serving everyone else meanwhile.
     assert_eq!(post_json(server.http, "/v1/check", CHECK).status, 200);
@@ -88,7 +125,7 @@ fn clients_that_never_finish_a_request_head_are_let_go() {
         ("silent HTTP", &mut silent_http),
         ("silent gRPC", &mut silent_grpc),
         ("half a head", &mut half_head),
-        ("kept alive", &mut kept_alive),
+        ("half the next head", &mut half_next_head),
     ] {
         assert!(
             closed_within(stream, Duration::from_secs(15)),
@@ -101,8 +138,25 @@ fn clients_that_never_finish_a_request_head_are_let_go() {
             "{name}: closed after {open_for:?}, before its 1 s"
         );
     }
+    // A kept-alive connection waiting for its next request is idle, not slow: it stays past
+    // the head timeout and goes at the idle timeout.
+    let waited = started.elapsed();
+    assert!(
+        waited < Duration::from_millis(2500),
+        "the checks above took {waited:?}: too long to see the kept-alive connection open"
+    );
+    assert!(
+        !closed_within(&mut kept_alive, Duration::from_millis(2500) - waited),
+        "a kept-alive connection was closed by the head timeout"
+    );
+    assert!(
+        closed_within(&mut kept_alive, Duration::from_secs(15)),
+        "a kept-alive connection outlived its idle timeout"
+    );
+    assert!(started.elapsed() >= Duration::from_millis(2900));
     assert_eq!(metric(&server, HTTP_HEADER_TIMEOUTS), 3.0);
     assert_eq!(metric(&server, GRPC_HEADER_TIMEOUTS), 1.0);
+    assert_eq!(metric(&server, HTTP_IDLE), 1.0);
 }
 
 /// One RLS call on `client`, which must be answered OK.

@@ -1,9 +1,10 @@
 //! The HTTP listener: the router served with hyper's HTTP/1 on each admitted connection, under
 //! the server's connection bounds ([`ConnectionLimits`]).
 //!
-//! axum's own `serve` gives no say over hyper's settings and runs hyper without a timer, so a
-//! client could take forever over a request head; here hyper gets a timer and the head
-//! timeout, and each connection's task also watches for a client gone quiet. Clients see
+//! axum's own `serve` gives no say over how a connection is run, and with it a client could
+//! take forever over a request head. Here each connection's task also watches its client:
+//! partway through a head for too long ([`HeadTimeout`]), or silent for too long
+//! ([`IdleClose`]). Clients see
 //! what they saw with axum's: HTTP/1.1 with keep-alive, the peer's address for the admin
 //! endpoints' loopback rule, and a graceful stop.
 
@@ -17,13 +18,13 @@ use axum::Router;
 use axum::extract::ConnectInfo;
 use futures_util::Stream;
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::TokioIo;
 use tokio::sync::watch;
 use tower_service::Service;
 
 use super::AppState;
 use crate::connection::{
-    self, Admitted, ConnectionLimits, IdleClose, Listener, Quiet, StopSignal, Tracked,
+    self, Admitted, ConnectionLimits, HeadTimeout, IdleClose, Listener, Quiet, StopSignal, Tracked,
 };
 use crate::metrics::{self, Closed};
 
@@ -54,20 +55,21 @@ async fn serve_connection(
         Err(_) => return,
     };
     let (stream, activity) = Tracked::new(admitted);
+    let requests = activity.clone();
     let service = hyper::service::service_fn(move |mut request: hyper::Request<Incoming>| {
+        requests.request_started();
         request
             .extensions_mut()
             .insert(ConnectInfo::<SocketAddr>(peer));
         // A router is always ready, and cloning it is a reference count.
         app.clone().call(request)
     });
-    let mut builder = hyper::server::conn::http1::Builder::new();
-    builder
-        .timer(TokioTimer::new())
-        .header_read_timeout(limits.header_timeout);
+    // No timer for hyper: the head timeout is kept by `HeadTimeout` (see why there).
+    let builder = hyper::server::conn::http1::Builder::new();
     let mut connection = pin!(builder.serve_connection(TokioIo::new(stream), service));
     let mut stop = StopSignal::new(stopped);
     let mut stopping = false;
+    let mut head = HeadTimeout::new(activity.clone(), limits.header_timeout);
     let mut idle = IdleClose::new(activity, limits.idle_timeout);
     // Polled by hand rather than with `select!`: the stop signal and the idle timer are looked
     // at cheaply on each of the many wake-ups that are the connection's (see their docs).
@@ -75,6 +77,11 @@ async fn serve_connection(
         if !stopping && stop.poll_stopped(cx).is_ready() {
             stopping = true;
             connection.as_mut().graceful_shutdown();
+        }
+        if head.poll_expired(cx).is_ready() {
+            // Partway through a head: there is no request to finish.
+            metrics::record_connection_closed(Listener::Http, Closed::HeaderTimeout);
+            return Poll::Ready(Ok(()));
         }
         while let Poll::Ready(step) = idle.poll_step(cx) {
             match step {
@@ -90,9 +97,6 @@ async fn serve_connection(
     })
     .await;
     if let Err(err) = served {
-        if err.is_timeout() {
-            metrics::record_connection_closed(Listener::Http, Closed::HeaderTimeout);
-        }
         tracing::debug!(error = %err, "HTTP connection ended with an error");
     }
 }
