@@ -231,7 +231,7 @@ pub(crate) fn admit(
 
 /// How long to wait after a failed accept (out of file descriptors, say) before the next one:
 /// the error is likely to repeat at once, and the connections open meanwhile still need the CPU.
-const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+pub(crate) const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
 /// Runs `serve_one` on each connection `incoming` yields, in a task of its own, until `stopped`
 /// turns true (or `incoming` ends); then stops accepting and waits for those tasks to end (each

@@ -242,7 +242,7 @@ async fn hand_out(
             Some(Err(err)) => {
                 // Out of file descriptors, most likely: wait rather than spin.
                 tracing::warn!(error = %err, "cannot accept a connection");
-                tokio::time::sleep(Duration::from_millis(10)).await;
+                tokio::time::sleep(connection::ACCEPT_BACKOFF).await;
             }
         }
     }
