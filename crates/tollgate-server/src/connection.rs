@@ -13,8 +13,10 @@
 //! dropped.
 //!
 //! Both listeners (HTTP and gRPC) use the same pieces: [`admit`] hands out connections with
-//! their [`Admitted`] permit, [`Tracked`] counts what a client sends, and [`IdleClose`] tells a
-//! connection's task when its client has gone quiet.
+//! their place under the bound ([`Admitted`]), [`serve_each`] runs them and drains them at a
+//! stop (for at most [`ConnectionLimits::drain_timeout`]), [`Tracked`] counts what a client
+//! sends, [`IdleClose`] tells a connection's task when its client has gone quiet, and
+//! [`StopSignal`] when the server stops. HTTP/1 adds [`HeadTimeout`], for a head partway in.
 
 use std::future::Future;
 use std::io;

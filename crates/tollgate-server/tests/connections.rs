@@ -57,15 +57,20 @@ fn connect(addr: SocketAddr) -> TcpStream {
     TcpStream::connect(addr).expect("connect")
 }
 
-/// Sends a check on `stream` and reads its answer whole, leaving the connection open.
-fn check_kept_alive(stream: &mut TcpStream) {
+/// Writes a check on `stream`, with `extra` headers (each ending in CRLF).
+fn send_check(stream: &mut TcpStream, extra: &str) {
     write!(
         stream,
         "POST /v1/check HTTP/1.1\r\nHost: tollgate\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\n\r\n{CHECK}",
+         {extra}Content-Length: {}\r\n\r\n{CHECK}",
         CHECK.len()
     )
     .expect("send a request");
+}
+
+/// Sends a check on `stream` and reads its answer whole, leaving the connection open.
+fn check_kept_alive(stream: &mut TcpStream) {
+    send_check(stream, "");
     stream
         .set_read_timeout(Some(Duration::from_secs(10)))
         .expect("set a read timeout");
@@ -216,14 +221,7 @@ fn past_max_connections_a_client_waits_for_one_to_close() {
     // The server accepts in the order the kernel queued: these two took the places.
 
     let mut third = connect(server.http);
-    let body = CHECK;
-    write!(
-        third,
-        "POST /v1/check HTTP/1.1\r\nHost: tollgate\r\nContent-Type: application/json\r\n\
-         Connection: close\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .expect("send a request");
+    send_check(&mut third, "Connection: close\r\n");
     third
         .set_read_timeout(Some(Duration::from_secs(1)))
         .expect("set a read timeout");
