@@ -32,12 +32,13 @@ impl Backend {
     }
 }
 
-/// One request, as every API hands it over.
-pub struct Request<'a> {
+/// One request, as every API hands it over. The entries' strings are `S`: owned, or borrowed
+/// from the request's own bytes where the front end can (the JSON body's unescaped strings).
+pub struct Request<'a, S = String> {
     /// The Envoy RLS domain (HTTP callers pass it too).
     pub domain: &'a str,
     /// Descriptors: entry → value lists.
-    pub descriptors: &'a [Vec<(String, String)>],
+    pub descriptors: &'a [Vec<(S, S)>],
     /// Tokens per matched limit: one cost for every descriptor, or one per descriptor.
     pub cost: Costs<'a>,
     /// Makes a retry free.
@@ -92,7 +93,11 @@ impl Decider {
     /// # Errors
     ///
     /// [`DecideError`] when the request cannot be decided at all.
-    pub async fn decide(&self, api: Api, request: &Request<'_>) -> Result<Outcome, DecideError> {
+    pub async fn decide<S: AsRef<str>>(
+        &self,
+        api: Api,
+        request: &Request<'_, S>,
+    ) -> Result<Outcome, DecideError> {
         let started = self.clock.now();
         let outcome = self.run(request, true).await;
         let elapsed = self.clock.now().saturating_duration_since(started);
@@ -105,7 +110,10 @@ impl Decider {
     /// # Errors
     ///
     /// As for `decide`.
-    pub async fn explain(&self, request: &Request<'_>) -> Result<Outcome, DecideError> {
+    pub async fn explain<S: AsRef<str>>(
+        &self,
+        request: &Request<'_, S>,
+    ) -> Result<Outcome, DecideError> {
         self.run(request, false).await
     }
 
@@ -117,7 +125,10 @@ impl Decider {
     /// # Errors
     ///
     /// As for `decide`.
-    pub async fn check_only(&self, request: &Request<'_>) -> Result<Outcome, DecideError> {
+    pub async fn check_only<S: AsRef<str>>(
+        &self,
+        request: &Request<'_, S>,
+    ) -> Result<Outcome, DecideError> {
         match self.run(request, false).await {
             Err(DecideError::Unavailable(reason)) => self
                 .engine
@@ -132,7 +143,11 @@ impl Decider {
         }
     }
 
-    async fn run(&self, request: &Request<'_>, consume: bool) -> Result<Outcome, DecideError> {
+    async fn run<S: AsRef<str>>(
+        &self,
+        request: &Request<'_, S>,
+        consume: bool,
+    ) -> Result<Outcome, DecideError> {
         let Request {
             domain,
             descriptors,
@@ -170,9 +185,9 @@ impl Decider {
     }
 
     /// The store could not answer: every limit follows its failure mode.
-    fn degraded(
+    fn degraded<S: AsRef<str>>(
         &self,
-        request: &Request<'_>,
+        request: &Request<'_, S>,
         reason: Unavailable,
         consume: bool,
     ) -> Result<Outcome, DecideError> {

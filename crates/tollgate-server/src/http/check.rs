@@ -9,7 +9,9 @@
 //! fails closed because the shared store is down, 400 for bad input. `/v1/explain` answers the
 //! same body, with bucket keys, and charges nothing.
 
+use std::borrow::Cow;
 use std::fmt;
+use std::marker::PhantomData;
 use std::sync::Arc;
 
 use axum::body::Bytes;
@@ -19,8 +21,7 @@ use axum::http::header::{CONTENT_TYPE, RETRY_AFTER};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
-use serde::de::{Deserializer, MapAccess, Visitor};
-use serde_json::Value;
+use serde::de::{Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use tollgate::Decision;
 use tollgate_policy::Outcome;
 
@@ -31,15 +32,20 @@ use crate::metrics::{self, Api};
 use tollgate_tower::headers as fields;
 
 /// The request body. Unknown fields are refused: a misspelt `cost` must not silently be 1.
+///
+/// Strings borrow from the body where they can (no escapes in them, the usual case), so a
+/// check allocates for the descriptor lists alone.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct CheckBody {
-    domain: String,
-    descriptors: Vec<RawDescriptor>,
+struct CheckBody<'a> {
+    #[serde(borrow)]
+    domain: Cow<'a, str>,
+    #[serde(borrow)]
+    descriptors: Vec<RawDescriptor<'a>>,
     #[serde(default = "one")]
     cost: u64,
-    #[serde(default)]
-    request_id: Option<String>,
+    #[serde(default, borrow)]
+    request_id: Option<Cow<'a, str>>,
 }
 
 fn one() -> u64 {
@@ -49,42 +55,127 @@ fn one() -> u64 {
 /// A descriptor's entries in the order they came, values not yet checked to be strings. A
 /// `serde_json::Map` would sort them into a tree, an allocation per entry on every request.
 #[derive(Debug)]
-struct RawDescriptor(Vec<(String, Value)>);
+struct RawDescriptor<'a>(Vec<(Cow<'a, str>, EntryValue<'a>)>);
 
-impl<'de> Deserialize<'de> for RawDescriptor {
+impl<'de: 'a, 'a> Deserialize<'de> for RawDescriptor<'a> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct Entries;
+        struct Entries<'a>(PhantomData<&'a ()>);
 
-        impl<'de> Visitor<'de> for Entries {
-            type Value = RawDescriptor;
+        impl<'de: 'a, 'a> Visitor<'de> for Entries<'a> {
+            type Value = RawDescriptor<'a>;
 
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.write_str("an object of entry names to string values")
             }
 
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawDescriptor, A::Error> {
+            fn visit_map<A: MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<RawDescriptor<'a>, A::Error> {
                 let mut entries = Vec::with_capacity(map.size_hint().unwrap_or(1).min(8));
-                while let Some(entry) = map.next_entry()? {
-                    entries.push(entry);
+                while let Some(name) = map.next_key::<Borrowed<'a>>()? {
+                    entries.push((name.0, map.next_value()?));
                 }
                 Ok(RawDescriptor(entries))
             }
         }
 
-        deserializer.deserialize_map(Entries)
+        deserializer.deserialize_map(Entries(PhantomData))
     }
 }
 
-/// A request, parsed and within bounds.
-pub(crate) struct Parsed {
-    pub(crate) domain: String,
-    pub(crate) descriptors: Vec<Vec<(String, String)>>,
-    pub(crate) cost: u64,
-    pub(crate) request_id: Option<String>,
+/// A string borrowed from the body when it has no escapes, owned otherwise. (A bare
+/// `Cow<str>` in a tuple or a map key always deserializes owned.)
+struct Borrowed<'a>(Cow<'a, str>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for Borrowed<'a> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        match EntryValue::deserialize(deserializer)? {
+            EntryValue::String(text) => Ok(Borrowed(text)),
+            EntryValue::Other => Err(serde::de::Error::custom("entry names must be strings")),
+        }
+    }
 }
 
-impl Parsed {
-    pub(crate) fn request(&self) -> Request<'_> {
+/// An entry's value: a string, or anything else (refused once its descriptor is known, so
+/// the error can say where it is).
+#[derive(Debug)]
+enum EntryValue<'a> {
+    String(Cow<'a, str>),
+    Other,
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for EntryValue<'a> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Text<'a>(PhantomData<&'a ()>);
+
+        impl<'de: 'a, 'a> Visitor<'de> for Text<'a> {
+            type Value = EntryValue<'a>;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string")
+            }
+
+            fn visit_borrowed_str<E>(self, text: &'de str) -> Result<EntryValue<'a>, E> {
+                Ok(EntryValue::String(Cow::Borrowed(text)))
+            }
+
+            fn visit_str<E>(self, text: &str) -> Result<EntryValue<'a>, E> {
+                Ok(EntryValue::String(Cow::Owned(text.to_owned())))
+            }
+
+            fn visit_string<E>(self, text: String) -> Result<EntryValue<'a>, E> {
+                Ok(EntryValue::String(Cow::Owned(text)))
+            }
+
+            fn visit_bool<E>(self, _: bool) -> Result<EntryValue<'a>, E> {
+                Ok(EntryValue::Other)
+            }
+
+            fn visit_i64<E>(self, _: i64) -> Result<EntryValue<'a>, E> {
+                Ok(EntryValue::Other)
+            }
+
+            fn visit_u64<E>(self, _: u64) -> Result<EntryValue<'a>, E> {
+                Ok(EntryValue::Other)
+            }
+
+            fn visit_f64<E>(self, _: f64) -> Result<EntryValue<'a>, E> {
+                Ok(EntryValue::Other)
+            }
+
+            fn visit_unit<E>(self) -> Result<EntryValue<'a>, E> {
+                Ok(EntryValue::Other)
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<EntryValue<'a>, A::Error> {
+                while seq.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(EntryValue::Other)
+            }
+
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<EntryValue<'a>, A::Error> {
+                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                Ok(EntryValue::Other)
+            }
+        }
+
+        deserializer.deserialize_any(Text(PhantomData))
+    }
+}
+
+/// A descriptor's entries: (name, value) in the order given.
+pub(crate) type Entries<'a> = Vec<(Cow<'a, str>, Cow<'a, str>)>;
+
+/// A request, parsed and within bounds. Its strings borrow from the request where they can.
+pub(crate) struct Parsed<'a> {
+    pub(crate) domain: Cow<'a, str>,
+    pub(crate) descriptors: Vec<Entries<'a>>,
+    pub(crate) cost: u64,
+    pub(crate) request_id: Option<Cow<'a, str>>,
+}
+
+impl Parsed<'_> {
+    pub(crate) fn request(&self) -> Request<'_, Cow<'_, str>> {
         Request {
             domain: &self.domain,
             descriptors: &self.descriptors,
@@ -94,8 +185,8 @@ impl Parsed {
     }
 }
 
-fn parse(body: Result<Bytes, BytesRejection>) -> Result<Parsed, ApiError> {
-    let body = body.map_err(|rejection| {
+fn parse(body: &Result<Bytes, BytesRejection>) -> Result<Parsed<'_>, ApiError> {
+    let body = body.as_ref().map_err(|rejection| {
         ApiError::new(
             rejection.status(),
             "body_unreadable",
@@ -105,23 +196,28 @@ fn parse(body: Result<Bytes, BytesRejection>) -> Result<Parsed, ApiError> {
             ),
         )
     })?;
-    let body: CheckBody = serde_json::from_slice(&body).map_err(|err| {
+    let body: CheckBody<'_> = serde_json::from_slice(body).map_err(|err| {
         ApiError::bad_request("invalid_json", format!("invalid request body: {err}"))
     })?;
-    let mut descriptors = Vec::with_capacity(body.descriptors.len());
-    for (index, descriptor) in body.descriptors.into_iter().enumerate() {
-        let mut entries = Vec::with_capacity(descriptor.0.len());
-        for (key, value) in descriptor.0 {
-            let Value::String(value) = value else {
-                return Err(ApiError::bad_request(
-                    "invalid_descriptor",
-                    format!("descriptors[{index}].{key}: values must be strings"),
-                ));
-            };
-            entries.push((key, value));
-        }
-        descriptors.push(entries);
-    }
+    // Collected in place: the lists the body was read into become the request's.
+    let descriptors = body
+        .descriptors
+        .into_iter()
+        .enumerate()
+        .map(|(index, descriptor)| {
+            descriptor
+                .0
+                .into_iter()
+                .map(|(key, value)| match value {
+                    EntryValue::String(value) => Ok((key, value)),
+                    EntryValue::Other => Err(ApiError::bad_request(
+                        "invalid_descriptor",
+                        format!("descriptors[{index}].{key}: values must be strings"),
+                    )),
+                })
+                .collect::<Result<Entries<'_>, ApiError>>()
+        })
+        .collect::<Result<Vec<_>, ApiError>>()?;
     let parsed = Parsed {
         domain: body.domain,
         descriptors,
@@ -133,7 +229,7 @@ fn parse(body: Result<Bytes, BytesRejection>) -> Result<Parsed, ApiError> {
 }
 
 /// The bounds every front end applies before deciding anything.
-pub(crate) fn check_bounds(parsed: &Parsed) -> Result<(), ApiError> {
+pub(crate) fn check_bounds(parsed: &Parsed<'_>) -> Result<(), ApiError> {
     let too_long = |what: &str, len: usize, max: usize| {
         ApiError::bad_request(
             "too_large",
@@ -375,7 +471,7 @@ pub(crate) async fn check(
     State(state): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let parsed = parse(body).inspect_err(|_| metrics::record_invalid(Api::Http))?;
+    let parsed = parse(&body).inspect_err(|_| metrics::record_invalid(Api::Http))?;
     let outcome = state
         .decider
         .decide(Api::Http, &parsed.request())
@@ -391,7 +487,7 @@ pub(crate) async fn explain(
     State(state): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let parsed = parse(body).inspect_err(|_| metrics::record_invalid(Api::Http))?;
+    let parsed = parse(&body).inspect_err(|_| metrics::record_invalid(Api::Http))?;
     // Unlike `decide`, `explain` records no metrics; count a request it refuses here.
     let outcome = state
         .decider
@@ -413,6 +509,75 @@ mod tests {
 
     use super::*;
 
+    fn parsed(body: &'static str) -> Result<Parsed<'static>, ApiError> {
+        // Leaked so that the parse may borrow from it for the test's length.
+        let body: &'static Result<Bytes, BytesRejection> =
+            Box::leak(Box::new(Ok(Bytes::from_static(body.as_bytes()))));
+        parse(body)
+    }
+
+    #[test]
+    fn plain_strings_borrow_from_the_body_and_escaped_ones_are_decoded() {
+        let request =
+            parsed(r#"{"domain":"api","descriptors":[{"user":"u1","path":"/a\/b"}],"request_id":"r\u0031"}"#)
+                .unwrap();
+        assert!(matches!(request.domain, Cow::Borrowed("api")));
+        let entries = &request.descriptors[0];
+        assert!(matches!(
+            entries[0],
+            (Cow::Borrowed("user"), Cow::Borrowed("u1"))
+        ));
+        assert_eq!(entries[1].0, "path");
+        assert!(matches!(entries[1].1, Cow::Owned(_)));
+        assert_eq!(entries[1].1, "/a/b");
+        assert_eq!(request.request_id.as_deref(), Some("r1"));
+        assert_eq!(request.cost, 1);
+        let escaped = parsed(r#"{"domain":"a\"b","descriptors":[{"us\u0065r":"x\\y"}]}"#).unwrap();
+        assert_eq!(escaped.domain, "a\"b");
+        assert_eq!(escaped.descriptors[0][0].0, "user");
+        assert_eq!(escaped.descriptors[0][0].1, "x\\y");
+    }
+
+    #[test]
+    fn values_other_than_strings_are_refused_with_their_place() {
+        for value in [
+            "5",
+            "-1",
+            "1.5",
+            "true",
+            "null",
+            "[1,[2]]",
+            r#"{"a":{"b":1}}"#,
+        ] {
+            let body =
+                format!(r#"{{"domain":"api","descriptors":[{{"a":"x"}},{{"user":{value}}}]}}"#);
+            let body: &'static str = Box::leak(body.into_boxed_str());
+            let err = format!("{:?}", parsed(body).err());
+            assert!(err.contains("invalid_descriptor"), "{value}: {err}");
+            assert!(
+                err.contains("descriptors[1].user: values must be strings"),
+                "{value}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn malformed_bodies_are_invalid_json() {
+        for body in [
+            "",
+            "{",
+            r#"{"domain":"api","descriptors":[{"user":"u1"}],"cots":1}"#,
+            r#"{"domain":"api","descriptors":[{"user":"u1"}],"cost":-1}"#,
+            r#"{"domain":5,"descriptors":[{"user":"u1"}]}"#,
+            r#"{"domain":"api","descriptors":{"user":"u1"}}"#,
+            r#"{"domain":"api","descriptors":["user"]}"#,
+            r#"{"domain":"api","descriptors":[{"user":"u1"}]} trailing"#,
+        ] {
+            let err = format!("{:?}", parsed(body).err());
+            assert!(err.contains("invalid_json"), "{body}: {err}");
+        }
+    }
+
     /// The body as serde would write it from a derived `Serialize`: the reference that
     /// [`write_body`] must match byte for byte.
     #[derive(Serialize)]
@@ -423,7 +588,7 @@ mod tests {
         #[serde(skip_serializing_if = "std::ops::Not::not")]
         degraded: bool,
         #[serde(skip_serializing_if = "Option::is_none")]
-        error: Option<Value>,
+        error: Option<serde_json::Value>,
     }
 
     #[derive(Serialize)]

@@ -8,6 +8,7 @@
 //! Allowed: 200 with the rate-limit headers; over the limit: 429 (or the configured deny status,
 //! 403 for nginx); failing closed: 503.
 
+use std::borrow::Cow;
 use std::num::NonZeroU64;
 use std::sync::Arc;
 
@@ -15,7 +16,9 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 
-use super::check::{Parsed, add_rate_limit_headers, check_bounds, decide_error, status_of};
+use super::check::{
+    Entries, Parsed, add_rate_limit_headers, check_bounds, decide_error, status_of,
+};
 use super::error::ApiError;
 use super::{AppState, MAX_NAME_BYTES};
 use crate::metrics::{self, Api};
@@ -39,16 +42,17 @@ fn header_str<'h>(headers: &'h HeaderMap, name: &str) -> Result<Option<&'h str>,
     }
 }
 
-fn descriptor(
-    headers: &HeaderMap,
-    mapping: &[(String, String)],
-) -> Result<Vec<(String, String)>, ApiError> {
-    let mut entries: Vec<(String, String)> = Vec::new();
-    let mut set = |entry: &str, value: &str| match entries.iter_mut().find(|(key, _)| key == entry)
-    {
-        Some(existing) => existing.1 = value.to_owned(),
-        None => entries.push((entry.to_owned(), value.to_owned())),
-    };
+/// The descriptor the headers give, its strings borrowed from them and from `mapping`.
+fn descriptor<'a>(
+    headers: &'a HeaderMap,
+    mapping: &'a [(String, String)],
+) -> Result<Entries<'a>, ApiError> {
+    let mut entries: Entries<'a> = Vec::new();
+    let mut set =
+        |entry: &'a str, value: &'a str| match entries.iter_mut().find(|(key, _)| key == entry) {
+            Some(existing) => existing.1 = Cow::Borrowed(value),
+            None => entries.push((Cow::Borrowed(entry), Cow::Borrowed(value))),
+        };
     if let Some(method) = header_str(headers, "x-forwarded-method")? {
         set("method", method);
     }
@@ -80,11 +84,11 @@ fn descriptor(
 }
 
 /// The request the headers describe, within the bounds of every front end.
-fn parse(
+fn parse<'a>(
     domain: String,
-    headers: &HeaderMap,
-    mapping: &[(String, String)],
-) -> Result<Parsed, ApiError> {
+    headers: &'a HeaderMap,
+    mapping: &'a [(String, String)],
+) -> Result<Parsed<'a>, ApiError> {
     let cost = match header_str(headers, COST)? {
         None => NonZeroU64::MIN,
         Some(text) => text.trim().parse().map_err(|_| {
@@ -92,7 +96,7 @@ fn parse(
         })?,
     };
     let parsed = Parsed {
-        domain,
+        domain: Cow::Owned(domain),
         descriptors: vec![descriptor(headers, mapping)?],
         cost: cost.get(),
         request_id: None,
@@ -145,6 +149,13 @@ mod tests {
     use super::*;
     use axum::http::HeaderValue;
 
+    fn owned(entries: Entries<'_>) -> Vec<(String, String)> {
+        entries
+            .into_iter()
+            .map(|(key, value)| (key.into_owned(), value.into_owned()))
+            .collect()
+    }
+
     #[test]
     fn builds_one_descriptor_from_headers() {
         let mut headers = HeaderMap::new();
@@ -154,7 +165,7 @@ mod tests {
         headers.insert("x-tollgate-tenant", HeaderValue::from_static("acme"));
         headers.insert("x-tollgate-cost", HeaderValue::from_static("3"));
         let mapping = vec![("user".to_owned(), "x-user-id".to_owned())];
-        let mut entries = descriptor(&headers, &mapping).unwrap();
+        let mut entries = owned(descriptor(&headers, &mapping).unwrap());
         entries.sort();
         let expected = [
             ("method", "POST"),
@@ -177,7 +188,7 @@ mod tests {
             "x-user-id",
             HeaderValue::from_bytes("jos\u{e9}".as_bytes()).unwrap(),
         );
-        let entries = descriptor(&headers, &mapping).unwrap();
+        let entries = owned(descriptor(&headers, &mapping).unwrap());
         assert_eq!(entries, vec![("user".to_owned(), "jos\u{e9}".to_owned())]);
         headers.insert("x-user-id", HeaderValue::from_bytes(b"jos\xe9").unwrap());
         let err = descriptor(&headers, &mapping).unwrap_err();
@@ -186,8 +197,9 @@ mod tests {
 
     #[test]
     fn no_descriptor_header_is_an_empty_descriptor_not_an_error() {
-        let parsed = parse("api".to_owned(), &HeaderMap::new(), &[]).unwrap();
-        assert_eq!(parsed.descriptors, vec![Vec::<(String, String)>::new()]);
+        let none = HeaderMap::new();
+        let parsed = parse("api".to_owned(), &none, &[]).unwrap();
+        assert_eq!(parsed.descriptors, vec![Entries::new()]);
         assert_eq!(parsed.cost, 1);
         let mut headers = HeaderMap::new();
         headers.insert("x-tollgate-cost", HeaderValue::from_static("0"));
@@ -200,7 +212,7 @@ mod tests {
         let mut headers = HeaderMap::new();
         headers.insert("x-forwarded-method", HeaderValue::from_static("GET"));
         headers.insert("x-tollgate-method", HeaderValue::from_static("POST"));
-        let entries = descriptor(&headers, &[]).unwrap();
+        let entries = owned(descriptor(&headers, &[]).unwrap());
         assert_eq!(entries, vec![("method".to_owned(), "POST".to_owned())]);
     }
 }
