@@ -123,6 +123,14 @@ pub struct ServeArgs {
     /// before they are dropped and the process exits.
     #[arg(long, env = "TOLLGATE_DRAIN_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub drain_timeout: Duration,
+    /// How many of the busiest bucket keys `/metrics` reports (`tollgate_hot_key_*`), from
+    /// a sample of the decisions; 0 counts nothing. Keys name subjects (user ids, addresses):
+    /// set 0 where they must not reach the metrics store.
+    #[arg(long, env = "TOLLGATE_HOT_KEYS", default_value_t = crate::decider::DEFAULT_HOT_KEYS, value_parser = parse_hot_keys)]
+    pub hot_keys: usize,
+    /// The window the hot keys are counted over; `/metrics` shows the last one completed.
+    #[arg(long, env = "TOLLGATE_HOT_KEYS_WINDOW", default_value = "1m", value_parser = parse_timeout)]
+    pub hot_keys_window: Duration,
     /// Bearer token for the admin endpoints (must not be empty); without one they answer
     /// loopback clients only.
     #[arg(long, env = "TOLLGATE_ADMIN_TOKEN", hide_env_values = true)]
@@ -198,6 +206,16 @@ fn parse_timeout(text: &str) -> Result<Duration, String> {
         Duration::ZERO => Err("a timeout must be longer than 0".to_owned()),
         timeout if timeout > LONGEST => Err(format!("{text} is longer than a day (1440m)")),
         timeout => Ok(timeout),
+    }
+}
+
+/// The most hot keys reported: each is two series per scrape.
+const MOST_HOT_KEYS: usize = 1000;
+
+fn parse_hot_keys(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(count) if count <= MOST_HOT_KEYS => Ok(count),
+        _ => Err(format!("expected 0 to {MOST_HOT_KEYS} keys, not {text}")),
     }
 }
 
@@ -456,7 +474,10 @@ pub async fn serve(
         Backend::Memory => "memory".to_owned(),
         Backend::Redis(_) => redact(&args.store),
     };
-    let decider = Arc::new(Decider::new(Arc::clone(&engine), backend));
+    let decider = Arc::new(
+        Decider::new(Arc::clone(&engine), backend)
+            .with_hot_keys(args.hot_keys, args.hot_keys_window),
+    );
 
     let deny = StatusCode::from_u16(args.forward_auth_deny_status)
         .ok()

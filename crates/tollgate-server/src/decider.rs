@@ -7,11 +7,13 @@
 //! [`PolicyEngine::decide_degraded`].
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use tollgate::{Clock, Error as CoreError, MonotonicClock, Unavailable};
 use tollgate_policy::{Costs, Error as PolicyError, Outcome, PolicyEngine};
 use tollgate_redis::RedisStore;
 
+use crate::hot_keys::{self, HotKeys};
 use crate::metrics::{self, Api};
 
 /// Where buckets live.
@@ -60,12 +62,17 @@ pub enum DecideError {
     Unavailable(Unavailable),
 }
 
+/// The busiest keys reported unless told otherwise.
+pub const DEFAULT_HOT_KEYS: usize = 10;
+
 /// The decision maker shared by all front ends.
 pub struct Decider {
     engine: Arc<PolicyEngine>,
     backend: Backend,
     /// Times decisions for the latency histogram.
     clock: MonotonicClock,
+    /// The busiest bucket keys.
+    hot_keys: HotKeys,
 }
 
 impl Decider {
@@ -75,7 +82,26 @@ impl Decider {
             engine,
             backend,
             clock: MonotonicClock::new(),
+            hot_keys: HotKeys::new(DEFAULT_HOT_KEYS, hot_keys::DEFAULT_WINDOW),
         }
+    }
+
+    /// The same decider, reporting the `top` busiest keys of each `window` (0 keys: none, and
+    /// nothing counted).
+    #[must_use]
+    pub fn with_hot_keys(mut self, top: usize, window: Duration) -> Self {
+        self.hot_keys = HotKeys::new(top, window);
+        self
+    }
+
+    /// The busiest bucket keys of its decisions.
+    pub fn hot_keys(&self) -> &HotKeys {
+        &self.hot_keys
+    }
+
+    /// Now, on the clock the hot keys' windows are measured by.
+    pub fn now(&self) -> tollgate::Timestamp {
+        self.clock.now()
     }
 
     /// The policy engine (for admin endpoints).
@@ -100,8 +126,16 @@ impl Decider {
     ) -> Result<Outcome, DecideError> {
         let started = self.clock.now();
         let outcome = self.run(request, true).await;
-        let elapsed = self.clock.now().saturating_duration_since(started);
-        metrics::record_decision(api, self.backend.name(), elapsed, &outcome);
+        let now = self.clock.now();
+        metrics::record_decision(
+            api,
+            self.backend.name(),
+            now.saturating_duration_since(started),
+            &outcome,
+        );
+        if let Ok(outcome) = &outcome {
+            self.hot_keys.record(now, outcome);
+        }
         outcome
     }
 

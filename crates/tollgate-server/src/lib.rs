@@ -48,6 +48,7 @@ mod connection;
 pub mod decider;
 mod grpc;
 mod health;
+pub mod hot_keys;
 pub mod http;
 pub mod loadgen;
 pub mod metrics;

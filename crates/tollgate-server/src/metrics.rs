@@ -2,7 +2,9 @@
 //!
 //! Names and labels are stable API for dashboards and alerts (SPEC §8). Label values come from
 //! the policy (limit names), fixed enums (result, mode, api, store, reason) and never from
-//! request data such as keys or addresses, so cardinality stays bounded by the policy.
+//! request data such as keys or addresses, so cardinality stays bounded by the policy. The one
+//! exception, the busiest keys, is rendered apart by [`crate::hot_keys`], a bounded number of
+//! series that an operator can turn off.
 
 use std::time::Duration;
 

@@ -376,6 +376,108 @@ fn metrics_count_decisions() {
     assert!(metrics.contains("tollgate_decision_duration_seconds_bucket"));
 }
 
+/// The hot-key series on `/metrics`: (key, decisions, rejections) of limit `per-user`.
+fn hot_keys(metrics: &str) -> Vec<(String, f64, f64)> {
+    let series = |name: &str| -> Vec<(String, f64)> {
+        let prefix = format!("{name}{{limit=\"per-user\",key=\"");
+        metrics
+            .lines()
+            .filter_map(|line| line.strip_prefix(&prefix))
+            .filter_map(|rest| rest.split_once("\"} "))
+            .filter_map(|(key, value)| Some((key.to_owned(), value.parse().ok()?)))
+            .collect()
+    };
+    let rejections = series("tollgate_hot_key_rejections");
+    series("tollgate_hot_key_decisions")
+        .into_iter()
+        .map(|(key, decisions)| {
+            let rejected = rejections
+                .iter()
+                .find(|(other, _)| *other == key)
+                .map_or(-1.0, |(_, value)| *value);
+            (key, decisions, rejected)
+        })
+        .collect()
+}
+
+#[test]
+// Windows pass in real time: the test waits for them.
+#[allow(clippy::disallowed_methods)]
+fn metrics_name_the_busiest_keys_of_the_last_window() {
+    let scratch = Scratch::new("hot-keys");
+    let config = scratch.write("policy.yaml", POLICY);
+    let server = Server::start(&[
+        "--config",
+        path_str(&config),
+        "--hot-keys",
+        "2",
+        "--hot-keys-window",
+        "2s",
+    ]);
+    // One busy user (3 allowed, the rest rejected) among many that check once.
+    for i in 0..400 {
+        post_json(server.http, "/v1/check", &check_body("busy"));
+        if i % 10 == 0 {
+            post_json(server.http, "/v1/check", &check_body(&format!("quiet-{i}")));
+        }
+    }
+    // The checks may straddle a window's end: watch the windows that complete after them and
+    // keep the busiest figure reported.
+    let started = std::time::Instant::now();
+    let mut reported = Vec::new();
+    while started.elapsed() < Duration::from_secs(7) {
+        let metrics = request(server.http, "GET", "/metrics", &[], "").body;
+        assert!(
+            metrics.contains("# TYPE tollgate_hot_key_decisions gauge"),
+            "{metrics}"
+        );
+        let keys = hot_keys(&metrics);
+        assert!(keys.len() <= 2, "at most --hot-keys keys: {keys:?}");
+        reported.extend(keys);
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let (key, decisions, rejections) = reported
+        .iter()
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .cloned()
+        .unwrap_or_else(|| panic!("no hot key reported"));
+    assert_eq!(key, "per-user|busy");
+    // Sampled one in 8: at least half of the 400 fell in one window, estimated within wide
+    // bounds of it.
+    assert!((100.0..=800.0).contains(&decisions), "{decisions}");
+    assert!(rejections > 0.0 && rejections <= decisions, "{rejections}");
+    // Every quiet user checked once: none is reported near the busy one.
+    for (key, decisions, _) in &reported {
+        if key != "per-user|busy" {
+            assert!(*decisions <= 24.0, "{key}: {decisions}");
+        }
+    }
+    // By the last scrape the windows since the checks were empty: nothing is reported.
+    let metrics = request(server.http, "GET", "/metrics", &[], "").body;
+    assert!(hot_keys(&metrics).is_empty(), "{metrics}");
+
+    let off = Server::start(&["--config", path_str(&config), "--hot-keys", "0"]);
+    post_json(off.http, "/v1/check", &check_body("busy"));
+    let metrics = request(off.http, "GET", "/metrics", &[], "").body;
+    assert!(!metrics.contains("tollgate_hot_key"), "{metrics}");
+}
+
+#[test]
+fn hot_key_settings_are_checked_at_start() {
+    for (flag, value, reason) in [
+        ("--hot-keys", "1001", "0 to 1000"),
+        ("--hot-keys", "ten", "0 to 1000"),
+        ("--hot-keys-window", "0s", "longer than 0"),
+    ] {
+        let (status, _, stderr) = run(&["serve", flag, value]);
+        assert!(!status.success(), "{flag} {value} accepted");
+        assert!(
+            stderr.contains(flag) && stderr.contains(reason),
+            "{flag} {value}: {stderr}"
+        );
+    }
+}
+
 #[test]
 fn reload_and_rollback_through_the_api() {
     let scratch = Scratch::new("reload");

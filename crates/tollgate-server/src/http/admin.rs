@@ -53,11 +53,10 @@ pub(crate) async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     };
     metrics::refresh(state.decider.engine(), &mut state.exported_version.lock());
     metrics::refresh_connections(&state.connections);
-    (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        handle.render(),
-    )
-        .into_response()
+    let mut text = handle.render();
+    let decider = &state.decider;
+    decider.hot_keys().render(decider.now(), &mut text);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
 /// Lets the request through if it carries the admin token, or, with no token configured,
