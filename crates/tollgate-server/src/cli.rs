@@ -123,8 +123,8 @@ pub struct ServeArgs {
     /// before they are dropped and the process exits.
     #[arg(long, env = "TOLLGATE_DRAIN_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub drain_timeout: Duration,
-    /// How many of the busiest bucket keys `/metrics` reports (`tollgate_hot_key_*`), from
-    /// a sample of the decisions; 0 counts nothing. Keys name subjects (user ids, addresses):
+    /// How many of each limit's busiest bucket keys `/metrics` reports
+    /// (`tollgate_hot_key_*`), from a sample of the decisions; 0 counts nothing. Keys name subjects (user ids, addresses):
     /// set 0 where they must not reach the metrics store.
     #[arg(long, env = "TOLLGATE_HOT_KEYS", default_value_t = crate::decider::DEFAULT_HOT_KEYS, value_parser = parse_hot_keys)]
     pub hot_keys: usize,

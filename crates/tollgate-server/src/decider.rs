@@ -62,7 +62,7 @@ pub enum DecideError {
     Unavailable(Unavailable),
 }
 
-/// The busiest keys reported unless told otherwise.
+/// The busiest keys reported per limit unless told otherwise.
 pub const DEFAULT_HOT_KEYS: usize = 10;
 
 /// The decision maker shared by all front ends.
@@ -86,8 +86,8 @@ impl Decider {
         }
     }
 
-    /// The same decider, reporting the `top` busiest keys of each `window` (0 keys: none, and
-    /// nothing counted).
+    /// The same decider, reporting each limit's `top` busiest keys of each `window` (0 keys:
+    /// none, and nothing counted).
     #[must_use]
     pub fn with_hot_keys(mut self, top: usize, window: Duration) -> Self {
         self.hot_keys = HotKeys::new(top, window);

@@ -1,9 +1,10 @@
-//! The busiest bucket keys: which subjects send the most decisions, and how many of theirs were
-//! rejected (SPEC §8, "hot keys (top-k)").
+//! The busiest bucket keys of each limit: which subjects send the most decisions, and how many
+//! of theirs were rejected (SPEC §8, "hot keys (top-k)"; §7 sketches them per limit).
 //!
 //! When a limit starts rejecting, the first question is who. Per-limit counters cannot say, and
 //! a counter per key would grow with every subject ever seen. This keeps a fixed number of
-//! counters instead, as a Space-Saving summary (Metwally, Agrawal and El Abbadi, 2005): a key
+//! counters per limit instead (one limit's crowd cannot hide another's), as a Space-Saving
+//! summary (Metwally, Agrawal and El Abbadi, 2005): a key
 //! not yet counted takes over the counter with the smallest count, inheriting that count as
 //! its possible overcount. Any key with more than `1/counters` of the decisions is then sure
 //! to be held, and no count is low. Counters are kept for [`COUNTERS_PER_KEY`] times the keys
@@ -16,6 +17,7 @@
 //! reset under a reader's eyes.
 
 use std::cell::Cell;
+use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::hash::{BuildHasher, RandomState};
 use std::time::Duration;
@@ -69,23 +71,24 @@ pub struct HotKeys {
 struct Windows {
     /// When the current window began; `None` before the first decision counted.
     started: Option<Timestamp>,
-    current: Summary,
-    /// The last completed window's busiest keys, busiest first.
+    /// A summary per limit name, made on the limit's first sampled decision of the window.
+    current: HashMap<Box<str>, Summary, foldhash::fast::RandomState>,
+    /// The last completed window's busiest keys, by limit, each limit's busiest first.
     last: Vec<HotKey>,
     /// When the window `last` describes ended.
     last_ended: Option<Timestamp>,
 }
 
 impl HotKeys {
-    /// Reports the `top` busiest keys of each `window` (at least a millisecond); 0 keys turns
-    /// counting off.
+    /// Reports each limit's `top` busiest keys of each `window` (at least a millisecond); 0 keys
+    /// turns counting off.
     pub fn new(top: usize, window: Duration) -> Self {
         Self {
             top,
             window: window.max(Duration::from_millis(1)),
             state: Mutex::new(Windows {
                 started: None,
-                current: Summary::new(top.saturating_mul(COUNTERS_PER_KEY)),
+                current: HashMap::default(),
                 last: Vec::new(),
                 last_ended: None,
             }),
@@ -111,13 +114,18 @@ impl HotKeys {
         state.roll(now, self.top, self.window);
         for limit in &outcome.limits {
             if let Some(decision) = &limit.decision {
-                state.current.count(&limit.bucket_key, !decision.allowed());
+                state.count(
+                    &limit.name,
+                    &limit.bucket_key,
+                    !decision.allowed(),
+                    self.top,
+                );
             }
         }
     }
 
-    /// The busiest keys of the last window completed by `now`, busiest first; empty when no
-    /// decision was counted in it.
+    /// The busiest keys of each limit in the last window completed by `now`, by limit name,
+    /// each limit's busiest first; empty when no decision was counted in it.
     pub fn last_window(&self, now: Timestamp) -> Vec<HotKey> {
         let mut state = self.state.lock();
         state.roll(now, self.top, self.window);
@@ -158,6 +166,17 @@ impl HotKeys {
 }
 
 impl Windows {
+    /// Counts a decision of limit `limit` on bucket `key`.
+    fn count(&mut self, limit: &str, key: &str, rejected: bool, top: usize) {
+        if let Some(summary) = self.current.get_mut(limit) {
+            summary.count(key, rejected);
+            return;
+        }
+        let mut summary = Summary::new(top.saturating_mul(COUNTERS_PER_KEY));
+        summary.count(key, rejected);
+        self.current.insert(limit.into(), summary);
+    }
+
     /// Closes the current window if `now` is past its end, keeping its busiest keys.
     fn roll(&mut self, now: Timestamp, top: usize, window: Duration) {
         let Some(started) = self.started else {
@@ -173,7 +192,12 @@ impl Windows {
         let windows = elapsed.as_nanos() / window.as_nanos();
         let ended = started + window;
         if windows == 1 {
-            self.last = self.current.top(top);
+            let mut limits: Vec<(&Box<str>, &Summary)> = self.current.iter().collect();
+            limits.sort_unstable_by(|a, b| a.0.cmp(b.0));
+            self.last = limits
+                .into_iter()
+                .flat_map(|(limit, summary)| summary.top(limit, top))
+                .collect();
         } else {
             self.last.clear();
         }
@@ -194,8 +218,7 @@ struct Summary {
 }
 
 struct Counter {
-    /// The bucket key; its limit's name is the part before the first `|` or `#` (names hold
-    /// neither).
+    /// The bucket key.
     key: Box<str>,
     /// Sampled decisions, including up to `overcount` of keys it took over from.
     count: u64,
@@ -263,16 +286,16 @@ impl Summary {
             .insert_unique(hash, at, |&other| hasher.hash_one(&*counters[other].key));
     }
 
-    /// The `top` busiest keys, busiest first (ties by key, so the order is stable), scaled up
-    /// to estimated decisions.
-    fn top(&self, top: usize) -> Vec<HotKey> {
+    /// The `top` busiest keys of limit `limit`, busiest first (ties by key, so the order is
+    /// stable), scaled up to estimated decisions.
+    fn top(&self, limit: &str, top: usize) -> Vec<HotKey> {
         let mut busiest: Vec<&Counter> = self.counters.iter().collect();
         busiest.sort_by(|a, b| b.count.cmp(&a.count).then_with(|| a.key.cmp(&b.key)));
         busiest
             .into_iter()
             .take(top)
             .map(|counter| HotKey {
-                limit: limit_of(&counter.key).to_owned(),
+                limit: limit.to_owned(),
                 key: counter.key.to_string(),
                 decisions: counter.count.saturating_mul(SAMPLE),
                 rejections: counter.rejections.saturating_mul(SAMPLE),
@@ -280,16 +303,6 @@ impl Summary {
             })
             .collect()
     }
-
-    fn clear(&mut self) {
-        self.counters.clear();
-        self.index.clear();
-    }
-}
-
-/// The limit a bucket key belongs to: the name it starts with.
-fn limit_of(key: &str) -> &str {
-    key.split(['|', '#']).next().unwrap_or(key)
 }
 
 thread_local! {
@@ -344,8 +357,6 @@ fn push_label(out: &mut String, value: &str) {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::HashMap;
-
     use super::*;
 
     fn at(secs: u64) -> Timestamp {
@@ -368,7 +379,7 @@ mod tests {
             *truth.entry(key.clone()).or_default() += 1;
             summary.count(&key, false);
         }
-        let top = summary.top(2);
+        let top = summary.top("l", 2);
         assert_eq!(top[0].key, "heavy-a");
         assert_eq!(top[1].key, "heavy-b");
         for counter in &summary.counters {
@@ -390,11 +401,29 @@ mod tests {
     }
 
     #[test]
-    fn a_keys_limit_is_the_name_it_starts_with() {
-        assert_eq!(limit_of("per-user|acme|u1"), "per-user");
-        assert_eq!(limit_of("per-user|u\\#1#gold"), "per-user");
-        assert_eq!(limit_of("global#gold"), "global");
-        assert_eq!(limit_of("global"), "global");
+    fn each_limit_has_its_own_busiest_keys() {
+        let hot = HotKeys::new(1, DEFAULT_WINDOW);
+        for i in 0..200 {
+            hot.record_sampled(at(1), &outcome("global", "global"));
+            if i % 10 == 0 {
+                hot.record_sampled(at(1), &outcome("per-user", &format!("per-user|u{i}")));
+            }
+        }
+        for _ in 0..10 {
+            hot.record_sampled(at(2), &outcome("per-user", "per-user|busy"));
+        }
+        let last = hot.last_window(at(61));
+        let keys: Vec<(&str, &str)> = last
+            .iter()
+            .map(|k| (k.limit.as_str(), k.key.as_str()))
+            .collect();
+        // One key per limit, by limit name; a limit whose keys are all quiet still has its
+        // busiest reported, however much busier another limit's key is.
+        assert_eq!(
+            keys,
+            vec![("global", "global"), ("per-user", "per-user|busy")]
+        );
+        assert_eq!(last[0].decisions, 200 * SAMPLE);
     }
 
     #[test]
@@ -404,7 +433,7 @@ mod tests {
             summary.count("per-user|u1", i >= 7);
         }
         summary.count("per-user|u2", false);
-        let top = summary.top(1);
+        let top = summary.top("per-user", 1);
         assert_eq!(
             top,
             vec![HotKey {
