@@ -16,6 +16,7 @@
 //! exported figures are those of the last window completed, so they neither grow forever nor
 //! reset under a reader's eyes.
 
+use std::borrow::Cow;
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -50,7 +51,8 @@ pub const HOT_KEY_REJECTIONS: &str = "tollgate_hot_key_rejections";
 pub struct HotKey {
     /// The limit the bucket belongs to.
     pub limit: String,
-    /// The bucket key, as `/v1/explain` shows it.
+    /// The bucket key, as `/v1/explain` shows it; one over 200 bytes is cut at a character
+    /// boundary and ends in `…` and a hash of the whole key.
     pub key: String,
     /// Estimated decisions on it in the window (a multiple of [`SAMPLE`]).
     pub decisions: u64,
@@ -114,12 +116,10 @@ impl HotKeys {
         state.roll(now, self.top, self.window);
         for limit in &outcome.limits {
             if let Some(decision) = &limit.decision {
-                state.count(
-                    &limit.name,
-                    &limit.bucket_key,
-                    !decision.allowed(),
-                    self.top,
-                );
+                // Counted as it will be shown: a long key is kept cut, so a counter holds at
+                // most a label's bytes whatever the request sent.
+                let key = short_key(&limit.bucket_key);
+                state.count(&limit.name, &key, !decision.allowed(), self.top);
             }
         }
     }
@@ -158,7 +158,7 @@ impl HotKeys {
                 let _ = write!(out, "{name}{{limit=\"");
                 push_label(out, &key.limit);
                 out.push_str("\",key=\"");
-                push_label(out, &label_key(&key.key));
+                push_label(out, &key.key);
                 let _ = writeln!(out, "\"}} {value}");
             }
         }
@@ -329,10 +329,10 @@ fn sampled() -> bool {
     })
 }
 
-/// `key` as a label value: long keys cut and marked with a hash of the whole key.
-fn label_key(key: &str) -> String {
+/// `key` as it is counted and shown: a long key cut and marked with a hash of the whole key.
+fn short_key(key: &str) -> Cow<'_, str> {
     if key.len() <= LONGEST_LABEL {
-        return key.to_owned();
+        return Cow::Borrowed(key);
     }
     let mut end = LONGEST_LABEL;
     while !key.is_char_boundary(end) {
@@ -340,7 +340,7 @@ fn label_key(key: &str) -> String {
     }
     // Fixed-seeded: a key keeps its label across restarts.
     let hash = foldhash::fast::FixedState::with_seed(0).hash_one(key);
-    format!("{}…{:016x}", &key[..end], hash)
+    Cow::Owned(format!("{}…{:016x}", &key[..end], hash))
 }
 
 /// Appends `value` escaped as a Prometheus label value (`\`, `"` and newlines).
@@ -507,6 +507,27 @@ mod tests {
             .find(|line| line.starts_with("tollgate_hot_key_decisions") && line.contains('…'))
             .unwrap();
         assert!(long_line.len() < LONGEST_LABEL + 100, "{long_line}");
+
+        // Long keys are counted cut: the same one twice is one key, two that differ only past
+        // the cut are two.
+        let hot = HotKeys::new(3, DEFAULT_WINDOW);
+        let prefix = "l|".to_owned() + &"x".repeat(LONGEST_LABEL);
+        for key in [
+            format!("{prefix}-a"),
+            format!("{prefix}-a"),
+            format!("{prefix}-b"),
+        ] {
+            hot.record_sampled(at(0), &outcome("l", &key));
+        }
+        let last = hot.last_window(at(61));
+        let counts: Vec<u64> = last.iter().map(|k| k.decisions).collect();
+        assert_eq!(counts, vec![2 * SAMPLE, SAMPLE]);
+        assert_ne!(last[0].key, last[1].key);
+        assert!(
+            last.iter().all(|k| k.key.len() <= LONGEST_LABEL + 20),
+            "{last:?}"
+        );
+
         let mut off = String::new();
         HotKeys::new(0, DEFAULT_WINDOW).render(at(61), &mut off);
         assert!(off.is_empty());

@@ -195,6 +195,19 @@ fn wait_for_listening(stdout: ChildStdout) -> Option<(SocketAddr, SocketAddr, St
     wait.recv_timeout(Duration::from_secs(30)).ok().flatten()
 }
 
+/// Asserts that `tollgate serve FLAG VALUE` refuses to start, naming the flag and `reason`,
+/// for each `(flag, value, reason)`.
+pub fn assert_serve_flags_refused(cases: &[(&str, &str, &str)]) {
+    for &(flag, value, reason) in cases {
+        let (status, _, stderr) = run(&["serve", flag, value]);
+        assert!(!status.success(), "{flag} {value} accepted");
+        assert!(
+            stderr.contains(flag) && stderr.contains(reason),
+            "{flag} {value}: {stderr}"
+        );
+    }
+}
+
 /// Runs `tollgate ARGS` to completion: (status, stdout, stderr).
 pub fn run(args: &[&str]) -> (ExitStatus, String, String) {
     let output = Command::new(binary())
