@@ -4,17 +4,17 @@
 //! When a limit starts rejecting, the first question is who. Per-limit counters cannot say, and
 //! a counter per key would grow with every subject ever seen. This keeps a fixed number of
 //! counters per limit instead (one limit's crowd cannot hide another's), as a Space-Saving
-//! summary (Metwally, Agrawal and El Abbadi, 2005): a key
-//! not yet counted takes over the counter with the smallest count, inheriting that count as
-//! its possible overcount. Any key with more than `1/counters` of the decisions is then sure
-//! to be held, and no count is low. Counters are kept for [`COUNTERS_PER_KEY`] times the keys
-//! reported, so the reported ones are far above the churn at the bottom.
+//! summary (Metwally, Agrawal and El Abbadi, 2005): a key not yet counted takes over the
+//! counter with the smallest count, inheriting that count as its possible overcount. Any key
+//! with more than `1/counters` of the decisions is then sure to be held, and no count is low.
+//! Counters are kept for [`COUNTERS_PER_KEY`] times the keys reported, so the reported ones are
+//! far above the churn at the bottom.
 //!
 //! It must cost the decision path next to nothing: one decision in [`SAMPLE`] is counted, picked
-//! by a per-thread random draw, and only that one takes the summary's lock. Counts are scaled
-//! back up by [`SAMPLE`], so they are estimates. They cover whole windows (a minute by default): the
-//! exported figures are those of the last window completed, so they neither grow forever nor
-//! reset under a reader's eyes.
+//! by a per-thread random draw, and only that one takes the summaries' lock. Counts are scaled
+//! back up by [`SAMPLE`], so they are estimates. They cover whole windows (a minute by
+//! default): the exported figures are those of the last window completed, so they neither grow
+//! forever nor reset under a reader's eyes.
 
 use std::borrow::Cow;
 use std::cell::Cell;
@@ -77,8 +77,6 @@ struct Windows {
     current: HashMap<Box<str>, Summary, foldhash::fast::RandomState>,
     /// The last completed window's busiest keys, by limit, each limit's busiest first.
     last: Vec<HotKey>,
-    /// When the window `last` describes ended.
-    last_ended: Option<Timestamp>,
 }
 
 impl HotKeys {
@@ -92,7 +90,6 @@ impl HotKeys {
                 started: None,
                 current: HashMap::default(),
                 last: Vec::new(),
-                last_ended: None,
             }),
         }
     }
@@ -190,7 +187,6 @@ impl Windows {
         // Whole windows since the current one began: the current one ended after the first;
         // with more, the last complete window saw no decision at all.
         let windows = elapsed.as_nanos() / window.as_nanos();
-        let ended = started + window;
         if windows == 1 {
             let mut limits: Vec<(&Box<str>, &Summary)> = self.current.iter().collect();
             limits.sort_unstable_by(|a, b| a.0.cmp(b.0));
@@ -201,7 +197,6 @@ impl Windows {
         } else {
             self.last.clear();
         }
-        self.last_ended = Some(ended);
         self.current.clear();
         let whole = u32::try_from(windows).unwrap_or(u32::MAX);
         self.started = Some(started + window.saturating_mul(whole));
