@@ -124,8 +124,9 @@ pub struct ServeArgs {
     #[arg(long, env = "TOLLGATE_DRAIN_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub drain_timeout: Duration,
     /// How many of each limit's busiest bucket keys `/metrics` reports
-    /// (`tollgate_hot_key_*`), from a sample of the decisions; 0 counts nothing. Keys name subjects (user ids, addresses):
-    /// set 0 where they must not reach the metrics store.
+    /// (`tollgate_hot_key_*`), from a sample of the decisions; 0, the default, counts nothing.
+    /// Keys are made of descriptor values (user ids, addresses, API keys): turn this on only
+    /// where they may be seen on `/metrics` and kept by the metrics store.
     #[arg(long, env = "TOLLGATE_HOT_KEYS", default_value_t = crate::decider::DEFAULT_HOT_KEYS, value_parser = parse_hot_keys)]
     pub hot_keys: usize,
     /// The window the hot keys are counted over; `/metrics` shows the last one completed.

@@ -62,8 +62,9 @@ pub enum DecideError {
     Unavailable(Unavailable),
 }
 
-/// The busiest keys reported per limit unless told otherwise.
-pub const DEFAULT_HOT_KEYS: usize = 10;
+/// The busiest keys reported per limit unless told otherwise: none, because keys are made of
+/// request values (user ids, addresses, API keys) that must not reach metrics unasked.
+pub const DEFAULT_HOT_KEYS: usize = 0;
 
 /// The decision maker shared by all front ends.
 pub struct Decider {

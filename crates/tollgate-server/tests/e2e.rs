@@ -456,10 +456,19 @@ fn metrics_name_the_busiest_keys_of_the_last_window() {
     let metrics = request(server.http, "GET", "/metrics", &[], "").body;
     assert!(hot_keys(&metrics).is_empty(), "{metrics}");
 
-    let off = Server::start(&["--config", path_str(&config), "--hot-keys", "0"]);
-    post_json(off.http, "/v1/check", &check_body("busy"));
-    let metrics = request(off.http, "GET", "/metrics", &[], "").body;
-    assert!(!metrics.contains("tollgate_hot_key"), "{metrics}");
+    // Off unless asked for, and off when asked to be.
+    for off in [&[][..], &["--hot-keys", "0"][..]] {
+        let args = [
+            &["--config", path_str(&config), "--hot-keys-window", "1ms"][..],
+            off,
+        ]
+        .concat();
+        let off = Server::start(&args);
+        post_json(off.http, "/v1/check", &check_body("busy"));
+        std::thread::sleep(Duration::from_millis(50));
+        let metrics = request(off.http, "GET", "/metrics", &[], "").body;
+        assert!(!metrics.contains("tollgate_hot_key"), "{metrics}");
+    }
 }
 
 #[test]
