@@ -47,7 +47,7 @@ pub const HOT_KEY_DECISIONS: &str = "tollgate_hot_key_decisions";
 pub const HOT_KEY_REJECTIONS: &str = "tollgate_hot_key_rejections";
 
 /// A key among the busiest of a window.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct HotKey {
     /// The limit the bucket belongs to.
     pub limit: String,
@@ -97,6 +97,11 @@ impl HotKeys {
     /// Whether anything is counted.
     pub fn enabled(&self) -> bool {
         self.top > 0
+    }
+
+    /// How long a window lasts.
+    pub fn window(&self) -> Duration {
+        self.window
     }
 
     /// Counts `outcome`'s decided limits, if this decision is among the sampled ones.

@@ -425,6 +425,7 @@ fn metrics_name_the_busiest_keys_of_the_last_window() {
     // keep the busiest figure reported.
     let started = std::time::Instant::now();
     let mut reported = Vec::new();
+    let mut viewed = Vec::new();
     while started.elapsed() < Duration::from_secs(7) {
         let metrics = request(server.http, "GET", "/metrics", &[], "").body;
         assert!(
@@ -434,6 +435,19 @@ fn metrics_name_the_busiest_keys_of_the_last_window() {
         let keys = hot_keys(&metrics);
         assert!(keys.len() <= 2, "at most --hot-keys keys: {keys:?}");
         reported.extend(keys);
+        // The admin view of the same windows, with each estimate's bound.
+        let answer = request(server.http, "GET", "/v1/hot-keys", &[], "");
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        let view: serde_json::Value = serde_json::from_str(&answer.body).unwrap();
+        assert_eq!(view["window_ms"], 2000);
+        assert_eq!(view["sample"], 8);
+        for key in view["keys"].as_array().unwrap() {
+            let figure = |name: &str| key[name].as_f64().unwrap();
+            assert_eq!(key["limit"], "per-user", "{key}");
+            assert!(figure("overcount") <= figure("decisions"), "{key}");
+            assert!(figure("rejections") <= figure("decisions"), "{key}");
+            viewed.push((key["key"].as_str().unwrap().to_owned(), figure("decisions")));
+        }
         std::thread::sleep(Duration::from_millis(250));
     }
     let (key, decisions, rejections) = reported
@@ -442,6 +456,9 @@ fn metrics_name_the_busiest_keys_of_the_last_window() {
         .cloned()
         .unwrap_or_else(|| panic!("no hot key reported"));
     assert_eq!(key, "per-user|busy");
+    let busiest_viewed = viewed.iter().max_by(|a, b| a.1.total_cmp(&b.1)).unwrap();
+    assert_eq!(busiest_viewed.0, "per-user|busy");
+    assert!(busiest_viewed.1 >= 100.0, "{viewed:?}");
     // Sampled one in 8: at least half of the 400 fell in one window, estimated within wide
     // bounds of it.
     assert!((100.0..=800.0).contains(&decisions), "{decisions}");
@@ -468,7 +485,19 @@ fn metrics_name_the_busiest_keys_of_the_last_window() {
         std::thread::sleep(Duration::from_millis(50));
         let metrics = request(off.http, "GET", "/metrics", &[], "").body;
         assert!(!metrics.contains("tollgate_hot_key"), "{metrics}");
+        let answer = request(off.http, "GET", "/v1/hot-keys", &[], "");
+        assert_eq!(answer.status, 404);
+        assert!(answer.body.contains("hot_keys_disabled"), "{}", answer.body);
     }
+    // An admin endpoint: with a token, only its bearer sees the keys.
+    let guarded = Server::start(&["--hot-keys", "1", "--admin-token", "s3cret"]);
+    let refused = request(guarded.http, "GET", "/v1/hot-keys", &[], "");
+    assert_eq!(refused.status, 401, "{}", refused.body);
+    let bearer = [("authorization", "Bearer s3cret")];
+    assert_eq!(
+        request(guarded.http, "GET", "/v1/hot-keys", &bearer, "").status,
+        200
+    );
 }
 
 #[test]

@@ -137,6 +137,32 @@ pub(crate) async fn policy(
     Ok(Json(status_body(&state)).into_response())
 }
 
+/// `GET /v1/hot-keys`: each limit's busiest keys of the last full window, with how much each
+/// estimate may overstate. Admin only: keys are made of request values.
+pub(crate) async fn hot_keys(
+    State(state): State<Arc<AppState>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    authorize(state.options.admin_token.as_deref(), &headers, peer)?;
+    let decider = &state.decider;
+    let hot = decider.hot_keys();
+    if !hot.enabled() {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "hot_keys_disabled",
+            "hot keys are not counted in this process; start it with --hot-keys N",
+        ));
+    }
+    let keys = hot.last_window(decider.now());
+    let body = json!({
+        "window_ms": u64::try_from(hot.window().as_millis()).unwrap_or(u64::MAX),
+        "sample": crate::hot_keys::SAMPLE,
+        "keys": keys,
+    });
+    Ok(Json(body).into_response())
+}
+
 pub(crate) async fn reload(
     State(state): State<Arc<AppState>>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,

@@ -102,6 +102,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/policy", get(admin::policy))
         .route("/v1/policy/reload", post(admin::reload))
         .route("/v1/policy/rollback", post(admin::rollback))
+        .route("/v1/hot-keys", get(admin::hot_keys))
         // After the routes: it applies to the routes registered before it.
         .method_not_allowed_fallback(error::method_not_allowed)
         .fallback(error::not_found)
