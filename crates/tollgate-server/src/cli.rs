@@ -123,13 +123,13 @@ pub struct ServeArgs {
     /// before they are dropped and the process exits.
     #[arg(long, env = "TOLLGATE_DRAIN_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub drain_timeout: Duration,
-    /// How many of each limit's busiest bucket keys `/metrics` reports
-    /// (`tollgate_hot_key_*`), from a sample of the decisions; 0, the default, counts nothing.
+    /// How many of each limit's busiest bucket keys `/metrics` (`tollgate_hot_key_*`) and
+    /// `/v1/hot-keys` report, from a sample of the decisions; 0, the default, counts nothing.
     /// Keys are made of descriptor values (user ids, addresses, API keys): turn this on only
     /// where they may be seen on `/metrics` and kept by the metrics store.
     #[arg(long, env = "TOLLGATE_HOT_KEYS", default_value_t = crate::decider::DEFAULT_HOT_KEYS, value_parser = parse_hot_keys)]
     pub hot_keys: usize,
-    /// The window the hot keys are counted over; `/metrics` shows the last one completed.
+    /// The window the hot keys are counted over; both reports show the last one completed.
     #[arg(long, env = "TOLLGATE_HOT_KEYS_WINDOW", default_value = "1m", value_parser = parse_timeout)]
     pub hot_keys_window: Duration,
     /// Bearer token for the admin endpoints (must not be empty); without one they answer
@@ -210,8 +210,9 @@ fn parse_timeout(text: &str) -> Result<Duration, String> {
     }
 }
 
-/// The most hot keys reported: each is two series per scrape.
-const MOST_HOT_KEYS: usize = 1000;
+/// The most hot keys reported per limit: each is two series, and a key new to a full summary
+/// scans its `4 × N` counters.
+const MOST_HOT_KEYS: usize = 100;
 
 fn parse_hot_keys(text: &str) -> Result<usize, String> {
     match text.parse::<usize>() {

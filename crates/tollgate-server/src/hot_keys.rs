@@ -141,29 +141,39 @@ impl HotKeys {
             return;
         }
         let keys = self.last_window(now);
-        let series = [
-            (
-                HOT_KEY_DECISIONS,
-                "Estimated decisions on each of the busiest bucket keys in the last full window.",
-                keys.iter().map(|k| k.decisions).collect::<Vec<_>>(),
-            ),
-            (
-                HOT_KEY_REJECTIONS,
-                "Estimated rejections on each of the busiest bucket keys in the last full window.",
-                keys.iter().map(|k| k.rejections).collect(),
-            ),
-        ];
-        for (name, help, values) in series {
-            let _ = writeln!(out, "# HELP {name} {help}");
-            let _ = writeln!(out, "# TYPE {name} gauge");
-            for (key, value) in keys.iter().zip(values) {
-                let _ = write!(out, "{name}{{limit=\"");
-                push_label(out, &key.limit);
-                out.push_str("\",key=\"");
-                push_label(out, &key.key);
-                let _ = writeln!(out, "\"}} {value}");
-            }
-        }
+        write_series(
+            out,
+            HOT_KEY_DECISIONS,
+            "Estimated decisions on each of the busiest bucket keys in the last full window.",
+            &keys,
+            |key| key.decisions,
+        );
+        write_series(
+            out,
+            HOT_KEY_REJECTIONS,
+            "Estimated rejections on each of the busiest bucket keys in the last full window.",
+            &keys,
+            |key| key.rejections,
+        );
+    }
+}
+
+/// One gauge of `keys` in Prometheus text, each key's value taken by `figure`.
+fn write_series(
+    out: &mut String,
+    name: &str,
+    help: &str,
+    keys: &[HotKey],
+    figure: impl Fn(&HotKey) -> u64,
+) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} gauge");
+    for key in keys {
+        let _ = write!(out, "{name}{{limit=\"");
+        push_label(out, &key.limit);
+        out.push_str("\",key=\"");
+        push_label(out, &key.key);
+        let _ = writeln!(out, "\"}} {}", figure(key));
     }
 }
 

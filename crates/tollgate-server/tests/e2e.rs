@@ -503,8 +503,8 @@ fn metrics_name_the_busiest_keys_of_the_last_window() {
 #[test]
 fn hot_key_settings_are_checked_at_start() {
     assert_serve_flags_refused(&[
-        ("--hot-keys", "1001", "0 to 1000"),
-        ("--hot-keys", "ten", "0 to 1000"),
+        ("--hot-keys", "101", "0 to 100"),
+        ("--hot-keys", "ten", "0 to 100"),
         ("--hot-keys-window", "0s", "longer than 0"),
     ]);
 }
