@@ -317,7 +317,11 @@ struct Marks {
     reads: AtomicU64,
     /// Requests whose head was read whole (HTTP/1).
     started: AtomicU64,
-    /// `started` as of the server's last write: the requests answered (or being answered).
+    /// Requests whose answer has been made, to be written (HTTP/1).
+    responded: AtomicU64,
+    /// `responded` as of the server's last write: the requests answered (or being answered).
+    /// Not `started`: an interim answer (`100 Continue`) is written before its request's body
+    /// is read, and the body that follows is not the head of a next request.
     answered: AtomicU64,
     /// `reads` as of the server's last write.
     reads_at_answer: AtomicU64,
@@ -334,6 +338,15 @@ impl Activity {
         self.0
             .started
             .store(started.wrapping_add(1), Ordering::Relaxed);
+    }
+
+    /// Marks a request whose answer has been made; called by the connection's task before
+    /// the answer is written.
+    pub(crate) fn request_responded(&self) {
+        let responded = self.0.responded.load(Ordering::Relaxed);
+        self.0
+            .responded
+            .store(responded.wrapping_add(1), Ordering::Relaxed);
     }
 
     /// Whether the client is partway through a request head: nothing in flight and either no
@@ -396,7 +409,7 @@ impl Tracked {
         let marks = &self.activity.0;
         marks
             .answered
-            .store(marks.started.load(Ordering::Relaxed), Ordering::Relaxed);
+            .store(marks.responded.load(Ordering::Relaxed), Ordering::Relaxed);
         marks.reads_at_answer.store(self.reads, Ordering::Relaxed);
     }
 }
@@ -736,8 +749,9 @@ mod tests {
     }
 
     /// The head timeout runs while a head is partway in: from the start until the first
-    /// request, and from the first bytes after an answer; not while a request is in flight,
-    /// nor while a kept-alive connection waits with nothing sent.
+    /// request, and from the first bytes after an answer; not while a request is in flight
+    /// (its body included, after an interim answer), nor while a kept-alive connection waits
+    /// with nothing sent.
     #[tokio::test(start_paused = true)]
     async fn a_head_times_out_only_while_partway_in() {
         let timeout = Duration::from_secs(40);
@@ -760,12 +774,25 @@ mod tests {
         // A request read, then in flight while the client waits: no head is pending.
         let mut buf = [0u8; 64];
         let mut head = HeadTimeout::new(activity.clone(), timeout);
-        client.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
+        client
+            .write_all(b"POST / HTTP/1.1\r\nExpect: 100-continue\r\n\r\n")
+            .await
+            .unwrap();
         let _ = tracked.read(&mut buf).await.unwrap();
         activity.request_started();
         assert_eq!(expired(&mut head).await, None, "timed out in flight");
 
+        // Told to go on, the client sends its body slowly: still in flight, not a next head.
+        tracked
+            .write_all(b"HTTP/1.1 100 Continue\r\n\r\n")
+            .await
+            .unwrap();
+        client.write_all(b"{\"a\":").await.unwrap();
+        let _ = tracked.read(&mut buf).await.unwrap();
+        assert_eq!(expired(&mut head).await, None, "a slow body timed out");
+
         // Answered, then kept alive with nothing sent: the idle timeout's business.
+        activity.request_responded();
         tracked.write_all(b"HTTP/1.1 200 OK\r\n\r\n").await.unwrap();
         assert_eq!(expired(&mut head).await, None, "timed out while kept alive");
 

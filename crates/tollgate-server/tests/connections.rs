@@ -71,6 +71,12 @@ fn send_check(stream: &mut TcpStream, extra: &str) {
 /// Sends a check on `stream` and reads its answer whole, leaving the connection open.
 fn check_kept_alive(stream: &mut TcpStream) {
     send_check(stream, "");
+    let head = read_answer(stream);
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+}
+
+/// Reads an answer whole from `stream` and returns its head.
+fn read_answer(stream: &mut TcpStream) -> String {
     stream
         .set_read_timeout(Some(Duration::from_secs(10)))
         .expect("set a read timeout");
@@ -92,8 +98,7 @@ fn check_kept_alive(stream: &mut TcpStream) {
                 .and_then(|value| value.trim().parse().ok())
                 .expect("a content-length");
             if body.len() >= length {
-                assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-                return;
+                return head.to_owned();
             }
         }
     }
@@ -162,6 +167,42 @@ fn clients_that_never_finish_a_request_head_are_let_go() {
     assert_eq!(metric(&server, HTTP_HEADER_TIMEOUTS), 3.0);
     assert_eq!(metric(&server, GRPC_HEADER_TIMEOUTS), 1.0);
     assert_eq!(metric(&server, HTTP_IDLE), 1.0);
+}
+
+#[test]
+// As in closed_within: the server's timeouts can only be seen in real time.
+#[allow(clippy::disallowed_methods)]
+fn a_body_sent_after_100_continue_is_not_taken_for_a_slow_head() {
+    let server = Server::start(&["--header-timeout", "1s", "--idle-timeout", "10s"]);
+    let mut stream = connect(server.http);
+    // As curl sends a large body: the head, then the body once the server says to go on.
+    write!(
+        stream,
+        "POST /v1/check HTTP/1.1\r\nHost: tollgate\r\nContent-Type: application/json\r\n\
+         Expect: 100-continue\r\nContent-Length: {}\r\n\r\n",
+        CHECK.len()
+    )
+    .expect("send a head");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("set a read timeout");
+    let mut interim = [0u8; 25];
+    stream
+        .read_exact(&mut interim)
+        .expect("read the interim answer");
+    assert_eq!(&interim, b"HTTP/1.1 100 Continue\r\n\r\n");
+    // Half the body, a pause past the head timeout (well within the idle one), the rest.
+    let (first, rest) = CHECK.split_at(CHECK.len() / 2);
+    stream
+        .write_all(first.as_bytes())
+        .expect("send half a body");
+    std::thread::sleep(Duration::from_millis(2500));
+    stream.write_all(rest.as_bytes()).expect("send the rest");
+    let head = read_answer(&mut stream);
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert_eq!(metric(&server, HTTP_HEADER_TIMEOUTS), 0.0);
+    // The connection is kept for the next request.
+    check_kept_alive(&mut stream);
 }
 
 /// One RLS call on `client`, which must be answered OK.

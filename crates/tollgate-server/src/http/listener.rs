@@ -16,7 +16,7 @@ use std::task::Poll;
 
 use axum::Router;
 use axum::extract::ConnectInfo;
-use futures_util::Stream;
+use futures_util::{FutureExt, Stream};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use tokio::sync::watch;
@@ -62,7 +62,10 @@ async fn serve_connection(
             .extensions_mut()
             .insert(ConnectInfo::<SocketAddr>(peer));
         // A router is always ready, and cloning it is a reference count.
-        app.clone().call(request)
+        let answer = app.clone().call(request);
+        let responded = requests.clone();
+        // Marked before hyper writes it: a write before then is an interim answer.
+        answer.inspect(move |_| responded.request_responded())
     });
     // No timer for hyper: the head timeout is kept by `HeadTimeout` (see why there).
     let builder = hyper::server::conn::http1::Builder::new();
