@@ -26,6 +26,7 @@ use tollgate::Decision;
 use tollgate_policy::Outcome;
 
 use super::error::ApiError;
+use super::plain_body;
 use super::{AppState, MAX_DESCRIPTORS, MAX_ENTRIES, MAX_NAME_BYTES, MAX_VALUE_BYTES};
 use crate::decider::{DecideError, Request};
 use crate::metrics::{self, Api};
@@ -167,6 +168,7 @@ impl<'de: 'a, 'a> Deserialize<'de> for EntryValue<'a> {
 pub(crate) type Entries<'a> = Vec<(Cow<'a, str>, Cow<'a, str>)>;
 
 /// A request, parsed and within bounds. Its strings borrow from the request where they can.
+#[derive(Debug, PartialEq)]
 pub(crate) struct Parsed<'a> {
     pub(crate) domain: Cow<'a, str>,
     pub(crate) descriptors: Vec<Entries<'a>>,
@@ -196,6 +198,16 @@ fn parse(body: &Result<Bytes, BytesRejection>) -> Result<Parsed<'_>, ApiError> {
             ),
         )
     })?;
+    let parsed = match plain_body::read(body) {
+        Some(parsed) => parsed,
+        None => parse_with_serde(body)?,
+    };
+    check_bounds(&parsed)?;
+    Ok(parsed)
+}
+
+/// `body` read by serde_json: any body, and every error with its place.
+pub(super) fn parse_with_serde(body: &[u8]) -> Result<Parsed<'_>, ApiError> {
     let body: CheckBody<'_> = serde_json::from_slice(body).map_err(|err| {
         ApiError::bad_request("invalid_json", format!("invalid request body: {err}"))
     })?;
@@ -218,14 +230,12 @@ fn parse(body: &Result<Bytes, BytesRejection>) -> Result<Parsed<'_>, ApiError> {
                 .collect::<Result<Entries<'_>, ApiError>>()
         })
         .collect::<Result<Vec<_>, ApiError>>()?;
-    let parsed = Parsed {
+    Ok(Parsed {
         domain: body.domain,
         descriptors,
         cost: body.cost,
         request_id: body.request_id,
-    };
-    check_bounds(&parsed)?;
-    Ok(parsed)
+    })
 }
 
 /// The bounds every front end applies before deciding anything.

@@ -10,6 +10,7 @@ mod check;
 mod error;
 mod forward_auth;
 pub(crate) mod listener;
+mod plain_body;
 
 use std::sync::Arc;
 
