@@ -618,7 +618,7 @@ impl PolicyEngine {
             return Err(zero_cost());
         }
         let policy = self.current.load_full();
-        let matched = policy.matches(domain, descriptors, self.options.wall.now());
+        let matched = policy.matches(domain, descriptors, self.match_time(&policy));
         if matched.is_empty() {
             if consume {
                 self.unmatched.fetch_add(1, Ordering::Relaxed);
@@ -858,7 +858,7 @@ impl PolicyEngine {
         }
         let policy = self.current.load();
         let now = self.options.clock.now();
-        let matched = policy.matches(domain, descriptors, self.options.wall.now());
+        let matched = policy.matches(domain, descriptors, self.match_time(&policy));
         let version = Arc::clone(policy.version_arc());
         if matched.is_empty() {
             if consume {
@@ -996,6 +996,17 @@ impl PolicyEngine {
     }
 
     /// Counts one use of `exemption` by the match `m` and audits it.
+    /// The calendar time to match `policy` at. Matching needs it for exemptions' expiry alone,
+    /// so a policy without exemptions is matched without reading the calendar (a system clock
+    /// call on every decision).
+    fn match_time(&self, policy: &Policy) -> UnixTime {
+        if policy.exemptions().is_empty() {
+            UnixTime::from_secs(0)
+        } else {
+            self.options.wall.now()
+        }
+    }
+
     fn use_exemption(&self, m: &Matched<'_>, exemption: &Exemption, version: &str) {
         exemption.record_use();
         self.audit(|| AuditEvent::ExemptionUsed {
