@@ -13,7 +13,8 @@
 //! is that a connection's calls wait while the thread running its task is paused, which shows
 //! in the tail at saturation. The services are tonic's generated ones, so the protocol (framing,
 //! status codes and trailers, unknown methods answered `UNIMPLEMENTED`, message size limits)
-//! is tonic's; this module only moves frames.
+//! is tonic's, but for the usual `ShouldRateLimit` call, whose one message in and one out are
+//! framed by [`crate::grpc_unary`]; this module only moves frames.
 //!
 //! Shutdown is graceful as for HTTP: once stopped, no connection is accepted, each open one is
 //! sent a GOAWAY, and the calls in flight finish before [`serve`] returns.
@@ -306,7 +307,9 @@ async fn answer<S, B>(
 /// malformed one is ignored, as if absent: the call then runs without a deadline of its own,
 /// still bounded by the store's timeout.
 fn grpc_timeout(headers: &http::HeaderMap) -> Option<Duration> {
-    let (&unit, digits) = headers.get("grpc-timeout")?.as_bytes().split_last()?;
+    // A constant name: one given as a string is parsed on every call.
+    const GRPC_TIMEOUT: http::HeaderName = http::HeaderName::from_static("grpc-timeout");
+    let (&unit, digits) = headers.get(&GRPC_TIMEOUT)?.as_bytes().split_last()?;
     if digits.is_empty() || digits.len() > 8 || !digits.iter().all(u8::is_ascii_digit) {
         return None;
     }

@@ -24,6 +24,7 @@ use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
 use tower_service::Service;
 
 use crate::decider::Decider;
+use crate::grpc_unary::ShouldRateLimit;
 
 /// The path prefix of the health service's methods.
 const HEALTH_PATH: &str = "/grpc.health.v1.Health/";
@@ -138,32 +139,38 @@ impl Health for GrpcHealth {
     }
 }
 
-/// The gRPC port's services: health calls go to `health`, everything else to `rls` (which
-/// answers `UNIMPLEMENTED` for methods it does not have).
+/// The gRPC port's services: health calls go to `health`, the usual `ShouldRateLimit` calls
+/// to `unary` (see [`ShouldRateLimit::answers`]), everything else to `rls` (tonic's server,
+/// which answers `UNIMPLEMENTED` for methods it does not have).
 #[derive(Clone)]
-pub(crate) struct Routes<R, H> {
+pub(crate) struct Routes<R, U, H> {
     rls: R,
+    unary: U,
     health: H,
 }
 
-impl<R, H> Routes<R, H> {
-    pub(crate) fn new(rls: R, health: H) -> Self {
-        Self { rls, health }
+impl<R, U, H> Routes<R, U, H> {
+    pub(crate) fn new(rls: R, unary: U, health: H) -> Self {
+        Self { rls, unary, health }
     }
 }
 
-impl<R, H, B, Req> Service<http::Request<Req>> for Routes<R, H>
+impl<R, U, H, B, Req> Service<http::Request<Req>> for Routes<R, U, H>
 where
     R: Service<http::Request<Req>, Response = http::Response<B>, Error = Infallible>,
+    U: Service<http::Request<Req>, Response = http::Response<B>, Error = Infallible>,
     H: Service<http::Request<Req>, Response = http::Response<B>, Error = Infallible>,
 {
     type Response = http::Response<B>;
     type Error = Infallible;
-    type Future = Either<R::Future, H::Future>;
+    type Future = Either<R::Future, Either<U::Future, H::Future>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        // Both are tonic's generated servers, always ready; asked anyway, as the contract says.
+        // All are always ready; asked anyway, as the contract says.
         let Poll::Ready(Ok(())) = self.rls.poll_ready(cx) else {
+            return Poll::Pending;
+        };
+        let Poll::Ready(Ok(())) = self.unary.poll_ready(cx) else {
             return Poll::Pending;
         };
         self.health.poll_ready(cx)
@@ -171,7 +178,9 @@ where
 
     fn call(&mut self, request: http::Request<Req>) -> Self::Future {
         if request.uri().path().starts_with(HEALTH_PATH) {
-            Either::Right(self.health.call(request))
+            Either::Right(Either::Right(self.health.call(request)))
+        } else if ShouldRateLimit::answers(&request) {
+            Either::Right(Either::Left(self.unary.call(request)))
         } else {
             Either::Left(self.rls.call(request))
         }

@@ -47,6 +47,7 @@ pub mod cli;
 mod connection;
 pub mod decider;
 mod grpc;
+mod grpc_unary;
 mod health;
 pub mod hot_keys;
 pub mod http;
@@ -333,10 +334,12 @@ where
     G: futures_util::Stream<Item = std::io::Result<Admitted>>,
 {
     let limits = state.connections.limits;
-    let rls = rls::Rls::new(Arc::clone(&state.decider)).into_server();
+    let rls = Arc::new(rls::Rls::new(Arc::clone(&state.decider)));
+    let unary = grpc_unary::ShouldRateLimit::new(Arc::clone(&rls));
+    let rls = rls::Rls::server(rls);
     let health = health::GrpcHealth::new(Arc::clone(&state.decider), stopped.clone()).into_server();
     let grpc_server = grpc::serve(
-        health::Routes::new(rls, health),
+        health::Routes::new(rls, unary, health),
         grpc,
         limits,
         stopped.clone(),

@@ -57,6 +57,11 @@ impl Rls {
     pub fn into_server(self) -> RateLimitServiceServer<Self> {
         RateLimitServiceServer::new(self)
     }
+
+    /// The tonic server for this service, shared with the calls answered without it.
+    pub(crate) fn server(rls: Arc<Self>) -> RateLimitServiceServer<Self> {
+        RateLimitServiceServer::from_arc(rls)
+    }
 }
 
 fn invalid(message: impl Into<String>) -> Status {
@@ -197,7 +202,17 @@ impl RateLimitService for Rls {
         &self,
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
-        let mut request = request.into_inner();
+        self.decide(request.into_inner()).await.map(Response::new)
+    }
+}
+
+impl Rls {
+    /// Answers one `ShouldRateLimit` call: through tonic's server ([`RateLimitService`]) or
+    /// straight from the connection ([`crate::grpc_unary`]).
+    pub(crate) async fn decide(
+        &self,
+        mut request: RateLimitRequest,
+    ) -> Result<RateLimitResponse, Status> {
         let descriptors =
             parse(&mut request).inspect_err(|_| metrics::record_invalid(Api::Grpc))?;
         let count = descriptors.len();
@@ -302,12 +317,12 @@ impl RateLimitService for Rls {
         if failed_closed {
             response_headers.push(header("x-tollgate-unavailable", "store".to_owned()));
         }
-        Ok(Response::new(RateLimitResponse {
+        Ok(RateLimitResponse {
             overall_code: if over { Code::OverLimit } else { Code::Ok } as i32,
             statuses,
             response_headers_to_add: response_headers,
             ..RateLimitResponse::default()
-        }))
+        })
     }
 }
 

@@ -1,0 +1,209 @@
+//! `ShouldRateLimit`, the call Envoy makes for every request it rate-limits, answered straight
+//! from the connection rather than through tonic's generic server.
+//!
+//! tonic's server is made for every kind of call (streams, compression, interceptors), and a
+//! unary call pays for that generality: the request is wrapped, decoded through a streaming
+//! decoder, and the answer encoded through a streaming encoder, about 9,000 instructions per
+//! call around a decision of about 10,000 (BENCHMARKS.md, twelfth session). A unary call of
+//! the usual kind (a gRPC content type, no compression) is a length-prefixed message in and a
+//! length-prefixed message and `grpc-status: 0` out, which is what this module does. Every
+//! other call (another method, a compressed message, a request that is not gRPC) still goes to
+//! tonic's server, and errors are answered as tonic answers them (a trailers-only response from
+//! [`Status::into_http`]).
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::{BufMut, Bytes, BytesMut};
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use http::header::CONTENT_TYPE;
+use http::{HeaderMap, HeaderName, HeaderValue};
+use http_body::{Body, Frame};
+use http_body_util::BodyExt;
+use prost::Message;
+use tonic::Status;
+use tower_service::Service;
+
+use crate::grpc::Received;
+use crate::rls::Rls;
+
+/// The method's path.
+pub(crate) const PATH: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
+
+/// The largest request message read: tonic's default, as before this path.
+const MAX_MESSAGE: usize = 4 * 1024 * 1024;
+
+// Header names as constants: a name given as a string is parsed and checked on every use.
+const GRPC_ENCODING: HeaderName = HeaderName::from_static("grpc-encoding");
+const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
+
+/// The five bytes before a message: a compression flag and the message's length.
+const PREFIX: usize = 5;
+
+/// The `ShouldRateLimit` calls this module answers.
+#[derive(Clone)]
+pub(crate) struct ShouldRateLimit {
+    rls: Arc<Rls>,
+}
+
+impl ShouldRateLimit {
+    pub(crate) fn new(rls: Arc<Rls>) -> Self {
+        Self { rls }
+    }
+
+    /// Whether `request` is a call answered here: the method, as gRPC (protobuf), without
+    /// compression. Anything else is tonic's to answer.
+    pub(crate) fn answers<B>(request: &http::Request<B>) -> bool {
+        let headers = request.headers();
+        request.uri().path() == PATH
+            && headers.get(CONTENT_TYPE).is_some_and(|value| {
+                matches!(
+                    value.as_bytes(),
+                    b"application/grpc" | b"application/grpc+proto"
+                )
+            })
+            && headers
+                .get(&GRPC_ENCODING)
+                .is_none_or(|value| value == "identity")
+    }
+}
+
+impl Service<http::Request<Received>> for ShouldRateLimit {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<Received>) -> Self::Future {
+        let rls = Arc::clone(&self.rls);
+        Box::pin(async move { Ok(answer(&rls, request.into_body()).await) })
+    }
+}
+
+async fn answer(rls: &Rls, body: Received) -> http::Response<tonic::body::Body> {
+    let answered = match read_message(body).await {
+        Ok(request) => rls.decide(request).await,
+        Err(status) => Err(status),
+    };
+    let message = match answered {
+        Ok(message) => message,
+        Err(status) => return status.into_http(),
+    };
+    let len = message.encoded_len();
+    let mut framed = BytesMut::with_capacity(PREFIX + len);
+    framed.put_u8(0);
+    // An answer is a few hundred bytes: far below 4 GiB.
+    framed.put_u32(u32::try_from(len).unwrap_or(u32::MAX));
+    message.encode_raw(&mut framed);
+    let mut trailers = HeaderMap::with_capacity(1);
+    trailers.insert(GRPC_STATUS, HeaderValue::from_static("0"));
+    let mut response = http::Response::new(tonic::body::Body::new(Unary {
+        message: Some(framed.freeze()),
+        trailers: Some(trailers),
+    }));
+    response
+        .headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    response
+}
+
+/// What tonic's server answers for a message cut short.
+const CUT_SHORT: &str = "Unexpected EOF decoding stream.";
+
+/// The one message of a unary request, read whole: refused as tonic's server refuses it when
+/// missing, cut short, compressed, too large or not a `RateLimitRequest`, and refused when
+/// followed by another.
+async fn read_message(body: Received) -> Result<RateLimitRequest, Status> {
+    let mut body = std::pin::pin!(body);
+    // Usually one data frame, read without a copy; the rest, if any, joins it.
+    let mut first = Bytes::new();
+    let mut joined: Option<BytesMut> = None;
+    while let Some(frame) = body.frame().await {
+        // The client reset the stream: nobody will read the answer.
+        let frame = frame.map_err(|err| Status::cancelled(err.to_string()))?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        let read = joined.as_ref().map_or(first.len(), BytesMut::len) + data.len();
+        if read > PREFIX + MAX_MESSAGE {
+            return Err(too_large(read - PREFIX));
+        }
+        if first.is_empty() && joined.is_none() {
+            first = data;
+        } else {
+            joined
+                .get_or_insert_with(|| BytesMut::from(&first[..]))
+                .extend_from_slice(&data);
+        }
+    }
+    let whole = joined.map_or(first, BytesMut::freeze);
+    let Some((head, rest)) = whole.split_first_chunk::<PREFIX>() else {
+        return Err(Status::internal(if whole.is_empty() {
+            "Missing request message."
+        } else {
+            CUT_SHORT
+        }));
+    };
+    if head[0] != 0 {
+        return Err(Status::internal(
+            "protocol error: received message with compressed-flag but no grpc-encoding was \
+             specified",
+        ));
+    }
+    let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
+    if len > MAX_MESSAGE {
+        return Err(too_large(len));
+    }
+    match rest.len().cmp(&len) {
+        std::cmp::Ordering::Less => Err(Status::internal(CUT_SHORT)),
+        // tonic's server answers the first message and drops the rest; a client that sends
+        // two has a bug, and is told so rather than charged for half its call.
+        std::cmp::Ordering::Greater => Err(Status::internal(
+            "a unary call carries one request message, and this one carried more",
+        )),
+        std::cmp::Ordering::Equal => RateLimitRequest::decode(rest)
+            .map_err(|err| Status::internal(format!("failed to decode Protobuf message: {err}"))),
+    }
+}
+
+fn too_large(len: usize) -> Status {
+    Status::out_of_range(format!(
+        "Error, decoded message length too large: found {len} bytes, the limit is: \
+         {MAX_MESSAGE} bytes"
+    ))
+}
+
+/// A unary answer's body: the message, then the trailers.
+struct Unary {
+    message: Option<Bytes>,
+    trailers: Option<HeaderMap>,
+}
+
+impl Body for Unary {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        if let Some(message) = self.message.take() {
+            return Poll::Ready(Some(Ok(Frame::data(message))));
+        }
+        Poll::Ready(
+            self.trailers
+                .take()
+                .map(|trailers| Ok(Frame::trailers(trailers))),
+        )
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.message.is_none() && self.trailers.is_none()
+    }
+}

@@ -1,0 +1,216 @@
+//! The RLS call's gRPC framing as a client writing HTTP/2 by hand sees it: a call is answered
+//! whether its message comes in one data frame or several, and a malformed call gets the
+//! status and message tonic's own server gives it (but for two messages in one unary call,
+//! which tonic half-answers and tollgate refuses), while the server keeps serving.
+
+mod support;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use prost::Message;
+use support::{Server, descriptor};
+
+const PATH: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
+
+/// What came back for one call: the answer's body and its `grpc-status` and `grpc-message`
+/// (from the trailers, or from the head of a trailers-only answer).
+struct Answer {
+    body: Bytes,
+    status: String,
+    message: String,
+}
+
+/// Sends one call on a new connection, with `headers` added and `frames` as its data frames.
+async fn call(server: &Server, headers: &[(&str, &str)], frames: Vec<Bytes>) -> Answer {
+    let stream = tokio::net::TcpStream::connect(server.grpc)
+        .await
+        .expect("connect to the gRPC port");
+    let (client, connection) = h2::client::handshake(stream).await.expect("a handshake");
+    tokio::spawn(connection);
+    let mut client = client.ready().await.expect("ready to send");
+    let mut request = http::Request::post(format!("http://tollgate{PATH}"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers");
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let request = request.body(()).expect("a request");
+    let (answer, mut sending) = client
+        .send_request(request, frames.is_empty())
+        .expect("send the head");
+    let count = frames.len();
+    for (index, frame) in frames.into_iter().enumerate() {
+        sending
+            .send_data(frame, index + 1 == count)
+            .expect("send a frame");
+    }
+    let answer = answer.await.expect("an answer");
+    assert_eq!(answer.status(), 200);
+    assert_eq!(answer.headers()["content-type"], "application/grpc");
+    let (head, mut body) = answer.into_parts();
+    let mut bytes = BytesMut::new();
+    while let Some(data) = body.data().await {
+        let data = data.expect("the answer's data");
+        let _ = body.flow_control().release_capacity(data.len());
+        bytes.extend_from_slice(&data);
+    }
+    let trailers = body.trailers().await.expect("trailers");
+    let fields = trailers.unwrap_or(head.headers);
+    let field = |name: &str| {
+        fields
+            .get(name)
+            .map(|value| value.to_str().expect("ASCII").to_owned())
+            .unwrap_or_default()
+    };
+    Answer {
+        body: bytes.freeze(),
+        status: field("grpc-status"),
+        message: field("grpc-message"),
+    }
+}
+
+fn request(user: &str) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: "api".to_owned(),
+        descriptors: vec![descriptor(&[("user", user)])],
+        hits_addend: 1,
+    }
+}
+
+/// `message` as gRPC frames it: a compression flag, a 4-byte length, the bytes.
+fn framed(flag: u8, length: u32, message: &[u8]) -> Bytes {
+    let mut out = BytesMut::with_capacity(5 + message.len());
+    out.put_u8(flag);
+    out.put_u32(length);
+    out.extend_from_slice(message);
+    out.freeze()
+}
+
+fn encoded(user: &str) -> Vec<u8> {
+    request(user).encode_to_vec()
+}
+
+fn decoded(answer: &Answer) -> RateLimitResponse {
+    assert_eq!(answer.status, "0", "{}", answer.message);
+    let (prefix, message) = answer.body.split_at(5);
+    assert_eq!(prefix[0], 0, "not compressed");
+    let length = u32::from_be_bytes([prefix[1], prefix[2], prefix[3], prefix[4]]);
+    assert_eq!(length as usize, message.len());
+    RateLimitResponse::decode(message).expect("a RateLimitResponse")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_is_answered_in_one_frame_or_several() {
+    let server = Server::start(&[]);
+    let message = encoded("alice");
+    let whole = framed(0, message.len() as u32, &message);
+    let answer = decoded(&call(&server, &[], vec![whole.clone()]).await);
+    assert_eq!(answer.overall_code, Code::Ok as i32);
+    assert_eq!(answer.statuses.len(), 1);
+    // The demo policy's per-user bucket holds 10: one taken above.
+    assert_eq!(answer.statuses[0].limit_remaining, 9);
+
+    // The prefix cut in two, the message in two more.
+    let frames = vec![
+        whole.slice(..2),
+        whole.slice(2..7),
+        whole.slice(7..12),
+        whole.slice(12..),
+    ];
+    let answer = decoded(&call(&server, &[], frames).await);
+    assert_eq!(answer.statuses[0].limit_remaining, 8);
+
+    // `grpc-encoding: identity` is no compression.
+    let answer = call(&server, &[("grpc-encoding", "identity")], vec![whole]).await;
+    assert_eq!(decoded(&answer).statuses[0].limit_remaining, 7);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_calls_are_refused_as_tonic_refuses_them_and_charge_nothing() {
+    let server = Server::start(&[]);
+    let message = encoded("bob");
+    let len = message.len() as u32;
+    let mut two = framed(0, len, &message).to_vec();
+    two.extend_from_slice(&framed(0, len, &message));
+    let cases: Vec<(&str, Vec<Bytes>, &str, &str)> = vec![
+        ("no message", vec![], "13", "Missing request message."),
+        (
+            "a cut prefix",
+            vec![Bytes::from_static(&[0, 0])],
+            "13",
+            "Unexpected EOF",
+        ),
+        (
+            "a compressed message",
+            vec![framed(1, len, &message)],
+            "13",
+            "compressed-flag",
+        ),
+        (
+            "a cut message",
+            vec![framed(0, len + 10, &message)],
+            "13",
+            "Unexpected EOF",
+        ),
+        // (tonic's own server answered the first and dropped the second)
+        (
+            "two messages",
+            vec![Bytes::from(two)],
+            "13",
+            "carries one request message",
+        ),
+        (
+            "a message over 4 MiB",
+            vec![framed(0, 5 << 20, b"x")],
+            "11",
+            "too large",
+        ),
+        (
+            "not protobuf",
+            vec![framed(0, 3, &[0xff, 0xff, 0xff])],
+            "13",
+            "decode",
+        ),
+    ];
+    for (what, frames, status, message) in cases {
+        let answer = call(&server, &[], frames).await;
+        assert_eq!(answer.status, status, "{what}: {}", answer.message);
+        let text = percent_decoded(&answer.message);
+        assert!(text.contains(message), "{what}: {text}");
+    }
+    // A compressed call goes to tonic's server, which takes no compression.
+    let answer = call(
+        &server,
+        &[("grpc-encoding", "gzip")],
+        vec![framed(1, len, &message)],
+    )
+    .await;
+    assert_eq!(answer.status, "12", "{}", answer.message);
+
+    // Nothing above was charged, and the server still answers.
+    let whole = framed(0, len, &message);
+    let answer = decoded(&call(&server, &[], vec![whole]).await);
+    assert_eq!(answer.statuses[0].limit_remaining, 9);
+}
+
+/// `grpc-message` is percent-encoded.
+fn percent_decoded(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut at = 0;
+    while at < bytes.len() {
+        if bytes[at] == b'%'
+            && let Some(byte) = text
+                .get(at + 1..at + 3)
+                .and_then(|hex| u8::from_str_radix(hex, 16).ok())
+        {
+            out.push(byte);
+            at += 3;
+            continue;
+        }
+        out.push(bytes[at]);
+        at += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
