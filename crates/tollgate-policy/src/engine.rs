@@ -144,7 +144,7 @@ impl Outcome {
 #[non_exhaustive]
 pub struct LimitOutcome {
     /// The limit's name.
-    pub name: String,
+    pub name: Arc<str>,
     /// The request descriptor it matched.
     pub descriptor: usize,
     /// The bucket.
@@ -769,7 +769,7 @@ impl PolicyEngine {
                 }
             }
             limits.push(LimitOutcome {
-                name: m.limit.name().to_owned(),
+                name: Arc::clone(&m.limit.name),
                 descriptor: m.descriptor,
                 bucket_key: m.bucket_key,
                 mode: m.effect.as_str(),
@@ -978,7 +978,7 @@ impl PolicyEngine {
                 _ => {}
             }
             limits.push(LimitOutcome {
-                name: m.limit.name().to_owned(),
+                name: Arc::clone(&m.limit.name),
                 descriptor: m.descriptor,
                 bucket_key: m.bucket_key.clone(),
                 mode: m.effect.as_str(),

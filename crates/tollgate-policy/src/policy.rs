@@ -71,7 +71,9 @@ pub enum FailureMode {
 pub struct LimitDef {
     /// Position in declaration order.
     pub(crate) index: u32,
-    pub(crate) name: Box<str>,
+    /// Shared with every outcome that names the limit: a reference count, not a copy, per
+    /// decision.
+    pub(crate) name: Arc<str>,
     pub(crate) domain: Box<str>,
     pub(crate) when: Conditions,
     pub(crate) key: Box<[Box<str>]>,

@@ -119,7 +119,7 @@ fn decide(
         .map(|l| {
             let d = l.decision;
             (
-                l.name.clone(),
+                l.name.to_string(),
                 d.is_some_and(|d| d.allowed()),
                 d.map_or(0, |d| d.remaining()),
             )
@@ -862,7 +862,7 @@ fn degraded_cost_above_the_emergency_budget_is_a_reported_rejection() {
     assert!(!outcome.allowed && outcome.degraded && !outcome.failed_closed);
     // The limit whose emergency budget (2) cannot hold 3 reports the rejection, with real
     // figures: not "no decision", which reads as allowed.
-    assert_eq!(outcome.limits[0].name, "per-user");
+    assert_eq!(&*outcome.limits[0].name, "per-user");
     assert!(outcome.limits[0].would_reject());
     assert_never_fits(outcome.limits[0].decision, 2, Duration::from_secs(1));
     // The other budget had room: it says so, uncharged.

@@ -178,7 +178,7 @@ fn status_of(limits: &[&LimitOutcome], failed_closed: bool) -> DescriptorStatus 
     let enforced = limits
         .iter()
         .filter(|limit| limit.mode == "enforce")
-        .filter_map(|limit| limit.decision.as_ref().map(|d| (limit.name.as_str(), d)))
+        .filter_map(|limit| limit.decision.as_ref().map(|d| (&*limit.name, d)))
         .min_by_key(|(_, d)| (d.allowed(), d.remaining()));
     let over = failed_closed || enforced.is_some_and(|(_, d)| !d.allowed());
     let mut status = DescriptorStatus {
@@ -304,7 +304,7 @@ impl Rls {
             .iter()
             .flat_map(|(limits, _)| limits)
             .filter(|limit| limit.mode == "enforce")
-            .filter_map(|limit| limit.decision.as_ref().map(|d| (limit.name.as_str(), d)))
+            .filter_map(|limit| limit.decision.as_ref().map(|d| (&*limit.name, d)))
             .collect();
         if let Some((policy, state)) = fields::rate_limit_headers(enforced.iter().copied()) {
             // The values are visible ASCII by construction.

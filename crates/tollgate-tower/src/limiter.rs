@@ -254,7 +254,7 @@ impl Shared {
             .limits
             .iter()
             .filter(|l| l.mode == "enforce")
-            .filter_map(|l| l.decision.as_ref().map(|d| (l.name.as_str(), d)));
+            .filter_map(|l| l.decision.as_ref().map(|d| (&*l.name, d)));
         if outcome.allowed {
             return Verdict::Allow(self.success_headers(items));
         }

@@ -384,7 +384,7 @@ fn enforced_decisions(
         .limits
         .iter()
         .filter(|limit| limit.mode == "enforce")
-        .filter_map(|limit| limit.decision.as_ref().map(|d| (limit.name.as_str(), d)))
+        .filter_map(|limit| limit.decision.as_ref().map(|d| (&*limit.name, d)))
 }
 
 fn millis_ceil(duration: std::time::Duration) -> u64 {
