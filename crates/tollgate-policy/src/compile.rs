@@ -13,7 +13,7 @@ use serde_saphyr::Spanned;
 use tollgate::{Limit, Rate};
 
 use crate::error::Error;
-use crate::key::stable_hash;
+use crate::key::{self, stable_hash};
 use crate::policy::{
     Conditions, DomainIndex, Exemption, FailureMode, LimitDef, Mode, Override, Policy,
 };
@@ -247,7 +247,12 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
                 (None, Some(refill)) => Limit::new(params.capacity(), refill.value.0)
                     .map_err(|err| at(file, refill, format!("{opath}.refill"), err.to_string()))?,
             };
-            overrides.push(Override { name, when, params });
+            overrides.push(Override {
+                name,
+                when,
+                tag: key::params_tag(&params),
+                params,
+            });
         }
 
         let mode = match spec.mode.unwrap_or(default_mode) {
@@ -268,6 +273,7 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
             key: key.iter().map(|k| k.as_str().into()).collect(),
             exact,
             filed: 0,
+            tag: key::params_tag(&params),
             params,
             mode,
             rollout: spec.rollout.map_or(10_000, |p| p.0),

@@ -37,7 +37,7 @@ use tollgate::{
 use crate::audit::{AuditEvent, AuditLog};
 use crate::compile::compile;
 use crate::error::Error;
-use crate::key::stable_hash;
+use crate::key::{params_tag, stable_hash};
 use crate::policy::{Effect, Exemption, FailureMode, Matched, Policy};
 use crate::wall::{SystemWallClock, UnixTime, WallClock};
 
@@ -640,7 +640,7 @@ impl PolicyEngine {
                 slot_of.push(usize::MAX);
                 continue;
             }
-            let key = store_key(&m.bucket_key, m.params());
+            let key = store_key(&m.bucket_key, m.params_tag());
             let cost = cost.of(m.descriptor);
             match buckets.iter().position(|(k, ..)| *k == key) {
                 Some(slot) => {
@@ -884,7 +884,7 @@ impl PolicyEngine {
             match m.limit.failure_mode() {
                 FailureMode::Closed => failed_closed = true,
                 FailureMode::Open { emergency } => {
-                    let key = store_key(&m.bucket_key, &emergency);
+                    let key = store_key(&m.bucket_key, params_tag(&emergency));
                     let cost = cost.of(m.descriptor);
                     match open.iter().position(|(k, ..)| *k == key) {
                         Some(slot) => {
@@ -1180,7 +1180,8 @@ fn never_fits(limit: &Limit) -> Decision {
     Decision::from_deficit(false, *limit, limit.capacity(), u128::MAX)
 }
 
-/// The store key: the bucket key plus a tag of the parameters its state was produced under.
+/// The store key: the bucket key plus the tag of the parameters its state was produced under
+/// ([`params_tag`]).
 ///
 /// The subject's values go between braces, `per-user|{acme|u1}#gold@0a1b2c3d`: a Redis Cluster
 /// hashes only what is inside the first `{…}` of a key, so every bucket of one subject (its
@@ -1190,9 +1191,8 @@ fn never_fits(limit: &Limit) -> Decision {
 /// whole bucket key between braces, `{global#gold}@0a1b2c3d`. Either way the parameter tag
 /// stays outside the braces, so a bucket and its earlier self under other parameters share a
 /// slot, and a store can read both in one script (see [`Carry`]).
-fn store_key(bucket_key: &str, params: &Limit) -> Box<str> {
+fn store_key(bucket_key: &str, tag: u32) -> Box<str> {
     // Built on every decision, so by hand: `format!` costs several times as much.
-    let tag = params_tag(params);
     let mut key = String::with_capacity(bucket_key.len() + 11);
     match bucket_key.split_once('|') {
         // Names hold no `|`, so the first one ends the name; an override is the last `#`
@@ -1251,16 +1251,6 @@ fn escaped(text: &str, at: usize) -> bool {
         .count()
         % 2
         == 1
-}
-
-/// 32 bits of a stable hash of the parameters.
-fn params_tag(params: &Limit) -> u32 {
-    let mut bytes = [0u8; 24];
-    bytes[..8].copy_from_slice(&params.capacity().to_le_bytes());
-    bytes[8..16].copy_from_slice(&params.refill().amount().to_le_bytes());
-    let period = u64::try_from(params.refill().period().as_nanos()).unwrap_or(u64::MAX);
-    bytes[16..].copy_from_slice(&period.to_le_bytes());
-    (stable_hash(&bytes) >> 32) as u32
 }
 
 /// How [`PolicyEngine::run_on`] decides: whether it charges (or only explains), and whether
@@ -1394,7 +1384,7 @@ mod tests {
         for (capacity, rate) in [(10, "5/s"), (1, "1/d"), (1_000_000, "999999937/s")] {
             let limit = Limit::new(capacity, rate.parse().unwrap()).unwrap();
             let tag = params_tag(&limit);
-            let key = store_key("per-user|u1", &limit);
+            let key = store_key("per-user|u1", tag);
             assert_eq!(&*key, format!("per-user|{{u1}}@{tag:08x}"));
             assert_eq!(split_store_key(&key).map(|parts| parts.2), Some(tag));
         }
@@ -1415,9 +1405,9 @@ mod tests {
         let a = Limit::new(10, "5/s".parse().unwrap()).unwrap();
         let b = Limit::new(3, "1/s".parse().unwrap()).unwrap();
         let subject = [
-            store_key("per-user|acme|u1", &a),
-            store_key("writes-per-user|acme|u1", &b),
-            store_key("per-user|acme|u1#gold", &b),
+            store_key("per-user|acme|u1", params_tag(&a)),
+            store_key("writes-per-user|acme|u1", params_tag(&b)),
+            store_key("per-user|acme|u1#gold", params_tag(&b)),
         ];
         for key in &subject {
             assert_eq!(hash_tag(key), "acme|u1", "{key}");
@@ -1428,13 +1418,17 @@ mod tests {
             ("per-user|a\\#b#gold", "a\\#b"),
             ("per-user|x}y", "x"),
         ] {
-            assert_eq!(hash_tag(&store_key(bucket, &a)), tag, "{bucket}");
+            assert_eq!(
+                hash_tag(&store_key(bucket, params_tag(&a))),
+                tag,
+                "{bucket}"
+            );
         }
         // One bucket for everyone: its bucket key is the tag, the parameters' tag outside it.
-        let global = store_key("global", &a);
+        let global = store_key("global", params_tag(&a));
         assert_eq!(hash_tag(&global), "global");
-        assert_eq!(hash_tag(&store_key("global", &b)), "global");
-        let gold = store_key("global#gold", &a);
+        assert_eq!(hash_tag(&store_key("global", params_tag(&b))), "global");
+        let gold = store_key("global#gold", params_tag(&a));
         assert_eq!(hash_tag(&gold), "global#gold");
         assert_eq!(
             split_store_key(&gold),

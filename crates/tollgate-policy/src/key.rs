@@ -15,6 +15,8 @@
 //! balance. An override is a bucket of its own (`#override`), because a bucket's stored state is
 //! only meaningful with the parameters it was charged under.
 
+use tollgate::Limit;
+
 /// Appends `value` to `key`, escaped.
 pub(crate) fn push_escaped(key: &mut String, value: &str) {
     if !value.bytes().any(|b| matches!(b, b'\\' | b'|' | b'#')) {
@@ -47,6 +49,18 @@ pub(crate) fn stable_hash(bytes: &[u8]) -> u64 {
     hash ^ (hash >> 31)
 }
 
+/// 32 bits of a stable hash of a limit's parameters: the tag that ends a store key, so that a
+/// bucket made under other parameters is never read as this one's. Made once per limit and
+/// override when a policy is compiled.
+pub(crate) fn params_tag(params: &Limit) -> u32 {
+    let mut bytes = [0u8; 24];
+    bytes[..8].copy_from_slice(&params.capacity().to_le_bytes());
+    bytes[8..16].copy_from_slice(&params.refill().amount().to_le_bytes());
+    let period = u64::try_from(params.refill().period().as_nanos()).unwrap_or(u64::MAX);
+    bytes[16..].copy_from_slice(&period.to_le_bytes());
+    (stable_hash(&bytes) >> 32) as u32
+}
+
 /// Whether the subject whose key starts with `subject` is inside a rollout of `hundredths`
 /// percent (0..=10,000).
 pub(crate) fn in_rollout(subject: &str, hundredths: u16) -> bool {
@@ -59,6 +73,18 @@ pub(crate) fn in_rollout(subject: &str, hundredths: u16) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Tags are part of the keys buckets are stored under (in Redis, across restarts and
+    /// upgrades): a change to how they are made would put every bucket of a running
+    /// deployment under a new key, full again.
+    #[test]
+    fn parameter_tags_do_not_change_between_versions() {
+        let tag = |capacity, refill: &str| {
+            params_tag(&Limit::new(capacity, refill.parse().unwrap()).unwrap())
+        };
+        assert_eq!(format!("{:08x}", tag(10, "5/s")), "6769e342");
+        assert_eq!(format!("{:08x}", tag(1, "1/d")), "df8bd37b");
+    }
 
     fn key(values: &[&str]) -> String {
         let mut key = String::from("l");

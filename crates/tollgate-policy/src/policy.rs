@@ -84,6 +84,8 @@ pub struct LimitDef {
     /// filed under in its domain's index.
     pub(crate) filed: usize,
     pub(crate) params: Limit,
+    /// [`key::params_tag`] of `params`, made once.
+    pub(crate) tag: u32,
     pub(crate) mode: Mode,
     /// Hundredths of a percent of subjects that are enforced (10,000 = all).
     pub(crate) rollout: u16,
@@ -151,6 +153,8 @@ pub struct Override {
     pub(crate) name: Box<str>,
     pub(crate) when: Conditions,
     pub(crate) params: Limit,
+    /// [`key::params_tag`] of `params`, made once.
+    pub(crate) tag: u32,
 }
 
 impl Override {
@@ -280,6 +284,11 @@ impl Matched<'_> {
     /// The effective parameters: the override's, or else the limit's.
     pub fn params(&self) -> &Limit {
         self.override_.map_or(&self.limit.params, |o| &o.params)
+    }
+
+    /// The tag of the effective parameters, which ends the bucket's store key.
+    pub(crate) fn params_tag(&self) -> u32 {
+        self.override_.map_or(self.limit.tag, |o| o.tag)
     }
 }
 
