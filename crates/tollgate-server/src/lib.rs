@@ -31,7 +31,7 @@
 //! assert!(decider.decide(Api::Http, &request).await?.allowed);
 //! let third = decider.decide(Api::Http, &request).await?;
 //! assert!(!third.allowed);
-//! assert_eq!(third.limits[0].name, "per-user");
+//! assert_eq!(&*third.limits[0].name, "per-user");
 //! # Ok(())
 //! # }
 //! ```
