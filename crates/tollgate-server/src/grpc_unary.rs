@@ -2,14 +2,15 @@
 //! from the connection rather than through tonic's generic server.
 //!
 //! tonic's server is made for every kind of call (streams, compression, interceptors), and a
-//! unary call pays for that generality: the request is wrapped, decoded through a streaming
-//! decoder, and the answer encoded through a streaming encoder: this path costs about 5,000
-//! instructions less per call (BENCHMARKS.md, twelfth session). A unary call of
-//! the usual kind (a gRPC content type, no compression) is a length-prefixed message in and a
-//! length-prefixed message and `grpc-status: 0` out, which is what this module does. Every
-//! other call (another method, a compressed message, a request that is not gRPC) still goes to
-//! tonic's server, and errors are answered as tonic answers them (a trailers-only response from
-//! [`Status::into_http`]).
+//! unary call pays for that generality: the request is wrapped and decoded through a streaming
+//! decoder, the answer encoded through a streaming encoder. This path costs about 5,000
+//! instructions less per call (BENCHMARKS.md, twelfth session). A unary call of the usual kind
+//! (a gRPC content type, no compression) is a length-prefixed message in and a length-prefixed
+//! message and `grpc-status: 0` out, which is what this module does. Every other call (another
+//! method, a compressed message, a request that is not gRPC) still goes to tonic's server.
+//! Errors are answered with tonic's codes and texts, as a trailers-only response from
+//! [`Status::into_http`], with one exception: a call carrying two messages, whose first tonic
+//! answers and whose second it drops, is refused here.
 
 use std::convert::Infallible;
 use std::future::Future;
