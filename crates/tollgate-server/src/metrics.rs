@@ -6,17 +6,17 @@
 //! exception, the busiest keys, is rendered apart by [`crate::hot_keys`], a bounded number of
 //! series that an operator can turn off.
 
-use std::time::Duration;
-
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::LazyLock;
+use std::time::Duration;
 
 use metrics::{Counter, Histogram, counter, gauge, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use metrics_util::MetricKindMask;
 use parking_lot::RwLock;
 use tollgate::Unavailable;
-use tollgate_policy::{Outcome, PolicyEngine};
+use tollgate_policy::{LimitOutcome, Outcome, PolicyEngine};
 
 use crate::connection::{Connections, Listener};
 use crate::decider::DecideError;
@@ -170,6 +170,56 @@ static HANDLES: LazyLock<Handles> = LazyLock::new(|| Handles {
     latency: RwLock::new(Vec::new()),
 });
 
+thread_local! {
+    /// This thread's copies of the handles in [`HANDLES`]. Taking the shared lock and cloning a
+    /// handle (then dropping the clone) are writes to cache lines every thread shares, four per
+    /// handle; with the copies kept here, a decision's only shared writes are the increments
+    /// themselves.
+    static LOCAL: RefCell<LocalHandles> = RefCell::new(LocalHandles::default());
+}
+
+/// A thread's handles, filled from [`HANDLES`] on first use (so bounded like it).
+#[derive(Default)]
+struct LocalHandles {
+    /// Per limit name: ((result, mode, api), counter).
+    decisions:
+        hashbrown::HashMap<String, Vec<(DecisionLabels, Counter)>, foldhash::fast::RandomState>,
+    latency: Vec<((Api, &'static str), Histogram)>,
+}
+
+impl LocalHandles {
+    fn decision(
+        &mut self,
+        limit: &str,
+        result: &'static str,
+        mode: &'static str,
+        api: Api,
+    ) -> &Counter {
+        let key = (result, mode, api);
+        let handles = self.decisions.entry_ref(limit).or_default();
+        let at = match handles.iter().position(|(k, _)| *k == key) {
+            Some(at) => at,
+            None => {
+                handles.push((key, decision_counter(limit, result, mode, api)));
+                handles.len() - 1
+            }
+        };
+        &handles[at].1
+    }
+
+    fn latency(&mut self, api: Api, store: &'static str) -> &Histogram {
+        let key = (api, store);
+        let at = match self.latency.iter().position(|(k, _)| *k == key) {
+            Some(at) => at,
+            None => {
+                self.latency.push((key, latency_histogram(api, store)));
+                self.latency.len() - 1
+            }
+        };
+        &self.latency[at].1
+    }
+}
+
 fn decision_counter(limit: &str, result: &'static str, mode: &'static str, api: Api) -> Counter {
     let key = (result, mode, api);
     let cached = HANDLES.decisions.read().get(limit).and_then(|handles| {
@@ -220,7 +270,23 @@ pub fn record_decision(
     elapsed: Duration,
     outcome: &Result<Outcome, DecideError>,
 ) {
-    latency_histogram(api, store).record(elapsed.as_secs_f64());
+    let record = |handles: &mut LocalHandles| {
+        handles.latency(api, store).record(elapsed.as_secs_f64());
+        if let Ok(outcome) = outcome {
+            for limit in &outcome.limits {
+                let result = result_of(limit, outcome.failed_closed);
+                handles
+                    .decision(&limit.name, result, limit.mode, api)
+                    .increment(1);
+            }
+        }
+    };
+    let recorded =
+        LOCAL.try_with(|local| local.try_borrow_mut().map(|mut local| record(&mut local)));
+    if !matches!(recorded, Ok(Ok(()))) {
+        // The thread is being torn down (or, were it ever, re-entered): from the shared handles.
+        record(&mut LocalHandles::default());
+    }
     let outcome = match outcome {
         Ok(outcome) => outcome,
         Err(DecideError::Invalid(_)) => {
@@ -233,16 +299,17 @@ pub fn record_decision(
     if outcome.unmatched() {
         counter!(UNMATCHED, "api" => api.as_str()).increment(1);
     }
-    for limit in &outcome.limits {
-        let result = match (&limit.decision, outcome.failed_closed) {
-            (_, true) => "unavailable",
-            (None, false) if limit.mode == "exempt" => "exempt",
-            // A shadow or rollout limit the store failed to answer after the enforced ones.
-            (None, false) => "unavailable",
-            (Some(decision), false) if decision.allowed() => "allowed",
-            (Some(_), false) => "rejected",
-        };
-        decision_counter(&limit.name, result, limit.mode, api).increment(1);
+}
+
+/// The `result` label of a limit's decision.
+fn result_of(limit: &LimitOutcome, failed_closed: bool) -> &'static str {
+    match (&limit.decision, failed_closed) {
+        (_, true) => "unavailable",
+        (None, false) if limit.mode == "exempt" => "exempt",
+        // A shadow or rollout limit the store failed to answer after the enforced ones.
+        (None, false) => "unavailable",
+        (Some(decision), false) if decision.allowed() => "allowed",
+        (Some(_), false) => "rejected",
     }
 }
 
@@ -322,6 +389,73 @@ mod tests {
 
     const POLICY: &str =
         "version: v1\nlimits: [{name: l, domain: api, key: [user], capacity: 1, refill: 1/s}]\n";
+
+    /// Each thread counts through handles of its own: every decision still lands in its own
+    /// series (limit and result), whichever thread recorded it and in whatever order the threads
+    /// met the series, and a thread that starts late joins the same series.
+    #[test]
+    fn decisions_recorded_on_many_threads_land_in_their_own_series() {
+        const TWO: &str = "version: v1\nlimits:\n  - {name: a, domain: api, key: [user], capacity: 2, refill: 1/d}\n  - {name: b, domain: api, key: [team], capacity: 1, refill: 1/d}\n";
+        let recorder = builder(GAUGE_IDLE_TIMEOUT).unwrap().build_recorder();
+        let handle = recorder.handle();
+        let engine = PolicyEngine::new(compile("p.yaml", TWO).unwrap(), EngineOptions::default());
+        // On thread t, user i of limit a: allowed twice, then rejected; team t of limit b once
+        // allowed, then rejected. Threads take the two limits in opposite orders.
+        let work = |t: usize| {
+            metrics::with_local_recorder(&recorder, || {
+                for round in 0..3 {
+                    for i in 0..10 {
+                        let user = [("user".to_owned(), format!("{t}-{i}"))];
+                        let team = [("team".to_owned(), format!("{t}-{i}"))];
+                        let order = if t.is_multiple_of(2) {
+                            [&user, &team]
+                        } else {
+                            [&team, &user]
+                        };
+                        for descriptor in order {
+                            let outcome = engine
+                                .decide("api", &[descriptor], 1, None)
+                                .map_err(DecideError::Invalid);
+                            if round < 2 || descriptor == &user {
+                                record_decision(Api::Grpc, "memory", Duration::ZERO, &outcome);
+                            }
+                        }
+                    }
+                }
+            });
+        };
+        std::thread::scope(|scope| {
+            for t in 0..4 {
+                scope.spawn(move || work(t));
+            }
+        });
+        std::thread::scope(|scope| {
+            scope.spawn(|| work(4));
+        });
+        let rendered = handle.render();
+        let value = |limit: &str, result: &str| -> u64 {
+            let series = format!(
+                "tollgate_decisions_total{{limit=\"{limit}\",result=\"{result}\",mode=\"enforce\",api=\"grpc\"}} "
+            );
+            rendered
+                .lines()
+                .find_map(|line| line.strip_prefix(&series))
+                .and_then(|value| value.parse().ok())
+                .unwrap_or_else(|| panic!("no {series} in\n{rendered}"))
+        };
+        // 5 threads x 10 keys: a twice allowed and once rejected each; b once allowed, and
+        // once rejected (its third round is not recorded).
+        assert_eq!(value("a", "allowed"), 100);
+        assert_eq!(value("a", "rejected"), 50);
+        assert_eq!(value("b", "allowed"), 50);
+        assert_eq!(value("b", "rejected"), 50);
+        assert!(
+            rendered.contains(
+                r#"tollgate_decision_duration_seconds_count{api="grpc",store="memory"} 250"#
+            ),
+            "{rendered}"
+        );
+    }
 
     /// A version no longer in force shows at 0, then goes: its series must not pile up, one per
     /// version ever loaded. The version in force stays however long the scrapes are apart.
