@@ -72,16 +72,23 @@
 --   nothing was charged), at the request's time rounded down to a whole unit: at most cap, or
 --   cap + 1 when charged from a caller's time between two units.
 
+-- Library functions held in locals: a global is two table lookups on every use. The hot path
+-- also avoids calls where an operator does (`x % 1` for the fraction, comparisons for max and
+-- min): each call of a library function costs the interpreter more than the arithmetic.
+local fmod, min, max = math.fmod, math.min, math.max
+local find, sub, format, match = string.find, string.sub, string.format, string.match
+local unpack = struct.unpack
+
 local now, nanos
 if ARGV[1] == '' then
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000000 + tonumber(t[2])
   nanos = 0
 else
-  local sep = string.find(ARGV[1], ':', 1, true)
+  local sep = find(ARGV[1], ':', 1, true)
   if sep then
-    now = tonumber(string.sub(ARGV[1], 1, sep - 1))
-    nanos = tonumber(string.sub(ARGV[1], sep + 1))
+    now = tonumber(sub(ARGV[1], 1, sep - 1))
+    nanos = tonumber(sub(ARGV[1], sep + 1))
   else
     now = tonumber(ARGV[1])
     nanos = 0
@@ -92,8 +99,10 @@ local now_up = now
 if nanos > 0 then now_up = now + 1 end
 
 -- x / a rounded up, exactly: the division is in doubles, so correct it by one either way.
+-- (`q - q % 1` is floor(q): Lua's `%` is defined through floor, and both subtractions are exact.)
 local function ceil_div(x, a)
-  local q = math.floor(x / a)
+  local q = x / a
+  q = q - q % 1
   if q * a < x then q = q + 1 end
   if q > 0 and (q - 1) * a >= x then q = q - 1 end
   return q
@@ -101,7 +110,7 @@ end
 
 -- x / y rounded down, for integers 0 <= x < 2^53: fmod is exact, so is the division after it.
 local function floor_div(x, y)
-  return (x - math.fmod(x, y)) / y
+  return (x - fmod(x, y)) / y
 end
 
 -- The units a bucket gains from the microsecond `now` to the request's time, rounded down and
@@ -121,7 +130,7 @@ local max_exact = 2 ^ 53
 
 -- Whether x is an integer Lua holds exactly (not NaN, not infinite, not negative).
 local function exact(x)
-  return x ~= nil and x >= 0 and x < max_exact and x == math.floor(x)
+  return x ~= nil and x >= 0 and x < max_exact and x % 1 == 0
 end
 
 -- The bucket at `key` as (full, frac); nil when absent (full); false when the key holds
@@ -135,10 +144,10 @@ local function state_of(key)
     return false
   end
   local full, frac
-  local sep = string.find(state, ':', 1, true)
+  local sep = find(state, ':', 1, true)
   if sep then
-    full = tonumber(string.sub(state, 1, sep - 1))
-    frac = tonumber(string.sub(state, sep + 1))
+    full = tonumber(sub(state, 1, sep - 1))
+    frac = tonumber(sub(state, sep + 1))
   else
     full = tonumber(state)
     frac = 0
@@ -155,7 +164,11 @@ local function deficit_at(full, frac, a, lo)
   if not full or full <= now then
     return 0
   end
-  return math.max(0, (full - now) * a - frac - lo)
+  local deficit = (full - now) * a - frac - lo
+  if deficit > 0 then
+    return deficit
+  end
+  return 0
 end
 
 -- Redis expires keys on its own clock. On TIME that is the decisions' clock, and a key expires
@@ -171,14 +184,17 @@ end
 local function store(key, full, frac)
   local value
   if frac == 0 then
-    value = string.format('%d', full)
+    value = format('%d', full)
   else
-    value = string.format('%d:%d', full, frac)
+    value = format('%d:%d', full, frac)
   end
   -- The TTL goes as an integer string: Redis turns a Lua number argument into a 17-digit float
   -- string and SET parses it back, which measurably costs more than formatting it here.
-  local ttl = string.format('%d', math.max(min_ttl_ms, ceil_div(full - now, 1000)))
-  redis.call('SET', key, value, 'PX', ttl)
+  local ttl = ceil_div(full - now, 1000)
+  if ttl < min_ttl_ms then
+    ttl = min_ttl_ms
+  end
+  redis.call('SET', key, value, 'PX', format('%d', ttl))
 end
 
 -- Stores a bucket `deficit` units (> 0) short of full `lo` units into the microsecond `now`.
@@ -191,8 +207,8 @@ end
 -- The deficit, in the new units at the microsecond `now`, of the old bucket at `key` carried
 -- over with the figures in `arg` (see the header); false when the key is not a bucket.
 local function carried(key, arg)
-  local a, cap = struct.unpack('<dd', arg)
-  local old_a, old_cap, old_p, p, since = struct.unpack('<ddddd', arg, 25)
+  local a, cap = unpack('<dd', arg)
+  local old_a, old_cap, old_p, p, since = unpack('<ddddd', arg, 25)
   local full, frac = state_of(key)
   if full == false then
     return false
@@ -202,13 +218,13 @@ local function carried(key, arg)
     return 0
   end
   -- Clamped first: a product past 2^53 is inexact, but then far above old_cap.
-  local old_deficit = math.min(old_cap, math.max(0, (full - change) * old_a - frac))
+  local old_deficit = min(old_cap, max(0, (full - change) * old_a - frac))
   local held = old_cap - old_deficit
   if p == old_p then
     -- held as it is
-  elseif math.fmod(p, old_p) == 0 then
+  elseif fmod(p, old_p) == 0 then
     held = held * (p / old_p)
-  elseif math.fmod(old_p, p) == 0 then
+  elseif fmod(old_p, p) == 0 then
     held = floor_div(held, old_p / p)
   else
     held = floor_div(held, old_p) * p
@@ -226,7 +242,7 @@ end
 
 -- A record's fields: content, attempt, expires (microseconds), figures; nil when unreadable.
 local function parse_record(seen)
-  local content, attempt, expires, figures = string.match(seen, '^([^|]*)|([^|]*)|([^|]*)|(.*)$')
+  local content, attempt, expires, figures = match(seen, '^([^|]*)|([^|]*)|([^|]*)|(.*)$')
   expires = tonumber(expires)
   if not expires then
     return nil
@@ -237,7 +253,7 @@ end
 local reply = {}
 -- Per-bucket scratch of the request being decided, made once per call: a table per request
 -- cost a tenth of a decision's instructions. Each request writes indexes 1..n before reading.
-local fulls, fracs, deficits, afters = {}, {}, {}, {}
+local fulls, fracs, deficits, afters, rates, los = {}, {}, {}, {}, {}, {}
 local k = 0 -- keys used so far
 local v = 2 -- arguments used so far
 
@@ -275,7 +291,7 @@ for _ = 1, tonumber(ARGV[2]) do
         readable = false
       elseif old > 0 and mode ~= 'refund' then
         -- The emptier of the two, as a state: `old` units short at the microsecond `now`.
-        local a = struct.unpack('<d', arg)
+        local a = unpack('<d', arg)
         if old > deficit_at(full, frac, a, 0) then
           local micros = ceil_div(old, a)
           full, frac = now + micros, micros * a - old
@@ -289,7 +305,7 @@ for _ = 1, tonumber(ARGV[2]) do
   if window ~= '' then
     k = k + 1
     record = KEYS[k]
-    fingerprint, attempt = string.match(fingerprint, '^([^:]*):?(.*)$')
+    fingerprint, attempt = match(fingerprint, '^([^:]*):?(.*)$')
   end
 
   local seen
@@ -318,7 +334,7 @@ for _ = 1, tonumber(ARGV[2]) do
     else
       reply[at] = 1
       for i = 1, n do
-        local a, cap, cost = struct.unpack('<ddd', ARGV[params + i])
+        local a, cap, cost = unpack('<ddd', ARGV[params + i])
         local lo = offsets(a)
         local full, frac = fulls[i], fracs[i]
         local deficit = 0
@@ -335,7 +351,7 @@ for _ = 1, tonumber(ARGV[2]) do
           end
         end
         reply[at + 2 * i - 1] = 1
-        reply[at + 2 * i] = math.min(deficit, cap)
+        reply[at + 2 * i] = min(deficit, cap)
       end
       if record then
         redis.call('DEL', record)
@@ -362,7 +378,7 @@ for _ = 1, tonumber(ARGV[2]) do
           -- This reply rests on the first attempt's charge now: its refund must leave it.
           if recorded ~= '' then
             redis.call('SET', record,
-              content .. '||' .. string.format('%d', expires) .. '|' .. figures, 'KEEPTTL')
+              content .. '||' .. format('%d', expires) .. '|' .. figures, 'KEEPTTL')
           end
         end
       end
@@ -373,14 +389,25 @@ for _ = 1, tonumber(ARGV[2]) do
       -- went back, and past 2^63 it would not fit Redis' integer reply.
       local all = true
       for i = 1, n do
-        local a, cap, cost = struct.unpack('<ddd', ARGV[params + i])
-        local lo, hi = offsets(a)
+        local a, cap, cost = unpack('<ddd', ARGV[params + i])
+        local lo, hi = 0, 0
+        if nanos > 0 then
+          lo, hi = offsets(a)
+        end
         local deficit = deficit_at(fulls[i], fracs[i], a, lo)
-        deficits[i] = math.min(deficit, cap)
+        if deficit < cap then
+          deficits[i] = deficit
+        else
+          deficits[i] = cap
+        end
         if deficit + cost <= cap then
           -- Charged from the request's time rounded up: a bucket full by then is full later.
-          local after = math.max(deficit, hi - lo) + cost
-          afters[i] = after
+          local after = deficit
+          if hi - lo > after then
+            after = hi - lo
+          end
+          after = after + cost
+          afters[i], rates[i], los[i] = after, a, lo
           reply[at + 2 * i - 1] = 1
           reply[at + 2 * i] = after
         else
@@ -396,8 +423,7 @@ for _ = 1, tonumber(ARGV[2]) do
       elseif all then
         reply[at] = 1
         for i = 1, n do
-          local a = struct.unpack('<d', ARGV[params + i])
-          write(KEYS[first_key + i], afters[i], a, (offsets(a)))
+          write(KEYS[first_key + i], afters[i], rates[i], los[i])
         end
       else
         -- Nothing is charged: every bucket reports its balance as it stands.
@@ -410,9 +436,9 @@ for _ = 1, tonumber(ARGV[2]) do
       if all and record and not dry then
         local fields = {}
         for i = 1, 2 * n do
-          fields[i] = string.format('%d', reply[at + i])
+          fields[i] = format('%d', reply[at + i])
         end
-        local expires = string.format('%d', now + tonumber(window) * 1000)
+        local expires = format('%d', now + tonumber(window) * 1000)
         redis.call('SET', record,
           fingerprint .. '|' .. attempt .. '|' .. expires .. '|' .. table.concat(fields, ','),
           'PX', window)
