@@ -114,24 +114,21 @@ local function floor_div(x, y)
 end
 
 -- The units a bucket gains from the microsecond `now` to the request's time, rounded down and
--- rounded up (nanos * a stays below 2^53: a is below 2^43).
-local function offsets(a)
-  if nanos == 0 then
-    return 0, 0
+-- rounded up (nanos * a stays below 2^53: a is below 2^43); 0 and 0 when nanos is 0, and then
+-- not made at all: each function a call makes costs an allocation and its collection, whether
+-- it runs or not, and most calls are on Redis' clock.
+local offsets
+if nanos > 0 then
+  offsets = function(a)
+    local lo = floor_div(nanos * a, 1000)
+    if lo * 1000 == nanos * a then
+      return lo, lo
+    end
+    return lo, lo + 1
   end
-  local lo = floor_div(nanos * a, 1000)
-  if lo * 1000 == nanos * a then
-    return lo, lo
-  end
-  return lo, lo + 1
 end
 
 local max_exact = 2 ^ 53
-
--- Whether x is an integer Lua holds exactly (not NaN, not infinite, not negative).
-local function exact(x)
-  return x ~= nil and x >= 0 and x < max_exact and x % 1 == 0
-end
 
 -- The bucket at `key` as (full, frac); nil when absent (full); false when the key holds
 -- anything else (another program's key, a type other than a string).
@@ -152,7 +149,9 @@ local function state_of(key)
     full = tonumber(state)
     frac = 0
   end
-  if not (exact(full) and exact(frac)) then
+  -- Integers Lua holds exactly: not NaN (which fails every comparison), infinite or negative.
+  if not (full and frac and full >= 0 and frac >= 0 and full < max_exact and frac < max_exact
+      and full % 1 == 0 and frac % 1 == 0) then
     return false
   end
   return full, frac
@@ -253,7 +252,7 @@ end
 local reply = {}
 -- Per-bucket scratch of the request being decided, made once per call: a table per request
 -- cost a tenth of a decision's instructions. Each request writes indexes 1..n before reading.
-local fulls, fracs, deficits, afters, rates, los = {}, {}, {}, {}, {}, {}
+local fulls, fracs, deficits, afters = {}, {}, {}, {}
 local k = 0 -- keys used so far
 local v = 2 -- arguments used so far
 
@@ -335,7 +334,10 @@ for _ = 1, tonumber(ARGV[2]) do
       reply[at] = 1
       for i = 1, n do
         local a, cap, cost = unpack('<ddd', ARGV[params + i])
-        local lo = offsets(a)
+        local lo = 0
+        if nanos > 0 then
+          lo = offsets(a)
+        end
         local full, frac = fulls[i], fracs[i]
         local deficit = 0
         if full then
@@ -407,7 +409,7 @@ for _ = 1, tonumber(ARGV[2]) do
             after = hi - lo
           end
           after = after + cost
-          afters[i], rates[i], los[i] = after, a, lo
+          afters[i] = after
           reply[at + 2 * i - 1] = 1
           reply[at + 2 * i] = after
         else
@@ -423,7 +425,12 @@ for _ = 1, tonumber(ARGV[2]) do
       elseif all then
         reply[at] = 1
         for i = 1, n do
-          write(KEYS[first_key + i], afters[i], rates[i], los[i])
+          local a = unpack('<d', ARGV[params + i])
+          local lo = 0
+          if nanos > 0 then
+            lo = offsets(a)
+          end
+          write(KEYS[first_key + i], afters[i], a, lo)
         end
       else
         -- Nothing is charged: every bucket reports its balance as it stands.
