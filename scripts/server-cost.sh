@@ -6,8 +6,10 @@
 # Usage: scripts/server-cost.sh [rounds]   (TOLLGATE_BIN=path measures that build instead)
 # Each figure is the instructions counted while `tollgate bench` (not under valgrind) sends N
 # requests from 4 workers, divided by N; counting is on only then, after a warm-up.
-# KEEP=dir keeps each run's callgrind file there, for callgrind_annotate.
-# Needs valgrind. Starts its own server on free loopback ports and stops it on exit.
+# KEEP=dir keeps each run's callgrind file there, for callgrind_annotate. STORE=redis runs the
+# server on a redis-server of its own instead of the memory store (the server's instructions
+# only: Redis' are counted by scripts/redis-script-cost.sh).
+# Needs valgrind. Starts its own server (and redis-server) on free loopback ports and stops them on exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-2}
@@ -17,11 +19,24 @@ command -v valgrind >/dev/null || { echo "valgrind is needed (apt-get install -y
 source scripts/tollgate-bin.sh
 work=$(mktemp -d)
 server=
-cleanup() { [[ -n $server ]] && kill "$server" 2>/dev/null; rm -rf "$work"; }
+redis=
+cleanup() {
+  [[ -n $server ]] && kill "$server" 2>/dev/null
+  [[ -n $redis ]] && kill "$redis" 2>/dev/null
+  rm -rf "$work"
+}
 trap cleanup EXIT
 
+store=memory
+if [[ ${STORE:-memory} == redis ]]; then
+  rport=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+  redis-server --port "$rport" --bind 127.0.0.1 --save "" --appendonly no >"$work/redis.log" 2>&1 &
+  redis=$!
+  until redis-cli -p "$rport" ping >/dev/null 2>&1; do sleep 0.1; done
+  store=redis://127.0.0.1:$rport
+fi
 valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$work/cg.out" \
-  "$B" serve --http 127.0.0.1:0 --grpc 127.0.0.1:0 >"$work/server.out" 2>"$work/server.err" &
+  "$B" serve --http 127.0.0.1:0 --grpc 127.0.0.1:0 --store "$store" >"$work/server.out" 2>"$work/server.err" &
 server=$!
 for _ in $(seq 1 120); do grep -q '^listening' "$work/server.out" 2>/dev/null && break; sleep 0.5; done
 line=$(grep '^listening' "$work/server.out") || { cat "$work/server.err" >&2; exit 1; }

@@ -250,9 +250,11 @@ local function parse_record(seen)
 end
 
 local reply = {}
--- Per-bucket scratch of the request being decided, made once per call: a table per request
--- cost a tenth of a decision's instructions. Each request writes indexes 1..n before reading.
-local fulls, fracs, deficits, afters = {}, {}, {}, {}
+-- The states of the request being decided, its bucket i's (full, frac) at 2i - 1 and 2i: one
+-- table made once per call (a table per request cost a tenth of a decision's instructions, and
+-- each table a call makes costs it an allocation and its collection). Each request writes
+-- indexes 1..2n before reading them. Other figures are kept in the reply as it is built.
+local states = {}
 local k = 0 -- keys used so far
 local v = 2 -- arguments used so far
 
@@ -297,7 +299,7 @@ for _ = 1, tonumber(ARGV[2]) do
         end
       end
     end
-    fulls[i], fracs[i] = full, frac
+    states[2 * i - 1], states[2 * i] = full, frac
   end
 
   local record
@@ -338,7 +340,7 @@ for _ = 1, tonumber(ARGV[2]) do
         if nanos > 0 then
           lo = offsets(a)
         end
-        local full, frac = fulls[i], fracs[i]
+        local full, frac = states[2 * i - 1], states[2 * i]
         local deficit = 0
         if full then
           -- Moves the time at which the bucket is full back by `cost` units, exactly, however
@@ -396,26 +398,22 @@ for _ = 1, tonumber(ARGV[2]) do
         if nanos > 0 then
           lo, hi = offsets(a)
         end
-        local deficit = deficit_at(fulls[i], fracs[i], a, lo)
-        if deficit < cap then
-          deficits[i] = deficit
-        else
-          deficits[i] = cap
-        end
+        local deficit = deficit_at(states[2 * i - 1], states[2 * i], a, lo)
         if deficit + cost <= cap then
           -- Charged from the request's time rounded up: a bucket full by then is full later.
           local after = deficit
           if hi - lo > after then
             after = hi - lo
           end
-          after = after + cost
-          afters[i] = after
           reply[at + 2 * i - 1] = 1
-          reply[at + 2 * i] = after
+          reply[at + 2 * i] = after + cost
         else
           all = false
+          if deficit > cap then
+            deficit = cap
+          end
           reply[at + 2 * i - 1] = 0
-          reply[at + 2 * i] = deficits[i]
+          reply[at + 2 * i] = deficit
         end
       end
 
@@ -430,13 +428,21 @@ for _ = 1, tonumber(ARGV[2]) do
           if nanos > 0 then
             lo = offsets(a)
           end
-          write(KEYS[first_key + i], afters[i], a, lo)
+          write(KEYS[first_key + i], reply[at + 2 * i], a, lo)
         end
       else
-        -- Nothing is charged: every bucket reports its balance as it stands.
+        -- Nothing is charged: every bucket reports its balance as it stands, which the ones
+        -- that would have allowed have yet to (their reply holds the balance after a charge).
         reply[at] = 0
         for i = 1, n do
-          reply[at + 2 * i] = deficits[i]
+          if reply[at + 2 * i - 1] == 1 then
+            local a, cap = unpack('<dd', ARGV[params + i])
+            local lo = 0
+            if nanos > 0 then
+              lo = offsets(a)
+            end
+            reply[at + 2 * i] = min(deficit_at(states[2 * i - 1], states[2 * i], a, lo), cap)
+          end
         end
       end
 
