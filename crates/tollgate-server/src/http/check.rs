@@ -394,8 +394,8 @@ fn millis_ceil(duration: std::time::Duration) -> u64 {
 /// The JSON body of SPEC §6 for `outcome`; `explain` adds bucket keys and descriptors.
 ///
 /// Written by hand because it is on every request's path: serde's generic serializer cost more
-/// instructions than the rest of the response put together. Strings still go through
-/// `serde_json`, which escapes them; the test below holds the output to a serde-derived
+/// instructions than the rest of the response put together. A string with anything to escape
+/// still goes through `serde_json`; the test below holds the output to a serde-derived
 /// reference, byte for byte.
 pub(crate) fn write_body(outcome: &Outcome, explain: bool) -> Vec<u8> {
     let mut out = Vec::with_capacity(80 + 192 * outcome.limits.len());
@@ -467,6 +467,14 @@ fn push_number(out: &mut Vec<u8>, key: &[u8], value: u64) {
 }
 
 fn push_str(out: &mut Vec<u8>, value: &str) {
+    // Names and versions are nearly always plain: nothing JSON escapes (a quote, a backslash,
+    // a control character), so they are copied whole.
+    if !value.bytes().any(|b| b == b'"' || b == b'\\' || b < 0x20) {
+        out.push(b'"');
+        out.extend_from_slice(value.as_bytes());
+        out.push(b'"');
+        return;
+    }
     // Serializing a string into a Vec cannot fail.
     let _ = serde_json::to_writer(&mut *out, value);
 }
@@ -674,7 +682,9 @@ exemptions:
         let engine = PolicyEngine::new(policy, EngineOptions::default());
         let descriptors = |user: &str| vec![vec![("user".to_owned(), user.to_owned())]];
         let mut outcomes = Vec::new();
-        for user in ["u1", "a\"b", "\u{1F600}\\"] {
+        // Plain, and with each kind of byte JSON escapes alone: a quote, a backslash, a
+        // control character.
+        for user in ["u1", "a\"b", "\u{1F600}\\", "tab\tonly", "nul\u{1}"] {
             for cost in [1, 2, 3] {
                 outcomes.push(engine.decide("api", &descriptors(user), cost, None));
             }
