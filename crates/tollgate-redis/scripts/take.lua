@@ -116,7 +116,8 @@ end
 -- The units a bucket gains from the microsecond `now` to the request's time, rounded down and
 -- rounded up (nanos * a stays below 2^53: a is below 2^43); 0 and 0 when nanos is 0, and then
 -- not made at all: each function a call makes costs an allocation and its collection, whether
--- it runs or not, and most calls are on Redis' clock.
+-- it runs or not, and most calls are on Redis' clock. Callers ask
+-- `nanos > 0 and offsets(a) or 0` (a 0 from `offsets` stands: only nil and false are false).
 local offsets
 if nanos > 0 then
   offsets = function(a)
@@ -336,10 +337,7 @@ for _ = 1, tonumber(ARGV[2]) do
       reply[at] = 1
       for i = 1, n do
         local a, cap, cost = unpack('<ddd', ARGV[params + i])
-        local lo = 0
-        if nanos > 0 then
-          lo = offsets(a)
-        end
+        local lo = nanos > 0 and offsets(a) or 0
         local full, frac = states[2 * i - 1], states[2 * i]
         local deficit = 0
         if full then
@@ -424,10 +422,7 @@ for _ = 1, tonumber(ARGV[2]) do
         reply[at] = 1
         for i = 1, n do
           local a = unpack('<d', ARGV[params + i])
-          local lo = 0
-          if nanos > 0 then
-            lo = offsets(a)
-          end
+          local lo = nanos > 0 and offsets(a) or 0
           write(KEYS[first_key + i], reply[at + 2 * i], a, lo)
         end
       else
@@ -437,10 +432,7 @@ for _ = 1, tonumber(ARGV[2]) do
         for i = 1, n do
           if reply[at + 2 * i - 1] == 1 then
             local a, cap = unpack('<dd', ARGV[params + i])
-            local lo = 0
-            if nanos > 0 then
-              lo = offsets(a)
-            end
+            local lo = nanos > 0 and offsets(a) or 0
             reply[at + 2 * i] = min(deficit_at(states[2 * i - 1], states[2 * i], a, lo), cap)
           end
         end
