@@ -15,7 +15,11 @@
 //!
 //! Each group also runs `floor`, a control that only reads the clock, mixes the key and loads
 //! one word of a read-only table (64 MiB for the 1M-key groups): the least a check can cost, and
-//! the 2-thread scaling this machine gives a loop with no locks and no shared writes.
+//! the 2-thread scaling this machine gives a loop with no locks and no shared writes. Its loads
+//! are independent, so the processor overlaps their misses; the 1M-key groups also run
+//! `chained_floor`, whose every load waits for the one before, as a limiter's misses do (see
+//! [`tollgate_bench::ChainedFloor`]): the full latency of one miss per check, the least any
+//! limiter that misses once per check can cost here.
 //!
 //! With 2 threads each thread checks a disjoint key set (even / odd keys), the time is the wall
 //! time of both, and criterion's elements/s is the combined throughput. Run with
@@ -28,8 +32,8 @@ use std::time::{Duration, Instant};
 use criterion::measurement::WallTime;
 use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main};
 use tollgate_bench::{
-    Floor, Governor, KeyedCheck, MANY_KEYS, Quotas, Tollgate, drive, populate, random_keys,
-    sequential_keys, split_by_parity,
+    ChainedFloor, Floor, Governor, KeyedCheck, MANY_KEYS, Quotas, Tollgate, drive, populate,
+    random_keys, sequential_keys, split_by_parity,
 };
 
 /// Words in the floor's table for the 1M-key scenarios: 64 MiB.
@@ -112,9 +116,10 @@ fn bench_limiter<L: KeyedCheck>(
 fn report(scenario: &str, tollgate: &Tollgate, governor: &Governor, first_key: u64) {
     let decision = tollgate.check(&first_key).expect("a valid cost");
     eprintln!(
-        "sanity {scenario}: tollgate live_buckets={} key {first_key} allowed={} remaining={}; \
-         governor keys={} key {first_key} allowed={}",
+        "sanity {scenario}: tollgate live_buckets={} slots={} key {first_key} allowed={} \
+         remaining={}; governor keys={} key {first_key} allowed={}",
         tollgate.store().stats().live_buckets,
+        tollgate.store().stats().slots,
         decision.allowed(),
         decision.remaining(),
         governor.len(),
@@ -153,11 +158,20 @@ fn many_keys(c: &mut Criterion, scenario: &str, keys: &[u64]) {
     group.throughput(Throughput::Elements(1));
     let ran = bench_limiter(&mut group, "tollgate", &tollgate, keys, &keys_by_thread)
         | bench_limiter(&mut group, "governor", &governor, keys, &keys_by_thread);
-    // The table is 64 MiB, the size of tollgate's 1M buckets: one miss per check, as theirs.
+    // 64 MiB, larger than either limiter's tables, so every load misses the caches.
     bench_limiter(
         &mut group,
         "floor",
         &Floor::new(FLOOR_SLOTS),
+        keys,
+        &keys_by_thread,
+    );
+    // As large as tollgate's table (a 16-byte slot per `u64` key): the latency of its one miss.
+    let table_words = tollgate.store().stats().slots * 2;
+    bench_limiter(
+        &mut group,
+        "chained_floor",
+        &ChainedFloor::new(table_words),
         keys,
         &keys_by_thread,
     );

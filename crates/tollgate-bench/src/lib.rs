@@ -164,6 +164,48 @@ impl KeyedCheck for Floor {
     }
 }
 
+/// A second control for the 1M-key groups: [`Floor`] with each load's address depending on
+/// the word the thread's previous check loaded, so no two misses overlap.
+///
+/// [`Floor`]'s loads are independent, so the processor runs several of them at once and its
+/// time per check is less than a miss. A limiter's check cannot do that: it locks (or
+/// compare-and-swaps) around its read, and an atomic read-modify-write waits for every load
+/// before it. So each of its misses costs the full memory latency, which this control measures
+/// in the same run: a design with one miss per check costs at least this, one with two misses
+/// about twice this.
+pub struct ChainedFloor {
+    floor: Floor,
+}
+
+thread_local! {
+    /// The word the thread's previous [`ChainedFloor`] check loaded: each thread its own chain.
+    static LAST_WORD: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+impl ChainedFloor {
+    /// A chained floor over a read-only table of `slots` words (rounded up to a power of two).
+    pub fn new(slots: usize) -> Self {
+        Self {
+            floor: Floor::new(slots),
+        }
+    }
+}
+
+impl KeyedCheck for ChainedFloor {
+    type Outcome = (tollgate::Timestamp, u64);
+
+    #[inline]
+    fn check_key(&self, key: &u64) -> Self::Outcome {
+        let now = tollgate::Clock::now(&self.floor.clock);
+        let last = LAST_WORD.with(std::cell::Cell::get);
+        let product = u128::from(*key ^ SEED ^ last) * 0x9e37_79b9_7f4a_7c15;
+        let hash = (product as u64) ^ ((product >> 64) as u64);
+        let word = self.floor.table[hash as usize & self.floor.mask];
+        LAST_WORD.with(|cell| cell.set(word));
+        (now, word)
+    }
+}
+
 /// Checks `iters` keys from `keys`, cycling, starting at `*cursor`, and leaves `*cursor` where
 /// the next run should continue (so successive samples cover the keys evenly).
 ///
