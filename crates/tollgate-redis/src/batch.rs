@@ -209,7 +209,7 @@ fn command(verb: &str, script: &str, now: Option<u64>, segments: &[&Segment]) ->
 }
 
 /// Runs `segments` in one call of `script`, at `now` (nanoseconds; `None` for Redis' `TIME`),
-/// returning each segment's reply. A `NOSCRIPT` answer (after `SCRIPT FLUSH` or a restart)
+/// returning each segment's reply: its part of the script's packed integers, decoded. A `NOSCRIPT` answer (after `SCRIPT FLUSH` or a restart)
 /// sends the call again as an `EVAL` of the source, which also caches the script in that node
 /// for the next `EVALSHA`: one more round trip, once.
 pub(crate) async fn invoke(
@@ -227,17 +227,20 @@ pub(crate) async fn invoke(
         reply => reply,
     }
     .map_err(|err| classify(&err))?;
+    let (integers, []) = reply.as_chunks::<8>() else {
+        return Err(Unavailable::Protocol);
+    };
     let expected: usize = segments.iter().map(|segment| reply_len(segment)).sum();
-    if reply.len() != expected {
+    if integers.len() != expected {
         return Err(Unavailable::Protocol);
     }
-    let mut rest = reply.as_slice();
+    let mut rest = integers;
     Ok(segments
         .iter()
         .map(|segment| {
             let (mine, others) = rest.split_at(reply_len(segment));
             rest = others;
-            mine.to_vec()
+            mine.iter().copied().map(i64::from_le_bytes).collect()
         })
         .collect())
 }

@@ -33,8 +33,8 @@ pub(crate) enum Connection {
 }
 
 impl Connection {
-    /// Sends `call`, expecting a list of integers back.
-    pub(crate) async fn query(&self, call: &Cmd) -> Result<Vec<i64>, RedisError> {
+    /// Sends `call`, expecting a string back.
+    pub(crate) async fn query(&self, call: &Cmd) -> Result<Vec<u8>, RedisError> {
         match self.clone() {
             Connection::Single(mut connection) => call.query_async(&mut connection).await,
             Connection::Cluster(mut connection) => call.query_async(&mut connection).await,

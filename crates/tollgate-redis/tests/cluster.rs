@@ -263,6 +263,18 @@ fn attempt_call(
     cmd
 }
 
+/// Sends a call written by hand and decodes the script's reply: 8 bytes little-endian per
+/// integer (see `scripts/take.lua`).
+async fn run(
+    call: redis::Cmd,
+    connection: &mut redis::cluster_async::ClusterConnection,
+) -> Vec<i64> {
+    let reply: Vec<u8> = call.query_async(connection).await.unwrap();
+    let (integers, rest) = reply.as_chunks::<8>();
+    assert!(rest.is_empty(), "a reply of whole integers: {reply:?}");
+    integers.iter().copied().map(i64::from_le_bytes).collect()
+}
+
 /// Cross-slot charge-then-refund with a request id. Attempt 1 of a request over A and B
 /// charges A (recording the id there) while B rejects; before its refund of A reaches Redis,
 /// the client's retry (attempt 2, same id) arrives: A replays "allowed" without charging, B has
@@ -291,10 +303,7 @@ async fn a_late_cross_slot_refund_never_over_admits_a_retried_request(url: &str)
     // Attempt 1's call on A's slot at T0: take, with the request's record.
     let mut connection = raw_connection(url).await;
     let first = request_fingerprint(&both);
-    let charged: Vec<i64> = attempt_call(a_key, "take", &first, 1, T0)
-        .query_async(&mut connection)
-        .await
-        .unwrap();
+    let charged = run(attempt_call(a_key, "take", &first, 1, T0), &mut connection).await;
     assert_eq!(charged[0], 1, "attempt 1 charged A");
     // (Attempt 1's call on B rejects: nothing written.)
 
@@ -310,10 +319,11 @@ async fn a_late_cross_slot_refund_never_over_admits_a_retried_request(url: &str)
     assert!(retry.iter().all(Decision::allowed), "{retry:?}");
 
     // Attempt 1's refund of A lands now: the retry's admission rests on that charge.
-    let refund: Vec<i64> = attempt_call(a_key, "refund", &first, 1, T0)
-        .query_async(&mut connection)
-        .await
-        .unwrap();
+    let refund = run(
+        attempt_call(a_key, "refund", &first, 1, T0),
+        &mut connection,
+    )
+    .await;
     assert_eq!(refund[0], 0, "nothing given back: {refund:?}");
 
     // One request was admitted on A: 4 tokens (and 1/24 of a refill) are left, not 5.
@@ -345,10 +355,7 @@ async fn a_refund_sent_twice_gives_back_once(url: &str) {
     // Another request takes a token, then this attempt takes one and is refunded twice.
     assert!(check(&store, &takes).await[0].allowed());
     for (mode, status) in [("take", 1), ("refund", 1), ("refund", 0)] {
-        let reply: Vec<i64> = attempt_call(key, mode, &print, 7, T0)
-            .query_async(&mut connection)
-            .await
-            .unwrap();
+        let reply = run(attempt_call(key, mode, &print, 7, T0), &mut connection).await;
         assert_eq!(reply[0], status, "{mode}: {reply:?}");
     }
     let four = [Take::new(key, &a_limit, 4)];

@@ -170,6 +170,39 @@ async fn an_exhausted_limit_charges_nothing_on_the_others() {
     assert!(!check(&store, &one_more, Some(T0)).await.unwrap()[0].allowed());
 }
 
+/// The script packs its reply in runs of 256 integers: a request of 130 buckets (261 integers)
+/// spans two runs, and every bucket's answer must land where it belongs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_longer_than_one_run_answers_every_bucket() {
+    let server = RedisServer::start();
+    let store = connect(&server).await;
+    let limits: Vec<Limit> = (1..=130).map(|capacity| limit(capacity, "1/m")).collect();
+    let keys: Vec<String> = (1..=130).map(|i| format!("{{wide}}:{i}")).collect();
+    let takes: Vec<Take<'_>> = keys
+        .iter()
+        .zip(&limits)
+        .map(|(key, limit)| Take::new(key, limit, 1))
+        .collect();
+    let decisions = check(&store, &takes, Some(T0)).await.unwrap();
+    assert_eq!(decisions.len(), 130);
+    for (capacity, decision) in (1..=130).zip(&decisions) {
+        assert!(decision.allowed(), "bucket {capacity}: {decision:?}");
+        assert_eq!(decision.remaining(), capacity - 1, "bucket {capacity}");
+    }
+    // The first bucket (capacity 1) is empty now: the whole request is refused, and the other
+    // 129 report their balance as it stands, uncharged.
+    let decisions = check(&store, &takes, Some(T0)).await.unwrap();
+    assert!(!decisions[0].allowed());
+    for (capacity, decision) in (2..=130).zip(&decisions[1..]) {
+        assert!(decision.allowed(), "bucket {capacity}: {decision:?}");
+        assert_eq!(
+            decision.remaining(),
+            capacity - 1,
+            "bucket {capacity}, uncharged"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retries_with_a_request_id_are_charged_once() {
     let server = RedisServer::start();
