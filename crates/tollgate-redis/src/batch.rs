@@ -235,14 +235,25 @@ pub(crate) async fn invoke(
         return Err(Unavailable::Protocol);
     }
     let mut rest = integers;
-    Ok(segments
+    segments
         .iter()
         .map(|segment| {
             let (mine, others) = rest.split_at(reply_len(segment));
             rest = others;
-            mine.iter().copied().map(i64::from_le_bytes).collect()
+            mine.iter().map(|bytes| integer(*bytes)).collect()
         })
-        .collect())
+        .collect::<Option<_>>()
+        .ok_or(Unavailable::Protocol)
+}
+
+/// One integer of the script's reply, which packs each as a little-endian double: `None` for
+/// one that is not a whole number of at most 2^53 in magnitude, which the script never sends.
+fn integer(bytes: [u8; 8]) -> Option<i64> {
+    /// Every integer up to here is exactly a double.
+    const EXACT: f64 = 9_007_199_254_740_992.0;
+    let value = f64::from_le_bytes(bytes);
+    // NaN fails the first test; a whole number within ±2^53 converts exactly.
+    (value.abs() <= EXACT && value.fract() == 0.0).then_some(value as i64)
 }
 
 struct Job {
@@ -400,6 +411,40 @@ async fn call(script: Arc<TakeScript>, connection: Connection, timeout: Duration
             for job in batch {
                 let _ = job.reply.send(Err(reason));
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::integer;
+
+    fn packed(value: f64) -> [u8; 8] {
+        value.to_le_bytes()
+    }
+
+    #[test]
+    fn whole_numbers_within_two_to_the_53_are_read_exactly() {
+        for value in [
+            0,
+            1,
+            2,
+            -1,
+            -2,
+            86_400_000_000,
+            (1 << 53) - 1,
+            1 << 53,
+            -(1 << 53),
+        ] {
+            assert_eq!(integer(packed(value as f64)), Some(value), "{value}");
+        }
+    }
+
+    #[test]
+    fn anything_else_is_refused() {
+        let beyond = 2f64.powi(53) + 2.0;
+        for value in [0.5, -1.25, beyond, -beyond, f64::NAN, f64::INFINITY, 1e300] {
+            assert_eq!(integer(packed(value)), None, "{value}");
         }
     }
 }

@@ -263,7 +263,7 @@ fn attempt_call(
     cmd
 }
 
-/// Sends a call written by hand and decodes the script's reply: 8 bytes little-endian per
+/// Sends a call written by hand and decodes the script's reply: a little-endian double per
 /// integer (see `scripts/take.lua`).
 async fn run(
     call: redis::Cmd,
@@ -272,7 +272,10 @@ async fn run(
     let reply: Vec<u8> = call.query_async(connection).await.unwrap();
     let (integers, rest) = reply.as_chunks::<8>();
     assert!(rest.is_empty(), "a reply of whole integers: {reply:?}");
-    integers.iter().copied().map(i64::from_le_bytes).collect()
+    integers
+        .iter()
+        .map(|bytes| f64::from_le_bytes(*bytes) as i64)
+        .collect()
 }
 
 /// Cross-slot charge-then-refund with a request id. Attempt 1 of a request over A and B
