@@ -58,7 +58,7 @@
 --
 -- Every figure stays below 2^53 (the caller refuses limits whose cap passes 2^51), so the
 -- doubles Lua computes with hold them exactly; a deficit past the capacity (a caller's clock
--- gone back) is replied as the capacity, so every reply fits Redis' integers.
+-- gone back) is replied as the capacity, so every figure replied stays below 2^53 too.
 --
 -- Reply: one string, the call's integers one after another, each as a little-endian double
 -- (exact: every figure is below 2^53). A list of Redis integers costs the client's parser about

@@ -209,9 +209,10 @@ fn command(verb: &str, script: &str, now: Option<u64>, segments: &[&Segment]) ->
 }
 
 /// Runs `segments` in one call of `script`, at `now` (nanoseconds; `None` for Redis' `TIME`),
-/// returning each segment's reply: its part of the script's packed integers, decoded. A `NOSCRIPT` answer (after `SCRIPT FLUSH` or a restart)
-/// sends the call again as an `EVAL` of the source, which also caches the script in that node
-/// for the next `EVALSHA`: one more round trip, once.
+/// returning each segment's reply: its part of the script's packed integers, decoded. A
+/// `NOSCRIPT` answer (after `SCRIPT FLUSH` or a restart) sends the call again as an `EVAL` of
+/// the source, which also caches the script in that node for the next `EVALSHA`: one more
+/// round trip, once.
 pub(crate) async fn invoke(
     script: &TakeScript,
     connection: &Connection,
