@@ -80,6 +80,30 @@ pub fn command(port: u16, args: &[&str]) -> Option<String> {
     Some(line)
 }
 
+/// Tries at a fresh port before [`RedisServer::start`] gives up.
+const ATTEMPTS: usize = 5;
+
+/// Why a `redis-server` did not come up as ours.
+#[derive(Debug)]
+enum Spawn {
+    /// It exited at start: its port was taken in the meantime, most likely.
+    Exited(std::process::ExitStatus),
+    /// It did not answer within 10 s.
+    Silent,
+    /// Another process answered on its port: it would be that one the test talked to.
+    Foreign(u32),
+}
+
+impl std::fmt::Display for Spawn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Spawn::Exited(status) => write!(f, "exited at start ({status}); port taken?"),
+            Spawn::Silent => f.write_str("did not start within 10 s"),
+            Spawn::Foreign(pid) => write!(f, "another process (pid {pid}) answers on its port"),
+        }
+    }
+}
+
 /// One `redis-server` process.
 pub struct RedisServer {
     child: Option<Child>,
@@ -98,6 +122,18 @@ impl RedisServer {
     ///
     /// When `redis-server` is missing or does not come up: a setup error, never a skip.
     pub fn start() -> Self {
+        // A free port is only free until someone binds it: another test's client can take it
+        // as its own end of a connection before redis-server binds it. Then this server exits
+        // at once, and another port will do.
+        for _ in 1..ATTEMPTS {
+            let port = free_port();
+            let mut server = Self::unstarted(port, Vec::new());
+            match server.try_spawn() {
+                Ok(()) => return server,
+                Err(Spawn::Exited(_)) => continue,
+                Err(err) => panic!("redis-server on port {port}: {err}"),
+            }
+        }
         Self::start_with(free_port(), Vec::new())
     }
 
@@ -116,19 +152,29 @@ impl RedisServer {
     }
 
     fn start_with(port: u16, extra: Vec<String>) -> Self {
-        let dir = scratch_dir(&port.to_string());
-        let mut server = Self {
-            child: None,
-            port,
-            tls_port: None,
-            dir,
-            extra,
-        };
+        let mut server = Self::unstarted(port, extra);
         server.spawn();
         server
     }
 
+    fn unstarted(port: u16, extra: Vec<String>) -> Self {
+        Self {
+            child: None,
+            port,
+            tls_port: None,
+            dir: scratch_dir(&port.to_string()),
+            extra,
+        }
+    }
+
     fn spawn(&mut self) {
+        if let Err(err) = self.try_spawn() {
+            panic!("redis-server on port {}: {err}", self.port);
+        }
+    }
+
+    /// Starts the process and waits until it answers, and checks that the answer is its own.
+    fn try_spawn(&mut self) -> Result<(), Spawn> {
         let child = Command::new("redis-server")
             .args(["--port", &self.port.to_string()])
             .args(["--bind", "127.0.0.1"])
@@ -145,15 +191,29 @@ impl RedisServer {
                      (Debian: apt-get install -y redis-server redis-tools)"
                 )
             });
-        self.child = Some(child);
+        let pid = child.id();
+        let child = self.child.insert(child);
         let until = deadline(Duration::from_secs(10));
         while command(self.port, &["PING"]).as_deref() != Some("+PONG\r\n") {
-            assert!(
-                !passed(until),
-                "redis-server on port {} did not start",
-                self.port
-            );
+            if let Ok(Some(status)) = child.try_wait() {
+                self.child = None;
+                return Err(Spawn::Exited(status));
+            }
+            if passed(until) {
+                return Err(Spawn::Silent);
+            }
             pause_briefly();
+        }
+        let info = loop {
+            match command(self.port, &["INFO", "server"]) {
+                Some(info) => break info,
+                None if passed(until) => return Err(Spawn::Silent),
+                None => pause_briefly(),
+            }
+        };
+        match info_field(&info, "process_id", "process_id") as u32 {
+            answering if answering == pid => Ok(()),
+            answering => Err(Spawn::Foreign(answering)),
         }
     }
 
@@ -587,4 +647,33 @@ fn tls_args(
         "--tls-auth-clients".into(),
         if require_client_cert { "yes" } else { "no" }.into(),
     ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A port whose server is already running is not this new server's: without the process
+    /// check, a test would talk to the other one and never know.
+    #[test]
+    fn a_port_answered_by_another_server_is_refused() {
+        let running = RedisServer::start();
+        let mut second = RedisServer::unstarted(running.port, Vec::new());
+        match second.try_spawn() {
+            Err(Spawn::Foreign(pid)) => {
+                assert_eq!(Some(pid), running.child.as_ref().map(Child::id));
+            }
+            other => panic!("expected another process on the port, got {other:?}"),
+        }
+    }
+
+    /// A server whose port was taken before it bound exits at start, and says so.
+    #[test]
+    fn a_taken_port_is_reported_as_an_exit() {
+        let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = taken.local_addr().unwrap().port();
+        // Nothing reads from the listener, so a PING to it gets no answer.
+        let mut server = RedisServer::unstarted(port, Vec::new());
+        assert!(matches!(server.try_spawn(), Err(Spawn::Exited(_))));
+    }
 }
