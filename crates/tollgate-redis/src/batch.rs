@@ -228,7 +228,7 @@ pub(crate) async fn invoke(
         reply => reply,
     }
     .map_err(|err| classify(&err))?;
-    let (integers, []) = reply.as_chunks::<8>() else {
+    let Some(integers) = packed(&reply) else {
         return Err(Unavailable::Protocol);
     };
     let expected: usize = segments.iter().map(|segment| reply_len(segment)).sum();
@@ -247,9 +247,17 @@ pub(crate) async fn invoke(
         .ok_or(Unavailable::Protocol)
 }
 
+/// The script's reply cut into its packed integers: `None` unless it is whole ones.
+pub(crate) fn packed(reply: &[u8]) -> Option<&[[u8; 8]]> {
+    match reply.as_chunks::<8>() {
+        (integers, []) => Some(integers),
+        _ => None,
+    }
+}
+
 /// One integer of the script's reply, which packs each as a little-endian double: `None` for
 /// one that is not a whole number of at most 2^53 in magnitude, which the script never sends.
-fn integer(bytes: [u8; 8]) -> Option<i64> {
+pub(crate) fn integer(bytes: [u8; 8]) -> Option<i64> {
     /// Every integer up to here is exactly a double.
     const EXACT: f64 = 9_007_199_254_740_992.0;
     let value = f64::from_le_bytes(bytes);

@@ -60,6 +60,17 @@ pub mod test_server;
 pub fn request_fingerprint(takes: &[tollgate::Take<'_>]) -> String {
     store::fingerprint(takes)
 }
+
+/// The take script's reply decoded as the store decodes it, for tests that call the script by
+/// hand: `None` when it is not a string of packed integers. Public under the `test-server`
+/// feature.
+#[cfg(feature = "test-server")]
+pub fn script_reply(reply: &[u8]) -> Option<Vec<i64>> {
+    batch::packed(reply)?
+        .iter()
+        .map(|bytes| batch::integer(*bytes))
+        .collect()
+}
 mod tls;
 mod units;
 

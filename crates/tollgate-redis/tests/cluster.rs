@@ -11,8 +11,8 @@ use support::{RedisCluster, command, take_one_unit};
 use tollgate::testkit::{Trace, compare_with_memory};
 
 use tollgate::{Carry, CheckRequest, Decision, Error, Limit, Store, Take, Timestamp};
-use tollgate_redis::request_fingerprint;
 use tollgate_redis::{ConnectError, RedisConfig, RedisStore};
+use tollgate_redis::{request_fingerprint, script_reply};
 
 /// The timeout of the stress test's stores: 64 tasks on a busy 2-core machine, in a debug
 /// build, can take longer than the production default of 20 ms.
@@ -263,19 +263,13 @@ fn attempt_call(
     cmd
 }
 
-/// Sends a call written by hand and decodes the script's reply: a little-endian double per
-/// integer (see `scripts/take.lua`).
+/// Sends a call written by hand and decodes the script's reply as the store does.
 async fn run(
     call: redis::Cmd,
     connection: &mut redis::cluster_async::ClusterConnection,
 ) -> Vec<i64> {
     let reply: Vec<u8> = call.query_async(connection).await.unwrap();
-    let (integers, rest) = reply.as_chunks::<8>();
-    assert!(rest.is_empty(), "a reply of whole integers: {reply:?}");
-    integers
-        .iter()
-        .map(|bytes| f64::from_le_bytes(*bytes) as i64)
-        .collect()
+    script_reply(&reply).unwrap_or_else(|| panic!("not a packed reply: {reply:?}"))
 }
 
 /// Cross-slot charge-then-refund with a request id. Attempt 1 of a request over A and B
