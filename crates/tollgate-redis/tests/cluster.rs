@@ -254,8 +254,9 @@ fn attempt_call(
         .arg(bucket)
         .arg(record)
         .arg(now.as_nanos() / 1_000)
-        .arg(1)
-        .arg(1)
+        .arg(1) // one request
+        .arg("") // no key repeats
+        .arg(1) // of one bucket
         .arg(7_200_000)
         .arg(format!("{fingerprint}:{attempt}"))
         .arg(mode)

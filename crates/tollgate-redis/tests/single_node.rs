@@ -685,6 +685,66 @@ async fn one_failing_request_does_not_fail_the_others_in_its_batch() {
     );
 }
 
+/// Concurrent requests on one hot key share a script call, which reads that bucket once and
+/// writes it once at the end: each request must still see what the ones before it took, a
+/// rejected request must charge none of its buckets, and the bucket written at the end must
+/// hold the last state and expire when it is full again.
+#[tokio::test(flavor = "current_thread")]
+async fn requests_on_one_key_in_one_call_are_decided_in_turn() {
+    let server = RedisServer::start();
+    let store = connect(&server).await;
+    let l = limit(5, "1/s");
+    command(server.port, &["CONFIG", "RESETSTAT"]);
+    let one = |key: &'static str| vec![Take::new(key, &l, 1)];
+    let requests = [
+        one("hot"),
+        one("hot"),
+        one("cold"),
+        one("hot"),
+        one("hot"),
+        one("hot"),
+        // hot is empty: rejected, and side is not charged.
+        vec![Take::new("side", &l, 1), Take::new("hot", &l, 1)],
+        vec![Take::new("side", &l, 5)],
+        one("hot"),
+    ];
+    // All queued before the dispatcher runs (one thread): they leave in one script call.
+    let decided = futures_util::future::join_all(requests.iter().map(|takes| {
+        store.check(CheckRequest {
+            takes,
+            request_id: None,
+            now: None,
+        })
+    }))
+    .await;
+    let stats = command(server.port, &["INFO", "commandstats"]).unwrap_or_default();
+    assert_eq!(info_field(&stats, "cmdstat_evalsha:", "calls"), 1.0);
+    // The memory store, deciding the same requests one after another at one instant.
+    let reference = LocalStore::new(ManualClock::new());
+    let mut expected = Vec::new();
+    for takes in &requests {
+        let request = CheckRequest {
+            takes,
+            request_id: None,
+            now: None,
+        };
+        expected.push(reference.check(request).await.expect("decided"));
+    }
+    let decided: Vec<Vec<Decision>> = decided.into_iter().map(|r| r.expect("decided")).collect();
+    assert_eq!(decided, expected);
+    // The five tokens went to the first five requests on hot; side's whole capacity was still
+    // there after the rejected request that named it.
+    assert!(decided[5][0].allowed() && decided[5][0].remaining() == 0);
+    assert!(!decided[6][1].allowed() && !decided[8][0].allowed());
+    assert!(decided[7][0].allowed());
+    // The bucket as written: empty, full again 5 s from the call.
+    let pttl = command(server.port, &["PTTL", "tollgate:hot"]).unwrap_or_default();
+    let pttl: i64 = pttl.trim_start_matches(':').trim().parse().expect("a PTTL");
+    assert!((4_000..=5_000).contains(&pttl), "PTTL {pttl}");
+    let after = check_at(&store, "hot", &l, 1, None, None).await.unwrap();
+    assert!(!after[0].allowed());
+}
+
 /// A script error caused by one key's data is not an outage: it must not open the circuit
 /// breaker for every other key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
