@@ -140,60 +140,28 @@ end
 
 local max_exact = 2 ^ 53
 
--- When a bucket's key is in the call more than once (ARGV[3]: concurrent requests on one hot
--- key, batched into one call), each bucket is read from Redis once and written once, at the
--- end of the call, in its final state: a `GET` and a `SET` cost Redis about 4.5k and 12k
--- instructions, more than a decision's own arithmetic. The call is atomic, so no one sees the
--- states in between. The buckets are then in `cache`: `cache[key]` is the bucket's j, and
--- 3j - 2, 3j - 1 and 3j hold its state as the call has left it (the microsecond it is full
--- again, 0 when absent: full, false when the key holds anything else; its remainder) and its
--- key once the call has decided it (false before). Records are never cached: their keys start
--- with `{`, which no bucket's does. Without repeated keys there is no `cache`: Lua's collector
--- charges each byte a call allocates (each table, each local a function refers to), and a
--- cache costs about 4k instructions per decision when every key is read once anyway.
-local cache
-if ARGV[3] ~= '' then
-  cache = {}
-end
-
--- The bucket at `key` as (full, frac); nil when absent (full); false when the key holds
--- anything else (another program's key, a type other than a string).
-local function state_of(key)
-  local j = cache and cache[key]
-  local full, frac
-  if j then
-    full, frac = cache[3 * j - 2], cache[3 * j - 1]
-  else
-    full, frac = redis.pcall('GET', key), 0
-    if not full then
-      full = 0
-    elseif type(full) ~= 'string' then
-      full = false
-    else
-      local sep = find(full, ':', 1, true)
-      if sep then
-        frac = tonumber(sub(full, sep + 1))
-        full = tonumber(sub(full, 1, sep - 1))
-      else
-        full = tonumber(full)
-      end
-      -- Integers Lua holds exactly: not NaN (which fails every comparison), infinite or
-      -- negative. A bucket full at the epoch is full now, as an absent one (0).
-      if not (full and frac and full >= 0 and frac >= 0 and full < max_exact
-          and frac < max_exact and full % 1 == 0 and frac % 1 == 0) then
-        full = false
-      end
-    end
-    if cache then
-      j = #cache + 3
-      cache[key] = j / 3
-      cache[j - 2], cache[j - 1], cache[j] = full, frac, false
-    end
-  end
-  if full == 0 then
+-- The bucket at `key` as Redis holds it: (full, frac); nil when absent (full); false when the
+-- key holds anything else (another program's key, a type other than a string).
+local function read(key)
+  local state = redis.pcall('GET', key)
+  if not state then
     return nil
   end
-  if not full then
+  if type(state) ~= 'string' then
+    return false
+  end
+  local full, frac
+  local sep = find(state, ':', 1, true)
+  if sep then
+    full = tonumber(sub(state, 1, sep - 1))
+    frac = tonumber(sub(state, sep + 1))
+  else
+    full = tonumber(state)
+    frac = 0
+  end
+  -- Integers Lua holds exactly: not NaN (which fails every comparison), infinite or negative.
+  if not (full and frac and full >= 0 and frac >= 0 and full < max_exact and frac < max_exact
+      and full % 1 == 0 and frac % 1 == 0) then
     return false
   end
   return full, frac
@@ -221,15 +189,9 @@ if ARGV[1] ~= '' then
   min_ttl_ms = 60000
 end
 
--- Stores the bucket at `key`, read by this call, as full again at microsecond `full` less
--- `frac` units (`full` 0: full now, deleted), expiring then; with a `cache`, at the end of
--- the call.
-local function store(key, full, frac)
-  if cache then
-    local j = 3 * cache[key]
-    cache[j - 2], cache[j - 1], cache[j] = full, frac, key
-    return
-  end
+-- Writes the bucket at `key` as full again at microsecond `full` less `frac` units, expiring
+-- then; deletes it when `full` is 0 (full now).
+local function send(key, full, frac)
   if full == 0 then
     redis.call('DEL', key)
     return
@@ -247,6 +209,49 @@ local function store(key, full, frac)
     ttl = min_ttl_ms
   end
   redis.call('SET', key, value, 'PX', format('%d', ttl))
+end
+
+-- How the call reads and writes its buckets: `state_of(key)` as `read`, `store(key, full,
+-- frac)` as `send`, each bucket on its own.
+--
+-- When a bucket's key is in the call more than once (ARGV[3]: concurrent requests on one hot
+-- key, batched into one call), each bucket is instead read from Redis once and written once,
+-- at the end of the call, in its final state: a `GET` and a `SET` cost Redis about 4.5k and
+-- 12k instructions, more than a decision's own arithmetic. The call is atomic, so no one sees
+-- the states in between. The buckets are then in `cache`: `cache[key]` is the bucket's j, and
+-- 3j - 2, 3j - 1 and 3j hold its state as the call has left it (the microsecond it is full
+-- again, 0 when absent: full, false when the key holds anything else; its remainder) and its
+-- key once the call has decided it (false before). Records are never cached: their keys start
+-- with `{`, which no bucket's does. Calls without repeated keys make neither the table nor
+-- these two functions: Lua's collector charges each byte a call allocates, and they cost
+-- about 4k instructions per decision when every key is read once anyway.
+local state_of, store = read, send
+local cache
+if ARGV[3] ~= '' then
+  cache = {}
+  state_of = function(key)
+    local j = cache[key]
+    local full, frac
+    if j then
+      full, frac = cache[3 * j - 2], cache[3 * j - 1]
+    else
+      full, frac = read(key)
+      if full == nil then
+        full = 0
+      end
+      j = #cache + 3
+      cache[key] = j / 3
+      cache[j - 2], cache[j - 1], cache[j] = full, frac or 0, false
+    end
+    if full == 0 then
+      return nil
+    end
+    return full, frac
+  end
+  store = function(key, full, frac)
+    local j = 3 * cache[key]
+    cache[j - 2], cache[j - 1], cache[j] = full, frac, key
+  end
 end
 
 -- Stores a bucket `deficit` units (> 0) short of full `lo` units into the microsecond `now`.
@@ -506,11 +511,9 @@ end
 
 -- Each bucket a call with a cache decided, written once in its final state.
 if cache then
-  local decided = cache
-  cache = nil
-  for j = 3, #decided, 3 do
-    if decided[j] then
-      store(decided[j], decided[j - 2], decided[j - 1])
+  for j = 3, #cache, 3 do
+    if cache[j] then
+      send(cache[j], cache[j - 2], cache[j - 1])
     end
   end
 end
