@@ -213,8 +213,8 @@ fn command(verb: &str, script: &str, now: Option<u64>, segments: &[&Segment]) ->
 
 /// Whether a bucket's key (its own or an old one it carries over) is in `segments` more than
 /// once. The script then reads and writes each bucket once per call instead of once per
-/// decision, which saves Redis most of a decision's cost on a hot key, and costs it two tables
-/// per call otherwise (see `scripts/take.lua`).
+/// decision, which saves Redis most of a decision's cost on a hot key; the table it keeps for
+/// that would only cost a call of distinct keys (see `scripts/take.lua`).
 fn repeats_a_key(segments: &[&Segment]) -> bool {
     let keys = || {
         segments.iter().flat_map(|segment| {
@@ -232,7 +232,7 @@ fn repeats_a_key(segments: &[&Segment]) -> bool {
     if count < 2 {
         return false;
     }
-    // A few dozen short keys at most: no one gains by making them collide.
+    // One call's keys: no one gains by making them collide.
     let mut seen = HashSet::with_capacity_and_hasher(count, FixedState::default());
     keys().any(|key| !seen.insert(key))
 }
