@@ -15,7 +15,9 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use tollgate::{Limit, MonotonicClock, Rate, RateLimiter};
 
+mod redis_load;
 mod redis_rig;
+pub use redis_load::{Run, measure};
 pub use redis_rig::{REDIS_KEYS, RedisRig};
 
 /// The number of live keys in the large-keyspace scenarios.

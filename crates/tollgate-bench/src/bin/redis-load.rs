@@ -10,92 +10,14 @@
 //!   the world can make one script call per decision faster;
 //! * Redis' own CPU per decision: the `usec` of `EVALSHA` from `INFO commandstats` (the
 //!   scripts' time inside Redis) and the whole server's CPU (`INFO cpu`), over decisions; and
-//!   the same per `return 1` call, the floor of any script call on this host.
+//!   the same per `return 1` call, the floor of any script call on this host;
+//! * this process's own CPU per decision (`/proc/self/stat`): the client's share of the two
+//!   cores, which at high concurrency bounds the rate as much as Redis does.
 //!
 //! `cargo run --release -p tollgate-bench --bin redis-load -- [SECONDS_PER_RUN]`
 
-use std::sync::Arc;
-use std::time::Duration;
-
-use hdrhistogram::Histogram;
-use rand::Rng;
 use tollgate::{CheckRequest, Store, Take};
-use tollgate_bench::{REDIS_KEYS, RedisRig};
-use tollgate_redis::test_server::{command, info_field};
-
-/// One measured run.
-struct Run {
-    per_second: f64,
-    p50_us: f64,
-    p99_us: f64,
-    script_us: f64,
-    server_cpu_us: f64,
-    /// Decisions per script call: how much the batcher shares calls.
-    per_call: f64,
-}
-
-fn server_cpu_seconds(port: u16) -> f64 {
-    let info = command(port, &["INFO", "cpu"]).unwrap_or_default();
-    info_field(&info, "used_cpu_user:", "used_cpu_user")
-        + info_field(&info, "used_cpu_sys:", "used_cpu_sys")
-}
-
-/// Runs `callers` tasks calling `decide(key index)` for `seconds`, and reads Redis' figures.
-async fn measure<F, Fut>(port: u16, callers: usize, keys: u64, seconds: f64, decide: F) -> Run
-where
-    F: Fn(u64) -> Fut + Send + Sync + 'static,
-    Fut: std::future::Future<Output = ()> + Send,
-{
-    command(port, &["CONFIG", "RESETSTAT"]);
-    let cpu_before = server_cpu_seconds(port);
-    let decide = Arc::new(decide);
-    let started = tokio::time::Instant::now();
-    let until = started + Duration::from_secs_f64(seconds);
-    let mut tasks = Vec::new();
-    for caller in 0..callers {
-        let decide = decide.clone();
-        tasks.push(tokio::spawn(async move {
-            let mut histogram = Histogram::<u64>::new(3).expect("histogram");
-            let mut rng = rand::rngs::SmallRng::seed_from_u64(caller as u64);
-            let mut count = 0u64;
-            while tokio::time::Instant::now() < until {
-                let key = if keys == 1 {
-                    0
-                } else {
-                    rng.random_range(0..keys)
-                };
-                let at = tokio::time::Instant::now();
-                decide(key).await;
-                let _ = histogram.record(at.elapsed().as_nanos() as u64);
-                count += 1;
-            }
-            (count, histogram)
-        }));
-    }
-    let mut total = 0;
-    let mut histogram = Histogram::<u64>::new(3).expect("histogram");
-    for task in tasks {
-        let (count, h) = task.await.expect("load task");
-        total += count;
-        let _ = histogram.add(h);
-    }
-    let elapsed = started.elapsed().as_secs_f64();
-    let stats = command(port, &["INFO", "commandstats"]).unwrap_or_default();
-    // Total script time over decisions: one call may carry several decisions.
-    let script_us = info_field(&stats, "cmdstat_evalsha:", "usec") / total.max(1) as f64;
-    let cpu = server_cpu_seconds(port) - cpu_before;
-    let calls = info_field(&stats, "cmdstat_evalsha:", "calls");
-    Run {
-        per_second: total as f64 / elapsed,
-        p50_us: histogram.value_at_quantile(0.5) as f64 / 1_000.0,
-        p99_us: histogram.value_at_quantile(0.99) as f64 / 1_000.0,
-        script_us,
-        server_cpu_us: cpu * 1e6 / total.max(1) as f64,
-        per_call: total as f64 / calls.max(1.0),
-    }
-}
-
-use rand::SeedableRng;
+use tollgate_bench::{REDIS_KEYS, RedisRig, measure};
 
 fn main() {
     let seconds: f64 = std::env::args()
@@ -121,9 +43,9 @@ async fn run(seconds: f64) {
     } = RedisRig::start().await;
 
     println!(
-        "| keys | callers | tollgate decisions/s | p50 µs | p99 µs | `return 1` calls/s | ratio | decisions/call | script µs/decision | redis-server CPU µs/decision | `return 1` script µs/call | `return 1` redis-server CPU µs/call |"
+        "| keys | callers | tollgate decisions/s | p50 µs | p99 µs | `return 1` calls/s | ratio | decisions/call | script µs/decision | redis-server CPU µs/decision | client CPU µs/decision | `return 1` script µs/call | `return 1` redis-server CPU µs/call | `return 1` client CPU µs/call |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for key_count in [1, REDIS_KEYS] {
         for callers in [1usize, 16, 64] {
             let ours = {
@@ -159,7 +81,7 @@ async fn run(seconds: f64) {
                 .await
             };
             println!(
-                "| {key_count} | {callers} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.1} | {:.2} | {:.2} | {:.2} | {:.2} |",
+                "| {key_count} | {callers} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.1} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
                 ours.per_second,
                 ours.p50_us,
                 ours.p99_us,
@@ -168,8 +90,10 @@ async fn run(seconds: f64) {
                 ours.per_call,
                 ours.script_us,
                 ours.server_cpu_us,
+                ours.client_cpu_us,
                 ceiling.script_us,
                 ceiling.server_cpu_us,
+                ceiling.client_cpu_us,
             );
         }
     }
