@@ -26,67 +26,17 @@
 //! `cargo bench -p tollgate-bench --bench memory` (BENCHMARKS.md has the figures).
 
 use std::hint::black_box;
-use std::sync::Barrier;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use criterion::measurement::WallTime;
 use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main};
 use tollgate_bench::{
-    ChainedFloor, Floor, Governor, KeyedCheck, MANY_KEYS, Quotas, Tollgate, drive, populate,
-    random_keys, sequential_keys, split_by_parity,
+    ChainedFloor, Floor, Governor, KeyedCheck, MANY_KEYS, Quotas, Tollgate, populate, random_keys,
+    sequential_keys, split_by_parity, time_one_thread, time_two_threads,
 };
 
 /// Words in the floor's table for the 1M-key scenarios: 64 MiB.
 const FLOOR_SLOTS: usize = 1 << 23;
-
-/// One thread checking `keys` in order, cycling; `cursor` persists across samples.
-// iter_custom must return a measured wall time. The ban on Instant::now keeps time inside
-// tollgate behind its Clock; this harness code times the library from outside.
-#[allow(clippy::disallowed_methods)]
-fn one_thread<L: KeyedCheck>(
-    limiter: &L,
-    keys: &[u64],
-    cursor: &mut usize,
-    iters: u64,
-) -> Duration {
-    let start = Instant::now();
-    drive(limiter, keys, cursor, iters);
-    start.elapsed()
-}
-
-/// Two threads, each checking its own key set for half of `iters`; returns the wall time from
-/// the moment both are released until both are done.
-// As in one_thread: iter_custom needs wall time.
-#[allow(clippy::disallowed_methods)]
-fn two_threads<L: KeyedCheck>(
-    limiter: &L,
-    keys: &[Vec<u64>; 2],
-    cursors: &mut [usize; 2],
-    iters: u64,
-) -> Duration {
-    let counts = [iters / 2, iters - iters / 2];
-    let start_line = Barrier::new(3);
-    std::thread::scope(|scope| {
-        let workers: Vec<_> = keys
-            .iter()
-            .zip(cursors.iter_mut())
-            .zip(counts)
-            .map(|((keys, cursor), count)| {
-                let start_line = &start_line;
-                scope.spawn(move || {
-                    start_line.wait();
-                    drive(limiter, keys, cursor, count);
-                })
-            })
-            .collect();
-        start_line.wait();
-        let start = Instant::now();
-        for worker in workers {
-            worker.join().expect("a benchmark thread panicked");
-        }
-        start.elapsed()
-    })
-}
 
 /// Registers `name/1_thread` on `keys` and `name/2_threads` on `keys_by_thread`; returns
 /// whether either ran (a command-line filter may skip both).
@@ -101,12 +51,12 @@ fn bench_limiter<L: KeyedCheck>(
     let mut cursor = 0;
     group.bench_function(format!("{name}/1_thread"), |b| {
         ran = true;
-        b.iter_custom(|iters| one_thread(limiter, keys, &mut cursor, iters));
+        b.iter_custom(|iters| time_one_thread(limiter, keys, &mut cursor, iters));
     });
     let mut cursors = [0, 0];
     group.bench_function(format!("{name}/2_threads"), |b| {
         ran = true;
-        b.iter_custom(|iters| two_threads(limiter, keys_by_thread, &mut cursors, iters));
+        b.iter_custom(|iters| time_two_threads(limiter, keys_by_thread, &mut cursors, iters));
     });
     ran
 }

@@ -7,7 +7,8 @@
 
 use std::hint::black_box;
 use std::num::NonZeroU32;
-use std::time::Duration;
+use std::sync::Barrier;
+use std::time::{Duration, Instant};
 
 use governor::{DefaultKeyedRateLimiter, Quota};
 use rand::SeedableRng;
@@ -223,6 +224,56 @@ pub fn drive<L: KeyedCheck>(limiter: &L, keys: &[u64], cursor: &mut usize, iters
         }
     }
     *cursor = i;
+}
+
+/// The wall time of one thread checking `iters` keys of `keys` in order, cycling; `cursor`
+/// persists across samples.
+// The ban on Instant::now keeps time inside tollgate behind its Clock; this harness code times
+// the library from outside.
+#[allow(clippy::disallowed_methods)]
+pub fn time_one_thread<L: KeyedCheck>(
+    limiter: &L,
+    keys: &[u64],
+    cursor: &mut usize,
+    iters: u64,
+) -> Duration {
+    let start = Instant::now();
+    drive(limiter, keys, cursor, iters);
+    start.elapsed()
+}
+
+/// Two threads, each checking its own key set for half of `iters`; returns the wall time from
+/// the moment both are released until both are done.
+// As in time_one_thread: the harness times the library from outside.
+#[allow(clippy::disallowed_methods)]
+pub fn time_two_threads<L: KeyedCheck>(
+    limiter: &L,
+    keys: &[Vec<u64>; 2],
+    cursors: &mut [usize; 2],
+    iters: u64,
+) -> Duration {
+    let counts = [iters / 2, iters - iters / 2];
+    let start_line = Barrier::new(3);
+    std::thread::scope(|scope| {
+        let workers: Vec<_> = keys
+            .iter()
+            .zip(cursors.iter_mut())
+            .zip(counts)
+            .map(|((keys, cursor), count)| {
+                let start_line = &start_line;
+                scope.spawn(move || {
+                    start_line.wait();
+                    drive(limiter, keys, cursor, count);
+                })
+            })
+            .collect();
+        start_line.wait();
+        let start = Instant::now();
+        for worker in workers {
+            worker.join().expect("a benchmark thread panicked");
+        }
+        start.elapsed()
+    })
 }
 
 /// Checks every key of `keys` once: the pre-population before a large-keyspace scenario.

@@ -1,0 +1,158 @@
+//! tollgate and governor at 1,000,000 live keys, interleaved: in each round, a short timed
+//! burst of each in turn over the same keys, and the ratio within the round.
+//!
+//! criterion (`benches/memory.rs`) measures one limiter after the other, a minute or more
+//! apart. On a host whose speed moves with its neighbours, a slow spell then lands on one of
+//! them only: between two full runs of one build, governor's time per check has moved by a
+//! fifth or more (BENCHMARKS.md). Here each round times tollgate, governor and the chained
+//! floor back to back, a fifth of a second each, so a spell hits all three alike; the median of
+//! the rounds' ratios is the figure to judge the target by, and their range shows how much the
+//! host moved. Same limiters, quota, keys and loop as the criterion bench.
+//!
+//! `cargo run --release -p tollgate-bench --bin memory-ratio -- [ROUNDS]` (default 15; about
+//! four seconds a round, after a minute of pre-population)
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use tollgate_bench::{
+    ChainedFloor, KeyedCheck, MANY_KEYS, Quotas, populate, random_keys, sequential_keys,
+    split_by_parity, time_one_thread, time_two_threads,
+};
+
+/// Checks per timed burst: about a fifth of a second at 1M keys.
+const BURST: u64 = 2_000_000;
+
+/// One limiter's cursors, where its next burst continues (one thread, then each of two).
+#[derive(Default)]
+struct Cursors {
+    one: usize,
+    two: [usize; 2],
+}
+
+/// Nanoseconds per check of one burst.
+fn per_check(elapsed: Duration) -> f64 {
+    elapsed.as_secs_f64() * 1e9 / BURST as f64
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let mid = values.len() / 2;
+    if values.len() % 2 == 1 {
+        values[mid]
+    } else {
+        (values[mid - 1] + values[mid]) / 2.0
+    }
+}
+
+/// The figures of one scenario and thread count, a value per round.
+#[derive(Default)]
+struct Series {
+    tollgate: Vec<f64>,
+    governor: Vec<f64>,
+    chained_floor: Vec<f64>,
+}
+
+impl Series {
+    fn row(&self, scenario: &str, threads: usize) -> String {
+        let mut ratios: Vec<f64> = self
+            .tollgate
+            .iter()
+            .zip(&self.governor)
+            .map(|(t, g)| t / g)
+            .collect();
+        let (low, high) = ratios
+            .iter()
+            .fold((f64::MAX, f64::MIN), |(lo, hi), &r| (lo.min(r), hi.max(r)));
+        let met = ratios.iter().filter(|&&r| r <= 0.5).count();
+        let rounds = ratios.len();
+        format!(
+            "| {scenario} | {threads} | {:.1} | {:.1} | **{:.2}** | {low:.2}–{high:.2} | {met} of {rounds} | {:.1} |",
+            median(&mut self.tollgate.clone()),
+            median(&mut self.governor.clone()),
+            median(&mut ratios),
+            median(&mut self.chained_floor.clone()),
+        )
+    }
+}
+
+/// One round's bursts of `limiter` on `keys`: one thread, then two.
+fn bursts<L: KeyedCheck>(
+    limiter: &L,
+    keys: &[u64],
+    by_thread: &[Vec<u64>; 2],
+    cursors: &mut Cursors,
+) -> (f64, f64) {
+    let one = per_check(time_one_thread(limiter, keys, &mut cursors.one, BURST));
+    let two = per_check(time_two_threads(
+        limiter,
+        by_thread,
+        &mut cursors.two,
+        BURST,
+    ));
+    (one, two)
+}
+
+fn main() {
+    let rounds: usize = std::env::args()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(15)
+        .max(1);
+    println!(
+        "| scenario | threads | tollgate ns/check | governor ns/check | ratio (median of rounds) | ratio range | rounds ≤ 0.5 | chained_floor ns/check |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    let mut scaling = Vec::new();
+    for (scenario, keys) in [
+        ("1M sequential", sequential_keys(MANY_KEYS)),
+        ("1M random", random_keys(MANY_KEYS)),
+    ] {
+        let by_thread = split_by_parity(&keys);
+        let tollgate = Quotas::MANY_KEYS.new_tollgate();
+        let governor = Quotas::MANY_KEYS.new_governor();
+        populate(&tollgate, 0..MANY_KEYS);
+        populate(&governor, 0..MANY_KEYS);
+        // As large as tollgate's table: the latency of one miss that nothing overlaps.
+        let floor = ChainedFloor::new(tollgate.store().stats().slots * 2);
+        let (mut ours, mut theirs, mut floors) = Default::default();
+        let mut one = Series::default();
+        let mut two = Series::default();
+        // A first round unrecorded: page faults, the floor's table, the threads' first start.
+        for round in 0..=rounds {
+            let t = bursts(&tollgate, &keys, &by_thread, &mut ours);
+            let g = bursts(&governor, &keys, &by_thread, &mut theirs);
+            let f = bursts(&floor, &keys, &by_thread, &mut floors);
+            if round == 0 {
+                continue;
+            }
+            for (series, pick) in [(&mut one, 0), (&mut two, 1)] {
+                let of = |pair: (f64, f64)| if pick == 0 { pair.0 } else { pair.1 };
+                series.tollgate.push(of(t));
+                series.governor.push(of(g));
+                series.chained_floor.push(of(f));
+            }
+        }
+        // Every bucket must still be live: one token a minute, a burst of 10,000.
+        let stats = tollgate.store().stats();
+        assert_eq!(
+            stats.live_buckets as u64, MANY_KEYS,
+            "buckets expired mid-run"
+        );
+        println!("{}", one.row(scenario, 1));
+        println!("{}", two.row(scenario, 2));
+        let mut ratios: Vec<f64> = one
+            .tollgate
+            .iter()
+            .zip(&two.tollgate)
+            .map(|(a, b)| a / b)
+            .collect();
+        scaling.push(format!("{scenario} {:.2}", median(&mut ratios)));
+        drop(black_box((tollgate, governor)));
+    }
+    println!();
+    println!(
+        "tollgate's 2-thread scaling (median of rounds): {}",
+        scaling.join(", ")
+    );
+}
