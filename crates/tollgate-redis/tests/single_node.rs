@@ -693,7 +693,8 @@ async fn one_failing_request_does_not_fail_the_others_in_its_batch() {
 #[tokio::test(flavor = "current_thread")]
 async fn requests_on_one_key_in_one_call_are_decided_in_turn() {
     let server = RedisServer::start();
-    let store = connect(&server).await;
+    // One call in flight at most: the waiting requests are not split over two calls.
+    let store = one_call_in_flight(&server, Duration::from_secs(5)).await;
     let l = limit(5, "1/s");
     command(server.port, &["CONFIG", "RESETSTAT"]);
     let one = |key: &'static str| vec![Take::new(key, &l, 1)];
@@ -742,8 +743,44 @@ async fn requests_on_one_key_in_one_call_are_decided_in_turn() {
     let pttl = command(server.port, &["PTTL", "tollgate:hot"]).unwrap_or_default();
     let pttl: i64 = pttl.trim_start_matches(':').trim().parse().expect("a PTTL");
     assert!((4_000..=5_000).contains(&pttl), "PTTL {pttl}");
-    let after = check_at(&store, "hot", &l, 1, None, None).await.unwrap();
+    let after = check_at(&*store, "hot", &l, 1, None, None).await.unwrap();
     assert!(!after[0].allowed());
+}
+
+/// With nothing in flight and calls to spare, the waiting requests leave in two calls, so that
+/// Redis decides one while the other's callers are answered; every request is decided once.
+#[tokio::test(flavor = "current_thread")]
+async fn waiting_requests_leave_in_two_calls_when_none_is_in_flight() {
+    let server = RedisServer::start();
+    let store = connect(&server).await;
+    let l = limit(100, "1/s");
+    command(server.port, &["CONFIG", "RESETSTAT"]);
+    let keys: Vec<String> = (0..15).map(|k| format!("k{k}")).collect();
+    let requests: Vec<[Take<'_>; 1]> = keys.iter().map(|key| [Take::new(key, &l, 1)]).collect();
+    // All queued before the dispatcher runs (one thread).
+    let decided = futures_util::future::join_all(requests.iter().map(|takes| {
+        store.check(CheckRequest {
+            takes,
+            request_id: None,
+            now: None,
+        })
+    }))
+    .await;
+    let stats = command(server.port, &["INFO", "commandstats"]).unwrap_or_default();
+    assert_eq!(
+        info_field(&stats, "cmdstat_evalsha:", "calls"),
+        2.0,
+        "{stats}"
+    );
+    for decision in decided {
+        let decision = decision.expect("decided");
+        assert!(decision[0].allowed() && decision[0].remaining() == 99);
+    }
+    assert_eq!(
+        command(server.port, &["DBSIZE"]).as_deref(),
+        Some(":15\r\n"),
+        "every request charged its own bucket once"
+    );
 }
 
 /// A script error caused by one key's data is not an outage: it must not open the circuit
