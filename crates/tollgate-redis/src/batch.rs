@@ -19,9 +19,9 @@
 //! idles; and the two next calls leave together again. So with nothing in flight the waiting
 //! requests are split over two calls, and a call followed at once by another is written on its
 //! own before the next is formed. On this project's 2-core host (BENCHMARKS.md, sixteenth
-//! session) that raised 16 callers from 150k–172k to 244k decisions a second on one key and
-//! from 104k–121k to 172k–175k on 100,000 keys, and 64 callers on 100,000 keys from 157k–191k to
-//! 262k–281k, where Redis' core was then full. With one call in flight at most, nothing is
+//! session) that raised 16 callers from 150k–172k to 224k–245k decisions a second on one key and
+//! from 104k–121k to 168k–175k on 100,000 keys, and 64 callers on 100,000 keys from 157k–191k to
+//! 222k–281k, where Redis' core was then full. With one call in flight at most, nothing is
 //! split: a second call would only wait.
 
 use std::collections::{HashSet, VecDeque};
