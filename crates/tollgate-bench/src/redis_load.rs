@@ -8,7 +8,51 @@ use std::time::Duration;
 
 use hdrhistogram::Histogram;
 use rand::{Rng, SeedableRng};
+use tollgate::{CheckRequest, Limit, Store, Take};
+use tollgate_redis::RedisStore;
 use tollgate_redis::test_server::{command, info_field};
+
+/// A load binary's `main`: the seconds per run from the first argument (3 when absent), and
+/// `run` with them on a runtime of one thread: one core for the clients, redis-server has the
+/// other.
+///
+/// # Panics
+///
+/// When the runtime cannot be built.
+pub fn run_load<F, Fut>(run: F)
+where
+    F: FnOnce(f64) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let seconds: f64 = std::env::args()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(3.0);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(run(seconds));
+}
+
+/// One decision of tollgate's Redis store: one unit of `limit` from `key`'s bucket.
+///
+/// # Panics
+///
+/// When the store fails or rejects: the rigs' quota admits every request of a run, so either
+/// means the run would not measure what it says.
+pub(crate) async fn take_one(store: &RedisStore, key: &str, limit: &Limit) {
+    let takes = [Take::new(key, limit, 1)];
+    let request = CheckRequest {
+        takes: &takes,
+        request_id: None,
+        now: None,
+    };
+    match store.check(request).await {
+        Ok(decisions) => assert!(decisions.iter().all(|d| d.allowed()), "tollgate rejected"),
+        Err(err) => panic!("tollgate's decision failed: {err}"),
+    }
+}
 
 /// One measured run. "Per decision" means per completed call of `decide`.
 pub struct Run {

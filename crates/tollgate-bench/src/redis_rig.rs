@@ -11,6 +11,8 @@ use tollgate::Limit;
 use tollgate_redis::test_server::RedisServer;
 use tollgate_redis::{RedisConfig, RedisStore};
 
+use crate::redis_load::{Run, measure, take_one};
+
 /// Distinct keys the callers spread over in the random-key runs.
 pub const REDIS_KEYS: u64 = 100_000;
 
@@ -57,5 +59,18 @@ impl RedisRig {
             limit,
             keys: Arc::new((0..REDIS_KEYS).map(|k| format!("bench:{{{k}}}")).collect()),
         }
+    }
+}
+
+impl RedisRig {
+    /// tollgate's store under [`measure`]: `callers` callers each deciding [`take_one`] on the
+    /// rig's first `key_count` keys, for `seconds`.
+    pub async fn measure_store(&self, callers: usize, key_count: u64, seconds: f64) -> Run {
+        let (store, keys, limit) = (self.store.clone(), self.keys.clone(), self.limit);
+        measure(self.server.port, callers, key_count, seconds, move |k| {
+            let (store, keys) = (store.clone(), keys.clone());
+            async move { take_one(&store, &keys[k as usize], &limit).await }
+        })
+        .await
     }
 }

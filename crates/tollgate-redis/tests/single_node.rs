@@ -49,6 +49,22 @@ async fn check(
         .await
 }
 
+/// Decides `requests` concurrently from one task: on a current-thread runtime every one of them
+/// is queued before the batcher's dispatcher runs.
+async fn decide_together<'a, T: AsRef<[Take<'a>]>>(
+    store: &impl Store,
+    requests: &'a [T],
+) -> Vec<Result<Vec<Decision>, Error>> {
+    futures_util::future::join_all(requests.iter().map(|takes| {
+        store.check(CheckRequest {
+            takes: takes.as_ref(),
+            request_id: None,
+            now: None,
+        })
+    }))
+    .await
+}
+
 /// One unit of `limit` on `key` at Redis' time, as a future that can be spawned.
 fn take_one(
     store: &Arc<RedisStore>,
@@ -711,14 +727,7 @@ async fn requests_on_one_key_in_one_call_are_decided_in_turn() {
         one("hot"),
     ];
     // All queued before the dispatcher runs (one thread): they leave in one script call.
-    let decided = futures_util::future::join_all(requests.iter().map(|takes| {
-        store.check(CheckRequest {
-            takes,
-            request_id: None,
-            now: None,
-        })
-    }))
-    .await;
+    let decided = decide_together(&*store, &requests).await;
     let stats = command(server.port, &["INFO", "commandstats"]).unwrap_or_default();
     assert_eq!(info_field(&stats, "cmdstat_evalsha:", "calls"), 1.0);
     // The memory store, deciding the same requests one after another at one instant.
@@ -758,14 +767,7 @@ async fn waiting_requests_leave_in_two_calls_when_none_is_in_flight() {
     let keys: Vec<String> = (0..15).map(|k| format!("k{k}")).collect();
     let requests: Vec<[Take<'_>; 1]> = keys.iter().map(|key| [Take::new(key, &l, 1)]).collect();
     // All queued before the dispatcher runs (one thread).
-    let decided = futures_util::future::join_all(requests.iter().map(|takes| {
-        store.check(CheckRequest {
-            takes,
-            request_id: None,
-            now: None,
-        })
-    }))
-    .await;
+    let decided = decide_together(&store, &requests).await;
     let stats = command(server.port, &["INFO", "commandstats"]).unwrap_or_default();
     assert_eq!(
         info_field(&stats, "cmdstat_evalsha:", "calls"),

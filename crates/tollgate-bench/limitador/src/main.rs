@@ -24,35 +24,19 @@ use std::sync::Arc;
 use limitador::AsyncRateLimiter;
 use limitador::limit::{Context, Expression, Limit, Predicate};
 use limitador::storage::redis::AsyncRedisStorage;
-use tollgate::{CheckRequest, Store, Take};
-use tollgate_bench::{REDIS_KEYS, RedisRig, Run, measure};
+use tollgate_bench::{REDIS_KEYS, RedisRig, Run, measure, run_load};
 
 /// limitador's namespace for the run's one limit.
 const NAMESPACE: &str = "bench";
 
 fn main() {
-    let seconds: f64 = std::env::args()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(3.0);
-    // One core for both clients, in turn; redis-server has the other.
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    runtime.block_on(run(seconds));
+    run_load(run);
 }
 
 async fn run(seconds: f64) {
-    let RedisRig {
-        server,
-        store,
-        limit,
-        keys,
-        ..
-    } = RedisRig::start().await;
+    let rig = RedisRig::start().await;
 
-    let storage = AsyncRedisStorage::new(&server.url())
+    let storage = AsyncRedisStorage::new(&rig.server.url())
         .await
         .expect("limitador's Redis store");
     let limiter = Arc::new(AsyncRateLimiter::new_with_storage(Box::new(storage)));
@@ -73,30 +57,10 @@ async fn run(seconds: f64) {
     println!("|---|---|---|---|---|---|---|---|---|---|");
     for key_count in [1, REDIS_KEYS] {
         for callers in [1usize, 16, 64] {
-            let ours = {
-                let (store, keys, limit) = (store.clone(), keys.clone(), limit);
-                measure(server.port, callers, key_count, seconds, move |k| {
-                    let (store, keys, limit) = (store.clone(), keys.clone(), limit);
-                    async move {
-                        let takes = [Take::new(&keys[k as usize], &limit, 1)];
-                        let request = CheckRequest {
-                            takes: &takes,
-                            request_id: None,
-                            now: None,
-                        };
-                        match store.check(request).await {
-                            Ok(decisions) => {
-                                assert!(decisions.iter().all(|d| d.allowed()), "tollgate rejected");
-                            }
-                            Err(err) => panic!("tollgate's decision failed: {err}"),
-                        }
-                    }
-                })
-                .await
-            };
+            let ours = rig.measure_store(callers, key_count, seconds).await;
             let theirs = {
                 let (limiter, users) = (limiter.clone(), users.clone());
-                measure(server.port, callers, key_count, seconds, move |k| {
+                measure(rig.server.port, callers, key_count, seconds, move |k| {
                     let (limiter, users) = (limiter.clone(), users.clone());
                     async move {
                         let values =

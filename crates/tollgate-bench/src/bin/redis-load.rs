@@ -16,31 +16,15 @@
 //!
 //! `cargo run --release -p tollgate-bench --bin redis-load -- [SECONDS_PER_RUN]`
 
-use tollgate::{CheckRequest, Store, Take};
-use tollgate_bench::{REDIS_KEYS, RedisRig, measure};
+use tollgate_bench::{REDIS_KEYS, RedisRig, measure, run_load};
 
 fn main() {
-    let seconds: f64 = std::env::args()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(3.0);
-    // One core for the load generator; redis-server has the other.
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    runtime.block_on(run(seconds));
+    run_load(run);
 }
 
 async fn run(seconds: f64) {
-    let RedisRig {
-        server,
-        store,
-        raw,
-        noop,
-        limit,
-        keys,
-    } = RedisRig::start().await;
+    let rig = RedisRig::start().await;
+    let (port, raw, noop, keys) = (rig.server.port, &rig.raw, &rig.noop, &rig.keys);
 
     println!(
         "| keys | callers | tollgate decisions/s | p50 µs | p99 µs | `return 1` calls/s | ratio | decisions/call | script µs/decision | redis-server CPU µs/decision | client CPU µs/decision | `return 1` script µs/call | `return 1` redis-server CPU µs/call | `return 1` client CPU µs/call |"
@@ -48,27 +32,10 @@ async fn run(seconds: f64) {
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for key_count in [1, REDIS_KEYS] {
         for callers in [1usize, 16, 64] {
-            let ours = {
-                let (store, keys) = (store.clone(), keys.clone());
-                measure(server.port, callers, key_count, seconds, move |k| {
-                    let (store, keys) = (store.clone(), keys.clone());
-                    async move {
-                        let takes = [Take::new(&keys[k as usize], &limit, 1)];
-                        let request = CheckRequest {
-                            takes: &takes,
-                            request_id: None,
-                            now: None,
-                        };
-                        if let Err(err) = store.check(request).await {
-                            panic!("decision failed: {err}");
-                        }
-                    }
-                })
-                .await
-            };
+            let ours = rig.measure_store(callers, key_count, seconds).await;
             let ceiling = {
                 let (raw, noop, keys) = (raw.clone(), noop.clone(), keys.clone());
-                measure(server.port, callers, key_count, seconds, move |k| {
+                measure(port, callers, key_count, seconds, move |k| {
                     let (mut raw, noop, keys) = (raw.clone(), noop.clone(), keys.clone());
                     async move {
                         let reply: redis::RedisResult<i64> =
