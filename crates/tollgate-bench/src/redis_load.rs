@@ -39,7 +39,7 @@ where
 ///
 /// # Panics
 ///
-/// When the store fails or rejects: the rigs' quota admits every request of a run, so either
+/// When the store fails or rejects: the rig's quota admits every request of a run, so either
 /// means the run would not measure what it says.
 pub(crate) async fn take_one(store: &RedisStore, key: &str, limit: &Limit) {
     let takes = [Take::new(key, limit, 1)];

@@ -1,6 +1,6 @@
 //! What the Redis load generators share: a throwaway `redis-server`, tollgate's store and a raw
-//! connection on it, the quota and the keys, so that `redis-load` (rates) and
-//! `redis-client-cost` (instructions) measure the same thing.
+//! connection on it, the quota and the keys, so that `redis-load` (rates), `redis-client-cost`
+//! (instructions) and the limitador comparison (`limitador/`) measure the same thing.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -60,9 +60,7 @@ impl RedisRig {
             keys: Arc::new((0..REDIS_KEYS).map(|k| format!("bench:{{{k}}}")).collect()),
         }
     }
-}
 
-impl RedisRig {
     /// tollgate's store under [`measure`]: `callers` callers each deciding [`take_one`] on the
     /// rig's first `key_count` keys, for `seconds`.
     pub async fn measure_store(&self, callers: usize, key_count: u64, seconds: f64) -> Run {
