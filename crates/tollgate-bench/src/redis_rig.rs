@@ -61,8 +61,8 @@ impl RedisRig {
         }
     }
 
-    /// tollgate's store under [`measure`]: `callers` callers each deciding [`take_one`] on the
-    /// rig's first `key_count` keys, for `seconds`.
+    /// tollgate's store under [`measure`]: `callers` callers, each decision one unit from the
+    /// bucket of one of the rig's first `key_count` keys, for `seconds`.
     pub async fn measure_store(&self, callers: usize, key_count: u64, seconds: f64) -> Run {
         let (store, keys, limit) = (self.store.clone(), self.keys.clone(), self.limit);
         measure(self.server.port, callers, key_count, seconds, move |k| {
