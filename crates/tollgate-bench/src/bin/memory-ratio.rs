@@ -36,6 +36,11 @@ fn per_check(elapsed: Duration) -> f64 {
     elapsed.as_secs_f64() * 1e9 / BURST as f64
 }
 
+/// `a[i] / b[i]` for each round.
+fn ratios(a: &[f64], b: &[f64]) -> Vec<f64> {
+    a.iter().zip(b).map(|(x, y)| x / y).collect()
+}
+
 fn median(values: &mut [f64]) -> f64 {
     values.sort_by(f64::total_cmp);
     let mid = values.len() / 2;
@@ -55,13 +60,14 @@ struct Series {
 }
 
 impl Series {
+    fn push(&mut self, tollgate: f64, governor: f64, chained_floor: f64) {
+        self.tollgate.push(tollgate);
+        self.governor.push(governor);
+        self.chained_floor.push(chained_floor);
+    }
+
     fn row(&self, scenario: &str, threads: usize) -> String {
-        let mut ratios: Vec<f64> = self
-            .tollgate
-            .iter()
-            .zip(&self.governor)
-            .map(|(t, g)| t / g)
-            .collect();
+        let mut ratios = ratios(&self.tollgate, &self.governor);
         let (low, high) = ratios
             .iter()
             .fold((f64::MAX, f64::MIN), |(lo, hi), &r| (lo.min(r), hi.max(r)));
@@ -124,14 +130,9 @@ fn main() {
             let t = bursts(&tollgate, &keys, &by_thread, &mut ours);
             let g = bursts(&governor, &keys, &by_thread, &mut theirs);
             let f = bursts(&floor, &keys, &by_thread, &mut floors);
-            if round == 0 {
-                continue;
-            }
-            for (series, pick) in [(&mut one, 0), (&mut two, 1)] {
-                let of = |pair: (f64, f64)| if pick == 0 { pair.0 } else { pair.1 };
-                series.tollgate.push(of(t));
-                series.governor.push(of(g));
-                series.chained_floor.push(of(f));
+            if round > 0 {
+                one.push(t.0, g.0, f.0);
+                two.push(t.1, g.1, f.1);
             }
         }
         // Every bucket must still be live: one token a minute, a burst of 10,000.
@@ -142,13 +143,8 @@ fn main() {
         );
         println!("{}", one.row(scenario, 1));
         println!("{}", two.row(scenario, 2));
-        let mut ratios: Vec<f64> = one
-            .tollgate
-            .iter()
-            .zip(&two.tollgate)
-            .map(|(a, b)| a / b)
-            .collect();
-        scaling.push(format!("{scenario} {:.2}", median(&mut ratios)));
+        let mut speedups = ratios(&one.tollgate, &two.tollgate);
+        scaling.push(format!("{scenario} {:.2}", median(&mut speedups)));
         drop(black_box((tollgate, governor)));
     }
     println!();
