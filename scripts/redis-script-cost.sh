@@ -5,8 +5,8 @@
 #   scripts/redis-script-cost.sh [decisions-per-call ...]      (default: 1 8 32)
 # Each call takes one token from each of its decisions' buckets (distinct keys, Redis `TIME`),
 # as `RedisStore` sends it; HOT=1 puts every decision of a call on one key (one hot key's
-# concurrent callers sharing calls). TAKE_LUA=path measures another version of the script (same
-# arguments). Needs valgrind and python3; starts its own redis-server on a free loopback port and
+# concurrent callers sharing calls). TAKE_LUA=path measures another version of the script;
+# LAYOUT=old sends the arguments as scripts before the plain-take flag (ARGV[4]) read them. Needs valgrind and python3; starts its own redis-server on a free loopback port and
 # kills it on exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,10 +27,10 @@ until redis-cli -p "$port" ping >/dev/null 2>&1; do sleep 0.2; done
 # Sends `calls` EVALSHA calls of `m` decisions each, four in flight, in the argument layout of
 # take.lua (bucket figures as three little-endian doubles).
 drive() {
-  python3 - "$port" "${TAKE_LUA:-crates/tollgate-redis/scripts/take.lua}" "$1" "$2" "${HOT:-}" <<'EOF'
+  python3 - "$port" "${TAKE_LUA:-crates/tollgate-redis/scripts/take.lua}" "$1" "$2" "${HOT:-}" "${LAYOUT:-}" <<'EOF'
 import hashlib, socket, struct, sys
 port, path, m, calls = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-hot = sys.argv[5] == '1'
+hot, old = sys.argv[5] == '1', sys.argv[6] == 'old'
 source = open(path, 'rb').read()
 def resp(args):
     out = [b'*%d\r\n' % len(args)]
@@ -53,9 +53,12 @@ conn.sendall(resp(['SCRIPT', 'LOAD', source])); read()
 keys = ['k0'] * m if hot else ['k%d' % i for i in range(m)]
 # The third argument says whether a key repeats in the call, as the store's client works it out.
 args = ['EVALSHA', hashlib.sha1(source).hexdigest(), m] + keys + ['', m, '1' if hot and m > 1 else '']
+# Every request is a plain take (one bucket, no id): the fourth argument says so, and each
+# request sends its figures alone.
+args += [] if old else ['1']
 for _ in range(m):
     # 10^9 tokens, refilled 10^9 per second: a = 1000 units per microsecond, one unit per token.
-    args += [1, '', '', 'take', struct.pack('<ddd', 1000, 1e9, 1)]
+    args += ([1, '', '', 'take'] if old else []) + [struct.pack('<ddd', 1000, 1e9, 1)]
 call = resp(args)
 for _ in range(calls // 4):
     conn.sendall(call * 4)

@@ -133,6 +133,15 @@ pub(crate) struct Segment {
     pub(crate) mode: Mode,
 }
 
+impl Segment {
+    /// Whether the segment is a plain take: one bucket, no record, mode take. A call made only
+    /// of plain takes sends each one's figures alone, without the four arguments that would
+    /// say so (see `scripts/take.lua`), which saves Redis a tenth of a decision's work.
+    fn is_plain(&self) -> bool {
+        self.buckets.len() == 1 && self.record.is_none() && self.mode == Mode::Take
+    }
+}
+
 /// The script's reply length for `segment`: a status, then (allowed, deficit) per bucket.
 fn reply_len(segment: &Segment) -> usize {
     1 + 2 * segment.buckets.len()
@@ -168,9 +177,9 @@ fn command(verb: &str, script: &str, now: Option<u64>, segments: &[&Segment]) ->
         .sum();
     // Sized up front, so that building the command never reallocates: an integer argument is
     // at most 20 digits (three per call, two per segment, with a mode of at most 6 bytes), the
-    // repeated-key flag one byte, a bucket's figures at most 64 bytes, and keys and
-    // fingerprints are counted as they are.
-    let (mut args, mut bytes) = (6, verb.len() + script.len() + 61);
+    // two flags a byte each, a bucket's figures at most 64 bytes, and keys and fingerprints are
+    // counted as they are.
+    let (mut args, mut bytes) = (7, verb.len() + script.len() + 62);
     for segment in segments {
         args += 4 + 2 * segment.buckets.len();
         bytes += 46 + MAX_PARAMS * segment.buckets.len();
@@ -206,15 +215,19 @@ fn command(verb: &str, script: &str, now: Option<u64>, segments: &[&Segment]) ->
     };
     cmd.arg(segments.len());
     cmd.arg(if repeats_a_key(segments) { "1" } else { "" });
+    let plain = segments.iter().all(|segment| segment.is_plain());
+    cmd.arg(if plain { "1" } else { "" });
     for segment in segments {
-        cmd.arg(segment.buckets.len());
-        match &segment.record {
-            Some(record) => cmd
-                .arg(record.window_ms)
-                .arg(format!("{}:{}", record.fingerprint, record.attempt)),
-            None => cmd.arg("").arg(""),
-        };
-        cmd.arg(segment.mode.as_str());
+        if !plain {
+            cmd.arg(segment.buckets.len());
+            match &segment.record {
+                Some(record) => cmd
+                    .arg(record.window_ms)
+                    .arg(format!("{}:{}", record.fingerprint, record.attempt)),
+                None => cmd.arg("").arg(""),
+            };
+            cmd.arg(segment.mode.as_str());
+        }
         for bucket in &segment.buckets {
             let (params, len) = bucket.params();
             cmd.arg(&params[..len]);
@@ -484,7 +497,9 @@ async fn call(script: Arc<TakeScript>, connection: Connection, timeout: Duration
 
 #[cfg(test)]
 mod tests {
-    use super::{Bucket, Carried, Mode, Segment, integer, repeats_a_key};
+    use redis::Arg;
+
+    use super::{Bucket, Carried, Mode, Record, Segment, command, integer, repeats_a_key};
 
     fn bucket(key: &str, old_key: Option<&str>) -> Bucket {
         Bucket {
@@ -529,6 +544,67 @@ mod tests {
             segment(vec![bucket("a", Some("b-old"))]),
             segment(vec![bucket("b-old", None)]),
         ]));
+    }
+
+    /// The script's arguments in a call of `segments` (ARGV: after the keys).
+    fn argv(segments: &[Segment]) -> Vec<Vec<u8>> {
+        let segments: Vec<&Segment> = segments.iter().collect();
+        let keys: usize = segments
+            .iter()
+            .flat_map(|segment| &segment.buckets)
+            .map(|bucket| 1 + usize::from(bucket.carry.is_some()))
+            .sum::<usize>()
+            + segments.iter().filter(|s| s.record.is_some()).count();
+        let cmd = command("EVALSHA", "sha", None, &segments);
+        cmd.args_iter()
+            .skip(3 + keys)
+            .map(|arg| match arg {
+                Arg::Simple(bytes) => bytes.to_vec(),
+                _ => panic!("the script's call has no cursor"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_call_of_plain_takes_sends_each_ones_figures_alone() {
+        let plain = [
+            segment(vec![bucket("a", None)]),
+            segment(vec![bucket("b", Some("b-old"))]),
+        ];
+        let args = argv(&plain);
+        // Redis' time, two requests, no repeated key, plain; then each bucket's figures.
+        assert_eq!(&args[..4], [&b""[..], b"2", b"", b"1"]);
+        assert_eq!(args.len(), 6);
+        assert_eq!((args[4].len(), args[5].len()), (24, 64));
+
+        // One request that is not plain gives every request its four arguments again.
+        for other in [
+            segment(vec![bucket("c", None), bucket("d", None)]),
+            Segment {
+                mode: Mode::Peek,
+                ..segment(vec![bucket("c", None)])
+            },
+            Segment {
+                record: Some(Record {
+                    key: "{c}:r".to_owned(),
+                    window_ms: 1_000,
+                    fingerprint: "f".to_owned(),
+                    attempt: 7,
+                }),
+                ..segment(vec![bucket("c", None)])
+            },
+        ] {
+            let mode = other.mode.as_str().as_bytes().to_vec();
+            let n = other.buckets.len();
+            let mixed = [segment(vec![bucket("a", None)]), other];
+            let args = argv(&mixed);
+            assert_eq!(&args[..4], [&b""[..], b"2", b"", b""]);
+            assert_eq!(&args[4..8], [&b"1"[..], b"", b"", b"take"]);
+            assert_eq!(args[8].len(), 24);
+            assert_eq!(args[9], n.to_string().into_bytes());
+            assert_eq!(args[12], mode);
+            assert_eq!(args.len(), 13 + n);
+        }
     }
 
     fn packed(value: f64) -> [u8; 8] {

@@ -256,6 +256,7 @@ fn attempt_call(
         .arg(now.as_nanos() / 1_000)
         .arg(1) // one request
         .arg("") // no key repeats
+        .arg("") // not a plain take: it has an id
         .arg(1) // of one bucket
         .arg(7_200_000)
         .arg(format!("{fingerprint}:{attempt}"))

@@ -65,6 +65,22 @@ async fn decide_together<'a, T: AsRef<[Take<'a>]>>(
     .await
 }
 
+/// The memory store's decisions on `requests`, taken one after another at one instant: what
+/// a script call deciding them together must answer.
+async fn one_after_another<'a, T: AsRef<[Take<'a>]>>(requests: &'a [T]) -> Vec<Vec<Decision>> {
+    let reference = LocalStore::new(ManualClock::new());
+    let mut expected = Vec::new();
+    for takes in requests {
+        let request = CheckRequest {
+            takes: takes.as_ref(),
+            request_id: None,
+            now: None,
+        };
+        expected.push(reference.check(request).await.expect("decided"));
+    }
+    expected
+}
+
 /// One unit of `limit` on `key` at Redis' time, as a future that can be spawned.
 fn take_one(
     store: &Arc<RedisStore>,
@@ -730,19 +746,8 @@ async fn requests_on_one_key_in_one_call_are_decided_in_turn() {
     let decided = decide_together(&*store, &requests).await;
     let stats = command(server.port, &["INFO", "commandstats"]).unwrap_or_default();
     assert_eq!(info_field(&stats, "cmdstat_evalsha:", "calls"), 1.0);
-    // The memory store, deciding the same requests one after another at one instant.
-    let reference = LocalStore::new(ManualClock::new());
-    let mut expected = Vec::new();
-    for takes in &requests {
-        let request = CheckRequest {
-            takes,
-            request_id: None,
-            now: None,
-        };
-        expected.push(reference.check(request).await.expect("decided"));
-    }
     let decided: Vec<Vec<Decision>> = decided.into_iter().map(|r| r.expect("decided")).collect();
-    assert_eq!(decided, expected);
+    assert_eq!(decided, one_after_another(&requests).await);
     // The five tokens went to the first five requests on hot; side's whole capacity was still
     // there after the rejected request that named it.
     assert!(decided[5][0].allowed() && decided[5][0].remaining() == 0);
@@ -754,6 +759,33 @@ async fn requests_on_one_key_in_one_call_are_decided_in_turn() {
     assert!((4_000..=5_000).contains(&pttl), "PTTL {pttl}");
     let after = check_at(&*store, "hot", &l, 1, None, None).await.unwrap();
     assert!(!after[0].allowed());
+}
+
+/// A call of plain takes (one bucket each, no request id) sends each request's figures without
+/// the arguments that describe it: the decisions must be the memory store's all the same, on a
+/// hot key read once for the call as on keys read once each.
+#[tokio::test(flavor = "current_thread")]
+async fn a_call_of_plain_takes_decides_as_the_memory_store() {
+    let server = RedisServer::start();
+    let store = one_call_in_flight(&server, Duration::from_secs(5)).await;
+    let l = limit(3, "1/s");
+    command(server.port, &["CONFIG", "RESETSTAT"]);
+    let keys = ["hot", "cold", "hot", "hot", "other", "hot", "cold", "hot"];
+    let requests: Vec<[Take<'_>; 1]> = keys.iter().map(|key| [Take::new(key, &l, 1)]).collect();
+    let decided = decide_together(&*store, &requests).await;
+    let stats = command(server.port, &["INFO", "commandstats"]).unwrap_or_default();
+    assert_eq!(info_field(&stats, "cmdstat_evalsha:", "calls"), 1.0);
+    let decided: Vec<Vec<Decision>> = decided.into_iter().map(|r| r.expect("decided")).collect();
+    assert_eq!(decided, one_after_another(&requests).await);
+    // hot's three tokens went to its first three requests.
+    assert!(decided[3][0].allowed() && decided[3][0].remaining() == 0);
+    assert!(!decided[5][0].allowed() && !decided[7][0].allowed());
+    // Distinct keys only: the same call without the hot key's cache.
+    command(server.port, &["FLUSHALL"]);
+    let distinct = &requests[..2];
+    let decided = decide_together(&*store, distinct).await;
+    let decided: Vec<Vec<Decision>> = decided.into_iter().map(|r| r.expect("decided")).collect();
+    assert_eq!(decided, one_after_another(distinct).await);
 }
 
 /// With nothing in flight and calls to spare, the waiting requests leave in two calls, so that
