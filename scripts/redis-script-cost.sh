@@ -5,9 +5,12 @@
 #   scripts/redis-script-cost.sh [decisions-per-call ...]      (default: 1 8 32)
 # Each call takes one token from each of its decisions' buckets (distinct keys, Redis `TIME`),
 # as `RedisStore` sends it; HOT=1 puts every decision of a call on one key (one hot key's
-# concurrent callers sharing calls). TAKE_LUA=path measures another version of the script;
-# LAYOUT=old sends the arguments as scripts before the plain-take flag (ARGV[4]) read them. Needs valgrind and python3; starts its own redis-server on a free loopback port and
-# kills it on exit.
+# concurrent callers sharing calls). The buckets are those of `redis-load` (10^9 tokens, as many
+# a second): full again a nanosecond after a take, so each key lives the shortest TTL, 1 ms.
+# LIVE=1 takes a second's worth of refill instead, so the keys stay and every write replaces a
+# live bucket and its TTL. TAKE_LUA=path measures another version of the script; LAYOUT=old
+# sends the arguments as scripts before the plain-take flag (ARGV[4]) read them. Needs valgrind
+# and python3; starts its own redis-server on a free loopback port and kills it on exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 (($# > 0)) || set -- 1 8 32
@@ -27,10 +30,10 @@ until redis-cli -p "$port" ping >/dev/null 2>&1; do sleep 0.2; done
 # Sends `calls` EVALSHA calls of `m` decisions each, four in flight, in the argument layout of
 # take.lua (bucket figures as three little-endian doubles).
 drive() {
-  python3 - "$port" "${TAKE_LUA:-crates/tollgate-redis/scripts/take.lua}" "$1" "$2" "${HOT:-}" "${LAYOUT:-}" <<'EOF'
+  python3 - "$port" "${TAKE_LUA:-crates/tollgate-redis/scripts/take.lua}" "$1" "$2" "${HOT:-}" "${LAYOUT:-}" "${LIVE:-}" <<'EOF'
 import hashlib, socket, struct, sys
 port, path, m, calls = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-hot, old = sys.argv[5] == '1', sys.argv[6] == 'old'
+hot, old, live = sys.argv[5] == '1', sys.argv[6] == 'old', sys.argv[7] == '1'
 source = open(path, 'rb').read()
 def resp(args):
     out = [b'*%d\r\n' % len(args)]
@@ -58,7 +61,10 @@ args = ['EVALSHA', hashlib.sha1(source).hexdigest(), m] + keys + ['', m, '1' if 
 args += [] if old else ['1']
 for _ in range(m):
     # 10^9 tokens, refilled 10^9 per second: a = 1000 units per microsecond, one unit per token.
-    args += ([1, '', '', 'take'] if old else []) + [struct.pack('<ddd', 1000, 1e9, 1)]
+    # LIVE: 10^15 tokens at the same rate, each take 10^9 of them, a second's refill: no
+    # bucket is full again for as many seconds as it has had takes, and its key stays.
+    figures = (1000, 1e15, 1e9) if live else (1000, 1e9, 1)
+    args += ([1, '', '', 'take'] if old else []) + [struct.pack('<ddd', *figures)]
 call = resp(args)
 for _ in range(calls // 4):
     conn.sendall(call * 4)
