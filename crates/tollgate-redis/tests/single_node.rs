@@ -65,9 +65,18 @@ async fn decide_together<'a, T: AsRef<[Take<'a>]>>(
     .await
 }
 
-/// The memory store's decisions on `requests`, taken one after another at one instant: what
-/// a script call deciding them together must answer.
-async fn one_after_another<'a, T: AsRef<[Take<'a>]>>(requests: &'a [T]) -> Vec<Vec<Decision>> {
+/// Decides `requests` together (as `decide_together`) and returns the decisions, once it has
+/// checked that they left in one script call and that each is the memory store's, deciding the
+/// same requests one after another at one instant.
+async fn one_call_as_the_memory_store<'a, T: AsRef<[Take<'a>]>>(
+    server: &RedisServer,
+    store: &impl Store,
+    requests: &'a [T],
+) -> Vec<Vec<Decision>> {
+    command(server.port, &["CONFIG", "RESETSTAT"]);
+    let decided = decide_together(store, requests).await;
+    let stats = command(server.port, &["INFO", "commandstats"]).unwrap_or_default();
+    assert_eq!(info_field(&stats, "cmdstat_evalsha:", "calls"), 1.0);
     let reference = LocalStore::new(ManualClock::new());
     let mut expected = Vec::new();
     for takes in requests {
@@ -78,7 +87,9 @@ async fn one_after_another<'a, T: AsRef<[Take<'a>]>>(requests: &'a [T]) -> Vec<V
         };
         expected.push(reference.check(request).await.expect("decided"));
     }
-    expected
+    let decided: Vec<Vec<Decision>> = decided.into_iter().map(|r| r.expect("decided")).collect();
+    assert_eq!(decided, expected);
+    decided
 }
 
 /// One unit of `limit` on `key` at Redis' time, as a future that can be spawned.
@@ -728,7 +739,6 @@ async fn requests_on_one_key_in_one_call_are_decided_in_turn() {
     // One call in flight at most: the waiting requests are not split over two calls.
     let store = one_call_in_flight(&server, Duration::from_secs(5)).await;
     let l = limit(5, "1/s");
-    command(server.port, &["CONFIG", "RESETSTAT"]);
     let one = |key: &'static str| vec![Take::new(key, &l, 1)];
     let requests = [
         one("hot"),
@@ -743,11 +753,7 @@ async fn requests_on_one_key_in_one_call_are_decided_in_turn() {
         one("hot"),
     ];
     // All queued before the dispatcher runs (one thread): they leave in one script call.
-    let decided = decide_together(&*store, &requests).await;
-    let stats = command(server.port, &["INFO", "commandstats"]).unwrap_or_default();
-    assert_eq!(info_field(&stats, "cmdstat_evalsha:", "calls"), 1.0);
-    let decided: Vec<Vec<Decision>> = decided.into_iter().map(|r| r.expect("decided")).collect();
-    assert_eq!(decided, one_after_another(&requests).await);
+    let decided = one_call_as_the_memory_store(&server, &*store, &requests).await;
     // The five tokens went to the first five requests on hot; side's whole capacity was still
     // there after the rejected request that named it.
     assert!(decided[5][0].allowed() && decided[5][0].remaining() == 0);
@@ -769,23 +775,15 @@ async fn a_call_of_plain_takes_decides_as_the_memory_store() {
     let server = RedisServer::start();
     let store = one_call_in_flight(&server, Duration::from_secs(5)).await;
     let l = limit(3, "1/s");
-    command(server.port, &["CONFIG", "RESETSTAT"]);
     let keys = ["hot", "cold", "hot", "hot", "other", "hot", "cold", "hot"];
     let requests: Vec<[Take<'_>; 1]> = keys.iter().map(|key| [Take::new(key, &l, 1)]).collect();
-    let decided = decide_together(&*store, &requests).await;
-    let stats = command(server.port, &["INFO", "commandstats"]).unwrap_or_default();
-    assert_eq!(info_field(&stats, "cmdstat_evalsha:", "calls"), 1.0);
-    let decided: Vec<Vec<Decision>> = decided.into_iter().map(|r| r.expect("decided")).collect();
-    assert_eq!(decided, one_after_another(&requests).await);
+    let decided = one_call_as_the_memory_store(&server, &*store, &requests).await;
     // hot's three tokens went to its first three requests.
     assert!(decided[3][0].allowed() && decided[3][0].remaining() == 0);
     assert!(!decided[5][0].allowed() && !decided[7][0].allowed());
     // Distinct keys only: the same call without the hot key's cache.
     command(server.port, &["FLUSHALL"]);
-    let distinct = &requests[..2];
-    let decided = decide_together(&*store, distinct).await;
-    let decided: Vec<Vec<Decision>> = decided.into_iter().map(|r| r.expect("decided")).collect();
-    assert_eq!(decided, one_after_another(distinct).await);
+    one_call_as_the_memory_store(&server, &*store, &requests[..2]).await;
 }
 
 /// With nothing in flight and calls to spare, the waiting requests leave in two calls, so that
