@@ -8,9 +8,10 @@
 # concurrent callers sharing calls). The buckets are those of `redis-load` (10^9 tokens, as many
 # a second): full again a nanosecond after a take, so each key lives the shortest TTL, 1 ms.
 # LIVE=1 takes a second's worth of refill instead, so the keys stay and every write replaces a
-# live bucket and its TTL. TAKE_LUA=path measures another version of the script; LAYOUT=old
-# sends the arguments as scripts before the plain-take flag (ARGV[4]) read them. Needs valgrind
-# and python3; starts its own redis-server on a free loopback port and kills it on exit.
+# live bucket and its TTL. BUCKETS=2 makes each decision a request over two buckets (two limits
+# applying to it), counted once. TAKE_LUA=path measures another version of the script;
+# LAYOUT=old sends the arguments as scripts before the layout flag (ARGV[4]) read them. Needs
+# valgrind and python3; starts its own redis-server on a free loopback port and kills it on exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 (($# > 0)) || set -- 1 8 32
@@ -30,10 +31,13 @@ until redis-cli -p "$port" ping >/dev/null 2>&1; do sleep 0.2; done
 # Sends `calls` EVALSHA calls of `m` decisions each, four in flight, in the argument layout of
 # take.lua (bucket figures as three little-endian doubles).
 drive() {
-  python3 - "$port" "${TAKE_LUA:-crates/tollgate-redis/scripts/take.lua}" "$1" "$2" "${HOT:-}" "${LAYOUT:-}" "${LIVE:-}" <<'EOF'
+  python3 - "$port" "${TAKE_LUA:-crates/tollgate-redis/scripts/take.lua}" "$1" "$2" "${HOT:-}" "${LAYOUT:-}" "${LIVE:-}" "${BUCKETS:-1}" <<'EOF'
 import hashlib, socket, struct, sys
 port, path, m, calls = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 hot, old, live = sys.argv[5] == '1', sys.argv[6] == 'old', sys.argv[7] == '1'
+b = int(sys.argv[8])
+if hot and b > 1:
+    sys.exit('HOT=1 puts one bucket in each request: not with BUCKETS')
 source = open(path, 'rb').read()
 def resp(args):
     out = [b'*%d\r\n' % len(args)]
@@ -53,18 +57,19 @@ def read():
         for _ in range(int(line[1:])):
             read()
 conn.sendall(resp(['SCRIPT', 'LOAD', source])); read()
-keys = ['k0'] * m if hot else ['k%d' % i for i in range(m)]
+keys = ['k0'] * m if hot else ['k%d' % i for i in range(m * b)]
 # The third argument says whether a key repeats in the call, as the store's client works it out.
-args = ['EVALSHA', hashlib.sha1(source).hexdigest(), m] + keys + ['', m, '1' if hot and m > 1 else '']
-# Every request is a plain take (one bucket, no id): the fourth argument says so, and each
-# request sends its figures alone.
-args += [] if old else ['1']
+args = ['EVALSHA', hashlib.sha1(source).hexdigest(), len(keys)] + keys + ['', m, '1' if hot and m > 1 else '']
+# Every request is a take without an id: the fourth argument says so, and each request sends
+# its figures alone (one bucket) or its number of buckets and then their figures.
+args += [] if old else ['1' if b == 1 else 'n']
 for _ in range(m):
     # 10^9 tokens, refilled 10^9 per second: a = 1000 units per microsecond, one unit per token.
     # LIVE: 10^15 tokens at the same rate, each take 10^9 of them, a second's refill: no
     # bucket is full again for as many seconds as it has had takes, and its key stays.
     figures = (1000, 1e15, 1e9) if live else (1000, 1e9, 1)
-    args += ([1, '', '', 'take'] if old else []) + [struct.pack('<ddd', *figures)]
+    head = [b, '', '', 'take'] if old else ([] if b == 1 else [b])
+    args += head + [struct.pack('<ddd', *figures)] * b
 call = resp(args)
 for _ in range(calls // 4):
     conn.sendall(call * 4)

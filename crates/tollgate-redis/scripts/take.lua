@@ -17,12 +17,15 @@
 -- ARGV[3]      "1" when a bucket's key is in the call more than once (in two requests, or as
 --              one request's bucket and another's old bucket), else "": each bucket is then
 --              read and written once (see `cache` below); the decisions are the same either way
--- ARGV[4]      "1" when every request of the call is a plain take (one bucket, no request id,
---              mode "take"): each request then sends its bucket's figures and nothing before
---              them; else "". Each argument costs Redis about 1.2k instructions (read, made an
---              object, then a Lua string, then freed), so the four a request would otherwise
---              send cost a tenth of a decision in calls of 32
--- then, per request (a plain take: its bucket's figures only):
+-- ARGV[4]      how the requests are laid out, so that the usual ones leave out what they all
+--              share: "1" when every request of the call is a plain take (one bucket, no
+--              request id, mode "take"), each sending its bucket's figures and nothing before
+--              them; "n" when every request is a take without a request id, each sending its
+--              number of buckets, then their figures; else "", each request as below. Each
+--              argument costs Redis about 1.2k instructions (read, made an object, then a Lua
+--              string, then freed): the four a plain take would otherwise send cost a tenth of
+--              a decision in calls of 32
+-- then, per request (with ARGV[4] "1" its bucket's figures only; with "n", n and the figures):
 --   n            the number of buckets
 --   window       idempotency window in milliseconds, or "" when the request has no id
 --   attempt      "content:attempt": the request's fingerprint and this attempt's own id (unique
@@ -320,7 +323,7 @@ local reply = {}
 local states = {}
 local k = 0 -- keys used so far
 local v = 4 -- arguments used so far
-local plain = ARGV[4] ~= ''
+local layout = ARGV[4]
 
 -- Answers request `at` with `status` and zeros for its n buckets.
 local function zeros(at, status, n)
@@ -330,8 +333,10 @@ end
 
 for _ = 1, tonumber(ARGV[2]) do
   local n, window, fingerprint, mode, params
-  if plain then
+  if layout == '1' then
     n, window, fingerprint, mode, params = 1, '', '', 'take', v
+  elseif layout == 'n' then
+    n, window, fingerprint, mode, params = tonumber(ARGV[v + 1]), '', '', 'take', v + 1
   else
     n = tonumber(ARGV[v + 1])
     window, fingerprint, mode = ARGV[v + 2], ARGV[v + 3], ARGV[v + 4]
