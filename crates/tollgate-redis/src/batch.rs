@@ -574,23 +574,22 @@ mod tests {
         ]));
     }
 
-    /// The script's arguments in a call of `segments` (ARGV: after the keys).
+    /// The script's arguments in a call of `segments` (ARGV: after the verb, the script, the
+    /// number of keys and the keys).
     fn argv(segments: &[Segment]) -> Vec<Vec<u8>> {
         let segments: Vec<&Segment> = segments.iter().collect();
-        let keys: usize = segments
-            .iter()
-            .flat_map(|segment| &segment.buckets)
-            .map(|bucket| 1 + usize::from(bucket.carry.is_some()))
-            .sum::<usize>()
-            + segments.iter().filter(|s| s.record.is_some()).count();
         let cmd = command("EVALSHA", "sha", None, &segments);
-        cmd.args_iter()
-            .skip(3 + keys)
+        let args: Vec<Vec<u8>> = cmd
+            .args_iter()
             .map(|arg| match arg {
                 Arg::Simple(bytes) => bytes.to_vec(),
                 _ => panic!("the script's call has no cursor"),
             })
-            .collect()
+            .collect();
+        let keys: usize = String::from_utf8_lossy(&args[2])
+            .parse()
+            .expect("a key count");
+        args[3 + keys..].to_vec()
     }
 
     #[test]
