@@ -10,7 +10,9 @@
 # LIVE=1 takes a second's worth of refill instead, so the keys stay and every write replaces a
 # live bucket and its TTL. BUCKETS=2 makes each decision a request over two buckets (two limits
 # applying to it), counted once. TAKE_LUA=path measures another version of the script;
-# LAYOUT=old sends the arguments as scripts before the layout flag (ARGV[4]) read them. Needs
+# LAYOUT=old sends the arguments as scripts before the layout flag (ARGV[4]) read them, and
+# LAYOUT=1 sends takes of one bucket on distinct keys as scripts before the straight loop
+# did (the general path of today's script, which its calls with a repeated key take). Needs
 # valgrind and python3; starts its own redis-server on a free loopback port and kills it on exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +36,8 @@ drive() {
   python3 - "$port" "${TAKE_LUA:-crates/tollgate-redis/scripts/take.lua}" "$1" "$2" "${HOT:-}" "${LAYOUT:-}" "${LIVE:-}" "${BUCKETS:-1}" <<'EOF'
 import hashlib, socket, struct, sys
 port, path, m, calls = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-hot, old, live = sys.argv[5] == '1', sys.argv[6] == 'old', sys.argv[7] == '1'
+hot, layout, live = sys.argv[5] == '1', sys.argv[6], sys.argv[7] == '1'
+old = layout == 'old'
 b = int(sys.argv[8])
 if hot and b > 1:
     sys.exit('HOT=1 puts one bucket in each request: not with BUCKETS')
@@ -61,8 +64,10 @@ keys = ['k0'] * m if hot else ['k%d' % i for i in range(m * b)]
 # The third argument says whether a key repeats in the call, as the store's client works it out.
 args = ['EVALSHA', hashlib.sha1(source).hexdigest(), len(keys)] + keys + ['', m, '1' if hot and m > 1 else '']
 # Every request is a take without an id: the fourth argument says so, and each request sends
-# its figures alone (one bucket) or its number of buckets and then their figures.
-args += [] if old else ['1' if b == 1 else 'n']
+# its figures alone (one bucket) or its number of buckets and then their figures. Takes of one
+# bucket on distinct keys go to the script's straight loop ("s"), as the store sends them,
+# unless LAYOUT=1 sends them to its general path ("1", as a call with a repeated key goes).
+args += [] if old else ['n' if b > 1 else '1' if hot or layout == '1' else 's']
 for _ in range(m):
     # 10^9 tokens, refilled 10^9 per second: a = 1000 units per microsecond, one unit per token.
     # LIVE: 10^15 tokens at the same rate, each take 10^9 of them, a second's refill: no

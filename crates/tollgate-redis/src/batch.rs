@@ -138,6 +138,12 @@ pub(crate) struct Segment {
 /// share (see `scripts/take.lua`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Layout {
+    /// As [`Layout::Plain`], and moreover no bucket's key in the call twice, none carrying an
+    /// old bucket over, at a whole microsecond: the script decides these in a straight loop
+    /// before it makes the functions and tables the other requests need. Most calls are of this
+    /// kind; it saves Redis a quarter of a call of one's instructions and a sixth of a
+    /// decision's in calls of 32.
+    Straight,
     /// Every request a take of one bucket without a record: its figures alone. Four arguments
     /// fewer per request, a tenth of a decision's work in calls of 32.
     Plain,
@@ -148,19 +154,35 @@ enum Layout {
 }
 
 impl Layout {
-    fn of(segments: &[&Segment]) -> Self {
+    /// The layout of a call of `segments` at `now` (nanoseconds; `None` for Redis' `TIME`),
+    /// `repeats` telling whether a bucket's key is in it twice.
+    fn of(segments: &[&Segment], now: Option<u64>, repeats: bool) -> Self {
         let take = |segment: &&Segment| segment.record.is_none() && segment.mode == Mode::Take;
         if !segments.iter().all(take) {
             Layout::Full
         } else if segments.iter().all(|segment| segment.buckets.len() == 1) {
-            Layout::Plain
+            let carries = segments
+                .iter()
+                .any(|segment| segment.buckets.iter().any(|b| b.carry.is_some()));
+            let whole_micros = now.is_none_or(|nanos| nanos % 1_000 == 0);
+            if repeats || carries || !whole_micros {
+                Layout::Plain
+            } else {
+                Layout::Straight
+            }
         } else {
             Layout::Counted
         }
     }
 
+    /// Whether each request sends its figures alone.
+    fn figures_alone(self) -> bool {
+        matches!(self, Layout::Straight | Layout::Plain)
+    }
+
     fn as_str(self) -> &'static str {
         match self {
+            Layout::Straight => "s",
             Layout::Plain => "1",
             Layout::Counted => "n",
             Layout::Full => "",
@@ -240,11 +262,12 @@ fn command(verb: &str, script: &str, now: Option<u64>, segments: &[&Segment]) ->
         None => cmd.arg(""),
     };
     cmd.arg(segments.len());
-    cmd.arg(if repeats_a_key(segments) { "1" } else { "" });
-    let layout = Layout::of(segments);
+    let repeats = repeats_a_key(segments);
+    cmd.arg(if repeats { "1" } else { "" });
+    let layout = Layout::of(segments, now, repeats);
     cmd.arg(layout.as_str());
     for segment in segments {
-        if layout != Layout::Plain {
+        if !layout.figures_alone() {
             cmd.arg(segment.buckets.len());
         }
         if layout == Layout::Full {
@@ -577,8 +600,13 @@ mod tests {
     /// The script's arguments in a call of `segments` (ARGV: after the verb, the script, the
     /// number of keys and the keys).
     fn argv(segments: &[Segment]) -> Vec<Vec<u8>> {
+        argv_at(segments, None)
+    }
+
+    /// As `argv`, at `now` (nanoseconds; `None` for Redis' `TIME`).
+    fn argv_at(segments: &[Segment], now: Option<u64>) -> Vec<Vec<u8>> {
         let segments: Vec<&Segment> = segments.iter().collect();
-        let cmd = command("EVALSHA", "sha", None, &segments);
+        let cmd = command("EVALSHA", "sha", now, &segments);
         let args: Vec<Vec<u8>> = cmd
             .args_iter()
             .map(|arg| match arg {
@@ -594,7 +622,29 @@ mod tests {
 
     #[test]
     fn a_call_leaves_out_what_its_requests_all_share() {
-        // Takes of one bucket without a record: each sends its figures alone.
+        // Takes of one bucket of its own, carrying nothing over, at a whole microsecond: the
+        // straight layout, each request's figures alone.
+        let straight = [
+            segment(vec![bucket("a", None)]),
+            segment(vec![bucket("b", None)]),
+        ];
+        for (now, first) in [(None, &b""[..]), (Some(7_000), b"7")] {
+            let args = argv_at(&straight, now);
+            assert_eq!(&args[..4], [first, b"2", b"", b"s"]);
+            assert_eq!((args[4].len(), args[5].len(), args.len()), (24, 24, 6));
+        }
+        // Between two microseconds, or with a key twice: the plain layout, the same arguments.
+        let args = argv_at(&straight, Some(7_001));
+        assert_eq!(&args[..4], [&b"7:1"[..], b"2", b"", b"1"]);
+        assert_eq!(args.len(), 6);
+        let twice = [
+            segment(vec![bucket("a", None)]),
+            segment(vec![bucket("a", None)]),
+        ];
+        assert_eq!(&argv(&twice)[..4], [&b""[..], b"2", b"1", b"1"]);
+
+        // Takes of one bucket without a record, one carrying an old bucket over: each sends
+        // its figures alone.
         let plain = [
             segment(vec![bucket("a", None)]),
             segment(vec![bucket("b", Some("b-old"))]),

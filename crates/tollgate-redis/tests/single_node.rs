@@ -786,6 +786,86 @@ async fn a_call_of_plain_takes_decides_as_the_memory_store() {
     one_call_as_the_memory_store(&server, &*store, &requests[..2]).await;
 }
 
+/// A call of takes on distinct keys, none carrying an old bucket over, at a whole microsecond
+/// goes to the script's straight loop: each request must be decided as the memory store decides
+/// it, on buckets already drawn from (remainders between two microseconds included) as on fresh
+/// ones, and a key that is not a bucket must fail its own request alone and stay as it is.
+#[tokio::test(flavor = "current_thread")]
+async fn a_straight_call_decides_as_the_memory_store() {
+    fn at<'a>(takes: &'a [Take<'a>], now: Timestamp) -> CheckRequest<'a> {
+        CheckRequest {
+            takes,
+            request_id: None,
+            now: Some(now),
+        }
+    }
+    let server = RedisServer::start();
+    let store = one_call_in_flight(&server, Duration::from_secs(5)).await;
+    let reference = LocalStore::new(ManualClock::new());
+    let (slow, odd) = (limit(3, "1/s"), limit(4, "9/7us"));
+    let [text, hash] = poisoned_keys(&server);
+    // Each round: microseconds since the last, then its requests' (key, limit, cost).
+    type Round<'a> = (u64, &'a [(&'a str, &'a Limit, u64)]);
+    let rounds: [Round<'_>; 3] = [
+        (0, &[("a", &slow, 1), ("b", &slow, 3), ("c", &odd, 3)]),
+        // a has two tokens left and b none: both rejected. c, charged 21 of its 28 units
+        // (7 a token) and refilled 18 since (9 a microsecond), is 3 units short of full:
+        // rejected too, with its remainder between two microseconds in the state.
+        (
+            2,
+            &[
+                ("a", &slow, 3),
+                ("b", &slow, 1),
+                (text, &slow, 1),
+                ("c", &odd, 4),
+                ("d", &odd, 1),
+                (hash, &slow, 1),
+            ],
+        ),
+        (
+            1_000_005,
+            &[("a", &slow, 2), ("c", &odd, 2), ("b", &slow, 1)],
+        ),
+    ];
+    let mut now = T0;
+    for (step_us, requests) in rounds {
+        now = now + Duration::from_micros(step_us);
+        let takes: Vec<[Take<'_>; 1]> = requests
+            .iter()
+            .map(|&(key, limit, cost)| [Take::new(key, limit, cost)])
+            .collect();
+        command(server.port, &["CONFIG", "RESETSTAT"]);
+        let decided =
+            futures_util::future::join_all(takes.iter().map(|t| store.check(at(t, now)))).await;
+        let stats = command(server.port, &["INFO", "commandstats"]).unwrap_or_default();
+        assert_eq!(info_field(&stats, "cmdstat_evalsha:", "calls"), 1.0);
+        for ((takes, decided), &(key, ..)) in takes.iter().zip(decided).zip(requests) {
+            if key == text || key == hash {
+                assert!(
+                    matches!(
+                        decided,
+                        Err(Error::StoreUnavailable {
+                            reason: Unavailable::Script
+                        })
+                    ),
+                    "{key}: {decided:?}"
+                );
+            } else {
+                let expected = reference.check_now(at(takes, now));
+                assert_eq!(decided, expected, "{key} at {now:?}");
+            }
+        }
+    }
+    assert_eq!(
+        command(server.port, &["GET", "tollgate:{p}:text"]).as_deref(),
+        Some("not-a-number\r\n")
+    );
+    assert_eq!(
+        command(server.port, &["TYPE", "tollgate:{p}:hash"]).as_deref(),
+        Some("+hash\r\n")
+    );
+}
+
 /// With nothing in flight and calls to spare, the waiting requests leave in two calls, so that
 /// Redis decides one while the other's callers are answered; every request is decided once.
 #[tokio::test(flavor = "current_thread")]
