@@ -128,27 +128,6 @@ local function ceil_div(x, a)
   return q
 end
 
--- x / y rounded down, for integers 0 <= x < 2^53: fmod is exact, so is the division after it.
-local function floor_div(x, y)
-  return (x - fmod(x, y)) / y
-end
-
--- The units a bucket gains from the microsecond `now` to the request's time, rounded down and
--- rounded up (nanos * a stays below 2^53: a is below 2^43); 0 and 0 when nanos is 0, and then
--- not made at all: each function a call makes costs an allocation and its collection, whether
--- it runs or not, and most calls are on Redis' clock. Callers ask
--- `nanos > 0 and offsets(a) or 0` (a 0 from `offsets` stands: only nil and false are false).
-local offsets
-if nanos > 0 then
-  offsets = function(a)
-    local lo = floor_div(nanos * a, 1000)
-    if lo * 1000 == nanos * a then
-      return lo, lo
-    end
-    return lo, lo + 1
-  end
-end
-
 local max_exact = 2 ^ 53
 
 -- The bucket at `key` as Redis holds it: (full, frac); nil when absent (full); false when the
@@ -176,19 +155,6 @@ local function read(key)
     return false
   end
   return full, frac
-end
-
--- Units a bucket in state (full, frac) is short of full at the request's time, `lo` units into
--- the microsecond `now`; the rounded-down `lo` makes it the larger figure.
-local function deficit_at(full, frac, a, lo)
-  if not full or full <= now then
-    return 0
-  end
-  local deficit = (full - now) * a - frac - lo
-  if deficit > 0 then
-    return deficit
-  end
-  return 0
 end
 
 -- Redis expires keys on its own clock. On TIME that is the decisions' clock, and a key expires
@@ -224,13 +190,13 @@ end
 
 -- The usual call (ARGV[4] "s"): every request a plain take of a bucket in no other request of
 -- the call, carrying no old bucket over, at a whole microsecond. It is most of a busy store's
--- traffic, so it is decided here in one loop, before the general path below makes its
--- functions and tables: each function a call makes costs an allocation and its collection,
--- and each call of one costs the interpreter more than the arithmetic it holds. The state is
--- read and written by the same `read` and `send`, and the figures are those the general path
--- gives these requests (lo = hi = 0, one bucket each); the tests compare both with the memory
--- store. Reply: each request's 24 bytes packed on their own, then joined (no table of every
--- figure, no format string built per call).
+-- traffic, so it is decided here in one loop, with only the functions it needs made before it
+-- (the general path's come after): each function a call makes costs an allocation and its
+-- collection, and each call of one costs the interpreter more than the arithmetic it holds.
+-- The state is read and written by the same `read` and `send`, and the figures are those the
+-- general path gives these requests (lo = hi = 0, one bucket each); the tests compare both
+-- with the memory store. Reply: each request's 24 bytes packed on their own, then joined (no
+-- table of every figure, no format string built per call).
 if ARGV[4] == 's' then
   local replies = {}
   for i = 1, #KEYS do
@@ -257,6 +223,40 @@ if ARGV[4] == 's' then
     end
   end
   return concat(replies)
+end
+
+-- x / y rounded down, for integers 0 <= x < 2^53: fmod is exact, so is the division after it.
+local function floor_div(x, y)
+  return (x - fmod(x, y)) / y
+end
+
+-- The units a bucket gains from the microsecond `now` to the request's time, rounded down and
+-- rounded up (nanos * a stays below 2^53: a is below 2^43); 0 and 0 when nanos is 0, and then
+-- not made at all: each function a call makes costs an allocation and its collection, whether
+-- it runs or not, and most calls are on Redis' clock. Callers ask
+-- `nanos > 0 and offsets(a) or 0` (a 0 from `offsets` stands: only nil and false are false).
+local offsets
+if nanos > 0 then
+  offsets = function(a)
+    local lo = floor_div(nanos * a, 1000)
+    if lo * 1000 == nanos * a then
+      return lo, lo
+    end
+    return lo, lo + 1
+  end
+end
+
+-- Units a bucket in state (full, frac) is short of full at the request's time, `lo` units into
+-- the microsecond `now`; the rounded-down `lo` makes it the larger figure.
+local function deficit_at(full, frac, a, lo)
+  if not full or full <= now then
+    return 0
+  end
+  local deficit = (full - now) * a - frac - lo
+  if deficit > 0 then
+    return deficit
+  end
+  return 0
 end
 
 -- How the call reads and writes its buckets: `state_of(key)` as `read`, `store(key, full,
