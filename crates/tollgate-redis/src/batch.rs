@@ -141,7 +141,7 @@ enum Layout {
     /// As [`Layout::Plain`], and moreover no bucket's key in the call twice, none carrying an
     /// old bucket over, at a whole microsecond: the script decides these in a straight loop
     /// before it makes the functions and tables the other requests need. Most calls are of this
-    /// kind; it saves Redis a quarter of a call of one's instructions and a sixth of a
+    /// kind; it saves Redis a fifth of a call of one's instructions and a sixth of a
     /// decision's in calls of 32.
     Straight,
     /// Every request a take of one bucket without a record: its figures alone. Four arguments
