@@ -192,7 +192,7 @@ end
 -- the call, carrying no old bucket over, at a whole microsecond. It is most of a busy store's
 -- traffic, so it is decided here in one loop, with only the functions it needs made before it
 -- (the general path's come after): each function a call makes costs an allocation and its
--- collection, and each call of one costs the interpreter more than the arithmetic it holds.
+-- collection, and calling a function costs the interpreter more than the arithmetic in it.
 -- The state is read and written by the same `read` and `send`, and the figures are those the
 -- general path gives these requests (lo = hi = 0, one bucket each); the tests compare both
 -- with the memory store. Reply: each request's 24 bytes packed on their own, then joined (no
