@@ -769,7 +769,8 @@ async fn requests_on_one_key_in_one_call_are_decided_in_turn() {
 
 /// A call of plain takes (one bucket each, no request id) sends each request's figures without
 /// the arguments that describe it: the decisions must be the memory store's all the same, on a
-/// hot key read once for the call as on keys read once each.
+/// hot key read once for the call (the script's general path) as on distinct keys (its
+/// straight loop).
 #[tokio::test(flavor = "current_thread")]
 async fn a_call_of_plain_takes_decides_as_the_memory_store() {
     let server = RedisServer::start();
@@ -781,7 +782,7 @@ async fn a_call_of_plain_takes_decides_as_the_memory_store() {
     // hot's three tokens went to its first three requests.
     assert!(decided[3][0].allowed() && decided[3][0].remaining() == 0);
     assert!(!decided[5][0].allowed() && !decided[7][0].allowed());
-    // Distinct keys only: the same call without the hot key's cache.
+    // Distinct keys only: the same kind of call, without a repeated key, in the straight loop.
     command(server.port, &["FLUSHALL"]);
     one_call_as_the_memory_store(&server, &*store, &requests[..2]).await;
 }
