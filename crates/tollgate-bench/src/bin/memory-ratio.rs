@@ -143,8 +143,15 @@ fn main() {
         );
         println!("{}", one.row(scenario, 1));
         println!("{}", two.row(scenario, 2));
-        let mut speedups = ratios(&one.tollgate, &two.tollgate);
-        scaling.push(format!("{scenario} {:.2}", median(&mut speedups)));
+        // Each limiter's own speed-up from the second thread, round by round: a ratio that
+        // moves between the thread counts is explained by whichever of the two gained more.
+        let speedup = |one: &[f64], two: &[f64]| median(&mut ratios(one, two));
+        scaling.push(format!(
+            "{scenario} {:.2} (governor {:.2}, chained_floor {:.2})",
+            speedup(&one.tollgate, &two.tollgate),
+            speedup(&one.governor, &two.governor),
+            speedup(&one.chained_floor, &two.chained_floor),
+        ));
         drop(black_box((tollgate, governor)));
     }
     println!();
