@@ -147,7 +147,7 @@ fn main() {
         // moves between the thread counts is explained by whichever of the two gained more.
         let speedup = |one: &[f64], two: &[f64]| median(&mut ratios(one, two));
         scaling.push(format!(
-            "{scenario} {:.2} (governor {:.2}, chained_floor {:.2})",
+            "{scenario}: tollgate {:.2}, governor {:.2}, chained_floor {:.2}",
             speedup(&one.tollgate, &two.tollgate),
             speedup(&one.governor, &two.governor),
             speedup(&one.chained_floor, &two.chained_floor),
@@ -156,7 +156,7 @@ fn main() {
     }
     println!();
     println!(
-        "tollgate's 2-thread scaling (median of rounds): {}",
-        scaling.join(", ")
+        "2-thread scaling (median of rounds), {}",
+        scaling.join("; ")
     );
 }
