@@ -319,6 +319,42 @@ async fn keys_expire_when_their_bucket_is_full() {
     );
 }
 
+/// The script reads Redis' `TIME` itself. A misread clock still gives the right TTL and the
+/// right answers within a second (both count from the same misread `now`), so this test reads
+/// the bucket's stored state, the microsecond it is full again, against `TIME` read here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_redis_time_a_bucket_is_full_again_at_a_microsecond_of_that_clock() {
+    let server = RedisServer::start();
+    let store = connect(&server).await;
+    let micros = || -> i64 {
+        let script =
+            "local t = redis.call('TIME') return tonumber(t[1]) * 1000000 + tonumber(t[2])";
+        let reply = command(server.port, &["EVAL", script, "0"]).expect("TIME");
+        reply
+            .trim()
+            .trim_start_matches(':')
+            .parse()
+            .expect("an integer")
+    };
+    let limit = limit(2, "1/s");
+    let takes = [Take::new("clock", &limit, 2)];
+    let before = micros();
+    check(&store, &takes, None).await.unwrap();
+    let after = micros();
+    let state = command(server.port, &["GET", "tollgate:clock"]).expect("the bucket");
+    let full: i64 = state
+        .trim()
+        .split(':')
+        .next()
+        .and_then(|full| full.parse().ok())
+        .expect("a bucket's state");
+    // Two tokens at one a second: full again 2 s after Redis timed the take.
+    assert!(
+        (before + 2_000_000..=after + 2_000_000).contains(&full),
+        "full again at {full} µs, the take timed between {before} and {after}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_killed_mid_run_then_restarted() {
     let mut server = RedisServer::start();
