@@ -205,7 +205,7 @@ if ARGV[4] == 's' then
   -- A call of one request (a lone caller's) returns its reply as it is: no table to join.
   local count = #KEYS
   local replies
-  if count > 1 then replies = {} end
+  if count ~= 1 then replies = {} end
   for i = 1, count do
     local key = KEYS[i]
     local a, cap, cost = unpack('<ddd', ARGV[4 + i])
