@@ -209,6 +209,44 @@ impl KeyedCheck for ChainedFloor {
     }
 }
 
+/// A control for the 2-thread rows: tollgate's limiter as one store per thread, the even keys
+/// in one and the odd keys in the other (the two threads' key sets, see [`split_by_parity`]),
+/// so the two cores share no shard lock and no table.
+///
+/// Not a way to use tollgate (a store per thread would give a key two buckets once threads
+/// share keys), but the same check code with nothing written by both cores: its 2-thread
+/// scaling beside the shared store's shows, in the same run, how much the shard locks' cache
+/// lines moving between the cores cost, and how much of the gap to the ideal is the host's.
+pub struct StorePerThread {
+    stores: [Tollgate; 2],
+}
+
+impl StorePerThread {
+    /// Two fresh limiters with `quotas`, one per key parity.
+    pub fn new(quotas: &Quotas) -> Self {
+        Self {
+            stores: [quotas.new_tollgate(), quotas.new_tollgate()],
+        }
+    }
+
+    /// Live buckets in both stores.
+    pub fn live_buckets(&self) -> usize {
+        self.stores
+            .iter()
+            .map(|store| store.store().stats().live_buckets)
+            .sum()
+    }
+}
+
+impl KeyedCheck for StorePerThread {
+    type Outcome = Result<tollgate::Decision, tollgate::Error>;
+
+    #[inline]
+    fn check_key(&self, key: &u64) -> Self::Outcome {
+        self.stores[(*key % 2) as usize].check(key)
+    }
+}
+
 /// Checks `iters` keys from `keys`, cycling, starting at `*cursor`, and leaves `*cursor` where
 /// the next run should continue (so successive samples cover the keys evenly).
 ///

@@ -7,7 +7,10 @@
 //! fifth or more (BENCHMARKS.md). Here each round times tollgate, governor and the chained
 //! floor back to back, a fifth of a second each, so a spell hits all three alike; the median of
 //! the rounds' ratios is the figure to judge the target by, and their range shows how much the
-//! host moved. Same limiters, quota, keys and loop as the criterion bench.
+//! host moved. Same limiters, quota, keys and loop as the criterion bench. A fourth control,
+//! tollgate with a store per thread (`StorePerThread`), shares nothing between the two threads:
+//! the scaling line gives its speed-up beside the shared store's, which separates what the shard
+//! locks shared by both cores cost from what the host allows.
 //!
 //! `cargo run --release -p tollgate-bench --bin memory-ratio -- [ROUNDS]` (default 15, and one
 //! more first, unrecorded; 15 rounds of both scenarios took about half a minute on this
@@ -17,8 +20,8 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use tollgate_bench::{
-    ChainedFloor, KeyedCheck, MANY_KEYS, Quotas, populate, random_keys, sequential_keys,
-    split_by_parity, time_one_thread, time_two_threads,
+    ChainedFloor, KeyedCheck, MANY_KEYS, Quotas, StorePerThread, populate, random_keys,
+    sequential_keys, split_by_parity, time_one_thread, time_two_threads,
 };
 
 /// Checks per timed burst: about a fifth of a second at 1M keys.
@@ -57,13 +60,16 @@ struct Series {
     tollgate: Vec<f64>,
     governor: Vec<f64>,
     chained_floor: Vec<f64>,
+    /// The control with a store per thread (`StorePerThread`).
+    per_thread: Vec<f64>,
 }
 
 impl Series {
-    fn push(&mut self, tollgate: f64, governor: f64, chained_floor: f64) {
+    fn push(&mut self, tollgate: f64, governor: f64, chained_floor: f64, per_thread: f64) {
         self.tollgate.push(tollgate);
         self.governor.push(governor);
         self.chained_floor.push(chained_floor);
+        self.per_thread.push(per_thread);
     }
 
     fn row(&self, scenario: &str, threads: usize) -> String {
@@ -118,11 +124,13 @@ fn main() {
         let by_thread = split_by_parity(&keys);
         let tollgate = Quotas::MANY_KEYS.new_tollgate();
         let governor = Quotas::MANY_KEYS.new_governor();
+        let per_thread = StorePerThread::new(&Quotas::MANY_KEYS);
         populate(&tollgate, 0..MANY_KEYS);
         populate(&governor, 0..MANY_KEYS);
+        populate(&per_thread, 0..MANY_KEYS);
         // As large as tollgate's table: the latency of one miss that nothing overlaps.
         let floor = ChainedFloor::new(tollgate.store().stats().slots * 2);
-        let (mut ours, mut theirs, mut floors) = Default::default();
+        let (mut ours, mut theirs, mut floors, mut split) = Default::default();
         let mut one = Series::default();
         let mut two = Series::default();
         // A first round unrecorded: page faults, the floor's table, the threads' first start.
@@ -130,9 +138,10 @@ fn main() {
             let t = bursts(&tollgate, &keys, &by_thread, &mut ours);
             let g = bursts(&governor, &keys, &by_thread, &mut theirs);
             let f = bursts(&floor, &keys, &by_thread, &mut floors);
+            let p = bursts(&per_thread, &keys, &by_thread, &mut split);
             if round > 0 {
-                one.push(t.0, g.0, f.0);
-                two.push(t.1, g.1, f.1);
+                one.push(t.0, g.0, f.0, p.0);
+                two.push(t.1, g.1, f.1, p.1);
             }
         }
         // Every bucket must still be live: one token a minute, a burst of 10,000.
@@ -141,18 +150,25 @@ fn main() {
             stats.live_buckets as u64, MANY_KEYS,
             "buckets expired mid-run"
         );
+        assert_eq!(
+            per_thread.live_buckets() as u64,
+            MANY_KEYS,
+            "buckets expired mid-run (a store per thread)"
+        );
         println!("{}", one.row(scenario, 1));
         println!("{}", two.row(scenario, 2));
         // Each limiter's own speed-up from the second thread, round by round: a ratio that
         // moves between the thread counts is explained by whichever of the two gained more.
         let speedup = |one: &[f64], two: &[f64]| median(&mut ratios(one, two));
         scaling.push(format!(
-            "{scenario}: tollgate {:.2}, governor {:.2}, chained_floor {:.2}",
+            "{scenario}: tollgate {:.2}, governor {:.2}, chained_floor {:.2}, \
+             tollgate with a store per thread {:.2}",
             speedup(&one.tollgate, &two.tollgate),
             speedup(&one.governor, &two.governor),
             speedup(&one.chained_floor, &two.chained_floor),
+            speedup(&one.per_thread, &two.per_thread),
         ));
-        drop(black_box((tollgate, governor)));
+        drop(black_box((tollgate, governor, per_thread)));
     }
     println!();
     println!(
