@@ -16,6 +16,8 @@ mod http;
 mod keys;
 mod report;
 mod run;
+#[cfg(target_os = "linux")]
+mod timer;
 
 pub use args::{BenchArgs, Distribution};
 pub use report::{Latency, Summary};

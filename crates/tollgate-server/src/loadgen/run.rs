@@ -5,16 +5,18 @@
 //! claimed, for `--requests`; requests done, for the progress bar), so the generator adds no
 //! lock to the path it measures.
 //!
-//! In open loop (`--rate`) a pacer thread releases tickets, one per scheduled send time, and
-//! the next free worker takes each. The pacer sleeps on the operating system's high-resolution
-//! timer: tokio's timer wheel has a 1 ms tick, so workers sleeping on it would wake together and
-//! send each millisecond's requests as one burst, which the server would queue and the latencies
-//! would show. It wakes at most every [`PACER_TICK`] and then releases every ticket due at
+//! In open loop (`--rate`) a pacer releases tickets, one per scheduled send time, and the next
+//! free worker takes each. The pacer sleeps on a high-resolution timer: tokio's timer wheel has
+//! a 1 ms tick, so workers sleeping on it would wake together and send each millisecond's
+//! requests as one burst, which the server would queue and the latencies would show. On Linux
+//! the pacer is a task woken by a `timerfd` the runtime's reactor watches (`timer.rs`); elsewhere
+//! it is a thread sleeping on the operating system's timer, whose every wake-up then wakes the
+//! runtime too. It wakes at most every [`PACER_TICK`] and then releases every ticket due at
 //! once: waking the runtime once per ticket cost the generator as much CPU per request as the
 //! server spends deciding it, on the cores the two share. Workers also release the tickets due
 //! whenever they finish a request, and take one themselves without waking anyone: on a busy
-//! machine the pacer's thread can wait milliseconds for a CPU while the runtime's threads, woken
-//! by every answer, keep the schedule. A request's latency counts from its ticket's time, so
+//! machine the pacer can wait milliseconds for a CPU while the workers, woken by every answer,
+//! keep the schedule. A request's latency counts from its ticket's time, so
 //! neither a late generator nor a server that falls behind can hide a queue (no coordinated
 //! omission), and the summary reports the lateness, and the latency from the send, on their own.
 
@@ -184,6 +186,25 @@ impl Tickets {
         self.wake.notify_waiters();
     }
 
+    /// One step of the pacer at `now`: releases the tickets due and wakes a waiting worker for
+    /// each, then returns how long to sleep before the next step, at least [`PACER_TICK`].
+    /// `None` once the pacer has nothing left to do: every ticket released, or the run closed
+    /// (by the run once its workers are done: nobody takes tickets any more).
+    fn pace(&self, now: Instant) -> Option<Duration> {
+        if self.closed.load(Ordering::Acquire) {
+            return None;
+        }
+        let (released, by_me) = self.release_due(now);
+        self.wake(by_me);
+        if released >= self.total {
+            return None;
+        }
+        // The next ticket's time; if it is already due, the pending tickets are at their bound
+        // and the pacer waits for workers to take some.
+        let next = self.due(released);
+        Some(next.saturating_duration_since(now).max(PACER_TICK))
+    }
+
     /// Takes a released ticket, waiting for one if need be, and returns its due time; `None`
     /// once the run's tickets are all taken or the run ended.
     async fn next(&self) -> Option<Instant> {
@@ -318,8 +339,7 @@ pub async fn run(args: &BenchArgs) -> Result<Summary, BenchError> {
     };
     let tickets: Option<Arc<Tickets>> = plan.interval.map(|interval| {
         let tickets = Arc::new(Tickets::new(start, interval, plan.stop));
-        let pacer = Arc::clone(&tickets);
-        std::thread::spawn(move || pace(&pacer));
+        start_pacer(Arc::clone(&tickets));
         tickets
     });
     let mut workers = JoinSet::new();
@@ -359,6 +379,34 @@ pub async fn run(args: &BenchArgs) -> Result<Summary, BenchError> {
     Ok(Summary::new(args, &plan, elapsed, tallies, histogram))
 }
 
+/// Starts releasing `tickets` at their times: on Linux in a task of the runtime, on a timer
+/// its reactor watches (`timer.rs`); elsewhere, or when no such timer can be made, on a thread
+/// of its own.
+fn start_pacer(tickets: Arc<Tickets>) {
+    #[cfg(target_os = "linux")]
+    match super::timer::Timer::new() {
+        Ok(timer) => {
+            tokio::spawn(pace_on_timer(timer, tickets));
+            return;
+        }
+        Err(err) => tracing::debug!(error = %err, "no timerfd: the pacer runs on a thread"),
+    }
+    std::thread::spawn(move || pace(&tickets));
+}
+
+/// As [`pace`], inside the runtime, sleeping on `timer`. Should the timer fail, a pacer thread
+/// takes over: workers with nothing to send wait for the pacer's wake-ups.
+#[cfg(target_os = "linux")]
+async fn pace_on_timer(timer: super::timer::Timer, tickets: Arc<Tickets>) {
+    while let Some(wait) = tickets.pace(Instant::now()) {
+        if let Err(err) = timer.sleep(wait).await {
+            tracing::warn!(error = %err, "the pacer's timer failed: pacing on a thread instead");
+            std::thread::spawn(move || pace(&tickets));
+            return;
+        }
+    }
+}
+
 /// Releases each ticket at its time, waking at most every [`PACER_TICK`] and a waiting worker
 /// per ticket it released. Runs on a thread of its own, outside the runtime, on the operating
 /// system's timer.
@@ -368,18 +416,7 @@ fn pace(tickets: &Tickets) {
     // precise wake-ups is still correct, only later.
     #[cfg(target_os = "linux")]
     let _ = rustix::thread::set_current_timer_slack(std::num::NonZeroU64::new(1));
-    // Closed by the run once its workers are done: nobody takes tickets any more.
-    while !tickets.closed.load(Ordering::Acquire) {
-        let now = Instant::now();
-        let (released, by_me) = tickets.release_due(now);
-        tickets.wake(by_me);
-        if released >= tickets.total {
-            break;
-        }
-        // The next ticket's time; if it is already due, the pending tickets are at their bound
-        // and the pacer waits for workers to take some.
-        let next = tickets.due(released);
-        let wait = next.saturating_duration_since(now).max(PACER_TICK);
+    while let Some(wait) = tickets.pace(Instant::now()) {
         // The generator's own thread, not the code under test: the clippy rule against
         // sleeping is for tests of the limiter.
         #[allow(clippy::disallowed_methods)]
@@ -662,6 +699,42 @@ mod tests {
         }
         paced.join().expect("pacer");
         assert_eq!(taken, 20);
+    }
+
+    #[tokio::test]
+    async fn the_platform_pacer_releases_every_ticket_to_waiting_workers() {
+        let tickets = Arc::new(Tickets::new(
+            Instant::now(),
+            Duration::from_micros(300),
+            Stop::Count(50),
+        ));
+        start_pacer(Arc::clone(&tickets));
+        let workers = takers(&tickets, 4);
+        let mut taken = 0;
+        for worker in workers {
+            taken += tokio::time::timeout(Duration::from_secs(10), worker)
+                .await
+                .expect("every ticket is released: the workers finish")
+                .expect("worker");
+        }
+        assert_eq!(taken, 50);
+    }
+
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn the_pacer_on_a_timer_stops_when_the_run_closes_its_tickets() {
+        let tickets = Arc::new(Tickets::new(
+            Instant::now(),
+            Duration::from_millis(1),
+            Stop::Count(u64::MAX),
+        ));
+        let timer = crate::loadgen::timer::Timer::new().expect("a timerfd");
+        let pacer = tokio::spawn(pace_on_timer(timer, Arc::clone(&tickets)));
+        tickets.close();
+        tokio::time::timeout(Duration::from_secs(5), pacer)
+            .await
+            .expect("the pacer still runs after the run ended")
+            .expect("pacer");
     }
 
     #[tokio::test]
