@@ -16,9 +16,9 @@
 //! server spends deciding it, on the cores the two share. Workers also release the tickets due
 //! whenever they finish a request, and take one themselves without waking anyone: on a busy
 //! machine the pacer can wait milliseconds for a CPU while the workers, woken by every answer,
-//! keep the schedule. A request's latency counts from its ticket's time, so
-//! neither a late generator nor a server that falls behind can hide a queue (no coordinated
-//! omission), and the summary reports the lateness, and the latency from the send, on their own.
+//! keep the schedule. A request's latency counts from its ticket's time, so neither a late
+//! generator nor a server that falls behind can hide a queue (no coordinated omission), and the
+//! summary reports the lateness, and the latency from the send, on their own.
 
 use std::io::IsTerminal;
 use std::sync::Arc;
@@ -683,6 +683,19 @@ mod tests {
             .collect()
     }
 
+    /// The tickets four workers take from `tickets` until there are none; the pacer must
+    /// release them all, or the workers never finish.
+    async fn taken_by_four(tickets: &Arc<Tickets>) -> u64 {
+        let mut taken = 0;
+        for worker in takers(tickets, 4) {
+            taken += tokio::time::timeout(Duration::from_secs(10), worker)
+                .await
+                .expect("every ticket is released: the workers finish")
+                .expect("worker");
+        }
+        taken
+    }
+
     #[tokio::test]
     async fn every_waiting_worker_stops_once_the_tickets_are_taken() {
         let tickets = Arc::new(Tickets::new(
@@ -692,13 +705,8 @@ mod tests {
         ));
         let pacer = Arc::clone(&tickets);
         let paced = std::thread::spawn(move || pace(&pacer));
-        let workers = takers(&tickets, 4);
-        let mut taken = 0;
-        for worker in workers {
-            taken += worker.await.expect("worker");
-        }
+        assert_eq!(taken_by_four(&tickets).await, 20);
         paced.join().expect("pacer");
-        assert_eq!(taken, 20);
     }
 
     #[tokio::test]
@@ -709,15 +717,7 @@ mod tests {
             Stop::Count(50),
         ));
         start_pacer(Arc::clone(&tickets));
-        let workers = takers(&tickets, 4);
-        let mut taken = 0;
-        for worker in workers {
-            taken += tokio::time::timeout(Duration::from_secs(10), worker)
-                .await
-                .expect("every ticket is released: the workers finish")
-                .expect("worker");
-        }
-        assert_eq!(taken, 50);
+        assert_eq!(taken_by_four(&tickets).await, 50);
     }
 
     #[cfg(target_os = "linux")]

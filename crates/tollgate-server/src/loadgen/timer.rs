@@ -2,10 +2,11 @@
 //! watched by the runtime's reactor.
 //!
 //! The open-loop pacer wakes every 100 µs or so (`PACER_TICK` in `run.rs`), and tokio's own
-//! timer wheel ticks every millisecond. A pacer on a thread of its own (the fallback elsewhere) sleeps
-//! on the operating system's timer, but then each of its wake-ups wakes the runtime in turn:
-//! two threads scheduled where one would do, on the cores the generator shares with the server
-//! it measures. On a timer the reactor watches, the runtime's own thread wakes for the tick.
+//! timer wheel ticks every millisecond. A pacer on a thread of its own (the fallback elsewhere)
+//! sleeps on the operating system's timer, but then each of its wake-ups wakes the runtime in
+//! turn: two threads scheduled where one would do, on the cores the generator shares with the
+//! server it measures. On a timer the reactor watches, the runtime's own thread wakes for the
+//! tick.
 
 use std::io;
 use std::os::fd::OwnedFd;
@@ -41,17 +42,10 @@ impl Timer {
 
     /// Returns once `wait` has passed (at least a nanosecond: a zero time disarms a timerfd).
     pub(crate) async fn sleep(&self, wait: Duration) -> io::Result<()> {
+        let wait = wait.max(Duration::from_nanos(1));
         let after = Timespec {
             tv_sec: i64::try_from(wait.as_secs()).unwrap_or(i64::MAX),
             tv_nsec: i64::from(wait.subsec_nanos()),
-        };
-        let after = if after.tv_sec == 0 && after.tv_nsec == 0 {
-            Timespec {
-                tv_sec: 0,
-                tv_nsec: 1,
-            }
-        } else {
-            after
         };
         let once = Itimerspec {
             it_interval: Timespec {
