@@ -171,11 +171,13 @@ impl KeyedCheck for Floor {
 /// the word the thread's previous check loaded, so no two misses overlap.
 ///
 /// [`Floor`]'s loads are independent, so the processor runs several of them at once and its
-/// time per check is less than a miss. A limiter's check cannot do that: it locks (or
-/// compare-and-swaps) around its read, and an atomic read-modify-write waits for every load
-/// before it. So each of its misses costs the full memory latency, which this control measures
-/// in the same run: a design with one miss per check costs at least this, one with two misses
-/// about twice this.
+/// time per check is less than a miss. A limiter's check mostly cannot: it locks (or
+/// compare-and-swaps) around its read, and on most processors measured an atomic
+/// read-modify-write waits for every load before it. Then each of its misses costs the full
+/// memory latency, which this control measures in the same run: a design with one miss per
+/// check costs at least this, one with two misses about twice this. Some processors start the
+/// next check's miss past the lock all the same (a Zen 5 host, BENCHMARKS.md's twenty-first
+/// session: tollgate's one-thread check came in below this control in two runs of three).
 pub struct ChainedFloor {
     floor: Floor,
 }
