@@ -190,7 +190,7 @@ impl Tickets {
     /// each, then returns how long to sleep before the next step, at least [`PACER_TICK`].
     /// `None` once the pacer has nothing left to do: every ticket released, or the run closed
     /// (by the run once its workers are done: nobody takes tickets any more).
-    fn pace(&self, now: Instant) -> Option<Duration> {
+    fn pacer_step(&self, now: Instant) -> Option<Duration> {
         if self.closed.load(Ordering::Acquire) {
             return None;
         }
@@ -398,7 +398,7 @@ fn start_pacer(tickets: Arc<Tickets>) {
 /// takes over: workers with nothing to send wait for the pacer's wake-ups.
 #[cfg(target_os = "linux")]
 async fn pace_on_timer(timer: super::timer::Timer, tickets: Arc<Tickets>) {
-    while let Some(wait) = tickets.pace(Instant::now()) {
+    while let Some(wait) = tickets.pacer_step(Instant::now()) {
         if let Err(err) = timer.sleep(wait).await {
             tracing::warn!(error = %err, "the pacer's timer failed: pacing on a thread instead");
             std::thread::spawn(move || pace(&tickets));
@@ -416,7 +416,7 @@ fn pace(tickets: &Tickets) {
     // precise wake-ups is still correct, only later.
     #[cfg(target_os = "linux")]
     let _ = rustix::thread::set_current_timer_slack(std::num::NonZeroU64::new(1));
-    while let Some(wait) = tickets.pace(Instant::now()) {
+    while let Some(wait) = tickets.pacer_step(Instant::now()) {
         // The generator's own thread, not the code under test: the clippy rule against
         // sleeping is for tests of the limiter.
         #[allow(clippy::disallowed_methods)]
