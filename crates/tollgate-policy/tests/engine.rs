@@ -197,6 +197,35 @@ fn unmatched_requests_are_allowed_and_counted() {
     assert_eq!(r.engine.status().unmatched, 2);
 }
 
+/// An entry with an empty value is present, as in Envoy's Rate Limit Service: every request
+/// sending `user: ""` shares that one bucket, apart from every named user's. Only a missing
+/// entry leaves a keyed limit out.
+#[test]
+fn an_empty_value_is_one_shared_bucket_not_a_missing_entry() {
+    let r = rig(TWO);
+    let names = |d: &[(&str, &str)]| -> Vec<String> {
+        let outcome = r.engine.decide("api", &[d], 1, None);
+        let outcome = outcome.unwrap_or_else(|e| panic!("{e}"));
+        outcome.limits.iter().map(|l| l.name.to_string()).collect()
+    };
+    assert_eq!(names(&[("user", "")]), ["per-user"]);
+    assert_eq!(
+        names(&[("user", ""), ("tenant", "")]),
+        ["per-user", "per-tenant"]
+    );
+    // per-user's "" bucket had 3 and has given 2: one left, then none.
+    assert!(decide(&r.engine, &[("user", String::new())]).0);
+    assert!(!decide(&r.engine, &[("user", String::new())]).0);
+    // A named user, and the users "\"\"" and " ", have buckets of their own.
+    for name in ["a", "\"\"", " "] {
+        assert!(
+            decide(&r.engine, &[("user", name.to_owned())]).0,
+            "{name:?}"
+        );
+    }
+    assert_eq!(r.engine.unmatched(), 0);
+}
+
 #[test]
 fn invalid_costs_are_errors_that_charge_nothing() {
     let r = rig(TWO);

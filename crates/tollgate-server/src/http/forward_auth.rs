@@ -207,6 +207,20 @@ mod tests {
         assert!(parse("d".repeat(MAX_NAME_BYTES + 1), &HeaderMap::new(), &[]).is_err());
     }
 
+    /// A header sent empty is an entry with the empty value (one bucket shared by every such
+    /// request, as over the JSON API), not a missing entry.
+    #[test]
+    fn an_empty_header_is_an_empty_value() {
+        let mapping = vec![("user".to_owned(), "x-user-id".to_owned())];
+        let mut headers = HeaderMap::new();
+        headers.insert("x-user-id", HeaderValue::from_static(""));
+        headers.insert("x-tollgate-tier", HeaderValue::from_static(""));
+        let mut entries = owned(descriptor(&headers, &mapping).unwrap());
+        entries.sort();
+        let expected = [("tier", ""), ("user", "")].map(|(k, v)| (k.to_owned(), v.to_owned()));
+        assert_eq!(entries, expected);
+    }
+
     #[test]
     fn explicit_entries_win() {
         let mut headers = HeaderMap::new();
