@@ -268,13 +268,22 @@ pub fn main() -> ExitCode {
 fn validate(file: &Path) -> Result<()> {
     let policy = tollgate_policy::validate(file).map_err(|err| anyhow!("{err}"))?;
     println!(
-        "{}: valid, version {}, {} limits, {} exemptions",
+        "{}: valid, version {}, {}, {}",
         file.display(),
         policy.version(),
-        policy.limits().len(),
-        policy.exemptions().len()
+        counted(policy.limits().len(), "limit"),
+        counted(policy.exemptions().len(), "exemption")
     );
     Ok(())
+}
+
+/// `1 limit`, `2 limits`: a summary line read by people.
+fn counted(n: usize, noun: &str) -> String {
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{n} {noun}s")
+    }
 }
 
 fn check(args: CheckArgs) -> Result<()> {
@@ -644,4 +653,16 @@ fn example_body(policy: &tollgate_policy::Policy) -> String {
         limit.domain(),
         entries.join(",")
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::counted;
+
+    #[test]
+    fn counts_read_as_english() {
+        assert_eq!(counted(0, "limit"), "0 limits");
+        assert_eq!(counted(1, "limit"), "1 limit");
+        assert_eq!(counted(2, "exemption"), "2 exemptions");
+    }
 }

@@ -1011,7 +1011,10 @@ fn validate_check_and_import_from_the_command_line() {
     let good = scratch.write("good.yaml", POLICY);
     let (status, stdout, _) = run(&["validate", path_str(&good)]);
     assert!(status.success());
-    assert!(stdout.contains("valid, version 1"), "{stdout}");
+    assert!(
+        stdout.contains("valid, version 1, 3 limits, 0 exemptions"),
+        "{stdout}"
+    );
     let bad = scratch.write("bad.yaml", "limits:\n  - name: x\n    capacty: 5\n");
     let (status, _, stderr) = run(&["validate", path_str(&bad)]);
     assert_eq!(status.code(), Some(1));
