@@ -331,7 +331,9 @@ impl RedisStore {
                 redis::cluster::ClusterClientBuilder::new(nodes.clone())
                     .connection_timeout(connect_timeout)
                     .response_timeout(config.timeout)
-                    .retries(1)
+                    // Redirections and retries are followed by `Connection::query`, which
+                    // sends `ASKING` with its call as one (see `query_cluster`).
+                    .retries(0)
             };
             // The nodes' URLs alone first, so a typo is not reported as bad files.
             let client = builder()

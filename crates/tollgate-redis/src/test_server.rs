@@ -279,6 +279,30 @@ impl Drop for RedisServer {
 pub struct RedisCluster {
     /// The three masters.
     pub nodes: Vec<RedisServer>,
+    /// Replicas added with [`RedisCluster::add_replica`].
+    pub replicas: Vec<RedisServer>,
+}
+
+/// One cluster-enabled `redis-server` on a free port, not yet part of a cluster.
+fn cluster_node(certificates: Option<&TestCertificates>) -> RedisServer {
+    let port = free_port();
+    let mut args: Vec<String> = vec![
+        "--cluster-enabled".into(),
+        "yes".into(),
+        "--cluster-config-file".into(),
+        format!("nodes-{port}.conf"),
+        "--cluster-node-timeout".into(),
+        "2000".into(),
+    ];
+    let tls_port = certificates.map(|certificates| {
+        let tls_port = free_port();
+        args.extend(tls_args(certificates, tls_port, false));
+        args.extend(["--tls-cluster".into(), "yes".into()]);
+        tls_port
+    });
+    let mut node = RedisServer::start_with(port, args);
+    node.tls_port = tls_port;
+    node
 }
 
 impl RedisCluster {
@@ -299,28 +323,7 @@ impl RedisCluster {
     }
 
     fn start_with(certificates: Option<&TestCertificates>) -> Self {
-        let nodes: Vec<RedisServer> = (0..3)
-            .map(|_| {
-                let port = free_port();
-                let mut args: Vec<String> = vec![
-                    "--cluster-enabled".into(),
-                    "yes".into(),
-                    "--cluster-config-file".into(),
-                    format!("nodes-{port}.conf"),
-                    "--cluster-node-timeout".into(),
-                    "2000".into(),
-                ];
-                let tls_port = certificates.map(|certificates| {
-                    let tls_port = free_port();
-                    args.extend(tls_args(certificates, tls_port, false));
-                    args.extend(["--tls-cluster".into(), "yes".into()]);
-                    tls_port
-                });
-                let mut node = RedisServer::start_with(port, args);
-                node.tls_port = tls_port;
-                node
-            })
-            .collect();
+        let nodes: Vec<RedisServer> = (0..3).map(|_| cluster_node(certificates)).collect();
         let addresses: Vec<String> = nodes
             .iter()
             .map(|node| format!("127.0.0.1:{}", node.port))
@@ -341,9 +344,58 @@ impl RedisCluster {
             "redis-cli --cluster create failed: {}",
             String::from_utf8_lossy(&output.stdout)
         );
-        let cluster = Self { nodes };
+        let cluster = Self {
+            nodes,
+            replicas: Vec::new(),
+        };
         cluster.wait_until_ready();
         cluster
+    }
+
+    /// Starts a replica of master `master` (an index into `nodes`) and waits until it has
+    /// caught up with it, so that a failover has something to promote.
+    ///
+    /// # Panics
+    ///
+    /// When the node cannot be added or does not catch up within 20 s.
+    pub fn add_replica(&mut self, master: usize) -> &RedisServer {
+        let replica = cluster_node(None);
+        let master_port = self.nodes[master].port;
+        let master_id = self.node_id(master);
+        let output = Command::new("redis-cli")
+            .args(["--cluster", "add-node"])
+            .arg(format!("127.0.0.1:{}", replica.port))
+            .arg(format!("127.0.0.1:{master_port}"))
+            .args(["--cluster-slave", "--cluster-master-id", &master_id])
+            .output()
+            .expect("run redis-cli");
+        assert!(
+            output.status.success(),
+            "redis-cli --cluster add-node failed: {}",
+            String::from_utf8_lossy(&output.stdout)
+        );
+        let until = deadline(Duration::from_secs(20));
+        while !command(replica.port, &["INFO", "replication"])
+            .is_some_and(|info| info.contains("master_link_status:up"))
+            || !command(replica.port, &["CLUSTER", "INFO"])
+                .is_some_and(|info| info.contains("cluster_state:ok"))
+        {
+            assert!(!passed(until), "the replica did not catch up");
+            pause_briefly();
+        }
+        self.replicas.push(replica);
+        self.replicas.last().expect("just pushed")
+    }
+
+    /// The cluster's id of master `index`.
+    ///
+    /// # Panics
+    ///
+    /// When the node does not answer.
+    pub fn node_id(&self, index: usize) -> String {
+        command(self.nodes[index].port, &["CLUSTER", "MYID"])
+            .map(|id| id.trim().to_owned())
+            .expect("CLUSTER MYID")
     }
 
     /// Waits until every node reports `cluster_state:ok`.

@@ -11,6 +11,7 @@ pub(crate) use test_server::*;
 use tollgate::{CheckRequest, Decision, Error, Limit, Store, Take, Timestamp};
 
 /// Checks one unit of `limit` on `key` at `now` (Redis' own time when `None`).
+#[allow(dead_code)] // not every test binary uses it
 pub(crate) async fn take_one_unit(
     store: &impl Store,
     key: &str,

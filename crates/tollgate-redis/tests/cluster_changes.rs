@@ -1,0 +1,355 @@
+//! The Redis store while the Redis Cluster under it changes shape: a slot moves from one master
+//! to another (a rebalance, `redis-cli --cluster reshard`), and a master fails over to its
+//! replica (a crash). Production clusters do both while traffic flows. Through either, the
+//! store must keep every bucket's state and idempotency records, never over-admit, and decide
+//! again by itself once the cluster has settled.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use redis::AsyncCommands;
+use support::{RedisCluster, command};
+use tollgate::{CheckRequest, Decision, Error, Limit, Store, Take, Timestamp};
+use tollgate_redis::{RedisConfig, RedisStore};
+
+/// The stores' timeout: a debug build on a loaded 2-core machine, while Redis migrates keys,
+/// can pass the production default of 20 ms; these tests are about decisions, not latency.
+const PATIENT: Duration = Duration::from_secs(2);
+
+const T0: Timestamp = Timestamp::from_nanos(1_700_000_000_000_000_000);
+
+/// `redis-cli --cluster create` deals the 16,384 slots to three masters in thirds of 5,462
+/// (the last one short).
+const THIRD: u16 = 5_462;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_changes() {
+    let mut cluster = RedisCluster::start();
+    cluster.add_replica(0);
+    let store = RedisStore::connect(
+        &cluster.url(),
+        RedisConfig::default()
+            .with_timeout(PATIENT)
+            .with_idempotency_window(Duration::from_secs(3_600)),
+    )
+    .await
+    .expect("connect to the cluster");
+    a_slot_moved_between_masters_keeps_its_buckets_and_records(&cluster, &store).await;
+    a_busy_key_moved_mid_traffic_is_never_over_admitted(&cluster).await;
+    a_master_failed_over_to_its_replica_keeps_its_buckets(&mut cluster, &store).await;
+}
+
+/// `key`'s slot, as the cluster computes it.
+fn slot_of(cluster: &RedisCluster, key: &str) -> u16 {
+    command(cluster.nodes[2].port, &["CLUSTER", "KEYSLOT", key])
+        .and_then(|reply| reply.trim().trim_start_matches(':').parse().ok())
+        .expect("a slot")
+}
+
+/// A key with a hash tag of its own, in master `master`'s third of the slots.
+fn key_of_master(cluster: &RedisCluster, name: &str, master: u16) -> String {
+    (0..)
+        .map(|n| format!("{{{name}-{n}}}"))
+        .find(|key| slot_of(cluster, key) / THIRD == master)
+        .unwrap_or_default()
+}
+
+/// `capacity`, one token back a minute: time stands still at `T0` here, so nothing refills.
+fn limit(capacity: u64) -> Limit {
+    Limit::new(capacity, "1/m".parse().expect("a rate")).expect("a limit")
+}
+
+/// One unit of `limit` on `key` at `T0`, with `request_id` when given.
+async fn take(
+    store: &RedisStore,
+    key: &str,
+    limit: &Limit,
+    request_id: Option<&str>,
+) -> Result<Decision, Error> {
+    let takes = [Take::new(key, limit, 1)];
+    let decisions = store
+        .check(CheckRequest {
+            takes: &takes,
+            request_id,
+            now: Some(T0),
+        })
+        .await?;
+    Ok(decisions[0])
+}
+
+/// What a take left in the bucket, or the error as text for the assertion's message.
+async fn remaining(store: &RedisStore, key: &str, limit: &Limit, id: Option<&str>) -> String {
+    match take(store, key, limit, id).await {
+        Ok(decision) if decision.allowed() => decision.remaining().to_string(),
+        Ok(decision) => format!("rejected, {} left", decision.remaining()),
+        Err(err) => format!("error: {err}"),
+    }
+}
+
+/// A connection to one node, for the commands that move a slot.
+async fn node(port: u16) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(format!("redis://127.0.0.1:{port}"))
+        .expect("a node's URL")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect to a node")
+}
+
+/// The slot move Redis documents (what `redis-cli --cluster reshard` does), one step at a time:
+/// the target imports, the source migrates, the keys go over, then every node learns the new
+/// owner.
+struct SlotMove {
+    slot: u16,
+    source: u16,
+    target: u16,
+    source_id: String,
+    target_id: String,
+    /// Every master's port, to announce the new owner to all.
+    masters: Vec<u16>,
+}
+
+impl SlotMove {
+    fn new(cluster: &RedisCluster, slot: u16, from: usize, to: usize) -> Self {
+        Self {
+            slot,
+            source: cluster.nodes[from].port,
+            target: cluster.nodes[to].port,
+            source_id: cluster.node_id(from),
+            target_id: cluster.node_id(to),
+            masters: cluster.nodes.iter().map(|node| node.port).collect(),
+        }
+    }
+
+    /// The slot is `MIGRATING` on the source and `IMPORTING` on the target: keys still on the
+    /// source are served there, the rest are redirected (`ASK`) to the target.
+    async fn begin(&self) {
+        let slot = self.slot.to_string();
+        let setslot = |port: u16, state: &'static str, id: String| {
+            let slot = slot.clone();
+            async move {
+                let reply: String = redis::cmd("CLUSTER")
+                    .arg(&["SETSLOT", &slot, state, &id][..])
+                    .query_async(&mut node(port).await)
+                    .await
+                    .unwrap_or_else(|err| panic!("SETSLOT {state}: {err}"));
+                assert_eq!(reply, "OK");
+            }
+        };
+        setslot(self.target, "IMPORTING", self.source_id.clone()).await;
+        setslot(self.source, "MIGRATING", self.target_id.clone()).await;
+    }
+
+    /// Moves every key of the slot still on the source to the target. Returns how many went.
+    async fn migrate_keys(&self) -> usize {
+        let mut source = node(self.source).await;
+        let keys: Vec<String> = redis::cmd("CLUSTER")
+            .arg("GETKEYSINSLOT")
+            .arg(self.slot)
+            .arg(1_000)
+            .query_async(&mut source)
+            .await
+            .expect("GETKEYSINSLOT");
+        if keys.is_empty() {
+            return 0;
+        }
+        let reply: String = redis::cmd("MIGRATE")
+            .arg("127.0.0.1")
+            .arg(self.target)
+            .arg("") // several keys, named after KEYS
+            .arg(0) // database
+            .arg(5_000) // ms
+            .arg("KEYS")
+            .arg(&keys)
+            .query_async(&mut source)
+            .await
+            .expect("MIGRATE");
+        assert_eq!(reply, "OK");
+        keys.len()
+    }
+
+    /// Every master now says the target owns the slot.
+    async fn finish(&self) {
+        for &port in [self.target, self.source].iter().chain(&self.masters) {
+            let reply: String = redis::cmd("CLUSTER")
+                .arg(&["SETSLOT", &self.slot.to_string(), "NODE", &self.target_id][..])
+                .query_async(&mut node(port).await)
+                .await
+                .expect("SETSLOT NODE");
+            assert_eq!(reply, "OK");
+        }
+    }
+}
+
+/// A bucket keeps its balance at every step of a move, whether the store finds it on the source
+/// or is redirected to the target (`ASK`, then `MOVED`); a bucket first made mid-move is made
+/// on the target; a retried request is still recognised after its record moved.
+async fn a_slot_moved_between_masters_keeps_its_buckets_and_records(
+    cluster: &RedisCluster,
+    store: &RedisStore,
+) {
+    let ten = limit(10);
+    let key = key_of_master(cluster, "move", 1);
+    let fresh = format!("{key}:fresh");
+    let step = SlotMove::new(cluster, slot_of(cluster, &key), 1, 2);
+
+    for left in ["9", "8", "7"] {
+        assert_eq!(remaining(store, &key, &ten, None).await, left);
+    }
+    assert_eq!(remaining(store, &key, &ten, Some("r-1")).await, "6");
+
+    step.begin().await;
+    // Still on the source.
+    assert_eq!(remaining(store, &key, &ten, None).await, "5");
+    // Not on the source: the source redirects to the target, which makes it.
+    assert_eq!(remaining(store, &fresh, &ten, None).await, "9");
+
+    // The bucket and the request's record go over together.
+    assert!(step.migrate_keys().await >= 2, "the bucket and its record");
+    assert_eq!(remaining(store, &key, &ten, None).await, "4");
+    // A retry of r-1 gets its first decision back, and is not charged.
+    assert_eq!(remaining(store, &key, &ten, Some("r-1")).await, "6");
+
+    step.finish().await;
+    assert_eq!(remaining(store, &key, &ten, None).await, "3");
+    assert_eq!(remaining(store, &fresh, &ten, None).await, "8");
+    assert_eq!(remaining(store, &key, &ten, Some("r-1")).await, "6");
+    let mut target = node(step.target).await;
+    let stored: bool = target
+        .exists(format!("tollgate:{key}"))
+        .await
+        .expect("EXISTS");
+    assert!(stored, "the bucket lives on the target now");
+}
+
+/// Sixteen tasks take from one bucket while its slot moves under them, at every step of the
+/// move: whatever each call meets (the source, an `ASK` to the target, a `MOVED`), every
+/// admission is charged exactly once, so what the bucket holds afterwards is its capacity less
+/// what was admitted.
+async fn a_busy_key_moved_mid_traffic_is_never_over_admitted(cluster: &RedisCluster) {
+    /// More than the tasks can take while the slot moves: every take is admitted, and the
+    /// balance counts them.
+    const CAPACITY: u64 = 1_000_000;
+    /// Decisions to see at each step of the move before the next.
+    const PER_STEP: u64 = 100;
+    let limit = limit(CAPACITY);
+    let key = key_of_master(cluster, "busy", 1);
+    let step = SlotMove::new(cluster, slot_of(cluster, &key), 1, 0);
+    let store = RedisStore::connect(&cluster.url(), RedisConfig::default().with_timeout(PATIENT))
+        .await
+        .map(Arc::new)
+        .expect("connect to the cluster");
+    let allowed = Arc::new(AtomicU64::new(0));
+    let failed = Arc::new(AtomicU64::new(0));
+    let running = Arc::new(AtomicBool::new(true));
+    let tasks: Vec<_> = (0..16)
+        .map(|_| {
+            let (store, key) = (store.clone(), key.clone());
+            let (allowed, failed, running) = (allowed.clone(), failed.clone(), running.clone());
+            tokio::spawn(async move {
+                while running.load(Ordering::Relaxed) {
+                    match take(&store, &key, &limit, None).await {
+                        Ok(decision) if decision.allowed() => {
+                            allowed.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Ok(decision) => panic!("rejected with room left: {decision:?}"),
+                        Err(err) => {
+                            if failed.fetch_add(1, Ordering::Relaxed) < 5 {
+                                eprintln!("failed: {err}");
+                            }
+                        }
+                    }
+                    // A store that fails fast must not starve the test's own task.
+                    tokio::task::yield_now().await;
+                }
+            })
+        })
+        .collect();
+    let decided = || allowed.load(Ordering::Relaxed) + failed.load(Ordering::Relaxed);
+    let after_more = |more: u64| {
+        let until = decided() + more;
+        async move {
+            while decided() < until {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+    };
+    after_more(PER_STEP).await;
+    step.begin().await;
+    after_more(PER_STEP).await;
+    assert!(step.migrate_keys().await >= 1, "the bucket went over");
+    after_more(PER_STEP).await;
+    step.finish().await;
+    after_more(PER_STEP).await;
+    running.store(false, Ordering::Relaxed);
+    for task in tasks {
+        task.await.expect("a task ran to the end");
+    }
+    let (allowed, failed) = (
+        allowed.load(Ordering::Relaxed),
+        failed.load(Ordering::Relaxed),
+    );
+    // One more take reads what is left, on the target.
+    let last = take(&store, &key, &limit, None)
+        .await
+        .expect("decided after the move");
+    let left = last.remaining() + 1;
+    assert!(
+        allowed + left <= CAPACITY,
+        "over-admitted: {allowed} admitted and {left} left of {CAPACITY}"
+    );
+    assert_eq!(
+        (allowed + left, failed),
+        (CAPACITY, 0),
+        "every call decided and charged once ({allowed} admitted)"
+    );
+}
+
+/// Master 0 dies; after the cluster's node timeout its replica takes over its slots. The store
+/// answers "unavailable" meanwhile, within its timeout, and decides again once the replica is
+/// master, with the balance the bucket had: replication carried it.
+async fn a_master_failed_over_to_its_replica_keeps_its_buckets(
+    cluster: &mut RedisCluster,
+    store: &RedisStore,
+) {
+    let ten = limit(10);
+    let key = key_of_master(cluster, "failover", 0);
+    for left in ["9", "8", "7", "6"] {
+        assert_eq!(remaining(store, &key, &ten, None).await, left);
+    }
+    // Redis replicates asynchronously: wait until the replica has the writes, as a failover
+    // would lose the last ones otherwise (a bounded under-charge, not this test's subject).
+    let replicated = command(cluster.nodes[0].port, &["WAIT", "1", "5000"]);
+    assert_eq!(replicated.as_deref().map(str::trim), Some(":1"));
+
+    cluster.nodes[0].kill();
+    let started = tokio::time::Instant::now();
+    let mut unavailable = 0;
+    let first = loop {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "no decision within a minute of the master's death"
+        );
+        let attempt = tokio::time::timeout(PATIENT * 3, take(store, &key, &ten, None))
+            .await
+            .expect("an answer within the timeout bound, not a hang");
+        match attempt {
+            Ok(decision) => break decision,
+            Err(Error::StoreUnavailable { .. }) => {
+                unavailable += 1;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(err) => panic!("an unavailable store, not {err}"),
+        }
+    };
+    assert!(unavailable > 0, "the store noticed the dead master");
+    assert!(first.allowed());
+    assert_eq!(first.remaining(), 5, "the replica carried the balance over");
+    let info = command(cluster.replicas[0].port, &["INFO", "replication"]).unwrap_or_default();
+    assert!(
+        info.contains("role:master"),
+        "the replica was promoted: {info}"
+    );
+}
