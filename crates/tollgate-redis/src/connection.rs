@@ -22,15 +22,17 @@ use arc_swap::ArcSwap;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
-use redis::{Cmd, ErrorKind, RedisError, RetryMethod, Value};
+use redis::{Cmd, RedisError};
 use tollgate::{Clock, MonotonicClock, Timestamp};
 
-/// One connection to a single node (multiplexed, reconnecting on errors), or to a cluster.
+use crate::cluster::{UnknownNodes, query_cluster};
+
+/// One connection to a single node (multiplexed, reconnecting on errors), or to a cluster
+/// (with the store's own connections to nodes the cluster client does not know yet).
 #[derive(Clone)]
 pub(crate) enum Connection {
     Single(ConnectionManager),
-    Cluster(ClusterConnection),
+    Cluster(ClusterConnection, Arc<UnknownNodes>),
 }
 
 impl Connection {
@@ -38,7 +40,9 @@ impl Connection {
     pub(crate) async fn query(&self, call: &Cmd) -> Result<Vec<u8>, RedisError> {
         match self.clone() {
             Connection::Single(mut connection) => call.query_async(&mut connection).await,
-            Connection::Cluster(mut connection) => query_cluster(&mut connection, call).await,
+            Connection::Cluster(mut connection, unknown) => {
+                query_cluster(&mut connection, &unknown, call).await
+            }
         }
     }
 
@@ -46,97 +50,15 @@ impl Connection {
         let ping = redis::cmd("PING");
         match self.clone() {
             Connection::Single(mut connection) => ping.query_async(&mut connection).await,
-            Connection::Cluster(mut connection) => ping.query_async(&mut connection).await,
+            Connection::Cluster(mut connection, _) => ping.query_async(&mut connection).await,
         }
     }
-}
-
-/// Attempts a cluster call makes after its first: a slot being moved sends a call from its old
-/// owner to its new one (`ASK`), a finished move from a stale owner to the new one (`MOVED`), so
-/// two suffice; one more covers a move that finishes between them, or a dropped connection.
-const CLUSTER_RETRIES: usize = 3;
-
-/// How long a `TRYAGAIN` (a call over several keys of a slot whose keys are part moved) or a
-/// cluster that is reconfiguring waits before the call goes again. The caller's timeout bounds
-/// all the attempts together.
-const CLUSTER_PAUSE: Duration = Duration::from_millis(1);
-
-/// `call` on the cluster, following redirections here rather than in redis-rs.
-///
-/// The cluster client is built with no retries of its own (see `RedisStore::connect`), so an
-/// `ASK` or a `MOVED` comes back here. redis-rs 1.8 follows an `ASK` by sending `ASKING` on
-/// its own and then the call, on a connection other requests share: with calls in flight
-/// together, another request can come between the two and take the one-shot flag, and the call
-/// then meets `MOVED` back to the slot's old owner, which sends it on with `ASK` again, until
-/// its retries run out. Every call on a slot being moved failed that way in a test with sixteen
-/// tasks, and three failures in a row open the circuit breaker, for every key. Here `ASKING`
-/// and the call go as one pipeline, which nothing can come between.
-async fn query_cluster(
-    connection: &mut ClusterConnection,
-    call: &Cmd,
-) -> Result<Vec<u8>, RedisError> {
-    let mut reply = call.query_async(connection).await;
-    for _ in 0..CLUSTER_RETRIES {
-        let err = match reply {
-            Ok(reply) => return Ok(reply),
-            Err(err) => err,
-        };
-        let redirect = err.redirect_node().and_then(|(node, _slot)| route_to(node));
-        reply = match (err.retry_method(), redirect) {
-            (RetryMethod::AskRedirect, Some(route)) => {
-                let mut asking = redis::pipe();
-                asking.cmd("ASKING").add_command(call.clone());
-                // The call's reply alone: skip `ASKING`'s.
-                connection
-                    .route_pipeline(asking, 1, 1, route)
-                    .await
-                    .and_then(one_string)
-            }
-            (RetryMethod::MovedRedirect, Some(route)) => connection
-                .route_command(call.clone(), RoutingInfo::SingleNode(route))
-                .await
-                .and_then(|value| Ok(redis::from_redis_value(value.extract_error()?)?)),
-            (RetryMethod::WaitAndRetry, _) => {
-                tokio::time::sleep(CLUSTER_PAUSE).await;
-                call.query_async(connection).await
-            }
-            (
-                RetryMethod::Reconnect
-                | RetryMethod::ReconnectFromInitialConnections
-                | RetryMethod::RefreshSlotsAndRetry
-                | RetryMethod::RetryImmediately,
-                _,
-            ) => call.query_async(connection).await,
-            _ => return Err(err),
-        };
-    }
-    reply
-}
-
-/// The only reply of a pipeline's answer, as a string.
-fn one_string(replies: Vec<Value>) -> Result<Vec<u8>, RedisError> {
-    let reply = replies
-        .into_iter()
-        .next()
-        .ok_or_else(|| RedisError::from((ErrorKind::Client, "an empty pipeline reply")))?;
-    Ok(redis::from_redis_value(reply.extract_error()?)?)
-}
-
-/// The route to a node named in a redirection, `host:port` (`[v6]:port` too).
-fn route_to(node: &str) -> Option<SingleNodeRoutingInfo> {
-    let (host, port) = node.rsplit_once(':')?;
-    let host = host.trim_start_matches('[').trim_end_matches(']');
-    let port = port.parse().ok()?;
-    (!host.is_empty()).then(|| SingleNodeRoutingInfo::ByAddress {
-        host: host.to_owned(),
-        port,
-    })
 }
 
 /// How to open a connection like the current one.
 pub(crate) enum Opener {
     Single(redis::Client, ConnectionManagerConfig),
-    Cluster(ClusterClient),
+    Cluster(ClusterClient, Arc<UnknownNodes>),
 }
 
 /// The connection every call of a store takes, replaceable while calls are in flight: calls
@@ -201,17 +123,18 @@ impl Link {
                     Err(err) => tracing::warn!("redis store: cannot open a connection: {err}"),
                 }
             }
-            Opener::Cluster(client) => {
+            Opener::Cluster(client, unknown) => {
                 if self.renewing.swap(true, Ordering::AcqRel) {
                     return;
                 }
-                let (link, client) = (Arc::clone(self), client.clone());
+                let (link, client, unknown) =
+                    (Arc::clone(self), client.clone(), Arc::clone(unknown));
                 tokio::spawn(async move {
                     match client.get_async_connection().await {
                         Ok(connection) => {
                             tracing::warn!("redis store: replacing its connections to the cluster");
                             link.current
-                                .store(Arc::new(Connection::Cluster(connection)));
+                                .store(Arc::new(Connection::Cluster(connection, unknown)));
                         }
                         Err(err) => {
                             tracing::warn!("redis store: cannot reconnect to the cluster: {err}");
@@ -231,32 +154,4 @@ fn open_in_background(connection: &Connection, timeout: Duration) {
     tokio::spawn(async move {
         let _ = tokio::time::timeout(timeout, connection.ping()).await;
     });
-}
-
-#[cfg(test)]
-mod tests {
-    use redis::cluster_routing::SingleNodeRoutingInfo;
-
-    use super::route_to;
-
-    fn address(route: Option<SingleNodeRoutingInfo>) -> Option<(String, u16)> {
-        match route? {
-            SingleNodeRoutingInfo::ByAddress { host, port } => Some((host, port)),
-            _ => None,
-        }
-    }
-
-    #[test]
-    fn a_redirection_names_the_node_to_route_to() {
-        let at = |host: &str, port| Some((host.to_owned(), port));
-        assert_eq!(address(route_to("127.0.0.1:7001")), at("127.0.0.1", 7001));
-        assert_eq!(address(route_to("[::1]:7002")), at("::1", 7002));
-        assert_eq!(
-            address(route_to("redis-0.cache:6379")),
-            at("redis-0.cache", 6379)
-        );
-        for bad in ["", "7001", ":7001", "host:", "host:70000", "host:port"] {
-            assert_eq!(address(route_to(bad)), None, "{bad:?}");
-        }
-    }
 }

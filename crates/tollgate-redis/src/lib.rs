@@ -47,6 +47,7 @@
 
 mod batch;
 mod breaker;
+mod cluster;
 mod connection;
 mod failover;
 mod store;

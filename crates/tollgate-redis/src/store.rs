@@ -39,6 +39,7 @@ use tollgate::{
 
 use crate::batch::{self, Batcher, Bucket, Carried, Mode, Record, Segment, TakeScript};
 use crate::breaker::{Breaker, BreakerConfig, Transition};
+use crate::cluster::UnknownNodes;
 use crate::connection::{Connection, Link, Opener};
 use crate::tls::{self, TlsFiles};
 use crate::units::ScriptLimit;
@@ -342,17 +343,22 @@ impl RedisStore {
                     url: redact(url),
                     source,
                 })?;
-            let client = match certificates {
+            let client = match &certificates {
                 Some(certificates) => builder()
-                    .certs(certificates)
+                    .certs(certificates.clone())
                     .build()
                     .map_err(|source| ConnectError::InvalidTls { source })?,
                 None => client,
             };
+            let template = nodes[0]
+                .as_str()
+                .into_connection_info()
+                .map_err(|_| invalid())?;
+            let unknown = Arc::new(UnknownNodes::new(template, certificates, connect_timeout));
             let connection = client.get_async_connection().await.map_err(connect_error)?;
             Link::new(
-                Connection::Cluster(connection),
-                Opener::Cluster(client),
+                Connection::Cluster(connection, Arc::clone(&unknown)),
+                Opener::Cluster(client, unknown),
                 connect_timeout,
             )
         } else {

@@ -387,6 +387,41 @@ impl RedisCluster {
         self.replicas.last().expect("just pushed")
     }
 
+    /// Starts a master that owns no slots yet and joins it to the cluster (as a cluster
+    /// grows, before slots are moved to it), speaking TLS too with `certificates` like the
+    /// rest of a cluster made with [`RedisCluster::start_tls`]. Returns its index in `nodes`.
+    ///
+    /// # Panics
+    ///
+    /// When the node cannot be added or the cluster does not settle within 20 s.
+    pub fn add_master(&mut self, certificates: Option<&TestCertificates>) -> usize {
+        let node = cluster_node(certificates);
+        let output = Command::new("redis-cli")
+            .args(["--cluster", "add-node"])
+            .arg(format!("127.0.0.1:{}", node.port))
+            .arg(format!("127.0.0.1:{}", self.nodes[0].port))
+            .output()
+            .expect("run redis-cli");
+        assert!(
+            output.status.success(),
+            "redis-cli --cluster add-node failed: {}",
+            String::from_utf8_lossy(&output.stdout)
+        );
+        let known = self.nodes.len() + self.replicas.len() + 1;
+        let until = deadline(Duration::from_secs(20));
+        for port in self.nodes.iter().map(|node| node.port).chain([node.port]) {
+            while !command(port, &["CLUSTER", "INFO"]).is_some_and(|info| {
+                info.contains("cluster_state:ok")
+                    && info.contains(&format!("cluster_known_nodes:{known}"))
+            }) {
+                assert!(!passed(until), "the cluster did not take the new master in");
+                pause_briefly();
+            }
+        }
+        self.nodes.push(node);
+        self.nodes.len() - 1
+    }
+
     /// The cluster's id of master `index`.
     ///
     /// # Panics

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use redis::AsyncCommands;
-use support::{RedisCluster, command};
+use support::{RedisCluster, SlotMove, command, node};
 use tollgate::{CheckRequest, Decision, Error, Limit, Store, Take, Timestamp};
 use tollgate_redis::{RedisConfig, RedisStore};
 
@@ -38,7 +38,10 @@ async fn cluster_changes() {
     .await
     .expect("connect to the cluster");
     a_slot_moved_between_masters_keeps_its_buckets_and_records(&cluster, &store).await;
-    a_busy_key_moved_mid_traffic_is_never_over_admitted(&cluster).await;
+    a_busy_key_moved_mid_traffic_is_never_over_admitted(&cluster, 0).await;
+    // As a cluster grows: to a master the store has never talked to.
+    let new = cluster.add_master(None);
+    a_busy_key_moved_mid_traffic_is_never_over_admitted(&cluster, new).await;
     a_master_failed_over_to_its_replica_keeps_its_buckets(&mut cluster, &store).await;
 }
 
@@ -89,100 +92,6 @@ async fn remaining(store: &RedisStore, key: &str, limit: &Limit, id: Option<&str
     }
 }
 
-/// A connection to one node, for the commands that move a slot.
-async fn node(port: u16) -> redis::aio::MultiplexedConnection {
-    redis::Client::open(format!("redis://127.0.0.1:{port}"))
-        .expect("a node's URL")
-        .get_multiplexed_async_connection()
-        .await
-        .expect("connect to a node")
-}
-
-/// The slot move Redis documents (what `redis-cli --cluster reshard` does), one step at a time:
-/// the target imports, the source migrates, the keys go over, then every node learns the new
-/// owner.
-struct SlotMove {
-    slot: u16,
-    source: u16,
-    target: u16,
-    source_id: String,
-    target_id: String,
-    /// Every master's port, to announce the new owner to all.
-    masters: Vec<u16>,
-}
-
-impl SlotMove {
-    fn new(cluster: &RedisCluster, slot: u16, from: usize, to: usize) -> Self {
-        Self {
-            slot,
-            source: cluster.nodes[from].port,
-            target: cluster.nodes[to].port,
-            source_id: cluster.node_id(from),
-            target_id: cluster.node_id(to),
-            masters: cluster.nodes.iter().map(|node| node.port).collect(),
-        }
-    }
-
-    /// The slot is `MIGRATING` on the source and `IMPORTING` on the target: keys still on the
-    /// source are served there, the rest are redirected (`ASK`) to the target.
-    async fn begin(&self) {
-        let slot = self.slot.to_string();
-        let setslot = |port: u16, state: &'static str, id: String| {
-            let slot = slot.clone();
-            async move {
-                let reply: String = redis::cmd("CLUSTER")
-                    .arg(&["SETSLOT", &slot, state, &id][..])
-                    .query_async(&mut node(port).await)
-                    .await
-                    .unwrap_or_else(|err| panic!("SETSLOT {state}: {err}"));
-                assert_eq!(reply, "OK");
-            }
-        };
-        setslot(self.target, "IMPORTING", self.source_id.clone()).await;
-        setslot(self.source, "MIGRATING", self.target_id.clone()).await;
-    }
-
-    /// Moves every key of the slot still on the source to the target. Returns how many went.
-    async fn migrate_keys(&self) -> usize {
-        let mut source = node(self.source).await;
-        let keys: Vec<String> = redis::cmd("CLUSTER")
-            .arg("GETKEYSINSLOT")
-            .arg(self.slot)
-            .arg(1_000)
-            .query_async(&mut source)
-            .await
-            .expect("GETKEYSINSLOT");
-        if keys.is_empty() {
-            return 0;
-        }
-        let reply: String = redis::cmd("MIGRATE")
-            .arg("127.0.0.1")
-            .arg(self.target)
-            .arg("") // several keys, named after KEYS
-            .arg(0) // database
-            .arg(5_000) // ms
-            .arg("KEYS")
-            .arg(&keys)
-            .query_async(&mut source)
-            .await
-            .expect("MIGRATE");
-        assert_eq!(reply, "OK");
-        keys.len()
-    }
-
-    /// Every master now says the target owns the slot.
-    async fn finish(&self) {
-        for &port in [self.target, self.source].iter().chain(&self.masters) {
-            let reply: String = redis::cmd("CLUSTER")
-                .arg(&["SETSLOT", &self.slot.to_string(), "NODE", &self.target_id][..])
-                .query_async(&mut node(port).await)
-                .await
-                .expect("SETSLOT NODE");
-            assert_eq!(reply, "OK");
-        }
-    }
-}
-
 /// A bucket keeps its balance at every step of a move, whether the store finds it on the source
 /// or is redirected to the target (`ASK`, then `MOVED`); a bucket first made mid-move is made
 /// on the target; a retried request is still recognised after its record moved.
@@ -228,15 +137,15 @@ async fn a_slot_moved_between_masters_keeps_its_buckets_and_records(
 /// move: whatever each call meets (the source, an `ASK` to the target, a `MOVED`), every
 /// admission is charged exactly once, so what the bucket holds afterwards is its capacity less
 /// what was admitted.
-async fn a_busy_key_moved_mid_traffic_is_never_over_admitted(cluster: &RedisCluster) {
+async fn a_busy_key_moved_mid_traffic_is_never_over_admitted(cluster: &RedisCluster, to: usize) {
     /// More than the tasks can take while the slot moves: every take is admitted, and the
     /// balance counts them.
     const CAPACITY: u64 = 1_000_000;
     /// Decisions to see at each step of the move before the next.
     const PER_STEP: u64 = 100;
     let limit = limit(CAPACITY);
-    let key = key_of_master(cluster, "busy", 1);
-    let step = SlotMove::new(cluster, slot_of(cluster, &key), 1, 0);
+    let key = key_of_master(cluster, &format!("busy-to-{to}"), 1);
+    let step = SlotMove::new(cluster, slot_of(cluster, &key), 1, to);
     let store = RedisStore::connect(&cluster.url(), RedisConfig::default().with_timeout(PATIENT))
         .await
         .map(Arc::new)

@@ -3,7 +3,7 @@
 
 mod support;
 
-use support::{RedisCluster, RedisServer, TestCertificates, command, take_one_unit};
+use support::{RedisCluster, RedisServer, SlotMove, TestCertificates, command, take_one_unit};
 use tollgate::{Decision, Error, Limit};
 use tollgate_redis::{ConnectError, RedisConfig, RedisStore, TlsFiles};
 
@@ -128,7 +128,7 @@ async fn certificate_files_are_checked_when_the_store_connects() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decides_on_a_cluster_over_tls() {
     let certificates = TestCertificates::generate("cluster");
-    let cluster = RedisCluster::start_tls(&certificates);
+    let mut cluster = RedisCluster::start_tls(&certificates);
     let store = connect(
         &cluster.tls_url(),
         TlsFiles::new().with_ca(&certificates.ca),
@@ -157,4 +157,32 @@ async fn decides_on_a_cluster_over_tls() {
         })
         .sum();
     assert_eq!(stored, 6);
+
+    // A slot moved to a master that joins now, which the cluster client has no connection to:
+    // the store reaches it on a TLS connection of its own, and the bucket keeps its balance.
+    let new = cluster.add_master(Some(&certificates));
+    let slot: u16 = command(cluster.nodes[0].port, &["CLUSTER", "KEYSLOT", "tollgate:a"])
+        .and_then(|reply| reply.trim().trim_start_matches(':').parse().ok())
+        .expect("a slot");
+    let owner = (0..3)
+        .find(|&master| {
+            command(
+                cluster.nodes[master].port,
+                &["CLUSTER", "COUNTKEYSINSLOT", &slot.to_string()],
+            )
+            .is_some_and(|reply| reply.trim() == ":1")
+        })
+        .expect("a master holds the bucket");
+    let step = SlotMove::new(&cluster, slot, owner, new);
+    step.begin().await;
+    assert_eq!(step.migrate_keys().await, 1);
+    assert!(
+        !check(&store, "a").await.unwrap()[0].allowed(),
+        "a is still empty"
+    );
+    step.finish().await;
+    assert!(
+        !check(&store, "a").await.unwrap()[0].allowed(),
+        "a is still empty"
+    );
 }

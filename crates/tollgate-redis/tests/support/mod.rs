@@ -27,3 +27,105 @@ pub(crate) async fn take_one_unit(
         })
         .await
 }
+
+/// A connection to one node, for the commands that move a slot.
+#[allow(dead_code)] // not every test binary moves slots
+pub(crate) async fn node(port: u16) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(format!("redis://127.0.0.1:{port}"))
+        .expect("a node's URL")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect to a node")
+}
+
+/// The slot move Redis documents (what `redis-cli --cluster reshard` does), one step at a time:
+/// the target imports, the source migrates, the keys go over, then every node learns the new
+/// owner.
+#[allow(dead_code)]
+pub(crate) struct SlotMove {
+    slot: u16,
+    source: u16,
+    /// The new owner's port.
+    pub(crate) target: u16,
+    /// The port the source sends keys to: the target's TLS port in a cluster that speaks TLS
+    /// between nodes.
+    target_migrate: u16,
+    source_id: String,
+    target_id: String,
+    /// Every master's port, to announce the new owner to all.
+    masters: Vec<u16>,
+}
+
+#[allow(dead_code)]
+impl SlotMove {
+    pub(crate) fn new(cluster: &RedisCluster, slot: u16, from: usize, to: usize) -> Self {
+        Self {
+            slot,
+            source: cluster.nodes[from].port,
+            target: cluster.nodes[to].port,
+            target_migrate: cluster.nodes[to].tls_port.unwrap_or(cluster.nodes[to].port),
+            source_id: cluster.node_id(from),
+            target_id: cluster.node_id(to),
+            masters: cluster.nodes.iter().map(|node| node.port).collect(),
+        }
+    }
+
+    /// The slot is `MIGRATING` on the source and `IMPORTING` on the target: keys still on the
+    /// source are served there, the rest are redirected (`ASK`) to the target.
+    pub(crate) async fn begin(&self) {
+        let slot = self.slot.to_string();
+        let setslot = |port: u16, state: &'static str, id: String| {
+            let slot = slot.clone();
+            async move {
+                let reply: String = redis::cmd("CLUSTER")
+                    .arg(&["SETSLOT", &slot, state, &id][..])
+                    .query_async(&mut node(port).await)
+                    .await
+                    .unwrap_or_else(|err| panic!("SETSLOT {state}: {err}"));
+                assert_eq!(reply, "OK");
+            }
+        };
+        setslot(self.target, "IMPORTING", self.source_id.clone()).await;
+        setslot(self.source, "MIGRATING", self.target_id.clone()).await;
+    }
+
+    /// Moves every key of the slot still on the source to the target. Returns how many went.
+    pub(crate) async fn migrate_keys(&self) -> usize {
+        let mut source = node(self.source).await;
+        let keys: Vec<String> = redis::cmd("CLUSTER")
+            .arg("GETKEYSINSLOT")
+            .arg(self.slot)
+            .arg(1_000)
+            .query_async(&mut source)
+            .await
+            .expect("GETKEYSINSLOT");
+        if keys.is_empty() {
+            return 0;
+        }
+        let reply: String = redis::cmd("MIGRATE")
+            .arg("127.0.0.1")
+            .arg(self.target_migrate)
+            .arg("") // several keys, named after KEYS
+            .arg(0) // database
+            .arg(5_000) // ms
+            .arg("KEYS")
+            .arg(&keys)
+            .query_async(&mut source)
+            .await
+            .expect("MIGRATE");
+        assert_eq!(reply, "OK");
+        keys.len()
+    }
+
+    /// Every master now says the target owns the slot.
+    pub(crate) async fn finish(&self) {
+        for &port in [self.target, self.source].iter().chain(&self.masters) {
+            let reply: String = redis::cmd("CLUSTER")
+                .arg(&["SETSLOT", &self.slot.to_string(), "NODE", &self.target_id][..])
+                .query_async(&mut node(port).await)
+                .await
+                .expect("SETSLOT NODE");
+            assert_eq!(reply, "OK");
+        }
+    }
+}
