@@ -9,11 +9,11 @@
 //!
 //! A multi-bucket request whose keys share a slot (always, on a single node) is one script call,
 //! all or nothing. Keys in different cluster slots are decided in parallel, one call per slot;
-//! if any slot rejects, the slots that charged are refunded (by the same script): the store
-//! may under-admit for the moment between charge and refund, never over-admit. With a request
-//! id, a refund gives back only while no retry's reply rests on the charge (see
-//! `scripts/take.lua`). Give the keys of one subject a shared `{hash tag}` to keep them in one
-//! slot.
+//! if any slot rejects or cannot decide, the slots that charged are refunded (by the same
+//! script; best effort after a failure): the store may under-admit for the moment between
+//! charge and refund, never over-admit. With a request id, a refund gives back only while no
+//! retry's reply rests on the charge (see `scripts/take.lua`). Give the keys of one subject a
+//! shared `{hash tag}` to keep them in one slot.
 //!
 //! A take may name the bucket's earlier self ([`tollgate::Carry`]: the same subject under a
 //! limit's parameters before a policy change). Processes sharing Redis change policy at their
@@ -479,10 +479,37 @@ impl RedisStore {
         // awaited directly, without the bookkeeping of joining several.
         let replies: Vec<GroupReply> = match groups.as_slice() {
             [group] => vec![call(group).await?],
-            groups => join_all(groups.iter().map(call))
-                .await
-                .into_iter()
-                .collect::<Result<_, _>>()?,
+            groups => {
+                let replies = join_all(groups.iter().map(call)).await;
+                match replies.iter().find_map(|reply| reply.as_ref().err()) {
+                    None => replies.into_iter().collect::<Result<_, _>>()?,
+                    Some(&failed) => {
+                        // One slot could not decide (its master is down, say), so the request
+                        // is not admitted by the store: give back what the other slots charged,
+                        // or they would pay for it, and keep paying past the outage. Best
+                        // effort: a refund that fails too leaves a charge, which under-admits.
+                        if !dry {
+                            let refunds =
+                                groups.iter().zip(&replies).filter_map(|(group, reply)| {
+                                    let charged =
+                                        reply.as_ref().is_ok_and(|reply| reply.status == 1);
+                                    charged.then(|| {
+                                        let segment = segment(
+                                            group,
+                                            prepared,
+                                            request.takes,
+                                            Mode::Refund,
+                                            record(group),
+                                        );
+                                        async move { self.call(now, &segment).await }
+                                    })
+                                });
+                            join_all(refunds).await;
+                        }
+                        return Err(failed);
+                    }
+                }
+            }
         };
 
         // A mix of charged (1) and replayed (2) slots is admitted: the replay claimed its record,

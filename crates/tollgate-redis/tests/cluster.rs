@@ -198,6 +198,29 @@ async fn a_master_killed_then_restarted(cluster: &mut RedisCluster, store: &Redi
     }
 
     cluster.nodes[0].kill();
+    // A request over a live master's slot and the dead one's is not admitted, and the live
+    // slot's charge is given back: its bucket does not pay for the outage.
+    let both = [
+        Take::new(&keys[1], &limit, 1),
+        Take::new(&keys[0], &limit, 1),
+    ];
+    let outcome = store
+        .check(CheckRequest {
+            takes: &both,
+            request_id: None,
+            now: Some(T0),
+        })
+        .await;
+    assert!(
+        matches!(outcome, Err(Error::StoreUnavailable { .. })),
+        "{outcome:?}"
+    );
+    let after = take_one_unit(store, &keys[1], &limit, Some(T0)).await;
+    assert_eq!(
+        after.map(|decisions| decisions[0].remaining()).ok(),
+        Some(998),
+        "one unit taken before, one now: the failed request's was refunded"
+    );
     for _ in 0..10 {
         let outcome = tokio::time::timeout(std::time::Duration::from_secs(1), attempt(&keys[0]))
             .await
