@@ -31,7 +31,6 @@ use std::time::Duration;
 
 use futures_util::future::join_all;
 use redis::aio::ConnectionManagerConfig;
-use redis::cluster_routing::Slot;
 use redis::{IntoConnectionInfo, RedisError};
 use tollgate::{
     CheckRequest, Decision, Error, MonotonicClock, Store, Take, Timestamp, Unavailable,
@@ -245,7 +244,9 @@ pub struct RedisStore {
     batcher: Option<Batcher>,
     take: TakeScript,
     config: RedisConfig,
-    breaker: Breaker<MonotonicClock>,
+    /// One circuit breaker on a single node; on a cluster, one per range of [`SLOT_RANGE`]
+    /// slots (see [`RedisStore::breakers_of`]).
+    breakers: Box<[Breaker<MonotonicClock>]>,
     /// Ids for the attempts of requests with a request id: randomly keyed, so processes sharing
     /// a Redis do not repeat each other's, and counted, so one process does not repeat its own.
     attempts: (RandomState, AtomicU64),
@@ -397,7 +398,9 @@ impl RedisStore {
             cluster,
             batcher,
             take,
-            breaker: Breaker::new(config.breaker, MonotonicClock::new()),
+            breakers: (0..if cluster { SLOTS / SLOT_RANGE } else { 1 })
+                .map(|_| Breaker::new(config.breaker, MonotonicClock::new()))
+                .collect(),
             config,
             attempts: (RandomState::new(), AtomicU64::new(0)),
         })
@@ -422,9 +425,31 @@ impl RedisStore {
         }
     }
 
-    /// Whether the circuit breaker is failing requests fast now.
+    /// Whether a circuit breaker is failing requests fast now (on a cluster: for some slots).
     pub fn is_degraded(&self) -> bool {
-        self.breaker.is_open()
+        self.breakers.iter().any(Breaker::is_open)
+    }
+
+    /// The breakers of a request on `keys` (stored keys), each once.
+    ///
+    /// A cluster has a breaker per range of slots, not one for all: a master that dies takes
+    /// its slots' calls down with it, and a single breaker, opened by those failures, would
+    /// fail every other master's calls fast too, turning one master's outage into the whole
+    /// store's. `redis-cli --cluster create` deals each master a run of whole slot ranges, and
+    /// a reshard moves a few ranges at a time, so a range's calls mostly share one master's
+    /// fate. A request over several ranges goes through each range's breaker, and its outcome
+    /// counts for all of them.
+    fn breakers_of(&self, keys: &[String]) -> Vec<usize> {
+        if !self.cluster {
+            return vec![0];
+        }
+        let mut ranges: Vec<usize> = keys
+            .iter()
+            .map(|key| usize::from(slot(key) / SLOT_RANGE))
+            .collect();
+        ranges.sort_unstable();
+        ranges.dedup();
+        ranges
     }
 
     async fn decide(
@@ -590,9 +615,9 @@ impl RedisStore {
     fn groups(&self, keys: &[String], request_id: Option<&str>) -> Vec<Group> {
         let mut groups: Vec<Group> = Vec::new();
         if self.cluster {
-            let mut by_slot: HashMap<Slot, usize> = HashMap::new();
+            let mut by_slot: HashMap<u16, usize> = HashMap::new();
             for (i, key) in keys.iter().enumerate() {
-                let index = *by_slot.entry(Slot::for_key(key)).or_insert_with(|| {
+                let index = *by_slot.entry(slot(key)).or_insert_with(|| {
                     groups.push(Group {
                         takes: Vec::new(),
                         record: None,
@@ -656,10 +681,13 @@ impl RedisStore {
             carries,
         };
 
-        // Dropped with this future (a caller that gives up), the ticket hands a probe on.
-        let ticket = self
-            .breaker
-            .permit()
+        // Dropped with this future (a caller that gives up), a ticket hands a probe on; so do
+        // the tickets already taken when a later breaker refuses.
+        let tickets = self
+            .breakers_of(&prepared.keys)
+            .into_iter()
+            .map(|index| self.breakers[index].permit())
+            .collect::<Result<Vec<_>, _>>()
             .map_err(|reason| Error::StoreUnavailable { reason })?;
         let decided = self.decide(request, &prepared, dry);
         let outcome = tokio::time::timeout(self.config.timeout, decided)
@@ -670,20 +698,23 @@ impl RedisStore {
         // request's data (or its arguments) is at fault, and failing every other key fast for it
         // would turn one bad key into an outage.
         let answered = !matches!(outcome, Err(reason) if reason != Unavailable::Script);
-        match ticket.record(answered) {
-            Some(Transition::Opened) => {
-                tracing::warn!(
-                    "redis store failing: circuit breaker open, decisions take their failure modes"
-                );
-                // The probe after the cool-down must not go to a connection that stopped
-                // answering (see `connection`).
-                self.link.renew();
+        for ticket in tickets {
+            match ticket.record(answered) {
+                Some(Transition::Opened) => {
+                    tracing::warn!(
+                        "redis store failing: circuit breaker open, decisions take their \
+                         failure modes"
+                    );
+                    // The probe after the cool-down must not go to a connection that stopped
+                    // answering (see `connection`).
+                    self.link.renew();
+                }
+                Some(Transition::ProbeFailed) => self.link.renew(),
+                Some(Transition::Closed) => {
+                    tracing::info!("redis store recovered: circuit breaker closed");
+                }
+                None => {}
             }
-            Some(Transition::ProbeFailed) => self.link.renew(),
-            Some(Transition::Closed) => {
-                tracing::info!("redis store recovered: circuit breaker closed");
-            }
-            None => {}
         }
         outcome.map_err(|reason| Error::StoreUnavailable { reason })?
     }
@@ -710,7 +741,7 @@ impl RedisStore {
             return Ok(None);
         }
         let old = self.prefixed(carry.key);
-        if old == key || (self.cluster && Slot::for_key(&old) != Slot::for_key(key)) {
+        if old == key || (self.cluster && slot(&old) != slot(key)) {
             return Ok(None);
         }
         let limit = ScriptLimit::new(carry.limit)?;
@@ -820,13 +851,27 @@ fn record_key(bucket_key: &str, request_id: &str) -> String {
     }
     // A key hashed whole with a `}` in it (`a}b`, `a{}b`): any tag in its slot will do. One
     // short decimal in 16384 has it, so this ends quickly.
-    let slot = Slot::for_key(bucket_key);
+    let bucket_slot = slot(bucket_key);
     let tag = (0u32..)
         .map(|n| n.to_string())
-        .find(|tag| Slot::for_key(tag) == slot)
+        .find(|tag| slot(tag) == bucket_slot)
         .unwrap_or_default();
     key(&tag)
 }
+
+/// The Redis Cluster slot of `key`: CRC16 (XMODEM) of its hash tag, or of the whole key
+/// without one, modulo 16,384.
+fn slot(key: &str) -> u16 {
+    let hashed = hash_tag(key).unwrap_or(key);
+    crc16::State::<crc16::XMODEM>::calculate(hashed.as_bytes()) % SLOTS
+}
+
+/// The slots of Redis Cluster.
+const SLOTS: u16 = 16_384;
+
+/// Slots per circuit breaker on a cluster: 128 breakers, so a master of a cluster of up to
+/// dozens holds several ranges whole.
+const SLOT_RANGE: u16 = 128;
 
 /// The part of `key` Redis Cluster hashes, when it is not the whole key: between the first `{`
 /// and the first `}` after it, if not empty.
@@ -913,6 +958,24 @@ mod tests {
         );
     }
 
+    /// The slots Redis Cluster gives these keys (`CLUSTER KEYSLOT`, and the CRC16 check value
+    /// of the cluster specification for `123456789`).
+    #[test]
+    fn slots_are_redis_clusters() {
+        for (key, expected) in [
+            ("123456789", 12_739),
+            ("foo", 12_182),
+            ("bar", 5_061),
+            ("{foo}.following", 12_182),
+            ("x{foo}", 12_182),
+            ("", 0),
+        ] {
+            assert_eq!(slot(key), expected, "{key:?}");
+        }
+        // An empty tag is no tag: the whole key is hashed.
+        assert_ne!(slot("{}foo"), slot("foo"));
+    }
+
     #[test]
     fn record_keys_share_the_bucket_slot() {
         for key in [
@@ -925,11 +988,7 @@ mod tests {
             "a}b",
         ] {
             let record = record_key(key, "r-1");
-            assert_eq!(
-                Slot::for_key(&record),
-                Slot::for_key(key),
-                "{key} -> {record}"
-            );
+            assert_eq!(slot(&record), slot(key), "{key} -> {record}");
         }
     }
 

@@ -230,6 +230,13 @@ async fn a_master_killed_then_restarted(cluster: &mut RedisCluster, store: &Redi
             "{outcome:?}"
         );
     }
+    // The dead master's failures opened a circuit breaker, but only for its slots: the other
+    // masters' keys are decided as before, not failed fast with it.
+    for key in &keys[1..] {
+        let outcome = attempt(key).await;
+        assert!(outcome.is_ok(), "{key} on a live master: {outcome:?}");
+    }
+    assert!(store.is_degraded(), "the dead master's slots fail fast");
 
     cluster.nodes[0].restart();
     cluster.wait_until_ready();
