@@ -22,6 +22,7 @@ use arc_swap::ArcSwap;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
 use redis::{Cmd, RedisError};
 use tollgate::{Clock, MonotonicClock, Timestamp};
 
@@ -50,7 +51,19 @@ impl Connection {
         let ping = redis::cmd("PING");
         match self.clone() {
             Connection::Single(mut connection) => ping.query_async(&mut connection).await,
-            Connection::Cluster(mut connection, _) => ping.query_async(&mut connection).await,
+            // Any master's answer will do: the client sends `PING` to every master and wants
+            // all of them to answer, so one master down (or paused: a timeout) made every
+            // process sharing the cluster unready at once, which brings no master back.
+            Connection::Cluster(mut connection, _) => connection
+                .route_command(
+                    ping,
+                    RoutingInfo::MultiNode((
+                        MultipleNodeRoutingInfo::AllMasters,
+                        Some(ResponsePolicy::OneSucceeded),
+                    )),
+                )
+                .await
+                .map(drop),
         }
     }
 }

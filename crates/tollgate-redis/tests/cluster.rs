@@ -237,6 +237,9 @@ async fn a_master_killed_then_restarted(cluster: &mut RedisCluster, store: &Redi
         assert!(outcome.is_ok(), "{key} on a live master: {outcome:?}");
     }
     assert!(store.is_degraded(), "the dead master's slots fail fast");
+    // Ready: the store reaches the cluster. A master down is every process's problem alike,
+    // and taking them all out of service would not bring it back.
+    assert_eq!(store.ping().await, Ok(()));
 
     cluster.nodes[0].restart();
     cluster.wait_until_ready();
@@ -250,6 +253,12 @@ async fn a_master_killed_then_restarted(cluster: &mut RedisCluster, store: &Redi
     tokio::time::timeout(std::time::Duration::from_secs(30), recovered)
         .await
         .expect("decides on every master again");
+
+    // A master that stops answering (paused) leaves the store ready too: the others answer.
+    cluster.nodes[1].pause();
+    let ping = store.ping().await;
+    cluster.nodes[1].resume();
+    assert_eq!(ping, Ok(()));
 }
 
 /// A connection of the cluster's own, beside the store's, for script calls written by hand.
