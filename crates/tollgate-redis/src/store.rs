@@ -909,6 +909,11 @@ pub(crate) fn classify(err: &RedisError) -> Unavailable {
         || err.is_connection_dropped()
         || err.is_connection_refusal()
         || err.is_cluster_error()
+        // A replica refusing writes: the connection leads to a primary demoted since (a
+        // failover behind one address). Counted as the connection's failure, it opens the
+        // breaker, which replaces the connection with one to whatever the address leads to
+        // now; as a script error it would have failed every decision until a restart.
+        || err.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly)
     {
         Unavailable::Connection
     } else if matches!(err.kind(), redis::ErrorKind::Server(_)) {

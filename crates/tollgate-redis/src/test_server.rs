@@ -500,6 +500,8 @@ struct ProxyShared {
     /// Milliseconds a new connection holds its client's first bytes before passing them on.
     first_delay_ms: AtomicU64,
     closed: AtomicBool,
+    /// Where new connections go (see `Proxy::retarget`).
+    upstream: AtomicU64,
     /// Both ends of every connection, to unblock their pumps on drop.
     streams: Mutex<Vec<TcpStream>>,
     pumps: Mutex<Vec<JoinHandle<()>>>,
@@ -515,6 +517,7 @@ impl Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind a free loopback port");
         let port = listener.local_addr().expect("local address").port();
         let shared = Arc::new(ProxyShared::default());
+        shared.upstream.store(u64::from(upstream), Ordering::SeqCst);
         let acceptor = {
             let shared = Arc::clone(&shared);
             std::thread::spawn(move || {
@@ -523,6 +526,8 @@ impl Proxy {
                         return;
                     }
                     let Ok(client) = client else { continue };
+                    let upstream =
+                        u16::try_from(shared.upstream.load(Ordering::SeqCst)).unwrap_or(upstream);
                     let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)) else {
                         continue;
                     };
@@ -560,6 +565,15 @@ impl Proxy {
     /// `redis://127.0.0.1:PORT` of the proxy.
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Sends the connections made from now on to `127.0.0.1:upstream`; open ones stay where
+    /// they were, as when a name (a managed Redis' endpoint, a Kubernetes Service) moves to a
+    /// new primary.
+    pub fn retarget(&self, upstream: u16) {
+        self.shared
+            .upstream
+            .store(u64::from(upstream), Ordering::SeqCst);
     }
 
     /// Makes every connection open now go silent, for good.

@@ -514,6 +514,34 @@ async fn a_connection_that_stops_answering_is_replaced() {
     }
 }
 
+/// A managed Redis fails over behind one name (a cloud endpoint, a Kubernetes Service): the
+/// name now leads to the new primary, but the store's connection, still open, reaches the old
+/// one, now its replica, which refuses every write (`READONLY`). That is Redis answering, but
+/// not as a bucket's store: the store must go to the name again, not fail every decision
+/// until it is restarted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_demoted_behind_its_address_is_left_for_the_new_one() {
+    let (old, proxy, store) = behind_proxy().await;
+    let new = RedisServer::start();
+    let limit = limit(1_000, "1/s");
+    let take = |key| take_one(&store, limit, key);
+    assert!(take("k").await.is_ok());
+
+    proxy.retarget(new.port);
+    let reply = command(old.port, &["REPLICAOF", "127.0.0.1", &new.port.to_string()]);
+    assert_eq!(reply.as_deref(), Some("+OK\r\n"));
+    let demoted = command(old.port, &["INFO", "replication"]).unwrap_or_default();
+    assert!(demoted.contains("role:slave"), "{demoted}");
+
+    until(Duration::from_secs(10), || async {
+        take("k").await.is_ok()
+    })
+    .await
+    .expect("decides on the new primary");
+    assert!(proxy.connections() >= 2, "{}", proxy.connections());
+    assert!(!store.is_degraded());
+}
+
 /// After a connection goes silent, its replacement's first exchange takes longer than a
 /// decision may wait (a handshake across a slow network): the store must still get it up,
 /// rather than give up on each new connection before it is ready and open another.
