@@ -903,17 +903,15 @@ fn parse_reply(reply: &[i64], buckets: usize) -> Result<GroupReply, Unavailable>
 
 /// Maps a client error to a closed set of reasons for metrics and failure modes.
 pub(crate) fn classify(err: &RedisError) -> Unavailable {
+    // The cause, for whoever turns on this crate's debug logs: the reasons are a closed set.
+    tracing::debug!(error = %err, "redis store call failed");
     if err.is_timeout() {
         Unavailable::Timeout
     } else if err.is_io_error()
         || err.is_connection_dropped()
         || err.is_connection_refusal()
         || err.is_cluster_error()
-        // A replica refusing writes: the connection leads to a primary demoted since (a
-        // failover behind one address). Counted as the connection's failure, it opens the
-        // breaker, which replaces the connection with one to whatever the address leads to
-        // now; as a script error it would have failed every decision until a restart.
-        || err.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly)
+        || refuses_every_call(err)
     {
         Unavailable::Connection
     } else if matches!(err.kind(), redis::ErrorKind::Server(_)) {
@@ -921,6 +919,30 @@ pub(crate) fn classify(err: &RedisError) -> Unavailable {
     } else {
         Unavailable::Protocol
     }
+}
+
+/// Whether `err` is Redis refusing every call of the store for now, not one request's: a
+/// replica refusing writes (the connection leads to a primary demoted since, by a failover
+/// behind one address), a dataset still loading, a replica cut off from its primary, a script
+/// of someone else's running too long, memory full, credentials or permissions refused. As
+/// the connection's failures these open the breaker, which fails decisions fast and replaces
+/// the connection with one to whatever the address leads to now; as script errors (one
+/// request at fault) they would fail every decision at the cost of a round trip, and a demoted
+/// primary's connection would be kept until a restart.
+fn refuses_every_call(err: &RedisError) -> bool {
+    matches!(
+        err.code(),
+        Some(
+            "READONLY"
+                | "LOADING"
+                | "MASTERDOWN"
+                | "BUSY"
+                | "OOM"
+                | "NOAUTH"
+                | "WRONGPASS"
+                | "NOPERM"
+        )
+    )
 }
 
 /// The longest idempotency window sent to Redis: a record's deadline (the request's time plus
@@ -961,6 +983,33 @@ mod tests {
             redact("redis+cluster://:pw@a:1,b:2"),
             "redis+cluster://:***@a:1,b:2"
         );
+    }
+
+    /// Redis refusing every call for now (a demoted primary, a dataset loading, ...) counts
+    /// against the connection, so the breaker opens and the connection is replaced; an error
+    /// of one request's script does not.
+    #[test]
+    fn refusals_of_every_call_are_the_connections_failures() {
+        let error = |reply: &str| {
+            redis::parse_redis_value(reply.as_bytes())
+                .and_then(redis::Value::extract_error)
+                .expect_err("an error reply")
+        };
+        for code in [
+            "READONLY",
+            "LOADING",
+            "MASTERDOWN",
+            "BUSY",
+            "OOM",
+            "NOAUTH",
+            "WRONGPASS",
+            "NOPERM",
+        ] {
+            let reply = format!("-{code} refused\r\n");
+            assert_eq!(classify(&error(&reply)), Unavailable::Connection, "{code}");
+        }
+        let script = "-ERR user_script:1: Script attempted to access nonexistent global\r\n";
+        assert_eq!(classify(&error(script)), Unavailable::Script);
     }
 
     /// The slots Redis Cluster gives these keys (`CLUSTER KEYSLOT`, and the CRC16 check value

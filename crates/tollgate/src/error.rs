@@ -87,7 +87,8 @@ pub enum Unavailable {
     /// No answer within the store's timeout.
     #[error("timeout")]
     Timeout,
-    /// The connection failed or could not be made.
+    /// The connection failed or could not be made, or it leads to a store that refuses every
+    /// call for now (a Redis replica, a dataset still loading, memory full, ...).
     #[error("connection")]
     Connection,
     /// The circuit breaker is open: the store failed recently and is not being waited on.
