@@ -8,15 +8,20 @@
 //! request can come between the two and take the one-shot flag, and the call then meets `MOVED`
 //! back to the slot's old owner, which sends it on with `ASK` again, until its retries run out.
 //! Every call on a slot being moved failed that way in a test with sixteen tasks, and three
-//! failures in a row open the store's circuit breaker, for every key: a routine reshard put the
-//! whole store into its failure mode. So the cluster client is built with no retries of its
-//! own (see `RedisStore::connect`), and [`query_cluster`] follows redirections: `ASKING` and
-//! the call go as one pipeline, which nothing can come between.
+//! failures in a row open the store's circuit breaker. So the cluster client is built with no
+//! retries of its own (see `RedisStore::connect`), and [`query_cluster`] follows redirections
+//! over connections of the store's own to the nodes they name ([`DirectConnections`]), with
+//! `ASKING` and the call sent as one pipeline, which nothing can come between.
 //!
-//! A slot moving to a master that has just joined goes to a node the cluster client has no
-//! connection to (it learns of a node once the node owns a slot), and it routes calls only over
-//! connections it has. [`UnknownNodes`] opens the store's own to such a node, with the
-//! cluster's credentials and TLS settings, for the redirected calls until the move is done.
+//! Its own, not the cluster client's: the client routes a call to a named node only over a
+//! connection it has, and it has none to a master that has just joined (it learns of a node
+//! once the node owns a slot); and a call it cannot route that way makes it reconnect to every
+//! node it was first given, once per call. While a master was down, following each `MOVED` (to
+//! the dead master, from whichever node the client fell back to) through the client, and
+//! sending calls again after a dropped connection, made a live master accept over a hundred
+//! connections a second. Nor is a call sent again after a
+//! dropped connection: the client is still repairing it, and the call would go to a fallback
+//! node and meet `MOVED`; the store's breaker and failure modes answer for that call instead.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
@@ -24,15 +29,14 @@ use std::time::Duration;
 
 use redis::aio::MultiplexedConnection;
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use redis::{
-    AsyncConnectionConfig, Cmd, ConnectionAddr, ConnectionInfo, ErrorKind, RedisError, RetryMethod,
-    TlsCertificates, Value,
+    AsyncConnectionConfig, Cmd, ConnectionAddr, ConnectionInfo, RedisError, RetryMethod,
+    TlsCertificates,
 };
 
 /// Attempts a call makes after its first: a slot being moved sends a call from its old owner
 /// to its new one (`ASK`), a finished move from a stale owner to the new one (`MOVED`), so two
-/// suffice; one more covers a move that finishes between them, or a dropped connection.
+/// suffice; one more covers a move that finishes between them.
 const RETRIES: usize = 3;
 
 /// How long a `TRYAGAIN` (a call over several keys of a slot whose keys are part moved) or a
@@ -40,15 +44,14 @@ const RETRIES: usize = 3;
 /// all the attempts together.
 const PAUSE: Duration = Duration::from_millis(1);
 
-/// The most nodes the store keeps connections of its own to. They are wanted only while a slot
-/// moves to a node the cluster client does not know yet; past this many, they are all dropped
-/// and opened again as needed.
-const MAX_UNKNOWN: usize = 16;
+/// The most nodes the store keeps connections of its own to; past this many, they are all
+/// dropped and opened again as redirections need them.
+const MAX_DIRECT: usize = 16;
 
-/// `call` on the cluster, following redirections, a `TRYAGAIN` and a dropped connection.
+/// `call` on the cluster, following redirections and a `TRYAGAIN`.
 pub(crate) async fn query_cluster(
     connection: &mut ClusterConnection,
-    unknown: &UnknownNodes,
+    direct: &DirectConnections,
     call: &Cmd,
 ) -> Result<Vec<u8>, RedisError> {
     let mut reply = call.query_async(connection).await;
@@ -62,22 +65,15 @@ pub(crate) async fn query_cluster(
             .and_then(|(node, _slot)| node_address(node));
         reply = match (err.retry_method(), node) {
             (RetryMethod::AskRedirect, Some((host, port))) => {
-                send_to(connection, unknown, host, port, call, Asking::Yes).await
+                direct.query(host, port, call, Asking::Yes).await
             }
             (RetryMethod::MovedRedirect, Some((host, port))) => {
-                send_to(connection, unknown, host, port, call, Asking::No).await
+                direct.query(host, port, call, Asking::No).await
             }
             (RetryMethod::WaitAndRetry, _) => {
                 tokio::time::sleep(PAUSE).await;
                 call.query_async(connection).await
             }
-            (
-                RetryMethod::Reconnect
-                | RetryMethod::ReconnectFromInitialConnections
-                | RetryMethod::RefreshSlotsAndRetry
-                | RetryMethod::RetryImmediately,
-                _,
-            ) => call.query_async(connection).await,
             _ => return Err(err),
         };
     }
@@ -91,59 +87,6 @@ enum Asking {
     No,
 }
 
-/// `call` on the node at `host:port`: over the cluster client's connection to it, or over the
-/// store's own when the client has none.
-async fn send_to(
-    connection: &mut ClusterConnection,
-    unknown: &UnknownNodes,
-    host: &str,
-    port: u16,
-    call: &Cmd,
-    asking: Asking,
-) -> Result<Vec<u8>, RedisError> {
-    let route = SingleNodeRoutingInfo::ByAddress {
-        host: host.to_owned(),
-        port,
-    };
-    let reply = match asking {
-        // The call's reply alone: skip `ASKING`'s.
-        Asking::Yes => connection
-            .route_pipeline(asking_then(call), 1, 1, route)
-            .await
-            .and_then(only_string),
-        Asking::No => connection
-            .route_command(call.clone(), RoutingInfo::SingleNode(route))
-            .await
-            .and_then(string),
-    };
-    match reply {
-        Err(err) if err.kind() == ErrorKind::ClusterConnectionNotFound => {
-            unknown.query(host, port, call, asking).await
-        }
-        reply => reply,
-    }
-}
-
-/// `ASKING`, then `call`, to be sent as one.
-fn asking_then(call: &Cmd) -> redis::Pipeline {
-    let mut pipeline = redis::pipe();
-    pipeline.cmd("ASKING").add_command(call.clone());
-    pipeline
-}
-
-fn string(reply: Value) -> Result<Vec<u8>, RedisError> {
-    Ok(redis::from_redis_value(reply.extract_error()?)?)
-}
-
-/// The only reply in `replies`, as a string.
-fn only_string(replies: Vec<Value>) -> Result<Vec<u8>, RedisError> {
-    let reply = replies
-        .into_iter()
-        .next()
-        .ok_or_else(|| RedisError::from((ErrorKind::Client, "an empty pipeline reply")))?;
-    string(reply)
-}
-
 /// The host and port of a node named in a redirection, `host:port` (`[v6]:port` too).
 fn node_address(node: &str) -> Option<(&str, u16)> {
     let (host, port) = node.rsplit_once(':')?;
@@ -152,8 +95,9 @@ fn node_address(node: &str) -> Option<(&str, u16)> {
     (!host.is_empty()).then_some((host, port))
 }
 
-/// The store's own connections to cluster nodes the cluster client has none to.
-pub(crate) struct UnknownNodes {
+/// The store's own connections to single nodes of the cluster, for calls a redirection sends
+/// there.
+pub(crate) struct DirectConnections {
     /// A node of the cluster as configured: its credentials and whether it speaks TLS are every
     /// node's.
     template: ConnectionInfo,
@@ -162,7 +106,7 @@ pub(crate) struct UnknownNodes {
     open: Mutex<HashMap<(String, u16), MultiplexedConnection>>,
 }
 
-impl UnknownNodes {
+impl DirectConnections {
     pub(crate) fn new(
         template: ConnectionInfo,
         certificates: Option<TlsCertificates>,
@@ -230,7 +174,7 @@ impl UnknownNodes {
             .get_multiplexed_async_connection_with_config(&config)
             .await?;
         let mut open = self.lock();
-        if open.len() >= MAX_UNKNOWN {
+        if open.len() >= MAX_DIRECT {
             open.clear();
         }
         open.insert(key, connection.clone());

@@ -26,14 +26,14 @@ use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy, RoutingInf
 use redis::{Cmd, RedisError};
 use tollgate::{Clock, MonotonicClock, Timestamp};
 
-use crate::cluster::{UnknownNodes, query_cluster};
+use crate::cluster::{DirectConnections, query_cluster};
 
 /// One connection to a single node (multiplexed, reconnecting on errors), or to a cluster
-/// (with the store's own connections to nodes the cluster client does not know yet).
+/// (with the store's own connections to single nodes, for the calls redirections send there).
 #[derive(Clone)]
 pub(crate) enum Connection {
     Single(ConnectionManager),
-    Cluster(ClusterConnection, Arc<UnknownNodes>),
+    Cluster(ClusterConnection, Arc<DirectConnections>),
 }
 
 impl Connection {
@@ -41,8 +41,8 @@ impl Connection {
     pub(crate) async fn query(&self, call: &Cmd) -> Result<Vec<u8>, RedisError> {
         match self.clone() {
             Connection::Single(mut connection) => call.query_async(&mut connection).await,
-            Connection::Cluster(mut connection, unknown) => {
-                query_cluster(&mut connection, &unknown, call).await
+            Connection::Cluster(mut connection, direct) => {
+                query_cluster(&mut connection, &direct, call).await
             }
         }
     }
@@ -71,7 +71,7 @@ impl Connection {
 /// How to open a connection like the current one.
 pub(crate) enum Opener {
     Single(redis::Client, ConnectionManagerConfig),
-    Cluster(ClusterClient, Arc<UnknownNodes>),
+    Cluster(ClusterClient, Arc<DirectConnections>),
 }
 
 /// The connection every call of a store takes, replaceable while calls are in flight: calls
@@ -136,18 +136,17 @@ impl Link {
                     Err(err) => tracing::warn!("redis store: cannot open a connection: {err}"),
                 }
             }
-            Opener::Cluster(client, unknown) => {
+            Opener::Cluster(client, direct) => {
                 if self.renewing.swap(true, Ordering::AcqRel) {
                     return;
                 }
-                let (link, client, unknown) =
-                    (Arc::clone(self), client.clone(), Arc::clone(unknown));
+                let (link, client, direct) = (Arc::clone(self), client.clone(), Arc::clone(direct));
                 tokio::spawn(async move {
                     match client.get_async_connection().await {
                         Ok(connection) => {
                             tracing::warn!("redis store: replacing its connections to the cluster");
                             link.current
-                                .store(Arc::new(Connection::Cluster(connection, unknown)));
+                                .store(Arc::new(Connection::Cluster(connection, direct)));
                         }
                         Err(err) => {
                             tracing::warn!("redis store: cannot reconnect to the cluster: {err}");

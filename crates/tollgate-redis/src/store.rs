@@ -38,7 +38,7 @@ use tollgate::{
 
 use crate::batch::{self, Batcher, Bucket, Carried, Mode, Record, Segment, TakeScript};
 use crate::breaker::{Breaker, BreakerConfig, Transition};
-use crate::cluster::UnknownNodes;
+use crate::cluster::DirectConnections;
 use crate::connection::{Connection, Link, Opener};
 use crate::tls::{self, TlsFiles};
 use crate::units::ScriptLimit;
@@ -355,11 +355,15 @@ impl RedisStore {
                 .as_str()
                 .into_connection_info()
                 .map_err(|_| invalid())?;
-            let unknown = Arc::new(UnknownNodes::new(template, certificates, connect_timeout));
+            let direct = Arc::new(DirectConnections::new(
+                template,
+                certificates,
+                connect_timeout,
+            ));
             let connection = client.get_async_connection().await.map_err(connect_error)?;
             Link::new(
-                Connection::Cluster(connection, Arc::clone(&unknown)),
-                Opener::Cluster(client, unknown),
+                Connection::Cluster(connection, Arc::clone(&direct)),
+                Opener::Cluster(client, direct),
                 connect_timeout,
             )
         } else {
