@@ -283,6 +283,23 @@ pub struct RedisCluster {
     pub replicas: Vec<RedisServer>,
 }
 
+/// `redis-cli --cluster add-node` of the node on `port` to the cluster `member` belongs to,
+/// with `options`.
+fn add_node(port: u16, member: u16, options: &[&str]) {
+    let output = Command::new("redis-cli")
+        .args(["--cluster", "add-node"])
+        .arg(format!("127.0.0.1:{port}"))
+        .arg(format!("127.0.0.1:{member}"))
+        .args(options)
+        .output()
+        .expect("run redis-cli");
+    assert!(
+        output.status.success(),
+        "redis-cli --cluster add-node failed: {}",
+        String::from_utf8_lossy(&output.stdout)
+    );
+}
+
 /// One cluster-enabled `redis-server` on a free port, not yet part of a cluster.
 fn cluster_node(certificates: Option<&TestCertificates>) -> RedisServer {
     let port = free_port();
@@ -362,17 +379,10 @@ impl RedisCluster {
         let replica = cluster_node(None);
         let master_port = self.nodes[master].port;
         let master_id = self.node_id(master);
-        let output = Command::new("redis-cli")
-            .args(["--cluster", "add-node"])
-            .arg(format!("127.0.0.1:{}", replica.port))
-            .arg(format!("127.0.0.1:{master_port}"))
-            .args(["--cluster-slave", "--cluster-master-id", &master_id])
-            .output()
-            .expect("run redis-cli");
-        assert!(
-            output.status.success(),
-            "redis-cli --cluster add-node failed: {}",
-            String::from_utf8_lossy(&output.stdout)
+        add_node(
+            replica.port,
+            master_port,
+            &["--cluster-slave", "--cluster-master-id", &master_id],
         );
         let until = deadline(Duration::from_secs(20));
         while !command(replica.port, &["INFO", "replication"])
@@ -396,17 +406,7 @@ impl RedisCluster {
     /// When the node cannot be added or the cluster does not settle within 20 s.
     pub fn add_master(&mut self, certificates: Option<&TestCertificates>) -> usize {
         let node = cluster_node(certificates);
-        let output = Command::new("redis-cli")
-            .args(["--cluster", "add-node"])
-            .arg(format!("127.0.0.1:{}", node.port))
-            .arg(format!("127.0.0.1:{}", self.nodes[0].port))
-            .output()
-            .expect("run redis-cli");
-        assert!(
-            output.status.success(),
-            "redis-cli --cluster add-node failed: {}",
-            String::from_utf8_lossy(&output.stdout)
-        );
+        add_node(node.port, self.nodes[0].port, &[]);
         let known = self.nodes.len() + self.replicas.len() + 1;
         let until = deadline(Duration::from_secs(20));
         for port in self.nodes.iter().map(|node| node.port).chain([node.port]) {
