@@ -16,21 +16,20 @@
 //! Its own, not the cluster client's: the client routes a call to a named node only over a
 //! connection it has, and it has none to a master that has just joined (it learns of a node
 //! once the node owns a slot); and a call it cannot route that way makes it reconnect to every
-//! node it was first given, once per call. While a master was down, following each `MOVED` (to
-//! the dead master, from whichever node the client fell back to) through the client, and
-//! sending calls again after a dropped connection, made a live master accept over a hundred
-//! connections a second. Nor is a call sent again after a
-//! dropped connection: the client is still repairing it, and the call would go to a fallback
-//! node and meet `MOVED`; the store's breaker and failure modes answer for that call instead.
+//! node it was first given, once per call. Nor is a call sent again after a dropped
+//! connection: the client is still repairing it, and the call would go to a fallback node and
+//! meet `MOVED`; the store's breaker and failure modes answer for that call instead. While a
+//! master was down, those two made a live master accept over a hundred connections a second
+//! from one process.
 
 use std::collections::HashMap;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use redis::aio::MultiplexedConnection;
 use redis::cluster_async::ClusterConnection;
 use redis::{
-    AsyncConnectionConfig, Cmd, ConnectionAddr, ConnectionInfo, RedisError, RetryMethod,
+    AsyncConnectionConfig, Cmd, ConnectionAddr, ConnectionInfo, ErrorKind, RedisError, RetryMethod,
     TlsCertificates,
 };
 
@@ -103,7 +102,7 @@ pub(crate) struct DirectConnections {
     template: ConnectionInfo,
     certificates: Option<TlsCertificates>,
     connect_timeout: Duration,
-    open: Mutex<HashMap<(String, u16), MultiplexedConnection>>,
+    open: Arc<Open>,
 }
 
 impl DirectConnections {
@@ -116,7 +115,7 @@ impl DirectConnections {
             template,
             certificates,
             connect_timeout,
-            open: Mutex::new(HashMap::new()),
+            open: Arc::new(Mutex::new(HashMap::new())),
         }
     }
 
@@ -141,16 +140,19 @@ impl DirectConnections {
         };
         if reply
             .as_ref()
-            .is_err_and(|err| err.is_io_error() || err.is_connection_dropped() || err.is_timeout())
+            .is_err_and(|err| err.is_io_error() || err.is_connection_dropped())
         {
-            self.lock().remove(&(host.to_owned(), port));
+            lock(&self.open).remove(&(host.to_owned(), port));
         }
         reply
     }
 
+    /// The connection to `host:port`, opened if there is none. It is opened in a task of its
+    /// own, so that a caller whose short timeout ends during a handshake (TLS to a distant
+    /// node) does not abandon it: the next call finds it open.
     async fn connection(&self, host: &str, port: u16) -> Result<MultiplexedConnection, RedisError> {
         let key = (host.to_owned(), port);
-        if let Some(connection) = self.lock().get(&key) {
+        if let Some(connection) = lock(&self.open).get(&key) {
             return Ok(connection.clone());
         }
         let address = match self.template.addr() {
@@ -170,20 +172,32 @@ impl DirectConnections {
         let config = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(self.connect_timeout))
             .set_response_timeout(None);
-        let connection = client
-            .get_multiplexed_async_connection_with_config(&config)
-            .await?;
-        let mut open = self.lock();
-        if open.len() >= MAX_DIRECT {
-            open.clear();
-        }
-        open.insert(key, connection.clone());
-        Ok(connection)
+        let open = Arc::clone(&self.open);
+        let opening = tokio::spawn(async move {
+            let connection = client
+                .get_multiplexed_async_connection_with_config(&config)
+                .await?;
+            let mut open = lock(&open);
+            if open.len() >= MAX_DIRECT {
+                open.clear();
+            }
+            open.insert(key, connection.clone());
+            Ok(connection)
+        });
+        opening.await.unwrap_or_else(|_| {
+            Err(RedisError::from((
+                ErrorKind::Client,
+                "the task opening a connection ended without one",
+            )))
+        })
     }
+}
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, u16), MultiplexedConnection>> {
-        self.open.lock().unwrap_or_else(PoisonError::into_inner)
-    }
+/// Open connections by node, shared with the tasks that open them.
+type Open = Mutex<HashMap<(String, u16), MultiplexedConnection>>;
+
+fn lock(open: &Open) -> MutexGuard<'_, HashMap<(String, u16), MultiplexedConnection>> {
+    open.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 #[cfg(test)]
