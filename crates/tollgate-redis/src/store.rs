@@ -333,8 +333,7 @@ impl RedisStore {
                 redis::cluster::ClusterClientBuilder::new(nodes.clone())
                     .connection_timeout(connect_timeout)
                     .response_timeout(config.timeout)
-                    // Redirections and retries are followed by `Connection::query`, which
-                    // sends `ASKING` with its call as one (see `query_cluster`).
+                    // The store follows redirections and `TRYAGAIN` itself (see `cluster.rs`).
                     .retries(0)
             };
             // The nodes' URLs alone first, so a typo is not reported as bad files.
@@ -504,46 +503,41 @@ impl RedisStore {
                 parse_reply(&reply, buckets)
             }
         };
+        // Gives back what a slot charged, and its record (if no retry's reply rests on it yet):
+        // the request as a whole was not charged.
+        let refund = |group: &Group| {
+            let segment = segment(group, prepared, request.takes, Mode::Refund, record(group));
+            async move { self.call(now, &segment).await }
+        };
+        // A slot this attempt charged (1), not one it replayed (2): a mix of the two is
+        // admitted, since the replay claimed its record, so the attempt that charged that slot
+        // can no longer refund it (see the script).
+        let charged = |reply: &GroupReply| reply.status == 1;
         // On a single node (and for a cluster request within one slot) there is one call:
         // awaited directly, without the bookkeeping of joining several.
         let replies: Vec<GroupReply> = match groups.as_slice() {
             [group] => vec![call(group).await?],
             groups => {
                 let replies = join_all(groups.iter().map(call)).await;
-                match replies.iter().find_map(|reply| reply.as_ref().err()) {
-                    None => replies.into_iter().collect::<Result<_, _>>()?,
-                    Some(&failed) => {
-                        // One slot could not decide (its master is down, say), so the request
-                        // is not admitted by the store: give back what the other slots charged,
-                        // or they would pay for it, and keep paying past the outage. Best
-                        // effort: a refund that fails too leaves a charge, which under-admits.
-                        if !dry {
-                            let refunds =
-                                groups.iter().zip(&replies).filter_map(|(group, reply)| {
-                                    let charged =
-                                        reply.as_ref().is_ok_and(|reply| reply.status == 1);
-                                    charged.then(|| {
-                                        let segment = segment(
-                                            group,
-                                            prepared,
-                                            request.takes,
-                                            Mode::Refund,
-                                            record(group),
-                                        );
-                                        async move { self.call(now, &segment).await }
-                                    })
-                                });
-                            join_all(refunds).await;
-                        }
-                        return Err(failed);
+                if let Some(&failed) = replies.iter().find_map(|reply| reply.as_ref().err()) {
+                    // One slot could not decide (its master is down, say), so the store does
+                    // not admit the request: the other slots' charges go back, or their buckets
+                    // would pay for it, and keep paying past the outage. Best effort: a refund
+                    // that fails too leaves a charge, which under-admits.
+                    if !dry {
+                        let refunds = groups
+                            .iter()
+                            .zip(&replies)
+                            .filter(|(_, reply)| reply.as_ref().is_ok_and(charged))
+                            .map(|(group, _)| refund(group));
+                        join_all(refunds).await;
                     }
+                    return Err(failed);
                 }
+                replies.into_iter().collect::<Result<_, _>>()?
             }
         };
 
-        // A mix of charged (1) and replayed (2) slots is admitted: the replay claimed its record,
-        // so the attempt that charged that slot can no longer refund it (see the script).
-        let charged = |reply: &GroupReply| reply.status == 1;
         let conflict = replies.iter().any(|reply| reply.status == -1);
         let unreadable = replies.iter().any(|reply| reply.status == -2);
         let rejected = replies.iter().any(|reply| reply.status == 0);
@@ -558,11 +552,7 @@ impl RedisStore {
                 .filter(|(_, (_, reply))| charged(reply))
                 .map(|(index, (group, _))| {
                     refunded[index] = true;
-                    // The record goes too (if no retry's reply rests on it yet): the request as
-                    // a whole was not charged.
-                    let segment =
-                        segment(group, prepared, request.takes, Mode::Refund, record(group));
-                    async move { self.call(now, &segment).await }
+                    refund(group)
                 })
                 .collect::<Vec<_>>();
             for result in join_all(refunds).await {
