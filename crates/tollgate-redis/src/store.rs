@@ -455,6 +455,16 @@ impl RedisStore {
         ranges
     }
 
+    /// The slots breaker `index` answers for, as log lines name them (` on slots 0-127`) on a
+    /// cluster; nothing on a single node.
+    fn slots_of_breaker(&self, index: usize) -> String {
+        if !self.cluster {
+            return String::new();
+        }
+        let first = index * usize::from(SLOT_RANGE);
+        format!(" on slots {first}-{}", first + usize::from(SLOT_RANGE) - 1)
+    }
+
     async fn decide(
         &self,
         request: CheckRequest<'_>,
@@ -677,10 +687,10 @@ impl RedisStore {
 
         // Dropped with this future (a caller that gives up), a ticket hands a probe on; so do
         // the tickets already taken when a later breaker refuses.
-        let tickets = self
-            .breakers_of(&prepared.keys)
-            .into_iter()
-            .map(|index| self.breakers[index].permit())
+        let ranges = self.breakers_of(&prepared.keys);
+        let tickets = ranges
+            .iter()
+            .map(|&index| self.breakers[index].permit())
             .collect::<Result<Vec<_>, _>>()
             .map_err(|reason| Error::StoreUnavailable { reason })?;
         let decided = self.decide(request, &prepared, dry);
@@ -692,11 +702,12 @@ impl RedisStore {
         // request's data (or its arguments) is at fault, and failing every other key fast for it
         // would turn one bad key into an outage.
         let answered = !matches!(outcome, Err(reason) if reason != Unavailable::Script);
-        for ticket in tickets {
+        for (ticket, &range) in tickets.into_iter().zip(&ranges) {
             match ticket.record(answered) {
                 Some(Transition::Opened) => {
+                    let slots = self.slots_of_breaker(range);
                     tracing::warn!(
-                        "redis store failing: circuit breaker open, decisions take their \
+                        "redis store failing{slots}: circuit breaker open, decisions take their \
                          failure modes"
                     );
                     // The probe after the cool-down must not go to a connection that stopped
@@ -705,7 +716,8 @@ impl RedisStore {
                 }
                 Some(Transition::ProbeFailed) => self.link.renew(),
                 Some(Transition::Closed) => {
-                    tracing::info!("redis store recovered: circuit breaker closed");
+                    let slots = self.slots_of_breaker(range);
+                    tracing::info!("redis store recovered{slots}: circuit breaker closed");
                 }
                 None => {}
             }
