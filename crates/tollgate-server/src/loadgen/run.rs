@@ -557,6 +557,11 @@ async fn tick(progress: ProgressBar, shared: Arc<Shared>, stop: Stop, start: Ins
 mod tests {
     use super::*;
 
+    /// `count` tickets from now, `every` apart, shared as a run shares them.
+    fn tickets_from_now(every: Duration, count: u64) -> Arc<Tickets> {
+        Arc::new(Tickets::new(Instant::now(), every, Stop::Count(count)))
+    }
+
     #[test]
     fn the_schedule_covers_the_run_and_nothing_after_it() {
         let start = Instant::now();
@@ -649,11 +654,7 @@ mod tests {
 
     #[test]
     fn the_pacer_stops_when_the_run_closes_its_tickets() {
-        let tickets = Arc::new(Tickets::new(
-            Instant::now(),
-            Duration::from_millis(1),
-            Stop::Count(u64::MAX),
-        ));
+        let tickets = tickets_from_now(Duration::from_millis(1), u64::MAX);
         let (done, finished) = std::sync::mpsc::channel();
         let pacer = Arc::clone(&tickets);
         std::thread::spawn(move || {
@@ -698,11 +699,7 @@ mod tests {
 
     #[tokio::test]
     async fn every_waiting_worker_stops_once_the_tickets_are_taken() {
-        let tickets = Arc::new(Tickets::new(
-            Instant::now(),
-            Duration::from_micros(10),
-            Stop::Count(20),
-        ));
+        let tickets = tickets_from_now(Duration::from_micros(10), 20);
         let pacer = Arc::clone(&tickets);
         let paced = std::thread::spawn(move || pace(&pacer));
         assert_eq!(taken_by_four(&tickets).await, 20);
@@ -711,11 +708,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_platform_pacer_releases_every_ticket_to_waiting_workers() {
-        let tickets = Arc::new(Tickets::new(
-            Instant::now(),
-            Duration::from_micros(300),
-            Stop::Count(50),
-        ));
+        let tickets = tickets_from_now(Duration::from_micros(300), 50);
         start_pacer(Arc::clone(&tickets));
         assert_eq!(taken_by_four(&tickets).await, 50);
     }
@@ -723,11 +716,7 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[tokio::test]
     async fn the_pacer_on_a_timer_stops_when_the_run_closes_its_tickets() {
-        let tickets = Arc::new(Tickets::new(
-            Instant::now(),
-            Duration::from_millis(1),
-            Stop::Count(u64::MAX),
-        ));
+        let tickets = tickets_from_now(Duration::from_millis(1), u64::MAX);
         let timer = crate::loadgen::timer::Timer::new().expect("a timerfd");
         let pacer = tokio::spawn(pace_on_timer(timer, Arc::clone(&tickets)));
         tickets.close();
@@ -739,11 +728,7 @@ mod tests {
 
     #[tokio::test]
     async fn waiting_workers_stop_when_the_run_closes() {
-        let tickets = Arc::new(Tickets::new(
-            Instant::now(),
-            Duration::from_secs(3600),
-            Stop::Count(1_000),
-        ));
+        let tickets = tickets_from_now(Duration::from_secs(3600), 1_000);
         // The first ticket is due at once; the next in an hour.
         assert_eq!(tickets.release_due(Instant::now()), (1, 1));
         let workers = takers(&tickets, 3);
