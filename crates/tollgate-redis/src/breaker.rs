@@ -22,7 +22,9 @@ pub struct BreakerConfig {
     pub threshold: u32,
     /// First cool-down before a probe (default 500 ms).
     pub cool_down: Duration,
-    /// Longest cool-down after repeated failed probes (default 10 s).
+    /// Longest cool-down after repeated failed probes (default 2 s). It bounds how long
+    /// decisions keep taking their failure modes after Redis is back (a restart, a cluster's
+    /// failover), so it is short: a probe costs one call, at most the store's timeout.
     pub max_cool_down: Duration,
 }
 
@@ -31,7 +33,7 @@ impl Default for BreakerConfig {
         Self {
             threshold: 3,
             cool_down: Duration::from_millis(500),
-            max_cool_down: Duration::from_secs(10),
+            max_cool_down: Duration::from_secs(2),
         }
     }
 }
@@ -245,7 +247,7 @@ mod tests {
             let probe = breaker.permit().unwrap();
             assert_eq!(probe.permit(), Some(Permit::Probe));
             assert_eq!(probe.record(false), Some(Transition::ProbeFailed));
-            wait = (wait * 2).min(Duration::from_secs(10));
+            wait = (wait * 2).min(Duration::from_secs(2));
         }
         assert!(breaker.is_open());
     }
