@@ -13,6 +13,12 @@
 //! A new connection is opened by a task of its own, not by the decisions that will use it:
 //! they wait only their own short timeout, and a connection that must finish a handshake over
 //! a slow network would otherwise be abandoned, and replaced, before it was ever up.
+//!
+//! A cluster none of whose nodes answers when the store starts leaves it without a connection
+//! ([`Connection::Unopened`]) rather than stopping the process: a task keeps trying until one
+//! opens. Processes started together with their cluster (a whole site powered up, a test
+//! environment) would otherwise exit, and be restarted with ever longer pauses, when they can
+//! serve from their failure modes and be ready as soon as the cluster is.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -23,7 +29,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
-use redis::{Cmd, RedisError};
+use redis::{Cmd, ErrorKind, RedisError};
 use tollgate::{Clock, MonotonicClock, Timestamp};
 
 use crate::cluster::{DirectConnections, query_cluster};
@@ -34,6 +40,13 @@ use crate::cluster::{DirectConnections, query_cluster};
 pub(crate) enum Connection {
     Single(ConnectionManager),
     Cluster(ClusterConnection, Arc<DirectConnections>),
+    /// No cluster node has answered yet: every call fails at once, as a connection failure.
+    Unopened,
+}
+
+/// The failure of every call made while [`Connection::Unopened`].
+fn unopened() -> RedisError {
+    RedisError::from((ErrorKind::Io, "no node of the cluster has answered yet"))
 }
 
 impl Connection {
@@ -44,6 +57,7 @@ impl Connection {
             Connection::Cluster(mut connection, direct) => {
                 query_cluster(&mut connection, &direct, call).await
             }
+            Connection::Unopened => Err(unopened()),
         }
     }
 
@@ -64,6 +78,7 @@ impl Connection {
                 )
                 .await
                 .map(drop),
+            Connection::Unopened => Err(unopened()),
         }
     }
 }
@@ -108,6 +123,50 @@ impl Link {
     /// The connection to send the next call on.
     pub(crate) fn get(&self) -> Connection {
         Connection::clone(&self.current.load())
+    }
+
+    /// A link to a cluster none of whose nodes answered: calls fail as connection failures
+    /// while a task tries again, ever less often up to every [`UNOPENED_RETRY_MAX`], until
+    /// one opens.
+    pub(crate) fn unopened(
+        client: ClusterClient,
+        direct: Arc<DirectConnections>,
+        connect_timeout: Duration,
+    ) -> Arc<Self> {
+        let link = Arc::new(Self::new(
+            Connection::Unopened,
+            Opener::Cluster(client.clone(), direct.clone()),
+            connect_timeout,
+        ));
+        // Held for good by the task below: a `renew` meanwhile would only open a second one.
+        link.renewing.store(true, Ordering::Release);
+        // Not kept alive by its own task: a store dropped meanwhile stops the tries.
+        let task = Arc::downgrade(&link);
+        tokio::spawn(async move {
+            let mut pause = UNOPENED_RETRY_MIN;
+            loop {
+                tokio::time::sleep(pause).await;
+                if task.strong_count() == 0 {
+                    break;
+                }
+                let opened = client.get_async_connection().await;
+                let Some(link) = task.upgrade() else { break };
+                match opened {
+                    Ok(connection) => {
+                        tracing::info!("redis store: connected to the cluster");
+                        link.current
+                            .store(Arc::new(Connection::Cluster(connection, direct)));
+                        link.renewing.store(false, Ordering::Release);
+                        break;
+                    }
+                    Err(err) => {
+                        tracing::debug!("redis store: still no cluster node answers: {err}");
+                        pause = (pause * 2).min(UNOPENED_RETRY_MAX);
+                    }
+                }
+            }
+        });
+        link
     }
 
     /// Drops the current connection for a new one, unless the current one is still within its
@@ -159,9 +218,19 @@ impl Link {
     }
 }
 
+/// The first pause before a cluster that did not answer at the start is tried again.
+const UNOPENED_RETRY_MIN: Duration = Duration::from_millis(100);
+
+/// The longest pause between tries at a cluster that has not answered since the start: a
+/// process started before its cluster is ready within this long of the cluster.
+const UNOPENED_RETRY_MAX: Duration = Duration::from_secs(1);
+
 /// Drives `connection` open (a `PING` it must answer) in a task of its own, for at most
 /// `timeout`: a lazy connection otherwise advances only while some decision waits on it.
 fn open_in_background(connection: &Connection, timeout: Duration) {
+    if matches!(connection, Connection::Unopened) {
+        return;
+    }
     let connection = connection.clone();
     tokio::spawn(async move {
         let _ = tokio::time::timeout(timeout, connection.ping()).await;

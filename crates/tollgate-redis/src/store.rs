@@ -184,7 +184,9 @@ pub enum ConnectError {
         /// The client's error.
         source: RedisError,
     },
-    /// Redis refused or could not be reached.
+    /// Redis answered but cannot be used as asked (a node given as a cluster's that is not in
+    /// cluster mode, say). Redis that cannot be reached is not this error: the store starts
+    /// without it and connects once it answers.
     #[error("cannot connect to Redis at {url}: {source}")]
     Connect {
         /// The URL, with any password removed.
@@ -280,13 +282,14 @@ impl RedisStore {
     /// Connects to `url`: `redis://HOST:PORT[/DB]` for one server, or
     /// `redis+cluster://HOST:PORT,HOST:PORT,...` for a cluster (any reachable nodes; the rest are
     /// discovered). `rediss://` and `rediss+cluster://` are the same over TLS, with
-    /// [`RedisConfig::tls`]'s files. A single server is connected lazily, so a process can start
-    /// while Redis is down and serve from its failure modes; a cluster needs one node up to
-    /// learn its layout.
+    /// [`RedisConfig::tls`]'s files. A process can start while Redis is down and serve from its
+    /// failure modes: a single server is connected lazily, and a cluster none of whose nodes
+    /// answers is tried again in the background until one does (a warning says so).
     ///
     /// # Errors
     ///
-    /// [`ConnectError`] for a malformed URL, unusable TLS files or an unreachable cluster.
+    /// [`ConnectError`] for a malformed URL, unusable TLS files, or a cluster whose nodes
+    /// answer but cannot be used (not in cluster mode, say).
     pub async fn connect(url: &str, config: RedisConfig) -> Result<Self, ConnectError> {
         if config.prefix.is_empty() || config.prefix.contains('{') {
             return Err(ConnectError::InvalidPrefix);
@@ -359,12 +362,24 @@ impl RedisStore {
                 certificates,
                 connect_timeout,
             ));
-            let connection = client.get_async_connection().await.map_err(connect_error)?;
-            Link::new(
-                Connection::Cluster(connection, Arc::clone(&direct)),
-                Opener::Cluster(client, direct),
-                connect_timeout,
-            )
+            match client.get_async_connection().await {
+                Ok(connection) => Arc::new(Link::new(
+                    Connection::Cluster(connection, Arc::clone(&direct)),
+                    Opener::Cluster(client, direct),
+                    connect_timeout,
+                )),
+                // No node could be reached (or none let this client in): start without, as a
+                // single node's lazy connection does, and say why once.
+                Err(err) if err.is_io_error() => {
+                    tracing::warn!(
+                        "redis store: no node of {} answers yet ({err}); deciding by the \
+                         failure modes, and not ready, until one does",
+                        redact(url)
+                    );
+                    Link::unopened(client, direct, connect_timeout)
+                }
+                Err(err) => return Err(connect_error(err)),
+            }
         } else {
             let client = redis::Client::open(url).map_err(|_| invalid())?;
             let client = match certificates {
@@ -379,13 +394,12 @@ impl RedisStore {
             let connection = client
                 .get_connection_manager_lazy(manager.clone())
                 .map_err(connect_error)?;
-            Link::new(
+            Arc::new(Link::new(
                 Connection::Single(connection),
                 Opener::Single(client, manager),
                 connect_timeout,
-            )
+            ))
         };
-        let link = Arc::new(link);
         let take = TakeScript::new();
         let batcher = (!cluster).then(|| {
             Batcher::start(

@@ -10,7 +10,7 @@ use std::time::Duration;
 use support::{RedisCluster, command, info_field, take_one_unit};
 use tollgate::testkit::{Trace, compare_with_memory};
 
-use tollgate::{Carry, CheckRequest, Decision, Error, Limit, Store, Take, Timestamp};
+use tollgate::{Carry, CheckRequest, Decision, Error, Limit, Store, Take, Timestamp, Unavailable};
 use tollgate_redis::{ConnectError, RedisConfig, RedisStore};
 use tollgate_redis::{request_fingerprint, script_reply};
 
@@ -57,6 +57,7 @@ async fn cluster() {
     a_refund_sent_twice_gives_back_once(&url).await;
     sixty_four_tasks_on_one_key(&url).await;
     a_master_killed_then_restarted(&mut cluster, &store).await;
+    a_cluster_silent_at_the_start_is_joined_when_it_answers(&cluster).await;
 }
 
 async fn conforms_with_and_without_hash_tags(store: &RedisStore) {
@@ -297,6 +298,45 @@ async fn a_master_killed_then_restarted(cluster: &mut RedisCluster, store: &Redi
     assert_eq!(ping, Ok(()));
 }
 
+/// A process started while no node of its cluster answers (every master paused, as in a site
+/// powered up at once) starts anyway, not ready and deciding by its failure modes, and decides
+/// on the cluster once it answers, without a restart. It used to stop at the start.
+async fn a_cluster_silent_at_the_start_is_joined_when_it_answers(cluster: &RedisCluster) {
+    for node in &cluster.nodes {
+        node.pause();
+    }
+    let a_limit = limit(10, "1/s");
+    let take = async |store: &RedisStore| take_one_unit(store, "{silent}", &a_limit, None).await;
+    let started = RedisStore::connect(&cluster.url(), RedisConfig::default()).await;
+    let (ping, decided) = match &started {
+        Ok(store) => (Some(store.ping().await), Some(take(store).await.err())),
+        Err(_) => (None, None),
+    };
+    // Well within the cluster's node timeout (2 s): no master is taken for failed.
+    for node in &cluster.nodes {
+        node.resume();
+    }
+    let store = started.expect("starts while no node answers");
+    assert_eq!(ping, Some(Err(Unavailable::Connection)), "not ready");
+    assert!(
+        matches!(
+            decided,
+            Some(Some(Error::StoreUnavailable {
+                reason: Unavailable::Connection
+            }))
+        ),
+        "{decided:?}"
+    );
+    let joined = async {
+        while store.ping().await.is_err() || take(&store).await.is_err() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), joined)
+        .await
+        .expect("ready, and deciding, once the cluster answers");
+}
+
 /// A connection of the cluster's own, beside the store's, for script calls written by hand.
 async fn raw_connection(url: &str) -> redis::cluster_async::ClusterConnection {
     let first_node = url.replace("redis+cluster", "redis");
@@ -449,11 +489,10 @@ async fn a_cluster_url_with_one_password_is_not_malformed() {
         RedisConfig::default(),
     )
     .await;
-    assert!(
-        matches!(result, Err(ConnectError::Connect { .. })),
-        "nothing listens there, so a connection error is due: {:?}",
-        result.err()
-    );
+    // Nothing listens there: the store starts, not ready (see
+    // `a_cluster_silent_at_the_start_is_joined_when_it_answers`).
+    let store = result.expect("a well-formed URL");
+    assert_eq!(store.ping().await, Err(Unavailable::Connection));
     // Nodes given different passwords cannot be used together: said so, not "malformed".
     let result = RedisStore::connect(
         "redis+cluster://:pw@127.0.0.1:1,:other@127.0.0.1:2",
@@ -465,4 +504,47 @@ async fn a_cluster_url_with_one_password_is_not_malformed() {
         "{:?}",
         result.err()
     );
+}
+
+/// A node that answers but is no cluster's (a `redis://` server given as `redis+cluster://`)
+/// cannot become one by waiting: that stops the start, with the client's reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_outside_cluster_mode_stops_the_start() {
+    let server = support::RedisServer::start();
+    let url = server.url().replace("redis://", "redis+cluster://");
+    let result = RedisStore::connect(&url, RedisConfig::default()).await;
+    assert!(
+        matches!(result, Err(ConnectError::Connect { .. })),
+        "{:?}",
+        result.err()
+    );
+}
+
+/// A store dropped while its cluster is still silent stops trying it: the task that tries does
+/// not keep the store's connections alive for the rest of the process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_dropped_before_its_cluster_answers_stops_trying() {
+    let silent = support::RedisServer::start();
+    silent.pause();
+    let proxy = support::Proxy::start(silent.port);
+    let url = proxy.url().replace("redis://", "redis+cluster://");
+    let store = RedisStore::connect(&url, RedisConfig::default())
+        .await
+        .expect("starts while no node answers");
+    let trying = async {
+        while proxy.connections() < 3 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), trying)
+        .await
+        .expect("tries again while the cluster is silent");
+    drop(store);
+    // A try under way may end, and the task wakes from its pause (at most a second) to stop.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let after_drop = proxy.connections();
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let later = proxy.connections();
+    silent.resume();
+    assert_eq!(later, after_drop, "no tries after the store was dropped");
 }

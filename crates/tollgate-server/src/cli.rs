@@ -406,7 +406,7 @@ async fn shutdown_signal() {
 ///
 /// # Errors
 ///
-/// A bad policy, an unreachable cluster, a port in use: one line each.
+/// A bad policy, an unusable store URL, a port in use: one line each.
 pub async fn serve(
     args: ServeArgs,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,

@@ -362,3 +362,27 @@ fn on_a_cluster_the_buckets_of_one_subject_share_a_slot() {
     // Subjects spread over the cluster rather than sharing one slot.
     assert!(nodes_used.len() >= 2, "{nodes_used:?}");
 }
+
+/// A process whose cluster does not answer at the start (started with it, say) serves anyway:
+/// not ready, its limits on their failure modes. It used to exit, to be restarted with ever
+/// longer pauses by its supervisor.
+#[test]
+fn a_cluster_that_does_not_answer_at_the_start_leaves_the_server_unready() {
+    let nobody = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+    let port = nobody.local_addr().expect("its address").port();
+    drop(nobody);
+    let scratch = Scratch::new("silent-cluster");
+    let config = scratch.write("policy.yaml", POLICY);
+    let url = format!("redis+cluster://127.0.0.1:{port}");
+    let server = on_store(&config, &url, &[]);
+    let ready = request(server.http, "GET", "/readyz", &[], "");
+    assert_eq!(ready.status, 503, "{}", ready.body);
+    let strict = r#"{"domain":"strict","descriptors":[{"user":"quinn"}]}"#;
+    let answer = post_json(server.http, "/v1/check", strict);
+    assert_eq!(answer.status, 503, "{}", answer.body);
+    assert_eq!(answer.json()["error"]["code"], "store_unavailable");
+    let lenient = r#"{"domain":"lenient","descriptors":[{"user":"quinn"}]}"#;
+    let answer = post_json(server.http, "/v1/check", lenient);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(answer.json()["degraded"], true);
+}
