@@ -23,9 +23,11 @@
 //! from one process.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
+use futures_util::FutureExt;
+use futures_util::future::{BoxFuture, Shared};
 use redis::aio::MultiplexedConnection;
 use redis::cluster_async::ClusterConnection;
 use redis::{
@@ -102,7 +104,7 @@ pub(crate) struct DirectConnections {
     template: ConnectionInfo,
     certificates: Option<TlsCertificates>,
     connect_timeout: Duration,
-    open: Arc<Open>,
+    open: Open,
 }
 
 impl DirectConnections {
@@ -115,7 +117,7 @@ impl DirectConnections {
             template,
             certificates,
             connect_timeout,
-            open: Arc::new(Mutex::new(HashMap::new())),
+            open: Mutex::new(HashMap::new()),
         }
     }
 
@@ -147,14 +149,44 @@ impl DirectConnections {
         reply
     }
 
-    /// The connection to `host:port`, opened if there is none. It is opened in a task of its
-    /// own, so that a caller whose short timeout ends during a handshake (TLS to a distant
-    /// node) does not abandon it: the next call finds it open.
+    /// The connection to `host:port`, opened if there is none. Calls redirected to one node
+    /// together (every call in flight on a slot that has just moved) share one opening: each
+    /// opening its own would send a burst of handshakes to the node, TLS ones too, from every
+    /// process at once, and keep one connection of them. It is opened in a task of its own, so
+    /// that a caller whose short timeout ends during a handshake (TLS to a distant node) does
+    /// not abandon it: the next call finds it open.
     async fn connection(&self, host: &str, port: u16) -> Result<MultiplexedConnection, RedisError> {
         let key = (host.to_owned(), port);
-        if let Some(connection) = lock(&self.open).get(&key) {
-            return Ok(connection.clone());
+        let opening = {
+            let mut open = lock(&self.open);
+            match open.get(&key) {
+                Some(opening) => opening.clone(),
+                None => {
+                    let opening = self.start_opening(host, port)?;
+                    if open.len() >= MAX_DIRECT {
+                        open.clear();
+                    }
+                    open.insert(key.clone(), opening.clone());
+                    opening
+                }
+            }
+        };
+        let connection = opening.clone().await;
+        if connection.is_err() {
+            // The next call opens anew, unless another has already.
+            let mut open = lock(&self.open);
+            if open
+                .get(&key)
+                .is_some_and(|current| current.ptr_eq(&opening))
+            {
+                open.remove(&key);
+            }
         }
+        connection
+    }
+
+    /// Starts opening a connection to `host:port`, as the cluster's nodes are configured.
+    fn start_opening(&self, host: &str, port: u16) -> Result<Opening, RedisError> {
         let address = match self.template.addr() {
             ConnectionAddr::TcpTls { insecure, .. } => ConnectionAddr::TcpTls {
                 host: host.to_owned(),
@@ -172,31 +204,31 @@ impl DirectConnections {
         let config = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(self.connect_timeout))
             .set_response_timeout(None);
-        let open = Arc::clone(&self.open);
-        let opening = tokio::spawn(async move {
-            let connection = client
+        let task = tokio::spawn(async move {
+            client
                 .get_multiplexed_async_connection_with_config(&config)
-                .await?;
-            let mut open = lock(&open);
-            if open.len() >= MAX_DIRECT {
-                open.clear();
-            }
-            open.insert(key, connection.clone());
-            Ok(connection)
+                .await
         });
-        opening.await.unwrap_or_else(|_| {
-            Err(RedisError::from((
-                ErrorKind::Client,
-                "the task opening a connection ended without one",
-            )))
-        })
+        Ok(async move {
+            task.await.unwrap_or_else(|_| {
+                Err(RedisError::from((
+                    ErrorKind::Client,
+                    "the task opening a connection ended without one",
+                )))
+            })
+        }
+        .boxed()
+        .shared())
     }
 }
 
-/// Open connections by node, shared with the tasks that open them.
-type Open = Mutex<HashMap<(String, u16), MultiplexedConnection>>;
+/// A connection to a node being opened, or open: its callers all await the one opening.
+type Opening = Shared<BoxFuture<'static, Result<MultiplexedConnection, RedisError>>>;
 
-fn lock(open: &Open) -> MutexGuard<'_, HashMap<(String, u16), MultiplexedConnection>> {
+/// Connections by node, open or being opened.
+type Open = Mutex<HashMap<(String, u16), Opening>>;
+
+fn lock(open: &Open) -> MutexGuard<'_, HashMap<(String, u16), Opening>> {
     open.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
@@ -215,5 +247,69 @@ mod tests {
         for bad in ["", "7001", ":7001", "host:", "host:70000", "host:port"] {
             assert_eq!(node_address(bad), None, "{bad:?}");
         }
+    }
+}
+
+#[cfg(all(test, feature = "test-server"))]
+mod opening_tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use redis::IntoConnectionInfo;
+
+    use super::{Asking, DirectConnections};
+    use crate::test_server::{Proxy, RedisServer};
+
+    /// Calls redirected to one node together (a slot has just moved under traffic) share one
+    /// connection's opening; each opened its own, and sixteen calls made sixteen handshakes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn calls_redirected_together_open_one_connection() {
+        let server = RedisServer::start();
+        let proxy = Proxy::start(server.port);
+        // Every caller arrives while the first handshake is still under way.
+        proxy.delay_new_connections(Duration::from_millis(100));
+        let template = proxy.url().into_connection_info().expect("a node's URL");
+        let direct = Arc::new(DirectConnections::new(
+            template,
+            None,
+            Duration::from_secs(5),
+        ));
+        let port = proxy.port;
+        let calls: Vec<_> = (0..16)
+            .map(|_| {
+                let direct = Arc::clone(&direct);
+                tokio::spawn(async move {
+                    let echo = redis::cmd("ECHO").arg("here").clone();
+                    direct.query("127.0.0.1", port, &echo, Asking::No).await
+                })
+            })
+            .collect();
+        for call in calls {
+            let reply = call.await.expect("the call's task");
+            assert_eq!(reply.as_deref().ok(), Some(&b"here"[..]), "{reply:?}");
+        }
+        assert_eq!(proxy.connections(), 1);
+    }
+
+    /// An opening that failed is not kept: the next call to the node opens anew.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_opening_is_tried_again() {
+        let server = RedisServer::start();
+        let nobody = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+        let dead = nobody.local_addr().expect("its address").port();
+        drop(nobody);
+        let proxy = Proxy::start(dead);
+        let template = proxy.url().into_connection_info().expect("a node's URL");
+        let direct = DirectConnections::new(template, None, Duration::from_secs(5));
+        let echo = redis::cmd("ECHO").arg("here").clone();
+        let first = direct
+            .query("127.0.0.1", proxy.port, &echo, Asking::No)
+            .await;
+        assert!(first.is_err(), "{first:?}");
+        proxy.retarget(server.port);
+        let second = direct
+            .query("127.0.0.1", proxy.port, &echo, Asking::No)
+            .await;
+        assert_eq!(second.as_deref().ok(), Some(&b"here"[..]), "{second:?}");
     }
 }
