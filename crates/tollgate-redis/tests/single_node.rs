@@ -1448,3 +1448,46 @@ async fn carried_and_plain_requests_share_script_calls_without_mixing_keys() {
         "{calls} calls for 48 decisions: nothing was batched"
     );
 }
+
+/// A Redis at its `maxmemory` with `noeviction` refuses every write (`OOM`): no bucket can be
+/// charged, so decisions take their failure modes, fast once the breaker opens, rather than
+/// failing one by one as a request's own error; nothing is charged meanwhile, and decisions
+/// resume once Redis has room again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_redis_fails_decisions_as_the_store_until_it_has_room() {
+    let server = RedisServer::start();
+    let store = Arc::new(connect(&server).await);
+    let limit = limit(10, "1/h");
+    let take = |key| take_one(&store, limit, key);
+    assert_eq!(take("k").await.expect("decided")[0].remaining(), 9);
+
+    let set = |name: &str, value: &str| command(server.port, &["CONFIG", "SET", name, value]);
+    assert_eq!(
+        set("maxmemory-policy", "noeviction").as_deref(),
+        Some("+OK\r\n")
+    );
+    assert_eq!(set("maxmemory", "1").as_deref(), Some("+OK\r\n"));
+    let full = take("k").await;
+    assert!(
+        matches!(
+            full,
+            Err(Error::StoreUnavailable {
+                reason: Unavailable::Connection
+            })
+        ),
+        "{full:?}"
+    );
+    for _ in 0..3 {
+        let _ = take("other").await;
+    }
+    assert!(store.is_degraded(), "the breaker opened");
+
+    assert_eq!(set("maxmemory", "0").as_deref(), Some("+OK\r\n"));
+    until(Duration::from_secs(10), || async {
+        take("k").await.is_ok()
+    })
+    .await
+    .expect("decides again once Redis has room");
+    let balance = take("k").await.expect("decided")[0].remaining();
+    assert_eq!(balance, 7, "the takes Redis refused charged nothing");
+}
