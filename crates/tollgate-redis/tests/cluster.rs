@@ -58,6 +58,30 @@ async fn cluster() {
     sixty_four_tasks_on_one_key(&url).await;
     a_master_killed_then_restarted(&mut cluster, &store).await;
     a_cluster_silent_at_the_start_is_joined_when_it_answers(&cluster).await;
+    a_least_privilege_acl_user_suffices(&cluster).await;
+}
+
+/// The least a Redis user needs on every node of a cluster to be tollgate's, as the README
+/// gives it: the single node's commands, the cluster's layout (`CLUSTER SLOTS`) and `ASKING`
+/// (for a slot being moved). A cross-slot request that one slot rejects is refunded under it.
+async fn a_least_privilege_acl_user_suffices(cluster: &RedisCluster) {
+    for node in &cluster.nodes {
+        support::grant_tollgate_user(node.port, true);
+    }
+    let url = support::as_tollgate_user(&cluster.url());
+    let store = RedisStore::connect(&url, RedisConfig::default().with_timeout(LOADED))
+        .await
+        .expect("connect as tollgate");
+    assert_eq!(store.ping().await, Ok(()));
+    let (roomy, tight) = (limit(10, "1/h"), limit(1, "1/h"));
+    let user = [Take::new("{acl-user}", &roomy, 1)];
+    assert_eq!(check(&store, &user).await[0].remaining(), 9);
+    let tenant = [Take::new("{acl-tenant}", &tight, 1)];
+    assert!(check(&store, &tenant).await[0].allowed());
+    // Two slots; the tenant's rejects, so the user's charge is given back.
+    let both = [user[0], tenant[0]];
+    assert!(!check(&store, &both).await[1].allowed());
+    assert_eq!(check(&store, &user).await[0].remaining(), 8, "refunded");
 }
 
 async fn conforms_with_and_without_hash_tags(store: &RedisStore) {

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use redis::AsyncCommands;
-use support::{RedisCluster, SlotMove, command, node};
+use support::{RedisCluster, SlotMove, as_tollgate_user, command, node};
 use tollgate::{CheckRequest, Decision, Error, Limit, Store, Take, Timestamp};
 use tollgate_redis::{RedisConfig, RedisStore};
 
@@ -29,8 +29,13 @@ const THIRD: u16 = 5_462;
 async fn cluster_changes() {
     let mut cluster = RedisCluster::start();
     cluster.add_replica(0);
+    // Every change runs as the least-privileged user the README gives (the replica needs it
+    // too: users are not replicated, and it becomes a master).
+    for node in cluster.nodes.iter().chain(&cluster.replicas) {
+        support::grant_tollgate_user(node.port, true);
+    }
     let store = RedisStore::connect(
-        &cluster.url(),
+        &as_tollgate_user(&cluster.url()),
         RedisConfig::default()
             .with_timeout(PATIENT)
             .with_idempotency_window(Duration::from_secs(3_600)),
@@ -41,6 +46,7 @@ async fn cluster_changes() {
     a_busy_key_moved_mid_traffic_is_never_over_admitted(&cluster, 0).await;
     // As a cluster grows: to a master the store has never talked to.
     let new = cluster.add_master(None);
+    support::grant_tollgate_user(cluster.nodes[new].port, true);
     a_busy_key_moved_mid_traffic_is_never_over_admitted(&cluster, new).await;
     a_master_failed_over_to_its_replica_keeps_its_buckets(&mut cluster, &store).await;
 }
@@ -146,10 +152,13 @@ async fn a_busy_key_moved_mid_traffic_is_never_over_admitted(cluster: &RedisClus
     let limit = limit(CAPACITY);
     let key = key_of_master(cluster, &format!("busy-to-{to}"), 1);
     let step = SlotMove::new(cluster, slot_of(cluster, &key), 1, to);
-    let store = RedisStore::connect(&cluster.url(), RedisConfig::default().with_timeout(PATIENT))
-        .await
-        .map(Arc::new)
-        .expect("connect to the cluster");
+    let store = RedisStore::connect(
+        &as_tollgate_user(&cluster.url()),
+        RedisConfig::default().with_timeout(PATIENT),
+    )
+    .await
+    .map(Arc::new)
+    .expect("connect to the cluster");
     let allowed = Arc::new(AtomicU64::new(0));
     let failed = Arc::new(AtomicU64::new(0));
     let running = Arc::new(AtomicBool::new(true));

@@ -1491,3 +1491,53 @@ async fn a_full_redis_fails_decisions_as_the_store_until_it_has_room() {
     let balance = take("k").await.expect("decided")[0].remaining();
     assert_eq!(balance, 7, "the takes Redis refused charged nothing");
 }
+
+/// The least a Redis user needs to be tollgate's, as the README gives it: the script calls and
+/// the commands the script makes, on the store's keys and its idempotency records, and `PING`
+/// for readiness. Every kind of request is decided under it: a plain take, one with a request
+/// id (and its retry), several buckets at once, a peek, and a take after `SCRIPT FLUSH`, which
+/// loads the script again by `EVAL`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_least_privilege_acl_user_suffices() {
+    let server = RedisServer::start();
+    support::grant_tollgate_user(server.port, false);
+    let url = support::as_tollgate_user(&server.url());
+    let store = RedisStore::connect(&url, RedisConfig::default())
+        .await
+        .expect("connect");
+    assert_eq!(store.ping().await, Ok(()));
+    let (a, b) = (limit(10, "1/h"), limit(5, "1/h"));
+    let takes = [Take::new("u1", &a, 1)];
+    assert_eq!(
+        check(&store, &takes, None).await.expect("a take")[0].remaining(),
+        9
+    );
+    let both = [Take::new("{t}u1", &a, 1), Take::new("{t}t", &b, 2)];
+    let decided = check(&store, &both, None).await.expect("two buckets");
+    assert_eq!((decided[0].remaining(), decided[1].remaining()), (9, 3));
+    for _ in 0..2 {
+        let retried = store
+            .check(CheckRequest {
+                takes: &takes,
+                request_id: Some("r-1"),
+                now: None,
+            })
+            .await
+            .expect("a take with a request id");
+        assert_eq!(retried[0].remaining(), 8, "charged once");
+    }
+    let peeked = store
+        .peek(CheckRequest {
+            takes: &takes,
+            request_id: None,
+            now: None,
+        })
+        .await
+        .expect("a peek");
+    assert_eq!(peeked[0].remaining(), 7, "what the take would leave");
+    command(server.port, &["SCRIPT", "FLUSH"]);
+    assert_eq!(
+        check(&store, &takes, None).await.expect("after a flush")[0].remaining(),
+        7
+    );
+}

@@ -129,3 +129,38 @@ impl SlotMove {
         }
     }
 }
+
+/// Creates, on the server at `port`, the least-privileged user tollgate can run as, as the
+/// README gives it: `tollgate`, password `secret`. A cluster's nodes need two more commands.
+#[allow(dead_code)] // not every test binary runs as that user
+pub(crate) fn grant_tollgate_user(port: u16, cluster: bool) {
+    let mut acl = vec![
+        "ACL",
+        "SETUSER",
+        "tollgate",
+        "on",
+        ">secret",
+        "resetkeys",
+        "~tollgate:*",
+        "~{*}rid:*",
+        "resetchannels",
+        "-@all",
+        "+evalsha",
+        "+eval",
+        "+ping",
+        "+time",
+        "+get",
+        "+set",
+        "+del",
+    ];
+    if cluster {
+        acl.extend(["+cluster|slots", "+asking"]);
+    }
+    assert_eq!(command(port, &acl).as_deref(), Some("+OK\r\n"));
+}
+
+/// `url` (`redis://` or `redis+cluster://`) as the user of [`grant_tollgate_user`].
+#[allow(dead_code)]
+pub(crate) fn as_tollgate_user(url: &str) -> String {
+    url.replacen("://", "://tollgate:secret@", 1)
+}
