@@ -1,5 +1,6 @@
 //! The Redis store while the Redis Cluster under it changes shape: a slot moves from one master
-//! to another (a rebalance, `redis-cli --cluster reshard`), and a master fails over to its
+//! to another (a rebalance, `redis-cli --cluster reshard`), a master hands over to its replica
+//! and back (a planned failover, as in a rolling upgrade), and a master fails over to its
 //! replica (a crash). Production clusters do both while traffic flows. Through either, the
 //! store must keep every bucket's state and idempotency records, never over-admit, and decide
 //! again by itself once the cluster has settled.
@@ -48,6 +49,7 @@ async fn cluster_changes() {
     let new = cluster.add_master(None);
     support::grant_tollgate_user(cluster.nodes[new].port, true);
     a_busy_key_moved_mid_traffic_is_never_over_admitted(&cluster, new).await;
+    a_planned_failover_and_back_under_traffic_loses_nothing(&cluster).await;
     a_master_failed_over_to_its_replica_keeps_its_buckets(&mut cluster, &store).await;
 }
 
@@ -139,90 +141,174 @@ async fn a_slot_moved_between_masters_keeps_its_buckets_and_records(
     assert!(stored, "the bucket lives on the target now");
 }
 
-/// Sixteen tasks take from one bucket while its slot moves under them, at every step of the
-/// move: whatever each call meets (the source, an `ASK` to the target, a `MOVED`), every
-/// admission is charged exactly once, so what the bucket holds afterwards is its capacity less
-/// what was admitted.
-async fn a_busy_key_moved_mid_traffic_is_never_over_admitted(cluster: &RedisCluster, to: usize) {
-    /// More than the tasks can take while the slot moves: every take is admitted, and the
-    /// balance counts them.
+/// Sixteen tasks taking one token at a time from one bucket, as fast as the store answers,
+/// until stopped; the bucket holds more than they can take meanwhile, so every take is
+/// admitted and the balance counts them.
+struct Traffic {
+    store: Arc<RedisStore>,
+    key: String,
+    limit: Limit,
+    allowed: Arc<AtomicU64>,
+    failed: Arc<AtomicU64>,
+    running: Arc<AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Traffic {
     const CAPACITY: u64 = 1_000_000;
-    /// Decisions to see at each step of the move before the next.
-    const PER_STEP: u64 = 100;
-    let limit = limit(CAPACITY);
-    let key = key_of_master(cluster, &format!("busy-to-{to}"), 1);
-    let step = SlotMove::new(cluster, slot_of(cluster, &key), 1, to);
-    let store = RedisStore::connect(
-        &as_tollgate_user(&cluster.url()),
-        RedisConfig::default().with_timeout(PATIENT),
-    )
-    .await
-    .map(Arc::new)
-    .expect("connect to the cluster");
-    let allowed = Arc::new(AtomicU64::new(0));
-    let failed = Arc::new(AtomicU64::new(0));
-    let running = Arc::new(AtomicBool::new(true));
-    let tasks: Vec<_> = (0..16)
-        .map(|_| {
-            let (store, key) = (store.clone(), key.clone());
-            let (allowed, failed, running) = (allowed.clone(), failed.clone(), running.clone());
-            tokio::spawn(async move {
-                while running.load(Ordering::Relaxed) {
-                    match take(&store, &key, &limit, None).await {
-                        Ok(decision) if decision.allowed() => {
-                            allowed.fetch_add(1, Ordering::Relaxed);
-                        }
-                        Ok(decision) => panic!("rejected with room left: {decision:?}"),
-                        Err(err) => {
-                            if failed.fetch_add(1, Ordering::Relaxed) < 5 {
-                                eprintln!("failed: {err}");
+
+    /// Starts the traffic on `key`, through a store of its own.
+    async fn start(cluster: &RedisCluster, key: String) -> Self {
+        let limit = limit(Self::CAPACITY);
+        let store = RedisStore::connect(
+            &as_tollgate_user(&cluster.url()),
+            RedisConfig::default().with_timeout(PATIENT),
+        )
+        .await
+        .map(Arc::new)
+        .expect("connect to the cluster");
+        let allowed = Arc::new(AtomicU64::new(0));
+        let failed = Arc::new(AtomicU64::new(0));
+        let running = Arc::new(AtomicBool::new(true));
+        let tasks = (0..16)
+            .map(|_| {
+                let (store, key) = (store.clone(), key.clone());
+                let (allowed, failed, running) = (allowed.clone(), failed.clone(), running.clone());
+                tokio::spawn(async move {
+                    while running.load(Ordering::Relaxed) {
+                        match take(&store, &key, &limit, None).await {
+                            Ok(decision) if decision.allowed() => {
+                                allowed.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Ok(decision) => panic!("rejected with room left: {decision:?}"),
+                            Err(err) => {
+                                if failed.fetch_add(1, Ordering::Relaxed) < 5 {
+                                    eprintln!("failed: {err}");
+                                }
                             }
                         }
+                        // A store that fails fast must not starve the test's own task.
+                        tokio::task::yield_now().await;
                     }
-                    // A store that fails fast must not starve the test's own task.
-                    tokio::task::yield_now().await;
-                }
+                })
             })
-        })
-        .collect();
-    let decided = || allowed.load(Ordering::Relaxed) + failed.load(Ordering::Relaxed);
-    let after_more = |more: u64| {
-        let until = decided() + more;
-        async move {
-            while decided() < until {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
+            .collect();
+        Self {
+            store,
+            key,
+            limit,
+            allowed,
+            failed,
+            running,
+            tasks,
         }
-    };
-    after_more(PER_STEP).await;
-    step.begin().await;
-    after_more(PER_STEP).await;
-    assert!(step.migrate_keys().await >= 1, "the bucket went over");
-    after_more(PER_STEP).await;
-    step.finish().await;
-    after_more(PER_STEP).await;
-    running.store(false, Ordering::Relaxed);
-    for task in tasks {
-        task.await.expect("a task ran to the end");
     }
-    let (allowed, failed) = (
-        allowed.load(Ordering::Relaxed),
-        failed.load(Ordering::Relaxed),
-    );
-    // One more take reads what is left, on the target.
-    let last = take(&store, &key, &limit, None)
-        .await
-        .expect("decided after the move");
-    let left = last.remaining() + 1;
-    assert!(
-        allowed + left <= CAPACITY,
-        "over-admitted: {allowed} admitted and {left} left of {CAPACITY}"
-    );
-    assert_eq!(
-        (allowed + left, failed),
-        (CAPACITY, 0),
-        "every call decided and charged once ({allowed} admitted)"
-    );
+
+    fn decided(&self) -> u64 {
+        self.allowed.load(Ordering::Relaxed) + self.failed.load(Ordering::Relaxed)
+    }
+
+    /// Returns once `more` takes have been decided (or have failed) from now.
+    async fn after(&self, more: u64) {
+        let until = self.decided() + more;
+        while self.decided() < until {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
+    /// Stops the traffic and checks its accounting: every take decided and charged exactly
+    /// once, never over-admitted.
+    async fn stop_and_check(self) {
+        self.running.store(false, Ordering::Relaxed);
+        for task in self.tasks {
+            task.await.expect("a task ran to the end");
+        }
+        let (allowed, failed) = (
+            self.allowed.load(Ordering::Relaxed),
+            self.failed.load(Ordering::Relaxed),
+        );
+        // One more take reads what is left, wherever the bucket is now.
+        let last = take(&self.store, &self.key, &self.limit, None)
+            .await
+            .expect("decided after the change");
+        let left = last.remaining() + 1;
+        assert!(
+            allowed + left <= Self::CAPACITY,
+            "over-admitted: {allowed} admitted and {left} left of {}",
+            Self::CAPACITY
+        );
+        assert_eq!(
+            (allowed + left, failed),
+            (Self::CAPACITY, 0),
+            "every call decided and charged once ({allowed} admitted)"
+        );
+    }
+}
+
+/// Decisions to see at each step of a change before the next.
+const PER_STEP: u64 = 100;
+
+/// A busy bucket's slot moves from master 1 to master `to` under traffic, step by step.
+async fn a_busy_key_moved_mid_traffic_is_never_over_admitted(cluster: &RedisCluster, to: usize) {
+    let key = key_of_master(cluster, &format!("busy-to-{to}"), 1);
+    let step = SlotMove::new(cluster, slot_of(cluster, &key), 1, to);
+    let traffic = Traffic::start(cluster, key).await;
+    traffic.after(PER_STEP).await;
+    step.begin().await;
+    traffic.after(PER_STEP).await;
+    assert!(step.migrate_keys().await >= 1, "the bucket went over");
+    traffic.after(PER_STEP).await;
+    step.finish().await;
+    traffic.after(PER_STEP).await;
+    traffic.stop_and_check().await;
+}
+
+/// A planned failover (`CLUSTER FAILOVER` on the replica: a rolling upgrade, say) under
+/// traffic on a busy bucket of master 0, then back again. Redis pauses the master's clients
+/// until its replica has every write, then swaps them; calls the old master then redirects
+/// (`MOVED`) follow the slot. Nothing is lost, so the accounting is exact, and no call fails.
+async fn a_planned_failover_and_back_under_traffic_loses_nothing(cluster: &RedisCluster) {
+    let key = key_of_master(cluster, "planned", 0);
+    let traffic = Traffic::start(cluster, key).await;
+    traffic.after(PER_STEP).await;
+    for (to, from) in [
+        (cluster.replicas[0].port, cluster.nodes[0].port),
+        (cluster.nodes[0].port, cluster.replicas[0].port),
+    ] {
+        let reply = command(to, &["CLUSTER", "FAILOVER"]);
+        assert_eq!(reply.as_deref(), Some("+OK\r\n"));
+        // Settled: every node knows the old master as a replica now (the masters vote for
+        // the planned failover back only then), and that replica is in sync.
+        let from_id = command(from, &["CLUSTER", "MYID"]).unwrap_or_default();
+        let ports: Vec<u16> = cluster
+            .nodes
+            .iter()
+            .chain(&cluster.replicas)
+            .map(|node| node.port)
+            .collect();
+        let settled = async {
+            loop {
+                let demoted = ports.iter().all(|&port| {
+                    command(port, &["CLUSTER", "NODES"]).is_some_and(|nodes| {
+                        nodes
+                            .lines()
+                            .any(|line| line.starts_with(from_id.trim()) && line.contains("slave"))
+                    })
+                });
+                let synced = command(from, &["INFO", "replication"])
+                    .is_some_and(|info| info.contains("master_link_status:up"));
+                if demoted && synced {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(20), settled)
+            .await
+            .expect("the replica took over");
+        traffic.after(PER_STEP).await;
+    }
+    traffic.stop_and_check().await;
 }
 
 /// Master 0 dies; after the cluster's node timeout its replica takes over its slots. The store
