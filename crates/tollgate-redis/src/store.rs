@@ -447,6 +447,16 @@ impl RedisStore {
         self.breakers.iter().any(Breaker::is_open)
     }
 
+    /// How many circuit breakers are failing requests fast now: 0 or 1 on a single node; on a
+    /// cluster, of its breakers, one per range of 128 slots (a dead master's third of a
+    /// three-master cluster is about 43), for a gauge an operator can alert on.
+    pub fn open_breakers(&self) -> usize {
+        self.breakers
+            .iter()
+            .filter(|breaker| breaker.is_open())
+            .count()
+    }
+
     /// The breakers of a request on `keys` (stored keys), each once.
     ///
     /// A cluster has a breaker per range of slots, not one for all: a master that dies takes

@@ -262,6 +262,9 @@ async fn a_master_killed_then_restarted(cluster: &mut RedisCluster, store: &Redi
         assert!(outcome.is_ok(), "{key} on a live master: {outcome:?}");
     }
     assert!(store.is_degraded(), "the dead master's slots fail fast");
+    // Only breakers of its third of the slots (43 ranges of 128) can be open.
+    let open = store.open_breakers();
+    assert!((1..=43).contains(&open), "{open} breakers open");
     // Ready: the store reaches the cluster. A master down is every process's problem alike,
     // and taking them all out of service would not bring it back.
     assert_eq!(store.ping().await, Ok(()));

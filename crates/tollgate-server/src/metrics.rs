@@ -19,7 +19,7 @@ use tollgate::Unavailable;
 use tollgate_policy::{LimitOutcome, Outcome, PolicyEngine};
 
 use crate::connection::{Connections, Listener};
-use crate::decider::DecideError;
+use crate::decider::{Backend, DecideError};
 
 /// Decisions per limit: labels `limit`, `result` (`allowed`, `rejected`, `unavailable`,
 /// `exempt`), `mode` (`enforce`, `shadow`, `rollout`, `exempt`), `api`.
@@ -36,6 +36,10 @@ pub const STORE_ERRORS: &str = "tollgate_store_errors_total";
 /// Limit decisions made without the shared store: labels `reason`, `failure_mode` (`open`: an
 /// emergency budget decided; `closed`: denied as unavailable).
 pub const DEGRADED: &str = "tollgate_degraded_decisions_total";
+/// Circuit breakers of the shared store failing decisions fast now: 0 when healthy; 1 for a
+/// single Redis whose breaker is open; on Redis Cluster, one per range of 128 slots. Absent on
+/// the memory store.
+pub const STORE_CIRCUIT_OPEN: &str = "tollgate_store_circuit_open";
 /// Buckets held in this process.
 pub const LIVE_BUCKETS: &str = "tollgate_live_buckets";
 /// Non-full buckets dropped to stay within the bucket bound.
@@ -135,6 +139,10 @@ fn describe() {
     describe_histogram!(LATENCY, metrics::Unit::Seconds, "Time to decide a request.");
     describe_counter!(STORE_ERRORS, "Shared-store failures by reason.");
     describe_counter!(DEGRADED, "Limit decisions made without the shared store.");
+    describe_gauge!(
+        STORE_CIRCUIT_OPEN,
+        "Circuit breakers of the shared store open now (on Redis Cluster, one per 128 slots)."
+    );
     describe_gauge!(LIVE_BUCKETS, "Buckets held in this process.");
     describe_counter!(
         EVICTIONS,
@@ -343,6 +351,13 @@ pub fn record_degraded(reason: Unavailable, outcome: &Outcome) {
 pub(crate) fn record_connection_closed(listener: Listener, reason: Closed) {
     counter!(CONNECTIONS_CLOSED, "listener" => listener.as_str(), "reason" => reason.as_str())
         .increment(1);
+}
+
+/// Sets the shared store's breaker gauge; called on scrape.
+pub(crate) fn refresh_store(backend: &Backend) {
+    if let Backend::Redis(store) = backend {
+        gauge!(STORE_CIRCUIT_OPEN).set(store.open_breakers() as f64);
+    }
 }
 
 /// Sets the open-connection gauges; called on scrape.

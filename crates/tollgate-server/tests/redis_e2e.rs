@@ -142,6 +142,14 @@ fn redis_killed_under_closed_and_open_limits() {
     let strict = r#"{"domain":"strict","descriptors":[{"user":"quinn"}]}"#;
     let lenient = r#"{"domain":"lenient","descriptors":[{"user":"quinn"}]}"#;
     assert_eq!(post_json(server.http, "/v1/check", strict).status, 200);
+    let breakers = || {
+        let metrics = request(server.http, "GET", "/metrics", &[], "").body;
+        metrics
+            .lines()
+            .find_map(|line| line.strip_prefix("tollgate_store_circuit_open "))
+            .map(str::to_owned)
+    };
+    assert_eq!(breakers().as_deref(), Some("0"), "healthy");
 
     redis.kill();
     let mut lenient_allowed = 0;
@@ -168,6 +176,7 @@ fn redis_killed_under_closed_and_open_limits() {
     );
     let ready = support::request(server.http, "GET", "/readyz", &[], "");
     assert_eq!(ready.status, 503);
+    assert_eq!(breakers().as_deref(), Some("1"), "the breaker is open");
     let metrics = support::request(server.http, "GET", "/metrics", &[], "").body;
     assert!(metrics.contains("tollgate_store_errors_total"), "{metrics}");
     assert!(

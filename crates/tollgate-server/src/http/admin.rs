@@ -53,6 +53,7 @@ pub(crate) async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     };
     metrics::refresh(state.decider.engine(), &mut state.exported_version.lock());
     metrics::refresh_connections(&state.connections);
+    metrics::refresh_store(state.decider.backend());
     let mut text = handle.render();
     let decider = &state.decider;
     decider.hot_keys().render(decider.now(), &mut text);
