@@ -305,6 +305,45 @@ async fn a_master_killed_then_restarted(cluster: &mut RedisCluster, store: &Redi
     let made = received() - before;
     assert!(made <= 8.0, "{made} connections to a live master in 2 s");
 
+    // Once the cluster has marked the master failed, a cluster that needs every slot covered
+    // (Redis' default) refuses every key; this one does not (`cluster-require-full-coverage
+    // no`, as the README advises), and the live masters' keys are still decided, their
+    // breakers closed.
+    for node in &cluster.nodes[1..] {
+        let reply = command(
+            node.port,
+            &["CONFIG", "SET", "cluster-require-full-coverage", "no"],
+        );
+        assert_eq!(reply.as_deref(), Some("+OK\r\n"));
+    }
+    let dead_id = command(live, &["CLUSTER", "NODES"])
+        .and_then(|nodes| {
+            nodes
+                .lines()
+                .find(|line| line.contains(&format!(":{port}@")))
+                .and_then(|line| line.split(' ').next().map(str::to_owned))
+        })
+        .expect("the dead master's id");
+    let marked_failed = async {
+        while !command(live, &["CLUSTER", "NODES"]).is_some_and(|nodes| {
+            nodes.lines().any(|line| {
+                line.starts_with(&dead_id) && line.contains(",fail") && !line.contains("fail?")
+            })
+        }) {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(20), marked_failed)
+        .await
+        .expect("the cluster marks the dead master failed");
+    for key in &keys[1..] {
+        let outcome = attempt(key).await;
+        assert!(
+            outcome.is_ok(),
+            "{key} after the master was marked failed: {outcome:?}"
+        );
+    }
+
     cluster.nodes[0].restart();
     cluster.wait_until_ready();
     let recovered = async {
