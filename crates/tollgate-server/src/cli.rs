@@ -402,6 +402,46 @@ async fn shutdown_signal() {
     tracing::info!("shutting down: finishing requests in flight");
 }
 
+/// Reloads the policy file on SIGHUP, as Prometheus and nginx reload theirs, until dropped.
+/// The reload is forced: it also puts the file back in force after a rollback, which the file
+/// watcher leaves alone until the file changes. A file that fails validation is refused as on
+/// any reload, and the version in force stays.
+fn reload_on_hangup(engine: Arc<PolicyEngine>) -> Result<Option<AbortOnDrop>> {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut hangups = signal(SignalKind::hangup()).context("cannot watch for SIGHUP")?;
+        let task = tokio::spawn(async move {
+            while hangups.recv().await.is_some() {
+                match engine.reload() {
+                    Ok(policy) => {
+                        tracing::info!("SIGHUP: policy version {} in force", policy.version());
+                    }
+                    Err(err) => tracing::warn!(
+                        "SIGHUP: policy refused, version {} stays in force: {err}",
+                        engine.current().version()
+                    ),
+                }
+            }
+        });
+        Ok(Some(AbortOnDrop(task)))
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = engine;
+        Ok(None)
+    }
+}
+
+/// A task that ends when this is dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// Sets everything up from `args`, prints where it listens, and serves until `shutdown`.
 ///
 /// # Errors
@@ -448,6 +488,10 @@ pub async fn serve(
             PolicyWatcher::start(Arc::clone(&engine), Duration::from_millis(200))
                 .map_err(|err| anyhow!("{err}"))?,
         ),
+        None => None,
+    };
+    let _hangups = match &args.config {
+        Some(_) => reload_on_hangup(Arc::clone(&engine))?,
         None => None,
     };
 

@@ -552,6 +552,55 @@ fn reload_and_rollback_through_the_api() {
     assert_eq!(answer.status, 409);
 }
 
+/// SIGHUP reloads the policy file, as for Prometheus and nginx, rather than ending the process:
+/// here it puts the file back in force after a rollback, which the file watcher leaves alone
+/// (the file has not changed since). A broken file is refused, the version in force stays.
+#[test]
+// The file watcher and the signal act on their own time: the test polls for their effect.
+#[allow(clippy::disallowed_methods)]
+fn sighup_reloads_the_policy_file() {
+    let scratch = Scratch::new("sighup");
+    let config = scratch.write("policy.yaml", POLICY);
+    let server = Server::start(&["--config", path_str(&config), "--admin-token", "s3cret"]);
+    let auth = [("Authorization", "Bearer s3cret")];
+    let version = || request(server.http, "GET", "/v1/policy", &auth, "").json()["version"].clone();
+    let hangup = || {
+        let status = std::process::Command::new("kill")
+            .args(["-HUP", &server.pid().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success());
+    };
+    let wait_for = |wanted: &str| {
+        for _ in 0..100 {
+            if version() == wanted {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        panic!("version {wanted} never came in force (now {})", version());
+    };
+    std::fs::write(&config, POLICY.replace("version: \"1\"", "version: \"2\"")).unwrap();
+    wait_for("2");
+    let answer = request(server.http, "POST", "/v1/policy/rollback", &auth, "");
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(version(), "1");
+
+    hangup();
+    wait_for("2");
+    std::fs::write(&config, "limits: [ {name: x, capacity: 0} ]").unwrap();
+    hangup();
+    for _ in 0..100 {
+        let status = request(server.http, "GET", "/v1/policy", &auth, "").json();
+        if !status["last_error"].is_null() {
+            assert_eq!(status["version"], "2");
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    panic!("the broken file was never reported");
+}
+
 /// `tollgate_invalid_requests_total` counts requests refused as malformed or impossible, by
 /// API, whether the body, the headers or the decision refused them.
 #[test]
