@@ -354,7 +354,7 @@ fn serve_main(args: ServeArgs) -> Result<()> {
             .enable_all()
             .build()
             .context("cannot start the async runtime")?;
-        return runtime.block_on(serve(args, shutdown_signal()));
+        return runtime.block_on(async { serve(args, shutdown_signal()?).await });
     }
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
     if let Some(threads) = args.threads {
@@ -366,7 +366,7 @@ fn serve_main(args: ServeArgs) -> Result<()> {
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
-    runtime.block_on(serve(args, shutdown_signal()))
+    runtime.block_on(async { serve(args, shutdown_signal()?).await })
 }
 
 fn init_tracing() {
@@ -379,27 +379,31 @@ fn init_tracing() {
         .try_init();
 }
 
-/// Resolves on SIGINT or SIGTERM.
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
+/// Watches for SIGINT and SIGTERM from now on, and resolves on the first. The handlers are in
+/// place when this returns, before the server says it listens: a signal caught only once the
+/// future was first polled would, if it came sooner, end the process at once (the signals'
+/// default), not after the requests in flight.
+fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>> {
     #[cfg(unix)]
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
+    let stopped = {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut interrupt = signal(SignalKind::interrupt()).context("cannot watch for SIGINT")?;
+        let mut terminate = signal(SignalKind::terminate()).context("cannot watch for SIGTERM")?;
+        async move {
+            tokio::select! {
+                _ = interrupt.recv() => {},
+                _ = terminate.recv() => {},
             }
-            Err(_) => std::future::pending::<()>().await,
         }
     };
     #[cfg(not(unix))]
-    let terminate = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {},
-        () = terminate => {},
-    }
-    tracing::info!("shutting down: finishing requests in flight");
+    let stopped = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    Ok(async move {
+        stopped.await;
+        tracing::info!("shutting down: finishing requests in flight");
+    })
 }
 
 /// Reloads the policy file on SIGHUP, as Prometheus and nginx reload theirs, until dropped.

@@ -601,6 +601,18 @@ fn sighup_reloads_the_policy_file() {
     panic!("the broken file was never reported");
 }
 
+/// A SIGTERM that comes as soon as the server says it listens stops it gracefully (exit 0):
+/// its handlers are in place by then. They were installed only once the server first waited
+/// for a signal, and a SIGTERM before that ended the process at once, as by default.
+#[test]
+fn a_sigterm_at_once_after_listening_is_graceful() {
+    for _ in 0..5 {
+        let server = Server::start(&[]);
+        let status = server.terminate();
+        assert!(status.success(), "{status}");
+    }
+}
+
 /// `tollgate_invalid_requests_total` counts requests refused as malformed or impossible, by
 /// API, whether the body, the headers or the decision refused them.
 #[test]
