@@ -164,6 +164,11 @@ pub struct ServeArgs {
     /// gRPC faster, but cannot move a busy connection's work to an idle thread.
     #[arg(long, env = "TOLLGATE_RUNTIME", value_enum, default_value_t = RuntimeModel::Shared)]
     pub runtime: RuntimeModel,
+    /// How log lines (on stderr) are written: `text`, for people; or `json`, one object per
+    /// line with the level, target and fields at its top, for a log pipeline. `TOLLGATE_LOG`
+    /// says which are written (default `info`).
+    #[arg(long, env = "TOLLGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
 }
 
 /// How `tollgate serve` spreads requests over its threads.
@@ -177,6 +182,15 @@ pub enum RuntimeModel {
     /// work to another or wakes it for it. Connections are spread by count, not load: a few
     /// busy connections may share a thread while another serves idle ones.
     PerCore,
+}
+
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// A line for people.
+    Text,
+    /// One JSON object per line.
+    Json,
 }
 
 /// `tollgate check` flags.
@@ -347,7 +361,7 @@ fn import_envoy(file: &Path) -> Result<()> {
 }
 
 fn serve_main(args: ServeArgs) -> Result<()> {
-    init_tracing();
+    init_tracing(args.log_format);
     if args.runtime == RuntimeModel::PerCore {
         // This thread serves too, beside the ones `serve` starts.
         let runtime = tokio::runtime::Builder::new_current_thread()
@@ -369,14 +383,17 @@ fn serve_main(args: ServeArgs) -> Result<()> {
     runtime.block_on(async { serve(args, shutdown_signal()?).await })
 }
 
-fn init_tracing() {
+fn init_tracing(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("TOLLGATE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     // Logs go to stderr; stdout carries the start-up banner and, with --audit-log -, the audit.
-    let _ = tracing_subscriber::fmt()
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Text => logs.try_init(),
+        LogFormat::Json => logs.json().flatten_event(true).try_init(),
+    };
 }
 
 /// Watches for SIGINT and SIGTERM from now on, and resolves on the first. The handlers are in

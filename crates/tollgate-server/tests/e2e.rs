@@ -613,6 +613,41 @@ fn a_sigterm_at_once_after_listening_is_graceful() {
     }
 }
 
+/// `--log-format json` writes every log line as one JSON object, its fields at the top, for a
+/// log pipeline to index; the default is text.
+#[test]
+fn json_logs_are_one_object_per_line() {
+    use std::io::Read as _;
+    let (server, mut stderr) = Server::start_logging(&["--log-format", "json"], "info");
+    assert!(server.terminate().success());
+    let mut logs = String::new();
+    stderr.read_to_string(&mut logs).expect("read the logs");
+    let lines: Vec<serde_json::Value> = logs
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap_or_else(|err| panic!("{err}: {line}")))
+        .collect();
+    let stopping = lines
+        .iter()
+        .find(|line| {
+            line["message"]
+                .as_str()
+                .is_some_and(|message| message.starts_with("shutting down"))
+        })
+        .unwrap_or_else(|| panic!("no shutdown line in {logs}"));
+    assert_eq!(stopping["level"], "INFO", "{stopping}");
+    assert!(stopping["timestamp"].is_string(), "{stopping}");
+
+    let (server, mut stderr) = Server::start_logging(&[], "info");
+    assert!(server.terminate().success());
+    let mut logs = String::new();
+    stderr.read_to_string(&mut logs).expect("read the logs");
+    assert!(logs.contains("INFO"), "{logs}");
+    assert!(
+        !logs.trim_start().starts_with('{'),
+        "text by default: {logs}"
+    );
+}
+
 /// `tollgate_invalid_requests_total` counts requests refused as malformed or impossible, by
 /// API, whether the body, the headers or the decision refused them.
 #[test]

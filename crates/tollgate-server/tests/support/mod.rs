@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdout, Command, ExitStatus, Stdio};
+use std::process::{Child, ChildStderr, ChildStdout, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -62,7 +62,7 @@ impl Server {
             .arg("serve")
             .args(["--http", http, "--grpc", "127.0.0.1:0"])
             .args(args);
-        Self::spawn(command)
+        Self::spawn(command, None)
     }
 
     /// As [`Server::start`], from a shell that first runs `setup` (such as `ulimit -Sn 256`),
@@ -75,15 +75,36 @@ impl Server {
             .arg(binary())
             .args(["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
             .args(args);
-        Self::spawn(command)
+        Self::spawn(command, None)
     }
 
-    /// Runs `command` (a `tollgate serve`) and waits for its `listening` line.
-    fn spawn(mut command: Command) -> Self {
+    /// As [`Server::start`], logging at `filter` (`TOLLGATE_LOG`) to a pipe the caller reads.
+    pub fn start_logging(args: &[&str], filter: &str) -> (Self, ChildStderr) {
+        let mut command = Command::new(binary());
+        command
+            .arg("serve")
+            .args(["--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
+            .args(args);
+        let mut server = Self::spawn(command, Some(filter));
+        let stderr = server
+            .child
+            .as_mut()
+            .and_then(|child| child.stderr.take())
+            .expect("piped stderr");
+        (server, stderr)
+    }
+
+    /// Runs `command` (a `tollgate serve`) and waits for its `listening` line. Its logs go to
+    /// the tests' stderr at `warn`, or to a pipe at `log` when given.
+    fn spawn(mut command: Command, log: Option<&str>) -> Self {
         let mut child = command
-            .env("TOLLGATE_LOG", "warn")
+            .env("TOLLGATE_LOG", log.unwrap_or("warn"))
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(if log.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::inherit()
+            })
             .spawn()
             .expect("start the tollgate binary");
         let stdout = child.stdout.take().expect("piped stdout");
