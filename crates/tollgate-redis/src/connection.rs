@@ -29,6 +29,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
+use redis::sentinel::SentinelClient;
 use redis::{Cmd, ErrorKind, RedisError};
 use tollgate::{Clock, MonotonicClock, Timestamp};
 
@@ -40,13 +41,14 @@ use crate::cluster::{DirectConnections, query_cluster};
 pub(crate) enum Connection {
     Single(ConnectionManager),
     Cluster(ClusterConnection, Arc<DirectConnections>),
-    /// No cluster node has answered yet: every call fails at once, as a connection failure.
+    /// Not connected yet (no cluster node, or no sentinel, has answered): every call fails at
+    /// once, as a connection failure.
     Unopened,
 }
 
 /// The failure of every call made while [`Connection::Unopened`].
 fn unopened() -> RedisError {
-    RedisError::from((ErrorKind::Io, "no node of the cluster has answered yet"))
+    RedisError::from((ErrorKind::Io, "no connection to Redis yet"))
 }
 
 impl Connection {
@@ -87,6 +89,73 @@ impl Connection {
 pub(crate) enum Opener {
     Single(redis::Client, ConnectionManagerConfig),
     Cluster(ClusterClient, Arc<DirectConnections>),
+    /// Ask Redis Sentinel which server is the master, then connect to it as to a single node.
+    Sentinel(Arc<SentinelMaster>),
+}
+
+/// The master a group of sentinels names for a service.
+pub(crate) struct SentinelMaster {
+    /// Asks the sentinels in turn; one question at a time.
+    sentinels: tokio::sync::Mutex<SentinelClient>,
+    /// For the master's connection, as for a single node's.
+    manager: ConnectionManagerConfig,
+    /// The longest the sentinels and the master may take to answer who the master is.
+    timeout: Duration,
+}
+
+impl SentinelMaster {
+    pub(crate) fn new(
+        sentinels: SentinelClient,
+        manager: ConnectionManagerConfig,
+        timeout: Duration,
+    ) -> Self {
+        Self {
+            sentinels: tokio::sync::Mutex::new(sentinels),
+            manager,
+            timeout,
+        }
+    }
+
+    /// A connection to the master the sentinels name now (which, asked, says it is one).
+    async fn connect(&self) -> Result<Connection, RedisError> {
+        let asked = async { self.sentinels.lock().await.async_get_client().await };
+        let client = tokio::time::timeout(self.timeout, asked)
+            .await
+            .map_err(|_| {
+                RedisError::from(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "the sentinels did not name a master in time",
+                ))
+            })??;
+        let connection = client.get_connection_manager_lazy(self.manager.clone())?;
+        Ok(Connection::Single(connection))
+    }
+}
+
+impl Opener {
+    /// Opens a connection, for the openers that must ask the network first (a cluster's
+    /// layout, the sentinels' master); a single node's is made lazily where it is needed.
+    pub(crate) async fn open(&self) -> Result<Connection, RedisError> {
+        match self {
+            Opener::Single(client, config) => Ok(Connection::Single(
+                client.get_connection_manager_lazy(config.clone())?,
+            )),
+            Opener::Cluster(client, direct) => Ok(Connection::Cluster(
+                client.get_async_connection().await?,
+                Arc::clone(direct),
+            )),
+            Opener::Sentinel(master) => master.connect().await,
+        }
+    }
+
+    /// What the connections lead to, for log lines.
+    fn target(&self) -> &'static str {
+        match self {
+            Opener::Single(..) => "Redis",
+            Opener::Cluster(..) => "the cluster",
+            Opener::Sentinel(..) => "the master the sentinels name",
+        }
+    }
 }
 
 /// The connection every call of a store takes, replaceable while calls are in flight: calls
@@ -125,19 +194,11 @@ impl Link {
         Connection::clone(&self.current.load())
     }
 
-    /// A link to a cluster none of whose nodes answered: calls fail as connection failures
-    /// while a task tries again, ever less often up to every [`UNOPENED_RETRY_MAX`], until
-    /// one opens.
-    pub(crate) fn unopened(
-        client: ClusterClient,
-        direct: Arc<DirectConnections>,
-        connect_timeout: Duration,
-    ) -> Arc<Self> {
-        let link = Arc::new(Self::new(
-            Connection::Unopened,
-            Opener::Cluster(client.clone(), direct.clone()),
-            connect_timeout,
-        ));
+    /// A link that could not open its first connection (no cluster node, or no sentinel,
+    /// answered): calls fail as connection failures while a task tries again, ever less often
+    /// up to every [`UNOPENED_RETRY_MAX`], until one opens.
+    pub(crate) fn unopened(opener: Opener, connect_timeout: Duration) -> Arc<Self> {
+        let link = Arc::new(Self::new(Connection::Unopened, opener, connect_timeout));
         // Held for good by the task below: a `renew` meanwhile would only open a second one.
         link.renewing.store(true, Ordering::Release);
         // Not kept alive by its own task: a store dropped meanwhile stops the tries.
@@ -146,21 +207,20 @@ impl Link {
             let mut pause = UNOPENED_RETRY_MIN;
             loop {
                 tokio::time::sleep(pause).await;
-                if task.strong_count() == 0 {
-                    break;
-                }
-                let opened = client.get_async_connection().await;
                 let Some(link) = task.upgrade() else { break };
-                match opened {
+                match link.opener.open().await {
                     Ok(connection) => {
-                        tracing::info!("redis store: connected to the cluster");
-                        link.current
-                            .store(Arc::new(Connection::Cluster(connection, direct)));
+                        tracing::info!("redis store: connected to {}", link.opener.target());
+                        open_in_background(&connection, link.connect_timeout);
+                        link.current.store(Arc::new(connection));
                         link.renewing.store(false, Ordering::Release);
                         break;
                     }
                     Err(err) => {
-                        tracing::debug!("redis store: still no cluster node answers: {err}");
+                        tracing::debug!(
+                            "redis store: still cannot reach {}: {err}",
+                            link.opener.target()
+                        );
                         pause = (pause * 2).min(UNOPENED_RETRY_MAX);
                     }
                 }
@@ -195,21 +255,25 @@ impl Link {
                     Err(err) => tracing::warn!("redis store: cannot open a connection: {err}"),
                 }
             }
-            Opener::Cluster(client, direct) => {
+            Opener::Cluster(..) | Opener::Sentinel(..) => {
                 if self.renewing.swap(true, Ordering::AcqRel) {
                     return;
                 }
-                let (link, client, direct) = (Arc::clone(self), client.clone(), Arc::clone(direct));
+                let link = Arc::clone(self);
                 tokio::spawn(async move {
-                    match client.get_async_connection().await {
+                    match link.opener.open().await {
                         Ok(connection) => {
-                            tracing::warn!("redis store: replacing its connections to the cluster");
-                            link.current
-                                .store(Arc::new(Connection::Cluster(connection, direct)));
+                            tracing::warn!(
+                                "redis store: replacing its connections to {}",
+                                link.opener.target()
+                            );
+                            open_in_background(&connection, link.connect_timeout);
+                            link.current.store(Arc::new(connection));
                         }
-                        Err(err) => {
-                            tracing::warn!("redis store: cannot reconnect to the cluster: {err}");
-                        }
+                        Err(err) => tracing::warn!(
+                            "redis store: cannot reconnect to {}: {err}",
+                            link.opener.target()
+                        ),
                     }
                     link.renewing.store(false, Ordering::Release);
                 });

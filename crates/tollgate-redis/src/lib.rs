@@ -1,4 +1,5 @@
-//! Redis and Redis Cluster store for tollgate: many processes, one set of buckets.
+//! Redis, Redis Cluster and Redis Sentinel store for tollgate: many processes, one set of
+//! buckets.
 //!
 //! [`RedisStore`] implements [`tollgate::Store`] with one atomic Lua script per decision (per
 //! cluster slot), so every tollgate process sharing a Redis decides against the same buckets,
@@ -44,6 +45,10 @@
 //!   Redis; failures surface as [`tollgate::Error::StoreUnavailable`], never as rejections. A
 //!   key holding something that is not a bucket fails its own requests only
 //!   ([`tollgate::Unavailable::Script`]), and does not count towards the breaker.
+//! * A call that times out, or loses its connection, after Redis ran its script has charged
+//!   the buckets though its caller hears [`tollgate::Error::StoreUnavailable`]: the store
+//!   cannot tell. A retry with the same request id gets the first decision back instead of a
+//!   second charge.
 
 mod batch;
 mod breaker;

@@ -31,7 +31,8 @@ use std::time::Duration;
 
 use futures_util::future::join_all;
 use redis::aio::ConnectionManagerConfig;
-use redis::{IntoConnectionInfo, RedisError};
+use redis::sentinel::{SentinelClientBuilder, SentinelServerType};
+use redis::{ConnectionAddr, IntoConnectionInfo, RedisError};
 use tollgate::{
     CheckRequest, Decision, Error, MonotonicClock, Store, Take, Timestamp, Unavailable,
 };
@@ -39,7 +40,7 @@ use tollgate::{
 use crate::batch::{self, Batcher, Bucket, Carried, Mode, Record, Segment, TakeScript};
 use crate::breaker::{Breaker, BreakerConfig, Transition};
 use crate::cluster::DirectConnections;
-use crate::connection::{Connection, Link, Opener};
+use crate::connection::{Connection, Link, Opener, SentinelMaster};
 use crate::tls::{self, TlsFiles};
 use crate::units::ScriptLimit;
 
@@ -69,6 +70,9 @@ pub struct RedisConfig {
     pub max_batch: usize,
     /// Certificate files for `rediss://` (default none: the system's authorities).
     pub tls: TlsFiles,
+    /// The password the sentinels of a `redis+sentinel://` store ask for, when they ask for
+    /// one (`requirepass` in their configuration); the URL's credentials are the master's.
+    pub sentinel_password: Option<String>,
 }
 
 impl Default for RedisConfig {
@@ -81,6 +85,7 @@ impl Default for RedisConfig {
             max_in_flight: 4,
             max_batch: 32,
             tls: TlsFiles::default(),
+            sentinel_password: None,
         }
     }
 }
@@ -129,6 +134,13 @@ impl RedisConfig {
         self.tls = tls;
         self
     }
+
+    /// Sets [`RedisConfig::sentinel_password`].
+    #[must_use]
+    pub fn with_sentinel_password(mut self, password: impl Into<String>) -> Self {
+        self.sentinel_password = Some(password.into());
+        self
+    }
 }
 
 /// Why a [`RedisStore`] could not be set up.
@@ -137,8 +149,10 @@ impl RedisConfig {
 pub enum ConnectError {
     /// The store URL is not one of the accepted forms.
     #[error(
-        "invalid store URL {url:?}: expected redis://HOST:PORT[/DB] or \
-         redis+cluster://HOST:PORT,HOST:PORT,... (rediss:// and rediss+cluster:// for TLS)"
+        "invalid store URL {url:?}: expected redis://HOST:PORT[/DB], \
+         redis+cluster://HOST:PORT,HOST:PORT,... or \
+         redis+sentinel://HOST:PORT,HOST:PORT,.../SERVICE[/DB] (rediss:// and \
+         rediss+cluster:// for TLS)"
     )]
     InvalidUrl {
         /// The URL, with any password removed.
@@ -237,6 +251,80 @@ fn cluster_nodes(nodes: &str, secure: bool) -> Vec<String> {
         .collect()
 }
 
+/// What a store URL leads to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Topology {
+    /// One server (`redis://`).
+    Single,
+    /// Redis Cluster (`redis+cluster://`).
+    Cluster,
+    /// The master Redis Sentinel names for a service (`redis+sentinel://`).
+    Sentinel,
+}
+
+/// A `redis+sentinel://` URL after its scheme: `[USERINFO@]HOST[:PORT],.../SERVICE[/DB]`.
+struct SentinelTarget {
+    sentinels: Vec<ConnectionAddr>,
+    service: String,
+    /// The master's credentials and database, from the URL's userinfo and path.
+    master: redis::RedisConnectionInfo,
+}
+
+impl SentinelTarget {
+    /// The port sentinels listen on unless told otherwise.
+    const PORT: u16 = 26_379;
+
+    fn parse(rest: &str) -> Option<Self> {
+        let (authority, path) = rest.split_once('/')?;
+        let (service, db) = match path.split_once('/') {
+            Some((service, db)) => (service, Some(db)),
+            None => (path, None),
+        };
+        if service.is_empty() {
+            return None;
+        }
+        let (userinfo, hosts) = match authority.rsplit_once('@') {
+            Some((userinfo, hosts)) => (Some(userinfo), hosts),
+            None => (None, authority),
+        };
+        let sentinels = hosts
+            .split(',')
+            .map(|node| {
+                // `host`, `host:port`, `[v6]` or `[v6]:port`.
+                let (host, port) = match node.strip_prefix('[') {
+                    Some(v6) => {
+                        let (host, after) = v6.split_once(']')?;
+                        (host, after.strip_prefix(':'))
+                    }
+                    None => match node.split_once(':') {
+                        Some((host, port)) => (host, Some(port)),
+                        None => (node, None),
+                    },
+                };
+                let port = port.map_or(Some(Self::PORT), |port| port.parse().ok())?;
+                (!host.is_empty()).then(|| ConnectionAddr::Tcp(host.to_owned(), port))
+            })
+            .collect::<Option<Vec<_>>>()?;
+        // The master's settings read as redis-rs reads a node's URL (percent-decoding and all).
+        let master = format!(
+            "redis://{}127.0.0.1/{}",
+            userinfo
+                .map(|userinfo| format!("{userinfo}@"))
+                .unwrap_or_default(),
+            db.unwrap_or("0")
+        )
+        .into_connection_info()
+        .ok()?
+        .redis_settings()
+        .clone();
+        Some(Self {
+            sentinels,
+            service: service.to_owned(),
+            master,
+        })
+    }
+}
+
 /// Buckets in Redis or Redis Cluster. Cheap to share (`Arc` it); one per process is enough.
 pub struct RedisStore {
     link: Arc<Link>,
@@ -300,15 +388,17 @@ impl RedisStore {
             source,
         };
         // (scheme, TLS, cluster) for each accepted form.
-        let (scheme, secure, cluster) = [
-            ("redis+cluster://", false, true),
-            ("rediss+cluster://", true, true),
-            ("redis://", false, false),
-            ("rediss://", true, false),
+        let (scheme, secure, topology) = [
+            ("redis+cluster://", false, Topology::Cluster),
+            ("rediss+cluster://", true, Topology::Cluster),
+            ("redis+sentinel://", false, Topology::Sentinel),
+            ("redis://", false, Topology::Single),
+            ("rediss://", true, Topology::Single),
         ]
         .into_iter()
         .find(|(scheme, _, _)| url.starts_with(scheme))
         .ok_or_else(invalid)?;
+        let cluster = topology == Topology::Cluster;
         if !secure && !config.tls.is_empty() {
             return Err(ConnectError::TlsFilesWithoutTls);
         }
@@ -322,7 +412,48 @@ impl RedisStore {
             config
                 .timeout
                 .max(Duration::from_millis(if secure { 1_000 } else { 100 }));
-        let link = if cluster {
+        // A single node's connection, and a sentinel's master's.
+        let manager = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(connect_timeout))
+            .set_response_timeout(None)
+            .set_max_delay(Duration::from_secs(1));
+        let link = if topology == Topology::Sentinel {
+            let target = SentinelTarget::parse(&url[scheme.len()..]).ok_or_else(invalid)?;
+            let mut sentinels = SentinelClientBuilder::new(
+                target.sentinels,
+                &target.service,
+                SentinelServerType::Master,
+            )
+            .map_err(|_| invalid())?
+            .set_client_to_redis_db(target.master.db());
+            if let Some(username) = target.master.username() {
+                sentinels = sentinels.set_client_to_redis_username(username);
+            }
+            if let Some(password) = target.master.password() {
+                sentinels = sentinels.set_client_to_redis_password(password);
+            }
+            if let Some(password) = &config.sentinel_password {
+                sentinels = sentinels.set_client_to_sentinel_password(password);
+            }
+            let sentinels = sentinels.build().map_err(|_| invalid())?;
+            // Asking is a round trip to a sentinel, then a connection to the master it names.
+            let opener = Opener::Sentinel(Arc::new(SentinelMaster::new(
+                sentinels,
+                manager,
+                connect_timeout * 2,
+            )));
+            match opener.open().await {
+                Ok(connection) => Arc::new(Link::new(connection, opener, connect_timeout)),
+                Err(err) => {
+                    tracing::warn!(
+                        "redis store: the sentinels of {} name no master that answers yet \
+                         ({err}); deciding by the failure modes, and not ready, until one does",
+                        redact(url)
+                    );
+                    Link::unopened(opener, connect_timeout)
+                }
+            }
+        } else if cluster {
             let nodes = cluster_nodes(&url[scheme.len()..], secure);
             if nodes.is_empty() {
                 return Err(invalid());
@@ -376,7 +507,7 @@ impl RedisStore {
                          failure modes, and not ready, until one does",
                         redact(url)
                     );
-                    Link::unopened(client, direct, connect_timeout)
+                    Link::unopened(Opener::Cluster(client, direct), connect_timeout)
                 }
                 Err(err) => return Err(connect_error(err)),
             }
@@ -387,10 +518,6 @@ impl RedisStore {
                     .map_err(|source| ConnectError::InvalidTls { source })?,
                 None => client,
             };
-            let manager = ConnectionManagerConfig::new()
-                .set_connection_timeout(Some(connect_timeout))
-                .set_response_timeout(None)
-                .set_max_delay(Duration::from_secs(1));
             let connection = client
                 .get_connection_manager_lazy(manager.clone())
                 .map_err(connect_error)?;
@@ -992,6 +1119,41 @@ fn window_ms(window: Duration) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_sentinel_url_gives_the_sentinels_the_service_and_the_masters_settings() {
+        let target = SentinelTarget::parse("u:p%40ss@s1:26380,s2,[::1]:7000,[::2]/cache/3")
+            .expect("a valid URL");
+        assert_eq!(
+            target.sentinels,
+            [
+                ConnectionAddr::Tcp("s1".into(), 26_380),
+                ConnectionAddr::Tcp("s2".into(), 26_379),
+                ConnectionAddr::Tcp("::1".into(), 7_000),
+                ConnectionAddr::Tcp("::2".into(), 26_379),
+            ]
+        );
+        assert_eq!(target.service, "cache");
+        assert_eq!(target.master.username(), Some("u"));
+        assert_eq!(target.master.password(), Some("p@ss"));
+        assert_eq!(target.master.db(), 3);
+        let plain = SentinelTarget::parse("s1/cache").expect("a valid URL");
+        assert_eq!((plain.master.password(), plain.master.db()), (None, 0));
+        for bad in [
+            "s1",
+            "s1/",
+            "s1:x/cache",
+            ":1/cache",
+            "s1,/cache",
+            "[::1/cache",
+        ] {
+            assert!(SentinelTarget::parse(bad).is_none(), "{bad}");
+        }
+        assert_eq!(
+            redact("redis+sentinel://u:secret@s1,s2/cache"),
+            "redis+sentinel://u:***@s1,s2/cache"
+        );
+    }
 
     #[test]
     fn idempotency_windows_are_whole_milliseconds_between_one_and_a_year() {

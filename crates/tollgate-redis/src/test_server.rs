@@ -80,6 +80,44 @@ pub fn command(port: u16, args: &[&str]) -> Option<String> {
     Some(line)
 }
 
+/// Waits until `replicas` replicas of the server on `port` hold every write it has taken so
+/// far, for at most `timeout`, and returns how many did. `WAIT` alone waits only for the writes
+/// of its own connection, and a fresh one has made none: so a write of its own, to
+/// `barrier_key` (on a cluster, a key of the server's own slots), goes first, and the server's
+/// replication offset after it covers every earlier write, whoever made it.
+pub fn wait_for_replicas(
+    port: u16,
+    barrier_key: &str,
+    replicas: usize,
+    timeout: Duration,
+) -> Option<u64> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    stream
+        .set_read_timeout(Some(timeout + Duration::from_secs(2)))
+        .ok()?;
+    let (replicas, millis) = (replicas.to_string(), timeout.as_millis().to_string());
+    let mut request = String::new();
+    for args in [
+        &["SET", barrier_key, "1"][..],
+        &["WAIT", &replicas, &millis],
+    ] {
+        request.push_str(&format!("*{}\r\n", args.len()));
+        for arg in args {
+            request.push_str(&format!("${}\r\n{arg}\r\n", arg.len()));
+        }
+    }
+    stream.write_all(request.as_bytes()).ok()?;
+    let mut reader = BufReader::new(stream);
+    let mut line = String::new();
+    reader.read_line(&mut line).ok()?;
+    if line != "+OK\r\n" {
+        return None;
+    }
+    line.clear();
+    reader.read_line(&mut line).ok()?;
+    line.trim().strip_prefix(':')?.parse().ok()
+}
+
 /// Tries at a fresh port before [`RedisServer::start`] gives up.
 const ATTEMPTS: usize = 5;
 
@@ -113,6 +151,8 @@ pub struct RedisServer {
     pub tls_port: Option<u16>,
     dir: PathBuf,
     extra: Vec<String>,
+    /// A Redis Sentinel's configuration file: the process runs in sentinel mode.
+    sentinel_config: Option<PathBuf>,
 }
 
 impl RedisServer {
@@ -164,6 +204,7 @@ impl RedisServer {
             tls_port: None,
             dir: scratch_dir(&port.to_string()),
             extra,
+            sentinel_config: None,
         }
     }
 
@@ -175,10 +216,15 @@ impl RedisServer {
 
     /// Starts the process and waits until it answers, and checks that the answer is its own.
     fn try_spawn(&mut self) -> Result<(), Spawn> {
-        let child = Command::new("redis-server")
+        let mut server = Command::new("redis-server");
+        match &self.sentinel_config {
+            // The file first; a sentinel rewrites it, and keeps no data to persist.
+            Some(config) => server.arg(config).arg("--sentinel"),
+            None => server.args(["--save", "", "--appendonly", "no"]),
+        };
+        let child = server
             .args(["--port", &self.port.to_string()])
             .args(["--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no"])
             .arg("--dir")
             .arg(&self.dir)
             .args(&self.extra)
@@ -272,6 +318,149 @@ impl Drop for RedisServer {
         // A stopped process still dies of SIGKILL.
         self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The service name the sentinels of [`RedisSentinel`] watch.
+pub const SENTINEL_SERVICE: &str = "tollgate-test";
+
+/// A master, its replica and a Redis Sentinel watching them (one sentinel, quorum 1: enough to
+/// fail over, one second after the master stops answering).
+pub struct RedisSentinel {
+    /// The master at the start.
+    pub master: RedisServer,
+    /// Its replica, which a failover promotes.
+    pub replica: RedisServer,
+    /// The sentinel process.
+    pub sentinel: RedisServer,
+    password: Option<String>,
+}
+
+/// The sentinel's `INFO sentinel`, after `AUTH` when it asks for a password.
+fn sentinel_info(port: u16, password: Option<&str>) -> Option<String> {
+    match password {
+        None => command(port, &["INFO", "sentinel"]),
+        Some(password) => {
+            let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
+            stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+            let request = format!(
+                "*2\r\n$4\r\nAUTH\r\n${}\r\n{password}\r\n*2\r\n$4\r\nINFO\r\n$8\r\nsentinel\r\n",
+                password.len()
+            );
+            stream.write_all(request.as_bytes()).ok()?;
+            let mut reply = String::new();
+            let mut buffer = [0; 4096];
+            // `+OK`, then the INFO bulk: read until its end.
+            while !reply.contains("status=") || !reply.ends_with("\r\n") {
+                let read = stream.read(&mut buffer).ok()?;
+                if read == 0 {
+                    break;
+                }
+                reply.push_str(&String::from_utf8_lossy(&buffer[..read]));
+            }
+            Some(reply)
+        }
+    }
+}
+
+impl RedisSentinel {
+    /// Starts the three and waits until the sentinel knows the replica.
+    ///
+    /// # Panics
+    ///
+    /// When a process does not come up, or the sentinel does not find the replica within 20 s.
+    pub fn start() -> Self {
+        Self::start_with(None)
+    }
+
+    /// As [`RedisSentinel::start`], the sentinel asking its clients for `password` when given
+    /// (as `requirepass` would).
+    ///
+    /// # Panics
+    ///
+    /// As [`RedisSentinel::start`].
+    pub fn start_with(password: Option<&str>) -> Self {
+        let master = RedisServer::start();
+        let replica = RedisServer::start_with(
+            free_port(),
+            vec![
+                "--replicaof".into(),
+                "127.0.0.1".into(),
+                master.port.to_string(),
+            ],
+        );
+        let port = free_port();
+        let mut sentinel = RedisServer::unstarted(port, Vec::new());
+        let config = sentinel.dir.join("sentinel.conf");
+        std::fs::write(
+            &config,
+            format!(
+                "sentinel monitor {SENTINEL_SERVICE} 127.0.0.1 {} 1\n\
+                 sentinel down-after-milliseconds {SENTINEL_SERVICE} 1000\n\
+                 sentinel failover-timeout {SENTINEL_SERVICE} 5000\n",
+                master.port
+            ),
+        )
+        .expect("write the sentinel's configuration");
+        sentinel.sentinel_config = Some(config);
+        sentinel.spawn();
+        let until = deadline(Duration::from_secs(20));
+        while !sentinel_info(sentinel.port, None)
+            .is_some_and(|info| info.contains("status=ok") && info.contains("slaves=1"))
+            || !command(replica.port, &["INFO", "replication"])
+                .is_some_and(|info| info.contains("master_link_status:up"))
+        {
+            assert!(!passed(until), "the sentinel did not find the replica");
+            pause_briefly();
+        }
+        // Set once the sentinel is up: this module's checks that a server started, and is
+        // ours, ask it without a password.
+        if let Some(password) = password {
+            let reply = command(
+                sentinel.port,
+                &[
+                    "ACL",
+                    "SETUSER",
+                    "default",
+                    "resetpass",
+                    &format!(">{password}"),
+                ],
+            );
+            assert_eq!(reply.as_deref(), Some("+OK\r\n"), "the sentinel's password");
+        }
+        Self {
+            master,
+            replica,
+            sentinel,
+            password: password.map(str::to_owned),
+        }
+    }
+
+    /// `redis+sentinel://127.0.0.1:PORT/SERVICE`.
+    pub fn url(&self) -> String {
+        format!(
+            "redis+sentinel://127.0.0.1:{}/{SENTINEL_SERVICE}",
+            self.sentinel.port
+        )
+    }
+
+    /// Waits until the sentinel names the server on `port` as the master.
+    ///
+    /// # Panics
+    ///
+    /// When it does not within 30 s.
+    pub fn wait_for_master(&self, port: u16) {
+        let until = deadline(Duration::from_secs(30));
+        let address = format!("address=127.0.0.1:{port},");
+        while !sentinel_info(self.sentinel.port, self.password.as_deref())
+            .is_some_and(|info| info.contains(&address))
+        {
+            assert!(
+                !passed(until),
+                "the sentinel did not name {port} the master"
+            );
+            pause_briefly();
+        }
     }
 }
 

@@ -66,7 +66,7 @@ async fn cluster() {
 /// (for a slot being moved). A cross-slot request that one slot rejects is refunded under it.
 async fn a_least_privilege_acl_user_suffices(cluster: &RedisCluster) {
     for node in &cluster.nodes {
-        support::grant_tollgate_user(node.port, true);
+        support::grant_tollgate_user(node.port, support::CLUSTER_COMMANDS);
     }
     let url = support::as_tollgate_user(&cluster.url());
     let store = RedisStore::connect(&url, RedisConfig::default().with_timeout(LOADED))

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use redis::AsyncCommands;
-use support::{RedisCluster, SlotMove, as_tollgate_user, command, node};
+use support::{RedisCluster, SlotMove, as_tollgate_user, command, node, wait_for_replicas};
 use tollgate::{CheckRequest, Decision, Error, Limit, Store, Take, Timestamp};
 use tollgate_redis::{RedisConfig, RedisStore};
 
@@ -33,7 +33,7 @@ async fn cluster_changes() {
     // Every change runs as the least-privileged user the README gives (the replica needs it
     // too: users are not replicated, and it becomes a master).
     for node in cluster.nodes.iter().chain(&cluster.replicas) {
-        support::grant_tollgate_user(node.port, true);
+        support::grant_tollgate_user(node.port, support::CLUSTER_COMMANDS);
     }
     let store = RedisStore::connect(
         &as_tollgate_user(&cluster.url()),
@@ -47,7 +47,7 @@ async fn cluster_changes() {
     a_busy_key_moved_mid_traffic_is_never_over_admitted(&cluster, 0).await;
     // As a cluster grows: to a master the store has never talked to.
     let new = cluster.add_master(None);
-    support::grant_tollgate_user(cluster.nodes[new].port, true);
+    support::grant_tollgate_user(cluster.nodes[new].port, support::CLUSTER_COMMANDS);
     a_busy_key_moved_mid_traffic_is_never_over_admitted(&cluster, new).await;
     a_planned_failover_and_back_under_traffic_loses_nothing(&cluster).await;
     a_master_failed_over_to_its_replica_keeps_its_buckets(&mut cluster, &store).await;
@@ -325,8 +325,9 @@ async fn a_master_failed_over_to_its_replica_keeps_its_buckets(
     }
     // Redis replicates asynchronously: wait until the replica has the writes, as a failover
     // would lose the last ones otherwise (a bounded under-charge, not this test's subject).
-    let replicated = command(cluster.nodes[0].port, &["WAIT", "1", "5000"]);
-    assert_eq!(replicated.as_deref().map(str::trim), Some(":1"));
+    let barrier = format!("{key}barrier");
+    let replicated = wait_for_replicas(cluster.nodes[0].port, &barrier, 1, PATIENT);
+    assert_eq!(replicated, Some(1));
 
     cluster.nodes[0].kill();
     let started = tokio::time::Instant::now();

@@ -1500,7 +1500,7 @@ async fn a_full_redis_fails_decisions_as_the_store_until_it_has_room() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_least_privilege_acl_user_suffices() {
     let server = RedisServer::start();
-    support::grant_tollgate_user(server.port, false);
+    support::grant_tollgate_user(server.port, &[]);
     let url = support::as_tollgate_user(&server.url());
     let store = RedisStore::connect(&url, RedisConfig::default())
         .await

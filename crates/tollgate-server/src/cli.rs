@@ -76,8 +76,9 @@ pub struct ServeArgs {
     /// gRPC listen address (Envoy Rate Limit Service v3).
     #[arg(long, env = "TOLLGATE_GRPC", default_value = "127.0.0.1:8081")]
     pub grpc: SocketAddr,
-    /// Where buckets live: `memory`, `redis://HOST:PORT[/DB]` or
-    /// `redis+cluster://HOST:PORT,HOST:PORT`; `rediss://` and `rediss+cluster://` for TLS.
+    /// Where buckets live: `memory`, `redis://HOST:PORT[/DB]`,
+    /// `redis+cluster://HOST:PORT,HOST:PORT` or `redis+sentinel://HOST:PORT,HOST:PORT/SERVICE`
+    /// (the master Redis Sentinel names); `rediss://` and `rediss+cluster://` for TLS.
     #[arg(long, env = "TOLLGATE_STORE", default_value = "memory")]
     pub store: String,
     /// TLS to Redis: PEM file of the certificate authorities to trust instead of the
@@ -104,6 +105,15 @@ pub struct ServeArgs {
     /// How long a decision may wait for Redis before its limits follow their failure modes.
     #[arg(long, env = "TOLLGATE_STORE_TIMEOUT", default_value = "20ms", value_parser = parse_duration)]
     pub store_timeout: Duration,
+    /// The password Redis Sentinel asks for (its `requirepass`), for a redis+sentinel:// store;
+    /// the URL's credentials are the master's. Best given as the environment variable.
+    #[arg(
+        long,
+        env = "TOLLGATE_STORE_SENTINEL_PASSWORD",
+        value_name = "PASSWORD",
+        hide_env_values = true
+    )]
+    pub store_sentinel_password: Option<String>,
     /// The most connections open at once on each listener (HTTP and gRPC); past it new
     /// clients wait in the kernel's backlog until one closes. Default: 10,000, or fewer where
     /// the open-file limit cannot hold that many on both listeners.
@@ -538,9 +548,15 @@ pub async fn serve(
         if let (Some(cert), Some(key)) = (&args.store_tls_cert, &args.store_tls_key) {
             tls = tls.with_client_cert(cert, key);
         }
-        let config = RedisConfig::default()
+        let mut config = RedisConfig::default()
             .with_timeout(args.store_timeout)
             .with_tls(tls);
+        if let Some(password) = &args.store_sentinel_password {
+            if !args.store.starts_with("redis+sentinel://") {
+                bail!("--store-sentinel-password is for a redis+sentinel:// store");
+            }
+            config = config.with_sentinel_password(password);
+        }
         let store = RedisStore::connect(&args.store, config)
             .await
             .with_context(|| format!("cannot use the store {}", redact(&args.store)))?;

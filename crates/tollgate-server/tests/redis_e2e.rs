@@ -11,7 +11,9 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::google::protobuf::UInt64Value;
 use support::{Scratch, Server, path_str, post_json, request, serve_refused};
-use tollgate_redis::test_server::{RedisCluster, RedisServer, TestCertificates, command};
+use tollgate_redis::test_server::{
+    RedisCluster, RedisSentinel, RedisServer, TestCertificates, command,
+};
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
@@ -394,4 +396,35 @@ fn a_cluster_that_does_not_answer_at_the_start_leaves_the_server_unready() {
     let answer = post_json(server.http, "/v1/check", lenient);
     assert_eq!(answer.status, 200, "{}", answer.body);
     assert_eq!(answer.json()["degraded"], true);
+}
+
+/// Through Redis Sentinel: the server decides on the master the sentinel names, and two
+/// servers share its quota.
+#[test]
+fn decides_on_the_master_a_sentinel_names() {
+    let sentinel = RedisSentinel::start();
+    let scratch = Scratch::new("sentinel");
+    let config = scratch.write("policy.yaml", POLICY);
+    let a = on_store(&config, &sentinel.url(), &[]);
+    let b = on_store(&config, &sentinel.url(), &[]);
+    let body = r#"{"domain":"api","descriptors":[{"user":"sam"}],"cost":20}"#;
+    assert_eq!(post_json(a.http, "/v1/check", body).status, 200);
+    assert_eq!(post_json(b.http, "/v1/check", body).status, 200);
+    let answer = post_json(a.http, "/v1/check", body);
+    assert_eq!(answer.status, 429, "50 shared, 40 taken: {}", answer.body);
+    let stored = command(sentinel.master.port, &["DBSIZE"]).unwrap_or_default();
+    assert_eq!(stored.trim(), ":1", "the bucket is on the master");
+    let ready = request(a.http, "GET", "/readyz", &[], "");
+    assert_eq!(ready.status, 200, "{}", ready.body);
+}
+
+#[test]
+fn a_sentinel_password_without_a_sentinel_store_is_refused() {
+    let message = serve_refused(&[
+        "--store",
+        "redis://127.0.0.1:6399",
+        "--store-sentinel-password",
+        "x",
+    ]);
+    assert!(message.contains("redis+sentinel://"), "{message}");
 }

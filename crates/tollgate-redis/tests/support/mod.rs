@@ -131,9 +131,10 @@ impl SlotMove {
 }
 
 /// Creates, on the server at `port`, the least-privileged user tollgate can run as, as the
-/// README gives it: `tollgate`, password `secret`. A cluster's nodes need two more commands.
+/// README gives it: `tollgate`, password `secret`, with the commands a topology adds (a
+/// cluster's `+cluster|slots +asking`, a sentinel's master's `+role`).
 #[allow(dead_code)] // not every test binary runs as that user
-pub(crate) fn grant_tollgate_user(port: u16, cluster: bool) {
+pub(crate) fn grant_tollgate_user(port: u16, topology: &[&str]) {
     let mut acl = vec![
         "ACL",
         "SETUSER",
@@ -153,11 +154,18 @@ pub(crate) fn grant_tollgate_user(port: u16, cluster: bool) {
         "+set",
         "+del",
     ];
-    if cluster {
-        acl.extend(["+cluster|slots", "+asking"]);
-    }
+    acl.extend(topology);
     assert_eq!(command(port, &acl).as_deref(), Some("+OK\r\n"));
 }
+
+/// What a cluster's nodes add to [`grant_tollgate_user`].
+#[allow(dead_code)]
+pub(crate) const CLUSTER_COMMANDS: &[&str] = &["+cluster|slots", "+asking"];
+
+/// What a sentinel's master (and the replicas it may promote) add to [`grant_tollgate_user`]:
+/// the store asks the master the sentinels name whether it is one.
+#[allow(dead_code)]
+pub(crate) const SENTINEL_COMMANDS: &[&str] = &["+role"];
 
 /// `url` (`redis://` or `redis+cluster://`) as the user of [`grant_tollgate_user`].
 #[allow(dead_code)]

@@ -1,0 +1,203 @@
+//! The Redis store through Redis Sentinel (`redis+sentinel://`): it decides on the master the
+//! sentinels name, follows a failover to the promoted replica, and starts without a sentinel
+//! that answers, as it starts without a single server.
+
+mod support;
+
+use std::time::Duration;
+
+use support::{
+    RedisSentinel, as_tollgate_user, command, grant_tollgate_user, take_one_unit, wait_for_replicas,
+};
+use tollgate::{CheckRequest, Error, Limit, Store, Take, Unavailable};
+use tollgate_redis::{ConnectError, RedisConfig, RedisStore};
+
+/// A debug build on a busy 2-core machine can pass the production 20 ms: these tests are
+/// about which server decides, not how fast.
+const PATIENT: Duration = Duration::from_secs(2);
+
+fn limit(capacity: u64) -> Limit {
+    Limit::new(capacity, "1/h".parse().expect("a rate")).expect("a limit")
+}
+
+async fn remaining(store: &RedisStore, key: &str, limit: &Limit) -> Result<u64, Error> {
+    Ok(take_one_unit(store, key, limit, None).await?[0].remaining())
+}
+
+/// The master dies; the sentinel promotes its replica (one second of silence, then an
+/// election); the store answers "unavailable" meanwhile, within its timeout, then decides on
+/// the new master with the balance replication carried over, without a restart. The user
+/// it runs as is the least-privileged one the README gives, on both servers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn follows_the_master_the_sentinel_names_through_a_failover() {
+    let mut sentinel = RedisSentinel::start();
+    for server in [&sentinel.master, &sentinel.replica] {
+        grant_tollgate_user(server.port, support::SENTINEL_COMMANDS);
+    }
+    let url = as_tollgate_user(&sentinel.url());
+    let store = RedisStore::connect(&url, RedisConfig::default().with_timeout(PATIENT))
+        .await
+        .expect("connect through the sentinel");
+    assert!(!store.is_cluster());
+    assert_eq!(store.ping().await, Ok(()));
+    let ten = limit(10);
+    for left in [9, 8, 7, 6] {
+        assert_eq!(remaining(&store, "k", &ten).await.ok(), Some(left));
+    }
+    // Replication is asynchronous: wait until the replica has the writes.
+    let replicated = wait_for_replicas(sentinel.master.port, "barrier", 1, PATIENT);
+    assert_eq!(replicated, Some(1));
+
+    sentinel.master.kill();
+    let started = tokio::time::Instant::now();
+    let mut unavailable = 0;
+    let left = loop {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "no decision within a minute of the master's death"
+        );
+        // One request, retried until decided, with its id: the sentinel closes the promoted
+        // master's client connections as it promotes it, and a call that ran there just
+        // before can lose its reply. Retried without an id it would be charged twice.
+        let retried = async {
+            let takes = [Take::new("k", &ten, 1)];
+            let request = CheckRequest {
+                takes: &takes,
+                request_id: Some("after-the-kill"),
+                now: None,
+            };
+            Ok::<_, Error>(store.check(request).await?[0].remaining())
+        };
+        let attempt = tokio::time::timeout(PATIENT * 3, retried)
+            .await
+            .expect("an answer within the timeout bound, not a hang");
+        match attempt {
+            Ok(left) => break left,
+            Err(Error::StoreUnavailable { .. }) => {
+                unavailable += 1;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(err) => panic!("an unavailable store, not {err}"),
+        }
+    };
+    assert!(unavailable > 0, "the store noticed the dead master");
+    assert_eq!(left, 5, "the replica carried the balance over");
+    sentinel.wait_for_master(sentinel.replica.port);
+    assert_eq!(store.ping().await, Ok(()));
+}
+
+/// A process started while no sentinel answers starts anyway, not ready and deciding by its
+/// failure modes, and decides once a sentinel answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sentinel_silent_at_the_start_is_asked_again() {
+    let sentinel = RedisSentinel::start();
+    sentinel.sentinel.pause();
+    let started = RedisStore::connect(&sentinel.url(), RedisConfig::default()).await;
+    let ping = match &started {
+        Ok(store) => Some(store.ping().await),
+        Err(_) => None,
+    };
+    sentinel.sentinel.resume();
+    let store = started.expect("starts while no sentinel answers");
+    assert_eq!(ping, Some(Err(Unavailable::Connection)), "not ready");
+    let ten = limit(10);
+    let asked_again = async {
+        while store.ping().await.is_err() || remaining(&store, "k", &ten).await.is_err() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), asked_again)
+        .await
+        .expect("ready, and deciding, once the sentinel answers");
+}
+
+/// Sentinels that ask for a password (`requirepass`) get it from
+/// `RedisConfig::sentinel_password`; the URL's credentials are the master's. Without it the
+/// store starts, not ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinels_that_ask_for_a_password_get_their_own() {
+    let sentinel = RedisSentinel::start_with(Some("watchword"));
+    let without = RedisStore::connect(&sentinel.url(), RedisConfig::default())
+        .await
+        .expect("starts, not ready");
+    assert_eq!(without.ping().await, Err(Unavailable::Connection));
+    let store = RedisStore::connect(
+        &sentinel.url(),
+        RedisConfig::default()
+            .with_timeout(PATIENT)
+            .with_sentinel_password("watchword"),
+    )
+    .await
+    .expect("connect through the sentinel");
+    assert_eq!(remaining(&store, "k", &limit(3)).await.ok(), Some(2));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sentinel_url_names_its_service() {
+    for bad in [
+        "redis+sentinel://127.0.0.1:26379",
+        "redis+sentinel://127.0.0.1:26379/",
+        "redis+sentinel://127.0.0.1:port/svc",
+        "redis+sentinel://:26379/svc",
+        "redis+sentinel://127.0.0.1:26379/svc/not-a-db",
+    ] {
+        let result = RedisStore::connect(bad, RedisConfig::default()).await;
+        assert!(
+            matches!(result, Err(ConnectError::InvalidUrl { .. })),
+            "{bad}: {:?}",
+            result.err()
+        );
+    }
+}
+
+/// A planned failover (`SENTINEL FAILOVER`, as in a rolling upgrade): the old master stays up,
+/// demoted to a replica that refuses writes (`READONLY`) on the connection the store holds.
+/// The store must go to the master the sentinel names now rather than fail every decision on
+/// the old one until it is restarted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_planned_failover_moves_decisions_to_the_new_master() {
+    let sentinel = RedisSentinel::start();
+    let store = RedisStore::connect(
+        &sentinel.url(),
+        RedisConfig::default().with_timeout(PATIENT),
+    )
+    .await
+    .expect("connect through the sentinel");
+    let ten = limit(10);
+    assert_eq!(remaining(&store, "k", &ten).await.ok(), Some(9));
+    let replicated = wait_for_replicas(sentinel.master.port, "barrier", 1, PATIENT);
+    assert_eq!(replicated, Some(1));
+
+    let reply = command(
+        sentinel.sentinel.port,
+        &["SENTINEL", "FAILOVER", support::SENTINEL_SERVICE],
+    );
+    assert_eq!(reply.as_deref(), Some("+OK\r\n"));
+    sentinel.wait_for_master(sentinel.replica.port);
+    let demoted = async {
+        loop {
+            let role = command(sentinel.master.port, &["ROLE"]).unwrap_or_default();
+            if role.starts_with("*5") {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(20), demoted)
+        .await
+        .expect("the old master became a replica");
+    let moved = async {
+        loop {
+            if let Ok(left) = remaining(&store, "k", &ten).await {
+                break left;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    let left = tokio::time::timeout(Duration::from_secs(20), moved)
+        .await
+        .expect("decides on the new master");
+    assert_eq!(left, 8, "the new master has the balance");
+    let keys = command(sentinel.replica.port, &["EXISTS", "tollgate:k"]).unwrap_or_default();
+    assert_eq!(keys.trim(), ":1", "the bucket is on the new master");
+}
