@@ -14,11 +14,16 @@
 //! they wait only their own short timeout, and a connection that must finish a handshake over
 //! a slow network would otherwise be abandoned, and replaced, before it was ever up.
 //!
-//! A cluster none of whose nodes answers when the store starts leaves it without a connection
-//! ([`Connection::Unopened`]) rather than stopping the process: a task keeps trying until one
-//! opens. Processes started together with their cluster (a whole site powered up, a test
-//! environment) would otherwise exit, and be restarted with ever longer pauses, when they can
-//! serve from their failure modes and be ready as soon as the cluster is.
+//! Behind Redis Sentinel a new connection goes to the master the sentinels name at the time, so
+//! the same replacement follows a failover: the old master's calls fail (dead, or refusing
+//! writes once demoted), the breaker opens, and the next connection leads to the new one.
+//!
+//! A cluster none of whose nodes answers when the store starts, or sentinels none of which
+//! names a master that answers, leave it without a connection ([`Connection::Unopened`])
+//! rather than stopping the process: a task keeps trying until one opens. Processes started
+//! together with their Redis (a whole site powered up, a test environment) would otherwise
+//! exit, and be restarted with ever longer pauses, when they can serve from their failure
+//! modes and be ready as soon as Redis is.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -133,8 +138,9 @@ impl SentinelMaster {
 }
 
 impl Opener {
-    /// Opens a connection, for the openers that must ask the network first (a cluster's
-    /// layout, the sentinels' master); a single node's is made lazily where it is needed.
+    /// Opens a connection like the current one: a single node's lazily; a cluster's, or the
+    /// sentinels' master's, once the network has answered (the cluster's layout, the master's
+    /// address), so this waits on it.
     pub(crate) async fn open(&self) -> Result<Connection, RedisError> {
         match self {
             Opener::Single(client, config) => Ok(Connection::Single(
@@ -231,9 +237,9 @@ impl Link {
 
     /// Drops the current connection for a new one, unless the current one is still within its
     /// time to open. A single node's replaces it at once and opens in the background; a
-    /// cluster's is opened in the background (it must learn the cluster's layout) and replaces
-    /// the current one only once it is up, so a cluster that cannot be reached keeps the
-    /// connection it had.
+    /// cluster's, or the sentinels' master's, is opened in the background (the cluster's layout
+    /// or the master's address must be asked first) and replaces the current one only once it
+    /// is up, so a cluster or sentinels that cannot be reached keep the connection there was.
     pub(crate) fn renew(self: &Arc<Self>) {
         {
             let now = self.clock.now();
@@ -282,11 +288,12 @@ impl Link {
     }
 }
 
-/// The first pause before a cluster that did not answer at the start is tried again.
+/// The first pause before a cluster, or sentinels, that did not answer at the start are tried
+/// again.
 const UNOPENED_RETRY_MIN: Duration = Duration::from_millis(100);
 
-/// The longest pause between tries at a cluster that has not answered since the start: a
-/// process started before its cluster is ready within this long of the cluster.
+/// The longest pause between tries at a cluster, or sentinels, that have not answered since the
+/// start: a process started before its Redis is ready within this long of it.
 const UNOPENED_RETRY_MAX: Duration = Duration::from_secs(1);
 
 /// Drives `connection` open (a `PING` it must answer) in a task of its own, for at most

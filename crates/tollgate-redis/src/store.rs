@@ -45,7 +45,7 @@ use crate::tls::{self, TlsFiles};
 use crate::units::ScriptLimit;
 
 /// How a [`RedisStore`] talks to Redis.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 #[non_exhaustive]
 pub struct RedisConfig {
     /// Prefixed to every bucket's key (default `tollgate:`); must not be empty or contain `{`:
@@ -73,6 +73,25 @@ pub struct RedisConfig {
     /// The password the sentinels of a `redis+sentinel://` store ask for, when they ask for
     /// one (`requirepass` in their configuration); the URL's credentials are the master's.
     pub sentinel_password: Option<String>,
+}
+
+impl std::fmt::Debug for RedisConfig {
+    // By hand, so that the sentinels' password never reaches a log line.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisConfig")
+            .field("prefix", &self.prefix)
+            .field("timeout", &self.timeout)
+            .field("idempotency_window", &self.idempotency_window)
+            .field("breaker", &self.breaker)
+            .field("max_in_flight", &self.max_in_flight)
+            .field("max_batch", &self.max_batch)
+            .field("tls", &self.tls)
+            .field(
+                "sentinel_password",
+                &self.sentinel_password.as_ref().map(|_| "***"),
+            )
+            .finish()
+    }
 }
 
 impl Default for RedisConfig {
@@ -325,7 +344,7 @@ impl SentinelTarget {
     }
 }
 
-/// Buckets in Redis or Redis Cluster. Cheap to share (`Arc` it); one per process is enough.
+/// Buckets in Redis, Redis Cluster or behind Redis Sentinel. Cheap to share (`Arc` it); one per process is enough.
 pub struct RedisStore {
     link: Arc<Link>,
     cluster: bool,
@@ -367,12 +386,15 @@ struct GroupReply {
 }
 
 impl RedisStore {
-    /// Connects to `url`: `redis://HOST:PORT[/DB]` for one server, or
+    /// Connects to `url`: `redis://HOST:PORT[/DB]` for one server,
     /// `redis+cluster://HOST:PORT,HOST:PORT,...` for a cluster (any reachable nodes; the rest are
-    /// discovered). `rediss://` and `rediss+cluster://` are the same over TLS, with
-    /// [`RedisConfig::tls`]'s files. A process can start while Redis is down and serve from its
-    /// failure modes: a single server is connected lazily, and a cluster none of whose nodes
-    /// answers is tried again in the background until one does (a warning says so).
+    /// discovered), or `redis+sentinel://HOST[:PORT],.../SERVICE[/DB]` for the master Redis
+    /// Sentinel names for `SERVICE` (the URL's credentials are the master's; see
+    /// [`RedisConfig::sentinel_password`]). `rediss://` and `rediss+cluster://` are the first two
+    /// over TLS, with [`RedisConfig::tls`]'s files. A process can start while Redis is down and
+    /// serve from its failure modes: a single server is connected lazily, and a cluster none of
+    /// whose nodes answers, or sentinels that name no master that answers, are tried again in
+    /// the background until they do (a warning says so).
     ///
     /// # Errors
     ///
@@ -387,7 +409,7 @@ impl RedisStore {
             url: redact(url),
             source,
         };
-        // (scheme, TLS, cluster) for each accepted form.
+        // (scheme, TLS, topology) for each accepted form.
         let (scheme, secure, topology) = [
             ("redis+cluster://", false, Topology::Cluster),
             ("rediss+cluster://", true, Topology::Cluster),
@@ -1153,6 +1175,11 @@ mod tests {
             redact("redis+sentinel://u:secret@s1,s2/cache"),
             "redis+sentinel://u:***@s1,s2/cache"
         );
+        let config = format!(
+            "{:?}",
+            RedisConfig::default().with_sentinel_password("hush")
+        );
+        assert!(!config.contains("hush"), "{config}");
     }
 
     #[test]

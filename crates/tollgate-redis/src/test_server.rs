@@ -59,15 +59,20 @@ pub fn info_field(info: &str, line_prefix: &str, field: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
-/// Sends one command over a fresh connection and returns the raw reply's first line or bulk.
-pub fn command(port: u16, args: &[&str]) -> Option<String> {
-    let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
-    stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+/// `args` as one command in Redis' protocol.
+fn encode(args: &[&str]) -> String {
     let mut request = format!("*{}\r\n", args.len());
     for arg in args {
         request.push_str(&format!("${}\r\n{arg}\r\n", arg.len()));
     }
-    stream.write_all(request.as_bytes()).ok()?;
+    request
+}
+
+/// Sends one command over a fresh connection and returns the raw reply's first line or bulk.
+pub fn command(port: u16, args: &[&str]) -> Option<String> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    stream.write_all(encode(args).as_bytes()).ok()?;
     let mut reader = BufReader::new(stream);
     let mut line = String::new();
     reader.read_line(&mut line).ok()?;
@@ -96,16 +101,7 @@ pub fn wait_for_replicas(
         .set_read_timeout(Some(timeout + Duration::from_secs(2)))
         .ok()?;
     let (replicas, millis) = (replicas.to_string(), timeout.as_millis().to_string());
-    let mut request = String::new();
-    for args in [
-        &["SET", barrier_key, "1"][..],
-        &["WAIT", &replicas, &millis],
-    ] {
-        request.push_str(&format!("*{}\r\n", args.len()));
-        for arg in args {
-            request.push_str(&format!("${}\r\n{arg}\r\n", arg.len()));
-        }
-    }
+    let request = encode(&["SET", barrier_key, "1"]) + &encode(&["WAIT", &replicas, &millis]);
     stream.write_all(request.as_bytes()).ok()?;
     let mut reader = BufReader::new(stream);
     let mut line = String::new();

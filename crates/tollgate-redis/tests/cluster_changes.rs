@@ -12,7 +12,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use redis::AsyncCommands;
-use support::{RedisCluster, SlotMove, as_tollgate_user, command, node, wait_for_replicas};
+use support::{
+    RedisCluster, SlotMove, as_tollgate_user, command, node, until_decided, wait_for_replicas,
+};
 use tollgate::{CheckRequest, Decision, Error, Limit, Store, Take, Timestamp};
 use tollgate_redis::{RedisConfig, RedisStore};
 
@@ -330,25 +332,7 @@ async fn a_master_failed_over_to_its_replica_keeps_its_buckets(
     assert_eq!(replicated, Some(1));
 
     cluster.nodes[0].kill();
-    let started = tokio::time::Instant::now();
-    let mut unavailable = 0;
-    let first = loop {
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "no decision within a minute of the master's death"
-        );
-        let attempt = tokio::time::timeout(PATIENT * 3, take(store, &key, &ten, None))
-            .await
-            .expect("an answer within the timeout bound, not a hang");
-        match attempt {
-            Ok(decision) => break decision,
-            Err(Error::StoreUnavailable { .. }) => {
-                unavailable += 1;
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            Err(err) => panic!("an unavailable store, not {err}"),
-        }
-    };
+    let (first, unavailable) = until_decided(PATIENT * 3, || take(store, &key, &ten, None)).await;
     assert!(unavailable > 0, "the store noticed the dead master");
     assert!(first.allowed());
     assert_eq!(first.remaining(), 5, "the replica carried the balance over");

@@ -7,7 +7,8 @@ mod support;
 use std::time::Duration;
 
 use support::{
-    RedisSentinel, as_tollgate_user, command, grant_tollgate_user, take_one_unit, wait_for_replicas,
+    RedisSentinel, as_tollgate_user, command, grant_tollgate_user, take_one_unit, until_decided,
+    wait_for_replicas,
 };
 use tollgate::{CheckRequest, Error, Limit, Store, Take, Unavailable};
 use tollgate_redis::{ConnectError, RedisConfig, RedisStore};
@@ -49,37 +50,18 @@ async fn follows_the_master_the_sentinel_names_through_a_failover() {
     assert_eq!(replicated, Some(1));
 
     sentinel.master.kill();
-    let started = tokio::time::Instant::now();
-    let mut unavailable = 0;
-    let left = loop {
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "no decision within a minute of the master's death"
-        );
-        // One request, retried until decided, with its id: the sentinel closes the promoted
-        // master's client connections as it promotes it, and a call that ran there just
-        // before can lose its reply. Retried without an id it would be charged twice.
-        let retried = async {
-            let takes = [Take::new("k", &ten, 1)];
-            let request = CheckRequest {
-                takes: &takes,
-                request_id: Some("after-the-kill"),
-                now: None,
-            };
-            Ok::<_, Error>(store.check(request).await?[0].remaining())
+    // One request, retried until decided, with its id: should an attempt run in Redis but
+    // lose its reply (a connection closed in the failover), the retry is not charged again.
+    let takes = [Take::new("k", &ten, 1)];
+    let retried = || async {
+        let request = CheckRequest {
+            takes: &takes,
+            request_id: Some("after-the-kill"),
+            now: None,
         };
-        let attempt = tokio::time::timeout(PATIENT * 3, retried)
-            .await
-            .expect("an answer within the timeout bound, not a hang");
-        match attempt {
-            Ok(left) => break left,
-            Err(Error::StoreUnavailable { .. }) => {
-                unavailable += 1;
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            Err(err) => panic!("an unavailable store, not {err}"),
-        }
+        Ok::<_, Error>(store.check(request).await?[0].remaining())
     };
+    let (left, unavailable) = until_decided(PATIENT * 3, retried).await;
     assert!(unavailable > 0, "the store noticed the dead master");
     assert_eq!(left, 5, "the replica carried the balance over");
     sentinel.wait_for_master(sentinel.replica.port);

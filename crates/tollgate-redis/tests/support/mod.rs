@@ -172,3 +172,33 @@ pub(crate) const SENTINEL_COMMANDS: &[&str] = &["+role"];
 pub(crate) fn as_tollgate_user(url: &str) -> String {
     url.replacen("://", "://tollgate:secret@", 1)
 }
+
+/// Runs `attempt` until the store decides, after a master died: each attempt must end within
+/// `bound` (the timeout bound, not a hang) and fail, until then, only as unavailable. Returns
+/// the decision and how many attempts were unavailable.
+#[allow(dead_code)] // not every test binary fails a master over
+pub(crate) async fn until_decided<T, F, Fut>(bound: std::time::Duration, attempt: F) -> (T, u32)
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<T, Error>>,
+{
+    let started = tokio::time::Instant::now();
+    let mut unavailable = 0;
+    loop {
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(60),
+            "no decision within a minute of the master's death"
+        );
+        let outcome = tokio::time::timeout(bound, attempt())
+            .await
+            .expect("an answer within the timeout bound, not a hang");
+        match outcome {
+            Ok(decided) => return (decided, unavailable),
+            Err(Error::StoreUnavailable { .. }) => {
+                unavailable += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            Err(err) => panic!("an unavailable store, not {err}"),
+        }
+    }
+}
