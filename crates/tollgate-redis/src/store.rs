@@ -32,7 +32,7 @@ use std::time::Duration;
 use futures_util::future::join_all;
 use redis::aio::ConnectionManagerConfig;
 use redis::sentinel::{SentinelClientBuilder, SentinelServerType};
-use redis::{ConnectionAddr, IntoConnectionInfo, RedisError};
+use redis::{ConnectionAddr, IntoConnectionInfo, RedisError, TlsMode};
 use tollgate::{
     CheckRequest, Decision, Error, MonotonicClock, Store, Take, Timestamp, Unavailable,
 };
@@ -170,8 +170,8 @@ pub enum ConnectError {
     #[error(
         "invalid store URL {url:?}: expected redis://HOST:PORT[/DB], \
          redis+cluster://HOST:PORT,HOST:PORT,... or \
-         redis+sentinel://HOST:PORT,HOST:PORT,.../SERVICE[/DB] (rediss:// and \
-         rediss+cluster:// for TLS)"
+         redis+sentinel://HOST:PORT,HOST:PORT,.../SERVICE[/DB] (rediss://, \
+         rediss+cluster:// and rediss+sentinel:// for TLS)"
     )]
     InvalidUrl {
         /// The URL, with any password removed.
@@ -293,7 +293,8 @@ impl SentinelTarget {
     /// The port sentinels listen on unless told otherwise.
     const PORT: u16 = 26_379;
 
-    fn parse(rest: &str) -> Option<Self> {
+    /// `rest` after the scheme; `secure` for `rediss+sentinel://`, TLS to every sentinel.
+    fn parse(rest: &str, secure: bool) -> Option<Self> {
         let (authority, path) = rest.split_once('/')?;
         let (service, db) = match path.split_once('/') {
             Some((service, db)) => (service, Some(db)),
@@ -321,7 +322,15 @@ impl SentinelTarget {
                     },
                 };
                 let port = port.map_or(Some(Self::PORT), |port| port.parse().ok())?;
-                (!host.is_empty()).then(|| ConnectionAddr::Tcp(host.to_owned(), port))
+                (!host.is_empty()).then(|| match secure {
+                    true => ConnectionAddr::TcpTls {
+                        host: host.to_owned(),
+                        port,
+                        insecure: false,
+                        tls_params: None,
+                    },
+                    false => ConnectionAddr::Tcp(host.to_owned(), port),
+                })
             })
             .collect::<Option<Vec<_>>>()?;
         // The master's settings read as redis-rs reads a node's URL (percent-decoding and all).
@@ -390,8 +399,9 @@ impl RedisStore {
     /// `redis+cluster://HOST:PORT,HOST:PORT,...` for a cluster (any reachable nodes; the rest are
     /// discovered), or `redis+sentinel://HOST[:PORT],.../SERVICE[/DB]` for the master Redis
     /// Sentinel names for `SERVICE` (the URL's credentials are the master's; see
-    /// [`RedisConfig::sentinel_password`]). `rediss://` and `rediss+cluster://` are the first two
-    /// over TLS, with [`RedisConfig::tls`]'s files. A process can start while Redis is down and
+    /// [`RedisConfig::sentinel_password`]). `rediss://`, `rediss+cluster://` and
+    /// `rediss+sentinel://` are the same over TLS (to the sentinels and the master alike), with
+    /// [`RedisConfig::tls`]'s files. A process can start while Redis is down and
     /// serve from its failure modes: a single server is connected lazily, and a cluster none of
     /// whose nodes answers, or sentinels that name no master that answers, are tried again in
     /// the background until they do (a warning says so).
@@ -414,6 +424,7 @@ impl RedisStore {
             ("redis+cluster://", false, Topology::Cluster),
             ("rediss+cluster://", true, Topology::Cluster),
             ("redis+sentinel://", false, Topology::Sentinel),
+            ("rediss+sentinel://", true, Topology::Sentinel),
             ("redis://", false, Topology::Single),
             ("rediss://", true, Topology::Single),
         ]
@@ -440,7 +451,7 @@ impl RedisStore {
             .set_response_timeout(None)
             .set_max_delay(Duration::from_secs(1));
         let link = if topology == Topology::Sentinel {
-            let target = SentinelTarget::parse(&url[scheme.len()..]).ok_or_else(invalid)?;
+            let target = SentinelTarget::parse(&url[scheme.len()..], secure).ok_or_else(invalid)?;
             let mut sentinels = SentinelClientBuilder::new(
                 target.sentinels,
                 &target.service,
@@ -457,7 +468,20 @@ impl RedisStore {
             if let Some(password) = &config.sentinel_password {
                 sentinels = sentinels.set_client_to_sentinel_password(password);
             }
-            let sentinels = sentinels.build().map_err(|_| invalid())?;
+            // TLS to the sentinels and to the master alike, on the same authorities.
+            if secure {
+                sentinels = sentinels
+                    .set_client_to_sentinel_tls_mode(TlsMode::Secure)
+                    .set_client_to_redis_tls_mode(TlsMode::Secure);
+            }
+            if let Some(certificates) = &certificates {
+                sentinels = sentinels
+                    .set_client_to_sentinel_certificates(certificates.clone())
+                    .set_client_to_redis_certificates(certificates.clone());
+            }
+            let sentinels = sentinels
+                .build()
+                .map_err(|source| ConnectError::InvalidTls { source })?;
             // Asking is a round trip to a sentinel, then a connection to the master it names.
             let opener = Opener::Sentinel(Arc::new(SentinelMaster::new(
                 sentinels,
@@ -1144,7 +1168,7 @@ mod tests {
 
     #[test]
     fn a_sentinel_url_gives_the_sentinels_the_service_and_the_masters_settings() {
-        let target = SentinelTarget::parse("u:p%40ss@s1:26380,s2,[::1]:7000,[::2]/cache/3")
+        let target = SentinelTarget::parse("u:p%40ss@s1:26380,s2,[::1]:7000,[::2]/cache/3", false)
             .expect("a valid URL");
         assert_eq!(
             target.sentinels,
@@ -1159,7 +1183,7 @@ mod tests {
         assert_eq!(target.master.username(), Some("u"));
         assert_eq!(target.master.password(), Some("p@ss"));
         assert_eq!(target.master.db(), 3);
-        let plain = SentinelTarget::parse("s1/cache").expect("a valid URL");
+        let plain = SentinelTarget::parse("s1/cache", false).expect("a valid URL");
         assert_eq!((plain.master.password(), plain.master.db()), (None, 0));
         for bad in [
             "s1",
@@ -1169,7 +1193,7 @@ mod tests {
             "s1,/cache",
             "[::1/cache",
         ] {
-            assert!(SentinelTarget::parse(bad).is_none(), "{bad}");
+            assert!(SentinelTarget::parse(bad, false).is_none(), "{bad}");
         }
         assert_eq!(
             redact("redis+sentinel://u:secret@s1,s2/cache"),

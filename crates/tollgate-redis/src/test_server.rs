@@ -376,17 +376,52 @@ impl RedisSentinel {
     ///
     /// As [`RedisSentinel::start`].
     pub fn start_with(password: Option<&str>) -> Self {
-        let master = RedisServer::start();
-        let replica = RedisServer::start_with(
-            free_port(),
+        Self::launch(password, None)
+    }
+
+    /// As [`RedisSentinel::start`], the three speaking TLS with `certificates`' server
+    /// certificate on their [`RedisServer::tls_port`]s, to each other too (replication and
+    /// the sentinel's checks), and to clients that trust `certificates.ca`; plain ports stay
+    /// open for the tests' own commands.
+    ///
+    /// # Panics
+    ///
+    /// As [`RedisSentinel::start`].
+    pub fn start_tls(certificates: &TestCertificates) -> Self {
+        Self::launch(None, Some(certificates))
+    }
+
+    fn launch(password: Option<&str>, certificates: Option<&TestCertificates>) -> Self {
+        // Each server's TLS port and arguments, when the three speak TLS.
+        let tls = || {
+            certificates.map(|certificates| {
+                let tls_port = free_port();
+                let mut args = tls_args(certificates, tls_port, false);
+                args.extend(["--tls-replication".into(), "yes".into()]);
+                (tls_port, args)
+            })
+        };
+        let start = |tls: Option<(u16, Vec<String>)>, mut extra: Vec<String>| {
+            let (tls_port, tls_args) = tls.unzip();
+            extra.extend(tls_args.unwrap_or_default());
+            let mut server = RedisServer::unstarted(free_port(), extra);
+            server.tls_port = tls_port;
+            server
+        };
+        let mut master = start(tls(), Vec::new());
+        master.spawn();
+        // Replicas, and the sentinel, reach the master on its TLS port when it has one.
+        let master_port = master.tls_port.unwrap_or(master.port);
+        let mut replica = start(
+            tls(),
             vec![
                 "--replicaof".into(),
                 "127.0.0.1".into(),
-                master.port.to_string(),
+                master_port.to_string(),
             ],
         );
-        let port = free_port();
-        let mut sentinel = RedisServer::unstarted(port, Vec::new());
+        replica.spawn();
+        let mut sentinel = start(tls(), Vec::new());
         let config = sentinel.dir.join("sentinel.conf");
         std::fs::write(
             &config,
@@ -394,7 +429,7 @@ impl RedisSentinel {
                 "sentinel monitor {SENTINEL_SERVICE} 127.0.0.1 {} 1\n\
                  sentinel down-after-milliseconds {SENTINEL_SERVICE} 1000\n\
                  sentinel failover-timeout {SENTINEL_SERVICE} 5000\n",
-                master.port
+                master_port
             ),
         )
         .expect("write the sentinel's configuration");
@@ -440,7 +475,21 @@ impl RedisSentinel {
         )
     }
 
-    /// Waits until the sentinel names the server on `port` as the master.
+    /// `rediss+sentinel://127.0.0.1:TLS_PORT/SERVICE`.
+    ///
+    /// # Panics
+    ///
+    /// When the sentinel was not started with [`RedisSentinel::start_tls`].
+    pub fn tls_url(&self) -> String {
+        let port = self
+            .sentinel
+            .tls_port
+            .expect("a sentinel started with start_tls");
+        format!("rediss+sentinel://127.0.0.1:{port}/{SENTINEL_SERVICE}")
+    }
+
+    /// Waits until the sentinel names the server on `port` (its TLS port, with TLS) as the
+    /// master.
     ///
     /// # Panics
     ///

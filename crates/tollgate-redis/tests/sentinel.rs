@@ -11,7 +11,7 @@ use support::{
     wait_for_replicas,
 };
 use tollgate::{CheckRequest, Error, Limit, Store, Take, Unavailable};
-use tollgate_redis::{ConnectError, RedisConfig, RedisStore};
+use tollgate_redis::{ConnectError, RedisConfig, RedisStore, TlsFiles};
 
 /// A debug build on a busy 2-core machine can pass the production 20 ms: these tests are
 /// about which server decides, not how fast.
@@ -23,6 +23,19 @@ fn limit(capacity: u64) -> Limit {
 
 async fn remaining(store: &RedisStore, key: &str, limit: &Limit) -> Result<u64, Error> {
     Ok(take_one_unit(store, key, limit, None).await?[0].remaining())
+}
+
+/// As [`remaining`], as one request however often it is retried: should an attempt run in
+/// Redis but lose its reply (a connection closed in a failover), the retry, with the same id,
+/// is not charged again.
+async fn once(store: &RedisStore, key: &str, limit: &Limit) -> Result<u64, Error> {
+    let takes = [Take::new(key, limit, 1)];
+    let request = CheckRequest {
+        takes: &takes,
+        request_id: Some("after-the-kill"),
+        now: None,
+    };
+    Ok(store.check(request).await?[0].remaining())
 }
 
 /// The master dies; the sentinel promotes its replica (one second of silence, then an
@@ -50,18 +63,7 @@ async fn follows_the_master_the_sentinel_names_through_a_failover() {
     assert_eq!(replicated, Some(1));
 
     sentinel.master.kill();
-    // One request, retried until decided, with its id: should an attempt run in Redis but
-    // lose its reply (a connection closed in the failover), the retry is not charged again.
-    let takes = [Take::new("k", &ten, 1)];
-    let retried = || async {
-        let request = CheckRequest {
-            takes: &takes,
-            request_id: Some("after-the-kill"),
-            now: None,
-        };
-        Ok::<_, Error>(store.check(request).await?[0].remaining())
-    };
-    let (left, unavailable) = until_decided(PATIENT * 3, retried).await;
+    let (left, unavailable) = until_decided(PATIENT * 3, || once(&store, "k", &ten)).await;
     assert!(unavailable > 0, "the store noticed the dead master");
     assert_eq!(left, 5, "the replica carried the balance over");
     sentinel.wait_for_master(sentinel.replica.port);
@@ -182,4 +184,35 @@ async fn a_planned_failover_moves_decisions_to_the_new_master() {
     assert_eq!(left, 8, "the new master has the balance");
     let keys = command(sentinel.replica.port, &["EXISTS", "tollgate:k"]).unwrap_or_default();
     assert_eq!(keys.trim(), ":1", "the bucket is on the new master");
+}
+
+/// `rediss+sentinel://`: TLS to the sentinels and to the master they name, on a private
+/// authority, through a failover too (the promoted replica is reached on its TLS port).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_tls_to_the_sentinels_and_the_master() {
+    let certificates = support::TestCertificates::generate("sentinel-tls");
+    let mut sentinel = RedisSentinel::start_tls(&certificates);
+    let config = RedisConfig::default()
+        .with_timeout(PATIENT)
+        .with_tls(TlsFiles::new().with_ca(&certificates.ca));
+    let store = RedisStore::connect(&sentinel.tls_url(), config)
+        .await
+        .expect("connect through the sentinel");
+    let ten = limit(10);
+    assert_eq!(remaining(&store, "k", &ten).await.ok(), Some(9));
+    let stored = command(sentinel.master.port, &["EXISTS", "tollgate:k"]);
+    assert_eq!(stored.as_deref(), Some(":1\r\n"), "on the master");
+    let replicated = wait_for_replicas(sentinel.master.port, "barrier", 1, PATIENT);
+    assert_eq!(replicated, Some(1));
+
+    sentinel.master.kill();
+    let (left, _) = until_decided(PATIENT * 3, || once(&store, "k", &ten)).await;
+    assert_eq!(left, 8, "the replica carried the balance over");
+    let replica_tls = sentinel.replica.tls_port.expect("a TLS port");
+    sentinel.wait_for_master(replica_tls);
+    // Without the authority the sentinels' certificate is not trusted: not ready.
+    let untrusting = RedisStore::connect(&sentinel.tls_url(), RedisConfig::default())
+        .await
+        .expect("starts, not ready");
+    assert_eq!(untrusting.ping().await, Err(Unavailable::Connection));
 }

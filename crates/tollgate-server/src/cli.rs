@@ -78,7 +78,8 @@ pub struct ServeArgs {
     pub grpc: SocketAddr,
     /// Where buckets live: `memory`, `redis://HOST:PORT[/DB]`,
     /// `redis+cluster://HOST:PORT,HOST:PORT` or `redis+sentinel://HOST:PORT,HOST:PORT/SERVICE`
-    /// (the master Redis Sentinel names); `rediss://` and `rediss+cluster://` for TLS.
+    /// (the master Redis Sentinel names); `rediss://`, `rediss+cluster://` and
+    /// `rediss+sentinel://` for TLS.
     #[arg(long, env = "TOLLGATE_STORE", default_value = "memory")]
     pub store: String,
     /// TLS to Redis: PEM file of the certificate authorities to trust instead of the
@@ -552,8 +553,11 @@ pub async fn serve(
             .with_timeout(args.store_timeout)
             .with_tls(tls);
         if let Some(password) = &args.store_sentinel_password {
-            if !args.store.starts_with("redis+sentinel://") {
-                bail!("--store-sentinel-password is for a redis+sentinel:// store");
+            if !args.store.contains("+sentinel://") {
+                bail!(
+                    "--store-sentinel-password is for a redis+sentinel:// or rediss+sentinel:// \
+                     store"
+                );
             }
             config = config.with_sentinel_password(password);
         }
