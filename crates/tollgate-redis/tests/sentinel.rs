@@ -216,3 +216,22 @@ async fn over_tls_to_the_sentinels_and_the_master() {
         .expect("starts, not ready");
     assert_eq!(untrusting.ping().await, Err(Unavailable::Connection));
 }
+
+/// Of the sentinels the URL names, one that is down is passed over for the next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_sentinel_is_passed_over_for_the_next() {
+    let sentinel = RedisSentinel::start();
+    let nobody = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+    let dead = nobody.local_addr().expect("its address").port();
+    drop(nobody);
+    let url = format!(
+        "redis+sentinel://127.0.0.1:{dead},127.0.0.1:{}/{}",
+        sentinel.sentinel.port,
+        support::SENTINEL_SERVICE
+    );
+    let store = RedisStore::connect(&url, RedisConfig::default().with_timeout(PATIENT))
+        .await
+        .expect("connect through the live sentinel");
+    assert_eq!(store.ping().await, Ok(()));
+    assert_eq!(remaining(&store, "k", &limit(3)).await.ok(), Some(2));
+}
