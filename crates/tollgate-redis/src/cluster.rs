@@ -258,7 +258,7 @@ mod opening_tests {
     use redis::IntoConnectionInfo;
 
     use super::{Asking, DirectConnections};
-    use crate::test_server::{Proxy, RedisServer};
+    use crate::test_server::{Proxy, RedisServer, free_port};
 
     /// Calls redirected to one node together (a slot has just moved under traffic) share one
     /// connection's opening; each opened its own, and sixteen calls made sixteen handshakes.
@@ -295,9 +295,7 @@ mod opening_tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_failed_opening_is_tried_again() {
         let server = RedisServer::start();
-        let nobody = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
-        let dead = nobody.local_addr().expect("its address").port();
-        drop(nobody);
+        let dead = free_port();
         let proxy = Proxy::start(dead);
         let template = proxy.url().into_connection_info().expect("a node's URL");
         let direct = DirectConnections::new(template, None, Duration::from_secs(5));

@@ -33,7 +33,9 @@ fn passed(deadline: Instant) -> bool {
     Instant::now() > deadline
 }
 
-fn free_port() -> u16 {
+/// A loopback port nothing listens on as of now: for a server to start on, or for a client to
+/// find nobody at.
+pub fn free_port() -> u16 {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind a free loopback port");
     listener.local_addr().expect("local address").port()
 }
@@ -339,10 +341,7 @@ fn sentinel_info(port: u16, password: Option<&str>) -> Option<String> {
         Some(password) => {
             let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
             stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-            let request = format!(
-                "*2\r\n$4\r\nAUTH\r\n${}\r\n{password}\r\n*2\r\n$4\r\nINFO\r\n$8\r\nsentinel\r\n",
-                password.len()
-            );
+            let request = encode(&["AUTH", password]) + &encode(&["INFO", "sentinel"]);
             stream.write_all(request.as_bytes()).ok()?;
             let mut reply = String::new();
             let mut buffer = [0; 4096];

@@ -221,9 +221,7 @@ async fn over_tls_to_the_sentinels_and_the_master() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_sentinel_is_passed_over_for_the_next() {
     let sentinel = RedisSentinel::start();
-    let nobody = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
-    let dead = nobody.local_addr().expect("its address").port();
-    drop(nobody);
+    let dead = support::free_port();
     let url = format!(
         "redis+sentinel://127.0.0.1:{dead},127.0.0.1:{}/{}",
         sentinel.sentinel.port,

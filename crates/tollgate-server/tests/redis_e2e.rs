@@ -12,7 +12,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::R
 use envoy_types::pb::google::protobuf::UInt64Value;
 use support::{Scratch, Server, path_str, post_json, request, serve_refused};
 use tollgate_redis::test_server::{
-    RedisCluster, RedisSentinel, RedisServer, TestCertificates, command,
+    RedisCluster, RedisSentinel, RedisServer, TestCertificates, command, free_port,
 };
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -379,9 +379,7 @@ fn on_a_cluster_the_buckets_of_one_subject_share_a_slot() {
 /// longer pauses by its supervisor.
 #[test]
 fn a_cluster_that_does_not_answer_at_the_start_leaves_the_server_unready() {
-    let nobody = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
-    let port = nobody.local_addr().expect("its address").port();
-    drop(nobody);
+    let port = free_port();
     let scratch = Scratch::new("silent-cluster");
     let config = scratch.write("policy.yaml", POLICY);
     let url = format!("redis+cluster://127.0.0.1:{port}");
