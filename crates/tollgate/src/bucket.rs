@@ -43,6 +43,7 @@ use crate::clock::Timestamp;
 use crate::decision::Decision;
 use crate::error::Error;
 use crate::limit::Limit;
+use crate::window;
 
 /// The stored state of one bucket: the instant it is full again, to the sub-nanosecond.
 ///
@@ -68,6 +69,12 @@ impl BucketState {
     /// A state with no sub-nanosecond remainder, full at `full_at` nanoseconds.
     pub(crate) fn whole(full_at: u64) -> Self {
         Self { full_at, frac: 0 }
+    }
+
+    /// A state from its two fields (for the windows, which give them other meanings: see
+    /// [`crate::window`]).
+    pub(crate) fn from_parts(full_at: u64, frac: u32) -> Self {
+        Self { full_at, frac }
     }
 
     /// The sub-nanosecond remainder (0 for every limit whose tokens are a whole number of
@@ -101,9 +108,13 @@ impl BucketState {
     }
 
     /// The state holding exactly `tokens` at `now`, for tests and imports of foreign state.
+    /// For a window limit, the rest of the limit counts as used in the current window.
     ///
     /// `tokens` above the capacity is clamped to it.
     pub fn with_tokens(limit: &Limit, tokens: u64, now: Timestamp) -> Option<Self> {
+        if limit.algorithm().is_window() {
+            return window::with_tokens(limit, tokens, now);
+        }
         let deficit = limit
             .capacity_units()
             .saturating_sub(u128::from(tokens) * u128::from(limit.p()));
@@ -141,6 +152,9 @@ pub fn take(
     cost: u64,
 ) -> Result<(Decision, Option<BucketState>), Error> {
     check_cost(limit, cost)?;
+    if limit.algorithm().is_window() {
+        return Ok(window::take(limit, state, now, cost));
+    }
     let n = scaled(now, limit);
     let tat = state.map_or(n, |s| s.tat(limit)).max(n);
     let next = tat + u128::from(cost) * u128::from(limit.p());
@@ -179,6 +193,9 @@ pub(crate) fn balance(
     now: Timestamp,
     cost: u64,
 ) -> Decision {
+    if limit.algorithm().is_window() {
+        return window::balance(limit, state, now, cost);
+    }
     let n = scaled(now, limit);
     let tat = state.map_or(n, |s| s.tat(limit)).max(n);
     // Clamped as in `take`: a `now` before the last charge shows an empty bucket.
@@ -196,6 +213,10 @@ pub(crate) fn balance(
 /// cannot be converted, since no store knows every key that has no state. So a limit whose
 /// capacity grows gives its idle subjects the new burst at once; only the balances of subjects
 /// still refilling carry over (no fresh burst for those).
+///
+/// A window limit whose limit per window changes keeps its counts (they mean the same under
+/// any limit); any other change to or from a window keeps the whole tokens left at `now`,
+/// clamped to `new`'s capacity (see [`BucketState::with_tokens`]).
 pub fn rebase(
     old: &Limit,
     new: &Limit,
@@ -203,6 +224,13 @@ pub fn rebase(
     now: Timestamp,
 ) -> Option<BucketState> {
     let state = state?;
+    if old.algorithm().is_window() || new.algorithm().is_window() {
+        if old.algorithm() == new.algorithm() && old.window() == new.window() {
+            return (!state.is_full(now)).then_some(state);
+        }
+        let tokens = balance(old, Some(state), now, 1).remaining();
+        return BucketState::with_tokens(new, tokens, now);
+    }
     let n_old = scaled(now, old);
     let deficit_old = state.tat(old).saturating_sub(n_old);
     if deficit_old == 0 {

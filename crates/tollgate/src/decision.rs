@@ -1,8 +1,10 @@
 //! The answer to a check.
 //!
-//! A `Decision` keeps the exact post-decision deficit rather than pre-computed durations: the
-//! hot path then does no division, and each figure is derived exactly, rounded the documented
-//! way, only when a caller asks for it.
+//! A token bucket's `Decision` keeps the exact post-decision deficit rather than pre-computed
+//! durations: the hot path then does no division, and each figure is derived exactly, rounded
+//! the documented way, only when a caller asks for it. A window's figures come from counters
+//! and window edges rather than from a deficit, so the window math works them out as it
+//! decides.
 
 use std::time::Duration;
 
@@ -27,23 +29,82 @@ pub struct Decision {
     allowed: bool,
     limit: Limit,
     cost: u64,
+    figures: Figures,
+}
+
+/// What a decision's figures are derived from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Figures {
     /// Units the bucket is short of full after this decision (see [`crate::bucket`]).
-    deficit: u128,
+    Bucket { deficit: u128 },
+    /// A window limit's figures, worked out as it decided.
+    Window {
+        remaining: u64,
+        /// Nanoseconds until `cost` would pass; 0 when allowed.
+        retry_after: u64,
+        reset_after: u64,
+    },
 }
 
 impl Decision {
+    #[inline]
     pub(crate) fn new(allowed: bool, limit: Limit, cost: u64, deficit: u128) -> Self {
         Self {
             allowed,
             limit,
             cost,
-            deficit,
+            figures: Figures::Bucket { deficit },
         }
+    }
+
+    /// A window limit's decision, worked out by the window math.
+    pub(crate) fn window(
+        allowed: bool,
+        limit: Limit,
+        cost: u64,
+        remaining: u64,
+        retry_after: u64,
+        reset_after: u64,
+    ) -> Self {
+        Self {
+            allowed,
+            limit,
+            cost,
+            figures: Figures::Window {
+                remaining,
+                retry_after: if allowed { 0 } else { retry_after },
+                reset_after,
+            },
+        }
+    }
+
+    /// A window limit's decision made elsewhere (by a remote store), from its figures:
+    /// requests left in the window (clamped to the limit), the time until `cost` would pass
+    /// (ignored when allowed) and the time until the window holds nothing.
+    pub fn from_window(
+        allowed: bool,
+        limit: Limit,
+        cost: u64,
+        remaining: u64,
+        retry_after: Duration,
+        reset_after: Duration,
+    ) -> Self {
+        let nanos = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        Self::window(
+            allowed,
+            limit,
+            cost,
+            remaining.min(limit.capacity()),
+            nanos(retry_after),
+            nanos(reset_after),
+        )
     }
 
     /// A decision made elsewhere (by a remote store), from the bucket's deficit after it: how
     /// many units short of full the bucket is, in `limit`'s units
     /// ([`Limit::units_per_token`]). A deficit above the capacity is clamped to it.
+    ///
+    /// For token buckets; a window's decision is made with [`Decision::from_window`].
     pub fn from_deficit(allowed: bool, limit: Limit, cost: u64, deficit: u128) -> Self {
         let deficit = deficit.min(limit.capacity_units());
         Self::new(allowed, limit, cost, deficit)
@@ -64,11 +125,17 @@ impl Decision {
         self.cost
     }
 
-    /// Whole tokens left after this decision, rounded down.
+    /// Whole tokens left after this decision, rounded down (for a window: requests the
+    /// window still admits).
     pub fn remaining(&self) -> u64 {
-        let units = self.limit.capacity_units() - self.deficit;
-        // At most the capacity, which is a u64.
-        (units / u128::from(self.limit.p())) as u64
+        match self.figures {
+            Figures::Bucket { deficit } => {
+                let units = self.limit.capacity_units() - deficit;
+                // At most the capacity, which is a u64.
+                (units / u128::from(self.limit.p())) as u64
+            }
+            Figures::Window { remaining, .. } => remaining,
+        }
     }
 
     /// When rejected: the exact time until `cost` tokens are available, rounded up to the
@@ -77,15 +144,26 @@ impl Decision {
         if self.allowed {
             return None;
         }
-        let needed = self.deficit + u128::from(self.cost) * u128::from(self.limit.p());
-        let shortfall = needed - self.limit.capacity_units();
-        Some(Duration::from_nanos(
-            self.limit.units_to_nanos_ceil(shortfall),
-        ))
+        match self.figures {
+            Figures::Bucket { deficit } => {
+                let needed = deficit + u128::from(self.cost) * u128::from(self.limit.p());
+                let shortfall = needed - self.limit.capacity_units();
+                Some(Duration::from_nanos(
+                    self.limit.units_to_nanos_ceil(shortfall),
+                ))
+            }
+            Figures::Window { retry_after, .. } => Some(Duration::from_nanos(retry_after)),
+        }
     }
 
-    /// The time until the bucket is full again, rounded up to the nanosecond.
+    /// The time until the bucket is full again, rounded up to the nanosecond (for a window:
+    /// until it counts nothing).
     pub fn reset_after(&self) -> Duration {
-        Duration::from_nanos(self.limit.units_to_nanos_ceil(self.deficit))
+        match self.figures {
+            Figures::Bucket { deficit } => {
+                Duration::from_nanos(self.limit.units_to_nanos_ceil(deficit))
+            }
+            Figures::Window { reset_after, .. } => Duration::from_nanos(reset_after),
+        }
     }
 }

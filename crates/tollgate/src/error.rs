@@ -32,6 +32,14 @@ pub enum Error {
          empty bucket must fill within 146 years"
     )]
     LimitTooLarge,
+    /// Window-limit parameters a window cannot hold (see [`Limit::sliding_window`]).
+    ///
+    /// [`Limit::sliding_window`]: crate::Limit::sliding_window
+    #[error("invalid window limit: {reason}")]
+    InvalidWindow {
+        /// Which rule it breaks.
+        reason: &'static str,
+    },
     /// A cost of zero, or more than the bucket can ever hold (it would wait forever).
     #[error("cost {cost} is invalid: it must be between 1 and the capacity ({capacity})")]
     InvalidCost {

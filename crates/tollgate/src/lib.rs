@@ -47,13 +47,14 @@ mod store;
 mod sync;
 #[cfg(feature = "testkit")]
 pub mod testkit;
+mod window;
 
 pub use bucket::BucketState;
 pub use clock::{Clock, ManualClock, MonotonicClock, Timestamp};
 pub use decision::Decision;
 pub use error::{Error, Unavailable};
 pub use idempotency::{MAX_REQUEST_ID_BYTES, check_request_id};
-pub use limit::{Limit, MAX_TIME_TO_FULL, Rate};
+pub use limit::{Algorithm, Limit, MAX_TIME_TO_FULL, MAX_WINDOW_LIMIT, Rate};
 pub use limiter::RateLimiter;
 pub use memory::{Item, MemoryStats, MemoryStore, MemoryStoreBuilder};
 pub use store::{Carry, CheckRequest, LocalStore, Store, Take, block_on_ready};

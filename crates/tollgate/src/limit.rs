@@ -131,26 +131,30 @@ fn parse_digits(text: &str) -> Option<u64> {
 
 impl fmt::Display for Rate {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        const UNITS: [(u64, &str); 7] = [
-            (86_400_000_000_000, "d"),
-            (3_600_000_000_000, "h"),
-            (60_000_000_000, "m"),
-            (1_000_000_000, "s"),
-            (1_000_000, "ms"),
-            (1_000, "us"),
-            (1, "ns"),
-        ];
-        // The largest unit that divides the period exactly, so the text parses back to the
-        // same rate.
-        let (unit_ns, unit) = UNITS
-            .into_iter()
-            .find(|(ns, _)| self.period_ns.is_multiple_of(*ns))
-            .unwrap_or((1, "ns"));
-        match self.period_ns / unit_ns {
-            1 => write!(f, "{}/{unit}", self.amount),
-            n => write!(f, "{}/{n}{unit}", self.amount),
+        match period_parts(self.period_ns) {
+            (1, unit) => write!(f, "{}/{unit}", self.amount),
+            (n, unit) => write!(f, "{}/{n}{unit}", self.amount),
         }
     }
+}
+
+/// A period as a count of the largest unit that divides it exactly, so that the text parses
+/// back to the same period.
+fn period_parts(period_ns: u64) -> (u64, &'static str) {
+    const UNITS: [(u64, &str); 7] = [
+        (86_400_000_000_000, "d"),
+        (3_600_000_000_000, "h"),
+        (60_000_000_000, "m"),
+        (1_000_000_000, "s"),
+        (1_000_000, "ms"),
+        (1_000, "us"),
+        (1, "ns"),
+    ];
+    let (unit_ns, unit) = UNITS
+        .into_iter()
+        .find(|(ns, _)| period_ns.is_multiple_of(*ns))
+        .unwrap_or((1, "ns"));
+    (period_ns / unit_ns, unit)
 }
 
 /// A token bucket's parameters: it holds at most `capacity` tokens and gains `refill` over time.
@@ -173,9 +177,60 @@ pub struct Limit {
     refill: Rate,
     /// Units gained per nanosecond: `amount / gcd(amount, period)`.
     a: u32,
+    /// How the limit decides; for the windows, `capacity` is the limit per window and the
+    /// refill's period is the window.
+    algorithm: Algorithm,
     /// Units per token: `period / gcd(amount, period)`.
     p: u64,
 }
+
+/// How a [`Limit`] decides (SPEC §3). Every algorithm decides through the same [`Decision`]
+/// and in every store, with identical results for identical inputs.
+///
+/// GCRA is not listed: a GCRA of emission interval `period / amount` and burst tolerance
+/// `(capacity - 1)` intervals admits exactly what the token bucket of that capacity and rate
+/// admits, and the token bucket here keeps GCRA's state (the theoretical arrival time, see
+/// [`crate::bucket`]). The policy's `algorithm: gcra` is that token bucket.
+///
+/// [`Decision`]: crate::Decision
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Algorithm {
+    /// A bucket of `capacity` tokens refilled continuously at `refill` (the default).
+    TokenBucket,
+    /// At most `limit` per window; windows start at whole multiples of the window on the
+    /// clock's timeline and forget everything when they end. The cheapest to explain, and it
+    /// admits up to twice the limit across a window's edge (the end of one, the start of the
+    /// next).
+    FixedWindow,
+    /// At most `limit` per window, with the previous window's count weighted by how much of
+    /// it still overlaps the sliding window that ends now (the counter approximation): no
+    /// double burst at the edge, two counters of state.
+    SlidingWindow,
+}
+
+impl Algorithm {
+    /// The name the policy file uses.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Algorithm::TokenBucket => "token_bucket",
+            Algorithm::FixedWindow => "fixed_window",
+            Algorithm::SlidingWindow => "sliding_window",
+        }
+    }
+
+    /// Whether the limit counts requests in windows rather than refilling a bucket.
+    pub fn is_window(&self) -> bool {
+        !matches!(self, Algorithm::TokenBucket)
+    }
+}
+
+/// The most a window limit admits per window: its counters are kept in 32 bits.
+pub const MAX_WINDOW_LIMIT: u64 = u32::MAX as u64;
+
+/// The longest window: 2^60 ns, about 36 years. With it, a window's state (see
+/// [`crate::bucket`]) and every instant the window math forms fit in a `u64` of nanoseconds.
+const MAX_WINDOW_NS: u64 = 1 << 60;
 
 impl Limit {
     /// A bucket of `capacity` tokens refilled at `refill`.
@@ -193,6 +248,7 @@ impl Limit {
             capacity,
             refill,
             a: a as u32,
+            algorithm: Algorithm::TokenBucket,
             p,
         };
         if limit.capacity_units().div_ceil(u128::from(limit.a)) > MAX_TIME_TO_FULL.as_nanos() {
@@ -206,7 +262,81 @@ impl Limit {
         Self::new(capacity, Rate::new(capacity, period)?)
     }
 
-    /// The most tokens the bucket holds (its burst).
+    /// At most `limit` per `window`, counted in fixed windows ([`Algorithm::FixedWindow`]).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::{Algorithm, Limit};
+    ///
+    /// let limit = Limit::fixed_window(100, Duration::from_secs(60))?;
+    /// assert_eq!(limit.algorithm(), Algorithm::FixedWindow);
+    /// assert_eq!(limit.window(), Some(Duration::from_secs(60)));
+    /// # Ok::<(), tollgate::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`Limit::sliding_window`].
+    pub fn fixed_window(limit: u64, window: Duration) -> Result<Self, Error> {
+        Self::window_of(Algorithm::FixedWindow, limit, window)
+    }
+
+    /// At most `limit` per `window`, counted in a sliding window ([`Algorithm::SlidingWindow`]).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ZeroCapacity`] for a limit of 0; [`Error::InvalidWindow`] for a window that is
+    /// not a whole, non-zero number of milliseconds, or a limit of more than
+    /// [`MAX_WINDOW_LIMIT`], of one per nanosecond of the window or more, or whose product
+    /// with the window in milliseconds reaches 2^53 (the bound of exact arithmetic in the
+    /// Redis store's scripts, kept here so that every store takes the same limits);
+    /// [`Error::LimitTooLarge`] for a window longer than about 36 years.
+    pub fn sliding_window(limit: u64, window: Duration) -> Result<Self, Error> {
+        Self::window_of(Algorithm::SlidingWindow, limit, window)
+    }
+
+    fn window_of(algorithm: Algorithm, limit: u64, window: Duration) -> Result<Self, Error> {
+        if limit == 0 {
+            return Err(Error::ZeroCapacity);
+        }
+        let window_ns = u64::try_from(window.as_nanos()).map_err(|_| Error::LimitTooLarge)?;
+        if window_ns > MAX_WINDOW_NS {
+            return Err(Error::LimitTooLarge);
+        }
+        let invalid = |reason| Err(Error::InvalidWindow { reason });
+        if window_ns == 0 || !window_ns.is_multiple_of(1_000_000) {
+            return invalid("the window must be a whole number of milliseconds, at least 1ms");
+        }
+        if limit > MAX_WINDOW_LIMIT {
+            return invalid("the limit per window must be at most 4294967295");
+        }
+        if limit >= window_ns {
+            return invalid("the limit per window must be below one per nanosecond of it");
+        }
+        if u128::from(limit) * u128::from(window_ns / 1_000_000) >= 1 << 53 {
+            return invalid("the limit times the window in milliseconds must stay below 2^53");
+        }
+        let mut made = Self::new(limit, Rate::new(limit, window)?)?;
+        made.algorithm = algorithm;
+        Ok(made)
+    }
+
+    /// How the limit decides.
+    pub fn algorithm(&self) -> Algorithm {
+        self.algorithm
+    }
+
+    /// The window of a window limit (its refill period); `None` for a token bucket.
+    pub fn window(&self) -> Option<Duration> {
+        self.algorithm.is_window().then(|| self.refill.period())
+    }
+
+    /// The window in nanoseconds; meaningful for window limits only.
+    pub(crate) fn window_ns(&self) -> u64 {
+        self.refill.period_ns
+    }
+
+    /// The most tokens the bucket holds (its burst); for a window limit, the limit per window.
     pub fn capacity(&self) -> u64 {
         self.capacity
     }
@@ -216,10 +346,18 @@ impl Limit {
         self.refill
     }
 
-    /// How long an empty bucket takes to become full, rounded up to the nanosecond.
+    /// How long an empty bucket takes to become full, rounded up to the nanosecond: for a
+    /// fixed window, the window; for a sliding window, two (the current window's count still
+    /// weighs in the next).
     pub fn time_to_full(&self) -> Duration {
-        // Bounded by MAX_TIME_TO_FULL at construction, so the cast cannot truncate.
-        Duration::from_nanos(self.units_to_nanos_ceil(self.capacity_units()))
+        match self.algorithm {
+            // Bounded by MAX_TIME_TO_FULL at construction, so the cast cannot truncate.
+            Algorithm::TokenBucket => {
+                Duration::from_nanos(self.units_to_nanos_ceil(self.capacity_units()))
+            }
+            Algorithm::FixedWindow => Duration::from_nanos(self.window_ns()),
+            Algorithm::SlidingWindow => Duration::from_nanos(2 * self.window_ns()),
+        }
     }
 
     /// Units gained per nanosecond on the limit's exact scaled timeline: `amount / g` with
@@ -256,7 +394,20 @@ impl Limit {
 
 impl fmt::Display for Limit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "capacity {} refill {}", self.capacity, self.refill)
+        match self.algorithm {
+            Algorithm::TokenBucket => {
+                write!(f, "capacity {} refill {}", self.capacity, self.refill)
+            }
+            window => {
+                let (count, unit) = period_parts(self.refill.period_ns);
+                write!(
+                    f,
+                    "{} limit {} window {count}{unit}",
+                    window.as_str(),
+                    self.capacity
+                )
+            }
+        }
     }
 }
 

@@ -1,0 +1,366 @@
+//! Fixed and sliding windows: the other algorithms of SPEC §3, decided through the same
+//! [`Decision`] and kept in the same [`BucketState`] as a token bucket, so that every store
+//! holds them without knowing which algorithm a bucket follows.
+//!
+//! # Model
+//!
+//! A window limit admits at most `N` (its capacity) per window of `W` milliseconds. Windows are
+//! aligned on the clock's timeline: window `k` covers `[k*W, (k+1)*W)` milliseconds, and a
+//! request at `now` falls in window `j = floor(now_ms / W)` (time is read to the millisecond,
+//! which keeps the Redis scripts' doubles exact; see [`Limit::sliding_window`]).
+//!
+//! * **Fixed window**: a count `c` of what window `k` admitted. A request of `cost` passes when
+//!   `c + cost <= N` in its own window (a later window starts from 0). Up to `2N` can pass
+//!   around a window's edge.
+//! * **Sliding window** (the counter approximation): the counts `cur` of window `k` and `prev`
+//!   of window `k - 1`. At `e` milliseconds into window `j`, the previous window still weighs
+//!   `(W - e) / W` of its count, and a request passes when
+//!   `prev * (W - e) + (cur + cost) * W <= N * W`: integers, compared exactly.
+//!
+//! # Representation
+//!
+//! The state is the instant the bucket counts nothing again, so that a store expires it
+//! without knowing its limit (`full_at <= now`), with the current count in the nanoseconds
+//! past it:
+//!
+//! * fixed: `full_at = (k + 1) * W_ns + c`, `frac = 0`;
+//! * sliding: `full_at = (k + 2) * W_ns + cur`, `frac = prev`.
+//!
+//! A count is below the window in nanoseconds (a limit is refused otherwise), so it can be
+//! read back as `full_at mod W_ns`. The state thus reads as full a few nanoseconds after the
+//! window frees it: kept a little longer, never dropped early.
+//!
+//! # Invariants
+//!
+//! Checked against a reference model with exact rationals (`tests/window_model.rs`):
+//!
+//! * A rejection charges nothing; an absent state is an empty window.
+//! * A `now` earlier than the window of the state is decided in that window, from its start
+//!   (the previous window weighing fully): going back in time frees nothing.
+//! * A fixed window admits at most `N` per window; a sliding window's weighted count never
+//!   passes `N`.
+//! * `retry_after` is exact: waiting it, the same request passes; a moment less, it does not.
+
+use crate::bucket::BucketState;
+use crate::clock::Timestamp;
+use crate::decision::Decision;
+use crate::limit::{Algorithm, Limit};
+
+const NANOS_PER_MS: u64 = 1_000_000;
+
+/// The latest instant the window math distinguishes, as for token buckets.
+const MAX_NOW: u64 = 1 << 63;
+
+/// Where a request falls: its window, the milliseconds into it, and its own nanosecond.
+struct At {
+    now: u64,
+    window: u64,
+    elapsed_ms: u64,
+}
+
+/// The counts a state holds for the window `at` falls in: (window, prev, cur). A state for a
+/// later window than `at` (time went back) moves the request to that window's start.
+fn counts(limit: &Limit, state: Option<BucketState>, now: Timestamp) -> (At, u64, u64) {
+    let w_ns = limit.window_ns();
+    let w_ms = w_ns / NANOS_PER_MS;
+    let now = now.as_nanos().min(MAX_NOW);
+    let j = now / NANOS_PER_MS / w_ms;
+    let Some(state) = state else {
+        let elapsed_ms = now / NANOS_PER_MS - j * w_ms;
+        return (
+            At {
+                now,
+                window: j,
+                elapsed_ms,
+            },
+            0,
+            0,
+        );
+    };
+    let full_at = state.full_at().as_nanos();
+    let cur = full_at % w_ns;
+    let ends = (full_at - cur) / w_ns;
+    let (k, prev) = match limit.algorithm() {
+        Algorithm::SlidingWindow => (ends.saturating_sub(2), u64::from(state.frac())),
+        _ => (ends.saturating_sub(1), 0),
+    };
+    let (window, elapsed_ms) = if k > j {
+        (k, 0)
+    } else {
+        (j, now / NANOS_PER_MS - j * w_ms)
+    };
+    let at = At {
+        now,
+        window,
+        elapsed_ms,
+    };
+    let (prev, cur) = match window - k {
+        0 => (prev, cur),
+        1 if limit.algorithm() == Algorithm::SlidingWindow => (cur, 0),
+        _ => (0, 0),
+    };
+    (at, prev, cur)
+}
+
+/// Nanoseconds from `now` to the start of window `window + ahead`, plus `ms` into it.
+fn until(limit: &Limit, at: &At, ahead: u64, ms: u64) -> u64 {
+    let start = (at.window + ahead) * limit.window_ns() + ms * NANOS_PER_MS;
+    start.saturating_sub(at.now)
+}
+
+/// Takes `cost` (already checked to be in `1..=N`) from a window limit; as
+/// [`crate::bucket::take`].
+pub(crate) fn take(
+    limit: &Limit,
+    state: Option<BucketState>,
+    now: Timestamp,
+    cost: u64,
+) -> (Decision, Option<BucketState>) {
+    let (at, prev, cur) = counts(limit, state, now);
+    let n = limit.capacity();
+    let w = limit.window_ns() / NANOS_PER_MS;
+    let w_ns = limit.window_ns();
+    match limit.algorithm() {
+        Algorithm::SlidingWindow => {
+            let weighted = |cur: u64| {
+                u128::from(prev) * u128::from(w - at.elapsed_ms) + u128::from(cur) * u128::from(w)
+            };
+            let room = u128::from(n) * u128::from(w);
+            let after = weighted(cur + cost);
+            if after <= room {
+                let remaining = ((room - after) / u128::from(w)) as u64;
+                let state = BucketState::from_parts(
+                    (at.window + 2) * w_ns + cur + cost,
+                    u32::try_from(prev).unwrap_or(u32::MAX),
+                );
+                let reset = until(limit, &at, 2, 0);
+                let decision = Decision::window(true, *limit, cost, remaining, 0, reset);
+                (decision, Some(state))
+            } else {
+                let remaining = (room.saturating_sub(weighted(cur)) / u128::from(w)) as u64;
+                let reset = match (prev, cur) {
+                    (_, 1..) => until(limit, &at, 2, 0),
+                    (1.., 0) => until(limit, &at, 1, 0),
+                    (0, 0) => 0,
+                };
+                let retry = sliding_retry(limit, &at, prev, cur, cost);
+                let decision = Decision::window(false, *limit, cost, remaining, retry, reset);
+                (decision, None)
+            }
+        }
+        _ => {
+            let reset = until(limit, &at, 1, 0);
+            if cur + cost <= n {
+                let state = BucketState::from_parts((at.window + 1) * w_ns + cur + cost, 0);
+                let decision = Decision::window(true, *limit, cost, n - cur - cost, 0, reset);
+                (decision, Some(state))
+            } else {
+                // cost <= N, so the next window admits it.
+                let remaining = n.saturating_sub(cur);
+                let decision = Decision::window(false, *limit, cost, remaining, reset, reset);
+                (decision, None)
+            }
+        }
+    }
+}
+
+/// The wait until a sliding window admits `cost`: the first millisecond at which the previous
+/// window's weight has fallen enough, in this window or, failing that, in the next (where this
+/// window's count is the previous one). `cost <= N`, so the next window's end always admits it.
+fn sliding_retry(limit: &Limit, at: &At, prev: u64, cur: u64, cost: u64) -> u64 {
+    let n = u128::from(limit.capacity());
+    let w = u128::from(limit.window_ns() / NANOS_PER_MS);
+    // In this window: prev * (W - e) <= (N - cur - cost) * W.
+    let left = n.checked_sub(u128::from(cur) + u128::from(cost));
+    if let (Some(left), true) = (left, prev > 0) {
+        let e = w - (left * w / u128::from(prev)).min(w);
+        if e < w {
+            return until(limit, at, 0, e as u64);
+        }
+    }
+    // In the next: cur * (W - e) <= (N - cost) * W.
+    let e = if cur == 0 {
+        0
+    } else {
+        w - ((n - u128::from(cost)) * w / u128::from(cur)).min(w)
+    };
+    until(limit, at, 1, e as u64)
+}
+
+/// The window's standing at `now` as an allowed but uncharged decision for `cost`; as
+/// [`crate::bucket::balance`].
+pub(crate) fn balance(
+    limit: &Limit,
+    state: Option<BucketState>,
+    now: Timestamp,
+    cost: u64,
+) -> Decision {
+    let (at, prev, cur) = counts(limit, state, now);
+    let n = limit.capacity();
+    let w = limit.window_ns() / NANOS_PER_MS;
+    let (remaining, reset) = match limit.algorithm() {
+        Algorithm::SlidingWindow => {
+            let weighted =
+                u128::from(prev) * u128::from(w - at.elapsed_ms) + u128::from(cur) * u128::from(w);
+            let room = u128::from(n) * u128::from(w);
+            let remaining = (room.saturating_sub(weighted) / u128::from(w)) as u64;
+            let reset = match (prev, cur) {
+                (_, 1..) => until(limit, &at, 2, 0),
+                (1.., 0) => until(limit, &at, 1, 0),
+                (0, 0) => 0,
+            };
+            (remaining, reset)
+        }
+        _ => {
+            let reset = if cur > 0 { until(limit, &at, 1, 0) } else { 0 };
+            (n.saturating_sub(cur), reset)
+        }
+    };
+    Decision::window(true, *limit, cost, remaining, 0, reset)
+}
+
+/// The state of a window limit that has `tokens` left at `now`: the rest of the limit counted
+/// as used in the current window (as the current window's count of a sliding one). `None` when
+/// nothing is used.
+pub(crate) fn with_tokens(limit: &Limit, tokens: u64, now: Timestamp) -> Option<BucketState> {
+    let used = limit.capacity().saturating_sub(tokens);
+    if used == 0 {
+        return None;
+    }
+    let (at, _, _) = counts(limit, None, now);
+    let ends = match limit.algorithm() {
+        Algorithm::SlidingWindow => at.window + 2,
+        _ => at.window + 1,
+    };
+    Some(BucketState::from_parts(ends * limit.window_ns() + used, 0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    const MS: u64 = NANOS_PER_MS;
+    const SEC: u64 = 1_000 * MS;
+
+    fn at(nanos: u64) -> Timestamp {
+        Timestamp::from_nanos(nanos)
+    }
+
+    fn fixed(n: u64, window: Duration) -> Limit {
+        Limit::fixed_window(n, window).unwrap()
+    }
+
+    fn sliding(n: u64, window: Duration) -> Limit {
+        Limit::sliding_window(n, window).unwrap()
+    }
+
+    /// Runs `costs` at `times` through `limit` from an empty state; the decisions.
+    fn run(limit: &Limit, steps: &[(u64, u64)]) -> Vec<Decision> {
+        let mut state = None;
+        steps
+            .iter()
+            .map(|&(t, cost)| {
+                let (decision, next) = take(limit, state, at(t), cost);
+                if next.is_some() {
+                    state = next;
+                }
+                decision
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_fixed_window_admits_its_limit_and_forgets_at_the_edge() {
+        let limit = fixed(3, Duration::from_secs(1));
+        let d = run(
+            &limit,
+            &[(100 * MS, 1), (200 * MS, 2), (300 * MS, 1), (SEC, 3)],
+        );
+        assert!(d[0].allowed() && d[1].allowed());
+        assert_eq!(d[1].remaining(), 0);
+        assert_eq!(d[1].reset_after(), Duration::from_millis(800));
+        assert!(!d[2].allowed());
+        assert_eq!(d[2].retry_after(), Some(Duration::from_millis(700)));
+        assert_eq!(d[2].reset_after(), Duration::from_millis(700));
+        // The next window starts afresh: the double burst at the edge is the algorithm's own.
+        assert!(d[3].allowed());
+        assert_eq!(d[3].remaining(), 0);
+    }
+
+    #[test]
+    fn a_fixed_windows_retry_is_exact_to_the_nanosecond() {
+        let limit = fixed(1, Duration::from_millis(10));
+        let d = run(&limit, &[(3, 1), (9_999_999, 1), (10_000_000, 1)]);
+        assert_eq!(d[1].retry_after(), Some(Duration::from_nanos(1)));
+        assert!(d[2].allowed());
+    }
+
+    #[test]
+    fn a_sliding_window_weighs_the_previous_one() {
+        let limit = sliding(10, Duration::from_secs(1));
+        // 10 in window 0; at 1.25 s the previous window weighs 3/4: 7.5 used, 2 left.
+        let d = run(&limit, &[(500 * MS, 10), (1_250 * MS, 3), (1_250 * MS, 2)]);
+        assert!(d[0].allowed());
+        assert!(!d[1].allowed());
+        assert_eq!(d[1].remaining(), 2);
+        // 3 more pass once 10 * (W - e) <= (10 - 0 - 3) * W: e >= 300 ms.
+        assert_eq!(d[1].retry_after(), Some(Duration::from_millis(50)));
+        assert!(d[2].allowed());
+        assert_eq!(d[2].remaining(), 0);
+        assert_eq!(d[2].reset_after(), Duration::from_millis(1_750));
+    }
+
+    #[test]
+    fn a_sliding_windows_retry_can_fall_in_the_next_window() {
+        let limit = sliding(4, Duration::from_secs(1));
+        // 4 in window 0 still weigh 4/1000 at 1.999 s: nothing passes before window 2.
+        let d = run(&limit, &[(0, 4), (SEC + 999 * MS, 4)]);
+        assert!(!d[1].allowed());
+        assert_eq!(d[1].retry_after(), Some(Duration::from_millis(1)));
+        let d = run(&limit, &[(500 * MS, 4), (1_900 * MS, 2), (1_900 * MS, 2)]);
+        // At 1.9 s window 0 weighs 4 * 0.1 = 0.4: 2 pass, then 2.4 + 2 > 4.
+        assert!(d[1].allowed());
+        assert!(!d[2].allowed());
+        // In window 2, the 2 of window 1 weigh 2 * (W - e) / W: 2 more pass at once.
+        assert_eq!(d[2].retry_after(), Some(Duration::from_millis(100)));
+    }
+
+    #[test]
+    fn time_going_back_frees_nothing() {
+        for limit in [
+            fixed(2, Duration::from_secs(1)),
+            sliding(2, Duration::from_secs(1)),
+        ] {
+            let d = run(&limit, &[(1_500 * MS, 2), (500 * MS, 1), (1_999 * MS, 1)]);
+            assert!(d[0].allowed());
+            assert!(!d[1].allowed(), "{limit}: an earlier window reopened");
+            assert!(!d[2].allowed(), "{limit}");
+            assert!(d[1].retry_after() > d[2].retry_after());
+        }
+    }
+
+    #[test]
+    fn states_read_as_full_once_the_window_frees_them() {
+        let limit = fixed(5, Duration::from_secs(1));
+        let (_, state) = take(&limit, None, at(200 * MS), 3);
+        let state = state.unwrap();
+        assert!(!state.is_full(at(SEC - 1)));
+        assert!(state.is_full(at(SEC + 3)));
+        let limit = sliding(5, Duration::from_secs(1));
+        let (_, state) = take(&limit, None, at(200 * MS), 3);
+        let state = state.unwrap();
+        assert!(!state.is_full(at(2 * SEC - 1)));
+        assert!(state.is_full(at(2 * SEC + 3)));
+        let (d, _) = take(&limit, Some(state), at(2 * SEC), 5);
+        assert!(d.allowed());
+    }
+
+    #[test]
+    fn with_tokens_counts_the_rest_as_used() {
+        let limit = fixed(5, Duration::from_secs(1));
+        let state = with_tokens(&limit, 2, at(SEC / 2));
+        assert_eq!(balance(&limit, state, at(SEC / 2), 1).remaining(), 2);
+        assert_eq!(with_tokens(&limit, 9, at(0)), None);
+    }
+}
