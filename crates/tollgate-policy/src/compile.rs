@@ -10,14 +10,14 @@ use std::sync::Arc;
 
 use hashbrown::{HashMap, HashTable};
 use serde_saphyr::Spanned;
-use tollgate::{Limit, Rate};
+use tollgate::{Algorithm, Limit, Rate};
 
 use crate::error::Error;
 use crate::key::{self, stable_hash};
 use crate::policy::{
     Conditions, DomainIndex, Exemption, FailureMode, LimitDef, Mode, Override, Policy,
 };
-use crate::schema::{self, FailureModeSpec, ModeSpec, PolicyFile, Text, at};
+use crate::schema::{self, FailureModeSpec, ModeSpec, PolicyFile, Text, WindowText, at};
 use crate::wall::UnixTime;
 
 /// The longest name a limit or override may have: names go into every bucket key.
@@ -79,6 +79,254 @@ fn plain_conditions(when: &BTreeMap<String, Text>) -> Conditions {
 fn limit_of(file: &str, capacity: &Spanned<u64>, refill: Rate, path: &str) -> Result<Limit, Error> {
     Limit::new(capacity.value, refill)
         .map_err(|err| at(file, capacity, format!("{path}.capacity"), format!("{err}")))
+}
+
+/// A limit's `algorithm`: the policy's name for it and how its parameters are made.
+#[derive(Debug, Clone, Copy)]
+struct AlgorithmSpec {
+    name: &'static str,
+    kind: Algorithm,
+}
+
+/// The names the policy accepts. `gcra` is the token bucket under GCRA's name: both admit
+/// exactly the same requests (see [`Algorithm`]), so a file written for a GCRA limiter keeps
+/// its meaning.
+const ALGORITHMS: [AlgorithmSpec; 4] = [
+    AlgorithmSpec {
+        name: "token_bucket",
+        kind: Algorithm::TokenBucket,
+    },
+    AlgorithmSpec {
+        name: "gcra",
+        kind: Algorithm::TokenBucket,
+    },
+    AlgorithmSpec {
+        name: "fixed_window",
+        kind: Algorithm::FixedWindow,
+    },
+    AlgorithmSpec {
+        name: "sliding_window",
+        kind: Algorithm::SlidingWindow,
+    },
+];
+
+fn algorithm_of(
+    file: &str,
+    algorithm: Option<&Spanned<String>>,
+    path: &str,
+) -> Result<AlgorithmSpec, Error> {
+    let Some(algorithm) = algorithm else {
+        return Ok(ALGORITHMS[0]);
+    };
+    if let Some(known) = ALGORITHMS.iter().find(|a| a.name == algorithm.value) {
+        return Ok(*known);
+    }
+    let message = if algorithm.value == "concurrency" {
+        "algorithm \"concurrency\" (in-flight leases) is not available in this release: use \
+         token_bucket, gcra, fixed_window or sliding_window"
+            .to_owned()
+    } else {
+        format!(
+            "unknown algorithm {:?}: use token_bucket (the default), gcra, fixed_window or \
+             sliding_window",
+            algorithm.value
+        )
+    };
+    Err(at(file, algorithm, format!("{path}.algorithm"), message))
+}
+
+/// A limit's own parameters under `algorithm`: `capacity` and `refill` for a token bucket,
+/// `limit` and `window` for the windows, never a mix.
+fn base_params(
+    file: &str,
+    spec: &schema::LimitSpec,
+    algorithm: AlgorithmSpec,
+    path: &str,
+) -> Result<Limit, Error> {
+    let name = algorithm.name;
+    if algorithm.kind.is_window() {
+        if let Some(capacity) = &spec.capacity {
+            return Err(at(
+                file,
+                capacity,
+                format!("{path}.capacity"),
+                window_fields(name),
+            ));
+        }
+        if let Some(refill) = &spec.refill {
+            return Err(at(
+                file,
+                refill,
+                format!("{path}.refill"),
+                window_fields(name),
+            ));
+        }
+        let (Some(limit), Some(window)) = (&spec.limit, &spec.window) else {
+            let missing = if spec.limit.is_none() {
+                "limit"
+            } else {
+                "window"
+            };
+            let message = format!("missing field `{missing}`: {}", window_fields(name));
+            return Err(at(file, &spec.name, path.to_owned(), message));
+        };
+        let fallback = |message| at(file, &spec.name, path.to_owned(), message);
+        return window_limit(
+            file,
+            algorithm.kind,
+            (limit.value, Some(limit)),
+            (window.value.0, Some(window)),
+            &fallback,
+            path,
+        );
+    }
+    if let Some(limit) = &spec.limit {
+        return Err(at(
+            file,
+            limit,
+            format!("{path}.limit"),
+            bucket_fields(name),
+        ));
+    }
+    if let Some(window) = &spec.window {
+        return Err(at(
+            file,
+            window,
+            format!("{path}.window"),
+            bucket_fields(name),
+        ));
+    }
+    let (Some(capacity), Some(refill)) = (&spec.capacity, &spec.refill) else {
+        let missing = if spec.capacity.is_none() {
+            "capacity"
+        } else {
+            "refill"
+        };
+        let message = format!("missing field `{missing}`: {}", bucket_fields(name));
+        return Err(at(file, &spec.name, path.to_owned(), message));
+    };
+    limit_of(file, capacity, refill.value.0, path)
+}
+
+/// An override's parameters: the fields it sets, the limit's own for the others.
+fn override_params(
+    file: &str,
+    o: &schema::OverrideSpec,
+    base: &Limit,
+    path: &str,
+) -> Result<Limit, Error> {
+    if base.algorithm().is_window() {
+        let name = base.algorithm().as_str();
+        if let Some(capacity) = &o.capacity {
+            return Err(at(
+                file,
+                capacity,
+                format!("{path}.capacity"),
+                window_fields(name),
+            ));
+        }
+        if let Some(refill) = &o.refill {
+            return Err(at(
+                file,
+                refill,
+                format!("{path}.refill"),
+                window_fields(name),
+            ));
+        }
+        if o.limit.is_none() && o.window.is_none() {
+            return Err(at(
+                file,
+                &o.when,
+                path.to_owned(),
+                "an override of a window limit must set limit, window or both".into(),
+            ));
+        }
+        let window = o
+            .window
+            .as_ref()
+            .map_or_else(|| base.window().unwrap_or_default(), |w| w.value.0);
+        let limit = o.limit.as_ref().map_or(base.capacity(), |l| l.value);
+        let fallback = |message| at(file, &o.when, path.to_owned(), message);
+        return window_limit(
+            file,
+            base.algorithm(),
+            (limit, o.limit.as_ref()),
+            (window, o.window.as_ref()),
+            &fallback,
+            path,
+        );
+    }
+    if let Some(limit) = &o.limit {
+        return Err(at(
+            file,
+            limit,
+            format!("{path}.limit"),
+            bucket_fields("token_bucket"),
+        ));
+    }
+    if let Some(window) = &o.window {
+        return Err(at(
+            file,
+            window,
+            format!("{path}.window"),
+            bucket_fields("token_bucket"),
+        ));
+    }
+    match (&o.capacity, &o.refill) {
+        (None, None) => Err(at(
+            file,
+            &o.when,
+            path.to_owned(),
+            "an override must set capacity, refill or both".into(),
+        )),
+        (Some(capacity), refill) => {
+            let rate = refill.as_ref().map_or(base.refill(), |r| r.value.0);
+            limit_of(file, capacity, rate, path)
+        }
+        (None, Some(refill)) => Limit::new(base.capacity(), refill.value.0)
+            .map_err(|err| at(file, refill, format!("{path}.refill"), err.to_string())),
+    }
+}
+
+/// A window limit of `limit` per `window` (the override's own window, or `None` when it
+/// keeps its limit's); an error about the window's length points at the window.
+fn window_limit(
+    file: &str,
+    algorithm: Algorithm,
+    (limit, limit_at): (u64, Option<&Spanned<u64>>),
+    (window, window_at): (std::time::Duration, Option<&Spanned<WindowText>>),
+    fallback: &dyn Fn(String) -> Error,
+    path: &str,
+) -> Result<Limit, Error> {
+    let made = match algorithm {
+        Algorithm::SlidingWindow => Limit::sliding_window(limit, window),
+        _ => Limit::fixed_window(limit, window),
+    };
+    made.map_err(|err| {
+        let about_window = matches!(err, tollgate::Error::LimitTooLarge)
+            || matches!(err, tollgate::Error::InvalidWindow { reason } if reason.starts_with("the window"));
+        match (about_window, window_at, limit_at) {
+            (true, Some(w), _) | (false, Some(w), None) => {
+                at(file, w, format!("{path}.window"), err.to_string())
+            }
+            (_, _, Some(l)) => at(file, l, format!("{path}.limit"), err.to_string()),
+            (_, None, None) => fallback(err.to_string()),
+        }
+    })
+}
+
+fn window_fields(algorithm: &str) -> String {
+    format!(
+        "{algorithm} takes limit and window (as in limit: 100 and window: 1m), not capacity \
+         and refill"
+    )
+}
+
+fn bucket_fields(algorithm: &str) -> String {
+    format!(
+        "{algorithm} takes capacity and refill (as in capacity: 20 and refill: 10/s); limit and \
+         window are for fixed_window and sliding_window"
+    )
 }
 
 fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
@@ -162,20 +410,8 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
                 ));
             }
         }
-        if let Some(algorithm) = &spec.algorithm
-            && algorithm.value != "token_bucket"
-        {
-            return Err(at(
-                file,
-                algorithm,
-                format!("{path}.algorithm"),
-                format!(
-                    "algorithm {:?} is not available in this release: use token_bucket",
-                    algorithm.value
-                ),
-            ));
-        }
-        let params = limit_of(file, &spec.capacity, spec.refill.value.0, &path)?;
+        let algorithm = algorithm_of(file, spec.algorithm.as_ref(), &path)?;
+        let params = base_params(file, spec, algorithm, &path)?;
 
         let failure_mode = match spec.failure_mode.unwrap_or(default_failure) {
             FailureModeSpec::Closed => FailureMode::Closed,
@@ -231,22 +467,7 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
                 ));
             }
             let when = conditions(file, &o.when, format!("{opath}.when"))?;
-            let params = match (&o.capacity, &o.refill) {
-                (None, None) => {
-                    return Err(at(
-                        file,
-                        &o.when,
-                        opath,
-                        "an override must set capacity, refill or both".into(),
-                    ));
-                }
-                (Some(capacity), refill) => {
-                    let rate = refill.as_ref().map_or(params.refill(), |r| r.value.0);
-                    limit_of(file, capacity, rate, &opath)?
-                }
-                (None, Some(refill)) => Limit::new(params.capacity(), refill.value.0)
-                    .map_err(|err| at(file, refill, format!("{opath}.refill"), err.to_string()))?,
-            };
+            let params = override_params(file, o, &params, &opath)?;
             overrides.push(Override {
                 name,
                 when,
@@ -275,6 +496,7 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
             filed: 0,
             tag: key::params_tag(&params),
             params,
+            algorithm: algorithm.name,
             mode,
             rollout: spec.rollout.map_or(10_000, |p| p.0),
             failure_mode,

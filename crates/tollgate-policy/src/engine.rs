@@ -1176,6 +1176,9 @@ fn zero_cost() -> Error {
 /// would make `retry_after` a wait for tokens the bucket can never hold (and its arithmetic
 /// could overflow for a cost far above the capacity).
 fn never_fits(limit: &Limit) -> Decision {
+    if let Some(window) = limit.window() {
+        return Decision::from_window(false, *limit, limit.capacity(), 0, window, window);
+    }
     // A deficit above the capacity is clamped to it: an empty bucket.
     Decision::from_deficit(false, *limit, limit.capacity(), u128::MAX)
 }
@@ -1298,8 +1301,11 @@ fn param_changes(old: &Policy, new: &Policy) -> Vec<ParamChange> {
                 Some((o.name(), b.params(), o.params()))
             }),
         );
+        // Only token buckets carry over: a window limit whose limit per window changes keeps
+        // its key and so its counts, and a change of window or algorithm starts afresh (the
+        // tags differ, and no store converts between them in flight).
         for (name, was, is) in pairs {
-            if was != is {
+            if was != is && !was.algorithm().is_window() && !is.algorithm().is_window() {
                 changes.push(ParamChange {
                     limit: limit.name().into(),
                     override_: name.into(),

@@ -15,7 +15,7 @@
 //! balance. An override is a bucket of its own (`#override`), because a bucket's stored state is
 //! only meaningful with the parameters it was charged under.
 
-use tollgate::Limit;
+use tollgate::{Algorithm, Limit};
 
 /// Appends `value` to `key`, escaped.
 pub(crate) fn push_escaped(key: &mut String, value: &str) {
@@ -52,7 +52,21 @@ pub(crate) fn stable_hash(bytes: &[u8]) -> u64 {
 /// 32 bits of a stable hash of a limit's parameters: the tag that ends a store key, so that a
 /// bucket made under other parameters is never read as this one's. Made once per limit and
 /// override when a policy is compiled.
+///
+/// A window limit's tag covers its algorithm and window, not its limit per window: its counts
+/// mean the same under any limit, so a change of the limit keeps them (the bucket stays under
+/// its key), where a change of window or algorithm starts afresh under a new key.
 pub(crate) fn params_tag(params: &Limit) -> u32 {
+    if let Some(window) = params.window() {
+        let mut bytes = [0u8; 9];
+        bytes[0] = match params.algorithm() {
+            Algorithm::SlidingWindow => b's',
+            _ => b'f',
+        };
+        let window = u64::try_from(window.as_nanos()).unwrap_or(u64::MAX);
+        bytes[1..].copy_from_slice(&window.to_le_bytes());
+        return (stable_hash(&bytes) >> 32) as u32;
+    }
     let mut bytes = [0u8; 24];
     bytes[..8].copy_from_slice(&params.capacity().to_le_bytes());
     bytes[8..16].copy_from_slice(&params.refill().amount().to_le_bytes());

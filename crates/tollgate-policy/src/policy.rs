@@ -86,6 +86,8 @@ pub struct LimitDef {
     pub(crate) params: Limit,
     /// [`key::params_tag`] of `params`, made once.
     pub(crate) tag: u32,
+    /// The `algorithm` as the file names it (`gcra` is a token bucket by another name).
+    pub(crate) algorithm: &'static str,
     pub(crate) mode: Mode,
     /// Hundredths of a percent of subjects that are enforced (10,000 = all).
     pub(crate) rollout: u16,
@@ -124,6 +126,12 @@ impl LimitDef {
     /// The parameters when no override applies.
     pub fn params(&self) -> &Limit {
         &self.params
+    }
+
+    /// The algorithm as the policy file names it: `token_bucket`, `gcra` (the same
+    /// decisions), `fixed_window` or `sliding_window`. Overrides keep their limit's.
+    pub fn algorithm(&self) -> &'static str {
+        self.algorithm
     }
 
     /// Enforce or shadow.

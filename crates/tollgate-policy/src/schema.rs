@@ -54,8 +54,15 @@ pub(crate) struct LimitSpec {
     pub(crate) when: Option<Spanned<BTreeMap<String, Text>>>,
     #[serde(default)]
     pub(crate) key: Option<Spanned<Vec<String>>>,
-    pub(crate) capacity: Spanned<u64>,
-    pub(crate) refill: Spanned<RateText>,
+    #[serde(default)]
+    pub(crate) capacity: Option<Spanned<u64>>,
+    #[serde(default)]
+    pub(crate) refill: Option<Spanned<RateText>>,
+    /// The limit per window of `fixed_window` and `sliding_window`.
+    #[serde(default)]
+    pub(crate) limit: Option<Spanned<u64>>,
+    #[serde(default)]
+    pub(crate) window: Option<Spanned<WindowText>>,
     #[serde(default)]
     pub(crate) exact: bool,
     #[serde(default)]
@@ -83,6 +90,10 @@ pub(crate) struct OverrideSpec {
     pub(crate) capacity: Option<Spanned<u64>>,
     #[serde(default)]
     pub(crate) refill: Option<Spanned<RateText>>,
+    #[serde(default)]
+    pub(crate) limit: Option<Spanned<u64>>,
+    #[serde(default)]
+    pub(crate) window: Option<Spanned<WindowText>>,
 }
 
 /// One entry of `exemptions`.
@@ -125,6 +136,29 @@ impl TryFrom<String> for RateText {
         text.parse().map(RateText).map_err(|err: tollgate::Error| {
             format!("{err} (write AMOUNT/PERIOD, as in 10/s, 600/m, 5/100ms or 1/d)")
         })
+    }
+}
+
+/// A window length such as `1m`, `30s` or `100ms`: a count (1 when left out) and a unit, as
+/// in the period of a rate.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(try_from = "String")]
+pub(crate) struct WindowText(pub(crate) std::time::Duration);
+
+impl TryFrom<String> for WindowText {
+    type Error = String;
+
+    fn try_from(text: String) -> Result<Self, String> {
+        let bad =
+            || format!("invalid window {text:?}: write a length such as 100ms, 30s, 1m or 1h");
+        let trimmed = text.trim();
+        if trimmed.is_empty() || trimmed.contains('/') {
+            return Err(bad());
+        }
+        format!("1/{trimmed}")
+            .parse::<Rate>()
+            .map(|rate| WindowText(rate.period()))
+            .map_err(|_| bad())
     }
 }
 

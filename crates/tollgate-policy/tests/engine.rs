@@ -1099,3 +1099,103 @@ fn a_shared_store_is_handed_the_old_bucket_until_the_new_one_would_have_refilled
     assert_eq!(carried[0].3, Duration::ZERO);
     assert_eq!(decide(&plain), []);
 }
+
+const WINDOWS: &str = r#"
+version: "w1"
+limits:
+  - name: per-minute
+    domain: api
+    key: [user]
+    algorithm: fixed_window
+    limit: 3
+    window: 1m
+    overrides:
+      - when: {tier: gold}
+        limit: 5
+  - name: smooth
+    domain: api
+    key: [tenant]
+    algorithm: sliding_window
+    limit: 4
+    window: 10s
+  - name: metered
+    domain: api
+    key: [app]
+    algorithm: gcra
+    capacity: 2
+    refill: 1/s
+"#;
+
+fn take(engine: &PolicyEngine, d: &[(&str, &str)], cost: u64) -> bool {
+    engine
+        .decide("api", &[d], cost, None)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .allowed
+}
+
+#[test]
+fn window_limits_decide_through_the_policy() {
+    let r = rig(WINDOWS);
+    let user = [("user", "a")];
+    let gold = [("user", "a"), ("tier", "gold")];
+    assert!(take(&r.engine, &user, 3));
+    assert!(!take(&r.engine, &user, 1));
+    // The override is a bucket of its own, with its own limit.
+    assert!(take(&r.engine, &gold, 5));
+    assert!(!take(&r.engine, &gold, 1));
+    let outcome = r
+        .engine
+        .decide("api", &[user], 1, None)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let decision = outcome.limits[0]
+        .decision
+        .unwrap_or_else(|| panic!("decided"));
+    assert_eq!(decision.retry_after(), Some(Duration::from_secs(60)));
+    assert_eq!(r.engine.current().limits()[0].algorithm(), "fixed_window");
+    r.clock.advance(Duration::from_secs(60));
+    assert!(take(&r.engine, &user, 3), "the next window starts afresh");
+
+    // The sliding window: 4 at the end of one window still weigh 3.5 at 1.25 s into the next.
+    let tenant = [("tenant", "t")];
+    r.clock.advance(Duration::from_millis(9_000));
+    assert!(take(&r.engine, &tenant, 4));
+    r.clock.advance(Duration::from_millis(2_250));
+    assert_eq!(remaining(&r.engine, &tenant), [0]);
+    r.clock.advance(Duration::from_millis(7_000));
+    assert_eq!(remaining(&r.engine, &tenant), [3]);
+
+    // gcra is the token bucket by another name.
+    let app = [("app", "x")];
+    assert!(take(&r.engine, &app, 2));
+    assert!(!take(&r.engine, &app, 1));
+    r.clock.advance(Duration::from_secs(1));
+    assert!(take(&r.engine, &app, 1));
+    assert_eq!(r.engine.current().limits()[2].algorithm(), "gcra");
+}
+
+#[test]
+fn a_window_keeps_its_counts_when_its_limit_changes_and_restarts_when_its_window_does() {
+    let r = rig(WINDOWS);
+    let user = [("user", "a")];
+    assert!(take(&r.engine, &user, 3));
+    // A higher limit per window: the 3 already counted stay counted.
+    let v2 = WINDOWS
+        .replace("version: \"w1\"", "version: \"w2\"")
+        .replace("limit: 3\n", "limit: 4\n");
+    assert!(r.engine.load("p.yaml", &v2).is_ok());
+    assert_eq!(remaining(&r.engine, &user), [1]);
+    assert!(take(&r.engine, &user, 1));
+    assert!(!take(&r.engine, &user, 1));
+    // A lower one: more counted than it admits, so nothing passes in this window.
+    let v3 = v2
+        .replace("version: \"w2\"", "version: \"w3\"")
+        .replace("limit: 4\n", "limit: 2\n");
+    assert!(r.engine.load("p.yaml", &v3).is_ok());
+    assert_eq!(remaining(&r.engine, &user), [0]);
+    // A new window length is a new bucket.
+    let v4 = v3
+        .replace("version: \"w3\"", "version: \"w4\"")
+        .replace("window: 1m", "window: 2m");
+    assert!(r.engine.load("p.yaml", &v4).is_ok());
+    assert_eq!(remaining(&r.engine, &user), [2]);
+}

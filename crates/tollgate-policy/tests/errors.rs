@@ -177,11 +177,18 @@ fn rules_across_fields_point_at_the_field() {
         "repeated",
     );
     case(
-        &format!("{HEAD}    capacity: 20\n    refill: 10/s\n    algorithm: gcra\n"),
+        &format!("{HEAD}    capacity: 20\n    refill: 10/s\n    algorithm: leaky\n"),
         7,
         16,
         "limits[0].algorithm",
-        "token_bucket",
+        "unknown algorithm \"leaky\": use token_bucket",
+    );
+    case(
+        &format!("{HEAD}    limit: 5\n    window: 30s\n    algorithm: concurrency\n"),
+        7,
+        16,
+        "limits[0].algorithm",
+        "not available in this release",
     );
     case(
         &format!("{HEAD}    capacity: 20\n    refill: 10/s\n    failure_mode: open\n"),
@@ -265,8 +272,9 @@ fn syntax_errors_have_positions() {
     assert_eq!((d.line, d.path.as_str()), (4, "limits[0].when"), "{d}");
     assert!(d.message.contains("duplicate"), "{d}");
     assert!(!d.message.contains("DuplicateKeyPolicy"), "{d}");
+    // A missing field is reported at the limit's name: the start of the entry lacking it.
     let d = refused(&format!("{HEAD}    capacity: 20\n"));
-    assert_eq!((d.line, d.path.as_str()), (5, "limits[0]"), "{d}");
+    assert_eq!((d.line, d.path.as_str()), (2, "limits[0]"), "{d}");
     assert!(d.message.contains("missing field `refill`"), "{d}");
 }
 
@@ -293,4 +301,93 @@ fn display_is_one_line_with_everything() {
         "{text}"
     );
     assert!(!text.contains('\n'));
+}
+
+#[test]
+fn window_limits_take_limit_and_window_and_nothing_else() {
+    case(
+        &format!("{HEAD}    capacity: 20\n    refill: 10/s\n    algorithm: fixed_window\n"),
+        5,
+        15,
+        "limits[0].capacity",
+        "fixed_window takes limit and window",
+    );
+    case(
+        &format!("{HEAD}    algorithm: sliding_window\n    limit: 20\n"),
+        2,
+        11,
+        "limits[0]",
+        "sliding_window takes limit and window",
+    );
+    case(
+        &format!("{HEAD}    limit: 20\n    window: 1m\n"),
+        5,
+        12,
+        "limits[0].limit",
+        "token_bucket takes capacity and refill",
+    );
+    case(
+        &format!("{HEAD}    algorithm: gcra\n    capacity: 20\n"),
+        2,
+        11,
+        "limits[0]",
+        "gcra takes capacity and refill",
+    );
+    case(
+        &format!("{HEAD}    algorithm: fixed_window\n    limit: 20\n    window: 1500us\n"),
+        7,
+        13,
+        "limits[0].window",
+        "whole number of milliseconds",
+    );
+    case(
+        &format!("{HEAD}    algorithm: fixed_window\n    limit: 20\n    window: 10/s\n"),
+        7,
+        13,
+        "limits[0].window",
+        "invalid window",
+    );
+    case(
+        &format!("{HEAD}    algorithm: fixed_window\n    limit: 0\n    window: 1s\n"),
+        6,
+        12,
+        "limits[0].limit",
+        "greater than zero",
+    );
+    case(
+        &format!(
+            "{HEAD}    algorithm: fixed_window\n    limit: 20\n    window: 1m\n    overrides:\n      - when: {{tier: gold}}\n        capacity: 3\n"
+        ),
+        10,
+        19,
+        "limits[0].overrides[0].capacity",
+        "fixed_window takes limit and window",
+    );
+    case(
+        &format!(
+            "{HEAD}    algorithm: sliding_window\n    limit: 20\n    window: 1m\n    overrides:\n      - when: {{tier: gold}}\n"
+        ),
+        9,
+        15,
+        "limits[0].overrides[0]",
+        "must set limit, window or both",
+    );
+    case(
+        &format!(
+            "{HEAD}    algorithm: sliding_window\n    limit: 20\n    window: 1m\n    overrides:\n      - when: {{tier: gold}}\n        limit: 5000000000\n"
+        ),
+        10,
+        16,
+        "limits[0].overrides[0].limit",
+        "at most 4294967295",
+    );
+    case(
+        &format!(
+            "{HEAD}    capacity: 20\n    refill: 10/s\n    overrides:\n      - when: {{tier: gold}}\n        window: 1m\n"
+        ),
+        9,
+        17,
+        "limits[0].overrides[0].window",
+        "token_bucket takes capacity and refill",
+    );
 }

@@ -250,6 +250,71 @@ async fn rls_descriptors_of_different_costs_are_all_or_nothing() {
     assert_eq!(answer.status, 200, "mixed was charged: {}", answer.body);
 }
 
+const WINDOWS: &str = r#"
+version: "w"
+limits:
+  - name: hourly
+    domain: api
+    key: [user]
+    algorithm: fixed_window
+    limit: 2
+    window: 1h
+  - name: smooth
+    domain: api
+    key: [tenant]
+    algorithm: sliding_window
+    limit: 3
+    window: 1m
+"#;
+
+/// The window algorithms through both APIs: the window in the headers and in Envoy's
+/// `current_limit`, a rejection's wait to the window's end, and no charge on a rejection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn window_limits_over_http_and_grpc() {
+    let scratch = Scratch::new("windows");
+    let config = scratch.write("policy.yaml", WINDOWS);
+    let server = Server::start(&["--config", path_str(&config)]);
+    let http = server.http;
+    let answers = tokio::task::spawn_blocking(move || {
+        (0..3)
+            .map(|_| post_json(http, "/v1/check", &check_body("win")))
+            .collect::<Vec<_>>()
+    });
+    let answers = answers.await.unwrap();
+    assert_eq!(answers[0].status, 200, "{}", answers[0].body);
+    assert_eq!(answers[1].json()["limits"][0]["remaining"], 0);
+    assert_eq!(
+        answers[1].header("ratelimit-policy"),
+        Some(r#""hourly";q=2;w=3600"#)
+    );
+    assert_eq!(answers[2].status, 429);
+    // The window started with the server: its end is at most an hour away.
+    let retry: u64 = answers[2].header("retry-after").unwrap().parse().unwrap();
+    assert!((3_500..=3_600).contains(&retry), "Retry-After {retry}");
+
+    let request = |tenant: &str, hits| RateLimitRequest {
+        domain: "api".to_owned(),
+        descriptors: vec![descriptor(&[("tenant", tenant)])],
+        hits_addend: hits,
+    };
+    let response = should_rate_limit(&server, request("t", 2)).await.unwrap();
+    assert_eq!(response.overall_code, Code::Ok as i32);
+    let status = &response.statuses[0];
+    let limit = status.current_limit.as_ref().unwrap();
+    assert_eq!(
+        (limit.requests_per_unit, limit.unit),
+        (3, 2),
+        "3 per minute"
+    );
+    assert_eq!(status.limit_remaining, 1);
+    let response = should_rate_limit(&server, request("t", 2)).await.unwrap();
+    assert_eq!(response.overall_code, Code::OverLimit as i32);
+    // Rejected, so nothing was charged: one more still fits.
+    let response = should_rate_limit(&server, request("t", 1)).await.unwrap();
+    assert_eq!(response.overall_code, Code::Ok as i32);
+    assert_eq!(response.statuses[0].limit_remaining, 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envoy_rls_over_grpc() {
     let scratch = Scratch::new("grpc");

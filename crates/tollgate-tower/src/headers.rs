@@ -57,10 +57,12 @@ pub fn reset_secs(decision: &Decision) -> u64 {
         return ceil_secs(wait);
     }
     let reset = decision.reset_after();
-    if decision.remaining() > 0 {
+    let limit = decision.limit();
+    // A window with nothing left frees room only as it moves on: the reset is the wait, to
+    // the next window for a fixed one (for a sliding one, an upper bound on it).
+    if decision.remaining() > 0 || limit.algorithm().is_window() {
         return ceil_secs(reset);
     }
-    let limit = decision.limit();
     let rate = limit.refill();
     let others = u128::from(limit.capacity() - 1);
     // Floor of the time `others` tokens take: subtracted from a reset that was rounded up, the
@@ -139,10 +141,17 @@ pub fn rate_limit_policy_value<'a>(
             name,
             [
                 ("q", limit.capacity()),
-                ("w", ceil_secs(limit.time_to_full())),
+                ("w", ceil_secs(policy_window(limit))),
             ],
         )
     }))
+}
+
+/// The `w` of a limit's policy item: the window of a window limit (what the draft's quota
+/// window means), and for a token bucket the time it takes to refill from empty, over which
+/// it admits at most its capacity plus that refill.
+fn policy_window(limit: &Limit) -> Duration {
+    limit.window().unwrap_or_else(|| limit.time_to_full())
 }
 
 /// The `RateLimit-Policy` value of one limit, made once per thread for as long as the answers
@@ -367,6 +376,26 @@ mod tests {
         let (policy, ratelimit) = rate_limit_headers([("a", &da), ("b", &db)]).unwrap();
         assert_eq!(policy, r#""a";q=20;w=2, "b";q=100;w=60"#);
         assert_eq!(ratelimit, r#""a";r=19;t=1, "b";r=99;t=1"#);
+    }
+
+    #[test]
+    fn a_window_limit_names_its_window_and_its_reset() {
+        let clock = ManualClock::new();
+        clock.advance(Duration::from_secs(15));
+        let limit = Limit::sliding_window(100, Duration::from_secs(60)).unwrap();
+        let limiter: RateLimiter<Box<str>, ManualClock> = RateLimiter::new(limit, clock.clone());
+        let d = limiter.check_n("k", 100).unwrap();
+        let (policy, ratelimit) = rate_limit_headers([("w", &d)]).unwrap();
+        // w is the window, not the two windows a sliding count takes to drop to nothing.
+        assert_eq!(policy, r#""w";q=100;w=60"#);
+        assert_eq!(ratelimit, r#""w";r=0;t=105"#);
+        let limit = Limit::fixed_window(10, Duration::from_secs(60)).unwrap();
+        let limiter: RateLimiter<Box<str>, ManualClock> = RateLimiter::new(limit, clock);
+        let d = limiter.check_n("k", 10).unwrap();
+        // Emptied: room comes back when the window ends, 45 s on.
+        assert_eq!(reset_secs(&d), 45);
+        let denied = limiter.check("k").unwrap();
+        assert_eq!(retry_after_secs(&denied), Some(45));
     }
 
     #[test]

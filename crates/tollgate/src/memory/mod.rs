@@ -16,7 +16,9 @@
 //! ...), for the first 2^55 ns (417 days) of the clock's epoch. Rates such as `3/s` also carry a
 //! sub-nanosecond remainder; such a bucket, or one full again later than that, keeps its exact
 //! state in the shard's spill table, under a second copy of its key (counted in
-//! [`MemoryStats::spilled`]). Keys are stored as given (use `u64` or `Box<str>` rather than
+//! [`MemoryStats::spilled`]). Window limits use the same state: a fixed window's always fits
+//! the slot, and a sliding window's does until it has a previous window's count to keep, which
+//! takes the remainder's place (see [`Algorithm`](crate::Algorithm)). Keys are stored as given (use `u64` or `Box<str>` rather than
 //! `String` to save bytes).
 //!
 //! A slot is nothing more: no control byte, no stored hash. The table is open addressing with
