@@ -125,6 +125,10 @@ fn algorithm_of(
         "algorithm \"concurrency\" (in-flight leases) is not available in this release: use \
          token_bucket, gcra, fixed_window or sliding_window"
             .to_owned()
+    } else if algorithm.value == "sliding_log" {
+        "algorithm \"sliding_log\" (a log of every request) is not available in this release: \
+         sliding_window counts the same window in two counters, weighing the previous one"
+            .to_owned()
     } else {
         format!(
             "unknown algorithm {:?}: use token_bucket (the default), gcra, fixed_window or \

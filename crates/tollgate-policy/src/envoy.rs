@@ -114,6 +114,8 @@ struct Importer {
     limits: Vec<Out>,
     names: HashSet<String>,
     notes: Vec<String>,
+    /// Limits become fixed windows rather than token buckets.
+    windows: bool,
 }
 
 /// Converts the envoyproxy/ratelimit configuration `text` (named `file` in errors and notes)
@@ -125,12 +127,45 @@ struct Importer {
 /// `domain`, a descriptor without `key`), with its position; also when the result would not
 /// validate (a rate tollgate cannot represent), which names the limit.
 pub fn import_envoy(file: &str, text: &str) -> Result<EnvoyImport, Error> {
+    import_envoy_with(file, text, ImportOptions::default())
+}
+
+/// How [`import_envoy_with`] expresses Envoy's limits.
+#[derive(Debug, Clone, Copy, Default)]
+#[non_exhaustive]
+pub struct ImportOptions {
+    fixed_windows: bool,
+}
+
+impl ImportOptions {
+    /// Each `N` per `unit` becomes `algorithm: fixed_window`, `limit: N`, `window: 1<unit>`:
+    /// Envoy's own counting (on Redis, whose clock is Unix time, the windows start where
+    /// Envoy's do), double burst at a window's edge included. Without it, a token bucket of
+    /// capacity `N` refilled at `N` per unit: the same long-run rate, no double burst.
+    #[must_use]
+    pub fn fixed_windows(mut self, yes: bool) -> Self {
+        self.fixed_windows = yes;
+        self
+    }
+}
+
+/// [`import_envoy`] with `options`.
+///
+/// # Errors
+///
+/// As [`import_envoy`].
+pub fn import_envoy_with(
+    file: &str,
+    text: &str,
+    options: ImportOptions,
+) -> Result<EnvoyImport, Error> {
     let config: Config = parse_as(file, text, false)?;
     let mut importer = Importer {
         domain: config.domain.clone(),
         limits: Vec::new(),
         names: HashSet::new(),
         notes: Vec::new(),
+        windows: options.fixed_windows,
     };
     for field in config.other.keys() {
         importer.note("", format!("unknown field `{field}` ignored"));
@@ -142,13 +177,15 @@ pub fn import_envoy(file: &str, text: &str) -> Result<EnvoyImport, Error> {
     compile(&format!("{file} (imported)"), &policy)?;
     let mut notes = importer.notes;
     if !importer.limits.is_empty() {
-        notes.insert(
-            0,
+        let counting = if importer.windows {
+            "envoy counts requests in calendar fixed windows; each limit becomes a fixed_window \
+             of N per unit (on Redis, windows start on the same Unix-time boundaries)"
+        } else {
             "envoy counts requests in calendar fixed windows; each limit becomes a token bucket \
              of capacity N refilled at N per unit (same long-run rate, no double burst at window \
-             edges)"
-                .to_owned(),
-        );
+             edges; --fixed-windows keeps envoy's counting)"
+        };
+        notes.insert(0, counting.to_owned());
         notes.insert(
             1,
             "envoy matches descriptor entries in order; tollgate's exact limits match the same \
@@ -505,8 +542,10 @@ impl Importer {
                 let _ = writeln!(out, "    key: [{}]", keys.join(", "));
             }
             out.push_str("    exact: true\n");
-            let _ = writeln!(out, "    capacity: {}", limit.capacity);
-            let _ = writeln!(out, "    refill: {}", limit.refill);
+            if self.windows {
+                out.push_str("    algorithm: fixed_window\n");
+            }
+            self.render_params(&mut out, "    ", limit.capacity, &limit.refill);
             if limit.shadow {
                 out.push_str("    mode: shadow\n");
             }
@@ -515,12 +554,30 @@ impl Importer {
                 for (name, (k, v), capacity, refill) in &limit.overrides {
                     let _ = writeln!(out, "      - name: {}", q(name));
                     let _ = writeln!(out, "        when: {{{}: {}}}", q(k), q(v));
-                    let _ = writeln!(out, "        capacity: {capacity}");
-                    let _ = writeln!(out, "        refill: {refill}");
+                    self.render_params(&mut out, "        ", *capacity, refill);
                 }
             }
         }
         out
+    }
+}
+
+impl Importer {
+    /// `N` per period as the algorithm takes it: capacity and refill, or limit and window.
+    fn render_params(&self, out: &mut String, indent: &str, n: u64, refill: &str) {
+        if !self.windows {
+            let _ = writeln!(out, "{indent}capacity: {n}");
+            let _ = writeln!(out, "{indent}refill: {refill}");
+            return;
+        }
+        let period = refill.split_once('/').map_or(refill, |(_, period)| period);
+        let count = if period.starts_with(|c: char| c.is_ascii_digit()) {
+            ""
+        } else {
+            "1"
+        };
+        let _ = writeln!(out, "{indent}limit: {n}");
+        let _ = writeln!(out, "{indent}window: {count}{period}");
     }
 }
 

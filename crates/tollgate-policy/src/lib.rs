@@ -46,7 +46,7 @@ pub mod watch;
 pub use compile::compile;
 
 pub use engine::{Costs, EngineOptions, LimitOutcome, Outcome, PolicyEngine, PolicyStatus};
-pub use envoy::import_envoy;
+pub use envoy::{ImportOptions, import_envoy, import_envoy_with};
 pub use error::{Diagnostic, Error};
 pub use policy::{Effect, Exemption, FailureMode, LimitDef, Matched, Mode, Override, Policy};
 pub use wall::{ManualWallClock, SystemWallClock, UnixTime, WallClock};

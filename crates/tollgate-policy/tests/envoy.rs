@@ -315,3 +315,37 @@ fn envoy_domain_cannot_inject_policy_fields() {
     let domain = "x\nversion: injected\r\nexemptions: []\u{2028}#";
     assert_eq!(matched(&p, domain, &[("user", "u")]).len(), 1);
 }
+
+/// With fixed windows, every limit and override counts as Envoy does: N per unit, in windows.
+#[test]
+fn fixed_windows_keep_envoys_counting() {
+    let options = tollgate_policy::ImportOptions::default().fixed_windows(true);
+    let imported = tollgate_policy::import_envoy_with("ratelimit.yaml", GATEWAY, options)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let policy = compile("out.yaml", &imported.policy)
+        .unwrap_or_else(|e| panic!("{e}\n{}", imported.policy));
+    assert!(
+        imported.notes[0].contains("fixed_window"),
+        "{:?}",
+        imported.notes
+    );
+    for limit in policy.limits() {
+        assert_eq!(limit.algorithm(), "fixed_window", "{}", limit.name());
+    }
+    assert_eq!(
+        matched(&policy, "edge_proxy", &[("client_id", "mobile-app")]),
+        ["edge_proxy.client_id|mobile-app#mobile-app fixed_window limit 600 window 1m"]
+    );
+    assert_eq!(
+        matched(&policy, "edge_proxy", &[("remote_address", "10.0.0.1")]),
+        ["edge_proxy.remote_address|10.0.0.1#10.0.0.1 fixed_window limit 1 window 1s"]
+    );
+    // Without the option, the same file makes token buckets of the same rate.
+    let (_, buckets) = import(GATEWAY);
+    assert!(
+        buckets
+            .limits()
+            .iter()
+            .all(|l| l.algorithm() == "token_bucket")
+    );
+}

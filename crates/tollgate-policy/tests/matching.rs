@@ -428,7 +428,8 @@ fn the_documented_example_is_a_valid_policy() {
     let end = doc[start..].find("```").map_or(doc.len(), |i| start + i);
     let p = compile("docs/policy.md", &doc[start..end]).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(p.version(), "2026-11-30.1");
-    assert_eq!(p.limits().len(), 4);
+    assert_eq!(p.limits().len(), 5);
+    assert_eq!(p.limits()[4].algorithm(), "sliding_window");
     let pay = [
         ("route", "/v1/payments"),
         ("method", "POST"),

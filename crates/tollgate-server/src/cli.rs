@@ -60,6 +60,10 @@ enum ImportFrom {
     Envoy {
         /// The configuration file.
         file: PathBuf,
+        /// Count as Envoy does, in fixed windows of N per unit, rather than in token buckets
+        /// of the same rate (which have no double burst at a window's edge).
+        #[arg(long)]
+        fixed_windows: bool,
     },
 }
 
@@ -278,8 +282,12 @@ pub fn main() -> ExitCode {
         Command::Check(args) => check(args),
         Command::Bench(args) => crate::loadgen::main(&args),
         Command::Import {
-            from: ImportFrom::Envoy { file },
-        } => import_envoy(&file),
+            from:
+                ImportFrom::Envoy {
+                    file,
+                    fixed_windows,
+                },
+        } => import_envoy(&file, fixed_windows),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -353,10 +361,11 @@ fn check(args: CheckArgs) -> Result<()> {
     Ok(())
 }
 
-fn import_envoy(file: &Path) -> Result<()> {
+fn import_envoy(file: &Path, fixed_windows: bool) -> Result<()> {
     let text =
         std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))?;
-    let imported = tollgate_policy::import_envoy(&file.display().to_string(), &text)
+    let options = tollgate_policy::ImportOptions::default().fixed_windows(fixed_windows);
+    let imported = tollgate_policy::import_envoy_with(&file.display().to_string(), &text, options)
         .map_err(|err| anyhow!("{err}"))?;
     print!("{}", imported.policy);
     for note in &imported.notes {

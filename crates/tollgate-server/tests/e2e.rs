@@ -1208,6 +1208,12 @@ fn validate_check_and_import_from_the_command_line() {
     let imported = scratch.write("imported.yaml", &stdout);
     let (status, _, stderr) = run(&["validate", path_str(&imported)]);
     assert!(status.success(), "the import validates: {stderr}");
+    let (status, stdout, stderr) = run(&["import", "envoy", path_str(&envoy), "--fixed-windows"]);
+    assert!(status.success(), "{stderr}");
+    assert!(
+        stdout.contains("algorithm: fixed_window\n    limit: 10\n    window: 1s\n"),
+        "{stdout}"
+    );
 }
 
 #[test]
