@@ -34,6 +34,29 @@
 //!   all-or-nothing ([`MemoryStore::check_all`]); a `request_id` makes a retry free.
 //! * A [`Decision`] reports `remaining` (floored), `retry_after` (exact, rounded up) and
 //!   `reset_after`.
+//!
+//! # Algorithms
+//!
+//! A [`Limit`] is a token bucket by default ([`Limit::new`]); [`Limit::fixed_window`] and
+//! [`Limit::sliding_window`] count at most `limit` per window instead (see [`Algorithm`]). All
+//! three decide through the same [`Decision`] and live in the same stores.
+//!
+//! ```
+//! use std::time::Duration;
+//! use tollgate::{Limit, ManualClock, RateLimiter};
+//!
+//! let clock = ManualClock::new();
+//! let window = Limit::sliding_window(10, Duration::from_secs(1))?;
+//! let limiter = RateLimiter::new(window, clock.clone());
+//! assert!(limiter.check_n("k", 10)?.allowed());
+//! // A quarter into the next window, the last one still weighs three quarters: 7.5 of 10.
+//! clock.advance(Duration::from_millis(1_250));
+//! let decision = limiter.check_n("k", 3)?;
+//! assert!(!decision.allowed());
+//! assert_eq!(decision.remaining(), 2);
+//! assert_eq!(decision.retry_after(), Some(Duration::from_millis(50)));
+//! # Ok::<(), tollgate::Error>(())
+//! ```
 
 pub mod bucket;
 mod clock;
