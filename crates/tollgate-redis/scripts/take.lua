@@ -5,6 +5,9 @@
 -- as if it had its own call, in the order given; a request whose keys hold something that is
 -- not ours fails alone (status -2), never the call.
 --
+-- A bucket is a token bucket or a window limit (a fixed or a sliding window, the core's
+-- `window.rs`); one request may mix both, and is still decided all or nothing in this one call.
+--
 -- A request can also peek (decide without writing) or refund: give back what an earlier take
 -- charged, when a request spanning several cluster slots was charged in one slot and rejected in
 -- another. Refunding the exact cost restores the balance the bucket would have had uncharged
@@ -14,19 +17,22 @@
 -- ARGV[1]      now: "" to use the server's TIME (one clock for every client), or a caller's time
 --              as "micros" or "micros:nanos" (nanos 1 to 999 past that microsecond)
 -- ARGV[2]      m, the number of requests in this call
--- ARGV[3]      "1" when a bucket's key is in the call more than once (in two requests, or as
---              one request's bucket and another's old bucket), else "": each bucket is then
---              read and written once (see `cache` below); the decisions are the same either way
+-- ARGV[3]      the call's flags: "1" when a token bucket's key is in the call more than once (in
+--              two requests, or as one request's bucket and another's old bucket) and no window
+--              bucket has a token bucket's key: each token bucket is then read and written once
+--              (see `cache` below); the decisions are the same either way. "w" when the call
+--              holds a window bucket (its functions are made only then); "w1" both; else ""
 -- ARGV[4]      how the requests are laid out, so that the usual ones leave out what they all
 --              share: "1" when every request of the call is a plain take (one bucket, no
 --              request id, mode "take"), each sending its bucket's figures and nothing before
 --              them; "s" when, moreover, no bucket's key is in the call twice (ARGV[3] ""), none
---              carries an old bucket over and the time is a whole microsecond: the same
---              arguments, decided by the straight loop below; "n" when every request is a take
---              without a request id, each sending its number of buckets, then their figures;
---              else "", each request as below. Each argument costs Redis about 1.2k
---              instructions (read, made an object, then a Lua string, then freed): the four a
---              plain take would otherwise send cost a tenth of a decision in calls of 32
+--              carries an old bucket over, none is a window and the time is a whole
+--              microsecond: the same arguments, decided by the straight loop below; "n" when
+--              every request is a take without a request id, each sending its number of
+--              buckets, then their figures; else "", each request as below. Each argument costs
+--              Redis about 1.2k instructions (read, made an object, then a Lua string, then
+--              freed): the four a plain take would otherwise send cost a tenth of a decision in
+--              calls of 32
 -- then, per request (with ARGV[4] "1" or "s" its bucket's figures only; with "n", n and the
 -- figures):
 --   n            the number of buckets
@@ -36,13 +42,18 @@
 --   mode         "take"; "peek" to decide without writing anything; "refund" to give back
 --                `cost` from each bucket and forget the request's record, only if the record
 --                is still this attempt's
---   per bucket, one 24-byte argument: three little-endian doubles, a, cap and cost
---     a    units gained per microsecond
---     cap  capacity in units (capacity * units per token)
---     cost cost in units (tokens * units per token)
---   or 64 bytes when the bucket carries over an old one (its limit changed): five more doubles,
---     the old a, cap and p (units per token), the new p, and the whole microseconds since the
---     change
+--   per bucket, one argument of little-endian doubles, told apart by its length:
+--     24 bytes, a token bucket: a, cap and cost
+--       a    units gained per microsecond
+--       cap  capacity in units (capacity * units per token)
+--       cost cost in units (tokens * units per token)
+--     64 bytes, a token bucket carrying an old one over (its limit changed): five more doubles,
+--       the old a, cap and p (units per token), the new p, and the whole microseconds since the
+--       change
+--     32 bytes, a window: kind (1 fixed, 2 sliding), W (the window in milliseconds), N (the
+--       most it admits per window) and cost (requests, 1 to N)
+--     40 bytes, a window in a refund: the same, then the window the take charged (its index k,
+--       as the take replied it)
 --   (binary because `tonumber` on a decimal string runs `strtod` twice: read that way, the three
 --   figures cost about a seventh of Redis' instructions per decision; each is an integer below
 --   2^51, so its double is exact)
@@ -50,12 +61,33 @@
 -- (in bucket order), then its idempotency record key when it has an id. All keys of one call
 -- are in one cluster slot.
 --
--- A bucket is one string: the microsecond at which it is full again, and, when a > 1, the
--- sub-microsecond remainder: "full" or "full:frac", meaning the bucket is full at
+-- A token bucket is one string: the microsecond at which it is full again, and, when a > 1,
+-- the sub-microsecond remainder: "full" or "full:frac", meaning the bucket is full at
 -- (full * a - frac) units. Absent means full. The key expires exactly when the bucket is full,
 -- so expiry loses nothing. A caller's time between two microseconds is read as the units it
 -- holds rounded down (fewer tokens) and charged from the units rounded up (full later): never
 -- more than the exact answer.
+--
+-- A window bucket is one string too: "wK:CUR" or "wK:CUR:PREV". Window K covers milliseconds
+-- [K*W, (K+1)*W) of the request's timeline (TIME, or the caller's time), read to the
+-- millisecond: floor(now / 1000) ms, so a caller's nanoseconds never move a request to
+-- another window. CUR is what window K admitted, PREV what window K-1 did (sliding windows
+-- only; absent means 0). Absent means nothing counted. A fixed window admits `cost` in its
+-- window j when CUR + cost <= N (a later window starts from 0); a sliding one, E milliseconds
+-- into window j, when PREV * (W - E) + (CUR + cost) * W <= N * W: integers, compared exactly.
+-- A state for a window later than the request's (a caller's clock gone back) decides the
+-- request in that window, at its start: going back frees nothing. The key expires when the
+-- window frees it: at the end of window K (K+1 for a sliding window whose CUR is not 0), with
+-- the same least TTL as a token bucket on a caller's time. A window's figures are the core's:
+-- retry and reset are waits to a millisecond boundary, replied in whole microseconds from the
+-- microsecond `now`, from which the caller takes `nanos` for the exact nanoseconds.
+--
+-- A refund of a window gives back `cost` from the count the take charged, only while that
+-- count is still in the state (the same window K, or, for a sliding window, PREV once the
+-- state has moved on to K+1), never below 0; otherwise nothing (the window has passed, and
+-- what it admitted can no longer be counted against anyone). It never moves the state back:
+-- a count emptied by a refund stays in its window, so a request from before it (a clock gone
+-- back) is still counted there.
 --
 -- A carried-over bucket is decided on the emptier of itself and its old bucket converted: the
 -- old one's deficit at the change (now - since), its balance clamped to the new capacity (in
@@ -64,32 +96,41 @@
 -- absent (expired: full by now), carries nothing: the new one starts full. A policy change
 -- thus never adds tokens to a bucket still refilling, and charges made under the old
 -- parameters by processes that changed later still count. Only new keys are written; the old
--- one expires on its own.
+-- one expires on its own. Windows carry nothing over (the caller sends no old key for them).
 --
 -- A record is "content|attempt|expires|figures": the request's first reply, for retries. A
 -- retry that replays it clears `attempt`: a reply now rests on that charge, so the first
 -- attempt's refund, if it comes later, must leave it (under-admitting, never over-admitting).
 --
--- Every figure stays below 2^53 (the caller refuses limits whose cap passes 2^51), so the
--- doubles Lua computes with hold them exactly; a deficit past the capacity (a caller's clock
--- gone back) is replied as the capacity, so every figure replied stays below 2^53 too.
+-- Every figure stays below 2^53 (the caller refuses limits whose cap passes 2^51, and windows
+-- longer than 2^50 microseconds or whose N * W reaches 2^53), so the doubles Lua computes with
+-- hold them exactly; a deficit past the capacity (a caller's clock gone back) is replied as the
+-- capacity, so every figure replied stays below 2^53 too.
 --
 -- Reply: one string, the call's integers one after another, each as a little-endian double
 -- (exact: every figure is below 2^53). A list of Redis integers costs the client's parser about
 -- 1.2k instructions per integer, a string about that once; a double is copied into the string
 -- whole, where packing an integer shifts out its bytes one by one, which cost Redis more than
--- the list did. Per request, 1 + 2n integers:
---   { status, allowed_1, deficit_1, ..., allowed_n, deficit_n }
+-- the list did. Per request, 1 + 2n + 4w integers, w its number of window buckets:
+--   { status, allowed_1, figure_1, ..., allowed_n, figure_n,
+--     then per window bucket, in bucket order: retry, reset, window, nanos }
 --   status 1: every bucket allowed and charged; 0: rejected, nothing charged;
 --          2: a retry of a recorded request, its first reply returned, nothing charged;
---         -1: the request id was recorded for different content (buckets reported as 0, 0);
---         -2: a bucket or record key holds something that is not ours (buckets 0, 0; nothing
---             written).
---   A refund answers 1 and each bucket's deficit after it, or 0 when the record is no longer
---   this attempt's (nothing given back).
---   deficit_i: units bucket i is short of full afterwards (when rejected: as it stands, since
---   nothing was charged), at the request's time rounded down to a whole unit: at most cap, or
---   cap + 1 when charged from a caller's time between two units.
+--         -1: the request id was recorded for different content (every figure 0);
+--         -2: a bucket or record key holds something that is not ours (every figure 0;
+--             nothing written).
+--   A refund answers 1, or 0 when the record is no longer this attempt's (nothing given back);
+--   a token bucket then replies its deficit after the refund (0, 0 when nothing was given
+--   back), a window its standing after the refund (allowed 1, as a balance).
+--   figure_i of a token bucket, its deficit: units bucket i is short of full afterwards (when
+--   rejected: as it stands, since nothing was charged), at the request's time rounded down to a
+--   whole unit: at most cap, or cap + 1 when charged from a caller's time between two units.
+--   figure_i of a window, its remaining: requests the window still admits afterwards (when the
+--   request is rejected, a window that would have allowed reports its standing uncharged).
+--   retry: microseconds from `now` until `cost` would pass (0 when allowed); reset:
+--   microseconds from `now` until the window counts nothing; window: the window K the bucket
+--   was decided in (and charged to, when charged); nanos: the request's `nanos`, which the
+--   durations are to be shortened by (a replay's are its first attempt's).
 
 -- Library functions held in locals: a global is two table lookups on every use. The hot path
 -- also avoids calls where an operator does (`x % 1` for the fraction, comparisons for max and
@@ -272,8 +313,8 @@ local function deficit_at(full, frac, a, lo)
   return 0
 end
 
--- How the call reads and writes its buckets: `state_of(key)` as `read`, `store(key, full,
--- frac)` as `send`, each bucket on its own.
+-- How the call reads and writes its token buckets: `state_of(key)` as `read`, `store(key,
+-- full, frac)` as `send`, each bucket on its own.
 --
 -- When a bucket's key is in the call more than once (ARGV[3]: concurrent requests on one hot
 -- key, batched into one call), each bucket is instead read from Redis once and written once,
@@ -283,12 +324,16 @@ end
 -- 3j - 2, 3j - 1 and 3j hold its state as the call has left it (the microsecond it is full
 -- again, 0 when absent: full, false when the key holds anything else; its remainder) and its
 -- key once the call has decided it (false before). Records are never cached: their keys start
--- with `{`, which no bucket's does. Calls without repeated keys make neither the table nor
+-- with `{`, which no bucket's does, and neither are windows: they are read and written at
+-- once, and the caller leaves the cache off when a window's key is also a token bucket's, so
+-- that no key is both cached and not. Calls without repeated keys make neither the table nor
 -- these two functions: Lua's collector charges each byte a call allocates, and they cost
 -- about 4k instructions per decision when every key is read once anyway.
+local flags = ARGV[3]
+local windows = flags == 'w' or flags == 'w1'
 local state_of, store = read, send
 local cache
-if ARGV[3] ~= '' then
+if flags == '1' or flags == 'w1' then
   cache = {}
   state_of = function(key)
     local j = cache[key]
@@ -358,6 +403,183 @@ local function carried(key, arg)
   return deficit - since * a
 end
 
+-- Window buckets (see the header), made only when the call holds one (ARGV[3]), so that the
+-- calls of token buckets alone make none of these functions. Every figure is an integer below
+-- 2^53: N * W is (the caller refuses limits where it is not), so is each product compared with
+-- it unless the state's counts are past N, and then the product, rounded or not, stays above
+-- N * W, so every comparison still answers exactly.
+local read_window, send_window, window_take, window_balance
+if windows then
+  -- The request's millisecond, the same for every nanosecond of its microsecond.
+  local now_ms = floor_div(now, 1000)
+
+  -- Microseconds from `now` to `ms` milliseconds into window `window + ahead`, 0 when that
+  -- moment has passed (the caller subtracts `nanos`, down to 0).
+  local function till(w, window, ahead, ms)
+    local wait = ((window + ahead) * w + ms) * 1000 - now
+    if wait > 0 then
+      return wait
+    end
+    return 0
+  end
+
+  -- The window a request falls in for a bucket in state (k, cur, prev) (k nil: absent), the
+  -- milliseconds into it, and that window's previous count (sliding only) and its own. A state
+  -- of a later window (a clock gone back) takes the request to that window's start.
+  local function position(w, sliding, k, cur, prev)
+    local j = floor_div(now_ms, w)
+    local e = now_ms - j * w
+    if not k then
+      return j, e, 0, 0
+    end
+    if k > j then
+      j, e = k, 0
+    end
+    if j == k then
+      if sliding then
+        return j, e, prev, cur
+      end
+      return j, e, 0, cur
+    end
+    if sliding and j == k + 1 then
+      return j, e, cur, 0
+    end
+    return j, e, 0, 0
+  end
+
+  -- The wait until a sliding window counts nothing: two windows after one holding a count of
+  -- its own, one after one holding only its previous window's.
+  local function sliding_reset(w, window, p, c)
+    if c > 0 then
+      return till(w, window, 2, 0)
+    end
+    if p > 0 then
+      return till(w, window, 1, 0)
+    end
+    return 0
+  end
+
+  -- The window bucket at `key` as Redis holds it: (k, cur, prev); nil when absent; false when
+  -- the key holds anything else (a token bucket's state included).
+  read_window = function(key)
+    local state = redis.pcall('GET', key)
+    if not state then
+      return nil
+    end
+    if type(state) ~= 'string' then
+      return false
+    end
+    local k, cur, prev = match(state, '^w(%d+):(%d+):?(%d*)$')
+    if not k then
+      return false
+    end
+    k, cur, prev = tonumber(k), tonumber(cur), tonumber(prev) or 0
+    if k >= max_exact or cur >= max_exact or prev >= max_exact then
+      return false
+    end
+    return k, cur, prev
+  end
+
+  -- Writes window k's counts at `key`, expiring when the window frees them (see the header).
+  send_window = function(key, sliding, w, k, cur, prev)
+    local value
+    local ends = k + 1
+    if sliding and prev > 0 then
+      value = format('w%d:%d:%d', k, cur, prev)
+    else
+      value = format('w%d:%d', k, cur)
+    end
+    if sliding and cur > 0 then
+      ends = k + 2
+    end
+    local ttl = ceil_div(ends * w * 1000 - now, 1000)
+    if ttl < min_ttl_ms then
+      ttl = min_ttl_ms
+    end
+    redis.call('SET', key, value, 'PX', format('%d', ttl))
+  end
+
+  -- Takes `cost` from a window bucket of `kind` in state (k, cur, prev): allowed (1 or 0),
+  -- remaining, retry and reset (microseconds), the window decided in, and, when allowed, the
+  -- counts to store for it (cur, prev). As the core's `window::take`.
+  window_take = function(kind, w, n, cost, k, cur, prev)
+    local sliding = kind == 2
+    local window, e, p, c = position(w, sliding, k, cur, prev)
+    if not sliding then
+      local reset = till(w, window, 1, 0)
+      if c + cost <= n then
+        return 1, n - c - cost, 0, reset, window, c + cost, 0
+      end
+      -- cost <= N, so the next window admits it.
+      local left = n - c
+      if left < 0 then
+        left = 0
+      end
+      return 0, left, reset, reset, window
+    end
+    local room = n * w
+    local weighted = p * (w - e) + c * w
+    local after = weighted + cost * w
+    if after <= room then
+      return 1, floor_div(room - after, w), 0, till(w, window, 2, 0), window, c + cost, p
+    end
+    local remaining = 0
+    if weighted < room then
+      remaining = floor_div(room - weighted, w)
+    end
+    -- The first millisecond the previous window's weight has fallen enough: in this window,
+    -- p * (W - e) <= (N - c - cost) * W, or failing that in the next, where this window's
+    -- count is the previous one: c * (W - e) <= (N - cost) * W (always by its end).
+    local retry
+    local left = n - c - cost
+    if left >= 0 and p > 0 then
+      local q = floor_div(left * w, p)
+      if q > 0 then
+        if q > w then
+          q = w
+        end
+        retry = till(w, window, 0, w - q)
+      end
+    end
+    if not retry then
+      local at_ms = 0
+      if c > 0 then
+        local q = floor_div((n - cost) * w, c)
+        if q > w then
+          q = w
+        end
+        at_ms = w - q
+      end
+      retry = till(w, window, 1, at_ms)
+    end
+    return 0, remaining, retry, sliding_reset(w, window, p, c), window
+  end
+
+  -- A window bucket's standing, uncharged: remaining, reset and the window it is read in. As
+  -- the core's `window::balance`.
+  window_balance = function(kind, w, n, k, cur, prev)
+    local sliding = kind == 2
+    local window, e, p, c = position(w, sliding, k, cur, prev)
+    if not sliding then
+      local reset = 0
+      if c > 0 then
+        reset = till(w, window, 1, 0)
+      end
+      local left = n - c
+      if left < 0 then
+        left = 0
+      end
+      return left, reset, window
+    end
+    local room, weighted = n * w, p * (w - e) + c * w
+    local remaining = 0
+    if weighted < room then
+      remaining = floor_div(room - weighted, w)
+    end
+    return remaining, sliding_reset(w, window, p, c), window
+  end
+end
+
 -- A record's fields: content, attempt, expires (microseconds), figures; nil when unreadable.
 local function parse_record(seen)
   local content, attempt, expires, figures = match(seen, '^([^|]*)|([^|]*)|([^|]*)|(.*)$')
@@ -372,16 +594,36 @@ local reply = {}
 -- The states of the request being decided, its bucket i's (full, frac) at 2i - 1 and 2i: one
 -- table made once per call (a table per request cost a tenth of a decision's instructions, and
 -- each table a call makes costs it an allocation and its collection). Each request writes
--- indexes 1..2n before reading them. Other figures are kept in the reply as it is built.
+-- indexes 1..2n before reading them. Other figures are kept in the reply as it is built. A
+-- window bucket's (k, cur) are there too, and, in tables made only for calls with windows,
+-- its PREV (`prevs`), the index of its four figures past the pairs in the reply (`extra`,
+-- false for a token bucket) and the counts a charge stores (`nexts`, as `states`).
 local states = {}
+local extra, prevs, nexts
+if windows then
+  extra, prevs, nexts = {}, {}, {}
+end
 local k = 0 -- keys used so far
 local v = 4 -- arguments used so far
 local layout = ARGV[4]
 
--- Answers request `at` with `status` and zeros for its n buckets.
-local function zeros(at, status, n)
+-- Answers request `at` with `status` and `width` zeros.
+local function zeros(at, status, width)
   reply[at] = status
-  for i = 1, 2 * n do reply[at + i] = 0 end
+  for i = 1, width do reply[at + i] = 0 end
+end
+
+-- Answers window bucket i of request `at` (its figures at `x`) with its standing in state
+-- (k, cur, prev): allowed, uncharged. Made, as the other window functions, only for calls with
+-- windows.
+local standing
+if windows then
+  standing = function(at, i, x, arg, k, cur, prev)
+    local kind, w, n = unpack('<ddd', arg)
+    local remaining, reset, window = window_balance(kind, w, n, k, cur, prev)
+    reply[at + 2 * i - 1], reply[at + 2 * i] = 1, remaining
+    reply[x], reply[x + 1], reply[x + 2], reply[x + 3] = 0, reset, window, nanos
+  end
 end
 
 for _ = 1, tonumber(ARGV[2]) do
@@ -401,29 +643,41 @@ for _ = 1, tonumber(ARGV[2]) do
   local first_key = k
   k = k + n
   local at = #reply + 1
+  -- Figures after the status: a pair per bucket, four more per window.
+  local width = 2 * n
 
   -- Every bucket's state, read before anything is written, so a request with a key that is not
   -- a bucket fails whole.
   local readable = true
   for i = 1, n do
-    local full, frac = state_of(KEYS[first_key + i])
-    if full == false then
-      readable = false
-    end
     local arg = ARGV[params + i]
-    if #arg > 24 then
-      k = k + 1
-      local old = carried(KEYS[k], arg)
-      if old == false then
-        readable = false
-      elseif old > 0 and mode ~= 'refund' then
-        -- The emptier of the two, as a state: `old` units short at the microsecond `now`.
-        local a = unpack('<d', arg)
-        if old > deficit_at(full, frac, a, 0) then
-          local micros = ceil_div(old, a)
-          full, frac = now + micros, micros * a - old
+    local full, frac
+    if windows and (#arg == 32 or #arg == 40) then
+      extra[i] = at + width + 1
+      width = width + 4
+      full, frac, prevs[i] = read_window(KEYS[first_key + i])
+    else
+      if windows then
+        extra[i] = false
+      end
+      full, frac = state_of(KEYS[first_key + i])
+      if #arg > 24 then
+        k = k + 1
+        local old = carried(KEYS[k], arg)
+        if old == false then
+          readable = false
+        elseif old > 0 and mode ~= 'refund' then
+          -- The emptier of the two, as a state: `old` units short at the microsecond `now`.
+          local a = unpack('<d', arg)
+          if old > deficit_at(full, frac, a, 0) then
+            local micros = ceil_div(old, a)
+            full, frac = now + micros, micros * a - old
+          end
         end
       end
+    end
+    if full == false then
+      readable = false
     end
     states[2 * i - 1], states[2 * i] = full, frac
   end
@@ -444,7 +698,7 @@ for _ = 1, tonumber(ARGV[2]) do
   end
 
   if not readable then
-    zeros(at, -2, n)
+    zeros(at, -2, width)
   elseif mode == 'refund' then
     -- Only the attempt that charged gives back, and only while nothing rests on its charge: a
     -- record gone (expired) or claimed by a retry's replay keeps the charge.
@@ -457,28 +711,53 @@ for _ = 1, tonumber(ARGV[2]) do
       ours = recorded ~= nil and recorded ~= '' and recorded == attempt
     end
     if not ours then
-      zeros(at, 0, n)
+      zeros(at, 0, width)
+      for i = 1, n do
+        local x = windows and extra[i]
+        if x then
+          standing(at, i, x, ARGV[params + i], states[2 * i - 1], states[2 * i], prevs[i])
+        end
+      end
     else
       reply[at] = 1
       for i = 1, n do
-        local a, cap, cost = unpack('<ddd', ARGV[params + i])
-        local lo = nanos > 0 and offsets(a) or 0
-        local full, frac = states[2 * i - 1], states[2 * i]
-        local deficit = 0
-        if full then
-          -- Moves the time at which the bucket is full back by `cost` units, exactly, however
-          -- far the request's time is from it.
-          local back = floor_div(frac + cost, a)
-          full, frac = full - back, frac + cost - back * a
-          deficit = deficit_at(full, frac, a, lo)
-          if deficit > 0 then
-            store(KEYS[first_key + i], full, frac)
-          else
-            store(KEYS[first_key + i], 0, 0)
+        local x = windows and extra[i]
+        if x then
+          -- Gives back from the count the take charged, while the state still holds it.
+          local arg = ARGV[params + i]
+          local held, c, p = states[2 * i - 1], states[2 * i], prevs[i]
+          if held and #arg == 40 then
+            local kind, w, _, cost, charged = unpack('<ddddd', arg)
+            local sliding = kind == 2
+            if held == charged and c > 0 then
+              c = max(0, c - cost)
+              send_window(KEYS[first_key + i], sliding, w, held, c, sliding and p or 0)
+            elseif sliding and held == charged + 1 and p > 0 then
+              p = max(0, p - cost)
+              send_window(KEYS[first_key + i], sliding, w, held, c, p)
+            end
           end
+          standing(at, i, x, arg, held, c, p)
+        else
+          local a, cap, cost = unpack('<ddd', ARGV[params + i])
+          local lo = nanos > 0 and offsets(a) or 0
+          local full, frac = states[2 * i - 1], states[2 * i]
+          local deficit = 0
+          if full then
+            -- Moves the time at which the bucket is full back by `cost` units, exactly, however
+            -- far the request's time is from it.
+            local back = floor_div(frac + cost, a)
+            full, frac = full - back, frac + cost - back * a
+            deficit = deficit_at(full, frac, a, lo)
+            if deficit > 0 then
+              store(KEYS[first_key + i], full, frac)
+            else
+              store(KEYS[first_key + i], 0, 0)
+            end
+          end
+          reply[at + 2 * i - 1] = 1
+          reply[at + 2 * i] = min(deficit, cap)
         end
-        reply[at + 2 * i - 1] = 1
-        reply[at + 2 * i] = min(deficit, cap)
       end
       if record then
         redis.call('DEL', record)
@@ -493,15 +772,17 @@ for _ = 1, tonumber(ARGV[2]) do
       if content and expires > now_up then
         replayed = true
         if content ~= fingerprint then
-          zeros(at, -1, n)
+          zeros(at, -1, width)
         else
           reply[at] = 2
           local i = 0
           for field in string.gmatch(figures, '[^,]+') do
-            i = i + 1
-            reply[at + i] = tonumber(field) or 0
+            if i < width then
+              i = i + 1
+              reply[at + i] = tonumber(field) or 0
+            end
           end
-          for j = i + 1, 2 * n do reply[at + j] = 0 end
+          for j = i + 1, width do reply[at + j] = 0 end
           -- This reply rests on the first attempt's charge now: its refund must leave it.
           if recorded ~= '' then
             redis.call('SET', record,
@@ -516,27 +797,41 @@ for _ = 1, tonumber(ARGV[2]) do
       -- went back, and past 2^63 it would not fit Redis' integer reply.
       local all = true
       for i = 1, n do
-        local a, cap, cost = unpack('<ddd', ARGV[params + i])
-        local lo, hi = 0, 0
-        if nanos > 0 then
-          lo, hi = offsets(a)
-        end
-        local deficit = deficit_at(states[2 * i - 1], states[2 * i], a, lo)
-        if deficit + cost <= cap then
-          -- Charged from the request's time rounded up: a bucket full by then is full later.
-          local after = deficit
-          if hi - lo > after then
-            after = hi - lo
+        local x = windows and extra[i]
+        if x then
+          local kind, w, lim, cost = unpack('<dddd', ARGV[params + i])
+          local allowed, remaining, retry, reset, decided, c, p =
+            window_take(kind, w, lim, cost, states[2 * i - 1], states[2 * i], prevs[i])
+          reply[at + 2 * i - 1], reply[at + 2 * i] = allowed, remaining
+          reply[x], reply[x + 1], reply[x + 2], reply[x + 3] = retry, reset, decided, nanos
+          if allowed == 1 then
+            nexts[2 * i - 1], nexts[2 * i] = c, p
+          else
+            all = false
           end
-          reply[at + 2 * i - 1] = 1
-          reply[at + 2 * i] = after + cost
         else
-          all = false
-          if deficit > cap then
-            deficit = cap
+          local a, cap, cost = unpack('<ddd', ARGV[params + i])
+          local lo, hi = 0, 0
+          if nanos > 0 then
+            lo, hi = offsets(a)
           end
-          reply[at + 2 * i - 1] = 0
-          reply[at + 2 * i] = deficit
+          local deficit = deficit_at(states[2 * i - 1], states[2 * i], a, lo)
+          if deficit + cost <= cap then
+            -- Charged from the request's time rounded up: a bucket full by then is full later.
+            local after = deficit
+            if hi - lo > after then
+              after = hi - lo
+            end
+            reply[at + 2 * i - 1] = 1
+            reply[at + 2 * i] = after + cost
+          else
+            all = false
+            if deficit > cap then
+              deficit = cap
+            end
+            reply[at + 2 * i - 1] = 0
+            reply[at + 2 * i] = deficit
+          end
         end
       end
 
@@ -546,9 +841,16 @@ for _ = 1, tonumber(ARGV[2]) do
       elseif all then
         reply[at] = 1
         for i = 1, n do
-          local a = unpack('<d', ARGV[params + i])
-          local lo = nanos > 0 and offsets(a) or 0
-          write(KEYS[first_key + i], reply[at + 2 * i], a, lo)
+          local x = windows and extra[i]
+          if x then
+            local kind, w = unpack('<dd', ARGV[params + i])
+            send_window(KEYS[first_key + i], kind == 2, w, reply[x + 2], nexts[2 * i - 1],
+              nexts[2 * i])
+          else
+            local a = unpack('<d', ARGV[params + i])
+            local lo = nanos > 0 and offsets(a) or 0
+            write(KEYS[first_key + i], reply[at + 2 * i], a, lo)
+          end
         end
       else
         -- Nothing is charged: every bucket reports its balance as it stands, which the ones
@@ -556,16 +858,21 @@ for _ = 1, tonumber(ARGV[2]) do
         reply[at] = 0
         for i = 1, n do
           if reply[at + 2 * i - 1] == 1 then
-            local a, cap = unpack('<dd', ARGV[params + i])
-            local lo = nanos > 0 and offsets(a) or 0
-            reply[at + 2 * i] = min(deficit_at(states[2 * i - 1], states[2 * i], a, lo), cap)
+            local x = windows and extra[i]
+            if x then
+              standing(at, i, x, ARGV[params + i], states[2 * i - 1], states[2 * i], prevs[i])
+            else
+              local a, cap = unpack('<dd', ARGV[params + i])
+              local lo = nanos > 0 and offsets(a) or 0
+              reply[at + 2 * i] = min(deficit_at(states[2 * i - 1], states[2 * i], a, lo), cap)
+            end
           end
         end
       end
 
       if all and record and not dry then
         local fields = {}
-        for i = 1, 2 * n do
+        for i = 1, width do
           fields[i] = format('%d', reply[at + i])
         end
         local expires = format('%d', now + tonumber(window) * 1000)

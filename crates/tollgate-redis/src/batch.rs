@@ -73,16 +73,36 @@ pub(crate) struct Record {
 /// One bucket of a request, in the script's units.
 pub(crate) struct Bucket {
     pub(crate) key: String,
-    /// Units gained per microsecond.
-    pub(crate) a: u64,
-    /// Units per token.
-    pub(crate) p: u64,
-    /// Capacity in units.
-    pub(crate) cap: u64,
-    /// Cost in units.
-    pub(crate) cost: u64,
-    /// The bucket under the parameters its limit had before a change, read on the way.
-    pub(crate) carry: Option<Carried>,
+    pub(crate) params: Params,
+}
+
+/// What the script is told of a bucket.
+pub(crate) enum Params {
+    /// A token bucket.
+    Tokens {
+        /// Units gained per microsecond.
+        a: u64,
+        /// Units per token.
+        p: u64,
+        /// Capacity in units.
+        cap: u64,
+        /// Cost in units.
+        cost: u64,
+        /// The bucket under the parameters its limit had before a change, read on the way.
+        carry: Option<Carried>,
+    },
+    /// A fixed or sliding window.
+    Window {
+        sliding: bool,
+        window_ms: u64,
+        /// The most it admits per window.
+        limit: u64,
+        /// Requests to count.
+        cost: u64,
+        /// In a refund, the window the take charged (as the script replied it): what the
+        /// refund gives back from. Without it, a refund gives back nothing.
+        charged: Option<u64>,
+    },
 }
 
 /// An old bucket to carry over (see `tollgate::Carry`), in the script's units.
@@ -98,14 +118,18 @@ pub(crate) struct Carried {
     pub(crate) since_us: u64,
 }
 
-/// The most bytes of figures a bucket sends: three doubles, five more with a carry.
+/// The most bytes of figures a bucket sends: three doubles, five more with a carry (a window
+/// sends four or five).
 const MAX_PARAMS: usize = 64;
 
 impl Bucket {
-    /// The bucket's figures as the script reads them, little-endian doubles: `a`, `cap` and
-    /// `cost`; with a carry, then the old `a`, `cap` and `p`, the new `p` and the microseconds
-    /// since the change. All stay below 2^53 (see `ScriptLimit`; the time is capped there), so
-    /// each double is exact. Returns the buffer and how much of it is used.
+    /// The bucket's figures as the script reads them, little-endian doubles, told apart by
+    /// their length: a token bucket's `a`, `cap` and `cost`, and with a carry, then the old
+    /// `a`, `cap` and `p`, the new `p` and the microseconds since the change; a window's kind
+    /// (1 fixed, 2 sliding), window in milliseconds, limit and cost, and in a refund, then the
+    /// window charged. All stay below 2^53 (see `ScriptLimit`; the time is capped here; the
+    /// window charged is the script's own figure), so each double is exact. Returns the
+    /// buffer and how much of it is used.
     fn params(&self) -> ([u8; MAX_PARAMS], usize) {
         let mut bytes = [0; MAX_PARAMS];
         let mut put = |values: &[u64], from: usize| {
@@ -113,16 +137,56 @@ impl Bucket {
                 chunk.copy_from_slice(&(value as f64).to_le_bytes());
             }
         };
-        put(&[self.a, self.cap, self.cost], 0);
-        match &self.carry {
-            None => (bytes, 24),
-            Some(carry) => {
-                // Beyond 2^53 microseconds (285 years) every bucket has refilled.
-                let since = carry.since_us.min(1 << 53);
-                put(&[carry.a, carry.cap, carry.p, self.p, since], 24);
-                (bytes, MAX_PARAMS)
+        match &self.params {
+            Params::Tokens {
+                a,
+                p,
+                cap,
+                cost,
+                carry,
+            } => {
+                put(&[*a, *cap, *cost], 0);
+                match carry {
+                    None => (bytes, 24),
+                    Some(carry) => {
+                        // Beyond 2^53 microseconds (285 years) every bucket has refilled.
+                        let since = carry.since_us.min(1 << 53);
+                        put(&[carry.a, carry.cap, carry.p, *p, since], 24);
+                        (bytes, MAX_PARAMS)
+                    }
+                }
+            }
+            Params::Window {
+                sliding,
+                window_ms,
+                limit,
+                cost,
+                charged,
+            } => {
+                let kind = if *sliding { 2 } else { 1 };
+                put(&[kind, *window_ms, *limit, *cost], 0);
+                match charged {
+                    None => (bytes, 32),
+                    Some(window) => {
+                        put(&[*window], 32);
+                        (bytes, 40)
+                    }
+                }
             }
         }
+    }
+
+    /// The old bucket this one carries over, if any.
+    fn carry(&self) -> Option<&Carried> {
+        match &self.params {
+            Params::Tokens { carry, .. } => carry.as_ref(),
+            Params::Window { .. } => None,
+        }
+    }
+
+    /// Whether the script decides this bucket as a window.
+    fn is_window(&self) -> bool {
+        matches!(self.params, Params::Window { .. })
     }
 }
 
@@ -139,10 +203,10 @@ pub(crate) struct Segment {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Layout {
     /// As [`Layout::Plain`], and moreover no bucket's key in the call twice, none carrying an
-    /// old bucket over, at a whole microsecond: the script decides these in a straight loop
-    /// before it makes the functions and tables the other requests need. Most calls are of this
-    /// kind; it saves Redis a fifth of a call of one's instructions and a sixth of a
-    /// decision's in calls of 32.
+    /// old bucket over, none a window, at a whole microsecond: the script decides these in a
+    /// straight loop before it makes the functions and tables the other requests need. Most
+    /// calls are of this kind; it saves Redis a fifth of a call of one's instructions and a
+    /// sixth of a decision's in calls of 32.
     Straight,
     /// Every request a take of one bucket without a record: its figures alone. Four arguments
     /// fewer per request, a tenth of a decision's work in calls of 32.
@@ -155,17 +219,17 @@ enum Layout {
 
 impl Layout {
     /// The layout of a call of `segments` at `now` (nanoseconds; `None` for Redis' `TIME`),
-    /// `repeats` telling whether a bucket's key is in it twice.
-    fn of(segments: &[&Segment], now: Option<u64>, repeats: bool) -> Self {
+    /// `flags` the call's (see [`Flags`]).
+    fn of(segments: &[&Segment], now: Option<u64>, flags: Flags) -> Self {
         let take = |segment: &&Segment| segment.record.is_none() && segment.mode == Mode::Take;
         if !segments.iter().all(take) {
             Layout::Full
         } else if segments.iter().all(|segment| segment.buckets.len() == 1) {
             let carries = segments
                 .iter()
-                .any(|segment| segment.buckets.iter().any(|b| b.carry.is_some()));
+                .any(|segment| segment.buckets.iter().any(|b| b.carry().is_some()));
             let whole_micros = now.is_none_or(|nanos| nanos % 1_000 == 0);
-            if repeats || carries || !whole_micros {
+            if flags.cache || flags.windows || carries || !whole_micros {
                 Layout::Plain
             } else {
                 Layout::Straight
@@ -190,9 +254,11 @@ impl Layout {
     }
 }
 
-/// The script's reply length for `segment`: a status, then (allowed, deficit) per bucket.
+/// The script's reply length for `segment`: a status, then a pair per bucket (allowed, and a
+/// token bucket's deficit or a window's remaining), then four more figures per window.
 fn reply_len(segment: &Segment) -> usize {
-    1 + 2 * segment.buckets.len()
+    let windows = segment.buckets.iter().filter(|b| b.is_window()).count();
+    1 + 2 * segment.buckets.len() + 4 * windows
 }
 
 /// The take script, as Redis is sent it.
@@ -216,7 +282,13 @@ impl TakeScript {
 /// The script call deciding `segments`: `verb` is `EVALSHA` with the script's hash or `EVAL`
 /// with its source. Integers are written straight into the command, with no string between.
 fn command(verb: &str, script: &str, now: Option<u64>, segments: &[&Segment]) -> Cmd {
-    let carried = |segment: &Segment| segment.buckets.iter().filter(|b| b.carry.is_some()).count();
+    let carried = |segment: &Segment| {
+        segment
+            .buckets
+            .iter()
+            .filter(|b| b.carry().is_some())
+            .count()
+    };
     let keys: usize = segments
         .iter()
         .map(|segment| {
@@ -232,7 +304,7 @@ fn command(verb: &str, script: &str, now: Option<u64>, segments: &[&Segment]) ->
         args += 4 + 2 * segment.buckets.len();
         bytes += 46 + MAX_PARAMS * segment.buckets.len();
         bytes += segment.buckets.iter().map(|b| b.key.len()).sum::<usize>();
-        for carry in segment.buckets.iter().filter_map(|b| b.carry.as_ref()) {
+        for carry in segment.buckets.iter().filter_map(Bucket::carry) {
             args += 1;
             bytes += carry.key.len();
         }
@@ -247,7 +319,7 @@ fn command(verb: &str, script: &str, now: Option<u64>, segments: &[&Segment]) ->
         for bucket in &segment.buckets {
             cmd.arg(&bucket.key);
         }
-        for carry in segment.buckets.iter().filter_map(|b| b.carry.as_ref()) {
+        for carry in segment.buckets.iter().filter_map(Bucket::carry) {
             cmd.arg(&carry.key);
         }
         if let Some(record) = &segment.record {
@@ -262,9 +334,9 @@ fn command(verb: &str, script: &str, now: Option<u64>, segments: &[&Segment]) ->
         None => cmd.arg(""),
     };
     cmd.arg(segments.len());
-    let repeats = repeats_a_key(segments);
-    cmd.arg(if repeats { "1" } else { "" });
-    let layout = Layout::of(segments, now, repeats);
+    let flags = Flags::of(segments);
+    cmd.arg(flags.as_str());
+    let layout = Layout::of(segments, now, flags);
     cmd.arg(layout.as_str());
     for segment in segments {
         if !layout.figures_alone() {
@@ -287,30 +359,80 @@ fn command(verb: &str, script: &str, now: Option<u64>, segments: &[&Segment]) ->
     cmd
 }
 
-/// Whether a bucket's key (its own or an old one it carries over) is in `segments` more than
-/// once. The script then reads and writes each bucket once per call instead of once per
-/// decision, which saves Redis most of a decision's cost on a hot key; the table it keeps for
-/// that would only cost a call of distinct keys (see `scripts/take.lua`).
-fn repeats_a_key(segments: &[&Segment]) -> bool {
-    let keys = || {
+/// What the script is told of a call as a whole (its `ARGV[3]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Flags {
+    /// Token buckets are read and written once per call (see [`caches_token_buckets`]).
+    cache: bool,
+    /// The call holds a window: the script makes its window functions.
+    windows: bool,
+}
+
+impl Flags {
+    fn of(segments: &[&Segment]) -> Self {
+        let windows = segments
+            .iter()
+            .any(|segment| segment.buckets.iter().any(Bucket::is_window));
+        Self {
+            cache: caches_token_buckets(segments, windows),
+            windows,
+        }
+    }
+
+    fn as_str(self) -> &'static str {
+        match (self.windows, self.cache) {
+            (false, false) => "",
+            (false, true) => "1",
+            (true, false) => "w",
+            (true, true) => "w1",
+        }
+    }
+}
+
+/// Whether the script should read and write each token bucket once per call: when a token
+/// bucket's key (its own or an old one it carries over) is in `segments` more than once. That
+/// saves Redis most of a decision's cost on a hot key; the table it keeps for that would only
+/// cost a call of distinct keys (see `scripts/take.lua`). Windows are never cached, so a call
+/// where a window (`windows`: the call holds one) has a token bucket's key goes uncached: a
+/// token bucket's state written at the end of the call would otherwise land after a window's
+/// written at once, where one request after another would each have read the other's.
+fn caches_token_buckets(segments: &[&Segment], windows: bool) -> bool {
+    let tokens = || {
         segments.iter().flat_map(|segment| {
-            segment.buckets.iter().flat_map(|bucket| {
-                std::iter::once(bucket.key.as_str())
-                    .chain(bucket.carry.as_ref().map(|carry| carry.key.as_str()))
-            })
+            segment
+                .buckets
+                .iter()
+                .filter(|bucket| !bucket.is_window())
+                .flat_map(|bucket| {
+                    std::iter::once(bucket.key.as_str())
+                        .chain(bucket.carry().map(|carry| carry.key.as_str()))
+                })
         })
     };
     let count = segments
         .iter()
         .flat_map(|segment| &segment.buckets)
-        .map(|bucket| 1 + usize::from(bucket.carry.is_some()))
+        .filter(|bucket| !bucket.is_window())
+        .map(|bucket| 1 + usize::from(bucket.carry().is_some()))
         .sum();
     if count < 2 {
         return false;
     }
     // One call's keys: no one gains by making them collide.
     let mut seen = HashSet::with_capacity_and_hasher(count, FixedState::default());
-    keys().any(|key| !seen.insert(key))
+    if !windows {
+        return tokens().any(|key| !seen.insert(key));
+    }
+    // Every token bucket's key goes in, to look the windows' up in.
+    let mut repeated = false;
+    for key in tokens() {
+        repeated |= !seen.insert(key);
+    }
+    repeated
+        && !segments
+            .iter()
+            .flat_map(|segment| &segment.buckets)
+            .any(|bucket| bucket.is_window() && seen.contains(bucket.key.as_str()))
 }
 
 /// Runs `segments` in one call of `script`, at `now` (nanoseconds; `None` for Redis' `TIME`),
@@ -550,22 +672,40 @@ async fn call(script: Arc<TakeScript>, connection: Connection, timeout: Duration
 mod tests {
     use redis::Arg;
 
-    use super::{Bucket, Carried, Mode, Record, Segment, command, integer, repeats_a_key};
+    use super::{
+        Bucket, Carried, Flags, Mode, Params, Record, Segment, caches_token_buckets, command,
+        integer, reply_len,
+    };
 
     fn bucket(key: &str, old_key: Option<&str>) -> Bucket {
         Bucket {
             key: key.to_owned(),
-            a: 1,
-            p: 1,
-            cap: 10,
-            cost: 1,
-            carry: old_key.map(|key| Carried {
-                key: key.to_owned(),
+            params: Params::Tokens {
                 a: 1,
                 p: 1,
-                cap: 5,
-                since_us: 0,
-            }),
+                cap: 10,
+                cost: 1,
+                carry: old_key.map(|key| Carried {
+                    key: key.to_owned(),
+                    a: 1,
+                    p: 1,
+                    cap: 5,
+                    since_us: 0,
+                }),
+            },
+        }
+    }
+
+    fn window(key: &str, charged: Option<u64>) -> Bucket {
+        Bucket {
+            key: key.to_owned(),
+            params: Params::Window {
+                sliding: true,
+                window_ms: 1_000,
+                limit: 10,
+                cost: 3,
+                charged,
+            },
         }
     }
 
@@ -579,7 +719,9 @@ mod tests {
 
     #[test]
     fn a_key_is_repeated_within_a_request_across_requests_or_as_an_old_bucket() {
-        let call = |segments: &[Segment]| repeats_a_key(&segments.iter().collect::<Vec<_>>());
+        let call = |segments: &[Segment]| {
+            caches_token_buckets(&segments.iter().collect::<Vec<_>>(), false)
+        };
         assert!(!call(&[segment(vec![bucket("a", None)])]));
         assert!(!call(&[
             segment(vec![bucket("a", Some("a-old")), bucket("b", None)]),
@@ -595,6 +737,65 @@ mod tests {
             segment(vec![bucket("a", Some("b-old"))]),
             segment(vec![bucket("b-old", None)]),
         ]));
+    }
+
+    /// Windows are never cached: only token buckets' repeated keys turn the cache on, and a
+    /// window with a token bucket's key turns it off, so that no key is both cached and not.
+    #[test]
+    fn the_cache_is_for_token_buckets_whose_keys_no_window_has() {
+        let flags = |segments: &[Segment]| Flags::of(&segments.iter().collect::<Vec<_>>());
+        let hot = || segment(vec![bucket("a", None)]);
+        assert_eq!(flags(&[hot(), hot()]).as_str(), "1");
+        assert_eq!(
+            flags(&[hot(), segment(vec![window("w", None)])]).as_str(),
+            "w"
+        );
+        let windows_twice = [
+            segment(vec![window("w", None)]),
+            segment(vec![window("w", None)]),
+        ];
+        assert_eq!(flags(&windows_twice).as_str(), "w");
+        let both = [hot(), hot(), segment(vec![window("w", None)])];
+        assert_eq!(flags(&both).as_str(), "w1");
+        let shared = [hot(), hot(), segment(vec![window("a", None)])];
+        assert_eq!(flags(&shared).as_str(), "w");
+        // An old key a token bucket carries over is a token bucket's key too.
+        let carried = [
+            segment(vec![bucket("b", Some("old"))]),
+            segment(vec![bucket("b", None), window("old", None)]),
+        ];
+        assert_eq!(flags(&carried).as_str(), "w");
+    }
+
+    /// A window's figures are four doubles, five in a refund (the window it was charged to);
+    /// its reply is four figures longer than a token bucket's; and a call with one never
+    /// takes the straight loop, which knows token buckets only.
+    #[test]
+    fn a_window_sends_its_own_figures_and_leaves_the_straight_loop() {
+        let take = [segment(vec![window("w", None)])];
+        let args = argv(&take);
+        assert_eq!(&args[..4], [&b""[..], b"1", b"w", b"1"]);
+        let figures: Vec<f64> = args[4]
+            .chunks_exact(8)
+            .map(|chunk| f64::from_le_bytes(chunk.try_into().unwrap()))
+            .collect();
+        assert_eq!(figures, [2.0, 1_000.0, 10.0, 3.0]);
+        assert_eq!(reply_len(&take[0]), 7);
+        let refund = [Segment {
+            mode: Mode::Refund,
+            ..segment(vec![
+                bucket("t", None),
+                window("w", Some(1_700_000_000_123)),
+            ])
+        }];
+        let args = argv(&refund);
+        assert_eq!(&args[..4], [&b""[..], b"1", b"w", b""]);
+        assert_eq!((args[8].len(), args[9].len()), (24, 40));
+        assert_eq!(
+            f64::from_le_bytes(args[9][32..].try_into().unwrap()),
+            1_700_000_000_123.0
+        );
+        assert_eq!(reply_len(&refund[0]), 1 + 4 + 4);
     }
 
     /// The script's arguments in a call of `segments` (ARGV: after the verb, the script, the

@@ -35,10 +35,17 @@
 //!   between two microseconds is decided conservatively (at most what the memory store admits,
 //!   possibly a fraction of a token less), and its `retry_after` is always enough to wait.
 //! * Keys expire exactly when their bucket is full again (`PX` to the time-to-full).
+//! * Fixed and sliding windows ([`tollgate::Algorithm`]) are decided in the same script as token
+//!   buckets, with the memory store's exact figures (a caller's time between two microseconds
+//!   included): their state is the window's counts, aligned on Redis' `TIME` (Unix time) or on
+//!   the caller's time, and the key expires when the window frees it. A window longer than 2^50
+//!   microseconds (about 35 years) is refused with [`tollgate::Error::UnsupportedLimit`].
+//!   Windows carry nothing over from a limit's earlier parameters ([`tollgate::Carry`]).
 //! * Multi-bucket checks are atomic within a cluster slot; across slots they charge, then refund
 //!   if any slot rejects (never over-admitting; a retried request id whose first attempt's
-//!   refund comes after the retry's admission keeps that charge, under-admitting instead). Share
-//!   a `{hash tag}` per subject (the policy engine's keys put the descriptor values in one).
+//!   refund comes after the retry's admission keeps that charge, under-admitting instead; a
+//!   window gives back only while it still counts the charge). Share a `{hash tag}` per subject
+//!   (the policy engine's keys put the descriptor values in one).
 //! * Idempotency records live at `{TAG}rid:LEN:ID:BUCKET-KEY`, in the bucket's slot, under keys
 //!   no bucket can have (bucket keys start with the non-empty prefix).
 //! * Every call has a timeout (default 20 ms) and a circuit breaker stops waiting on a dead

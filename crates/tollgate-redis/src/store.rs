@@ -7,13 +7,18 @@
 //! per node, so their scripts are pipelined onto the wire together without a connection per
 //! request, and on a single node concurrent decisions share script calls (see `batch`).
 //!
+//! A bucket is a token bucket or a fixed or sliding window (the core's `window`): the script
+//! decides both kinds, so a request mixing them is still one call per slot, all or nothing.
+//!
 //! A multi-bucket request whose keys share a slot (always, on a single node) is one script call,
 //! all or nothing. Keys in different cluster slots are decided in parallel, one call per slot;
 //! if any slot rejects or cannot decide, the slots that charged are refunded (by the same
 //! script; best effort after a failure): the store may under-admit for the moment between
-//! charge and refund, never over-admit. With a request id, a refund gives back only while no
-//! retry's reply rests on the charge (see `scripts/take.lua`). Give the keys of one subject a
-//! shared `{hash tag}` to keep them in one slot.
+//! charge and refund, never over-admit. A window is refunded from the window its take charged
+//! (the take's reply names it), only while its state still counts that window, and reports its
+//! standing after the refund. With a request id, a refund gives back only while no retry's
+//! reply rests on the charge (see `scripts/take.lua`). Give the keys of one subject a shared
+//! `{hash tag}` to keep them in one slot.
 //!
 //! A take may name the bucket's earlier self ([`tollgate::Carry`]: the same subject under a
 //! limit's parameters before a policy change). Processes sharing Redis change policy at their
@@ -21,7 +26,8 @@
 //! the new one and decides on the emptier of the two, the old one carried over as SPEC §2 says
 //! (refilled under its parameters up to the change, clamped to the new capacity, refilled under
 //! the new ones since). The old key must share the new one's slot; in a cluster, one that does
-//! not is not read.
+//! not is not read. Windows carry nothing over: a window's take with a carry, or a token
+//! bucket's carrying a window over, is decided as if it carried nothing.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
@@ -37,12 +43,12 @@ use tollgate::{
     CheckRequest, Decision, Error, MonotonicClock, Store, Take, Timestamp, Unavailable,
 };
 
-use crate::batch::{self, Batcher, Bucket, Carried, Mode, Record, Segment, TakeScript};
+use crate::batch::{self, Batcher, Bucket, Carried, Mode, Params, Record, Segment, TakeScript};
 use crate::breaker::{Breaker, BreakerConfig, Transition};
 use crate::cluster::DirectConnections;
 use crate::connection::{Connection, Link, Opener, SentinelMaster};
 use crate::tls::{self, TlsFiles};
-use crate::units::ScriptLimit;
+use crate::units::{ScriptLimit, WindowFigures};
 
 /// How a [`RedisStore`] talks to Redis.
 #[derive(Clone)]
@@ -390,8 +396,46 @@ struct Group {
 /// What one slot's script said.
 struct GroupReply {
     status: i64,
-    /// (allowed, deficit) per bucket of the group.
-    buckets: Vec<(bool, i64)>,
+    /// Per bucket of the group.
+    buckets: Vec<Answer>,
+}
+
+/// Which of a group's buckets are windows, whose replies are longer: nothing allocated for a
+/// group of token buckets alone, the usual one.
+struct Kinds {
+    buckets: usize,
+    /// Per bucket, whether it is a window; `None` when none is.
+    windows: Option<Vec<bool>>,
+}
+
+impl Kinds {
+    fn of(group: &Group, limits: &[ScriptLimit]) -> Self {
+        let window = |&i: &usize| limits[i].is_window();
+        Self {
+            buckets: group.takes.len(),
+            windows: group
+                .takes
+                .iter()
+                .any(window)
+                .then(|| group.takes.iter().map(window).collect()),
+        }
+    }
+
+    fn is_window(&self, bucket: usize) -> bool {
+        self.windows
+            .as_ref()
+            .and_then(|windows| windows.get(bucket))
+            .is_some_and(|&window| window)
+    }
+}
+
+/// What the script said of one bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Answer {
+    /// A token bucket: allowed, and the units it is short of full.
+    Tokens { allowed: bool, deficit: i64 },
+    /// A window.
+    Window(WindowFigures),
 }
 
 impl RedisStore {
@@ -700,21 +744,31 @@ impl RedisStore {
 
         let mode = if dry { Mode::Peek } else { Mode::Take };
         let call = |group: &Group| {
-            let segment = segment(group, prepared, request.takes, mode, record(group));
-            let buckets = group.takes.len();
+            let segment = segment(group, prepared, request.takes, mode, record(group), None);
+            let kinds = Kinds::of(group, limits);
             async move {
                 let reply = match &self.batcher {
                     Some(batcher) => batcher.submit(now, segment).await?,
                     None => self.call(now, &segment).await?,
                 };
-                parse_reply(&reply, buckets)
+                parse_reply(&reply, &kinds)
             }
         };
         // Gives back what a slot charged, and its record (if no retry's reply rests on it yet):
-        // the request as a whole was not charged.
-        let refund = |group: &Group| {
-            let segment = segment(group, prepared, request.takes, Mode::Refund, record(group));
-            async move { self.call(now, &segment).await }
+        // the request as a whole was not charged. Its windows give back from the windows the
+        // take charged, as `charged` (the take's reply) names them, and reply their standing
+        // after the refund.
+        let refund = |group: &Group, charged: &GroupReply| {
+            let segment = segment(
+                group,
+                prepared,
+                request.takes,
+                Mode::Refund,
+                record(group),
+                Some(charged),
+            );
+            let kinds = Kinds::of(group, limits);
+            async move { parse_reply(&self.call(now, &segment).await?, &kinds) }
         };
         // A slot this attempt charged (1), not one it replayed (2): a mix of the two is
         // admitted, since the replay claimed its record, so the attempt that charged that slot
@@ -732,11 +786,10 @@ impl RedisStore {
                     // would pay for it, and keep paying past the outage. Best effort: a refund
                     // that fails too leaves a charge, which under-admits.
                     if !dry {
-                        let refunds = groups
-                            .iter()
-                            .zip(&replies)
-                            .filter(|(_, reply)| reply.as_ref().is_ok_and(charged))
-                            .map(|(group, _)| refund(group));
+                        let refunds = groups.iter().zip(&replies).filter_map(|(group, reply)| {
+                            let reply = reply.as_ref().ok().filter(|reply| charged(reply))?;
+                            Some(refund(group, reply))
+                        });
                         join_all(refunds).await;
                     }
                     return Err(failed);
@@ -748,22 +801,20 @@ impl RedisStore {
         let conflict = replies.iter().any(|reply| reply.status == -1);
         let unreadable = replies.iter().any(|reply| reply.status == -2);
         let rejected = replies.iter().any(|reply| reply.status == 0);
-        // Allocated only when something is refunded: most requests are admitted whole.
-        let mut refunded = Vec::new();
+        // Each group's refund's reply, by group: allocated only when something is refunded,
+        // as most requests are admitted whole.
+        let mut refunded: Vec<Option<GroupReply>> = Vec::new();
         if (conflict || unreadable || rejected) && !dry {
-            refunded = vec![false; groups.len()];
-            let refunds = groups
+            let charged: Vec<usize> = (0..groups.len())
+                .filter(|&index| charged(&replies[index]))
+                .collect();
+            let refunds = charged
                 .iter()
-                .zip(&replies)
-                .enumerate()
-                .filter(|(_, (_, reply))| charged(reply))
-                .map(|(index, (group, _))| {
-                    refunded[index] = true;
-                    refund(group)
-                })
-                .collect::<Vec<_>>();
-            for result in join_all(refunds).await {
-                result?;
+                .map(|&index| refund(&groups[index], &replies[index]));
+            let results = join_all(refunds).await;
+            refunded = (0..groups.len()).map(|_| None).collect();
+            for (index, result) in charged.into_iter().zip(results) {
+                refunded[index] = Some(result?);
             }
         }
         if conflict {
@@ -781,24 +832,38 @@ impl RedisStore {
         let nanos = now.map_or(0, |now| now % 1_000);
         let mut decisions: Vec<Option<Decision>> = vec![None; request.takes.len()];
         for (index, (group, reply)) in groups.iter().zip(&replies).enumerate() {
-            let refunded = refunded.get(index).copied().unwrap_or(false);
-            for (&i, &(allowed, deficit)) in group.takes.iter().zip(&reply.buckets) {
+            let refund = refunded.get(index).and_then(Option::as_ref);
+            for (at, (&i, answer)) in group.takes.iter().zip(&reply.buckets).enumerate() {
                 let take = &request.takes[i];
-                let limit = &limits[i];
-                // A refunded bucket reports the balance it has uncharged.
-                let deficit = if refunded {
-                    i64::try_from(limit.cost(take.cost))
-                        .ok()
-                        .and_then(|cost| deficit.checked_sub(cost))
-                        .ok_or(Unavailable::Protocol)?
-                } else {
-                    deficit
+                let decision = match (&limits[i], *answer) {
+                    (ScriptLimit::Tokens(limit), Answer::Tokens { allowed, deficit }) => {
+                        // A refunded bucket reports the balance it has uncharged.
+                        let deficit = if refund.is_some() {
+                            i64::try_from(limit.cost(take.cost))
+                                .ok()
+                                .and_then(|cost| deficit.checked_sub(cost))
+                                .ok_or(Unavailable::Protocol)?
+                        } else {
+                            deficit
+                        };
+                        // A replay's figures are from its first attempt's time: as the script
+                        // rounded them, slightly short of full the more, never less.
+                        let nanos = if reply.status == 2 { 0 } else { nanos };
+                        limit.decision(take.limit, allowed, take.cost, deficit, nanos)?
+                    }
+                    (ScriptLimit::Window(limit), Answer::Window(figures)) => {
+                        // A refunded window reports its standing after the refund: uncharged,
+                        // unless a retry's reply claimed the charge first.
+                        let figures = match refund.map(|refund| refund.buckets.get(at)) {
+                            Some(Some(Answer::Window(after))) => *after,
+                            Some(_) => return Err(Unavailable::Protocol),
+                            None => figures,
+                        };
+                        limit.decision(take.limit, take.cost, &figures)?
+                    }
+                    _ => return Err(Unavailable::Protocol),
                 };
-                // A replay's figures are from its first attempt's time: as the script rounded
-                // them, slightly short of full the more, never less.
-                let nanos = if reply.status == 2 { 0 } else { nanos };
-                decisions[i] =
-                    Some(limit.decision(take.limit, allowed, take.cost, deficit, nanos)?);
+                decisions[i] = Some(decision);
             }
         }
         Ok(Ok(decisions.into_iter().flatten().collect()))
@@ -936,10 +1001,18 @@ impl RedisStore {
     /// The old bucket `take` carries over, if the script should read it: not when it is the
     /// bucket itself, lies in another cluster slot (a script cannot read it atomically), or
     /// changed so long ago that the new bucket would have refilled from empty since.
+    ///
+    /// Windows carry nothing over, either way: a window take with a carry, or a token bucket's
+    /// carrying a window over, is decided as if nothing were carried (the policy engine
+    /// attaches no carry to a window; a window's counts and a bucket's balance do not convert
+    /// in one script step as the core's `rebase` converts them).
     fn carry_of(&self, take: &Take<'_>, key: &str) -> Result<Option<Carried>, Error> {
         let Some(carry) = take.carry else {
             return Ok(None);
         };
+        if take.limit.algorithm().is_window() || carry.limit.algorithm().is_window() {
+            return Ok(None);
+        }
         if carry.since >= take.limit.time_to_full() {
             return Ok(None);
         }
@@ -947,7 +1020,9 @@ impl RedisStore {
         if old == key || (self.cluster && slot(&old) != slot(key)) {
             return Ok(None);
         }
-        let limit = ScriptLimit::new(carry.limit)?;
+        let ScriptLimit::Tokens(limit) = ScriptLimit::new(carry.limit)? else {
+            return Ok(None);
+        };
         Ok(Some(Carried {
             key: old,
             a: limit.a,
@@ -978,33 +1053,52 @@ impl Store for RedisStore {
 }
 
 /// One request of a script call (see `scripts/take.lua`): `group`'s buckets, in `mode`, with
-/// its idempotency record if any.
+/// its idempotency record if any; for a refund, `charged` is the take's reply, which names the
+/// window each window bucket was charged to.
 fn segment(
     group: &Group,
     prepared: &Prepared,
     takes: &[Take<'_>],
     mode: Mode,
     record: Option<Record>,
+    charged: Option<&GroupReply>,
 ) -> Segment {
     Segment {
         buckets: group
             .takes
             .iter()
-            .map(|&i| {
-                let limit = &prepared.limits[i];
-                // A refund gives back what the take charged to the bucket as it was written,
-                // the carry included: nothing to read again.
-                let carry = match mode {
-                    Mode::Refund => None,
-                    Mode::Take | Mode::Peek => prepared.carries.get(i).cloned().flatten(),
+            .enumerate()
+            .map(|(at, &i)| {
+                let params = match &prepared.limits[i] {
+                    ScriptLimit::Tokens(limit) => {
+                        // A refund gives back what the take charged to the bucket as it was
+                        // written, the carry included: nothing to read again.
+                        let carry = match mode {
+                            Mode::Refund => None,
+                            Mode::Take | Mode::Peek => prepared.carries.get(i).cloned().flatten(),
+                        };
+                        Params::Tokens {
+                            a: limit.a,
+                            p: limit.p,
+                            cap: limit.cap,
+                            cost: limit.cost(takes[i].cost),
+                            carry,
+                        }
+                    }
+                    ScriptLimit::Window(limit) => Params::Window {
+                        sliding: limit.sliding,
+                        window_ms: limit.window_ms,
+                        limit: limit.limit,
+                        cost: takes[i].cost,
+                        charged: charged.and_then(|reply| match reply.buckets.get(at) {
+                            Some(Answer::Window(figures)) => Some(figures.window),
+                            _ => None,
+                        }),
+                    },
                 };
                 Bucket {
                     key: prepared.keys[i].clone(),
-                    a: limit.a,
-                    p: limit.p,
-                    cap: limit.cap,
-                    cost: limit.cost(takes[i].cost),
-                    carry,
+                    params,
                 }
             })
             .collect(),
@@ -1030,6 +1124,11 @@ pub(crate) fn fingerprint(takes: &[Take<'_>]) -> String {
         feed(&take.limit.refill().amount().to_le_bytes());
         feed(&take.limit.refill().period().as_nanos().to_le_bytes());
         feed(&take.cost.to_le_bytes());
+        // A window of N per W has a token bucket's capacity and refill: its algorithm tells
+        // them apart (and leaves token buckets' fingerprints as they were).
+        if take.limit.algorithm().is_window() {
+            feed(take.limit.algorithm().as_str().as_bytes());
+        }
     }
     format!("{hash:016x}")
 }
@@ -1086,22 +1185,35 @@ fn hash_tag(key: &str) -> Option<&str> {
 }
 
 /// A request's part of the script's reply, checked: a figure the script never sends is not a
-/// decision.
-fn parse_reply(reply: &[i64], buckets: usize) -> Result<GroupReply, Unavailable> {
+/// decision: a pair of figures per bucket, then four more per window (`kinds` tells which are),
+/// in the windows' order.
+fn parse_reply(reply: &[i64], kinds: &Kinds) -> Result<GroupReply, Unavailable> {
     let (&status, rest) = reply.split_first().ok_or(Unavailable::Protocol)?;
-    if !(-2..=2).contains(&status)
-        || rest.len() != 2 * buckets
-        || rest.chunks_exact(2).any(|pair| pair[1] < 0)
-    {
+    let windows = (0..kinds.buckets)
+        .filter(|&bucket| kinds.is_window(bucket))
+        .count();
+    if !(-2..=2).contains(&status) || rest.len() != 2 * kinds.buckets + 4 * windows {
         return Err(Unavailable::Protocol);
     }
-    Ok(GroupReply {
-        status,
-        buckets: rest
-            .chunks_exact(2)
-            .map(|pair| (pair[0] == 1, pair[1]))
-            .collect(),
-    })
+    let (pairs, extra) = rest.split_at(2 * kinds.buckets);
+    let mut extra = extra.chunks_exact(4);
+    let buckets = pairs
+        .chunks_exact(2)
+        .enumerate()
+        .map(|(bucket, pair)| {
+            if kinds.is_window(bucket) {
+                WindowFigures::from_reply(pair[0], pair[1], extra.next()?).map(Answer::Window)
+            } else {
+                // A negative deficit is never the script's: not read as a full bucket.
+                (pair[1] >= 0).then_some(Answer::Tokens {
+                    allowed: pair[0] == 1,
+                    deficit: pair[1],
+                })
+            }
+        })
+        .collect::<Option<_>>()
+        .ok_or(Unavailable::Protocol)?;
+    Ok(GroupReply { status, buckets })
 }
 
 /// Maps a client error to a closed set of reasons for metrics and failure modes.
@@ -1326,16 +1438,77 @@ mod tests {
 
     #[test]
     fn malformed_replies_are_protocol_errors() {
-        assert!(parse_reply(&[], 1).is_err());
-        assert!(parse_reply(&[1, 1], 1).is_err());
-        assert!(parse_reply(&[7, 1, 0], 1).is_err());
-        assert!(parse_reply(&[-1], 3).is_err());
-        assert!(parse_reply(&[-1, 0, 0], 1).is_ok());
-        assert!(parse_reply(&[-2, 0, 0], 1).is_ok());
-        assert!(parse_reply(&[-3, 0, 0], 1).is_err());
+        let tokens = |buckets: usize| Kinds {
+            buckets,
+            windows: None,
+        };
+        assert!(parse_reply(&[], &tokens(1)).is_err());
+        assert!(parse_reply(&[1, 1], &tokens(1)).is_err());
+        assert!(parse_reply(&[7, 1, 0], &tokens(1)).is_err());
+        assert!(parse_reply(&[-1], &tokens(3)).is_err());
+        assert!(parse_reply(&[-1, 0, 0], &tokens(1)).is_ok());
+        assert!(parse_reply(&[-2, 0, 0], &tokens(1)).is_ok());
+        assert!(parse_reply(&[-3, 0, 0], &tokens(1)).is_err());
         // A negative deficit is never the script's: not read as a full bucket.
-        assert!(parse_reply(&[0, 0, -5], 1).is_err());
-        let reply = parse_reply(&[0, 1, 5, 0, 9], 2).unwrap();
-        assert_eq!(reply.buckets, vec![(true, 5), (false, 9)]);
+        assert!(parse_reply(&[0, 0, -5], &tokens(1)).is_err());
+        let reply = parse_reply(&[0, 1, 5, 0, 9], &tokens(2)).unwrap();
+        assert_eq!(
+            reply.buckets,
+            vec![
+                Answer::Tokens {
+                    allowed: true,
+                    deficit: 5
+                },
+                Answer::Tokens {
+                    allowed: false,
+                    deficit: 9
+                }
+            ]
+        );
+    }
+
+    /// A window's pair is followed, after every bucket's pair, by its four figures; a reply
+    /// without them, or with a figure the script never sends, is not a decision.
+    #[test]
+    fn window_figures_follow_the_pairs() {
+        let kinds = |windows: &[bool]| Kinds {
+            buckets: windows.len(),
+            windows: Some(windows.to_vec()),
+        };
+        let three = kinds(&[true, false, true]);
+        let reply = [0, 1, 4, 0, 7, 0, 2, 0, 900, 17, 5, 3_000, 1_200, 18, 5];
+        let parsed = parse_reply(&reply, &three).unwrap();
+        let window = |allowed, remaining, retry_us, reset_us, window| {
+            Answer::Window(WindowFigures {
+                allowed,
+                remaining,
+                retry_us,
+                reset_us,
+                window,
+                nanos: 5,
+            })
+        };
+        assert_eq!(
+            parsed.buckets,
+            vec![
+                window(true, 4, 0, 900, 17),
+                Answer::Tokens {
+                    allowed: false,
+                    deficit: 7
+                },
+                window(false, 2, 3_000, 1_200, 18),
+            ]
+        );
+        assert!(parse_reply(&reply[..11], &three).is_err());
+        assert!(parse_reply(&reply, &kinds(&[true, false])).is_err());
+        // Nanoseconds past a microsecond are below 1,000; no figure is negative.
+        let mut bad = reply;
+        bad[14] = 1_000;
+        assert!(parse_reply(&bad, &three).is_err());
+        let mut bad = reply;
+        bad[9] = -1;
+        assert!(parse_reply(&bad, &three).is_err());
+        // An unreadable key's reply is zeros throughout, windows' figures included.
+        assert!(parse_reply(&[-2, 0, 0, 0, 0, 0, 0], &kinds(&[true])).is_ok());
     }
 }

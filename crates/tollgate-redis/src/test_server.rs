@@ -764,6 +764,11 @@ impl Proxy {
                     let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)) else {
                         continue;
                     };
+                    // Bytes go on as they come, as Redis and its clients send them: with
+                    // Nagle's algorithm, a request forwarded in several reads (a script's
+                    // source) could wait out the peer's delayed acknowledgement, 40 ms.
+                    let _ = client.set_nodelay(true);
+                    let _ = server.set_nodelay(true);
                     shared.accepted.fetch_add(1, Ordering::SeqCst);
                     let epoch = shared.epoch.load(Ordering::SeqCst);
                     let delay = Duration::from_millis(shared.first_delay_ms.load(Ordering::SeqCst));

@@ -1,20 +1,156 @@
 //! Limits in the units the Lua scripts compute with.
 //!
 //! Redis keeps time in microseconds (`TIME`), and Lua computes in doubles, exact only below
-//! 2^53. So a limit is re-expressed on a microsecond timeline (`a` units per microsecond, `p`
-//! units per token, reduced by their gcd like the core's nanosecond units), and refused up front
-//! when its capacity in those units passes 2^51: then every sum the script forms (a deficit plus a
-//! cost, a time plus a wait) stays below 2^53, and the script is as exact as the memory store.
+//! 2^53. So a token bucket's limit is re-expressed on a microsecond timeline (`a` units per
+//! microsecond, `p` units per token, reduced by their gcd like the core's nanosecond units), and
+//! refused up front when its capacity in those units passes 2^51: then every sum the script
+//! forms (a deficit plus a cost, a time plus a wait) stays below 2^53, and the script is as
+//! exact as the memory store.
+//!
+//! A window limit is sent as it is (its window in milliseconds, its limit per window): the core
+//! already refuses those whose limit times window reaches 2^53, and the scripts' window
+//! boundaries, up to three windows past the request's time in microseconds, stay below 2^53 for
+//! every window of at most [`MAX_WINDOW_US`].
 
-use tollgate::{Decision, Error, Limit, Unavailable};
+use std::time::Duration;
+
+use tollgate::{Algorithm, Decision, Error, Limit, Unavailable};
 
 /// The largest capacity in units the scripts accept: deficits up to twice this, plus times in
 /// microseconds since 1970 (about 2^51 today), stay below 2^53.
 const MAX_CAPACITY_UNITS: u64 = 1 << 51;
 
-/// A limit prepared for the scripts.
+/// The longest window the scripts take: 2^50 microseconds, about 35 years. A time in
+/// microseconds since 1970 (about 2^50.6 today, 2^51 in 2041) plus two such windows, the
+/// furthest boundary the script waits for, stays below 2^53.
+const MAX_WINDOW_US: u64 = 1 << 50;
+
+/// A limit prepared for the scripts: a token bucket in the scripts' units, or a window.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct ScriptLimit {
+pub(crate) enum ScriptLimit {
+    Tokens(TokenLimit),
+    Window(WindowLimit),
+}
+
+impl ScriptLimit {
+    pub(crate) fn new(limit: &Limit) -> Result<Self, Error> {
+        if limit.algorithm().is_window() {
+            WindowLimit::new(limit).map(Self::Window)
+        } else {
+            TokenLimit::new(limit).map(Self::Tokens)
+        }
+    }
+
+    /// Whether the script decides this limit as a window.
+    pub(crate) fn is_window(&self) -> bool {
+        matches!(self, Self::Window(_))
+    }
+}
+
+/// A window limit as the scripts take it (see `scripts/take.lua`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct WindowLimit {
+    /// A sliding window rather than a fixed one.
+    pub(crate) sliding: bool,
+    /// The window in milliseconds: at most 2^50 / 1000.
+    pub(crate) window_ms: u64,
+    /// The most it admits per window: below 2^32.
+    pub(crate) limit: u64,
+}
+
+/// A window bucket's figures as the script replies them (see `scripts/take.lua`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct WindowFigures {
+    pub(crate) allowed: bool,
+    /// Requests the window still admits.
+    pub(crate) remaining: u64,
+    /// Microseconds from the script's microsecond until `cost` would pass.
+    pub(crate) retry_us: u64,
+    /// Microseconds from the script's microsecond until the window counts nothing.
+    pub(crate) reset_us: u64,
+    /// The window the bucket was decided in (and charged to, when charged).
+    pub(crate) window: u64,
+    /// The request's time past that microsecond (0 to 999 ns), which the waits count from.
+    pub(crate) nanos: u64,
+}
+
+impl WindowFigures {
+    /// The figures from the script's `allowed`, `remaining` and four extra integers; `None` for
+    /// any the script never sends (negative, or nanoseconds past a microsecond).
+    pub(crate) fn from_reply(allowed: i64, remaining: i64, extra: &[i64]) -> Option<Self> {
+        let &[retry_us, reset_us, window, nanos] = extra else {
+            return None;
+        };
+        let figure = |value: i64| u64::try_from(value).ok();
+        let nanos = figure(nanos).filter(|&nanos| nanos < 1_000)?;
+        Some(Self {
+            allowed: allowed == 1,
+            remaining: figure(remaining)?,
+            retry_us: figure(retry_us)?,
+            reset_us: figure(reset_us)?,
+            window: figure(window)?,
+            nanos,
+        })
+    }
+}
+
+impl WindowLimit {
+    fn new(limit: &Limit) -> Result<Self, Error> {
+        let Some(window) = limit.window() else {
+            return Err(Error::UnsupportedLimit {
+                reason: "a window limit without a window",
+            });
+        };
+        // The core keeps windows whole milliseconds of at most 2^60 ns: this is exact.
+        let window_us = u64::try_from(window.as_micros()).unwrap_or(u64::MAX);
+        if window_us > MAX_WINDOW_US {
+            return Err(Error::UnsupportedLimit {
+                reason: "the window must be at most 2^50 microseconds, about 35 years (exact \
+                         arithmetic in Lua)",
+            });
+        }
+        Ok(Self {
+            sliding: limit.algorithm() == Algorithm::SlidingWindow,
+            window_ms: window_us / 1_000,
+            limit: limit.capacity(),
+        })
+    }
+
+    /// The core's decision for a script's figures about this window: the waits, replied in
+    /// whole microseconds from the script's microsecond, shortened by the request's own
+    /// nanoseconds past it, so they count exactly from the request's time (down to 0, as the
+    /// core's do).
+    ///
+    /// # Errors
+    ///
+    /// [`Unavailable::Protocol`] for a wait no `Duration` of nanoseconds holds: the script
+    /// never replies one.
+    pub(crate) fn decision(
+        &self,
+        limit: &Limit,
+        cost: u64,
+        figures: &WindowFigures,
+    ) -> Result<Decision, Unavailable> {
+        let wait = |micros: u64| {
+            micros
+                .checked_mul(1_000)
+                .map(|nanos| Duration::from_nanos(nanos.saturating_sub(figures.nanos)))
+                .ok_or(Unavailable::Protocol)
+        };
+        Ok(Decision::from_window(
+            figures.allowed,
+            *limit,
+            cost,
+            figures.remaining,
+            wait(figures.retry_us)?,
+            wait(figures.reset_us)?,
+        ))
+    }
+}
+
+/// A token bucket's limit prepared for the scripts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TokenLimit {
     /// Units per microsecond. At most 1000 times the core's reduced amount per nanosecond
     /// (below 2^32), so far below 2^51 like `cap`: the scripts' doubles hold both exactly.
     pub(crate) a: u64,
@@ -26,8 +162,8 @@ pub(crate) struct ScriptLimit {
     ratio: u64,
 }
 
-impl ScriptLimit {
-    pub(crate) fn new(limit: &Limit) -> Result<Self, Error> {
+impl TokenLimit {
+    fn new(limit: &Limit) -> Result<Self, Error> {
         let refill = limit.refill();
         let period_ns = refill.period().as_nanos();
         if !period_ns.is_multiple_of(1_000) {
@@ -105,8 +241,9 @@ impl ScriptLimit {
     }
 }
 
-/// Whether the Redis store can decide `limit` exactly; callers check a policy's limits up
-/// front, so a limit Lua cannot represent is refused at start, not at the first request.
+/// Whether the Redis store can decide `limit` exactly (a token bucket or a window); callers
+/// check a policy's limits up front, so a limit Lua cannot represent is refused at start, not
+/// at the first request.
 ///
 /// # Errors
 ///
@@ -140,7 +277,7 @@ mod tests {
             (100, "1/d"),
         ] {
             let l = limit(capacity, rate);
-            let s = ScriptLimit::new(&l).unwrap();
+            let s = TokenLimit::new(&l).unwrap();
             assert_eq!(s.p * s.ratio, l.units_per_token(), "{rate}");
             // The same rate: tokens per microsecond = 1000 * tokens per nanosecond.
             assert_eq!(
@@ -154,7 +291,7 @@ mod tests {
     #[test]
     fn a_negative_deficit_is_a_protocol_error_not_a_full_bucket() {
         let l = limit(3, "999999937/s");
-        let s = ScriptLimit::new(&l).unwrap();
+        let s = TokenLimit::new(&l).unwrap();
         assert_eq!(s.decision(&l, false, 1, -1, 0), Err(Unavailable::Protocol));
         assert_eq!(
             s.decision(&l, false, 1, i64::MIN, 0),
@@ -170,7 +307,7 @@ mod tests {
         // microsecond is 1.002 units, 1 as the script counts. A bucket the script says is one
         // token short (10^6 units) at that rounded time is exactly 0.002 units less short.
         let l = limit(1, "3/s");
-        let s = ScriptLimit::new(&l).unwrap();
+        let s = TokenLimit::new(&l).unwrap();
         // In the core's units (10^3 finer): 10^9 - 2, full in 333,333,332.7 ns.
         let d = s.decision(&l, true, 1, 1_000_000, 334).unwrap();
         assert_eq!(d.reset_after().as_nanos(), 333_333_333);
@@ -178,17 +315,65 @@ mod tests {
         assert_eq!(whole.reset_after().as_nanos(), 333_333_334);
     }
 
+    /// A window goes to the script as it is; its waits come back in whole microseconds from the
+    /// script's microsecond, and lose the request's nanoseconds past it (down to 0, as the
+    /// core's).
+    #[test]
+    fn a_windows_waits_count_from_the_requests_nanosecond() {
+        let l = Limit::sliding_window(7, Duration::from_millis(1_500)).unwrap();
+        let Ok(ScriptLimit::Window(w)) = ScriptLimit::new(&l) else {
+            panic!("a window");
+        };
+        assert_eq!(
+            w,
+            WindowLimit {
+                sliding: true,
+                window_ms: 1_500,
+                limit: 7
+            }
+        );
+        let figures = WindowFigures {
+            allowed: false,
+            remaining: 2,
+            retry_us: 3,
+            reset_us: 0,
+            window: 9,
+            nanos: 400,
+        };
+        let d = w.decision(&l, 1, &figures).unwrap();
+        assert_eq!(d.retry_after(), Some(Duration::from_nanos(2_600)));
+        assert_eq!(d.reset_after(), Duration::ZERO);
+        assert_eq!(d.remaining(), 2);
+        let far = WindowFigures {
+            retry_us: u64::MAX / 10,
+            ..figures
+        };
+        assert_eq!(w.decision(&l, 1, &far), Err(Unavailable::Protocol));
+    }
+
+    #[test]
+    fn refuses_windows_whose_boundaries_lua_cannot_hold() {
+        let longest_ms = MAX_WINDOW_US / 1_000;
+        let fits = Limit::fixed_window(1, Duration::from_millis(longest_ms)).unwrap();
+        assert!(ScriptLimit::new(&fits).is_ok());
+        let beyond = Limit::fixed_window(1, Duration::from_millis(longest_ms + 1)).unwrap();
+        assert!(matches!(
+            ScriptLimit::new(&beyond),
+            Err(Error::UnsupportedLimit { .. })
+        ));
+    }
+
     #[test]
     fn refuses_what_lua_cannot_hold() {
         assert!(matches!(
-            ScriptLimit::new(&limit(1, "9/7ns")),
+            TokenLimit::new(&limit(1, "9/7ns")),
             Err(Error::UnsupportedLimit { .. })
         ));
         // 50,000 tokens at one a day: 4.3e15 microseconds to fill, past 2^51.
         assert!(matches!(
-            ScriptLimit::new(&limit(50_000, "1/d")),
+            TokenLimit::new(&limit(50_000, "1/d")),
             Err(Error::UnsupportedLimit { .. })
         ));
-        assert!(ScriptLimit::new(&limit(20_000, "1/d")).is_ok());
+        assert!(TokenLimit::new(&limit(20_000, "1/d")).is_ok());
     }
 }

@@ -52,6 +52,8 @@ async fn cluster() {
         .expect("connect to the cluster");
     conforms_with_and_without_hash_tags(&patient).await;
     cross_slot_rejection_charges_nothing(&patient).await;
+    a_full_window_charges_nothing_beside_it_in_its_slot(&patient).await;
+    a_window_charged_across_slots_is_refunded(&patient).await;
     a_changed_limit_carries_over_within_its_slot(&patient).await;
     a_late_cross_slot_refund_never_over_admits_a_retried_request(&url).await;
     a_refund_sent_twice_gives_back_once(&url).await;
@@ -89,8 +91,14 @@ async fn conforms_with_and_without_hash_tags(store: &RedisStore) {
         // With per-subject hash tags every request is one slot, one atomic script.
         let tagged = Trace::new(seed, 300, format!("tagged-{seed}"));
         // Without them the buckets of one request spread over slots (and nodes): charged in
-        // parallel, refunded when one slot rejects. Sequentially, the same decisions.
-        let untagged = Trace::new(seed, 300, format!("untagged-{seed}")).hash_tags(false);
+        // parallel, refunded when one slot rejects. Sequentially, the same decisions, as long
+        // as time does not go back: a refund gives the charge back but cannot put the bucket
+        // back as it was (a token bucket stays as full as at the charge's time, a window's
+        // state in the window charged), which a request from an earlier time would then see
+        // (see `Trace::steps_back`).
+        let untagged = Trace::new(seed, 300, format!("untagged-{seed}"))
+            .hash_tags(false)
+            .steps_back(false);
         for trace in [tagged, untagged] {
             if let Err(mismatch) = compare_with_memory(store, &trace).await {
                 panic!("{mismatch}");
@@ -125,6 +133,98 @@ async fn cross_slot_rejection_charges_nothing(store: &RedisStore) {
     );
     let more = [Take::new(user_key, &user, 1)];
     assert!(!check(store, &more).await[0].allowed());
+}
+
+fn windows(limit: u64, window: Duration) -> [Limit; 2] {
+    [
+        Limit::fixed_window(limit, window).expect("a valid window"),
+        Limit::sliding_window(limit, window).expect("a valid window"),
+    ]
+}
+
+/// A token bucket with room beside a full window in one slot: one script decides both, and the
+/// rejection charges the token bucket nothing.
+async fn a_full_window_charges_nothing_beside_it_in_its_slot(store: &RedisStore) {
+    let bucket = limit(5, "1/m");
+    for window in windows(1, Duration::from_secs(3_600)) {
+        let name = window.algorithm().as_str();
+        let (bucket_key, window_key) =
+            (format!("{{mx-{name}}}:tokens"), format!("{{mx-{name}}}:w"));
+        let both = [
+            Take::new(&bucket_key, &bucket, 1),
+            Take::new(&window_key, &window, 1),
+        ];
+        assert!(check(store, &both).await.iter().all(Decision::allowed));
+        for _ in 0..3 {
+            let decisions = check(store, &both).await;
+            assert!(
+                decisions[0].allowed() && !decisions[1].allowed(),
+                "{decisions:?}"
+            );
+            assert_eq!(
+                decisions[0].remaining(),
+                4,
+                "{name}: the bucket's balance, uncharged"
+            );
+        }
+        let rest = [Take::new(&bucket_key, &bucket, 4)];
+        assert!(
+            check(store, &rest).await[0].allowed(),
+            "{name}: charged once"
+        );
+        let more = [Take::new(&bucket_key, &bucket, 1)];
+        assert!(!check(store, &more).await[0].allowed(), "{name}");
+    }
+}
+
+/// A window charged in one slot while another slot rejects is refunded: its count is as if the
+/// request never came, and it reports its standing uncharged, as the memory store (which
+/// decides the whole request in one step) reports it.
+async fn a_window_charged_across_slots_is_refunded(store: &RedisStore) {
+    let tenant = limit(1, "1/h");
+    for window in windows(3, Duration::from_secs(3_600)) {
+        let name = window.algorithm().as_str();
+        let window_key = format!("xw:{name}:user");
+        let slot = |key: &str| Slot::for_key(format!("tollgate:{key}"));
+        let tenant_key = (0..)
+            .map(|i| format!("xw:{name}:tenant{i}"))
+            .find(|key| slot(key) != slot(&window_key))
+            .expect("a key in another slot");
+        let memory = tollgate::LocalStore::new(tollgate::ManualClock::new());
+        let request = |takes| CheckRequest {
+            takes,
+            request_id: None,
+            now: Some(T0),
+        };
+        // The tenant's one token goes first: the requests over both slots are then refused.
+        let alone = [Take::new(&tenant_key, &tenant, 1)];
+        assert!(check(store, &alone).await[0].allowed());
+        memory.check_now(request(&alone)).expect("decided");
+        let both = [
+            Take::new(&window_key, &window, 1),
+            Take::new(&tenant_key, &tenant, 1),
+        ];
+        for _ in 0..3 {
+            let decisions = check(store, &both).await;
+            assert!(
+                decisions[0].allowed() && !decisions[1].allowed(),
+                "{decisions:?}"
+            );
+            assert_eq!(
+                decisions[0].remaining(),
+                3,
+                "{name}: charged, then refunded"
+            );
+            assert_eq!(Ok(decisions), memory.check_now(request(&both)), "{name}");
+        }
+        let three = [Take::new(&window_key, &window, 3)];
+        assert!(
+            check(store, &three).await[0].allowed(),
+            "{name}: nothing counted"
+        );
+        let more = [Take::new(&window_key, &window, 1)];
+        assert!(!check(store, &more).await[0].allowed(), "{name}");
+    }
 }
 
 async fn a_changed_limit_carries_over_within_its_slot(store: &RedisStore) {

@@ -1515,6 +1515,10 @@ async fn a_least_privilege_acl_user_suffices() {
     let both = [Take::new("{t}u1", &a, 1), Take::new("{t}t", &b, 2)];
     let decided = check(&store, &both, None).await.expect("two buckets");
     assert_eq!((decided[0].remaining(), decided[1].remaining()), (9, 3));
+    let window = Limit::sliding_window(2, Duration::from_secs(3_600)).expect("a window");
+    let windowed = [Take::new("{t}w", &window, 2)];
+    let decided = check(&store, &windowed, None).await.expect("a window");
+    assert_eq!(decided[0].remaining(), 0);
     for _ in 0..2 {
         let retried = store
             .check(CheckRequest {

@@ -2,11 +2,13 @@
 //! time, must give exactly the decisions the memory store gives.
 //!
 //! The memory store is the reference because its math is checked against the exact rational
-//! model (`tests/bucket_model.rs`); any other store is then held to it here, decision for
-//! decision, including balances, retry times, all-or-nothing rejections, idempotent retries and
-//! refused costs. Enabled by the `testkit` feature, for other crates' tests.
+//! models (`tests/bucket_model.rs`, `tests/window_model.rs`); any other store is then held to
+//! it here, decision for decision, including balances, retry times, all-or-nothing rejections,
+//! idempotent retries and refused costs, for token buckets, fixed and sliding windows, and
+//! requests mixing them. Enabled by the `testkit` feature, for other crates' tests.
 
 use std::fmt;
+use std::time::Duration;
 
 use crate::clock::{ManualClock, Timestamp};
 use crate::decision::Decision;
@@ -49,12 +51,22 @@ pub struct Trace {
     pub subjects: usize,
     /// Prefixed to every key, so traces against a shared server do not meet old state.
     pub prefix: String,
-    /// The time of the first request. Steps advance it by whole microseconds, the resolution
-    /// of stores that keep time in microseconds (Redis).
+    /// The time of the first request. Steps move it by whole microseconds, the resolution of
+    /// stores that keep time in microseconds (Redis). A request on windows alone is sometimes
+    /// timed a few nanoseconds past its step's microsecond: a window is read to the
+    /// millisecond, and its waits are exact to the nanosecond in every store (a token bucket
+    /// between two microseconds is decided conservatively by such stores, not identically).
     pub start: Timestamp,
     /// Whether keys carry a per-subject `{hash tag}`. Without one, the buckets of a
     /// multi-bucket request land in different cluster slots.
     pub hash_tags: bool,
+    /// Whether the time now and then steps back (a clock gone back: it must mint nothing).
+    /// A store that charges and then refunds (a cluster, across slots) cannot put a bucket's
+    /// state back as it was before the charge: a refunded token bucket is as full as it was at
+    /// the charge's time, and a refunded window keeps its state in the window charged. A later
+    /// request from an earlier time may then be decided otherwise than by the memory store,
+    /// which never charged: compare such stores without steps back.
+    pub steps_back: bool,
 }
 
 impl Trace {
@@ -67,6 +79,7 @@ impl Trace {
             prefix: prefix.into(),
             start: Timestamp::from_nanos(1_700_000_000_000_000_000),
             hash_tags: true,
+            steps_back: true,
         }
     }
 
@@ -75,14 +88,23 @@ impl Trace {
         self.hash_tags = on;
         self
     }
+
+    /// The same trace with or without steps back in time.
+    pub fn steps_back(mut self, on: bool) -> Self {
+        self.steps_back = on;
+        self
+    }
 }
 
-/// Limits with awkward rates: reduced amounts above one, long and short periods.
+/// Token buckets with awkward rates (reduced amounts above one, long and short periods), then
+/// windows: short ones that the trace's steps cross often (a sliding window of 1 ms weighs its
+/// previous window whole), and long ones whose counts last.
 fn limits() -> Vec<Limit> {
     let make = |capacity, amount, period_us: u64| {
-        Rate::new(amount, std::time::Duration::from_micros(period_us))
+        Rate::new(amount, Duration::from_micros(period_us))
             .and_then(|rate| Limit::new(capacity, rate))
     };
+    let ms = Duration::from_millis;
     [
         make(5, 5, 1_000_000),
         make(10, 3, 1_000_000),
@@ -90,6 +112,13 @@ fn limits() -> Vec<Limit> {
         make(2, 1, 60_000_000),
         make(50, 1_000, 1_000_000),
         make(4, 9, 7),
+        Limit::fixed_window(3, ms(1)),
+        Limit::sliding_window(4, ms(1)),
+        Limit::sliding_window(5, ms(7)),
+        Limit::fixed_window(10, ms(50)),
+        Limit::sliding_window(6, ms(20)),
+        Limit::fixed_window(2, ms(1_000)),
+        Limit::sliding_window(10, ms(1_000)),
     ]
     .into_iter()
     .filter_map(Result::ok)
@@ -127,12 +156,18 @@ pub async fn compare_with_memory<S: Store>(store: &S, trace: &Trace) -> Result<(
     let mut rng = Rng(trace.seed | 1);
     let mut now = trace.start;
     let steps_us = [
-        0u64, 0, 1, 3, 137, 10_000, 100_000, 333_333, 1_000_000, 70_000_000,
+        0u64, 0, 1, 3, 137, 500, 1_000, 2_500, 10_000, 100_000, 333_333, 1_000_000, 70_000_000,
     ];
+    let back_us = [1u64, 137, 1_000, 7_000, 250_000];
     // Requests that charged, by id, to retry later: (id, [(subject, limit, cost)]).
     let mut recent: Vec<(String, Vec<Spec>)> = Vec::new();
     for step in 0..trace.steps {
-        now = now + std::time::Duration::from_micros(steps_us[rng.below(10) as usize]);
+        if trace.steps_back && rng.below(16) == 0 {
+            let back = back_us[rng.below(back_us.len() as u64) as usize];
+            now = Timestamp::from_nanos(now.as_nanos().saturating_sub(back * 1_000));
+        } else {
+            now = now + Duration::from_micros(steps_us[rng.below(steps_us.len() as u64) as usize]);
+        }
         let mut takes_spec: Vec<Spec> = Vec::new();
         let buckets = match rng.below(10) {
             0..=6 => 1,
@@ -150,6 +185,7 @@ pub async fn compare_with_memory<S: Store>(store: &S, trace: &Trace) -> Result<(
                 0 => 0,
                 1 => capacity + 1,
                 2..=5 => capacity,
+                6..=8 => 1 + rng.below(capacity),
                 _ => 1 + rng.below(capacity.min(3)),
             };
             takes_spec.push((subject, limit, cost));
@@ -182,10 +218,17 @@ pub async fn compare_with_memory<S: Store>(store: &S, trace: &Trace) -> Result<(
             .zip(&keys)
             .map(|(&(_, limit, cost), key)| Take::new(key, &limits[limit], cost))
             .collect();
+        // A request on windows alone, now and then, between two microseconds.
+        let windows_only = takes.iter().all(|take| take.limit.algorithm().is_window());
+        let at = if windows_only && rng.below(3) == 0 {
+            Timestamp::from_nanos(now.as_nanos() + 1 + rng.below(999))
+        } else {
+            now
+        };
         let request = CheckRequest {
             takes: &takes,
             request_id: request_id.as_deref(),
-            now: Some(now),
+            now: Some(at),
         };
         // Now and then, a look without charging first: it must agree and change nothing.
         if rng.below(8) == 0 {
@@ -194,7 +237,7 @@ pub async fn compare_with_memory<S: Store>(store: &S, trace: &Trace) -> Result<(
             if !same(&expected, &actual) {
                 return Err(Box::new(Mismatch {
                     step,
-                    request: format!("peek {takes:?} at {now:?}"),
+                    request: format!("peek {takes:?} at {at:?}"),
                     expected,
                     actual,
                 }));
@@ -210,7 +253,7 @@ pub async fn compare_with_memory<S: Store>(store: &S, trace: &Trace) -> Result<(
         if !same(&expected, &actual) {
             return Err(Box::new(Mismatch {
                 step,
-                request: format!("{takes:?} id {request_id:?} at {now:?}"),
+                request: format!("{takes:?} id {request_id:?} at {at:?}"),
                 expected,
                 actual,
             }));
@@ -277,5 +320,80 @@ mod tests {
         let store = Lenient(LocalStore::new(ManualClock::new()));
         let trace = Trace::new(3, 500, "lenient");
         assert!(block_on_ready(compare_with_memory(&store, &trace)).is_err());
+    }
+
+    /// The memory store, but deciding each request as `rewrite` turns it.
+    struct Rewritten<F>(LocalStore<ManualClock>, F);
+
+    impl<F> Store for Rewritten<F>
+    where
+        F: Fn(&Take<'_>, Timestamp) -> (Limit, Timestamp) + Send + Sync,
+    {
+        async fn check(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
+            let now = request.now.unwrap_or(Timestamp::ZERO);
+            let rewritten: Vec<(Limit, Timestamp)> = request
+                .takes
+                .iter()
+                .map(|take| (self.1)(take, now))
+                .collect();
+            let takes: Vec<Take<'_>> = request
+                .takes
+                .iter()
+                .zip(&rewritten)
+                .map(|(take, (limit, _))| Take { limit, ..*take })
+                .collect();
+            self.0.check_now(CheckRequest {
+                takes: &takes,
+                now: rewritten.first().map(|&(_, now)| now),
+                ..request
+            })
+        }
+
+        async fn peek(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
+            self.0.peek_now(request)
+        }
+    }
+
+    fn caught<F>(rewrite: F) -> bool
+    where
+        F: Fn(&Take<'_>, Timestamp) -> (Limit, Timestamp) + Send + Sync,
+    {
+        let store = Rewritten(LocalStore::new(ManualClock::new()), rewrite);
+        (1..4).all(|seed| {
+            let trace = Trace::new(seed, 500, format!("rewritten-{seed}"));
+            block_on_ready(compare_with_memory(&store, &trace)).is_err()
+        })
+    }
+
+    /// The traces decide windows, between microseconds and with the clock going back: a store
+    /// that took windows for token buckets, dropped the nanoseconds, or never saw time go back
+    /// would be caught.
+    #[test]
+    fn traces_hold_windows_nanoseconds_and_steps_back() {
+        assert!(caught(|take, now| {
+            let limit = match take.limit.window() {
+                Some(window) => Limit::per(take.limit.capacity(), window).unwrap(),
+                None => *take.limit,
+            };
+            (limit, now)
+        }));
+        assert!(caught(|take, now| {
+            let whole = Timestamp::from_nanos(now.as_nanos() / 1_000 * 1_000);
+            (*take.limit, whole)
+        }));
+        let latest = std::sync::atomic::AtomicU64::new(0);
+        assert!(caught(move |take, now| {
+            let seen = latest.fetch_max(now.as_nanos(), std::sync::atomic::Ordering::Relaxed);
+            (*take.limit, Timestamp::from_nanos(seen.max(now.as_nanos())))
+        }));
+        // The same rewrites, changing nothing, are not caught.
+        assert!(!(1..4).any(|seed| {
+            let store = Rewritten(
+                LocalStore::new(ManualClock::new()),
+                |take: &Take<'_>, now| (*take.limit, now),
+            );
+            let trace = Trace::new(seed, 500, format!("unchanged-{seed}"));
+            block_on_ready(compare_with_memory(&store, &trace)).is_err()
+        }));
     }
 }
