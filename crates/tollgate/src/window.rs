@@ -121,51 +121,58 @@ pub(crate) fn take(
     cost: u64,
 ) -> (Decision, Option<BucketState>) {
     let (at, prev, cur) = counts(limit, state, now);
-    let n = limit.capacity();
     let w = limit.window_ns() / NANOS_PER_MS;
-    let w_ns = limit.window_ns();
-    match limit.algorithm() {
-        Algorithm::SlidingWindow => {
-            let weighted = |cur: u64| {
-                u128::from(prev) * u128::from(w - at.elapsed_ms) + u128::from(cur) * u128::from(w)
-            };
-            let room = u128::from(n) * u128::from(w);
-            let after = weighted(cur + cost);
-            if after <= room {
-                let remaining = ((room - after) / u128::from(w)) as u64;
-                let state = BucketState::from_parts(
-                    (at.window + 2) * w_ns + cur + cost,
-                    u32::try_from(prev).unwrap_or(u32::MAX),
-                );
-                let reset = until(limit, &at, 2, 0);
-                let decision = Decision::window(true, *limit, cost, remaining, 0, reset);
-                (decision, Some(state))
-            } else {
-                let remaining = (room.saturating_sub(weighted(cur)) / u128::from(w)) as u64;
-                let reset = match (prev, cur) {
-                    (_, 1..) => until(limit, &at, 2, 0),
-                    (1.., 0) => until(limit, &at, 1, 0),
-                    (0, 0) => 0,
-                };
-                let retry = sliding_retry(limit, &at, prev, cur, cost);
-                let decision = Decision::window(false, *limit, cost, remaining, retry, reset);
-                (decision, None)
-            }
-        }
-        _ => {
-            let reset = until(limit, &at, 1, 0);
-            if cur + cost <= n {
-                let state = BucketState::from_parts((at.window + 1) * w_ns + cur + cost, 0);
-                let decision = Decision::window(true, *limit, cost, n - cur - cost, 0, reset);
-                (decision, Some(state))
-            } else {
-                // cost <= N, so the next window admits it.
-                let remaining = n.saturating_sub(cur);
-                let decision = Decision::window(false, *limit, cost, remaining, reset, reset);
-                (decision, None)
-            }
-        }
+    // A fixed window has no previous count, so this is `cur + cost <= N` for it.
+    if weighted(&at, w, prev, cur + cost) <= u128::from(limit.capacity()) * u128::from(w) {
+        let (remaining, reset) = standing(limit, &at, prev, cur + cost);
+        let frac = match limit.algorithm() {
+            Algorithm::SlidingWindow => u32::try_from(prev).unwrap_or(u32::MAX),
+            _ => 0,
+        };
+        let state = BucketState::from_parts(free_at(limit, &at) + cur + cost, frac);
+        let decision = Decision::window(true, *limit, cost, remaining, 0, reset);
+        return (decision, Some(state));
     }
+    let (remaining, reset) = standing(limit, &at, prev, cur);
+    let retry = match limit.algorithm() {
+        Algorithm::SlidingWindow => sliding_retry(limit, &at, prev, cur, cost),
+        // cost <= N, so the next window admits it.
+        _ => until(limit, &at, 1, 0),
+    };
+    let decision = Decision::window(false, *limit, cost, remaining, retry, reset);
+    (decision, None)
+}
+
+/// The counts weighed as a sliding window weighs them, times `w` (the window in ms) so that
+/// they are integers: `prev * (W - e) + cur * W`.
+fn weighted(at: &At, w: u64, prev: u64, cur: u64) -> u128 {
+    u128::from(prev) * u128::from(w - at.elapsed_ms) + u128::from(cur) * u128::from(w)
+}
+
+/// What a window holding `prev` and `cur` at `at` still admits, and the nanoseconds until it
+/// counts nothing: the end of this window once the previous one weighs nothing more, the end
+/// of the next while this one has a count.
+fn standing(limit: &Limit, at: &At, prev: u64, cur: u64) -> (u64, u64) {
+    let w = limit.window_ns() / NANOS_PER_MS;
+    let room = u128::from(limit.capacity()) * u128::from(w);
+    // At most the limit, a u64.
+    let remaining = (room.saturating_sub(weighted(at, w, prev, cur)) / u128::from(w)) as u64;
+    let reset = match (limit.algorithm(), prev, cur) {
+        (Algorithm::SlidingWindow, _, 1..) => until(limit, at, 2, 0),
+        (_, 0, 0) => 0,
+        _ => until(limit, at, 1, 0),
+    };
+    (remaining, reset)
+}
+
+/// The instant a state written in `at`'s window reads as full, before its count is added: the
+/// end of the window (fixed) or of the next (sliding).
+fn free_at(limit: &Limit, at: &At) -> u64 {
+    let ends = match limit.algorithm() {
+        Algorithm::SlidingWindow => at.window + 2,
+        _ => at.window + 1,
+    };
+    ends * limit.window_ns()
 }
 
 /// The wait until a sliding window admits `cost`: the first millisecond at which the previous
@@ -201,26 +208,7 @@ pub(crate) fn balance(
     cost: u64,
 ) -> Decision {
     let (at, prev, cur) = counts(limit, state, now);
-    let n = limit.capacity();
-    let w = limit.window_ns() / NANOS_PER_MS;
-    let (remaining, reset) = match limit.algorithm() {
-        Algorithm::SlidingWindow => {
-            let weighted =
-                u128::from(prev) * u128::from(w - at.elapsed_ms) + u128::from(cur) * u128::from(w);
-            let room = u128::from(n) * u128::from(w);
-            let remaining = (room.saturating_sub(weighted) / u128::from(w)) as u64;
-            let reset = match (prev, cur) {
-                (_, 1..) => until(limit, &at, 2, 0),
-                (1.., 0) => until(limit, &at, 1, 0),
-                (0, 0) => 0,
-            };
-            (remaining, reset)
-        }
-        _ => {
-            let reset = if cur > 0 { until(limit, &at, 1, 0) } else { 0 };
-            (n.saturating_sub(cur), reset)
-        }
-    };
+    let (remaining, reset) = standing(limit, &at, prev, cur);
     Decision::window(true, *limit, cost, remaining, 0, reset)
 }
 
@@ -233,11 +221,7 @@ pub(crate) fn with_tokens(limit: &Limit, tokens: u64, now: Timestamp) -> Option<
         return None;
     }
     let (at, _, _) = counts(limit, None, now);
-    let ends = match limit.algorithm() {
-        Algorithm::SlidingWindow => at.window + 2,
-        _ => at.window + 1,
-    };
-    Some(BucketState::from_parts(ends * limit.window_ns() + used, 0))
+    Some(BucketState::from_parts(free_at(limit, &at) + used, 0))
 }
 
 #[cfg(test)]
