@@ -64,7 +64,20 @@ impl RedisRig {
     /// tollgate's store under [`measure`]: `callers` callers, each decision one unit from the
     /// bucket of one of the rig's first `key_count` keys, for `seconds`.
     pub async fn measure_store(&self, callers: usize, key_count: u64, seconds: f64) -> Run {
-        let (store, keys, limit) = (self.store.clone(), self.keys.clone(), self.limit);
+        self.measure_limit(self.limit, callers, key_count, seconds)
+            .await
+    }
+
+    /// [`RedisRig::measure_store`] with another quota (one that admits every decision of the
+    /// run, such as a window of a billion a second).
+    pub async fn measure_limit(
+        &self,
+        limit: Limit,
+        callers: usize,
+        key_count: u64,
+        seconds: f64,
+    ) -> Run {
+        let (store, keys) = (self.store.clone(), self.keys.clone());
         measure(self.server.port, callers, key_count, seconds, move |k| {
             let (store, keys) = (store.clone(), keys.clone());
             async move { take_one(&store, &keys[k as usize], &limit).await }
