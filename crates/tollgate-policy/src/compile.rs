@@ -17,7 +17,7 @@ use crate::key::{self, stable_hash};
 use crate::policy::{
     Conditions, DomainIndex, Exemption, FailureMode, LimitDef, Mode, Override, Policy,
 };
-use crate::schema::{self, FailureModeSpec, ModeSpec, PolicyFile, Text, WindowText, at};
+use crate::schema::{self, FailureModeSpec, ModeSpec, PolicyFile, RateText, Text, WindowText, at};
 use crate::wall::UnixTime;
 
 /// The longest name a limit or override may have: names go into every bucket key.
@@ -148,23 +148,14 @@ fn base_params(
     path: &str,
 ) -> Result<Limit, Error> {
     let name = algorithm.name;
+    Fields {
+        capacity: spec.capacity.as_ref(),
+        refill: spec.refill.as_ref(),
+        limit: spec.limit.as_ref(),
+        window: spec.window.as_ref(),
+    }
+    .refuse_foreign(file, path, algorithm.kind, name)?;
     if algorithm.kind.is_window() {
-        if let Some(capacity) = &spec.capacity {
-            return Err(at(
-                file,
-                capacity,
-                format!("{path}.capacity"),
-                window_fields(name),
-            ));
-        }
-        if let Some(refill) = &spec.refill {
-            return Err(at(
-                file,
-                refill,
-                format!("{path}.refill"),
-                window_fields(name),
-            ));
-        }
         let (Some(limit), Some(window)) = (&spec.limit, &spec.window) else {
             let missing = if spec.limit.is_none() {
                 "limit"
@@ -183,22 +174,6 @@ fn base_params(
             &fallback,
             path,
         );
-    }
-    if let Some(limit) = &spec.limit {
-        return Err(at(
-            file,
-            limit,
-            format!("{path}.limit"),
-            bucket_fields(name),
-        ));
-    }
-    if let Some(window) = &spec.window {
-        return Err(at(
-            file,
-            window,
-            format!("{path}.window"),
-            bucket_fields(name),
-        ));
     }
     let (Some(capacity), Some(refill)) = (&spec.capacity, &spec.refill) else {
         let missing = if spec.capacity.is_none() {
@@ -219,24 +194,14 @@ fn override_params(
     base: &Limit,
     path: &str,
 ) -> Result<Limit, Error> {
+    Fields {
+        capacity: o.capacity.as_ref(),
+        refill: o.refill.as_ref(),
+        limit: o.limit.as_ref(),
+        window: o.window.as_ref(),
+    }
+    .refuse_foreign(file, path, base.algorithm(), base.algorithm().as_str())?;
     if base.algorithm().is_window() {
-        let name = base.algorithm().as_str();
-        if let Some(capacity) = &o.capacity {
-            return Err(at(
-                file,
-                capacity,
-                format!("{path}.capacity"),
-                window_fields(name),
-            ));
-        }
-        if let Some(refill) = &o.refill {
-            return Err(at(
-                file,
-                refill,
-                format!("{path}.refill"),
-                window_fields(name),
-            ));
-        }
         if o.limit.is_none() && o.window.is_none() {
             return Err(at(
                 file,
@@ -259,22 +224,6 @@ fn override_params(
             &fallback,
             path,
         );
-    }
-    if let Some(limit) = &o.limit {
-        return Err(at(
-            file,
-            limit,
-            format!("{path}.limit"),
-            bucket_fields("token_bucket"),
-        ));
-    }
-    if let Some(window) = &o.window {
-        return Err(at(
-            file,
-            window,
-            format!("{path}.window"),
-            bucket_fields("token_bucket"),
-        ));
     }
     match (&o.capacity, &o.refill) {
         (None, None) => Err(at(
@@ -317,6 +266,64 @@ fn window_limit(
             (_, None, None) => fallback(err.to_string()),
         }
     })
+}
+
+/// The parameter fields of a limit or an override, as the file gives them.
+struct Fields<'a> {
+    capacity: Option<&'a Spanned<u64>>,
+    refill: Option<&'a Spanned<RateText>>,
+    limit: Option<&'a Spanned<u64>>,
+    window: Option<&'a Spanned<WindowText>>,
+}
+
+impl Fields<'_> {
+    /// Refuses, at the field, the first one `kind` does not take: `capacity` and `refill`
+    /// for the windows, `limit` and `window` for the token bucket (`name` is the algorithm as
+    /// the file calls it).
+    fn refuse_foreign(
+        &self,
+        file: &str,
+        path: &str,
+        kind: Algorithm,
+        name: &str,
+    ) -> Result<(), Error> {
+        if kind.is_window() {
+            if let Some(capacity) = self.capacity {
+                return Err(at(
+                    file,
+                    capacity,
+                    format!("{path}.capacity"),
+                    window_fields(name),
+                ));
+            }
+            if let Some(refill) = self.refill {
+                return Err(at(
+                    file,
+                    refill,
+                    format!("{path}.refill"),
+                    window_fields(name),
+                ));
+            }
+        } else {
+            if let Some(limit) = self.limit {
+                return Err(at(
+                    file,
+                    limit,
+                    format!("{path}.limit"),
+                    bucket_fields(name),
+                ));
+            }
+            if let Some(window) = self.window {
+                return Err(at(
+                    file,
+                    window,
+                    format!("{path}.window"),
+                    bucket_fields(name),
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 fn window_fields(algorithm: &str) -> String {
