@@ -158,6 +158,8 @@ fn period_parts(period_ns: u64) -> (u64, &'static str) {
 }
 
 /// A token bucket's parameters: it holds at most `capacity` tokens and gains `refill` over time.
+/// Or a window's, made by [`Limit::fixed_window`] and [`Limit::sliding_window`]: at most
+/// `capacity` per window, the window being the refill's period (see [`Algorithm`]).
 ///
 /// A `Limit` is always valid: `capacity > 0`, a non-zero rate, a reduced rate below 2^32 units
 /// per nanosecond, and a time to refill from empty at most [`MAX_TIME_TO_FULL`]. `Copy` and
