@@ -78,23 +78,47 @@ impl<C: Clock + ?Sized> Clock for &C {
     }
 }
 
-/// The production clock: monotonic, nanosecond resolution, epoch at construction.
+/// The production clock: monotonic, nanosecond resolution, epoch at the last midnight (UTC)
+/// before construction.
 ///
 /// Backed by `quanta`, which reads the CPU's invariant time-stamp counter where it is
-/// reliable (a few nanoseconds a read) and the OS monotonic clock otherwise.
+/// reliable (a few nanoseconds a read) and the OS monotonic clock otherwise. The wall clock is
+/// read once, at construction, only to place the epoch: from then on time is the monotonic
+/// clock's, and a change of the wall clock moves nothing.
+///
+/// Why midnight: window limits ([`crate::Limit::fixed_window`]) start their windows at whole
+/// multiples of the window from the epoch, so with this epoch a window whose length divides a
+/// day (`1s`, `1m`, `1h`, `1d`, ...) starts where the wall clock's does, as on Redis, whose
+/// windows follow its `TIME`. An epoch at the process's start would put a per-minute window's
+/// edge wherever the process happened to start.
 #[derive(Clone, Debug)]
 pub struct MonotonicClock {
     clock: quanta::Clock,
     start: u64,
+    /// Nanoseconds from the last midnight UTC to `start`: less than a day.
+    since_midnight: u64,
 }
 
+/// Nanoseconds in a day.
+const DAY_NS: u128 = 86_400_000_000_000;
+
 impl MonotonicClock {
-    /// A clock whose epoch is now.
+    /// A clock whose epoch is the last midnight UTC.
     #[allow(clippy::disallowed_methods)]
     pub fn new() -> Self {
         let clock = quanta::Clock::new();
         let start = clock.raw();
-        Self { clock, start }
+        // A wall clock set before 1970 gives an epoch at construction instead.
+        let since_1970 = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        // Below a day, so below 2^47.
+        let since_midnight = (since_1970.as_nanos() % DAY_NS) as u64;
+        Self {
+            clock,
+            start,
+            since_midnight,
+        }
     }
 }
 
@@ -106,7 +130,8 @@ impl Default for MonotonicClock {
 
 impl Clock for MonotonicClock {
     fn now(&self) -> Timestamp {
-        Timestamp(self.clock.delta_as_nanos(self.start, self.clock.raw()))
+        let elapsed = self.clock.delta_as_nanos(self.start, self.clock.raw());
+        Timestamp(elapsed.saturating_add(self.since_midnight))
     }
 }
 
@@ -177,6 +202,30 @@ mod tests {
             assert!(now >= last);
             last = now;
         }
+    }
+
+    /// The epoch is the last midnight UTC: the clock reads the wall clock's time of day (to
+    /// within the moments between the two reads), so windows start where the wall clock's do.
+    #[test]
+    #[allow(clippy::disallowed_methods)]
+    fn monotonic_clock_counts_from_midnight_utc() {
+        let clock = MonotonicClock::new();
+        let now = u128::from(clock.now().as_nanos());
+        let wall = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() % DAY_NS)
+            .unwrap_or_default();
+        // Compared around the day, in case midnight passed between the reads.
+        let apart = (wall + DAY_NS - now % DAY_NS) % DAY_NS;
+        let apart = apart.min(DAY_NS - apart);
+        assert!(
+            apart < 1_000_000_000,
+            "{apart} ns from the wall clock's time of day"
+        );
+        assert!(
+            now < DAY_NS + 1_000_000_000,
+            "the epoch is the last midnight"
+        );
     }
 
     #[test]
