@@ -40,6 +40,32 @@ pub enum Error {
         /// Which rule it breaks.
         reason: &'static str,
     },
+    /// Concurrency-limit parameters out of range (see [`LeaseLimit::new`]).
+    ///
+    /// [`LeaseLimit::new`]: crate::LeaseLimit::new
+    #[error("invalid concurrency limit: {reason}")]
+    InvalidLease {
+        /// Which rule it breaks.
+        reason: &'static str,
+    },
+    /// A lease id that is empty, too long, or not made of ASCII letters, digits, `-` and `_`
+    /// (see [`check_lease_id`](crate::check_lease_id)).
+    #[error(
+        "lease id must be 1 to 64 characters of ASCII letters, digits, '-' and '_' (got {len} bytes)"
+    )]
+    InvalidLeaseId {
+        /// Its length in bytes.
+        len: usize,
+    },
+    /// An acquire under a lease id that is still held.
+    #[error("lease id is already held")]
+    LeaseIdInUse,
+    /// The in-process lease table holds as many live leases as it may.
+    #[error("the lease table is full ({max} leases held); try again when some end")]
+    TooManyLeases {
+        /// The table's bound.
+        max: usize,
+    },
     /// A cost of zero, or more than the bucket can ever hold (it would wait forever).
     #[error("cost {cost} is invalid: it must be between 1 and the capacity ({capacity})")]
     InvalidCost {

@@ -63,6 +63,7 @@ mod clock;
 mod decision;
 mod error;
 mod idempotency;
+mod lease;
 mod limit;
 mod limiter;
 pub mod memory;
@@ -77,6 +78,10 @@ pub use clock::{Clock, ManualClock, MonotonicClock, Timestamp};
 pub use decision::Decision;
 pub use error::{Error, Unavailable};
 pub use idempotency::{MAX_REQUEST_ID_BYTES, check_request_id};
+pub use lease::{
+    LeaseDecision, LeaseLimit, LeaseRequest, LeaseStore, LeaseTake, MAX_IN_FLIGHT,
+    MAX_LEASE_ID_BYTES, MAX_LEASE_TIMEOUT, MemoryLeases, MemoryLeasesBuilder, check_lease_id,
+};
 pub use limit::{Algorithm, Limit, MAX_TIME_TO_FULL, MAX_WINDOW_LIMIT, Rate};
 pub use limiter::RateLimiter;
 pub use memory::{Item, MemoryStats, MemoryStore, MemoryStoreBuilder};

@@ -10,6 +10,7 @@ use std::future::Future;
 use crate::clock::{Clock, Timestamp};
 use crate::decision::Decision;
 use crate::error::Error;
+use crate::lease::MemoryLeases;
 use crate::limit::Limit;
 use crate::memory::{Item, MemoryStore};
 
@@ -143,6 +144,7 @@ pub fn block_on_ready<F: Future>(future: F) -> F::Output {
 /// ```
 pub struct LocalStore<C> {
     store: MemoryStore<Box<str>>,
+    leases: MemoryLeases,
     clock: C,
 }
 
@@ -154,7 +156,22 @@ impl<C: Clock> LocalStore<C> {
 
     /// `store`, read through `clock`.
     pub fn with_store(store: MemoryStore<Box<str>>, clock: C) -> Self {
-        Self { store, clock }
+        Self {
+            store,
+            leases: MemoryLeases::default(),
+            clock,
+        }
+    }
+
+    /// The same store with `leases` as its lease table (for a bound other than the default).
+    #[must_use]
+    pub fn with_leases(self, leases: MemoryLeases) -> Self {
+        Self { leases, ..self }
+    }
+
+    /// The lease table inside, for concurrency limits ([`crate::LeaseStore`]).
+    pub fn leases(&self) -> &MemoryLeases {
+        &self.leases
     }
 
     /// The memory store inside.
