@@ -97,7 +97,7 @@ impl MemoryLeasesBuilder {
 ///
 /// let leases = MemoryLeases::default();
 /// let limit = LeaseLimit::new(1, Duration::from_secs(30))?;
-/// let takes = [LeaseTake { key: "export:{acme}", limit: &limit }];
+/// let takes = [LeaseTake::new("export:{acme}", &limit)];
 /// let t0 = Timestamp::ZERO;
 /// assert!(leases.acquire(&takes, "lease-1", t0)?[0].allowed());
 /// let busy = leases.acquire(&takes, "lease-2", t0)?;
@@ -205,7 +205,7 @@ impl MemoryLeases {
                 &*leases
             });
             let decision = decide(held, take.limit.max_in_flight(), now);
-            allowed &= decision.allowed();
+            allowed &= decision.allowed() || !take.enforce;
             decisions.push(decision);
         }
         if !allowed {
@@ -214,7 +214,13 @@ impl MemoryLeases {
 
         let id: Arc<str> = Arc::from(lease_id);
         let mut last = 0;
+        let mut keys = Vec::with_capacity(takes.len());
         for ((take, &shard), decision) in takes.iter().zip(&of_take).zip(&mut decisions) {
+            if !decision.allowed() {
+                // A key that cannot fail the acquire, full: reported, not held.
+                continue;
+            }
+            keys.push(Box::from(take.key));
             let ends = now.saturating_add(take.limit.timeout_ms() * 1_000_000);
             last = last.max(ends);
             let map = shards.guard(shard);
@@ -232,7 +238,7 @@ impl MemoryLeases {
             decision.set_taken();
         }
         drop(shards);
-        let keys = takes.iter().map(|take| Box::from(take.key)).collect();
+        let keys = keys.into_boxed_slice();
         ids.insert(id, Record { keys, ends: last });
         self.live.fetch_add(1, Ordering::Relaxed);
         Ok(decisions)
@@ -430,10 +436,7 @@ mod tests {
     fn holds_at_most_max_then_frees_on_release_or_timeout() {
         let leases = MemoryLeases::default();
         let l = limit(2, 1_000);
-        let takes = [LeaseTake {
-            key: "k",
-            limit: &l,
-        }];
+        let takes = [LeaseTake::new("k", &l)];
         let a = leases.acquire(&takes, "a", at(0)).unwrap()[0];
         assert!(a.allowed());
         assert_eq!((a.in_flight(), a.remaining()), (1, 1));
@@ -470,16 +473,7 @@ mod tests {
         let leases = MemoryLeases::default();
         let one = limit(1, 1_000);
         let two = limit(2, 5_000);
-        let both = [
-            LeaseTake {
-                key: "user",
-                limit: &two,
-            },
-            LeaseTake {
-                key: "tenant",
-                limit: &one,
-            },
-        ];
+        let both = [LeaseTake::new("user", &two), LeaseTake::new("tenant", &one)];
         assert!(
             leases
                 .acquire(&both, "a", at(0))
@@ -504,13 +498,45 @@ mod tests {
     }
 
     #[test]
+    fn a_soft_key_is_held_when_free_and_never_fails_the_acquire() {
+        let leases = MemoryLeases::default();
+        let one = limit(1, 1_000);
+        let five = limit(5, 1_000);
+        let both = [
+            LeaseTake::new("user", &five),
+            LeaseTake::new("shadow", &one).soft(),
+        ];
+        let first = leases.acquire(&both, "a", at(0)).unwrap();
+        assert!(first[0].allowed() && first[1].allowed());
+        assert_eq!(first[1].in_flight(), 1, "held while free");
+        let second = leases.acquire(&both, "b", at(0)).unwrap();
+        assert!(second[0].allowed(), "the acquire passes");
+        assert!(!second[1].allowed(), "and reports the would-reject");
+        assert_eq!(second[1].in_flight(), 1, "without holding past the limit");
+        assert_eq!(
+            leases.in_flight(&[both[0]], at(0)).unwrap()[0].in_flight(),
+            2
+        );
+        // Releasing the lease that was refused on the soft key leaves the first one's slot.
+        assert!(leases.release("b", at(1)).unwrap());
+        assert_eq!(leases.in_flight(&both, at(1)).unwrap()[1].in_flight(), 1);
+        // An enforced key full: nothing is held, the soft key included.
+        let full = [
+            LeaseTake::new("shadow", &one),
+            LeaseTake::new("fresh", &one).soft(),
+        ];
+        assert!(!leases.acquire(&full, "c", at(2)).unwrap()[0].allowed());
+        assert_eq!(
+            leases.in_flight(&[full[1]], at(2)).unwrap()[0].in_flight(),
+            0
+        );
+    }
+
+    #[test]
     fn bad_requests_change_nothing() {
         let leases = MemoryLeases::default();
         let l = limit(1, 1_000);
-        let k = LeaseTake {
-            key: "k",
-            limit: &l,
-        };
+        let k = LeaseTake::new("k", &l);
         assert_eq!(
             leases.acquire(&[k, k], "a", at(0)),
             Err(Error::DuplicateKey { index: 1 })
@@ -522,10 +548,7 @@ mod tests {
         );
         assert!(leases.is_empty());
         assert!(leases.acquire(&[k], "a", at(0)).unwrap()[0].allowed());
-        let other = LeaseTake {
-            key: "other",
-            limit: &l,
-        };
+        let other = LeaseTake::new("other", &l);
         assert_eq!(
             leases.acquire(&[other], "a", at(1)),
             Err(Error::LeaseIdInUse)
@@ -540,10 +563,7 @@ mod tests {
     fn time_going_back_frees_nothing() {
         let leases = MemoryLeases::default();
         let l = limit(1, 1_000);
-        let k = [LeaseTake {
-            key: "k",
-            limit: &l,
-        }];
+        let k = [LeaseTake::new("k", &l)];
         assert!(leases.acquire(&k, "a", at(5_000)).unwrap()[0].allowed());
         let back = leases.acquire(&k, "b", at(100)).unwrap()[0];
         assert!(!back.allowed());
@@ -555,13 +575,10 @@ mod tests {
         let leases = MemoryLeases::builder().shards(4).max_leases(3).build();
         let l = limit(10, 1_000);
         for (i, key) in ["a", "b", "c"].iter().enumerate() {
-            let take = [LeaseTake { key, limit: &l }];
+            let take = [LeaseTake::new(key, &l)];
             assert!(leases.acquire(&take, &format!("id{i}"), at(0)).unwrap()[0].allowed());
         }
-        let d = [LeaseTake {
-            key: "d",
-            limit: &l,
-        }];
+        let d = [LeaseTake::new("d", &l)];
         assert_eq!(
             leases.acquire(&d, "id3", at(10)),
             Err(Error::TooManyLeases { max: 3 })

@@ -227,6 +227,31 @@ pub struct LeaseTake<'a> {
     pub key: &'a str,
     /// The key's limit.
     pub limit: &'a LeaseLimit,
+    /// Whether a full key fails the acquire. A key that does not (a limit in shadow mode, a
+    /// key outside a rollout) is held when it has a free slot and the acquire passes, and only
+    /// reports a would-reject when it has none, so that its count shows what enforcing it
+    /// would do.
+    pub enforce: bool,
+}
+
+impl<'a> LeaseTake<'a> {
+    /// An enforced key: the acquire passes only if it has a free slot.
+    pub fn new(key: &'a str, limit: &'a LeaseLimit) -> Self {
+        Self {
+            key,
+            limit,
+            enforce: true,
+        }
+    }
+
+    /// The same key, held when free but never failing the acquire.
+    #[must_use]
+    pub fn soft(self) -> Self {
+        Self {
+            enforce: false,
+            ..self
+        }
+    }
 }
 
 /// An acquire of one lease on one or more keys.
@@ -250,7 +275,8 @@ pub struct LeaseRequest<'a> {
 ///
 /// * decide an acquire atomically with respect to every other acquire and release on the same
 ///   keys, and never hold more than `max_in_flight` leases on a key at any `now`;
-/// * be all or nothing: if any key has no free slot, hold nothing anywhere. Where one atomic
+/// * be all or nothing: if any enforced key has no free slot, hold nothing anywhere; else hold
+///   one slot on every enforced key and on every other key that has one free. Where one atomic
 ///   step over all keys is impossible, take and then give back, so the store may briefly
 ///   under-admit but never over-admit (and document which it does);
 /// * refuse an invalid lease id ([`check_lease_id`]), a key twice in one acquire
