@@ -144,7 +144,9 @@ pub fn block_on_ready<F: Future>(future: F) -> F::Output {
 /// ```
 pub struct LocalStore<C> {
     store: MemoryStore<Box<str>>,
-    leases: MemoryLeases,
+    /// Boxed: most users of a local store never take a lease, and should not carry the
+    /// table's size inline wherever they keep the store.
+    leases: Box<MemoryLeases>,
     clock: C,
 }
 
@@ -158,7 +160,7 @@ impl<C: Clock> LocalStore<C> {
     pub fn with_store(store: MemoryStore<Box<str>>, clock: C) -> Self {
         Self {
             store,
-            leases: MemoryLeases::default(),
+            leases: Box::default(),
             clock,
         }
     }
@@ -166,7 +168,10 @@ impl<C: Clock> LocalStore<C> {
     /// The same store with `leases` as its lease table (for a bound other than the default).
     #[must_use]
     pub fn with_leases(self, leases: MemoryLeases) -> Self {
-        Self { leases, ..self }
+        Self {
+            leases: Box::new(leases),
+            ..self
+        }
     }
 
     /// The lease table inside, for concurrency limits ([`crate::LeaseStore`]).
