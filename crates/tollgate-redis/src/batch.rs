@@ -447,7 +447,7 @@ pub(crate) async fn invoke(
     segments: &[&Segment],
 ) -> Result<Vec<Vec<i64>>, Unavailable> {
     let call = command("EVALSHA", &script.sha, now, segments);
-    let reply = match connection.query(&call).await {
+    let reply = match connection.query::<Vec<u8>>(&call).await {
         Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
             let call = command("EVAL", script.source, now, segments);
             connection.query(&call).await

@@ -31,8 +31,8 @@ use futures_util::future::{BoxFuture, Shared};
 use redis::aio::MultiplexedConnection;
 use redis::cluster_async::ClusterConnection;
 use redis::{
-    AsyncConnectionConfig, Cmd, ConnectionAddr, ConnectionInfo, ErrorKind, RedisError, RetryMethod,
-    TlsCertificates,
+    AsyncConnectionConfig, Cmd, ConnectionAddr, ConnectionInfo, ErrorKind, FromRedisValue,
+    RedisError, RetryMethod, TlsCertificates,
 };
 
 /// Attempts a call makes after its first: a slot being moved sends a call from its old owner
@@ -50,11 +50,11 @@ const PAUSE: Duration = Duration::from_millis(1);
 const MAX_DIRECT: usize = 16;
 
 /// `call` on the cluster, following redirections and a `TRYAGAIN`.
-pub(crate) async fn query_cluster(
+pub(crate) async fn query_cluster<T: FromRedisValue>(
     connection: &mut ClusterConnection,
     direct: &DirectConnections,
     call: &Cmd,
-) -> Result<Vec<u8>, RedisError> {
+) -> Result<T, RedisError> {
     let mut reply = call.query_async(connection).await;
     for _ in 0..RETRIES {
         let err = match reply {
@@ -121,20 +121,20 @@ impl DirectConnections {
         }
     }
 
-    async fn query(
+    async fn query<T: FromRedisValue>(
         &self,
         host: &str,
         port: u16,
         call: &Cmd,
         asking: Asking,
-    ) -> Result<Vec<u8>, RedisError> {
+    ) -> Result<T, RedisError> {
         let mut connection = self.connection(host, port).await?;
         let reply = match asking {
             Asking::Yes => {
                 let mut pipeline = redis::pipe();
                 pipeline.cmd("ASKING").ignore().add_command(call.clone());
                 pipeline
-                    .query_async::<(Vec<u8>,)>(&mut connection)
+                    .query_async::<(T,)>(&mut connection)
                     .await
                     .map(|(reply,)| reply)
             }
@@ -280,7 +280,9 @@ mod opening_tests {
                 let direct = Arc::clone(&direct);
                 tokio::spawn(async move {
                     let echo = redis::cmd("ECHO").arg("here").clone();
-                    direct.query("127.0.0.1", port, &echo, Asking::No).await
+                    direct
+                        .query::<Vec<u8>>("127.0.0.1", port, &echo, Asking::No)
+                        .await
                 })
             })
             .collect();
@@ -301,12 +303,12 @@ mod opening_tests {
         let direct = DirectConnections::new(template, None, Duration::from_secs(5));
         let echo = redis::cmd("ECHO").arg("here").clone();
         let first = direct
-            .query("127.0.0.1", proxy.port, &echo, Asking::No)
+            .query::<Vec<u8>>("127.0.0.1", proxy.port, &echo, Asking::No)
             .await;
         assert!(first.is_err(), "{first:?}");
         proxy.retarget(server.port);
         let second = direct
-            .query("127.0.0.1", proxy.port, &echo, Asking::No)
+            .query::<Vec<u8>>("127.0.0.1", proxy.port, &echo, Asking::No)
             .await;
         assert_eq!(second.as_deref().ok(), Some(&b"here"[..]), "{second:?}");
     }

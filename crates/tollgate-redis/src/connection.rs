@@ -35,7 +35,7 @@ use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
 use redis::sentinel::SentinelClient;
-use redis::{Cmd, ErrorKind, RedisError};
+use redis::{Cmd, ErrorKind, FromRedisValue, RedisError};
 use tollgate::{Clock, MonotonicClock, Timestamp};
 
 use crate::cluster::{DirectConnections, query_cluster};
@@ -57,8 +57,9 @@ fn unopened() -> RedisError {
 }
 
 impl Connection {
-    /// Sends `call`, expecting a string back.
-    pub(crate) async fn query(&self, call: &Cmd) -> Result<Vec<u8>, RedisError> {
+    /// Sends `call`, expecting a `T` back: the take script's packed string, the lease
+    /// script's list.
+    pub(crate) async fn query<T: FromRedisValue>(&self, call: &Cmd) -> Result<T, RedisError> {
         match self.clone() {
             Connection::Single(mut connection) => call.query_async(&mut connection).await,
             Connection::Cluster(mut connection, direct) => {

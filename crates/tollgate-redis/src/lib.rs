@@ -3,9 +3,11 @@
 //!
 //! [`RedisStore`] implements [`tollgate::Store`] with one atomic Lua script per decision (per
 //! cluster slot), so every tollgate process sharing a Redis decides against the same buckets,
-//! on Redis' own clock, with the same exact arithmetic as the in-memory store. [`Failover`]
-//! wraps any store with per-limit failure modes: fail closed (a distinct "unavailable"
-//! outcome) or open on a bounded local emergency budget.
+//! on Redis' own clock, with the same exact arithmetic as the in-memory store. It also
+//! implements [`tollgate::LeaseStore`]: concurrency limits, one sorted set of leases per key,
+//! with the decisions of [`tollgate::MemoryLeases`]. [`Failover`] wraps any store with
+//! per-limit failure modes: fail closed (a distinct "unavailable" outcome) or open on a bounded
+//! local emergency budget.
 //!
 #![cfg_attr(feature = "test-server", doc = "```")]
 #![cfg_attr(not(feature = "test-server"), doc = "```ignore")]
@@ -52,6 +54,14 @@
 //!   Redis; failures surface as [`tollgate::Error::StoreUnavailable`], never as rejections. A
 //!   key holding something that is not a bucket fails its own requests only
 //!   ([`tollgate::Unavailable::Script`]), and does not count towards the breaker.
+//! * Leases live at `PREFIX lease:KEY` (a sorted set per key, expiring when its last lease
+//!   ends) and their records at `PREFIX lease-id:{ID}`: give no bucket a key starting with
+//!   `lease:` or `lease-id:`. An acquire is one script call when its keys share the record's
+//!   slot (always, on a single node); across cluster slots the record is claimed first and the
+//!   slots then take in parallel, giving back if any rejects (never over-admitting). A release
+//!   is two calls: the record, then its sets. A least-privileged user needs `+zadd +zrem
+//!   +zremrangebyscore +zcard +zcount +zrange +zrangebyscore +zscore +pexpire` besides the
+//!   buckets' commands.
 //! * A call that times out, or loses its connection, after Redis ran its script has charged
 //!   the buckets though its caller hears [`tollgate::Error::StoreUnavailable`]: the store
 //!   cannot tell. A retry with the same request id gets the first decision back instead of a
@@ -62,6 +72,7 @@ mod breaker;
 mod cluster;
 mod connection;
 mod failover;
+mod lease;
 mod store;
 #[cfg(feature = "test-server")]
 pub mod test_server;

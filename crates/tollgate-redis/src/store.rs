@@ -47,6 +47,7 @@ use crate::batch::{self, Batcher, Bucket, Carried, Mode, Params, Record, Segment
 use crate::breaker::{Breaker, BreakerConfig, Transition};
 use crate::cluster::DirectConnections;
 use crate::connection::{Connection, Link, Opener, SentinelMaster};
+use crate::lease::LeaseScript;
 use crate::tls::{self, TlsFiles};
 use crate::units::{ScriptLimit, WindowFigures};
 
@@ -359,15 +360,18 @@ impl SentinelTarget {
     }
 }
 
-/// Buckets in Redis, Redis Cluster or behind Redis Sentinel. Cheap to share (`Arc` it); one per process is enough.
+/// Buckets, and leases (concurrency limits, `src/lease.rs`), in Redis, Redis Cluster or behind
+/// Redis Sentinel. Cheap to share (`Arc` it); one per process is enough.
 pub struct RedisStore {
-    link: Arc<Link>,
-    cluster: bool,
+    pub(crate) link: Arc<Link>,
+    pub(crate) cluster: bool,
     /// Batches concurrent requests into shared script calls (single node only: in a cluster,
     /// one call can only touch one slot, and random keys rarely share one).
     batcher: Option<Batcher>,
     take: TakeScript,
-    config: RedisConfig,
+    /// Concurrency limits' script (see `lease`): called on its own, never batched.
+    pub(crate) lease: LeaseScript,
+    pub(crate) config: RedisConfig,
     /// One circuit breaker on a single node; on a cluster, one per range of [`SLOT_RANGE`]
     /// slots (see [`RedisStore::breakers_of`]).
     breakers: Box<[Breaker<MonotonicClock>]>,
@@ -632,6 +636,7 @@ impl RedisStore {
             cluster,
             batcher,
             take,
+            lease: LeaseScript::new(),
             breakers: (0..if cluster { SLOTS / SLOT_RANGE } else { 1 })
                 .map(|_| Breaker::new(config.breaker, MonotonicClock::new()))
                 .collect(),
@@ -947,16 +952,26 @@ impl RedisStore {
             carries,
         };
 
+        self.guarded(&prepared.keys, self.decide(request, &prepared, dry))
+            .await
+    }
+
+    /// Runs `work`, a call (or calls) on `keys` (stored keys), through their breakers and
+    /// within the timeout: the one way every operation of the store reaches Redis.
+    pub(crate) async fn guarded<T>(
+        &self,
+        keys: &[String],
+        work: impl Future<Output = Result<Result<T, Error>, Unavailable>>,
+    ) -> Result<T, Error> {
         // Dropped with this future (a caller that gives up), a ticket hands a probe on; so do
         // the tickets already taken when a later breaker refuses.
-        let ranges = self.breakers_of(&prepared.keys);
+        let ranges = self.breakers_of(keys);
         let tickets = ranges
             .iter()
             .map(|&index| self.breakers[index].permit())
             .collect::<Result<Vec<_>, _>>()
             .map_err(|reason| Error::StoreUnavailable { reason })?;
-        let decided = self.decide(request, &prepared, dry);
-        let outcome = tokio::time::timeout(self.config.timeout, decided)
+        let outcome = tokio::time::timeout(self.config.timeout, work)
             .await
             .map_err(|_| Unavailable::Timeout)
             .and_then(|result| result);
@@ -1163,7 +1178,7 @@ fn record_key(bucket_key: &str, request_id: &str) -> String {
 
 /// The Redis Cluster slot of `key`: CRC16 (XMODEM) of its hash tag, or of the whole key
 /// without one, modulo 16,384.
-fn slot(key: &str) -> u16 {
+pub(crate) fn slot(key: &str) -> u16 {
     let hashed = hash_tag(key).unwrap_or(key);
     crc16::State::<crc16::XMODEM>::calculate(hashed.as_bytes()) % SLOTS
 }

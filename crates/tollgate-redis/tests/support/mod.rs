@@ -167,6 +167,21 @@ pub(crate) const CLUSTER_COMMANDS: &[&str] = &["+cluster|slots", "+asking"];
 #[allow(dead_code)]
 pub(crate) const SENTINEL_COMMANDS: &[&str] = &["+role"];
 
+/// What concurrency limits (leases, `src/lease.rs`) add to [`grant_tollgate_user`]: their
+/// sorted sets' commands, and `PEXPIRE` for the sets' expiry.
+#[allow(dead_code)]
+pub(crate) const LEASE_COMMANDS: &[&str] = &[
+    "+zadd",
+    "+zrem",
+    "+zremrangebyscore",
+    "+zcard",
+    "+zcount",
+    "+zrange",
+    "+zrangebyscore",
+    "+zscore",
+    "+pexpire",
+];
+
 /// `url` (`redis://` or `redis+cluster://`) as the user of [`grant_tollgate_user`].
 #[allow(dead_code)]
 pub(crate) fn as_tollgate_user(url: &str) -> String {

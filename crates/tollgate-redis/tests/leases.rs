@@ -1,0 +1,978 @@
+//! Concurrency limits (leases) in Redis, single node and Redis Cluster, against the memory
+//! store's decisions: the same scenarios with exact figures, random traces compared decision
+//! by decision with `MemoryLeases`, 64 tasks on one key that must never hold more than its
+//! limit, and the keys the store leaves behind (TTLs, records).
+
+mod support;
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use redis::cluster_routing::Slot;
+use support::{RedisCluster, RedisServer, command, free_port};
+use tollgate::{
+    Error, LeaseDecision, LeaseLimit, LeaseRequest, LeaseStore, LeaseTake, MemoryLeases, Timestamp,
+    Unavailable,
+};
+use tollgate_redis::{RedisConfig, RedisStore};
+
+/// A time far from 0 (2023), in whole microseconds, as callers supply it.
+const T0: u64 = 1_700_000_000_000_000_000;
+
+/// The timeout of stores that decide under load or in a cluster: 64 tasks on a busy 2-core
+/// machine, in a debug build, can pass the production 20 ms, which would fail a comparison
+/// for nothing.
+const LOADED: Duration = Duration::from_secs(2);
+
+/// `ms` milliseconds after [`T0`].
+fn at(ms: u64) -> Timestamp {
+    Timestamp::from_nanos(T0 + ms * 1_000_000)
+}
+
+fn limit(max: u64, timeout_ms: u64) -> LeaseLimit {
+    LeaseLimit::new(max, Duration::from_millis(timeout_ms)).expect("a valid limit")
+}
+
+async fn connect(url: &str) -> RedisStore {
+    RedisStore::connect(url, RedisConfig::default().with_timeout(LOADED))
+        .await
+        .expect("connect")
+}
+
+async fn acquire(
+    store: &impl LeaseStore,
+    takes: &[LeaseTake<'_>],
+    id: &str,
+    now: Option<Timestamp>,
+) -> Result<Vec<LeaseDecision>, Error> {
+    store
+        .acquire(LeaseRequest {
+            takes,
+            lease_id: id,
+            now,
+        })
+        .await
+}
+
+async fn in_flight(
+    store: &impl LeaseStore,
+    takes: &[LeaseTake<'_>],
+    now: Option<Timestamp>,
+) -> Vec<LeaseDecision> {
+    store
+        .in_flight(LeaseRequest {
+            takes,
+            lease_id: "",
+            now,
+        })
+        .await
+        .expect("looked")
+}
+
+/// The store and the memory store side by side: every answer of the store is checked against
+/// the memory store's for the same call, and returned.
+struct Both<'a> {
+    redis: &'a RedisStore,
+    memory: MemoryLeases,
+}
+
+impl<'a> Both<'a> {
+    fn new(redis: &'a RedisStore) -> Self {
+        Self {
+            redis,
+            memory: MemoryLeases::default(),
+        }
+    }
+
+    async fn acquire(
+        &self,
+        takes: &[LeaseTake<'_>],
+        id: &str,
+        now: Timestamp,
+    ) -> Result<Vec<LeaseDecision>, Error> {
+        let got = acquire(self.redis, takes, id, Some(now)).await;
+        let want = self.memory.acquire(takes, id, now);
+        assert_eq!(got, want, "acquire {id} at {now:?}");
+        got
+    }
+
+    async fn in_flight(&self, takes: &[LeaseTake<'_>], now: Timestamp) -> Vec<LeaseDecision> {
+        let got = in_flight(self.redis, takes, Some(now)).await;
+        assert_eq!(Ok(&got), self.memory.in_flight(takes, now).as_ref());
+        got
+    }
+
+    async fn release(&self, id: &str, now: Timestamp) -> bool {
+        let got = self.redis.release(id, Some(now)).await.expect("released");
+        assert_eq!(
+            Ok(got),
+            self.memory.release(id, now),
+            "release {id} at {now:?}"
+        );
+        got
+    }
+}
+
+/// Reads the keys a store leaves behind, on a single node or a cluster.
+enum Inspector {
+    Single(redis::aio::MultiplexedConnection),
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+impl Inspector {
+    async fn single(server: &RedisServer) -> Self {
+        let client = redis::Client::open(server.url()).expect("a URL");
+        Self::Single(
+            client
+                .get_multiplexed_async_connection()
+                .await
+                .expect("connect"),
+        )
+    }
+
+    async fn cluster(cluster: &RedisCluster) -> Self {
+        let nodes: Vec<String> = cluster
+            .nodes
+            .iter()
+            .map(|node| format!("redis://127.0.0.1:{}", node.port))
+            .collect();
+        let client = redis::cluster::ClusterClient::new(nodes).expect("the nodes");
+        Self::Cluster(client.get_async_connection().await.expect("connect"))
+    }
+
+    async fn integer(&mut self, args: &[&str]) -> i64 {
+        let mut cmd = redis::cmd(args[0]);
+        for arg in &args[1..] {
+            cmd.arg(*arg);
+        }
+        match self {
+            Inspector::Single(connection) => cmd.query_async(connection).await,
+            Inspector::Cluster(connection) => cmd.query_async(connection).await,
+        }
+        .unwrap_or_else(|err| panic!("{args:?}: {err}"))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scenarios, each run on a single node and on a cluster.
+
+/// The memory store's first scenario, figure for figure: at most `max` held, a rejection with
+/// the oldest lease's end as `retry_after` and the last one's as `reset_after`, a release that
+/// frees at once and says so once, a timeout that frees, and a lease counting up to its end.
+async fn holds_at_most_max_then_frees_on_release_or_timeout(store: &RedisStore, name: &str) {
+    let both = Both::new(store);
+    let l = limit(2, 1_000);
+    let key = format!("{name}:basic");
+    let takes = [LeaseTake::new(&key, &l)];
+    let a = both
+        .acquire(&takes, &format!("{name}-basic-a"), at(0))
+        .await
+        .unwrap()[0];
+    assert!(a.allowed());
+    assert_eq!((a.in_flight(), a.remaining()), (1, 1));
+    assert_eq!(a.reset_after(), Duration::from_secs(1));
+    let b = both
+        .acquire(&takes, &format!("{name}-basic-b"), at(300))
+        .await
+        .unwrap()[0];
+    assert_eq!(
+        b,
+        LeaseDecision::new(true, 2, 2, None, Duration::from_millis(1_000))
+    );
+
+    let c = both
+        .acquire(&takes, &format!("{name}-basic-c"), at(400))
+        .await
+        .unwrap()[0];
+    assert_eq!(
+        c,
+        LeaseDecision::new(
+            false,
+            2,
+            2,
+            Some(Duration::from_millis(600)),
+            Duration::from_millis(900)
+        )
+    );
+    assert_eq!(
+        both.in_flight(&takes, at(400)).await[0].in_flight(),
+        2,
+        "a rejection holds nothing"
+    );
+
+    // A lease counts up to its end, not at it; a microsecond matters.
+    let just_before = Timestamp::from_nanos(at(1_000).as_nanos() - 1_000);
+    let c = format!("{name}-basic-c");
+    assert!(!both.acquire(&takes, &c, just_before).await.unwrap()[0].allowed());
+    assert!(both.acquire(&takes, &c, at(1_000)).await.unwrap()[0].allowed());
+    // Released: the slot is free at once, and the second release says it was not held.
+    assert!(both.release(&format!("{name}-basic-b"), at(1_001)).await);
+    assert!(!both.release(&format!("{name}-basic-b"), at(1_001)).await);
+    assert!(
+        both.acquire(&takes, &format!("{name}-basic-d"), at(1_001))
+            .await
+            .unwrap()[0]
+            .allowed()
+    );
+    assert!(
+        !both
+            .acquire(&takes, &format!("{name}-basic-e"), at(1_001))
+            .await
+            .unwrap()[0]
+            .allowed()
+    );
+    // Releasing a lease that timed out changes nothing and says so.
+    assert!(!both.release(&format!("{name}-basic-a"), at(1_001)).await);
+    // Time going back frees nothing: both leases still count at 500.
+    let back = both
+        .acquire(&takes, &format!("{name}-basic-f"), at(500))
+        .await
+        .unwrap()[0];
+    assert_eq!(back.retry_after(), Some(Duration::from_millis(1_500)));
+}
+
+/// Several keys in one slot (a shared hash tag): all or nothing, a rejection holding nothing on
+/// the key that had room.
+async fn an_acquire_over_several_keys_holds_all_or_nothing(store: &RedisStore, name: &str) {
+    let both = Both::new(store);
+    let one = limit(1, 1_000);
+    let two = limit(2, 5_000);
+    let (user, tenant) = (
+        format!("{{{name}}}:all:user"),
+        format!("{{{name}}}:all:tenant"),
+    );
+    let keys = [LeaseTake::new(&user, &two), LeaseTake::new(&tenant, &one)];
+    let first = both
+        .acquire(&keys, &format!("{name}-all-a"), at(0))
+        .await
+        .unwrap();
+    assert!(first.iter().all(LeaseDecision::allowed));
+    let refused = both
+        .acquire(&keys, &format!("{name}-all-b"), at(10))
+        .await
+        .unwrap();
+    assert!(refused[0].allowed() && !refused[1].allowed());
+    assert_eq!(
+        refused[0].in_flight(),
+        1,
+        "nothing taken on the key with room"
+    );
+    assert_eq!(refused[1].retry_after(), Some(Duration::from_millis(990)));
+    assert_eq!(both.in_flight(&keys[..1], at(10)).await[0].in_flight(), 1);
+    assert!(both.release(&format!("{name}-all-a"), at(20)).await);
+    assert_eq!(both.in_flight(&keys, at(20)).await[1].in_flight(), 0);
+}
+
+/// A soft key is held while it has room and never fails the acquire.
+async fn a_soft_key_is_held_when_free_and_never_fails(store: &RedisStore, name: &str) {
+    let both = Both::new(store);
+    let one = limit(1, 1_000);
+    let five = limit(5, 1_000);
+    let (user, shadow) = (
+        format!("{{{name}}}:soft:user"),
+        format!("{{{name}}}:soft:shadow"),
+    );
+    let keys = [
+        LeaseTake::new(&user, &five),
+        LeaseTake::new(&shadow, &one).soft(),
+    ];
+    let first = both
+        .acquire(&keys, &format!("{name}-soft-a"), at(0))
+        .await
+        .unwrap();
+    assert!(first[0].allowed() && first[1].allowed());
+    let second = both
+        .acquire(&keys, &format!("{name}-soft-b"), at(0))
+        .await
+        .unwrap();
+    assert!(second[0].allowed(), "the acquire passes");
+    assert!(!second[1].allowed(), "and reports the would-reject");
+    assert_eq!(second[1].in_flight(), 1, "without holding past the limit");
+    assert_eq!(both.in_flight(&keys[..1], at(0)).await[0].in_flight(), 2);
+    assert!(both.release(&format!("{name}-soft-b"), at(1)).await);
+    assert_eq!(both.in_flight(&keys, at(1)).await[1].in_flight(), 1);
+    // An enforced key full: nothing is held, the soft key included.
+    let fresh = format!("{{{name}}}:soft:fresh");
+    let full = [
+        LeaseTake::new(&shadow, &one),
+        LeaseTake::new(&fresh, &one).soft(),
+    ];
+    assert!(
+        !both
+            .acquire(&full, &format!("{name}-soft-c"), at(2))
+            .await
+            .unwrap()[0]
+            .allowed()
+    );
+    assert_eq!(both.in_flight(&full[1..], at(2)).await[0].in_flight(), 0);
+    // Every key soft and full: the acquire passes holding nothing, so the lease is not held.
+    let only_soft = [LeaseTake::new(&shadow, &one).soft()];
+    let held = both
+        .acquire(&only_soft, &format!("{name}-soft-d"), at(3))
+        .await
+        .unwrap();
+    assert!(!held[0].allowed());
+    assert!(!both.release(&format!("{name}-soft-d"), at(3)).await);
+}
+
+/// An id still held is refused, and may be taken again once its lease has ended (the ended
+/// lease then goes whole, from keys the new one does not name too).
+async fn an_id_is_held_until_its_lease_ends(store: &RedisStore, name: &str) {
+    let both = Both::new(store);
+    let l = limit(1, 1_000);
+    let (k, other) = (format!("{name}:id:k"), format!("{name}:id:other"));
+    let k = [LeaseTake::new(&k, &l)];
+    let other = [LeaseTake::new(&other, &l)];
+    let id = format!("{name}-id-same");
+    assert!(both.acquire(&k, &id, at(0)).await.unwrap()[0].allowed());
+    assert_eq!(
+        both.acquire(&other, &id, at(1)).await,
+        Err(Error::LeaseIdInUse)
+    );
+    assert_eq!(
+        both.acquire(&k, &id, at(999)).await,
+        Err(Error::LeaseIdInUse)
+    );
+    assert!(both.acquire(&other, &id, at(1_000)).await.unwrap()[0].allowed());
+    // The first lease went with its record: even for a clock gone back, `k` is free.
+    assert_eq!(both.in_flight(&k, at(500)).await[0].in_flight(), 0);
+    assert!(both.release(&id, at(1_001)).await);
+}
+
+/// Bad requests are refused before any call: here by a store whose Redis does not exist,
+/// which would otherwise answer that it is unavailable. And they leave nothing behind.
+async fn bad_requests_are_refused_before_any_call() {
+    let nowhere = RedisStore::connect(
+        &format!("redis://127.0.0.1:{}", free_port()),
+        RedisConfig::default(),
+    )
+    .await
+    .expect("a lazy connection");
+    let l = limit(1, 1_000);
+    let k = LeaseTake::new("k", &l);
+    for bad in ["", "a b", "{tag}", "é", &"z".repeat(65)] {
+        assert_eq!(
+            acquire(&nowhere, &[k], bad, None).await,
+            Err(Error::InvalidLeaseId { len: bad.len() }),
+            "{bad:?}"
+        );
+        assert_eq!(
+            nowhere.release(bad, None).await,
+            Err(Error::InvalidLeaseId { len: bad.len() })
+        );
+    }
+    assert_eq!(
+        acquire(&nowhere, &[], "a", None).await,
+        Err(Error::EmptyCheck)
+    );
+    assert_eq!(
+        acquire(&nowhere, &[k, k], "a", None).await,
+        Err(Error::DuplicateKey { index: 1 })
+    );
+    let look = nowhere
+        .in_flight(LeaseRequest {
+            takes: &[k, k],
+            lease_id: "",
+            now: None,
+        })
+        .await;
+    assert_eq!(look, Err(Error::DuplicateKey { index: 1 }));
+    assert!(matches!(
+        acquire(&nowhere, &[k], "a", Some(Timestamp::from_nanos(u64::MAX))).await,
+        Err(Error::UnsupportedLimit { .. })
+    ));
+    // A valid request does reach for Redis, and says it is unavailable.
+    assert!(matches!(
+        acquire(&nowhere, &[k], "a", None).await,
+        Err(Error::StoreUnavailable { .. })
+    ));
+}
+
+/// Each scenario, with keys named after `name` so that scenarios sharing a server stay apart.
+async fn scenarios(store: &RedisStore, name: &str) {
+    holds_at_most_max_then_frees_on_release_or_timeout(store, name).await;
+    an_acquire_over_several_keys_holds_all_or_nothing(store, name).await;
+    a_soft_key_is_held_when_free_and_never_fails(store, name).await;
+    an_id_is_held_until_its_lease_ends(store, name).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Random traces against the memory store.
+
+/// splitmix64: a trace is its seed, reproducible anywhere.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// A random trace of `steps` operations on `keys` (each with its own limit), with caller
+/// times in whole microseconds that mostly go forward and sometimes back, ids that are reused
+/// (held, or ended), soft keys, looks and releases: every answer must be the memory store's.
+async fn a_trace_decides_as_memory(store: &RedisStore, seed: u64, keys: &[String], steps: usize) {
+    let mut rng = Rng(seed);
+    let limits: Vec<LeaseLimit> = keys
+        .iter()
+        .map(|_| limit(1 + rng.below(3), 100 + rng.below(500)))
+        .collect();
+    let both = Both::new(store);
+    let mut now = T0;
+    let ids: Vec<String> = (0..10).map(|i| format!("t{seed}-l{i}")).collect();
+    let (mut admitted, mut rejected, mut in_use, mut held_releases) = (0, 0, 0, 0);
+    for _ in 0..steps {
+        let time = Timestamp::from_nanos(now);
+        match rng.below(12) {
+            0..=4 => {
+                let mut chosen: Vec<usize> = (0..keys.len()).collect();
+                let count = 1 + rng.below(3.min(keys.len() as u64)) as usize;
+                for i in 0..count {
+                    let j = i + rng.below((chosen.len() - i) as u64) as usize;
+                    chosen.swap(i, j);
+                }
+                let takes: Vec<LeaseTake<'_>> = chosen[..count]
+                    .iter()
+                    .map(|&k| {
+                        let take = LeaseTake::new(&keys[k], &limits[k]);
+                        if rng.below(4) == 0 { take.soft() } else { take }
+                    })
+                    .collect();
+                let id = &ids[rng.below(ids.len() as u64) as usize];
+                match both.acquire(&takes, id, time).await {
+                    Ok(decisions) => {
+                        let passed = takes
+                            .iter()
+                            .zip(&decisions)
+                            .all(|(take, d)| d.allowed() || !take.enforce);
+                        if passed { admitted += 1 } else { rejected += 1 }
+                    }
+                    Err(Error::LeaseIdInUse) => in_use += 1,
+                    Err(err) => panic!("{err}"),
+                }
+            }
+            5 => {
+                let k = rng.below(keys.len() as u64) as usize;
+                both.in_flight(&[LeaseTake::new(&keys[k], &limits[k])], time)
+                    .await;
+            }
+            6..=8 => {
+                let id = &ids[rng.below(ids.len() as u64) as usize];
+                if both.release(id, time).await {
+                    held_releases += 1;
+                }
+            }
+            9..=10 => now += rng.below(400_000) * 1_000,
+            _ => now -= rng.below(300_000) * 1_000,
+        }
+    }
+    // Every kind of answer came up: the trace compared something.
+    assert!(
+        admitted > 0 && rejected > 0 && in_use > 0 && held_releases > 0,
+        "seed {seed}: {admitted} admitted, {rejected} rejected, {in_use} in use, \
+         {held_releases} releases of held leases"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Under concurrency, on Redis' own clock.
+
+/// 64 tasks over four connections take leases on one key of `max` 5, hold them a moment and
+/// release them. Each counts itself in after its acquire returns and out before it releases,
+/// so the count is never above what Redis holds: it must never pass 5. Then the key is empty.
+async fn sixty_four_tasks_never_hold_more_than_max(url: &str, key: &str, inspect: &mut Inspector) {
+    const MAX: u64 = 5;
+    let mut stores = Vec::new();
+    for _ in 0..4 {
+        stores.push(Arc::new(connect(url).await));
+    }
+    let l = limit(MAX, 60_000);
+    let holding = Arc::new(AtomicU64::new(0));
+    let most = Arc::new(AtomicU64::new(0));
+    let admitted = Arc::new(AtomicU64::new(0));
+    let rejected = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for task in 0..64 {
+        let store = Arc::clone(&stores[task % stores.len()]);
+        let (holding, most) = (Arc::clone(&holding), Arc::clone(&most));
+        let (admitted, rejected) = (Arc::clone(&admitted), Arc::clone(&rejected));
+        let key = key.to_owned();
+        tasks.push(tokio::spawn(async move {
+            let takes = [LeaseTake::new(&key, &l)];
+            for round in 0..15 {
+                let id = format!("task{task}-{round}");
+                let decision = acquire(&*store, &takes, &id, None).await.expect("decided")[0];
+                assert!(decision.in_flight() <= MAX, "{decision:?}");
+                if !decision.allowed() {
+                    assert!(decision.retry_after().is_some());
+                    rejected.fetch_add(1, Ordering::Relaxed);
+                    tokio::task::yield_now().await;
+                    continue;
+                }
+                admitted.fetch_add(1, Ordering::Relaxed);
+                let now_holding = holding.fetch_add(1, Ordering::SeqCst) + 1;
+                most.fetch_max(now_holding, Ordering::SeqCst);
+                tokio::task::yield_now().await;
+                holding.fetch_sub(1, Ordering::SeqCst);
+                assert_eq!(store.release(&id, None).await, Ok(true), "{id}");
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.expect("task");
+    }
+    let most = most.load(Ordering::SeqCst);
+    assert!(most <= MAX, "{most} leases held at once, of at most {MAX}");
+    assert!(most > 1, "the tasks overlapped");
+    assert!(admitted.load(Ordering::Relaxed) > 0 && rejected.load(Ordering::Relaxed) > 0);
+    let set = format!("tollgate:lease:{key}");
+    assert_eq!(
+        inspect.integer(&["EXISTS", &set]).await,
+        0,
+        "every lease released"
+    );
+    assert_eq!(
+        in_flight(&*stores[0], &[LeaseTake::new(key, &l)], None).await[0].in_flight(),
+        0
+    );
+}
+
+/// A key's set expires when its last lease ends (leases of a longer timeout, from another
+/// policy, keep it longer); a record when its lease does, and at once on release.
+async fn keys_expire_with_their_last_lease(
+    store: &RedisStore,
+    name: &str,
+    inspect: &mut Inspector,
+) {
+    let (short, long) = (limit(10, 10_000), limit(10, 20_000));
+    let key = format!("{name}:ttl");
+    let set = format!("tollgate:lease:{key}");
+    let record = |id: &str| format!("tollgate:lease-id:{{{id}}}");
+    let (a, b, c) = (
+        format!("{name}-ttl-a"),
+        format!("{name}-ttl-b"),
+        format!("{name}-ttl-c"),
+    );
+    assert!(
+        acquire(store, &[LeaseTake::new(&key, &short)], &a, None)
+            .await
+            .unwrap()[0]
+            .allowed()
+    );
+    let pttl = inspect.integer(&["PTTL", &set]).await;
+    assert!((9_000..=10_000).contains(&pttl), "set PTTL {pttl}");
+    let pttl = inspect.integer(&["PTTL", &record(&a)]).await;
+    assert!((9_000..=10_000).contains(&pttl), "record PTTL {pttl}");
+    assert!(
+        acquire(store, &[LeaseTake::new(&key, &long)], &b, None)
+            .await
+            .unwrap()[0]
+            .allowed()
+    );
+    let pttl = inspect.integer(&["PTTL", &set]).await;
+    assert!((19_000..=20_000).contains(&pttl), "set PTTL {pttl}");
+    // A shorter lease after a longer one keeps the longer end.
+    assert!(
+        acquire(store, &[LeaseTake::new(&key, &short)], &c, None)
+            .await
+            .unwrap()[0]
+            .allowed()
+    );
+    let pttl = inspect.integer(&["PTTL", &set]).await;
+    assert!((19_000..=20_000).contains(&pttl), "set PTTL {pttl}");
+    assert_eq!(store.release(&b, None).await, Ok(true));
+    assert_eq!(inspect.integer(&["EXISTS", &record(&b)]).await, 0);
+    assert_eq!(inspect.integer(&["ZCARD", &set]).await, 2);
+    for id in [&a, &c] {
+        assert_eq!(store.release(id, None).await, Ok(true));
+    }
+    assert_eq!(inspect.integer(&["EXISTS", &set]).await, 0);
+    assert_eq!(inspect.integer(&["EXISTS", &record(&a)]).await, 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Single node.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn single_node_scenarios() {
+    let server = RedisServer::start();
+    let store = connect(&server.url()).await;
+    scenarios(&store, "single").await;
+    bad_requests_are_refused_before_any_call().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn single_node_traces_decide_as_memory() {
+    let server = RedisServer::start();
+    let store = connect(&server.url()).await;
+    for seed in 1..=6 {
+        let keys: Vec<String> = ["a", "b", "c", "d"]
+            .iter()
+            .map(|k| format!("trace{seed}:{k}"))
+            .collect();
+        a_trace_decides_as_memory(&store, seed, &keys, 400).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn single_node_sixty_four_tasks_never_hold_more_than_max() {
+    let server = RedisServer::start();
+    let mut inspect = Inspector::single(&server).await;
+    sixty_four_tasks_never_hold_more_than_max(&server.url(), "hot", &mut inspect).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn single_node_keys_expire_with_their_last_lease() {
+    let server = RedisServer::start();
+    let store = connect(&server.url()).await;
+    let mut inspect = Inspector::single(&server).await;
+    keys_expire_with_their_last_lease(&store, "single", &mut inspect).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn survives_script_flush_mid_run() {
+    let server = RedisServer::start();
+    let store = connect(&server.url()).await;
+    let both = Both::new(&store);
+    let l = limit(3, 1_000);
+    let takes = [LeaseTake::new("flushed", &l)];
+    let flush = || {
+        assert_eq!(
+            command(server.port, &["SCRIPT", "FLUSH"]).as_deref(),
+            Some("+OK\r\n")
+        );
+    };
+    for i in 0..5 {
+        if i == 1 || i == 3 {
+            flush();
+        }
+        let decision = both.acquire(&takes, &format!("f{i}"), at(i)).await.unwrap()[0];
+        assert_eq!(decision.allowed(), i < 3, "acquire {i}");
+    }
+    flush();
+    both.in_flight(&takes, at(5)).await;
+    flush();
+    assert!(both.release("f0", at(6)).await);
+    assert!(both.acquire(&takes, "f5", at(7)).await.unwrap()[0].allowed());
+}
+
+/// A key holding something that is not a set of leases fails its own acquires as a script
+/// error, which is Redis answering: not a rejection, and nothing written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_that_is_not_a_set_fails_as_a_script_error() {
+    let server = RedisServer::start();
+    let store = connect(&server.url()).await;
+    assert_eq!(
+        command(server.port, &["SET", "tollgate:lease:taken", "x"]).as_deref(),
+        Some("+OK\r\n")
+    );
+    let l = limit(3, 1_000);
+    let takes = [LeaseTake::new("fine", &l), LeaseTake::new("taken", &l)];
+    assert_eq!(
+        acquire(&store, &takes, "w", None).await,
+        Err(Error::StoreUnavailable {
+            reason: Unavailable::Script
+        })
+    );
+    assert_eq!(in_flight(&store, &takes[..1], None).await[0].in_flight(), 0);
+    assert_eq!(
+        command(server.port, &["EXISTS", "tollgate:lease-id:{w}"]).as_deref(),
+        Some(":0\r\n")
+    );
+}
+
+/// A caller's time between two microseconds: the lease ends at the next whole microsecond past
+/// its timeout, so it is held a fraction of a microsecond longer than in the memory store,
+/// never shorter, and the figures say so exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_time_between_two_microseconds_holds_a_little_longer_never_shorter() {
+    let server = RedisServer::start();
+    let store = connect(&server.url()).await;
+    let l = limit(1, 1_000);
+    let takes = [LeaseTake::new("nanos", &l)];
+    let t = |nanos: u64| Some(Timestamp::from_nanos(T0 + nanos));
+    let first = acquire(&store, &takes, "n1", t(500)).await.unwrap()[0];
+    assert_eq!(
+        first.reset_after(),
+        Duration::from_secs(1) + Duration::from_nanos(500)
+    );
+    // The memory store frees the slot at 1 s + 500 ns; here it is held to the microsecond.
+    let at_end = acquire(&store, &takes, "n2", t(1_000_000_500))
+        .await
+        .unwrap()[0];
+    assert!(!at_end.allowed());
+    assert_eq!(at_end.retry_after(), Some(Duration::from_nanos(500)));
+    assert!(
+        acquire(&store, &takes, "n2", t(1_000_001_000))
+            .await
+            .unwrap()[0]
+            .allowed()
+    );
+}
+
+/// A lease still on a set whose record is gone (a release between its two calls, which
+/// deletes the record first) is still held: an acquire under its id is refused rather than
+/// counted as the same member.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_id_still_on_a_set_is_held_without_its_record() {
+    let server = RedisServer::start();
+    let store = connect(&server.url()).await;
+    let l = limit(2, 1_000);
+    let takes = [LeaseTake::new("orphan", &l)];
+    assert!(acquire(&store, &takes, "o", Some(at(0))).await.unwrap()[0].allowed());
+    assert_eq!(
+        command(server.port, &["DEL", "tollgate:lease-id:{o}"]).as_deref(),
+        Some(":1\r\n")
+    );
+    assert_eq!(
+        acquire(&store, &takes, "o", Some(at(1))).await,
+        Err(Error::LeaseIdInUse)
+    );
+    assert_eq!(
+        in_flight(&store, &takes, Some(at(1))).await[0].in_flight(),
+        1
+    );
+    // Ended, it may be taken again.
+    assert!(acquire(&store, &takes, "o", Some(at(1_000))).await.unwrap()[0].allowed());
+}
+
+/// The least a Redis user needs for leases: the commands buckets need (the README's) and
+/// those of `support::LEASE_COMMANDS`, on the same `~tollgate:*` keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_least_privilege_user_with_the_lease_commands_suffices() {
+    let server = RedisServer::start();
+    support::grant_tollgate_user(server.port, support::LEASE_COMMANDS);
+    let store = connect(&support::as_tollgate_user(&server.url())).await;
+    let both = Both::new(&store);
+    let l = limit(1, 1_000);
+    let takes = [
+        LeaseTake::new("acl:a", &l),
+        LeaseTake::new("acl:b", &l).soft(),
+    ];
+    assert!(both.acquire(&takes, "acl-1", at(0)).await.unwrap()[0].allowed());
+    assert!(!both.acquire(&takes, "acl-2", at(1)).await.unwrap()[0].allowed());
+    both.in_flight(&takes, at(2)).await;
+    assert!(both.release("acl-1", at(3)).await);
+    // A stale record's sets are cleaned up by a second call, under the same rights.
+    assert!(both.acquire(&takes[..1], "acl-1", at(4)).await.unwrap()[0].allowed());
+    assert!(both.acquire(&takes[1..], "acl-3", at(5)).await.unwrap()[0].allowed());
+    assert!(both.acquire(&takes[1..], "acl-1", at(2_000)).await.unwrap()[0].allowed());
+    // And on Redis' own clock.
+    let clock = [LeaseTake::new("acl:clock", &l)];
+    assert!(acquire(&store, &clock, "acl-4", None).await.unwrap()[0].allowed());
+    assert_eq!(store.release("acl-4", None).await, Ok(true));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cluster: one for every test of this binary, as starting one takes seconds.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster() {
+    let cluster = RedisCluster::start();
+    let url = cluster.url();
+    let store = connect(&url).await;
+    assert!(store.is_cluster());
+    let mut inspect = Inspector::cluster(&cluster).await;
+
+    scenarios(&store, "cluster").await;
+    cluster_traces_decide_as_memory(&store).await;
+    a_cross_slot_rejection_holds_nothing_on_the_other_slot(&store, &mut inspect).await;
+    a_cross_slot_acquire_with_a_full_soft_key_records_only_what_it_holds(&store, &mut inspect)
+        .await;
+    an_id_held_in_another_slot_is_refused_across_slots(&store, &mut inspect).await;
+    a_lease_whose_keys_share_its_records_slot_is_one_call(&store).await;
+    keys_expire_with_their_last_lease(&store, "cluster", &mut inspect).await;
+    sixty_four_tasks_never_hold_more_than_max(&url, "{hot}:leases", &mut inspect).await;
+}
+
+async fn cluster_traces_decide_as_memory(store: &RedisStore) {
+    for seed in 1..=6 {
+        // Two keys hashed whole (slots of their own), two sharing a hash tag: acquires within
+        // one slot, across two or three, with the record in a slot of its own.
+        let keys: Vec<String> = [
+            format!("ct{seed}:a"),
+            format!("ct{seed}:b"),
+            format!("{{ct{seed}}}:c"),
+            format!("{{ct{seed}}}:d"),
+        ]
+        .into();
+        let slots: HashSet<Slot> = keys
+            .iter()
+            .map(|key| Slot::for_key(format!("tollgate:lease:{key}")))
+            .collect();
+        assert!(slots.len() >= 2, "seed {seed}: keys in one slot");
+        a_trace_decides_as_memory(store, 100 + seed, &keys, 400).await;
+    }
+}
+
+/// Two keys in different slots; the one with no room rejects, so the other, which took the
+/// lease in its own call, gives it back: nothing is held anywhere, and no record is left.
+async fn a_cross_slot_rejection_holds_nothing_on_the_other_slot(
+    store: &RedisStore,
+    inspect: &mut Inspector,
+) {
+    let (roomy, tight) = (limit(5, 60_000), limit(1, 60_000));
+    let (user, tenant) = ("xs:user:alice", "xs:tenant:acme");
+    assert_ne!(
+        Slot::for_key(format!("tollgate:lease:{user}")),
+        Slot::for_key(format!("tollgate:lease:{tenant}")),
+        "the keys must live in different slots for this test"
+    );
+    let both = Both::new(store);
+    let tenant_only = [LeaseTake::new(tenant, &tight)];
+    assert!(both.acquire(&tenant_only, "xs-first", at(0)).await.unwrap()[0].allowed());
+    let takes = [LeaseTake::new(user, &roomy), LeaseTake::new(tenant, &tight)];
+    for attempt in 0..3 {
+        let id = format!("xs-{attempt}");
+        let refused = both.acquire(&takes, &id, at(1)).await.unwrap();
+        assert!(refused[0].allowed() && !refused[1].allowed());
+        assert_eq!(refused[0].in_flight(), 0, "the user's key, as it stood");
+        assert_eq!(
+            inspect
+                .integer(&["EXISTS", &format!("tollgate:lease:{user}")])
+                .await,
+            0,
+            "given back"
+        );
+        assert_eq!(
+            inspect
+                .integer(&["EXISTS", &format!("tollgate:lease-id:{{{id}}}")])
+                .await,
+            0,
+            "the claim went"
+        );
+        assert!(!both.release(&id, at(2)).await);
+    }
+    assert!(both.release("xs-first", at(2)).await);
+    assert!(
+        both.acquire(&takes, "xs-last", at(3))
+            .await
+            .unwrap()
+            .iter()
+            .all(LeaseDecision::allowed)
+    );
+    assert!(both.release("xs-last", at(4)).await);
+}
+
+/// Across slots, a soft key that was full does not hold the lease: the record names only the
+/// keys that do, and ends with them, so a release after their end says the lease had ended.
+async fn a_cross_slot_acquire_with_a_full_soft_key_records_only_what_it_holds(
+    store: &RedisStore,
+    inspect: &mut Inspector,
+) {
+    let (short, long) = (limit(5, 1_000), limit(1, 9_000));
+    let (user, shadow) = ("soft:user:bob", "soft:shadow:bob");
+    assert_ne!(
+        Slot::for_key(format!("tollgate:lease:{user}")),
+        Slot::for_key(format!("tollgate:lease:{shadow}")),
+    );
+    let both = Both::new(store);
+    assert!(
+        both.acquire(&[LeaseTake::new(shadow, &long)], "soft-a", at(0))
+            .await
+            .unwrap()[0]
+            .allowed()
+    );
+    let takes = [
+        LeaseTake::new(user, &short),
+        LeaseTake::new(shadow, &long).soft(),
+    ];
+    let decisions = both.acquire(&takes, "soft-b", at(0)).await.unwrap();
+    assert!(decisions[0].allowed() && !decisions[1].allowed());
+    let pttl = inspect
+        .integer(&["PTTL", "tollgate:lease-id:{soft-b}"])
+        .await;
+    assert!(
+        pttl >= 59_000,
+        "caller's time: at least a minute, not {pttl}"
+    );
+    // Held on the user's key only, until 1 s: at 2 s the lease has ended.
+    assert!(!both.release("soft-b", at(2_000)).await);
+    assert!(!both.release("soft-a", at(9_000)).await);
+}
+
+/// An id held on keys of one slot is refused by an acquire of keys in others: the claim finds
+/// its record first, and nothing is taken.
+async fn an_id_held_in_another_slot_is_refused_across_slots(
+    store: &RedisStore,
+    inspect: &mut Inspector,
+) {
+    let l = limit(3, 5_000);
+    let both = Both::new(store);
+    assert!(
+        both.acquire(&[LeaseTake::new("dup:one", &l)], "dup", at(0))
+            .await
+            .unwrap()[0]
+            .allowed()
+    );
+    let takes = [
+        LeaseTake::new("dup:two", &l),
+        LeaseTake::new("dup:three", &l),
+    ];
+    assert_eq!(
+        both.acquire(&takes, "dup", at(1)).await,
+        Err(Error::LeaseIdInUse)
+    );
+    for key in ["dup:two", "dup:three"] {
+        assert_eq!(
+            inspect
+                .integer(&["EXISTS", &format!("tollgate:lease:{key}")])
+                .await,
+            0
+        );
+    }
+    assert!(both.release("dup", at(2)).await);
+    assert!(
+        both.acquire(&takes, "dup", at(3))
+            .await
+            .unwrap()
+            .iter()
+            .all(LeaseDecision::allowed)
+    );
+    assert!(both.release("dup", at(4)).await);
+    for key in ["dup:two", "dup:three"] {
+        assert_eq!(
+            inspect
+                .integer(&["EXISTS", &format!("tollgate:lease:{key}")])
+                .await,
+            0
+        );
+    }
+}
+
+/// Keys whose hash tag is the lease id share its record's slot: decided, and recorded, in one
+/// call, as on a single node.
+async fn a_lease_whose_keys_share_its_records_slot_is_one_call(store: &RedisStore) {
+    let l = limit(1, 1_000);
+    let (k1, k2) = ("job:{same}:a", "job:{same}:b");
+    assert_eq!(
+        Slot::for_key(format!("tollgate:lease:{k1}")),
+        Slot::for_key("tollgate:lease-id:{same}")
+    );
+    let both = Both::new(store);
+    let takes = [LeaseTake::new(k1, &l), LeaseTake::new(k2, &l)];
+    assert!(
+        both.acquire(&takes, "same", at(0))
+            .await
+            .unwrap()
+            .iter()
+            .all(LeaseDecision::allowed)
+    );
+    assert_eq!(
+        both.acquire(&takes, "same", at(1)).await,
+        Err(Error::LeaseIdInUse)
+    );
+    assert!(!both.acquire(&takes, "other", at(1)).await.unwrap()[0].allowed());
+    assert!(both.release("same", at(2)).await);
+    assert!(both.acquire(&takes, "other", at(3)).await.unwrap()[0].allowed());
+}
