@@ -32,7 +32,9 @@ pub enum AuditEvent {
         limits: usize,
         /// How many exemptions it has.
         exemptions: usize,
-        /// Limits whose capacity or rate changed (their buckets are carried over).
+        /// Limits whose parameters (their own or an override's) changed: token buckets are
+        /// carried over; window counts and leases keep their keys unless the window or the
+        /// algorithm changed.
         changed_limits: Vec<String>,
     },
     /// A file failed validation; the version in force stays.

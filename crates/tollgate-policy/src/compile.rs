@@ -1,8 +1,9 @@
 //! From the serde mirror to a [`Policy`]: every rule that spans fields, and the indexes.
 //!
 //! This is the only constructor of [`Policy`], so a policy that exists is valid: parameters are
-//! core [`Limit`]s, names are unique and key-safe, references resolve, open failure modes have a
-//! bounded emergency budget. The first problem found is reported, with its position and path.
+//! core [`Limit`]s or [`LeaseLimit`]s, names are unique and key-safe, references resolve, open
+//! failure modes have a bounded emergency budget. The first problem found is reported, with its
+//! position and path.
 
 use std::collections::{BTreeMap, HashMap as StdHashMap, HashSet};
 use std::hash::BuildHasher;
@@ -10,14 +11,17 @@ use std::sync::Arc;
 
 use hashbrown::{HashMap, HashTable};
 use serde_saphyr::Spanned;
-use tollgate::{Algorithm, Limit, Rate};
+use tollgate::{Algorithm, LeaseLimit, Limit, MAX_IN_FLIGHT, Rate};
 
 use crate::error::Error;
 use crate::key::{self, stable_hash};
 use crate::policy::{
-    Conditions, DomainIndex, Exemption, FailureMode, LimitDef, Mode, Override, Policy,
+    Conditions, DomainIndex, Exemption, FailureMode, LimitDef, Mode, Override, Params, Policy,
 };
-use crate::schema::{self, FailureModeSpec, ModeSpec, PolicyFile, RateText, Text, WindowText, at};
+use crate::schema::{
+    self, EmergencyText, FailureModeSpec, LeaseTimeoutText, ModeSpec, PolicyFile, RateText, Text,
+    WindowText, at, at_location,
+};
 use crate::wall::UnixTime;
 
 /// The longest name a limit or override may have: names go into every bucket key.
@@ -85,28 +89,70 @@ fn limit_of(file: &str, capacity: &Spanned<u64>, refill: Rate, path: &str) -> Re
 #[derive(Debug, Clone, Copy)]
 struct AlgorithmSpec {
     name: &'static str,
-    kind: Algorithm,
+    kind: Kind,
+}
+
+/// What an algorithm limits: a rate (by one of the core's algorithms), or leases in flight.
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    Rate(Algorithm),
+    Concurrency,
+}
+
+/// The parameter fields an algorithm takes, which no other one does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Family {
+    /// `capacity` and `refill`.
+    Bucket,
+    /// `limit` and `window`.
+    Window,
+    /// `max_in_flight` and `lease_timeout`.
+    Concurrency,
+}
+
+impl Family {
+    fn of(params: &Params) -> Family {
+        match params {
+            Params::Rate(limit) if limit.algorithm().is_window() => Family::Window,
+            Params::Rate(_) => Family::Bucket,
+            Params::Concurrency(_) => Family::Concurrency,
+        }
+    }
+}
+
+impl Kind {
+    fn family(self) -> Family {
+        match self {
+            Kind::Rate(algorithm) if algorithm.is_window() => Family::Window,
+            Kind::Rate(_) => Family::Bucket,
+            Kind::Concurrency => Family::Concurrency,
+        }
+    }
 }
 
 /// The names the policy accepts. `gcra` is the token bucket under GCRA's name: both admit
 /// exactly the same requests (see [`Algorithm`]), so a file written for a GCRA limiter keeps
 /// its meaning.
-const ALGORITHMS: [AlgorithmSpec; 4] = [
+const ALGORITHMS: [AlgorithmSpec; 5] = [
     AlgorithmSpec {
         name: "token_bucket",
-        kind: Algorithm::TokenBucket,
+        kind: Kind::Rate(Algorithm::TokenBucket),
     },
     AlgorithmSpec {
         name: "gcra",
-        kind: Algorithm::TokenBucket,
+        kind: Kind::Rate(Algorithm::TokenBucket),
     },
     AlgorithmSpec {
         name: "fixed_window",
-        kind: Algorithm::FixedWindow,
+        kind: Kind::Rate(Algorithm::FixedWindow),
     },
     AlgorithmSpec {
         name: "sliding_window",
-        kind: Algorithm::SlidingWindow,
+        kind: Kind::Rate(Algorithm::SlidingWindow),
+    },
+    AlgorithmSpec {
+        name: "concurrency",
+        kind: Kind::Concurrency,
     },
 ];
 
@@ -121,18 +167,14 @@ fn algorithm_of(
     if let Some(known) = ALGORITHMS.iter().find(|a| a.name == algorithm.value) {
         return Ok(*known);
     }
-    let message = if algorithm.value == "concurrency" {
-        "algorithm \"concurrency\" (in-flight leases) is not available in this release: use \
-         token_bucket, gcra, fixed_window or sliding_window"
-            .to_owned()
-    } else if algorithm.value == "sliding_log" {
+    let message = if algorithm.value == "sliding_log" {
         "algorithm \"sliding_log\" (a log of every request) is not available in this release: \
          sliding_window counts the same window in two counters, weighing the previous one"
             .to_owned()
     } else {
         format!(
-            "unknown algorithm {:?}: use token_bucket (the default), gcra, fixed_window or \
-             sliding_window",
+            "unknown algorithm {:?}: use token_bucket (the default), gcra, fixed_window, \
+             sliding_window or concurrency",
             algorithm.value
         )
     };
@@ -140,67 +182,106 @@ fn algorithm_of(
 }
 
 /// A limit's own parameters under `algorithm`: `capacity` and `refill` for a token bucket,
-/// `limit` and `window` for the windows, never a mix.
+/// `limit` and `window` for the windows, `max_in_flight` and `lease_timeout` for concurrency,
+/// never a mix.
 fn base_params(
     file: &str,
     spec: &schema::LimitSpec,
     algorithm: AlgorithmSpec,
     path: &str,
-) -> Result<Limit, Error> {
+) -> Result<Params, Error> {
     let name = algorithm.name;
+    let family = algorithm.kind.family();
     Fields {
         capacity: spec.capacity.as_ref(),
         refill: spec.refill.as_ref(),
         limit: spec.limit.as_ref(),
         window: spec.window.as_ref(),
+        max_in_flight: spec.max_in_flight.as_ref(),
+        lease_timeout: spec.lease_timeout.as_ref(),
     }
-    .refuse_foreign(file, path, algorithm.kind, name)?;
-    if algorithm.kind.is_window() {
+    .refuse_foreign(file, path, family, name)?;
+    let missing = |field: &str| {
+        let message = format!(
+            "missing field `{field}`: {}",
+            fields_message(name, family, None)
+        );
+        at(file, &spec.name, path.to_owned(), message)
+    };
+    let kind = match algorithm.kind {
+        Kind::Rate(kind) => kind,
+        Kind::Concurrency => {
+            let (Some(max), Some(timeout)) = (&spec.max_in_flight, &spec.lease_timeout) else {
+                return Err(missing(if spec.max_in_flight.is_none() {
+                    "max_in_flight"
+                } else {
+                    "lease_timeout"
+                }));
+            };
+            let fallback = |message| at(file, &spec.name, path.to_owned(), message);
+            return lease_limit(
+                file,
+                (max.value, Some(max)),
+                (timeout.value.0, Some(timeout)),
+                &fallback,
+                path,
+            )
+            .map(Params::Concurrency);
+        }
+    };
+    if kind.is_window() {
         let (Some(limit), Some(window)) = (&spec.limit, &spec.window) else {
-            let missing = if spec.limit.is_none() {
+            return Err(missing(if spec.limit.is_none() {
                 "limit"
             } else {
                 "window"
-            };
-            let message = format!("missing field `{missing}`: {}", window_fields(name));
-            return Err(at(file, &spec.name, path.to_owned(), message));
+            }));
         };
         let fallback = |message| at(file, &spec.name, path.to_owned(), message);
         return window_limit(
             file,
-            algorithm.kind,
+            kind,
             (limit.value, Some(limit)),
             (window.value.0, Some(window)),
             &fallback,
             path,
-        );
+        )
+        .map(Params::Rate);
     }
     let (Some(capacity), Some(refill)) = (&spec.capacity, &spec.refill) else {
-        let missing = if spec.capacity.is_none() {
+        return Err(missing(if spec.capacity.is_none() {
             "capacity"
         } else {
             "refill"
-        };
-        let message = format!("missing field `{missing}`: {}", bucket_fields(name));
-        return Err(at(file, &spec.name, path.to_owned(), message));
+        }));
     };
-    limit_of(file, capacity, refill.value.0, path)
+    limit_of(file, capacity, refill.value.0, path).map(Params::Rate)
 }
 
 /// An override's parameters: the fields it sets, the limit's own for the others.
 fn override_params(
     file: &str,
     o: &schema::OverrideSpec,
-    base: &Limit,
+    base: &Params,
     path: &str,
-) -> Result<Limit, Error> {
+) -> Result<Params, Error> {
+    let name = match base {
+        Params::Rate(limit) => limit.algorithm().as_str(),
+        Params::Concurrency(_) => "concurrency",
+    };
     Fields {
         capacity: o.capacity.as_ref(),
         refill: o.refill.as_ref(),
         limit: o.limit.as_ref(),
         window: o.window.as_ref(),
+        max_in_flight: o.max_in_flight.as_ref(),
+        lease_timeout: o.lease_timeout.as_ref(),
     }
-    .refuse_foreign(file, path, base.algorithm(), base.algorithm().as_str())?;
+    .refuse_foreign(file, path, Family::of(base), name)?;
+    let base = match base {
+        Params::Rate(limit) => limit,
+        Params::Concurrency(lease) => return override_lease(file, o, lease, path),
+    };
     if base.algorithm().is_window() {
         if o.limit.is_none() && o.window.is_none() {
             return Err(at(
@@ -223,7 +304,8 @@ fn override_params(
             (window, o.window.as_ref()),
             &fallback,
             path,
-        );
+        )
+        .map(Params::Rate);
     }
     match (&o.capacity, &o.refill) {
         (None, None) => Err(at(
@@ -234,11 +316,72 @@ fn override_params(
         )),
         (Some(capacity), refill) => {
             let rate = refill.as_ref().map_or(base.refill(), |r| r.value.0);
-            limit_of(file, capacity, rate, path)
+            limit_of(file, capacity, rate, path).map(Params::Rate)
         }
         (None, Some(refill)) => Limit::new(base.capacity(), refill.value.0)
+            .map(Params::Rate)
             .map_err(|err| at(file, refill, format!("{path}.refill"), err.to_string())),
     }
+}
+
+/// An override of a concurrency limit (its fields already checked): `max_in_flight`,
+/// `lease_timeout` or both, the limit's own for the other.
+fn override_lease(
+    file: &str,
+    o: &schema::OverrideSpec,
+    base: &LeaseLimit,
+    path: &str,
+) -> Result<Params, Error> {
+    if o.max_in_flight.is_none() && o.lease_timeout.is_none() {
+        return Err(at(
+            file,
+            &o.when,
+            path.to_owned(),
+            "an override of a concurrency limit must set max_in_flight, lease_timeout or both"
+                .into(),
+        ));
+    }
+    let max = o
+        .max_in_flight
+        .as_ref()
+        .map_or(base.max_in_flight(), |m| m.value);
+    let timeout = o
+        .lease_timeout
+        .as_ref()
+        .map_or(base.timeout(), |t| t.value.0);
+    let fallback = |message| at(file, &o.when, path.to_owned(), message);
+    lease_limit(
+        file,
+        (max, o.max_in_flight.as_ref()),
+        (timeout, o.lease_timeout.as_ref()),
+        &fallback,
+        path,
+    )
+    .map(Params::Concurrency)
+}
+
+/// A concurrency limit of `max` leases held `timeout` each (the override's own fields, or
+/// `None` where it keeps its limit's); an error points at the field its reason names.
+fn lease_limit(
+    file: &str,
+    (max, max_at): (u64, Option<&Spanned<u64>>),
+    (timeout, timeout_at): (std::time::Duration, Option<&Spanned<LeaseTimeoutText>>),
+    fallback: &dyn Fn(String) -> Error,
+    path: &str,
+) -> Result<LeaseLimit, Error> {
+    LeaseLimit::new(max, timeout).map_err(|err| {
+        let about_timeout = matches!(
+            err,
+            tollgate::Error::InvalidLease { reason } if reason.starts_with("lease_timeout")
+        );
+        match (about_timeout, timeout_at, max_at) {
+            (true, Some(t), _) | (false, Some(t), None) => {
+                at(file, t, format!("{path}.lease_timeout"), err.to_string())
+            }
+            (_, _, Some(m)) => at(file, m, format!("{path}.max_in_flight"), err.to_string()),
+            (_, None, None) => fallback(err.to_string()),
+        }
+    })
 }
 
 /// A window limit of `limit` per `window` (the override's own window, or `None` when it
@@ -274,51 +417,50 @@ struct Fields<'a> {
     refill: Option<&'a Spanned<RateText>>,
     limit: Option<&'a Spanned<u64>>,
     window: Option<&'a Spanned<WindowText>>,
+    max_in_flight: Option<&'a Spanned<u64>>,
+    lease_timeout: Option<&'a Spanned<LeaseTimeoutText>>,
 }
 
 impl Fields<'_> {
-    /// Refuses, at the field, the first one `kind` does not take: `capacity` and `refill`
-    /// for the windows, `limit` and `window` for the token bucket (`name` is the algorithm as
-    /// the file calls it).
+    /// Refuses, at the field, the first one `family` does not take, in the order capacity,
+    /// refill, limit, window, max_in_flight, lease_timeout (`name` is the algorithm as the file
+    /// calls it).
     fn refuse_foreign(
         &self,
         file: &str,
         path: &str,
-        kind: Algorithm,
+        family: Family,
         name: &str,
     ) -> Result<(), Error> {
-        if kind.is_window() {
-            if let Some(capacity) = self.capacity {
-                return Err(at(
+        let given = [
+            (
+                "capacity",
+                Family::Bucket,
+                self.capacity.map(|f| f.referenced),
+            ),
+            ("refill", Family::Bucket, self.refill.map(|f| f.referenced)),
+            ("limit", Family::Window, self.limit.map(|f| f.referenced)),
+            ("window", Family::Window, self.window.map(|f| f.referenced)),
+            (
+                "max_in_flight",
+                Family::Concurrency,
+                self.max_in_flight.map(|f| f.referenced),
+            ),
+            (
+                "lease_timeout",
+                Family::Concurrency,
+                self.lease_timeout.map(|f| f.referenced),
+            ),
+        ];
+        for (field, of, location) in given {
+            if let Some(location) = location
+                && of != family
+            {
+                return Err(at_location(
                     file,
-                    capacity,
-                    format!("{path}.capacity"),
-                    window_fields(name),
-                ));
-            }
-            if let Some(refill) = self.refill {
-                return Err(at(
-                    file,
-                    refill,
-                    format!("{path}.refill"),
-                    window_fields(name),
-                ));
-            }
-        } else {
-            if let Some(limit) = self.limit {
-                return Err(at(
-                    file,
-                    limit,
-                    format!("{path}.limit"),
-                    bucket_fields(name),
-                ));
-            }
-            if let Some(window) = self.window {
-                return Err(at(
-                    file,
-                    window,
-                    format!("{path}.window"),
-                    bucket_fields(name),
+                    location,
+                    format!("{path}.{field}"),
+                    fields_message(name, family, Some(of)),
                 ));
             }
         }
@@ -326,18 +468,132 @@ impl Fields<'_> {
     }
 }
 
-fn window_fields(algorithm: &str) -> String {
-    format!(
-        "{algorithm} takes limit and window (as in limit: 100 and window: 1m), not capacity \
-         and refill"
-    )
+/// What `algorithm` (of `family`) takes, for an error about a field of family `foreign` it
+/// was given, or (`None`) about one it lacks.
+fn fields_message(algorithm: &str, family: Family, foreign: Option<Family>) -> String {
+    let (takes, rest) = match family {
+        Family::Bucket => (
+            "capacity and refill (as in capacity: 20 and refill: 10/s)",
+            match foreign {
+                Some(Family::Concurrency) => {
+                    "; max_in_flight and lease_timeout are for concurrency"
+                }
+                _ => "; limit and window are for fixed_window and sliding_window",
+            },
+        ),
+        Family::Window => (
+            "limit and window (as in limit: 100 and window: 1m)",
+            match foreign {
+                Some(Family::Concurrency) => {
+                    "; max_in_flight and lease_timeout are for concurrency"
+                }
+                _ => ", not capacity and refill",
+            },
+        ),
+        Family::Concurrency => (
+            "max_in_flight and lease_timeout (as in max_in_flight: 10 and lease_timeout: 30s)",
+            match foreign {
+                Some(Family::Bucket) => "; capacity and refill are for token_bucket and gcra",
+                Some(Family::Window) => {
+                    "; limit and window are for fixed_window and sliding_window"
+                }
+                _ => "",
+            },
+        ),
+    };
+    format!("{algorithm} takes {takes}{rest}")
 }
 
-fn bucket_fields(algorithm: &str) -> String {
-    format!(
-        "{algorithm} takes capacity and refill (as in capacity: 20 and refill: 10/s); limit and \
-         window are for fixed_window and sliding_window"
-    )
+/// A limit's failure mode. An `emergency` must be of the limit's kind: a rate for a rate limit,
+/// a number of leases for a concurrency limit (checked whatever the failure mode, since either
+/// way it says the author misread what the limit is). `defaults.emergency`, a rate, is for rate
+/// limits only: a concurrency limit without its own falls back to its `max_in_flight`.
+fn failure_mode_of(
+    file: &str,
+    spec: &schema::LimitSpec,
+    params: &Params,
+    (default_failure, default_emergency): (FailureModeSpec, Option<&Spanned<RateText>>),
+    path: &str,
+) -> Result<FailureMode, Error> {
+    let open = matches!(
+        spec.failure_mode.unwrap_or(default_failure),
+        FailureModeSpec::Open
+    );
+    let own = spec.emergency.as_ref();
+    let own_path = || format!("{path}.emergency");
+    if let Params::Concurrency(_) = params {
+        let emergency = match own {
+            None => None,
+            Some(e) => match e.value {
+                EmergencyText::InFlight(n) if (1..=MAX_IN_FLIGHT).contains(&n) => Some(n),
+                EmergencyText::InFlight(_) => {
+                    return Err(at(
+                        file,
+                        e,
+                        own_path(),
+                        format!(
+                            "emergency must be 1 to {MAX_IN_FLIGHT} leases in flight per key \
+                             (failure_mode: closed denies while the store is down)"
+                        ),
+                    ));
+                }
+                EmergencyText::Rate(_) => {
+                    return Err(at(
+                        file,
+                        e,
+                        own_path(),
+                        "a concurrency limit's emergency is the number of leases a key may \
+                         hold in this process while the store is down, such as emergency: 5, \
+                         not a rate"
+                            .into(),
+                    ));
+                }
+            },
+        };
+        return Ok(if open {
+            FailureMode::OpenInFlight { emergency }
+        } else {
+            FailureMode::Closed
+        });
+    }
+    // The error points at the rate that was used: the limit's own, or the default.
+    let rate = match (own, default_emergency) {
+        (Some(e), _) => match e.value {
+            EmergencyText::Rate(rate) => Some((rate, own_path(), e.referenced)),
+            EmergencyText::InFlight(_) => {
+                return Err(at(
+                    file,
+                    e,
+                    own_path(),
+                    "a rate limit's emergency is a rate, such as emergency: 2/s (a number of \
+                     leases in flight is for concurrency limits)"
+                        .into(),
+                ));
+            }
+        },
+        (None, Some(default)) => Some((
+            default.value.0,
+            "defaults.emergency".to_owned(),
+            default.referenced,
+        )),
+        (None, None) => None,
+    };
+    if !open {
+        return Ok(FailureMode::Closed);
+    }
+    let Some((rate, rate_path, location)) = rate else {
+        return Err(at(
+            file,
+            &spec.name,
+            own_path(),
+            "failure_mode open needs an emergency rate (here or in defaults), such as \
+             emergency: 2/s: a failing store must never mean unlimited"
+                .into(),
+        ));
+    };
+    let emergency = Limit::new(rate.amount(), rate)
+        .map_err(|err| at_location(file, location, rate_path, err.to_string()))?;
+    Ok(FailureMode::Open { emergency })
 }
 
 fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
@@ -424,30 +680,13 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
         let algorithm = algorithm_of(file, spec.algorithm.as_ref(), &path)?;
         let params = base_params(file, spec, algorithm, &path)?;
 
-        let failure_mode = match spec.failure_mode.unwrap_or(default_failure) {
-            FailureModeSpec::Closed => FailureMode::Closed,
-            FailureModeSpec::Open => {
-                // The error points at the rate that was used: the limit's own, or the default.
-                let rate = match (&spec.emergency, default_emergency) {
-                    (Some(own), _) => Some((own, format!("{path}.emergency"))),
-                    (None, Some(default)) => Some((default, "defaults.emergency".to_owned())),
-                    (None, None) => None,
-                };
-                let Some((rate, rate_path)) = rate else {
-                    return Err(at(
-                        file,
-                        &spec.name,
-                        format!("{path}.emergency"),
-                        "failure_mode open needs an emergency rate (here or in defaults), such \
-                         as emergency: 2/s: a failing store must never mean unlimited"
-                            .into(),
-                    ));
-                };
-                let emergency = Limit::new(rate.value.0.amount(), rate.value.0)
-                    .map_err(|err| at(file, rate, rate_path, err.to_string()))?;
-                FailureMode::Open { emergency }
-            }
-        };
+        let failure_mode = failure_mode_of(
+            file,
+            spec,
+            &params,
+            (default_failure, default_emergency),
+            &path,
+        )?;
 
         let mut override_names = HashSet::new();
         let mut overrides = Vec::with_capacity(spec.overrides.len());

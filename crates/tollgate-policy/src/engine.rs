@@ -20,6 +20,13 @@
 //! (old parameters, when) for as long as it could matter, the new limit's time to full, and
 //! hands every take on a changed limit the old bucket's key as a [`Carry`]; the store reads it
 //! on the way and decides on the emptier of the two.
+//!
+//! Concurrency limits (leases) are decided in [`leases`], against the same policy and the same
+//! kind of store keys.
+
+mod leases;
+
+pub use leases::{LeaseLimitOutcome, LeaseOutcome};
 
 use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
@@ -30,14 +37,14 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use parking_lot::Mutex;
 use tollgate::{
-    Carry, CheckRequest, Clock, Decision, Item, Limit, LocalStore, MemoryStore, MonotonicClock,
-    Store, Take, Timestamp, block_on_ready,
+    Carry, CheckRequest, Clock, Decision, Item, Limit, LocalStore, MemoryLeases, MemoryStore,
+    MonotonicClock, Store, Take, Timestamp, block_on_ready,
 };
 
 use crate::audit::{AuditEvent, AuditLog};
 use crate::compile::compile;
 use crate::error::Error;
-use crate::key::{params_tag, stable_hash};
+use crate::key::{rate_tag, stable_hash};
 use crate::policy::{Effect, Exemption, FailureMode, Matched, Policy};
 use crate::wall::{SystemWallClock, UnixTime, WallClock};
 
@@ -48,17 +55,24 @@ use crate::wall::{SystemWallClock, UnixTime, WallClock};
 pub struct EngineOptions {
     history: usize,
     max_buckets: usize,
+    max_leases: usize,
     idempotency_window: Duration,
     clock: Arc<dyn Clock>,
     wall: Arc<dyn WallClock>,
     audit: Option<Arc<AuditLog>>,
+    limit_check: Option<LimitCheck>,
 }
+
+/// A test every rate limit of a version must pass before it goes in force: see
+/// [`EngineOptions::limit_check`].
+type LimitCheck = Arc<dyn Fn(&Limit) -> Result<(), tollgate::Error> + Send + Sync>;
 
 impl std::fmt::Debug for EngineOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EngineOptions")
             .field("history", &self.history)
             .field("max_buckets", &self.max_buckets)
+            .field("max_leases", &self.max_leases)
             .field("idempotency_window", &self.idempotency_window)
             .finish_non_exhaustive()
     }
@@ -69,10 +83,12 @@ impl Default for EngineOptions {
         Self {
             history: 10,
             max_buckets: 10_000_000,
+            max_leases: 1_000_000,
             idempotency_window: Duration::from_secs(60),
             clock: Arc::new(MonotonicClock::new()),
             wall: Arc::new(SystemWallClock),
             audit: None,
+            limit_check: None,
         }
     }
 }
@@ -87,6 +103,14 @@ impl EngineOptions {
     /// The most live buckets (default ten million).
     pub fn max_buckets(mut self, max: usize) -> Self {
         self.max_buckets = max;
+        self
+    }
+
+    /// The most leases held at once in this process's lease table, and separately in its
+    /// emergency one (default one million). An acquire past it is an error
+    /// ([`tollgate::Error::TooManyLeases`]), never an admission.
+    pub fn max_leases(mut self, max: usize) -> Self {
+        self.max_leases = max;
         self
     }
 
@@ -105,6 +129,19 @@ impl EngineOptions {
     /// The calendar clock exemption expiry runs on (default [`SystemWallClock`]).
     pub fn wall_clock(mut self, wall: Arc<dyn WallClock>) -> Self {
         self.wall = wall;
+        self
+    }
+
+    /// A test every rate limit (and override) of a version loaded later must pass, or the
+    /// version is refused as an invalid file is and the last good one stays: for a shared store
+    /// that cannot keep every limit exactly (`tollgate_redis::check_limit`), so that a reload
+    /// cannot put in force limits every decision would then fail on. The version the engine
+    /// starts with is the caller's to check.
+    pub fn limit_check(
+        mut self,
+        check: impl Fn(&Limit) -> Result<(), tollgate::Error> + Send + Sync + 'static,
+    ) -> Self {
+        self.limit_check = Some(Arc::new(check));
         self
     }
 
@@ -214,6 +251,9 @@ pub struct PolicyEngine {
     /// Local emergency buckets of limits that fail open, used only while the shared store is
     /// down.
     emergency: MemoryStore<Box<str>>,
+    /// Leases of concurrency limits that fail open, taken while the shared store is down; they
+    /// live here until released or timed out, so releases look here first.
+    emergency_leases: MemoryLeases,
     options: EngineOptions,
     path: Option<PathBuf>,
     unmatched: AtomicU64,
@@ -261,7 +301,12 @@ impl PolicyEngine {
             .max_buckets(options.max_buckets)
             .idempotency_window(options.idempotency_window)
             .build();
-        let local = LocalStore::with_store(store, Arc::clone(&options.clock));
+        let leases = || {
+            MemoryLeases::builder()
+                .max_leases(options.max_leases)
+                .build()
+        };
+        let local = LocalStore::with_store(store, Arc::clone(&options.clock)).with_leases(leases());
         let engine = Self {
             current: ArcSwap::from_pointee(policy),
             carries: ArcSwap::from_pointee(Vec::new()),
@@ -277,6 +322,7 @@ impl PolicyEngine {
             emergency: MemoryStore::builder()
                 .max_buckets(options.max_buckets)
                 .build(),
+            emergency_leases: leases(),
             options,
             path,
             unmatched: AtomicU64::new(0),
@@ -374,7 +420,7 @@ impl PolicyEngine {
             control.last_error = None;
             return Ok(current);
         }
-        let policy = match compile(source, text) {
+        let policy = match compile(source, text).and_then(|p| self.check_limits(p)) {
             Ok(policy) => Arc::new(policy),
             Err(err) => {
                 self.refuse(control, source, &err);
@@ -403,6 +449,26 @@ impl PolicyEngine {
             exemptions: policy.exemptions().len(),
             changed_limits: changed,
         });
+        Ok(policy)
+    }
+
+    /// `policy`, if every rate limit in it passes [`EngineOptions::limit_check`].
+    fn check_limits(&self, policy: Policy) -> Result<Policy, Error> {
+        let Some(check) = &self.options.limit_check else {
+            return Ok(policy);
+        };
+        for limit in policy.limits() {
+            let rates = limit
+                .rate()
+                .into_iter()
+                .chain(limit.overrides().iter().filter_map(|o| o.rate()));
+            for rate in rates {
+                check(rate).map_err(|source| Error::Check {
+                    limit: limit.name().to_owned(),
+                    source,
+                })?;
+            }
+        }
         Ok(policy)
     }
 
@@ -473,11 +539,21 @@ impl PolicyEngine {
         self.local.memory().stats()
     }
 
+    /// Leases recorded in this process's lease tables (its own and the emergency one),
+    /// counting timed-out ones no sweep has dropped yet.
+    pub fn live_leases(&self) -> usize {
+        self.local.leases().len() + self.emergency_leases.len()
+    }
+
     /// Drops this process's full buckets and shrinks tables left mostly empty
-    /// ([`tollgate::MemoryStore::sweep`]); returns how many buckets went. Buckets in a shared
-    /// store expire on their own.
+    /// ([`tollgate::MemoryStore::sweep`]), and drops the timed-out leases of its lease tables
+    /// (its own and the emergency one, [`tollgate::MemoryLeases::sweep`]); returns how many
+    /// buckets and leases went. Buckets and leases in a shared store expire on their own.
     pub fn sweep(&self) -> usize {
-        self.local.memory().sweep(self.local.clock().now())
+        let now = self.local.clock().now();
+        self.local.memory().sweep(now)
+            + self.local.leases().sweep(now)
+            + self.emergency_leases.sweep(now)
     }
 
     /// Decides one request: `cost` tokens from every applicable bucket.
@@ -882,9 +958,11 @@ impl PolicyEngine {
                 continue;
             }
             match m.limit.failure_mode() {
-                FailureMode::Closed => failed_closed = true,
+                // A rate limit never fails open by a bound on leases (compile makes sure);
+                // were it to, denying is the safe reading.
+                FailureMode::Closed | FailureMode::OpenInFlight { .. } => failed_closed = true,
                 FailureMode::Open { emergency } => {
-                    let key = store_key(&m.bucket_key, params_tag(&emergency));
+                    let key = store_key(&m.bucket_key, rate_tag(&emergency));
                     let cost = cost.of(m.descriptor);
                     match open.iter().position(|(k, ..)| *k == key) {
                         Some(slot) => {
@@ -963,8 +1041,8 @@ impl PolicyEngine {
                 }
                 Effect::Enforce if consume => {
                     let mode = match m.limit.failure_mode() {
-                        FailureMode::Closed => "closed",
-                        _ => "open",
+                        FailureMode::Open { .. } => "open",
+                        _ => "closed",
                     };
                     self.audit(|| AuditEvent::Degraded {
                         limit: m.limit.name().to_owned(),
@@ -995,7 +1073,6 @@ impl PolicyEngine {
         })
     }
 
-    /// Counts one use of `exemption` by the match `m` and audits it.
     /// The calendar time to match `policy` at. Matching needs it for exemptions' expiry alone,
     /// so a policy without exemptions is matched without reading the calendar (a system clock
     /// call on every decision).
@@ -1007,7 +1084,8 @@ impl PolicyEngine {
         }
     }
 
-    fn use_exemption(&self, m: &Matched<'_>, exemption: &Exemption, version: &str) {
+    /// Counts one use of `exemption` by the match `m` and audits it.
+    fn use_exemption<P>(&self, m: &Matched<'_, P>, exemption: &Exemption, version: &str) {
         exemption.record_use();
         self.audit(|| AuditEvent::ExemptionUsed {
             limit: m.limit.name().to_owned(),
@@ -1056,10 +1134,10 @@ impl PolicyEngine {
         let params_in_new = |limit: &str, override_: &str| {
             let limit = new.limit(limit)?;
             if override_.is_empty() {
-                return Some(*limit.params());
+                return limit.rate().copied();
             }
             let found = limit.overrides().iter().find(|o| o.name() == override_)?;
-            Some(*found.params())
+            found.rate().copied()
         };
         let mut kept: Vec<Changed> = current
             .iter()
@@ -1070,7 +1148,7 @@ impl PolicyEngine {
                     .any(|n| n.limit == c.change.limit && n.override_ == c.change.override_)
             })
             .filter(|c| {
-                params_in_new(&c.change.limit, &c.change.override_).map(|p| params_tag(&p))
+                params_in_new(&c.change.limit, &c.change.override_).map(|p| rate_tag(&p))
                     == Some(c.change.to_tag)
             })
             .cloned()
@@ -1184,7 +1262,7 @@ fn never_fits(limit: &Limit) -> Decision {
 }
 
 /// The store key: the bucket key plus the tag of the parameters its state was produced under
-/// ([`params_tag`]).
+/// ([`crate::key::params_tag`]).
 ///
 /// The subject's values go between braces, `per-user|{acme|u1}#gold@0a1b2c3d`: a Redis Cluster
 /// hashes only what is inside the first `{…}` of a key, so every bucket of one subject (its
@@ -1295,24 +1373,28 @@ fn param_changes(old: &Policy, new: &Policy) -> Vec<ParamChange> {
         let Some(before) = old.limit(limit.name()) else {
             continue;
         };
-        let pairs = std::iter::once(("", before.params(), limit.params())).chain(
+        let pairs = std::iter::once(("", before.rate(), limit.rate())).chain(
             limit.overrides().iter().filter_map(|o| {
                 let b = before.overrides().iter().find(|b| b.name() == o.name())?;
-                Some((o.name(), b.params(), o.params()))
+                Some((o.name(), b.rate(), o.rate()))
             }),
         );
         // Only token buckets carry over: a window limit whose limit per window changes keeps
         // its key and so its counts, and a change of window or algorithm starts afresh (the
-        // tags differ, and no store converts between them in flight).
+        // tags differ, and no store converts between them in flight). Concurrency limits
+        // carry nothing: their leases keep their key whatever the bound.
         for (name, was, is) in pairs {
+            let (Some(was), Some(is)) = (was, is) else {
+                continue;
+            };
             if was != is && !was.algorithm().is_window() && !is.algorithm().is_window() {
                 changes.push(ParamChange {
                     limit: limit.name().into(),
                     override_: name.into(),
                     from: *was,
                     to: *is,
-                    from_tag: params_tag(was),
-                    to_tag: params_tag(is),
+                    from_tag: rate_tag(was),
+                    to_tag: rate_tag(is),
                 });
             }
         }
@@ -1389,7 +1471,7 @@ mod tests {
     fn store_keys_carry_the_parameter_tag_in_eight_hex_digits() {
         for (capacity, rate) in [(10, "5/s"), (1, "1/d"), (1_000_000, "999999937/s")] {
             let limit = Limit::new(capacity, rate.parse().unwrap()).unwrap();
-            let tag = params_tag(&limit);
+            let tag = rate_tag(&limit);
             let key = store_key("per-user|u1", tag);
             assert_eq!(&*key, format!("per-user|{{u1}}@{tag:08x}"));
             assert_eq!(split_store_key(&key).map(|parts| parts.2), Some(tag));
@@ -1411,9 +1493,9 @@ mod tests {
         let a = Limit::new(10, "5/s".parse().unwrap()).unwrap();
         let b = Limit::new(3, "1/s".parse().unwrap()).unwrap();
         let subject = [
-            store_key("per-user|acme|u1", params_tag(&a)),
-            store_key("writes-per-user|acme|u1", params_tag(&b)),
-            store_key("per-user|acme|u1#gold", params_tag(&b)),
+            store_key("per-user|acme|u1", rate_tag(&a)),
+            store_key("writes-per-user|acme|u1", rate_tag(&b)),
+            store_key("per-user|acme|u1#gold", rate_tag(&b)),
         ];
         for key in &subject {
             assert_eq!(hash_tag(key), "acme|u1", "{key}");
@@ -1424,21 +1506,17 @@ mod tests {
             ("per-user|a\\#b#gold", "a\\#b"),
             ("per-user|x}y", "x"),
         ] {
-            assert_eq!(
-                hash_tag(&store_key(bucket, params_tag(&a))),
-                tag,
-                "{bucket}"
-            );
+            assert_eq!(hash_tag(&store_key(bucket, rate_tag(&a))), tag, "{bucket}");
         }
         // One bucket for everyone: its bucket key is the tag, the parameters' tag outside it.
-        let global = store_key("global", params_tag(&a));
+        let global = store_key("global", rate_tag(&a));
         assert_eq!(hash_tag(&global), "global");
-        assert_eq!(hash_tag(&store_key("global", params_tag(&b))), "global");
-        let gold = store_key("global#gold", params_tag(&a));
+        assert_eq!(hash_tag(&store_key("global", rate_tag(&b))), "global");
+        let gold = store_key("global#gold", rate_tag(&a));
         assert_eq!(hash_tag(&gold), "global#gold");
         assert_eq!(
             split_store_key(&gold),
-            Some(("global", "gold", params_tag(&a), "{global#gold}"))
+            Some(("global", "gold", rate_tag(&a), "{global#gold}"))
         );
     }
 }

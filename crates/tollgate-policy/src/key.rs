@@ -17,6 +17,8 @@
 
 use tollgate::{Algorithm, Limit};
 
+use crate::policy::Params;
+
 /// Appends `value` to `key`, escaped.
 pub(crate) fn push_escaped(key: &mut String, value: &str) {
     if !value.bytes().any(|b| matches!(b, b'\\' | b'|' | b'#')) {
@@ -56,7 +58,19 @@ pub(crate) fn stable_hash(bytes: &[u8]) -> u64 {
 /// A window limit's tag covers its algorithm and window, not its limit per window: its counts
 /// mean the same under any limit, so a change of the limit keeps them (the bucket stays under
 /// its key), where a change of window or algorithm starts afresh under a new key.
-pub(crate) fn params_tag(params: &Limit) -> u32 {
+///
+/// A concurrency limit's tag covers its algorithm alone: a lease is held whatever the bound it
+/// was taken under, so a change of `max_in_flight` or `lease_timeout` keeps the leases held
+/// counted (a lower bound admits nothing until enough of them end).
+pub(crate) fn params_tag(params: &Params) -> u32 {
+    match params {
+        Params::Rate(limit) => rate_tag(limit),
+        Params::Concurrency(_) => (stable_hash(b"concurrency") >> 32) as u32,
+    }
+}
+
+/// [`params_tag`] of a rate limit's parameters.
+pub(crate) fn rate_tag(params: &Limit) -> u32 {
     if let Some(window) = params.window() {
         let mut bytes = [0u8; 9];
         bytes[0] = match params.algorithm() {
@@ -94,10 +108,22 @@ mod tests {
     #[test]
     fn parameter_tags_do_not_change_between_versions() {
         let tag = |capacity, refill: &str| {
-            params_tag(&Limit::new(capacity, refill.parse().unwrap()).unwrap())
+            params_tag(&Params::Rate(
+                Limit::new(capacity, refill.parse().unwrap()).unwrap(),
+            ))
         };
         assert_eq!(format!("{:08x}", tag(10, "5/s")), "6769e342");
         assert_eq!(format!("{:08x}", tag(1, "1/d")), "df8bd37b");
+        // Leases keep their key whatever the bound or timeout.
+        let lease = |max, ms| {
+            let limit = tollgate::LeaseLimit::new(max, std::time::Duration::from_millis(ms));
+            params_tag(&Params::Concurrency(limit.unwrap()))
+        };
+        assert_eq!(
+            format!("{:08x}", lease(5, 30_000)),
+            format!("{:08x}", lease(9, 500))
+        );
+        assert_eq!(format!("{:08x}", lease(1, 1)), "0787f7c7");
     }
 
     fn key(values: &[&str]) -> String {

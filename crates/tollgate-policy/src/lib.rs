@@ -5,12 +5,16 @@
 //!
 //! * [`compile`] parses and validates a file in one pass; a [`Policy`] that exists is valid, and
 //!   every error names the file, line, column and field path ([`Diagnostic`]).
-//! * [`Policy::match_into`] maps a domain and descriptors to the applicable limits, with bucket
-//!   keys and effective parameters (overrides, shadow, rollout, exemptions), through per-domain
-//!   indexes: no scan of the limits, no allocation beyond the bucket keys.
+//! * [`Policy::match_into`] maps a domain and descriptors to the applicable rate limits, with
+//!   bucket keys and effective parameters (overrides, shadow, rollout, exemptions), through
+//!   per-domain indexes: no scan of the limits, no allocation beyond the bucket keys.
+//!   [`Policy::lease_match_into`] does the same for concurrency limits, which are leased
+//!   rather than checked and so never among the former.
 //! * [`PolicyEngine`] holds the version in force behind an atomic pointer swap, keeps the last
 //!   versions for rollback, reloads from a file (refusing a bad one and keeping the last good),
-//!   and decides requests against a [`tollgate::MemoryStore`], all or nothing.
+//!   decides requests against a [`tollgate::MemoryStore`] or a shared [`tollgate::Store`], all or
+//!   nothing, and takes and releases leases ([`PolicyEngine::acquire`]) against a
+//!   [`tollgate::LeaseStore`].
 //! * [`audit`] writes loads, refusals, rollbacks, exemption uses and degraded decisions as JSON
 //!   lines; [`watch`] reloads on file changes; [`envoy`] imports envoyproxy/ratelimit configs.
 //!
@@ -31,6 +35,29 @@
 //! assert_eq!(matched[0].params().capacity(), 20);
 //! # Ok::<(), tollgate_policy::Error>(())
 //! ```
+//!
+//! A concurrency limit holds leases instead:
+//!
+//! ```
+//! use tollgate_policy::{EngineOptions, PolicyEngine, compile};
+//!
+//! let policy = compile("inline.yaml", r#"
+//! limits:
+//!   - name: exports
+//!     domain: api
+//!     key: [tenant]
+//!     algorithm: concurrency
+//!     max_in_flight: 1
+//!     lease_timeout: 30s
+//! "#)?;
+//! let engine = PolicyEngine::new(policy, EngineOptions::default());
+//! let tenant = [("tenant", "acme")];
+//! assert!(engine.acquire("api", &[tenant], "lease-1")?.held);
+//! assert!(!engine.acquire("api", &[tenant], "lease-2")?.allowed);
+//! assert!(engine.release("lease-1")?);
+//! assert!(engine.acquire("api", &[tenant], "lease-2")?.allowed);
+//! # Ok::<(), tollgate_policy::Error>(())
+//! ```
 
 pub mod audit;
 mod compile;
@@ -45,10 +72,15 @@ pub mod watch;
 
 pub use compile::compile;
 
-pub use engine::{Costs, EngineOptions, LimitOutcome, Outcome, PolicyEngine, PolicyStatus};
+pub use engine::{
+    Costs, EngineOptions, LeaseLimitOutcome, LeaseOutcome, LimitOutcome, Outcome, PolicyEngine,
+    PolicyStatus,
+};
 pub use envoy::{ImportOptions, import_envoy, import_envoy_with};
 pub use error::{Diagnostic, Error};
-pub use policy::{Effect, Exemption, FailureMode, LimitDef, Matched, Mode, Override, Policy};
+pub use policy::{
+    Effect, Exemption, FailureMode, LeaseMatched, LimitDef, Matched, Mode, Override, Params, Policy,
+};
 pub use wall::{ManualWallClock, SystemWallClock, UnixTime, WallClock};
 
 use std::path::Path;

@@ -1,9 +1,17 @@
 //! A compiled policy and request matching.
 //!
 //! A [`Policy`] is built only by [`crate::compile`], so everything in it has been validated:
-//! limits hold a [`tollgate::Limit`] (never a zero rate), names are unique and safe to put in a
-//! bucket key, and every exemption names an existing limit. Matching then needs no checks and
-//! no fallible step.
+//! limits hold a [`tollgate::Limit`] (never a zero rate) or a [`tollgate::LeaseLimit`], names
+//! are unique and safe to put in a bucket key, and every exemption names an existing limit.
+//! Matching then needs no checks and no fallible step.
+//!
+//! # Two kinds of limits
+//!
+//! A rate limit (token bucket, window) is checked: a request takes tokens and is done. A
+//! concurrency limit is acquired: a request holds a lease until it ends. The two are asked
+//! through different calls (a check, a lease), so they are matched apart too, by the same
+//! rules: [`Policy::matches`] finds the rate limits only, which is all that checks, Envoy's
+//! RLS and forward-auth deal in, and [`Policy::lease_matches`] the concurrency limits only.
 //!
 //! # Indexes
 //!
@@ -24,7 +32,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use hashbrown::{HashMap, HashTable};
-use tollgate::Limit;
+use tollgate::{LeaseLimit, Limit};
 
 use crate::key;
 use crate::wall::UnixTime;
@@ -59,11 +67,76 @@ pub enum FailureMode {
     /// Deny, distinguishably from an ordinary rejection.
     Closed,
     /// Allow within an emergency budget: a local bucket per key with these parameters (its
-    /// capacity is one period's worth of the configured rate), never unlimited.
+    /// capacity is one period's worth of the configured rate), never unlimited. The failure
+    /// mode of a rate limit.
     Open {
         /// The local budget per key.
         emergency: Limit,
     },
+    /// Allow within a bound of leases in flight per key, held in this process, never
+    /// unlimited: the failure mode of a concurrency limit that fails open. Leases keep the
+    /// key's own lease timeout.
+    OpenInFlight {
+        /// The leases a key may hold at once in this process; `None`: the key's own
+        /// `max_in_flight` (its override's, when one applies).
+        emergency: Option<u64>,
+    },
+}
+
+/// The parameters of a limit or an override: a rate, or a bound on leases in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Params {
+    /// A rate limit (`token_bucket`, `gcra`, `fixed_window`, `sliding_window`).
+    Rate(Limit),
+    /// A concurrency limit (`concurrency`).
+    Concurrency(LeaseLimit),
+}
+
+impl Params {
+    /// The rate, for a rate limit.
+    pub fn rate(&self) -> Option<&Limit> {
+        match self {
+            Params::Rate(limit) => Some(limit),
+            Params::Concurrency(_) => None,
+        }
+    }
+
+    /// The bound on leases, for a concurrency limit.
+    pub fn concurrency(&self) -> Option<&LeaseLimit> {
+        match self {
+            Params::Concurrency(limit) => Some(limit),
+            Params::Rate(_) => None,
+        }
+    }
+}
+
+impl std::fmt::Display for Params {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Params::Rate(limit) => limit.fmt(f),
+            Params::Concurrency(limit) => limit.fmt(f),
+        }
+    }
+}
+
+/// One kind of parameters that matching can look for: [`Limit`] (rate limits) or
+/// [`LeaseLimit`] (concurrency limits).
+pub(crate) trait Kind {
+    /// `params` if they are of this kind.
+    fn pick(params: &Params) -> Option<&Self>;
+}
+
+impl Kind for Limit {
+    fn pick(params: &Params) -> Option<&Self> {
+        params.rate()
+    }
+}
+
+impl Kind for LeaseLimit {
+    fn pick(params: &Params) -> Option<&Self> {
+        params.concurrency()
+    }
 }
 
 /// One limit of a compiled policy.
@@ -83,7 +156,7 @@ pub struct LimitDef {
     /// The position, in `when` (or in `key` when `when` is empty), of the entry the limit is
     /// filed under in its domain's index.
     pub(crate) filed: usize,
-    pub(crate) params: Limit,
+    pub(crate) params: Params,
     /// [`key::params_tag`] of `params`, made once.
     pub(crate) tag: u32,
     /// The `algorithm` as the file names it (`gcra` is a token bucket by another name).
@@ -124,12 +197,24 @@ impl LimitDef {
     }
 
     /// The parameters when no override applies.
-    pub fn params(&self) -> &Limit {
+    pub fn params(&self) -> &Params {
         &self.params
     }
 
+    /// The rate when no override applies, for a rate limit; `None` for a concurrency limit.
+    pub fn rate(&self) -> Option<&Limit> {
+        self.params.rate()
+    }
+
+    /// The bound on leases when no override applies, for a concurrency limit; `None` for a
+    /// rate limit.
+    pub fn concurrency(&self) -> Option<&LeaseLimit> {
+        self.params.concurrency()
+    }
+
     /// The algorithm as the policy file names it: `token_bucket`, `gcra` (the same
-    /// decisions), `fixed_window` or `sliding_window`. Overrides keep their limit's.
+    /// decisions), `fixed_window`, `sliding_window` or `concurrency`. Overrides keep their
+    /// limit's.
     pub fn algorithm(&self) -> &'static str {
         self.algorithm
     }
@@ -160,7 +245,8 @@ impl LimitDef {
 pub struct Override {
     pub(crate) name: Box<str>,
     pub(crate) when: Conditions,
-    pub(crate) params: Limit,
+    /// Always of the same kind as its limit's.
+    pub(crate) params: Params,
     /// [`key::params_tag`] of `params`, made once.
     pub(crate) tag: u32,
 }
@@ -172,8 +258,18 @@ impl Override {
     }
 
     /// The parameters it applies.
-    pub fn params(&self) -> &Limit {
+    pub fn params(&self) -> &Params {
         &self.params
+    }
+
+    /// The rate it applies, in an override of a rate limit.
+    pub fn rate(&self) -> Option<&Limit> {
+        self.params.rate()
+    }
+
+    /// The bound on leases it applies, in an override of a concurrency limit.
+    pub fn concurrency(&self) -> Option<&LeaseLimit> {
+        self.params.concurrency()
     }
 }
 
@@ -272,9 +368,11 @@ impl Effect<'_> {
     }
 }
 
-/// A limit that applies to a request, with its bucket and effective parameters.
+/// A limit that applies to a request, with its bucket and effective parameters: a rate limit
+/// ([`Policy::matches`]), or with `P` = [`LeaseLimit`] a concurrency limit
+/// ([`Policy::lease_matches`], [`LeaseMatched`]).
 #[derive(Debug, Clone)]
-pub struct Matched<'p> {
+pub struct Matched<'p, P = Limit> {
     /// The index of the request descriptor it matched.
     pub descriptor: usize,
     /// The limit.
@@ -286,12 +384,17 @@ pub struct Matched<'p> {
     pub bucket_key: String,
     /// Whether it can reject.
     pub effect: Effect<'p>,
+    /// The effective parameters, of the kind matched for.
+    pub(crate) params: &'p P,
 }
 
-impl Matched<'_> {
+/// A concurrency limit that applies to a request: its lease key and effective bound.
+pub type LeaseMatched<'p> = Matched<'p, LeaseLimit>;
+
+impl<'p, P> Matched<'p, P> {
     /// The effective parameters: the override's, or else the limit's.
-    pub fn params(&self) -> &Limit {
-        self.override_.map_or(&self.limit.params, |o| &o.params)
+    pub fn params(&self) -> &'p P {
+        self.params
     }
 
     /// The tag of the effective parameters, which ends the bucket's store key.
@@ -356,9 +459,11 @@ impl Policy {
         &self.exemptions
     }
 
-    /// Appends to `out` the limits that apply to one request: `domain` and its descriptors, each
-    /// a list of `(entry, value)` pairs. Within a descriptor the first occurrence of an entry
-    /// counts. Allocates only the bucket keys (and `out`'s growth, which a reused buffer avoids).
+    /// Appends to `out` the rate limits that apply to one request: `domain` and its
+    /// descriptors, each a list of `(entry, value)` pairs. Within a descriptor the first
+    /// occurrence of an entry counts. Allocates only the bucket keys (and `out`'s growth, which
+    /// a reused buffer avoids). Concurrency limits are never among them (see
+    /// [`lease_match_into`](Self::lease_match_into)).
     ///
     /// `now` is the wall-clock time, used only for exemption expiry; it is an argument so that
     /// matching is a pure function of its inputs.
@@ -369,6 +474,53 @@ impl Policy {
         now: UnixTime,
         out: &mut Vec<Matched<'p>>,
     ) where
+        D: AsRef<[(S, S)]>,
+        S: AsRef<str>,
+    {
+        self.match_kind(domain, descriptors, now, out);
+    }
+
+    /// Appends to `out` the concurrency limits that apply to one request, by the same rules as
+    /// [`match_into`](Self::match_into) (domain, `when`, `key`, overrides, mode, rollout,
+    /// exemptions); the bucket key names the limit's leases.
+    pub fn lease_match_into<'p, D, S>(
+        &'p self,
+        domain: &str,
+        descriptors: &[D],
+        now: UnixTime,
+        out: &mut Vec<LeaseMatched<'p>>,
+    ) where
+        D: AsRef<[(S, S)]>,
+        S: AsRef<str>,
+    {
+        self.match_kind(domain, descriptors, now, out);
+    }
+
+    /// The concurrency limits that apply to one request (see
+    /// [`lease_match_into`](Self::lease_match_into)).
+    pub fn lease_matches<'p, D, S>(
+        &'p self,
+        domain: &str,
+        descriptors: &[D],
+        now: UnixTime,
+    ) -> Vec<LeaseMatched<'p>>
+    where
+        D: AsRef<[(S, S)]>,
+        S: AsRef<str>,
+    {
+        let mut out = Vec::new();
+        self.match_kind(domain, descriptors, now, &mut out);
+        out
+    }
+
+    fn match_kind<'p, P, D, S>(
+        &'p self,
+        domain: &str,
+        descriptors: &[D],
+        now: UnixTime,
+        out: &mut Vec<Matched<'p, P>>,
+    ) where
+        P: Kind,
         D: AsRef<[(S, S)]>,
         S: AsRef<str>,
     {
@@ -412,7 +564,7 @@ impl Policy {
         }
     }
 
-    /// The limits that apply to one request (see [`match_into`](Self::match_into)).
+    /// The rate limits that apply to one request (see [`match_into`](Self::match_into)).
     pub fn matches<'p, D, S>(
         &'p self,
         domain: &str,
@@ -428,16 +580,20 @@ impl Policy {
         out
     }
 
-    fn try_limit<'p, S: AsRef<str>>(
+    fn try_limit<'p, P: Kind, S: AsRef<str>>(
         &'p self,
         index: u32,
         position: usize,
         entries: &[(S, S)],
         now: UnixTime,
-        out: &mut Vec<Matched<'p>>,
+        out: &mut Vec<Matched<'p, P>>,
     ) {
         let limit = &self.limits[index as usize];
-        if limit.exact.is_some_and(|n| n != entries.len()) || !all_equal(&limit.when, entries) {
+        // The other kind is left out first: it is one comparison.
+        if P::pick(&limit.params).is_none()
+            || limit.exact.is_some_and(|n| n != entries.len())
+            || !all_equal(&limit.when, entries)
+        {
             return;
         }
         let mut size = limit.name.len();
@@ -448,6 +604,10 @@ impl Policy {
             }
         }
         let override_ = limit.overrides.iter().find(|o| all_equal(&o.when, entries));
+        // An override's parameters are of its limit's kind (compile makes sure).
+        let Some(params) = P::pick(override_.map_or(&limit.params, |o| &o.params)) else {
+            return;
+        };
         let mut bucket_key =
             String::with_capacity(size + override_.map_or(0, |o| o.name.len() + 1));
         bucket_key.push_str(&limit.name);
@@ -481,6 +641,7 @@ impl Policy {
             override_,
             bucket_key,
             effect,
+            params,
         });
     }
 }

@@ -63,6 +63,12 @@ pub(crate) struct LimitSpec {
     pub(crate) limit: Option<Spanned<u64>>,
     #[serde(default)]
     pub(crate) window: Option<Spanned<WindowText>>,
+    /// The leases a key may hold at once, for `concurrency`.
+    #[serde(default)]
+    pub(crate) max_in_flight: Option<Spanned<u64>>,
+    /// How long a lease is held unless released sooner, for `concurrency`.
+    #[serde(default)]
+    pub(crate) lease_timeout: Option<Spanned<LeaseTimeoutText>>,
     #[serde(default)]
     pub(crate) exact: bool,
     #[serde(default)]
@@ -73,8 +79,11 @@ pub(crate) struct LimitSpec {
     pub(crate) rollout: Option<Percent>,
     #[serde(default)]
     pub(crate) failure_mode: Option<FailureModeSpec>,
+    /// A rate for rate limits, a number of leases for concurrency limits: which one is
+    /// allowed depends on the algorithm, so it is checked in
+    /// [`crate::compile`](mod@crate::compile).
     #[serde(default)]
-    pub(crate) emergency: Option<Spanned<RateText>>,
+    pub(crate) emergency: Option<Spanned<EmergencyText>>,
     #[serde(default)]
     pub(crate) overrides: Vec<OverrideSpec>,
 }
@@ -94,6 +103,10 @@ pub(crate) struct OverrideSpec {
     pub(crate) limit: Option<Spanned<u64>>,
     #[serde(default)]
     pub(crate) window: Option<Spanned<WindowText>>,
+    #[serde(default)]
+    pub(crate) max_in_flight: Option<Spanned<u64>>,
+    #[serde(default)]
+    pub(crate) lease_timeout: Option<Spanned<LeaseTimeoutText>>,
 }
 
 /// One entry of `exemptions`.
@@ -149,16 +162,67 @@ impl TryFrom<String> for WindowText {
     type Error = String;
 
     fn try_from(text: String) -> Result<Self, String> {
-        let bad =
-            || format!("invalid window {text:?}: write a length such as 100ms, 30s, 1m or 1h");
-        let trimmed = text.trim();
-        if trimmed.is_empty() || trimmed.contains('/') {
-            return Err(bad());
+        parse_length(&text).map(WindowText).ok_or_else(|| {
+            format!("invalid window {text:?}: write a length such as 100ms, 30s, 1m or 1h")
+        })
+    }
+}
+
+/// A lease timeout, written as a window is (`500ms`, `30s`, `2m`). Its range (1 ms to a day,
+/// whole milliseconds) is the core's rule, checked in [`crate::compile`](mod@crate::compile).
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(try_from = "String")]
+pub(crate) struct LeaseTimeoutText(pub(crate) std::time::Duration);
+
+impl TryFrom<String> for LeaseTimeoutText {
+    type Error = String;
+
+    fn try_from(text: String) -> Result<Self, String> {
+        parse_length(&text).map(LeaseTimeoutText).ok_or_else(|| {
+            format!("invalid lease timeout {text:?}: write a length such as 500ms, 30s or 2m")
+        })
+    }
+}
+
+/// A length written as the period of a rate: a count (1 when left out) and a unit.
+fn parse_length(text: &str) -> Option<std::time::Duration> {
+    let trimmed = text.trim();
+    if trimmed.is_empty() || trimmed.contains('/') {
+        return None;
+    }
+    format!("1/{trimmed}")
+        .parse::<Rate>()
+        .ok()
+        .map(|rate| rate.period())
+}
+
+/// A limit's `emergency`: a rate such as `2/s` (the local bucket of a rate limit) or a plain
+/// number such as `5` (the leases a concurrency limit's key may hold in this process). The
+/// file may write the number unquoted or quoted; the algorithm decides which kind is allowed.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(try_from = "Text")]
+pub(crate) enum EmergencyText {
+    Rate(Rate),
+    InFlight(u64),
+}
+
+impl TryFrom<Text> for EmergencyText {
+    type Error = String;
+
+    fn try_from(text: Text) -> Result<Self, String> {
+        let trimmed = text.0.trim();
+        if !trimmed.is_empty() && trimmed.bytes().all(|b| b.is_ascii_digit()) {
+            return trimmed
+                .parse()
+                .map(EmergencyText::InFlight)
+                .map_err(|_| format!("emergency {trimmed} is too large: at most {}", u64::MAX));
         }
-        format!("1/{trimmed}")
-            .parse::<Rate>()
-            .map(|rate| WindowText(rate.period()))
-            .map_err(|_| bad())
+        trimmed.parse().map(EmergencyText::Rate).map_err(|err: tollgate::Error| {
+            format!(
+                "{err} (write a rate such as 2/s, or for a concurrency limit a number of leases \
+                 in flight such as 5)"
+            )
+        })
     }
 }
 
@@ -331,10 +395,20 @@ fn message_of(err: &serde_saphyr::Error) -> String {
 
 /// A diagnostic at a spanned value.
 pub(crate) fn at<T>(file: &str, spanned: &Spanned<T>, path: String, message: String) -> Error {
+    at_location(file, spanned.referenced, path, message)
+}
+
+/// A diagnostic at a position of the file.
+pub(crate) fn at_location(
+    file: &str,
+    location: serde_saphyr::Location,
+    path: String,
+    message: String,
+) -> Error {
     Error::Invalid(Box::new(Diagnostic {
         file: file.to_owned(),
-        line: spanned.referenced.line(),
-        column: spanned.referenced.column(),
+        line: location.line(),
+        column: location.column(),
         path,
         message,
     }))

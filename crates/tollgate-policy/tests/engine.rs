@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use tollgate::{ManualClock, block_on_ready};
+use tollgate::{Clock, ManualClock, block_on_ready};
 use tollgate_policy::audit::AuditLog;
 use tollgate_policy::{EngineOptions, ManualWallClock, PolicyEngine, UnixTime, compile};
 
@@ -1198,4 +1198,625 @@ fn a_window_keeps_its_counts_when_its_limit_changes_and_restarts_when_its_window
         .replace("window: 1m", "window: 2m");
     assert!(r.engine.load("p.yaml", &v4).is_ok());
     assert_eq!(remaining(&r.engine, &user), [2]);
+}
+
+// Concurrency limits: leases through the engine.
+
+const LEASES: &str = r#"
+version: "l1"
+limits:
+  - name: exports
+    domain: api
+    key: [tenant]
+    algorithm: concurrency
+    max_in_flight: 2
+    lease_timeout: 30s
+    overrides:
+      - name: big
+        when: {tier: big}
+        max_in_flight: 4
+  - name: per-user
+    domain: api
+    key: [user]
+    capacity: 5
+    refill: 1/s
+"#;
+
+fn acquire(engine: &PolicyEngine, d: &[(&str, &str)], id: &str) -> tollgate_policy::LeaseOutcome {
+    engine
+        .acquire("api", &[d], id)
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Leases held on each limit, as `explain_leases` sees them.
+fn in_flight(engine: &PolicyEngine, d: &[(&str, &str)]) -> Vec<u64> {
+    engine
+        .explain_leases("api", &[d])
+        .unwrap_or_else(|e| panic!("{e}"))
+        .limits
+        .iter()
+        .map(|l| l.decision.map_or(u64::MAX, |d| d.in_flight()))
+        .collect()
+}
+
+#[test]
+fn leases_are_held_up_to_max_in_flight_then_refused_with_retry_after() {
+    let r = rig(LEASES);
+    let t = [("tenant", "t")];
+    let first = acquire(&r.engine, &t, "a");
+    assert!(first.allowed && first.held && !first.degraded && !first.failed_closed);
+    assert_eq!(&*first.policy_version, "l1");
+    assert_eq!(first.limits.len(), 1, "rate limits are not leased");
+    let limit = &first.limits[0];
+    assert_eq!(
+        (&*limit.name, limit.bucket_key.as_str(), limit.mode),
+        ("exports", "exports|t", "enforce")
+    );
+    assert_eq!(
+        limit.decision.map(|d| (d.in_flight(), d.remaining())),
+        Some((1, 1))
+    );
+    r.clock.advance(Duration::from_secs(10));
+    assert!(acquire(&r.engine, &t, "b").held);
+
+    let full = acquire(&r.engine, &t, "c");
+    assert!(!full.allowed && !full.held);
+    assert!(full.limits[0].would_reject());
+    // The oldest lease ends 30 s after it was taken, 10 s ago.
+    assert_eq!(full.retry_after(), Some(Duration::from_secs(20)));
+    assert_eq!(in_flight(&r.engine, &t), [2], "a refusal holds nothing");
+    // Explaining holds nothing either, and says what an acquire would.
+    let explained = r.engine.explain_leases("api", &[t]);
+    assert!(explained.is_ok_and(|o| !o.allowed && !o.held));
+    assert_eq!(in_flight(&r.engine, &t), [2]);
+    // Another subject has its own slots.
+    assert!(acquire(&r.engine, &[("tenant", "u")], "d").held);
+}
+
+#[test]
+fn a_release_frees_the_slot_at_once_and_says_whether_it_was_held() {
+    let r = rig(LEASES);
+    let t = [("tenant", "t")];
+    assert!(acquire(&r.engine, &t, "a").held);
+    assert!(acquire(&r.engine, &t, "b").held);
+    assert!(!acquire(&r.engine, &t, "c").allowed);
+    assert!(r.engine.release("a").is_ok_and(|held| held));
+    assert!(
+        r.engine.release("a").is_ok_and(|held| !held),
+        "released twice"
+    );
+    assert!(r.engine.release("never-taken").is_ok_and(|held| !held));
+    assert!(acquire(&r.engine, &t, "c").held);
+    assert!(!acquire(&r.engine, &t, "d").allowed);
+}
+
+#[test]
+fn a_lease_nobody_releases_times_out() {
+    let r = rig(LEASES);
+    let t = [("tenant", "t")];
+    assert!(acquire(&r.engine, &t, "a").held);
+    assert!(acquire(&r.engine, &t, "b").held);
+    r.clock.advance(Duration::from_millis(29_999));
+    assert!(!acquire(&r.engine, &t, "c").allowed);
+    r.clock.advance(Duration::from_millis(1));
+    assert_eq!(in_flight(&r.engine, &t), [0]);
+    assert!(acquire(&r.engine, &t, "c").held);
+    // Releasing a lease that timed out changes nothing and says so.
+    assert!(r.engine.release("a").is_ok_and(|held| !held));
+    // The sweep drops what timed out, from the engine's own lease table too.
+    r.clock.advance(Duration::from_secs(30));
+    assert_eq!(
+        r.engine.sweep(),
+        2,
+        "b and c timed out; a went with its release"
+    );
+}
+
+#[test]
+fn an_override_is_a_lease_key_of_its_own_with_its_own_bound() {
+    let r = rig(LEASES);
+    let big = [("tenant", "t"), ("tier", "big")];
+    for id in ["a", "b", "c", "d"] {
+        let outcome = acquire(&r.engine, &big, id);
+        assert!(outcome.held, "{id}");
+        assert_eq!(outcome.limits[0].bucket_key, "exports|t#big");
+    }
+    let full = acquire(&r.engine, &big, "e");
+    assert!(!full.allowed);
+    assert_eq!(full.limits[0].decision.map(|d| d.max_in_flight()), Some(4));
+    // The base key of the same tenant is untouched.
+    assert!(acquire(&r.engine, &[("tenant", "t")], "f").held);
+}
+
+#[test]
+fn lease_ids_are_checked_before_anything_applies() {
+    let r = rig(LEASES);
+    for bad in ["", "a b", "é", &"x".repeat(65)] {
+        // Even where no concurrency limit applies, and in every call that takes an id.
+        let errors = [
+            r.engine.acquire("api", &[[("user", "u")]], bad).map(|_| ()),
+            r.engine
+                .acquire("nowhere", &[[("tenant", "t")]], bad)
+                .map(|_| ()),
+            r.engine
+                .acquire_degraded("api", &[[("tenant", "t")]], bad, "down")
+                .map(|_| ()),
+            r.engine.release(bad).map(|_| ()),
+        ];
+        for err in errors {
+            match err {
+                Err(tollgate_policy::Error::Check {
+                    limit,
+                    source: tollgate::Error::InvalidLeaseId { len },
+                }) => assert_eq!((limit.as_str(), len), ("", bad.len())),
+                other => panic!("{bad:?}: {other:?}"),
+            }
+        }
+    }
+    assert_eq!(r.engine.unmatched(), 0, "refused requests are not counted");
+    // An id still held is refused, naming no limit; nothing more is held.
+    assert!(acquire(&r.engine, &[("tenant", "t")], "a").held);
+    match r.engine.acquire("api", &[[("tenant", "u")]], "a") {
+        Err(tollgate_policy::Error::Check {
+            limit,
+            source: tollgate::Error::LeaseIdInUse,
+        }) => assert_eq!(limit, ""),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(in_flight(&r.engine, &[("tenant", "u")]), [0]);
+}
+
+const SHADOW_LEASES: &str = r#"
+limits:
+  - name: enforced
+    domain: api
+    key: [tenant]
+    algorithm: concurrency
+    max_in_flight: 3
+    lease_timeout: 10s
+  - name: trial
+    domain: api
+    key: [tenant]
+    algorithm: concurrency
+    max_in_flight: 1
+    lease_timeout: 10s
+    mode: shadow
+  - name: canary
+    domain: api
+    key: [user]
+    algorithm: concurrency
+    max_in_flight: 1
+    lease_timeout: 10s
+    rollout: 0%
+"#;
+
+#[test]
+fn shadow_and_outside_rollout_never_reject_and_hold_when_free() {
+    let r = rig(SHADOW_LEASES);
+    let d = [("tenant", "t"), ("user", "u")];
+    let first = acquire(&r.engine, &d, "a");
+    assert!(first.allowed && first.held);
+    let modes: Vec<_> = first.limits.iter().map(|l| l.mode).collect();
+    assert_eq!(modes, ["enforce", "shadow", "rollout"]);
+    assert!(
+        first
+            .limits
+            .iter()
+            .all(|l| l.decision.is_some_and(|d| d.in_flight() == 1))
+    );
+
+    // Full, the shadow and canary limits report a would-reject and let the request through.
+    let second = acquire(&r.engine, &d, "b");
+    assert!(second.allowed && second.held);
+    assert!(!second.limits[0].would_reject());
+    assert!(second.limits[1].would_reject() && second.limits[2].would_reject());
+    assert_eq!(second.retry_after(), None, "allowed");
+    // Counted: still one each (held when free, not past the limit), two on the enforced one.
+    assert_eq!(in_flight(&r.engine, &d), [2, 1, 1]);
+    // Releasing the first lease frees the shadow and canary slots: the next one takes them.
+    assert!(r.engine.release("a").is_ok_and(|held| held));
+    let third = acquire(&r.engine, &d, "c");
+    assert!(third.limits.iter().all(|l| !l.would_reject()));
+    assert_eq!(in_flight(&r.engine, &d), [2, 1, 1]);
+    // The enforced limit still decides: once full, nothing is held anywhere.
+    assert!(acquire(&r.engine, &[("tenant", "t"), ("user", "v")], "d").held);
+    let refused = acquire(&r.engine, &[("tenant", "t"), ("user", "w")], "e");
+    assert!(!refused.allowed && !refused.held);
+    assert_eq!(
+        in_flight(&r.engine, &[("tenant", "t"), ("user", "w")]),
+        [3, 1, 0]
+    );
+}
+
+#[test]
+fn a_lease_on_soft_limits_alone_that_are_full_holds_nothing() {
+    let text = "limits:\n  - name: trial\n    domain: api\n    key: [tenant]\n    algorithm: concurrency\n    max_in_flight: 1\n    lease_timeout: 10s\n    mode: shadow\n";
+    let r = rig(text);
+    let t = [("tenant", "t")];
+    assert!(acquire(&r.engine, &t, "a").held);
+    let full = acquire(&r.engine, &t, "b");
+    assert!(full.allowed && !full.held, "nothing to release");
+    assert!(full.limits[0].would_reject());
+}
+
+const EXEMPT_LEASES: &str = r#"
+limits:
+  - name: exports
+    domain: api
+    key: [tenant]
+    algorithm: concurrency
+    max_in_flight: 1
+    lease_timeout: 10s
+exemptions:
+  - limit: exports
+    when: {tenant: acme}
+    owner: ops@example.com
+    reason: migration
+    expires: 2026-12-31T00:00:00Z
+"#;
+
+#[test]
+fn an_exempt_limit_holds_nothing_and_each_use_is_audited() {
+    let r = rig(EXEMPT_LEASES);
+    let acme = [("tenant", "acme")];
+    for id in ["a", "b", "c"] {
+        let outcome = acquire(&r.engine, &acme, id);
+        assert!(outcome.allowed && !outcome.held && !outcome.unmatched());
+        assert_eq!(outcome.limits[0].mode, "exempt");
+        assert!(outcome.limits[0].decision.is_none());
+        assert_eq!(
+            outcome.limits[0].exempted_by.as_deref(),
+            Some("ops@example.com")
+        );
+    }
+    // Explaining counts no use.
+    assert!(r.engine.explain_leases("api", &[acme]).is_ok());
+    assert_eq!(r.engine.current().exemptions()[0].uses(), 3);
+    let used: Vec<_> = r
+        .audit
+        .events()
+        .into_iter()
+        .filter(|e| e["event"] == "exemption_used")
+        .collect();
+    assert_eq!(used.len(), 3);
+    assert_eq!(used[2]["bucket_key"], "exports|acme");
+    assert_eq!(r.engine.unmatched(), 0, "an exempt request is matched");
+    // Past the expiry the limit applies again.
+    r.wall
+        .set(UnixTime::parse_rfc3339("2026-12-31T00:00:00Z").unwrap_or_default());
+    assert!(acquire(&r.engine, &acme, "d").held);
+    assert!(!acquire(&r.engine, &acme, "e").allowed);
+}
+
+#[test]
+fn two_descriptors_on_one_key_take_one_slot() {
+    let r = rig(LEASES);
+    let t = [("tenant", "t")];
+    let both = r
+        .engine
+        .acquire("api", &[t, t], "a")
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(both.allowed && both.held);
+    assert_eq!(both.limits.len(), 2);
+    for limit in &both.limits {
+        assert_eq!(limit.decision.map(|d| d.in_flight()), Some(1));
+    }
+    assert_eq!(in_flight(&r.engine, &t), [1]);
+    assert!(acquire(&r.engine, &t, "b").held, "one slot was left");
+    // One release frees it for both descriptors.
+    assert!(r.engine.release("a").is_ok_and(|held| held));
+    assert_eq!(in_flight(&r.engine, &t), [1]);
+}
+
+#[test]
+fn a_reload_that_changes_max_in_flight_keeps_the_leases_held() {
+    let r = rig(LEASES);
+    let t = [("tenant", "t")];
+    assert!(acquire(&r.engine, &t, "a").held);
+    assert!(acquire(&r.engine, &t, "b").held);
+    // A lower bound: the two held count against it, nothing more passes.
+    let one = LEASES
+        .replace("version: \"l1\"", "version: \"l2\"")
+        .replace("max_in_flight: 2", "max_in_flight: 1");
+    assert!(r.engine.load("p.yaml", &one).is_ok());
+    let refused = acquire(&r.engine, &t, "c");
+    assert!(!refused.allowed);
+    assert_eq!(
+        refused.limits[0]
+            .decision
+            .map(|d| (d.in_flight(), d.max_in_flight())),
+        Some((2, 1))
+    );
+    assert!(r.engine.release("a").is_ok_and(|held| held));
+    assert!(
+        !acquire(&r.engine, &t, "c").allowed,
+        "b still holds the one slot"
+    );
+    // A higher bound and another timeout: still the same key, b still counted.
+    let three = LEASES
+        .replace("version: \"l1\"", "version: \"l3\"")
+        .replace("max_in_flight: 2", "max_in_flight: 3")
+        .replace("lease_timeout: 30s", "lease_timeout: 1s");
+    assert!(r.engine.load("p.yaml", &three).is_ok());
+    assert!(acquire(&r.engine, &t, "c").held);
+    assert!(acquire(&r.engine, &t, "d").held);
+    assert!(!acquire(&r.engine, &t, "e").allowed);
+    // b keeps the timeout it was taken with: 30 s, where c and d end after 1 s.
+    r.clock.advance(Duration::from_secs(1));
+    assert_eq!(in_flight(&r.engine, &t), [1]);
+    // The load's audit names the changed limit.
+    let loads: Vec<_> = r
+        .audit
+        .events()
+        .into_iter()
+        .filter(|e| e["event"] == "loaded")
+        .collect();
+    assert_eq!(loads[1]["changed_limits"], serde_json::json!(["exports"]));
+}
+
+#[test]
+fn rate_and_concurrency_limits_of_one_policy_do_not_see_each_other() {
+    let r = rig(LEASES);
+    let both = [("tenant", "t"), ("user", "u")];
+    // Checks decide the rate limit alone, and leave the leases alone.
+    let checked = r
+        .engine
+        .decide("api", &[both], 1, None)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let names: Vec<_> = checked.limits.iter().map(|l| l.name.to_string()).collect();
+    assert_eq!(names, ["per-user"]);
+    assert_eq!(in_flight(&r.engine, &both), [0]);
+    // Leases hold on the concurrency limit alone, and take no token.
+    for id in ["a", "b", "c"] {
+        let outcome = acquire(&r.engine, &both, id);
+        let names: Vec<_> = outcome.limits.iter().map(|l| l.name.to_string()).collect();
+        assert_eq!(names, ["exports"]);
+    }
+    assert_eq!(remaining(&r.engine, &both), [4]);
+    // A check only concurrency limits apply to is unmatched, and the reverse too.
+    let unmatched = r.engine.decide("api", &[[("tenant", "t")]], 1, None);
+    assert!(unmatched.is_ok_and(|o| o.allowed && o.unmatched()));
+    assert_eq!(r.engine.unmatched(), 1);
+    let no_lease = acquire(&r.engine, &[("user", "u")], "d");
+    assert!(no_lease.allowed && !no_lease.held && no_lease.unmatched());
+    assert_eq!(r.engine.unmatched(), 2);
+    // Explaining counts nothing.
+    assert!(r.engine.explain_leases("api", &[[("user", "u")]]).is_ok());
+    assert_eq!(r.engine.unmatched(), 2);
+    // The id held nothing: releasing it says so.
+    assert!(r.engine.release("d").is_ok_and(|held| !held));
+}
+
+/// A shared store that cannot be reached at all.
+struct Down;
+
+fn unreachable_store() -> tollgate::Error {
+    tollgate::Error::StoreUnavailable {
+        reason: tollgate::Unavailable::Connection,
+    }
+}
+
+impl tollgate::LeaseStore for Down {
+    async fn acquire(
+        &self,
+        _: tollgate::LeaseRequest<'_>,
+    ) -> Result<Vec<tollgate::LeaseDecision>, tollgate::Error> {
+        Err(unreachable_store())
+    }
+
+    async fn in_flight(
+        &self,
+        _: tollgate::LeaseRequest<'_>,
+    ) -> Result<Vec<tollgate::LeaseDecision>, tollgate::Error> {
+        Err(unreachable_store())
+    }
+
+    async fn release(
+        &self,
+        _: &str,
+        _: Option<tollgate::Timestamp>,
+    ) -> Result<bool, tollgate::Error> {
+        Err(unreachable_store())
+    }
+}
+
+#[test]
+fn a_shared_store_holds_the_leases_it_is_given() {
+    let r = rig(LEASES);
+    let shared = tollgate::LocalStore::new(r.clock.clone());
+    let t = [("tenant", "t")];
+    let on = |id| block_on_ready(r.engine.acquire_on(&shared, "api", &[t], id));
+    assert!(on("a").is_ok_and(|o| o.held));
+    assert!(on("b").is_ok_and(|o| o.held));
+    assert!(on("c").is_ok_and(|o| !o.allowed));
+    // The engine's own table is another store: it holds nothing.
+    assert_eq!(in_flight(&r.engine, &t), [0]);
+    let explained = block_on_ready(r.engine.explain_leases_on(&shared, "api", &[t]));
+    assert!(explained.is_ok_and(|o| o.limits[0].decision.is_some_and(|d| d.in_flight() == 2)));
+    // Keys carry the subject in braces, as buckets' do, so a cluster keeps them in one slot.
+    assert_eq!(shared.leases().len(), 2);
+    let key_in_store = shared.leases().in_flight(
+        &[tollgate::LeaseTake::new(
+            "exports|{t}@0787f7c7",
+            &tollgate::LeaseLimit::new(2, Duration::from_secs(30))
+                .unwrap_or_else(|e| panic!("{e}")),
+        )],
+        r.clock.now(),
+    );
+    assert!(key_in_store.is_ok_and(|d| d[0].in_flight() == 2));
+    assert!(block_on_ready(r.engine.release_on(&shared, "a")).is_ok_and(|held| held));
+    assert!(on("c").is_ok_and(|o| o.held));
+    // A store that cannot answer is an error, not a rejection: the caller goes degraded.
+    match block_on_ready(r.engine.acquire_on(&Down, "api", &[t], "d")) {
+        Err(tollgate_policy::Error::Check { limit, source }) => {
+            assert_eq!(limit, "exports");
+            assert!(source.is_transient(), "{source}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+const FAILING_LEASES: &str = r#"
+limits:
+  - name: open-one
+    domain: api
+    key: [user]
+    algorithm: concurrency
+    max_in_flight: 10
+    lease_timeout: 1s
+    failure_mode: open
+    emergency: 1
+  - name: open-own
+    domain: api
+    key: [team]
+    algorithm: concurrency
+    max_in_flight: 2
+    lease_timeout: 1s
+    failure_mode: open
+  - name: closed-one
+    domain: api
+    key: [tenant]
+    algorithm: concurrency
+    max_in_flight: 10
+    lease_timeout: 1s
+  - name: watching
+    domain: api
+    key: [user]
+    algorithm: concurrency
+    max_in_flight: 1
+    lease_timeout: 1s
+    mode: shadow
+"#;
+
+#[test]
+fn degraded_leases_follow_failure_modes_within_the_emergency_bound() {
+    let r = rig(FAILING_LEASES);
+    let degraded = |d: &[(&str, &str)], id: &str| {
+        r.engine
+            .acquire_degraded("api", &[d], id, "store timeout")
+            .unwrap_or_else(|e| panic!("{e}"))
+    };
+    // Open with emergency: 1: one lease per user in this process, never unlimited.
+    let user = [("user", "u")];
+    let first = degraded(&user, "a");
+    assert!(first.allowed && first.held && first.degraded && !first.failed_closed);
+    assert_eq!(first.limits[0].decision.map(|d| d.max_in_flight()), Some(1));
+    assert_eq!(first.limits[1].mode, "shadow");
+    assert!(
+        first.limits[1].decision.is_none(),
+        "shadow is not decided degraded"
+    );
+    let second = degraded(&user, "b");
+    assert!(!second.allowed && !second.held && !second.failed_closed);
+    assert_eq!(second.retry_after(), Some(Duration::from_secs(1)));
+    // Open without emergency: the limit's own max_in_flight, per process.
+    let team = [("team", "x")];
+    assert!(degraded(&team, "c").held);
+    assert!(degraded(&team, "d").held);
+    assert!(!degraded(&team, "e").allowed);
+    // Closed: denied, distinguishably, holding nothing even where another limit is open.
+    let closed = degraded(&[("tenant", "t"), ("team", "y")], "f");
+    assert!(!closed.allowed && closed.failed_closed && !closed.held);
+    assert!(closed.limits.iter().all(|l| l.decision.is_none()));
+    assert!(degraded(&[("team", "y")], "f").held, "f was not taken");
+
+    // A lease taken degraded is released from the emergency table, without the store.
+    assert!(block_on_ready(r.engine.release_on(&Down, "a")).is_ok_and(|held| held));
+    assert!(degraded(&user, "b").held);
+    assert!(r.engine.release("c").is_ok_and(|held| held));
+    assert!(degraded(&team, "e").held);
+    // Not there: the store is asked, and its failure is the caller's to see.
+    let unknown = block_on_ready(r.engine.release_on(&Down, "zz"));
+    assert!(
+        matches!(unknown, Err(tollgate_policy::Error::Check { source, .. }) if source.is_transient())
+    );
+    // The emergency leases time out like any other.
+    r.clock.advance(Duration::from_secs(1));
+    assert!(degraded(&team, "g").held);
+    assert!(degraded(&team, "h").held);
+    // The engine's own table was not touched by any of it.
+    assert_eq!(in_flight(&r.engine, &user), [0, 0]);
+
+    let events: Vec<_> = r
+        .audit
+        .events()
+        .into_iter()
+        .filter(|e| e["event"] == "degraded")
+        .collect();
+    assert_eq!(events[0]["limit"], "open-one");
+    assert_eq!(events[0]["reason"], "store timeout");
+    assert_eq!(
+        (&events[0]["failure_mode"], &events[0]["allowed"]),
+        (&"open".into(), &true.into())
+    );
+    assert_eq!(events[1]["allowed"], false);
+    // The closed request logs both limits, each with its own mode.
+    let closed_events: Vec<_> = events
+        .iter()
+        .filter(|e| e["bucket_key"] == "closed-one|t" || e["bucket_key"] == "open-own|y")
+        .collect();
+    assert_eq!(closed_events.len(), 3, "{closed_events:?}");
+    assert_eq!(closed_events[0]["failure_mode"], "open");
+    assert_eq!(closed_events[1]["failure_mode"], "closed");
+    assert_eq!(closed_events[1]["allowed"], false);
+}
+
+#[test]
+fn degraded_two_descriptors_on_one_key_take_one_emergency_slot() {
+    let r = rig(FAILING_LEASES);
+    let team = [("team", "x")];
+    let both = r
+        .engine
+        .acquire_degraded("api", &[team, team], "a", "down")
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(both.held);
+    assert!(
+        both.limits
+            .iter()
+            .all(|l| l.decision.is_some_and(|d| d.in_flight() == 1))
+    );
+    let next = r.engine.acquire_degraded("api", &[team], "b", "down");
+    assert!(
+        next.is_ok_and(|o| o.held),
+        "the bound is 2: one slot was left"
+    );
+    // Nothing applies: allowed, degraded, unmatched, nothing held.
+    let none = r
+        .engine
+        .acquire_degraded("api", &[[("other", "x")]], "c", "down");
+    assert!(none.is_ok_and(|o| o.allowed && o.degraded && !o.held && o.unmatched()));
+    assert_eq!(r.engine.unmatched(), 1);
+}
+
+#[test]
+fn a_reload_with_a_limit_the_store_cannot_keep_is_refused_and_the_last_good_version_stays() {
+    let path = temp_file("limit-check.yaml");
+    std::fs::write(&path, "version: \"1\"\nlimits:\n  - name: small\n    domain: api\n    key: [user]\n    capacity: 10\n    refill: 1/s\n").unwrap();
+    let options = EngineOptions::default().limit_check(|limit| {
+        if limit.capacity() > 100 {
+            Err(tollgate::Error::UnsupportedLimit {
+                reason: "capacity above 100",
+            })
+        } else {
+            Ok(())
+        }
+    });
+    let engine = PolicyEngine::from_file(&path, options).unwrap();
+    let too_big = "version: \"2\"\nlimits:\n  - name: small\n    domain: api\n    key: [user]\n    capacity: 10\n    refill: 1/s\n    overrides:\n      - when: {tier: gold}\n        capacity: 1000\n        refill: 1/s\n";
+    std::fs::write(&path, too_big).unwrap();
+    let err = engine.reload().unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "limit small: this store cannot represent the limit exactly: capacity above 100"
+    );
+    assert_eq!(
+        engine.current().version(),
+        "1",
+        "the last good version stays"
+    );
+    assert!(engine.status().last_error.is_some());
+    // Concurrency limits hold no bucket: the check does not apply to them.
+    let leases = "version: \"3\"\nlimits:\n  - name: slots\n    domain: api\n    key: [user]\n    algorithm: concurrency\n    max_in_flight: 1000\n    lease_timeout: 1m\n";
+    std::fs::write(&path, leases).unwrap();
+    assert_eq!(engine.reload().unwrap().version(), "3");
 }

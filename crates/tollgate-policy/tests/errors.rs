@@ -184,7 +184,7 @@ fn rules_across_fields_point_at_the_field() {
         "unknown algorithm \"leaky\": use token_bucket",
     );
     case(
-        &format!("{HEAD}    limit: 5\n    window: 30s\n    algorithm: concurrency\n"),
+        &format!("{HEAD}    limit: 5\n    window: 30s\n    algorithm: sliding_log\n"),
         7,
         16,
         "limits[0].algorithm",
@@ -390,4 +390,271 @@ fn window_limits_take_limit_and_window_and_nothing_else() {
         "limits[0].overrides[0].window",
         "token_bucket takes capacity and refill",
     );
+}
+
+/// The whole diagnostic: file, line, column, path and message.
+fn exact(text: &str, line: u64, column: u64, path: &str, message: &str) {
+    let d = refused(text);
+    assert_eq!(
+        (
+            d.file.as_str(),
+            d.line,
+            d.column,
+            d.path.as_str(),
+            d.message.as_str()
+        ),
+        ("p.yaml", line, column, path, message),
+        "{text}"
+    );
+}
+
+const CONCURRENCY: &str = "    algorithm: concurrency\n";
+const LEASE_FIELDS: &str = "concurrency takes max_in_flight and lease_timeout (as in max_in_flight: 10 and lease_timeout: 30s)";
+const BUCKET_NOT_LEASES: &str = "takes capacity and refill (as in capacity: 20 and refill: 10/s); max_in_flight and lease_timeout are for concurrency";
+const WINDOW_NOT_LEASES: &str = "takes limit and window (as in limit: 100 and window: 1m); max_in_flight and lease_timeout are for concurrency";
+
+#[test]
+fn concurrency_limits_refuse_rate_fields_at_the_field() {
+    let head = format!("{HEAD}{CONCURRENCY}    max_in_flight: 5\n    lease_timeout: 30s\n");
+    let not_bucket = format!("{LEASE_FIELDS}; capacity and refill are for token_bucket and gcra");
+    let not_window =
+        format!("{LEASE_FIELDS}; limit and window are for fixed_window and sliding_window");
+    for (field, value, column, message) in [
+        ("capacity", "20", 15, &not_bucket),
+        ("refill", "10/s", 13, &not_bucket),
+        ("limit", "5", 12, &not_window),
+        ("window", "1m", 13, &not_window),
+    ] {
+        exact(
+            &format!("{head}    {field}: {value}\n"),
+            8,
+            column,
+            &format!("limits[0].{field}"),
+            message,
+        );
+    }
+    // Before the lease fields too: the foreign field is the problem, wherever it is.
+    exact(
+        &format!("{HEAD}{CONCURRENCY}    capacity: 20\n    max_in_flight: 5\n"),
+        6,
+        15,
+        "limits[0].capacity",
+        &not_bucket,
+    );
+}
+
+#[test]
+fn rate_limits_refuse_lease_fields_at_the_field() {
+    exact(
+        &format!("{HEAD}    capacity: 20\n    refill: 10/s\n    max_in_flight: 5\n"),
+        7,
+        20,
+        "limits[0].max_in_flight",
+        &format!("token_bucket {BUCKET_NOT_LEASES}"),
+    );
+    exact(
+        &format!(
+            "{HEAD}    algorithm: gcra\n    capacity: 20\n    refill: 10/s\n    lease_timeout: 30s\n"
+        ),
+        8,
+        20,
+        "limits[0].lease_timeout",
+        &format!("gcra {BUCKET_NOT_LEASES}"),
+    );
+    exact(
+        &format!(
+            "{HEAD}    algorithm: fixed_window\n    limit: 20\n    window: 1m\n    max_in_flight: 5\n"
+        ),
+        8,
+        20,
+        "limits[0].max_in_flight",
+        &format!("fixed_window {WINDOW_NOT_LEASES}"),
+    );
+    exact(
+        &format!(
+            "{HEAD}    algorithm: sliding_window\n    limit: 20\n    window: 1m\n    lease_timeout: 1s\n"
+        ),
+        8,
+        20,
+        "limits[0].lease_timeout",
+        &format!("sliding_window {WINDOW_NOT_LEASES}"),
+    );
+}
+
+#[test]
+fn concurrency_limits_need_both_fields() {
+    // Reported at the limit's name, as other missing fields are.
+    for (fields, missing) in [
+        ("    lease_timeout: 30s\n", "max_in_flight"),
+        ("    max_in_flight: 5\n", "lease_timeout"),
+        ("", "max_in_flight"),
+    ] {
+        exact(
+            &format!("{HEAD}{CONCURRENCY}{fields}"),
+            2,
+            11,
+            "limits[0]",
+            &format!("missing field `{missing}`: {LEASE_FIELDS}"),
+        );
+    }
+}
+
+#[test]
+fn concurrency_values_out_of_range_are_refused_with_the_core_reason() {
+    let limit = |max: &str, timeout: &str| {
+        format!("{HEAD}{CONCURRENCY}    max_in_flight: {max}\n    lease_timeout: {timeout}\n")
+    };
+    let max = (6, 20, "limits[0].max_in_flight");
+    let timeout = (7, 20, "limits[0].lease_timeout");
+    for (text, (line, column, path), message) in [
+        (
+            limit("0", "30s"),
+            max,
+            "invalid concurrency limit: max_in_flight must be at least 1",
+        ),
+        (
+            limit("1000001", "30s"),
+            max,
+            "invalid concurrency limit: max_in_flight must be at most 1000000",
+        ),
+        (
+            limit("5", "1500us"),
+            timeout,
+            "invalid concurrency limit: lease_timeout must be a whole number of milliseconds",
+        ),
+        (
+            limit("5", "25h"),
+            timeout,
+            "invalid concurrency limit: lease_timeout must be between 1ms and 24h",
+        ),
+        (
+            limit("5", "10/s"),
+            timeout,
+            "invalid lease timeout \"10/s\": write a length such as 500ms, 30s or 2m",
+        ),
+        (
+            limit("5", "soon"),
+            timeout,
+            "invalid lease timeout \"soon\": write a length such as 500ms, 30s or 2m",
+        ),
+    ] {
+        exact(&text, line, column, path, message);
+    }
+    // Not a number at all: the parser's own words, at the value.
+    case(&limit("-1", "30s"), 6, 20, "limits[0].max_in_flight", "u64");
+}
+
+#[test]
+fn overrides_of_concurrency_limits_take_lease_fields_only() {
+    let head = format!(
+        "{HEAD}{CONCURRENCY}    max_in_flight: 5\n    lease_timeout: 30s\n    overrides:\n      - when: {{tier: gold}}\n"
+    );
+    let o = "limits[0].overrides[0]";
+    exact(
+        &format!("{head}        capacity: 3\n"),
+        10,
+        19,
+        &format!("{o}.capacity"),
+        &format!("{LEASE_FIELDS}; capacity and refill are for token_bucket and gcra"),
+    );
+    exact(
+        &format!("{head}        window: 1m\n"),
+        10,
+        17,
+        &format!("{o}.window"),
+        &format!("{LEASE_FIELDS}; limit and window are for fixed_window and sliding_window"),
+    );
+    exact(
+        &head,
+        9,
+        15,
+        o,
+        "an override of a concurrency limit must set max_in_flight, lease_timeout or both",
+    );
+    exact(
+        &format!("{head}        max_in_flight: 0\n"),
+        10,
+        24,
+        &format!("{o}.max_in_flight"),
+        "invalid concurrency limit: max_in_flight must be at least 1",
+    );
+    exact(
+        &format!("{head}        lease_timeout: 25h\n"),
+        10,
+        24,
+        &format!("{o}.lease_timeout"),
+        "invalid concurrency limit: lease_timeout must be between 1ms and 24h",
+    );
+    exact(
+        &format!("{head}        max_in_flight: 2\n        lease_timeout: 1500us\n"),
+        11,
+        24,
+        &format!("{o}.lease_timeout"),
+        "invalid concurrency limit: lease_timeout must be a whole number of milliseconds",
+    );
+    // Overrides of rate limits refuse the lease fields.
+    exact(
+        &format!(
+            "{HEAD}    capacity: 20\n    refill: 10/s\n    overrides:\n      - when: {{tier: gold}}\n        max_in_flight: 3\n"
+        ),
+        9,
+        24,
+        &format!("{o}.max_in_flight"),
+        &format!("token_bucket {BUCKET_NOT_LEASES}"),
+    );
+    exact(
+        &format!(
+            "{HEAD}    algorithm: fixed_window\n    limit: 20\n    window: 1m\n    overrides:\n      - when: {{tier: gold}}\n        lease_timeout: 1s\n"
+        ),
+        10,
+        24,
+        &format!("{o}.lease_timeout"),
+        &format!("fixed_window {WINDOW_NOT_LEASES}"),
+    );
+}
+
+#[test]
+fn emergency_is_a_rate_for_rate_limits_and_a_count_for_concurrency_limits() {
+    let lease = format!(
+        "{HEAD}{CONCURRENCY}    max_in_flight: 5\n    lease_timeout: 30s\n    failure_mode: open\n"
+    );
+    exact(
+        &format!("{lease}    emergency: 2/s\n"),
+        9,
+        16,
+        "limits[0].emergency",
+        "a concurrency limit's emergency is the number of leases a key may hold in this \
+         process while the store is down, such as emergency: 5, not a rate",
+    );
+    for zero_or_more in ["0", "1000001"] {
+        exact(
+            &format!("{lease}    emergency: {zero_or_more}\n"),
+            9,
+            16,
+            "limits[0].emergency",
+            "emergency must be 1 to 1000000 leases in flight per key (failure_mode: closed \
+             denies while the store is down)",
+        );
+    }
+    // Refused whatever the failure mode: either way the author misread the limit.
+    exact(
+        &format!("{HEAD}    capacity: 20\n    refill: 10/s\n    emergency: 5\n"),
+        7,
+        16,
+        "limits[0].emergency",
+        "a rate limit's emergency is a rate, such as emergency: 2/s (a number of leases in \
+         flight is for concurrency limits)",
+    );
+    case(
+        &format!("{lease}    emergency: lots\n"),
+        9,
+        16,
+        "limits[0].emergency",
+        "write a rate such as 2/s, or for a concurrency limit a number of leases in flight",
+    );
+    // Open without an emergency: the limit's own bound, per process; a default rate is for
+    // rate limits and does not get in the way.
+    assert!(compile("p.yaml", &lease).is_ok());
+    assert!(compile("p.yaml", &format!("defaults:\n  emergency: 2/s\n{lease}")).is_ok());
+    assert!(compile("p.yaml", &format!("{lease}    emergency: '3'\n")).is_ok());
 }

@@ -182,8 +182,12 @@ fn overrides_first_match_wins() {
         ("payments-per-user|acme|u1#gold".into(), 20, "1/s".into())
     );
     let unnamed = &p.limits()[0].overrides()[1];
-    assert_eq!((unnamed.name(), unnamed.params().capacity()), ("1", 1));
-    assert_eq!(unnamed.params().refill().to_string(), "10/s");
+    let rate = unnamed
+        .rate()
+        .unwrap_or_else(|| panic!("a rate limit's override"));
+    assert_eq!((unnamed.name(), rate.capacity()), ("1", 1));
+    assert_eq!(rate.refill().to_string(), "10/s");
+    assert!(unnamed.concurrency().is_none());
 }
 
 #[test]
@@ -451,4 +455,159 @@ fn the_documented_example_is_a_valid_policy() {
         p.matches("api", &[acme], before_expiry)[0].effect,
         Effect::Exempt(_)
     ));
+}
+
+const MIXED: &str = r#"
+defaults:
+  failure_mode: open
+  emergency: 2/s
+limits:
+  - name: per-user
+    domain: api
+    key: [user]
+    capacity: 10
+    refill: 1/s
+  - name: exports
+    domain: api
+    when: {route: /v1/export}
+    key: [tenant]
+    algorithm: concurrency
+    max_in_flight: 3
+    lease_timeout: 30s
+    emergency: 1
+    overrides:
+      - name: big
+        when: {tier: big}
+        max_in_flight: 20
+      - name: slow
+        when: {tier: slow}
+        lease_timeout: 2m
+  - name: gpu
+    domain: api
+    key: [tenant]
+    algorithm: concurrency
+    max_in_flight: 2
+    lease_timeout: 500ms
+    failure_mode: closed
+    mode: shadow
+exemptions:
+  - limit: exports
+    when: {tenant: acme}
+    owner: ops@example.com
+    reason: migration
+    expires: 2028-01-01T00:00:00Z
+"#;
+
+#[test]
+fn concurrency_limits_are_matched_apart_from_rate_limits() {
+    let p = compile("p.yaml", MIXED).unwrap_or_else(|e| panic!("{e}"));
+    let exports = p.limit("exports").unwrap_or_else(|| panic!("missing"));
+    assert_eq!(exports.algorithm(), "concurrency");
+    assert!(exports.rate().is_none());
+    let own = exports
+        .concurrency()
+        .map(|l| (l.max_in_flight(), l.timeout_ms()));
+    assert_eq!(own, Some((3, 30_000)));
+    assert_eq!(
+        exports.params().to_string(),
+        "3 in flight, leases of 30000ms"
+    );
+    // An override sets one field; the other is the limit's.
+    let big = exports.overrides()[0]
+        .concurrency()
+        .map(|l| (l.max_in_flight(), l.timeout_ms()));
+    let slow = exports.overrides()[1]
+        .concurrency()
+        .map(|l| (l.max_in_flight(), l.timeout_ms()));
+    assert_eq!((big, slow), (Some((20, 30_000)), Some((3, 120_000))));
+    assert_eq!(
+        exports.failure_mode(),
+        FailureMode::OpenInFlight { emergency: Some(1) }
+    );
+    // The default rate is for rate limits: a concurrency limit failing open without its own
+    // emergency keeps its own bound, and closed stays closed.
+    assert_eq!(
+        p.limit("gpu").map(|l| l.failure_mode()),
+        Some(FailureMode::Closed)
+    );
+    let rate = p.limit("per-user").map(|l| l.failure_mode());
+    assert!(matches!(rate, Some(FailureMode::Open { .. })), "{rate:?}");
+
+    let export = [
+        ("route", "/v1/export"),
+        ("tenant", "t1"),
+        ("user", "u"),
+        ("tier", "big"),
+    ];
+    // Checks see the rate limits only.
+    let checked: Vec<_> = p
+        .matches("api", &[export], NOW)
+        .iter()
+        .map(|m| m.bucket_key.clone())
+        .collect();
+    assert_eq!(checked, ["per-user|u"]);
+    // Leases see the concurrency limits only, by the same rules.
+    let leased = p.lease_matches("api", &[export], NOW);
+    let seen: Vec<_> = leased
+        .iter()
+        .map(|m| {
+            (
+                m.bucket_key.as_str(),
+                m.params().max_in_flight(),
+                m.effect.as_str(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        seen,
+        [("exports|t1#big", 20, "enforce"), ("gpu|t1", 2, "shadow")]
+    );
+    // `when` must hold; the exemption lifts the limit until it expires.
+    let other_route = [("route", "/v1/other"), ("tenant", "t1")];
+    let names: Vec<_> = p
+        .lease_matches("api", &[other_route], NOW)
+        .iter()
+        .map(|m| m.bucket_key.clone())
+        .collect();
+    assert_eq!(names, ["gpu|t1"]);
+    let acme = [("route", "/v1/export"), ("tenant", "acme")];
+    assert!(matches!(
+        p.lease_matches("api", &[acme], NOW)[0].effect,
+        Effect::Exempt(_)
+    ));
+    let after = UnixTime::from_secs(1_900_000_000);
+    assert_eq!(
+        p.lease_matches("api", &[acme], after)[0].effect,
+        Effect::Enforce
+    );
+    assert!(p.lease_matches("edge", &[acme], NOW).is_empty());
+}
+
+#[test]
+fn the_documented_concurrency_example_is_a_valid_policy() {
+    let doc = include_str!("../../../docs/policy.md");
+    let section = doc
+        .find("### Concurrency limits")
+        .unwrap_or_else(|| panic!("no concurrency section"));
+    let start = doc[section..]
+        .find("```yaml\n")
+        .map(|i| section + i + "```yaml\n".len())
+        .unwrap_or_else(|| panic!("no example"));
+    let end = doc[start..].find("```").map_or(doc.len(), |i| start + i);
+    let p = compile("docs/policy.md", &doc[start..end]).unwrap_or_else(|e| panic!("{e}"));
+    assert!(p.limits().iter().all(|l| l.algorithm() == "concurrency"));
+    let d = [
+        ("route", "/v1/export"),
+        ("tenant", "acme"),
+        ("plan", "enterprise"),
+    ];
+    let m = p.lease_matches("api", &[d], NOW);
+    assert_eq!(m[0].bucket_key, "exports-in-flight|acme#enterprise");
+    assert_eq!(m[0].params().max_in_flight(), 20);
+    assert_eq!(m[1].effect, Effect::Shadow);
+    assert_eq!(
+        p.limits()[0].failure_mode(),
+        FailureMode::OpenInFlight { emergency: Some(2) }
+    );
+    assert!(p.matches("api", &[d], NOW).is_empty());
 }

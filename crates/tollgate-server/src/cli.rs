@@ -505,6 +505,12 @@ pub async fn serve(
         );
     }
     let mut options = EngineOptions::default().max_buckets(args.max_buckets);
+    if args.store != "memory" {
+        // A reload must not put in force a limit Redis cannot keep exactly: every decision on
+        // it would fail. (The version served at start is checked below, with a message that
+        // names the store.)
+        options = options.limit_check(tollgate_redis::check_limit);
+    }
     if let Some(path) = &args.audit_log {
         let audit = if path.as_os_str() == "-" {
             AuditLog::stdout(Box::new(SystemWallClock))
@@ -544,8 +550,11 @@ pub async fn serve(
     } else {
         let policy = engine.current();
         for limit in policy.limits() {
-            let params =
-                std::iter::once(limit.params()).chain(limit.overrides().iter().map(|o| o.params()));
+            // Rate limits only: concurrency limits hold leases, not buckets.
+            let params = limit
+                .rate()
+                .into_iter()
+                .chain(limit.overrides().iter().filter_map(|o| o.rate()));
             for params in params {
                 tollgate_redis::check_limit(params)
                     .with_context(|| format!("limit {} cannot be kept in Redis", limit.name()))?;
