@@ -9,9 +9,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use tollgate::{
-    CheckRequest, LeaseLimit, LeaseRequest, Limit, LocalStore, MonotonicClock, Take,
-};
+use tollgate::{CheckRequest, LeaseLimit, LeaseRequest, Limit, LocalStore, MonotonicClock, Take};
 use tollgate_bench::random_keys;
 
 const KEYS: u64 = 100_000;

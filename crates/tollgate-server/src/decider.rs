@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tollgate::{Clock, Error as CoreError, MonotonicClock, Unavailable};
-use tollgate_policy::{Costs, Error as PolicyError, Outcome, PolicyEngine};
+use tollgate_policy::{Costs, Error as PolicyError, LeaseOutcome, Outcome, PolicyEngine};
 use tollgate_redis::RedisStore;
 
 use crate::hot_keys::{self, HotKeys};
@@ -243,6 +243,79 @@ impl Decider {
         Ok(outcome)
     }
 
+    /// Takes lease `lease_id` on the concurrency limits that apply to `descriptors` (all or
+    /// nothing), and records the metrics. While the shared store cannot answer, each limit
+    /// follows its failure mode.
+    ///
+    /// # Errors
+    ///
+    /// [`DecideError`] when the request cannot be decided at all.
+    pub async fn acquire<S: AsRef<str>>(
+        &self,
+        domain: &str,
+        descriptors: &[Vec<(S, S)>],
+        lease_id: &str,
+    ) -> Result<LeaseOutcome, DecideError> {
+        let started = self.clock.now();
+        let result = match &self.backend {
+            Backend::Memory => self.engine.acquire(domain, descriptors, lease_id),
+            Backend::Redis(store) => {
+                self.engine
+                    .acquire_on(&**store, domain, descriptors, lease_id)
+                    .await
+            }
+        };
+        let outcome = match result {
+            Ok(outcome) => Ok(outcome),
+            Err(PolicyError::Check {
+                source: CoreError::StoreUnavailable { reason },
+                ..
+            }) => {
+                metrics::record_store_error(reason);
+                self.engine
+                    .acquire_degraded(domain, descriptors, lease_id, reason.as_str())
+                    .map_err(DecideError::Invalid)
+                    .inspect(|outcome| metrics::record_degraded_leases(reason, outcome))
+            }
+            Err(err @ PolicyError::Check { .. }) if is_caller_error(&err) => {
+                Err(DecideError::Invalid(err))
+            }
+            Err(err) => Err(DecideError::Internal(err)),
+        };
+        let elapsed = self.clock.now().saturating_duration_since(started);
+        metrics::record_lease_decision(self.backend.name(), elapsed, &outcome);
+        outcome
+    }
+
+    /// Gives lease `lease_id` back: `Ok(true)` if it was still held.
+    ///
+    /// # Errors
+    ///
+    /// [`DecideError::Unavailable`] when the shared store cannot answer (the lease then times
+    /// out by itself); [`DecideError::Invalid`] for an id that is not one.
+    pub async fn release(&self, lease_id: &str) -> Result<bool, DecideError> {
+        let result = match &self.backend {
+            Backend::Memory => self.engine.release(lease_id),
+            Backend::Redis(store) => self.engine.release_on(&**store, lease_id).await,
+        };
+        let released = match result {
+            Ok(released) => released,
+            Err(PolicyError::Check {
+                source: CoreError::StoreUnavailable { reason },
+                ..
+            }) => {
+                metrics::record_store_error(reason);
+                return Err(DecideError::Unavailable(reason));
+            }
+            Err(err @ PolicyError::Check { .. }) if is_caller_error(&err) => {
+                return Err(DecideError::Invalid(err));
+            }
+            Err(err) => return Err(DecideError::Internal(err)),
+        };
+        metrics::record_release(released);
+        Ok(released)
+    }
+
     /// Whether the store answers: for `/readyz`.
     pub async fn store_ready(&self) -> Result<(), Unavailable> {
         match &self.backend {
@@ -259,7 +332,9 @@ fn is_caller_error(err: &PolicyError) -> bool {
         PolicyError::Check {
             source: CoreError::InvalidCost { .. }
                 | CoreError::InvalidRequestId { .. }
-                | CoreError::IdempotencyConflict,
+                | CoreError::IdempotencyConflict
+                | CoreError::InvalidLeaseId { .. }
+                | CoreError::LeaseIdInUse,
             ..
         }
     )

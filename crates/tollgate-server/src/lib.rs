@@ -293,7 +293,7 @@ fn housekeeping(state: &Arc<AppState>, stopped: &watch::Receiver<bool>) {
         until_stopped(stopped.clone()),
         move || {
             let dropped = engine.sweep();
-            tracing::debug!(dropped, "swept full buckets");
+            tracing::debug!(dropped, "swept full buckets and ended leases");
         },
     ));
     if let Some(metrics) = state.metrics.clone() {

@@ -16,7 +16,7 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use metrics_util::MetricKindMask;
 use parking_lot::RwLock;
 use tollgate::Unavailable;
-use tollgate_policy::{LimitOutcome, Outcome, PolicyEngine};
+use tollgate_policy::{LeaseOutcome, LimitOutcome, Outcome, PolicyEngine};
 
 use crate::connection::{Connections, Listener};
 use crate::decider::{Backend, DecideError};
@@ -40,6 +40,12 @@ pub const DEGRADED: &str = "tollgate_degraded_decisions_total";
 /// single Redis whose breaker is open; on Redis Cluster, one per range of 128 slots. Absent on
 /// the memory store.
 pub const STORE_CIRCUIT_OPEN: &str = "tollgate_store_circuit_open";
+/// Leases given back through `DELETE /v1/leases/{id}`: label `result` (`released`: it was
+/// held; `not_found`: it had timed out, was released before, or never existed).
+pub const LEASES_RELEASED: &str = "tollgate_lease_releases_total";
+/// Leases held in this process's lease tables (the memory store's, and emergency leases taken
+/// while the shared store was down), counting ended ones not yet swept.
+pub const LIVE_LEASES: &str = "tollgate_live_leases";
 /// Buckets held in this process.
 pub const LIVE_BUCKETS: &str = "tollgate_live_buckets";
 /// Non-full buckets dropped to stay within the bucket bound.
@@ -89,6 +95,8 @@ pub enum Api {
     ForwardAuth,
     /// Envoy RLS `ShouldRateLimit`.
     Grpc,
+    /// `POST /v1/leases` (concurrency limits).
+    Leases,
 }
 
 impl Api {
@@ -98,6 +106,7 @@ impl Api {
             Api::Http => "http",
             Api::ForwardAuth => "forward_auth",
             Api::Grpc => "grpc",
+            Api::Leases => "leases",
         }
     }
 }
@@ -144,6 +153,11 @@ fn describe() {
         "Circuit breakers of the shared store open now (on Redis Cluster, one per 128 slots)."
     );
     describe_gauge!(LIVE_BUCKETS, "Buckets held in this process.");
+    describe_counter!(
+        LEASES_RELEASED,
+        "Leases given back, by whether they were held."
+    );
+    describe_gauge!(LIVE_LEASES, "Leases held in this process's lease tables.");
     describe_counter!(
         EVICTIONS,
         "Non-full buckets dropped to stay within the bound."
@@ -278,23 +292,13 @@ pub fn record_decision(
     elapsed: Duration,
     outcome: &Result<Outcome, DecideError>,
 ) {
-    let record = |handles: &mut LocalHandles| {
-        handles.latency(api, store).record(elapsed.as_secs_f64());
-        if let Ok(outcome) = outcome {
-            for limit in &outcome.limits {
-                let result = result_of(limit, outcome.failed_closed);
-                handles
-                    .decision(&limit.name, result, limit.mode, api)
-                    .increment(1);
-            }
-        }
-    };
-    let recorded =
-        LOCAL.try_with(|local| local.try_borrow_mut().map(|mut local| record(&mut local)));
-    if !matches!(recorded, Ok(Ok(()))) {
-        // The thread is being torn down (or, were it ever, re-entered): from the shared handles.
-        record(&mut LocalHandles::default());
-    }
+    let limits = outcome.iter().flat_map(|outcome| {
+        outcome.limits.iter().map(|limit| {
+            let result = result_of(limit, outcome.failed_closed);
+            (&*limit.name, result, limit.mode)
+        })
+    });
+    record_limits(api, store, elapsed, limits);
     let outcome = match outcome {
         Ok(outcome) => outcome,
         Err(DecideError::Invalid(_)) => {
@@ -309,15 +313,76 @@ pub fn record_decision(
     }
 }
 
+/// Records one lease request: its latency, and each concurrency limit's decision under
+/// `api="leases"`, with the same `result` and `mode` labels as a check's.
+pub fn record_lease_decision(
+    store: &'static str,
+    elapsed: Duration,
+    outcome: &Result<LeaseOutcome, DecideError>,
+) {
+    let api = Api::Leases;
+    let limits = outcome.iter().flat_map(|outcome| {
+        outcome.limits.iter().map(|limit| {
+            let allowed = limit.decision.map(|d| d.allowed());
+            let result = result_label(allowed, limit.mode, outcome.failed_closed);
+            (&*limit.name, result, limit.mode)
+        })
+    });
+    record_limits(api, store, elapsed, limits);
+    match outcome {
+        Ok(outcome) if outcome.limits.is_empty() => {
+            counter!(UNMATCHED, "api" => api.as_str()).increment(1);
+        }
+        Err(DecideError::Invalid(_)) => record_invalid(api),
+        _ => {}
+    }
+}
+
+/// Records a request's latency and its limits' decisions: (limit, result, mode) each.
+fn record_limits<'a>(
+    api: Api,
+    store: &'static str,
+    elapsed: Duration,
+    limits: impl Iterator<Item = (&'a str, &'static str, &'static str)> + Clone,
+) {
+    let record = |handles: &mut LocalHandles| {
+        handles.latency(api, store).record(elapsed.as_secs_f64());
+        for (name, result, mode) in limits.clone() {
+            handles.decision(name, result, mode, api).increment(1);
+        }
+    };
+    let recorded =
+        LOCAL.try_with(|local| local.try_borrow_mut().map(|mut local| record(&mut local)));
+    if !matches!(recorded, Ok(Ok(()))) {
+        // The thread is being torn down (or, were it ever, re-entered): from the shared handles.
+        record(&mut LocalHandles::default());
+    }
+}
+
+/// Records a lease given back (or not found).
+pub fn record_release(released: bool) {
+    let result = if released { "released" } else { "not_found" };
+    counter!(LEASES_RELEASED, "result" => result).increment(1);
+}
+
 /// The `result` label of a limit's decision.
 fn result_of(limit: &LimitOutcome, failed_closed: bool) -> &'static str {
-    match (&limit.decision, failed_closed) {
+    result_label(
+        limit.decision.map(|d| d.allowed()),
+        limit.mode,
+        failed_closed,
+    )
+}
+
+/// The `result` label of a decision that allowed or not (`None`: not decided).
+fn result_label(allowed: Option<bool>, mode: &str, failed_closed: bool) -> &'static str {
+    match (allowed, failed_closed) {
         (_, true) => "unavailable",
-        (None, false) if limit.mode == "exempt" => "exempt",
+        (None, false) if mode == "exempt" => "exempt",
         // A shadow or rollout limit the store failed to answer after the enforced ones.
         (None, false) => "unavailable",
-        (Some(decision), false) if decision.allowed() => "allowed",
-        (Some(_), false) => "rejected",
+        (Some(true), false) => "allowed",
+        (Some(false), false) => "rejected",
     }
 }
 
@@ -334,16 +399,18 @@ pub fn record_store_error(reason: Unavailable) {
 
 /// Records the limits a degraded outcome decided without the store.
 pub fn record_degraded(reason: Unavailable, outcome: &Outcome) {
-    let mode = if outcome.failed_closed {
-        "closed"
-    } else {
-        "open"
-    };
-    let count = outcome
-        .limits
-        .iter()
-        .filter(|l| l.mode == "enforce")
-        .count();
+    let enforced = outcome.limits.iter().filter(|l| l.mode == "enforce");
+    record_degraded_limits(reason, outcome.failed_closed, enforced.count());
+}
+
+/// Records the concurrency limits of a lease request decided without the shared store.
+pub fn record_degraded_leases(reason: Unavailable, outcome: &LeaseOutcome) {
+    let enforced = outcome.limits.iter().filter(|l| l.mode == "enforce");
+    record_degraded_limits(reason, outcome.failed_closed, enforced.count());
+}
+
+fn record_degraded_limits(reason: Unavailable, failed_closed: bool, count: usize) {
+    let mode = if failed_closed { "closed" } else { "open" };
     counter!(DEGRADED, "reason" => reason.as_str(), "failure_mode" => mode).increment(count as u64);
 }
 
@@ -383,6 +450,7 @@ pub fn refresh(engine: &PolicyEngine, previous: &mut Option<String>) {
     });
     let stats = engine.memory_stats();
     gauge!(LIVE_BUCKETS).set(stats.live_buckets as f64);
+    gauge!(LIVE_LEASES).set(engine.live_leases() as f64);
     counter!(EVICTIONS).absolute(stats.evicted);
     counter!(EXPIRED).absolute(stats.expired);
     if previous.as_deref() != Some(version) {

@@ -426,3 +426,118 @@ fn a_sentinel_password_without_a_sentinel_store_is_refused() {
     ]);
     assert!(message.contains("redis+sentinel://"), "{message}");
 }
+
+const LEASES: &str = r#"
+version: "leases"
+limits:
+  - name: shared-slots
+    domain: api
+    key: [tenant]
+    algorithm: concurrency
+    max_in_flight: 3
+    lease_timeout: 1h
+  - name: closed-slots
+    domain: strict
+    key: [tenant]
+    algorithm: concurrency
+    max_in_flight: 10
+    lease_timeout: 1h
+    failure_mode: closed
+  - name: open-slots
+    domain: lenient
+    key: [tenant]
+    algorithm: concurrency
+    max_in_flight: 10
+    lease_timeout: 1h
+    failure_mode: open
+    emergency: 2
+"#;
+
+fn lease_body(domain: &str, tenant: &str) -> String {
+    format!(r#"{{"domain":"{domain}","descriptors":[{{"tenant":"{tenant}"}}]}}"#)
+}
+
+#[test]
+fn two_servers_share_concurrency_slots_and_release_each_others_leases() {
+    let redis = RedisServer::start();
+    let scratch = Scratch::new("shared-leases");
+    let config = scratch.write("policy.yaml", LEASES);
+    let servers = [
+        on_store(&config, &redis.url(), &[]),
+        on_store(&config, &redis.url(), &[]),
+    ];
+    let body = lease_body("api", "acme");
+    let mut held = Vec::new();
+    for attempt in 0..6 {
+        let answer = post_json(servers[attempt % 2].http, "/v1/leases", &body);
+        assert!(matches!(answer.status, 200 | 429), "{}", answer.body);
+        if answer.status == 200 {
+            held.push(answer.json()["lease_id"].as_str().unwrap().to_owned());
+        }
+    }
+    assert_eq!(held.len(), 3, "three slots over both servers");
+    // A lease taken through one server is given back through the other.
+    let released = request(
+        servers[1].http,
+        "DELETE",
+        &format!("/v1/leases/{}", held[0]),
+        &[],
+        "",
+    );
+    assert_eq!(released.status, 204, "{}", released.body);
+    let again = post_json(servers[0].http, "/v1/leases", &body);
+    assert_eq!(again.status, 200, "{}", again.body);
+    assert_eq!(again.json()["limits"][0]["in_flight"], 3);
+    assert_eq!(post_json(servers[1].http, "/v1/leases", &body).status, 429);
+}
+
+#[test]
+fn redis_killed_under_concurrency_limits() {
+    let mut redis = RedisServer::start();
+    let scratch = Scratch::new("killed-leases");
+    let config = scratch.write("policy.yaml", LEASES);
+    let server = on_store(&config, &redis.url(), &[]);
+    assert_eq!(
+        post_json(server.http, "/v1/leases", &lease_body("strict", "t")).status,
+        200
+    );
+    redis.kill();
+    for _ in 0..5 {
+        let answer = post_json(server.http, "/v1/leases", &lease_body("strict", "t"));
+        assert_eq!(answer.status, 503, "fails closed: {}", answer.body);
+        assert_eq!(answer.json()["error"]["code"], "store_unavailable");
+    }
+    // Open: a per-process table of `emergency` slots, never unlimited; its leases are given
+    // back here too.
+    let mut emergency = Vec::new();
+    for _ in 0..5 {
+        let answer = post_json(server.http, "/v1/leases", &lease_body("lenient", "t"));
+        assert!(matches!(answer.status, 200 | 429), "{}", answer.body);
+        assert_eq!(answer.json()["degraded"], true, "{}", answer.body);
+        if answer.status == 200 {
+            emergency.push(answer.json()["lease_id"].as_str().unwrap().to_owned());
+        }
+    }
+    assert_eq!(emergency.len(), 2, "the emergency bound");
+    let released = request(
+        server.http,
+        "DELETE",
+        &format!("/v1/leases/{}", emergency[0]),
+        &[],
+        "",
+    );
+    assert_eq!(released.status, 204, "{}", released.body);
+    assert_eq!(
+        post_json(server.http, "/v1/leases", &lease_body("lenient", "t")).status,
+        200
+    );
+    // A lease the store holds cannot be given back while it is down: 503, and it times out.
+    let unknown = request(
+        server.http,
+        "DELETE",
+        "/v1/leases/0123456789abcdef0123456789abcdef",
+        &[],
+        "",
+    );
+    assert_eq!(unknown.status, 503, "{}", unknown.body);
+}

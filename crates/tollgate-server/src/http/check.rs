@@ -56,7 +56,7 @@ fn one() -> u64 {
 /// A descriptor's entries in the order they came, values not yet checked to be strings. A
 /// `serde_json::Map` would sort them into a tree, an allocation per entry on every request.
 #[derive(Debug)]
-struct RawDescriptor<'a>(Vec<(Cow<'a, str>, EntryValue<'a>)>);
+pub(super) struct RawDescriptor<'a>(Vec<(Cow<'a, str>, EntryValue<'a>)>);
 
 impl<'de: 'a, 'a> Deserialize<'de> for RawDescriptor<'a> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
@@ -211,10 +211,18 @@ pub(super) fn parse_with_serde(body: &[u8]) -> Result<Parsed<'_>, ApiError> {
     let body: CheckBody<'_> = serde_json::from_slice(body).map_err(|err| {
         ApiError::bad_request("invalid_json", format!("invalid request body: {err}"))
     })?;
+    Ok(Parsed {
+        domain: body.domain,
+        descriptors: entries_of(body.descriptors)?,
+        cost: body.cost,
+        request_id: body.request_id,
+    })
+}
+
+/// The descriptors of a body, every value checked to be a string.
+pub(super) fn entries_of(raw: Vec<RawDescriptor<'_>>) -> Result<Vec<Entries<'_>>, ApiError> {
     // Collected in place: the lists the body was read into become the request's.
-    let descriptors = body
-        .descriptors
-        .into_iter()
+    raw.into_iter()
         .enumerate()
         .map(|(index, descriptor)| {
             descriptor
@@ -229,13 +237,7 @@ pub(super) fn parse_with_serde(body: &[u8]) -> Result<Parsed<'_>, ApiError> {
                 })
                 .collect::<Result<Entries<'_>, ApiError>>()
         })
-        .collect::<Result<Vec<_>, ApiError>>()?;
-    Ok(Parsed {
-        domain: body.domain,
-        descriptors,
-        cost: body.cost,
-        request_id: body.request_id,
-    })
+        .collect()
 }
 
 /// The bounds every front end applies before deciding anything.
@@ -387,7 +389,7 @@ fn enforced_decisions(
         .filter_map(|limit| limit.decision.as_ref().map(|d| (&*limit.name, d)))
 }
 
-fn millis_ceil(duration: std::time::Duration) -> u64 {
+pub(super) fn millis_ceil(duration: std::time::Duration) -> u64 {
     u64::try_from(duration.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX)
 }
 
@@ -457,16 +459,16 @@ const STORE_UNAVAILABLE: &str = concat!(
     r#""message":"the shared store cannot answer and a limit fails closed"}"#
 );
 
-fn push_bool(out: &mut Vec<u8>, value: bool) {
+pub(super) fn push_bool(out: &mut Vec<u8>, value: bool) {
     out.extend_from_slice(if value { b"true" } else { b"false" });
 }
 
-fn push_number(out: &mut Vec<u8>, key: &[u8], value: u64) {
+pub(super) fn push_number(out: &mut Vec<u8>, key: &[u8], value: u64) {
     out.extend_from_slice(key);
     out.extend_from_slice(itoa::Buffer::new().format(value).as_bytes());
 }
 
-fn push_str(out: &mut Vec<u8>, value: &str) {
+pub(super) fn push_str(out: &mut Vec<u8>, value: &str) {
     // Names and versions are nearly always plain: nothing JSON escapes (a quote, a backslash,
     // a control character), so they are copied whole.
     if !value.bytes().any(|b| b == b'"' || b == b'\\' || b < 0x20) {
@@ -480,7 +482,7 @@ fn push_str(out: &mut Vec<u8>, value: &str) {
 }
 
 /// A JSON answer.
-fn json(status: StatusCode, body: Vec<u8>) -> Response {
+pub(super) fn json(status: StatusCode, body: Vec<u8>) -> Response {
     let content_type = [(CONTENT_TYPE, HeaderValue::from_static("application/json"))];
     (status, content_type, body).into_response()
 }

@@ -9,6 +9,7 @@ mod admin;
 mod check;
 mod error;
 mod forward_auth;
+mod leases;
 pub(crate) mod listener;
 mod plain_body;
 
@@ -18,7 +19,7 @@ use axum::Router;
 use axum::body::Bytes;
 use axum::extract::DefaultBodyLimit;
 use axum::http::StatusCode;
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post};
 use metrics_exporter_prometheus::PrometheusHandle;
 use parking_lot::Mutex;
 
@@ -96,6 +97,8 @@ pub fn router(state: Arc<AppState>) -> Router {
             "/v1/forward-auth/{domain}",
             get(forward_auth::forward_auth).post(forward_auth::forward_auth),
         )
+        .route("/v1/leases", post(leases::acquire))
+        .route("/v1/leases/{lease_id}", delete(leases::release))
         .route("/v1/noop", get(noop).post(noop))
         .route("/healthz", get(admin::healthz))
         .route("/readyz", get(admin::readyz))

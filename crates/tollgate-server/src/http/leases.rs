@@ -1,0 +1,278 @@
+//! `POST /v1/leases` and `DELETE /v1/leases/{lease_id}`: concurrency limits over HTTP.
+//!
+//! ```text
+//! POST /v1/leases
+//! {"domain":"api","descriptors":[{"tenant":"acme","route":"/export"}]}
+//! → 200 {"allowed":true,"lease_id":"9f0c…","policy_version":"3","limits":[…]}
+//!
+//! DELETE /v1/leases/9f0c…
+//! → 204
+//! ```
+//!
+//! A caller takes a lease before the work it limits and gives it back after. The server picks
+//! the id (128 random bits), so ids cannot collide and cannot be guessed from another's. 429
+//! when an enforced concurrency limit is full (with `Retry-After`: when the oldest lease times
+//! out, the latest a slot frees itself), 503 when one fails closed because the shared store is
+//! down. `lease_id` is `null` when the request holds nothing (no concurrency limit applied, or
+//! only exempt ones): there is nothing to give back.
+//!
+//! Rate limits are not decided here, nor concurrency limits by `/v1/check`: a request that
+//! needs both calls both, so neither API's answer depends on the other's.
+
+use std::borrow::Cow;
+use std::fmt::Write as _;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, State};
+use axum::http::header::RETRY_AFTER;
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use tollgate::LeaseDecision;
+use tollgate_policy::LeaseOutcome;
+
+use super::AppState;
+use super::check::{
+    Parsed, RawDescriptor, check_bounds, decide_error, entries_of, json, millis_ceil, push_bool,
+    push_number, push_str,
+};
+use super::error::ApiError;
+use crate::decider::DecideError;
+use crate::metrics::{self, Api};
+
+/// The request body: which limits apply, as for a check. No cost: a lease is one request in
+/// flight. Unknown fields are refused.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LeaseBody<'a> {
+    #[serde(borrow)]
+    domain: Cow<'a, str>,
+    #[serde(borrow)]
+    descriptors: Vec<RawDescriptor<'a>>,
+}
+
+fn parse(body: &Result<Bytes, BytesRejection>) -> Result<Parsed<'_>, ApiError> {
+    let body = body.as_ref().map_err(|rejection| {
+        ApiError::new(
+            rejection.status(),
+            "body_unreadable",
+            format!(
+                "cannot read the body: {rejection} (at most {} bytes)",
+                super::MAX_BODY_BYTES
+            ),
+        )
+    })?;
+    let body: LeaseBody<'_> = serde_json::from_slice(body).map_err(|err| {
+        ApiError::bad_request("invalid_json", format!("invalid request body: {err}"))
+    })?;
+    let parsed = Parsed {
+        domain: body.domain,
+        descriptors: entries_of(body.descriptors)?,
+        cost: 1,
+        request_id: None,
+    };
+    check_bounds(&parsed)?;
+    Ok(parsed)
+}
+
+/// A fresh lease id: 128 random bits in hex.
+fn new_lease_id() -> String {
+    let bits: u128 = rand::random();
+    let mut id = String::with_capacity(32);
+    // Writing to a String cannot fail.
+    let _ = write!(id, "{bits:032x}");
+    id
+}
+
+pub(crate) async fn acquire(
+    State(state): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let parsed = parse(&body).inspect_err(|_| metrics::record_invalid(Api::Leases))?;
+    let lease_id = new_lease_id();
+    let outcome = state
+        .decider
+        .acquire(&parsed.domain, &parsed.descriptors, &lease_id)
+        .await
+        .map_err(lease_error)?;
+    let status = if outcome.failed_closed {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else if outcome.allowed {
+        StatusCode::OK
+    } else {
+        StatusCode::TOO_MANY_REQUESTS
+    };
+    let held = outcome.held.then_some(lease_id.as_str());
+    let mut response = json(status, write_body(&outcome, held));
+    if !outcome.allowed && !outcome.failed_closed {
+        let wait = enforced(&outcome)
+            .filter_map(LeaseDecision::retry_after)
+            .map(|wait| wait.as_nanos().div_ceil(1_000_000_000))
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        let wait = u64::try_from(wait).unwrap_or(u64::MAX);
+        response
+            .headers_mut()
+            .insert(RETRY_AFTER, HeaderValue::from(wait));
+    }
+    Ok(response)
+}
+
+pub(crate) async fn release(
+    State(state): State<Arc<AppState>>,
+    Path(lease_id): Path<String>,
+) -> Result<Response, ApiError> {
+    if tollgate::check_lease_id(&lease_id).is_err() {
+        metrics::record_invalid(Api::Leases);
+        return Err(ApiError::bad_request(
+            "invalid_lease_id",
+            "a lease id is 1 to 64 characters of ASCII letters, digits, '-' and '_'",
+        ));
+    }
+    let released = state
+        .decider
+        .release(&lease_id)
+        .await
+        .map_err(lease_error)?;
+    if released {
+        Ok(StatusCode::NO_CONTENT.into_response())
+    } else {
+        Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "lease_not_found",
+            "no such lease is held: it was released before, timed out, or never existed",
+        ))
+    }
+}
+
+/// Maps a failure to take or give back a lease to its answer.
+fn lease_error(err: DecideError) -> ApiError {
+    let source = match &err {
+        DecideError::Invalid(tollgate_policy::Error::Check { source, .. })
+        | DecideError::Internal(tollgate_policy::Error::Check { source, .. }) => Some(source),
+        _ => None,
+    };
+    match source {
+        Some(tollgate::Error::TooManyLeases { .. }) => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "lease_table_full",
+            err.to_string(),
+        ),
+        Some(tollgate::Error::InvalidLeaseId { .. }) => {
+            ApiError::bad_request("invalid_lease_id", err.to_string())
+        }
+        _ => decide_error(err),
+    }
+}
+
+/// The enforced limits' decisions: the ones a client is held to.
+fn enforced(outcome: &LeaseOutcome) -> impl Iterator<Item = &LeaseDecision> {
+    outcome
+        .limits
+        .iter()
+        .filter(|limit| limit.mode == "enforce")
+        .filter_map(|limit| limit.decision.as_ref())
+}
+
+/// The JSON answer: the shape of a check's, with `lease_id` and each limit's `in_flight`;
+/// `capacity` is the limit's `max_in_flight`.
+fn write_body(outcome: &LeaseOutcome, lease_id: Option<&str>) -> Vec<u8> {
+    let mut out = Vec::with_capacity(120 + 192 * outcome.limits.len());
+    out.extend_from_slice(b"{\"allowed\":");
+    push_bool(&mut out, outcome.allowed);
+    out.extend_from_slice(b",\"lease_id\":");
+    match lease_id {
+        Some(id) => push_str(&mut out, id),
+        None => out.extend_from_slice(b"null"),
+    }
+    out.extend_from_slice(b",\"policy_version\":");
+    push_str(&mut out, &outcome.policy_version);
+    out.extend_from_slice(b",\"limits\":[");
+    for (index, limit) in outcome.limits.iter().enumerate() {
+        if index > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(b"{\"name\":");
+        push_str(&mut out, &limit.name);
+        out.extend_from_slice(b",\"mode\":");
+        push_str(&mut out, limit.mode);
+        out.extend_from_slice(b",\"allowed\":");
+        let decision = limit.decision.as_ref();
+        push_bool(
+            &mut out,
+            decision.map_or(!outcome.failed_closed, LeaseDecision::allowed),
+        );
+        if let Some(d) = decision {
+            push_number(&mut out, b",\"in_flight\":", d.in_flight());
+            push_number(&mut out, b",\"remaining\":", d.remaining());
+            push_number(&mut out, b",\"capacity\":", d.max_in_flight());
+            let retry = d.retry_after().map_or(0, millis_ceil);
+            push_number(&mut out, b",\"retry_after_ms\":", retry);
+            push_number(
+                &mut out,
+                b",\"reset_after_ms\":",
+                millis_ceil(d.reset_after()),
+            );
+        }
+        if let Some(owner) = &limit.exempted_by {
+            out.extend_from_slice(b",\"exempted_by\":");
+            push_str(&mut out, owner);
+        }
+        out.push(b'}');
+    }
+    out.push(b']');
+    if outcome.degraded {
+        out.extend_from_slice(b",\"degraded\":true");
+    }
+    if outcome.failed_closed {
+        out.extend_from_slice(
+            concat!(
+                r#","error":{"code":"store_unavailable","#,
+                r#""message":"the shared store cannot answer and a limit fails closed"}"#
+            )
+            .as_bytes(),
+        );
+    }
+    out.push(b'}');
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parsed(body: &'static str) -> Result<Parsed<'static>, ApiError> {
+        let body: &'static Result<Bytes, BytesRejection> =
+            Box::leak(Box::new(Ok(Bytes::from_static(body.as_bytes()))));
+        parse(body)
+    }
+
+    #[test]
+    fn a_lease_body_names_limits_and_nothing_else() {
+        let ok = parsed(r#"{"domain":"api","descriptors":[{"user":"u1"}]}"#).unwrap();
+        assert_eq!(ok.domain, "api");
+        assert_eq!(ok.descriptors[0][0].1, "u1");
+        for bad in [
+            r#"{"domain":"api","descriptors":[{"user":"u1"}],"cost":2}"#,
+            r#"{"domain":"api","descriptors":[{"user":"u1"}],"request_id":"r"}"#,
+            r#"{"domain":"api","descriptors":[]}"#,
+            r#"{"domain":"","descriptors":[{"user":"u1"}]}"#,
+            r#"{"domain":"api","descriptors":[{"user":1}]}"#,
+            r#"{"domain":"api""#,
+        ] {
+            assert!(parsed(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn lease_ids_are_fresh_and_valid() {
+        let a = new_lease_id();
+        let b = new_lease_id();
+        assert_ne!(a, b);
+        assert_eq!(a.len(), 32);
+        assert_eq!(tollgate::check_lease_id(&a), Ok(()));
+    }
+}

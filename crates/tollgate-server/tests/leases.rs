@@ -1,0 +1,175 @@
+//! End to end: concurrency limits through `POST /v1/leases` and `DELETE /v1/leases/{id}`, on
+//! the real binary and its memory store.
+
+mod support;
+
+use support::{Scratch, Server, path_str, post_json, request};
+
+const POLICY: &str = r#"
+version: "leases-1"
+limits:
+  - name: exports-per-tenant
+    domain: api
+    when: {route: /export}
+    key: [tenant]
+    algorithm: concurrency
+    max_in_flight: 2
+    lease_timeout: 1h
+  - name: per-user
+    domain: api
+    key: [user]
+    capacity: 1
+    refill: 1/h
+"#;
+
+fn export(tenant: &str) -> String {
+    format!(r#"{{"domain":"api","descriptors":[{{"route":"/export","tenant":"{tenant}"}}]}}"#)
+}
+
+fn release(server: &Server, id: &str) -> support::Answer {
+    request(server.http, "DELETE", &format!("/v1/leases/{id}"), &[], "")
+}
+
+fn metric(server: &Server, series: &str) -> f64 {
+    let metrics = request(server.http, "GET", "/metrics", &[], "").body;
+    metrics
+        .lines()
+        .find(|line| line.starts_with(series))
+        .and_then(|line| line.rsplit(' ').next())
+        .and_then(|value| value.parse().ok())
+        .unwrap_or_else(|| panic!("no {series} in\n{metrics}"))
+}
+
+#[test]
+fn leases_up_to_max_in_flight_then_429_until_one_is_released() {
+    let scratch = Scratch::new("leases");
+    let config = scratch.write("policy.yaml", POLICY);
+    let server = Server::start(&["--config", path_str(&config)]);
+
+    let mut held = Vec::new();
+    for in_flight in [1, 2] {
+        let answer = post_json(server.http, "/v1/leases", &export("acme"));
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        let body = answer.json();
+        assert_eq!(body["allowed"], true);
+        assert_eq!(body["policy_version"], "leases-1");
+        let limit = &body["limits"][0];
+        assert_eq!(limit["name"], "exports-per-tenant");
+        assert_eq!(limit["in_flight"], in_flight);
+        assert_eq!(limit["capacity"], 2);
+        assert_eq!(limit["remaining"], 2 - in_flight);
+        let id = body["lease_id"].as_str().expect("a lease id").to_owned();
+        assert_eq!(id.len(), 32);
+        held.push(id);
+    }
+    assert_ne!(held[0], held[1]);
+
+    let full = post_json(server.http, "/v1/leases", &export("acme"));
+    assert_eq!(full.status, 429, "{}", full.body);
+    let body = full.json();
+    assert_eq!(body["allowed"], false);
+    assert!(body["lease_id"].is_null(), "a rejection holds nothing");
+    assert_eq!(body["limits"][0]["in_flight"], 2);
+    // The oldest lease times out within the hour: the latest a slot frees itself.
+    let retry: u64 = full.header("retry-after").unwrap().parse().unwrap();
+    assert!((3_590..=3_600).contains(&retry), "Retry-After {retry}");
+    // Another tenant has its own slots.
+    assert_eq!(
+        post_json(server.http, "/v1/leases", &export("globex")).status,
+        200
+    );
+
+    // Released: the slot is free at once; a second release finds nothing.
+    assert_eq!(release(&server, &held[0]).status, 204);
+    let gone = release(&server, &held[0]);
+    assert_eq!(gone.status, 404, "{}", gone.body);
+    assert_eq!(gone.json()["error"]["code"], "lease_not_found");
+    let again = post_json(server.http, "/v1/leases", &export("acme"));
+    assert_eq!(again.status, 200, "{}", again.body);
+    assert_eq!(again.json()["limits"][0]["in_flight"], 2);
+
+    // Rate limits are not decided by leases, nor concurrency limits by checks.
+    let user = r#"{"domain":"api","descriptors":[{"user":"ursula"}]}"#;
+    let lease = post_json(server.http, "/v1/leases", user);
+    assert_eq!(lease.status, 200, "{}", lease.body);
+    assert!(
+        lease.json()["lease_id"].is_null(),
+        "no concurrency limit applies"
+    );
+    assert_eq!(lease.json()["limits"].as_array().unwrap().len(), 0);
+    let check = post_json(server.http, "/v1/check", &export("acme"));
+    assert_eq!(check.status, 200, "{}", check.body);
+    assert_eq!(check.json()["limits"].as_array().unwrap().len(), 0);
+
+    let series = |result: &str| {
+        format!(
+            r#"tollgate_decisions_total{{limit="exports-per-tenant",result="{result}",mode="enforce",api="leases"}}"#
+        )
+    };
+    assert_eq!(metric(&server, &series("allowed")), 4.0);
+    assert_eq!(metric(&server, &series("rejected")), 1.0);
+    assert_eq!(
+        metric(
+            &server,
+            r#"tollgate_lease_releases_total{result="released"}"#
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &server,
+            r#"tollgate_lease_releases_total{result="not_found"}"#
+        ),
+        1.0
+    );
+    assert_eq!(metric(&server, "tollgate_live_leases"), 3.0);
+}
+
+#[test]
+fn bad_lease_requests_are_4xx_and_change_nothing() {
+    let scratch = Scratch::new("bad-leases");
+    let config = scratch.write("policy.yaml", POLICY);
+    let server = Server::start(&["--config", path_str(&config)]);
+    let bodies = [
+        (
+            r#"{"domain":"api","descriptors":[{"route":"/export","tenant":"a"}],"cost":2}"#,
+            400,
+        ),
+        (r#"{"domain":"api","descriptors":[]}"#, 400),
+        (r#"{"domain":"api","descriptors":[{"tenant":7}]}"#, 400),
+        (r#"{"domain":"api""#, 400),
+        ("", 400),
+    ];
+    for (body, status) in bodies {
+        let answer = post_json(server.http, "/v1/leases", body);
+        assert_eq!(answer.status, status, "{body}: {}", answer.body);
+        assert!(
+            answer.json()["error"]["code"].is_string(),
+            "{}",
+            answer.body
+        );
+    }
+    for (id, status) in [
+        ("not%20an%20id", 400),
+        (&*"x".repeat(65), 400),
+        ("00000000000000000000000000000000", 404),
+    ] {
+        let answer = release(&server, id);
+        assert_eq!(answer.status, status, "{id}: {}", answer.body);
+    }
+    assert_eq!(
+        request(server.http, "GET", "/v1/leases", &[], "").status,
+        405
+    );
+    // Nothing was held by any of it: both slots are free.
+    for _ in 0..2 {
+        assert_eq!(
+            post_json(server.http, "/v1/leases", &export("a")).status,
+            200
+        );
+    }
+    assert_eq!(
+        post_json(server.http, "/v1/leases", &export("a")).status,
+        429
+    );
+}
