@@ -650,7 +650,7 @@ pub async fn serve(
         policy.source()
     );
     println!(
-        "  HTTP  http://{http_addr}  (/v1/check, /v1/explain, /v1/forward-auth/{{domain}}, /metrics, /healthz)"
+        "  HTTP  http://{http_addr}  (/v1/check, /v1/explain, /v1/leases, /v1/forward-auth/{{domain}}, /metrics, /healthz)"
     );
     println!("  gRPC  {grpc_addr}  (envoy.service.ratelimit.v3.RateLimitService)");
     println!("try:");

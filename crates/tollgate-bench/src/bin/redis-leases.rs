@@ -1,0 +1,71 @@
+//! What a concurrency limit costs through Redis: a lease taken and given back (one acquire
+//! call, then a release of two: the lease's record, then its sets) beside a token-bucket
+//! decision, through tollgate's Redis store on a `redis-server` of its own, on 1 key and
+//! 100,000 random keys at 1, 16 and 64 concurrent callers.
+//!
+//! The concurrency limit is high enough that every acquire passes, so each lease is a full
+//! acquire and release. The two kinds alternate within each row, in the same run, on the same
+//! server, each from an empty database.
+//!
+//! `cargo run --release -p tollgate-bench --bin redis-leases -- [SECONDS_PER_RUN]`
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tollgate::{LeaseLimit, LeaseRequest, LeaseStore, LeaseTake};
+use tollgate_bench::{REDIS_KEYS, RedisRig, measure, run_load};
+use tollgate_redis::test_server::command;
+
+fn main() {
+    run_load(run);
+}
+
+async fn run(seconds: f64) {
+    let rig = RedisRig::start().await;
+    let lease = LeaseLimit::new(1_000_000, Duration::from_secs(60)).expect("limit");
+    println!(
+        "| keys | callers | what | per second | p50 µs | p99 µs | script calls each | script µs each | redis-server CPU µs each |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for key_count in [1, REDIS_KEYS] {
+        for callers in [1usize, 16, 64] {
+            command(rig.server.port, &["FLUSHALL"]);
+            let run = rig.measure_store(callers, key_count, seconds).await;
+            print_row(key_count, callers, "token-bucket decision", &run);
+
+            command(rig.server.port, &["FLUSHALL"]);
+            let (store, keys) = (rig.store.clone(), rig.keys.clone());
+            let next_id = Arc::new(AtomicU64::new(0));
+            let run = measure(rig.server.port, callers, key_count, seconds, move |k| {
+                let (store, keys, next_id) = (store.clone(), keys.clone(), next_id.clone());
+                async move {
+                    let id = format!("bench-{}", next_id.fetch_add(1, Ordering::Relaxed));
+                    let takes = [LeaseTake::new(&keys[k as usize], &lease)];
+                    let request = LeaseRequest {
+                        takes: &takes,
+                        lease_id: &id,
+                        now: None,
+                    };
+                    let taken = store.acquire(request).await.expect("acquire");
+                    assert!(taken[0].allowed(), "the limit admits every lease");
+                    assert!(store.release(&id, None).await.expect("release"));
+                }
+            })
+            .await;
+            print_row(key_count, callers, "lease taken and released", &run);
+        }
+    }
+}
+
+fn print_row(key_count: u64, callers: usize, what: &str, run: &tollgate_bench::Run) {
+    println!(
+        "| {key_count} | {callers} | {what} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} | {:.2} |",
+        run.per_second,
+        run.p50_us,
+        run.p99_us,
+        1.0 / run.per_call,
+        run.script_us,
+        run.server_cpu_us,
+    );
+}
