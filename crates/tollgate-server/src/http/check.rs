@@ -188,7 +188,18 @@ impl Parsed<'_> {
 }
 
 fn parse(body: &Result<Bytes, BytesRejection>) -> Result<Parsed<'_>, ApiError> {
-    let body = body.as_ref().map_err(|rejection| {
+    let body = body_bytes(body)?;
+    let parsed = match plain_body::read(body) {
+        Some(parsed) => parsed,
+        None => parse_with_serde(body)?,
+    };
+    check_bounds(&parsed)?;
+    Ok(parsed)
+}
+
+/// The body's bytes, or the answer to a body that could not be read (too large, cut short).
+pub(super) fn body_bytes(body: &Result<Bytes, BytesRejection>) -> Result<&Bytes, ApiError> {
+    body.as_ref().map_err(|rejection| {
         ApiError::new(
             rejection.status(),
             "body_unreadable",
@@ -197,13 +208,7 @@ fn parse(body: &Result<Bytes, BytesRejection>) -> Result<Parsed<'_>, ApiError> {
                 super::MAX_BODY_BYTES
             ),
         )
-    })?;
-    let parsed = match plain_body::read(body) {
-        Some(parsed) => parsed,
-        None => parse_with_serde(body)?,
-    };
-    check_bounds(&parsed)?;
-    Ok(parsed)
+    })
 }
 
 /// `body` read by serde_json: any body, and every error with its place.
@@ -454,7 +459,7 @@ pub(crate) fn write_body(outcome: &Outcome, explain: bool) -> Vec<u8> {
 }
 
 /// The `error` member of a body that failed closed.
-const STORE_UNAVAILABLE: &str = concat!(
+pub(super) const STORE_UNAVAILABLE: &str = concat!(
     r#","error":{"code":"store_unavailable","#,
     r#""message":"the shared store cannot answer and a limit fails closed"}"#
 );

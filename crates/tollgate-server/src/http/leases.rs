@@ -35,8 +35,8 @@ use tollgate_policy::LeaseOutcome;
 
 use super::AppState;
 use super::check::{
-    Parsed, RawDescriptor, check_bounds, decide_error, entries_of, json, millis_ceil, push_bool,
-    push_number, push_str,
+    Parsed, RawDescriptor, STORE_UNAVAILABLE, body_bytes, check_bounds, decide_error, entries_of,
+    json, millis_ceil, push_bool, push_number, push_str,
 };
 use super::error::ApiError;
 use crate::decider::DecideError;
@@ -54,16 +54,7 @@ struct LeaseBody<'a> {
 }
 
 fn parse(body: &Result<Bytes, BytesRejection>) -> Result<Parsed<'_>, ApiError> {
-    let body = body.as_ref().map_err(|rejection| {
-        ApiError::new(
-            rejection.status(),
-            "body_unreadable",
-            format!(
-                "cannot read the body: {rejection} (at most {} bytes)",
-                super::MAX_BODY_BYTES
-            ),
-        )
-    })?;
+    let body = body_bytes(body)?;
     let body: LeaseBody<'_> = serde_json::from_slice(body).map_err(|err| {
         ApiError::bad_request("invalid_json", format!("invalid request body: {err}"))
     })?;
@@ -228,13 +219,7 @@ fn write_body(outcome: &LeaseOutcome, lease_id: Option<&str>) -> Vec<u8> {
         out.extend_from_slice(b",\"degraded\":true");
     }
     if outcome.failed_closed {
-        out.extend_from_slice(
-            concat!(
-                r#","error":{"code":"store_unavailable","#,
-                r#""message":"the shared store cannot answer and a limit fails closed"}"#
-            )
-            .as_bytes(),
-        );
+        out.extend_from_slice(STORE_UNAVAILABLE.as_bytes());
     }
     out.push(b'}');
     out
