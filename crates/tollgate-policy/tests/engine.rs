@@ -1313,6 +1313,45 @@ fn a_lease_nobody_releases_times_out() {
 }
 
 #[test]
+fn a_renewal_keeps_a_long_job_s_lease_and_a_timed_out_one_is_not_revived() {
+    let r = rig(LEASES);
+    let t = [("tenant", "t")];
+    assert!(acquire(&r.engine, &t, "a").held);
+    assert!(acquire(&r.engine, &t, "b").held);
+    // Both leases are 30 s; "a" is renewed at 25 s, so it lasts to 55 s.
+    r.clock.advance(Duration::from_secs(25));
+    assert!(
+        r.engine
+            .renew("a")
+            .is_ok_and(|left| left == Some(Duration::from_secs(30)))
+    );
+    r.clock.advance(Duration::from_secs(10));
+    assert_eq!(in_flight(&r.engine, &t), [1], "b timed out, a did not");
+    assert!(acquire(&r.engine, &t, "c").held);
+    assert!(!acquire(&r.engine, &t, "d").allowed);
+    // "b" timed out: renewing it revives nothing, and says so.
+    assert!(r.engine.renew("b").is_ok_and(|left| left.is_none()));
+    assert!(!acquire(&r.engine, &t, "d").allowed);
+    assert!(
+        r.engine
+            .renew("never-taken")
+            .is_ok_and(|left| left.is_none())
+    );
+    assert!(r.engine.renew("not an id").is_err());
+    // A lease taken while the store was down is renewed where it lives.
+    let failing = rig(FAILING_LEASES);
+    let team = [("team", "x")];
+    let degraded = failing
+        .engine
+        .acquire_degraded("api", &[team], "e", "store timeout")
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(degraded.held);
+    failing.clock.advance(Duration::from_millis(600));
+    let renewed = block_on_ready(failing.engine.renew_on(&Down, "e"));
+    assert!(renewed.is_ok_and(|left| left == Some(Duration::from_secs(1))));
+}
+
+#[test]
 fn an_override_is_a_lease_key_of_its_own_with_its_own_bound() {
     let r = rig(LEASES);
     let big = [("tenant", "t"), ("tier", "big")];
@@ -1616,6 +1655,13 @@ impl tollgate::LeaseStore for Down {
         _: &str,
         _: Option<tollgate::Timestamp>,
     ) -> Result<bool, tollgate::Error> {
+        Err(unreachable_store())
+    }
+    async fn renew(
+        &self,
+        _: &str,
+        _: Option<tollgate::Timestamp>,
+    ) -> Result<Option<Duration>, tollgate::Error> {
         Err(unreachable_store())
     }
 }

@@ -3,9 +3,14 @@
 -- A key's leases are one sorted set: member the lease id, score the microsecond the lease ends
 -- (taken at t with timeout T, it ends at t + T and counts while its end is past `now`). The
 -- set expires when its last lease ends, so a key nobody uses costs nothing. A lease's record
--- names the sets it holds, so that a release, which names only the id, finds them; it expires
--- when the lease's last slot does. Its value is "END|" then, per set, "LEN:KEY" (keys may hold
--- any byte, so each goes with its length).
+-- names the sets it holds, so that a release, which names only the id, finds them, and the
+-- timeout each was taken with, so that a renewal moves each set's end by its own; it expires
+-- when the lease's last slot does. Its value is "END|" then, per set, "LEN:KEY=TIMEOUT_MS;"
+-- (keys may hold any byte, so each goes with its length). A record written before renewals
+-- existed has "LEN:KEY" alone: it still reads, and a renewal keeps such a set's end as it is
+-- (held until then, neither extended nor shortened), since its timeout is unknown. The scripts
+-- before that format read a new record as not theirs (-2): run one version at a time, or let
+-- leases taken across an upgrade time out.
 --
 -- Every operation touches only the keys in KEYS, all in one cluster slot: a record's keys are
 -- replied to the caller, which sends them back in KEYS of a later call (see `src/lease.rs` for
@@ -40,17 +45,16 @@
 -- "claim": check and write a lease's record ahead of the sets (a cluster request whose sets
 --   are not all in the record's slot).
 --   KEYS       [the record]
---   ARGV[4]    the longest timeout of the request's sets, in milliseconds
---   then       the sets, as stored
+--   then per set: its timeout in milliseconds, the set as stored
 --   Reply      { 1, now, end, [then the sets of the stale record it replaced] }, or { -1, now }
---              when the id is held (nothing changed). `end`, now_up plus the timeout, is the
---              record's until "fix" changes it
+--              when the id is held (nothing changed). `end`, now_up plus the longest timeout,
+--              is the record's until "fix" changes it
 -- "fix": rewrite a claimed record once the sets have decided: only if it is still the one
 --   claimed (its end is ARGV[4]); deleted when no set holds the lease.
 --   KEYS       [the record]
 --   ARGV[4]    the end "claim" replied
 --   ARGV[5]    the lease's last end
---   then       the sets it holds
+--   then per set it holds: its timeout in milliseconds, the set as stored
 --   Reply      { 1, now } rewritten, { 0, now } the record was not the one claimed
 -- "unhold": remove the lease from sets (a release, a give-back, a stale record's sets).
 --   KEYS       the sets
@@ -58,6 +62,28 @@
 -- "release": delete a lease's record.
 --   KEYS       [the record]
 --   Reply      { 1, now, end, then the sets it held }, or { 0, now, 0 } when there was none
+-- "holds": a renewal's first call: read a lease's record, changing nothing.
+--   KEYS       [the record]
+--   Reply      { 1, now, end, per set its timeout in milliseconds (0: not recorded), then the
+--              sets }, or { 0, now } when there is none or it ended at `now`
+-- "renew": move the lease's end on sets where it is still held (its score past `now`) to
+--   now_up plus the set's timeout, never earlier than it was; a set where it ended, or that
+--   does not hold it, is left alone (its slot may be another's by now).
+--   KEYS       [the record, when ARGV[4] is "1"], then the sets
+--   ARGV[4]    "1" when KEYS[1] is the lease's record (every set in the record's slot, always
+--              on a single node): the record must still be held and name these sets with these
+--              timeouts, else nothing changes ({ 0, now }); its end then becomes the last of
+--              its own and the new ones, in this same call. Else ""
+--   then per set: its timeout in milliseconds, as "holds" replied it
+--   Reply      { 1, now, per set its lease's end after the call (0: not held there) }
+-- "prolong": a renewal across slots: once the sets have moved, the record's end becomes the
+--   last of its own and ARGV[4], if it still names the same sets with the same timeouts (a
+--   concurrent renewal of the lease only moves it further; a release, or a new lease under the
+--   id, is left alone).
+--   KEYS       [the record]
+--   ARGV[4]    the last end the sets replied
+--   then per set: its timeout in milliseconds, the set, as "holds" replied them
+--   Reply      { 1, now } the same record (its end moved if it was earlier), { 0, now } not
 --
 -- Every operation but "unhold" replies { -2, now } and writes nothing when a key it reads holds
 -- something that is not ours (another program's key, a corrupted record): every key is read
@@ -115,6 +141,9 @@ local function unreadable()
   return { -2, now }
 end
 
+-- The longest lease timeout, in milliseconds (tollgate's MAX_LEASE_TIMEOUT, a day).
+local MAX_TIMEOUT_MS = 86400000
+
 -- What `read` answers for a key of another type.
 local WRONG = {}
 
@@ -131,8 +160,9 @@ local function read(...)
   return reply
 end
 
--- The record at `key`: its end and its sets; nil when absent; false when the key holds
--- anything else.
+-- The record at `key`: its end, its sets, their timeouts in milliseconds (0 for a set of a
+-- record that did not say) and the text after its end (the sets, as stored); nil when absent;
+-- false when the key holds anything else.
 local function read_record(key)
   local value = read('GET', key)
   if not value then
@@ -146,7 +176,7 @@ local function read_record(key)
   if not ends then
     return false
   end
-  local sets = {}
+  local sets, timeouts = {}, {}
   local at = bar + 1
   while at <= #value do
     local colon = find(value, ':', at, true)
@@ -156,17 +186,49 @@ local function read_record(key)
     end
     sets[#sets + 1] = sub(value, colon + 1, colon + len)
     at = colon + len + 1
+    local timeout = 0
+    if sub(value, at, at) == '=' then
+      local semi = find(value, ';', at, true)
+      timeout = semi and tonumber(sub(value, at + 1, semi - 1))
+      -- A lease's timeout is whole milliseconds, at most a day: anything else is not ours.
+      if not timeout or timeout < 0 or timeout > MAX_TIMEOUT_MS or timeout % 1 ~= 0 then
+        return false
+      end
+      at = semi + 1
+    end
+    timeouts[#timeouts + 1] = timeout
   end
-  return ends, sets
+  return ends, sets, timeouts, sub(value, bar + 1)
 end
 
--- Writes the record at `key`: the lease ends at `ends` and holds `sets`.
-local function write_record(key, ends, sets)
+-- Writes the record at `key`: the lease ends at `ends` and holds `sets`, taken with
+-- `timeouts` (milliseconds, one per set).
+local function write_record(key, ends, sets, timeouts)
   local parts = { format('%d|', ends) }
   for i = 1, #sets do
-    parts[i + 1] = format('%d:', #sets[i]) .. sets[i]
+    parts[i + 1] = format('%d:', #sets[i]) .. sets[i] .. format('=%d;', timeouts[i])
   end
   redis.call('SET', key, concat(parts), 'PX', ttl_until(ends))
+end
+
+-- Sets the end of the record at `key` to `ends`, keeping its sets as they are stored (`body`,
+-- as `read_record` gives it).
+local function move_record(key, ends, body)
+  redis.call('SET', key, format('%d|', ends) .. body, 'PX', ttl_until(ends))
+end
+
+-- Whether a record's `sets` and `timeouts` are `n` given ones: set i is `set_of(i)`, taken
+-- with timeout `timeout_of(i)` (text, as the caller sends it).
+local function same_sets(sets, timeouts, n, set_of, timeout_of)
+  if #sets ~= n then
+    return false
+  end
+  for i = 1, n do
+    if sets[i] ~= set_of(i) or timeouts[i] ~= tonumber(timeout_of(i)) then
+      return false
+    end
+  end
+  return true
 end
 
 -- The earliest end in the set at `key` from score bound `from` on ("-inf", or "(NOW": past
@@ -242,7 +304,7 @@ if op == 'acquire' then
   end
 
   if passes then
-    local held, last = {}, 0
+    local held, held_timeouts, last = {}, {}, 0
     for i = 1, n do
       local key = KEYS[first + i]
       local max, timeout = tonumber(ARGV[2 + 3 * i]), tonumber(ARGV[3 + 3 * i])
@@ -257,12 +319,13 @@ if op == 'acquire' then
         redis.call('PEXPIRE', key, ttl_until(newest))
         reply[at + 4] = ends
         held[#held + 1] = key
+        held_timeouts[#held] = timeout
         if ends > last then last = ends end
       end
     end
     if with_record then
       if #held > 0 then
-        write_record(KEYS[1], last, held)
+        write_record(KEYS[1], last, held, held_timeouts)
       elseif stale then
         -- Every set soft and full: no lease to release, and the ended one is gone.
         redis.call('DEL', KEYS[1])
@@ -307,10 +370,15 @@ if op == 'claim' then
   if ends and ends > now then
     return { -1, now }
   end
-  local claimed = now_up + tonumber(ARGV[4]) * 1000
-  local mine = {}
-  for i = 5, #ARGV do mine[#mine + 1] = ARGV[i] end
-  write_record(KEYS[1], claimed, mine)
+  local mine, timeouts, longest = {}, {}, 0
+  for i = 4, #ARGV - 1, 2 do
+    local timeout = tonumber(ARGV[i])
+    timeouts[#timeouts + 1] = timeout
+    mine[#mine + 1] = ARGV[i + 1]
+    if timeout > longest then longest = timeout end
+  end
+  local claimed = now_up + longest * 1000
+  write_record(KEYS[1], claimed, mine, timeouts)
   local reply = { 1, now, claimed }
   for _, set in ipairs(sets or {}) do
     reply[#reply + 1] = set
@@ -326,12 +394,15 @@ if op == 'fix' then
   if ends ~= tonumber(ARGV[4]) then
     return { 0, now }
   end
-  local sets = {}
-  for i = 6, #ARGV do sets[#sets + 1] = ARGV[i] end
+  local sets, timeouts = {}, {}
+  for i = 6, #ARGV - 1, 2 do
+    timeouts[#timeouts + 1] = tonumber(ARGV[i])
+    sets[#sets + 1] = ARGV[i + 1]
+  end
   if #sets == 0 then
     redis.call('DEL', KEYS[1])
   else
-    write_record(KEYS[1], tonumber(ARGV[5]), sets)
+    write_record(KEYS[1], tonumber(ARGV[5]), sets, timeouts)
   end
   return { 1, now }
 end
@@ -359,6 +430,104 @@ if op == 'release' then
     reply[#reply + 1] = set
   end
   return reply
+end
+
+if op == 'holds' then
+  local ends, sets, timeouts = read_record(KEYS[1])
+  if ends == false then
+    return unreadable()
+  end
+  if not ends or ends <= now then
+    return { 0, now }
+  end
+  local reply = { 1, now, ends }
+  for i = 1, #timeouts do
+    reply[#reply + 1] = timeouts[i]
+  end
+  for i = 1, #sets do
+    reply[#reply + 1] = sets[i]
+  end
+  return reply
+end
+
+if op == 'renew' then
+  local id = ARGV[3]
+  local with_record = ARGV[4] == '1'
+  local first = 0
+  if with_record then first = 1 end
+  local n = #KEYS - first
+
+  local record_ends, body
+  if with_record then
+    local ends, sets, timeouts
+    ends, sets, timeouts, body = read_record(KEYS[1])
+    if ends == false then
+      return unreadable()
+    end
+    -- Released, ended, or a new lease under the id naming other sets since "holds": this
+    -- renewal comes after that, when there is nothing of its lease to renew.
+    if not ends or ends <= now
+      or not same_sets(sets, timeouts, n,
+        function(i) return KEYS[first + i] end,
+        function(i) return ARGV[4 + i] end) then
+      return { 0, now }
+    end
+    record_ends = ends
+  end
+  -- Every set is read before the first write.
+  local scores = {}
+  for i = 1, n do
+    local score = read('ZSCORE', KEYS[first + i], id)
+    if score == WRONG then
+      return unreadable()
+    end
+    scores[i] = score and tonumber(score)
+  end
+
+  local reply = { 1, now }
+  local last = 0
+  for i = 1, n do
+    local key = KEYS[first + i]
+    local ends = scores[i]
+    if ends and ends > now then
+      local wanted = now_up + tonumber(ARGV[4 + i]) * 1000
+      if wanted > ends then
+        local newest = tonumber(redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2])
+        redis.call('ZADD', key, 'XX', format('%d', wanted), id)
+        -- The set lives until its latest lease ends: longer only when this one is now it.
+        if wanted > newest then
+          redis.call('PEXPIRE', key, ttl_until(wanted))
+        end
+        ends = wanted
+      end
+      if ends > last then last = ends end
+    else
+      ends = 0
+    end
+    reply[#reply + 1] = ends
+  end
+  if with_record and last > record_ends then
+    move_record(KEYS[1], last, body)
+  end
+  return reply
+end
+
+if op == 'prolong' then
+  local ends, sets, timeouts, body = read_record(KEYS[1])
+  if ends == false then
+    return unreadable()
+  end
+  local n = (#ARGV - 4) / 2
+  if not ends or not same_sets(sets, timeouts, n,
+      function(i) return ARGV[4 + 2 * i] end,
+      function(i) return ARGV[3 + 2 * i] end) then
+    return { 0, now }
+  end
+  local last = tonumber(ARGV[4])
+  if last > ends then
+    move_record(KEYS[1], last, body)
+  end
+  return { 1, now }
 end
 
 error({ err = 'ERR tollgate: unknown lease operation' })

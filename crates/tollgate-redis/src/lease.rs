@@ -4,12 +4,14 @@
 //!
 //! Each key's leases are a sorted set (member the lease id, score its end in microseconds, on
 //! Redis' `TIME` unless the caller gives the time), decided by `scripts/lease.lua` in one
-//! atomic step per cluster slot: drop the ended leases, count, take. A release names only the
-//! lease id, so each lease also has a record naming the sets it holds. Sets live at
-//! `PREFIX lease:KEY` (a key's `{hash tag}` keeps its slot), records at
-//! `PREFIX lease-id:{ID}` (the id is their hash tag, so records spread over the cluster rather
-//! than crowd one slot); the two never meet, but a bucket given a key starting with `lease:`
-//! or `lease-id:` would share their names, and fail as a key that is not its own.
+//! atomic step per cluster slot: drop the ended leases, count, take. A release or a renewal
+//! names only the lease id, so each lease also has a record naming the sets it holds and the
+//! timeout each was taken with (`END|LEN:SET=TIMEOUT_MS;…`, see the script; records from
+//! before renewals, without timeouts, still read). Sets live at `PREFIX lease:KEY` (a key's
+//! `{hash tag}` keeps its slot), records at `PREFIX lease-id:{ID}` (the id is their hash tag,
+//! so records spread over the cluster rather than crowd one slot); the two never meet, but a
+//! bucket given a key starting with `lease:` or `lease-id:` would share their names, and fail
+//! as a key that is not its own.
 //!
 //! Every call names all the keys it touches, so the same script serves a single node and a
 //! cluster, and a record's sets are read in one call and changed in the next:
@@ -20,7 +22,7 @@
 //!   replied, and its slots there removed by a second call; they have ended, so they no longer
 //!   count for any `now` past their end either way.
 //! * Across cluster slots the record is claimed first, in its own slot: written, with every
-//!   set of the request and the longest timeout, unless the id is held. Only then are the sets
+//!   set of the request and its timeout, to end after the longest, unless the id is held. Only then are the sets
 //!   decided, one call per slot, in parallel; if a slot rejects, fails, or finds the id held,
 //!   the slots that took give the lease back and the claim is deleted. So the store may
 //!   under-admit for the moment between a take and its give-back, and after a give-back that
@@ -33,6 +35,15 @@
 //!   claim before the sets are taken: they are then held until they time out.
 //! * A release deletes the record in one call (so of two releases, one is told the lease was
 //!   held) and removes the id from its sets in the next (one call per slot, in parallel).
+//! * A renewal reads the record in one call (ended or missing: nothing to renew). When its sets
+//!   share the record's slot (always, on a single node) the next call checks that the record
+//!   still names them, moves the lease's end on each set where it is still held, and moves the
+//!   record's end with them. Across slots, each slot moves its sets in parallel, and a last call
+//!   moves the record's end, if it still names the same sets, to the last of theirs: a
+//!   release between the calls leaves the sets moved and then removes the id from them, and a
+//!   failure between leaves the record ending first, so the caller hears it and may renew again.
+//!   An end only ever grows, so concurrent renewals of one lease agree, and none revives a set
+//!   where the lease had ended.
 //!
 //! A call that times out after Redis ran it has done its work though the caller hears
 //! [`Unavailable::Timeout`]: an acquire may then hold a lease its caller does not know of.
@@ -80,6 +91,9 @@ enum Op {
     Fix,
     Unhold,
     Release,
+    Holds,
+    Renew,
+    Prolong,
 }
 
 impl Op {
@@ -91,6 +105,9 @@ impl Op {
             Op::Fix => "fix",
             Op::Unhold => "unhold",
             Op::Release => "release",
+            Op::Holds => "holds",
+            Op::Renew => "renew",
+            Op::Prolong => "prolong",
         }
     }
 }
@@ -272,6 +289,19 @@ fn time_arg(now: Option<Timestamp>) -> Result<String, Error> {
     })
 }
 
+/// The sets of `takes` at `indexes` as "claim" and "fix" write them into a record: each
+/// one's timeout in milliseconds (for a renewal), then the set.
+fn recorded_sets(
+    takes: &[LeaseTake<'_>],
+    sets: &[String],
+    indexes: impl IntoIterator<Item = usize>,
+) -> Vec<String> {
+    indexes
+        .into_iter()
+        .flat_map(|i| [takes[i].limit.timeout_ms().to_string(), sets[i].clone()])
+        .collect()
+}
+
 /// An empty acquire, or one naming a key twice, is refused before any call.
 fn check_takes(takes: &[LeaseTake<'_>]) -> Result<(), Error> {
     if takes.is_empty() {
@@ -291,6 +321,89 @@ fn check_takes(takes: &[LeaseTake<'_>]) -> Result<(), Error> {
 const UNREADABLE: Error = Error::StoreUnavailable {
     reason: Unavailable::Script,
 };
+
+/// What a renewal's first call read in a lease's record: the sets it holds, and the timeout
+/// each was taken with (milliseconds; 0 for a record written before records said, whose sets
+/// a renewal leaves as they are).
+struct Holding {
+    sets: Vec<String>,
+    timeouts: Vec<u64>,
+}
+
+impl Holding {
+    /// The "holds" reply: its end, a timeout per set, then the sets.
+    fn parse(reply: Reply) -> Result<Self, Unavailable> {
+        let count = reply.keys.len();
+        if reply.integers.len() != 2 + count {
+            return Err(Unavailable::Protocol);
+        }
+        let timeouts = (0..count)
+            .map(|set| reply.integer(2 + set))
+            .collect::<Result<_, _>>()?;
+        Ok(Self {
+            sets: reply.keys,
+            timeouts,
+        })
+    }
+
+    /// The "renew" call of `group` (indexes into the sets), with the record when `record` is
+    /// given: every set is then in its slot.
+    fn renew_call<'a>(
+        &'a self,
+        group: &[usize],
+        now: &'a str,
+        id: &'a str,
+        record: Option<&'a str>,
+    ) -> Call<'a> {
+        let flag = if record.is_some() { "1" } else { "" };
+        Call {
+            op: Op::Renew,
+            now,
+            id,
+            keys: record
+                .into_iter()
+                .chain(group.iter().map(|&i| self.sets[i].as_str()))
+                .collect(),
+            args: std::iter::once(flag.to_owned())
+                .chain(group.iter().map(|&i| self.timeouts[i].to_string()))
+                .collect(),
+        }
+    }
+}
+
+/// What the "renew" calls replied, gathered: the lease's last end (microseconds, 0 when no set
+/// held it), and the time from each call's `now` until it (the answer).
+#[derive(Debug, Default)]
+struct Renewed {
+    last: u64,
+    until: Option<Duration>,
+}
+
+impl Renewed {
+    /// Adds one call's reply for `count` sets: its `now`, then each set's end after the call
+    /// (0 where the lease was not held).
+    fn add(
+        &mut self,
+        reply: &Reply,
+        count: usize,
+        caller: Option<Timestamp>,
+    ) -> Result<(), Unavailable> {
+        if reply.integers.len() != 1 + count {
+            return Err(Unavailable::Protocol);
+        }
+        let now = reply.now_ns(caller)?;
+        for set in 0..count {
+            let ends = reply.integer(1 + set)?;
+            if ends == 0 {
+                continue;
+            }
+            self.last = self.last.max(ends);
+            let until = Duration::from_nanos(ends.saturating_mul(1_000).saturating_sub(now));
+            self.until = self.until.max(Some(until));
+        }
+        Ok(())
+    }
+}
 
 /// What one slot's acquire replied, checked.
 struct SlotReply {
@@ -469,19 +582,12 @@ impl RedisStore {
         }
 
         // Across slots: the claim first (see the module's comment).
-        let longest = takes
-            .iter()
-            .map(|take| take.limit.timeout_ms())
-            .max()
-            .unwrap_or(0);
         let claim = Call {
             op: Op::Claim,
             now,
             id,
             keys: vec![record],
-            args: std::iter::once(longest.to_string())
-                .chain(sets.iter().cloned())
-                .collect(),
+            args: recorded_sets(takes, sets, 0..sets.len()),
         };
         let claim = self.lease_call(&claim).await?;
         match claim.status {
@@ -504,7 +610,7 @@ impl RedisStore {
         });
         let (replies, _) = join(join_all(acquires), self.unhold(id, &stale)).await;
 
-        let fix = |ends: u64, held: Vec<String>| async move {
+        let fix = |ends: u64, held: Vec<usize>| async move {
             let call = Call {
                 op: Op::Fix,
                 now,
@@ -512,7 +618,7 @@ impl RedisStore {
                 keys: vec![record],
                 args: [claimed.to_string(), ends.to_string()]
                     .into_iter()
-                    .chain(held)
+                    .chain(recorded_sets(takes, sets, held))
                     .collect(),
             };
             self.lease_call(&call).await
@@ -557,7 +663,7 @@ impl RedisStore {
             decide(group, reply, passed, &mut decisions);
             for (&i, standing) in group.iter().zip(&reply.standings) {
                 if standing.taken > 0 {
-                    held.push(sets[i].clone());
+                    held.push(i);
                     last = last.max(standing.taken);
                 }
             }
@@ -648,6 +754,132 @@ impl RedisStore {
             .await?;
         Ok(held)
     }
+
+    /// [`LeaseStore::renew`]: the record read, then its sets moved and the record with them
+    /// (see the module's comment).
+    async fn renew_lease(
+        &self,
+        id: &str,
+        now: Option<Timestamp>,
+    ) -> Result<Option<Duration>, Error> {
+        check_lease_id(id)?;
+        let now_arg = time_arg(now)?;
+        let record = self.lease_record(id);
+        let read = async {
+            let call = Call {
+                op: Op::Holds,
+                now: &now_arg,
+                id,
+                keys: vec![record.as_str()],
+                args: Vec::new(),
+            };
+            let reply = self.lease_call(&call).await?;
+            match reply.status {
+                -2 => Ok(Err(UNREADABLE)),
+                0 => Ok(Ok(None)),
+                1 => Holding::parse(reply).map(|holding| Ok(Some(holding))),
+                _ => Err(Unavailable::Protocol),
+            }
+        };
+        let Some(holding) = self.guarded(std::slice::from_ref(&record), read).await? else {
+            return Ok(None);
+        };
+        if holding.sets.is_empty() {
+            return Ok(None);
+        }
+        let mut touched = holding.sets.clone();
+        touched.push(record.clone());
+        self.guarded(
+            &touched,
+            self.renew_in_redis(id, &now_arg, now, &record, &holding),
+        )
+        .await
+    }
+
+    /// A renewal's sets, then its record: one call when they share the record's slot (always,
+    /// on a single node), else one call per slot in parallel and then the record's.
+    async fn renew_in_redis(
+        &self,
+        id: &str,
+        now: &str,
+        caller: Option<Timestamp>,
+        record: &str,
+        holding: &Holding,
+    ) -> Result<Result<Option<Duration>, Error>, Unavailable> {
+        let sets = &holding.sets;
+        let groups = self.slot_groups(sets);
+        let mut renewed = Renewed::default();
+
+        if let [group] = groups.as_slice()
+            && (!self.cluster || slot(record) == slot(&sets[group[0]]))
+        {
+            let call = holding.renew_call(group, now, id, Some(record));
+            let reply = self.lease_call(&call).await?;
+            match reply.status {
+                -2 => return Ok(Err(UNREADABLE)),
+                // The record went or changed since it was read: a release, or the lease's end,
+                // came first, and this renewal finds nothing of it to renew.
+                0 => return Ok(Ok(None)),
+                1 => renewed.add(&reply, group.len(), caller)?,
+                _ => return Err(Unavailable::Protocol),
+            }
+            return Ok(Ok(renewed.until));
+        }
+
+        let calls = groups.iter().map(|group| {
+            let call = holding.renew_call(group, now, id, None);
+            async move { self.lease_call(&call).await }
+        });
+        let mut failed = None;
+        let mut unreadable = false;
+        for (group, reply) in groups.iter().zip(join_all(calls).await) {
+            let added = reply.and_then(|reply| match reply.status {
+                -2 => {
+                    unreadable = true;
+                    Ok(())
+                }
+                1 => renewed.add(&reply, group.len(), caller),
+                _ => Err(Unavailable::Protocol),
+            });
+            if let Err(err) = added {
+                failed = Some(err);
+            }
+        }
+        // The slots that moved are written into the record even when another failed, so that
+        // the record, which a release needs to find the sets, lives as long as they hold the
+        // lease. Should this call fail, the caller hears so and may renew again (which finds
+        // the sets already moved and tries the record once more); the record may otherwise
+        // expire first, and a release then reports the lease as not held and leaves its slots
+        // to time out. The record changed since it was read (a release) is left alone.
+        if renewed.last > 0 {
+            let call = Call {
+                op: Op::Prolong,
+                now,
+                id,
+                keys: vec![record],
+                args: std::iter::once(renewed.last.to_string())
+                    .chain(
+                        sets.iter()
+                            .zip(&holding.timeouts)
+                            .flat_map(|(set, timeout)| [timeout.to_string(), set.clone()]),
+                    )
+                    .collect(),
+            };
+            match self.lease_call(&call).await.map(|reply| reply.status) {
+                Ok(-2) => unreadable = true,
+                Ok(0 | 1) => {}
+                Ok(_) => failed = Some(Unavailable::Protocol),
+                Err(err) => failed = Some(err),
+            }
+        }
+        if let Some(err) = failed {
+            return Err(err);
+        }
+        if unreadable {
+            return Ok(Err(UNREADABLE));
+        }
+        Ok(Ok(renewed.until))
+    }
 }
 
 impl LeaseStore for RedisStore {
@@ -661,6 +893,14 @@ impl LeaseStore for RedisStore {
 
     async fn release(&self, lease_id: &str, now: Option<Timestamp>) -> Result<bool, Error> {
         self.release_lease(lease_id, now).await
+    }
+
+    async fn renew(
+        &self,
+        lease_id: &str,
+        now: Option<Timestamp>,
+    ) -> Result<Option<Duration>, Error> {
+        self.renew_lease(lease_id, now).await
     }
 }
 
@@ -768,5 +1008,67 @@ mod tests {
             keys: Vec::new(),
         };
         assert!(negative.standings(1).is_err());
+    }
+
+    #[test]
+    fn the_script_bounds_a_recorded_timeout_as_the_core_does() {
+        let line = format!(
+            "local MAX_TIMEOUT_MS = {}\n",
+            tollgate::MAX_LEASE_TIMEOUT.as_millis()
+        );
+        assert!(LeaseScript::new().source.contains(&line), "{line}");
+    }
+
+    #[test]
+    fn a_renewals_replies_are_checked_figure_by_figure() {
+        let reply = |integers: Vec<i64>, keys: &[&str]| Reply {
+            status: 1,
+            integers,
+            keys: keys.iter().map(|key| (*key).to_owned()).collect(),
+        };
+        // "holds": now, end, a timeout per set, then the sets.
+        let holding = Holding::parse(reply(vec![5, 9, 1_000, 0], &["a", "b"])).unwrap();
+        assert_eq!(
+            (holding.sets.len(), &holding.timeouts[..]),
+            (2, &[1_000, 0][..])
+        );
+        assert!(Holding::parse(reply(vec![5, 9, 1_000], &["a", "b"])).is_err());
+        assert!(Holding::parse(reply(vec![5, 9, -1], &["a"])).is_err());
+        let call = holding.renew_call(&[1], "7", "id", Some("rec"));
+        assert_eq!(
+            (call.keys, call.args),
+            (vec!["rec", "b"], vec!["1".into(), "0".into()])
+        );
+
+        // "renew": now, then each set's end (0: not held). The answer is the time from each
+        // call's `now` to the last end, the caller's nanosecond when it gave one.
+        let mut renewed = Renewed::default();
+        renewed
+            .add(&reply(vec![1_000, 0, 4_000], &[]), 2, None)
+            .unwrap();
+        renewed
+            .add(&reply(vec![2_000, 3_000], &[]), 1, None)
+            .unwrap();
+        assert_eq!(renewed.last, 4_000);
+        assert_eq!(renewed.until, Some(Duration::from_millis(3)));
+        let mut none = Renewed::default();
+        none.add(&reply(vec![1_000, 0], &[]), 1, None).unwrap();
+        assert_eq!((none.last, none.until), (0, None));
+        let caller = Some(Timestamp::from_nanos(1_000_500));
+        let mut exact = Renewed::default();
+        exact
+            .add(&reply(vec![1_000, 2_001], &[]), 1, caller)
+            .unwrap();
+        assert_eq!(exact.until, Some(Duration::from_nanos(1_000_500)));
+        assert!(
+            Renewed::default()
+                .add(&reply(vec![1_000], &[]), 1, None)
+                .is_err()
+        );
+        assert!(
+            Renewed::default()
+                .add(&reply(vec![1_000, -4], &[]), 1, None)
+                .is_err()
+        );
     }
 }

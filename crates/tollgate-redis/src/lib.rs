@@ -59,7 +59,11 @@
 //!   `lease:` or `lease-id:`. An acquire is one script call when its keys share the record's
 //!   slot (always, on a single node); across cluster slots the record is claimed first and the
 //!   slots then take in parallel, giving back if any rejects (never over-admitting). A release
-//!   is two calls: the record, then its sets. A least-privileged user needs `+zadd +zrem
+//!   is two calls: the record, then its sets. A renewal is two calls when the sets share the
+//!   record's slot (the record, then the sets with the record), three across slots (the
+//!   record, the slots in parallel, the record again); it moves each set's end by the timeout
+//!   that set was taken with, which the record keeps beside its name, and never revives a set
+//!   where the lease had ended. A least-privileged user needs `+zadd +zrem
 //!   +zremrangebyscore +zcard +zcount +zrange +zrangebyscore +zscore +pexpire` besides the
 //!   buckets' commands.
 //! * A call that times out, or loses its connection, after Redis ran its script has charged

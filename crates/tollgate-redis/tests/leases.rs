@@ -1,7 +1,7 @@
 //! Concurrency limits (leases) in Redis, single node and Redis Cluster, against the memory
-//! store's decisions: the same scenarios with exact figures, random traces compared decision
-//! by decision with `MemoryLeases`, 64 tasks on one key that must never hold more than its
-//! limit, and the keys the store leaves behind (TTLs, records).
+//! store's decisions: the same scenarios with exact figures, random traces (acquires, looks,
+//! releases, renewals) compared answer by answer with `MemoryLeases`, 64 tasks on one key that
+//! must never hold more than its limit, and the keys the store leaves behind (TTLs, records).
 
 mod support;
 
@@ -113,6 +113,12 @@ impl<'a> Both<'a> {
         );
         got
     }
+
+    async fn renew(&self, id: &str, now: Timestamp) -> Option<Duration> {
+        let got = self.redis.renew(id, Some(now)).await.expect("renewed");
+        assert_eq!(Ok(got), self.memory.renew(id, now), "renew {id} at {now:?}");
+        got
+    }
 }
 
 /// Reads the keys a store leaves behind, on a single node or a cluster.
@@ -142,7 +148,7 @@ impl Inspector {
         Self::Cluster(client.get_async_connection().await.expect("connect"))
     }
 
-    async fn integer(&mut self, args: &[&str]) -> i64 {
+    async fn query<T: redis::FromRedisValue>(&mut self, args: &[&str]) -> T {
         let mut cmd = redis::cmd(args[0]);
         for arg in &args[1..] {
             cmd.arg(*arg);
@@ -152,6 +158,32 @@ impl Inspector {
             Inspector::Cluster(connection) => cmd.query_async(connection).await,
         }
         .unwrap_or_else(|err| panic!("{args:?}: {err}"))
+    }
+
+    async fn integer(&mut self, args: &[&str]) -> i64 {
+        self.query(args).await
+    }
+
+    /// Lease `id`'s end on `set`, in microseconds (`None` when the set does not hold it).
+    async fn score(&mut self, set: &str, id: &str) -> Option<u64> {
+        let score: Option<f64> = self.query(&["ZSCORE", set, id]).await;
+        // Scores are whole microseconds below 2^53: exact in a double.
+        score.map(|score| score as u64)
+    }
+
+    /// Redis' `TIME`, in microseconds, from the node holding `key`.
+    async fn time_at(&mut self, key: &str) -> u64 {
+        // `TIME` names no key, so a cluster would send it anywhere: ask the node of `key`
+        // through a script that names it.
+        let (seconds, micros): (u64, u64) = self
+            .query(&[
+                "EVAL",
+                "local t = redis.call('TIME') return { tonumber(t[1]), tonumber(t[2]) }",
+                "1",
+                key,
+            ])
+            .await;
+        seconds * 1_000_000 + micros
     }
 }
 
@@ -341,6 +373,89 @@ async fn an_id_is_held_until_its_lease_ends(store: &RedisStore, name: &str) {
     assert!(both.release(&id, at(1_001)).await);
 }
 
+/// The memory store's renewal scenario, figure for figure, on two keys of different timeouts
+/// (in two slots of a cluster, whose record is in a third): each key's end moves by its own
+/// timeout, a key where the lease ended is not revived, a lease ended or released is not
+/// renewed, and a renewal at a time gone back never shortens a lease.
+async fn a_renewal_moves_each_keys_end_by_its_own_timeout(store: &RedisStore, name: &str) {
+    let both = Both::new(store);
+    let short = limit(1, 1_000);
+    let long = limit(1, 5_000);
+    let (short_key, long_key) = (format!("{name}:renew:short"), format!("{name}:renew:long"));
+    let keys = [
+        LeaseTake::new(&short_key, &short),
+        LeaseTake::new(&long_key, &long),
+    ];
+    let id = |tag: &str| format!("{name}-renew-{tag}");
+    assert!(
+        both.acquire(&keys, &id("a"), at(0))
+            .await
+            .unwrap()
+            .iter()
+            .all(LeaseDecision::allowed)
+    );
+    // Each key's end moves to now plus its own timeout: 1.8 s and 5.8 s.
+    assert_eq!(
+        both.renew(&id("a"), at(800)).await,
+        Some(Duration::from_millis(5_000))
+    );
+    let full = both.acquire(&keys, &id("b"), at(1_500)).await.unwrap();
+    assert_eq!(full[0].retry_after(), Some(Duration::from_millis(300)));
+    assert_eq!(full[1].retry_after(), Some(Duration::from_millis(4_300)));
+    // Past the short key's end only the long key is renewed: the short slot stays free.
+    assert_eq!(
+        both.renew(&id("a"), at(2_000)).await,
+        Some(Duration::from_millis(5_000))
+    );
+    assert_eq!(both.in_flight(&keys, at(2_000)).await[0].in_flight(), 0);
+    assert!(both.acquire(&keys[..1], &id("c"), at(2_000)).await.unwrap()[0].allowed());
+    // A renewal at a time gone back never shortens: the long key still ends at 7 s.
+    assert_eq!(
+        both.renew(&id("a"), at(1_000)).await,
+        Some(Duration::from_millis(6_000))
+    );
+    let back = both.in_flight(&keys[1..], at(6_999)).await[0];
+    assert_eq!(back.reset_after(), Duration::from_millis(1));
+    // Ended everywhere (its end counts as ended), released, or never taken: nothing renewed.
+    assert_eq!(both.renew(&id("a"), at(7_000)).await, None);
+    assert_eq!(
+        both.renew(&id("c"), at(2_500)).await,
+        Some(Duration::from_millis(1_000))
+    );
+    assert!(both.release(&id("c"), at(2_600)).await);
+    assert_eq!(both.renew(&id("c"), at(2_600)).await, None);
+    assert_eq!(both.renew(&id("nope"), at(0)).await, None);
+    // Renewed a microsecond before its end, a lease lives on; at its end, it is over.
+    assert!(
+        both.acquire(&keys[1..], &id("d"), at(10_000))
+            .await
+            .unwrap()[0]
+            .allowed()
+    );
+    let before_end = Timestamp::from_nanos(at(15_000).as_nanos() - 1_000);
+    assert_eq!(
+        both.renew(&id("d"), before_end).await,
+        Some(Duration::from_millis(5_000))
+    );
+    assert_eq!(
+        both.renew(&id("d"), at(19_999)).await,
+        Some(Duration::from_millis(5_000))
+    );
+    assert_eq!(both.renew(&id("d"), at(24_999)).await, None);
+    // The id taken again on the other key: its record now says that key's timeout.
+    assert!(
+        both.acquire(&keys[..1], &id("d"), at(30_000))
+            .await
+            .unwrap()[0]
+            .allowed()
+    );
+    assert_eq!(
+        both.renew(&id("d"), at(30_500)).await,
+        Some(Duration::from_millis(1_000))
+    );
+    assert!(both.release(&id("d"), at(30_600)).await);
+}
+
 /// Bad requests are refused before any call: here by a store whose Redis does not exist,
 /// which would otherwise answer that it is unavailable. And they leave nothing behind.
 async fn bad_requests_are_refused_before_any_call() {
@@ -360,6 +475,10 @@ async fn bad_requests_are_refused_before_any_call() {
         );
         assert_eq!(
             nowhere.release(bad, None).await,
+            Err(Error::InvalidLeaseId { len: bad.len() })
+        );
+        assert_eq!(
+            nowhere.renew(bad, None).await,
             Err(Error::InvalidLeaseId { len: bad.len() })
         );
     }
@@ -383,9 +502,19 @@ async fn bad_requests_are_refused_before_any_call() {
         acquire(&nowhere, &[k], "a", Some(Timestamp::from_nanos(u64::MAX))).await,
         Err(Error::UnsupportedLimit { .. })
     ));
+    assert!(matches!(
+        nowhere
+            .renew("a", Some(Timestamp::from_nanos(u64::MAX)))
+            .await,
+        Err(Error::UnsupportedLimit { .. })
+    ));
     // A valid request does reach for Redis, and says it is unavailable.
     assert!(matches!(
         acquire(&nowhere, &[k], "a", None).await,
+        Err(Error::StoreUnavailable { .. })
+    ));
+    assert!(matches!(
+        nowhere.renew("a", None).await,
         Err(Error::StoreUnavailable { .. })
     ));
 }
@@ -396,6 +525,7 @@ async fn scenarios(store: &RedisStore, name: &str) {
     an_acquire_over_several_keys_holds_all_or_nothing(store, name).await;
     a_soft_key_is_held_when_free_and_never_fails(store, name).await;
     an_id_is_held_until_its_lease_ends(store, name).await;
+    a_renewal_moves_each_keys_end_by_its_own_timeout(store, name).await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -418,9 +548,10 @@ impl Rng {
     }
 }
 
-/// A random trace of `steps` operations on `keys` (each with its own limit), with caller
-/// times in whole microseconds that mostly go forward and sometimes back, ids that are reused
-/// (held, or ended), soft keys, looks and releases: every answer must be the memory store's.
+/// A random trace of `steps` operations on `keys` (each with its own limit and timeout), with
+/// caller times in whole microseconds that mostly go forward and sometimes back, ids that are
+/// reused (held, or ended), soft keys, looks, releases and renewals: every answer must be the
+/// memory store's.
 async fn a_trace_decides_as_memory(store: &RedisStore, seed: u64, keys: &[String], steps: usize) {
     let mut rng = Rng(seed);
     let limits: Vec<LeaseLimit> = keys
@@ -431,9 +562,10 @@ async fn a_trace_decides_as_memory(store: &RedisStore, seed: u64, keys: &[String
     let mut now = T0;
     let ids: Vec<String> = (0..10).map(|i| format!("t{seed}-l{i}")).collect();
     let (mut admitted, mut rejected, mut in_use, mut held_releases) = (0, 0, 0, 0);
+    let (mut renewed, mut not_renewed) = (0, 0);
     for _ in 0..steps {
         let time = Timestamp::from_nanos(now);
-        match rng.below(12) {
+        match rng.below(14) {
             0..=4 => {
                 let mut chosen: Vec<usize> = (0..keys.len()).collect();
                 let count = 1 + rng.below(3.min(keys.len() as u64)) as usize;
@@ -472,15 +604,27 @@ async fn a_trace_decides_as_memory(store: &RedisStore, seed: u64, keys: &[String
                     held_releases += 1;
                 }
             }
-            9..=10 => now += rng.below(400_000) * 1_000,
+            9..=10 => {
+                let id = &ids[rng.below(ids.len() as u64) as usize];
+                match both.renew(id, time).await {
+                    Some(_) => renewed += 1,
+                    None => not_renewed += 1,
+                }
+            }
+            11..=12 => now += rng.below(400_000) * 1_000,
             _ => now -= rng.below(300_000) * 1_000,
         }
     }
     // Every kind of answer came up: the trace compared something.
     assert!(
-        admitted > 0 && rejected > 0 && in_use > 0 && held_releases > 0,
+        admitted > 0
+            && rejected > 0
+            && in_use > 0
+            && held_releases > 0
+            && renewed > 0
+            && not_renewed > 0,
         "seed {seed}: {admitted} admitted, {rejected} rejected, {in_use} in use, \
-         {held_releases} releases of held leases"
+         {held_releases} releases of held leases, {renewed} renewed, {not_renewed} not"
     );
 }
 
@@ -600,6 +744,58 @@ async fn keys_expire_with_their_last_lease(
     assert_eq!(inspect.integer(&["EXISTS", &record(&a)]).await, 0);
 }
 
+/// On Redis' own clock, a renewal moves each set's end to now plus its own timeout, and its
+/// TTL and its record's with it. The keys' TTLs are first cut short by hand, standing in for
+/// time that passed since the acquire: only the renewal can bring them back to a timeout.
+async fn a_renewal_moves_the_keys_ttls_with_the_ends(
+    store: &RedisStore,
+    name: &str,
+    inspect: &mut Inspector,
+) {
+    let (ten, twenty) = (limit(10, 10_000), limit(10, 20_000));
+    let (a, b) = (format!("{name}:rttl:a"), format!("{name}:rttl:b"));
+    let (set_a, set_b) = (format!("tollgate:lease:{a}"), format!("tollgate:lease:{b}"));
+    let id = format!("{name}-rttl");
+    let record = format!("tollgate:lease-id:{{{id}}}");
+    let takes = [LeaseTake::new(&a, &ten), LeaseTake::new(&b, &twenty)];
+    assert!(
+        acquire(store, &takes, &id, None)
+            .await
+            .unwrap()
+            .iter()
+            .all(LeaseDecision::allowed)
+    );
+    for key in [&set_a, &set_b, &record] {
+        assert_eq!(inspect.integer(&["PEXPIRE", key, "3000"]).await, 1);
+    }
+    let until = store.renew(&id, None).await.expect("renewed");
+    let until = until.expect("held");
+    assert!(
+        until > Duration::from_millis(19_000) && until <= Duration::from_secs(20),
+        "{until:?}"
+    );
+    for (set, timeout_ms) in [(&set_a, 10_000), (&set_b, 20_000)] {
+        let ends = inspect.score(set, &id).await.expect("held");
+        let left_us = ends.saturating_sub(inspect.time_at(set).await);
+        assert!(
+            left_us > (timeout_ms - 1_000) * 1_000 && left_us <= timeout_ms * 1_000,
+            "{set}: ends in {left_us} us"
+        );
+        let pttl = inspect.integer(&["PTTL", set]).await;
+        let pttl = u64::try_from(pttl).expect("an expiry");
+        assert!(
+            pttl.abs_diff(left_us / 1_000) <= 1_000,
+            "{set}: PTTL {pttl} for an end in {left_us} us"
+        );
+    }
+    let pttl = inspect.integer(&["PTTL", &record]).await;
+    assert!((19_000..=20_000).contains(&pttl), "record PTTL {pttl}");
+    assert_eq!(store.release(&id, None).await, Ok(true));
+    for key in [&set_a, &set_b, &record] {
+        assert_eq!(inspect.integer(&["EXISTS", key]).await, 0, "{key}");
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Single node.
 
@@ -637,6 +833,152 @@ async fn single_node_keys_expire_with_their_last_lease() {
     let store = connect(&server.url()).await;
     let mut inspect = Inspector::single(&server).await;
     keys_expire_with_their_last_lease(&store, "single", &mut inspect).await;
+    a_renewal_moves_the_keys_ttls_with_the_ends(&store, "single", &mut inspect).await;
+}
+
+/// A record written before records said their sets' timeouts (`END|LEN:SET`) still reads: a
+/// renewal keeps its set's end as it is (the timeout is unknown; the lease is still held), an
+/// acquire under its id is refused while it is held, and a release frees its set. A timeout
+/// that is not a number is a record that is not ours.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_without_timeouts_is_renewed_as_it_stands() {
+    let server = RedisServer::start();
+    let store = connect(&server.url()).await;
+    let mut inspect = Inspector::single(&server).await;
+    let set = "tollgate:lease:before";
+    let ends = (at(5_000).as_nanos() / 1_000).to_string();
+    let old_record = format!("{ends}|{}:{set}", set.len());
+    assert_eq!(inspect.integer(&["ZADD", set, &ends, "old"]).await, 1);
+    let _: () = inspect
+        .query(&["SET", "tollgate:lease-id:{old}", &old_record, "PX", "60000"])
+        .await;
+    assert_eq!(
+        store.renew("old", Some(at(1_000))).await,
+        Ok(Some(Duration::from_millis(4_000)))
+    );
+    assert_eq!(
+        inspect.score(set, "old").await,
+        Some(at(5_000).as_nanos() / 1_000)
+    );
+    let l = limit(5, 1_000);
+    let takes = [LeaseTake::new("before", &l)];
+    assert_eq!(
+        acquire(&store, &takes, "old", Some(at(2_000))).await,
+        Err(Error::LeaseIdInUse)
+    );
+    assert_eq!(
+        in_flight(&store, &takes, Some(at(2_000))).await[0].in_flight(),
+        1
+    );
+    assert_eq!(store.release("old", Some(at(3_000))).await, Ok(true));
+    assert_eq!(inspect.integer(&["EXISTS", set]).await, 0);
+    assert_eq!(store.renew("old", Some(at(3_000))).await, Ok(None));
+
+    for timeout in ["ten", "", "-5", "1.5", "86400001"] {
+        let bad = format!("{ends}|{}:{set}={timeout};", set.len());
+        let _: () = inspect
+            .query(&["SET", "tollgate:lease-id:{bad}", &bad, "PX", "60000"])
+            .await;
+        assert_eq!(
+            store.renew("bad", Some(at(1_000))).await,
+            Err(Error::StoreUnavailable {
+                reason: Unavailable::Script
+            }),
+            "{bad}"
+        );
+    }
+}
+
+/// The calls of a renewal follow one another: a release, or a new lease under the id, between
+/// its first call and the next leaves nothing of its lease to renew. Here the script is called
+/// by hand, as the store would, around such a change; the record's end, rewritten across
+/// slots, only ever grows, and only while the record names the sets that were renewed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_whose_record_changed_between_its_calls_renews_nothing() {
+    let server = RedisServer::start();
+    let store = connect(&server.url()).await;
+    let mut inspect = Inspector::single(&server).await;
+    let script = include_str!("../scripts/lease.lua");
+    let (set, record) = ("tollgate:lease:moving", "tollgate:lease-id:{m}");
+    let micros = |ms: u64| at(ms).as_nanos() / 1_000;
+    let (one, two) = (limit(1, 1_000), limit(1, 2_000));
+    assert!(
+        acquire(&store, &[LeaseTake::new("moving", &one)], "m", Some(at(0)))
+            .await
+            .unwrap()[0]
+            .allowed()
+    );
+    let now = micros(100).to_string();
+    let holds: Vec<redis::Value> = inspect
+        .query(&["EVAL", script, "1", record, "holds", &now, "m"])
+        .await;
+    assert_eq!(
+        holds.len(),
+        5,
+        "status, now, end, one timeout, one set: {holds:?}"
+    );
+    assert_eq!(holds[3], redis::Value::Int(1_000));
+    // Released and taken again under another timeout before the renewal's next call.
+    assert_eq!(store.release("m", Some(at(100))).await, Ok(true));
+    assert!(
+        acquire(
+            &store,
+            &[LeaseTake::new("moving", &two)],
+            "m",
+            Some(at(200))
+        )
+        .await
+        .unwrap()[0]
+            .allowed()
+    );
+    let now = micros(300).to_string();
+    let renew: Vec<i64> = inspect
+        .query(&[
+            "EVAL", script, "2", record, set, "renew", &now, "m", "1", "1000",
+        ])
+        .await;
+    let as_reply = |ms: u64| i64::try_from(micros(ms)).expect("a figure below 2^53");
+    assert_eq!(renew, [0, as_reply(300)]);
+    assert_eq!(inspect.score(set, "m").await, Some(micros(2_200)));
+    // The record as it now is: renewed, the set and the record with it.
+    let renew: Vec<i64> = inspect
+        .query(&[
+            "EVAL", script, "2", record, set, "renew", &now, "m", "1", "2000",
+        ])
+        .await;
+    assert_eq!(renew, [1, as_reply(300), as_reply(2_300)]);
+    assert_eq!(inspect.score(set, "m").await, Some(micros(2_300)));
+    // Across slots the record's end moves last: never back, and not on a record naming
+    // other sets (or the same set under another timeout).
+    for (last, timeout, status, ends) in [
+        (2_100, "2000", 1, 2_300),
+        (3_000, "2000", 1, 3_000),
+        (4_000, "1000", 0, 3_000),
+    ] {
+        let last = micros(last).to_string();
+        let reply: Vec<i64> = inspect
+            .query(&[
+                "EVAL", script, "1", record, "prolong", &now, "m", &last, timeout, set,
+            ])
+            .await;
+        assert_eq!(reply[0], status, "prolong to {last} under {timeout}");
+        let stored: String = inspect.query(&["GET", record]).await;
+        let expected = format!("{}|{}:{set}=2000;", micros(ends), set.len());
+        assert_eq!(stored, expected);
+    }
+    assert!(inspect.integer(&["PTTL", record]).await >= 59_000);
+    // A record that ended renews nothing, even where a set still holds the lease (a node
+    // whose clock ran ahead of the record's): the lease is over.
+    let ahead = micros(5_000).to_string();
+    assert_eq!(inspect.integer(&["ZADD", set, &ahead, "m"]).await, 0);
+    let now = micros(3_000).to_string();
+    let renew: Vec<i64> = inspect
+        .query(&[
+            "EVAL", script, "2", record, set, "renew", &now, "m", "1", "2000",
+        ])
+        .await;
+    assert_eq!(renew, [0, as_reply(3_000)]);
+    assert_eq!(inspect.score(set, "m").await, Some(micros(5_000)));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -762,6 +1104,10 @@ async fn a_least_privilege_user_with_the_lease_commands_suffices() {
     assert!(both.acquire(&takes, "acl-1", at(0)).await.unwrap()[0].allowed());
     assert!(!both.acquire(&takes, "acl-2", at(1)).await.unwrap()[0].allowed());
     both.in_flight(&takes, at(2)).await;
+    assert_eq!(
+        both.renew("acl-1", at(2)).await,
+        Some(Duration::from_millis(1_000))
+    );
     assert!(both.release("acl-1", at(3)).await);
     // A stale record's sets are cleaned up by a second call, under the same rights.
     assert!(both.acquire(&takes[..1], "acl-1", at(4)).await.unwrap()[0].allowed());
@@ -770,6 +1116,7 @@ async fn a_least_privilege_user_with_the_lease_commands_suffices() {
     // And on Redis' own clock.
     let clock = [LeaseTake::new("acl:clock", &l)];
     assert!(acquire(&store, &clock, "acl-4", None).await.unwrap()[0].allowed());
+    assert!(matches!(store.renew("acl-4", None).await, Ok(Some(_))));
     assert_eq!(store.release("acl-4", None).await, Ok(true));
 }
 
@@ -791,7 +1138,9 @@ async fn cluster() {
         .await;
     an_id_held_in_another_slot_is_refused_across_slots(&store, &mut inspect).await;
     a_lease_whose_keys_share_its_records_slot_is_one_call(&store).await;
+    a_lease_over_several_slots_is_renewed_on_all_of_them(&store, &mut inspect).await;
     keys_expire_with_their_last_lease(&store, "cluster", &mut inspect).await;
+    a_renewal_moves_the_keys_ttls_with_the_ends(&store, "cluster", &mut inspect).await;
     sixty_four_tasks_never_hold_more_than_max(&url, "{hot}:leases", &mut inspect).await;
 }
 
@@ -973,6 +1322,84 @@ async fn a_lease_whose_keys_share_its_records_slot_is_one_call(store: &RedisStor
         Err(Error::LeaseIdInUse)
     );
     assert!(!both.acquire(&takes, "other", at(1)).await.unwrap()[0].allowed());
-    assert!(both.release("same", at(2)).await);
-    assert!(both.acquire(&takes, "other", at(3)).await.unwrap()[0].allowed());
+    // Renewed in one call too, the record with its sets.
+    assert_eq!(
+        both.renew("same", at(500)).await,
+        Some(Duration::from_millis(1_000))
+    );
+    assert!(!both.acquire(&takes, "other", at(1_000)).await.unwrap()[0].allowed());
+    assert!(both.release("same", at(1_200)).await);
+    assert!(both.acquire(&takes, "other", at(1_300)).await.unwrap()[0].allowed());
+    assert_eq!(both.renew("same", at(1_300)).await, None);
+}
+
+/// A lease over three keys in three slots, its record in a fourth, each key with its own
+/// timeout: a renewal moves each set's end by that key's timeout, in each slot, leaves the
+/// key where the lease had ended as it is, and moves the record's end to the last of them.
+async fn a_lease_over_several_slots_is_renewed_on_all_of_them(
+    store: &RedisStore,
+    inspect: &mut Inspector,
+) {
+    let limits = [limit(1, 1_000), limit(1, 2_000), limit(1, 3_000)];
+    let keys = ["spread:one", "spread:two", "spread:three"];
+    let sets = keys.map(|key| format!("tollgate:lease:{key}"));
+    let slots: HashSet<Slot> = sets
+        .iter()
+        .map(Slot::for_key)
+        .chain([Slot::for_key("tollgate:lease-id:{spread}")])
+        .collect();
+    assert_eq!(
+        slots.len(),
+        4,
+        "the keys and the record must be in four slots"
+    );
+    let takes: Vec<LeaseTake<'_>> = keys
+        .iter()
+        .zip(&limits)
+        .map(|(key, limit)| LeaseTake::new(key, limit))
+        .collect();
+    let both = Both::new(store);
+    let micros = |ms: u64| at(ms).as_nanos() / 1_000;
+    assert!(
+        both.acquire(&takes, "spread", at(0))
+            .await
+            .unwrap()
+            .iter()
+            .all(LeaseDecision::allowed)
+    );
+    assert_eq!(
+        both.renew("spread", at(500)).await,
+        Some(Duration::from_millis(3_000))
+    );
+    for (set, ends) in sets.iter().zip([1_500, 2_500, 3_500]) {
+        assert_eq!(
+            inspect.score(set, "spread").await,
+            Some(micros(ends)),
+            "{set}"
+        );
+    }
+    let looked = both.in_flight(&takes, at(1_400)).await;
+    assert_eq!(looked[0].reset_after(), Duration::from_millis(100));
+    // The first key's lease ended at 1.5 s: not revived, its score left as it was.
+    assert_eq!(
+        both.renew("spread", at(1_600)).await,
+        Some(Duration::from_millis(3_000))
+    );
+    for (set, ends) in sets.iter().zip([1_500, 3_600, 4_600]) {
+        assert_eq!(
+            inspect.score(set, "spread").await,
+            Some(micros(ends)),
+            "{set}"
+        );
+    }
+    assert!(
+        both.acquire(&takes[..1], "spread-other", at(1_600))
+            .await
+            .unwrap()[0]
+            .allowed()
+    );
+    // The record ends with the last key: ended at it, held a moment before.
+    assert_eq!(both.renew("spread", at(4_600)).await, None);
+    assert!(both.release("spread", at(4_599)).await);
+    assert!(!both.release("spread-other", at(4_600)).await);
 }

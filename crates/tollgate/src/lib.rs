@@ -57,6 +57,29 @@
 //! assert_eq!(decision.retry_after(), Some(Duration::from_millis(50)));
 //! # Ok::<(), tollgate::Error>(())
 //! ```
+//!
+//! # Concurrency limits
+//!
+//! A [`LeaseLimit`] caps how many requests per key are in flight at once rather than how often
+//! they come: a request takes a lease before its work and gives it back after, and a lease
+//! nobody gives back times out. [`LeaseStore`] states the semantics; [`MemoryLeases`] (inside
+//! every [`LocalStore`]) keeps leases in this process.
+//!
+//! ```
+//! use std::time::Duration;
+//! use tollgate::{LeaseLimit, LeaseTake, MemoryLeases, Timestamp};
+//!
+//! let leases = MemoryLeases::default();
+//! let limit = LeaseLimit::new(2, Duration::from_secs(30))?;
+//! let takes = [LeaseTake::new("exports:{acme}", &limit)];
+//! let t0 = Timestamp::ZERO;
+//! assert!(leases.acquire(&takes, "a", t0)?[0].allowed());
+//! assert!(leases.acquire(&takes, "b", t0)?[0].allowed());
+//! assert!(!leases.acquire(&takes, "c", t0)?[0].allowed());
+//! leases.release("a", t0)?;
+//! assert!(leases.acquire(&takes, "c", t0)?[0].allowed());
+//! # Ok::<(), tollgate::Error>(())
+//! ```
 
 pub mod bucket;
 mod clock;

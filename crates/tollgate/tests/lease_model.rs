@@ -23,12 +23,15 @@ struct Held {
     ends: u64,
 }
 
+/// A lease's keys, each with the timeout it was taken with (nanoseconds).
+type HeldKeys = Vec<(&'static str, u64)>;
+
 /// The reference: lists, no ordering, no index.
 #[derive(Debug, Default)]
 struct Model {
     keys: BTreeMap<&'static str, Vec<Held>>,
-    /// id → (keys held, last end).
-    records: BTreeMap<String, (Vec<&'static str>, u64)>,
+    /// id → (keys held with the timeout each was taken with, last end).
+    records: BTreeMap<String, (HeldKeys, u64)>,
 }
 
 impl Model {
@@ -102,7 +105,7 @@ impl Model {
                 id: id.to_owned(),
                 ends,
             });
-            held_keys.push(*key);
+            held_keys.push((*key, limit.timeout_ms() * 1_000_000));
             let after = self.decision(key, limit.max_in_flight(), now);
             *decision = LeaseDecision::new(
                 true,
@@ -126,6 +129,25 @@ impl Model {
         }
     }
 
+    fn renew(&mut self, id: &str, now: u64) -> Option<Duration> {
+        let (keys, ends) = self.records.get_mut(id)?;
+        if *ends <= now {
+            return None;
+        }
+        let mut last = None;
+        for (key, timeout) in keys.iter() {
+            for held in self.keys.get_mut(key).into_iter().flatten() {
+                if held.id == id && held.ends > now {
+                    held.ends = held.ends.max(now + timeout);
+                    last = last.max(Some(held.ends));
+                }
+            }
+        }
+        let last = last?;
+        *ends = (*ends).max(last);
+        Some(Duration::from_nanos(last - now))
+    }
+
     fn sweep(&mut self, now: u64) -> usize {
         for leases in self.keys.values_mut() {
             leases.retain(|held| held.ends > now);
@@ -142,6 +164,7 @@ enum Op {
     Acquire(Vec<(usize, bool)>, u8),
     Look(usize),
     Release(u8),
+    Renew(u8),
     Sweep,
     /// Milliseconds forward.
     Forward(u16),
@@ -157,6 +180,7 @@ fn op() -> impl Strategy<Value = Op> {
             }),
         1 => (0usize..3).prop_map(Op::Look),
         3 => (0u8..12).prop_map(Op::Release),
+        2 => (0u8..12).prop_map(Op::Renew),
         1 => Just(Op::Sweep),
         3 => (0u16..400).prop_map(Op::Forward),
         1 => (0u16..300).prop_map(Op::Back),
@@ -181,7 +205,7 @@ proptest! {
     fn the_table_decides_as_the_model(limits in limits(), ops in proptest::collection::vec(op(), 1..80)) {
         let table = MemoryLeases::builder().shards(2).build();
         let mut model = Model::default();
-        let mut now: u64 = 1_000_000_000;
+        let mut now: u64 = 1_000_000_000_000;
         for op in ops {
             match op {
                 Op::Acquire(keys, id) => {
@@ -209,11 +233,16 @@ proptest! {
                     let got = table.release(&id, Timestamp::from_nanos(now)).unwrap();
                     prop_assert_eq!(got, model.release(&id, now), "release {} at {}", id, now);
                 }
+                Op::Renew(id) => {
+                    let id = format!("l{id}");
+                    let got = table.renew(&id, Timestamp::from_nanos(now)).unwrap();
+                    prop_assert_eq!(got, model.renew(&id, now), "renew {} at {}", id, now);
+                }
                 Op::Sweep => {
                     prop_assert_eq!(table.sweep(Timestamp::from_nanos(now)), model.sweep(now));
                 }
                 Op::Forward(ms) => now += u64::from(ms) * 1_000_000,
-                Op::Back(ms) => now -= u64::from(ms) * 1_000_000,
+                Op::Back(ms) => now = now.saturating_sub(u64::from(ms) * 1_000_000),
             }
             prop_assert_eq!(table.len(), model.records.len());
         }

@@ -316,6 +316,47 @@ impl PolicyEngine {
             .map_err(|source| lease_error("", source))
     }
 
+    /// Extends lease `lease_id` in this process, for work that runs longer than its
+    /// `lease_timeout`: on every key where it is still held, its end moves to now plus the
+    /// timeout it was taken with. `Ok(Some(d))` with `d` the time until its last end;
+    /// `Ok(None)` when it is held nowhere (timed out, released, never taken): a lease that
+    /// timed out is not revived, and the caller must acquire a new one.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Check`] with [`tollgate::Error::InvalidLeaseId`], before looking.
+    pub fn renew(&self, lease_id: &str) -> Result<Option<Duration>, Error> {
+        block_on_ready(self.renew_on(&self.local, lease_id))
+    }
+
+    /// [`renew`](Self::renew) against a shared `store`; a lease taken while the store was down
+    /// is renewed in this process's emergency table, which is looked at first.
+    ///
+    /// # Errors
+    ///
+    /// As for `renew`, plus the store's errors.
+    pub async fn renew_on<St: LeaseStore>(
+        &self,
+        store: &St,
+        lease_id: &str,
+    ) -> Result<Option<Duration>, Error> {
+        check_lease_id(lease_id).map_err(|source| lease_error("", source))?;
+        if !self.emergency_leases.is_empty() {
+            let now = self.options.clock.now();
+            let renewed = self
+                .emergency_leases
+                .renew(lease_id, now)
+                .map_err(|source| lease_error("", source))?;
+            if renewed.is_some() {
+                return Ok(renewed);
+            }
+        }
+        store
+            .renew(lease_id, None)
+            .await
+            .map_err(|source| lease_error("", source))
+    }
+
     /// Takes lease `lease_id` while the shared store cannot answer (down, slow, failing), with
     /// `reason` for the audit log. Every enforced concurrency limit follows its `failure_mode`:
     ///

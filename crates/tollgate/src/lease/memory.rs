@@ -41,10 +41,11 @@ type KeyShard = HashMap<String, Leases, Hasher>;
 /// One id shard: each lease's record.
 type IdShard = HashMap<Arc<str>, Record, Hasher>;
 
-/// Which keys a lease holds, and when the last of them times out.
+/// Which keys a lease holds (each with the timeout it was taken with, in nanoseconds, for a
+/// renewal), and when the last of them times out.
 #[derive(Debug)]
 struct Record {
-    keys: Box<[Box<str>]>,
+    keys: Box<[(Box<str>, u64)]>,
     ends: u64,
 }
 
@@ -89,7 +90,7 @@ impl MemoryLeasesBuilder {
     }
 }
 
-/// Leases held in this process: see the [module docs](super) for what they mean.
+/// Leases held in this process, with the semantics [`LeaseStore`](crate::LeaseStore) states.
 ///
 /// ```
 /// use std::time::Duration;
@@ -220,8 +221,9 @@ impl MemoryLeases {
                 // A key that cannot fail the acquire, full: reported, not held.
                 continue;
             }
-            keys.push(Box::from(take.key));
-            let ends = now.saturating_add(take.limit.timeout_ms() * 1_000_000);
+            let timeout = take.limit.timeout_ms() * 1_000_000;
+            keys.push((Box::from(take.key), timeout));
+            let ends = now.saturating_add(timeout);
             last = last.max(ends);
             let map = shards.guard(shard);
             let leases = map.entry_ref(take.key).or_insert_with(Leases::new);
@@ -290,6 +292,52 @@ impl MemoryLeases {
         Ok(record.ends > now.as_nanos())
     }
 
+    /// Extends lease `lease_id` from `now`: on every key where it is still held, its end moves
+    /// to `now` plus the timeout it was taken with (never earlier than it was). `Ok(Some(d))`
+    /// with `d` the time until its last end; `Ok(None)` when it is not held (timed out,
+    /// released, or unknown). A lease that timed out on a key is not revived there: its slot
+    /// may be someone else's by now.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidLeaseId`], before looking.
+    pub fn renew(&self, lease_id: &str, now: Timestamp) -> Result<Option<Duration>, Error> {
+        check_lease_id(lease_id)?;
+        let now = now.as_nanos();
+        let mut ids = self.ids[self.shard_of(lease_id)].lock();
+        let Some(record) = ids.get_mut(lease_id) else {
+            return Ok(None);
+        };
+        if record.ends <= now {
+            return Ok(None);
+        }
+        let mut last = None;
+        for (key, timeout) in &*record.keys {
+            let mut map = self.keys[self.shard_of(key)].lock();
+            let Some(leases) = map.get_mut(&**key) else {
+                continue;
+            };
+            let Some(at) = leases
+                .iter()
+                .position(|held| &*held.id == lease_id && held.ends > now)
+            else {
+                continue;
+            };
+            let Some(held) = leases.remove(at) else {
+                continue;
+            };
+            let ends = held.ends.max(now.saturating_add(*timeout));
+            last = last.max(Some(ends));
+            let at = leases.partition_point(|other| other.ends <= ends);
+            leases.insert(at, Held { id: held.id, ends });
+        }
+        let Some(last) = last else {
+            return Ok(None);
+        };
+        record.ends = record.ends.max(last);
+        Ok(Some(Duration::from_nanos(last - now)))
+    }
+
     /// Drops every lease that has timed out at `now`, and every key left without one; returns
     /// how many leases went. Acquires drop a key's ended leases on the way, so this is for
     /// memory: run it now and then (the policy engine does, with the bucket sweep).
@@ -327,8 +375,8 @@ impl MemoryLeases {
     }
 
     /// Removes lease `id` from each of `keys` (a key left empty goes too).
-    fn forget(&self, id: &str, keys: &[Box<str>]) {
-        for key in keys {
+    fn forget(&self, id: &str, keys: &[(Box<str>, u64)]) {
+        for (key, _) in keys {
             let mut map = self.keys[self.shard_of(key)].lock();
             if let Some(leases) = map.get_mut(&**key) {
                 if let Some(at) = leases.iter().position(|held| &*held.id == id) {
@@ -557,6 +605,46 @@ mod tests {
         assert!(leases.acquire(&[other], "a", at(1_000)).unwrap()[0].allowed());
         assert_eq!(leases.len(), 1);
         assert!(leases.in_flight(&[k], at(1_000)).unwrap()[0].in_flight() == 0);
+    }
+
+    #[test]
+    fn a_renewal_moves_the_end_of_a_lease_still_held_and_revives_none() {
+        let leases = MemoryLeases::default();
+        let short = limit(1, 1_000);
+        let long = limit(1, 5_000);
+        let both = [
+            LeaseTake::new("short", &short),
+            LeaseTake::new("long", &long),
+        ];
+        assert!(leases.acquire(&both, "a", at(0)).unwrap()[0].allowed());
+        // Each key's end moves to now plus its own timeout.
+        assert_eq!(
+            leases.renew("a", at(800)).unwrap(),
+            Some(Duration::from_millis(5_000))
+        );
+        let full = leases.acquire(&both, "b", at(1_500)).unwrap();
+        assert_eq!(full[0].retry_after(), Some(Duration::from_millis(300)));
+        assert_eq!(full[1].retry_after(), Some(Duration::from_millis(4_300)));
+        // Past the short key's end, only the long key is renewed: the short slot is free.
+        assert_eq!(
+            leases.renew("a", at(2_000)).unwrap(),
+            Some(Duration::from_millis(5_000))
+        );
+        let short_key = [both[0]];
+        assert!(leases.acquire(&short_key, "c", at(2_000)).unwrap()[0].allowed());
+        // A lease that ended everywhere, or was released, is not renewed.
+        assert_eq!(leases.renew("a", at(7_000)).unwrap(), None);
+        assert_eq!(
+            leases.renew("c", at(2_500)).unwrap(),
+            Some(Duration::from_millis(1_000))
+        );
+        assert!(leases.release("c", at(2_600)).unwrap());
+        assert_eq!(leases.renew("c", at(2_600)).unwrap(), None);
+        assert_eq!(leases.renew("nope", at(0)).unwrap(), None);
+        assert_eq!(
+            leases.renew("a b", at(0)),
+            Err(Error::InvalidLeaseId { len: 3 })
+        );
     }
 
     #[test]

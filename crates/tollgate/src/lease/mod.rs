@@ -6,25 +6,7 @@
 //! giving it back must not hold the slot for ever, so every lease also times out: the slot
 //! frees itself `lease_timeout` after it was taken.
 //!
-//! # Semantics
-//!
-//! For a key under a [`LeaseLimit`] of `max_in_flight` N and timeout T:
-//!
-//! * a lease taken at `t` is held on `[t, t + T)`: from `t + T` on it no longer counts, whether
-//!   or not it was released;
-//! * an acquire at `now` passes if fewer than N leases are held at `now`, and then holds one
-//!   more; otherwise it is rejected and **holds nothing**;
-//! * an acquire over several keys is all or nothing, as a check over several buckets is: one
-//!   lease id holds one slot on every key, or on none;
-//! * a release frees the lease's slot on every key it holds, at once; releasing a lease that
-//!   timed out or was released before changes nothing and says so;
-//! * a rejected acquire's `retry_after` is when the oldest lease held times out: the latest a
-//!   slot can free itself (a release may free one sooner). `reset_after` is when the last one
-//!   does.
-//!
-//! Concurrent acquires never hold more than N leases on a key at any instant, whatever their
-//! interleaving. A clock that goes back frees nothing: a lease counts until a `now` at or past
-//! its end.
+//! The semantics are stated on [`LeaseStore`], where users read them.
 //!
 //! The in-process store is [`MemoryLeases`]; a shared store (Redis) implements [`LeaseStore`]
 //! and is held to the same decisions for the same inputs.
@@ -269,6 +251,29 @@ pub struct LeaseRequest<'a> {
 
 /// A place where leases live.
 ///
+/// # Semantics
+///
+/// For a key under a [`LeaseLimit`] of `max_in_flight` N and timeout T:
+///
+/// * a lease taken at `t` is held on `[t, t + T)`: from `t + T` on it no longer counts, whether
+///   or not it was released;
+/// * an acquire at `now` passes if fewer than N leases are held at `now`, and then holds one
+///   more; otherwise it is rejected and **holds nothing**;
+/// * an acquire over several keys is all or nothing, as a check over several buckets is: one
+///   lease id holds one slot on every key, or on none;
+/// * a release frees the lease's slot on every key it holds, at once; releasing a lease that
+///   timed out or was released before changes nothing and says so;
+/// * a renewal, for work that runs longer than the timeout, moves the lease's end on every key
+///   where it is still held to `now` plus the timeout it was taken with; a lease that timed
+///   out is never revived (its slot may be another's by then);
+/// * a rejected acquire's `retry_after` is when the oldest lease held times out: the latest a
+///   slot can free itself (a release may free one sooner). `reset_after` is when the last one
+///   does.
+///
+/// Concurrent acquires never hold more than N leases on a key at any instant, whatever their
+/// interleaving. A clock that goes back frees nothing: a lease counts until a `now` at or past
+/// its end.
+///
 /// # Contract
 ///
 /// Every implementation must:
@@ -306,6 +311,16 @@ pub trait LeaseStore: Send + Sync {
         lease_id: &str,
         now: Option<Timestamp>,
     ) -> impl Future<Output = Result<bool, Error>> + Send;
+    /// Extends lease `lease_id` for work that runs longer than its timeout: on every key where
+    /// it is still held at `now` (the store's clock when `None`), its end moves to `now` plus
+    /// the timeout it was taken with, never earlier than it was. `Ok(Some(d))` with `d` the
+    /// time until its last end, `Ok(None)` when it is held nowhere (timed out, released or
+    /// unknown): a timed-out lease is never revived, since its slot may be another's by then.
+    fn renew(
+        &self,
+        lease_id: &str,
+        now: Option<Timestamp>,
+    ) -> impl Future<Output = Result<Option<Duration>, Error>> + Send;
 }
 
 impl<C: Clock> LocalStore<C> {
@@ -327,6 +342,20 @@ impl<C: Clock> LocalStore<C> {
     pub fn in_flight_now(&self, request: LeaseRequest<'_>) -> Result<Vec<LeaseDecision>, Error> {
         let now = request.now.unwrap_or_else(|| self.clock().now());
         self.leases().in_flight(request.takes, now)
+    }
+
+    /// [`LeaseStore::renew`], without the future.
+    ///
+    /// # Errors
+    ///
+    /// As [`MemoryLeases::renew`].
+    pub fn renew_now(
+        &self,
+        lease_id: &str,
+        now: Option<Timestamp>,
+    ) -> Result<Option<Duration>, Error> {
+        let now = now.unwrap_or_else(|| self.clock().now());
+        self.leases().renew(lease_id, now)
     }
 
     /// [`LeaseStore::release`], without the future.
@@ -361,6 +390,13 @@ impl<C: Clock> LeaseStore for LocalStore<C> {
         now: Option<Timestamp>,
     ) -> impl Future<Output = Result<bool, Error>> + Send {
         std::future::ready(self.release_now(lease_id, now))
+    }
+    fn renew(
+        &self,
+        lease_id: &str,
+        now: Option<Timestamp>,
+    ) -> impl Future<Output = Result<Option<Duration>, Error>> + Send {
+        std::future::ready(self.renew_now(lease_id, now))
     }
 }
 
