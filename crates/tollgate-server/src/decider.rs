@@ -298,22 +298,40 @@ impl Decider {
             Backend::Memory => self.engine.release(lease_id),
             Backend::Redis(store) => self.engine.release_on(&**store, lease_id).await,
         };
-        let released = match result {
-            Ok(released) => released,
-            Err(PolicyError::Check {
-                source: CoreError::StoreUnavailable { reason },
-                ..
-            }) => {
-                metrics::record_store_error(reason);
-                return Err(DecideError::Unavailable(reason));
-            }
-            Err(err @ PolicyError::Check { .. }) if is_caller_error(&err) => {
-                return Err(DecideError::Invalid(err));
-            }
-            Err(err) => return Err(DecideError::Internal(err)),
-        };
+        let released = result.map_err(|err| self.lease_op_error(err))?;
         metrics::record_release(released);
         Ok(released)
+    }
+
+    /// Extends lease `lease_id` from now: `Ok(Some(d))` with the time until its last end,
+    /// `Ok(None)` when it is held nowhere any more.
+    ///
+    /// # Errors
+    ///
+    /// As for [`release`](Self::release).
+    pub async fn renew(&self, lease_id: &str) -> Result<Option<Duration>, DecideError> {
+        let result = match &self.backend {
+            Backend::Memory => self.engine.renew(lease_id),
+            Backend::Redis(store) => self.engine.renew_on(&**store, lease_id).await,
+        };
+        let renewed = result.map_err(|err| self.lease_op_error(err))?;
+        metrics::record_renewal(renewed.is_some());
+        Ok(renewed)
+    }
+
+    /// The answer to a release or a renewal the engine could not do.
+    fn lease_op_error(&self, err: PolicyError) -> DecideError {
+        match err {
+            PolicyError::Check {
+                source: CoreError::StoreUnavailable { reason },
+                ..
+            } => {
+                metrics::record_store_error(reason);
+                DecideError::Unavailable(reason)
+            }
+            err @ PolicyError::Check { .. } if is_caller_error(&err) => DecideError::Invalid(err),
+            err => DecideError::Internal(err),
+        }
     }
 
     /// Whether the store answers: for `/readyz`.

@@ -43,6 +43,9 @@ pub const STORE_CIRCUIT_OPEN: &str = "tollgate_store_circuit_open";
 /// Leases given back through `DELETE /v1/leases/{id}`: label `result` (`released`: it was
 /// held; `not_found`: it had timed out, was released before, or never existed).
 pub const LEASES_RELEASED: &str = "tollgate_lease_releases_total";
+/// Lease renewals through `POST /v1/leases/{id}/renew`: label `result` (`renewed`, or
+/// `not_found`: it had timed out, was released, or never existed).
+pub const LEASES_RENEWED: &str = "tollgate_lease_renewals_total";
 /// Leases held in this process's lease tables (the memory store's, and emergency leases taken
 /// while the shared store was down), counting ended ones not yet swept.
 pub const LIVE_LEASES: &str = "tollgate_live_leases";
@@ -363,6 +366,12 @@ fn record_limits<'a>(
 pub fn record_release(released: bool) {
     let result = if released { "released" } else { "not_found" };
     counter!(LEASES_RELEASED, "result" => result).increment(1);
+}
+
+/// Records a lease renewed (or not found).
+pub fn record_renewal(renewed: bool) {
+    let result = if renewed { "renewed" } else { "not_found" };
+    counter!(LEASES_RENEWED, "result" => result).increment(1);
 }
 
 /// The `result` label of a limit's decision.

@@ -173,3 +173,52 @@ fn bad_lease_requests_are_4xx_and_change_nothing() {
         429
     );
 }
+
+#[test]
+fn a_renewal_keeps_a_lease_and_one_released_is_not_revived() {
+    let scratch = Scratch::new("renew");
+    let policy = r#"
+version: "renew-1"
+limits:
+  - name: jobs
+    domain: api
+    key: [tenant]
+    algorithm: concurrency
+    max_in_flight: 1
+    lease_timeout: 10m
+"#;
+    let config = scratch.write("policy.yaml", policy);
+    let server = Server::start(&["--config", path_str(&config)]);
+    let body = r#"{"domain":"api","descriptors":[{"tenant":"t"}]}"#;
+    let taken = post_json(server.http, "/v1/leases", body);
+    assert_eq!(taken.status, 200, "{}", taken.body);
+    let id = taken.json()["lease_id"].as_str().unwrap().to_owned();
+
+    let renewed = post_json(server.http, &format!("/v1/leases/{id}/renew"), "");
+    assert_eq!(renewed.status, 200, "{}", renewed.body);
+    assert_eq!(renewed.json()["lease_id"], id.as_str());
+    let left = renewed.json()["expires_after_ms"].as_u64().unwrap();
+    assert!((599_000..=600_000).contains(&left), "{left}");
+    assert_eq!(post_json(server.http, "/v1/leases", body).status, 429);
+
+    assert_eq!(release(&server, &id).status, 204);
+    let gone = post_json(server.http, &format!("/v1/leases/{id}/renew"), "");
+    assert_eq!(gone.status, 404, "{}", gone.body);
+    assert_eq!(gone.json()["error"]["code"], "lease_not_found");
+    let bad = post_json(server.http, "/v1/leases/not%20one/renew", "");
+    assert_eq!(bad.status, 400, "{}", bad.body);
+    assert_eq!(
+        metric(
+            &server,
+            r#"tollgate_lease_renewals_total{result="renewed"}"#
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &server,
+            r#"tollgate_lease_renewals_total{result="not_found"}"#
+        ),
+        1.0
+    );
+}

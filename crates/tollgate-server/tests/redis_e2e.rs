@@ -476,6 +476,13 @@ fn two_servers_share_concurrency_slots_and_release_each_others_leases() {
         }
     }
     assert_eq!(held.len(), 3, "three slots over both servers");
+    // Renewed through either server: the lease is the store's, not a process's.
+    for server in &servers {
+        let renewed = post_json(server.http, &format!("/v1/leases/{}/renew", held[1]), "");
+        assert_eq!(renewed.status, 200, "{}", renewed.body);
+        let left = renewed.json()["expires_after_ms"].as_u64().unwrap();
+        assert!((3_590_000..=3_600_000).contains(&left), "{left}");
+    }
     // A lease taken through one server is given back through the other.
     let released = request(
         servers[1].http,

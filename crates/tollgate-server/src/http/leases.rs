@@ -5,6 +5,9 @@
 //! {"domain":"api","descriptors":[{"tenant":"acme","route":"/export"}]}
 //! → 200 {"allowed":true,"lease_id":"9f0c…","policy_version":"3","limits":[…]}
 //!
+//! POST /v1/leases/9f0c…/renew
+//! → 200 {"lease_id":"9f0c…","expires_after_ms":30000}
+//!
 //! DELETE /v1/leases/9f0c…
 //! → 204
 //! ```
@@ -116,13 +119,7 @@ pub(crate) async fn release(
     State(state): State<Arc<AppState>>,
     Path(lease_id): Path<String>,
 ) -> Result<Response, ApiError> {
-    if tollgate::check_lease_id(&lease_id).is_err() {
-        metrics::record_invalid(Api::Leases);
-        return Err(ApiError::bad_request(
-            "invalid_lease_id",
-            "a lease id is 1 to 64 characters of ASCII letters, digits, '-' and '_'",
-        ));
-    }
+    check_id(&lease_id)?;
     let released = state
         .decider
         .release(&lease_id)
@@ -131,12 +128,48 @@ pub(crate) async fn release(
     if released {
         Ok(StatusCode::NO_CONTENT.into_response())
     } else {
-        Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            "lease_not_found",
-            "no such lease is held: it was released before, timed out, or never existed",
-        ))
+        Err(not_found())
     }
+}
+
+/// `POST /v1/leases/{lease_id}/renew`: for work that runs longer than the lease timeout. 200
+/// with `{"lease_id","expires_after_ms"}` (when its last slot now times out); 404 when it is
+/// held nowhere any more (a lease that timed out is not revived: take a new one).
+pub(crate) async fn renew(
+    State(state): State<Arc<AppState>>,
+    Path(lease_id): Path<String>,
+) -> Result<Response, ApiError> {
+    check_id(&lease_id)?;
+    let left = state
+        .decider
+        .renew(&lease_id)
+        .await
+        .map_err(lease_error)?
+        .ok_or_else(not_found)?;
+    let mut out = Vec::with_capacity(96);
+    out.extend_from_slice(b"{\"lease_id\":");
+    push_str(&mut out, &lease_id);
+    push_number(&mut out, b",\"expires_after_ms\":", millis_ceil(left));
+    out.push(b'}');
+    Ok(json(StatusCode::OK, out))
+}
+
+fn check_id(lease_id: &str) -> Result<(), ApiError> {
+    tollgate::check_lease_id(lease_id).map_err(|_| {
+        metrics::record_invalid(Api::Leases);
+        ApiError::bad_request(
+            "invalid_lease_id",
+            "a lease id is 1 to 64 characters of ASCII letters, digits, '-' and '_'",
+        )
+    })
+}
+
+fn not_found() -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "lease_not_found",
+        "no such lease is held: it was released before, timed out, or never existed",
+    )
 }
 
 /// Maps a failure to take or give back a lease to its answer.

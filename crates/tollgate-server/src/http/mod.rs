@@ -99,6 +99,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         )
         .route("/v1/leases", post(leases::acquire))
         .route("/v1/leases/{lease_id}", delete(leases::release))
+        .route("/v1/leases/{lease_id}/renew", post(leases::renew))
         .route("/v1/noop", get(noop).post(noop))
         .route("/healthz", get(admin::healthz))
         .route("/readyz", get(admin::readyz))
