@@ -65,7 +65,67 @@
 //!   closed, `INVALID_ARGUMENT` for a missing key; the rate-limit fields and `Retry-After` are
 //!   in the response metadata. (A bare HTTP 429 would reach a gRPC client as a decoding
 //!   error.)
+//!
+//! # Concurrency limits
+//!
+//! [`ConcurrencyLayer`] bounds how many requests each key has **in flight at once**, in this
+//! process, for backends whose cost is time held (exports, database connections) rather than
+//! calls. An admitted request holds a lease from a [`tollgate::MemoryLeases`] shared by every
+//! clone of the layer; a key with none free is answered at once with a 429 (gRPC:
+//! `RESOURCE_EXHAUSTED`) and `Retry-After` up to the time its oldest lease times out, rounded
+//! up; the inner service never sees it, and nothing queues. Missing keys follow [`MissingKey`]
+//! as above.
+//!
+//! The slot is given back when the response future completes, with a response or an error, or
+//! is dropped unfinished (a client that went away): so it is held until the response **head**
+//! is ready, not while the body streams, as with tower's own `ConcurrencyLimit`. A request
+//! still running after the [`tollgate::LeaseLimit`]'s timeout loses its slot to that timeout.
+//!
+//! ```
+//! use std::{sync::Arc, time::Duration};
+//! use axum::{Router, body::Body, routing::get};
+//! use http::{Request, StatusCode, header::HeaderName};
+//! use tokio::sync::Notify;
+//! use tollgate::LeaseLimit;
+//! use tollgate_tower::{ConcurrencyLayer, Header};
+//! use tower::ServiceExt;
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! // One export at a time per API key; a slot left behind frees itself after 5 minutes.
+//! let layer = ConcurrencyLayer::new(
+//!     "exports",
+//!     LeaseLimit::new(1, Duration::from_secs(300))?,
+//!     Header::new(HeaderName::from_static("x-api-key")),
+//! );
+//! // The export runs until `finish` is notified, and says when it has started.
+//! let (started, finish) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+//! let handler = {
+//!     let (started, finish) = (started.clone(), finish.clone());
+//!     move || async move {
+//!         started.notify_one();
+//!         finish.notified().await;
+//!         "exported"
+//!     }
+//! };
+//! let app = Router::new().route("/export", get(handler)).layer(layer);
+//! let request = || Request::get("/export").header("x-api-key", "k1").body(Body::empty()).unwrap();
+//!
+//! let running = tokio::spawn(app.clone().oneshot(request()));
+//! started.notified().await;
+//! let busy = app.clone().oneshot(request()).await?;
+//! assert_eq!(busy.status(), StatusCode::TOO_MANY_REQUESTS);
+//! assert_eq!(busy.headers()["retry-after"], "300");
+//!
+//! finish.notify_one();
+//! assert_eq!(running.await??.status(), StatusCode::OK);
+//! finish.notify_one(); // lets the next export finish at once
+//! assert_eq!(app.oneshot(request()).await?.status(), StatusCode::OK);
+//! # Ok(())
+//! # }
+//! ```
 
+mod concurrency;
 mod error;
 pub mod extract;
 mod future;
@@ -74,6 +134,7 @@ mod layer;
 mod limiter;
 mod service;
 
+pub use concurrency::{Concurrency, ConcurrencyBuilder, ConcurrencyFuture, ConcurrencyLayer};
 pub use error::Error;
 pub use extract::{
     ForwardedFor, Global, Header, KeyExtractor, KeyFn, MissingKey, PeerIp, RequestHead,

@@ -282,29 +282,42 @@ fn too_many_requests<'a>(
     items: impl IntoIterator<Item = (&'a str, &'a Decision)> + Clone,
     retry_after: Option<u64>,
 ) -> Response<Bytes> {
-    let mut body = String::from(
-        r#"{"type":"https://iana.org/assignments/http-problem-types#quota-exceeded","title":"Too Many Requests","status":429,"violated-policies":["#,
-    );
-    let mut first = true;
-    for (name, _) in items.clone().into_iter().filter(|(_, d)| !d.allowed()) {
-        if !first {
-            body.push(',');
-        }
-        first = false;
-        push_json_string(&mut body, name);
-    }
-    body.push_str("]}");
-    let mut response = problem(StatusCode::TOO_MANY_REQUESTS, body);
+    let violated = items
+        .clone()
+        .into_iter()
+        .filter(|(_, d)| !d.allowed())
+        .map(|(name, _)| name);
+    let mut response = quota_exceeded(violated, retry_after);
     let headers = response.headers_mut();
-    // At least 1 on every 429, even if no rejecting decision said so (it always does).
-    headers.insert(
-        RETRY_AFTER,
-        HeaderValue::from(retry_after.unwrap_or(1).max(1)),
-    );
     if let Some((policy, ratelimit)) = rate_limit_headers(items) {
         headers.insert(RATELIMIT_POLICY, policy);
         headers.insert(RATELIMIT, ratelimit);
     }
+    response
+}
+
+/// A 429 without the rate-limit fields: `Retry-After` and a problem document naming the
+/// `violated` limits. Shared by the rate limits and the concurrency limits.
+pub(crate) fn quota_exceeded<'a>(
+    violated: impl IntoIterator<Item = &'a str>,
+    retry_after: Option<u64>,
+) -> Response<Bytes> {
+    let mut body = String::from(
+        r#"{"type":"https://iana.org/assignments/http-problem-types#quota-exceeded","title":"Too Many Requests","status":429,"violated-policies":["#,
+    );
+    for (index, name) in violated.into_iter().enumerate() {
+        if index > 0 {
+            body.push(',');
+        }
+        push_json_string(&mut body, name);
+    }
+    body.push_str("]}");
+    let mut response = problem(StatusCode::TOO_MANY_REQUESTS, body);
+    // At least 1 on every 429, even if no rejecting decision said so (it always does).
+    response.headers_mut().insert(
+        RETRY_AFTER,
+        HeaderValue::from(retry_after.unwrap_or(1).max(1)),
+    );
     response
 }
 
