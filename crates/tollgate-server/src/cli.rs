@@ -1,4 +1,5 @@
-//! The `tollgate` command line: `serve`, `validate`, `check` and `import envoy`.
+//! The `tollgate` command line: `serve`, `validate`, `check`, `simulate`, `bench` and
+//! `import envoy`.
 //!
 //! Every `serve` flag is also a `TOLLGATE_*` environment variable. Errors print as one line that
 //! says what to do, and exit with status 1.
@@ -45,6 +46,8 @@ enum Command {
     },
     /// Decide locally against a policy file (in memory) and print the decisions.
     Check(CheckArgs),
+    /// Replay a trace of requests against policy files and report what each would reject.
+    Simulate(crate::simulate::SimulateArgs),
     /// Load a tollgate deployment over HTTP or gRPC and report decisions/s and latency.
     Bench(crate::loadgen::BenchArgs),
     /// Convert another rate limiter's configuration into a tollgate policy.
@@ -280,6 +283,7 @@ pub fn main() -> ExitCode {
         Command::Serve(args) => serve_main(args),
         Command::Validate { file } => validate(&file),
         Command::Check(args) => check(args),
+        Command::Simulate(args) => crate::simulate::main(&args).map_err(anyhow::Error::from),
         Command::Bench(args) => crate::loadgen::main(&args),
         Command::Import {
             from:

@@ -54,6 +54,7 @@ pub mod http;
 pub mod loadgen;
 pub mod metrics;
 pub mod rls;
+pub mod simulate;
 
 use std::future::Future;
 use std::sync::Arc;

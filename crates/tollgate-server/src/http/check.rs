@@ -56,7 +56,7 @@ fn one() -> u64 {
 /// A descriptor's entries in the order they came, values not yet checked to be strings. A
 /// `serde_json::Map` would sort them into a tree, an allocation per entry on every request.
 #[derive(Debug)]
-pub(super) struct RawDescriptor<'a>(Vec<(Cow<'a, str>, EntryValue<'a>)>);
+pub(crate) struct RawDescriptor<'a>(Vec<(Cow<'a, str>, EntryValue<'a>)>);
 
 impl<'de: 'a, 'a> Deserialize<'de> for RawDescriptor<'a> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
@@ -225,7 +225,7 @@ pub(super) fn parse_with_serde(body: &[u8]) -> Result<Parsed<'_>, ApiError> {
 }
 
 /// The descriptors of a body, every value checked to be a string.
-pub(super) fn entries_of(raw: Vec<RawDescriptor<'_>>) -> Result<Vec<Entries<'_>>, ApiError> {
+pub(crate) fn entries_of(raw: Vec<RawDescriptor<'_>>) -> Result<Vec<Entries<'_>>, ApiError> {
     // Collected in place: the lists the body was read into become the request's.
     raw.into_iter()
         .enumerate()

@@ -27,6 +27,16 @@ impl ApiError {
     pub fn bad_request(code: &'static str, message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, code, message)
     }
+
+    /// The stable machine-readable code.
+    pub fn code(&self) -> &'static str {
+        self.code
+    }
+
+    /// The message for people.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
 }
 
 impl IntoResponse for ApiError {

@@ -6,7 +6,7 @@
 //! nothing.
 
 mod admin;
-mod check;
+pub(crate) mod check;
 mod error;
 mod forward_auth;
 mod leases;

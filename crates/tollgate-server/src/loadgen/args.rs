@@ -246,11 +246,11 @@ fn check_path(path: &str) -> Result<String, String> {
     }
 }
 
-/// `500ms`, `10s`, `2m`.
+/// `500ms`, `10s`, `2m`, `1h`, `1d`.
 pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
     let split = text
         .find(|c: char| !c.is_ascii_digit())
-        .ok_or("a unit is needed: ms, s or m, as in 10s")?;
+        .ok_or("a unit is needed: ms, s, m, h or d, as in 10s")?;
     let (count, unit) = text.split_at(split);
     let count: u64 = count
         .parse()
@@ -259,7 +259,9 @@ pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
         "ms" => Ok(Duration::from_millis(count)),
         "s" => Ok(Duration::from_secs(count)),
         "m" => Ok(Duration::from_secs(count.saturating_mul(60))),
-        _ => Err(format!("unknown unit in {text}: use ms, s or m")),
+        "h" => Ok(Duration::from_secs(count.saturating_mul(3_600))),
+        "d" => Ok(Duration::from_secs(count.saturating_mul(86_400))),
+        _ => Err(format!("unknown unit in {text}: use ms, s, m, h or d")),
     }
 }
 
@@ -348,6 +350,9 @@ mod tests {
         assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
         assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
         assert!(parse_duration("10").is_err());
-        assert!(parse_duration("1h").is_err());
+        assert_eq!(parse_duration("1h"), Ok(Duration::from_secs(3_600)));
+        assert_eq!(parse_duration("2d"), Ok(Duration::from_secs(172_800)));
+        assert!(parse_duration("1w").is_err());
+        assert!(parse_duration("ms").is_err());
     }
 }

@@ -1,0 +1,372 @@
+//! `tollgate simulate`: replays a trace of requests against one or more policy files and
+//! reports what each would have rejected, before any of them goes in force.
+//!
+//! The question before a limit is lowered, a shadow limit enforced or a rollout widened is
+//! "whom would this have stopped last week?". Shadow mode answers it on live traffic, slowly;
+//! a replay answers it in seconds from a log. Each policy gets its own [`PolicyEngine`] on
+//! manual clocks that follow the trace's timestamps, so the decisions are the ones a `tollgate
+//! serve` on the memory store would have made had the requests arrived at those instants:
+//! buckets refill by the trace's time, fixed windows start on the same wall-clock minutes (the
+//! clock's epoch is the midnight UTC before the first request, as the server's is the midnight
+//! before it started), exemptions expire mid-trace, `request_id` retries are free. Several
+//! policies are fed each line in one pass, so a trace on standard input can be compared
+//! against all of them.
+//!
+//! The trace format is in `trace.rs`; the counting in `tally.rs`; the text and JSON report in
+//! `report.rs`; the SVG plot in `plot.rs`.
+
+mod plot;
+mod report;
+mod tally;
+mod trace;
+
+use std::fs::File;
+use std::io::{self, BufRead, BufReader, IsTerminal as _};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use tollgate::{ManualClock, Timestamp};
+use tollgate_policy::{EngineOptions, ManualWallClock, PolicyEngine, UnixTime};
+
+use crate::loadgen::args::parse_duration;
+use report::{BadLine, PolicyReport, Report, TraceSummary};
+use tally::Tally;
+
+/// How many skipped lines the report quotes.
+const QUOTED_BAD_LINES: usize = 5;
+
+/// A trace line longer than this is not a request (the HTTP API takes at most 64 KiB).
+const MAX_LINE_BYTES: usize = crate::http::MAX_BODY_BYTES;
+
+/// Requests between two sweeps of each engine's idle buckets.
+const SWEEP_EVERY: u64 = 1 << 16;
+
+const DAY_NS: i64 = 86_400 * 1_000_000_000;
+
+/// `tollgate simulate` flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SimulateArgs {
+    /// The trace: one JSON request per line, the body `POST /v1/check` takes plus `time` (an
+    /// RFC 3339 instant or Unix milliseconds), such as
+    /// {"time":"2026-11-29T10:00:00.250Z","domain":"api","descriptors":[{"user":"u1"}]};
+    /// `-` reads standard input.
+    pub trace: PathBuf,
+    /// A policy file; repeat it to compare several on the same trace (the first is the
+    /// baseline).
+    #[arg(long, required = true, value_name = "FILE")]
+    pub config: Vec<PathBuf>,
+    /// Length of the timeline's intervals: `500ms`, `10s`, `1m`, `1h`, `1d`.
+    #[arg(long, default_value = "1m", value_parser = parse_interval)]
+    pub interval: Duration,
+    /// How many of each limit's most rejected keys to show.
+    #[arg(long, default_value_t = 5)]
+    pub top: usize,
+    /// Print the report as JSON (with the whole timeline) instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Also write an SVG plot of requests and rejections over time to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub plot: Option<PathBuf>,
+}
+
+fn parse_interval(text: &str) -> Result<Duration, String> {
+    let interval = parse_duration(text)?;
+    if interval < Duration::from_millis(1) || interval.subsec_nanos() % 1_000_000 != 0 {
+        return Err(format!(
+            "{text}: an interval is a whole number of milliseconds, at least 1ms"
+        ));
+    }
+    Ok(interval)
+}
+
+/// Why a simulation could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum SimulateError {
+    /// A policy file could not be read or does not validate.
+    #[error("{0}")]
+    Policy(#[from] tollgate_policy::Error),
+    /// The trace could not be read.
+    #[error("cannot read the trace {source_name}: {error}")]
+    Trace {
+        /// The trace's name.
+        source_name: String,
+        /// What failed.
+        error: io::Error,
+    },
+    /// The plot could not be written.
+    #[error("cannot write the plot {path}: {error}")]
+    Plot {
+        /// Where it was to go.
+        path: String,
+        /// What failed.
+        error: io::Error,
+    },
+    /// The trace held no request at all.
+    #[error("{0} holds no request: see `tollgate simulate --help` for the line format")]
+    Empty(String),
+}
+
+/// One policy under simulation.
+struct Simulation {
+    file: String,
+    engine: PolicyEngine,
+    clock: ManualClock,
+    wall: ManualWallClock,
+    tally: Tally,
+}
+
+/// A replay in progress: feed it lines, then ask for the report.
+pub struct Simulator {
+    policies: Vec<Simulation>,
+    top: usize,
+    lines: u64,
+    requests: u64,
+    skipped: u64,
+    first_skipped: Vec<BadLine>,
+    out_of_order: u64,
+    first: Option<UnixTime>,
+    latest: Option<UnixTime>,
+    /// The engines' clock epoch: the midnight UTC before the first request.
+    epoch: i64,
+}
+
+impl Simulator {
+    /// A simulator of the policy files `configs`, with a timeline in `interval`s and the
+    /// `top` most rejected keys of each limit.
+    ///
+    /// # Errors
+    ///
+    /// The first policy file that cannot be read or does not validate.
+    pub fn new(configs: &[PathBuf], interval: Duration, top: usize) -> Result<Self, SimulateError> {
+        let mut policies = Vec::with_capacity(configs.len());
+        for path in configs {
+            let clock = ManualClock::new();
+            let wall = ManualWallClock::new(UnixTime::from_nanos(0));
+            let options = EngineOptions::default()
+                .clock(Arc::new(clock.clone()))
+                .wall_clock(Arc::new(wall.clone()));
+            let engine = PolicyEngine::from_file(path, options)?;
+            let tally = Tally::new(&engine.current(), interval);
+            policies.push(Simulation {
+                file: path.display().to_string(),
+                engine,
+                clock,
+                wall,
+                tally,
+            });
+        }
+        Ok(Self {
+            policies,
+            top,
+            lines: 0,
+            requests: 0,
+            skipped: 0,
+            first_skipped: Vec::new(),
+            out_of_order: 0,
+            first: None,
+            latest: None,
+            epoch: 0,
+        })
+    }
+
+    /// Replays one line of the trace (its newline may be left on).
+    pub fn feed(&mut self, line: &[u8]) {
+        self.lines += 1;
+        let number = self.lines;
+        let line = line.strip_suffix(b"\n").unwrap_or(line);
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        if line.iter().all(u8::is_ascii_whitespace) {
+            return;
+        }
+        if line.len() > MAX_LINE_BYTES {
+            let why = format!(
+                "{} bytes long; a request is at most {MAX_LINE_BYTES}",
+                line.len()
+            );
+            return self.skip(number, why);
+        }
+        let Ok(text) = std::str::from_utf8(line) else {
+            return self.skip(number, "not UTF-8".to_owned());
+        };
+        let parsed = match trace::parse_line(text) {
+            Ok(parsed) => parsed,
+            Err(err) => return self.skip(number, err.message().to_owned()),
+        };
+        let at = self.arrive(parsed.at);
+        // The engines' clocks count from the epoch; `at` is never before it (see `arrive`).
+        let since_epoch = u64::try_from(at.as_nanos() - self.epoch).unwrap_or(0);
+        let request = parsed.request.request();
+        self.requests += 1;
+        for policy in &mut self.policies {
+            policy.clock.set(Timestamp::from_nanos(since_epoch));
+            policy.wall.set(at);
+            match policy.engine.decide(
+                request.domain,
+                request.descriptors,
+                request.cost,
+                request.request_id,
+            ) {
+                Ok(outcome) => policy.tally.record(at, &outcome),
+                Err(err) => policy.tally.refuse(number, err.to_string()),
+            }
+            if self.requests.is_multiple_of(SWEEP_EVERY) {
+                policy.engine.sweep();
+            }
+        }
+    }
+
+    /// The instant a request arriving at `at` is decided at: `at`, or the latest instant seen
+    /// when it came out of order (time in a replay never goes back, as in a server).
+    fn arrive(&mut self, at: UnixTime) -> UnixTime {
+        let Some(latest) = self.latest else {
+            self.first = Some(at);
+            self.latest = Some(at);
+            self.epoch = at.as_nanos() - at.as_nanos().rem_euclid(DAY_NS);
+            return at;
+        };
+        if at < latest {
+            self.out_of_order += 1;
+            return latest;
+        }
+        self.latest = Some(at);
+        at
+    }
+
+    fn skip(&mut self, line: u64, error: String) {
+        self.skipped += 1;
+        if self.first_skipped.len() < QUOTED_BAD_LINES {
+            self.first_skipped.push(BadLine { line, error });
+        }
+    }
+
+    /// Requests replayed so far.
+    pub fn requests(&self) -> u64 {
+        self.requests
+    }
+
+    /// The report so far, naming the trace `source`.
+    pub(crate) fn report(&self, source: &str) -> Report {
+        let interval = self
+            .policies
+            .first()
+            .map_or(Duration::from_secs(60), |p| p.tally.interval());
+        Report {
+            trace: TraceSummary {
+                source: source.to_owned(),
+                lines: self.lines,
+                requests: self.requests,
+                skipped: self.skipped,
+                first_skipped: self.first_skipped.clone(),
+                out_of_order: self.out_of_order,
+                first: self.first.map(UnixTime::to_rfc3339),
+                last: self.latest.map(UnixTime::to_rfc3339),
+                interval_ms: u64::try_from(interval.as_millis()).unwrap_or(u64::MAX),
+            },
+            policies: self
+                .policies
+                .iter()
+                .map(|p| {
+                    PolicyReport::new(
+                        p.file.clone(),
+                        p.engine.current().version().to_owned(),
+                        &p.tally,
+                        self.top,
+                    )
+                })
+                .collect(),
+        }
+    }
+
+    /// The SVG plot of the timeline so far.
+    pub fn plot(&self) -> String {
+        let series: Vec<plot::Series<'_>> = self
+            .policies
+            .iter()
+            .map(|p| plot::Series {
+                label: &p.file,
+                timeline: &p.tally.timeline,
+            })
+            .collect();
+        let interval = self
+            .policies
+            .first()
+            .map_or(Duration::from_secs(60), |p| p.tally.interval());
+        plot::svg(&series, interval)
+    }
+}
+
+/// `tollgate simulate`: replays the trace, prints the report on stdout, writes the plot.
+///
+/// # Errors
+///
+/// A policy that does not load, a trace that cannot be read or holds no request, a plot that
+/// cannot be written.
+pub fn main(args: &SimulateArgs) -> Result<(), SimulateError> {
+    let mut simulator = Simulator::new(&args.config, args.interval, args.top)?;
+    let source = args.trace.display().to_string();
+    let trace_error = |error| SimulateError::Trace {
+        source_name: source.clone(),
+        error,
+    };
+    let (mut reader, length): (Box<dyn BufRead>, Option<u64>) = if source == "-" {
+        (Box::new(io::stdin().lock()), None)
+    } else {
+        let file = File::open(&args.trace).map_err(trace_error)?;
+        let length = file.metadata().ok().map(|m| m.len());
+        (Box::new(BufReader::with_capacity(1 << 16, file)), length)
+    };
+    let progress = progress_bar(length, args.json);
+    let mut line = Vec::with_capacity(1024);
+    loop {
+        line.clear();
+        let read = reader.read_until(b'\n', &mut line).map_err(trace_error)?;
+        if read == 0 {
+            break;
+        }
+        simulator.feed(&line);
+        progress.inc(read as u64);
+    }
+    progress.finish_and_clear();
+    if simulator.requests() == 0 {
+        return Err(SimulateError::Empty(source));
+    }
+    let report = simulator.report(&source);
+    if let Some(path) = &args.plot {
+        std::fs::write(path, simulator.plot()).map_err(|error| SimulateError::Plot {
+            path: path.display().to_string(),
+            error,
+        })?;
+    }
+    if args.json {
+        match serde_json::to_string_pretty(&report) {
+            Ok(json) => println!("{json}"),
+            Err(err) => eprintln!("error: cannot write the report as JSON: {err}"),
+        }
+    } else {
+        print!("{}", report.text());
+    }
+    Ok(())
+}
+
+/// Bytes of the trace read, when it is a file and stderr a terminal.
+fn progress_bar(length: Option<u64>, json: bool) -> ProgressBar {
+    if json || !io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    match length {
+        Some(length) => {
+            let style = ProgressStyle::with_template(
+                "{bar:40} {bytes}/{total_bytes} of the trace  {bytes_per_sec}  eta {eta}",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar());
+            ProgressBar::new(length).with_style(style)
+        }
+        None => {
+            let style = ProgressStyle::with_template("{spinner} {bytes} of the trace read")
+                .unwrap_or_else(|_| ProgressStyle::default_spinner());
+            ProgressBar::new_spinner().with_style(style)
+        }
+    }
+}

@@ -1,0 +1,389 @@
+//! The report of a simulation, as text for people and as JSON for scripts.
+//!
+//! Both are built from one [`Report`] so they cannot disagree. Times are RFC 3339 (UTC).
+
+use std::fmt::Write as _;
+
+use serde::Serialize;
+use tollgate_policy::UnixTime;
+
+use super::tally::{Slot, Tally};
+
+/// A line of the trace that was not a request, and why.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub(crate) struct BadLine {
+    /// Its number, from 1.
+    pub(crate) line: u64,
+    /// Why it was skipped.
+    pub(crate) error: String,
+}
+
+/// What the trace held.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct TraceSummary {
+    /// Where it was read from (`-` for standard input).
+    pub(crate) source: String,
+    /// Lines read, blank ones included.
+    pub(crate) lines: u64,
+    /// Requests replayed.
+    pub(crate) requests: u64,
+    /// Lines skipped because they were not valid requests.
+    pub(crate) skipped: u64,
+    /// The first few of those.
+    pub(crate) first_skipped: Vec<BadLine>,
+    /// Requests that came earlier than one before them; replayed at the latest time seen, as a
+    /// server receiving them in that order would have decided them.
+    pub(crate) out_of_order: u64,
+    /// The first request's time.
+    pub(crate) first: Option<String>,
+    /// The last request's time.
+    pub(crate) last: Option<String>,
+    /// The timeline's interval, in milliseconds.
+    pub(crate) interval_ms: u64,
+}
+
+/// One policy's report.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct PolicyReport {
+    /// The policy file.
+    pub(crate) file: String,
+    /// Its version.
+    pub(crate) version: String,
+    /// Requests decided.
+    pub(crate) requests: u64,
+    /// Requests allowed.
+    pub(crate) allowed: u64,
+    /// Requests an enforced limit rejected.
+    pub(crate) rejected: u64,
+    /// Requests allowed that a shadow limit, or one outside its rollout, would have rejected.
+    pub(crate) would_reject: u64,
+    /// Requests no limit applied to.
+    pub(crate) unmatched: u64,
+    /// Requests the policy refused to decide (the server's 400 or 409).
+    pub(crate) invalid: u64,
+    /// The first of those.
+    pub(crate) first_invalid: Option<BadLine>,
+    /// Concurrency limits in the policy, which a trace cannot exercise (it holds no lease
+    /// ends) and which are left out.
+    pub(crate) concurrency_limits_skipped: usize,
+    /// Each rate limit.
+    pub(crate) limits: Vec<LimitReport>,
+    /// Requests by interval: every interval from the first request's to the last's, or only
+    /// those that saw requests when that would be more than 100,000.
+    pub(crate) timeline: Vec<TimelineSlot>,
+}
+
+/// One limit's counts.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct LimitReport {
+    /// The limit's name.
+    pub(crate) name: String,
+    /// Its algorithm.
+    pub(crate) algorithm: String,
+    /// Times it applied.
+    pub(crate) decisions: u64,
+    /// Times it was enforced and rejected.
+    pub(crate) rejected: u64,
+    /// Times it would have rejected (shadow mode, outside its rollout).
+    pub(crate) would_reject: u64,
+    /// Times an exemption lifted it.
+    pub(crate) exempt: u64,
+    /// When it first rejected or would have.
+    pub(crate) first_rejection: Option<String>,
+    /// The keys it rejected most (rejections and would-rejections).
+    pub(crate) top_keys: Vec<KeyCount>,
+    /// Rejections of keys past the first 100,000 distinct ones, not counted by key.
+    pub(crate) other_keys: u64,
+}
+
+/// A bucket key and how often it was rejected.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub(crate) struct KeyCount {
+    /// The bucket key, as `/v1/explain` shows it.
+    pub(crate) key: String,
+    /// Its rejections.
+    pub(crate) rejections: u64,
+}
+
+/// One interval of the timeline.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub(crate) struct TimelineSlot {
+    /// The interval's start.
+    pub(crate) start: String,
+    /// Requests decided.
+    pub(crate) requests: u64,
+    /// Requests rejected.
+    pub(crate) rejected: u64,
+    /// Requests allowed that a shadow limit would have rejected.
+    pub(crate) would_reject: u64,
+}
+
+/// The whole report.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Report {
+    /// The trace.
+    pub(crate) trace: TraceSummary,
+    /// Each policy, in the order given; the first is the baseline the others compare with.
+    pub(crate) policies: Vec<PolicyReport>,
+}
+
+impl PolicyReport {
+    /// The report of `tally`, for the policy `file` at `version`, its most rejected `top` keys.
+    pub(crate) fn new(file: String, version: String, tally: &Tally, top: usize) -> Self {
+        Self {
+            file,
+            version,
+            requests: tally.requests,
+            allowed: tally.allowed,
+            rejected: tally.rejected,
+            would_reject: tally.would_reject,
+            unmatched: tally.unmatched,
+            invalid: tally.invalid,
+            first_invalid: tally.first_invalid.as_ref().map(|(line, error)| BadLine {
+                line: *line,
+                error: error.clone(),
+            }),
+            concurrency_limits_skipped: tally.concurrency_limits,
+            limits: tally
+                .limits
+                .iter()
+                .map(|limit| LimitReport {
+                    name: limit.name.to_string(),
+                    algorithm: limit.algorithm.to_owned(),
+                    decisions: limit.decisions,
+                    rejected: limit.rejected,
+                    would_reject: limit.would_reject,
+                    exempt: limit.exempt,
+                    first_rejection: limit.first_rejection.map(UnixTime::to_rfc3339),
+                    top_keys: limit
+                        .top_keys(top)
+                        .into_iter()
+                        .map(|(key, rejections)| KeyCount {
+                            key: key.to_owned(),
+                            rejections,
+                        })
+                        .collect(),
+                    other_keys: limit.other_keys,
+                })
+                .collect(),
+            timeline: timeline(tally),
+        }
+    }
+}
+
+/// The most intervals a timeline lists with the empty ones among them.
+pub(crate) const MAX_DENSE_INTERVALS: u64 = 100_000;
+
+/// Every interval from the first to the last, the empty ones too, so that a script can chart
+/// it as it comes; or, when that would be more than [`MAX_DENSE_INTERVALS`] (a long trace
+/// in short intervals), the intervals that saw requests.
+fn timeline(tally: &Tally) -> Vec<TimelineSlot> {
+    let (Some((&first, _)), Some((&last, _))) = (
+        tally.timeline.first_key_value(),
+        tally.timeline.last_key_value(),
+    ) else {
+        return Vec::new();
+    };
+    let interval_ns = u64::try_from(tally.interval().as_nanos()).unwrap_or(u64::MAX);
+    let slot_at = |index: u64, slot: Slot| {
+        let start = i64::try_from(index.saturating_mul(interval_ns)).unwrap_or(i64::MAX);
+        TimelineSlot {
+            start: UnixTime::from_nanos(start).to_rfc3339(),
+            requests: slot.requests,
+            rejected: slot.rejected,
+            would_reject: slot.would_reject,
+        }
+    };
+    if last - first < MAX_DENSE_INTERVALS {
+        (first..=last)
+            .map(|index| {
+                slot_at(
+                    index,
+                    tally.timeline.get(&index).copied().unwrap_or_default(),
+                )
+            })
+            .collect()
+    } else {
+        tally
+            .timeline
+            .iter()
+            .map(|(&index, &slot)| slot_at(index, slot))
+            .collect()
+    }
+}
+
+/// `12.34 %` of `part` in `whole` (`-` of nothing). Only for people to read: no decision
+/// rests on it.
+fn percent(part: u64, whole: u64) -> String {
+    if whole == 0 {
+        return "-".to_owned();
+    }
+    let hundredths = u128::from(part) * 10_000 / u128::from(whole);
+    format!("{}.{:02} %", hundredths / 100, hundredths % 100)
+}
+
+impl Report {
+    /// The report for people.
+    pub(crate) fn text(&self) -> String {
+        let mut out = String::new();
+        let trace = &self.trace;
+        let span = match (&trace.first, &trace.last) {
+            (Some(first), Some(last)) => format!(" from {first} to {last}"),
+            _ => String::new(),
+        };
+        let _ = writeln!(
+            out,
+            "replayed {} requests of {} ({} lines){span}",
+            trace.requests, trace.source, trace.lines
+        );
+        if trace.out_of_order > 0 {
+            let _ = writeln!(
+                out,
+                "{} requests came earlier than one before them and were decided at the latest \
+                 time seen",
+                trace.out_of_order
+            );
+        }
+        if trace.skipped > 0 {
+            let _ = writeln!(
+                out,
+                "skipped {} lines that are not requests:",
+                trace.skipped
+            );
+            for bad in &trace.first_skipped {
+                let _ = writeln!(out, "  line {}: {}", bad.line, bad.error);
+            }
+        }
+        for policy in &self.policies {
+            policy.text(&mut out);
+        }
+        if let Some((baseline, others)) = self.policies.split_first()
+            && !others.is_empty()
+        {
+            let _ = writeln!(out, "\ncompared with {}:", baseline.file);
+            for other in others {
+                let _ = writeln!(
+                    out,
+                    "  {}: rejected {} -> {} ({:+}), would reject {} -> {} ({:+})",
+                    other.file,
+                    baseline.rejected,
+                    other.rejected,
+                    i128::from(other.rejected) - i128::from(baseline.rejected),
+                    baseline.would_reject,
+                    other.would_reject,
+                    i128::from(other.would_reject) - i128::from(baseline.would_reject),
+                );
+            }
+        }
+        out
+    }
+}
+
+impl PolicyReport {
+    fn text(&self, out: &mut String) {
+        let _ = writeln!(out, "\npolicy {} (version {})", self.file, self.version);
+        let _ = writeln!(
+            out,
+            "  allowed {}, rejected {} ({}), would reject {} ({}), unmatched {}",
+            self.allowed,
+            self.rejected,
+            percent(self.rejected, self.requests),
+            self.would_reject,
+            percent(self.would_reject, self.requests),
+            self.unmatched,
+        );
+        if let Some(bad) = &self.first_invalid {
+            let _ = writeln!(
+                out,
+                "  refused {} requests (the server would answer 400); first, line {}: {}",
+                self.invalid, bad.line, bad.error
+            );
+        }
+        if self.concurrency_limits_skipped > 0 {
+            let _ = writeln!(
+                out,
+                "  {} concurrency limits left out: a trace of arrivals holds no lease ends",
+                self.concurrency_limits_skipped
+            );
+        }
+        let width = self
+            .limits
+            .iter()
+            .map(|limit| limit.name.len())
+            .chain([5])
+            .max()
+            .unwrap_or(5);
+        let _ = writeln!(
+            out,
+            "  {:<width$}  {:<14}  {:>10}  {:>10}  {:>12}  {:>8}  first rejection",
+            "limit", "algorithm", "decisions", "rejected", "would reject", "exempt"
+        );
+        for limit in &self.limits {
+            let _ = writeln!(
+                out,
+                "  {:<width$}  {:<14}  {:>10}  {:>10}  {:>12}  {:>8}  {}",
+                limit.name,
+                limit.algorithm,
+                limit.decisions,
+                limit.rejected,
+                limit.would_reject,
+                limit.exempt,
+                limit.first_rejection.as_deref().unwrap_or("-"),
+            );
+        }
+        for limit in self.limits.iter().filter(|l| !l.top_keys.is_empty()) {
+            let keys: Vec<String> = limit
+                .top_keys
+                .iter()
+                .map(|k| format!("{} ({})", k.key, k.rejections))
+                .collect();
+            let _ = writeln!(
+                out,
+                "  most rejected keys of {}: {}",
+                limit.name,
+                keys.join(", ")
+            );
+            if limit.other_keys > 0 {
+                let _ = writeln!(
+                    out,
+                    "    and {} rejections of keys past the first {} distinct ones, not counted \
+                     by key",
+                    limit.other_keys,
+                    super::tally::MAX_KEYS
+                );
+            }
+        }
+        if let Some(peak) = self
+            .timeline
+            .iter()
+            .filter(|slot| slot.rejected + slot.would_reject > 0)
+            .max_by_key(|slot| {
+                (
+                    slot.rejected + slot.would_reject,
+                    std::cmp::Reverse(&slot.start),
+                )
+            })
+        {
+            let _ = writeln!(
+                out,
+                "  most rejections in one interval: {} rejected and {} would be, of {} \
+                 requests, from {}",
+                peak.rejected, peak.would_reject, peak.requests, peak.start
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentages_round_down_to_hundredths() {
+        assert_eq!(percent(1, 3), "33.33 %");
+        assert_eq!(percent(2, 3), "66.66 %");
+        assert_eq!(percent(5, 5), "100.00 %");
+        assert_eq!(percent(0, 0), "-");
+        assert_eq!(percent(u64::MAX, u64::MAX), "100.00 %");
+    }
+}

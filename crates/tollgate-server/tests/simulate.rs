@@ -1,0 +1,330 @@
+//! `tollgate simulate` through the real binary: a trace replayed on the trace's own time,
+//! several policies compared in one pass, shadow limits, exemptions that expire mid-trace,
+//! windows on wall-clock minutes, bad lines skipped with their numbers, and the plot.
+
+mod support;
+
+use serde_json::Value;
+use support::{Scratch, path_str, run};
+
+/// `tollgate simulate ARGS --json`, expected to succeed: the report.
+fn simulate_json(args: &[&str]) -> Value {
+    let mut all = vec!["simulate", "--json"];
+    all.extend_from_slice(args);
+    let (status, stdout, stderr) = run(&all);
+    assert!(status.success(), "simulate {args:?} failed: {stderr}");
+    serde_json::from_str(&stdout).unwrap_or_else(|err| panic!("{err}: {stdout}"))
+}
+
+fn line(time: &str, user: &str) -> String {
+    format!(r#"{{"time":"{time}","domain":"api","descriptors":[{{"user":"{user}"}}]}}"#)
+}
+
+fn limit<'a>(policy: &'a Value, name: &str) -> &'a Value {
+    policy["limits"]
+        .as_array()
+        .and_then(|limits| limits.iter().find(|l| l["name"] == name))
+        .unwrap_or_else(|| panic!("no limit {name} in {policy}"))
+}
+
+const BUCKET: &str = "\
+version: small
+limits:
+  - name: per-user
+    domain: api
+    key: [user]
+    capacity: 5
+    refill: 1/s
+";
+
+#[test]
+fn a_burst_is_cut_at_the_capacity_and_refills_on_the_trace_time() {
+    let dir = Scratch::new("simulate-burst");
+    let policy = dir.write("policy.yaml", BUCKET);
+    // Ten at once from u1, then one a second later (refilled), then one 0.5 s after that (not
+    // yet), and three from u2 (all within its own bucket).
+    let mut trace: Vec<String> = (0..10)
+        .map(|_| line("2026-11-29T10:00:00Z", "u1"))
+        .collect();
+    trace.push(line("2026-11-29T10:00:01Z", "u1"));
+    trace.push(line("2026-11-29T10:00:01.500Z", "u1"));
+    trace.extend((0..3).map(|_| line("2026-11-29T10:00:02Z", "u2")));
+    let trace = dir.write("trace.jsonl", &(trace.join("\n") + "\n"));
+
+    let report = simulate_json(&[path_str(&trace), "--config", path_str(&policy)]);
+    assert_eq!(report["trace"]["requests"], 15);
+    assert_eq!(report["trace"]["first"], "2026-11-29T10:00:00Z");
+    let policy = &report["policies"][0];
+    assert_eq!(policy["version"], "small");
+    assert_eq!(policy["allowed"], 5 + 1 + 3);
+    assert_eq!(policy["rejected"], 5 + 1);
+    let per_user = limit(policy, "per-user");
+    assert_eq!(per_user["decisions"], 15);
+    assert_eq!(per_user["rejected"], 6);
+    assert_eq!(per_user["first_rejection"], "2026-11-29T10:00:00Z");
+    assert_eq!(per_user["top_keys"][0]["rejections"], 6);
+    assert!(
+        per_user["top_keys"][0]["key"]
+            .as_str()
+            .is_some_and(|key| key.contains("u1")),
+        "{per_user}"
+    );
+    assert_eq!(per_user["top_keys"].as_array().map(Vec::len), Some(1));
+    let timeline = policy["timeline"].as_array().expect("a timeline");
+    assert_eq!(timeline.len(), 1, "{timeline:?}");
+    assert_eq!(timeline[0]["start"], "2026-11-29T10:00:00Z");
+    assert_eq!(timeline[0]["requests"], 15);
+    assert_eq!(timeline[0]["rejected"], 6);
+}
+
+#[test]
+fn policies_are_compared_on_one_pass_of_the_trace() {
+    let dir = Scratch::new("simulate-compare");
+    let small = dir.write("small.yaml", BUCKET);
+    let large = dir.write(
+        "large.yaml",
+        &BUCKET
+            .replace("capacity: 5", "capacity: 8")
+            .replace("small", "large"),
+    );
+    let trace: Vec<String> = (0..10)
+        .map(|_| line("2026-11-29T10:00:00Z", "u1"))
+        .collect();
+    let trace = dir.write("trace.jsonl", &trace.join("\n"));
+
+    let report = simulate_json(&[
+        path_str(&trace),
+        "--config",
+        path_str(&small),
+        "--config",
+        path_str(&large),
+    ]);
+    assert_eq!(report["policies"][0]["rejected"], 5);
+    assert_eq!(report["policies"][1]["version"], "large");
+    assert_eq!(report["policies"][1]["rejected"], 2);
+
+    let (status, text, stderr) = run(&[
+        "simulate",
+        path_str(&trace),
+        "--config",
+        path_str(&small),
+        "--config",
+        path_str(&large),
+    ]);
+    assert!(status.success(), "{stderr}");
+    assert!(text.contains("replayed 10 requests"), "{text}");
+    assert!(text.contains("rejected 5 -> 2 (-3)"), "{text}");
+}
+
+#[test]
+fn shadow_limits_would_reject_and_exemptions_expire_mid_trace() {
+    let dir = Scratch::new("simulate-shadow");
+    let policy = dir.write(
+        "policy.yaml",
+        "\
+version: 3
+limits:
+  - name: per-user
+    domain: api
+    key: [user]
+    capacity: 2
+    refill: 1/m
+  - name: per-user-shadow
+    domain: api
+    key: [user]
+    capacity: 1
+    refill: 1/m
+    mode: shadow
+exemptions:
+  - limit: per-user
+    when: {user: vip}
+    owner: ops@example.com
+    reason: launch
+    expires: 2026-11-29T10:00:30Z
+",
+    );
+    // vip: three before the exemption ends (exempt from per-user, shadow would reject two),
+    // three after (per-user now counts from a full bucket: two pass, one is rejected).
+    let mut trace: Vec<String> = (0..3)
+        .map(|_| line("2026-11-29T10:00:00Z", "vip"))
+        .collect();
+    trace.extend((0..3).map(|_| line("2026-11-29T10:00:40Z", "vip")));
+    let trace = dir.write("trace.jsonl", &trace.join("\n"));
+
+    let report = simulate_json(&[path_str(&trace), "--config", path_str(&policy)]);
+    let policy = &report["policies"][0];
+    assert_eq!(policy["rejected"], 1, "{policy}");
+    assert_eq!(policy["allowed"], 5);
+    let per_user = limit(policy, "per-user");
+    assert_eq!(per_user["exempt"], 3);
+    assert_eq!(per_user["rejected"], 1);
+    assert_eq!(per_user["first_rejection"], "2026-11-29T10:00:40Z");
+    let shadow = limit(policy, "per-user-shadow");
+    // Shadow: the first request holds its one token, every later one would be rejected (the
+    // one rejected by per-user included, which a shadow limit reports uncharged).
+    assert_eq!(shadow["would_reject"], 5);
+    assert_eq!(shadow["rejected"], 0);
+    // Requests allowed that the shadow limit would have stopped.
+    assert_eq!(policy["would_reject"], 4);
+}
+
+#[test]
+fn fixed_windows_start_on_the_wall_clock_minute() {
+    let dir = Scratch::new("simulate-window");
+    let policy = dir.write(
+        "policy.yaml",
+        "\
+version: w
+limits:
+  - name: per-minute
+    domain: api
+    key: [user]
+    algorithm: fixed_window
+    limit: 3
+    window: 1m
+",
+    );
+    // Three in the last second of 10:00 and three in the first of 10:01: two windows, all
+    // six pass. Two more at 10:01:30 are over the second window's limit.
+    let mut trace: Vec<String> = (0..3)
+        .map(|_| line("2026-11-29T10:00:59.900Z", "u"))
+        .collect();
+    trace.extend((0..3).map(|_| line("2026-11-29T10:01:00Z", "u")));
+    trace.extend((0..2).map(|_| line("2026-11-29T10:01:30Z", "u")));
+    let trace = dir.write("trace.jsonl", &trace.join("\n"));
+
+    let report = simulate_json(&[
+        path_str(&trace),
+        "--config",
+        path_str(&policy),
+        "--interval",
+        "30s",
+    ]);
+    let policy = &report["policies"][0];
+    assert_eq!(policy["allowed"], 6, "{policy}");
+    assert_eq!(policy["rejected"], 2);
+    let timeline: Vec<(String, u64, u64)> = policy["timeline"]
+        .as_array()
+        .expect("a timeline")
+        .iter()
+        .map(|slot| {
+            (
+                slot["start"].as_str().unwrap_or_default().to_owned(),
+                slot["requests"].as_u64().unwrap_or_default(),
+                slot["rejected"].as_u64().unwrap_or_default(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        timeline,
+        [
+            ("2026-11-29T10:00:30Z".to_owned(), 3, 0),
+            ("2026-11-29T10:01:00Z".to_owned(), 3, 0),
+            ("2026-11-29T10:01:30Z".to_owned(), 2, 2),
+        ]
+    );
+}
+
+#[test]
+fn bad_lines_are_skipped_with_their_numbers_and_bad_requests_change_nothing() {
+    let dir = Scratch::new("simulate-bad");
+    let policy = dir.write("policy.yaml", BUCKET);
+    let trace = [
+        line("2026-11-29T10:00:00Z", "u1"),
+        String::new(),
+        "not json".to_owned(),
+        r#"{"time":"2026-11-29T10:00:00Z","domain":"api","descriptors":[{"user":"u1"}],"cots":2}"#
+            .to_owned(),
+        // A cost above the capacity: the server would answer 400 and charge nothing.
+        r#"{"time":"2026-11-29T10:00:00Z","domain":"api","descriptors":[{"user":"u1"}],"cost":6}"#
+            .to_owned(),
+        r#"{"time":"2026-11-29T10:00:00Z","domain":"api","descriptors":[{"user":"u1"}],"cost":4}"#
+            .to_owned(),
+        // Earlier than the line before: decided at the latest time seen.
+        line("2026-11-29T09:00:00Z", "u1"),
+    ];
+    let trace = dir.write("trace.jsonl", &trace.join("\n"));
+
+    let report = simulate_json(&[path_str(&trace), "--config", path_str(&policy)]);
+    assert_eq!(report["trace"]["lines"], 7);
+    assert_eq!(report["trace"]["skipped"], 2);
+    assert_eq!(report["trace"]["first_skipped"][0]["line"], 3);
+    assert_eq!(report["trace"]["first_skipped"][1]["line"], 4);
+    assert!(
+        report["trace"]["first_skipped"][1]["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("unknown field `cots`")),
+        "{report}"
+    );
+    assert_eq!(report["trace"]["out_of_order"], 1);
+    assert_eq!(report["trace"]["requests"], 4);
+    let policy = &report["policies"][0];
+    assert_eq!(policy["invalid"], 1);
+    assert_eq!(policy["first_invalid"]["line"], 5);
+    // 1 + 4 fit in the bucket of 5 (the refused cost of 6 took nothing); the late one does
+    // not (no time passed for it).
+    assert_eq!(policy["allowed"], 2, "{policy}");
+    assert_eq!(policy["rejected"], 1);
+}
+
+#[test]
+fn writes_a_plot_and_refuses_what_it_cannot_run() {
+    let dir = Scratch::new("simulate-plot");
+    let policy = dir.write("policy.yaml", BUCKET);
+    let trace: Vec<String> = (0..120)
+        .map(|i| line(&format!("2026-11-29T10:{:02}:00Z", i / 4), "u1"))
+        .collect();
+    let trace = dir.write("trace.jsonl", &trace.join("\n"));
+    let plot = dir.0.join("plot.svg");
+    let (status, _, stderr) = run(&[
+        "simulate",
+        path_str(&trace),
+        "--config",
+        path_str(&policy),
+        "--plot",
+        path_str(&plot),
+    ]);
+    assert!(status.success(), "{stderr}");
+    let svg = std::fs::read_to_string(&plot).expect("the plot was written");
+    assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+    assert!(svg.contains("per 1m"), "{svg}");
+    assert_eq!(svg.matches("<polyline").count(), 2, "{svg}");
+
+    let empty = dir.write("empty.jsonl", "\n\nnot json\n");
+    let bad_policy = dir.write(
+        "bad.yaml",
+        "version: 1\nlimits:\n  - name: x\n    capacity: 0\n",
+    );
+    let cases: [(&[&str], &str); 5] = [
+        (
+            &[path_str(&empty), "--config", path_str(&policy)],
+            "holds no request",
+        ),
+        (
+            &["/nonexistent/trace", "--config", path_str(&policy)],
+            "cannot read the trace",
+        ),
+        (
+            &[path_str(&trace), "--config", path_str(&bad_policy)],
+            "bad.yaml",
+        ),
+        (&[path_str(&trace)], "--config"),
+        (
+            &[
+                path_str(&trace),
+                "--config",
+                path_str(&policy),
+                "--interval",
+                "0s",
+            ],
+            "at least 1ms",
+        ),
+    ];
+    for (args, expected) in cases {
+        let mut all = vec!["simulate"];
+        all.extend_from_slice(args);
+        let (status, _, stderr) = run(&all);
+        assert!(!status.success(), "{args:?} succeeded");
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+    }
+}
