@@ -1,6 +1,7 @@
 //! `tollgate simulate` through the real binary: a trace replayed on the trace's own time,
 //! several policies compared in one pass, shadow limits, exemptions that expire mid-trace,
-//! windows on wall-clock minutes, bad lines skipped with their numbers, and the plot.
+//! windows on wall-clock minutes, leases held as long as each request ran, bad lines skipped
+//! with their numbers, and the plot.
 
 mod support;
 
@@ -327,4 +328,54 @@ fn writes_a_plot_and_refuses_what_it_cannot_run() {
         assert!(!status.success(), "{args:?} succeeded");
         assert!(stderr.contains(expected), "{args:?}: {stderr}");
     }
+}
+
+#[test]
+fn a_request_that_says_how_long_it_ran_holds_a_lease_that_long() {
+    let dir = Scratch::new("simulate-leases");
+    let policy = dir.write(
+        "policy.yaml",
+        "\
+version: c
+limits:
+  - name: in-flight
+    domain: api
+    key: [user]
+    algorithm: concurrency
+    max_in_flight: 2
+    lease_timeout: 10s
+",
+    );
+    let ran = |time: &str, ms: u64| {
+        format!(
+            r#"{{"time":"2026-11-29T10:00:{time}Z","domain":"api","descriptors":[{{"user":"u1"}}],"duration_ms":{ms}}}"#
+        )
+    };
+    let trace = [
+        ran("00", 5_000),
+        ran("00", 5_000),
+        // Both slots held: rejected.
+        ran("01", 100),
+        // No duration: no lease taken, allowed whatever is held.
+        line("2026-11-29T10:00:02Z", "u1"),
+        // The first two ended at 5 s, before these arrive at 5 s.
+        ran("05", 20_000),
+        ran("05", 1_000),
+        // The 20 s one timed out at 15 s, the 1 s one ended at 6 s: both slots free.
+        ran("30", 1_000),
+    ];
+    let trace = dir.write("trace.jsonl", &trace.join("\n"));
+
+    let report = simulate_json(&[path_str(&trace), "--config", path_str(&policy)]);
+    assert_eq!(report["trace"]["with_duration"], 6);
+    let policy = &report["policies"][0];
+    assert_eq!(policy["rejected"], 1, "{policy}");
+    assert_eq!(policy["allowed"], 6);
+    assert_eq!(policy["leases"], 5);
+    assert_eq!(policy["leases_timed_out"], 1);
+    let in_flight = limit(policy, "in-flight");
+    assert_eq!(in_flight["algorithm"], "concurrency");
+    assert_eq!(in_flight["decisions"], 6);
+    assert_eq!(in_flight["rejected"], 1);
+    assert_eq!(in_flight["first_rejection"], "2026-11-29T10:00:01Z");
 }

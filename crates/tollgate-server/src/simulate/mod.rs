@@ -8,7 +8,9 @@
 //! serve` on the memory store would have made had the requests arrived at those instants:
 //! buckets refill by the trace's time, fixed windows start on the same wall-clock minutes (the
 //! clock's epoch is the midnight UTC before the first request, as the server's is the midnight
-//! before it started), exemptions expire mid-trace, `request_id` retries are free. Several
+//! before it started), exemptions expire mid-trace, `request_id` retries are free, and a
+//! request whose line says how long it ran holds a lease on its concurrency limits until
+//! then (given back at that instant, before any later arrival is decided). Several
 //! policies are fed each line in one pass, so a trace on standard input can be compared
 //! against all of them.
 //!
@@ -20,6 +22,9 @@ mod report;
 mod tally;
 mod trace;
 
+use std::borrow::Cow;
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, IsTerminal as _};
 use std::path::PathBuf;
@@ -30,6 +35,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use tollgate::{ManualClock, Timestamp};
 use tollgate_policy::{EngineOptions, ManualWallClock, PolicyEngine, UnixTime};
 
+use crate::decider::Request;
 use crate::loadgen::args::parse_duration;
 use report::{BadLine, PolicyReport, Report, TraceSummary};
 use tally::Tally;
@@ -50,7 +56,8 @@ const DAY_NS: i64 = 86_400 * 1_000_000_000;
 pub struct SimulateArgs {
     /// The trace: one JSON request per line, the body `POST /v1/check` takes plus `time` (an
     /// RFC 3339 instant or Unix milliseconds), such as
-    /// {"time":"2026-11-29T10:00:00.250Z","domain":"api","descriptors":[{"user":"u1"}]};
+    /// {"time":"2026-11-29T10:00:00.250Z","domain":"api","descriptors":[{"user":"u1"}]},
+    /// and optionally `duration_ms`, how long it was in flight (for concurrency limits);
     /// `-` reads standard input.
     pub trace: PathBuf,
     /// A policy file; repeat it to compare several on the same trace (the first is the
@@ -115,6 +122,74 @@ struct Simulation {
     clock: ManualClock,
     wall: ManualWallClock,
     tally: Tally,
+    /// Leases held, by the instant their request ends (nanoseconds since the epoch) and their
+    /// number (the id is `sim-N`), soonest first.
+    held: BinaryHeap<Reverse<(u64, u64)>>,
+    leases_taken: u64,
+}
+
+impl Simulation {
+    /// Gives back every lease whose request ended by `now`, each at its own instant, so that a
+    /// request arriving at `now` finds the slots as a server would have.
+    fn release_until(&mut self, now: u64) {
+        while let Some(&Reverse((end, number))) = self.held.peek() {
+            if end > now {
+                break;
+            }
+            self.held.pop();
+            self.clock.set(Timestamp::from_nanos(end));
+            if let Ok(false) = self.engine.release(&lease_id(number)) {
+                self.tally.lease_timed_out();
+            }
+        }
+    }
+
+    /// Decides one request at `now` (since the epoch), `at` on the calendar: its rate limits,
+    /// then, if they let it through and the trace says how long it ran, a lease on its
+    /// concurrency limits until its end.
+    fn decide(
+        &mut self,
+        line: u64,
+        now: u64,
+        at: UnixTime,
+        request: &Request<'_, Cow<'_, str>>,
+        duration: Option<Duration>,
+    ) {
+        self.release_until(now);
+        self.clock.set(Timestamp::from_nanos(now));
+        self.wall.set(at);
+        let outcome = match self.engine.decide(
+            request.domain,
+            request.descriptors,
+            request.cost,
+            request.request_id,
+        ) {
+            Ok(outcome) => outcome,
+            Err(err) => return self.tally.refuse(line, err.to_string()),
+        };
+        let Some(duration) = duration.filter(|_| outcome.allowed) else {
+            return self.tally.record(at, &outcome, None);
+        };
+        self.leases_taken += 1;
+        let number = self.leases_taken;
+        match self
+            .engine
+            .acquire(request.domain, request.descriptors, &lease_id(number))
+        {
+            Ok(lease) => {
+                if lease.held {
+                    let nanos = u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX);
+                    self.held.push(Reverse((now.saturating_add(nanos), number)));
+                }
+                self.tally.record(at, &outcome, Some(&lease));
+            }
+            Err(err) => self.tally.refuse(line, err.to_string()),
+        }
+    }
+}
+
+fn lease_id(number: u64) -> String {
+    format!("sim-{number}")
 }
 
 /// A replay in progress: feed it lines, then ask for the report.
@@ -126,6 +201,8 @@ pub struct Simulator {
     skipped: u64,
     first_skipped: Vec<BadLine>,
     out_of_order: u64,
+    /// Requests whose line says how long they were in flight.
+    with_duration: u64,
     first: Option<UnixTime>,
     latest: Option<UnixTime>,
     /// The engines' clock epoch: the midnight UTC before the first request.
@@ -155,6 +232,8 @@ impl Simulator {
                 clock,
                 wall,
                 tally,
+                held: BinaryHeap::new(),
+                leases_taken: 0,
             });
         }
         Ok(Self {
@@ -165,6 +244,7 @@ impl Simulator {
             skipped: 0,
             first_skipped: Vec::new(),
             out_of_order: 0,
+            with_duration: 0,
             first: None,
             latest: None,
             epoch: 0,
@@ -199,18 +279,9 @@ impl Simulator {
         let since_epoch = u64::try_from(at.as_nanos() - self.epoch).unwrap_or(0);
         let request = parsed.request.request();
         self.requests += 1;
+        self.with_duration += u64::from(parsed.duration.is_some());
         for policy in &mut self.policies {
-            policy.clock.set(Timestamp::from_nanos(since_epoch));
-            policy.wall.set(at);
-            match policy.engine.decide(
-                request.domain,
-                request.descriptors,
-                request.cost,
-                request.request_id,
-            ) {
-                Ok(outcome) => policy.tally.record(at, &outcome),
-                Err(err) => policy.tally.refuse(number, err.to_string()),
-            }
+            policy.decide(number, since_epoch, at, &request, parsed.duration);
             if self.requests.is_multiple_of(SWEEP_EVERY) {
                 policy.engine.sweep();
             }
@@ -260,6 +331,7 @@ impl Simulator {
                 skipped: self.skipped,
                 first_skipped: self.first_skipped.clone(),
                 out_of_order: self.out_of_order,
+                with_duration: self.with_duration,
                 first: self.first.map(UnixTime::to_rfc3339),
                 last: self.latest.map(UnixTime::to_rfc3339),
                 interval_ms: u64::try_from(interval.as_millis()).unwrap_or(u64::MAX),

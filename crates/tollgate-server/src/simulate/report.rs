@@ -34,6 +34,9 @@ pub(crate) struct TraceSummary {
     /// Requests that came earlier than one before them; replayed at the latest time seen, as a
     /// server receiving them in that order would have decided them.
     pub(crate) out_of_order: u64,
+    /// Requests whose line says how long they were in flight (`duration_ms`): the ones that
+    /// take leases of concurrency limits.
+    pub(crate) with_duration: u64,
     /// The first request's time.
     pub(crate) first: Option<String>,
     /// The last request's time.
@@ -63,9 +66,14 @@ pub(crate) struct PolicyReport {
     pub(crate) invalid: u64,
     /// The first of those.
     pub(crate) first_invalid: Option<BadLine>,
-    /// Concurrency limits in the policy, which a trace cannot exercise (it holds no lease
-    /// ends) and which are left out.
-    pub(crate) concurrency_limits_skipped: usize,
+    /// Concurrency limits in the policy, exercised by the requests whose line gives
+    /// `duration_ms` only.
+    pub(crate) concurrency_limits: usize,
+    /// Requests that held a lease of a concurrency limit.
+    pub(crate) leases: u64,
+    /// Leases that timed out before their request ended (`lease_timeout` shorter than the
+    /// request).
+    pub(crate) leases_timed_out: u64,
     /// Each rate limit.
     pub(crate) limits: Vec<LimitReport>,
     /// Requests by interval: every interval from the first request's to the last's, or only
@@ -143,7 +151,9 @@ impl PolicyReport {
                 line: *line,
                 error: error.clone(),
             }),
-            concurrency_limits_skipped: tally.concurrency_limits,
+            concurrency_limits: tally.concurrency_limits,
+            leases: tally.leases,
+            leases_timed_out: tally.leases_timed_out,
             limits: tally
                 .limits
                 .iter()
@@ -255,7 +265,7 @@ impl Report {
             }
         }
         for policy in &self.policies {
-            policy.text(&mut out);
+            policy.text(&mut out, trace.with_duration);
         }
         if let Some((baseline, others)) = self.policies.split_first()
             && !others.is_empty()
@@ -280,7 +290,7 @@ impl Report {
 }
 
 impl PolicyReport {
-    fn text(&self, out: &mut String) {
+    fn text(&self, out: &mut String, with_duration: u64) {
         let _ = writeln!(out, "\npolicy {} (version {})", self.file, self.version);
         let _ = writeln!(
             out,
@@ -299,11 +309,18 @@ impl PolicyReport {
                 self.invalid, bad.line, bad.error
             );
         }
-        if self.concurrency_limits_skipped > 0 {
+        if self.concurrency_limits > 0 && with_duration == 0 {
             let _ = writeln!(
                 out,
-                "  {} concurrency limits left out: a trace of arrivals holds no lease ends",
-                self.concurrency_limits_skipped
+                "  {} concurrency limits not exercised: no line says how long its request ran \
+                 (duration_ms)",
+                self.concurrency_limits
+            );
+        } else if self.concurrency_limits > 0 {
+            let _ = writeln!(
+                out,
+                "  {} requests held leases; {} of those outlived their lease_timeout",
+                self.leases, self.leases_timed_out
             );
         }
         let width = self

@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tollgate_policy::{Outcome, Policy, UnixTime};
+use tollgate_policy::{LeaseOutcome, Outcome, Policy, UnixTime};
 
 /// The most distinct rejected keys remembered per limit.
 pub(crate) const MAX_KEYS: usize = 100_000;
@@ -86,10 +86,16 @@ pub(crate) struct Tally {
     pub(crate) invalid: u64,
     /// The first of those: its line and why.
     pub(crate) first_invalid: Option<(u64, String)>,
-    /// The policy's rate limits in declaration order, then any other name an outcome showed.
+    /// The policy's limits in declaration order, then any other name an outcome showed.
     pub(crate) limits: Vec<LimitTally>,
-    /// Concurrency limits, which a trace of arrivals alone cannot exercise.
+    /// The policy's concurrency limits: exercised only by lines that say how long their
+    /// request was in flight.
     pub(crate) concurrency_limits: usize,
+    /// Requests that took a lease (allowed, holding a slot of at least one concurrency limit).
+    pub(crate) leases: u64,
+    /// Leases that were still held past their limit's `lease_timeout` when their request
+    /// ended, and had timed out instead: a timeout shorter than the requests it guards.
+    pub(crate) leases_timed_out: u64,
     /// Requests by interval: the key is the interval's start as a multiple of its length
     /// since the Unix epoch.
     pub(crate) timeline: BTreeMap<u64, Slot>,
@@ -110,6 +116,8 @@ impl Tally {
             first_invalid: None,
             limits: Vec::new(),
             concurrency_limits: 0,
+            leases: 0,
+            leases_timed_out: 0,
             timeline: BTreeMap::new(),
             interval_ns: u64::try_from(interval.as_nanos())
                 .unwrap_or(u64::MAX)
@@ -117,9 +125,8 @@ impl Tally {
             index: HashMap::new(),
         };
         for def in policy.limits() {
-            if def.rate().is_none() {
+            if def.concurrency().is_some() {
                 tally.concurrency_limits += 1;
-                continue;
             }
             let name: Arc<str> = def.name().into();
             tally.index.insert(name.clone(), tally.limits.len());
@@ -137,29 +144,32 @@ impl Tally {
         Duration::from_nanos(self.interval_ns)
     }
 
-    /// Counts a decided request that arrived `at`.
-    pub(crate) fn record(&mut self, at: UnixTime, outcome: &Outcome) {
+    /// Counts a decided request that arrived `at`: its rate limits' `outcome`, and when it
+    /// passed them and took a lease, its concurrency limits' `lease`.
+    pub(crate) fn record(&mut self, at: UnixTime, outcome: &Outcome, lease: Option<&LeaseOutcome>) {
         self.requests += 1;
         let mut would_reject = false;
         for limit in &outcome.limits {
-            let row = self.row(&limit.name);
-            row.decisions += 1;
-            match limit.mode {
-                "exempt" => row.exempt += 1,
-                "enforce" if limit.would_reject() => row.rejected += 1,
-                _ if limit.would_reject() => {
-                    row.would_reject += 1;
-                    would_reject = true;
-                }
-                _ => continue,
-            }
-            if limit.would_reject() {
-                row.first_rejection.get_or_insert(at);
-                row.count_key(&limit.bucket_key);
-            }
+            would_reject |= self.count(
+                at,
+                &limit.name,
+                limit.mode,
+                limit.would_reject(),
+                &limit.bucket_key,
+            );
         }
-        let rejected = !outcome.allowed;
-        let would_reject = outcome.allowed && would_reject;
+        for limit in lease.iter().flat_map(|lease| &lease.limits) {
+            would_reject |= self.count(
+                at,
+                &limit.name,
+                limit.mode,
+                limit.would_reject(),
+                &limit.bucket_key,
+            );
+        }
+        self.leases += u64::from(lease.is_some_and(|lease| lease.held));
+        let rejected = !outcome.allowed || lease.is_some_and(|lease| !lease.allowed);
+        let would_reject = !rejected && would_reject;
         let slot = self.slot(at);
         slot.requests += 1;
         slot.rejected += u64::from(rejected);
@@ -167,9 +177,46 @@ impl Tally {
         self.rejected += u64::from(rejected);
         self.allowed += u64::from(!rejected);
         self.would_reject += u64::from(would_reject);
-        if outcome.unmatched() {
+        if outcome.unmatched() && lease.is_none_or(LeaseOutcome::unmatched) {
             self.unmatched += 1;
         }
+    }
+
+    /// Counts one limit's part in a decision; says whether it was a would-reject of a limit
+    /// that cannot reject (shadow, outside its rollout).
+    fn count(
+        &mut self,
+        at: UnixTime,
+        name: &Arc<str>,
+        mode: &str,
+        short: bool,
+        bucket_key: &str,
+    ) -> bool {
+        let row = self.row(name);
+        row.decisions += 1;
+        let would_reject = match mode {
+            "exempt" => {
+                row.exempt += 1;
+                return false;
+            }
+            _ if !short => return false,
+            "enforce" => {
+                row.rejected += 1;
+                false
+            }
+            _ => {
+                row.would_reject += 1;
+                true
+            }
+        };
+        row.first_rejection.get_or_insert(at);
+        row.count_key(bucket_key);
+        would_reject
+    }
+
+    /// Counts a lease that was no longer held when its request ended.
+    pub(crate) fn lease_timed_out(&mut self) {
+        self.leases_timed_out += 1;
     }
 
     /// Counts a request the policy refused to decide.

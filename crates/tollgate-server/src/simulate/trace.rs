@@ -8,10 +8,13 @@
 //! parser and held to the same bounds as the HTTP API, so a request the server would refuse
 //! with a 400 is refused here too, and one it would decide is decided the same way. `time` is
 //! an RFC 3339 instant or whole milliseconds since the Unix epoch (what most access logs can
-//! be turned into with one `jq` expression).
+//! be turned into with one `jq` expression). An optional `duration_ms`, how long the request
+//! was in flight (nginx's `$request_time`, Envoy's `%DURATION%`), lets the replay hold a lease
+//! for that long on the concurrency limits the request matches.
 
 use std::borrow::Cow;
 use std::fmt;
+use std::time::Duration;
 
 use serde::Deserialize;
 use serde::de::{Deserializer, Visitor};
@@ -25,6 +28,8 @@ use crate::http::check::{Parsed, RawDescriptor, check_bounds, entries_of};
 pub(crate) struct TraceRequest<'a> {
     /// When it arrived.
     pub(crate) at: UnixTime,
+    /// How long it was in flight, when the trace says.
+    pub(crate) duration: Option<Duration>,
     /// What it asked.
     pub(crate) request: Parsed<'a>,
 }
@@ -42,6 +47,8 @@ struct Line<'a> {
     cost: u64,
     #[serde(default, borrow)]
     request_id: Option<Cow<'a, str>>,
+    #[serde(default)]
+    duration_ms: Option<u64>,
 }
 
 fn one() -> u64 {
@@ -115,6 +122,7 @@ pub(crate) fn parse_line(line: &str) -> Result<TraceRequest<'_>, ApiError> {
     check_bounds(&request)?;
     Ok(TraceRequest {
         at: line.time.0,
+        duration: line.duration_ms.map(Duration::from_millis),
         request,
     })
 }
@@ -145,6 +153,20 @@ mod tests {
         assert_eq!(text.request.cost, 1);
         assert_eq!(millis.request.cost, 3);
         assert_eq!(&*text.request.descriptors[0][0].1, "u1");
+        assert_eq!(text.duration, None);
+    }
+
+    #[test]
+    fn reads_how_long_a_request_was_in_flight() {
+        let line = parse_line(
+            r#"{"time":0,"domain":"api","descriptors":[{"user":"u1"}],"duration_ms":1500}"#,
+        )
+        .unwrap();
+        assert_eq!(line.duration, Some(Duration::from_millis(1500)));
+        assert!(
+            message(r#"{"time":0,"domain":"api","descriptors":[{"user":"u1"}],"duration_ms":-1}"#)
+                .contains("integer `-1`")
+        );
     }
 
     #[test]
