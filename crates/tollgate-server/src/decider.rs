@@ -287,6 +287,42 @@ impl Decider {
         outcome
     }
 
+    /// What [`acquire`](Self::acquire) would answer now, each key looked at on its own,
+    /// holding, counting and recording nothing.
+    ///
+    /// # Errors
+    ///
+    /// [`DecideError::Unavailable`] when the shared store cannot answer: an explanation has no
+    /// counts to show without it.
+    pub async fn explain_leases<S: AsRef<str>>(
+        &self,
+        domain: &str,
+        descriptors: &[Vec<(S, S)>],
+    ) -> Result<LeaseOutcome, DecideError> {
+        let result = match &self.backend {
+            Backend::Memory => self.engine.explain_leases(domain, descriptors),
+            Backend::Redis(store) => {
+                self.engine
+                    .explain_leases_on(&**store, domain, descriptors)
+                    .await
+            }
+        };
+        match result {
+            Ok(outcome) => Ok(outcome),
+            Err(PolicyError::Check {
+                source: CoreError::StoreUnavailable { reason },
+                ..
+            }) => {
+                metrics::record_store_error(reason);
+                Err(DecideError::Unavailable(reason))
+            }
+            Err(err @ PolicyError::Check { .. }) if is_caller_error(&err) => {
+                Err(DecideError::Invalid(err))
+            }
+            Err(err) => Err(DecideError::Internal(err)),
+        }
+    }
+
     /// Gives lease `lease_id` back: `Ok(true)` if it was still held.
     ///
     /// # Errors

@@ -222,3 +222,59 @@ limits:
         1.0
     );
 }
+
+#[test]
+fn an_explanation_shows_what_is_held_and_holds_nothing() {
+    let scratch = Scratch::new("leases-explain");
+    let config = scratch.write("policy.yaml", POLICY);
+    let server = Server::start(&["--config", path_str(&config)]);
+    let explain = |tenant: &str| {
+        let answer = post_json(server.http, "/v1/leases/explain", &export(tenant));
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        answer.json()
+    };
+
+    let body = explain("acme");
+    assert_eq!(body["allowed"], true);
+    assert!(
+        body.get("lease_id").is_none(),
+        "an explanation has no lease: {body}"
+    );
+    let limit = &body["limits"][0];
+    assert_eq!(limit["name"], "exports-per-tenant");
+    assert_eq!(limit["in_flight"], 0);
+    assert_eq!(limit["bucket_key"], "exports-per-tenant|acme");
+    assert_eq!(limit["descriptor"], 0);
+
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let answer = post_json(server.http, "/v1/leases", &export("acme"));
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        held.push(
+            answer.json()["lease_id"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned(),
+        );
+    }
+    // Explained again and again: full, and still only the two leases held.
+    for _ in 0..3 {
+        let body = explain("acme");
+        assert_eq!(body["allowed"], false, "{body}");
+        assert_eq!(body["limits"][0]["in_flight"], 2);
+        assert_eq!(body["limits"][0]["remaining"], 0);
+        assert!(body["limits"][0]["retry_after_ms"].as_u64() > Some(3_500_000));
+    }
+    assert_eq!(metric(&server, "tollgate_live_leases"), 2.0);
+    assert_eq!(release(&server, &held[0]).status, 204);
+    assert_eq!(explain("acme")["limits"][0]["in_flight"], 1);
+    // Only concurrency limits: a rate limit the same request matches is not shown, nor charged.
+    let both = r#"{"domain":"api","descriptors":[{"route":"/export","tenant":"acme","user":"u"}]}"#;
+    let answer = post_json(server.http, "/v1/leases/explain", both);
+    assert_eq!(answer.json()["limits"].as_array().map(Vec::len), Some(1));
+    let check = r#"{"domain":"api","descriptors":[{"user":"u"}]}"#;
+    assert_eq!(post_json(server.http, "/v1/check", check).status, 200);
+
+    let bad = post_json(server.http, "/v1/leases/explain", r#"{"domain":"api"}"#);
+    assert_eq!(bad.status, 400, "{}", bad.body);
+}

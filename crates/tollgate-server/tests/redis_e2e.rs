@@ -476,6 +476,13 @@ fn two_servers_share_concurrency_slots_and_release_each_others_leases() {
         }
     }
     assert_eq!(held.len(), 3, "three slots over both servers");
+    // Either server explains the store's count, and holds nothing doing it.
+    for server in servers.iter().chain(&servers) {
+        let explained = post_json(server.http, "/v1/leases/explain", &body);
+        assert_eq!(explained.status, 200, "{}", explained.body);
+        assert_eq!(explained.json()["allowed"], false);
+        assert_eq!(explained.json()["limits"][0]["in_flight"], 3);
+    }
     // Renewed through either server: the lease is the store's, not a process's.
     for server in &servers {
         let renewed = post_json(server.http, &format!("/v1/leases/{}/renew", held[1]), "");
@@ -547,4 +554,12 @@ fn redis_killed_under_concurrency_limits() {
         "",
     );
     assert_eq!(unknown.status, 503, "{}", unknown.body);
+    // Nor can the store's count be explained.
+    let explained = post_json(
+        server.http,
+        "/v1/leases/explain",
+        &lease_body("strict", "t"),
+    );
+    assert_eq!(explained.status, 503, "{}", explained.body);
+    assert_eq!(explained.json()["error"]["code"], "store_unavailable");
 }

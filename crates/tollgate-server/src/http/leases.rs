@@ -10,6 +10,10 @@
 //!
 //! DELETE /v1/leases/9f0c…
 //! → 204
+//!
+//! POST /v1/leases/explain
+//! {"domain":"api","descriptors":[{"tenant":"acme","route":"/export"}]}
+//! → 200 {"allowed":false,"policy_version":"3","limits":[{…,"in_flight":2,"bucket_key":…}]}
 //! ```
 //!
 //! A caller takes a lease before the work it limits and gives it back after. The server picks
@@ -99,7 +103,7 @@ pub(crate) async fn acquire(
         StatusCode::TOO_MANY_REQUESTS
     };
     let held = outcome.held.then_some(lease_id.as_str());
-    let mut response = json(status, write_body(&outcome, held));
+    let mut response = json(status, write_body(&outcome, Body::Taken(held)));
     if !outcome.allowed && !outcome.failed_closed {
         let wait = enforced(&outcome)
             .filter_map(LeaseDecision::retry_after)
@@ -113,6 +117,22 @@ pub(crate) async fn acquire(
             .insert(RETRY_AFTER, HeaderValue::from(wait));
     }
     Ok(response)
+}
+
+/// `POST /v1/leases/explain`: what `POST /v1/leases` would answer now, with each limit's key
+/// and the descriptor it matched, holding nothing and counting nothing (`/v1/explain` for
+/// concurrency limits). Always 200 when it can look; 503 when the shared store cannot answer.
+pub(crate) async fn explain(
+    State(state): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let parsed = parse(&body).inspect_err(|_| metrics::record_invalid(Api::Leases))?;
+    let outcome = state
+        .decider
+        .explain_leases(&parsed.domain, &parsed.descriptors)
+        .await
+        .map_err(lease_error)?;
+    Ok(json(StatusCode::OK, write_body(&outcome, Body::Explained)))
 }
 
 pub(crate) async fn release(
@@ -201,16 +221,27 @@ fn enforced(outcome: &LeaseOutcome) -> impl Iterator<Item = &LeaseDecision> {
         .filter_map(|limit| limit.decision.as_ref())
 }
 
+/// Which answer a body is.
+#[derive(Debug, Clone, Copy)]
+enum Body<'a> {
+    /// An acquire's: the lease id, `None` (`null`) when nothing is held.
+    Taken(Option<&'a str>),
+    /// An explanation's: no lease id; each limit's bucket key and descriptor.
+    Explained,
+}
+
 /// The JSON answer: the shape of a check's, with `lease_id` and each limit's `in_flight`;
 /// `capacity` is the limit's `max_in_flight`.
-fn write_body(outcome: &LeaseOutcome, lease_id: Option<&str>) -> Vec<u8> {
+fn write_body(outcome: &LeaseOutcome, body: Body<'_>) -> Vec<u8> {
     let mut out = Vec::with_capacity(120 + 192 * outcome.limits.len());
     out.extend_from_slice(b"{\"allowed\":");
     push_bool(&mut out, outcome.allowed);
-    out.extend_from_slice(b",\"lease_id\":");
-    match lease_id {
-        Some(id) => push_str(&mut out, id),
-        None => out.extend_from_slice(b"null"),
+    if let Body::Taken(lease_id) = body {
+        out.extend_from_slice(b",\"lease_id\":");
+        match lease_id {
+            Some(id) => push_str(&mut out, id),
+            None => out.extend_from_slice(b"null"),
+        }
     }
     out.extend_from_slice(b",\"policy_version\":");
     push_str(&mut out, &outcome.policy_version);
@@ -244,6 +275,11 @@ fn write_body(outcome: &LeaseOutcome, lease_id: Option<&str>) -> Vec<u8> {
         if let Some(owner) = &limit.exempted_by {
             out.extend_from_slice(b",\"exempted_by\":");
             push_str(&mut out, owner);
+        }
+        if let Body::Explained = body {
+            out.extend_from_slice(b",\"bucket_key\":");
+            push_str(&mut out, &limit.bucket_key);
+            push_number(&mut out, b",\"descriptor\":", limit.descriptor as u64);
         }
         out.push(b'}');
     }

@@ -98,6 +98,7 @@ pub fn router(state: Arc<AppState>) -> Router {
             get(forward_auth::forward_auth).post(forward_auth::forward_auth),
         )
         .route("/v1/leases", post(leases::acquire))
+        .route("/v1/leases/explain", post(leases::explain))
         .route("/v1/leases/{lease_id}", delete(leases::release))
         .route("/v1/leases/{lease_id}/renew", post(leases::renew))
         .route("/v1/noop", get(noop).post(noop))
