@@ -7,6 +7,7 @@
 
 mod admin;
 pub(crate) mod check;
+mod dashboard;
 mod error;
 mod forward_auth;
 mod leases;
@@ -109,6 +110,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/policy/reload", post(admin::reload))
         .route("/v1/policy/rollback", post(admin::rollback))
         .route("/v1/hot-keys", get(admin::hot_keys))
+        .route("/dashboard", get(dashboard::dashboard))
         // After the routes: it applies to the routes registered before it.
         .method_not_allowed_fallback(error::method_not_allowed)
         .fallback(error::not_found)
