@@ -56,7 +56,7 @@
 //!   store is down, a limit that fails closed answers 503 (not 429), one that fails open
 //!   decides on its bounded emergency budget.
 //! * **Stores**: memory by default; Redis with the `redis` feature (`LimitBuilder::redis`,
-//!   `PolicyBuilder::redis`), so many processes share one budget.
+//!   `PolicyBuilder::redis`, `ConcurrencyBuilder::redis`), so many processes share one budget.
 //! * **hyper**: hyper 1 has its own `Service` trait; wrap the layered service with
 //!   `hyper_util::service::TowerToHyperService`, and insert the peer's `SocketAddr` into each
 //!   request's extensions in the accept loop for [`PeerIp`].
@@ -80,6 +80,11 @@
 //! is dropped unfinished (a client that went away): so it is held until the response **head**
 //! is ready, not while the body streams, as with tower's own `ConcurrencyLimit`. A request
 //! still running after the [`tollgate::LeaseLimit`]'s timeout loses its slot to that timeout.
+//!
+//! With the `redis` feature, `ConcurrencyBuilder::redis` counts the slots in Redis instead,
+//! shared by every process (and every layer of the same name) pointed at it; the release is
+//! sent from a task spawned on the Tokio runtime when the request ends, and while Redis cannot
+//! answer the layer follows its `LeaseFailure` (503, or a per-process emergency bound).
 //!
 //! ```
 //! use std::{sync::Arc, time::Duration};
@@ -134,6 +139,8 @@ mod layer;
 mod limiter;
 mod service;
 
+#[cfg(feature = "redis")]
+pub use concurrency::LeaseFailure;
 pub use concurrency::{Concurrency, ConcurrencyBuilder, ConcurrencyFuture, ConcurrencyLayer};
 pub use error::Error;
 pub use extract::{

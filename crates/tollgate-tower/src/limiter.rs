@@ -328,8 +328,14 @@ fn unavailable(reason: &str) -> Response<Bytes> {
         reason,
         "rate-limit store unavailable: request denied (fails closed)"
     );
+    unavailable_problem(&format!("rate limiting unavailable: {reason}"))
+}
+
+/// The 503 problem document of a limit that fails closed, `detail` saying why.
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
+pub(crate) fn unavailable_problem(detail: &str) -> Response<Bytes> {
     let mut body = String::from(r#"{"title":"Service Unavailable","status":503,"detail":"#);
-    push_json_string(&mut body, &format!("rate limiting unavailable: {reason}"));
+    push_json_string(&mut body, detail);
     body.push('}');
     problem(StatusCode::SERVICE_UNAVAILABLE, body)
 }
