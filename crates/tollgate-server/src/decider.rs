@@ -307,20 +307,7 @@ impl Decider {
                     .await
             }
         };
-        match result {
-            Ok(outcome) => Ok(outcome),
-            Err(PolicyError::Check {
-                source: CoreError::StoreUnavailable { reason },
-                ..
-            }) => {
-                metrics::record_store_error(reason);
-                Err(DecideError::Unavailable(reason))
-            }
-            Err(err @ PolicyError::Check { .. }) if is_caller_error(&err) => {
-                Err(DecideError::Invalid(err))
-            }
-            Err(err) => Err(DecideError::Internal(err)),
-        }
+        result.map_err(|err| self.lease_op_error(err))
     }
 
     /// Gives lease `lease_id` back: `Ok(true)` if it was still held.
@@ -355,7 +342,7 @@ impl Decider {
         Ok(renewed)
     }
 
-    /// The answer to a release or a renewal the engine could not do.
+    /// The answer to a release, a renewal or an explanation the engine could not do.
     fn lease_op_error(&self, err: PolicyError) -> DecideError {
         match err {
             PolicyError::Check {

@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 use serde::Serialize;
 use tollgate_policy::UnixTime;
 
-use super::tally::{Slot, Tally};
+use super::tally::{Counts, Slot, Tally};
 
 /// A line of the trace that was not a request, and why.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
@@ -52,18 +52,9 @@ pub(crate) struct PolicyReport {
     pub(crate) file: String,
     /// Its version.
     pub(crate) version: String,
-    /// Requests decided.
-    pub(crate) requests: u64,
-    /// Requests allowed.
-    pub(crate) allowed: u64,
-    /// Requests an enforced limit rejected.
-    pub(crate) rejected: u64,
-    /// Requests allowed that a shadow limit, or one outside its rollout, would have rejected.
-    pub(crate) would_reject: u64,
-    /// Requests no limit applied to.
-    pub(crate) unmatched: u64,
-    /// Requests the policy refused to decide (the server's 400 or 409).
-    pub(crate) invalid: u64,
+    /// The requests' fates.
+    #[serde(flatten)]
+    pub(crate) counts: Counts,
     /// The first of those.
     pub(crate) first_invalid: Option<BadLine>,
     /// Concurrency limits in the policy, exercised by the requests whose line gives
@@ -141,12 +132,7 @@ impl PolicyReport {
         Self {
             file,
             version,
-            requests: tally.requests,
-            allowed: tally.allowed,
-            rejected: tally.rejected,
-            would_reject: tally.would_reject,
-            unmatched: tally.unmatched,
-            invalid: tally.invalid,
+            counts: tally.counts,
             first_invalid: tally.first_invalid.as_ref().map(|(line, error)| BadLine {
                 line: *line,
                 error: error.clone(),
@@ -276,12 +262,13 @@ impl Report {
                     out,
                     "  {}: rejected {} -> {} ({:+}), would reject {} -> {} ({:+})",
                     other.file,
-                    baseline.rejected,
-                    other.rejected,
-                    i128::from(other.rejected) - i128::from(baseline.rejected),
-                    baseline.would_reject,
-                    other.would_reject,
-                    i128::from(other.would_reject) - i128::from(baseline.would_reject),
+                    baseline.counts.rejected,
+                    other.counts.rejected,
+                    i128::from(other.counts.rejected) - i128::from(baseline.counts.rejected),
+                    baseline.counts.would_reject,
+                    other.counts.would_reject,
+                    i128::from(other.counts.would_reject)
+                        - i128::from(baseline.counts.would_reject),
                 );
             }
         }
@@ -295,18 +282,18 @@ impl PolicyReport {
         let _ = writeln!(
             out,
             "  allowed {}, rejected {} ({}), would reject {} ({}), unmatched {}",
-            self.allowed,
-            self.rejected,
-            percent(self.rejected, self.requests),
-            self.would_reject,
-            percent(self.would_reject, self.requests),
-            self.unmatched,
+            self.counts.allowed,
+            self.counts.rejected,
+            percent(self.counts.rejected, self.counts.requests),
+            self.counts.would_reject,
+            percent(self.counts.would_reject, self.counts.requests),
+            self.counts.unmatched,
         );
         if let Some(bad) = &self.first_invalid {
             let _ = writeln!(
                 out,
                 "  refused {} requests (the server would answer 400); first, line {}: {}",
-                self.invalid, bad.line, bad.error
+                self.counts.invalid, bad.line, bad.error
             );
         }
         if self.concurrency_limits > 0 && with_duration == 0 {

@@ -68,9 +68,9 @@ pub(crate) struct Slot {
     pub(crate) would_reject: u64,
 }
 
-/// Everything one policy did to the trace.
-#[derive(Debug, Clone)]
-pub(crate) struct Tally {
+/// What a policy made of the trace's requests, as the report gives it.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub(crate) struct Counts {
     /// Requests decided.
     pub(crate) requests: u64,
     /// Requests allowed.
@@ -84,6 +84,13 @@ pub(crate) struct Tally {
     /// Requests the policy refused to decide (a cost above a capacity, a request id reused
     /// for another request): the server would answer them 400 or 409.
     pub(crate) invalid: u64,
+}
+
+/// Everything one policy did to the trace.
+#[derive(Debug, Clone)]
+pub(crate) struct Tally {
+    /// The requests' fates.
+    pub(crate) counts: Counts,
     /// The first of those: its line and why.
     pub(crate) first_invalid: Option<(u64, String)>,
     /// The policy's limits in declaration order, then any other name an outcome showed.
@@ -107,12 +114,7 @@ impl Tally {
     /// An empty tally for `policy`, with a timeline in intervals of `interval` (at least 1 ms).
     pub(crate) fn new(policy: &Policy, interval: Duration) -> Self {
         let mut tally = Self {
-            requests: 0,
-            allowed: 0,
-            rejected: 0,
-            would_reject: 0,
-            unmatched: 0,
-            invalid: 0,
+            counts: Counts::default(),
             first_invalid: None,
             limits: Vec::new(),
             concurrency_limits: 0,
@@ -147,25 +149,18 @@ impl Tally {
     /// Counts a decided request that arrived `at`: its rate limits' `outcome`, and when it
     /// passed them and took a lease, its concurrency limits' `lease`.
     pub(crate) fn record(&mut self, at: UnixTime, outcome: &Outcome, lease: Option<&LeaseOutcome>) {
-        self.requests += 1;
+        self.counts.requests += 1;
+        let rates = outcome
+            .limits
+            .iter()
+            .map(|l| (&l.name, l.mode, l.would_reject(), &*l.bucket_key));
+        let leases = lease
+            .iter()
+            .flat_map(|lease| &lease.limits)
+            .map(|l| (&l.name, l.mode, l.would_reject(), &*l.bucket_key));
         let mut would_reject = false;
-        for limit in &outcome.limits {
-            would_reject |= self.count(
-                at,
-                &limit.name,
-                limit.mode,
-                limit.would_reject(),
-                &limit.bucket_key,
-            );
-        }
-        for limit in lease.iter().flat_map(|lease| &lease.limits) {
-            would_reject |= self.count(
-                at,
-                &limit.name,
-                limit.mode,
-                limit.would_reject(),
-                &limit.bucket_key,
-            );
+        for (name, mode, short, key) in rates.chain(leases) {
+            would_reject |= self.count(at, name, mode, short, key);
         }
         self.leases += u64::from(lease.is_some_and(|lease| lease.held));
         let rejected = !outcome.allowed || lease.is_some_and(|lease| !lease.allowed);
@@ -174,11 +169,11 @@ impl Tally {
         slot.requests += 1;
         slot.rejected += u64::from(rejected);
         slot.would_reject += u64::from(would_reject);
-        self.rejected += u64::from(rejected);
-        self.allowed += u64::from(!rejected);
-        self.would_reject += u64::from(would_reject);
+        self.counts.rejected += u64::from(rejected);
+        self.counts.allowed += u64::from(!rejected);
+        self.counts.would_reject += u64::from(would_reject);
         if outcome.unmatched() && lease.is_none_or(LeaseOutcome::unmatched) {
-            self.unmatched += 1;
+            self.counts.unmatched += 1;
         }
     }
 
@@ -221,7 +216,7 @@ impl Tally {
 
     /// Counts a request the policy refused to decide.
     pub(crate) fn refuse(&mut self, line: u64, why: String) {
-        self.invalid += 1;
+        self.counts.invalid += 1;
         self.first_invalid.get_or_insert((line, why));
     }
 

@@ -34,7 +34,10 @@ pub(crate) struct TraceRequest<'a> {
     pub(crate) request: Parsed<'a>,
 }
 
-/// Unknown fields are refused, as in the HTTP API: a misspelt `cost` must not silently be 1.
+/// The check body's fields, then `time` and `duration_ms`. Unknown fields are refused, as in
+/// the HTTP API (a misspelt `cost` must not silently be 1), which is why the body's fields are
+/// listed again rather than flattened in: serde cannot refuse unknown fields around a
+/// flattened struct.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Line<'a> {
