@@ -493,10 +493,16 @@ impl RedisStore {
             config
                 .timeout
                 .max(Duration::from_millis(if secure { 1_000 } else { 100 }));
-        // A single node's connection, and a sentinel's master's.
+        // A single node's connection, and a sentinel's master's. One connect attempt per
+        // reconnect, no retries: decisions that arrive while a reconnect is under way wait on
+        // it, and with retries they would wait out their timeout through the back-off sleeps
+        // whenever Redis refuses connections, reported as `timeout` though Redis is plainly
+        // down. A single attempt fails at once on a refused port (`connection`), and the next
+        // decision, or the breaker's probe, tries again.
         let manager = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(connect_timeout))
             .set_response_timeout(None)
+            .set_number_of_retries(0)
             .set_max_delay(Duration::from_secs(1));
         let link = if topology == Topology::Sentinel {
             let target = SentinelTarget::parse(&url[scheme.len()..], secure).ok_or_else(invalid)?;

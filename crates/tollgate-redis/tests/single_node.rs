@@ -412,6 +412,45 @@ async fn redis_killed_mid_run_then_restarted() {
         .expect("recovers once Redis is back");
 }
 
+/// A Redis that is gone (its port refuses connections) is told apart from a slow one: the
+/// calls fail at once as connection failures, not after the timeout as timeouts, so an
+/// operator reading `tollgate_store_errors_total{reason}` or `/readyz` sees which it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_redis_is_a_connection_failure_not_a_timeout() {
+    let mut server = RedisServer::start();
+    // A timeout far longer than a refused connect takes, so waiting on a reconnect would show.
+    let config = RedisConfig::default().with_timeout(Duration::from_secs(2));
+    let store = RedisStore::connect(&server.url(), config).await.unwrap();
+    let limit = limit(10, "1/s");
+    let takes = [Take::new("k", &limit, 1)];
+    assert!(check(&store, &takes, None).await.is_ok());
+
+    server.kill();
+    let mut reasons = Vec::new();
+    for _ in 0..6 {
+        match check(&store, &takes, None).await {
+            Err(Error::StoreUnavailable { reason }) => reasons.push(reason),
+            other => panic!("expected unavailable, got {other:?}"),
+        }
+        reasons.extend(store.ping().await.err());
+    }
+    assert!(
+        reasons
+            .iter()
+            .all(|r| matches!(r, Unavailable::Connection | Unavailable::CircuitOpen)),
+        "{reasons:?}"
+    );
+    assert_eq!(reasons[0], Unavailable::Connection);
+
+    server.restart();
+    until(Duration::from_secs(15), || async {
+        check(&store, &takes, None).await.is_ok()
+    })
+    .await
+    .expect("recovers once Redis is back");
+    assert_eq!(store.ping().await, Ok(()));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_redis_times_out_and_the_breaker_stops_waiting() {
     let server = RedisServer::start();

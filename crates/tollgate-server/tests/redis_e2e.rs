@@ -178,9 +178,18 @@ fn redis_killed_under_closed_and_open_limits() {
     );
     let ready = support::request(server.http, "GET", "/readyz", &[], "");
     assert_eq!(ready.status, 503);
+    // Gone, not slow: its port refuses connections, and the server says so.
+    assert_eq!(ready.json()["store_error"], "connection", "{}", ready.body);
     assert_eq!(breakers().as_deref(), Some("1"), "the breaker is open");
     let metrics = support::request(server.http, "GET", "/metrics", &[], "").body;
-    assert!(metrics.contains("tollgate_store_errors_total"), "{metrics}");
+    assert!(
+        metrics.contains(r#"tollgate_store_errors_total{reason="connection"}"#),
+        "{metrics}"
+    );
+    assert!(
+        !metrics.contains(r#"tollgate_store_errors_total{reason="timeout"}"#),
+        "a refused connection is not a timeout: {metrics}"
+    );
     assert!(
         metrics.contains(r#"tollgate_degraded_decisions_total{reason="#),
         "{metrics}"
