@@ -20,7 +20,18 @@ fn limit(capacity: u64, rate: &str) -> Limit {
     Limit::new(capacity, rate.parse().unwrap()).unwrap()
 }
 
+/// How long a decision may wait in the tests that are not about timeouts: long enough that a
+/// loaded machine (a build beside the tests) never turns a slow answer into a failure.
+const LOADED: Duration = Duration::from_secs(2);
+
 async fn connect(server: &RedisServer) -> RedisStore {
+    RedisStore::connect(&server.url(), RedisConfig::default().with_timeout(LOADED))
+        .await
+        .expect("connect")
+}
+
+/// A store with the default timeout (20 ms), for the tests of what a timeout does.
+async fn connect_impatient(server: &RedisServer) -> RedisStore {
     RedisStore::connect(&server.url(), RedisConfig::default())
         .await
         .expect("connect")
@@ -358,7 +369,7 @@ async fn on_redis_time_a_bucket_is_full_again_at_a_microsecond_of_that_clock() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_killed_mid_run_then_restarted() {
     let mut server = RedisServer::start();
-    let store = connect(&server).await;
+    let store = connect_impatient(&server).await;
     let failover = Failover::new(store);
     let limit = limit(100, "100/s");
     let closed = [Guarded {
@@ -454,7 +465,7 @@ async fn a_dead_redis_is_a_connection_failure_not_a_timeout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_redis_times_out_and_the_breaker_stops_waiting() {
     let server = RedisServer::start();
-    let store = connect(&server).await;
+    let store = connect_impatient(&server).await;
     let limit = limit(10, "1/s");
     let takes = [Take::new("k", &limit, 1)];
     assert!(check(&store, &takes, None).await.is_ok());
