@@ -172,6 +172,12 @@ pub struct ServeArgs {
     /// The most buckets held in this process (memory store and emergency budgets).
     #[arg(long, env = "TOLLGATE_MAX_BUCKETS", default_value_t = 10_000_000)]
     pub max_buckets: usize,
+    /// The most leases of concurrency limits held in this process (the memory store's table,
+    /// and apart from it the emergency table used while Redis is down); past it a lease
+    /// request is answered 503 `lease_table_full`, never admitted.
+    #[arg(long, env = "TOLLGATE_MAX_LEASES", default_value_t = 1_000_000,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_leases: u64,
     /// Threads deciding requests (default: one per core the process may use). With a Redis
     /// store on a small host that also runs Redis, one thread wakes less and costs less.
     #[arg(long, env = "TOLLGATE_THREADS", value_parser = clap::value_parser!(u16).range(1..=1024))]
@@ -508,7 +514,9 @@ pub async fn serve(
              unset to keep the admin endpoints to loopback clients"
         );
     }
-    let mut options = EngineOptions::default().max_buckets(args.max_buckets);
+    let mut options = EngineOptions::default()
+        .max_buckets(args.max_buckets)
+        .max_leases(usize::try_from(args.max_leases).unwrap_or(usize::MAX));
     if args.store != "memory" {
         // A reload must not put in force a limit Redis cannot keep exactly: every decision on
         // it would fail. (The version served at start is checked below, with a message that

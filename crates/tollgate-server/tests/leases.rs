@@ -278,3 +278,31 @@ fn an_explanation_shows_what_is_held_and_holds_nothing() {
     let bad = post_json(server.http, "/v1/leases/explain", r#"{"domain":"api"}"#);
     assert_eq!(bad.status, 400, "{}", bad.body);
 }
+
+#[test]
+fn a_full_lease_table_is_a_503_and_admits_nothing() {
+    let scratch = Scratch::new("leases-full");
+    let config = scratch.write("policy.yaml", POLICY);
+    let server = Server::start(&["--config", path_str(&config), "--max-leases", "2"]);
+    let mut held = Vec::new();
+    for tenant in ["acme", "globex"] {
+        let answer = post_json(server.http, "/v1/leases", &export(tenant));
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        held.push(
+            answer.json()["lease_id"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned(),
+        );
+    }
+    // A third tenant has free slots of its own, but the process holds all it may.
+    let full = post_json(server.http, "/v1/leases", &export("initech"));
+    assert_eq!(full.status, 503, "{}", full.body);
+    assert_eq!(full.json()["error"]["code"], "lease_table_full");
+    assert_eq!(metric(&server, "tollgate_live_leases"), 2.0);
+    assert_eq!(release(&server, &held[0]).status, 204);
+    assert_eq!(
+        post_json(server.http, "/v1/leases", &export("initech")).status,
+        200
+    );
+}

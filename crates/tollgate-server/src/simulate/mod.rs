@@ -442,3 +442,83 @@ fn progress_bar(length: Option<u64>, json: bool) -> ProgressBar {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A simulator of a one-limit policy written to a scratch file (removed on drop).
+    struct Scratch(PathBuf);
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    fn simulator(name: &str) -> (Simulator, Scratch) {
+        let path = std::env::temp_dir().join(format!(
+            "tollgate-simulate-{}-{name}.yaml",
+            std::process::id()
+        ));
+        let policy = "version: t\nlimits:\n  - name: per-user\n    domain: api\n    key: [user]\n    capacity: 2\n    refill: 1/h\n";
+        std::fs::write(&path, policy).unwrap();
+        let simulator = Simulator::new(std::slice::from_ref(&path), Duration::from_secs(60), 3);
+        (simulator.unwrap(), Scratch(path))
+    }
+
+    const LINE: &str =
+        r#"{"time":"2026-11-29T10:00:00Z","domain":"api","descriptors":[{"user":"u1"}]}"#;
+
+    #[test]
+    fn line_endings_and_blank_lines_are_not_requests_nor_errors() {
+        let (mut simulator, _scratch) = simulator("endings");
+        simulator.feed(format!("{LINE}\r\n").as_bytes());
+        simulator.feed(b"\n");
+        simulator.feed(b"   \r\n");
+        simulator.feed(LINE.as_bytes());
+        let report = simulator.report("t");
+        assert_eq!(report.trace.lines, 4);
+        assert_eq!(report.trace.requests, 2);
+        assert_eq!(report.trace.skipped, 0);
+        assert_eq!(report.policies[0].counts.allowed, 2);
+    }
+
+    #[test]
+    fn bytes_that_are_not_a_request_are_skipped_and_decide_nothing() {
+        let (mut simulator, _scratch) = simulator("bytes");
+        simulator.feed(b"{\"time\":0,\xff}\n");
+        let long = format!(
+            r#"{{"time":0,"domain":"api","descriptors":[{{"user":"u1"}}],"request_id":"{}"}}"#,
+            "r".repeat(MAX_LINE_BYTES)
+        );
+        simulator.feed(long.as_bytes());
+        for _ in 0..QUOTED_BAD_LINES + 2 {
+            simulator.feed(b"[]");
+        }
+        let report = simulator.report("t");
+        assert_eq!(report.trace.requests, 0);
+        assert_eq!(report.trace.skipped, 2 + QUOTED_BAD_LINES as u64 + 2);
+        let quoted = &report.trace.first_skipped;
+        assert_eq!(
+            quoted.len(),
+            QUOTED_BAD_LINES,
+            "only the first few are quoted"
+        );
+        assert_eq!((quoted[0].line, quoted[0].error.as_str()), (1, "not UTF-8"));
+        assert_eq!(quoted[1].line, 2);
+        assert!(
+            quoted[1].error.contains("bytes long"),
+            "{}",
+            quoted[1].error
+        );
+        assert_eq!(report.policies[0].counts.requests, 0);
+        // Nothing was charged: a request now finds the bucket full.
+        simulator.feed(LINE.as_bytes());
+        simulator.feed(LINE.as_bytes());
+        simulator.feed(LINE.as_bytes());
+        let report = simulator.report("t");
+        assert_eq!(report.policies[0].counts.allowed, 2);
+        assert_eq!(report.policies[0].counts.rejected, 1);
+    }
+}
