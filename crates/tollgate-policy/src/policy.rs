@@ -257,6 +257,11 @@ impl Override {
         &self.name
     }
 
+    /// The descriptor entries, beyond its limit's, that must equal the given values.
+    pub fn when(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.when.iter().map(|(k, v)| (&**k, &**v))
+    }
+
     /// The parameters it applies.
     pub fn params(&self) -> &Params {
         &self.params
@@ -288,6 +293,12 @@ impl Exemption {
     /// The limit it lifts.
     pub fn limit(&self) -> &str {
         &self.limit
+    }
+
+    /// The descriptor entries that must equal the given values for it to apply (none: every
+    /// subject of the limit).
+    pub fn when(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.when.iter().map(|(k, v)| (&**k, &**v))
     }
 
     /// Who is accountable for it.

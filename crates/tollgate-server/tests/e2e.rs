@@ -1245,3 +1245,85 @@ fn idempotent_retries_over_http() {
         "the retry was not charged"
     );
 }
+
+#[test]
+fn the_policy_endpoint_lists_the_limits_and_exemptions_in_force() {
+    let scratch = Scratch::new("policy-listing");
+    let config = scratch.write(
+        "policy.yaml",
+        r#"
+version: "listed-1"
+limits:
+  - name: per-user
+    domain: api
+    key: [user]
+    capacity: 20
+    refill: 10/s
+    failure_mode: open
+    emergency: 2/s
+    rollout: 12.5%
+    overrides:
+      - name: premium
+        when: {tier: premium}
+        capacity: 200
+        refill: 100/s
+  - name: per-route
+    domain: api
+    when: {method: POST}
+    key: [route]
+    algorithm: sliding_window
+    limit: 100
+    window: 1m
+    mode: shadow
+  - name: exports
+    domain: api
+    key: [tenant]
+    algorithm: concurrency
+    max_in_flight: 2
+    lease_timeout: 30s
+exemptions:
+  - limit: per-user
+    when: {user: vip}
+    owner: ops@example.com
+    reason: launch
+    expires: 2099-01-01T00:00:00Z
+"#,
+    );
+    let server = Server::start(&["--config", path_str(&config)]);
+    let body = request(server.http, "GET", "/v1/policy", &[], "").json();
+    assert_eq!(body["version"], "listed-1");
+    let limits = body["limits"].as_array().expect("limits");
+    assert_eq!(limits.len(), 3);
+    let user = &limits[0];
+    assert_eq!(user["name"], "per-user");
+    assert_eq!(user["algorithm"], "token_bucket");
+    assert_eq!(user["capacity"], 20);
+    assert_eq!(user["refill"], "10/s");
+    assert_eq!(user["key"], serde_json::json!(["user"]));
+    assert_eq!(user["rollout"], "12.5%");
+    assert_eq!(user["failure_mode"], "open");
+    assert_eq!(user["emergency"], "2/s");
+    assert_eq!(user["overrides"][0]["name"], "premium");
+    assert_eq!(user["overrides"][0]["when"]["tier"], "premium");
+    assert_eq!(user["overrides"][0]["capacity"], 200);
+    let route = &limits[1];
+    assert_eq!(route["algorithm"], "sliding_window");
+    assert_eq!(route["limit"], 100);
+    assert_eq!(route["window"], "1m");
+    assert_eq!(route["mode"], "shadow");
+    assert_eq!(route["when"]["method"], "POST");
+    assert_eq!(route["failure_mode"], "closed");
+    let exports = &limits[2];
+    assert_eq!(exports["max_in_flight"], 2);
+    assert_eq!(exports["lease_timeout"], "30s");
+    let exemption = &body["exemptions"][0];
+    assert_eq!(exemption["limit"], "per-user");
+    assert_eq!(exemption["when"]["user"], "vip");
+    assert_eq!(exemption["active"], true);
+    assert_eq!(exemption["expires"], "2099-01-01T00:00:00Z");
+    assert_eq!(exemption["uses"], 0);
+    let check = r#"{"domain":"api","descriptors":[{"user":"vip"}]}"#;
+    assert_eq!(post_json(server.http, "/v1/check", check).status, 200);
+    let body = request(server.http, "GET", "/v1/policy", &[], "").json();
+    assert_eq!(body["exemptions"][0]["uses"], 1);
+}

@@ -12,7 +12,9 @@ use axum::extract::{ConnectInfo, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
-use tollgate_policy::Error as PolicyError;
+use tollgate_policy::{
+    Error as PolicyError, FailureMode, LimitDef, Params, SystemWallClock, WallClock,
+};
 
 use super::AppState;
 use super::error::ApiError;
@@ -135,7 +137,114 @@ pub(crate) async fn policy(
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     authorize(state.options.admin_token.as_deref(), &headers, peer)?;
-    Ok(Json(status_body(&state)).into_response())
+    let mut body = status_body(&state);
+    let policy = state.decider.engine().current();
+    body["limits"] = policy.limits().iter().map(limit_body).collect();
+    let now = SystemWallClock.now();
+    body["exemptions"] = policy
+        .exemptions()
+        .iter()
+        .map(|exemption| {
+            json!({
+                "limit": exemption.limit(),
+                "when": conditions(exemption.when()),
+                "owner": exemption.owner(),
+                "reason": exemption.reason(),
+                "expires": exemption.expires().to_rfc3339(),
+                "active": exemption.is_active(now),
+                "uses": exemption.uses(),
+            })
+        })
+        .collect();
+    Ok(Json(body).into_response())
+}
+
+/// A limit as the policy file gives it, in force: what `GET /v1/policy` lists, so that an
+/// operator can read what is enforced without the file at hand.
+fn limit_body(limit: &LimitDef) -> serde_json::Value {
+    let mut body = json!({
+        "name": limit.name(),
+        "domain": limit.domain(),
+        "when": conditions(limit.when()),
+        "key": limit.key().collect::<Vec<_>>(),
+        "algorithm": limit.algorithm(),
+        "mode": limit.mode().as_str(),
+        "rollout": rollout(limit.rollout()),
+        "overrides": limit.overrides().iter().map(|o| {
+            let mut body = json!({"name": o.name(), "when": conditions(o.when())});
+            params_into(&mut body, o.params());
+            body
+        }).collect::<Vec<_>>(),
+    });
+    params_into(&mut body, limit.params());
+    match limit.failure_mode() {
+        FailureMode::Closed => body["failure_mode"] = json!("closed"),
+        FailureMode::Open { emergency } => {
+            body["failure_mode"] = json!("open");
+            body["emergency"] = json!(emergency.refill().to_string());
+        }
+        FailureMode::OpenInFlight { emergency } => {
+            body["failure_mode"] = json!("open");
+            body["emergency"] = json!(emergency);
+        }
+        _ => {}
+    }
+    body
+}
+
+/// `params` under the names the policy file gives them: `capacity` and `refill`; `limit` and
+/// `window`; `max_in_flight` and `lease_timeout`.
+fn params_into(body: &mut serde_json::Value, params: &Params) {
+    match params {
+        Params::Rate(rate) => match rate.window() {
+            None => {
+                body["capacity"] = json!(rate.capacity());
+                body["refill"] = json!(rate.refill().to_string());
+            }
+            Some(window) => {
+                body["limit"] = json!(rate.capacity());
+                body["window"] = json!(duration(window));
+            }
+        },
+        Params::Concurrency(lease) => {
+            body["max_in_flight"] = json!(lease.max_in_flight());
+            body["lease_timeout"] = json!(duration(lease.timeout()));
+        }
+        _ => {}
+    }
+}
+
+fn conditions<'a>(entries: impl Iterator<Item = (&'a str, &'a str)>) -> serde_json::Value {
+    entries
+        .map(|(name, value)| (name.to_owned(), json!(value)))
+        .collect::<serde_json::Map<_, _>>()
+        .into()
+}
+
+/// `12.5%` from hundredths of a percent, as the file writes it.
+fn rollout(hundredths: u16) -> String {
+    match hundredths % 100 {
+        0 => format!("{}%", hundredths / 100),
+        part if part % 10 == 0 => format!("{}.{}%", hundredths / 100, part / 10),
+        part => format!("{}.{part:02}%", hundredths / 100),
+    }
+}
+
+/// `1m`, `30s`, `250ms`: a whole number of milliseconds in its largest exact unit, as the
+/// file writes durations.
+fn duration(length: std::time::Duration) -> String {
+    let ms = length.as_millis();
+    for (unit, name) in [
+        (86_400_000, "d"),
+        (3_600_000, "h"),
+        (60_000, "m"),
+        (1_000, "s"),
+    ] {
+        if ms >= unit && ms.is_multiple_of(unit) {
+            return format!("{}{name}", ms / unit);
+        }
+    }
+    format!("{ms}ms")
 }
 
 /// `GET /v1/hot-keys`: each limit's busiest keys of the last full window, with how much each
@@ -219,7 +328,23 @@ pub(crate) async fn rollback(
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
+
+    #[test]
+    fn rollouts_and_durations_read_as_the_file_writes_them() {
+        assert_eq!(rollout(10_000), "100%");
+        assert_eq!(rollout(1_250), "12.5%");
+        assert_eq!(rollout(1_234), "12.34%");
+        assert_eq!(rollout(5), "0.05%");
+        assert_eq!(rollout(0), "0%");
+        assert_eq!(duration(Duration::from_secs(60)), "1m");
+        assert_eq!(duration(Duration::from_secs(90)), "90s");
+        assert_eq!(duration(Duration::from_millis(1_500)), "1500ms");
+        assert_eq!(duration(Duration::from_secs(86_400)), "1d");
+        assert_eq!(duration(Duration::from_secs(7_200)), "2h");
+    }
 
     const REMOTE: &str = "203.0.113.7:40000";
 
