@@ -665,6 +665,7 @@ pub async fn serve(
         "  HTTP  http://{http_addr}  (/v1/check, /v1/explain, /v1/leases, /v1/forward-auth/{{domain}}, /metrics, /healthz)"
     );
     println!("  gRPC  {grpc_addr}  (envoy.service.ratelimit.v3.RateLimitService)");
+    println!("  live dashboard  http://{http_addr}/dashboard");
     println!("try:");
     println!(
         "  curl -si -X POST http://{http_addr}/v1/check -H 'content-type: application/json' \\\n    -d '{}'",

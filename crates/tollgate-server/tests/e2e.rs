@@ -1327,3 +1327,20 @@ exemptions:
     let body = request(server.http, "GET", "/v1/policy", &[], "").json();
     assert_eq!(body["exemptions"][0]["uses"], 1);
 }
+
+#[test]
+fn without_a_config_the_banner_shows_the_demo_policy_an_example_and_the_dashboard() {
+    let server = Server::start(&[]);
+    let banner = &server.banner;
+    assert!(banner.contains("version: demo-1"), "{banner}");
+    assert!(
+        banner.contains(&format!("curl -si -X POST http://{}/v1/check", server.http)),
+        "{banner}"
+    );
+    let dashboard = format!("http://{}/dashboard", server.http);
+    assert!(banner.contains(&dashboard), "{banner}");
+    assert_eq!(
+        request(server.http, "GET", "/dashboard", &[], "").status,
+        200
+    );
+}

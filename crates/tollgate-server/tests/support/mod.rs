@@ -18,6 +18,8 @@ pub struct Server {
     pub grpc: SocketAddr,
     /// The server's `listening ...` line.
     pub listening: String,
+    /// Everything it printed before that line: the demo policy, the addresses, the example.
+    pub banner: String,
 }
 
 /// A scratch directory removed on drop.
@@ -108,7 +110,7 @@ impl Server {
             .spawn()
             .expect("start the tollgate binary");
         let stdout = child.stdout.take().expect("piped stdout");
-        let (http, grpc, listening) = match wait_for_listening(stdout) {
+        let (http, grpc, listening, banner) = match wait_for_listening(stdout) {
             Some(addresses) => addresses,
             None => {
                 let _ = child.kill();
@@ -121,6 +123,7 @@ impl Server {
             http,
             grpc,
             listening,
+            banner,
         }
     }
 
@@ -185,12 +188,19 @@ impl Drop for Server {
 }
 
 /// Reads stdout on a thread (it must keep being drained) until the `listening` line.
-fn wait_for_listening(stdout: ChildStdout) -> Option<(SocketAddr, SocketAddr, String)> {
+/// Reads the server's stdout until its `listening` line: (HTTP address, gRPC address, that
+/// line, the lines before it).
+fn wait_for_listening(stdout: ChildStdout) -> Option<(SocketAddr, SocketAddr, String, String)> {
     let (found, wait) = mpsc::channel();
     std::thread::spawn(move || {
         let mut sent = false;
+        let mut banner = String::new();
         for line in BufReader::new(stdout).lines() {
             let Ok(line) = line else { break };
+            if !sent && !line.starts_with("listening ") {
+                banner.push_str(&line);
+                banner.push('\n');
+            }
             if !sent && let Some(rest) = line.strip_prefix("listening ") {
                 let mut http = None;
                 let mut grpc = None;
@@ -202,9 +212,10 @@ fn wait_for_listening(stdout: ChildStdout) -> Option<(SocketAddr, SocketAddr, St
                         grpc = addr.parse().ok();
                     }
                 }
+                let banner = std::mem::take(&mut banner);
                 let _ = found.send(
                     http.zip(grpc)
-                        .map(|(http, grpc)| (http, grpc, line.clone())),
+                        .map(|(http, grpc)| (http, grpc, line.clone(), banner)),
                 );
                 sent = true;
             }
