@@ -65,6 +65,7 @@ mod engine;
 pub mod envoy;
 mod error;
 mod key;
+mod lint;
 mod policy;
 mod schema;
 mod wall;
@@ -78,6 +79,7 @@ pub use engine::{
 };
 pub use envoy::{ImportOptions, import_envoy, import_envoy_with};
 pub use error::{Diagnostic, Error};
+pub use lint::{EXPIRING_SOON, Warning, lint};
 pub use policy::{
     Effect, Exemption, FailureMode, LeaseMatched, LimitDef, Matched, Mode, Override, Params, Policy,
 };

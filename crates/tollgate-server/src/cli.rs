@@ -16,7 +16,7 @@ use clap::{Parser, Subcommand};
 use tokio::net::TcpListener;
 use tollgate_policy::audit::AuditLog;
 use tollgate_policy::watch::PolicyWatcher;
-use tollgate_policy::{EngineOptions, PolicyEngine, SystemWallClock, compile};
+use tollgate_policy::{EngineOptions, PolicyEngine, SystemWallClock, WallClock, compile};
 use tollgate_redis::{RedisConfig, RedisStore, TlsFiles, redact};
 
 use crate::ConnectionLimits;
@@ -39,10 +39,14 @@ pub struct Cli {
 enum Command {
     /// Serve decisions: Envoy RLS over gRPC, HTTP JSON, forward-auth, metrics.
     Serve(ServeArgs),
-    /// Check a policy file; exit 0 if it is valid, 1 with the errors if not.
+    /// Check a policy file; exit 0 if it is valid, 1 with the errors if not. Warnings (parts
+    /// that load but do nothing, exemptions past or near their expiry) go to stderr.
     Validate {
         /// The policy file.
         file: PathBuf,
+        /// Exit 1 on warnings too, for a CI job that keeps policies tidy.
+        #[arg(long)]
+        strict: bool,
     },
     /// Decide locally against a policy file (in memory) and print the decisions.
     Check(CheckArgs),
@@ -287,7 +291,7 @@ pub fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Serve(args) => serve_main(args),
-        Command::Validate { file } => validate(&file),
+        Command::Validate { file, strict } => validate(&file, strict),
         Command::Check(args) => check(args),
         Command::Simulate(args) => crate::simulate::main(&args).map_err(anyhow::Error::from),
         Command::Bench(args) => crate::loadgen::main(&args),
@@ -308,15 +312,27 @@ pub fn main() -> ExitCode {
     }
 }
 
-fn validate(file: &Path) -> Result<()> {
+fn validate(file: &Path, strict: bool) -> Result<()> {
     let policy = tollgate_policy::validate(file).map_err(|err| anyhow!("{err}"))?;
+    let warnings = tollgate_policy::lint(&policy, SystemWallClock.now());
+    for warning in &warnings {
+        eprintln!("warning: {}: {warning}", file.display());
+    }
     println!(
-        "{}: valid, version {}, {}, {}",
+        "{}: valid, version {}, {}, {}, {}",
         file.display(),
         policy.version(),
         counted(policy.limits().len(), "limit"),
-        counted(policy.exemptions().len(), "exemption")
+        counted(policy.exemptions().len(), "exemption"),
+        counted(warnings.len(), "warning")
     );
+    if strict && !warnings.is_empty() {
+        bail!(
+            "{}: {} with --strict",
+            file.display(),
+            counted(warnings.len(), "warning")
+        );
+    }
     Ok(())
 }
 
@@ -541,6 +557,9 @@ pub async fn serve(
         }
     };
     let engine = Arc::new(engine);
+    for warning in tollgate_policy::lint(&engine.current(), SystemWallClock.now()) {
+        tracing::warn!(%warning, "policy warning");
+    }
     // Keep the watcher alive as long as the server: dropping it stops the watching.
     let _watcher = match &args.config {
         Some(_) => Some(

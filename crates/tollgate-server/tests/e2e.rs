@@ -1188,9 +1188,30 @@ fn validate_check_and_import_from_the_command_line() {
     let (status, stdout, _) = run(&["validate", path_str(&good)]);
     assert!(status.success());
     assert!(
-        stdout.contains("valid, version 1, 3 limits, 0 exemptions"),
+        stdout.contains("valid, version 1, 3 limits, 0 exemptions, 0 warnings"),
         "{stdout}"
     );
+    // Valid, with parts that do nothing: warnings on stderr, and a failure only with --strict.
+    let untidy = scratch.write(
+        "untidy.yaml",
+        "version: 2\nlimits:\n  - name: dark\n    domain: api\n    key: [user]\n    capacity: 5\n    refill: 1/s\n    rollout: 0%\nexemptions:\n  - limit: dark\n    when: {user: vip}\n    owner: ops@example.com\n    reason: launch\n    expires: 2020-01-01T00:00:00Z\n",
+    );
+    let (status, stdout, stderr) = run(&["validate", path_str(&untidy)]);
+    assert!(status.success(), "{stderr}");
+    assert!(stdout.contains("2 warnings"), "{stdout}");
+    assert!(
+        stderr.contains("warning: ") && stderr.contains("rollout 0%"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("expired at 2020-01-01T00:00:00Z"),
+        "{stderr}"
+    );
+    let (status, _, stderr) = run(&["validate", "--strict", path_str(&untidy)]);
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("2 warnings with --strict"), "{stderr}");
+    let (status, _, _) = run(&["validate", "--strict", path_str(&good)]);
+    assert!(status.success());
     let bad = scratch.write("bad.yaml", "limits:\n  - name: x\n    capacty: 5\n");
     let (status, _, stderr) = run(&["validate", path_str(&bad)]);
     assert_eq!(status.code(), Some(1));

@@ -1,0 +1,265 @@
+//! Warnings about a valid policy: parts that load but do nothing, or soon will not.
+//!
+//! Validation refuses what cannot work; a policy kept as code in a repository also gathers
+//! what works and means nothing: an exemption whose expiry has passed, an override that an
+//! earlier one always wins over, a rollout of 0 %. None of it is an error (the server runs the
+//! file as written), but a reviewer wants to hear of it, and a CI job may want to refuse it
+//! (`tollgate validate --strict`).
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::policy::{LimitDef, Mode, Policy};
+use crate::wall::UnixTime;
+
+/// How soon an exemption's expiry is worth a warning: a week, time to renew or let it go.
+pub const EXPIRING_SOON: Duration = Duration::from_secs(7 * 86_400);
+
+/// One thing worth a reviewer's look in a valid policy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Warning {
+    /// An exemption whose expiry has passed: it no longer applies.
+    ExemptionExpired {
+        /// The limit it lifted.
+        limit: String,
+        /// Who owns it.
+        owner: String,
+        /// When it expired.
+        expired: UnixTime,
+    },
+    /// An exemption that expires within [`EXPIRING_SOON`].
+    ExemptionExpiring {
+        /// The limit it lifts.
+        limit: String,
+        /// Who owns it.
+        owner: String,
+        /// When it expires.
+        expires: UnixTime,
+    },
+    /// An enforced limit whose rollout is 0 %: it rejects no one, as a shadow limit.
+    RolloutZero {
+        /// The limit.
+        limit: String,
+    },
+    /// A shadow limit with a rollout below 100 %: shadow mode wins, the rollout does nothing.
+    RolloutOfShadow {
+        /// The limit.
+        limit: String,
+    },
+    /// An override that never applies: an earlier one matches every request it would.
+    OverrideUnreachable {
+        /// The limit.
+        limit: String,
+        /// The override that never applies.
+        unreachable: String,
+        /// The earlier one that wins.
+        by: String,
+    },
+    /// An override with its limit's own parameters: it changes nothing but the bucket key.
+    OverrideSameParams {
+        /// The limit.
+        limit: String,
+        /// The override.
+        name: String,
+    },
+}
+
+impl fmt::Display for Warning {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Warning::ExemptionExpired {
+                limit,
+                owner,
+                expired,
+            } => write!(
+                f,
+                "exemption of limit {limit:?} (owner {owner}) expired at {}: it no longer \
+                 applies; remove it",
+                expired.to_rfc3339()
+            ),
+            Warning::ExemptionExpiring {
+                limit,
+                owner,
+                expires,
+            } => write!(
+                f,
+                "exemption of limit {limit:?} (owner {owner}) expires at {}, within a week",
+                expires.to_rfc3339()
+            ),
+            Warning::RolloutZero { limit } => write!(
+                f,
+                "limit {limit:?} has rollout 0%: it rejects no one; say mode: shadow if that \
+                 is meant"
+            ),
+            Warning::RolloutOfShadow { limit } => write!(
+                f,
+                "limit {limit:?} is in shadow mode, so its rollout does nothing: shadow \
+                 decides for every subject"
+            ),
+            Warning::OverrideUnreachable {
+                limit,
+                unreachable,
+                by,
+            } => write!(
+                f,
+                "override {unreachable:?} of limit {limit:?} never applies: override {by:?} \
+                 before it matches every request it would (the first match wins)"
+            ),
+            Warning::OverrideSameParams { limit, name } => write!(
+                f,
+                "override {name:?} of limit {limit:?} sets the limit's own parameters: it \
+                 only moves its subjects to buckets of their own"
+            ),
+        }
+    }
+}
+
+/// The warnings about `policy` at `now` (for exemptions' expiry), in file order.
+pub fn lint(policy: &Policy, now: UnixTime) -> Vec<Warning> {
+    let mut warnings = Vec::new();
+    for limit in policy.limits() {
+        lint_limit(limit, &mut warnings);
+    }
+    let soon = i64::try_from(EXPIRING_SOON.as_nanos()).unwrap_or(i64::MAX);
+    for exemption in policy.exemptions() {
+        let (limit, owner) = (exemption.limit().to_owned(), exemption.owner().to_owned());
+        let expires = exemption.expires();
+        if !exemption.is_active(now) {
+            warnings.push(Warning::ExemptionExpired {
+                limit,
+                owner,
+                expired: expires,
+            });
+        } else if expires.as_nanos().saturating_sub(now.as_nanos()) <= soon {
+            warnings.push(Warning::ExemptionExpiring {
+                limit,
+                owner,
+                expires,
+            });
+        }
+    }
+    warnings
+}
+
+fn lint_limit(limit: &LimitDef, warnings: &mut Vec<Warning>) {
+    let name = || limit.name().to_owned();
+    match (limit.mode(), limit.rollout()) {
+        (Mode::Enforce, 0) => warnings.push(Warning::RolloutZero { limit: name() }),
+        (Mode::Shadow, rollout) if rollout < 10_000 => {
+            warnings.push(Warning::RolloutOfShadow { limit: name() });
+        }
+        _ => {}
+    }
+    let overrides = limit.overrides();
+    for (at, this) in overrides.iter().enumerate() {
+        // An earlier override whose conditions are all among this one's matches whenever this
+        // one would, and is tried first.
+        let winner = overrides[..at]
+            .iter()
+            .find(|earlier| earlier.when().all(|entry| this.when().any(|e| e == entry)));
+        if let Some(earlier) = winner {
+            warnings.push(Warning::OverrideUnreachable {
+                limit: name(),
+                unreachable: this.name().to_owned(),
+                by: earlier.name().to_owned(),
+            });
+        } else if this.params() == limit.params() {
+            warnings.push(Warning::OverrideSameParams {
+                limit: name(),
+                name: this.name().to_owned(),
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::compile;
+
+    const NOW: UnixTime = UnixTime::from_secs(1_795_946_400); // 2026-11-29T10:00:00Z
+
+    fn warnings(yaml: &str) -> Vec<String> {
+        let policy = compile("t.yaml", yaml).unwrap();
+        lint(&policy, NOW).iter().map(ToString::to_string).collect()
+    }
+
+    #[test]
+    fn a_tidy_policy_has_no_warnings() {
+        let yaml = "version: 1\nlimits:\n  - name: a\n    domain: api\n    key: [user]\n    capacity: 5\n    refill: 1/s\n    overrides:\n      - when: {tier: gold}\n        capacity: 50\n        refill: 10/s\n";
+        assert_eq!(warnings(yaml), Vec::<String>::new());
+    }
+
+    #[test]
+    fn dead_rollouts_and_overrides_are_named() {
+        let yaml = "\
+version: 1
+limits:
+  - name: zero
+    domain: api
+    key: [user]
+    capacity: 5
+    refill: 1/s
+    rollout: 0%
+  - name: shadowed
+    domain: api
+    key: [user]
+    capacity: 5
+    refill: 1/s
+    mode: shadow
+    rollout: 50%
+  - name: tiers
+    domain: api
+    key: [user]
+    capacity: 5
+    refill: 1/s
+    overrides:
+      - name: gold
+        when: {tier: gold}
+        capacity: 50
+        refill: 10/s
+      - name: gold-eu
+        when: {tier: gold, region: eu}
+        capacity: 80
+        refill: 10/s
+      - name: silver
+        when: {tier: silver}
+        capacity: 5
+        refill: 1/s
+";
+        let found = warnings(yaml);
+        assert_eq!(found.len(), 4, "{found:#?}");
+        assert!(found[0].contains("\"zero\" has rollout 0%"), "{}", found[0]);
+        assert!(
+            found[1].contains("\"shadowed\" is in shadow mode"),
+            "{}",
+            found[1]
+        );
+        assert!(
+            found[2].contains("override \"gold-eu\"") && found[2].contains("override \"gold\""),
+            "{}",
+            found[2]
+        );
+        assert!(found[3].contains("\"silver\"") && found[3].contains("own parameters"));
+    }
+
+    #[test]
+    fn exemptions_past_or_near_their_expiry_are_named() {
+        let exemption = |expires: &str| {
+            format!(
+                "version: 1\nlimits:\n  - name: a\n    domain: api\n    key: [user]\n    capacity: 5\n    refill: 1/s\nexemptions:\n  - limit: a\n    when: {{user: vip}}\n    owner: ops@example.com\n    reason: launch\n    expires: {expires}\n"
+            )
+        };
+        let expired = warnings(&exemption("2026-11-01T00:00:00Z"));
+        assert_eq!(expired.len(), 1);
+        assert!(
+            expired[0].contains("expired at 2026-11-01T00:00:00Z"),
+            "{}",
+            expired[0]
+        );
+        let soon = warnings(&exemption("2026-12-03T00:00:00Z"));
+        assert!(soon[0].contains("within a week"), "{}", soon[0]);
+        assert!(warnings(&exemption("2027-01-01T00:00:00Z")).is_empty());
+    }
+}
