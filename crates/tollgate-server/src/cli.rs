@@ -483,6 +483,9 @@ fn reload_on_hangup(engine: Arc<PolicyEngine>) -> Result<Option<AbortOnDrop>> {
                 match engine.reload() {
                     Ok(policy) => {
                         tracing::info!("SIGHUP: policy version {} in force", policy.version());
+                        for warning in tollgate_policy::lint(&policy, SystemWallClock.now()) {
+                            tracing::warn!(%warning, "policy warning");
+                        }
                     }
                     Err(err) => tracing::warn!(
                         "SIGHUP: policy refused, version {} stays in force: {err}",

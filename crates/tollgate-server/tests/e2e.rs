@@ -607,6 +607,7 @@ fn reload_and_rollback_through_the_api() {
     std::fs::write(&config, POLICY.replace("version: \"1\"", "version: \"2\"")).unwrap();
     let answer = request(server.http, "POST", "/v1/policy/reload", &auth, "");
     assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(answer.json()["warnings"], serde_json::json!([]));
     assert_eq!(version(&server), "2");
     let decided = post_json(server.http, "/v1/check", &check_body("hank"));
     assert_eq!(decided.json()["policy_version"], "2");
@@ -630,6 +631,21 @@ fn reload_and_rollback_through_the_api() {
     assert_eq!(version(&server), "1");
     let answer = request(server.http, "POST", "/v1/policy/rollback", &auth, "");
     assert_eq!(answer.status, 409);
+
+    // A valid version with a part that does nothing goes in force, and the answer says so.
+    let dark = POLICY.replacen("    capacity:", "    rollout: 0%\n    capacity:", 1);
+    std::fs::write(&config, dark.replace("version: \"1\"", "version: \"3\"")).unwrap();
+    let answer = request(server.http, "POST", "/v1/policy/reload", &auth, "");
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(version(&server), "3");
+    let warnings = answer.json()["warnings"].clone();
+    assert_eq!(warnings.as_array().map(Vec::len), Some(1), "{warnings}");
+    assert!(
+        warnings[0]
+            .as_str()
+            .unwrap_or_default()
+            .contains("rollout 0%")
+    );
 }
 
 /// SIGHUP reloads the policy file, as for Prometheus and nginx, rather than ending the process:

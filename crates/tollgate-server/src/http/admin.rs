@@ -288,7 +288,15 @@ pub(crate) async fn reload(
         ));
     }
     match engine.reload() {
-        Ok(_) => Ok(Json(status_body(&state)).into_response()),
+        Ok(policy) => {
+            // What `tollgate validate` would warn about in the version now in force.
+            let mut body = status_body(&state);
+            body["warnings"] = tollgate_policy::lint(&policy, SystemWallClock.now())
+                .iter()
+                .map(ToString::to_string)
+                .collect();
+            Ok(Json(body).into_response())
+        }
         Err(err @ (PolicyError::Invalid(_) | PolicyError::Io { .. })) => Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             "policy_refused",
