@@ -336,6 +336,12 @@ pub fn record_lease_decision(
         Ok(outcome) if outcome.limits.is_empty() => {
             counter!(UNMATCHED, "api" => api.as_str()).increment(1);
         }
+        // A lease id still held is a retried acquire (its id comes from its request id),
+        // answered with the lease it holds: not a bad request.
+        Err(DecideError::Invalid(tollgate_policy::Error::Check {
+            source: tollgate::Error::LeaseIdInUse,
+            ..
+        })) => {}
         Err(DecideError::Invalid(_)) => record_invalid(api),
         _ => {}
     }

@@ -306,3 +306,57 @@ fn a_full_lease_table_is_a_503_and_admits_nothing() {
         200
     );
 }
+
+#[test]
+fn a_retried_acquire_with_a_request_id_returns_the_lease_it_holds() {
+    let scratch = Scratch::new("leases-retry");
+    let config = scratch.write("policy.yaml", POLICY);
+    let server = Server::start(&["--config", path_str(&config)]);
+    let with_id = |id: &str| {
+        format!(
+            r#"{{"domain":"api","descriptors":[{{"route":"/export","tenant":"acme"}}],"request_id":"{id}"}}"#
+        )
+    };
+    let first = post_json(server.http, "/v1/leases", &with_id("9b2f-retry"));
+    assert_eq!(first.status, 200, "{}", first.body);
+    let lease = first.json()["lease_id"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert_eq!(lease.len(), 32);
+    assert!(first.json().get("repeated").is_none());
+
+    // The client timed out and sends it again: the same lease, no second slot.
+    for _ in 0..2 {
+        let again = post_json(server.http, "/v1/leases", &with_id("9b2f-retry"));
+        assert_eq!(again.status, 200, "{}", again.body);
+        let body = again.json();
+        assert_eq!(body["lease_id"], lease.as_str());
+        assert_eq!(body["repeated"], true);
+        assert_eq!(body["limits"][0]["in_flight"], 1);
+    }
+    assert_eq!(metric(&server, "tollgate_live_leases"), 1.0);
+    let metrics = request(server.http, "GET", "/metrics", &[], "").body;
+    assert!(
+        !metrics.contains(r#"tollgate_invalid_requests_total{api="leases"}"#),
+        "a retry is not a bad request: {metrics}"
+    );
+
+    // Another request id is another lease; when full, a retry of a held one still answers.
+    let other = post_json(server.http, "/v1/leases", &with_id("c41d-other"));
+    assert_eq!(other.status, 200, "{}", other.body);
+    assert_ne!(other.json()["lease_id"], lease.as_str());
+    let full = post_json(server.http, "/v1/leases", &with_id("e77a-third"));
+    assert_eq!(full.status, 429, "{}", full.body);
+    let again = post_json(server.http, "/v1/leases", &with_id("9b2f-retry"));
+    assert_eq!(again.status, 200, "{}", again.body);
+    assert_eq!(again.json()["allowed"], true);
+    assert_eq!(again.json()["limits"][0]["in_flight"], 2);
+
+    // Given back, the request id takes a lease again (the same id: it is derived from it).
+    assert_eq!(release(&server, &lease).status, 204);
+    let anew = post_json(server.http, "/v1/leases", &with_id("9b2f-retry"));
+    assert_eq!(anew.status, 200, "{}", anew.body);
+    assert_eq!(anew.json()["lease_id"], lease.as_str());
+    assert!(anew.json().get("repeated").is_none());
+}

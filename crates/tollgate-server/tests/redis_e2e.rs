@@ -512,6 +512,16 @@ fn two_servers_share_concurrency_slots_and_release_each_others_leases() {
     assert_eq!(again.status, 200, "{}", again.body);
     assert_eq!(again.json()["limits"][0]["in_flight"], 3);
     assert_eq!(post_json(servers[1].http, "/v1/leases", &body).status, 429);
+
+    // A retry carrying the first attempt's request id finds its lease through either server.
+    let retried = r#"{"domain":"api","descriptors":[{"tenant":"initech"}],"request_id":"5d1e-r"}"#;
+    let first = post_json(servers[0].http, "/v1/leases", retried);
+    assert_eq!(first.status, 200, "{}", first.body);
+    let second = post_json(servers[1].http, "/v1/leases", retried);
+    assert_eq!(second.status, 200, "{}", second.body);
+    assert_eq!(second.json()["lease_id"], first.json()["lease_id"]);
+    assert_eq!(second.json()["repeated"], true);
+    assert_eq!(second.json()["limits"][0]["in_flight"], 1);
 }
 
 #[test]

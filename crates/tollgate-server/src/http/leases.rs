@@ -49,8 +49,9 @@ use super::error::ApiError;
 use crate::decider::DecideError;
 use crate::metrics::{self, Api};
 
-/// The request body: which limits apply, as for a check. No cost: a lease is one request in
-/// flight. Unknown fields are refused.
+/// The request body: which limits apply, as for a check, and an optional `request_id` that
+/// makes a retried acquire return the lease the first one took. No cost: a lease is one
+/// request in flight. Unknown fields are refused.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct LeaseBody<'a> {
@@ -58,6 +59,8 @@ struct LeaseBody<'a> {
     domain: Cow<'a, str>,
     #[serde(borrow)]
     descriptors: Vec<RawDescriptor<'a>>,
+    #[serde(default, borrow)]
+    request_id: Option<Cow<'a, str>>,
 }
 
 fn parse(body: &Result<Bytes, BytesRejection>) -> Result<Parsed<'_>, ApiError> {
@@ -69,10 +72,26 @@ fn parse(body: &Result<Bytes, BytesRejection>) -> Result<Parsed<'_>, ApiError> {
         domain: body.domain,
         descriptors: entries_of(body.descriptors)?,
         cost: 1,
-        request_id: None,
+        request_id: body.request_id,
     };
     check_bounds(&parsed)?;
     Ok(parsed)
+}
+
+/// The lease id of a request that carries `request_id`: the same for every retry, in every
+/// process sharing the store (a hash of the domain and the request id), so that a retried
+/// acquire finds the lease the first one took instead of taking a second slot. Its secrecy is
+/// the request id's: use an unguessable one (a UUID).
+fn lease_id_of(domain: &str, request_id: &str) -> String {
+    let mut input = Vec::with_capacity(domain.len() + 1 + request_id.len());
+    input.extend_from_slice(domain.as_bytes());
+    input.push(0);
+    input.extend_from_slice(request_id.as_bytes());
+    let bits = xxhash_rust::xxh3::xxh3_128(&input);
+    let mut id = String::with_capacity(32);
+    // Writing to a String cannot fail.
+    let _ = write!(id, "{bits:032x}");
+    id
 }
 
 /// A fresh lease id: 128 random bits in hex.
@@ -89,12 +108,23 @@ pub(crate) async fn acquire(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let parsed = parse(&body).inspect_err(|_| metrics::record_invalid(Api::Leases))?;
-    let lease_id = new_lease_id();
-    let outcome = state
+    let lease_id = match &parsed.request_id {
+        Some(request_id) => lease_id_of(&parsed.domain, request_id),
+        None => new_lease_id(),
+    };
+    let acquired = state
         .decider
         .acquire(&parsed.domain, &parsed.descriptors, &lease_id)
-        .await
-        .map_err(lease_error)?;
+        .await;
+    let outcome = match acquired {
+        Err(DecideError::Invalid(tollgate_policy::Error::Check {
+            source: tollgate::Error::LeaseIdInUse,
+            ..
+        })) if parsed.request_id.is_some() => {
+            return Ok(repeated(&state, &parsed, &lease_id).await);
+        }
+        acquired => acquired.map_err(lease_error)?,
+    };
     let status = if outcome.failed_closed {
         StatusCode::SERVICE_UNAVAILABLE
     } else if outcome.allowed {
@@ -117,6 +147,27 @@ pub(crate) async fn acquire(
             .insert(RETRY_AFTER, HeaderValue::from(wait));
     }
     Ok(response)
+}
+
+/// The answer to a retried acquire whose lease is still held: 200 with that lease, each
+/// limit's count as it stands now (it includes this lease), and `"repeated":true`. Without
+/// the store the counts cannot be read, and only the lease is given back.
+async fn repeated(state: &AppState, parsed: &Parsed<'_>, lease_id: &str) -> Response {
+    let body = match state
+        .decider
+        .explain_leases(&parsed.domain, &parsed.descriptors)
+        .await
+    {
+        Ok(outcome) => write_body(&outcome, Body::Repeated(lease_id)),
+        Err(_) => {
+            let mut out = Vec::with_capacity(96);
+            out.extend_from_slice(b"{\"allowed\":true,\"lease_id\":");
+            push_str(&mut out, lease_id);
+            out.extend_from_slice(b",\"limits\":[],\"repeated\":true}");
+            out
+        }
+    };
+    json(StatusCode::OK, body)
 }
 
 /// `POST /v1/leases/explain`: what `POST /v1/leases` would answer now, with each limit's key
@@ -228,15 +279,24 @@ enum Body<'a> {
     Taken(Option<&'a str>),
     /// An explanation's: no lease id; each limit's bucket key and descriptor.
     Explained,
+    /// A retried acquire's, whose lease is held already: allowed on every limit, with the
+    /// counts as they stand (this lease among them), and `"repeated":true`.
+    Repeated(&'a str),
 }
 
 /// The JSON answer: the shape of a check's, with `lease_id` and each limit's `in_flight`;
 /// `capacity` is the limit's `max_in_flight`.
 fn write_body(outcome: &LeaseOutcome, body: Body<'_>) -> Vec<u8> {
     let mut out = Vec::with_capacity(120 + 192 * outcome.limits.len());
+    let repeated = matches!(body, Body::Repeated(_));
     out.extend_from_slice(b"{\"allowed\":");
-    push_bool(&mut out, outcome.allowed);
-    if let Body::Taken(lease_id) = body {
+    push_bool(&mut out, outcome.allowed || repeated);
+    let lease_id = match body {
+        Body::Taken(lease_id) => Some(lease_id),
+        Body::Repeated(lease_id) => Some(Some(lease_id)),
+        Body::Explained => None,
+    };
+    if let Some(lease_id) = lease_id {
         out.extend_from_slice(b",\"lease_id\":");
         match lease_id {
             Some(id) => push_str(&mut out, id),
@@ -258,13 +318,13 @@ fn write_body(outcome: &LeaseOutcome, body: Body<'_>) -> Vec<u8> {
         let decision = limit.decision.as_ref();
         push_bool(
             &mut out,
-            decision.map_or(!outcome.failed_closed, LeaseDecision::allowed),
+            repeated || decision.map_or(!outcome.failed_closed, LeaseDecision::allowed),
         );
         if let Some(d) = decision {
             push_number(&mut out, b",\"in_flight\":", d.in_flight());
             push_number(&mut out, b",\"remaining\":", d.remaining());
             push_number(&mut out, b",\"capacity\":", d.max_in_flight());
-            let retry = d.retry_after().map_or(0, millis_ceil);
+            let retry = d.retry_after().filter(|_| !repeated).map_or(0, millis_ceil);
             push_number(&mut out, b",\"retry_after_ms\":", retry);
             push_number(
                 &mut out,
@@ -290,6 +350,9 @@ fn write_body(outcome: &LeaseOutcome, body: Body<'_>) -> Vec<u8> {
     if outcome.failed_closed {
         out.extend_from_slice(STORE_UNAVAILABLE.as_bytes());
     }
+    if repeated {
+        out.extend_from_slice(b",\"repeated\":true");
+    }
     out.push(b'}');
     out
 }
@@ -309,9 +372,11 @@ mod tests {
         let ok = parsed(r#"{"domain":"api","descriptors":[{"user":"u1"}]}"#).unwrap();
         assert_eq!(ok.domain, "api");
         assert_eq!(ok.descriptors[0][0].1, "u1");
+        let retried = parsed(r#"{"domain":"api","descriptors":[{"user":"u1"}],"request_id":"r"}"#);
+        assert_eq!(retried.unwrap().request_id.as_deref(), Some("r"));
         for bad in [
             r#"{"domain":"api","descriptors":[{"user":"u1"}],"cost":2}"#,
-            r#"{"domain":"api","descriptors":[{"user":"u1"}],"request_id":"r"}"#,
+            r#"{"domain":"api","descriptors":[{"user":"u1"}],"request_id":""}"#,
             r#"{"domain":"api","descriptors":[]}"#,
             r#"{"domain":"","descriptors":[{"user":"u1"}]}"#,
             r#"{"domain":"api","descriptors":[{"user":1}]}"#,
@@ -319,6 +384,18 @@ mod tests {
         ] {
             assert!(parsed(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn a_request_id_gives_one_lease_id_per_domain() {
+        let id = lease_id_of("api", "3f8e2c1a-retry");
+        assert_eq!(id, lease_id_of("api", "3f8e2c1a-retry"));
+        assert_ne!(id, lease_id_of("api", "3f8e2c1a-other"));
+        assert_ne!(id, lease_id_of("api2", "3f8e2c1a-retry"));
+        // The separator keeps ("ab", "c") and ("a", "bc") apart.
+        assert_ne!(lease_id_of("ab", "c"), lease_id_of("a", "bc"));
+        assert_eq!(id.len(), 32);
+        assert_eq!(tollgate::check_lease_id(&id), Ok(()));
     }
 
     #[test]
