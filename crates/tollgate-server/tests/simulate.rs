@@ -379,3 +379,26 @@ limits:
     assert_eq!(in_flight["rejected"], 1);
     assert_eq!(in_flight["first_rejection"], "2026-11-29T10:00:01Z");
 }
+
+#[test]
+fn a_retried_request_finds_its_lease_held_as_the_server_would() {
+    let dir = Scratch::new("simulate-lease-retry");
+    let policy = dir.write(
+        "policy.yaml",
+        "version: r\nlimits:\n  - name: one-at-a-time\n    domain: api\n    key: [user]\n    algorithm: concurrency\n    max_in_flight: 1\n    lease_timeout: 1m\n",
+    );
+    let ran = |time: &str, request_id: &str| {
+        format!(
+            r#"{{"time":"2026-11-29T10:00:{time}Z","domain":"api","descriptors":[{{"user":"u1"}}],"request_id":"{request_id}","duration_ms":10000}}"#
+        )
+    };
+    // The retry of a-1 takes no second slot; b-2 finds the one slot held by a-1.
+    let trace = [ran("00", "a-1"), ran("01", "a-1"), ran("02", "b-2")];
+    let trace = dir.write("trace.jsonl", &trace.join("\n"));
+    let report = simulate_json(&[path_str(&trace), "--config", path_str(&policy)]);
+    let policy = &report["policies"][0];
+    assert_eq!(policy["allowed"], 2, "{policy}");
+    assert_eq!(policy["rejected"], 1);
+    assert_eq!(policy["invalid"], 0);
+    assert_eq!(policy["leases"], 1);
+}

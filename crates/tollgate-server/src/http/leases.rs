@@ -82,7 +82,7 @@ fn parse(body: &Result<Bytes, BytesRejection>) -> Result<Parsed<'_>, ApiError> {
 /// process sharing the store (a hash of the domain and the request id), so that a retried
 /// acquire finds the lease the first one took instead of taking a second slot. Its secrecy is
 /// the request id's: use an unguessable one (a UUID).
-fn lease_id_of(domain: &str, request_id: &str) -> String {
+pub(crate) fn lease_id_of(domain: &str, request_id: &str) -> String {
     let mut input = Vec::with_capacity(domain.len() + 1 + request_id.len());
     input.extend_from_slice(domain.as_bytes());
     input.push(0);

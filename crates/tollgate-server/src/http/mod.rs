@@ -10,7 +10,7 @@ pub(crate) mod check;
 mod dashboard;
 mod error;
 mod forward_auth;
-mod leases;
+pub(crate) mod leases;
 pub(crate) mod listener;
 mod plain_body;
 

@@ -36,6 +36,7 @@ use tollgate::{ManualClock, Timestamp};
 use tollgate_policy::{EngineOptions, ManualWallClock, PolicyEngine, UnixTime};
 
 use crate::decider::Request;
+use crate::http::leases::lease_id_of;
 use crate::loadgen::args::parse_duration;
 use report::{BadLine, PolicyReport, Report, TraceSummary};
 use tally::Tally;
@@ -122,9 +123,9 @@ struct Simulation {
     clock: ManualClock,
     wall: ManualWallClock,
     tally: Tally,
-    /// Leases held, by the instant their request ends (nanoseconds since the epoch) and their
-    /// number (the id is `sim-N`), soonest first.
-    held: BinaryHeap<Reverse<(u64, u64)>>,
+    /// Leases held, by the instant their request ends (nanoseconds since the epoch), and their
+    /// ids, soonest first.
+    held: BinaryHeap<Reverse<(u64, String)>>,
     leases_taken: u64,
 }
 
@@ -132,13 +133,15 @@ impl Simulation {
     /// Gives back every lease whose request ended by `now`, each at its own instant, so that a
     /// request arriving at `now` finds the slots as a server would have.
     fn release_until(&mut self, now: u64) {
-        while let Some(&Reverse((end, number))) = self.held.peek() {
-            if end > now {
+        while let Some(Reverse((end, _))) = self.held.peek() {
+            if *end > now {
                 break;
             }
-            self.held.pop();
+            let Some(Reverse((end, id))) = self.held.pop() else {
+                break;
+            };
             self.clock.set(Timestamp::from_nanos(end));
-            if let Ok(false) = self.engine.release(&lease_id(number)) {
+            if let Ok(false) = self.engine.release(&id) {
                 self.tally.lease_timed_out();
             }
         }
@@ -172,24 +175,31 @@ impl Simulation {
         };
         self.leases_taken += 1;
         let number = self.leases_taken;
+        // As the server does: a request id names the lease, so that a retry finds it held.
+        let id = match request.request_id {
+            Some(request_id) => lease_id_of(request.domain, request_id),
+            None => format!("sim-{number}"),
+        };
         match self
             .engine
-            .acquire(request.domain, request.descriptors, &lease_id(number))
+            .acquire(request.domain, request.descriptors, &id)
         {
             Ok(lease) => {
                 if lease.held {
                     let nanos = u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX);
-                    self.held.push(Reverse((now.saturating_add(nanos), number)));
+                    self.held.push(Reverse((now.saturating_add(nanos), id)));
                 }
                 self.tally.record(at, &outcome, Some(&lease));
             }
+            // A retry of a request whose lease is held: answered with that lease, as the
+            // server answers it, taking no second slot.
+            Err(tollgate_policy::Error::Check {
+                source: tollgate::Error::LeaseIdInUse,
+                ..
+            }) if request.request_id.is_some() => self.tally.record(at, &outcome, None),
             Err(err) => self.tally.refuse(line, err.to_string()),
         }
     }
-}
-
-fn lease_id(number: u64) -> String {
-    format!("sim-{number}")
 }
 
 /// A replay in progress: feed it lines, then ask for the report.
