@@ -353,8 +353,6 @@ impl Shared {
                         reason = reason.as_str(),
                         "concurrency store unavailable: deciding on the emergency bound"
                     );
-                    // The emergency table is this layer's own: the key without the name.
-                    let key = key.split_once('|').map_or(key, |(_, key)| key);
                     self.admit_in(&redis.emergency, Table::Emergency, key, &emergency)
                 }
             },
