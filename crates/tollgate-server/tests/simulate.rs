@@ -402,3 +402,27 @@ fn a_retried_request_finds_its_lease_held_as_the_server_would() {
     assert_eq!(policy["invalid"], 0);
     assert_eq!(policy["leases"], 1);
 }
+
+/// The example the README gives (`docs/examples`): it runs, and says what the README says.
+#[test]
+fn the_documented_example_runs_as_described() {
+    let examples = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/examples");
+    let path = |file: &str| format!("{examples}/{file}");
+    let (trace, current, proposed) = (
+        path("trace.jsonl"),
+        path("policy.yaml"),
+        path("policy-proposed.yaml"),
+    );
+    let report = simulate_json(&[&trace, "--config", &current, "--config", &proposed]);
+    assert_eq!(report["trace"]["requests"], 931);
+    let (now, then) = (&report["policies"][0], &report["policies"][1]);
+    assert_eq!(
+        (now["rejected"].as_u64(), now["would_reject"].as_u64()),
+        (Some(150), Some(0))
+    );
+    assert_eq!(
+        (then["rejected"].as_u64(), then["would_reject"].as_u64()),
+        (Some(0), Some(55))
+    );
+    assert_eq!(limit(now, "per-user")["top_keys"][0]["key"], "per-user|bob");
+}
