@@ -70,6 +70,23 @@ pub enum AuditEvent {
         /// The policy version that decided.
         policy_version: String,
     },
+    /// An exemption's expiry passed: from now on its limit applies to the subjects it lifted.
+    /// Written once per exemption, by the first housekeeping after the instant
+    /// ([`crate::PolicyEngine::report_expired_exemptions`]).
+    ExemptionExpired {
+        /// The limit that applies again.
+        limit: String,
+        /// Who owns the exemption.
+        owner: String,
+        /// Why it existed.
+        reason: String,
+        /// When it ended (RFC 3339).
+        expired: String,
+        /// The decisions it lifted the limit for.
+        uses: u64,
+        /// The policy version it belongs to.
+        policy_version: String,
+    },
     /// A decision made without the shared store (failure mode closed or open).
     Degraded {
         /// The limit.

@@ -785,6 +785,7 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
             reason: spec.reason.value.as_str().into(),
             expires: UnixTime::from_nanos(spec.expires.0),
             uses: Default::default(),
+            expiry_reported: Default::default(),
         });
     }
     for (limit, list) in limits.iter_mut().zip(per_limit) {

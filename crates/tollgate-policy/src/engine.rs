@@ -545,6 +545,35 @@ impl PolicyEngine {
         self.local.leases().len() + self.emergency_leases.len()
     }
 
+    /// Audits the exemptions of the version in force whose expiry has passed since the last
+    /// call ([`AuditEvent::ExemptionExpired`]), once each; returns how many. An exemption stops
+    /// applying at its expiry by itself; this is for the trail, so a reviewer sees when a
+    /// subject went back under its limit without waiting for its next request. The server
+    /// calls it with its other housekeeping, every few seconds.
+    pub fn report_expired_exemptions(&self) -> usize {
+        let policy = self.current();
+        if policy.exemptions().is_empty() {
+            return 0;
+        }
+        let now = self.options.wall.now();
+        let mut reported = 0;
+        for exemption in policy.exemptions() {
+            if exemption.is_active(now) || exemption.expiry_reported.swap(true, Ordering::Relaxed) {
+                continue;
+            }
+            reported += 1;
+            self.audit(|| AuditEvent::ExemptionExpired {
+                limit: exemption.limit().to_owned(),
+                owner: exemption.owner().to_owned(),
+                reason: exemption.reason().to_owned(),
+                expired: exemption.expires().to_rfc3339(),
+                uses: exemption.uses(),
+                policy_version: policy.version().to_owned(),
+            });
+        }
+        reported
+    }
+
     /// Drops this process's full buckets and shrinks tables left mostly empty
     /// ([`tollgate::MemoryStore::sweep`]), and drops the timed-out leases of its lease tables
     /// (its own and the emergency one, [`tollgate::MemoryLeases::sweep`]); returns how many
@@ -1350,6 +1379,9 @@ fn carry_exemption_uses(old: &Policy, new: &Policy) {
     for exemption in new.exemptions() {
         if let Some(before) = old.exemptions().iter().find(|e| e.same_as(exemption)) {
             exemption.uses.store(before.uses(), Ordering::Relaxed);
+            // An expiry already audited is not audited again by a reload or a rollback.
+            let reported = before.expiry_reported.load(Ordering::Relaxed);
+            exemption.expiry_reported.store(reported, Ordering::Relaxed);
         }
     }
 }

@@ -287,6 +287,8 @@ pub struct Exemption {
     pub(crate) reason: Box<str>,
     pub(crate) expires: UnixTime,
     pub(crate) uses: AtomicU64,
+    /// Whether its expiry has been audited (carried across reloads, as `uses` is).
+    pub(crate) expiry_reported: std::sync::atomic::AtomicBool,
 }
 
 impl Exemption {

@@ -461,6 +461,45 @@ fn an_exemption_keeps_its_count_across_reloads_while_unchanged() {
 }
 
 #[test]
+fn an_exemption_s_expiry_is_audited_once_even_across_reloads() {
+    let r = rig(EXEMPT);
+    let acme = [("tenant", "acme"), ("user", "u")];
+    assert!(r.engine.decide("api", &[acme], 1, None).is_ok());
+    let expired = |r: &Rig| {
+        r.audit
+            .events()
+            .into_iter()
+            .filter(|e| e["event"] == "exemption_expired")
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(r.engine.report_expired_exemptions(), 0, "not yet");
+    assert!(expired(&r).is_empty());
+
+    r.wall
+        .set(UnixTime::parse_rfc3339("2026-12-31T00:00:01Z").unwrap_or_default());
+    assert_eq!(r.engine.report_expired_exemptions(), 1);
+    assert_eq!(r.engine.report_expired_exemptions(), 0, "once");
+    let events = expired(&r);
+    assert_eq!(events.len(), 1);
+    assert_eq!(events[0]["limit"], "per-user");
+    assert_eq!(events[0]["owner"], "ops@example.com");
+    assert_eq!(events[0]["expired"], "2026-12-31T00:00:00Z");
+    assert_eq!(events[0]["uses"], 1);
+    assert_eq!(events[0]["policy_version"], "e");
+
+    // The same exemption in a new version was reported already; a new one is reported anew.
+    let v2 = EXEMPT.replace("version: \"e\"", "version: \"e2\"");
+    assert!(r.engine.load("p.yaml", &v2).is_ok());
+    assert_eq!(r.engine.report_expired_exemptions(), 0);
+    let v3 = EXEMPT
+        .replace("version: \"e\"", "version: \"e3\"")
+        .replace("launch week", "launch week, extended");
+    assert!(r.engine.load("p.yaml", &v3).is_ok());
+    assert_eq!(r.engine.report_expired_exemptions(), 1);
+    assert_eq!(expired(&r).len(), 2);
+}
+
+#[test]
 fn exemptions_are_counted_audited_and_expire_by_themselves() {
     let r = rig(EXEMPT);
     let acme = [("tenant", "acme"), ("user", "u")];

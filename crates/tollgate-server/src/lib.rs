@@ -295,6 +295,7 @@ fn housekeeping(state: &Arc<AppState>, stopped: &watch::Receiver<bool>) {
         move || {
             let dropped = engine.sweep();
             tracing::debug!(dropped, "swept full buckets and ended leases");
+            engine.report_expired_exemptions();
         },
     ));
     if let Some(metrics) = state.metrics.clone() {
