@@ -1016,6 +1016,15 @@ impl tollgate::Store for ShadowDown {
         Self::reach(&request)?;
         self.0.peek(request).await
     }
+
+    async fn settle(
+        &self,
+        request: tollgate::CheckRequest<'_>,
+        refunds: &[u64],
+    ) -> Result<tollgate::Settlement, tollgate::Error> {
+        Self::reach(&request)?;
+        self.0.settle(request, refunds).await
+    }
 }
 
 /// The store failing on a shadow limit after the enforced limit was charged must not fail the
@@ -1078,6 +1087,17 @@ impl tollgate::Store for Carries {
         request: tollgate::CheckRequest<'_>,
     ) -> Result<Vec<tollgate::Decision>, tollgate::Error> {
         self.check(request).await
+    }
+
+    async fn settle(
+        &self,
+        request: tollgate::CheckRequest<'_>,
+        _refunds: &[u64],
+    ) -> Result<tollgate::Settlement, tollgate::Error> {
+        Ok(tollgate::Settlement {
+            status: tollgate::SettleStatus::NotFound,
+            decisions: self.check(request).await?,
+        })
     }
 }
 

@@ -699,6 +699,73 @@ for _ = 1, tonumber(ARGV[2]) do
 
   if not readable then
     zeros(at, -2, width)
+  elseif mode == 'settle' then
+    -- Gives back what a charged request did not use, once: only while its record lives, was
+    -- made for this request, and is not settled yet; then the record says so.
+    local content, recorded, expires, figures
+    if seen then
+      content, recorded, expires, figures = parse_record(seen)
+    end
+    local status = 0
+    if content and expires > now_up then
+      if content ~= fingerprint then
+        status = -1
+      elseif sub(recorded, 1, 1) == '=' then
+        status = (recorded == attempt) and 2 or -1
+      else
+        status = 1
+      end
+    end
+    if status == -1 then
+      zeros(at, -1, width)
+    else
+      reply[at] = status
+      -- The check's figures, where each window names the window it charged.
+      local charged = {}
+      if status == 1 then
+        for field in string.gmatch(figures, '[^,]+') do
+          charged[#charged + 1] = tonumber(field) or 0
+        end
+      end
+      for i = 1, n do
+        local x = windows and extra[i]
+        local arg = ARGV[params + i]
+        if x then
+          local held, c, p = states[2 * i - 1], states[2 * i], prevs[i]
+          local k = charged[x - at + 2]
+          if held and k then
+            local kind, w, _, back = unpack('<dddd', arg)
+            local sliding = kind == 2
+            if held == k and c > 0 and back > 0 then
+              c = max(0, c - back)
+              send_window(KEYS[first_key + i], sliding, w, held, c, sliding and p or 0)
+            elseif sliding and held == k + 1 and p > 0 and back > 0 then
+              p = max(0, p - back)
+              send_window(KEYS[first_key + i], sliding, w, held, c, p)
+            end
+          end
+          standing(at, i, x, arg, held, c, p)
+        else
+          local a, cap, back = unpack('<ddd', arg)
+          local lo = nanos > 0 and offsets(a) or 0
+          local full, frac = states[2 * i - 1], states[2 * i]
+          if status == 1 and full and back > 0 then
+            -- The time the bucket is full again moves back by `back` units, exactly; kept
+            -- even when that is past, so a request timed before this one still sees the
+            -- charge.
+            local whole = floor_div(frac + back, a)
+            full, frac = full - whole, frac + back - whole * a
+            store(KEYS[first_key + i], full, frac)
+          end
+          reply[at + 2 * i - 1] = 1
+          reply[at + 2 * i] = min(deficit_at(full, frac, a, lo), cap)
+        end
+      end
+      if status == 1 then
+        redis.call('SET', record,
+          content .. '|' .. attempt .. '|' .. format('%d', expires) .. '|' .. figures, 'KEEPTTL')
+      end
+    end
   elseif mode == 'refund' then
     -- Only the attempt that charged gives back, and only while nothing rests on its charge: a
     -- record gone (expired) or claimed by a retry's replay keeps the charge.
@@ -784,7 +851,7 @@ for _ = 1, tonumber(ARGV[2]) do
           end
           for j = i + 1, width do reply[at + j] = 0 end
           -- This reply rests on the first attempt's charge now: its refund must leave it.
-          if recorded ~= '' then
+          if recorded ~= '' and sub(recorded, 1, 1) ~= '=' then
             redis.call('SET', record,
               content .. '||' .. format('%d', expires) .. '|' .. figures, 'KEEPTTL')
           end

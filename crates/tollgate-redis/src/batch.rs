@@ -47,6 +47,9 @@ pub(crate) enum Mode {
     Peek,
     /// Give back what an earlier take charged.
     Refund,
+    /// Give back part of what an earlier take with a request id charged, once (a reservation
+    /// settled): each bucket's `cost` is what to give back.
+    Settle,
 }
 
 impl Mode {
@@ -55,6 +58,7 @@ impl Mode {
             Mode::Take => "take",
             Mode::Peek => "peek",
             Mode::Refund => "refund",
+            Mode::Settle => "settle",
         }
     }
 }
@@ -66,7 +70,8 @@ pub(crate) struct Record {
     /// The request's content, as a retry must repeat it.
     pub(crate) fingerprint: String,
     /// This attempt's own id: a refund gives back only while the record still names it (no
-    /// retry's reply rests on the charge yet).
+    /// retry's reply rests on the charge yet). In a settlement, a fingerprint of its refunds,
+    /// which the record keeps (marked `=`) once settled.
     pub(crate) attempt: u64,
 }
 
@@ -344,9 +349,15 @@ fn command(verb: &str, script: &str, now: Option<u64>, segments: &[&Segment]) ->
         }
         if layout == Layout::Full {
             match &segment.record {
-                Some(record) => cmd
-                    .arg(record.window_ms)
-                    .arg(format!("{}:{}", record.fingerprint, record.attempt)),
+                Some(record) => {
+                    let mark = if segment.mode == Mode::Settle {
+                        "="
+                    } else {
+                        ""
+                    };
+                    cmd.arg(record.window_ms)
+                        .arg(format!("{}:{mark}{}", record.fingerprint, record.attempt))
+                }
                 None => cmd.arg("").arg(""),
             };
             cmd.arg(segment.mode.as_str());

@@ -303,6 +303,16 @@ mod tests {
         async fn peek(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
             self.check(request).await
         }
+
+        async fn settle(
+            &self,
+            _: CheckRequest<'_>,
+            _: &[u64],
+        ) -> Result<tollgate::Settlement, Error> {
+            Err(Error::StoreUnavailable {
+                reason: Unavailable::Connection,
+            })
+        }
     }
 
     fn limit(capacity: u64, rate: &str) -> Limit {

@@ -40,7 +40,8 @@ use redis::aio::ConnectionManagerConfig;
 use redis::sentinel::{SentinelClientBuilder, SentinelServerType};
 use redis::{ConnectionAddr, IntoConnectionInfo, RedisError, TlsMode};
 use tollgate::{
-    CheckRequest, Decision, Error, MonotonicClock, Store, Take, Timestamp, Unavailable,
+    CheckRequest, Decision, Error, MonotonicClock, SettleStatus, Settlement, Store, Take,
+    Timestamp, Unavailable,
 };
 
 use crate::batch::{self, Batcher, Bucket, Carried, Mode, Params, Record, Segment, TakeScript};
@@ -921,6 +922,14 @@ impl RedisStore {
 impl RedisStore {
     /// Validates `request` and decides it (or peeks), through the breaker and the timeout.
     async fn run(&self, request: CheckRequest<'_>, dry: bool) -> Result<Vec<Decision>, Error> {
+        let prepared = self.prepare(request)?;
+        self.guarded(&prepared.keys, self.decide(request, &prepared, dry))
+            .await
+    }
+
+    /// Validates `request` (as a check: costs, keys, request id) and works out what the script
+    /// is sent of each take.
+    fn prepare(&self, request: CheckRequest<'_>) -> Result<Prepared, Error> {
         let takes = request.takes;
         if takes.is_empty() {
             return Err(Error::EmptyCheck);
@@ -952,14 +961,85 @@ impl RedisStore {
         } else {
             Vec::new()
         };
-        let prepared = Prepared {
+        Ok(Prepared {
             limits,
             keys,
             carries,
-        };
+        })
+    }
 
-        self.guarded(&prepared.keys, self.decide(request, &prepared, dry))
+    /// Settles `request` (see [`Store::settle`]): one call per slot, in parallel, each giving
+    /// back from its own buckets once, while the slot's record of the check lives.
+    async fn settle_groups(
+        &self,
+        request: CheckRequest<'_>,
+        prepared: &Prepared,
+        request_id: &str,
+        refunds: &[u64],
+    ) -> Result<Result<Settlement, Error>, Unavailable> {
+        let now = request.now.map(Timestamp::as_nanos);
+        let fingerprint = fingerprint(request.takes);
+        let mark = refunds_mark(refunds);
+        let window_ms = window_ms(self.config.idempotency_window);
+        // What to give back goes where a take's cost goes; carries are not read again.
+        let given: Vec<Take<'_>> = request
+            .takes
+            .iter()
+            .zip(refunds)
+            .map(|(take, &refund)| Take::new(take.key, take.limit, refund))
+            .collect();
+        let groups = self.groups(&prepared.keys, Some(request_id));
+        let call = |group: &Group| {
+            let record = group.record.clone().map(|key| Record {
+                key,
+                window_ms,
+                fingerprint: fingerprint.clone(),
+                attempt: mark,
+            });
+            let segment = segment(group, prepared, &given, Mode::Settle, record, None);
+            let kinds = Kinds::of(group, &prepared.limits);
+            async move { parse_reply(&self.call(now, &segment).await?, &kinds) }
+        };
+        let replies = join_all(groups.iter().map(call))
             .await
+            .into_iter()
+            .collect::<Result<Vec<GroupReply>, Unavailable>>()?;
+        if replies.iter().any(|reply| reply.status == -1) {
+            return Ok(Err(Error::IdempotencyConflict));
+        }
+        if replies.iter().any(|reply| reply.status == -2) {
+            return Ok(Err(Error::StoreUnavailable {
+                reason: Unavailable::Script,
+            }));
+        }
+        // Slots settle on their own: a request given back anywhere is settled.
+        let status = if replies.iter().any(|reply| reply.status == 1) {
+            SettleStatus::Settled
+        } else if replies.iter().any(|reply| reply.status == 2) {
+            SettleStatus::Repeated
+        } else {
+            SettleStatus::NotFound
+        };
+        let nanos = now.map_or(0, |now| now % 1_000);
+        let mut decisions: Vec<Option<Decision>> = vec![None; request.takes.len()];
+        for (group, reply) in groups.iter().zip(&replies) {
+            for (&i, answer) in group.takes.iter().zip(&reply.buckets) {
+                let take = &request.takes[i];
+                decisions[i] = Some(match (&prepared.limits[i], *answer) {
+                    (ScriptLimit::Tokens(limit), Answer::Tokens { deficit, .. }) => {
+                        limit.decision(take.limit, true, take.cost, deficit, nanos)?
+                    }
+                    (ScriptLimit::Window(limit), Answer::Window(figures)) => {
+                        limit.decision(take.limit, take.cost, &figures)?
+                    }
+                    _ => return Err(Unavailable::Protocol),
+                });
+            }
+        }
+        Ok(Ok(Settlement {
+            status,
+            decisions: decisions.into_iter().flatten().collect(),
+        }))
     }
 
     /// Runs `work`, a call (or calls) on `keys` (stored keys), through their breakers and
@@ -1071,6 +1151,34 @@ impl Store for RedisStore {
     async fn peek(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
         self.run(request, true).await
     }
+
+    async fn settle(
+        &self,
+        request: CheckRequest<'_>,
+        refunds: &[u64],
+    ) -> Result<Settlement, Error> {
+        let id = request.request_id.ok_or(Error::InvalidSettlement {
+            reason: "it needs the request id its check was made with",
+        })?;
+        tollgate::check_refunds(request.takes, refunds)?;
+        let prepared = self.prepare(request)?;
+        self.guarded(
+            &prepared.keys,
+            self.settle_groups(request, &prepared, id, refunds),
+        )
+        .await
+    }
+}
+
+/// A fingerprint of a settlement's refunds, the same in every process (FNV-1a), so that a
+/// settlement retried through another process is known as the same one.
+fn refunds_mark(refunds: &[u64]) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in refunds.iter().flat_map(|refund| refund.to_le_bytes()) {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    hash
 }
 
 /// One request of a script call (see `scripts/take.lua`): `group`'s buckets, in `mode`, with
@@ -1095,7 +1203,7 @@ fn segment(
                         // A refund gives back what the take charged to the bucket as it was
                         // written, the carry included: nothing to read again.
                         let carry = match mode {
-                            Mode::Refund => None,
+                            Mode::Refund | Mode::Settle => None,
                             Mode::Take | Mode::Peek => prepared.carries.get(i).cloned().flatten(),
                         };
                         Params::Tokens {

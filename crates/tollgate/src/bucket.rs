@@ -205,6 +205,37 @@ pub(crate) fn balance(
     Decision::new(true, *limit, cost, (tat - n).min(limit.capacity_units()))
 }
 
+/// Gives `tokens` back to a bucket in `state`, for a request that was charged more
+/// than it turned out to cost (a reservation settled for less: see [`crate::Settlement`]).
+/// `charged_at` and `charged` are when the charge was made and the decision it got; only a
+/// window needs them (they tell which window the charge went to).
+///
+/// A token bucket's full time moves back by exactly `tokens`' worth: the bucket is then as
+/// full as if the charge had been smaller from the start, clamped at full. A window gives back
+/// from the count its charge went to while the state still holds that count, never below 0,
+/// and nothing once the window has passed (see [`crate::window`]). Either way a refund never
+/// leaves more than a smaller charge would have: it cannot over-admit. Returns the state to
+/// store; `None` when there was none (absent: full, nothing to give back).
+pub(crate) fn give_back(
+    limit: &Limit,
+    state: Option<BucketState>,
+    charged_at: Timestamp,
+    charged: &Decision,
+    tokens: u64,
+) -> Option<BucketState> {
+    let state = state?;
+    if limit.algorithm().is_window() {
+        let window = window::charged_window(limit, charged_at, charged.reset_after());
+        return window::give_back(limit, state, window, tokens);
+    }
+    let tat = state
+        .tat(limit)
+        .saturating_sub(u128::from(tokens) * u128::from(limit.p()));
+    // Kept even when it is already past `now`: a request timed before this one (read from a
+    // clock earlier) still sees the charge's rest, as it would have without the refund.
+    Some(BucketState::from_tat(tat, limit))
+}
+
 /// Carries a bucket over a change of parameters at `now`.
 ///
 /// The balance is refilled under `old` up to `now`, then converted to `new`: the token count is

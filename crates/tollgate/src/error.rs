@@ -86,6 +86,15 @@ pub enum Error {
     /// A retried `request_id` whose key set or costs differ from the first attempt's.
     #[error("request id was already used for a different check")]
     IdempotencyConflict,
+    /// A settlement that cannot be made: it names no request id, gives back more than a bucket
+    /// was charged, or does not give one amount per bucket (see [`Store::settle`]).
+    ///
+    /// [`Store::settle`]: crate::Store::settle
+    #[error("invalid settlement: {reason}")]
+    InvalidSettlement {
+        /// Which rule it breaks.
+        reason: &'static str,
+    },
     /// A `request_id` that is empty or longer than [`MAX_REQUEST_ID_BYTES`](crate::MAX_REQUEST_ID_BYTES).
     #[error("request id must be 1 to 256 bytes long, not {len}")]
     InvalidRequestId {

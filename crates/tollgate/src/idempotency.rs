@@ -50,8 +50,25 @@ struct Record {
     /// Identifies what was asked (keys, limits, costs): a retry asking something else under the
     /// same id is a client bug, answered with [`Error::IdempotencyConflict`].
     content: u64,
+    /// When the request was charged: a window gives a refund back only while it still counts
+    /// that charge.
+    charged_at: u64,
     expires_at: u64,
     decisions: Recorded,
+    /// Once the request is settled, a fingerprint of what was given back: a retried
+    /// settlement gives nothing twice.
+    settled: Option<u64>,
+}
+
+/// What a settlement finds for a request.
+#[derive(Debug, Clone)]
+pub(crate) enum Settle {
+    /// No live record: never charged, forgotten, or past the window. Nothing may be given back.
+    Missing,
+    /// Settled before with the same amounts: nothing more to give back.
+    Repeated,
+    /// Charged at this instant with these decisions, and now marked settled: give back.
+    Charged(u64, Recorded),
 }
 
 /// One shard's records.
@@ -76,6 +93,40 @@ impl Records {
         })
     }
 
+    /// Marks `id`'s live record settled with `mark` (a fingerprint of the amounts given back).
+    /// `content` says what the record must have been made for, from the kind of request it
+    /// recorded (one bucket or several hash what was asked differently).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::IdempotencyConflict`] when the record was made for another request, or settled
+    /// with other amounts.
+    pub(crate) fn settle(
+        &mut self,
+        id: u128,
+        content: impl FnOnce(&Recorded) -> u64,
+        now: u64,
+        mark: u64,
+    ) -> Result<Settle, Error> {
+        let Some(record) = self.by_id.find_mut(id as u64, |r| r.id == id) else {
+            return Ok(Settle::Missing);
+        };
+        if record.expires_at <= now {
+            return Ok(Settle::Missing);
+        }
+        if record.content != content(&record.decisions) {
+            return Err(Error::IdempotencyConflict);
+        }
+        match record.settled {
+            Some(earlier) if earlier == mark => Ok(Settle::Repeated),
+            Some(_) => Err(Error::IdempotencyConflict),
+            None => {
+                record.settled = Some(mark);
+                Ok(Settle::Charged(record.charged_at, record.decisions.clone()))
+            }
+        }
+    }
+
     /// Records `decisions` for `id` until `expires_at`, keeping at most `max` records.
     pub(crate) fn insert(
         &mut self,
@@ -93,8 +144,10 @@ impl Records {
         let record = Record {
             id,
             content,
+            charged_at: now,
             expires_at,
             decisions,
+            settled: None,
         };
         // An expired record under the same id may still be in the table: replace it.
         match self.by_id.entry(id as u64, |r| r.id == id, |r| r.id as u64) {
@@ -165,6 +218,40 @@ mod tests {
         records.insert(20, 0, Recorded::One(decision()), 108, 200, 4);
         // 6 and 7 expired at 106 and 107; 8 expires at 108 too.
         assert_eq!(records.len(), 2);
+    }
+
+    #[test]
+    fn a_record_is_settled_once() {
+        let mut records = Records::default();
+        records.insert(3, 1, Recorded::One(decision()), 5, 50, 4);
+        assert!(matches!(
+            records.settle(3, |_| 2, 6, 9),
+            Err(Error::IdempotencyConflict)
+        ));
+        assert!(matches!(
+            records.settle(3, |_| 1, 6, 9),
+            Ok(Settle::Charged(5, Recorded::One(_)))
+        ));
+        assert!(matches!(
+            records.settle(3, |_| 1, 7, 9),
+            Ok(Settle::Repeated)
+        ));
+        assert!(matches!(
+            records.settle(3, |_| 1, 7, 8),
+            Err(Error::IdempotencyConflict)
+        ));
+        assert!(
+            matches!(records.settle(3, |_| 1, 50, 9), Ok(Settle::Missing)),
+            "expired"
+        );
+        assert!(matches!(
+            records.settle(4, |_| 1, 6, 9),
+            Ok(Settle::Missing)
+        ));
+        assert!(
+            matches!(records.get(3, 1, 7), Some(Ok(Recorded::One(_)))),
+            "a retried check still gets its first decision"
+        );
     }
 
     #[test]

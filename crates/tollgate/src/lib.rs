@@ -108,4 +108,7 @@ pub use lease::{
 pub use limit::{Algorithm, Limit, MAX_TIME_TO_FULL, MAX_WINDOW_LIMIT, Rate};
 pub use limiter::RateLimiter;
 pub use memory::{Item, MemoryStats, MemoryStore, MemoryStoreBuilder};
-pub use store::{Carry, CheckRequest, LocalStore, Store, Take, block_on_ready};
+pub use store::{
+    Carry, CheckRequest, LocalStore, SettleStatus, Settlement, Store, Take, block_on_ready,
+    check_refunds,
+};

@@ -85,6 +85,68 @@ pub struct CheckRequest<'a> {
     pub now: Option<Timestamp>,
 }
 
+/// What settling a request gave back (see [`Store::settle`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settlement {
+    /// Whether anything was given back.
+    pub status: SettleStatus,
+    /// Each bucket's standing after the settlement, in the order of the takes: an allowed,
+    /// uncharged decision whose `remaining` counts what was given back.
+    pub decisions: Vec<Decision>,
+}
+
+/// How a settlement went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SettleStatus {
+    /// The charge was on record: the refunds were given back, and the request is settled.
+    Settled,
+    /// The request was settled before with the same refunds: nothing given back again.
+    Repeated,
+    /// No charge on record (never charged, rejected, or recorded longer ago than the store's
+    /// idempotency window): nothing given back, the charge stands.
+    NotFound,
+}
+
+impl SettleStatus {
+    /// A stable lowercase name, for API answers and metric labels.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            SettleStatus::Settled => "settled",
+            SettleStatus::Repeated => "repeated",
+            SettleStatus::NotFound => "not_found",
+        }
+    }
+}
+
+/// Refuses a settlement's `refunds` that do not pair one to one with `takes`, or pass their
+/// costs: the check every [`Store::settle`] makes before anything else.
+///
+/// # Errors
+///
+/// [`Error::InvalidSettlement`].
+pub fn check_refunds(takes: &[Take<'_>], refunds: &[u64]) -> Result<(), Error> {
+    check_refund_costs(takes.iter().map(|take| take.cost), refunds)
+}
+
+/// As [`check_refunds`], over the costs charged.
+pub(crate) fn check_refund_costs(
+    costs: impl ExactSizeIterator<Item = u64>,
+    refunds: &[u64],
+) -> Result<(), Error> {
+    if costs.len() != refunds.len() {
+        return Err(Error::InvalidSettlement {
+            reason: "it needs one refund per bucket",
+        });
+    }
+    if costs.zip(refunds).any(|(cost, &refund)| refund > cost) {
+        return Err(Error::InvalidSettlement {
+            reason: "a refund cannot pass the cost charged",
+        });
+    }
+    Ok(())
+}
+
 /// A place where buckets live.
 ///
 /// # Contract
@@ -113,6 +175,28 @@ pub trait Store: Send + Sync {
         &self,
         request: CheckRequest<'_>,
     ) -> impl Future<Output = Result<Vec<Decision>, Error>> + Send;
+
+    /// Settles a request this store charged earlier: gives `refunds[i]` tokens back to the
+    /// bucket of `request.takes[i]`, once. This is how a reservation is committed when its
+    /// real cost is known only afterwards (tokens of a model's answer, bytes of an upload):
+    /// check with the most it may cost and a request id, then settle with what it did not use.
+    ///
+    /// `request` must be the check's own (same takes and costs, same request id, which is
+    /// required). A settlement repeated with the same refunds gives nothing again; one that
+    /// finds no charge on record (the check was rejected, or recorded longer ago than the
+    /// idempotency window) gives nothing and says so. A refund restores no more than a smaller
+    /// charge would have left ([`crate::bucket`]): it never over-admits.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidSettlement`] without a request id, with a refund above its take's cost
+    /// or not one per take; [`Error::IdempotencyConflict`] when the id was recorded for another
+    /// check or settled with other refunds; [`Error::StoreUnavailable`]. None gives anything.
+    fn settle(
+        &self,
+        request: CheckRequest<'_>,
+        refunds: &[u64],
+    ) -> impl Future<Output = Result<Settlement, Error>> + Send;
 }
 
 /// Runs `future` to its end on this thread, without an async runtime: for futures that never
@@ -217,6 +301,32 @@ impl<C: Clock> LocalStore<C> {
         self.store.check_all(&items, now, request.request_id)
     }
 
+    /// [`Store::settle`], without the future.
+    ///
+    /// # Errors
+    ///
+    /// As [`MemoryStore::settle`], and [`Error::InvalidSettlement`] without a request id.
+    pub fn settle_now(
+        &self,
+        request: CheckRequest<'_>,
+        refunds: &[u64],
+    ) -> Result<Settlement, Error> {
+        let now = request.now.unwrap_or_else(|| self.clock.now());
+        let id = request.request_id.ok_or(Error::InvalidSettlement {
+            reason: "it needs the request id its check was made with",
+        })?;
+        let items: Vec<Item<'_, str>> = request
+            .takes
+            .iter()
+            .map(|take| Item {
+                key: take.key,
+                limit: take.limit,
+                cost: take.cost,
+            })
+            .collect();
+        self.store.settle(&items, now, id, refunds)
+    }
+
     /// [`Store::peek`], without the future.
     ///
     /// # Errors
@@ -245,5 +355,13 @@ impl<C: Clock> Store for LocalStore<C> {
         request: CheckRequest<'_>,
     ) -> impl Future<Output = Result<Vec<Decision>, Error>> + Send {
         std::future::ready(self.peek_now(request))
+    }
+
+    fn settle(
+        &self,
+        request: CheckRequest<'_>,
+        refunds: &[u64],
+    ) -> impl Future<Output = Result<Settlement, Error>> + Send {
+        std::future::ready(self.settle_now(request, refunds))
     }
 }

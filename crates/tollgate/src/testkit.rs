@@ -4,8 +4,8 @@
 //! The memory store is the reference because its math is checked against the exact rational
 //! models (`tests/bucket_model.rs`, `tests/window_model.rs`); any other store is then held to
 //! it here, decision for decision, including balances, retry times, all-or-nothing rejections,
-//! idempotent retries and refused costs, for token buckets, fixed and sliding windows, and
-//! requests mixing them. Enabled by the `testkit` feature, for other crates' tests.
+//! idempotent retries, settlements (refunds of charged requests, repeated or conflicting) and
+//! refused costs, for token buckets, fixed and sliding windows, and requests mixing them. Enabled by the `testkit` feature, for other crates' tests.
 
 use std::fmt;
 use std::time::Duration;
@@ -14,7 +14,7 @@ use crate::clock::{ManualClock, Timestamp};
 use crate::decision::Decision;
 use crate::error::Error;
 use crate::limit::{Limit, Rate};
-use crate::store::{CheckRequest, LocalStore, Store, Take};
+use crate::store::{CheckRequest, LocalStore, Settlement, Store, Take};
 
 /// Where a store under test parted from the memory store.
 #[derive(Debug)]
@@ -159,8 +159,9 @@ pub async fn compare_with_memory<S: Store>(store: &S, trace: &Trace) -> Result<(
         0u64, 0, 1, 3, 137, 500, 1_000, 2_500, 10_000, 100_000, 333_333, 1_000_000, 70_000_000,
     ];
     let back_us = [1u64, 137, 1_000, 7_000, 250_000];
-    // Requests that charged, by id, to retry later: (id, [(subject, limit, cost)]).
-    let mut recent: Vec<(String, Vec<Spec>)> = Vec::new();
+    // Requests that charged, by id, to retry or settle later: (id, [(subject, limit, cost)],
+    // the refunds of its last settlement).
+    let mut recent: Vec<(String, Vec<Spec>, Vec<u64>)> = Vec::new();
     for step in 0..trace.steps {
         if trace.steps_back && rng.below(16) == 0 {
             let back = back_us[rng.below(back_us.len() as u64) as usize];
@@ -195,7 +196,7 @@ pub async fn compare_with_memory<S: Store>(store: &S, trace: &Trace) -> Result<(
             0 => request_id = Some(format!("{}-req-{step}", trace.prefix)),
             1 if !recent.is_empty() => {
                 // Retry an earlier request, usually unchanged.
-                let (id, spec) = &recent[rng.below(recent.len() as u64) as usize];
+                let (id, spec, _) = &recent[rng.below(recent.len() as u64) as usize];
                 request_id = Some(id.clone());
                 if rng.below(4) != 0 {
                     takes_spec.clone_from(spec);
@@ -203,16 +204,7 @@ pub async fn compare_with_memory<S: Store>(store: &S, trace: &Trace) -> Result<(
             }
             _ => {}
         }
-        let keys: Vec<String> = takes_spec
-            .iter()
-            .map(|&(subject, limit, _)| {
-                if trace.hash_tags {
-                    format!("{}:{{s{subject}}}:l{limit}", trace.prefix)
-                } else {
-                    format!("{}:s{subject}:l{limit}", trace.prefix)
-                }
-            })
-            .collect();
+        let keys = keys_of(trace, &takes_spec);
         let takes: Vec<Take<'_>> = takes_spec
             .iter()
             .zip(&keys)
@@ -248,7 +240,7 @@ pub async fn compare_with_memory<S: Store>(store: &S, trace: &Trace) -> Result<(
         if let (Some(id), Ok(decisions)) = (&request_id, &expected)
             && decisions.iter().all(Decision::allowed)
         {
-            recent.push((id.clone(), takes_spec.clone()));
+            recent.push((id.clone(), takes_spec.clone(), Vec::new()));
         }
         if !same(&expected, &actual) {
             return Err(Box::new(Mismatch {
@@ -258,8 +250,69 @@ pub async fn compare_with_memory<S: Store>(store: &S, trace: &Trace) -> Result<(
                 actual,
             }));
         }
+        // Now and then, an earlier charged request settled: for less than it cost, again with
+        // the same refunds (nothing more given back), or with other ones (a conflict).
+        // An id reused for another request (a client's bug) is left out: a cluster keeps a
+        // record per slot, so which request it finds under the id can differ from the memory
+        // store's, which keys it by the first bucket alone.
+        let pick = rng.below(recent.len().max(1) as u64) as usize;
+        let reused = |recent: &[(String, Vec<Spec>, Vec<u64>)], pick: usize| {
+            let (id, spec, _) = &recent[pick];
+            recent.iter().any(|(other, s, _)| other == id && s != spec)
+        };
+        if !recent.is_empty() && rng.below(6) == 0 && !reused(&recent, pick) {
+            let (id, spec, last) = &mut recent[pick];
+            if last.is_empty() || rng.below(3) != 0 {
+                *last = spec
+                    .iter()
+                    .map(|&(_, _, cost)| rng.below(cost + 1))
+                    .collect();
+            }
+            let keys = keys_of(trace, spec);
+            let takes: Vec<Take<'_>> = spec
+                .iter()
+                .zip(&keys)
+                .map(|(&(_, limit, cost), key)| Take::new(key, &limits[limit], cost))
+                .collect();
+            let request = CheckRequest {
+                takes: &takes,
+                request_id: Some(id),
+                now: Some(now),
+            };
+            let expected = reference.settle_now(request, last);
+            let actual = store.settle(request, last).await;
+            let status = |r: &Result<Settlement, Error>| r.as_ref().ok().map(|s| s.status);
+            let decisions = |r: Result<Settlement, Error>| r.map(|s| s.decisions);
+            if status(&expected) != status(&actual)
+                || !same(&decisions(expected.clone()), &decisions(actual.clone()))
+            {
+                return Err(Box::new(Mismatch {
+                    step,
+                    request: format!(
+                        "settle {takes:?} id {id:?} refunds {last:?} at {now:?}: memory {:?}, \
+                         store {:?}",
+                        status(&expected),
+                        status(&actual)
+                    ),
+                    expected: decisions(expected),
+                    actual: decisions(actual),
+                }));
+            }
+        }
     }
     Ok(())
+}
+
+fn keys_of(trace: &Trace, spec: &[Spec]) -> Vec<String> {
+    spec.iter()
+        .map(|&(subject, limit, _)| {
+            if trace.hash_tags {
+                format!("{}:{{s{subject}}}:l{limit}", trace.prefix)
+            } else {
+                format!("{}:s{subject}:l{limit}", trace.prefix)
+            }
+        })
+        .collect()
 }
 
 /// Equal decisions, or the same kind of error.
@@ -313,6 +366,44 @@ mod tests {
         async fn peek(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
             self.0.peek_now(request)
         }
+
+        async fn settle(
+            &self,
+            request: CheckRequest<'_>,
+            refunds: &[u64],
+        ) -> Result<Settlement, Error> {
+            self.0.settle_now(request, refunds)
+        }
+    }
+
+    /// A store that settles but gives nothing back must be caught.
+    struct Stingy(LocalStore<ManualClock>);
+
+    impl Store for Stingy {
+        async fn check(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
+            self.0.check_now(request)
+        }
+
+        async fn peek(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
+            self.0.peek_now(request)
+        }
+
+        async fn settle(
+            &self,
+            request: CheckRequest<'_>,
+            refunds: &[u64],
+        ) -> Result<Settlement, Error> {
+            self.0.settle_now(request, &vec![0; refunds.len()])
+        }
+    }
+
+    #[test]
+    fn a_store_that_gives_nothing_back_is_caught() {
+        let store = Stingy(LocalStore::new(ManualClock::new()));
+        assert!((1..4).all(|seed| {
+            let trace = Trace::new(seed, 500, format!("stingy-{seed}"));
+            block_on_ready(compare_with_memory(&store, &trace)).is_err()
+        }));
     }
 
     #[test]
@@ -351,6 +442,14 @@ mod tests {
 
         async fn peek(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
             self.0.peek_now(request)
+        }
+
+        async fn settle(
+            &self,
+            request: CheckRequest<'_>,
+            refunds: &[u64],
+        ) -> Result<Settlement, Error> {
+            self.0.settle_now(request, refunds)
         }
     }
 

@@ -41,6 +41,8 @@
 //!   passes `N`.
 //! * `retry_after` is exact: waiting it, the same request passes; a moment less, it does not.
 
+use std::time::Duration;
+
 use crate::bucket::BucketState;
 use crate::clock::Timestamp;
 use crate::decision::Decision;
@@ -222,6 +224,56 @@ pub(crate) fn with_tokens(limit: &Limit, tokens: u64, now: Timestamp) -> Option<
     }
     let (at, _, _) = counts(limit, None, now);
     Some(BucketState::from_parts(free_at(limit, &at) + used, 0))
+}
+
+/// The window a charge at `charged_at` went to, from its decision's `reset_after`: a charged
+/// window counts something, so it resets at the end of its window (fixed) or of the next
+/// (sliding). Not simply the window `charged_at` falls in: a clock gone back charges the later
+/// window its state was in.
+pub(crate) fn charged_window(limit: &Limit, charged_at: Timestamp, reset_after: Duration) -> u64 {
+    let w_ns = limit.window_ns();
+    let reset = u64::try_from(reset_after.as_nanos()).unwrap_or(u64::MAX);
+    let ends = charged_at.as_nanos().min(MAX_NOW).saturating_add(reset) / w_ns;
+    match limit.algorithm() {
+        Algorithm::SlidingWindow => ends.saturating_sub(2),
+        _ => ends.saturating_sub(1),
+    }
+}
+
+/// Gives `tokens` back to a window state for a charge that went to window `charged`: from the
+/// current count while the state is still in the charged window, from a sliding window's previous count
+/// once it has moved on by one, never below 0; otherwise the state is returned as it was (the
+/// window has passed, and what it admitted no longer counts against anyone). The state keeps
+/// its window, so a request timed before the refund (a clock gone back) is still counted there.
+pub(crate) fn give_back(
+    limit: &Limit,
+    state: BucketState,
+    charged: u64,
+    tokens: u64,
+) -> Option<BucketState> {
+    let w_ns = limit.window_ns();
+    let full_at = state.full_at().as_nanos();
+    let cur = full_at % w_ns;
+    let ends = (full_at - cur) / w_ns;
+    let sliding = limit.algorithm() == Algorithm::SlidingWindow;
+    let k = if sliding {
+        ends.saturating_sub(2)
+    } else {
+        ends.saturating_sub(1)
+    };
+    let prev = u64::from(state.frac());
+    if k == charged {
+        let left = cur - cur.min(tokens);
+        Some(BucketState::from_parts(full_at - cur + left, state.frac()))
+    } else if sliding && k == charged + 1 {
+        let prev = prev - prev.min(tokens);
+        Some(BucketState::from_parts(
+            full_at,
+            u32::try_from(prev).unwrap_or(u32::MAX),
+        ))
+    } else {
+        Some(state)
+    }
 }
 
 #[cfg(test)]

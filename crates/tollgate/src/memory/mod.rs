@@ -53,8 +53,9 @@ use crate::bucket::{self, BucketState};
 use crate::clock::Timestamp;
 use crate::decision::Decision;
 use crate::error::Error;
-use crate::idempotency::{self, Recorded, Records};
+use crate::idempotency::{self, Recorded, Records, Settle};
 use crate::limit::Limit;
+use crate::store::{SettleStatus, Settlement, check_refund_costs};
 use crate::sync::{self, Mutex, MutexGuard};
 
 mod table;
@@ -531,6 +532,121 @@ where
             }
         }
         Ok(decisions)
+    }
+
+    /// Settles a request charged earlier with `request_id` (a reservation whose real cost is
+    /// now known): gives `refunds[i]` tokens back to `items[i]`'s bucket, once. `items` must be
+    /// what the check asked (same keys, limits and costs, same order), so that a settlement
+    /// finds the check's record; a check of one bucket made with
+    /// [`check_idempotent`](Self::check_idempotent) and one of several made with
+    /// [`check_all`](Self::check_all) are both found.
+    ///
+    /// Only a charge still on record is given back from: a retried settlement with the same
+    /// amounts gives nothing again ([`SettleStatus::Repeated`]), and a request never charged,
+    /// rejected, or recorded longer ago than the idempotency window (or pushed out by the
+    /// record bound) gets nothing ([`SettleStatus::NotFound`]): its charge stands, which
+    /// under-admits, never over-admits. See [`bucket::give_back`] for what a refund restores.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidSettlement`] when a refund passes its item's cost or there is not one
+    /// refund per item; the check's own errors for its items and id;
+    /// [`Error::IdempotencyConflict`] when the id was recorded for another request, or settled
+    /// with other amounts. None of them changes anything.
+    pub fn settle<Q>(
+        &self,
+        items: &[Item<'_, Q>],
+        now: Timestamp,
+        request_id: &str,
+        refunds: &[u64],
+    ) -> Result<Settlement, Error>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ToOwned + ?Sized,
+        Q::Owned: Into<K>,
+    {
+        let first = items.first().ok_or(Error::EmptyCheck)?;
+        idempotency::check_request_id(request_id)?;
+        check_refund_costs(items.iter().map(|item| item.cost), refunds)?;
+        let mut hashes = Vec::with_capacity(items.len());
+        for (index, item) in items.iter().enumerate() {
+            bucket::check_cost(item.limit, item.cost)?;
+            let hash = self.hash(item.key);
+            if hashes
+                .iter()
+                .zip(items)
+                .any(|(&h, earlier)| h == hash && earlier.key == item.key)
+            {
+                return Err(Error::DuplicateKey { index });
+            }
+            hashes.push(hash);
+        }
+        let id = self.request_identity(request_id, first.key);
+        let mark = self.hasher.hash_one(refunds);
+
+        let mut order: Vec<usize> = hashes.iter().map(|&h| self.shard_index(h)).collect();
+        order.push(self.record_shard(id));
+        order.sort_unstable();
+        order.dedup();
+        let mut guards: Vec<(usize, MutexGuard<'_, Shard<K>>)> = order
+            .into_iter()
+            .map(|index| (index, sync::lock(&self.shards[index].0)))
+            .collect();
+        let guard_at = |guards: &[(usize, MutexGuard<'_, Shard<K>>)], index: usize| {
+            guards.iter().position(|(i, _)| *i == index).unwrap_or(0)
+        };
+        // Which content the record holds depends on how the check was made: one bucket by
+        // `check_idempotent`, several (or one) by `check_all`.
+        let content = |recorded: &Recorded| match recorded {
+            Recorded::One(_) => match items {
+                [item] => self.hasher.hash_one((item.limit, item.cost)),
+                _ => 0,
+            },
+            Recorded::Many(_) => self.hasher.hash_one(
+                items
+                    .iter()
+                    .map(|item| (item.key, item.limit, item.cost))
+                    .collect::<Vec<_>>(),
+            ),
+        };
+        let record_guard = guard_at(&guards, self.record_shard(id));
+        let found = guards[record_guard]
+            .1
+            .records
+            .settle(id, content, now.as_nanos(), mark)?;
+        let status = match found {
+            Settle::Missing => SettleStatus::NotFound,
+            Settle::Repeated => SettleStatus::Repeated,
+            Settle::Charged(..) => SettleStatus::Settled,
+        };
+        let mut decisions = Vec::with_capacity(items.len());
+        for (i, ((item, &hash), &refund)) in items.iter().zip(&hashes).zip(refunds).enumerate() {
+            let g = guard_at(&guards, self.shard_index(hash));
+            let shard = &mut guards[g].1;
+            let mut state = shard
+                .buckets
+                .find(hash, item.key)
+                .and_then(|slot| unpack(slot.state(), &slot.key, hash, &shard.spill));
+            let charged = match &found {
+                Settle::Charged(at, Recorded::One(decision)) if i == 0 => Some((*at, decision)),
+                Settle::Charged(at, Recorded::Many(decisions)) => {
+                    decisions.get(i).map(|decision| (*at, decision))
+                }
+                _ => None,
+            };
+            if let Some((charged_at, decision)) = charged
+                && refund > 0
+                && state.is_some()
+            {
+                let charged_at = Timestamp::from_nanos(charged_at);
+                state = bucket::give_back(item.limit, state, charged_at, decision, refund);
+                if let Some(next) = state {
+                    self.store(shard, hash, item.key, next, now);
+                }
+            }
+            decisions.push(bucket::balance(item.limit, state, now, item.cost));
+        }
+        Ok(Settlement { status, decisions })
     }
 
     /// What [`check`](Self::check) would decide, without changing anything.
@@ -1323,6 +1439,160 @@ mod tests {
         assert_eq!(
             store.check_all(&other, at(5), Some("r")),
             Err(Error::IdempotencyConflict)
+        );
+    }
+
+    #[test]
+    fn a_settlement_gives_back_once_what_was_not_used() {
+        let store: MemoryStore<Box<str>> = MemoryStore::default();
+        let l = limit(10, "1/s");
+        let item = |cost| Item {
+            key: "k",
+            limit: &l,
+            cost,
+        };
+        assert_eq!(
+            store
+                .check_idempotent("k", &l, 8, at(0), "r")
+                .unwrap()
+                .remaining(),
+            2
+        );
+        // Used 3 of the 8 reserved: 5 back, at any later time, exactly.
+        let settled = store.settle(&[item(8)], at(SEC / 2), "r", &[5]).unwrap();
+        assert_eq!(settled.status, SettleStatus::Settled);
+        assert_eq!(settled.decisions[0].remaining(), 7);
+        let again = store.settle(&[item(8)], at(SEC), "r", &[5]).unwrap();
+        assert_eq!(again.status, SettleStatus::Repeated);
+        assert_eq!(
+            again.decisions[0].remaining(),
+            8,
+            "nothing more, half a token refilled"
+        );
+        assert_eq!(
+            store.settle(&[item(8)], at(SEC), "r", &[4]),
+            Err(Error::IdempotencyConflict)
+        );
+        assert_eq!(
+            store.settle(&[item(7)], at(SEC), "r", &[4]),
+            Err(Error::IdempotencyConflict),
+            "not the check recorded"
+        );
+        // A retried check still gets its first decision, charging nothing.
+        assert_eq!(
+            store
+                .check_idempotent("k", &l, 8, at(SEC), "r")
+                .unwrap()
+                .remaining(),
+            2
+        );
+        assert_eq!(
+            store.peek("k", &l, 1, at(SEC)).unwrap().remaining(),
+            7,
+            "8 left, one taken"
+        );
+    }
+
+    #[test]
+    fn a_refund_never_fills_a_bucket_past_full() {
+        let store: MemoryStore<Box<str>> = MemoryStore::default();
+        let l = limit(10, "1/s");
+        store.check_idempotent("k", &l, 4, at(0), "r").unwrap();
+        let item = Item {
+            key: "k",
+            limit: &l,
+            cost: 4,
+        };
+        let settled = store.settle(&[item], at(3 * SEC), "r", &[4]).unwrap();
+        assert_eq!(settled.decisions[0].remaining(), 10);
+        assert!(store.check("k", &l, 10, at(3 * SEC)).unwrap().allowed());
+        assert!(!store.check("k", &l, 1, at(3 * SEC)).unwrap().allowed());
+    }
+
+    #[test]
+    fn nothing_is_given_back_without_a_charge_on_record() {
+        let store: MemoryStore<Box<str>> = MemoryStore::builder()
+            .idempotency_window(Duration::from_secs(60))
+            .build();
+        let l = limit(5, "1/s");
+        let item = |cost| Item {
+            key: "k",
+            limit: &l,
+            cost,
+        };
+        store.check("k", &l, 5, at(0)).unwrap();
+        // Rejected: not charged, so not recorded.
+        assert!(
+            !store
+                .check_idempotent("k", &l, 5, at(0), "r")
+                .unwrap()
+                .allowed()
+        );
+        let settled = store.settle(&[item(5)], at(0), "r", &[5]).unwrap();
+        assert_eq!(settled.status, SettleStatus::NotFound);
+        assert_eq!(settled.decisions[0].remaining(), 0);
+        // Charged, but settled after the window: the charge stands.
+        assert!(
+            store
+                .check_idempotent("k", &l, 2, at(2 * SEC), "late")
+                .unwrap()
+                .allowed()
+        );
+        let settled = store
+            .settle(&[item(2)], at(62 * SEC), "late", &[2])
+            .unwrap();
+        assert_eq!(settled.status, SettleStatus::NotFound);
+        assert_eq!(
+            store.settle(&[item(2)], at(3 * SEC), "late", &[3]),
+            Err(Error::InvalidSettlement {
+                reason: "a refund cannot pass the cost charged"
+            })
+        );
+        assert_eq!(
+            store.settle(&[item(2)], at(3 * SEC), "late", &[1, 1]),
+            Err(Error::InvalidSettlement {
+                reason: "it needs one refund per bucket"
+            })
+        );
+    }
+
+    #[test]
+    fn a_settlement_of_several_buckets_gives_each_its_own() {
+        let store: MemoryStore<Box<str>> = MemoryStore::default();
+        let bucket = limit(10, "1/s");
+        let window = Limit::fixed_window(10, Duration::from_secs(60)).unwrap();
+        let items = [
+            Item {
+                key: "a",
+                limit: &bucket,
+                cost: 6,
+            },
+            Item {
+                key: "b",
+                limit: &window,
+                cost: 6,
+            },
+        ];
+        store.check_all(&items, at(0), Some("r")).unwrap();
+        let settled = store.settle(&items, at(0), "r", &[6, 2]).unwrap();
+        assert_eq!(settled.status, SettleStatus::Settled);
+        let remaining: Vec<u64> = settled.decisions.iter().map(Decision::remaining).collect();
+        assert_eq!(remaining, [10, 6]);
+        // In the window's next minute its count is gone anyway: nothing given back there.
+        store.check_all(&items, at(SEC), Some("s")).unwrap();
+        let settled = store.settle(&items, at(61 * SEC), "s", &[0, 6]).unwrap();
+        assert_eq!(settled.decisions[1].remaining(), 10);
+        assert!(
+            store
+                .check("b", &window, 10, at(61 * SEC))
+                .unwrap()
+                .allowed()
+        );
+        assert!(
+            !store
+                .check("b", &window, 1, at(61 * SEC))
+                .unwrap()
+                .allowed()
         );
     }
 }
