@@ -38,7 +38,7 @@ use arc_swap::ArcSwap;
 use parking_lot::Mutex;
 use tollgate::{
     Carry, CheckRequest, Clock, Decision, Item, Limit, LocalStore, MemoryLeases, MemoryStore,
-    MonotonicClock, Store, Take, Timestamp, block_on_ready,
+    MonotonicClock, SettleStatus, Store, Take, Timestamp, block_on_ready,
 };
 
 use crate::audit::{AuditEvent, AuditLog};
@@ -167,6 +167,9 @@ pub struct Outcome {
     /// Denied because a limit fails closed while the store is down: not an ordinary rejection
     /// (HTTP 503 / gRPC UNAVAILABLE rather than 429).
     pub failed_closed: bool,
+    /// For a settlement ([`PolicyEngine::settle`]): whether anything was given back. `None`
+    /// for a decision.
+    pub settled: Option<SettleStatus>,
 }
 
 impl Outcome {
@@ -620,6 +623,7 @@ impl PolicyEngine {
         let run = Run {
             consume: true,
             carry: false,
+            used: None,
         };
         block_on_ready(self.run_on(&self.local, domain, descriptors, cost, request_id, run))
     }
@@ -643,6 +647,7 @@ impl PolicyEngine {
         let run = Run {
             consume: false,
             carry: false,
+            used: None,
         };
         block_on_ready(self.run_on(&self.local, domain, descriptors, cost, None, run))
     }
@@ -672,6 +677,7 @@ impl PolicyEngine {
         let run = Run {
             consume: true,
             carry: true,
+            used: None,
         };
         self.run_on(store, domain, descriptors, cost, request_id, run)
             .await
@@ -698,9 +704,89 @@ impl PolicyEngine {
         let run = Run {
             consume: false,
             carry: true,
+            used: None,
         };
         self.run_on(store, domain, descriptors, cost, None, run)
             .await
+    }
+
+    /// Settles a request [`decide`](Self::decide) charged with `request_id` and `cost` (a
+    /// reservation: the most it could cost), now that it is known to have used `used`: every
+    /// bucket it was charged on gets `cost - used` back, once (see [`tollgate::Store::settle`]).
+    /// The request must be asked as it was decided (same domain, descriptors, cost and id);
+    /// its limits are matched again, so a policy change in between (new parameters, new
+    /// buckets) finds nothing to settle, and the charge stands.
+    ///
+    /// The outcome's [`Outcome::settled`] says whether anything was given back; each limit's
+    /// decision is its bucket's standing afterwards. Nothing is counted or audited: the check
+    /// was.
+    ///
+    /// # Errors
+    ///
+    /// As for `decide`; [`tollgate::Error::InvalidSettlement`] inside [`Error::Check`] when
+    /// `used` passes `cost` for a descriptor; [`tollgate::Error::IdempotencyConflict`] when
+    /// the id was used for another request, or settled with another `used`.
+    pub fn settle<'c, D, S>(
+        &self,
+        domain: &str,
+        descriptors: &[D],
+        cost: impl Into<Costs<'c>>,
+        used: impl Into<Costs<'c>>,
+        request_id: &str,
+    ) -> Result<Outcome, Error>
+    where
+        D: AsRef<[(S, S)]>,
+        S: AsRef<str>,
+    {
+        let run = Run {
+            consume: true,
+            carry: false,
+            used: Some(used.into()),
+        };
+        block_on_ready(self.run_on(
+            &self.local,
+            domain,
+            descriptors,
+            cost.into(),
+            Some(request_id),
+            run,
+        ))
+    }
+
+    /// [`settle`](Self::settle) on a shared `store`.
+    ///
+    /// # Errors
+    ///
+    /// As for `settle`, plus the store's errors (a store that cannot answer gives nothing
+    /// back: the charge stands).
+    pub async fn settle_on<'c, St, D, S>(
+        &self,
+        store: &St,
+        domain: &str,
+        descriptors: &[D],
+        cost: impl Into<Costs<'c>>,
+        used: impl Into<Costs<'c>>,
+        request_id: &str,
+    ) -> Result<Outcome, Error>
+    where
+        St: Store,
+        D: AsRef<[(S, S)]>,
+        S: AsRef<str>,
+    {
+        let run = Run {
+            consume: true,
+            carry: true,
+            used: Some(used.into()),
+        };
+        self.run_on(
+            store,
+            domain,
+            descriptors,
+            cost.into(),
+            Some(request_id),
+            run,
+        )
+        .await
     }
 
     async fn run_on<St, D, S>(
@@ -710,7 +796,11 @@ impl PolicyEngine {
         descriptors: &[D],
         cost: Costs<'_>,
         request_id: Option<&str>,
-        Run { consume, carry }: Run,
+        Run {
+            consume,
+            carry,
+            used,
+        }: Run<'_>,
     ) -> Result<Outcome, Error>
     where
         St: Store,
@@ -722,10 +812,20 @@ impl PolicyEngine {
         if cost.any_zero(descriptors.len()) {
             return Err(zero_cost());
         }
+        if let Some(used) = used
+            && (0..descriptors.len()).any(|d| used.of(d) > cost.of(d))
+        {
+            return Err(Error::Check {
+                limit: String::new(),
+                source: tollgate::Error::InvalidSettlement {
+                    reason: "a request cannot have used more than it reserved",
+                },
+            });
+        }
         let policy = self.current.load_full();
         let matched = policy.matches(domain, descriptors, self.match_time(&policy));
         if matched.is_empty() {
-            if consume {
+            if consume && used.is_none() {
                 self.unmatched.fetch_add(1, Ordering::Relaxed);
             }
             return Ok(Outcome {
@@ -734,11 +834,14 @@ impl PolicyEngine {
                 limits: Vec::new(),
                 degraded: false,
                 failed_closed: false,
+                settled: used.map(|_| SettleStatus::NotFound),
             });
         }
 
-        // One store entry per distinct bucket, with the summed cost of the matches on it.
+        // One store entry per distinct bucket, with the summed cost of the matches on it (and,
+        // in a settlement, what they gave back: the summed cost less the summed use).
         let mut buckets: Vec<(Box<str>, Limit, u64, usize)> = Vec::with_capacity(matched.len());
+        let mut refunds: Vec<u64> = Vec::new();
         let mut slot_of = Vec::with_capacity(matched.len());
         for (i, m) in matched.iter().enumerate() {
             if let Effect::Exempt(_) = m.effect {
@@ -747,17 +850,31 @@ impl PolicyEngine {
             }
             let key = store_key(&m.bucket_key, m.params_tag());
             let cost = cost.of(m.descriptor);
+            let refund = used.map_or(0, |used| cost - used.of(m.descriptor));
             match buckets.iter().position(|(k, ..)| *k == key) {
                 Some(slot) => {
                     buckets[slot].2 = buckets[slot].2.saturating_add(cost);
+                    if let Some(total) = refunds.get_mut(slot) {
+                        *total = total.saturating_add(refund);
+                    }
                     slot_of.push(slot);
                 }
                 None => {
                     slot_of.push(buckets.len());
                     buckets.push((key, *m.params(), cost, i));
+                    if used.is_some() {
+                        refunds.push(refund);
+                    }
                 }
             }
         }
+        let refunds_of = |slots: &[usize]| -> Vec<u64> {
+            slots
+                .iter()
+                .map(|&s| refunds.get(s).copied().unwrap_or(0))
+                .collect()
+        };
+        let mut settled: Vec<SettleStatus> = Vec::new();
         let enforced =
             |slot: &(Box<str>, Limit, u64, usize)| matched[slot.3].effect == Effect::Enforce;
         // A cost above an enforced limit's capacity could never pass: a typed error, before
@@ -822,7 +939,15 @@ impl PolicyEngine {
                 request_id,
                 now: None,
             };
-            let results = if consume {
+            let results = if used.is_some() {
+                store
+                    .settle(request, &refunds_of(&enforce_slots))
+                    .await
+                    .map(|settlement| {
+                        settled.push(settlement.status);
+                        settlement.decisions
+                    })
+            } else if consume {
                 store.check(request).await
             } else {
                 store.peek(request).await
@@ -834,9 +959,10 @@ impl PolicyEngine {
         }
         // Only enforced limits decide; a would-reject of one that cannot reject is already in
         // `decisions` and must not count.
-        let allowed = enforce_slots
-            .iter()
-            .all(|&s| decisions[s].is_some_and(|d| d.allowed()));
+        let allowed = used.is_some()
+            || enforce_slots
+                .iter()
+                .all(|&s| decisions[s].is_some_and(|d| d.allowed()));
         // Limits that cannot reject (shadow, outside a rollout) are charged, each on its own,
         // only when the request passes; otherwise they report their balance as it stands. One
         // already decided was asked for more than it can ever hold: charged nothing.
@@ -850,7 +976,16 @@ impl PolicyEngine {
                 request_id,
                 now: None,
             };
-            let result = if consume && allowed {
+            let result = if used.is_some() {
+                // Charged with the request, under its id: given back the same way.
+                store
+                    .settle(request, &refunds_of(&[s]))
+                    .await
+                    .map(|settlement| {
+                        settled.push(settlement.status);
+                        settlement.decisions
+                    })
+            } else if consume && allowed {
                 store.check(request).await
             } else {
                 store.peek(request).await
@@ -869,7 +1004,7 @@ impl PolicyEngine {
             let mut exempted_by = None;
             if let Effect::Exempt(exemption) = m.effect {
                 exempted_by = Some(exemption.owner().to_owned());
-                if consume {
+                if consume && used.is_none() {
                     self.use_exemption(&m, exemption, &version);
                 }
             }
@@ -888,6 +1023,17 @@ impl PolicyEngine {
             limits,
             degraded: false,
             failed_closed: false,
+            settled: used.map(|_| {
+                // A request given back anywhere is settled.
+                let any = |status| settled.contains(&status);
+                if any(SettleStatus::Settled) {
+                    SettleStatus::Settled
+                } else if any(SettleStatus::Repeated) {
+                    SettleStatus::Repeated
+                } else {
+                    SettleStatus::NotFound
+                }
+            }),
         })
     }
 
@@ -975,6 +1121,7 @@ impl PolicyEngine {
                 limits: Vec::new(),
                 degraded: true,
                 failed_closed: false,
+                settled: None,
             });
         }
         let mut failed_closed = false;
@@ -1099,6 +1246,7 @@ impl PolicyEngine {
             limits,
             degraded: true,
             failed_closed,
+            settled: None,
         })
     }
 
@@ -1367,9 +1515,12 @@ fn escaped(text: &str, at: usize) -> bool {
 /// takes name the old buckets of changed limits (for a shared store; this process's buckets
 /// were carried over at the change).
 #[derive(Clone, Copy)]
-struct Run {
+struct Run<'u> {
     consume: bool,
     carry: bool,
+    /// Settling a charged request: what it used, per descriptor (the rest of its cost is
+    /// given back).
+    used: Option<Costs<'u>>,
 }
 
 /// Gives every exemption of `new` that `old` also has (unchanged) the uses counted so far, so

@@ -1925,3 +1925,75 @@ fn a_reload_with_a_limit_the_store_cannot_keep_is_refused_and_the_last_good_vers
     std::fs::write(&path, leases).unwrap();
     assert_eq!(engine.reload().unwrap().version(), "3");
 }
+
+const TOKENS: &str = r#"
+version: "t"
+limits:
+  - name: tokens-per-user
+    domain: llm
+    key: [user]
+    capacity: 1000
+    refill: 1000/m
+  - name: tokens-per-user-next
+    domain: llm
+    key: [user]
+    capacity: 900
+    refill: 500/m
+    mode: shadow
+"#;
+
+fn balances(outcome: &tollgate_policy::Outcome) -> Vec<Option<u64>> {
+    outcome
+        .limits
+        .iter()
+        .map(|l| l.decision.map(|d| d.remaining()))
+        .collect()
+}
+
+/// A reservation checked for the most it may cost and settled for what it used gives the
+/// rest back, on enforced and shadow limits alike, once.
+#[test]
+fn a_settled_reservation_gives_back_what_it_did_not_use() {
+    let r = rig(TOKENS);
+    let request = [[("user", "u1")]];
+    let reserved = r.engine.decide("llm", &request, 800, Some("r1")).unwrap();
+    assert!(reserved.allowed);
+    assert_eq!(balances(&reserved), [Some(200), Some(100)]);
+    let settled = r.engine.settle("llm", &request, 800, 300, "r1").unwrap();
+    assert_eq!(settled.settled, Some(tollgate::SettleStatus::Settled));
+    assert_eq!(balances(&settled), [Some(700), Some(600)]);
+    let again = r.engine.settle("llm", &request, 800, 300, "r1").unwrap();
+    assert_eq!(again.settled, Some(tollgate::SettleStatus::Repeated));
+    assert_eq!(balances(&again), [Some(700), Some(600)]);
+    let other = r.engine.settle("llm", &request, 800, 200, "r1");
+    assert!(
+        matches!(
+            other,
+            Err(tollgate_policy::Error::Check {
+                source: tollgate::Error::IdempotencyConflict,
+                ..
+            })
+        ),
+        "{other:?}"
+    );
+    // Used more than reserved: refused, nothing changes.
+    let over = r.engine.settle("llm", &request, 800, 801, "r1");
+    assert!(
+        matches!(
+            over,
+            Err(tollgate_policy::Error::Check {
+                source: tollgate::Error::InvalidSettlement { .. },
+                ..
+            })
+        ),
+        "{over:?}"
+    );
+    // Never charged under this id: nothing to give back.
+    let unknown = r.engine.settle("llm", &request, 800, 0, "r2").unwrap();
+    assert_eq!(unknown.settled, Some(tollgate::SettleStatus::NotFound));
+    assert_eq!(balances(&unknown), [Some(700), Some(600)]);
+    // A settlement neither counts as a decision nor as unmatched.
+    let none = r.engine.settle("other", &request, 5, 1, "r3").unwrap();
+    assert_eq!(none.settled, Some(tollgate::SettleStatus::NotFound));
+    assert_eq!(r.engine.unmatched(), 0);
+}

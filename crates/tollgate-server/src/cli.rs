@@ -176,6 +176,11 @@ pub struct ServeArgs {
     /// The most buckets held in this process (memory store and emergency budgets).
     #[arg(long, env = "TOLLGATE_MAX_BUCKETS", default_value_t = 10_000_000)]
     pub max_buckets: usize,
+    /// How long a charged request's `request_id` is remembered: a retried check inside it is
+    /// not charged again, and a reservation can be settled (`POST /v1/settle`) within it. Give
+    /// it the longest a reserved request may run. Up to a day.
+    #[arg(long, env = "TOLLGATE_IDEMPOTENCY_WINDOW", default_value = "60s", value_parser = parse_timeout)]
+    pub idempotency_window: Duration,
     /// The most leases of concurrency limits held in this process (the memory store's table,
     /// and apart from it the emergency table used while Redis is down); past it a lease
     /// request is answered 503 `lease_table_full`, never admitted.
@@ -534,6 +539,7 @@ pub async fn serve(
         );
     }
     let mut options = EngineOptions::default()
+        .idempotency_window(args.idempotency_window)
         .max_buckets(args.max_buckets)
         .max_leases(usize::try_from(args.max_leases).unwrap_or(usize::MAX));
     if args.store != "memory" {
@@ -603,6 +609,7 @@ pub async fn serve(
         }
         let mut config = RedisConfig::default()
             .with_timeout(args.store_timeout)
+            .with_idempotency_window(args.idempotency_window)
             .with_tls(tls);
         if let Some(password) = &args.store_sentinel_password {
             if !args.store.contains("+sentinel://") {

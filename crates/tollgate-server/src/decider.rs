@@ -178,6 +178,65 @@ impl Decider {
         }
     }
 
+    /// Settles a reservation: `request` as it was checked (its cost the most it could cost,
+    /// its request id required), `used` what it cost in the end; each bucket it was charged on
+    /// gets the difference back, once. A store that cannot answer gives nothing back (the
+    /// charge stands, under-admitting): no failure mode applies, nothing is decided.
+    ///
+    /// # Errors
+    ///
+    /// [`DecideError::Invalid`] without a request id, or for `used` above the cost, or an id
+    /// used for another request; [`DecideError::Unavailable`] when the store cannot answer.
+    pub async fn settle<S: AsRef<str>>(
+        &self,
+        request: &Request<'_, S>,
+        used: u64,
+    ) -> Result<Outcome, DecideError> {
+        let Request {
+            domain,
+            descriptors,
+            cost,
+            request_id,
+        } = *request;
+        let Some(request_id) = request_id else {
+            return Err(DecideError::Invalid(PolicyError::Check {
+                limit: String::new(),
+                source: CoreError::InvalidSettlement {
+                    reason: "it needs the request_id the check was made with",
+                },
+            }));
+        };
+        let result = match &self.backend {
+            Backend::Memory => self
+                .engine
+                .settle(domain, descriptors, cost, used, request_id),
+            Backend::Redis(store) => {
+                self.engine
+                    .settle_on(&**store, domain, descriptors, cost, used, request_id)
+                    .await
+            }
+        };
+        match result {
+            Ok(outcome) => {
+                if let Some(status) = outcome.settled {
+                    metrics::record_settlement(status);
+                }
+                Ok(outcome)
+            }
+            Err(PolicyError::Check {
+                source: CoreError::StoreUnavailable { reason },
+                ..
+            }) => {
+                metrics::record_store_error(reason);
+                Err(DecideError::Unavailable(reason))
+            }
+            Err(err @ PolicyError::Check { .. }) if is_caller_error(&err) => {
+                Err(DecideError::Invalid(err))
+            }
+            Err(err) => Err(DecideError::Internal(err)),
+        }
+    }
+
     async fn run<S: AsRef<str>>(
         &self,
         request: &Request<'_, S>,
@@ -374,6 +433,7 @@ fn is_caller_error(err: &PolicyError) -> bool {
             source: CoreError::InvalidCost { .. }
                 | CoreError::InvalidRequestId { .. }
                 | CoreError::IdempotencyConflict
+                | CoreError::InvalidSettlement { .. }
                 | CoreError::InvalidLeaseId { .. }
                 | CoreError::LeaseIdInUse,
             ..

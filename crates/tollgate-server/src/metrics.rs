@@ -46,6 +46,9 @@ pub const LEASES_RELEASED: &str = "tollgate_lease_releases_total";
 /// Lease renewals through `POST /v1/leases/{id}/renew`: label `result` (`renewed`, or
 /// `not_found`: it had timed out, was released, or never existed).
 pub const LEASES_RENEWED: &str = "tollgate_lease_renewals_total";
+/// Reservations settled through `POST /v1/settle`: label `status` (`settled`; `repeated`:
+/// settled before; `not_found`: no charge on record).
+pub const SETTLEMENTS: &str = "tollgate_settlements_total";
 /// Leases held in this process's lease tables (the memory store's, and emergency leases taken
 /// while the shared store was down), counting ended ones not yet swept.
 pub const LIVE_LEASES: &str = "tollgate_live_leases";
@@ -161,6 +164,10 @@ fn describe() {
         "Leases given back, by whether they were held."
     );
     describe_gauge!(LIVE_LEASES, "Leases held in this process's lease tables.");
+    describe_counter!(
+        SETTLEMENTS,
+        "Reservations settled, by whether anything was given back."
+    );
     describe_counter!(
         EVICTIONS,
         "Non-full buckets dropped to stay within the bound."
@@ -405,6 +412,11 @@ fn result_label(allowed: Option<bool>, mode: &str, failed_closed: bool) -> &'sta
 /// decision refuses is counted by [`record_decision`]).
 pub fn record_invalid(api: Api) {
     counter!(INVALID, "api" => api.as_str()).increment(1);
+}
+
+/// Records a settlement of a reservation.
+pub fn record_settlement(status: tollgate::SettleStatus) {
+    counter!(SETTLEMENTS, "status" => status.as_str()).increment(1);
 }
 
 /// Records a failure of the shared store.

@@ -586,6 +586,8 @@ fn hot_key_settings_are_checked_at_start() {
         ("--hot-keys", "101", "0 to 100"),
         ("--hot-keys", "ten", "0 to 100"),
         ("--hot-keys-window", "0s", "longer than 0"),
+        ("--idempotency-window", "0s", "longer than 0"),
+        ("--idempotency-window", "2d", "longer than a day"),
     ]);
 }
 

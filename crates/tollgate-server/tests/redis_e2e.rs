@@ -91,6 +91,49 @@ fn two_servers_share_a_quota_exactly() {
     assert!((50..=51).contains(&admitted), "admitted {admitted}");
 }
 
+/// A reservation checked through one process and settled through another: the record of the
+/// charge lives in Redis, so either process gives the rest back, and only once.
+#[test]
+fn a_reservation_is_settled_through_another_server_once() {
+    let redis = RedisServer::start();
+    let scratch = Scratch::new("settle-shared");
+    let config = scratch.write("policy.yaml", POLICY);
+    let servers = [
+        on_store(&config, &redis.url(), &[]),
+        on_store(&config, &redis.url(), &[]),
+    ];
+    let body = |used: Option<u64>| {
+        let used = used
+            .map(|used| format!(r#","used":{used}"#))
+            .unwrap_or_default();
+        format!(
+            r#"{{"domain":"api","descriptors":[{{"user":"sam"}}],"cost":40,"request_id":"job-7"{used}}}"#
+        )
+    };
+    let remaining = |answer: &support::Answer| answer.json()["limits"][0]["remaining"].clone();
+    let reserved = post_json(servers[0].http, "/v1/check", &body(None));
+    assert_eq!(reserved.status, 200, "{}", reserved.body);
+    assert_eq!(remaining(&reserved), 10);
+    let settled = post_json(servers[1].http, "/v1/settle", &body(Some(15)));
+    assert_eq!(settled.status, 200, "{}", settled.body);
+    assert_eq!(settled.json()["settled"], "settled");
+    assert_eq!(remaining(&settled), 35);
+    let again = post_json(servers[0].http, "/v1/settle", &body(Some(15)));
+    assert_eq!(again.json()["settled"], "repeated", "{}", again.body);
+    assert_eq!(remaining(&again), 35);
+    let other = post_json(servers[0].http, "/v1/settle", &body(Some(10)));
+    assert_eq!(other.status, 409, "{}", other.body);
+    // The check retried still answers as first decided, charging nothing.
+    let retried = post_json(servers[1].http, "/v1/check", &body(None));
+    assert_eq!(remaining(&retried), 10, "{}", retried.body);
+    let peek = post_json(
+        servers[1].http,
+        "/v1/explain",
+        r#"{"domain":"api","descriptors":[{"user":"sam"}]}"#,
+    );
+    assert_eq!(remaining(&peek), 34, "35 left, one asked: {}", peek.body);
+}
+
 #[test]
 fn a_reload_that_grows_a_limit_carries_redis_balances_over() {
     let redis = RedisServer::start();

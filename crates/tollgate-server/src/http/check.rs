@@ -53,6 +53,22 @@ fn one() -> u64 {
     1
 }
 
+/// The body of `POST /v1/settle`: the check's own fields (its request id required), and what
+/// the request used in the end.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SettleBody<'a> {
+    #[serde(borrow)]
+    domain: Cow<'a, str>,
+    #[serde(borrow)]
+    descriptors: Vec<RawDescriptor<'a>>,
+    #[serde(default = "one")]
+    cost: u64,
+    #[serde(borrow)]
+    request_id: Cow<'a, str>,
+    used: u64,
+}
+
 /// A descriptor's entries in the order they came, values not yet checked to be strings. A
 /// `serde_json::Map` would sort them into a tree, an allocation per entry on every request.
 #[derive(Debug)]
@@ -525,6 +541,70 @@ pub(crate) async fn explain(
         })
         .map_err(decide_error)?;
     Ok(json(StatusCode::OK, write_body(&outcome, true)))
+}
+
+/// `POST /v1/settle`: a reservation (a check of the most a request could cost, with a
+/// `request_id`) settled for what it `used`; the rest goes back to every bucket it was charged
+/// on, once. 200 with `settled` (`settled`, `repeated`: done before, nothing more given;
+/// `not_found`: no charge on record, nothing given) and each limit's balance afterwards; 400,
+/// 409 (the id was used for another request, or settled with another `used`), 503.
+pub(crate) async fn settle(
+    State(state): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let refused = |err| {
+        metrics::record_invalid(Api::Http);
+        err
+    };
+    let body: SettleBody<'_> = serde_json::from_slice(body_bytes(&body).map_err(refused)?)
+        .map_err(|err| {
+            refused(ApiError::bad_request(
+                "invalid_json",
+                format!("invalid request body: {err}"),
+            ))
+        })?;
+    let parsed = Parsed {
+        domain: body.domain,
+        descriptors: entries_of(body.descriptors).map_err(refused)?,
+        cost: body.cost,
+        request_id: Some(body.request_id),
+    };
+    check_bounds(&parsed).map_err(refused)?;
+    let outcome = state
+        .decider
+        .settle(&parsed.request(), body.used)
+        .await
+        .inspect_err(|err| {
+            if matches!(err, DecideError::Invalid(_)) {
+                metrics::record_invalid(Api::Http);
+            }
+        })
+        .map_err(|err| match err {
+            DecideError::Invalid(tollgate_policy::Error::Check {
+                source: tollgate::Error::InvalidSettlement { reason },
+                ..
+            }) => ApiError::bad_request("invalid_settlement", format!("cannot settle: {reason}")),
+            DecideError::Invalid(tollgate_policy::Error::Check {
+                source: tollgate::Error::IdempotencyConflict,
+                ..
+            }) => ApiError::new(
+                StatusCode::CONFLICT,
+                "idempotency_conflict",
+                "request_id was used for a different request, or settled with another `used`",
+            ),
+            other => decide_error(other),
+        })?;
+    let status = outcome
+        .settled
+        .map_or("not_found", |status| status.as_str());
+    let decided = write_body(&outcome, false);
+    // The check's body, with the settlement's status first.
+    let mut out = Vec::with_capacity(decided.len() + 32);
+    out.extend_from_slice(b"{\"settled\":");
+    push_str(&mut out, status);
+    out.push(b',');
+    out.extend_from_slice(decided.get(1..).unwrap_or_default());
+    Ok(json(StatusCode::OK, out))
 }
 
 #[cfg(test)]

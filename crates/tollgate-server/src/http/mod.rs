@@ -94,6 +94,7 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/check", post(check::check))
         .route("/v1/explain", post(check::explain))
+        .route("/v1/settle", post(check::settle))
         .route(
             "/v1/forward-auth/{domain}",
             get(forward_auth::forward_auth).post(forward_auth::forward_auth),
