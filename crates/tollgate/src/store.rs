@@ -192,6 +192,27 @@ pub trait Store: Send + Sync {
     /// [`Error::InvalidSettlement`] without a request id, with a refund above its take's cost
     /// or not one per take; [`Error::IdempotencyConflict`] when the id was recorded for another
     /// check or settled with other refunds; [`Error::StoreUnavailable`]. None gives anything.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use tollgate::{CheckRequest, Limit, LocalStore, ManualClock, SettleStatus, Store, Take};
+    /// use tollgate::block_on_ready;
+    ///
+    /// let store = LocalStore::new(ManualClock::new());
+    /// let tokens = Limit::new(1000, "1000/m".parse()?)?;
+    /// // Reserve the most a model's answer may cost...
+    /// let takes = [Take::new("user:7", &tokens, 800)];
+    /// let request = CheckRequest { takes: &takes, request_id: Some("job-1"), now: None };
+    /// assert_eq!(block_on_ready(store.check(request))?[0].remaining(), 200);
+    /// // ...and settle for the 300 it used: 500 go back, once.
+    /// let settled = block_on_ready(store.settle(request, &[500]))?;
+    /// assert_eq!(settled.status, SettleStatus::Settled);
+    /// assert_eq!(settled.decisions[0].remaining(), 700);
+    /// let again = block_on_ready(store.settle(request, &[500]))?;
+    /// assert_eq!(again.status, SettleStatus::Repeated);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     fn settle(
         &self,
         request: CheckRequest<'_>,

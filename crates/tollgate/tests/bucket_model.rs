@@ -235,6 +235,59 @@ proptest! {
             prop_assert!(int(allowed) <= bound);
         }
     }
+
+    /// Reservations settled for less than they cost: a refund is `tokens = min(capacity,
+    /// tokens + refund)` at the settlement's time, exactly, and every later decision agrees
+    /// with the model; a second settlement of the same check gives nothing.
+    #[test]
+    fn settlements_match_the_reference(
+        ((capacity, amount, period), start, trace) in case_strategy(),
+        settles in prop::collection::vec((any::<bool>(), 0usize..8, 0u64..=4), 80),
+    ) {
+        let limit = make_limit(capacity, amount, period);
+        // Long enough for every trace: a settlement is never too late here.
+        let store: MemoryStore<u8> = MemoryStore::builder()
+            .idempotency_window(Duration::from_secs(20 * 365 * 86_400))
+            .build();
+        let mut reference = Reference::new(capacity, amount, period);
+        // Checks that charged: (request id, cost, the refund they were settled with).
+        let mut charged: Vec<(String, u64, Option<u64>)> = Vec::new();
+        let mut now = start;
+        for (step, ((dt, cost), (settle, pick, quarters))) in
+            trace.into_iter().zip(settles).enumerate()
+        {
+            now += dt;
+            let at = Timestamp::from_nanos(now);
+            if settle && !charged.is_empty() {
+                let len = charged.len();
+                let (id, cost, done) = &mut charged[pick % len];
+                // Settled again with the same refund (another would be a conflict).
+                let refund = done.unwrap_or(*cost * quarters / 4);
+                let item = tollgate::Item { key: &0u8, limit: &limit, cost: *cost };
+                let settled = store.settle(&[item], at, id, &[refund]).expect("valid");
+                reference.refill(now);
+                if done.is_some() {
+                    prop_assert_eq!(settled.status, tollgate::SettleStatus::Repeated);
+                } else {
+                    prop_assert_eq!(settled.status, tollgate::SettleStatus::Settled);
+                    reference.tokens = (&reference.tokens + int(refund)).min(reference.capacity.clone());
+                    *done = Some(refund);
+                }
+                let remaining: u64 = reference.tokens.floor().to_integer().try_into().expect("fits");
+                prop_assert_eq!(settled.decisions[0].remaining(), remaining, "at {} ns", now);
+                continue;
+            }
+            let id = format!("r{step}");
+            let expected = reference.check(now, cost);
+            let decision = store.check_idempotent(&0u8, &limit, cost, at, &id).expect("valid");
+            prop_assert_eq!(decision.allowed(), expected.allowed, "at {} ns", now);
+            prop_assert_eq!(decision.remaining(), expected.remaining);
+            prop_assert_eq!(decision.retry_after(), expected.retry_after);
+            if decision.allowed() {
+                charged.push((id, cost, None));
+            }
+        }
+    }
 }
 
 #[test]

@@ -1,4 +1,4 @@
-//! `POST /v1/check` and `POST /v1/explain`: the JSON decision API.
+//! `POST /v1/check`, `POST /v1/explain` and `POST /v1/settle`: the JSON decision API.
 //!
 //! ```text
 //! POST /v1/check
@@ -7,7 +7,8 @@
 //!
 //! 200 when allowed, 429 when an enforced limit rejects (with `Retry-After`), 503 when a limit
 //! fails closed because the shared store is down, 400 for bad input. `/v1/explain` answers the
-//! same body, with bucket keys, and charges nothing.
+//! same body, with bucket keys, and charges nothing. `/v1/settle` takes a check's body again
+//! with what the request `used`, and gives the rest of its cost back (a reservation).
 
 use std::borrow::Cow;
 use std::fmt;
