@@ -77,6 +77,7 @@ mod cluster;
 mod connection;
 mod failover;
 mod lease;
+mod rejections;
 mod store;
 #[cfg(feature = "test-server")]
 pub mod test_server;

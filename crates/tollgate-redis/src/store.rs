@@ -40,7 +40,7 @@ use redis::aio::ConnectionManagerConfig;
 use redis::sentinel::{SentinelClientBuilder, SentinelServerType};
 use redis::{ConnectionAddr, IntoConnectionInfo, RedisError, TlsMode};
 use tollgate::{
-    CheckRequest, Decision, Error, MonotonicClock, SettleStatus, Settlement, Store, Take,
+    CheckRequest, Clock, Decision, Error, MonotonicClock, SettleStatus, Settlement, Store, Take,
     Timestamp, Unavailable,
 };
 
@@ -49,6 +49,7 @@ use crate::breaker::{Breaker, BreakerConfig, Transition};
 use crate::cluster::DirectConnections;
 use crate::connection::{Connection, Link, Opener, SentinelMaster};
 use crate::lease::LeaseScript;
+use crate::rejections::Rejections;
 use crate::tls::{self, TlsFiles};
 use crate::units::{ScriptLimit, WindowFigures};
 
@@ -81,6 +82,10 @@ pub struct RedisConfig {
     /// The password the sentinels of a `redis+sentinel://` store ask for, when they ask for
     /// one (`requirepass` in their configuration); the URL's credentials are the master's.
     pub sentinel_password: Option<String>,
+    /// How many recent rejections this process remembers, answering the same request again
+    /// without Redis until its `retry_after` passes (default 0: off; see
+    /// [`RedisConfig::with_rejection_memory`]).
+    pub rejection_memory: usize,
 }
 
 impl std::fmt::Debug for RedisConfig {
@@ -98,6 +103,7 @@ impl std::fmt::Debug for RedisConfig {
                 "sentinel_password",
                 &self.sentinel_password.as_ref().map(|_| "***"),
             )
+            .field("rejection_memory", &self.rejection_memory)
             .finish()
     }
 }
@@ -113,11 +119,26 @@ impl Default for RedisConfig {
             max_batch: 32,
             tls: TlsFiles::default(),
             sentinel_password: None,
+            rejection_memory: 0,
         }
     }
 }
 
 impl RedisConfig {
+    /// Remembers up to about `max` recent rejections (0: none): a check of one bucket, on
+    /// Redis' clock and without a request id, that Redis rejected is answered again from this
+    /// process's memory until its `retry_after` has passed since it was sent, aged by the time
+    /// gone. A key hammered far past its limit (an abusive client, a retry storm) then costs
+    /// Redis one call per wait instead of one per request. Tokens only come back with time, and
+    /// others' charges only take more, so such an answer is Redis' own, except after tokens
+    /// were given back meanwhile by another process (a settlement, a cluster's cross-slot
+    /// refund): then it under-admits until the wait is over, never over-admits.
+    #[must_use]
+    pub fn with_rejection_memory(mut self, max: usize) -> Self {
+        self.rejection_memory = max;
+        self
+    }
+
     /// Sets [`RedisConfig::timeout`].
     #[must_use]
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
@@ -379,6 +400,10 @@ pub struct RedisStore {
     /// Ids for the attempts of requests with a request id: randomly keyed, so processes sharing
     /// a Redis do not repeat each other's, and counted, so one process does not repeat its own.
     attempts: (RandomState, AtomicU64),
+    /// Recent rejections, answered again without Redis (see [`RedisConfig::rejection_memory`]).
+    rejections: Option<Rejections>,
+    /// Times requests for `rejections`.
+    clock: MonotonicClock,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -647,9 +672,17 @@ impl RedisStore {
             breakers: (0..if cluster { SLOTS / SLOT_RANGE } else { 1 })
                 .map(|_| Breaker::new(config.breaker, MonotonicClock::new()))
                 .collect(),
+            rejections: Rejections::new(config.rejection_memory),
+            clock: MonotonicClock::new(),
             config,
             attempts: (RandomState::new(), AtomicU64::new(0)),
         })
+    }
+
+    /// Checks answered from the memory of recent rejections so far (see
+    /// [`RedisConfig::with_rejection_memory`]).
+    pub fn rejections_answered(&self) -> u64 {
+        self.rejections.as_ref().map_or(0, Rejections::answered)
     }
 
     /// Whether this store talks to a cluster.
@@ -923,8 +956,34 @@ impl RedisStore {
     /// Validates `request` and decides it (or peeks), through the breaker and the timeout.
     async fn run(&self, request: CheckRequest<'_>, dry: bool) -> Result<Vec<Decision>, Error> {
         let prepared = self.prepare(request)?;
-        self.guarded(&prepared.keys, self.decide(request, &prepared, dry))
-            .await
+        // A single bucket on Redis' clock, asked anew (a retry must get its first decision):
+        // what the memory of rejections may answer, and learn from.
+        let remembered = match (&self.rejections, request.takes) {
+            (Some(memory), [take])
+                if !dry
+                    && request.now.is_none()
+                    && request.request_id.is_none()
+                    && take.carry.is_none() =>
+            {
+                let sent = self.clock.now();
+                if let Some(decision) =
+                    memory.answer(&prepared.keys[0], take.limit, take.cost, sent)
+                {
+                    return Ok(vec![decision]);
+                }
+                Some((memory, sent))
+            }
+            _ => None,
+        };
+        let decided = self
+            .guarded(&prepared.keys, self.decide(request, &prepared, dry))
+            .await;
+        if let (Some((memory, sent)), Ok([decision])) = (remembered, decided.as_deref())
+            && !decision.allowed()
+        {
+            memory.remember(&prepared.keys[0], decision, sent);
+        }
+        decided
     }
 
     /// Validates `request` (as a check: costs, keys, request id) and works out what the script
@@ -1162,11 +1221,19 @@ impl Store for RedisStore {
         })?;
         tollgate::check_refunds(request.takes, refunds)?;
         let prepared = self.prepare(request)?;
-        self.guarded(
-            &prepared.keys,
-            self.settle_groups(request, &prepared, id, refunds),
-        )
-        .await
+        let settled = self
+            .guarded(
+                &prepared.keys,
+                self.settle_groups(request, &prepared, id, refunds),
+            )
+            .await;
+        // Tokens may have come back: a remembered rejection of these buckets no longer holds.
+        if let Some(memory) = &self.rejections {
+            for key in &prepared.keys {
+                memory.forget(key);
+            }
+        }
+        settled
     }
 }
 

@@ -1595,3 +1595,81 @@ async fn a_least_privilege_acl_user_suffices() {
         7
     );
 }
+
+/// Script calls Redis has run so far (EVALSHA and EVAL).
+fn script_calls(server: &RedisServer) -> f64 {
+    let stats = command(server.port, &["INFO", "commandstats"]).unwrap_or_default();
+    info_field(&stats, "cmdstat_evalsha:", "calls") + info_field(&stats, "cmdstat_eval:", "calls")
+}
+
+/// A key hammered past its limit is answered from the memory of rejections until its wait is
+/// over: Redis sees one call, the answers are Redis' own aged, nothing more is admitted, and a
+/// retry (request id), a caller's time or a settlement in this process goes to Redis again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remembered_rejection_spares_redis_until_its_wait_is_over() {
+    let server = RedisServer::start();
+    let config = RedisConfig::default()
+        .with_timeout(LOADED)
+        .with_rejection_memory(1_000);
+    let store = RedisStore::connect(&server.url(), config).await.unwrap();
+    let l = limit(2, "1/h");
+    let takes = [Take::new("hammered", &l, 1)];
+    let mut allowed = 0;
+    for _ in 0..2 {
+        allowed += usize::from(check(&store, &takes, None).await.unwrap()[0].allowed());
+    }
+    let first = check(&store, &takes, None).await.unwrap()[0];
+    assert!(!first.allowed());
+    let calls = script_calls(&server);
+    for _ in 0..200 {
+        let again = check(&store, &takes, None).await.unwrap()[0];
+        assert!(!again.allowed());
+        assert!(again.retry_after() <= first.retry_after());
+        assert!(again.retry_after() > Some(Duration::from_secs(1_700)));
+        assert_eq!(again.remaining(), 0);
+    }
+    assert_eq!(allowed, 2);
+    assert_eq!(script_calls(&server), calls, "answered here");
+    assert_eq!(store.rejections_answered(), 200);
+
+    // Another cost, a retry and a caller's time all ask Redis.
+    let two = [Take::new("hammered", &l, 2)];
+    assert!(!check(&store, &two, None).await.unwrap()[0].allowed());
+    let retried = CheckRequest {
+        takes: &takes,
+        request_id: Some("r-1"),
+        now: None,
+    };
+    assert!(!store.check(retried).await.unwrap()[0].allowed());
+    assert_eq!(script_calls(&server), calls + 2.0);
+
+    // A settlement in this process gives a token back and forgets the rejection.
+    let reserved = [Take::new("reserved", &l, 2)];
+    let reservation = CheckRequest {
+        takes: &reserved,
+        request_id: Some("job"),
+        now: None,
+    };
+    assert!(store.check(reservation).await.unwrap()[0].allowed());
+    let one = [Take::new("reserved", &l, 1)];
+    assert!(!check(&store, &one, None).await.unwrap()[0].allowed());
+    let settled = store.settle(reservation, &[1]).await.unwrap();
+    assert_eq!(settled.status, tollgate::SettleStatus::Settled);
+    assert!(check(&store, &one, None).await.unwrap()[0].allowed());
+}
+
+/// Without the memory (the default), every check is Redis' call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_memory_every_rejection_asks_redis() {
+    let server = RedisServer::start();
+    let store = connect(&server).await;
+    let l = limit(1, "1/h");
+    let takes = [Take::new("k", &l, 1)];
+    assert!(check(&store, &takes, None).await.unwrap()[0].allowed());
+    let calls = script_calls(&server);
+    for _ in 0..10 {
+        assert!(!check(&store, &takes, None).await.unwrap()[0].allowed());
+    }
+    assert_eq!(script_calls(&server), calls + 10.0);
+    assert_eq!(store.rejections_answered(), 0);
+}

@@ -114,6 +114,12 @@ pub struct ServeArgs {
         requires = "store_tls_cert"
     )]
     pub store_tls_key: Option<PathBuf>,
+    /// How many recent rejections by Redis this process remembers (0: none): the same check
+    /// is then rejected here until its Retry-After passes, so a key hammered past its limit
+    /// costs Redis one call per wait, not one per request. Exact, except that tokens another
+    /// process gives back (POST /v1/settle) meanwhile are not seen here until then.
+    #[arg(long, env = "TOLLGATE_REJECTION_MEMORY", default_value_t = 100_000)]
+    pub rejection_memory: usize,
     /// How long a decision may wait for Redis before its limits follow their failure modes.
     #[arg(long, env = "TOLLGATE_STORE_TIMEOUT", default_value = "20ms", value_parser = parse_duration)]
     pub store_timeout: Duration,
@@ -610,6 +616,7 @@ pub async fn serve(
         let mut config = RedisConfig::default()
             .with_timeout(args.store_timeout)
             .with_idempotency_window(args.idempotency_window)
+            .with_rejection_memory(args.rejection_memory)
             .with_tls(tls);
         if let Some(password) = &args.store_sentinel_password {
             if !args.store.contains("+sentinel://") {

@@ -40,6 +40,9 @@ pub const DEGRADED: &str = "tollgate_degraded_decisions_total";
 /// single Redis whose breaker is open; on Redis Cluster, one per range of 128 slots. Absent on
 /// the memory store.
 pub const STORE_CIRCUIT_OPEN: &str = "tollgate_store_circuit_open";
+/// Checks answered from the memory of recent Redis rejections, without a call
+/// (`--rejection-memory`).
+pub const REMEMBERED_REJECTIONS: &str = "tollgate_remembered_rejections_total";
 /// Leases given back through `DELETE /v1/leases/{id}`: label `result` (`released`: it was
 /// held; `not_found`: it had timed out, was released before, or never existed).
 pub const LEASES_RELEASED: &str = "tollgate_lease_releases_total";
@@ -159,6 +162,10 @@ fn describe() {
         "Circuit breakers of the shared store open now (on Redis Cluster, one per 128 slots)."
     );
     describe_gauge!(LIVE_BUCKETS, "Buckets held in this process.");
+    describe_counter!(
+        REMEMBERED_REJECTIONS,
+        "Checks rejected from the memory of recent Redis rejections, without a call."
+    );
     describe_counter!(
         LEASES_RELEASED,
         "Leases given back, by whether they were held."
@@ -451,6 +458,7 @@ pub(crate) fn record_connection_closed(listener: Listener, reason: Closed) {
 pub(crate) fn refresh_store(backend: &Backend) {
     if let Backend::Redis(store) = backend {
         gauge!(STORE_CIRCUIT_OPEN).set(store.open_breakers() as f64);
+        counter!(REMEMBERED_REJECTIONS).absolute(store.rejections_answered());
     }
 }
 

@@ -134,6 +134,49 @@ fn a_reservation_is_settled_through_another_server_once() {
     assert_eq!(remaining(&peek), 34, "35 left, one asked: {}", peek.body);
 }
 
+fn remembered(server: &Server) -> String {
+    let metrics = request(server.http, "GET", "/metrics", &[], "").body;
+    metrics
+        .lines()
+        .find(|line| line.starts_with("tollgate_remembered_rejections_total"))
+        .unwrap_or_else(|| panic!("no tollgate_remembered_rejections_total in\n{metrics}"))
+        .to_owned()
+}
+
+/// Past its limit, a key is rejected from the server's memory of Redis' rejection until its
+/// Retry-After passes (on by default; `--rejection-memory 0` turns it off): the same answers,
+/// nothing more admitted.
+#[test]
+fn rejections_are_remembered_unless_turned_off() {
+    let redis = RedisServer::start();
+    let scratch = Scratch::new("remembered");
+    let config = scratch.write("policy.yaml", POLICY);
+    let servers = [
+        on_store(&config, &redis.url(), &[]),
+        on_store(&config, &redis.url(), &["--rejection-memory", "0"]),
+    ];
+    for (server, user) in servers.iter().zip(["ham", "jam"]) {
+        let body = format!(r#"{{"domain":"api","descriptors":[{{"user":"{user}"}}]}}"#);
+        let statuses: Vec<u16> = (0..60)
+            .map(|_| post_json(server.http, "/v1/check", &body).status)
+            .collect();
+        assert_eq!(statuses.iter().filter(|&&s| s == 200).count(), 50);
+        assert_eq!(statuses.iter().filter(|&&s| s == 429).count(), 10);
+        let last = post_json(server.http, "/v1/check", &body);
+        assert_eq!(last.status, 429);
+        let retry: u64 = last.header("retry-after").unwrap().parse().unwrap();
+        assert!((3599..=3600).contains(&retry), "{retry}");
+    }
+    assert_eq!(
+        remembered(&servers[0]),
+        "tollgate_remembered_rejections_total 10"
+    );
+    assert_eq!(
+        remembered(&servers[1]),
+        "tollgate_remembered_rejections_total 0"
+    );
+}
+
 #[test]
 fn a_reload_that_grows_a_limit_carries_redis_balances_over() {
     let redis = RedisServer::start();

@@ -110,6 +110,32 @@ impl Decision {
         Self::new(allowed, limit, cost, deficit)
     }
 
+    /// This decision as it would read `elapsed` later if nothing were charged in between: a
+    /// token bucket's deficit shrinks by the refill, a window's waits by `elapsed` (its
+    /// `remaining` is kept: a window frees nothing before its edge, and a sliding one's weight
+    /// is not worked out again here). For a process that remembers a rejection and answers
+    /// the same request from memory until its `retry_after` passes; others' charges only make
+    /// the real figures later, never earlier.
+    #[must_use]
+    pub fn aged(&self, elapsed: Duration) -> Self {
+        let nanos = u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX);
+        let figures = match self.figures {
+            Figures::Bucket { deficit } => Figures::Bucket {
+                deficit: deficit.saturating_sub(u128::from(nanos) * u128::from(self.limit.a())),
+            },
+            Figures::Window {
+                remaining,
+                retry_after,
+                reset_after,
+            } => Figures::Window {
+                remaining,
+                retry_after: retry_after.saturating_sub(nanos),
+                reset_after: reset_after.saturating_sub(nanos),
+            },
+        };
+        Self { figures, ..*self }
+    }
+
     /// Whether the tokens were taken.
     pub fn allowed(&self) -> bool {
         self.allowed
@@ -165,5 +191,38 @@ impl Decision {
             }
             Figures::Window { reset_after, .. } => Duration::from_nanos(reset_after),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Timestamp, bucket, window};
+
+    #[test]
+    fn an_aged_rejection_reads_as_the_bucket_would_then() {
+        let limit = Limit::new(10, "10/s".parse().unwrap()).unwrap();
+        let (_, state) = bucket::take(&limit, None, Timestamp::ZERO, 10).unwrap();
+        let (rejected, _) = bucket::take(&limit, state, Timestamp::ZERO, 4).unwrap();
+        assert_eq!(rejected.retry_after(), Some(Duration::from_millis(400)));
+        let later = Timestamp::from_nanos(150_000_000);
+        let (then, _) = bucket::take(&limit, state, later, 4).unwrap();
+        assert_eq!(rejected.aged(Duration::from_millis(150)), then);
+        assert_eq!(
+            rejected.aged(Duration::from_secs(5)).reset_after(),
+            Duration::ZERO
+        );
+    }
+
+    #[test]
+    fn an_aged_window_rejection_waits_less() {
+        let limit = Limit::fixed_window(2, Duration::from_secs(1)).unwrap();
+        let (_, state) = window::take(&limit, None, Timestamp::ZERO, 2);
+        let (rejected, _) = window::take(&limit, state, Timestamp::ZERO, 1);
+        let aged = rejected.aged(Duration::from_millis(300));
+        assert_eq!(aged.retry_after(), Some(Duration::from_millis(700)));
+        assert_eq!(aged.reset_after(), Duration::from_millis(700));
+        assert_eq!(aged.remaining(), 0);
+        assert!(!aged.allowed());
     }
 }

@@ -34,6 +34,8 @@
 //!   all-or-nothing ([`MemoryStore::check_all`]); a `request_id` makes a retry free.
 //! * A [`Decision`] reports `remaining` (floored), `retry_after` (exact, rounded up) and
 //!   `reset_after`.
+//! * A request charged with a `request_id` can be settled once for less than it cost
+//!   ([`Store::settle`]): a reservation whose real cost is known afterwards gets the rest back.
 //!
 //! # Algorithms
 //!
