@@ -426,3 +426,92 @@ fn the_documented_example_runs_as_described() {
     );
     assert_eq!(limit(now, "per-user")["top_keys"][0]["key"], "per-user|bob");
 }
+
+const TOKENS: &str = "\
+version: tokens
+limits:
+  - name: tokens-per-user
+    domain: llm
+    key: [user]
+    capacity: 1000
+    refill: 1000/h
+";
+
+fn reservation(time: &str, cost: u64, used: Option<u64>, duration_ms: Option<u64>) -> String {
+    let used = used.map(|u| format!(r#","used":{u}"#)).unwrap_or_default();
+    let duration = duration_ms
+        .map(|d| format!(r#","duration_ms":{d}"#))
+        .unwrap_or_default();
+    format!(
+        r#"{{"time":"{time}","domain":"llm","descriptors":[{{"user":"u1"}}],"cost":{cost}{used}{duration}}}"#
+    )
+}
+
+/// Reservations (lines with `used`) give back what they did not use when they end: a trace of
+/// large reservations that use little is mostly admitted, the same trace without `used` is
+/// not; one that ends past the idempotency window keeps its whole cost.
+#[test]
+fn reservations_give_back_what_they_did_not_use_when_they_end() {
+    let dir = Scratch::new("simulate-reservations");
+    let policy = dir.write("policy.yaml", TOKENS);
+    // Four requests a minute apart, each reserving 600 tokens and using 100, each running 30 s.
+    let times = ["10:00:00", "10:01:00", "10:02:00", "10:03:00"];
+    let lines = |used: Option<u64>| {
+        let lines: Vec<String> = times
+            .iter()
+            .map(|t| reservation(&format!("2026-11-29T{t}Z"), 600, used, Some(30_000)))
+            .collect();
+        lines.join("\n") + "\n"
+    };
+    let settled = dir.write("settled.jsonl", &lines(Some(100)));
+    let report = simulate_json(&[path_str(&settled), "--config", path_str(&policy)]);
+    let p = &report["policies"][0];
+    assert_eq!(report["trace"]["with_used"], 4);
+    assert_eq!(
+        (p["allowed"].clone(), p["rejected"].clone()),
+        (4.into(), 0.into())
+    );
+    assert_eq!(p["settled"], 4);
+    assert_eq!(p["given_back"], 4 * 500);
+    assert_eq!(p["settle_missed"], 0);
+
+    let unsettled = dir.write("unsettled.jsonl", &lines(None));
+    let report = simulate_json(&[path_str(&unsettled), "--config", path_str(&policy)]);
+    let p = &report["policies"][0];
+    // 1000 - 600 = 400 left, and about 17 a minute come back: the next three are refused.
+    assert_eq!(
+        (p["allowed"].clone(), p["rejected"].clone()),
+        (1.into(), 3.into())
+    );
+    assert_eq!(p["settled"], 0);
+
+    // Running two minutes, past a 60 s window: nothing given back, so the second is refused.
+    let late: Vec<String> = ["10:00:00", "10:03:00"]
+        .iter()
+        .map(|t| reservation(&format!("2026-11-29T{t}Z"), 600, Some(100), Some(120_000)))
+        .collect();
+    let late = dir.write("late.jsonl", &(late.join("\n") + "\n"));
+    let report = simulate_json(&[path_str(&late), "--config", path_str(&policy)]);
+    let p = &report["policies"][0];
+    assert_eq!(
+        (p["allowed"].clone(), p["rejected"].clone()),
+        (1.into(), 1.into())
+    );
+    assert_eq!(
+        (p["settled"].clone(), p["settle_missed"].clone()),
+        (0.into(), 1.into())
+    );
+    // With a window as long as the requests, it is.
+    let report = simulate_json(&[
+        path_str(&late),
+        "--config",
+        path_str(&policy),
+        "--idempotency-window",
+        "5m",
+    ]);
+    let p = &report["policies"][0];
+    assert_eq!(
+        (p["allowed"].clone(), p["settled"].clone()),
+        (2.into(), 2.into())
+    );
+}

@@ -10,7 +10,8 @@
 //! clock's epoch is the midnight UTC before the first request, as the server's is the midnight
 //! before it started), exemptions expire mid-trace, `request_id` retries are free, and a
 //! request whose line says how long it ran holds a lease on its concurrency limits until
-//! then (given back at that instant, before any later arrival is decided). Several
+//! then (given back at that instant, before any later arrival is decided), and one whose line
+//! says what it `used` of its cost is a reservation, settled then (`POST /v1/settle`). Several
 //! policies are fed each line in one pass, so a trace on standard input can be compared
 //! against all of them.
 //!
@@ -77,6 +78,17 @@ pub struct SimulateArgs {
     /// Also write an SVG plot of requests and rejections over time to FILE.
     #[arg(long, value_name = "FILE")]
     pub plot: Option<PathBuf>,
+    /// How long a charge can be settled, as `tollgate serve --idempotency-window`: a
+    /// reservation (a line with `used`) that ends later keeps its whole cost.
+    #[arg(long, default_value = "60s", value_parser = parse_window)]
+    pub idempotency_window: Duration,
+}
+
+fn parse_window(text: &str) -> Result<Duration, String> {
+    match parse_duration(text)? {
+        Duration::ZERO => Err("the window must be longer than 0".to_owned()),
+        window => Ok(window),
+    }
 }
 
 fn parse_interval(text: &str) -> Result<Duration, String> {
@@ -127,24 +139,99 @@ struct Simulation {
     /// ids, soonest first.
     held: BinaryHeap<Reverse<(u64, String)>>,
     leases_taken: u64,
+    /// Reservations to settle, by the instant their request ends, soonest first (then in the
+    /// order they came).
+    settling: BinaryHeap<Reverse<(u64, u64, Reservation)>>,
+    reservations: u64,
+}
+
+/// A reservation allowed and not yet settled: the request as it was checked, and what it used.
+#[derive(Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct Reservation {
+    /// Its end on the calendar (Unix nanoseconds), for the wall clock at the settlement.
+    wall: i64,
+    domain: String,
+    descriptors: Vec<Vec<(String, String)>>,
+    cost: u64,
+    used: u64,
+    request_id: String,
 }
 
 impl Simulation {
-    /// Gives back every lease whose request ended by `now`, each at its own instant, so that a
-    /// request arriving at `now` finds the slots as a server would have.
+    /// Ends every request that ended by `now`, each at its own instant and in the order they
+    /// ended (a lease before a settlement at the same instant): gives its lease back and
+    /// settles its reservation, so that a request arriving at `now` finds the slots and the
+    /// buckets as a server would have.
     fn release_until(&mut self, now: u64) {
-        while let Some(Reverse((end, _))) = self.held.peek() {
-            if *end > now {
-                break;
-            }
-            let Some(Reverse((end, id))) = self.held.pop() else {
-                break;
-            };
-            self.clock.set(Timestamp::from_nanos(end));
-            if let Ok(false) = self.engine.release(&id) {
-                self.tally.lease_timed_out();
+        loop {
+            let lease = self.held.peek().map(|Reverse((end, _))| *end);
+            let settle = self.settling.peek().map(|Reverse((end, ..))| *end);
+            match (lease, settle) {
+                (Some(lease), settle) if lease <= now && settle.is_none_or(|s| lease <= s) => {
+                    let Some(Reverse((end, id))) = self.held.pop() else {
+                        break;
+                    };
+                    self.clock.set(Timestamp::from_nanos(end));
+                    if let Ok(false) = self.engine.release(&id) {
+                        self.tally.lease_timed_out();
+                    }
+                }
+                (_, Some(settle)) if settle <= now => {
+                    let Some(Reverse((end, _, reservation))) = self.settling.pop() else {
+                        break;
+                    };
+                    self.settle(end, &reservation);
+                }
+                _ => break,
             }
         }
+    }
+
+    /// Settles every reservation still open, at its end: the trace is over.
+    fn settle_all(&mut self) {
+        while let Some(Reverse((end, _, reservation))) = self.settling.pop() {
+            self.settle(end, &reservation);
+        }
+    }
+
+    fn settle(&mut self, end: u64, reservation: &Reservation) {
+        self.clock.set(Timestamp::from_nanos(end));
+        self.wall.set(UnixTime::from_nanos(reservation.wall));
+        let settled = self.engine.settle(
+            &reservation.domain,
+            &reservation.descriptors,
+            reservation.cost,
+            reservation.used,
+            &reservation.request_id,
+        );
+        match settled.map(|outcome| outcome.settled) {
+            Ok(Some(tollgate::SettleStatus::Settled)) => {
+                let buckets = self.buckets_of(reservation);
+                let given = (reservation.cost - reservation.used).saturating_mul(buckets);
+                self.tally.settlement(Some(given));
+            }
+            // A retried line's reservation, settled with the first.
+            Ok(Some(tollgate::SettleStatus::Repeated)) => {}
+            _ => self.tally.settlement(None),
+        }
+    }
+
+    /// How many buckets a reservation was charged on: the limits that applied to it, less
+    /// the exempt ones (as `/v1/explain` would list them now).
+    fn buckets_of(&self, reservation: &Reservation) -> u64 {
+        self.engine
+            .explain(
+                &reservation.domain,
+                &reservation.descriptors,
+                reservation.cost,
+            )
+            .map_or(0, |outcome| {
+                outcome
+                    .limits
+                    .iter()
+                    .filter(|limit| limit.exempted_by.is_none() && limit.decision.is_some())
+                    .count() as u64
+            })
     }
 
     /// Decides one request at `now` (since the epoch), `at` on the calendar: its rate limits,
@@ -157,19 +244,60 @@ impl Simulation {
         at: UnixTime,
         request: &Request<'_, Cow<'_, str>>,
         duration: Option<Duration>,
+        reservation: Option<(u64, u64)>,
     ) {
         self.release_until(now);
         self.clock.set(Timestamp::from_nanos(now));
         self.wall.set(at);
+        // A reservation needs a request id to be settled by: the line's, or one of its own.
+        let own_id;
+        let request_id = match (reservation, request.request_id) {
+            (Some(_), None) => {
+                self.reservations += 1;
+                own_id = format!("sim-reservation-{}", self.reservations);
+                Some(own_id.as_str())
+            }
+            (_, id) => id,
+        };
         let outcome = match self.engine.decide(
             request.domain,
             request.descriptors,
             request.cost,
-            request.request_id,
+            request_id,
         ) {
             Ok(outcome) => outcome,
             Err(err) => return self.tally.refuse(line, err.to_string()),
         };
+        if let (Some((cost, used)), Some(request_id), true) =
+            (reservation, request_id, outcome.allowed)
+            && used < cost
+        {
+            let nanos = duration.map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+            self.reservations += 1;
+            let reservation = Reservation {
+                wall: at
+                    .as_nanos()
+                    .saturating_add(i64::try_from(nanos).unwrap_or(i64::MAX)),
+                domain: request.domain.to_owned(),
+                descriptors: request
+                    .descriptors
+                    .iter()
+                    .map(|d| {
+                        d.iter()
+                            .map(|(k, v)| (k.to_string(), v.to_string()))
+                            .collect()
+                    })
+                    .collect(),
+                cost,
+                used,
+                request_id: request_id.to_owned(),
+            };
+            self.settling.push(Reverse((
+                now.saturating_add(nanos),
+                self.reservations,
+                reservation,
+            )));
+        }
         let Some(duration) = duration.filter(|_| outcome.allowed) else {
             return self.tally.record(at, &outcome, None);
         };
@@ -213,6 +341,8 @@ pub struct Simulator {
     out_of_order: u64,
     /// Requests whose line says how long they were in flight.
     with_duration: u64,
+    /// Requests whose line says what they used of their cost.
+    with_used: u64,
     first: Option<UnixTime>,
     latest: Option<UnixTime>,
     /// The engines' clock epoch: the midnight UTC before the first request.
@@ -226,14 +356,20 @@ impl Simulator {
     /// # Errors
     ///
     /// The first policy file that cannot be read or does not validate.
-    pub fn new(configs: &[PathBuf], interval: Duration, top: usize) -> Result<Self, SimulateError> {
+    pub fn new(
+        configs: &[PathBuf],
+        interval: Duration,
+        top: usize,
+        idempotency_window: Duration,
+    ) -> Result<Self, SimulateError> {
         let mut policies = Vec::with_capacity(configs.len());
         for path in configs {
             let clock = ManualClock::new();
             let wall = ManualWallClock::new(UnixTime::from_nanos(0));
             let options = EngineOptions::default()
                 .clock(Arc::new(clock.clone()))
-                .wall_clock(Arc::new(wall.clone()));
+                .wall_clock(Arc::new(wall.clone()))
+                .idempotency_window(idempotency_window);
             let engine = PolicyEngine::from_file(path, options)?;
             let tally = Tally::new(&engine.current(), interval);
             policies.push(Simulation {
@@ -244,6 +380,8 @@ impl Simulator {
                 tally,
                 held: BinaryHeap::new(),
                 leases_taken: 0,
+                settling: BinaryHeap::new(),
+                reservations: 0,
             });
         }
         Ok(Self {
@@ -255,6 +393,7 @@ impl Simulator {
             first_skipped: Vec::new(),
             out_of_order: 0,
             with_duration: 0,
+            with_used: 0,
             first: None,
             latest: None,
             epoch: 0,
@@ -290,8 +429,17 @@ impl Simulator {
         let request = parsed.request.request();
         self.requests += 1;
         self.with_duration += u64::from(parsed.duration.is_some());
+        self.with_used += u64::from(parsed.used.is_some());
+        let reservation = parsed.used.map(|used| (parsed.request.cost, used));
         for policy in &mut self.policies {
-            policy.decide(number, since_epoch, at, &request, parsed.duration);
+            policy.decide(
+                number,
+                since_epoch,
+                at,
+                &request,
+                parsed.duration,
+                reservation,
+            );
             if self.requests.is_multiple_of(SWEEP_EVERY) {
                 policy.engine.sweep();
             }
@@ -322,6 +470,14 @@ impl Simulator {
         }
     }
 
+    /// Ends the replay: settles the reservations still open, each at its end (no later
+    /// request can see them, but the report counts them).
+    pub fn finish(&mut self) {
+        for policy in &mut self.policies {
+            policy.settle_all();
+        }
+    }
+
     /// Requests replayed so far.
     pub fn requests(&self) -> u64 {
         self.requests
@@ -342,6 +498,7 @@ impl Simulator {
                 first_skipped: self.first_skipped.clone(),
                 out_of_order: self.out_of_order,
                 with_duration: self.with_duration,
+                with_used: self.with_used,
                 first: self.first.map(UnixTime::to_rfc3339),
                 last: self.latest.map(UnixTime::to_rfc3339),
                 interval_ms: u64::try_from(interval.as_millis()).unwrap_or(u64::MAX),
@@ -386,7 +543,12 @@ impl Simulator {
 /// A policy that does not load, a trace that cannot be read or holds no request, a plot that
 /// cannot be written.
 pub fn main(args: &SimulateArgs) -> Result<(), SimulateError> {
-    let mut simulator = Simulator::new(&args.config, args.interval, args.top)?;
+    let mut simulator = Simulator::new(
+        &args.config,
+        args.interval,
+        args.top,
+        args.idempotency_window,
+    )?;
     let source = args.trace.display().to_string();
     let trace_error = |error| SimulateError::Trace {
         source_name: source.clone(),
@@ -411,6 +573,7 @@ pub fn main(args: &SimulateArgs) -> Result<(), SimulateError> {
         progress.inc(read as u64);
     }
     progress.finish_and_clear();
+    simulator.finish();
     if simulator.requests() == 0 {
         return Err(SimulateError::Empty(source));
     }
@@ -473,7 +636,12 @@ mod tests {
         ));
         let policy = "version: t\nlimits:\n  - name: per-user\n    domain: api\n    key: [user]\n    capacity: 2\n    refill: 1/h\n";
         std::fs::write(&path, policy).unwrap();
-        let simulator = Simulator::new(std::slice::from_ref(&path), Duration::from_secs(60), 3);
+        let simulator = Simulator::new(
+            std::slice::from_ref(&path),
+            Duration::from_secs(60),
+            3,
+            Duration::from_secs(60),
+        );
         (simulator.unwrap(), Scratch(path))
     }
 

@@ -37,6 +37,9 @@ pub(crate) struct TraceSummary {
     /// Requests whose line says how long they were in flight (`duration_ms`): the ones that
     /// take leases of concurrency limits.
     pub(crate) with_duration: u64,
+    /// Requests whose line says what they used of their cost (`used`): reservations, settled
+    /// at their end.
+    pub(crate) with_used: u64,
     /// The first request's time.
     pub(crate) first: Option<String>,
     /// The last request's time.
@@ -65,6 +68,12 @@ pub(crate) struct PolicyReport {
     /// Leases that timed out before their request ended (`lease_timeout` shorter than the
     /// request).
     pub(crate) leases_timed_out: u64,
+    /// Reservations settled at their end.
+    pub(crate) settled: u64,
+    /// Tokens their settlements gave back.
+    pub(crate) given_back: u64,
+    /// Reservations that ended too late to be settled (past the idempotency window).
+    pub(crate) settle_missed: u64,
     /// Each rate limit.
     pub(crate) limits: Vec<LimitReport>,
     /// Requests by interval: every interval from the first request's to the last's, or only
@@ -140,6 +149,9 @@ impl PolicyReport {
             concurrency_limits: tally.concurrency_limits,
             leases: tally.leases,
             leases_timed_out: tally.leases_timed_out,
+            settled: tally.settled,
+            given_back: tally.given_back,
+            settle_missed: tally.settle_missed,
             limits: tally
                 .limits
                 .iter()
@@ -294,6 +306,14 @@ impl PolicyReport {
                 out,
                 "  refused {} requests (the server would answer 400); first, line {}: {}",
                 self.counts.invalid, bad.line, bad.error
+            );
+        }
+        if self.settled + self.settle_missed > 0 {
+            let _ = writeln!(
+                out,
+                "  {} reservations settled, giving back {} tokens; {} ended too late to settle \
+                 (past the idempotency window)",
+                self.settled, self.given_back, self.settle_missed
             );
         }
         if self.concurrency_limits > 0 && with_duration == 0 {

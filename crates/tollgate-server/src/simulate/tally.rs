@@ -103,6 +103,14 @@ pub(crate) struct Tally {
     /// Leases that were still held past their limit's `lease_timeout` when their request
     /// ended, and had timed out instead: a timeout shorter than the requests it guards.
     pub(crate) leases_timed_out: u64,
+    /// Reservations (lines with `used`) allowed and settled at their end.
+    pub(crate) settled: u64,
+    /// Tokens those settlements gave back (`cost - used`, on every bucket the request was
+    /// charged on).
+    pub(crate) given_back: u64,
+    /// Reservations allowed but not settled: ended after the idempotency window (the whole
+    /// cost stays charged), or their limits changed meanwhile.
+    pub(crate) settle_missed: u64,
     /// Requests by interval: the key is the interval's start as a multiple of its length
     /// since the Unix epoch.
     pub(crate) timeline: BTreeMap<u64, Slot>,
@@ -120,6 +128,9 @@ impl Tally {
             concurrency_limits: 0,
             leases: 0,
             leases_timed_out: 0,
+            settled: 0,
+            given_back: 0,
+            settle_missed: 0,
             timeline: BTreeMap::new(),
             interval_ns: u64::try_from(interval.as_nanos())
                 .unwrap_or(u64::MAX)
@@ -212,6 +223,17 @@ impl Tally {
     /// Counts a lease that was no longer held when its request ended.
     pub(crate) fn lease_timed_out(&mut self) {
         self.leases_timed_out += 1;
+    }
+
+    /// Counts a reservation settled, `given_back` tokens returned, or missed (`None`).
+    pub(crate) fn settlement(&mut self, given_back: Option<u64>) {
+        match given_back {
+            Some(tokens) => {
+                self.settled += 1;
+                self.given_back = self.given_back.saturating_add(tokens);
+            }
+            None => self.settle_missed += 1,
+        }
     }
 
     /// Counts a request the policy refused to decide.

@@ -10,7 +10,9 @@
 //! an RFC 3339 instant or whole milliseconds since the Unix epoch (what most access logs can
 //! be turned into with one `jq` expression). An optional `duration_ms`, how long the request
 //! was in flight (nginx's `$request_time`, Envoy's `%DURATION%`), lets the replay hold a lease
-//! for that long on the concurrency limits the request matches.
+//! for that long on the concurrency limits the request matches. An optional `used` makes the
+//! request a reservation: `cost` is the most it could cost, `used` what it did, and the rest
+//! is given back when it ends (`POST /v1/settle`), at `time` plus `duration_ms` (or at once).
 
 use std::borrow::Cow;
 use std::fmt;
@@ -30,6 +32,8 @@ pub(crate) struct TraceRequest<'a> {
     pub(crate) at: UnixTime,
     /// How long it was in flight, when the trace says.
     pub(crate) duration: Option<Duration>,
+    /// What it used of its `cost`, when it was a reservation settled at its end.
+    pub(crate) used: Option<u64>,
     /// What it asked.
     pub(crate) request: Parsed<'a>,
 }
@@ -52,6 +56,8 @@ struct Line<'a> {
     request_id: Option<Cow<'a, str>>,
     #[serde(default)]
     duration_ms: Option<u64>,
+    #[serde(default)]
+    used: Option<u64>,
 }
 
 fn one() -> u64 {
@@ -123,9 +129,16 @@ pub(crate) fn parse_line(line: &str) -> Result<TraceRequest<'_>, ApiError> {
         request_id: line.request_id,
     };
     check_bounds(&request)?;
+    if let Some(used) = line.used.filter(|&used| used > line.cost) {
+        return Err(ApiError::bad_request(
+            "invalid_settlement",
+            format!("used {used} passes the cost reserved ({})", line.cost),
+        ));
+    }
     Ok(TraceRequest {
         at: line.time.0,
         duration: line.duration_ms.map(Duration::from_millis),
+        used: line.used,
         request,
     })
 }
@@ -169,6 +182,19 @@ mod tests {
         assert!(
             message(r#"{"time":0,"domain":"api","descriptors":[{"user":"u1"}],"duration_ms":-1}"#)
                 .contains("integer `-1`")
+        );
+    }
+
+    #[test]
+    fn reads_what_a_reservation_used_and_refuses_more_than_it_reserved() {
+        let line = parse_line(
+            r#"{"time":0,"domain":"llm","descriptors":[{"user":"u1"}],"cost":900,"used":120}"#,
+        )
+        .unwrap();
+        assert_eq!((line.request.cost, line.used), (900, Some(120)));
+        assert!(
+            message(r#"{"time":0,"domain":"llm","descriptors":[{"user":"u1"}],"used":2}"#)
+                .contains("used 2 passes the cost reserved (1)")
         );
     }
 

@@ -545,7 +545,8 @@ where
     /// amounts gives nothing again ([`SettleStatus::Repeated`]), and a request never charged,
     /// rejected, or recorded longer ago than the idempotency window (or pushed out by the
     /// record bound) gets nothing ([`SettleStatus::NotFound`]): its charge stands, which
-    /// under-admits, never over-admits. See [`bucket::give_back`] for what a refund restores.
+    /// under-admits, never over-admits. A refund restores no more than a smaller charge would
+    /// have left (see [`bucket`]).
     ///
     /// # Errors
     ///
