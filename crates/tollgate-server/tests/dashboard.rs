@@ -8,13 +8,17 @@ use support::{Server, post_json, request};
 
 /// What the page's script reads, by name: endpoints, and metric series in `/metrics`.
 const ENDPOINTS: [&str; 4] = ["/metrics", "/readyz", "/v1/policy", "/v1/hot-keys"];
-const SERIES: [&str; 6] = [
+/// The first five are on every server from the first decision; the others appear once what
+/// they count happens (a store error, a rejection answered from memory on Redis, a settlement).
+const SERIES: [&str; 8] = [
     "tollgate_decisions_total",
     "tollgate_decision_duration_seconds_bucket",
     "tollgate_unmatched_requests_total",
     "tollgate_live_buckets",
     "tollgate_live_leases",
     "tollgate_store_errors_total",
+    "tollgate_remembered_rejections_total",
+    "tollgate_settlements_total",
 ];
 
 #[test]
