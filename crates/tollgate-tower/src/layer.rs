@@ -128,6 +128,7 @@ impl TollgateLayer {
 struct Common {
     cost: Option<CostFn>,
     headers_on_success: bool,
+    reservations: bool,
 }
 
 impl Default for Common {
@@ -135,6 +136,7 @@ impl Default for Common {
         Self {
             cost: None,
             headers_on_success: true,
+            reservations: false,
         }
     }
 }
@@ -233,6 +235,16 @@ impl LimitBuilder {
         self
     }
 
+    /// Makes every admitted request a reservation: charged its cost as the most it may cost,
+    /// with a [`Reservation`](crate::Reservation) in its extensions that the handler settles
+    /// for what it used, giving the rest back. Each check then keeps a record for its
+    /// settlement, for the store's idempotency window (a Redis record is one more key per
+    /// request): settle within it.
+    pub fn reservations(mut self) -> Self {
+        self.common.reservations = true;
+        self
+    }
+
     /// The layer.
     pub fn build(self) -> TollgateLayer {
         let store = match self.store {
@@ -258,6 +270,7 @@ impl LimitBuilder {
                 }),
                 cost: self.common.cost,
                 headers_on_success: self.common.headers_on_success,
+                reservations: self.common.reservations,
             }),
         }
     }
@@ -306,6 +319,16 @@ impl PolicyBuilder {
         self
     }
 
+    /// Makes every admitted request a reservation: charged its cost as the most it may cost,
+    /// with a [`Reservation`](crate::Reservation) in its extensions that the handler settles
+    /// for what it used, giving the rest back. Each check then keeps a record for its
+    /// settlement, for the store's idempotency window (a Redis record is one more key per
+    /// request): settle within it.
+    pub fn reservations(mut self) -> Self {
+        self.common.reservations = true;
+        self
+    }
+
     /// The layer.
     pub fn build(self) -> TollgateLayer {
         TollgateLayer {
@@ -319,6 +342,7 @@ impl PolicyBuilder {
                 }),
                 cost: self.common.cost,
                 headers_on_success: self.common.headers_on_success,
+                reservations: self.common.reservations,
             }),
         }
     }

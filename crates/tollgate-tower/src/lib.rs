@@ -55,6 +55,10 @@
 //!   seconds rounded up (at least 1), and an `application/problem+json` body. When a shared
 //!   store is down, a limit that fails closed answers 503 (not 429), one that fails open
 //!   decides on its bounded emergency budget.
+//! * **Reservations** ([`LimitBuilder::reservations`], [`PolicyBuilder::reservations`]): for
+//!   handlers whose cost is known only afterwards (a model's tokens, a streamed body), the
+//!   cost function gives the most a request may cost, and the handler settles the
+//!   [`Reservation`] it finds in the request's extensions for what it used; the rest goes back.
 //! * **Stores**: memory by default; Redis with the `redis` feature (`LimitBuilder::redis`,
 //!   `PolicyBuilder::redis`, `ConcurrencyBuilder::redis`), so many processes share one budget.
 //! * **hyper**: hyper 1 has its own `Service` trait; wrap the layered service with
@@ -137,6 +141,7 @@ mod future;
 pub mod headers;
 mod layer;
 mod limiter;
+mod reservation;
 mod service;
 
 #[cfg(feature = "redis")]
@@ -149,4 +154,5 @@ pub use extract::{
 pub use future::{ResponseBody, ResponseFuture};
 pub use layer::{LimitBuilder, PolicyBuilder, TollgateLayer};
 pub use limiter::Descriptor;
+pub use reservation::Reservation;
 pub use service::Tollgate;

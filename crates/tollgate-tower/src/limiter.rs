@@ -20,6 +20,7 @@ use crate::extract::{KeyExtractor, MissingKey, RequestHead};
 use crate::headers::{
     RATELIMIT, RATELIMIT_POLICY, rate_limit_headers, rate_limit_value, retry_after_secs,
 };
+use crate::reservation::{Reservation, Reserved, next_id};
 
 /// One descriptor of a request, for a policy: `(entry, value)` pairs such as
 /// `[("user", "u1"), ("route", "/v1/payments")]`.
@@ -34,8 +35,9 @@ pub(crate) type Headers = Option<(HeaderValue, HeaderValue)>;
 
 /// What to do with a request.
 pub(crate) enum Verdict {
-    /// Call the service, and add these headers to its response.
-    Allow(Headers),
+    /// Call the service, and add these headers to its response; with reservations, put this
+    /// one in the request's extensions first.
+    Allow(Headers, Option<Reservation>),
     /// Answer this instead of calling the service.
     Answer(Response<Bytes>),
 }
@@ -52,11 +54,16 @@ pub(crate) enum Step {
 /// moves on to the inner service).
 pub(crate) enum Pending {
     #[cfg(feature = "redis")]
-    Single { key: String, cost: u64 },
+    Single {
+        key: String,
+        cost: u64,
+        id: Option<String>,
+    },
     #[cfg(feature = "redis")]
     Policy {
         descriptors: Vec<Descriptor>,
         cost: u64,
+        id: Option<String>,
     },
 }
 
@@ -65,6 +72,9 @@ pub(crate) struct Shared {
     pub(crate) limiter: Limiter,
     pub(crate) cost: Option<CostFn>,
     pub(crate) headers_on_success: bool,
+    /// Whether admitted requests are reservations, settled by the handler (see
+    /// [`Reservation`]).
+    pub(crate) reservations: bool,
 }
 
 pub(crate) enum Limiter {
@@ -101,19 +111,45 @@ pub(crate) struct Policy {
 
 impl Shared {
     /// Decides `head` as far as it can without waiting.
-    pub(crate) fn start(&self, head: &RequestHead<'_>) -> Step {
+    pub(crate) fn start(self: &Arc<Self>, head: &RequestHead<'_>) -> Step {
         let cost = self.cost.as_ref().map_or(1, |cost| cost(head));
         // A cost of 0 is how a cost function exempts a request (health checks, say).
         if cost == 0 {
-            return Step::Done(Verdict::Allow(None));
+            return Step::Done(Verdict::Allow(None, None));
         }
+        // A reservation is a check under a request id of its own, which its settlement finds.
+        let id = self.reservations.then(next_id);
         match &self.limiter {
-            Limiter::Single(single) => self.start_single(single, head, cost),
-            Limiter::Policy(policy) => self.start_policy(policy, head, cost),
+            Limiter::Single(single) => self.start_single(single, head, cost, id),
+            Limiter::Policy(policy) => self.start_policy(policy, head, cost, id),
         }
     }
 
-    fn start_single(&self, single: &Single, head: &RequestHead<'_>, cost: u64) -> Step {
+    /// `verdict`, carrying a reservation of `cost` under `id` when it admits a request that
+    /// has one.
+    fn reserve(
+        self: &Arc<Self>,
+        verdict: Verdict,
+        id: Option<String>,
+        reserved: impl FnOnce() -> Reserved,
+        cost: u64,
+    ) -> Verdict {
+        match (verdict, id) {
+            (Verdict::Allow(headers, None), Some(id)) => Verdict::Allow(
+                headers,
+                Some(Reservation::new(Arc::clone(self), reserved(), cost, id)),
+            ),
+            (verdict, _) => verdict,
+        }
+    }
+
+    fn start_single(
+        self: &Arc<Self>,
+        single: &Single,
+        head: &RequestHead<'_>,
+        cost: u64,
+        id: Option<String>,
+    ) -> Step {
         let key = match single.key.extract(head) {
             Ok(key) => key,
             Err(err) => match &single.missing {
@@ -135,7 +171,7 @@ impl Shared {
                 let takes = [Take::new(&key, &single.limit, cost)];
                 let request = CheckRequest {
                     takes: &takes,
-                    request_id: None,
+                    request_id: id.as_deref(),
                     now: None,
                 };
                 let verdict = match store.check_now(request) {
@@ -145,37 +181,47 @@ impl Shared {
                     },
                     Err(err) => internal_error(&Error::Store(err)),
                 };
-                Step::Done(verdict)
+                Step::Done(self.reserve(verdict, id, || Reserved::Single(key), cost))
             }
             #[cfg(feature = "redis")]
-            SingleStore::Redis { .. } => Step::Pending(Pending::Single { key, cost }),
+            SingleStore::Redis { .. } => Step::Pending(Pending::Single { key, cost, id }),
         }
     }
 
-    fn start_policy(&self, policy: &Policy, head: &RequestHead<'_>, cost: u64) -> Step {
+    fn start_policy(
+        self: &Arc<Self>,
+        policy: &Policy,
+        head: &RequestHead<'_>,
+        cost: u64,
+        id: Option<String>,
+    ) -> Step {
         let descriptors = match (policy.descriptors)(head) {
             Ok(descriptors) => descriptors,
             Err(err) => return Step::Done(Verdict::Answer(error_response(&err))),
         };
         #[cfg(feature = "redis")]
         if policy.redis.is_some() {
-            return Step::Pending(Pending::Policy { descriptors, cost });
+            return Step::Pending(Pending::Policy {
+                descriptors,
+                cost,
+                id,
+            });
         }
         let verdict = match policy
             .engine
-            .decide(&policy.domain, &descriptors, cost, None)
+            .decide(&policy.domain, &descriptors, cost, id.as_deref())
         {
             Ok(outcome) => self.policy_verdict(&outcome),
             Err(err) => policy_error(err),
         };
-        Step::Done(verdict)
+        Step::Done(self.reserve(verdict, id, || Reserved::Policy(descriptors), cost))
     }
 
     /// Finishes a decision that waits on a shared store.
-    pub(crate) async fn finish(&self, pending: Pending) -> Verdict {
+    pub(crate) async fn finish(self: &Arc<Self>, pending: Pending) -> Verdict {
         match pending {
             #[cfg(feature = "redis")]
-            Pending::Single { key, cost } => {
+            Pending::Single { key, cost, id } => {
                 let Limiter::Single(single) = &self.limiter else {
                     return internal_error(&Error::Store(tollgate::Error::EmptyCheck));
                 };
@@ -190,17 +236,22 @@ impl Shared {
                     take: Take::new(&key, &single.limit, cost),
                     on_failure: *on_failure,
                 }];
-                match failover.check(&guarded, None, None).await {
+                let verdict = match failover.check(&guarded, id.as_deref(), None).await {
                     Ok(outcomes) => match outcomes.first().map(|o| (o.decision(), o.degraded())) {
                         Some((Some(decision), _)) => self.single_verdict(single, decision),
                         Some((None, Some(reason))) => Verdict::Answer(unavailable(reason.as_str())),
                         _ => internal_error(&Error::Store(tollgate::Error::EmptyCheck)),
                     },
                     Err(err) => internal_error(&Error::Store(err)),
-                }
+                };
+                self.reserve(verdict, id, || Reserved::Single(key), cost)
             }
             #[cfg(feature = "redis")]
-            Pending::Policy { descriptors, cost } => {
+            Pending::Policy {
+                descriptors,
+                cost,
+                id,
+            } => {
                 let Limiter::Policy(policy) = &self.limiter else {
                     return internal_error(&Error::Store(tollgate::Error::EmptyCheck));
                 };
@@ -209,7 +260,7 @@ impl Shared {
                 };
                 let decided = policy
                     .engine
-                    .decide_on(&**store, &policy.domain, &descriptors, cost, None)
+                    .decide_on(&**store, &policy.domain, &descriptors, cost, id.as_deref())
                     .await;
                 let decided = match decided {
                     Err(tollgate_policy::Error::Check {
@@ -223,10 +274,11 @@ impl Shared {
                     ),
                     other => other,
                 };
-                match decided {
+                let verdict = match decided {
                     Ok(outcome) => self.policy_verdict(&outcome),
                     Err(err) => policy_error(err),
-                }
+                };
+                self.reserve(verdict, id, || Reserved::Policy(descriptors), cost)
             }
         }
     }
@@ -235,10 +287,10 @@ impl Shared {
         let items = [(&*single.name, decision)];
         if decision.allowed() {
             if !self.headers_on_success {
-                return Verdict::Allow(None);
+                return Verdict::Allow(None, None);
             }
             let fields = single.policy_field.clone().zip(rate_limit_value(items));
-            Verdict::Allow(fields)
+            Verdict::Allow(fields, None)
         } else {
             Verdict::Answer(too_many_requests(items, retry_after_secs(decision)))
         }
@@ -256,7 +308,7 @@ impl Shared {
             .filter(|l| l.mode == "enforce")
             .filter_map(|l| l.decision.as_ref().map(|d| (&*l.name, d)));
         if outcome.allowed {
-            return Verdict::Allow(self.success_headers(items));
+            return Verdict::Allow(self.success_headers(items), None);
         }
         let retry = items.clone().filter_map(|(_, d)| retry_after_secs(d)).max();
         Verdict::Answer(too_many_requests(items, retry))

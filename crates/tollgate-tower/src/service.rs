@@ -75,12 +75,16 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+    fn call(&mut self, mut request: Request<ReqBody>) -> Self::Future {
         let head = RequestHead::of(&request);
         let grpc = is_grpc(&head);
         let answer = move |response| if grpc { for_grpc(response) } else { response };
-        match self.shared.start(&head) {
-            Step::Done(Verdict::Allow(headers)) => {
+        let step = self.shared.start(&head);
+        match step {
+            Step::Done(Verdict::Allow(headers, reservation)) => {
+                if let Some(reservation) = reservation {
+                    request.extensions_mut().insert(reservation);
+                }
                 ResponseFuture::called(self.inner.call(request), headers)
             }
             Step::Done(Verdict::Answer(response)) => ResponseFuture::answered(answer(response)),
@@ -92,7 +96,11 @@ where
                 let shared = Arc::clone(&self.shared);
                 ResponseFuture::deciding(Box::pin(async move {
                     match shared.finish(pending).await {
-                        Verdict::Allow(headers) => {
+                        Verdict::Allow(headers, reservation) => {
+                            let mut request = request;
+                            if let Some(reservation) = reservation {
+                                request.extensions_mut().insert(reservation);
+                            }
                             let response = inner.call(request).await?;
                             Ok(with_headers(response, headers))
                         }

@@ -408,3 +408,99 @@ async fn a_request_timed_before_the_last_charge_gets_a_clean_429() {
         header(&denied, "ratelimit")
     );
 }
+
+/// A handler that settles its reservation for what the `x-used` header says, and answers
+/// what the settlement said (`none` without a reservation).
+fn settling_app(layer: TollgateLayer) -> Router {
+    let handler = |reservation: Option<axum::Extension<tollgate_tower::Reservation>>,
+                   headers: http::HeaderMap| async move {
+        let Some(axum::Extension(reservation)) = reservation else {
+            return "none".to_owned();
+        };
+        let used = headers
+            .get("x-used")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(reservation.cost());
+        match reservation.settle(used).await {
+            Ok(status) => format!("{status:?}"),
+            Err(err) => format!("error: {err}"),
+        }
+    };
+    Router::new().route("/", get(handler)).layer(layer)
+}
+
+fn using(key: &str, used: u64) -> Request<Body> {
+    Request::get("/")
+        .header("x-api-key", key)
+        .header("x-user", key)
+        .header("x-used", used.to_string())
+        .body(Body::empty())
+        .unwrap()
+}
+
+/// Each request reserves 60 of 100 tokens and uses 10: without reservations the second is
+/// refused, with them every one passes, each settled once.
+#[tokio::test]
+async fn reservations_give_back_what_the_handler_did_not_use() {
+    let clock = ManualClock::new();
+    let reserving = TollgateLayer::limit("tokens", limit(100, "100/h"), api_key())
+        .clock(clock.clone())
+        .cost(|_| 60)
+        .reservations()
+        .build();
+    let app = settling_app(reserving);
+    for _ in 0..5 {
+        let response = send(&app, using("k", 10)).await;
+        assert_eq!(response.status(), StatusCode::OK);
+        assert_eq!(body(response).await, "Settled");
+    }
+    // Used all of it: nothing back, so 100 - 60 left... then refused.
+    let spent = send(&app, using("k2", 60)).await;
+    assert_eq!(body(spent).await, "Settled");
+    assert_eq!(
+        send(&app, using("k2", 60)).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // More than reserved is refused and gives nothing.
+    let over = send(&app, using("k3", 61)).await;
+    assert!(body(over).await.starts_with("error:"));
+
+    let plain = TollgateLayer::limit("tokens", limit(100, "100/h"), api_key())
+        .clock(clock)
+        .cost(|_| 60)
+        .build();
+    let app = settling_app(plain);
+    let first = send(&app, using("k", 10)).await;
+    assert_eq!(body(first).await, "none");
+    assert_eq!(
+        send(&app, using("k", 10)).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
+#[tokio::test]
+async fn a_policy_layer_settles_every_limit_it_charged() {
+    let clock = ManualClock::new();
+    let engine = PolicyEngine::new(
+        compile("test.yaml", POLICY).unwrap(),
+        EngineOptions::default().clock(Arc::new(clock.clone())),
+    );
+    let layer = TollgateLayer::policy(Arc::new(engine), "api", descriptors)
+        .cost(|_| 2)
+        .reservations()
+        .build();
+    let app = settling_app(layer);
+    // per-user holds 2 (time stands still): a reservation of 2 that used nothing leaves the
+    // bucket full for the next; one that used 1 leaves 1, too few for the next.
+    for _ in 0..4 {
+        let response = send(&app, using("u1", 0)).await;
+        assert_eq!(response.status(), StatusCode::OK);
+        assert_eq!(body(response).await, "Settled");
+    }
+    assert_eq!(body(send(&app, using("u1", 1)).await).await, "Settled");
+    assert_eq!(
+        send(&app, using("u1", 0)).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}

@@ -165,3 +165,62 @@ limits:
     server.kill();
     assert_eq!(status(&app, "u2").await, StatusCode::SERVICE_UNAVAILABLE);
 }
+
+/// A reservation through Redis, on one limit and on a policy: settled once, the rest back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reservations_are_settled_in_redis() {
+    let server = RedisServer::start();
+    let layer = TollgateLayer::limit(
+        "tokens",
+        limit(100, "100/h"),
+        Header::new(HeaderName::from_static("x-api-key")),
+    )
+    .redis(store(&server).await, FailureMode::Closed)
+    .cost(|_| 60)
+    .reservations()
+    .build();
+    let settle = |axum::Extension(reservation): axum::Extension<tollgate_tower::Reservation>| async move {
+        let first = reservation
+            .settle(10)
+            .await
+            .map_or_else(|e| e.to_string(), |s| format!("{s:?}"));
+        let again = reservation
+            .settle(10)
+            .await
+            .map_or_else(|e| e.to_string(), |s| format!("{s:?}"));
+        format!("{first} {again}")
+    };
+    let app = Router::new().route("/", get(settle)).layer(layer);
+    for _ in 0..4 {
+        let response = app.clone().oneshot(keyed("k")).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        let bytes = axum::body::to_bytes(response.into_body(), 1024)
+            .await
+            .unwrap();
+        assert_eq!(&bytes[..], b"Settled Repeated");
+    }
+
+    let engine = PolicyEngine::new(
+        compile(
+            "p.yaml",
+            "version: \"1\"\nlimits:\n  - name: per-user\n    domain: api\n    key: [user]\n    capacity: 100\n    refill: 100/h\n",
+        )
+        .unwrap(),
+        EngineOptions::default(),
+    );
+    let layer = TollgateLayer::policy(Arc::new(engine), "api", |head: &RequestHead<'_>| {
+        Ok(vec![vec![(
+            "user".to_owned(),
+            head.header("x-api-key").unwrap_or("none").to_owned(),
+        )]])
+    })
+    .redis(store(&server).await)
+    .cost(|_| 60)
+    .reservations()
+    .build();
+    let app = Router::new().route("/", get(settle)).layer(layer);
+    for _ in 0..4 {
+        let response = app.clone().oneshot(keyed("p")).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+    }
+}
