@@ -408,7 +408,7 @@ end
 -- 2^53: N * W is (the caller refuses limits where it is not), so is each product compared with
 -- it unless the state's counts are past N, and then the product, rounded or not, stays above
 -- N * W, so every comparison still answers exactly.
-local read_window, send_window, window_take, window_balance
+local read_window, send_window, window_take, window_balance, give_back_window
 if windows then
   -- The request's millisecond, the same for every nanosecond of its microsecond.
   local now_ms = floor_div(now, 1000)
@@ -497,6 +497,24 @@ if windows then
       ttl = min_ttl_ms
     end
     redis.call('SET', key, value, 'PX', format('%d', ttl))
+  end
+
+  -- Gives `back` back to the window at `key`, in state (`held`, `cur`, `prev`), from the count
+  -- of window `charged`: the current count while the state is still in it, a sliding window's
+  -- previous count once it has moved on by one, never below 0; otherwise nothing (the window
+  -- has passed). Writes the state if it changed, and returns its counts.
+  give_back_window = function(key, sliding, w, held, cur, prev, charged, back)
+    if back <= 0 then
+      return cur, prev
+    end
+    if held == charged and cur > 0 then
+      cur = max(0, cur - back)
+      send_window(key, sliding, w, held, cur, sliding and prev or 0)
+    elseif sliding and held == charged + 1 and prev > 0 then
+      prev = max(0, prev - back)
+      send_window(key, sliding, w, held, cur, prev)
+    end
+    return cur, prev
   end
 
   -- Takes `cost` from a window bucket of `kind` in state (k, cur, prev): allowed (1 or 0),
@@ -735,14 +753,7 @@ for _ = 1, tonumber(ARGV[2]) do
           local k = charged[x - at + 2]
           if held and k then
             local kind, w, _, back = unpack('<dddd', arg)
-            local sliding = kind == 2
-            if held == k and c > 0 and back > 0 then
-              c = max(0, c - back)
-              send_window(KEYS[first_key + i], sliding, w, held, c, sliding and p or 0)
-            elseif sliding and held == k + 1 and p > 0 and back > 0 then
-              p = max(0, p - back)
-              send_window(KEYS[first_key + i], sliding, w, held, c, p)
-            end
+            c, p = give_back_window(KEYS[first_key + i], kind == 2, w, held, c, p, k, back)
           end
           standing(at, i, x, arg, held, c, p)
         else
@@ -795,14 +806,7 @@ for _ = 1, tonumber(ARGV[2]) do
           local held, c, p = states[2 * i - 1], states[2 * i], prevs[i]
           if held and #arg == 40 then
             local kind, w, _, cost, charged = unpack('<ddddd', arg)
-            local sliding = kind == 2
-            if held == charged and c > 0 then
-              c = max(0, c - cost)
-              send_window(KEYS[first_key + i], sliding, w, held, c, sliding and p or 0)
-            elseif sliding and held == charged + 1 and p > 0 then
-              p = max(0, p - cost)
-              send_window(KEYS[first_key + i], sliding, w, held, c, p)
-            end
+            c, p = give_back_window(KEYS[first_key + i], kind == 2, w, held, c, p, charged, cost)
           end
           standing(at, i, x, arg, held, c, p)
         else

@@ -230,10 +230,7 @@ impl Decider {
                 metrics::record_store_error(reason);
                 Err(DecideError::Unavailable(reason))
             }
-            Err(err @ PolicyError::Check { .. }) if is_caller_error(&err) => {
-                Err(DecideError::Invalid(err))
-            }
-            Err(err) => Err(DecideError::Internal(err)),
+            Err(err) => Err(refused(err)),
         }
     }
 
@@ -271,10 +268,7 @@ impl Decider {
                 metrics::record_store_error(reason);
                 self.degraded(request, reason, consume)
             }
-            Err(err @ PolicyError::Check { .. }) if is_caller_error(&err) => {
-                Err(DecideError::Invalid(err))
-            }
-            Err(err) => Err(DecideError::Internal(err)),
+            Err(err) => Err(refused(err)),
         }
     }
 
@@ -422,6 +416,15 @@ impl Decider {
             Backend::Memory => Ok(()),
             Backend::Redis(store) => store.ping().await,
         }
+    }
+}
+
+/// A refusal other than the store's: the request's fault, or the server's.
+fn refused(err: PolicyError) -> DecideError {
+    if is_caller_error(&err) {
+        DecideError::Invalid(err)
+    } else {
+        DecideError::Internal(err)
     }
 }
 

@@ -310,16 +310,8 @@ impl<C: Clock> LocalStore<C> {
             };
             return Ok(vec![decision]);
         }
-        let items: Vec<Item<'_, str>> = request
-            .takes
-            .iter()
-            .map(|take| Item {
-                key: take.key,
-                limit: take.limit,
-                cost: take.cost,
-            })
-            .collect();
-        self.store.check_all(&items, now, request.request_id)
+        self.store
+            .check_all(&items_of(request.takes), now, request.request_id)
     }
 
     /// [`Store::settle`], without the future.
@@ -336,16 +328,8 @@ impl<C: Clock> LocalStore<C> {
         let id = request.request_id.ok_or(Error::InvalidSettlement {
             reason: "it needs the request id its check was made with",
         })?;
-        let items: Vec<Item<'_, str>> = request
-            .takes
-            .iter()
-            .map(|take| Item {
-                key: take.key,
-                limit: take.limit,
-                cost: take.cost,
-            })
-            .collect();
-        self.store.settle(&items, now, id, refunds)
+        self.store
+            .settle(&items_of(request.takes), now, id, refunds)
     }
 
     /// [`Store::peek`], without the future.
@@ -361,6 +345,19 @@ impl<C: Clock> LocalStore<C> {
             .map(|take| self.store.peek(take.key, take.limit, take.cost, now))
             .collect()
     }
+}
+
+/// The memory store's items for `takes` (it keeps no carries: this process's buckets are moved
+/// over when a limit changes).
+fn items_of<'a>(takes: &[Take<'a>]) -> Vec<Item<'a, str>> {
+    takes
+        .iter()
+        .map(|take| Item {
+            key: take.key,
+            limit: take.limit,
+            cost: take.cost,
+        })
+        .collect()
 }
 
 impl<C: Clock> Store for LocalStore<C> {

@@ -290,6 +290,11 @@ fn pack(state: BucketState) -> Option<u64> {
     (state.frac() == 0 && full_at < SPILLED).then_some(full_at)
 }
 
+/// Where shard `index`'s guard is among those [`MemoryStore::lock_all`] took.
+fn guard_at<G>(guards: &[(usize, G)], index: usize) -> usize {
+    guards.iter().position(|(i, _)| *i == index).unwrap_or(0)
+}
+
 /// The state of the slot holding `key` (with hash `hash`) and `packed`.
 fn unpack<K: Eq>(
     packed: u64,
@@ -446,19 +451,7 @@ where
         if let Some(id) = request_id {
             idempotency::check_request_id(id)?;
         }
-        let mut hashes = Vec::with_capacity(items.len());
-        for (index, item) in items.iter().enumerate() {
-            bucket::check_cost(item.limit, item.cost)?;
-            let hash = self.hash(item.key);
-            let duplicate = hashes
-                .iter()
-                .zip(items)
-                .any(|(&h, earlier)| h == hash && earlier.key == item.key);
-            if duplicate {
-                return Err(Error::DuplicateKey { index });
-            }
-            hashes.push(hash);
-        }
+        let hashes = self.hashes_of(items)?;
         let identity = request_id.map(|id| {
             let content = self.hasher.hash_one(
                 items
@@ -469,19 +462,7 @@ where
             (self.request_identity(id, first.key), content)
         });
 
-        // Lock every shard involved (the record's too), in ascending order: deadlock-free
-        // against other multi-checks, and nothing can change between deciding and charging.
-        let mut order: Vec<usize> = hashes.iter().map(|&h| self.shard_index(h)).collect();
-        order.extend(identity.map(|(id, _)| self.record_shard(id)));
-        order.sort_unstable();
-        order.dedup();
-        let mut guards: Vec<(usize, MutexGuard<'_, Shard<K>>)> = order
-            .into_iter()
-            .map(|index| (index, sync::lock(&self.shards[index].0)))
-            .collect();
-        let guard_at = |guards: &[(usize, MutexGuard<'_, Shard<K>>)], index: usize| {
-            guards.iter().position(|(i, _)| *i == index).unwrap_or(0)
-        };
+        let mut guards = self.lock_all(&hashes, identity.map(|(id, _)| id));
         let guard_of = |guards: &[(usize, MutexGuard<'_, Shard<K>>)], hash: u64| {
             guard_at(guards, self.shard_index(hash))
         };
@@ -569,33 +550,10 @@ where
         let first = items.first().ok_or(Error::EmptyCheck)?;
         idempotency::check_request_id(request_id)?;
         check_refund_costs(items.iter().map(|item| item.cost), refunds)?;
-        let mut hashes = Vec::with_capacity(items.len());
-        for (index, item) in items.iter().enumerate() {
-            bucket::check_cost(item.limit, item.cost)?;
-            let hash = self.hash(item.key);
-            if hashes
-                .iter()
-                .zip(items)
-                .any(|(&h, earlier)| h == hash && earlier.key == item.key)
-            {
-                return Err(Error::DuplicateKey { index });
-            }
-            hashes.push(hash);
-        }
+        let hashes = self.hashes_of(items)?;
         let id = self.request_identity(request_id, first.key);
         let mark = self.hasher.hash_one(refunds);
-
-        let mut order: Vec<usize> = hashes.iter().map(|&h| self.shard_index(h)).collect();
-        order.push(self.record_shard(id));
-        order.sort_unstable();
-        order.dedup();
-        let mut guards: Vec<(usize, MutexGuard<'_, Shard<K>>)> = order
-            .into_iter()
-            .map(|index| (index, sync::lock(&self.shards[index].0)))
-            .collect();
-        let guard_at = |guards: &[(usize, MutexGuard<'_, Shard<K>>)], index: usize| {
-            guards.iter().position(|(i, _)| *i == index).unwrap_or(0)
-        };
+        let mut guards = self.lock_all(&hashes, Some(id));
         // Which content the record holds depends on how the check was made: one bucket by
         // `check_idempotent`, several (or one) by `check_all`.
         let content = |recorded: &Recorded| match recorded {
@@ -975,6 +933,41 @@ where
             }
         });
         self.evicted.fetch_add(count as u64, Ordering::Relaxed);
+    }
+
+    /// The hashes of `items`' keys, once their costs are valid and no key is there twice.
+    fn hashes_of<Q>(&self, items: &[Item<'_, Q>]) -> Result<Vec<u64>, Error>
+    where
+        Q: Hash + Eq + ?Sized,
+    {
+        let mut hashes = Vec::with_capacity(items.len());
+        for (index, item) in items.iter().enumerate() {
+            bucket::check_cost(item.limit, item.cost)?;
+            let hash = self.hash(item.key);
+            let duplicate = hashes
+                .iter()
+                .zip(items)
+                .any(|(&h, earlier)| h == hash && earlier.key == item.key);
+            if duplicate {
+                return Err(Error::DuplicateKey { index });
+            }
+            hashes.push(hash);
+        }
+        Ok(hashes)
+    }
+
+    /// Locks every shard the keys of `hashes` and the record `id` live in, in ascending order:
+    /// deadlock-free against other multi-key operations, and nothing can change between
+    /// deciding and charging. Find a shard's guard with [`guard_at`].
+    fn lock_all(&self, hashes: &[u64], id: Option<u128>) -> Vec<(usize, MutexGuard<'_, Shard<K>>)> {
+        let mut order: Vec<usize> = hashes.iter().map(|&h| self.shard_index(h)).collect();
+        order.extend(id.map(|id| self.record_shard(id)));
+        order.sort_unstable();
+        order.dedup();
+        order
+            .into_iter()
+            .map(|index| (index, sync::lock(&self.shards[index].0)))
+            .collect()
     }
 
     fn request_identity<Q: Hash + ?Sized>(&self, request_id: &str, key: &Q) -> u128 {
