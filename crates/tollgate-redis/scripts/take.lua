@@ -41,7 +41,10 @@
 --                per try of the request), or "" when it has no id
 --   mode         "take"; "peek" to decide without writing anything; "refund" to give back
 --                `cost` from each bucket and forget the request's record, only if the record
---                is still this attempt's
+--                is still this attempt's; "settle" to give back `cost` (here what the request
+--                did not use: its take's cost less its use) from each bucket of a request
+--                recorded earlier, once, marking the record settled (its attempt then reads
+--                "=" and the settlement's fingerprint, sent as this attempt)
 --   per bucket, one argument of little-endian doubles, told apart by its length:
 --     24 bytes, a token bucket: a, cap and cost
 --       a    units gained per microsecond
@@ -101,6 +104,8 @@
 -- A record is "content|attempt|expires|figures": the request's first reply, for retries. A
 -- retry that replays it clears `attempt`: a reply now rests on that charge, so the first
 -- attempt's refund, if it comes later, must leave it (under-admitting, never over-admitting).
+-- A settled record's attempt is "=" and the settlement's fingerprint, which neither a replay
+-- clears nor any refund takes for its own.
 --
 -- Every figure stays below 2^53 (the caller refuses limits whose cap passes 2^51, and windows
 -- longer than 2^50 microseconds or whose N * W reaches 2^53), so the doubles Lua computes with
@@ -119,6 +124,11 @@
 --         -1: the request id was recorded for different content (every figure 0);
 --         -2: a bucket or record key holds something that is not ours (every figure 0;
 --             nothing written).
+--   A settlement answers 1 (given back), 2 (settled before with the same fingerprint: nothing
+--   more), 0 (no live record: nothing given back) or -1 (the record is another request's, or
+--   was settled otherwise; every figure 0); each bucket then replies its standing, as a
+--   refund's. A window gives back from the window its take charged, which the record's
+--   figures name.
 --   A refund answers 1, or 0 when the record is no longer this attempt's (nothing given back);
 --   a token bucket then replies its deficit after the refund (0, 0 when nothing was given
 --   back), a window its standing after the refund (allowed 1, as a balance).

@@ -49,7 +49,12 @@
 //!   window gives back only while it still counts the charge). Share a `{hash tag}` per subject
 //!   (the policy engine's keys put the descriptor values in one).
 //! * Idempotency records live at `{TAG}rid:LEN:ID:BUCKET-KEY`, in the bucket's slot, under keys
-//!   no bucket can have (bucket keys start with the non-empty prefix).
+//!   no bucket can have (bucket keys start with the non-empty prefix). A settlement
+//!   ([`tollgate::Store::settle`]) finds them: one call per slot, each giving back from its own
+//!   buckets while its record lives, once (the record is marked settled), so a reservation
+//!   checked through one process can be settled through another.
+//! * With [`RedisConfig::with_rejection_memory`], a single-bucket rejection on Redis' clock is
+//!   remembered and answered again without a call until its wait is over (see the method).
 //! * Every call has a timeout (default 20 ms) and a circuit breaker stops waiting on a dead
 //!   Redis; failures surface as [`tollgate::Error::StoreUnavailable`], never as rejections. A
 //!   key holding something that is not a bucket fails its own requests only
