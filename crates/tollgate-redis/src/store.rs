@@ -132,7 +132,8 @@ impl RedisConfig {
     /// Redis one call per wait instead of one per request. Tokens only come back with time, and
     /// others' charges only take more, so such an answer is Redis' own, except after tokens
     /// were given back meanwhile by another process (a settlement, a cluster's cross-slot
-    /// refund): then it under-admits until the wait is over, never over-admits.
+    /// refund) or Redis lost the bucket (a restart without persistence): then it under-admits
+    /// until the wait is over, never over-admits.
     #[must_use]
     pub fn with_rejection_memory(mut self, max: usize) -> Self {
         self.rejection_memory = max;
