@@ -54,6 +54,15 @@ pub(crate) async fn take_one(store: &RedisStore, key: &str, limit: &Limit) {
     }
 }
 
+/// Prints the header of the table [`Run::print_row`] fills: a kind of operation beside
+/// another, by keys and callers.
+pub fn print_row_header() {
+    println!(
+        "| keys | callers | what | per second | p50 µs | p99 µs | script calls each | script µs each | redis-server CPU µs each |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
+}
+
 /// One measured run. "Per decision" means per completed call of `decide`.
 pub struct Run {
     /// Decisions per second, over the run's wall time.
@@ -71,6 +80,22 @@ pub struct Run {
     /// Decisions per `EVALSHA` call: how much a client shares calls (below 1 when a decision
     /// takes several).
     pub per_call: f64,
+}
+
+impl Run {
+    /// This run as a row of the table [`print_row_header`] heads: `what` was done, `callers`
+    /// at a time, over `key_count` keys.
+    pub fn print_row(&self, key_count: u64, callers: usize, what: &str) {
+        println!(
+            "| {key_count} | {callers} | {what} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} | {:.2} |",
+            self.per_second,
+            self.p50_us,
+            self.p99_us,
+            1.0 / self.per_call,
+            self.script_us,
+            self.server_cpu_us,
+        );
+    }
 }
 
 /// This process's user and system CPU so far, in seconds (0 where `/proc` is not there).

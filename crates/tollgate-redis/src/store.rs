@@ -1058,7 +1058,15 @@ impl RedisStore {
             });
             let segment = segment(group, prepared, &given, Mode::Settle, record, None);
             let kinds = Kinds::of(group, &prepared.limits);
-            async move { parse_reply(&self.call(now, &segment).await?, &kinds) }
+            // Shares script calls with concurrent requests, as a check does: a settlement is
+            // a request of the script like any other.
+            async move {
+                let reply = match &self.batcher {
+                    Some(batcher) => batcher.submit(now, segment).await?,
+                    None => self.call(now, &segment).await?,
+                };
+                parse_reply(&reply, &kinds)
+            }
         };
         let replies = join_all(groups.iter().map(call))
             .await

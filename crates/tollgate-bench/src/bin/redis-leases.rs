@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tollgate::{LeaseLimit, LeaseRequest, LeaseStore, LeaseTake};
-use tollgate_bench::{REDIS_KEYS, RedisRig, measure, run_load};
+use tollgate_bench::{REDIS_KEYS, RedisRig, measure, print_row_header, run_load};
 use tollgate_redis::test_server::command;
 
 fn main() {
@@ -24,15 +24,12 @@ fn main() {
 async fn run(seconds: f64) {
     let rig = RedisRig::start().await;
     let lease = LeaseLimit::new(1_000_000, Duration::from_secs(60)).expect("limit");
-    println!(
-        "| keys | callers | what | per second | p50 µs | p99 µs | script calls each | script µs each | redis-server CPU µs each |"
-    );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    print_row_header();
     for key_count in [1, REDIS_KEYS] {
         for callers in [1usize, 16, 64] {
             command(rig.server.port, &["FLUSHALL"]);
             let run = rig.measure_store(callers, key_count, seconds).await;
-            print_row(key_count, callers, "token-bucket decision", &run);
+            run.print_row(key_count, callers, "token-bucket decision");
 
             command(rig.server.port, &["FLUSHALL"]);
             let (store, keys) = (rig.store.clone(), rig.keys.clone());
@@ -53,19 +50,7 @@ async fn run(seconds: f64) {
                 }
             })
             .await;
-            print_row(key_count, callers, "lease taken and released", &run);
+            run.print_row(key_count, callers, "lease taken and released");
         }
     }
-}
-
-fn print_row(key_count: u64, callers: usize, what: &str, run: &tollgate_bench::Run) {
-    println!(
-        "| {key_count} | {callers} | {what} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} | {:.2} |",
-        run.per_second,
-        run.p50_us,
-        run.p99_us,
-        1.0 / run.per_call,
-        run.script_us,
-        run.server_cpu_us,
-    );
 }
