@@ -18,7 +18,7 @@ use tollgate::{Limit, MonotonicClock, Rate, RateLimiter};
 
 mod redis_load;
 mod redis_rig;
-pub use redis_load::{Run, measure, print_row_header, run_load};
+pub use redis_load::{Run, measure, run_load};
 pub use redis_rig::{REDIS_KEYS, RedisRig};
 
 /// The number of live keys in the large-keyspace scenarios.

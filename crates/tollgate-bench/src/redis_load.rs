@@ -56,7 +56,7 @@ pub(crate) async fn take_one(store: &RedisStore, key: &str, limit: &Limit) {
 
 /// Prints the header of the table [`Run::print_row`] fills: a kind of operation beside
 /// another, by keys and callers.
-pub fn print_row_header() {
+pub(crate) fn print_row_header() {
     println!(
         "| keys | callers | what | per second | p50 µs | p99 µs | script calls each | script µs each | redis-server CPU µs each |"
     );

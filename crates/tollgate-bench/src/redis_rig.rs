@@ -8,10 +8,10 @@ use std::time::Duration;
 use redis::Script;
 use redis::aio::ConnectionManager;
 use tollgate::Limit;
-use tollgate_redis::test_server::RedisServer;
+use tollgate_redis::test_server::{RedisServer, command};
 use tollgate_redis::{RedisConfig, RedisStore};
 
-use crate::redis_load::{Run, measure, take_one};
+use crate::redis_load::{Run, measure, print_row_header, take_one};
 
 /// Distinct keys the callers spread over in the random-key runs.
 pub const REDIS_KEYS: u64 = 100_000;
@@ -66,6 +66,33 @@ impl RedisRig {
     pub async fn measure_store(&self, callers: usize, key_count: u64, seconds: f64) -> Run {
         self.measure_limit(self.limit, callers, key_count, seconds)
             .await
+    }
+
+    /// The table of an operation beside plain decisions: on 1 key and on [`REDIS_KEYS`], at 1,
+    /// 16 and 64 callers, a token-bucket decision and then `what`, each run from an empty
+    /// database. `operation` makes, for each run, what a caller does with the key index it is
+    /// given.
+    pub async fn beside_decisions<F, Fut>(
+        &self,
+        seconds: f64,
+        what: &str,
+        operation: impl Fn() -> F,
+    ) where
+        F: Fn(u64) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = ()> + Send,
+    {
+        let port = self.server.port;
+        print_row_header();
+        for key_count in [1, REDIS_KEYS] {
+            for callers in [1usize, 16, 64] {
+                command(port, &["FLUSHALL"]);
+                let run = self.measure_store(callers, key_count, seconds).await;
+                run.print_row(key_count, callers, "token-bucket decision");
+                command(port, &["FLUSHALL"]);
+                let run = measure(port, callers, key_count, seconds, operation()).await;
+                run.print_row(key_count, callers, what);
+            }
+        }
     }
 
     /// [`RedisRig::measure_store`] with another quota (one that admits every decision of the

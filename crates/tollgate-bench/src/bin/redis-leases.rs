@@ -14,8 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tollgate::{LeaseLimit, LeaseRequest, LeaseStore, LeaseTake};
-use tollgate_bench::{REDIS_KEYS, RedisRig, measure, print_row_header, run_load};
-use tollgate_redis::test_server::command;
+use tollgate_bench::{RedisRig, run_load};
 
 fn main() {
     run_load(run);
@@ -24,33 +23,25 @@ fn main() {
 async fn run(seconds: f64) {
     let rig = RedisRig::start().await;
     let lease = LeaseLimit::new(1_000_000, Duration::from_secs(60)).expect("limit");
-    print_row_header();
-    for key_count in [1, REDIS_KEYS] {
-        for callers in [1usize, 16, 64] {
-            command(rig.server.port, &["FLUSHALL"]);
-            let run = rig.measure_store(callers, key_count, seconds).await;
-            run.print_row(key_count, callers, "token-bucket decision");
-
-            command(rig.server.port, &["FLUSHALL"]);
-            let (store, keys) = (rig.store.clone(), rig.keys.clone());
-            let next_id = Arc::new(AtomicU64::new(0));
-            let run = measure(rig.server.port, callers, key_count, seconds, move |k| {
-                let (store, keys, next_id) = (store.clone(), keys.clone(), next_id.clone());
-                async move {
-                    let id = format!("bench-{}", next_id.fetch_add(1, Ordering::Relaxed));
-                    let takes = [LeaseTake::new(&keys[k as usize], &lease)];
-                    let request = LeaseRequest {
-                        takes: &takes,
-                        lease_id: &id,
-                        now: None,
-                    };
-                    let taken = store.acquire(request).await.expect("acquire");
-                    assert!(taken[0].allowed(), "the limit admits every lease");
-                    assert!(store.release(&id, None).await.expect("release"));
-                }
-            })
-            .await;
-            run.print_row(key_count, callers, "lease taken and released");
+    let operation = || {
+        let (store, keys) = (rig.store.clone(), rig.keys.clone());
+        let next_id = Arc::new(AtomicU64::new(0));
+        move |k: u64| {
+            let (store, keys, next_id) = (store.clone(), keys.clone(), next_id.clone());
+            async move {
+                let id = format!("bench-{}", next_id.fetch_add(1, Ordering::Relaxed));
+                let takes = [LeaseTake::new(&keys[k as usize], &lease)];
+                let request = LeaseRequest {
+                    takes: &takes,
+                    lease_id: &id,
+                    now: None,
+                };
+                let taken = store.acquire(request).await.expect("acquire");
+                assert!(taken[0].allowed(), "the limit admits every lease");
+                assert!(store.release(&id, None).await.expect("release"));
+            }
         }
-    }
+    };
+    rig.beside_decisions(seconds, "lease taken and released", operation)
+        .await;
 }

@@ -13,8 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use tollgate::{CheckRequest, SettleStatus, Store, Take};
-use tollgate_bench::{REDIS_KEYS, RedisRig, measure, print_row_header, run_load};
-use tollgate_redis::test_server::command;
+use tollgate_bench::{RedisRig, run_load};
 
 fn main() {
     run_load(run);
@@ -23,34 +22,26 @@ fn main() {
 async fn run(seconds: f64) {
     let rig = RedisRig::start().await;
     let limit = rig.limit;
-    print_row_header();
-    for key_count in [1, REDIS_KEYS] {
-        for callers in [1usize, 16, 64] {
-            command(rig.server.port, &["FLUSHALL"]);
-            let run = rig.measure_store(callers, key_count, seconds).await;
-            run.print_row(key_count, callers, "token-bucket decision");
-
-            command(rig.server.port, &["FLUSHALL"]);
-            let (store, keys) = (rig.store.clone(), rig.keys.clone());
-            let next_id = Arc::new(AtomicU64::new(0));
-            let run = measure(rig.server.port, callers, key_count, seconds, move |k| {
-                let (store, keys, next_id) = (store.clone(), keys.clone(), next_id.clone());
-                async move {
-                    let id = format!("bench-{}", next_id.fetch_add(1, Ordering::Relaxed));
-                    let takes = [Take::new(&keys[k as usize], &limit, 10)];
-                    let request = CheckRequest {
-                        takes: &takes,
-                        request_id: Some(&id),
-                        now: None,
-                    };
-                    let reserved = store.check(request).await.expect("reserve");
-                    assert!(reserved[0].allowed(), "the quota admits every reservation");
-                    let settled = store.settle(request, &[7]).await.expect("settle");
-                    assert_eq!(settled.status, SettleStatus::Settled);
-                }
-            })
-            .await;
-            run.print_row(key_count, callers, "reservation checked and settled");
+    let operation = || {
+        let (store, keys) = (rig.store.clone(), rig.keys.clone());
+        let next_id = Arc::new(AtomicU64::new(0));
+        move |k: u64| {
+            let (store, keys, next_id) = (store.clone(), keys.clone(), next_id.clone());
+            async move {
+                let id = format!("bench-{}", next_id.fetch_add(1, Ordering::Relaxed));
+                let takes = [Take::new(&keys[k as usize], &limit, 10)];
+                let request = CheckRequest {
+                    takes: &takes,
+                    request_id: Some(&id),
+                    now: None,
+                };
+                let reserved = store.check(request).await.expect("reserve");
+                assert!(reserved[0].allowed(), "the quota admits every reservation");
+                let settled = store.settle(request, &[7]).await.expect("settle");
+                assert_eq!(settled.status, SettleStatus::Settled);
+            }
         }
-    }
+    };
+    rig.beside_decisions(seconds, "reservation checked and settled", operation)
+        .await;
 }

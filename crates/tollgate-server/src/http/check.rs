@@ -55,7 +55,8 @@ fn one() -> u64 {
 }
 
 /// The body of `POST /v1/settle`: the check's own fields (its request id required), and what
-/// the request used in the end.
+/// the request used in the end. The fields are listed again rather than flattened in: serde
+/// cannot refuse unknown fields around a flattened struct, and a misspelt `used` must not pass.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct SettleBody<'a> {

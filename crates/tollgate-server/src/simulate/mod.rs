@@ -250,10 +250,11 @@ impl Simulation {
         self.clock.set(Timestamp::from_nanos(now));
         self.wall.set(at);
         // A reservation needs a request id to be settled by: the line's, or one of its own.
+        // Its number also orders settlements that end at the same instant.
+        self.reservations += u64::from(reservation.is_some());
         let own_id;
         let request_id = match (reservation, request.request_id) {
             (Some(_), None) => {
-                self.reservations += 1;
                 own_id = format!("sim-reservation-{}", self.reservations);
                 Some(own_id.as_str())
             }
@@ -273,7 +274,6 @@ impl Simulation {
             && used < cost
         {
             let nanos = duration.map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
-            self.reservations += 1;
             let reservation = Reservation {
                 wall: at
                     .as_nanos()
