@@ -85,7 +85,7 @@ pub struct Run {
 impl Run {
     /// This run as a row of the table [`print_row_header`] heads: `what` was done, `callers`
     /// at a time, over `key_count` keys.
-    pub fn print_row(&self, key_count: u64, callers: usize, what: &str) {
+    pub(crate) fn print_row(&self, key_count: u64, callers: usize, what: &str) {
         println!(
             "| {key_count} | {callers} | {what} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} | {:.2} |",
             self.per_second,
