@@ -34,6 +34,11 @@ pub(crate) enum ScriptLimit {
 
 impl ScriptLimit {
     pub(crate) fn new(limit: &Limit) -> Result<Self, Error> {
+        if limit.algorithm().keeps_log() {
+            return Err(Error::UnsupportedLimit {
+                reason: "sliding logs are not kept in Redis yet",
+            });
+        }
         if limit.algorithm().is_window() {
             WindowLimit::new(limit).map(Self::Window)
         } else {

@@ -43,6 +43,7 @@ use crate::clock::Timestamp;
 use crate::decision::Decision;
 use crate::error::Error;
 use crate::limit::Limit;
+use crate::sliding_log;
 use crate::window;
 
 /// The stored state of one bucket: the instant it is full again, to the sub-nanosecond.
@@ -108,10 +109,14 @@ impl BucketState {
     }
 
     /// The state holding exactly `tokens` at `now`, for tests and imports of foreign state.
-    /// For a window limit, the rest of the limit counts as used in the current window.
+    /// For a window limit, the rest of the limit counts as used in the current window. `None`
+    /// for a sliding log, which has no such state.
     ///
     /// `tokens` above the capacity is clamped to it.
     pub fn with_tokens(limit: &Limit, tokens: u64, now: Timestamp) -> Option<Self> {
+        if limit.algorithm().keeps_log() {
+            return None;
+        }
         if limit.algorithm().is_window() {
             return window::with_tokens(limit, tokens, now);
         }
@@ -143,7 +148,8 @@ fn scaled(now: Timestamp, limit: &Limit) -> u128 {
 ///
 /// # Errors
 ///
-/// [`Error::InvalidCost`] when `cost` is 0 or above the capacity; nothing is decided.
+/// [`Error::InvalidCost`] when `cost` is 0 or above the capacity; [`Error::UnsupportedLimit`]
+/// for a sliding log, whose state is a log, not a [`BucketState`]. Nothing is decided.
 // Always inlined: it is the whole of a memory-store check's arithmetic, and left to the
 // compiler it stopped being inlined once the windows' branch joined it, which cost a check a
 // third more instructions (a call, and the decision returned through memory).
@@ -156,6 +162,11 @@ pub fn take(
 ) -> Result<(Decision, Option<BucketState>), Error> {
     check_cost(limit, cost)?;
     if limit.algorithm().is_window() {
+        if limit.algorithm().keeps_log() {
+            return Err(Error::UnsupportedLimit {
+                reason: "a sliding log is not one bucket state; check it through a store",
+            });
+        }
         return Ok(window::take(limit, state, now, cost));
     }
     let n = scaled(now, limit);
@@ -178,7 +189,7 @@ pub fn take(
 ///
 /// # Errors
 ///
-/// [`Error::InvalidCost`] when `cost` is 0 or above the capacity.
+/// As [`take`].
 pub fn peek(
     limit: &Limit,
     state: Option<BucketState>,
@@ -196,6 +207,11 @@ pub(crate) fn balance(
     now: Timestamp,
     cost: u64,
 ) -> Decision {
+    if limit.algorithm().keeps_log() {
+        // Stores decide logs apart and never come here with one; an empty log is what a log
+        // limit with no log has.
+        return sliding_log::balance(limit, None, now, cost);
+    }
     if limit.algorithm().is_window() {
         return window::balance(limit, state, now, cost);
     }

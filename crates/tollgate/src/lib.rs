@@ -39,9 +39,10 @@
 //!
 //! # Algorithms
 //!
-//! A [`Limit`] is a token bucket by default ([`Limit::new`]); [`Limit::fixed_window`] and
-//! [`Limit::sliding_window`] count at most `limit` per window instead (see [`Algorithm`]). All
-//! three decide through the same [`Decision`] and live in the same stores.
+//! A [`Limit`] is a token bucket by default ([`Limit::new`]); [`Limit::fixed_window`],
+//! [`Limit::sliding_window`] and [`Limit::sliding_log`] count at most `limit` per window
+//! instead (see [`Algorithm`]). All four decide through the same [`Decision`] and live in
+//! the same stores.
 //!
 //! ```
 //! use std::time::Duration;
@@ -92,6 +93,7 @@ mod lease;
 mod limit;
 mod limiter;
 pub mod memory;
+mod sliding_log;
 mod store;
 mod sync;
 #[cfg(feature = "testkit")]
@@ -107,7 +109,7 @@ pub use lease::{
     LeaseDecision, LeaseLimit, LeaseRequest, LeaseStore, LeaseTake, MAX_IN_FLIGHT,
     MAX_LEASE_ID_BYTES, MAX_LEASE_TIMEOUT, MemoryLeases, MemoryLeasesBuilder, check_lease_id,
 };
-pub use limit::{Algorithm, Limit, MAX_TIME_TO_FULL, MAX_WINDOW_LIMIT, Rate};
+pub use limit::{Algorithm, Limit, MAX_LOG_LIMIT, MAX_TIME_TO_FULL, MAX_WINDOW_LIMIT, Rate};
 pub use limiter::RateLimiter;
 pub use memory::{Item, MemoryStats, MemoryStore, MemoryStoreBuilder};
 pub use store::{

@@ -158,8 +158,9 @@ fn period_parts(period_ns: u64) -> (u64, &'static str) {
 }
 
 /// A token bucket's parameters: it holds at most `capacity` tokens and gains `refill` over time.
-/// Or a window's, made by [`Limit::fixed_window`] and [`Limit::sliding_window`]: at most
-/// `capacity` per window, the window being the refill's period (see [`Algorithm`]).
+/// Or a window's, made by [`Limit::fixed_window`], [`Limit::sliding_window`] and
+/// [`Limit::sliding_log`]: at most `capacity` per window, the window being the refill's period
+/// (see [`Algorithm`]).
 ///
 /// A `Limit` is always valid: `capacity > 0`, a non-zero rate, a reduced rate below 2^32 units
 /// per nanosecond, and a time to refill from empty at most [`MAX_TIME_TO_FULL`]. `Copy` and
@@ -209,6 +210,13 @@ pub enum Algorithm {
     /// it still overlaps the sliding window that ends now (the counter approximation): no
     /// double burst at the edge, two counters of state.
     SlidingWindow,
+    /// At most `limit` in any window that ends now, counted exactly from a log of what each
+    /// millisecond admitted: what the sliding window approximates, at the price of a log per
+    /// key of up to `limit` entries, hence a limit of at most [`MAX_LOG_LIMIT`]. A request
+    /// timed before the log's latest entry (a clock gone back) is decided at that entry's
+    /// millisecond: going back frees nothing. Stores keep a log apart from the fixed-size
+    /// states of the other algorithms, so [`crate::bucket`]'s functions refuse it.
+    SlidingLog,
 }
 
 impl Algorithm {
@@ -218,6 +226,7 @@ impl Algorithm {
             Algorithm::TokenBucket => "token_bucket",
             Algorithm::FixedWindow => "fixed_window",
             Algorithm::SlidingWindow => "sliding_window",
+            Algorithm::SlidingLog => "sliding_log",
         }
     }
 
@@ -225,7 +234,20 @@ impl Algorithm {
     pub fn is_window(&self) -> bool {
         !matches!(self, Algorithm::TokenBucket)
     }
+
+    /// Whether the limit keeps a log of its requests rather than one fixed-size state
+    /// ([`BucketState`](crate::BucketState)): stores keep such a key's state apart.
+    pub fn keeps_log(&self) -> bool {
+        matches!(self, Algorithm::SlidingLog)
+    }
 }
+
+/// The most a sliding log admits per window. The log keeps an entry per millisecond that
+/// admitted something, so a key may hold up to this many, and a rejection's wait is found by
+/// walking them: bounded here so that one key's memory and one decision's work stay small
+/// (80 KB and a few hundred microseconds at worst, in a Redis script too). Above it, the
+/// sliding window's two counters approximate the same window in constant space.
+pub const MAX_LOG_LIMIT: u64 = 10_000;
 
 /// The most a window limit admits per window: its counters are kept in 32 bits.
 pub const MAX_WINDOW_LIMIT: u64 = u32::MAX as u64;
@@ -297,6 +319,32 @@ impl Limit {
         Self::window_of(Algorithm::SlidingWindow, limit, window)
     }
 
+    /// At most `limit` in any `window` that ends now, counted exactly from a log
+    /// ([`Algorithm::SlidingLog`]).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::{Algorithm, Limit};
+    ///
+    /// let limit = Limit::sliding_log(100, Duration::from_secs(60))?;
+    /// assert_eq!(limit.algorithm(), Algorithm::SlidingLog);
+    /// assert!(Limit::sliding_log(20_000, Duration::from_secs(60)).is_err());
+    /// # Ok::<(), tollgate::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`Limit::sliding_window`], and [`Error::InvalidWindow`] for a limit above
+    /// [`MAX_LOG_LIMIT`].
+    pub fn sliding_log(limit: u64, window: Duration) -> Result<Self, Error> {
+        if limit > MAX_LOG_LIMIT {
+            return Err(Error::InvalidWindow {
+                reason: "a sliding log admits at most 10000 per window (sliding_window has no such bound)",
+            });
+        }
+        Self::window_of(Algorithm::SlidingLog, limit, window)
+    }
+
     fn window_of(algorithm: Algorithm, limit: u64, window: Duration) -> Result<Self, Error> {
         if limit == 0 {
             return Err(Error::ZeroCapacity);
@@ -349,15 +397,17 @@ impl Limit {
     }
 
     /// How long an empty bucket takes to become full, rounded up to the nanosecond: for a
-    /// fixed window, the window; for a sliding window, two (the current window's count still
-    /// weighs in the next).
+    /// fixed window or a sliding log, the window; for a sliding window, two (the current
+    /// window's count still weighs in the next).
     pub fn time_to_full(&self) -> Duration {
         match self.algorithm {
             // Bounded by MAX_TIME_TO_FULL at construction, so the cast cannot truncate.
             Algorithm::TokenBucket => {
                 Duration::from_nanos(self.units_to_nanos_ceil(self.capacity_units()))
             }
-            Algorithm::FixedWindow => Duration::from_nanos(self.window_ns()),
+            Algorithm::FixedWindow | Algorithm::SlidingLog => {
+                Duration::from_nanos(self.window_ns())
+            }
             Algorithm::SlidingWindow => Duration::from_nanos(2 * self.window_ns()),
         }
     }

@@ -55,6 +55,7 @@ use crate::decision::Decision;
 use crate::error::Error;
 use crate::idempotency::{self, Recorded, Records, Settle};
 use crate::limit::Limit;
+use crate::sliding_log::{self, RequestLog};
 use crate::store::{SettleStatus, Settlement, check_refund_costs};
 use crate::sync::{self, Mutex, MutexGuard};
 
@@ -100,6 +101,10 @@ pub struct MemoryStats {
     /// Bucket slots allocated, used or free: the tables' memory is this many times the key's
     /// size plus 8 bytes. Tables grow as buckets arrive and shrink in [`MemoryStore::sweep`].
     pub slots: usize,
+    /// Live sliding logs (also counted in `live_buckets`), kept apart from the slots.
+    pub logs: usize,
+    /// Entries those logs hold, 8 bytes each: one per millisecond that admitted something.
+    pub log_entries: usize,
 }
 
 /// Builds a [`MemoryStore`].
@@ -251,7 +256,9 @@ struct Shard<K> {
     buckets: Table<K>,
     /// Exact states of the slots marked [`SPILLED`].
     spill: HashTable<Spilled<K>>,
-    /// This shard's share of the store's bucket bound.
+    /// Sliding logs, which have no fixed-size state to keep in a slot.
+    logs: HashTable<Logged<K>>,
+    /// This shard's share of the store's bucket bound (logs count as buckets).
     bound: usize,
     records: Records,
 }
@@ -261,10 +268,44 @@ impl<K> Shard<K> {
         Self {
             buckets: Table::new(),
             spill: HashTable::new(),
+            logs: HashTable::new(),
             bound,
             records: Records::default(),
         }
     }
+
+    /// Buckets and logs held.
+    fn len(&self) -> usize {
+        self.buckets.len() + self.logs.len()
+    }
+
+    fn log<Q>(&self, hash: u64, key: &Q) -> Option<&RequestLog>
+    where
+        K: Borrow<Q>,
+        Q: Eq + ?Sized,
+    {
+        self.logs
+            .find(hash, |logged| logged.key.borrow() == key)
+            .map(|logged| &logged.log)
+    }
+
+    fn log_mut<Q>(&mut self, hash: u64, key: &Q) -> Option<&mut Logged<K>>
+    where
+        K: Borrow<Q>,
+        Q: Eq + ?Sized,
+    {
+        self.logs
+            .find_mut(hash, |logged| logged.key.borrow() == key)
+    }
+}
+
+/// A sliding log and its key.
+struct Logged<K> {
+    key: K,
+    log: RequestLog,
+    /// When the log counts nothing any more (its [`RequestLog::free_at`] under the limit it
+    /// was last charged with): the log's `full_at`, for expiry and eviction.
+    free_at: u64,
 }
 
 /// A state too wide for a [`Slot`], kept exactly.
@@ -482,6 +523,13 @@ where
         let mut next_states = Vec::with_capacity(items.len());
         for (item, &hash) in items.iter().zip(&hashes) {
             let shard = &guards[guard_of(&guards, hash)].1;
+            if item.limit.algorithm().keeps_log() {
+                let empty = RequestLog::default();
+                let log = shard.log(hash, item.key).unwrap_or(&empty);
+                decisions.push(sliding_log::decide(item.limit, log, now, item.cost));
+                next_states.push((None, None));
+                continue;
+            }
             let state = shard
                 .buckets
                 .find(hash, item.key)
@@ -493,8 +541,10 @@ where
 
         if decisions.iter().all(Decision::allowed) {
             for ((item, &hash), (_, next)) in items.iter().zip(&hashes).zip(&next_states) {
-                if let Some(next) = *next {
-                    let g = guard_of(&guards, hash);
+                let g = guard_of(&guards, hash);
+                if item.limit.algorithm().keeps_log() {
+                    self.charge_log(&mut guards[g].1, hash, item.key, item.limit, item.cost, now);
+                } else if let Some(next) = *next {
                     self.store(&mut guards[g].1, hash, item.key, next, now);
                 }
             }
@@ -505,11 +555,21 @@ where
         } else {
             // Nothing is charged: the buckets that would have allowed report their balance as
             // it stands.
-            for ((item, decision), (state, _)) in items.iter().zip(&mut decisions).zip(&next_states)
-            {
-                if decision.allowed() {
-                    *decision = bucket::balance(item.limit, *state, now, item.cost);
+            let lists = items
+                .iter()
+                .zip(&hashes)
+                .zip(&mut decisions)
+                .zip(&next_states);
+            for (((item, &hash), decision), (state, _)) in lists {
+                if !decision.allowed() {
+                    continue;
                 }
+                *decision = if item.limit.algorithm().keeps_log() {
+                    let shard = &guards[guard_of(&guards, hash)].1;
+                    sliding_log::balance(item.limit, shard.log(hash, item.key), now, item.cost)
+                } else {
+                    bucket::balance(item.limit, *state, now, item.cost)
+                };
             }
         }
         Ok(decisions)
@@ -582,10 +642,6 @@ where
         for (i, ((item, &hash), &refund)) in items.iter().zip(&hashes).zip(refunds).enumerate() {
             let g = guard_at(&guards, self.shard_index(hash));
             let shard = &mut guards[g].1;
-            let mut state = shard
-                .buckets
-                .find(hash, item.key)
-                .and_then(|slot| unpack(slot.state(), &slot.key, hash, &shard.spill));
             let charged = match &found {
                 Settle::Charged(at, Recorded::One(decision)) if i == 0 => Some((*at, decision)),
                 Settle::Charged(at, Recorded::Many(decisions)) => {
@@ -593,6 +649,25 @@ where
                 }
                 _ => None,
             };
+            if item.limit.algorithm().keeps_log() {
+                if let (Some((charged_at, decision)), Some(logged)) =
+                    (charged, shard.log_mut(hash, item.key))
+                {
+                    let ms = sliding_log::charged_ms(
+                        item.limit,
+                        Timestamp::from_nanos(charged_at),
+                        decision,
+                    );
+                    sliding_log::give_back(&mut logged.log, ms, refund);
+                }
+                let log = shard.log(hash, item.key);
+                decisions.push(sliding_log::balance(item.limit, log, now, item.cost));
+                continue;
+            }
+            let mut state = shard
+                .buckets
+                .find(hash, item.key)
+                .and_then(|slot| unpack(slot.state(), &slot.key, hash, &shard.spill));
             if let Some((charged_at, decision)) = charged
                 && refund > 0
                 && state.is_some()
@@ -627,6 +702,11 @@ where
         bucket::check_cost(limit, cost)?;
         let hash = self.hash(key);
         let shard = self.lock(hash);
+        if limit.algorithm().keeps_log() {
+            let empty = RequestLog::default();
+            let log = shard.log(hash, key).unwrap_or(&empty);
+            return Ok(sliding_log::decide(limit, log, now, cost));
+        }
         let state = shard
             .buckets
             .find(hash, key)
@@ -644,7 +724,13 @@ where
         };
         for shard in &self.shards {
             let shard = sync::lock(&shard.0);
-            stats.live_buckets += shard.buckets.len();
+            stats.live_buckets += shard.len();
+            stats.logs += shard.logs.len();
+            stats.log_entries += shard
+                .logs
+                .iter()
+                .map(|logged| logged.log.len())
+                .sum::<usize>();
             stats.slots += shard.buckets.slots();
             stats.spilled += shard.spill.len();
             stats.idempotency_records += shard.records.len();
@@ -664,10 +750,16 @@ where
         for shard in &self.shards {
             let mut shard = sync::lock(&shard.0);
             dropped += self.drop_full(&mut shard, now);
-            let Shard { buckets, spill, .. } = &mut *shard;
+            let Shard {
+                buckets,
+                spill,
+                logs,
+                ..
+            } = &mut *shard;
             if buckets.shrink(|key| self.hash(key)) {
                 spill.shrink_to_fit(|spilled| self.hash(&spilled.key));
             }
+            logs.shrink_to_fit(|logged| self.hash(&logged.key));
         }
         dropped
     }
@@ -779,6 +871,9 @@ where
         Q: Hash + Eq + ToOwned + ?Sized,
         Q::Owned: Into<K>,
     {
+        if limit.algorithm().keeps_log() {
+            return Ok(self.take_log(shard, hash, key, limit, cost, now));
+        }
         let Shard { buckets, spill, .. } = shard;
         if let Some(slot) = buckets.find_mut(hash, key) {
             let state = unpack(slot.state(), &slot.key, hash, spill);
@@ -793,6 +888,68 @@ where
             self.insert(shard, hash, || key.to_owned().into(), next, now);
         }
         Ok(decision)
+    }
+
+    /// [`take_one`](Self::take_one) for a sliding log.
+    #[cold]
+    fn take_log<Q>(
+        &self,
+        shard: &mut Shard<K>,
+        hash: u64,
+        key: &Q,
+        limit: &Limit,
+        cost: u64,
+        now: Timestamp,
+    ) -> Decision
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ToOwned + ?Sized,
+        Q::Owned: Into<K>,
+    {
+        let empty = RequestLog::default();
+        let decision =
+            sliding_log::decide(limit, shard.log(hash, key).unwrap_or(&empty), now, cost);
+        if decision.allowed() {
+            self.charge_log(shard, hash, key, limit, cost, now);
+        }
+        decision
+    }
+
+    /// Charges `cost` to `key`'s sliding log at `now`, making the log if it is new: for a
+    /// request [`sliding_log::decide`] allowed under the same lock.
+    fn charge_log<Q>(
+        &self,
+        shard: &mut Shard<K>,
+        hash: u64,
+        key: &Q,
+        limit: &Limit,
+        cost: u64,
+        now: Timestamp,
+    ) where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ToOwned + ?Sized,
+        Q::Owned: Into<K>,
+    {
+        if let Some(logged) = shard.log_mut(hash, key) {
+            sliding_log::charge(limit, &mut logged.log, now, cost);
+            logged.free_at = logged.log.free_at(limit).as_nanos();
+            return;
+        }
+        if shard.len() >= shard.bound {
+            self.make_room(shard, now);
+        }
+        let mut log = RequestLog::default();
+        sliding_log::charge(limit, &mut log, now, cost);
+        let free_at = log.free_at(limit).as_nanos();
+        shard.logs.insert_unique(
+            hash,
+            Logged {
+                key: key.to_owned().into(),
+                log,
+                free_at,
+            },
+            |logged| self.hash(&logged.key),
+        );
     }
 
     /// Writes `state` for `key`, inserting the bucket if it is new.
@@ -852,7 +1009,7 @@ where
         now: Timestamp,
     ) {
         let len = shard.buckets.len();
-        if len >= shard.bound {
+        if shard.len() >= shard.bound {
             self.make_room(shard, now);
         } else if len == shard.buckets.capacity() && len > 0 {
             // The table is about to grow: first drop what no one can miss. If that frees less
@@ -897,7 +1054,10 @@ where
     }
 
     fn drop_full(&self, shard: &mut Shard<K>, now: Timestamp) -> usize {
-        let dropped = self.drop_where(shard, |full_at| BucketState::whole(full_at).is_full(now));
+        let is_full = |full_at| BucketState::whole(full_at).is_full(now);
+        let logs = shard.logs.len();
+        shard.logs.retain(|logged| !is_full(logged.free_at));
+        let dropped = logs - shard.logs.len() + self.drop_where(shard, is_full);
         if dropped > 0 {
             self.expired.fetch_add(dropped as u64, Ordering::Relaxed);
         }
@@ -908,21 +1068,23 @@ where
     /// closest to full. Freeing a fixed fraction keeps the O(len) pass amortised.
     #[cold]
     fn make_room(&self, shard: &mut Shard<K>, now: Timestamp) {
-        let count = (shard.buckets.len() / 64).max(1);
+        let count = (shard.len() / 64).max(1);
         let dropped = self.drop_full(shard, now);
-        if dropped >= count || shard.buckets.is_empty() {
+        if dropped >= count || shard.len() == 0 {
             return;
         }
-        let count = (count - dropped).min(shard.buckets.len());
+        let count = (count - dropped).min(shard.len());
+        // A log's `free_at` is its `full_at`: the one closest to counting nothing goes first.
         let mut full_at: Vec<u64> = shard
             .buckets
             .iter()
             .map(|slot| self.full_at(slot, &shard.spill))
+            .chain(shard.logs.iter().map(|logged| logged.free_at))
             .collect();
         let (earlier, &mut threshold, _) = full_at.select_nth_unstable(count - 1);
         // Evict everything before the threshold and as many at it as make up `count`.
         let mut at_threshold = count - earlier.iter().filter(|&&t| t < threshold).count();
-        self.drop_where(shard, |t| {
+        let mut evict = |t: u64| {
             if t < threshold {
                 true
             } else if t == threshold && at_threshold > 0 {
@@ -931,7 +1093,9 @@ where
             } else {
                 false
             }
-        });
+        };
+        self.drop_where(shard, &mut evict);
+        shard.logs.retain(|logged| !evict(logged.free_at));
         self.evicted.fetch_add(count as u64, Ordering::Relaxed);
     }
 

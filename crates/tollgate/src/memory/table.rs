@@ -119,10 +119,6 @@ impl<K> Table<K> {
         self.len
     }
 
-    pub(super) fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     /// Slots allocated, free or not: what the table's memory is proportional to.
     pub(super) fn slots(&self) -> usize {
         self.slots.len()
