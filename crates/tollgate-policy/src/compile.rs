@@ -133,7 +133,7 @@ impl Kind {
 /// The names the policy accepts. `gcra` is the token bucket under GCRA's name: both admit
 /// exactly the same requests (see [`Algorithm`]), so a file written for a GCRA limiter keeps
 /// its meaning.
-const ALGORITHMS: [AlgorithmSpec; 5] = [
+const ALGORITHMS: [AlgorithmSpec; 6] = [
     AlgorithmSpec {
         name: "token_bucket",
         kind: Kind::Rate(Algorithm::TokenBucket),
@@ -149,6 +149,10 @@ const ALGORITHMS: [AlgorithmSpec; 5] = [
     AlgorithmSpec {
         name: "sliding_window",
         kind: Kind::Rate(Algorithm::SlidingWindow),
+    },
+    AlgorithmSpec {
+        name: "sliding_log",
+        kind: Kind::Rate(Algorithm::SlidingLog),
     },
     AlgorithmSpec {
         name: "concurrency",
@@ -167,17 +171,11 @@ fn algorithm_of(
     if let Some(known) = ALGORITHMS.iter().find(|a| a.name == algorithm.value) {
         return Ok(*known);
     }
-    let message = if algorithm.value == "sliding_log" {
-        "algorithm \"sliding_log\" (a log of every request) is not available in this release: \
-         sliding_window counts the same window in two counters, weighing the previous one"
-            .to_owned()
-    } else {
-        format!(
-            "unknown algorithm {:?}: use token_bucket (the default), gcra, fixed_window, \
-             sliding_window or concurrency",
-            algorithm.value
-        )
-    };
+    let message = format!(
+        "unknown algorithm {:?}: use token_bucket (the default), gcra, fixed_window, \
+         sliding_window, sliding_log or concurrency",
+        algorithm.value
+    );
     Err(at(file, algorithm, format!("{path}.algorithm"), message))
 }
 
@@ -396,6 +394,7 @@ fn window_limit(
 ) -> Result<Limit, Error> {
     let made = match algorithm {
         Algorithm::SlidingWindow => Limit::sliding_window(limit, window),
+        Algorithm::SlidingLog => Limit::sliding_log(limit, window),
         _ => Limit::fixed_window(limit, window),
     };
     made.map_err(|err| {

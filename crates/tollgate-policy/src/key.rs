@@ -75,6 +75,7 @@ pub(crate) fn rate_tag(params: &Limit) -> u32 {
         let mut bytes = [0u8; 9];
         bytes[0] = match params.algorithm() {
             Algorithm::SlidingWindow => b's',
+            Algorithm::SlidingLog => b'l',
             _ => b'f',
         };
         let window = u64::try_from(window.as_nanos()).unwrap_or(u64::MAX);
@@ -114,6 +115,13 @@ mod tests {
         };
         assert_eq!(format!("{:08x}", tag(10, "5/s")), "6769e342");
         assert_eq!(format!("{:08x}", tag(1, "1/d")), "df8bd37b");
+        // A window's tag covers its algorithm and window, not its limit.
+        let window = |limit: Limit| format!("{:08x}", params_tag(&Params::Rate(limit)));
+        let minute = std::time::Duration::from_secs(60);
+        let logs = [5, 50].map(|n| window(Limit::sliding_log(n, minute).unwrap()));
+        assert_eq!(logs[0], logs[1]);
+        assert_ne!(logs[0], window(Limit::sliding_window(5, minute).unwrap()));
+        assert_ne!(logs[0], window(Limit::fixed_window(5, minute).unwrap()));
         // Leases keep their key whatever the bound or timeout.
         let lease = |max, ms| {
             let limit = tollgate::LeaseLimit::new(max, std::time::Duration::from_millis(ms));

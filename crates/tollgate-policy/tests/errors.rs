@@ -184,11 +184,18 @@ fn rules_across_fields_point_at_the_field() {
         "unknown algorithm \"leaky\": use token_bucket",
     );
     case(
-        &format!("{HEAD}    limit: 5\n    window: 30s\n    algorithm: sliding_log\n"),
-        7,
-        16,
-        "limits[0].algorithm",
-        "not available in this release",
+        &format!("{HEAD}    limit: 20000\n    window: 30s\n    algorithm: sliding_log\n"),
+        5,
+        12,
+        "limits[0].limit",
+        "a sliding log admits at most 10000 per window",
+    );
+    case(
+        &format!("{HEAD}    capacity: 5\n    refill: 5/s\n    algorithm: sliding_log\n"),
+        5,
+        15,
+        "limits[0].capacity",
+        "sliding_log takes limit and window",
     );
     case(
         &format!("{HEAD}    capacity: 20\n    refill: 10/s\n    failure_mode: open\n"),

@@ -265,6 +265,12 @@ limits:
     algorithm: sliding_window
     limit: 3
     window: 1m
+  - name: exact
+    domain: api
+    key: [client]
+    algorithm: sliding_log
+    limit: 2
+    window: 1h
 "#;
 
 /// Whole seconds from now to the next full hour of the wall clock, rounded up.
@@ -278,7 +284,8 @@ fn seconds_to_the_hour() -> u64 {
 }
 
 /// The window algorithms through both APIs: the window in the headers and in Envoy's
-/// `current_limit`, a rejection's wait to the window's end, and no charge on a rejection.
+/// `current_limit`, a rejection's wait to the window's end (or, for a sliding log, to the
+/// first request's leaving it), and no charge on a rejection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn window_limits_over_http_and_grpc() {
     let scratch = Scratch::new("windows");
@@ -328,6 +335,30 @@ async fn window_limits_over_http_and_grpc() {
     let response = should_rate_limit(&server, request("t", 1)).await.unwrap();
     assert_eq!(response.overall_code, Code::Ok as i32);
     assert_eq!(response.statuses[0].limit_remaining, 0);
+
+    // A sliding log's window ends now, not on the clock's hours: the wait is until the first
+    // request leaves it, an hour after it came.
+    let exact = r#"{"domain":"api","descriptors":[{"client":"c"}],"cost":1}"#;
+    let answers = tokio::task::spawn_blocking(move || {
+        (0..3)
+            .map(|_| post_json(http, "/v1/check", exact))
+            .collect::<Vec<_>>()
+    });
+    let answers = answers.await.unwrap();
+    assert_eq!(answers[1].status, 200, "{}", answers[1].body);
+    assert_eq!(
+        answers[1].header("ratelimit-policy"),
+        Some(r#""exact";q=2;w=3600"#)
+    );
+    assert_eq!(answers[2].status, 429, "{}", answers[2].body);
+    let retry: u64 = answers[2].header("retry-after").unwrap().parse().unwrap();
+    assert!((3_599..=3_600).contains(&retry), "Retry-After {retry}");
+    let mut request = request("c", 1);
+    request.descriptors = vec![descriptor(&[("client", "c")])];
+    let response = should_rate_limit(&server, request).await.unwrap();
+    assert_eq!(response.overall_code, Code::OverLimit as i32);
+    let limit = response.statuses[0].current_limit.as_ref().unwrap();
+    assert_eq!((limit.requests_per_unit, limit.unit), (2, 3), "2 per hour");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

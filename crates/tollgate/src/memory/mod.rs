@@ -1753,4 +1753,93 @@ mod tests {
                 .allowed()
         );
     }
+
+    fn log(n: u64, window_ms: u64) -> Limit {
+        Limit::sliding_log(n, Duration::from_millis(window_ms)).unwrap()
+    }
+
+    #[test]
+    fn a_sliding_log_joins_all_or_nothing_checks() {
+        let store: MemoryStore<Box<str>> = MemoryStore::default();
+        let user = limit(5, "1/s");
+        let minute = log(2, 60_000);
+        let items = |cost| {
+            [
+                Item {
+                    key: "user",
+                    limit: &user,
+                    cost,
+                },
+                Item {
+                    key: "user:log",
+                    limit: &minute,
+                    cost,
+                },
+            ]
+        };
+        let decisions = store.check_all(&items(2), at(0), None).unwrap();
+        assert!(decisions.iter().all(Decision::allowed));
+        // The log is full: the bucket is not charged, and the log reports its wait.
+        let decisions = store.check_all(&items(1), at(SEC), None).unwrap();
+        assert!(decisions[0].allowed() && !decisions[1].allowed());
+        assert_eq!(decisions[0].remaining(), 4, "the uncharged balance");
+        assert_eq!(decisions[1].retry_after(), Some(Duration::from_secs(59)));
+        assert_eq!(
+            store.peek("user", &user, 1, at(SEC)).unwrap().remaining(),
+            3
+        );
+        // A bucket that rejects leaves the log uncharged.
+        let decisions = store.check_all(&items(1), at(60 * SEC), None).unwrap();
+        assert!(decisions.iter().all(Decision::allowed));
+        let big = [Item {
+            key: "user",
+            limit: &user,
+            cost: 5,
+        }];
+        assert!(!store.check_all(&big, at(60 * SEC), None).unwrap()[0].allowed());
+        let peeked = store.peek("user:log", &minute, 1, at(60 * SEC)).unwrap();
+        assert_eq!(peeked.remaining(), 0, "one charged, one more fits");
+        // Settled for less: the refund comes off the log's entry.
+        let id = "job";
+        let once = [Item {
+            key: "user:log",
+            limit: &minute,
+            cost: 1,
+        }];
+        store.check_all(&once, at(200 * SEC), Some(id)).unwrap();
+        let settled = store.settle(&once, at(201 * SEC), id, &[1]).unwrap();
+        assert_eq!(settled.status, SettleStatus::Settled);
+        assert_eq!(settled.decisions[0].remaining(), 2);
+    }
+
+    #[test]
+    fn logs_count_in_the_bound_and_expire_when_they_count_nothing() {
+        let store: MemoryStore<u64> = MemoryStore::builder().shards(1).max_buckets(8).build();
+        let short = log(3, 1_000);
+        let bucket = limit(10, "1/s");
+        for key in 0..4u64 {
+            store
+                .check(&key, &short, 1 + key % 3, at(key * SEC / 10))
+                .unwrap();
+            store.check(&(100 + key), &bucket, 3, at(0)).unwrap();
+        }
+        let stats = store.stats();
+        assert_eq!(
+            (stats.live_buckets, stats.logs, stats.log_entries),
+            (8, 4, 4)
+        );
+        // At the bound, the entry closest to counting nothing goes: the log of key 0.
+        store.check(&1_000, &bucket, 10, at(SEC / 2)).unwrap();
+        let stats = store.stats();
+        assert_eq!((stats.live_buckets, stats.logs, stats.evicted), (8, 3, 1));
+        assert_eq!(
+            store.peek(&0, &short, 3, at(SEC / 2)).unwrap().remaining(),
+            0
+        );
+        assert!(!store.peek(&1, &short, 3, at(SEC / 2)).unwrap().allowed());
+        // Once its latest entry stops counting, a log is dropped like a full bucket.
+        assert_eq!(store.sweep(at(2 * SEC)), 3);
+        assert_eq!((store.stats().live_buckets, store.stats().logs), (5, 0));
+        assert_eq!(store.sweep(at(11 * SEC)), 5);
+    }
 }
