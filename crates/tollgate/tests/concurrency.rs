@@ -78,6 +78,68 @@ fn moving_time_admits_at_most_capacity_plus_refill() {
     assert!(admitted > bound / 2, "admitted only {admitted} of {bound}");
 }
 
+/// A sliding log hammered from many threads while time moves: in every window of its length,
+/// what it admitted fits its limit. Each admission's millisecond is read back from its decision
+/// (its entry counts longest, so the reset names it), which is where the log counted it.
+#[test]
+fn a_sliding_log_never_admits_past_its_limit_in_any_window() {
+    const N: u64 = 20;
+    const W_MS: u64 = 5;
+    let limit = Limit::sliding_log(N, Duration::from_millis(W_MS)).unwrap();
+    let store: MemoryStore<u64> = MemoryStore::default();
+    let clock = ManualClock::new();
+    let attempts = AtomicU64::new(0);
+    let done = AtomicBool::new(false);
+    let admitted = std::sync::Mutex::new(Vec::new());
+    thread::scope(|scope| {
+        scope.spawn(|| {
+            for _ in 0..1_000 {
+                let seen = attempts.load(Ordering::Relaxed);
+                while attempts.load(Ordering::Relaxed) < seen + 4 {
+                    thread::yield_now();
+                }
+                clock.advance(Duration::from_micros(100));
+            }
+            done.store(true, Ordering::Release);
+        });
+        for t in 0..THREADS as u64 {
+            let (store, clock, attempts, done, admitted) =
+                (&store, &clock, &attempts, &done, &admitted);
+            scope.spawn(move || {
+                let mut mine = Vec::new();
+                let mut i = t;
+                while !done.load(Ordering::Acquire) {
+                    let cost = 1 + i % 3;
+                    let now = clock.now();
+                    let decision = store.check(&7, &limit, cost, now).unwrap();
+                    if decision.allowed() {
+                        let ends = now.as_nanos() + decision.reset_after().as_nanos() as u64;
+                        mine.push((ends / 1_000_000 - W_MS, cost));
+                    }
+                    attempts.fetch_add(1, Ordering::Relaxed);
+                    i += 1;
+                }
+                admitted.lock().unwrap().extend(mine);
+            });
+        }
+    });
+    let admitted = admitted.into_inner().unwrap();
+    let total: u64 = admitted.iter().map(|&(_, cost)| cost).sum();
+    for &(end, _) in &admitted {
+        let in_window: u64 = admitted
+            .iter()
+            .filter(|&&(ms, _)| ms <= end && ms + W_MS > end)
+            .map(|&(_, cost)| cost)
+            .sum();
+        assert!(
+            in_window <= N,
+            "{in_window} admitted in the window ending at {end} ms"
+        );
+    }
+    // 100 ms passed: the log admitted about N per window, not nothing.
+    assert!(total > 100 / W_MS * N / 2, "admitted only {total}");
+}
+
 #[test]
 fn multi_key_checks_in_opposite_orders_neither_deadlock_nor_over_admit() {
     // Two keys in every shard order, checked together and alone by many threads.
