@@ -181,6 +181,11 @@ impl RequestLog {
             _ => self.entries.push_back(entry(at.ms, cost)),
         }
         self.total += cost;
+        // A burst's entries stay allocated after they leave the window unless given back: a
+        // store of many keys would otherwise keep every key's busiest moment.
+        if self.entries.capacity() > 16 && self.entries.len() * 4 < self.entries.capacity() {
+            self.entries.shrink_to(self.entries.len() * 2);
+        }
     }
 }
 
@@ -386,6 +391,19 @@ mod tests {
         // Charging drops what the latest millisecond no longer counts.
         take(&limit, &mut log, at(SEC + MS), 1);
         assert_eq!(log.len(), 1);
+    }
+
+    #[test]
+    fn a_burst_leaves_no_memory_behind() {
+        let limit = log_limit(10_000, Duration::from_secs(3_600));
+        let mut log = RequestLog::default();
+        for ms in 0..5_000 {
+            take(&limit, &mut log, at(ms * MS), 1);
+        }
+        assert_eq!(log.len(), 5_000);
+        take(&limit, &mut log, at(4_000 * SEC), 1);
+        assert_eq!(log.len(), 1);
+        assert!(log.entries.capacity() < 64, "{}", log.entries.capacity());
     }
 
     #[test]

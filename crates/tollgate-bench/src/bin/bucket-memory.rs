@@ -9,12 +9,18 @@
 //! ```text
 //! cargo run --release -p tollgate-bench --bin bucket-memory -- tollgate [N]
 //! cargo run --release -p tollgate-bench --bin bucket-memory -- governor [N]
+//! cargo run --release -p tollgate-bench --bin bucket-memory -- sliding-log [N]
 //! ```
+//!
+//! `sliding-log` measures tollgate's sliding logs instead of its buckets (10,000 per hour, one
+//! entry each): what the exact window costs per key beside the slot a bucket takes.
 
 use std::hint::black_box;
 use std::process::ExitCode;
+use std::time::Duration;
 
-use tollgate_bench::{MANY_KEYS, Quotas, populate, resident_bytes};
+use tollgate::{Limit, MonotonicClock, RateLimiter};
+use tollgate_bench::{MANY_KEYS, Quotas, Tollgate, populate, resident_bytes};
 
 /// The bytes a `u64` key occupies, which the target does not count.
 const KEY_BYTES: f64 = 8.0;
@@ -34,7 +40,17 @@ fn main() -> ExitCode {
         "governor" => measure(n, Quotas::MANY_KEYS.new_governor(), |limiter| {
             format!("keys={}", limiter.len())
         }),
-        _ => return usage("which limiter: tollgate or governor"),
+        "sliding-log" => {
+            let Ok(limit) = Limit::sliding_log(10_000, Duration::from_secs(3_600)) else {
+                return usage("the sliding log's limit is invalid");
+            };
+            let limiter: Tollgate = RateLimiter::keyed(limit, MonotonicClock::new());
+            measure(n, limiter, |limiter| {
+                let stats = limiter.store().stats();
+                format!("logs={} log_entries={}", stats.logs, stats.log_entries)
+            })
+        }
+        _ => return usage("which limiter: tollgate, governor or sliding-log"),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -69,6 +85,6 @@ fn measure<L: tollgate_bench::KeyedCheck>(
 
 fn usage(problem: &str) -> ExitCode {
     eprintln!("bucket-memory: {problem}");
-    eprintln!("usage: bucket-memory tollgate|governor [N (default {MANY_KEYS})]");
+    eprintln!("usage: bucket-memory tollgate|governor|sliding-log [N (default {MANY_KEYS})]");
     ExitCode::from(2)
 }
