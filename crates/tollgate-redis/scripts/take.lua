@@ -6,7 +6,8 @@
 -- not ours fails alone (status -2), never the call.
 --
 -- A bucket is a token bucket or a window limit (a fixed or a sliding window, the core's
--- `window.rs`); one request may mix both, and is still decided all or nothing in this one call.
+-- `window.rs`, or a sliding log, its `sliding_log.rs`); one request may mix them, and is still
+-- decided all or nothing in this one call.
 --
 -- A request can also peek (decide without writing) or refund: give back what an earlier take
 -- charged, when a request spanning several cluster slots was charged in one slot and rejected in
@@ -21,7 +22,8 @@
 --              two requests, or as one request's bucket and another's old bucket) and no window
 --              bucket has a token bucket's key: each token bucket is then read and written once
 --              (see `cache` below); the decisions are the same either way. "w" when the call
---              holds a window bucket (its functions are made only then); "w1" both; else ""
+--              holds a window bucket, a log included (their functions are made only then);
+--              "w1" both; else ""
 -- ARGV[4]      how the requests are laid out, so that the usual ones leave out what they all
 --              share: "1" when every request of the call is a plain take (one bucket, no
 --              request id, mode "take"), each sending its bucket's figures and nothing before
@@ -53,10 +55,10 @@
 --     64 bytes, a token bucket carrying an old one over (its limit changed): five more doubles,
 --       the old a, cap and p (units per token), the new p, and the whole microseconds since the
 --       change
---     32 bytes, a window: kind (1 fixed, 2 sliding), W (the window in milliseconds), N (the
---       most it admits per window) and cost (requests, 1 to N)
+--     32 bytes, a window: kind (1 fixed, 2 sliding, 3 a sliding log), W (the window in
+--       milliseconds), N (the most it admits per window) and cost (requests, 1 to N)
 --     40 bytes, a window in a refund: the same, then the window the take charged (its index k,
---       as the take replied it)
+--       as the take replied it; for a log, the millisecond its charge went to, as replied)
 --   (binary because `tonumber` on a decimal string runs `strtod` twice: read that way, the three
 --   figures cost about a seventh of Redis' instructions per decision; each is an integer below
 --   2^51, so its double is exact)
@@ -92,6 +94,31 @@
 -- a count emptied by a refund stays in its window, so a request from before it (a clock gone
 -- back) is still counted there.
 --
+-- A sliding log is a list: what each millisecond that admitted something admitted (its
+-- entry), oldest first, after a header. The header is "tlog" and four doubles: the total of
+-- the entries, how many entries the list holds after it, and the latest entry's millisecond
+-- and cost (the latest entry lives in the header alone, so that a charge to it, the usual one
+-- on a busy key, rewrites one element). Each entry is two doubles, its millisecond and cost;
+-- the list holds them in rising milliseconds, one per millisecond. Absent means nothing
+-- counted. A request at millisecond t (read as a window's: floor(now / 1000)) is decided at
+-- p = max(t, the latest entry's millisecond): going back frees nothing. Entries of m with
+-- m + W > p count; the request passes when what they total, plus `cost`, is at most N, and is
+-- then added to p's entry (the latest when it is p's; otherwise p's becomes the latest),
+-- after dropping the oldest entries that no longer count at p. A rejection changes nothing.
+-- Its retry is the wait until the counted entries, oldest first, have freed
+-- counted + cost - N: until the entry that completes it stops counting; reset, the wait
+-- until the latest entry with a cost that still counts stops (when allowed: p's). Only the
+-- header and the oldest entries are read at once; a walk reads runs of entries as it goes
+-- (one LRANGE each), so a rejection's wait costs a call per run, not per entry. The key
+-- expires when the log counts nothing, at the latest entry's millisecond plus W, with the
+-- same least TTL as a token bucket on a caller's time. A key that is not a list, or whose
+-- first element is not such a header, is not ours; an entry after a header of ours that does
+-- not read as two integers counts as nothing (the total still holds it: under-admitting).
+-- A refund (and a settlement) of a log gives back from the entry of the millisecond the take
+-- charged, which its reply's `window` names, never below 0, and nothing when the log no
+-- longer holds that entry (it no longer counts against anyone). An older entry emptied is
+-- removed; the latest stays, at 0, as it still marks the latest time seen.
+--
 -- A carried-over bucket is decided on the emptier of itself and its old bucket converted: the
 -- old one's deficit at the change (now - since), its balance clamped to the new capacity (in
 -- the new units: exactly when one unit size divides the other, else rounded down to whole
@@ -107,9 +134,10 @@
 -- A settled record's attempt is "=" and the settlement's fingerprint, which neither a replay
 -- clears nor any refund takes for its own.
 --
--- Every figure stays below 2^53 (the caller refuses limits whose cap passes 2^51, and windows
--- longer than 2^50 microseconds or whose N * W reaches 2^53), so the doubles Lua computes with
--- hold them exactly; a deficit past the capacity (a caller's clock gone back) is replied as the
+-- Every figure stays below 2^53 (the caller refuses limits whose cap passes 2^51, windows
+-- longer than 2^50 microseconds or whose N * W reaches 2^53, and logs of more than 10,000 per
+-- window: a charge leaves a log's total at most N), so the doubles Lua computes with hold them
+-- exactly; a deficit past the capacity (a caller's clock gone back) is replied as the
 -- capacity, so every figure replied stays below 2^53 too.
 --
 -- Reply: one string, the call's integers one after another, each as a little-endian double
@@ -139,8 +167,9 @@
 --   request is rejected, a window that would have allowed reports its standing uncharged).
 --   retry: microseconds from `now` until `cost` would pass (0 when allowed); reset:
 --   microseconds from `now` until the window counts nothing; window: the window K the bucket
---   was decided in (and charged to, when charged); nanos: the request's `nanos`, which the
---   durations are to be shortened by (a replay's are its first attempt's).
+--   was decided in (and charged to, when charged), for a log the millisecond p; nanos: the
+--   request's `nanos`, which the durations are to be shortened by (a replay's are its first
+--   attempt's).
 
 -- Library functions held in locals: a global is two table lookups on every use. The hot path
 -- also avoids calls where an operator does (`x % 1` for the fraction, comparisons for max and
@@ -418,7 +447,7 @@ end
 -- 2^53: N * W is (the caller refuses limits where it is not), so is each product compared with
 -- it unless the state's counts are past N, and then the product, rounded or not, stays above
 -- N * W, so every comparison still answers exactly.
-local read_window, send_window, window_take, window_balance, give_back_window
+local read_window, read_log, send_window, window_take, window_balance, give_back_window
 if windows then
   -- The request's millisecond, the same for every nanosecond of its microsecond.
   local now_ms = floor_div(now, 1000)
@@ -469,6 +498,267 @@ if windows then
     return 0
   end
 
+  -- Sliding logs (kind 3; see the header). Each request reads its log into a table: the
+  -- header's figures (total, older: entries in the list, last_ms and last_cost: the latest
+  -- entry), the key, and the entries read so far (ms[i], cost[i] for list index i); a
+  -- decision notes in it how many entries, oldest first, no longer count (gone) and their cost
+  -- (freed), for the charge that follows. Logs are rarer than the other kinds, and a table per
+  -- log is the price of walking them in runs.
+  local log_tag = 'tlog'
+  -- Entries read by one LRANGE when a walk reaches one not read yet: a call per entry would
+  -- cost a rejection's wait on a long log a call per request it counts.
+  local run = 64
+
+  -- An integer Lua holds exactly, not negative (NaN fails every comparison).
+  local function exact(x)
+    return x >= 0 and x < max_exact and x % 1 == 0
+  end
+
+  local function log_header(total, older, last_ms, last_cost)
+    return log_tag .. pack('<dddd', total, older, last_ms, last_cost)
+  end
+
+  local function log_entry(ms, cost)
+    return pack('<dd', ms, cost)
+  end
+
+  -- Notes the entries `got[skip + 1..]`, of list indexes `first` on, in `log`. One that does
+  -- not read as two integers counts as nothing (see the header).
+  local function note_entries(log, first, got, skip)
+    for j = skip + 1, #got do
+      local e = got[j]
+      local ms, cost = 0, 0
+      if #e == 16 then
+        ms, cost = unpack('<dd', e)
+        if not (exact(ms) and exact(cost)) then
+          ms, cost = 0, 0
+        end
+      end
+      log.ms[first + j - skip - 1], log.cost[first + j - skip - 1] = ms, cost
+    end
+  end
+
+  -- Entry i of `log` (1 to older + 1, the last being the latest, which the header holds): its
+  -- millisecond and cost, read with the run of entries after it, or before it when walking
+  -- back (`back`).
+  local function log_at(log, i, back)
+    if i > log.older then
+      return log.last_ms, log.last_cost
+    end
+    if not log.ms[i] then
+      local first, last = i, min(log.older, i + run - 1)
+      if back then
+        first, last = max(1, i - run + 1), i
+      end
+      note_entries(log, first, redis.call('LRANGE', log.key, first, last), 0)
+      if not log.ms[i] then
+        -- A list shorter than its header says: not ours to read further.
+        log.ms[i], log.cost[i] = 0, 0
+      end
+    end
+    return log.ms[i], log.cost[i]
+  end
+
+  -- The log at `key` as Redis holds it (see above); nil when absent; false when the key holds
+  -- anything else (a string, another program's list). Its header and two oldest entries come
+  -- in one call: most decisions look no further.
+  read_log = function(key)
+    local got = redis.pcall('LRANGE', key, 0, 2)
+    if got.err then
+      return false
+    end
+    if #got == 0 then
+      return nil
+    end
+    local header = got[1]
+    if #header ~= 36 or sub(header, 1, 4) ~= log_tag then
+      return false
+    end
+    local total, older, last_ms, last_cost = unpack('<dddd', header, 5)
+    if not (exact(total) and exact(older) and exact(last_ms) and exact(last_cost)
+        and last_cost <= total) then
+      return false
+    end
+    local log = {
+      key = key, total = total, older = older, last_ms = last_ms, last_cost = last_cost,
+      ms = {}, cost = {}, gone = 0, freed = 0,
+    }
+    note_entries(log, 1, got, 1)
+    return log
+  end
+
+  -- Microseconds from `now` until an entry of millisecond `ms` stops counting, 0 once it has.
+  local function log_until(w, ms)
+    local wait = (ms + w) * 1000 - now
+    if wait > 0 then
+      return wait
+    end
+    return 0
+  end
+
+  -- The millisecond p a request is decided at against `log` (nil: absent) and what the log
+  -- counts there; notes in the log which of its oldest entries no longer count (all of them,
+  -- walking none, once the latest has stopped).
+  local function log_position(w, log)
+    if not log then
+      return now_ms, 0
+    end
+    local p = log.last_ms
+    if now_ms > p then
+      p = now_ms
+    end
+    local gone, freed = 0, 0
+    if log.last_ms + w <= p then
+      gone, freed = log.older + 1, log.total
+    else
+      -- Ends at the latest entry at the latest, which counts.
+      while true do
+        local ms, cost = log_at(log, gone + 1, false)
+        if ms + w > p then
+          break
+        end
+        gone, freed = gone + 1, freed + cost
+      end
+    end
+    log.gone, log.freed = gone, freed
+    return p, log.total - freed
+  end
+
+  -- The wait until a positioned `log` counts nothing: until its latest entry with a cost that
+  -- still counts stops; 0 when none does.
+  local function log_reset(w, log)
+    if not log then
+      return 0
+    end
+    for i = log.older + 1, log.gone + 1, -1 do
+      local ms, cost = log_at(log, i, true)
+      if cost > 0 then
+        return log_until(w, ms)
+      end
+    end
+    return 0
+  end
+
+  -- Takes `cost` from a log of N `n` per `w` ms (`log` as read): allowed, remaining, retry,
+  -- reset and p, the millisecond decided at (and charged, when charged). As the core's
+  -- `sliding_log::decide`.
+  local function log_take(w, n, cost, log)
+    local p, counted = log_position(w, log)
+    if counted + cost <= n then
+      return 1, n - counted - cost, 0, log_until(w, p), p
+    end
+    local remaining = n - counted
+    if remaining < 0 then
+      remaining = 0
+    end
+    -- Counted entries, oldest first, until they free what the request needs. Some do (cost
+    -- is at most N), unless the state is not the caller's limit's: then the reset.
+    local need, freed, retry = counted + cost - n, 0, nil
+    for i = log.gone + 1, log.older + 1 do
+      local ms, c = log_at(log, i, false)
+      freed = freed + c
+      if freed >= need then
+        retry = log_until(w, ms)
+        break
+      end
+    end
+    local reset = log_reset(w, log)
+    return 0, remaining, retry or reset, reset, p
+  end
+
+  -- A log's standing, uncharged: remaining, reset and p. As the core's `sliding_log::balance`.
+  local function log_balance(w, n, log)
+    local p, counted = log_position(w, log)
+    local remaining = n - counted
+    if remaining < 0 then
+      remaining = 0
+    end
+    return remaining, log_reset(w, log), p
+  end
+
+  -- Charges `cost` at millisecond p to the log at `key` (`log` as read and positioned at p;
+  -- nil when absent): drops the entries that no longer count, adds to the latest entry when
+  -- it is p's or makes p's the latest, and expires the key when the log will count nothing.
+  local function log_charge(key, w, p, log, cost)
+    -- Whether the latest millisecond moves, and the expiry with it.
+    local later = true
+    if not log then
+      redis.call('RPUSH', key, log_header(cost, 0, p, cost))
+    elseif log.gone > log.older then
+      -- Nothing counts any more: the log starts again.
+      redis.call('LSET', key, 0, log_header(cost, 0, p, cost))
+      if log.older > 0 then
+        redis.call('LTRIM', key, 0, 0)
+      end
+    else
+      local older, last_cost = log.older - log.gone, cost
+      if log.last_ms == p then
+        later = false
+        last_cost = log.last_cost + cost
+      else
+        redis.call('RPUSH', key, log_entry(log.last_ms, log.last_cost))
+        older = older + 1
+      end
+      -- The header goes where the last dropped entry was, and the trim takes what is before.
+      local header = log_header(log.total - log.freed + cost, older, p, last_cost)
+      redis.call('LSET', key, log.gone, header)
+      if log.gone > 0 then
+        redis.call('LTRIM', key, log.gone, -1)
+      end
+    end
+    -- On TIME, a key keeps the exact expiry it was given when p became the latest; on a
+    -- caller's time it is given its least TTL again, as the other kinds are on every write.
+    if later or min_ttl_ms > 1 then
+      local ttl = ceil_div((p + w) * 1000 - now, 1000)
+      if ttl < min_ttl_ms then
+        ttl = min_ttl_ms
+      end
+      redis.call('PEXPIRE', key, format('%d', ttl))
+    end
+  end
+
+  -- Gives `back` back to the log at `key` (`log` as read) from the entry of millisecond `ms`,
+  -- never below 0; nothing when the log holds no such entry. An older entry emptied is removed;
+  -- the latest stays, at 0. Returns the log as it stands after. As the core's
+  -- `sliding_log::give_back`.
+  local function log_give_back(key, log, ms, back)
+    if ms == log.last_ms then
+      local given = min(log.last_cost, back)
+      if given > 0 then
+        log.last_cost, log.total = log.last_cost - given, log.total - given
+        redis.call('LSET', key, 0, log_header(log.total, log.older, ms, log.last_cost))
+      end
+      return log
+    end
+    local lo, hi = 1, log.older
+    while lo <= hi do
+      local mid = floor_div(lo + hi, 2)
+      local at_ms, cost = log_at(log, mid, false)
+      if at_ms == ms then
+        local given = min(cost, back)
+        if cost - given == 0 then
+          -- Its bytes are unique in the list: one entry per millisecond.
+          redis.call('LREM', key, 1, log_entry(at_ms, cost))
+          log.older = log.older - 1
+          log.ms, log.cost = {}, {}
+        elseif given > 0 then
+          redis.call('LSET', key, mid, log_entry(at_ms, cost - given))
+          log.cost[mid] = cost - given
+        else
+          return log
+        end
+        log.total = log.total - given
+        redis.call('LSET', key, 0, log_header(log.total, log.older, log.last_ms, log.last_cost))
+        return log
+      elseif at_ms < ms then
+        lo = mid + 1
+      else
+        hi = mid - 1
+      end
+    end
+    return log
+  end
+
   -- The window bucket at `key` as Redis holds it: (k, cur, prev); nil when absent; false when
   -- the key holds anything else (a token bucket's state included).
   read_window = function(key)
@@ -491,7 +781,14 @@ if windows then
   end
 
   -- Writes window k's counts at `key`, expiring when the window frees them (see the header).
-  send_window = function(key, sliding, w, k, cur, prev)
+  -- A log (kind 3) is charged instead: k is the millisecond p, cur the log as read, prev the
+  -- cost (see `window_take`).
+  send_window = function(key, kind, w, k, cur, prev)
+    if kind == 3 then
+      log_charge(key, w, k, cur, prev)
+      return
+    end
+    local sliding = kind == 2
     local value
     local ends = k + 1
     if sliding and prev > 0 then
@@ -512,25 +809,36 @@ if windows then
   -- Gives `back` back to the window at `key`, in state (`held`, `cur`, `prev`), from the count
   -- of window `charged`: the current count while the state is still in it, a sliding window's
   -- previous count once it has moved on by one, never below 0; otherwise nothing (the window
-  -- has passed). Writes the state if it changed, and returns its counts.
-  give_back_window = function(key, sliding, w, held, cur, prev, charged, back)
+  -- has passed). Writes the state if it changed, and returns its counts. A log gives back from
+  -- the entry of millisecond `charged`, and returns itself as it stands after (as `cur`).
+  give_back_window = function(key, kind, w, held, cur, prev, charged, back)
+    if kind == 3 then
+      return log_give_back(key, cur, charged, back), nil
+    end
+    local sliding = kind == 2
     if back <= 0 then
       return cur, prev
     end
     if held == charged and cur > 0 then
       cur = max(0, cur - back)
-      send_window(key, sliding, w, held, cur, sliding and prev or 0)
+      send_window(key, kind, w, held, cur, sliding and prev or 0)
     elseif sliding and held == charged + 1 and prev > 0 then
       prev = max(0, prev - back)
-      send_window(key, sliding, w, held, cur, prev)
+      send_window(key, kind, w, held, cur, prev)
     end
     return cur, prev
   end
 
   -- Takes `cost` from a window bucket of `kind` in state (k, cur, prev): allowed (1 or 0),
   -- remaining, retry and reset (microseconds), the window decided in, and, when allowed, the
-  -- counts to store for it (cur, prev). As the core's `window::take`.
+  -- counts to store for it (cur, prev). As the core's `window::take`. A log (its state the
+  -- log as read, in `cur`) answers its millisecond p as the window, and what `send_window`
+  -- charges it with: the log and the cost.
   window_take = function(kind, w, n, cost, k, cur, prev)
+    if kind == 3 then
+      local allowed, remaining, retry, reset, p = log_take(w, n, cost, cur)
+      return allowed, remaining, retry, reset, p, cur, cost
+    end
     local sliding = kind == 2
     local window, e, p, c = position(w, sliding, k, cur, prev)
     if not sliding then
@@ -584,8 +892,11 @@ if windows then
   end
 
   -- A window bucket's standing, uncharged: remaining, reset and the window it is read in. As
-  -- the core's `window::balance`.
+  -- the core's `window::balance`. A log's is its millisecond p.
   window_balance = function(kind, w, n, k, cur, prev)
+    if kind == 3 then
+      return log_balance(w, n, cur)
+    end
     local sliding = kind == 2
     local window, e, p, c = position(w, sliding, k, cur, prev)
     if not sliding then
@@ -623,9 +934,10 @@ local reply = {}
 -- table made once per call (a table per request cost a tenth of a decision's instructions, and
 -- each table a call makes costs it an allocation and its collection). Each request writes
 -- indexes 1..2n before reading them. Other figures are kept in the reply as it is built. A
--- window bucket's (k, cur) are there too, and, in tables made only for calls with windows,
--- its PREV (`prevs`), the index of its four figures past the pairs in the reply (`extra`,
--- false for a token bucket) and the counts a charge stores (`nexts`, as `states`).
+-- window bucket's (k, cur) are there too (a log's table at both), and, in tables made only for
+-- calls with windows, its PREV (`prevs`), the index of its four figures past the pairs in the
+-- reply (`extra`, false for a token bucket) and the counts a charge stores (`nexts`, as
+-- `states`; for a log, the log and the cost).
 local states = {}
 local extra, prevs, nexts
 if windows then
@@ -683,7 +995,13 @@ for _ = 1, tonumber(ARGV[2]) do
     if windows and (#arg == 32 or #arg == 40) then
       extra[i] = at + width + 1
       width = width + 4
-      full, frac, prevs[i] = read_window(KEYS[first_key + i])
+      if unpack('<d', arg) == 3 then
+        -- A log is its own state, in both places a window's (k, cur) go.
+        full = read_log(KEYS[first_key + i])
+        frac, prevs[i] = full, nil
+      else
+        full, frac, prevs[i] = read_window(KEYS[first_key + i])
+      end
     else
       if windows then
         extra[i] = false
@@ -763,7 +1081,7 @@ for _ = 1, tonumber(ARGV[2]) do
           local k = charged[x - at + 2]
           if held and k then
             local kind, w, _, back = unpack('<dddd', arg)
-            c, p = give_back_window(KEYS[first_key + i], kind == 2, w, held, c, p, k, back)
+            c, p = give_back_window(KEYS[first_key + i], kind, w, held, c, p, k, back)
           end
           standing(at, i, x, arg, held, c, p)
         else
@@ -816,7 +1134,7 @@ for _ = 1, tonumber(ARGV[2]) do
           local held, c, p = states[2 * i - 1], states[2 * i], prevs[i]
           if held and #arg == 40 then
             local kind, w, _, cost, charged = unpack('<ddddd', arg)
-            c, p = give_back_window(KEYS[first_key + i], kind == 2, w, held, c, p, charged, cost)
+            c, p = give_back_window(KEYS[first_key + i], kind, w, held, c, p, charged, cost)
           end
           standing(at, i, x, arg, held, c, p)
         else
@@ -925,8 +1243,7 @@ for _ = 1, tonumber(ARGV[2]) do
           local x = windows and extra[i]
           if x then
             local kind, w = unpack('<dd', ARGV[params + i])
-            send_window(KEYS[first_key + i], kind == 2, w, reply[x + 2], nexts[2 * i - 1],
-              nexts[2 * i])
+            send_window(KEYS[first_key + i], kind, w, reply[x + 2], nexts[2 * i - 1], nexts[2 * i])
           else
             local a = unpack('<d', ARGV[params + i])
             local lo = nanos > 0 and offsets(a) or 0

@@ -37,6 +37,7 @@ use tollgate::Unavailable;
 
 use crate::connection::{Connection, Link};
 use crate::store::classify;
+use crate::units::WindowKind;
 
 /// What a request does to its buckets: the script's `mode`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,16 +97,17 @@ pub(crate) enum Params {
         /// The bucket under the parameters its limit had before a change, read on the way.
         carry: Option<Carried>,
     },
-    /// A fixed or sliding window.
+    /// A fixed or sliding window, or a sliding log.
     Window {
-        sliding: bool,
+        kind: WindowKind,
         window_ms: u64,
         /// The most it admits per window.
         limit: u64,
         /// Requests to count.
         cost: u64,
-        /// In a refund, the window the take charged (as the script replied it): what the
-        /// refund gives back from. Without it, a refund gives back nothing.
+        /// In a refund, the window the take charged (as the script replied it; a log's
+        /// millisecond): what the refund gives back from. Without it, a refund gives back
+        /// nothing.
         charged: Option<u64>,
     },
 }
@@ -131,8 +133,8 @@ impl Bucket {
     /// The bucket's figures as the script reads them, little-endian doubles, told apart by
     /// their length: a token bucket's `a`, `cap` and `cost`, and with a carry, then the old
     /// `a`, `cap` and `p`, the new `p` and the microseconds since the change; a window's kind
-    /// (1 fixed, 2 sliding), window in milliseconds, limit and cost, and in a refund, then the
-    /// window charged. All stay below 2^53 (see `ScriptLimit`; the time is capped here; the
+    /// (1 fixed, 2 sliding, 3 a sliding log), window in milliseconds, limit and cost, and in a
+    /// refund, then the window (a log's millisecond) charged. All stay below 2^53 (see `ScriptLimit`; the time is capped here; the
     /// window charged is the script's own figure), so each double is exact. Returns the
     /// buffer and how much of it is used.
     fn params(&self) -> ([u8; MAX_PARAMS], usize) {
@@ -162,14 +164,13 @@ impl Bucket {
                 }
             }
             Params::Window {
-                sliding,
+                kind,
                 window_ms,
                 limit,
                 cost,
                 charged,
             } => {
-                let kind = if *sliding { 2 } else { 1 };
-                put(&[kind, *window_ms, *limit, *cost], 0);
+                put(&[kind.code(), *window_ms, *limit, *cost], 0);
                 match charged {
                     None => (bytes, 32),
                     Some(window) => {
@@ -684,8 +685,8 @@ mod tests {
     use redis::Arg;
 
     use super::{
-        Bucket, Carried, Flags, Mode, Params, Record, Segment, caches_token_buckets, command,
-        integer, reply_len,
+        Bucket, Carried, Flags, Mode, Params, Record, Segment, WindowKind, caches_token_buckets,
+        command, integer, reply_len,
     };
 
     fn bucket(key: &str, old_key: Option<&str>) -> Bucket {
@@ -711,7 +712,7 @@ mod tests {
         Bucket {
             key: key.to_owned(),
             params: Params::Window {
-                sliding: true,
+                kind: WindowKind::Sliding,
                 window_ms: 1_000,
                 limit: 10,
                 cost: 3,
@@ -807,6 +808,40 @@ mod tests {
             1_700_000_000_123.0
         );
         assert_eq!(reply_len(&refund[0]), 1 + 4 + 4);
+    }
+
+    /// A sliding log is a window of kind 3 to the script, and its refund names the
+    /// millisecond its take charged where a window names its index.
+    #[test]
+    fn a_log_is_a_window_of_its_own_kind() {
+        let log = |charged| Bucket {
+            key: "l".to_owned(),
+            params: Params::Window {
+                kind: WindowKind::Log,
+                window_ms: 20,
+                limit: 5,
+                cost: 2,
+                charged,
+            },
+        };
+        let figures = |arg: &[u8]| -> Vec<f64> {
+            arg.chunks_exact(8)
+                .map(|chunk| f64::from_le_bytes(chunk.try_into().unwrap()))
+                .collect()
+        };
+        let args = argv(&[segment(vec![log(None)])]);
+        assert_eq!(args[2], b"w");
+        assert_eq!(figures(&args[4]), [3.0, 20.0, 5.0, 2.0]);
+        let refund = [Segment {
+            mode: Mode::Refund,
+            ..segment(vec![log(Some(1_700_000_000_123))])
+        }];
+        let args = argv(&refund);
+        assert_eq!(
+            figures(&args[8]),
+            [3.0, 20.0, 5.0, 2.0, 1_700_000_000_123.0]
+        );
+        assert_eq!(reply_len(&refund[0]), 1 + 2 + 4);
     }
 
     /// The script's arguments in a call of `segments` (ARGV: after the verb, the script, the

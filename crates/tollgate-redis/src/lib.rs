@@ -43,6 +43,14 @@
 //!   the caller's time, and the key expires when the window frees it. A window longer than 2^50
 //!   microseconds (about 35 years) is refused with [`tollgate::Error::UnsupportedLimit`].
 //!   Windows carry nothing over from a limit's earlier parameters ([`tollgate::Carry`]).
+//! * Sliding logs ([`tollgate::Limit::sliding_log`]) are decided in the same script too, with
+//!   the memory store's exact decisions: a log is a Redis list of what each millisecond
+//!   admitted, behind a header holding its total and latest entry (see `scripts/take.lua`),
+//!   expiring when it counts nothing. A decision reads the header and the oldest entries, and
+//!   writes one or two elements when it charges; a rejection's wait reads the entries it must
+//!   walk, in runs. A least-privileged user needs `+lrange +lset +ltrim +rpush +lrem +pexpire`
+//!   for logs besides the buckets' commands; without them a log's requests fail as a key that
+//!   is not a bucket's would ([`tollgate::Unavailable::Script`]).
 //! * Multi-bucket checks are atomic within a cluster slot; across slots they charge, then refund
 //!   if any slot rejects (never over-admitting; a retried request id whose first attempt's
 //!   refund comes after the retry's admission keeps that charge, under-admitting instead; a

@@ -7,16 +7,18 @@
 //! per node, so their scripts are pipelined onto the wire together without a connection per
 //! request, and on a single node concurrent decisions share script calls (see `batch`).
 //!
-//! A bucket is a token bucket or a fixed or sliding window (the core's `window`): the script
-//! decides both kinds, so a request mixing them is still one call per slot, all or nothing.
+//! A bucket is a token bucket, a fixed or sliding window (the core's `window`) or a sliding log
+//! (its `sliding_log`): the script decides every kind, so a request mixing them is still one
+//! call per slot, all or nothing.
 //!
 //! A multi-bucket request whose keys share a slot (always, on a single node) is one script call,
 //! all or nothing. Keys in different cluster slots are decided in parallel, one call per slot;
 //! if any slot rejects or cannot decide, the slots that charged are refunded (by the same
 //! script; best effort after a failure): the store may under-admit for the moment between
 //! charge and refund, never over-admit. A window is refunded from the window its take charged
-//! (the take's reply names it), only while its state still counts that window, and reports its
-//! standing after the refund. With a request id, a refund gives back only while no retry's
+//! (the take's reply names it; a log's, the millisecond), only while its state still counts
+//! that window (a log, while it holds that millisecond's entry), and reports its standing after
+//! the refund. With a request id, a refund gives back only while no retry's
 //! reply rests on the charge (see `scripts/take.lua`). Give the keys of one subject a shared
 //! `{hash tag}` to keep them in one slot.
 //!
@@ -1291,7 +1293,7 @@ fn segment(
                         }
                     }
                     ScriptLimit::Window(limit) => Params::Window {
-                        sliding: limit.sliding,
+                        kind: limit.kind,
                         window_ms: limit.window_ms,
                         limit: limit.limit,
                         cost: takes[i].cost,

@@ -7,10 +7,12 @@
 //! forms (a deficit plus a cost, a time plus a wait) stays below 2^53, and the script is as
 //! exact as the memory store.
 //!
-//! A window limit is sent as it is (its window in milliseconds, its limit per window): the core
-//! already refuses those whose limit times window reaches 2^53, and the scripts' window
-//! boundaries, up to three windows past the request's time in microseconds, stay below 2^53 for
-//! every window of at most [`MAX_WINDOW_US`].
+//! A window limit is sent as it is (its kind, its window in milliseconds, its limit per window):
+//! the core already refuses those whose limit times window reaches 2^53, and the scripts'
+//! window boundaries, up to three windows past the request's time in microseconds, stay below
+//! 2^53 for every window of at most [`MAX_WINDOW_US`]. A sliding log is such a window too: the
+//! instants it waits for are an entry's millisecond (at most the request's, or a later one a
+//! caller's clock wrote) plus one window.
 
 use std::time::Duration;
 
@@ -34,11 +36,6 @@ pub(crate) enum ScriptLimit {
 
 impl ScriptLimit {
     pub(crate) fn new(limit: &Limit) -> Result<Self, Error> {
-        if limit.algorithm().keeps_log() {
-            return Err(Error::UnsupportedLimit {
-                reason: "sliding logs are not kept in Redis yet",
-            });
-        }
         if limit.algorithm().is_window() {
             WindowLimit::new(limit).map(Self::Window)
         } else {
@@ -52,11 +49,41 @@ impl ScriptLimit {
     }
 }
 
+/// Which window a window limit is: the script's `kind`, which decides how its key is kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WindowKind {
+    /// Counts per window, a string.
+    Fixed,
+    /// Counts of this window and the last, weighted; a string.
+    Sliding,
+    /// A sliding log: what each millisecond admitted, a list.
+    Log,
+}
+
+impl WindowKind {
+    /// The kind of a window `algorithm` (a fixed window for any other: only windows come here).
+    fn of(algorithm: Algorithm) -> Self {
+        match algorithm {
+            Algorithm::SlidingWindow => Self::Sliding,
+            Algorithm::SlidingLog => Self::Log,
+            _ => Self::Fixed,
+        }
+    }
+
+    /// The figure the script reads (see `scripts/take.lua`).
+    pub(crate) fn code(self) -> u64 {
+        match self {
+            Self::Fixed => 1,
+            Self::Sliding => 2,
+            Self::Log => 3,
+        }
+    }
+}
+
 /// A window limit as the scripts take it (see `scripts/take.lua`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct WindowLimit {
-    /// A sliding window rather than a fixed one.
-    pub(crate) sliding: bool,
+    pub(crate) kind: WindowKind,
     /// The window in milliseconds: at most 2^50 / 1000.
     pub(crate) window_ms: u64,
     /// The most it admits per window: below 2^32.
@@ -73,7 +100,8 @@ pub(crate) struct WindowFigures {
     pub(crate) retry_us: u64,
     /// Microseconds from the script's microsecond until the window counts nothing.
     pub(crate) reset_us: u64,
-    /// The window the bucket was decided in (and charged to, when charged).
+    /// The window the bucket was decided in (and charged to, when charged); for a sliding
+    /// log, the millisecond.
     pub(crate) window: u64,
     /// The request's time past that microsecond (0 to 999 ns), which the waits count from.
     pub(crate) nanos: u64,
@@ -115,7 +143,7 @@ impl WindowLimit {
             });
         }
         Ok(Self {
-            sliding: limit.algorithm() == Algorithm::SlidingWindow,
+            kind: WindowKind::of(limit.algorithm()),
             window_ms: window_us / 1_000,
             limit: limit.capacity(),
         })
@@ -246,9 +274,9 @@ impl TokenLimit {
     }
 }
 
-/// Whether the Redis store can decide `limit` exactly (a token bucket or a window); callers
-/// check a policy's limits up front, so a limit Lua cannot represent is refused at start, not
-/// at the first request.
+/// Whether the Redis store can decide `limit` exactly (a token bucket, a window or a sliding
+/// log); callers check a policy's limits up front, so a limit Lua cannot represent is refused
+/// at start, not at the first request.
 ///
 /// # Errors
 ///
@@ -332,7 +360,7 @@ mod tests {
         assert_eq!(
             w,
             WindowLimit {
-                sliding: true,
+                kind: WindowKind::Sliding,
                 window_ms: 1_500,
                 limit: 7
             }
@@ -354,6 +382,28 @@ mod tests {
             ..figures
         };
         assert_eq!(w.decision(&l, 1, &far), Err(Unavailable::Protocol));
+    }
+
+    /// Sliding logs go to the script as windows of their own kind, under the same bound on
+    /// the window.
+    #[test]
+    fn a_sliding_log_is_a_window_of_its_own_kind() {
+        let l = Limit::sliding_log(10_000, Duration::from_secs(60)).unwrap();
+        assert_eq!(
+            ScriptLimit::new(&l),
+            Ok(ScriptLimit::Window(WindowLimit {
+                kind: WindowKind::Log,
+                window_ms: 60_000,
+                limit: 10_000
+            }))
+        );
+        assert_eq!(
+            [WindowKind::Fixed, WindowKind::Sliding, WindowKind::Log].map(WindowKind::code),
+            [1, 2, 3]
+        );
+        let longest_ms = MAX_WINDOW_US / 1_000;
+        let beyond = Limit::sliding_log(1, Duration::from_millis(longest_ms + 1)).unwrap();
+        assert!(check_limit(&beyond).is_err());
     }
 
     #[test]

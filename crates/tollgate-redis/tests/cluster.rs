@@ -10,7 +10,9 @@ use std::time::Duration;
 use support::{RedisCluster, command, info_field, take_one_unit};
 use tollgate::testkit::{Trace, compare_with_memory};
 
-use tollgate::{Carry, CheckRequest, Decision, Error, Limit, Store, Take, Timestamp, Unavailable};
+use tollgate::{
+    Algorithm, Carry, CheckRequest, Decision, Error, Limit, Store, Take, Timestamp, Unavailable,
+};
 use tollgate_redis::{ConnectError, RedisConfig, RedisStore};
 use tollgate_redis::{request_fingerprint, script_reply};
 
@@ -99,7 +101,17 @@ async fn conforms_with_and_without_hash_tags(store: &RedisStore) {
         let untagged = Trace::new(seed, 300, format!("untagged-{seed}"))
             .hash_tags(false)
             .steps_back(false);
-        for trace in [tagged, untagged] {
+        // Logs alone, whose keys then meet while they count (see `Trace::only`): charged,
+        // rejected, refunded across slots and settled while their entries still count.
+        let mut logs =
+            Trace::new(seed, 300, format!("logs-tagged-{seed}")).only(Algorithm::SlidingLog);
+        let mut logs_untagged = Trace::new(seed, 300, format!("logs-untagged-{seed}"))
+            .only(Algorithm::SlidingLog)
+            .hash_tags(false)
+            .steps_back(false);
+        logs.subjects = 1;
+        logs_untagged.subjects = 1;
+        for trace in [tagged, untagged, logs, logs_untagged] {
             if let Err(mismatch) = compare_with_memory(store, &trace).await {
                 panic!("{mismatch}");
             }

@@ -1,8 +1,9 @@
-//! The Redis store's fixed and sliding windows against a real single-node Redis that each test
-//! starts for itself: the same decisions as the memory store, exactly their limit per window
-//! under concurrency on Redis' own clock, all or nothing beside token buckets, refunds that
-//! never give back more than the window still counts, and the keys and limits Redis cannot
-//! take refused. (The random traces of `single_node.rs` and `cluster.rs` hold windows too.)
+//! The Redis store's fixed and sliding windows and sliding logs against a real single-node
+//! Redis that each test starts for itself: the same decisions as the memory store, exactly
+//! their limit per window under concurrency on Redis' own clock, all or nothing beside token
+//! buckets, refunds that never give back more than the window (or the log's entry) still
+//! counts, keys that expire when they count nothing, and the keys and limits Redis cannot take
+//! refused. (The random traces of `single_node.rs` and `cluster.rs` hold windows and logs too.)
 
 mod support;
 
@@ -523,4 +524,504 @@ async fn windows_redis_cannot_hold_are_refused_up_front() {
     let takes = [Take::new("longest", &longest, 2)];
     let decided = check(&store, &takes, None, None).await.expect("decided");
     assert!(decided[0].allowed(), "{decided:?}");
+}
+
+fn log(limit: u64, window: Duration) -> Limit {
+    Limit::sliding_log(limit, window).expect("a valid log")
+}
+
+/// A connection of the test's own, for reading a log's binary elements.
+async fn raw(server: &RedisServer) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(server.url())
+        .expect("a URL")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect")
+}
+
+/// A log as Redis holds it at a bucket's key (see `scripts/take.lua`): its header's total,
+/// older entries' count, latest millisecond and latest cost, then the older entries
+/// (millisecond, cost); `None` when the key is absent.
+type StoredLog = ([u64; 4], Vec<(u64, u64)>);
+
+async fn stored_log(
+    connection: &mut redis::aio::MultiplexedConnection,
+    key: &str,
+) -> Option<StoredLog> {
+    let elements: Vec<Vec<u8>> = redis::cmd("LRANGE")
+        .arg(format!("tollgate:{key}"))
+        .arg(0)
+        .arg(-1)
+        .query_async(connection)
+        .await
+        .expect("a list");
+    let doubles = |bytes: &[u8]| -> Vec<u64> {
+        bytes
+            .chunks_exact(8)
+            .map(|chunk| f64::from_le_bytes(chunk.try_into().expect("8 bytes")) as u64)
+            .collect()
+    };
+    let (header, entries) = elements.split_first()?;
+    assert_eq!(&header[..4], b"tlog", "{header:?}");
+    let header: [u64; 4] = doubles(&header[4..]).try_into().expect("four figures");
+    let entries = entries
+        .iter()
+        .map(|entry| match doubles(entry)[..] {
+            [ms, cost] => (ms, cost),
+            _ => panic!("an entry of two figures: {entry:?}"),
+        })
+        .collect();
+    Some((header, entries))
+}
+
+/// `T0`'s millisecond plus `ms`.
+fn ms_at(ms: u64) -> u64 {
+    T0.as_nanos() / 1_000_000 + ms
+}
+
+/// A log admits at most N in every window of W that ends at any millisecond, and, asked every
+/// millisecond, exactly N: where a fixed window lets a burst of twice its limit through across
+/// its edge, the log keeps it out, and says to the nanosecond when to come back. Every decision
+/// is the memory store's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_admits_exactly_its_limit_in_any_window_and_no_burst_at_an_edge() {
+    let server = RedisServer::start();
+    let store = connect(&server).await;
+    let memory = LocalStore::new(ManualClock::new());
+    let ms = 1_000_000;
+
+    // Four each at 996..999 ms and 1000..1003 ms, 137 ns past each: the fixed window's edge at
+    // 1 s lets all eight through; the log only the first four.
+    let (edge_log, edge_fixed) = (log(4, SECOND), fixed(4, SECOND));
+    let mut admitted = (0, 0);
+    for step in 0..8 {
+        let now = Some(at((996 + step) * ms + 137));
+        let takes = [
+            Take::new("edge:log", &edge_log, 1),
+            Take::new("edge:fixed", &edge_fixed, 1),
+        ];
+        let (mut logged, mut fixed_) = (Vec::new(), Vec::new());
+        for (take, decided) in takes.iter().zip([&mut logged, &mut fixed_]) {
+            let one = std::slice::from_ref(take);
+            *decided = check(&store, one, now, None).await.expect("decided");
+            assert_eq!(Ok(decided.clone()), check(&memory, one, now, None).await);
+        }
+        admitted.0 += u64::from(logged[0].allowed());
+        admitted.1 += u64::from(fixed_[0].allowed());
+        if step == 4 {
+            // The four of 996..999 ms count until 1996..1999 ms: one is needed, the first.
+            assert_eq!(
+                logged[0].retry_after(),
+                Some(Duration::from_nanos(996 * ms - 137)),
+                "{logged:?}"
+            );
+            assert_eq!(
+                logged[0].reset_after(),
+                Duration::from_nanos(999 * ms - 137)
+            );
+        }
+    }
+    assert_eq!(admitted, (4, 8), "(log, fixed window) across the edge");
+    let one = [Take::new("edge:log", &edge_log, 1)];
+    let before = check(&store, &one, Some(at(1_996 * ms - 1)), None).await;
+    let before = before.expect("decided");
+    assert!(!before[0].allowed());
+    assert_eq!(before[0].retry_after(), Some(Duration::from_nanos(1)));
+    let on_time = check(&store, &one, Some(at(1_996 * ms)), None).await;
+    assert!(on_time.expect("decided")[0].allowed());
+
+    // Asked every millisecond for a second, 5 per 100 ms: exactly 5 in every window of 100 ms
+    // that ends at any millisecond, once the first has passed.
+    let steady = log(5, Duration::from_millis(100));
+    let takes = [Take::new("steady", &steady, 1)];
+    let mut allowed = Vec::new();
+    for t in 0..1_000 {
+        let now = Some(at(10 * SECOND_NS + t * ms));
+        let decided = check(&store, &takes, now, None).await.expect("decided");
+        assert_eq!(
+            Ok(decided.clone()),
+            check(&memory, &takes, now, None).await,
+            "{t} ms"
+        );
+        allowed.push(decided[0].allowed());
+    }
+    for end in 99..1_000 {
+        let in_window = allowed[end - 99..=end].iter().filter(|&&a| a).count();
+        assert_eq!(in_window, 5, "the 100 ms ending at {end} ms");
+    }
+}
+
+/// A log lives in its key, not in the script: flushed scripts are loaded again, and the log
+/// decides on as if nothing happened, as the memory store does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_survives_script_flush() {
+    let server = RedisServer::start();
+    let store = connect(&server).await;
+    let memory = LocalStore::new(ManualClock::new());
+    let limit = log(3, HOUR);
+    let takes = [Take::new("flushed", &limit, 1)];
+    for step in 0..6 {
+        if step == 2 || step == 4 {
+            assert_eq!(
+                command(server.port, &["SCRIPT", "FLUSH"]).as_deref(),
+                Some("+OK\r\n")
+            );
+        }
+        let now = Some(at(step * 1_000_000));
+        let decided = check(&store, &takes, now, None).await.expect("decided");
+        assert_eq!(Ok(decided.clone()), check(&memory, &takes, now, None).await);
+        assert_eq!(decided[0].allowed(), step < 3, "step {step}");
+    }
+    let mut connection = raw(&server).await;
+    let held = stored_log(&mut connection, "flushed").await;
+    assert_eq!(
+        held,
+        Some(([3, 2, ms_at(2), 1], vec![(ms_at(0), 1), (ms_at(1), 1)]))
+    );
+}
+
+/// A key holding something that is not a log (a string, a window's or a token bucket's state,
+/// another program's list, a hash, a list whose first element only looks like a header) fails
+/// its own request only, in a call shared with others, and stays as it was; a window or a
+/// token bucket whose key holds a log fails likewise.
+#[tokio::test(flavor = "current_thread")]
+async fn a_log_key_that_is_not_ours_is_reported_not_overwritten() {
+    let server = RedisServer::start();
+    let store = connect(&server).await;
+    let mut connection = raw(&server).await;
+    let ok = |reply: Option<String>| {
+        let reply = reply.expect("a reply");
+        assert!(reply.starts_with('+') || reply.starts_with(':'), "{reply}");
+    };
+    ok(command(server.port, &["SET", "tollgate:text", "hello"]));
+    ok(command(
+        server.port,
+        &["SET", "tollgate:window", "w1700000000:1"],
+    ));
+    ok(command(
+        server.port,
+        &["SET", "tollgate:bucket", "1700000000000000"],
+    ));
+    ok(command(server.port, &["RPUSH", "tollgate:list", "a", "b"]));
+    ok(command(server.port, &["HSET", "tollgate:hash", "f", "1"]));
+    ok(command(
+        server.port,
+        &["RPUSH", "tollgate:lookalike", "tlog-not-a-header"],
+    ));
+    let limit = log(10, SECOND);
+    let (window, bucket) = (sliding(10, SECOND), tokens(10, "1/s"));
+    // A log of ours, which the window and the token bucket below find.
+    let made = [Take::new("logged", &limit, 1)];
+    assert!(check(&store, &made, None, None).await.expect("decided")[0].allowed());
+    let before = stored_log(&mut connection, "logged").await;
+    let bad: [(&str, &Limit); 8] = [
+        ("text", &limit),
+        ("window", &limit),
+        ("bucket", &limit),
+        ("list", &limit),
+        ("hash", &limit),
+        ("lookalike", &limit),
+        ("logged", &window),
+        ("logged", &bucket),
+    ];
+    let good: Vec<String> = (0..4).map(|i| format!("good{i}")).collect();
+    // All queued before the dispatcher runs (one thread): they leave in one script call.
+    async fn one(store: &RedisStore, key: &str, limit: &Limit) -> Result<Vec<Decision>, Error> {
+        check(store, &[Take::new(key, limit, 1)], None, None).await
+    }
+    let mut futures = Vec::new();
+    for &(key, limit) in &bad {
+        futures.push(one(&store, key, limit));
+    }
+    for key in &good {
+        futures.push(one(&store, key, &limit));
+    }
+    let results = futures_util::future::join_all(futures).await;
+    for ((key, _), result) in bad.iter().zip(&results) {
+        assert!(
+            matches!(
+                result,
+                Err(Error::StoreUnavailable {
+                    reason: Unavailable::Script
+                })
+            ),
+            "{key}: {result:?}"
+        );
+    }
+    for (key, result) in good.iter().zip(&results[bad.len()..]) {
+        assert!(
+            matches!(result, Ok(d) if d[0].allowed()),
+            "{key}: {result:?}"
+        );
+    }
+    assert_eq!(stored(&server, "text").as_deref(), Some("hello"));
+    assert_eq!(stored(&server, "window").as_deref(), Some("w1700000000:1"));
+    assert_eq!(
+        stored(&server, "bucket").as_deref(),
+        Some("1700000000000000")
+    );
+    let list: Vec<String> = redis::cmd("LRANGE")
+        .arg("tollgate:list")
+        .arg(0)
+        .arg(-1)
+        .query_async(&mut connection)
+        .await
+        .expect("a list");
+    assert_eq!(list, ["a", "b"]);
+    let lookalike: Vec<String> = redis::cmd("LRANGE")
+        .arg("tollgate:lookalike")
+        .arg(0)
+        .arg(-1)
+        .query_async(&mut connection)
+        .await
+        .expect("a list");
+    assert_eq!(lookalike, ["tlog-not-a-header"]);
+    assert_eq!(stored_log(&mut connection, "logged").await, before);
+}
+
+/// Milliseconds until the key expires (`PTTL`).
+fn pttl(server: &RedisServer, key: &str) -> u64 {
+    command(server.port, &["PTTL", &format!("tollgate:{key}")])
+        .and_then(|reply| reply.trim().trim_start_matches(':').parse::<u64>().ok())
+        .expect("a PTTL")
+}
+
+/// A log's key expires when the log counts nothing: its latest entry's millisecond plus the
+/// window, on Redis' clock the moment the decision reports as its reset; on a caller's time,
+/// after at least a minute, as the other kinds; a request from an earlier clock, charged to
+/// the latest entry, moves nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_key_expires_when_the_log_counts_nothing() {
+    let server = RedisServer::start();
+    let store = connect(&server).await;
+    let limit = log(5, Duration::from_secs(10));
+    let takes = [Take::new("ttl", &limit, 2)];
+    let before = redis_micros(&server) / 1_000;
+    let decided = check(&store, &takes, None, None).await.expect("decided")[0];
+    let left = pttl(&server, "ttl");
+    let after = redis_micros(&server) / 1_000;
+    assert!(decided.allowed() && decided.remaining() == 3, "{decided:?}");
+    // Charged at a millisecond p in [before, after], counting until p + 10 s; the key expires
+    // `left` ms after a moment in [before, after] too.
+    let reset = u64::try_from(decided.reset_after().as_millis()).expect("ms");
+    assert!(
+        (9_999..=10_000).contains(&reset),
+        "reset {reset} ms: to the end of the charge's millisecond's window"
+    );
+    assert!(
+        before + left <= after + 10_000 && before + 10_000 <= after + left + 1,
+        "expires {left} ms after a time in [{before}, {after}] ms"
+    );
+
+    // On a caller's time: the log's end on that timeline, or a minute, whichever is later.
+    let hour = log(5, HOUR);
+    let takes = [Take::new("caller", &hour, 1)];
+    let hour_ms = 3_600_000;
+    check(&store, &takes, Some(at(30 * SECOND_NS)), None)
+        .await
+        .expect("decided");
+    let left = pttl(&server, "caller");
+    assert!(hour_ms - 1_000 < left && left <= hour_ms, "{left}");
+    // From 30 s earlier: charged to the entry of 30 s, which still ends an hour after it.
+    let decided = check(&store, &takes, Some(T0), None)
+        .await
+        .expect("decided")[0];
+    assert!(decided.allowed());
+    assert_eq!(decided.reset_after(), HOUR + Duration::from_secs(30));
+    let left = pttl(&server, "caller");
+    assert!(
+        hour_ms + 30_000 - 1_000 < left && left <= hour_ms + 30_000,
+        "{left}"
+    );
+    let mut connection = raw(&server).await;
+    assert_eq!(
+        stored_log(&mut connection, "caller").await,
+        Some(([2, 0, ms_at(30_000), 2], Vec::new()))
+    );
+    let short = log(5, Duration::from_millis(10));
+    let takes = [Take::new("short", &short, 1)];
+    check(&store, &takes, Some(T0), None)
+        .await
+        .expect("decided");
+    let left = pttl(&server, "short");
+    assert!(59_000 < left && left <= 60_000, "at least a minute: {left}");
+}
+
+/// One request's call of `scripts/take.lua` on a log, written by hand as the store sends it:
+/// (W in ms, N, cost, and in a refund the millisecond charged) on `key` at `now`.
+fn log_call(key: &str, mode: &str, figures: &[u64], now: Timestamp) -> redis::Cmd {
+    let mut all = vec![3];
+    all.extend(figures);
+    window_call(key, mode, &all, now)
+}
+
+/// A refund gives a log back only what the entry its take charged still holds: an older entry
+/// emptied is removed, the latest stays at 0 (it still marks the latest time seen), never below
+/// 0, and nothing once the entry has been dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_refund_gives_back_from_the_entry_charged() {
+    let server = RedisServer::start();
+    let mut connection = raw(&server).await;
+    let ms = 1_000_000;
+    let (w, n) = (1_000, 5);
+    let take = |cost: u64| vec![w, n, cost];
+    let refund = |cost: u64, charged: u64| vec![w, n, cost, charged];
+    // 2 at 0 ms, 1 at 100 ms: the take's reply names the millisecond charged.
+    let first = run(log_call("r", "take", &take(2), T0), &mut connection).await;
+    assert_eq!(first[5], ms_at(0) as i64, "{first:?}");
+    run(
+        log_call("r", "take", &take(1), at(100 * ms)),
+        &mut connection,
+    )
+    .await;
+    assert_eq!(
+        stored_log(&mut connection, "r").await,
+        Some(([3, 1, ms_at(100), 1], vec![(ms_at(0), 2)]))
+    );
+    // Give back 1 of 0 ms's 2, then more than it holds: emptied and removed.
+    let now = at(200 * ms);
+    let reply = run(
+        log_call("r", "refund", &refund(1, ms_at(0)), now),
+        &mut connection,
+    )
+    .await;
+    // (status, allowed, remaining, retry, reset, p, nanos): 3 left, counting until 1100 ms.
+    assert_eq!(reply, [1, 1, 3, 0, 900_000, ms_at(200) as i64, 0]);
+    run(
+        log_call("r", "refund", &refund(5, ms_at(0)), now),
+        &mut connection,
+    )
+    .await;
+    assert_eq!(
+        stored_log(&mut connection, "r").await,
+        Some(([1, 0, ms_at(100), 1], Vec::new()))
+    );
+    // The latest entry, emptied, stays: a request from before it is still decided at 100 ms.
+    run(
+        log_call("r", "refund", &refund(3, ms_at(100)), now),
+        &mut connection,
+    )
+    .await;
+    assert_eq!(
+        stored_log(&mut connection, "r").await,
+        Some(([0, 0, ms_at(100), 0], Vec::new()))
+    );
+    let early = run(log_call("r", "take", &take(1), T0), &mut connection).await;
+    assert_eq!(early[5], ms_at(100) as i64, "{early:?}");
+    // Once the entry charged has stopped counting and been dropped, nothing comes back.
+    run(log_call("d", "take", &take(5), T0), &mut connection).await;
+    run(
+        log_call("d", "take", &take(5), at(2_000 * ms)),
+        &mut connection,
+    )
+    .await;
+    run(
+        log_call("d", "refund", &refund(5, ms_at(0)), at(2_000 * ms)),
+        &mut connection,
+    )
+    .await;
+    assert_eq!(
+        stored_log(&mut connection, "d").await,
+        Some(([5, 0, ms_at(2_000), 5], Vec::new()))
+    );
+}
+
+/// On Redis' clock, 64 tasks over four stores take one each from one log until well past its
+/// limit: exactly the limit passes, however the requests share script calls (a call decides
+/// the log many times, each reading what the requests before it wrote).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_tasks_on_one_log_admit_exactly_its_limit() {
+    let server = RedisServer::start();
+    let mut stores = Vec::new();
+    for _ in 0..4 {
+        stores.push(Arc::new(connect(&server).await));
+    }
+    let limit = log(300, HOUR);
+    let admitted = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for task in 0..64 {
+        let store = Arc::clone(&stores[task % stores.len()]);
+        let admitted = Arc::clone(&admitted);
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..8 {
+                let takes = [Take::new("hot-log", &limit, 1)];
+                match check(&*store, &takes, None, None).await {
+                    Ok(decisions) if decisions[0].allowed() => {
+                        admitted.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok(_) => {}
+                    Err(err) => panic!("{err}"),
+                }
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.expect("task");
+    }
+    assert_eq!(admitted.load(Ordering::Relaxed), 300);
+    let mut connection = raw(&server).await;
+    let (header, entries) = stored_log(&mut connection, "hot-log").await.expect("a log");
+    assert_eq!(header[0], 300, "{header:?}");
+    assert_eq!(header[1] as usize, entries.len());
+    let sum: u64 = entries.iter().map(|&(_, cost)| cost).sum::<u64>() + header[3];
+    assert_eq!(sum, 300);
+    assert!(entries.windows(2).all(|pair| pair[0].0 < pair[1].0));
+}
+
+/// Logs need only their lists' commands beside the buckets' (`support::LOG_COMMANDS`): a
+/// user with just those takes, rejects, peeks and settles them. Without them, a log's request
+/// fails as a key that is not ours would, and writes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_least_privileged_user_keeps_logs() {
+    let server = RedisServer::start();
+    support::grant_tollgate_user(server.port, &[]);
+    let config = RedisConfig::default().with_timeout(Duration::from_secs(2));
+    let url = support::as_tollgate_user(&server.url());
+    let store = RedisStore::connect(&url, config.clone())
+        .await
+        .expect("connect as tollgate");
+    let limit = log(2, HOUR);
+    let takes = [Take::new("acl", &limit, 2)];
+    let refused = check(&store, &takes, Some(T0), None).await;
+    assert!(
+        matches!(
+            refused,
+            Err(Error::StoreUnavailable {
+                reason: Unavailable::Script
+            })
+        ),
+        "{refused:?}"
+    );
+    assert_eq!(command(server.port, &["DBSIZE"]).as_deref(), Some(":0\r\n"));
+
+    support::grant_tollgate_user(server.port, support::LOG_COMMANDS);
+    let store = RedisStore::connect(&url, config)
+        .await
+        .expect("connect as tollgate");
+    let first = check(&store, &takes, Some(T0), Some("acl-1")).await;
+    assert!(first.expect("decided")[0].allowed());
+    let one = [Take::new("acl", &limit, 1)];
+    let peeked = store
+        .peek(CheckRequest {
+            takes: &one,
+            request_id: None,
+            now: Some(T0),
+        })
+        .await
+        .expect("a peek");
+    assert!(!peeked[0].allowed());
+    let settled = store
+        .settle(
+            CheckRequest {
+                takes: &takes,
+                request_id: Some("acl-1"),
+                now: Some(T0),
+            },
+            &[1],
+        )
+        .await
+        .expect("settled");
+    assert_eq!(settled.decisions[0].remaining(), 1);
+    assert!(check(&store, &one, Some(T0), None).await.expect("decided")[0].allowed());
+    assert!(!check(&store, &one, Some(T0), None).await.expect("decided")[0].allowed());
 }

@@ -5,7 +5,8 @@
 //! models (`tests/bucket_model.rs`, `tests/window_model.rs`); any other store is then held to
 //! it here, decision for decision, including balances, retry times, all-or-nothing rejections,
 //! idempotent retries, settlements (refunds of charged requests, repeated or conflicting) and
-//! refused costs, for token buckets, fixed and sliding windows, and requests mixing them. Enabled by the `testkit` feature, for other crates' tests.
+//! refused costs, for token buckets, fixed and sliding windows, sliding logs, and requests mixing
+//! them. Enabled by the `testkit` feature, for other crates' tests.
 
 use std::fmt;
 use std::time::Duration;
@@ -13,7 +14,7 @@ use std::time::Duration;
 use crate::clock::{ManualClock, Timestamp};
 use crate::decision::Decision;
 use crate::error::Error;
-use crate::limit::{Limit, Rate};
+use crate::limit::{Algorithm, Limit, Rate};
 use crate::store::{CheckRequest, LocalStore, Settlement, Store, Take};
 
 /// Where a store under test parted from the memory store.
@@ -67,6 +68,12 @@ pub struct Trace {
     /// request from an earlier time may then be decided otherwise than by the memory store,
     /// which never charged: compare such stores without steps back.
     pub steps_back: bool,
+    /// Only limits of this algorithm, when set, and no step longer than a second. A trace over
+    /// every kind spreads its requests over a key per subject and limit, and steps a minute
+    /// now and then: a key is mostly asked again after its state stopped counting, so a kind
+    /// whose states count briefly (a log's entries) is rarely seen full, rejecting, or given
+    /// back to while its charge still counts. Focused, the same keys meet while they count.
+    pub only: Option<Algorithm>,
 }
 
 impl Trace {
@@ -80,6 +87,7 @@ impl Trace {
             start: Timestamp::from_nanos(1_700_000_000_000_000_000),
             hash_tags: true,
             steps_back: true,
+            only: None,
         }
     }
 
@@ -94,11 +102,17 @@ impl Trace {
         self.steps_back = on;
         self
     }
+
+    /// The trace on limits of `algorithm` alone, with short steps (see [`Trace::only`]).
+    pub fn only(mut self, algorithm: Algorithm) -> Self {
+        self.only = Some(algorithm);
+        self
+    }
 }
 
 /// Token buckets with awkward rates (reduced amounts above one, long and short periods), then
 /// windows: short ones that the trace's steps cross often (a sliding window of 1 ms weighs its
-/// previous window whole), and long ones whose counts last.
+/// previous window whole), and long ones whose counts last; then sliding logs, short and long.
 fn limits() -> Vec<Limit> {
     let make = |capacity, amount, period_us: u64| {
         Rate::new(amount, Duration::from_micros(period_us))
@@ -119,6 +133,9 @@ fn limits() -> Vec<Limit> {
         Limit::sliding_window(6, ms(20)),
         Limit::fixed_window(2, ms(1_000)),
         Limit::sliding_window(10, ms(1_000)),
+        Limit::sliding_log(3, ms(1)),
+        Limit::sliding_log(5, ms(20)),
+        Limit::sliding_log(8, ms(1_000)),
     ]
     .into_iter()
     .filter_map(Result::ok)
@@ -152,12 +169,22 @@ type Spec = (usize, usize, u64);
 /// The first [`Mismatch`].
 pub async fn compare_with_memory<S: Store>(store: &S, trace: &Trace) -> Result<(), Box<Mismatch>> {
     let reference = LocalStore::new(ManualClock::new());
-    let limits = limits();
+    let limits: Vec<Limit> = limits()
+        .into_iter()
+        .filter(|limit| trace.only.is_none_or(|only| limit.algorithm() == only))
+        .collect();
+    if limits.is_empty() {
+        return Ok(());
+    }
     let mut rng = Rng(trace.seed | 1);
     let mut now = trace.start;
-    let steps_us = [
+    let all_steps_us = [
         0u64, 0, 1, 3, 137, 500, 1_000, 2_500, 10_000, 100_000, 333_333, 1_000_000, 70_000_000,
     ];
+    let steps_us = match trace.only {
+        Some(_) => &all_steps_us[..all_steps_us.len() - 1],
+        None => &all_steps_us[..],
+    };
     let back_us = [1u64, 137, 1_000, 7_000, 250_000];
     // Requests that charged, by id, to retry or settle later: (id, [(subject, limit, cost)],
     // the refunds of its last settlement).
@@ -170,11 +197,13 @@ pub async fn compare_with_memory<S: Store>(store: &S, trace: &Trace) -> Result<(
             now = now + Duration::from_micros(steps_us[rng.below(steps_us.len() as u64) as usize]);
         }
         let mut takes_spec: Vec<Spec> = Vec::new();
+        // As many as there are limits, at most (a request names each bucket once).
         let buckets = match rng.below(10) {
             0..=6 => 1,
             7 | 8 => 2,
             _ => 3,
-        };
+        }
+        .min(limits.len());
         let subject = rng.below(trace.subjects as u64) as usize;
         while takes_spec.len() < buckets {
             let limit = rng.below(limits.len() as u64) as usize;
@@ -411,6 +440,30 @@ mod tests {
         let store = Lenient(LocalStore::new(ManualClock::new()));
         let trace = Trace::new(3, 500, "lenient");
         assert!(block_on_ready(compare_with_memory(&store, &trace)).is_err());
+    }
+
+    /// A trace focused on logs keeps their keys counting: the memory store conforms to it,
+    /// and a store that charges logs one request too few, or gives them nothing back, is
+    /// caught by every seed.
+    #[test]
+    fn a_trace_of_logs_alone_catches_what_a_log_store_gets_wrong() {
+        let logs = |seed: u64, name: &str| {
+            Trace::new(seed, 500, format!("{name}-{seed}")).only(Algorithm::SlidingLog)
+        };
+        let store = LocalStore::new(ManualClock::new());
+        for seed in 1..6 {
+            if let Err(mismatch) = block_on_ready(compare_with_memory(&store, &logs(seed, "own"))) {
+                panic!("{mismatch}");
+            }
+        }
+        let lenient = Lenient(LocalStore::new(ManualClock::new()));
+        let stingy = Stingy(LocalStore::new(ManualClock::new()));
+        for seed in 1..4 {
+            let trace = logs(seed, "lenient");
+            assert!(block_on_ready(compare_with_memory(&lenient, &trace)).is_err());
+            let trace = logs(seed, "stingy");
+            assert!(block_on_ready(compare_with_memory(&stingy, &trace)).is_err());
+        }
     }
 
     /// The memory store, but deciding each request as `rewrite` turns it.

@@ -182,6 +182,12 @@ pub(crate) const LEASE_COMMANDS: &[&str] = &[
     "+pexpire",
 ];
 
+/// What sliding logs add to [`grant_tollgate_user`]: their lists' commands (a log is a list,
+/// see `scripts/take.lua`), and `PEXPIRE` for their expiry.
+#[allow(dead_code)]
+pub(crate) const LOG_COMMANDS: &[&str] =
+    &["+lrange", "+lset", "+ltrim", "+rpush", "+lrem", "+pexpire"];
+
 /// `url` (`redis://` or `redis+cluster://`) as the user of [`grant_tollgate_user`].
 #[allow(dead_code)]
 pub(crate) fn as_tollgate_user(url: &str) -> String {
