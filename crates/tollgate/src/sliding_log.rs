@@ -212,7 +212,9 @@ pub(crate) fn decide(limit: &Limit, log: &RequestLog, now: Timestamp, cost: u64)
         return Decision::window(true, *limit, cost, n - counted - cost, 0, reset);
     }
     let retry = log.retry(&at, counted + cost - n);
-    Decision::window(false, *limit, cost, n - counted, retry, log.reset(&at))
+    // A log can count more than its limit: the limit was lowered since it was charged.
+    let remaining = n.saturating_sub(counted);
+    Decision::window(false, *limit, cost, remaining, retry, log.reset(&at))
 }
 
 /// Charges `cost` at `now`, for a request [`decide`] allowed under the same lock.
@@ -391,6 +393,21 @@ mod tests {
         // Charging drops what the latest millisecond no longer counts.
         take(&limit, &mut log, at(SEC + MS), 1);
         assert_eq!(log.len(), 1);
+    }
+
+    #[test]
+    fn a_lowered_limit_admits_nothing_until_enough_has_left() {
+        let wide = log_limit(5, Duration::from_secs(1));
+        let narrow = log_limit(2, Duration::from_secs(1));
+        let mut log = RequestLog::default();
+        run(&wide, &mut log, &[(0, 2), (100 * MS, 3)]);
+        let d = take(&narrow, &mut log, at(200 * MS), 1);
+        assert!(!d.allowed());
+        assert_eq!(d.remaining(), 0);
+        // The 3 of 100 ms must go too: 5 counted, 1 more asked, 2 allowed.
+        assert_eq!(d.retry_after(), Some(Duration::from_millis(900)));
+        assert_eq!(balance(&narrow, Some(&log), at(200 * MS), 1).remaining(), 0);
+        assert!(take(&narrow, &mut log, at(1_100 * MS), 2).allowed());
     }
 
     #[test]
