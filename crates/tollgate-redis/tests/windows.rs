@@ -354,6 +354,33 @@ async fn a_window_refund_gives_back_only_what_the_window_still_counts() {
 /// A key holding something that is not a window's state (another program's string, a hash, a
 /// token bucket's state) fails its own request only, in a call shared with others, and stays as
 /// it was; a token bucket whose key holds a window's state fails likewise.
+/// Checks `bad`'s buckets and `good`'s, one request each, all queued before the dispatcher runs
+/// (one thread) so that they leave in one script call: each bad one fails alone, as a script
+/// error, and each good one passes.
+async fn each_fails_alone(store: &RedisStore, bad: &[(&str, &Limit)], good: &[(&str, &Limit)]) {
+    let requests = bad.iter().chain(good).map(|&(key, limit)| async move {
+        check(store, &[Take::new(key, limit, 1)], None, None).await
+    });
+    let results = futures_util::future::join_all(requests).await;
+    for ((key, _), result) in bad.iter().zip(&results) {
+        assert!(
+            matches!(
+                result,
+                Err(Error::StoreUnavailable {
+                    reason: Unavailable::Script
+                })
+            ),
+            "{key}: {result:?}"
+        );
+    }
+    for ((key, _), result) in good.iter().zip(&results[bad.len()..]) {
+        assert!(
+            matches!(result, Ok(d) if d[0].allowed()),
+            "{key}: {result:?}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "current_thread")]
 async fn a_window_key_that_is_not_ours_fails_its_request_alone() {
     let server = RedisServer::start();
@@ -378,35 +405,12 @@ async fn a_window_key_that_is_not_ours_fails_its_request_alone() {
         ("window", &bucket),
     ];
     let good: Vec<String> = (0..6).map(|i| format!("good{i}")).collect();
-    // All queued before the dispatcher runs (one thread): they leave in one script call.
-    async fn one(store: &RedisStore, key: &str, limit: &Limit) -> Result<Vec<Decision>, Error> {
-        check(store, &[Take::new(key, limit, 1)], None, None).await
-    }
-    let mut futures = Vec::new();
-    for &(key, limit) in &bad {
-        futures.push(one(&store, key, limit));
-    }
-    for (i, key) in good.iter().enumerate() {
-        futures.push(one(&store, key, if i % 2 == 0 { &window } else { &bucket }));
-    }
-    let results = futures_util::future::join_all(futures).await;
-    for ((key, _), result) in bad.iter().zip(&results) {
-        assert!(
-            matches!(
-                result,
-                Err(Error::StoreUnavailable {
-                    reason: Unavailable::Script
-                })
-            ),
-            "{key}: {result:?}"
-        );
-    }
-    for (key, result) in good.iter().zip(&results[bad.len()..]) {
-        assert!(
-            matches!(result, Ok(d) if d[0].allowed()),
-            "{key}: {result:?}"
-        );
-    }
+    let good: Vec<(&str, &Limit)> = good
+        .iter()
+        .enumerate()
+        .map(|(i, key)| (key.as_str(), if i % 2 == 0 { &window } else { &bucket }))
+        .collect();
+    each_fails_alone(&store, &bad, &good).await;
     assert_eq!(stored(&server, "text").as_deref(), Some("not-a-number"));
     assert_eq!(
         stored(&server, "bucket").as_deref(),
@@ -725,35 +729,8 @@ async fn a_log_key_that_is_not_ours_is_reported_not_overwritten() {
         ("logged", &bucket),
     ];
     let good: Vec<String> = (0..4).map(|i| format!("good{i}")).collect();
-    // All queued before the dispatcher runs (one thread): they leave in one script call.
-    async fn one(store: &RedisStore, key: &str, limit: &Limit) -> Result<Vec<Decision>, Error> {
-        check(store, &[Take::new(key, limit, 1)], None, None).await
-    }
-    let mut futures = Vec::new();
-    for &(key, limit) in &bad {
-        futures.push(one(&store, key, limit));
-    }
-    for key in &good {
-        futures.push(one(&store, key, &limit));
-    }
-    let results = futures_util::future::join_all(futures).await;
-    for ((key, _), result) in bad.iter().zip(&results) {
-        assert!(
-            matches!(
-                result,
-                Err(Error::StoreUnavailable {
-                    reason: Unavailable::Script
-                })
-            ),
-            "{key}: {result:?}"
-        );
-    }
-    for (key, result) in good.iter().zip(&results[bad.len()..]) {
-        assert!(
-            matches!(result, Ok(d) if d[0].allowed()),
-            "{key}: {result:?}"
-        );
-    }
+    let good: Vec<(&str, &Limit)> = good.iter().map(|key| (key.as_str(), &limit)).collect();
+    each_fails_alone(&store, &bad, &good).await;
     assert_eq!(stored(&server, "text").as_deref(), Some("hello"));
     assert_eq!(stored(&server, "window").as_deref(), Some("w1700000000:1"));
     assert_eq!(

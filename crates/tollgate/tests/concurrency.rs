@@ -11,6 +11,20 @@ use tollgate::{Clock, Item, Limit, ManualClock, MemoryStore, RateLimiter, Timest
 
 const THREADS: usize = 8;
 
+/// Moves `clock` forward `steps` times by 100 µs, each after at least a few more checks, so
+/// time and checks interleave (and a bucket never sits full while time passes, which would
+/// waste refill); then says it is `done`.
+fn move_time(clock: &ManualClock, steps: usize, attempts: &AtomicU64, done: &AtomicBool) {
+    for _ in 0..steps {
+        let seen = attempts.load(Ordering::Relaxed);
+        while attempts.load(Ordering::Relaxed) < seen + 4 {
+            thread::yield_now();
+        }
+        clock.advance(Duration::from_micros(100));
+    }
+    done.store(true, Ordering::Release);
+}
+
 #[test]
 fn frozen_time_admits_exactly_the_capacity() {
     for capacity in [1, 7, 1_000] {
@@ -43,18 +57,7 @@ fn moving_time_admits_at_most_capacity_plus_refill() {
     let attempts = AtomicU64::new(0);
     let done = AtomicBool::new(false);
     thread::scope(|scope| {
-        scope.spawn(|| {
-            for _ in 0..2_000 {
-                // At least a few checks at every instant, so time and checks interleave (and the
-                // bucket never sits full while time passes, which would waste refill).
-                let seen = attempts.load(Ordering::Relaxed);
-                while attempts.load(Ordering::Relaxed) < seen + 4 {
-                    thread::yield_now();
-                }
-                clock.advance(Duration::from_micros(100));
-            }
-            done.store(true, Ordering::Release);
-        });
+        scope.spawn(|| move_time(&clock, 2_000, &attempts, &done));
         for t in 0..THREADS as u64 {
             let (limiter, admitted, attempts, done) = (&limiter, &admitted, &attempts, &done);
             scope.spawn(move || {
@@ -92,16 +95,7 @@ fn a_sliding_log_never_admits_past_its_limit_in_any_window() {
     let done = AtomicBool::new(false);
     let admitted = std::sync::Mutex::new(Vec::new());
     thread::scope(|scope| {
-        scope.spawn(|| {
-            for _ in 0..1_000 {
-                let seen = attempts.load(Ordering::Relaxed);
-                while attempts.load(Ordering::Relaxed) < seen + 4 {
-                    thread::yield_now();
-                }
-                clock.advance(Duration::from_micros(100));
-            }
-            done.store(true, Ordering::Release);
-        });
+        scope.spawn(|| move_time(&clock, 1_000, &attempts, &done));
         for t in 0..THREADS as u64 {
             let (store, clock, attempts, done, admitted) =
                 (&store, &clock, &attempts, &done, &admitted);
