@@ -34,14 +34,15 @@
 //!
 //! # Representation
 //!
-//! Entries are packed into a `u64` each, the millisecond above the cost, oldest first. A cost
-//! is at most [`MAX_LOG_LIMIT`] (14 bits of the 20 kept) and a millisecond below 2^44 (time is
+//! Entries are packed into a `u64` each, the millisecond above the cost, oldest first; the
+//! latest apart from the others, so that a log of one entry needs no allocation. A cost is at
+//! most [`MAX_LOG_LIMIT`] (14 bits of the 20 kept) and a millisecond below 2^44 (time is
 //! clamped at 2^63 ns, as for buckets), so the packing is lossless. Entries that stopped
-//! counting at the latest entry's millisecond are dropped when the log is charged (nothing
-//! earlier can be asked of it); those that stopped counting only at a later request's time are
-//! skipped, not dropped, since a later request may come from an earlier clock. The log thus
-//! holds at most `N` entries with a cost, plus its latest entry when a refund emptied it
-//! (kept: it still marks the latest time seen).
+//! counting at the latest entry's millisecond are dropped when a charge starts a new one
+//! (nothing earlier can be asked of the log); those that stopped counting only at a later
+//! request's time are skipped, not dropped, since a later request may come from an earlier
+//! clock. The log thus holds at most `N` entries with a cost, plus its latest entry when a
+//! refund emptied it (kept: it still marks the latest time seen).
 
 use std::collections::VecDeque;
 
@@ -60,11 +61,37 @@ const COST_MASK: u64 = (1 << COST_BITS) - 1;
 const _: () = assert!(MAX_LOG_LIMIT <= COST_MASK);
 
 /// One key's log: what each millisecond admitted, oldest first.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+///
+/// The latest entry is kept apart from the older ones: a key asked about now and then holds
+/// that one entry alone, with no allocation (a million such keys would otherwise each cost an
+/// allocation and a cache miss more), and a busy key's usual charge, to the latest
+/// millisecond, touches only it. The Redis store keeps its logs the same way.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct RequestLog {
-    entries: VecDeque<u64>,
+    /// The entries before the latest, oldest first; boxed, and absent when there are none, so
+    /// that a log of one entry is three words.
+    #[allow(
+        clippy::box_collection,
+        reason = "a box is one word where a deque is four, in every log"
+    )]
+    older: Option<Box<VecDeque<u64>>>,
+    /// The latest entry, or [`NONE`].
+    latest: u64,
     /// The sum of the entries' costs.
     total: u64,
+}
+
+/// No entry: a millisecond no clamped time reaches (they stay below 2^44 - 1).
+const NONE: u64 = u64::MAX;
+
+impl Default for RequestLog {
+    fn default() -> Self {
+        Self {
+            older: None,
+            latest: NONE,
+            total: 0,
+        }
+    }
 }
 
 fn entry(ms: u64, cost: u64) -> u64 {
@@ -113,9 +140,16 @@ impl At {
 }
 
 impl RequestLog {
+    /// Every entry, oldest first.
+    fn entries(&self) -> impl DoubleEndedIterator<Item = u64> + '_ {
+        let latest = (self.latest != NONE).then_some(self.latest);
+        let older = self.older.iter().flat_map(|older| older.iter().copied());
+        older.chain(latest)
+    }
+
     /// The millisecond of the latest entry.
     fn latest(&self) -> Option<u64> {
-        self.entries.back().map(|&e| ms_of(e))
+        (self.latest != NONE).then(|| ms_of(self.latest))
     }
 
     /// The instant the log counts nothing any more, however it is asked: its latest entry's
@@ -128,35 +162,33 @@ impl RequestLog {
 
     /// Entries held, for a store's accounting.
     pub(crate) fn len(&self) -> usize {
-        self.entries.len()
+        self.older.as_ref().map_or(0, |older| older.len()) + usize::from(self.latest != NONE)
     }
 
     /// What the log counts at `at`: the total less the entries that stopped counting (the
     /// oldest ones).
     fn counted(&self, at: &At) -> u64 {
         let gone: u64 = self
-            .entries
-            .iter()
-            .take_while(|&&e| !at.counts(ms_of(e)))
-            .map(|&e| cost_of(e))
+            .entries()
+            .take_while(|&e| !at.counts(ms_of(e)))
+            .map(cost_of)
             .sum();
         self.total - gone
     }
 
     /// The wait until the log counts nothing: until its latest entry with a cost stops.
     fn reset(&self, at: &At) -> u64 {
-        self.entries
-            .iter()
+        self.entries()
             .rev()
-            .find(|&&e| cost_of(e) > 0 && at.counts(ms_of(e)))
-            .map_or(0, |&e| at.until_gone(ms_of(e)))
+            .find(|&e| cost_of(e) > 0 && at.counts(ms_of(e)))
+            .map_or(0, |e| at.until_gone(ms_of(e)))
     }
 
     /// The wait until `need` of what the log counts has stopped counting: until the entry
     /// that completes it, oldest first, stops.
     fn retry(&self, at: &At, need: u64) -> u64 {
         let mut freed = 0;
-        for &e in self.entries.iter().filter(|&&e| at.counts(ms_of(e))) {
+        for e in self.entries().filter(|&e| at.counts(ms_of(e))) {
             freed += cost_of(e);
             if freed >= need {
                 return at.until_gone(ms_of(e));
@@ -167,25 +199,41 @@ impl RequestLog {
         self.reset(at)
     }
 
-    /// Adds `cost` at `at`, dropping first what no request can count any more.
+    /// Adds `cost` at `at` (no earlier than the latest entry), dropping first, when a new
+    /// millisecond begins, what no request can count any more.
     fn charge(&mut self, at: &At, cost: u64) {
-        while let Some(&e) = self.entries.front() {
-            if at.counts(ms_of(e)) {
-                break;
+        if self.latest != NONE && ms_of(self.latest) == at.ms {
+            self.latest += cost;
+            self.total += cost;
+            return;
+        }
+        if self.latest != NONE {
+            if at.counts(ms_of(self.latest)) {
+                self.older.get_or_insert_default().push_back(self.latest);
+            } else {
+                // Nothing older counts either.
+                self.older = None;
+                self.total = 0;
             }
-            self.total -= cost_of(e);
-            self.entries.pop_front();
         }
-        match self.entries.back_mut() {
-            Some(last) if ms_of(*last) == at.ms => *last += cost,
-            _ => self.entries.push_back(entry(at.ms, cost)),
+        if let Some(older) = &mut self.older {
+            while let Some(&e) = older.front() {
+                if at.counts(ms_of(e)) {
+                    break;
+                }
+                self.total -= cost_of(e);
+                older.pop_front();
+            }
+            // A burst's entries stay allocated after they leave the window unless given back:
+            // a store of many keys would otherwise keep every key's busiest moment.
+            if older.is_empty() {
+                self.older = None;
+            } else if older.capacity() > 16 && older.len() * 4 < older.capacity() {
+                older.shrink_to(older.len() * 2);
+            }
         }
+        self.latest = entry(at.ms, cost);
         self.total += cost;
-        // A burst's entries stay allocated after they leave the window unless given back: a
-        // store of many keys would otherwise keep every key's busiest moment.
-        if self.entries.capacity() > 16 && self.entries.len() * 4 < self.entries.capacity() {
-            self.entries.shrink_to(self.entries.len() * 2);
-        }
     }
 }
 
@@ -259,17 +307,26 @@ pub(crate) fn charged_ms(limit: &Limit, charged_at: Timestamp, charged: &Decisio
 /// nothing when the entry is gone (it no longer counted against anyone). An entry emptied is
 /// dropped, unless it is the latest, which still marks the latest time seen.
 pub(crate) fn give_back(log: &mut RequestLog, ms: u64, tokens: u64) {
-    let Ok(index) = log.entries.binary_search_by_key(&ms, |&e| ms_of(e)) else {
+    if log.latest != NONE && ms_of(log.latest) == ms {
+        let back = cost_of(log.latest).min(tokens);
+        log.latest -= back;
+        log.total -= back;
+        return;
+    }
+    let Some(older) = &mut log.older else {
         return;
     };
-    let Some(e) = log.entries.get_mut(index) else {
+    let Ok(index) = older.binary_search_by_key(&ms, |&e| ms_of(e)) else {
+        return;
+    };
+    let Some(e) = older.get_mut(index) else {
         return;
     };
     let back = cost_of(*e).min(tokens);
     *e -= back;
     log.total -= back;
-    if cost_of(*e) == 0 && index + 1 < log.entries.len() {
-        log.entries.remove(index);
+    if cost_of(*e) == 0 {
+        older.remove(index);
     }
 }
 
@@ -420,7 +477,11 @@ mod tests {
         assert_eq!(log.len(), 5_000);
         take(&limit, &mut log, at(4_000 * SEC), 1);
         assert_eq!(log.len(), 1);
-        assert!(log.entries.capacity() < 64, "{}", log.entries.capacity());
+        assert!(
+            log.older.is_none(),
+            "{:?}",
+            log.older.as_ref().map(|o| o.capacity())
+        );
     }
 
     #[test]
