@@ -63,6 +63,9 @@
 //!   checked through one process can be settled through another.
 //! * With [`RedisConfig::with_rejection_memory`], a single-bucket rejection on Redis' clock is
 //!   remembered and answered again without a call until its wait is over (see the method).
+//! * With [`RedisConfig::with_token_batches`] (token leasing), a process takes a batch of a hot
+//!   key's tokens in one check and spends it without calls; unused tokens go back by a
+//!   settlement, once. Never over-admits; under-admits by at most a batch per key and process.
 //! * Every call has a timeout (default 20 ms) and a circuit breaker stops waiting on a dead
 //!   Redis; failures surface as [`tollgate::Error::StoreUnavailable`], never as rejections. A
 //!   key holding something that is not a bucket fails its own requests only
@@ -94,6 +97,7 @@ mod rejections;
 mod store;
 #[cfg(feature = "test-server")]
 pub mod test_server;
+mod token_batches;
 
 /// The fingerprint a [`RedisStore`] records with a request id for `takes`, for tests that write
 /// the store's script calls by hand (to pin an interleaving the store alone cannot produce).
@@ -120,4 +124,5 @@ pub use breaker::BreakerConfig;
 pub use failover::{Failover, FailoverStats, FailureMode, Guarded, Outcome};
 pub use store::{ConnectError, RedisConfig, RedisStore, redact};
 pub use tls::TlsFiles;
+pub use token_batches::TokenBatchStats;
 pub use units::check_limit;

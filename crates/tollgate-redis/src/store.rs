@@ -42,8 +42,8 @@ use redis::aio::ConnectionManagerConfig;
 use redis::sentinel::{SentinelClientBuilder, SentinelServerType};
 use redis::{ConnectionAddr, IntoConnectionInfo, RedisError, TlsMode};
 use tollgate::{
-    CheckRequest, Clock, Decision, Error, MonotonicClock, SettleStatus, Settlement, Store, Take,
-    Timestamp, Unavailable,
+    Algorithm, CheckRequest, Clock, Decision, Error, MonotonicClock, SettleStatus, Settlement,
+    Store, Take, Timestamp, Unavailable,
 };
 
 use crate::batch::{self, Batcher, Bucket, Carried, Mode, Params, Record, Segment, TakeScript};
@@ -53,6 +53,7 @@ use crate::connection::{Connection, Link, Opener, SentinelMaster};
 use crate::lease::LeaseScript;
 use crate::rejections::Rejections;
 use crate::tls::{self, TlsFiles};
+use crate::token_batches::{Held, Plan, TokenBatchStats, TokenBatches, Turn};
 use crate::units::{ScriptLimit, WindowFigures};
 
 /// How a [`RedisStore`] talks to Redis.
@@ -88,6 +89,11 @@ pub struct RedisConfig {
     /// without Redis until its `retry_after` passes (default 0: off; see
     /// [`RedisConfig::with_rejection_memory`]).
     pub rejection_memory: usize,
+    /// The most tokens a batch of token leasing holds (default 0: off; see
+    /// [`RedisConfig::with_token_batches`]).
+    pub token_batch: u64,
+    /// The longest a batch is held before its unused tokens go back (default 1 s).
+    pub token_batch_ttl: Duration,
 }
 
 impl std::fmt::Debug for RedisConfig {
@@ -106,6 +112,8 @@ impl std::fmt::Debug for RedisConfig {
                 &self.sentinel_password.as_ref().map(|_| "***"),
             )
             .field("rejection_memory", &self.rejection_memory)
+            .field("token_batch", &self.token_batch)
+            .field("token_batch_ttl", &self.token_batch_ttl)
             .finish()
     }
 }
@@ -122,6 +130,8 @@ impl Default for RedisConfig {
             tls: TlsFiles::default(),
             sentinel_password: None,
             rejection_memory: 0,
+            token_batch: 0,
+            token_batch_ttl: Duration::from_secs(1),
         }
     }
 }
@@ -139,6 +149,42 @@ impl RedisConfig {
     #[must_use]
     pub fn with_rejection_memory(mut self, max: usize) -> Self {
         self.rejection_memory = max;
+        self
+    }
+
+    /// Turns on token leasing (SPEC §7) with batches of at most `max_tokens` tokens (0: off),
+    /// each held at most `ttl`. A key this process checks often (8 checks within 100 ms) takes
+    /// its tokens from Redis in batches: a check of `cost` asks Redis for `cost + extra`, and
+    /// if admitted, the next checks of that key spend the `extra` here, without a call. Redis
+    /// has charged every token spent here, so processes sharing the bucket never admit more
+    /// than it holds; the price is an under-admission of at most one batch per key and
+    /// process: tokens held here are not available to others until spent or given back.
+    ///
+    /// `extra` is at most `max_tokens`, an eighth of the capacity and the tokens the key asked
+    /// for in the last 100 ms (no batch when that is below 2), so a batch lasts about that long
+    /// at the key's own pace. Only what the rejection memory may answer is batched: one token
+    /// bucket on Redis' clock, without a request id or a carry; windows, logs, multi-bucket
+    /// checks, retries and a caller's time go to Redis every time. When Redis refuses a batch
+    /// (the bucket has less than `cost + extra`) the check is asked again for `cost` alone,
+    /// exactly, and the key asks for no batch for 100 ms.
+    ///
+    /// A check answered from a batch reports `remaining` as the tokens still held here (the
+    /// only ones certain to be there: other processes may have emptied the rest of the bucket
+    /// meanwhile) and `reset_after` as the time to refill the rest; the check that took the
+    /// batch reports Redis' own figures, the batch counted as spent. Both are never more than
+    /// the bucket holds, and never sooner than it is full.
+    ///
+    /// Unused tokens go back ([`tollgate::Store::settle`] with the batch's own request id,
+    /// once) when the batch expires, found by the next check of its key or by
+    /// [`RedisStore::sweep_token_batches`], which a process should call every fraction of
+    /// `ttl`; when the key's next check needs more than is left, or another limit; and on
+    /// [`RedisStore::return_token_batches`], at shutdown. `ttl` must be shorter than
+    /// [`RedisConfig::idempotency_window`], in which Redis keeps what a settlement needs.
+    /// [`RedisStore::token_batch_stats`] counts it all.
+    #[must_use]
+    pub fn with_token_batches(mut self, max_tokens: u64, ttl: Duration) -> Self {
+        self.token_batch = max_tokens;
+        self.token_batch_ttl = ttl;
         self
     }
 
@@ -236,6 +282,18 @@ pub enum ConnectError {
         path: std::path::PathBuf,
         /// Why.
         source: std::io::Error,
+    },
+    /// Token leasing is on with a batch lifetime that is zero, or not shorter than the
+    /// idempotency window (past it Redis forgets what gives a batch back).
+    #[error(
+        "the token batch lifetime ({ttl:?}) must be longer than 0 and shorter than the \
+         idempotency window ({window:?})"
+    )]
+    InvalidTokenBatchTtl {
+        /// The lifetime asked for.
+        ttl: Duration,
+        /// The idempotency window.
+        window: Duration,
     },
     /// The prefix is empty or contains `{` (see [`RedisConfig::prefix`]).
     #[error("the key prefix must not be empty or contain '{{'")]
@@ -405,7 +463,9 @@ pub struct RedisStore {
     attempts: (RandomState, AtomicU64),
     /// Recent rejections, answered again without Redis (see [`RedisConfig::rejection_memory`]).
     rejections: Option<Rejections>,
-    /// Times requests for `rejections`.
+    /// Batches of hot keys' tokens held here (see [`RedisConfig::with_token_batches`]).
+    batches: Option<TokenBatches>,
+    /// Times requests for `rejections` and `batches`.
     clock: MonotonicClock,
 }
 
@@ -490,6 +550,15 @@ impl RedisStore {
     pub async fn connect(url: &str, config: RedisConfig) -> Result<Self, ConnectError> {
         if config.prefix.is_empty() || config.prefix.contains('{') {
             return Err(ConnectError::InvalidPrefix);
+        }
+        if config.token_batch > 0
+            && (config.token_batch_ttl.is_zero()
+                || config.token_batch_ttl >= config.idempotency_window)
+        {
+            return Err(ConnectError::InvalidTokenBatchTtl {
+                ttl: config.token_batch_ttl,
+                window: config.idempotency_window,
+            });
         }
         let invalid = || ConnectError::InvalidUrl { url: redact(url) };
         let connect_error = |source| ConnectError::Connect {
@@ -676,6 +745,7 @@ impl RedisStore {
                 .map(|_| Breaker::new(config.breaker, MonotonicClock::new()))
                 .collect(),
             rejections: Rejections::new(config.rejection_memory),
+            batches: TokenBatches::new(config.token_batch, config.token_batch_ttl),
             clock: MonotonicClock::new(),
             config,
             attempts: (RandomState::new(), AtomicU64::new(0)),
@@ -686,6 +756,72 @@ impl RedisStore {
     /// [`RedisConfig::with_rejection_memory`]).
     pub fn rejections_answered(&self) -> u64 {
         self.rejections.as_ref().map_or(0, Rejections::answered)
+    }
+
+    /// What token leasing has done so far (all zeros when it is off; see
+    /// [`RedisConfig::with_token_batches`]).
+    pub fn token_batch_stats(&self) -> TokenBatchStats {
+        self.batches
+            .as_ref()
+            .map_or_else(TokenBatchStats::default, TokenBatches::stats)
+    }
+
+    /// How long a batch of token leasing is held at most; `None` when leasing is off.
+    pub fn token_batch_ttl(&self) -> Option<Duration> {
+        self.batches.as_ref().map(|_| self.config.token_batch_ttl)
+    }
+
+    /// Gives back the unused tokens of the batches held longer than their lifetime, and of
+    /// batches whose fetch failed or was abandoned (Redis may have charged them); returns how
+    /// many batches it tried to give back. Call it every fraction of the lifetime: a batch
+    /// whose key is not checked again is otherwise held until its key's next check.
+    pub async fn sweep_token_batches(&self) -> usize {
+        self.give_back_batches(false).await
+    }
+
+    /// Gives back the unused tokens of every batch held, at shutdown; returns how many batches
+    /// it tried to give back. Checks after it may take batches again.
+    pub async fn return_token_batches(&self) -> usize {
+        self.give_back_batches(true).await
+    }
+
+    async fn give_back_batches(&self, everything: bool) -> usize {
+        let Some(books) = &self.batches else {
+            return 0;
+        };
+        let retired = books.retire(self.clock.now(), everything);
+        let count = retired.len();
+        join_all(
+            retired
+                .into_iter()
+                .map(|(batch, turn)| self.give_back(books, batch, turn)),
+        )
+        .await;
+        count
+    }
+
+    /// Settles `batch`: its unused tokens go back to its bucket, once. `turn` keeps its key
+    /// from fetching another batch meanwhile.
+    async fn give_back(&self, books: &TokenBatches, batch: Held, turn: Turn<'_>) {
+        let key = batch
+            .key
+            .strip_prefix(self.config.prefix.as_str())
+            .unwrap_or(&batch.key);
+        let takes = [Take::new(key, &batch.limit, batch.cost)];
+        let request = CheckRequest {
+            takes: &takes,
+            request_id: Some(&batch.request_id),
+            now: None,
+        };
+        let outcome = match self.settle(request, &[batch.left]).await {
+            Ok(settled) => Some(settled.status == SettleStatus::Settled),
+            Err(err) => {
+                tracing::debug!(error = %err, "a token batch could not be given back");
+                None
+            }
+        };
+        books.returned(&batch, outcome);
+        drop(turn);
     }
 
     /// Whether this store talks to a cluster.
@@ -960,33 +1096,122 @@ impl RedisStore {
     async fn run(&self, request: CheckRequest<'_>, dry: bool) -> Result<Vec<Decision>, Error> {
         let prepared = self.prepare(request)?;
         // A single bucket on Redis' clock, asked anew (a retry must get its first decision):
-        // what the memory of rejections may answer, and learn from.
-        let remembered = match (&self.rejections, request.takes) {
-            (Some(memory), [take])
+        // what the memory of rejections may answer and learn from, and batches may serve.
+        let take = match request.takes {
+            [take]
                 if !dry
                     && request.now.is_none()
                     && request.request_id.is_none()
                     && take.carry.is_none() =>
             {
-                let sent = self.clock.now();
-                if let Some(decision) =
-                    memory.answer(&prepared.keys[0], take.limit, take.cost, sent)
-                {
-                    return Ok(vec![decision]);
-                }
-                Some((memory, sent))
+                take
             }
-            _ => None,
+            _ => {
+                return self
+                    .guarded(&prepared.keys, self.decide(request, &prepared, dry))
+                    .await;
+            }
         };
+        let key = &prepared.keys[0];
+        let sent = self.clock.now();
+        if let Some(memory) = &self.rejections
+            && let Some(decision) = memory.answer(key, take.limit, take.cost, sent)
+        {
+            return Ok(vec![decision]);
+        }
+        let plan = match &self.batches {
+            Some(books) if take.limit.algorithm() == Algorithm::TokenBucket => {
+                books.plan(key, take.limit, take.cost, sent)
+            }
+            _ => Plan::Plain,
+        };
+        match plan {
+            Plan::Spent(decision) => Ok(vec![decision]),
+            Plan::Plain => self.decide_one(request, &prepared, sent).await,
+            Plan::Fetch { extra, turn } => {
+                self.fetch_batch(request, take, &prepared, extra, turn, sent)
+                    .await
+            }
+            Plan::Return { batch, turn } => {
+                let books = self.batches.as_ref().ok_or(Error::StoreUnavailable {
+                    reason: Unavailable::Protocol,
+                })?;
+                let (decided, ()) = futures_util::future::join(
+                    self.decide_one(request, &prepared, sent),
+                    self.give_back(books, batch, turn),
+                )
+                .await;
+                // The tokens given back may have come after a rejection remembered beside.
+                if let Some(memory) = &self.rejections {
+                    memory.forget(key);
+                }
+                decided
+            }
+        }
+    }
+
+    /// Decides a check of one bucket in Redis, remembering a rejection if the memory is on.
+    async fn decide_one(
+        &self,
+        request: CheckRequest<'_>,
+        prepared: &Prepared,
+        sent: Timestamp,
+    ) -> Result<Vec<Decision>, Error> {
         let decided = self
-            .guarded(&prepared.keys, self.decide(request, &prepared, dry))
+            .guarded(&prepared.keys, self.decide(request, prepared, false))
             .await;
-        if let (Some((memory, sent)), Ok([decision])) = (remembered, decided.as_deref())
+        if let (Some(memory), Ok([decision])) = (&self.rejections, decided.as_deref())
             && !decision.allowed()
         {
             memory.remember(&prepared.keys[0], decision, sent);
         }
         decided
+    }
+
+    /// Asks Redis for `take`'s cost and `extra` more, under the batch's own request id; keeps
+    /// the `extra` if admitted, and answers `take`. A refused batch is asked again as `take`
+    /// alone, whose decision is the answer.
+    async fn fetch_batch(
+        &self,
+        request: CheckRequest<'_>,
+        take: &Take<'_>,
+        prepared: &Prepared,
+        extra: u64,
+        turn: Turn<'_>,
+        sent: Timestamp,
+    ) -> Result<Vec<Decision>, Error> {
+        let batch = [Take::new(take.key, take.limit, take.cost + extra)];
+        let fetch = CheckRequest {
+            takes: &batch,
+            request_id: Some(turn.request_id()),
+            now: None,
+        };
+        // The same bucket and limit as `take`: what was prepared for it serves (costs are
+        // read from the takes).
+        let decided = self
+            .guarded(&prepared.keys, self.decide(fetch, prepared, false))
+            .await;
+        match decided.as_deref() {
+            Ok([decision]) if decision.allowed() => {
+                let limit = take.limit;
+                let missing = limit.capacity().saturating_sub(decision.remaining());
+                let answer = Decision::from_deficit(
+                    true,
+                    *limit,
+                    take.cost,
+                    u128::from(missing) * u128::from(limit.units_per_token()),
+                );
+                turn.keep(extra);
+                Ok(vec![answer])
+            }
+            Ok([_]) => {
+                turn.refused(sent);
+                self.decide_one(request, prepared, sent).await
+            }
+            // A failed call may have charged the batch: the turn, dropped, keeps it for the
+            // sweep to give back.
+            _ => decided,
+        }
     }
 
     /// Validates `request` (as a check: costs, keys, request id) and works out what the script
