@@ -120,6 +120,18 @@ pub struct ServeArgs {
     /// process gives back (POST /v1/settle) meanwhile are not seen here until then.
     #[arg(long, env = "TOLLGATE_REJECTION_MEMORY", default_value_t = 100_000)]
     pub rejection_memory: usize,
+    /// Token leasing: the most tokens this process takes from Redis at once for a hot key (one
+    /// checked 8 times within 100 ms here) and spends without asking Redis again; 0, the
+    /// default, turns it off. Never over-admits; each process may hold back up to one batch
+    /// per key from the others (at most this many tokens and an eighth of the capacity) until
+    /// it spends it or gives it back. Redis store only.
+    #[arg(long, env = "TOLLGATE_TOKEN_BATCH", default_value_t = 0, value_name = "TOKENS",
+          value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
+    pub token_batch: u64,
+    /// Token leasing: the longest a batch is held before its unused tokens go back to Redis;
+    /// shorter than --idempotency-window.
+    #[arg(long, env = "TOLLGATE_TOKEN_BATCH_TTL", default_value = "1s", value_parser = parse_timeout)]
+    pub token_batch_ttl: Duration,
     /// How long a decision may wait for Redis before its limits follow their failure modes.
     #[arg(long, env = "TOLLGATE_STORE_TIMEOUT", default_value = "20ms", value_parser = parse_duration)]
     pub store_timeout: Duration,
@@ -588,9 +600,20 @@ pub async fn serve(
         None => None,
     };
 
+    if args.token_batch > 0 && args.token_batch_ttl >= args.idempotency_window {
+        bail!(
+            "--token-batch-ttl {:?} must be shorter than --idempotency-window {:?}: past it \
+             Redis forgets what gives a batch's unused tokens back",
+            args.token_batch_ttl,
+            args.idempotency_window
+        );
+    }
     let backend = if args.store == "memory" {
         if args.store_tls_ca.is_some() || args.store_tls_cert.is_some() {
             bail!("--store-tls-ca/--store-tls-cert are for a rediss:// store, not --store memory");
+        }
+        if args.token_batch > 0 {
+            bail!("--token-batch is for a Redis store: the memory store needs no batches");
         }
         Backend::Memory
     } else {
@@ -617,6 +640,7 @@ pub async fn serve(
             .with_timeout(args.store_timeout)
             .with_idempotency_window(args.idempotency_window)
             .with_rejection_memory(args.rejection_memory)
+            .with_token_batches(args.token_batch, args.token_batch_ttl)
             .with_tls(tls);
         if let Some(password) = &args.store_sentinel_password {
             if !args.store.contains("+sentinel://") {
@@ -673,8 +697,9 @@ pub async fn serve(
         idle_timeout: args.idle_timeout,
         drain_timeout: args.drain_timeout,
     };
-    let state =
-        Arc::new(AppState::new(decider, metrics, http_options).with_connection_limits(limits));
+    let state = Arc::new(
+        AppState::new(Arc::clone(&decider), metrics, http_options).with_connection_limits(limits),
+    );
 
     let http = TcpListener::bind(args.http)
         .await
@@ -723,6 +748,14 @@ pub async fn serve(
         }
     }
     .map_err(|err| anyhow!("{err}"))?;
+    // The requests are done: tokens this process still holds in batches go back, so that
+    // the other processes can admit them at once rather than when their buckets refill.
+    if let Backend::Redis(store) = decider.backend() {
+        let returned = store.return_token_batches().await;
+        if returned > 0 {
+            tracing::info!(batches = returned, "gave back the unused tokens of batches");
+        }
+    }
     Ok(())
 }
 

@@ -286,8 +286,36 @@ async fn until_stopped(mut stopped: watch::Receiver<bool>) {
     let _ = stopped.wait_for(|stop| *stop).await;
 }
 
+/// How often, at most, batches of tokens held past their lifetime are looked for: a quarter
+/// of the lifetime, so a batch whose key went quiet is held at most a quarter longer.
+fn token_batch_sweep_every(ttl: Duration) -> Duration {
+    (ttl / 4).max(Duration::from_millis(10))
+}
+
 /// The process-wide chores, once per process, until `stopped`.
 fn housekeeping(state: &Arc<AppState>, stopped: &watch::Receiver<bool>) {
+    if let Backend::Redis(store) = state.decider.backend()
+        && let Some(ttl) = store.token_batch_ttl()
+    {
+        let decider = Arc::clone(&state.decider);
+        let stop = until_stopped(stopped.clone());
+        tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(token_batch_sweep_every(ttl));
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let sweeping = async {
+                loop {
+                    ticks.tick().await;
+                    if let Backend::Redis(store) = decider.backend() {
+                        store.sweep_token_batches().await;
+                    }
+                }
+            };
+            tokio::select! {
+                () = sweeping => {}
+                () = stop => {}
+            }
+        });
+    }
     let engine = Arc::clone(state.decider.engine());
     tokio::spawn(every(
         SWEEP_EVERY,

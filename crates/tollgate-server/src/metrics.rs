@@ -43,6 +43,16 @@ pub const STORE_CIRCUIT_OPEN: &str = "tollgate_store_circuit_open";
 /// Checks answered from the memory of recent Redis rejections, without a call
 /// (`--rejection-memory`).
 pub const REMEMBERED_REJECTIONS: &str = "tollgate_remembered_rejections_total";
+/// Batches of tokens taken from Redis by token leasing (`--token-batch`).
+pub const TOKEN_BATCHES: &str = "tollgate_token_batches_total";
+/// Tokens taken from Redis in batches (beyond the cost of the checks that took them).
+pub const BATCHED_TOKENS_TAKEN: &str = "tollgate_batched_tokens_taken_total";
+/// Where batched tokens went: label `outcome` (`spent`: admitted here without a call;
+/// `returned`: given back unused; `lost`: could not be given back, an under-admission until
+/// the bucket refills).
+pub const BATCHED_TOKENS: &str = "tollgate_batched_tokens_total";
+/// Batched tokens held in this process now, not spent yet: what it keeps from the others.
+pub const BATCHED_TOKENS_HELD: &str = "tollgate_batched_tokens_held";
 /// Leases given back through `DELETE /v1/leases/{id}`: label `result` (`released`: it was
 /// held; `not_found`: it had timed out, was released before, or never existed).
 pub const LEASES_RELEASED: &str = "tollgate_lease_releases_total";
@@ -166,6 +176,16 @@ fn describe() {
         REMEMBERED_REJECTIONS,
         "Checks rejected from the memory of recent Redis rejections, without a call."
     );
+    describe_counter!(TOKEN_BATCHES, "Batches of tokens taken from Redis.");
+    describe_counter!(
+        BATCHED_TOKENS_TAKEN,
+        "Tokens taken from Redis in batches, beyond the checks that took them."
+    );
+    describe_counter!(
+        BATCHED_TOKENS,
+        "Batched tokens spent here, given back unused, or lost."
+    );
+    describe_gauge!(BATCHED_TOKENS_HELD, "Batched tokens held here now.");
     describe_counter!(
         LEASES_RELEASED,
         "Leases given back, by whether they were held."
@@ -459,6 +479,19 @@ pub(crate) fn refresh_store(backend: &Backend) {
     if let Backend::Redis(store) = backend {
         gauge!(STORE_CIRCUIT_OPEN).set(store.open_breakers() as f64);
         counter!(REMEMBERED_REJECTIONS).absolute(store.rejections_answered());
+        if store.token_batch_ttl().is_some() {
+            let batches = store.token_batch_stats();
+            counter!(TOKEN_BATCHES).absolute(batches.batches);
+            counter!(BATCHED_TOKENS_TAKEN).absolute(batches.taken);
+            for (outcome, tokens) in [
+                ("spent", batches.spent),
+                ("returned", batches.returned),
+                ("lost", batches.lost),
+            ] {
+                counter!(BATCHED_TOKENS, "outcome" => outcome).absolute(tokens);
+            }
+            gauge!(BATCHED_TOKENS_HELD).set(batches.held as f64);
+        }
     }
 }
 

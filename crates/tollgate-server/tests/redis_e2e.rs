@@ -177,6 +177,119 @@ fn rejections_are_remembered_unless_turned_off() {
     );
 }
 
+/// A metric's value in `server`'s `/metrics` (the line that starts with `series`), 0 if absent.
+fn metric(server: &Server, series: &str) -> f64 {
+    let metrics = request(server.http, "GET", "/metrics", &[], "").body;
+    metrics
+        .lines()
+        .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Token leasing (`--token-batch`): two servers hammering one key each take its tokens from
+/// Redis in batches and spend them without calls, and together never admit more than the
+/// bucket holds; the batches they still hold at shutdown go back, so a third server then
+/// admits exactly what the first two did not.
+#[test]
+fn two_batching_servers_share_a_quota_without_over_admitting() {
+    const BATCHED: &str = r#"
+version: "batched"
+limits:
+  - name: quota
+    domain: api
+    key: [user]
+    capacity: 400
+    refill: 1/d
+"#;
+    let redis = RedisServer::start();
+    let scratch = Scratch::new("batched");
+    let config = scratch.write("policy.yaml", BATCHED);
+    let batching = ["--token-batch", "16", "--token-batch-ttl", "30s"];
+    let servers = [
+        on_store(&config, &redis.url(), &batching),
+        on_store(&config, &redis.url(), &batching),
+    ];
+    let check = |server: &Server, user: &str| {
+        let body = format!(r#"{{"domain":"api","descriptors":[{{"user":"{user}"}}]}}"#);
+        let answer = post_json(server.http, "/v1/check", &body);
+        assert!(matches!(answer.status, 200 | 429), "{}", answer.body);
+        answer.status == 200
+    };
+    let hammer = |user: &str, rounds: usize| -> usize {
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..8)
+                .map(|worker| {
+                    let server = &servers[worker % 2];
+                    scope.spawn(move || (0..rounds).filter(|_| check(server, user)).count())
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).sum()
+        })
+    };
+
+    // Past the limit: 640 checks for 400 tokens.
+    let pat = hammer("pat", 80);
+    assert!(pat <= 400, "admitted {pat}");
+    // Under it: 240 checks, all admitted, and tokens still held when the servers stop.
+    let mut sue = hammer("sue", 30);
+    assert_eq!(sue, 240);
+    let held = |servers: &[Server]| -> f64 {
+        servers
+            .iter()
+            .map(|s| metric(s, "tollgate_batched_tokens_held"))
+            .sum()
+    };
+    while held(&servers) == 0.0 && sue < 300 {
+        sue += usize::from(check(&servers[0], "sue"));
+    }
+    assert!(held(&servers) > 0.0);
+    for server in &servers {
+        assert!(metric(server, "tollgate_token_batches_total") > 0.0);
+        assert!(metric(server, "tollgate_batched_tokens_taken_total") > 0.0);
+        let spent = r#"tollgate_batched_tokens_total{outcome="spent"}"#;
+        assert!(metric(server, spent) > 0.0);
+    }
+    let [a, b] = servers;
+    assert!(a.terminate().success());
+    assert!(b.terminate().success());
+
+    // A server without batches finds exactly what was not admitted.
+    let third = on_store(&config, &redis.url(), &[]);
+    let rest = |user: &str| (0..500).take_while(|_| check(&third, user)).count();
+    assert_eq!(rest("pat"), 400 - pat);
+    assert_eq!(rest("sue"), 400 - sue);
+}
+
+/// Token leasing's flags refuse what cannot work, in one line that names the flag.
+#[test]
+fn token_batch_flags_refuse_what_cannot_work() {
+    let redis = RedisServer::start();
+    let url = redis.url();
+    support::assert_serve_flags_refused(&[
+        ("--token-batch", "many", "invalid digit"),
+        ("--token-batch", "1000001", "not in 0..=1000000"),
+        ("--token-batch-ttl", "0s", "longer than 0"),
+        ("--token-batch-ttl", "soon", "--token-batch-ttl"),
+    ]);
+    for (args, says) in [
+        (
+            &[
+                "--store",
+                &url,
+                "--token-batch",
+                "8",
+                "--token-batch-ttl",
+                "2m",
+            ][..],
+            "shorter than --idempotency-window",
+        ),
+        (&["--token-batch", "8"][..], "is for a Redis store"),
+    ] {
+        let stderr = serve_refused(args);
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+    }
+}
+
 #[test]
 fn a_reload_that_grows_a_limit_carries_redis_balances_over() {
     let redis = RedisServer::start();
