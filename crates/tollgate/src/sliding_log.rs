@@ -242,15 +242,23 @@ impl RequestLog {
 /// charge apart, as they make a log only for a charge.)
 #[cfg(test)]
 fn take(limit: &Limit, log: &mut RequestLog, now: Timestamp, cost: u64) -> Decision {
-    let decision = decide(limit, log, now, cost);
+    let decision = decide(limit, Some(log), now, cost);
     if decision.allowed() {
         charge(limit, log, now, cost);
     }
     decision
 }
 
-/// What [`take`] would decide, without charging: the decision an allowed charge will have.
-pub(crate) fn decide(limit: &Limit, log: &RequestLog, now: Timestamp, cost: u64) -> Decision {
+/// Decides `cost` (already checked to be in `1..=N`) against `log` (absent: nothing counted)
+/// at `now`, without charging: the decision an allowed charge will have.
+pub(crate) fn decide(
+    limit: &Limit,
+    log: Option<&RequestLog>,
+    now: Timestamp,
+    cost: u64,
+) -> Decision {
+    let empty = RequestLog::default();
+    let log = log.unwrap_or(&empty);
     let at = At::of(limit, log, now);
     let counted = log.counted(&at);
     let n = limit.capacity();

@@ -18,7 +18,10 @@
 //! state in the shard's spill table, under a second copy of its key (counted in
 //! [`MemoryStats::spilled`]). Window limits use the same state: a fixed window's always fits
 //! the slot, and a sliding window's does until it has a previous window's count to keep, which
-//! takes the remainder's place (see [`Algorithm`](crate::Algorithm)). Keys are stored as given (use `u64` or `Box<str>` rather than
+//! takes the remainder's place (see [`Algorithm`](crate::Algorithm)). A sliding log has no
+//! fixed-size state: it lives in the shard's table of logs, its key beside its latest entry and
+//! its older entries in an allocation of their own (counted in [`MemoryStats::logs`], and in
+//! the bound as a bucket). Keys are stored as given (use `u64` or `Box<str>` rather than
 //! `String` to save bytes).
 //!
 //! A slot is nothing more: no control byte, no stored hash. The table is open addressing with
@@ -524,8 +527,7 @@ where
         for (item, &hash) in items.iter().zip(&hashes) {
             let shard = &guards[guard_of(&guards, hash)].1;
             if item.limit.algorithm().keeps_log() {
-                let empty = RequestLog::default();
-                let log = shard.log(hash, item.key).unwrap_or(&empty);
+                let log = shard.log(hash, item.key);
                 decisions.push(sliding_log::decide(item.limit, log, now, item.cost));
                 next_states.push((None, None));
                 continue;
@@ -703,9 +705,7 @@ where
         let hash = self.hash(key);
         let shard = self.lock(hash);
         if limit.algorithm().keeps_log() {
-            let empty = RequestLog::default();
-            let log = shard.log(hash, key).unwrap_or(&empty);
-            return Ok(sliding_log::decide(limit, log, now, cost));
+            return Ok(sliding_log::decide(limit, shard.log(hash, key), now, cost));
         }
         let state = shard
             .buckets
@@ -906,9 +906,7 @@ where
         Q: Hash + Eq + ToOwned + ?Sized,
         Q::Owned: Into<K>,
     {
-        let empty = RequestLog::default();
-        let decision =
-            sliding_log::decide(limit, shard.log(hash, key).unwrap_or(&empty), now, cost);
+        let decision = sliding_log::decide(limit, shard.log(hash, key), now, cost);
         if decision.allowed() {
             self.charge_log(shard, hash, key, limit, cost, now);
         }
