@@ -628,6 +628,24 @@ impl PolicyEngine {
         block_on_ready(self.run_on(&self.local, domain, descriptors, cost, request_id, run))
     }
 
+    /// The effective parameters of the limits that could reject a request with these
+    /// descriptors now: enforced, neither in shadow mode, outside their rollout nor exempt.
+    /// Nothing is decided, charged or counted. For callers that size something by the limits
+    /// before deciding (RLQS assignments).
+    pub fn enforced_limits<D, S>(&self, domain: &str, descriptors: &[D]) -> Vec<Limit>
+    where
+        D: AsRef<[(S, S)]>,
+        S: AsRef<str>,
+    {
+        let policy = self.current.load_full();
+        policy
+            .matches(domain, descriptors, self.match_time(&policy))
+            .into_iter()
+            .filter(|m| m.effect == Effect::Enforce)
+            .map(|m| *m.params())
+            .collect()
+    }
+
     /// What [`decide`](Self::decide) would answer, without charging or counting anything.
     ///
     /// # Errors
@@ -1701,5 +1719,35 @@ mod tests {
             split_store_key(&gold),
             Some(("global", "gold", rate_tag(&a), "{global#gold}"))
         );
+    }
+
+    #[test]
+    fn enforced_limits_leave_out_shadow_and_exempt_ones_by_the_engine_clock() {
+        let policy = crate::compile(
+            "p.yaml",
+            r#"
+limits:
+  - {name: per-user, domain: api, key: [user], capacity: 10, refill: 5/s}
+  - {name: watched, domain: api, key: [user], capacity: 1, refill: 1/h, mode: shadow}
+  - {name: per-team, domain: api, key: [team], capacity: 7, refill: 1/s}
+exemptions:
+  - {limit: per-user, when: {user: vip}, owner: ops, reason: test, expires: "2030-01-01T00:00:00Z"}
+"#,
+        )
+        .unwrap();
+        let wall =
+            crate::ManualWallClock::new(UnixTime::parse_rfc3339("2029-06-01T00:00:00Z").unwrap());
+        let options = EngineOptions::default().wall_clock(Arc::new(wall.clone()));
+        let engine = PolicyEngine::new(policy, options);
+        let capacities = |entries: &[(&str, &str)]| {
+            let limits = engine.enforced_limits("api", &[entries]);
+            limits.iter().map(Limit::capacity).collect::<Vec<_>>()
+        };
+        assert_eq!(capacities(&[("user", "u1"), ("team", "t")]), [10, 7]);
+        assert_eq!(capacities(&[("user", "vip")]), [0u64; 0]);
+        assert_eq!(capacities(&[("other", "x")]), [0u64; 0]);
+        // Past its expiry the exemption lifts nothing.
+        wall.set(UnixTime::parse_rfc3339("2030-01-02T00:00:00Z").unwrap());
+        assert_eq!(capacities(&[("user", "vip")]), [10]);
     }
 }
