@@ -23,6 +23,7 @@ use crate::ConnectionLimits;
 use crate::decider::{Backend, Decider};
 use crate::http::{AppState, HttpOptions};
 use crate::loadgen::args::parse_duration;
+use crate::rlqs::RlqsOptions;
 
 /// The demo policy `serve` runs without `--config`.
 pub const DEMO_POLICY: &str = include_str!("demo.yaml");
@@ -38,7 +39,8 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Serve decisions: Envoy RLS over gRPC, HTTP JSON, forward-auth, metrics.
-    Serve(ServeArgs),
+    // Boxed: the serve flags outweigh every other command's.
+    Serve(Box<ServeArgs>),
     /// Check a policy file; exit 0 if it is valid, 1 with the errors if not. Warnings (parts
     /// that load but do nothing, exemptions past or near their expiry) go to stderr.
     Validate {
@@ -172,6 +174,15 @@ pub struct ServeArgs {
     /// The window the hot keys are counted over; both reports show the last one completed.
     #[arg(long, env = "TOLLGATE_HOT_KEYS_WINDOW", default_value = "1m", value_parser = parse_timeout)]
     pub hot_keys_window: Duration,
+    /// RLQS (Envoy's rate-limit quota service): a bucket whose Envoy reports no requests for
+    /// this long is abandoned (Envoy forgets it until its next request).
+    #[arg(long, env = "TOLLGATE_RLQS_ABANDON_AFTER", default_value = "1m", value_parser = parse_timeout)]
+    pub rlqs_abandon_after: Duration,
+    /// RLQS: the most buckets one Envoy's stream is given assignments for; past it, its
+    /// further buckets get none (Envoy's `no_assignment_behavior` applies to them).
+    #[arg(long, env = "TOLLGATE_RLQS_MAX_BUCKETS", default_value_t = 10_000,
+          value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub rlqs_max_buckets: u32,
     /// Bearer token for the admin endpoints (must not be empty); without one they answer
     /// loopback clients only.
     #[arg(long, env = "TOLLGATE_ADMIN_TOKEN", hide_env_values = true)]
@@ -313,7 +324,7 @@ fn parse_descriptor(text: &str) -> Result<Vec<(String, String)>, String> {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Serve(args) => serve_main(args),
+        Command::Serve(args) => serve_main(*args),
         Command::Validate { file, strict } => validate(&file, strict),
         Command::Check(args) => check(args),
         Command::Simulate(args) => crate::simulate::main(&args).map_err(anyhow::Error::from),
@@ -698,7 +709,12 @@ pub async fn serve(
         drain_timeout: args.drain_timeout,
     };
     let state = Arc::new(
-        AppState::new(Arc::clone(&decider), metrics, http_options).with_connection_limits(limits),
+        AppState::new(Arc::clone(&decider), metrics, http_options)
+            .with_connection_limits(limits)
+            .with_rlqs(RlqsOptions {
+                abandon_after: args.rlqs_abandon_after,
+                max_buckets: args.rlqs_max_buckets as usize,
+            }),
     );
 
     let http = TcpListener::bind(args.http)

@@ -30,7 +30,11 @@ use crate::grpc_unary::ShouldRateLimit;
 const HEALTH_PATH: &str = "/grpc.health.v1.Health/";
 
 /// The service names `Check` and `Watch` know.
-const SERVICES: [&str; 2] = ["", "envoy.service.ratelimit.v3.RateLimitService"];
+const SERVICES: [&str; 3] = [
+    "",
+    "envoy.service.ratelimit.v3.RateLimitService",
+    "envoy.service.rate_limit_quota.v3.RateLimitQuotaService",
+];
 
 /// How often a `Watch` looks at the store again: a ping every few seconds per watcher is
 /// nothing to Redis, and a status a few seconds late is what health checking tolerates.
@@ -139,31 +143,38 @@ impl Health for GrpcHealth {
     }
 }
 
-/// The gRPC port's services: health calls go to `health`, the usual `ShouldRateLimit` calls
-/// to `unary` (see [`ShouldRateLimit::answers`]), everything else to `rls` (tonic's server,
-/// which answers `UNIMPLEMENTED` for methods it does not have).
+/// The gRPC port's services: health calls go to `health`, RLQS streams to `rlqs`, the usual
+/// `ShouldRateLimit` calls to `unary` (see [`ShouldRateLimit::answers`]), everything else to
+/// `rls` (tonic's server, which answers `UNIMPLEMENTED` for methods it does not have).
 #[derive(Clone)]
-pub(crate) struct Routes<R, U, H> {
+pub(crate) struct Routes<R, U, H, Q> {
     rls: R,
     unary: U,
     health: H,
+    rlqs: Q,
 }
 
-impl<R, U, H> Routes<R, U, H> {
-    pub(crate) fn new(rls: R, unary: U, health: H) -> Self {
-        Self { rls, unary, health }
+impl<R, U, H, Q> Routes<R, U, H, Q> {
+    pub(crate) fn new(rls: R, unary: U, health: H, rlqs: Q) -> Self {
+        Self {
+            rls,
+            unary,
+            health,
+            rlqs,
+        }
     }
 }
 
-impl<R, U, H, B, Req> Service<http::Request<Req>> for Routes<R, U, H>
+impl<R, U, H, Q, B, Req> Service<http::Request<Req>> for Routes<R, U, H, Q>
 where
     R: Service<http::Request<Req>, Response = http::Response<B>, Error = Infallible>,
     U: Service<http::Request<Req>, Response = http::Response<B>, Error = Infallible>,
     H: Service<http::Request<Req>, Response = http::Response<B>, Error = Infallible>,
+    Q: Service<http::Request<Req>, Response = http::Response<B>, Error = Infallible>,
 {
     type Response = http::Response<B>;
     type Error = Infallible;
-    type Future = Either<R::Future, Either<U::Future, H::Future>>;
+    type Future = Either<Either<R::Future, Q::Future>, Either<U::Future, H::Future>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
         // All are always ready; asked anyway, as the contract says.
@@ -173,16 +184,22 @@ where
         let Poll::Ready(Ok(())) = self.unary.poll_ready(cx) else {
             return Poll::Pending;
         };
+        let Poll::Ready(Ok(())) = self.rlqs.poll_ready(cx) else {
+            return Poll::Pending;
+        };
         self.health.poll_ready(cx)
     }
 
     fn call(&mut self, request: http::Request<Req>) -> Self::Future {
-        if request.uri().path().starts_with(HEALTH_PATH) {
+        let path = request.uri().path();
+        if path.starts_with(HEALTH_PATH) {
             Either::Right(Either::Right(self.health.call(request)))
+        } else if path.starts_with(crate::rlqs::PATH) {
+            Either::Left(Either::Right(self.rlqs.call(request)))
         } else if ShouldRateLimit::answers(&request) {
             Either::Right(Either::Left(self.unary.call(request)))
         } else {
-            Either::Left(self.rls.call(request))
+            Either::Left(Either::Left(self.rls.call(request)))
         }
     }
 }

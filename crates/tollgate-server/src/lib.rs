@@ -1,7 +1,8 @@
 //! The tollgate decision service.
 //!
-//! `tollgate serve` answers rate-limit decisions over three front ends that share one
-//! [`Decider`]: Envoy's Rate Limit Service v3 over gRPC ([`rls`]), an HTTP JSON API and a
+//! `tollgate serve` answers rate-limit decisions over front ends that share one [`Decider`]:
+//! Envoy's Rate Limit Service v3 over gRPC ([`rls`]), its Rate Limit Quota Service ([`rlqs`],
+//! quotas Envoys spend on their own, paid in the shared buckets first), an HTTP JSON API and a
 //! forward-auth endpoint for nginx and Traefik ([`http`]), with Prometheus metrics, health and
 //! admin endpoints. [`run`] serves them on listeners it is given until a shutdown future
 //! resolves, so `main` and the end-to-end tests start the server the same way.
@@ -53,6 +54,7 @@ pub mod hot_keys;
 pub mod http;
 pub mod loadgen;
 pub mod metrics;
+pub mod rlqs;
 pub mod rls;
 pub mod simulate;
 
@@ -368,8 +370,9 @@ where
     let unary = grpc_unary::ShouldRateLimit::new(Arc::clone(&rls));
     let rls = rls::Rls::server(rls);
     let health = health::GrpcHealth::new(Arc::clone(&state.decider), stopped.clone()).into_server();
+    let rlqs = rlqs::Rlqs::new(Arc::clone(&state.decider), state.rlqs, stopped.clone());
     let grpc_server = grpc::serve(
-        health::Routes::new(rls, unary, health),
+        health::Routes::new(rls, unary, health, rlqs.into_server()),
         grpc,
         limits,
         stopped.clone(),

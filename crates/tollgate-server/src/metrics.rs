@@ -85,6 +85,17 @@ pub const CONNECTIONS_OPEN: &str = "tollgate_connections_open";
 /// a request head or the HTTP/2 preface did not arrive in time; `idle`: the client sent
 /// nothing for the idle timeout).
 pub const CONNECTIONS_CLOSED: &str = "tollgate_connections_closed_total";
+/// RLQS streams open now (Envoys connected for quota assignments).
+pub const RLQS_STREAMS: &str = "tollgate_rlqs_streams";
+/// Requests RLQS clients reported deciding themselves: label `result` (`allowed`, `denied`).
+pub const RLQS_REPORTED: &str = "tollgate_rlqs_reported_requests_total";
+/// Answers to RLQS bucket reports: label `action` (`tokens`, `allow_all`, `deny_all`,
+/// `abandon`, `refused`: a stream over its bound of buckets).
+pub const RLQS_ANSWERS: &str = "tollgate_rlqs_answers_total";
+/// Tokens charged to the shared buckets for RLQS assignments, before they could be spent.
+pub const RLQS_PREPAID: &str = "tollgate_rlqs_prepaid_tokens_total";
+/// Prepaid RLQS tokens given back: refill an assignment replaced could no longer reach.
+pub const RLQS_GIVEN_BACK: &str = "tollgate_rlqs_given_back_tokens_total";
 
 /// Why the server closed a connection on its client.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -116,6 +127,8 @@ pub enum Api {
     Grpc,
     /// `POST /v1/leases` (concurrency limits).
     Leases,
+    /// Envoy RLQS `StreamRateLimitQuotas`: charges for quota assignments.
+    Rlqs,
 }
 
 impl Api {
@@ -126,6 +139,7 @@ impl Api {
             Api::ForwardAuth => "forward_auth",
             Api::Grpc => "grpc",
             Api::Leases => "leases",
+            Api::Rlqs => "rlqs",
         }
     }
 }
@@ -210,6 +224,20 @@ fn describe() {
     describe_counter!(
         CONNECTIONS_CLOSED,
         "Connections closed by the server on a slow or silent client, by listener and reason."
+    );
+    describe_gauge!(RLQS_STREAMS, "RLQS streams open now.");
+    describe_counter!(
+        RLQS_REPORTED,
+        "Requests RLQS clients reported deciding, by result."
+    );
+    describe_counter!(RLQS_ANSWERS, "Answers to RLQS bucket reports, by action.");
+    describe_counter!(
+        RLQS_PREPAID,
+        "Tokens charged for RLQS assignments before they could be spent."
+    );
+    describe_counter!(
+        RLQS_GIVEN_BACK,
+        "Prepaid RLQS tokens given back when an assignment was replaced."
     );
 }
 
@@ -439,6 +467,37 @@ fn result_label(allowed: Option<bool>, mode: &str, failed_closed: bool) -> &'sta
 /// decision refuses is counted by [`record_decision`]).
 pub fn record_invalid(api: Api) {
     counter!(INVALID, "api" => api.as_str()).increment(1);
+}
+
+/// Records an RLQS stream opening (`true`) or closing.
+pub fn record_rlqs_stream(opened: bool) {
+    let streams = gauge!(RLQS_STREAMS);
+    if opened {
+        streams.increment(1.0);
+    } else {
+        streams.decrement(1.0);
+    }
+}
+
+/// Records what an RLQS client reported deciding for one bucket.
+pub fn record_rlqs_usage(allowed: u64, denied: u64) {
+    counter!(RLQS_REPORTED, "result" => "allowed").increment(allowed);
+    counter!(RLQS_REPORTED, "result" => "denied").increment(denied);
+}
+
+/// Records the answer to one bucket's report.
+pub fn record_rlqs_answer(action: &'static str) {
+    counter!(RLQS_ANSWERS, "action" => action).increment(1);
+}
+
+/// Records tokens charged for an RLQS assignment.
+pub fn record_rlqs_prepaid(tokens: u64) {
+    counter!(RLQS_PREPAID).increment(tokens);
+}
+
+/// Records prepaid RLQS tokens given back.
+pub fn record_rlqs_given_back(tokens: u64) {
+    counter!(RLQS_GIVEN_BACK).increment(tokens);
 }
 
 /// Records a settlement of a reservation.

@@ -781,3 +781,104 @@ fn redis_killed_under_concurrency_limits() {
     assert_eq!(explained.status, 503, "{}", explained.body);
     assert_eq!(explained.json()["error"]["code"], "store_unavailable");
 }
+
+/// Envoys on RLQS through two tollgate processes on one Redis: every assignment is paid in the
+/// shared bucket before it is sent, and what replacements leave unspendable is given back, so
+/// together they are never sent more than the limit allows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rlqs_envoys_on_two_servers_share_a_quota() {
+    use support::rlqs::{Admissions, Envoy, assigned, usage};
+    use tollgate::{Clock, MonotonicClock};
+
+    let redis = RedisServer::start();
+    let scratch = Scratch::new("rlqs-shared");
+    let config = scratch.write(
+        "policy.yaml",
+        "limits: [{name: pool, domain: edge, key: [pool], capacity: 60, refill: 20/s}]",
+    );
+    let servers = [
+        on_store(&config, &redis.url(), &[]),
+        on_store(&config, &redis.url(), &[]),
+    ];
+    let mut envoys = Vec::new();
+    for index in 0..4 {
+        envoys.push(Envoy::connect(&servers[index % 2]).await);
+    }
+    let clock = MonotonicClock::new();
+    let start = clock.now();
+    let mut answered = start;
+    let mut admissions = Admissions::default();
+    let tenth = std::time::Duration::from_millis(100);
+    for round in 0u64..25 {
+        for (index, envoy) in envoys.iter_mut().enumerate() {
+            let demand = 30 + 30 * index as u64 + round % 5 * 10;
+            let usage = usage(&[("pool", "p")], demand, demand, tenth);
+            let action = envoy.report("edge", vec![usage]).await.remove(0);
+            answered = clock.now();
+            admissions.receive(index as u32, answered, assigned(action));
+        }
+        tokio::time::sleep(tenth).await;
+    }
+    for envoy in 0..4 {
+        admissions.close(envoy, answered + std::time::Duration::from_secs(120));
+    }
+    let lasted = answered.saturating_duration_since(start).as_secs_f64();
+    let bound = 60.0 + 20.0 * lasted;
+    eprintln!(
+        "the Envoys could admit {} of {bound}",
+        admissions.could_admit
+    );
+    assert!(
+        admissions.could_admit <= bound,
+        "{} > {bound}",
+        admissions.could_admit
+    );
+    assert!(admissions.could_admit >= 60.0, "{}", admissions.could_admit);
+    // Both processes charged, and gave back, through Redis.
+    for server in &servers {
+        assert!(metric(server, "tollgate_rlqs_prepaid_tokens_total") > 0.0);
+    }
+    let given_back: f64 = servers
+        .iter()
+        .map(|server| metric(server, "tollgate_rlqs_given_back_tokens_total"))
+        .sum();
+    assert!(given_back > 0.0, "replacements gave nothing back");
+}
+
+/// RLQS while Redis is down: a limit failing closed denies its buckets until the next report;
+/// one failing open pays assignments from its emergency budget, never more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rlqs_with_redis_killed_follows_each_limits_failure_mode() {
+    use support::rlqs::{Assigned, Envoy, assigned, usage};
+
+    let mut redis = RedisServer::start();
+    let scratch = Scratch::new("rlqs-killed");
+    let config = scratch.write("policy.yaml", POLICY);
+    let server = on_store(&config, &redis.url(), &[]);
+    let mut envoy = Envoy::connect(&server).await;
+    let second = std::time::Duration::from_secs(1);
+    let report = |domain: &str| vec![usage(&[("user", domain)], 50, 0, second)];
+    assert!(matches!(
+        assigned(envoy.report("strict", report("a")).await.remove(0)),
+        Assigned::Tokens { .. }
+    ));
+    redis.kill();
+    assert!(matches!(
+        assigned(envoy.report("strict", report("a")).await.remove(0)),
+        Assigned::Deny(_)
+    ));
+    drop(envoy);
+    // The open limit's emergency budget holds 3 (3/h): a rate of one token a second for the
+    // two-second time-to-live costs all three; the next report finds it empty.
+    let mut envoy = Envoy::connect(&server).await;
+    let first = assigned(envoy.report("lenient", report("b")).await.remove(0));
+    assert!(
+        matches!(first, Assigned::Tokens { rate: 1, .. }),
+        "{first:?}"
+    );
+    let second_answer = assigned(envoy.report("lenient", report("b")).await.remove(0));
+    assert!(
+        matches!(second_answer, Assigned::Deny(_)),
+        "{second_answer:?}"
+    );
+}

@@ -26,6 +26,7 @@ use parking_lot::Mutex;
 
 use crate::connection::{ConnectionLimits, Connections};
 use crate::decider::Decider;
+use crate::rlqs::RlqsOptions;
 
 pub use error::ApiError;
 
@@ -62,6 +63,8 @@ pub struct AppState {
     pub(crate) exported_version: Mutex<Option<String>>,
     /// Both listeners' connection bounds, and the connections open under them.
     pub(crate) connections: Connections,
+    /// How the RLQS service treats its streams' buckets.
+    pub(crate) rlqs: RlqsOptions,
 }
 
 impl AppState {
@@ -77,7 +80,15 @@ impl AppState {
             options,
             exported_version: Mutex::new(None),
             connections: Connections::new(ConnectionLimits::default()),
+            rlqs: RlqsOptions::default(),
         }
+    }
+
+    /// The same state, with `options` for the RLQS service instead of the defaults.
+    #[must_use]
+    pub fn with_rlqs(mut self, options: RlqsOptions) -> Self {
+        self.rlqs = options;
+        self
     }
 
     /// The same state, with `limits` on both listeners' connections instead of the defaults

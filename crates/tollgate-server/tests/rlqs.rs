@@ -1,0 +1,345 @@
+//! End to end: Envoy's rate-limit quota service (RLQS) on the real binary, through a tonic
+//! client built from the same Envoy types, sending usage reports as Envoy's RLQS filter does.
+
+mod support;
+
+use std::time::Duration;
+
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::BucketAction as Action;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::RateLimitQuotaUsageReports;
+use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
+use tollgate::{Clock, MonotonicClock};
+
+use support::rlqs::{Admissions, Assigned, Envoy, assigned, reports, usage};
+use support::{Scratch, Server, post_json, request};
+
+const POLICY: &str = r#"
+version: "1"
+limits:
+  - name: per-tenant
+    domain: edge
+    key: [tenant]
+    capacity: 1000
+    refill: 10/s
+  - name: pool
+    domain: edge
+    key: [pool]
+    capacity: 60
+    refill: 20/s
+  - name: tiny
+    domain: edge
+    key: [team]
+    capacity: 10
+    refill: 1/s
+  - name: watched
+    domain: edge
+    key: [probe]
+    capacity: 1
+    refill: 1/h
+    mode: shadow
+"#;
+
+/// A counter's value on `/metrics` (0 when absent).
+fn metric(server: &Server, series: &str) -> f64 {
+    let body = request(server.http, "GET", "/metrics", &[], "").body;
+    body.lines()
+        .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// What one more request would leave of `entry`'s bucket, as `/v1/explain` says.
+fn remaining(server: &Server, entry: &str, value: &str) -> u64 {
+    let body = format!(r#"{{"domain":"edge","descriptors":[{{"{entry}":"{value}"}}]}}"#);
+    let answer = post_json(server.http, "/v1/explain", &body);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    answer.json()["limits"][0]["remaining"]
+        .as_u64()
+        .expect("remaining")
+}
+
+fn start() -> (Server, Scratch) {
+    let scratch = Scratch::new("rlqs");
+    let policy = scratch.write("policy.yaml", POLICY);
+    let server = Server::start(&["--config", policy.to_str().expect("utf-8")]);
+    (server, scratch)
+}
+
+const SECOND: Duration = Duration::from_secs(1);
+
+#[tokio::test]
+async fn an_assignment_is_sized_to_demand_and_paid_from_the_shared_bucket() {
+    let (server, _scratch) = start();
+    let mut envoy = Envoy::connect(&server).await;
+    let actions = envoy
+        .report("edge", vec![usage(&[("tenant", "a")], 5, 0, SECOND)])
+        .await;
+    // Demand 5/s, a quarter more and one: 7 tokens a second, for twice the interval.
+    let [action] = <[Action; 1]>::try_from(actions).expect("one action");
+    let Assigned::Tokens { rate, fill, ttl } = assigned(action) else {
+        panic!("a token bucket");
+    };
+    assert_eq!((rate, fill), (7, SECOND));
+    assert!(ttl <= 2 * SECOND && ttl > SECOND, "{ttl:?}");
+    // Paid before it was sent: a full bucket and two seconds of refill.
+    assert_eq!(metric(&server, "tollgate_rlqs_prepaid_tokens_total"), 21.0);
+    let left = remaining(&server, "tenant", "a");
+    // (An explanation's remaining is what one more request would leave.)
+    assert!(
+        (978..=980).contains(&left),
+        "{left} left of 1000 after 21 taken"
+    );
+
+    // The next report, a second later, at the same demand, extends what the Envoy holds: one
+    // more second of refill, and no new full bucket.
+    tokio::time::sleep(SECOND).await;
+    let actions = envoy
+        .report("edge", vec![usage(&[("tenant", "a")], 6, 0, SECOND)])
+        .await;
+    assert!(matches!(
+        assigned(actions.into_iter().next().expect("an action")),
+        Assigned::Tokens { rate: 7, .. }
+    ));
+    let prepaid = metric(&server, "tollgate_rlqs_prepaid_tokens_total");
+    assert!((27.0..=29.0).contains(&prepaid), "{prepaid}: about 7 more");
+    let checks = metric(
+        &server,
+        r#"tollgate_decisions_total{limit="per-tenant",result="allowed",mode="enforce",api="rlqs"}"#,
+    );
+    assert_eq!(checks, 2.0);
+}
+
+#[tokio::test]
+async fn envoys_on_one_bucket_get_fair_shares_of_the_refill() {
+    let (server, _scratch) = start();
+    let (mut first, mut second) = (Envoy::connect(&server).await, Envoy::connect(&server).await);
+    let busy = || vec![usage(&[("tenant", "b")], 400, 100, SECOND)];
+    let rate = |actions: Vec<Action>| match assigned(actions.into_iter().next().expect("one")) {
+        Assigned::Tokens { rate, .. } => rate,
+        other => panic!("a token bucket, not {other:?}"),
+    };
+    // Alone, the first may have all of the limit's 10 a second.
+    assert_eq!(rate(first.report("edge", busy()).await), 10);
+    // Two Envoys wanting more than all of it: half each, the first shrunk at its next report.
+    assert_eq!(rate(second.report("edge", busy()).await), 5);
+    assert_eq!(rate(first.report("edge", busy()).await), 5);
+    // A quiet Envoy takes what it needs and leaves the rest to the busy one, which keeps the
+    // rate it holds as long as that is within a fifth of its new share (6).
+    let quiet = vec![usage(&[("tenant", "b")], 3, 0, SECOND)];
+    assert_eq!(rate(second.report("edge", quiet).await), 4);
+    assert_eq!(rate(first.report("edge", busy()).await), 5);
+
+    // When an Envoy leaves, its demand goes with it.
+    drop(second);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(rate(first.report("edge", busy()).await), 10);
+}
+
+#[tokio::test]
+async fn an_empty_bucket_denies_and_one_without_an_enforced_limit_allows() {
+    let (server, _scratch) = start();
+    // Another client spends the team's whole quota over HTTP.
+    let spend = r#"{"domain":"edge","descriptors":[{"team":"t"}],"cost":10}"#;
+    assert_eq!(post_json(server.http, "/v1/check", spend).status, 200);
+    let mut envoy = Envoy::connect(&server).await;
+    let actions = envoy
+        .report(
+            "edge",
+            vec![
+                usage(&[("team", "t")], 3, 0, SECOND),
+                usage(&[("probe", "p")], 3, 0, SECOND),
+                usage(&[("nobody", "n")], 3, 0, SECOND),
+            ],
+        )
+        .await;
+    let actions: Vec<Assigned> = actions.into_iter().map(assigned).collect();
+    assert!(
+        matches!(actions[0], Assigned::Deny(ttl) if ttl >= 2 * SECOND),
+        "{actions:?}"
+    );
+    // A shadow limit never rejects, and no limit at all applies to the third.
+    assert!(matches!(actions[1], Assigned::Allow(_)), "{actions:?}");
+    assert!(matches!(actions[2], Assigned::Allow(_)), "{actions:?}");
+    assert_eq!(
+        metric(&server, r#"tollgate_rlqs_answers_total{action="deny_all"}"#),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &server,
+            r#"tollgate_rlqs_answers_total{action="allow_all"}"#
+        ),
+        2.0
+    );
+    assert_eq!(
+        metric(
+            &server,
+            r#"tollgate_rlqs_reported_requests_total{result="allowed"}"#
+        ),
+        9.0
+    );
+}
+
+#[tokio::test]
+async fn a_quiet_bucket_is_abandoned() {
+    let scratch = Scratch::new("rlqs-abandon");
+    let policy = scratch.write("policy.yaml", POLICY);
+    let server = Server::start(&[
+        "--config",
+        policy.to_str().expect("utf-8"),
+        "--rlqs-abandon-after",
+        "1s",
+    ]);
+    let mut envoy = Envoy::connect(&server).await;
+    let quiet = || vec![usage(&[("tenant", "q")], 0, 0, SECOND)];
+    assert!(matches!(
+        assigned(envoy.report("edge", quiet()).await.remove(0)),
+        Assigned::Tokens { rate: 1, .. }
+    ));
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    assert_eq!(
+        assigned(envoy.report("edge", quiet()).await.remove(0)),
+        Assigned::Abandon
+    );
+    // A request after that subscribes afresh.
+    let busy = vec![usage(&[("tenant", "q")], 1, 0, SECOND)];
+    assert!(matches!(
+        assigned(envoy.report("edge", busy).await.remove(0)),
+        Assigned::Tokens { .. }
+    ));
+}
+
+#[tokio::test]
+async fn busy_envoys_together_never_get_more_than_the_limit() {
+    let (server, _scratch) = start();
+    let mut envoys = Vec::new();
+    for _ in 0..4 {
+        envoys.push(Envoy::connect(&server).await);
+    }
+    let mut admissions = Admissions::default();
+    let clock = MonotonicClock::new();
+    let start = clock.now();
+    let mut answered = start;
+    // Four Envoys report busy every 100 ms for 3 s, each at its own demand: assignments
+    // change, extend and shrink. Whatever they were sent, all they could admit together
+    // stays within the bucket's capacity and its refill over the run.
+    for round in 0u64..30 {
+        for (index, envoy) in envoys.iter_mut().enumerate() {
+            let demand = 20 + 40 * index as u64 + round % 7 * 10;
+            let usage = usage(&[("pool", "shared")], demand, demand, SECOND / 10);
+            let action = envoy.report("edge", vec![usage]).await.remove(0);
+            answered = clock.now();
+            admissions.receive(index as u32, answered, assigned(action));
+        }
+        tokio::time::sleep(SECOND / 10).await;
+    }
+    // Every assignment ends at its expiry at the latest: count its refill up to there. All
+    // of it was paid by the last answer, from a bucket holding 60 and refilling 20 a second.
+    let end = clock.now() + Duration::from_secs(120);
+    for envoy in 0..4 {
+        admissions.close(envoy, end);
+    }
+    let lasted = answered.saturating_duration_since(start);
+    let bound = 60.0 + 20.0 * lasted.as_secs_f64();
+    eprintln!(
+        "the Envoys could admit {} of {bound}",
+        admissions.could_admit
+    );
+    assert!(
+        admissions.could_admit <= bound,
+        "{} could be admitted; the limit allows {bound}",
+        admissions.could_admit
+    );
+    // And the quota was handed out, not hoarded: at least a full bucket's worth.
+    assert!(admissions.could_admit >= 60.0, "{}", admissions.could_admit);
+}
+
+#[tokio::test]
+async fn bad_reports_end_the_stream_with_invalid_argument_and_charge_nothing() {
+    let (server, _scratch) = start();
+    let ok = || usage(&[("tenant", "c")], 1, 0, SECOND);
+    let negative = BucketQuotaUsage {
+        time_elapsed: Some(ProtoDuration {
+            seconds: -1,
+            nanos: 0,
+        }),
+        ..ok()
+    };
+    let long = "v".repeat(2_000);
+    let cases: Vec<(&str, Vec<RateLimitQuotaUsageReports>, &str)> = vec![
+        ("no domain", vec![reports("", vec![ok()])], "domain"),
+        (
+            "an empty bucket id",
+            vec![reports(
+                "edge",
+                vec![BucketQuotaUsage {
+                    bucket_id: None,
+                    ..ok()
+                }],
+            )],
+            "bucket_id",
+        ),
+        (
+            "a negative time",
+            vec![reports("edge", vec![ok(), negative])],
+            "time_elapsed",
+        ),
+        (
+            "a huge value",
+            vec![reports(
+                "edge",
+                vec![usage(&[("tenant", &long)], 1, 0, SECOND)],
+            )],
+            "values",
+        ),
+        (
+            "another domain later",
+            vec![reports("edge", vec![]), reports("other", vec![ok()])],
+            "domain",
+        ),
+        (
+            "too many buckets",
+            vec![reports("edge", (0..1_001).map(|_| ok()).collect())],
+            "at most",
+        ),
+    ];
+    for (case, sent, says) in cases {
+        let mut envoy = Envoy::connect(&server).await;
+        for report in sent {
+            envoy.send(report);
+        }
+        let status = envoy.answer().await.expect_err(case);
+        assert_eq!(
+            status.code(),
+            tonic::Code::InvalidArgument,
+            "{case}: {status:?}"
+        );
+        assert!(
+            status.message().contains(says),
+            "{case}: {}",
+            status.message()
+        );
+    }
+    assert_eq!(metric(&server, "tollgate_rlqs_prepaid_tokens_total"), 0.0);
+    assert_eq!(remaining(&server, "tenant", "c"), 999);
+    // The server still serves.
+    let mut envoy = Envoy::connect(&server).await;
+    assert_eq!(envoy.report("edge", vec![ok()]).await.len(), 1);
+}
+
+#[tokio::test]
+async fn a_sigterm_ends_the_streams_and_the_process_exits_cleanly() {
+    let (server, _scratch) = start();
+    let mut envoy = Envoy::connect(&server).await;
+    let actions = envoy
+        .report("edge", vec![usage(&[("tenant", "d")], 1, 0, SECOND)])
+        .await;
+    assert_eq!(actions.len(), 1);
+    let status = tokio::task::spawn_blocking(move || server.terminate())
+        .await
+        .expect("terminate");
+    assert!(status.success(), "{status:?}");
+    // The stream ended (cleanly or with the connection), rather than hanging.
+    let ended = tokio::time::timeout(Duration::from_secs(5), envoy.answers.message()).await;
+    assert!(matches!(ended, Ok(Ok(None) | Err(_))), "{ended:?}");
+}
