@@ -298,8 +298,18 @@ async fn bad_reports_end_the_stream_with_invalid_argument_and_charge_nothing() {
             "domain",
         ),
         (
+            "a bucket twice",
+            vec![reports("edge", vec![ok(), ok()])],
+            "same bucket_id",
+        ),
+        (
             "too many buckets",
-            vec![reports("edge", (0..1_001).map(|_| ok()).collect())],
+            vec![reports(
+                "edge",
+                (0..1_001)
+                    .map(|i| usage(&[("tenant", &i.to_string())], 1, 0, SECOND))
+                    .collect(),
+            )],
             "at most",
         ),
     ];

@@ -69,7 +69,7 @@ use tollgate_policy::Outcome;
 use tonic::{Request, Response, Status, Streaming};
 
 use self::assignment::Assignment;
-use crate::decider::{DecideError, Decider, Request as Decide};
+use crate::decider::{Backend, DecideError, Decider, Request as Decide};
 use crate::http::{MAX_ENTRIES, MAX_NAME_BYTES, MAX_VALUE_BYTES};
 use crate::metrics::{self, Api};
 
@@ -211,17 +211,24 @@ struct Bucket {
     idle_since: Option<Timestamp>,
 }
 
-/// One Envoy's stream.
-struct Session {
+/// What pays a stream's assignments: the store, through the policy, and the shares. Shared
+/// by the buckets of one report, which are paid at once.
+struct Payer {
+    /// The stream's number in this process.
     id: u64,
     /// This process's, so that request ids differ from every other process's on one store.
     nonce: u64,
     /// Charges made, numbering their request ids.
-    charges: u64,
+    charges: AtomicU64,
     decider: Arc<Decider>,
+    demands: Arc<Demands>,
+}
+
+/// One Envoy's stream.
+struct Session {
+    payer: Payer,
     clock: Arc<dyn Clock>,
     options: RlqsOptions,
-    demands: Arc<Demands>,
     domain: Option<Arc<str>>,
     buckets: HashMap<Entries, Bucket>,
     inbound: Streaming<RateLimitQuotaUsageReports>,
@@ -237,7 +244,7 @@ impl Drop for Session {
         metrics::record_rlqs_stream(false);
         if let Some(domain) = &self.domain {
             for entries in self.buckets.keys() {
-                self.demands.forget(domain, entries, self.id);
+                self.payer.demands.forget(domain, entries, self.payer.id);
             }
         }
     }
@@ -436,18 +443,48 @@ impl Session {
                 ))
             })
             .collect::<Result<Vec<_>, Status>>()?;
-        let mut actions = Vec::with_capacity(usages.len());
+        let mut seen = std::collections::HashSet::with_capacity(usages.len());
+        if let Some(index) = usages.iter().position(|usage| !seen.insert(&usage.0)) {
+            return Err(invalid(format!(
+                "bucket_quota_usages[{index}]: the same bucket_id as an earlier one"
+            )));
+        }
+        // Each bucket is looked at in turn (its state, its demand), then all are paid: on
+        // Redis at once, so that their charges share round trips instead of queueing one by
+        // one; in memory one after the other, as each is decided on the spot.
+        let mut work = Vec::with_capacity(usages.len());
         for (entries, allowed, denied, elapsed) in usages {
             metrics::record_rlqs_usage(allowed, denied);
-            let answer = self
-                .bucket(&domain, &entries, allowed, denied, elapsed)
-                .await;
+            let step = self.prepare(&domain, &entries, allowed, denied, elapsed);
+            work.push((entries, step));
+        }
+        let payer = &self.payer;
+        let paid = match payer.decider.backend() {
+            Backend::Memory => {
+                let mut paid = Vec::with_capacity(work.len());
+                for (entries, step) in &mut work {
+                    paid.push(payer.settle_step(&domain, entries, step).await);
+                }
+                paid
+            }
+            Backend::Redis(_) => {
+                let paying = work
+                    .iter_mut()
+                    .map(|(entries, step)| payer.settle_step(&domain, entries, step));
+                futures_util::future::join_all(paying).await
+            }
+        };
+        let mut actions = Vec::with_capacity(paid.len());
+        let now = self.clock.now();
+        for ((entries, _), (answer, held)) in work.into_iter().zip(paid) {
             metrics::record_rlqs_answer(answer.label());
+            if let Some(bucket) = self.buckets.get_mut(&entries) {
+                bucket.held = held;
+            }
             let action = match answer {
                 Answer::None => continue,
                 Answer::Abandon => Action::AbandonAction(AbandonAction {}),
                 Answer::Tokens(assigned) => {
-                    let now = self.clock.now();
                     let ttl = assigned.expires_at.saturating_duration_since(now);
                     quota(token_bucket(assigned.rate, assigned.fill), ttl)
                 }
@@ -472,7 +509,7 @@ impl Session {
     fn forget_silent(&mut self, domain: &Arc<str>) {
         let now = self.clock.now();
         let after = self.options.abandon_after;
-        let (demands, id) = (&self.demands, self.id);
+        let (demands, id) = (&self.payer.demands, self.payer.id);
         self.buckets.retain(|entries, bucket| {
             let keep = now.saturating_duration_since(bucket.last_report) < after;
             if !keep {
@@ -482,14 +519,16 @@ impl Session {
         });
     }
 
-    async fn bucket(
+    /// What one bucket's report asks for, before anything is paid: the bucket's state is
+    /// taken out (and put back once paid), so that the buckets of a report are paid at once.
+    fn prepare(
         &mut self,
         domain: &Arc<str>,
         entries: &Entries,
         allowed: u64,
         denied: u64,
         elapsed: Option<Duration>,
-    ) -> Answer {
+    ) -> Step {
         let now = self.clock.now();
         let requests = allowed.saturating_add(denied);
         if !self.buckets.contains_key(entries) && self.buckets.len() >= self.options.max_buckets {
@@ -501,7 +540,7 @@ impl Session {
                     "an RLQS stream reports more buckets than it may be assigned; the rest get none"
                 );
             }
-            return Answer::None;
+            return Step::Refused;
         }
         let bucket = self.buckets.entry(entries.clone()).or_insert(Bucket {
             held: None,
@@ -515,11 +554,8 @@ impl Session {
             let idle_since = *bucket.idle_since.get_or_insert(now);
             if now.saturating_duration_since(idle_since) >= self.options.abandon_after {
                 self.buckets.remove(entries);
-                self.demands.forget(domain, entries, self.id);
-                // Envoy forgets the bucket: what it had paid ahead goes back.
-                self.give_back(domain, entries, held, now, MIN_TTL / 4)
-                    .await;
-                return Answer::Abandon;
+                self.payer.demands.forget(domain, entries, self.payer.id);
+                return Step::Abandon { held, now };
             }
         } else {
             bucket.idle_since = None;
@@ -527,14 +563,60 @@ impl Session {
         let interval = elapsed
             .or((!since_last.is_zero()).then_some(since_last))
             .unwrap_or(DEFAULT_INTERVAL);
-        let ttl = ttl_for(interval);
-        let (answer, held) = self
-            .assign(domain, entries, held, requests, interval, ttl, now)
-            .await;
-        if let Some(bucket) = self.buckets.get_mut(entries) {
-            bucket.held = held;
+        Step::Assign {
+            held,
+            requests,
+            interval,
+            ttl: ttl_for(interval),
+            now,
         }
-        answer
+    }
+}
+
+/// One bucket's report, between [`Session::prepare`] and its payment.
+enum Step {
+    /// Past the stream's bound of buckets: no answer.
+    Refused,
+    /// Quiet for too long: Envoy is told to forget it.
+    Abandon { held: Option<Held>, now: Timestamp },
+    /// An assignment to size and pay.
+    Assign {
+        held: Option<Held>,
+        requests: u64,
+        interval: Duration,
+        ttl: Duration,
+        now: Timestamp,
+    },
+}
+
+impl Payer {
+    /// Pays for what `step` asks (the state it holds is taken out of it), and returns the
+    /// answer and what the Envoy holds after it.
+    async fn settle_step(
+        &self,
+        domain: &Arc<str>,
+        entries: &Entries,
+        step: &mut Step,
+    ) -> (Answer, Option<Held>) {
+        match std::mem::replace(step, Step::Refused) {
+            Step::Refused => (Answer::None, None),
+            Step::Abandon { held, now } => {
+                // Envoy forgets the bucket: what it had paid ahead goes back.
+                self.give_back(domain, entries, held, now, MIN_TTL / 4)
+                    .await;
+                (Answer::Abandon, None)
+            }
+            Step::Assign {
+                held,
+                requests,
+                interval,
+                ttl,
+                now,
+            } => {
+                self.assign(domain, entries, held, requests, interval, ttl, now)
+                    .await
+            }
+        }
     }
 
     /// The answer for a bucket whose Envoy holds `held` and saw `requests` in `interval`,
@@ -544,7 +626,7 @@ impl Session {
         reason = "one report's facts, each used once"
     )]
     async fn assign(
-        &mut self,
+        &self,
         domain: &Arc<str>,
         entries: &Entries,
         held: Option<Held>,
@@ -681,7 +763,7 @@ impl Session {
     /// Takes `cost` tokens from every limit on the bucket, all or nothing, under a request
     /// id of its own so that what goes unused can be given back.
     async fn charge(
-        &mut self,
+        &self,
         domain: &str,
         entries: &Entries,
         cost: u64,
@@ -689,8 +771,8 @@ impl Session {
         if cost == 0 {
             return (Charged::Paid, None);
         }
-        self.charges += 1;
-        let id = format!("rlqs-{:016x}-{}-{}", self.nonce, self.id, self.charges);
+        let charge = self.charges.fetch_add(1, Ordering::Relaxed);
+        let id = format!("rlqs-{:016x}-{}-{charge}", self.nonce, self.id);
         let request = Decide {
             domain,
             descriptors: std::slice::from_ref(entries),
@@ -776,14 +858,17 @@ impl RateLimitQuotaService for Rlqs {
         request: Request<Streaming<RateLimitQuotaUsageReports>>,
     ) -> Result<Response<Assignments>, Status> {
         metrics::record_rlqs_stream(true);
-        let session = Session {
+        let payer = Payer {
             id: self.streams.fetch_add(1, Ordering::Relaxed),
             nonce: self.nonce,
-            charges: 0,
+            charges: AtomicU64::new(0),
             decider: Arc::clone(&self.decider),
+            demands: Arc::clone(&self.demands),
+        };
+        let session = Session {
+            payer,
             clock: Arc::clone(&self.clock),
             options: self.options,
-            demands: Arc::clone(&self.demands),
             domain: None,
             buckets: HashMap::new(),
             inbound: request.into_inner(),
