@@ -14,17 +14,20 @@
 //!   ones an RLS or HTTP check with the same entries meets, on the same buckets. An Envoy on
 //!   RLQS and a service on `/v1/check` share one quota.
 //! * Every assignment is paid for in the shared buckets before it is sent, for all it could
-//!   admit until it expires (the `assignment` module), so Envoys never admit more than the limits allow
-//!   together, across any number of tollgate processes on one Redis. What an Envoy is given
-//!   and leaves unused is lost to the quota for the time being: RLQS trades a bounded
-//!   under-admission for taking tollgate off the request path.
+//!   admit until it expires (the `assignment` module), so Envoys never admit more than the
+//!   limits allow together, across any number of tollgate processes on one Redis. What an
+//!   Envoy is given and leaves unused is lost to the quota for the time being (but for the
+//!   refill an assignment replaced can no longer reach, which is given back): RLQS trades a
+//!   bounded under-admission for taking tollgate off the request path.
 //! * An assignment is `max_tokens` = `tokens_per_fill` = a rate, per fill interval: a second,
 //!   or as many as the slowest limit takes to refill a token. The rate is the Envoy's reported
 //!   demand with a margin, capped by a max-min fair share of the limits' refill among the
-//!   Envoys this process serves on that bucket, and by what the bucket holds.
-//!   The rate held is extended rather than replaced while it is within a fifth below or a
-//!   quarter above that and no more than the fair share, since a new strategy makes Envoy
-//!   start a full bucket, which must be paid again.
+//!   Envoys this process serves on that bucket, and by what the bucket holds. The rate held
+//!   is extended rather than replaced while it is within a fifth below or a quarter above
+//!   that and no more than the fair share, since a new strategy makes Envoy start a full
+//!   bucket, which must be paid again. Envoys on other processes meet in the store: each
+//!   process pays from the same buckets, first come, first served.
+//! * A report's buckets are paid together (on Redis their charges share round trips).
 //! * The time-to-live is twice the reporting interval (at least 2 s, at most 2 min), so one
 //!   late report does not let an assignment lapse.
 //! * No limit applies, or none that can reject (shadow, exempt): `ALLOW_ALL`. The bucket is
@@ -149,7 +152,8 @@ impl Demands {
 /// The gRPC service.
 pub struct Rlqs {
     decider: Arc<Decider>,
-    clock: Arc<dyn Clock>,
+    /// The time of assignments' expiries and of reports (the store keeps its own).
+    clock: MonotonicClock,
     options: RlqsOptions,
     demands: Arc<Demands>,
     streams: AtomicU64,
@@ -168,20 +172,13 @@ impl Rlqs {
     ) -> Self {
         Self {
             decider,
-            clock: Arc::new(MonotonicClock::new()),
+            clock: MonotonicClock::new(),
             options,
             demands: Arc::default(),
             streams: AtomicU64::new(0),
             nonce: rand::random(),
             stopped,
         }
-    }
-
-    /// The same service on `clock` (for tests; the store keeps its own clock).
-    #[must_use]
-    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
-        self.clock = clock;
-        self
     }
 
     /// The tonic server for this service.
@@ -227,7 +224,7 @@ struct Payer {
 /// One Envoy's stream.
 struct Session {
     payer: Payer,
-    clock: Arc<dyn Clock>,
+    clock: MonotonicClock,
     options: RlqsOptions,
     domain: Option<Arc<str>>,
     buckets: HashMap<Entries, Bucket>,
@@ -449,7 +446,7 @@ impl Session {
                 "bucket_quota_usages[{index}]: the same bucket_id as an earlier one"
             )));
         }
-        // Each bucket is looked at in turn (its state, its demand), then all are paid: on
+        // Each bucket's state is taken out in turn, then all are sized and paid: on
         // Redis at once, so that their charges share round trips instead of queueing one by
         // one; in memory one after the other, as each is decided on the spot.
         let mut work = Vec::with_capacity(usages.len());
@@ -463,14 +460,14 @@ impl Session {
             Backend::Memory => {
                 let mut paid = Vec::with_capacity(work.len());
                 for (entries, step) in &mut work {
-                    paid.push(payer.settle_step(&domain, entries, step).await);
+                    paid.push(payer.pay(&domain, entries, step).await);
                 }
                 paid
             }
             Backend::Redis(_) => {
                 let paying = work
                     .iter_mut()
-                    .map(|(entries, step)| payer.settle_step(&domain, entries, step));
+                    .map(|(entries, step)| payer.pay(&domain, entries, step));
                 futures_util::future::join_all(paying).await
             }
         };
@@ -592,7 +589,7 @@ enum Step {
 impl Payer {
     /// Pays for what `step` asks (the state it holds is taken out of it), and returns the
     /// answer and what the Envoy holds after it.
-    async fn settle_step(
+    async fn pay(
         &self,
         domain: &Arc<str>,
         entries: &Entries,
@@ -867,7 +864,7 @@ impl RateLimitQuotaService for Rlqs {
         };
         let session = Session {
             payer,
-            clock: Arc::clone(&self.clock),
+            clock: self.clock.clone(),
             options: self.options,
             domain: None,
             buckets: HashMap::new(),
