@@ -1000,7 +1000,12 @@ async fn grpc_health_beside_rls_and_a_watch_ends_at_the_stop() {
     let ask = |service: &str| HealthCheckRequest {
         service: service.to_owned(),
     };
-    for service in ["", "envoy.service.ratelimit.v3.RateLimitService"] {
+    let services = [
+        "",
+        "envoy.service.ratelimit.v3.RateLimitService",
+        "envoy.service.rate_limit_quota.v3.RateLimitQuotaService",
+    ];
+    for service in services {
         let answer = health.check(ask(service)).await.expect("a known service");
         assert_eq!(
             answer.into_inner().status,
