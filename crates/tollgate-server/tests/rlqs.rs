@@ -353,3 +353,44 @@ async fn a_sigterm_ends_the_streams_and_the_process_exits_cleanly() {
     let ended = tokio::time::timeout(Duration::from_secs(5), envoy.answers.message()).await;
     assert!(matches!(ended, Ok(Ok(None) | Err(_))), "{ended:?}");
 }
+
+/// A reloaded policy reaches the Envoys at their next report: a limit put in shadow mode
+/// turns the bucket's assignment into `ALLOW_ALL`, and a slower refill into a longer fill
+/// interval.
+#[tokio::test]
+async fn a_reloaded_policy_changes_the_next_assignment() {
+    let (server, scratch) = start();
+    let config = scratch.0.join("policy.yaml");
+    let mut envoy = Envoy::connect(&server).await;
+    let busy = || vec![usage(&[("team", "r")], 3, 0, SECOND)];
+    assert!(matches!(
+        assigned(envoy.report("edge", busy()).await.remove(0)),
+        Assigned::Tokens { fill, .. } if fill == SECOND
+    ));
+    let reload = |text: String| {
+        std::fs::write(&config, text).expect("write the policy");
+        let answer = request(server.http, "POST", "/v1/policy/reload", &[], "");
+        assert_eq!(answer.status, 200, "{}", answer.body);
+    };
+    // The team limit refills 10 a minute: a token every 6 s.
+    reload(POLICY.replace(
+        "    capacity: 10\n    refill: 1/s",
+        "    capacity: 10\n    refill: 10/m",
+    ));
+    let actions = envoy.report("edge", busy()).await;
+    assert!(
+        matches!(
+            assigned(actions[0]),
+            Assigned::Tokens { rate: 1, fill, .. } if fill == 6 * SECOND
+        ),
+        "{actions:?}"
+    );
+    reload(POLICY.replace(
+        "    capacity: 10\n    refill: 1/s",
+        "    capacity: 10\n    refill: 1/s\n    mode: shadow",
+    ));
+    assert!(matches!(
+        assigned(envoy.report("edge", busy()).await.remove(0)),
+        Assigned::Allow(_)
+    ));
+}
