@@ -67,6 +67,14 @@ fn start() -> (Server, Scratch) {
 
 const SECOND: Duration = Duration::from_secs(1);
 
+/// The rate of the token bucket assigned for the one bucket in `usages`.
+async fn token_rate(envoy: &mut Envoy, usages: Vec<BucketQuotaUsage>) -> u32 {
+    match assigned(envoy.report("edge", usages).await.remove(0)) {
+        Assigned::Tokens { rate, .. } => rate,
+        other => panic!("a token bucket, not {other:?}"),
+    }
+}
+
 #[tokio::test]
 async fn an_assignment_is_sized_to_demand_and_paid_from_the_shared_bucket() {
     let (server, _scratch) = start();
@@ -79,34 +87,47 @@ async fn an_assignment_is_sized_to_demand_and_paid_from_the_shared_bucket() {
     let Assigned::Tokens { rate, fill, ttl } = assigned(action) else {
         panic!("a token bucket");
     };
-    assert_eq!((rate, fill), (7, SECOND));
+    // A first report comes with the bucket's first request and says little of its demand:
+    // the Envoy starts with all it may have, the limit's 10 a second, for twice the interval.
+    assert_eq!((rate, fill), (10, SECOND));
     assert!(ttl <= 2 * SECOND && ttl > SECOND, "{ttl:?}");
     // Paid before it was sent: a full bucket and two seconds of refill.
-    assert_eq!(metric(&server, "tollgate_rlqs_prepaid_tokens_total"), 21.0);
+    let prepaid = || metric(&server, "tollgate_rlqs_prepaid_tokens_total");
+    assert_eq!(prepaid(), 30.0);
     let left = remaining(&server, "tenant", "a");
     // (An explanation's remaining is what one more request would leave.)
     assert!(
-        (978..=980).contains(&left),
-        "{left} left of 1000 after 21 taken"
+        (968..=980).contains(&left),
+        "{left} left of 1000 after 30 taken"
     );
 
-    // The next report, a second later, at the same demand, extends what the Envoy holds: one
-    // more second of refill, and no new full bucket.
+    // A second later the demand is known, 6 a second: a bucket of 8 replaces the first, and
+    // the refill the first had paid beyond the replacement (less half a second's margin for
+    // the answer's trip) goes back.
     tokio::time::sleep(SECOND).await;
-    let actions = envoy
-        .report("edge", vec![usage(&[("tenant", "a")], 6, 0, SECOND)])
-        .await;
-    assert!(matches!(
-        assigned(actions.into_iter().next().expect("an action")),
-        Assigned::Tokens { rate: 7, .. }
-    ));
-    let prepaid = metric(&server, "tollgate_rlqs_prepaid_tokens_total");
-    assert!((27.0..=29.0).contains(&prepaid), "{prepaid}: about 7 more");
-    let checks = metric(
+    assert_eq!(
+        token_rate(&mut envoy, vec![usage(&[("tenant", "a")], 6, 0, SECOND)]).await,
+        8
+    );
+    assert_eq!(prepaid(), 30.0 + 24.0);
+    let given_back = metric(&server, "tollgate_rlqs_given_back_tokens_total");
+    // At most half a second of the first's refill (5): less when the report came late.
+    assert!((1.0..=5.0).contains(&given_back), "{given_back}");
+
+    // At the same demand a second later, the bucket held is extended: one more second of
+    // refill, and no new full bucket.
+    tokio::time::sleep(SECOND).await;
+    assert_eq!(
+        token_rate(&mut envoy, vec![usage(&[("tenant", "a")], 6, 0, SECOND)]).await,
+        8
+    );
+    let extended = prepaid() - 54.0;
+    assert!((8.0..=12.0).contains(&extended), "{extended}: about 8 more");
+    let charges = metric(
         &server,
         r#"tollgate_decisions_total{limit="per-tenant",result="allowed",mode="enforce",api="rlqs"}"#,
     );
-    assert_eq!(checks, 2.0);
+    assert_eq!(charges, 3.0);
 }
 
 #[tokio::test]
@@ -194,7 +215,7 @@ async fn a_quiet_bucket_is_abandoned() {
     let quiet = || vec![usage(&[("tenant", "q")], 0, 0, SECOND)];
     assert!(matches!(
         assigned(envoy.report("edge", quiet()).await.remove(0)),
-        Assigned::Tokens { rate: 1, .. }
+        Assigned::Tokens { .. }
     ));
     tokio::time::sleep(Duration::from_millis(1_100)).await;
     assert_eq!(

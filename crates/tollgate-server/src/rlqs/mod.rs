@@ -539,6 +539,7 @@ impl Session {
             }
             return Step::Refused;
         }
+        let first = !self.buckets.contains_key(entries);
         let bucket = self.buckets.entry(entries.clone()).or_insert(Bucket {
             held: None,
             last_report: now,
@@ -563,6 +564,7 @@ impl Session {
         Step::Assign {
             held,
             requests,
+            first,
             interval,
             ttl: ttl_for(interval),
             now,
@@ -580,6 +582,8 @@ enum Step {
     Assign {
         held: Option<Held>,
         requests: u64,
+        /// The bucket's first report on this stream.
+        first: bool,
         interval: Duration,
         ttl: Duration,
         now: Timestamp,
@@ -606,29 +610,31 @@ impl Payer {
             Step::Assign {
                 held,
                 requests,
+                first,
                 interval,
                 ttl,
                 now,
             } => {
-                self.assign(domain, entries, held, requests, interval, ttl, now)
-                    .await
+                // A first report is sent as the bucket's first request arrives, and says
+                // little about its demand: the Envoy starts with a full share, so that a
+                // busy bucket is not denied until its next report. The next report sizes it.
+                let want = |fill, supply: u64| {
+                    let want = assignment::wanted_rate(requests, interval, fill);
+                    if first { want.max(supply) } else { want }
+                };
+                self.assign(domain, entries, held, want, ttl, now).await
             }
         }
     }
 
-    /// The answer for a bucket whose Envoy holds `held` and saw `requests` in `interval`,
-    /// paid for in the store, and what the Envoy holds after it.
-    #[allow(
-        clippy::too_many_arguments,
-        reason = "one report's facts, each used once"
-    )]
+    /// The answer for a bucket whose Envoy holds `held` and wants `want(fill, supply)`
+    /// tokens a fill, paid for in the store, and what the Envoy holds after it.
     async fn assign(
         &self,
         domain: &Arc<str>,
         entries: &Entries,
         held: Option<Held>,
-        requests: u64,
-        interval: Duration,
+        want: impl FnOnce(Duration, u64) -> u64,
         ttl: Duration,
         now: Timestamp,
     ) -> (Answer, Option<Held>) {
@@ -654,7 +660,7 @@ impl Payer {
             .map(|(amount, period)| assignment::refill_per(fill, amount, period))
             .min()
             .unwrap_or(0);
-        let want = assignment::wanted_rate(requests, interval, fill);
+        let want = want(fill, supply);
         let share = self
             .demands
             .share((Arc::clone(domain), entries), self.id, want, supply);
