@@ -22,7 +22,8 @@
 //! * An assignment is `max_tokens` = `tokens_per_fill` = a rate, per fill interval: a second,
 //!   or as many as the slowest limit takes to refill a token. The rate is the Envoy's reported
 //!   demand with a margin, capped by a max-min fair share of the limits' refill among the
-//!   Envoys this process serves on that bucket, and by what the bucket holds. The rate held
+//!   Envoys this process serves on that bucket, and by what the bucket holds (a bucket's
+//!   first report, sent with its first request, starts it with a full share). The rate held
 //!   is extended rather than replaced while it is within a fifth below or a quarter above
 //!   that and no more than the fair share, since a new strategy makes Envoy start a full
 //!   bucket, which must be paid again. Envoys on other processes meet in the store: each
