@@ -323,16 +323,6 @@ async fn bad_reports_end_the_stream_with_invalid_argument_and_charge_nothing() {
             vec![reports("edge", vec![ok(), ok()])],
             "same bucket_id",
         ),
-        (
-            "too many buckets",
-            vec![reports(
-                "edge",
-                (0..1_001)
-                    .map(|i| usage(&[("tenant", &i.to_string())], 1, 0, SECOND))
-                    .collect(),
-            )],
-            "at most",
-        ),
     ];
     for (case, sent, says) in cases {
         let mut envoy = Envoy::connect(&server).await;
@@ -414,4 +404,33 @@ async fn a_reloaded_policy_changes_the_next_assignment() {
         assigned(envoy.report("edge", busy()).await.remove(0)),
         Assigned::Allow(_)
     ));
+}
+
+/// An Envoy reporting more buckets than a stream may be assigned gets assignments for the
+/// first it reported, and none for the rest, which its `no_assignment_behavior` then covers.
+#[tokio::test]
+async fn buckets_past_the_bound_get_no_assignment() {
+    let scratch = Scratch::new("rlqs-bound");
+    let policy = scratch.write("policy.yaml", POLICY);
+    let server = Server::start(&[
+        "--config",
+        policy.to_str().expect("utf-8"),
+        "--rlqs-max-buckets",
+        "2",
+    ]);
+    let mut envoy = Envoy::connect(&server).await;
+    let tenants = |names: &[&str]| -> Vec<BucketQuotaUsage> {
+        names
+            .iter()
+            .map(|name| usage(&[("tenant", name)], 1, 0, SECOND))
+            .collect()
+    };
+    let answered = envoy.report("edge", tenants(&["a", "b", "c"])).await;
+    assert_eq!(answered.len(), 2);
+    let answered = envoy.report("edge", tenants(&["c", "b", "a"])).await;
+    assert_eq!(answered.len(), 2);
+    assert_eq!(
+        metric(&server, r#"tollgate_rlqs_answers_total{action="refused"}"#),
+        2.0
+    );
 }

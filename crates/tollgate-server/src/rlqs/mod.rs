@@ -80,9 +80,6 @@ use crate::metrics::{self, Api};
 /// The gRPC path prefix of the service.
 pub(crate) const PATH: &str = "/envoy.service.rate_limit_quota.v3.RateLimitQuotaService/";
 
-/// Bucket usages in one report: Envoy sends one per bucket it tracks.
-pub const MAX_USAGES: usize = 1_000;
-
 /// Reporting interval assumed until a report says how long it covered.
 const DEFAULT_INTERVAL: Duration = Duration::from_secs(1);
 
@@ -420,11 +417,8 @@ impl Session {
                 domain
             }
         };
-        if reports.bucket_quota_usages.len() > MAX_USAGES {
-            return Err(invalid(format!(
-                "at most {MAX_USAGES} bucket_quota_usages in one report"
-            )));
-        }
+        // A report holds one usage per bucket the Envoy tracks, as many as gRPC's message
+        // size allows: past the stream's bound of buckets, new ones get no assignment.
         // Checked whole before anything is charged: a bad report changes nothing.
         let usages = reports
             .bucket_quota_usages
