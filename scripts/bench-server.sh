@@ -24,11 +24,10 @@ trap cleanup EXIT
 
 store_flag=memory
 if [[ $store == redis ]]; then
-  rport=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-  redis-server --port "$rport" --bind 127.0.0.1 --save "" --appendonly no >"$work/redis.log" 2>&1 &
-  pids+=($!)
-  until redis-cli -p "$rport" ping >/dev/null 2>&1; do sleep 0.1; done
-  store_flag=redis://127.0.0.1:$rport
+  # shellcheck source=scripts/scratch-redis.sh
+  source scripts/scratch-redis.sh
+  scratch_redis
+  store_flag=$redis_url
 fi
 # shellcheck disable=SC2086 # SERVE_ARGS is a list of flags
 $B serve --http 127.0.0.1:0 --grpc 127.0.0.1:0 --store "$store_flag" ${SERVE_ARGS:-} >"$work/server.out" 2>&1 &

@@ -9,10 +9,9 @@ pids=()
 cleanup() { for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done; rm -rf "$work"; }
 trap cleanup EXIT
 
-rport=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-redis-server --port "$rport" --bind 127.0.0.1 --save "" --appendonly no >"$work/redis.log" 2>&1 &
-pids+=($!)
-until redis-cli -p "$rport" ping >/dev/null 2>&1; do sleep 0.1; done
+# shellcheck source=scripts/scratch-redis.sh
+source scripts/scratch-redis.sh
+scratch_redis
 
 redis_info() { redis-cli -p "$rport" INFO "$1" | tr -d '\r'; }
 
@@ -31,7 +30,7 @@ ab_run() {
   shift 3
   redis-cli -p "$rport" FLUSHALL >/dev/null
   redis-cli -p "$rport" CONFIG RESETSTAT >/dev/null
-  $B serve --config "$work/policy.yaml" --store "redis://127.0.0.1:$rport" \
+  $B serve --config "$work/policy.yaml" --store "$redis_url" \
     --http 127.0.0.1:0 --grpc 127.0.0.1:0 "$@" >"$work/server.out" 2>&1 &
   local server=$!
   pids+=("$server")

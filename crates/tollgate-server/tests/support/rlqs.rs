@@ -163,6 +163,20 @@ impl Admissions {
         }
     }
 
+    /// Asserts that what the Envoys could admit stays within a limit of `capacity` refilled
+    /// `per_second` over `lasted` (from the first charge to the last), and that at least a
+    /// full bucket was handed out, not hoarded. Prints the figures.
+    pub fn assert_within(&self, capacity: f64, per_second: f64, lasted: Duration) {
+        let bound = capacity + per_second * lasted.as_secs_f64();
+        eprintln!("the Envoys could admit {} of {bound}", self.could_admit);
+        assert!(
+            self.could_admit <= bound,
+            "{} could be admitted; the limit allows {bound}",
+            self.could_admit
+        );
+        assert!(self.could_admit >= capacity, "{}", self.could_admit);
+    }
+
     pub fn receive(&mut self, envoy: u32, now: Instant, assigned: Assigned) {
         match (self.held.get(&envoy).copied(), assigned) {
             (Some((held, fill, since, expires)), Assigned::Tokens { rate, fill: f, ttl })
