@@ -44,6 +44,8 @@
 //! last assignment admits beyond the quota, which tollgate cannot see.
 
 pub(crate) mod assignment;
+mod message;
+mod payer;
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -51,30 +53,26 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
-use envoy_types::pb::envoy::r#type::v3::{RateLimitStrategy, TokenBucket};
-use envoy_types::pb::google::protobuf::UInt32Value;
+use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::BlanketRule;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::BucketAction;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::{
-    AbandonAction, BucketAction as Action, QuotaAssignmentAction,
+    AbandonAction, BucketAction as Action,
 };
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::{
     RateLimitQuotaService, RateLimitQuotaServiceServer,
 };
-use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
     BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
 };
 use futures_util::{Stream, StreamExt, stream};
-use parking_lot::Mutex;
-use tokio::sync::watch;
-use tollgate::{Clock, Limit, MonotonicClock, Timestamp};
-use tollgate_policy::Outcome;
+use tokio::sync::{Semaphore, watch};
+use tollgate::{Clock, MonotonicClock, Timestamp};
 use tonic::{Request, Response, Status, Streaming};
 
-use self::assignment::Assignment;
-use crate::decider::{Backend, DecideError, Decider, Request as Decide};
-use crate::http::{MAX_ENTRIES, MAX_NAME_BYTES, MAX_VALUE_BYTES};
+use self::message::{Entries, blanket, elapsed, entries, invalid, quota, token_bucket};
+use self::payer::{Answer, Demands, Held, Payer, Step};
+use crate::decider::{Backend, Decider};
+use crate::http::MAX_NAME_BYTES;
 use crate::metrics::{self, Api};
 
 /// The gRPC path prefix of the service.
@@ -107,46 +105,6 @@ impl Default for RlqsOptions {
     }
 }
 
-/// A bucket: its entries sorted by name, as `BucketId` entries have no order.
-type Entries = Vec<(String, String)>;
-
-/// A bucket of a domain.
-type BucketKey = (Arc<str>, Entries);
-
-/// What each stream's Envoy wants of each bucket (tokens a fill), so that shares are fair
-/// across the streams of this process. Streams remove their own entries as they end.
-#[derive(Default)]
-struct Demands {
-    /// Per bucket: stream → want.
-    wants: Mutex<HashMap<BucketKey, HashMap<u64, u64>>>,
-}
-
-impl Demands {
-    /// Records `want` for `stream` and returns its fair share of `supply`.
-    fn share(&self, bucket: (Arc<str>, &Entries), stream: u64, want: u64, supply: u64) -> u64 {
-        let mut wants = self.wants.lock();
-        let key = (bucket.0, bucket.1.clone());
-        let of_bucket = wants.entry(key).or_default();
-        of_bucket.insert(stream, want);
-        let others = of_bucket
-            .iter()
-            .filter(|&(&other, _)| other != stream)
-            .map(|(_, &want)| want);
-        assignment::fair_share(supply, want, others)
-    }
-
-    fn forget(&self, domain: &Arc<str>, entries: &Entries, stream: u64) {
-        let mut wants = self.wants.lock();
-        let key = (Arc::clone(domain), entries.clone());
-        if let Some(of_bucket) = wants.get_mut(&key) {
-            of_bucket.remove(&stream);
-            if of_bucket.is_empty() {
-                wants.remove(&key);
-            }
-        }
-    }
-}
-
 /// The gRPC service.
 pub struct Rlqs {
     decider: Arc<Decider>,
@@ -154,6 +112,8 @@ pub struct Rlqs {
     clock: MonotonicClock,
     options: RlqsOptions,
     demands: Arc<Demands>,
+    /// Bounds the store calls of all streams together.
+    in_flight: Arc<Semaphore>,
     streams: AtomicU64,
     /// Random, told apart from other processes' in request ids.
     nonce: u64,
@@ -173,6 +133,7 @@ impl Rlqs {
             clock: MonotonicClock::new(),
             options,
             demands: Arc::default(),
+            in_flight: Arc::new(Semaphore::new(payer::IN_FLIGHT)),
             streams: AtomicU64::new(0),
             nonce: rand::random(),
             stopped,
@@ -185,18 +146,6 @@ impl Rlqs {
     }
 }
 
-/// A charge made for an assignment: its request id, and what it took.
-struct Charge {
-    id: String,
-    cost: u64,
-}
-
-/// A token bucket an Envoy holds, and the last charge made for it.
-struct Held {
-    assignment: Assignment,
-    charge: Option<Charge>,
-}
-
 /// What tollgate told one stream about one bucket.
 struct Bucket {
     /// The token bucket the Envoy holds, if the last answer was one.
@@ -204,19 +153,6 @@ struct Bucket {
     last_report: Timestamp,
     /// Since when it has reported no requests.
     idle_since: Option<Timestamp>,
-}
-
-/// What pays a stream's assignments: the store, through the policy, and the shares. Shared
-/// by the buckets of one report, which are paid at once.
-struct Payer {
-    /// The stream's number in this process.
-    id: u64,
-    /// This process's, so that request ids differ from every other process's on one store.
-    nonce: u64,
-    /// Charges made, numbering their request ids.
-    charges: AtomicU64,
-    decider: Arc<Decider>,
-    demands: Arc<Demands>,
 }
 
 /// One Envoy's stream.
@@ -245,121 +181,12 @@ impl Drop for Session {
     }
 }
 
-fn invalid(message: impl Into<String>) -> Status {
-    Status::invalid_argument(message.into())
-}
-
-fn duration(d: Duration) -> envoy_types::pb::google::protobuf::Duration {
-    envoy_types::pb::google::protobuf::Duration {
-        seconds: i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
-        nanos: i32::try_from(d.subsec_nanos()).unwrap_or(0),
-    }
-}
-
-/// A bucket's entries, checked against the bounds of every other API and sorted by name.
-fn entries(index: usize, id: Option<BucketId>) -> Result<Entries, Status> {
-    let bucket = id.map(|id| id.bucket).unwrap_or_default();
-    if bucket.is_empty() || bucket.len() > MAX_ENTRIES {
-        return Err(invalid(format!(
-            "bucket_quota_usages[{index}]: a bucket_id needs 1 to {MAX_ENTRIES} entries"
-        )));
-    }
-    let mut entries: Entries = bucket.into_iter().collect();
-    for (key, value) in &entries {
-        if key.is_empty() || key.len() > MAX_NAME_BYTES {
-            return Err(invalid(format!(
-                "bucket_quota_usages[{index}]: entry names must be 1 to {MAX_NAME_BYTES} bytes"
-            )));
-        }
-        if value.len() > MAX_VALUE_BYTES {
-            return Err(invalid(format!(
-                "bucket_quota_usages[{index}]: entry values must be at most {MAX_VALUE_BYTES} bytes"
-            )));
-        }
-    }
-    entries.sort_unstable();
-    Ok(entries)
-}
-
-/// The reported `time_elapsed`: `None` when absent or zero.
-fn elapsed(index: usize, usage: &BucketQuotaUsage) -> Result<Option<Duration>, Status> {
-    let Some(elapsed) = usage.time_elapsed else {
-        return Ok(None);
-    };
-    let (Ok(seconds), Ok(nanos)) = (u64::try_from(elapsed.seconds), u32::try_from(elapsed.nanos))
-    else {
-        return Err(invalid(format!(
-            "bucket_quota_usages[{index}]: time_elapsed must not be negative"
-        )));
-    };
-    if nanos >= 1_000_000_000 {
-        return Err(invalid(format!(
-            "bucket_quota_usages[{index}]: time_elapsed nanos must be below a second"
-        )));
-    }
-    let elapsed = Duration::new(seconds, nanos);
-    Ok((!elapsed.is_zero()).then_some(elapsed))
-}
-
 /// The time-to-live for a reporting interval: twice it, rounded up to whole seconds, within
 /// the bounds.
 fn ttl_for(interval: Duration) -> Duration {
     let doubled = interval.saturating_mul(2);
     let seconds = doubled.as_secs() + u64::from(doubled.subsec_nanos() > 0);
     Duration::from_secs(seconds).clamp(MIN_TTL, MAX_TTL)
-}
-
-fn blanket(rule: BlanketRule) -> RateLimitStrategy {
-    RateLimitStrategy {
-        strategy: Some(Strategy::BlanketRule(rule as i32)),
-    }
-}
-
-fn token_bucket(rate: u32, fill: Duration) -> RateLimitStrategy {
-    RateLimitStrategy {
-        strategy: Some(Strategy::TokenBucket(TokenBucket {
-            max_tokens: rate,
-            tokens_per_fill: Some(UInt32Value { value: rate }),
-            fill_interval: Some(duration(fill)),
-        })),
-    }
-}
-
-/// What one report asks of one bucket.
-enum Answer {
-    /// A token bucket.
-    Tokens(Assignment),
-    /// `ALLOW_ALL` for this long.
-    Allow(Duration),
-    /// `DENY_ALL` for this long.
-    Deny(Duration),
-    Abandon,
-    /// Nothing (the stream is at its bound of buckets).
-    None,
-}
-
-impl Answer {
-    fn label(&self) -> &'static str {
-        match self {
-            Answer::Tokens(_) => "tokens",
-            Answer::Allow(_) => "allow_all",
-            Answer::Deny(_) => "deny_all",
-            Answer::Abandon => "abandon",
-            Answer::None => "refused",
-        }
-    }
-}
-
-/// How a charge went.
-enum Charged {
-    /// Paid.
-    Paid,
-    /// No limit that can reject applies.
-    Free,
-    /// A limit fails closed while the store is down.
-    Closed,
-    /// Too few tokens: this many are left in the tightest enforced bucket.
-    Short(u64),
 }
 
 impl Session {
@@ -567,284 +394,6 @@ impl Session {
     }
 }
 
-/// One bucket's report, between [`Session::prepare`] and its payment.
-enum Step {
-    /// Past the stream's bound of buckets: no answer.
-    Refused,
-    /// Quiet for too long: Envoy is told to forget it.
-    Abandon { held: Option<Held>, now: Timestamp },
-    /// An assignment to size and pay.
-    Assign {
-        held: Option<Held>,
-        requests: u64,
-        /// The bucket's first report on this stream.
-        first: bool,
-        interval: Duration,
-        ttl: Duration,
-        now: Timestamp,
-    },
-}
-
-impl Payer {
-    /// Pays for what `step` asks (the state it holds is taken out of it), and returns the
-    /// answer and what the Envoy holds after it.
-    async fn pay(
-        &self,
-        domain: &Arc<str>,
-        entries: &Entries,
-        step: &mut Step,
-    ) -> (Answer, Option<Held>) {
-        match std::mem::replace(step, Step::Refused) {
-            Step::Refused => (Answer::None, None),
-            Step::Abandon { held, now } => {
-                // Envoy forgets the bucket: what it had paid ahead goes back.
-                self.give_back(domain, entries, held, now, MIN_TTL / 4)
-                    .await;
-                (Answer::Abandon, None)
-            }
-            Step::Assign {
-                held,
-                requests,
-                first,
-                interval,
-                ttl,
-                now,
-            } => {
-                // A first report is sent as the bucket's first request arrives, and says
-                // little about its demand: the Envoy starts with a full share, so that a
-                // busy bucket is not denied until its next report. The next report sizes it.
-                let want = |fill, supply: u64| {
-                    let want = assignment::wanted_rate(requests, interval, fill);
-                    if first { want.max(supply) } else { want }
-                };
-                self.assign(domain, entries, held, want, ttl, now).await
-            }
-        }
-    }
-
-    /// The answer for a bucket whose Envoy holds `held` and wants `want(fill, supply)`
-    /// tokens a fill, paid for in the store, and what the Envoy holds after it.
-    async fn assign(
-        &self,
-        domain: &Arc<str>,
-        entries: &Entries,
-        held: Option<Held>,
-        want: impl FnOnce(Duration, u64) -> u64,
-        ttl: Duration,
-        now: Timestamp,
-    ) -> (Answer, Option<Held>) {
-        // A message is taken to reach the Envoy within a quarter of the time-to-live.
-        let margin = ttl / 4;
-        let limits = self
-            .decider
-            .engine()
-            .enforced_limits(domain, std::slice::from_ref(entries));
-        // None applies, or none can reject (shadow, exempt): nothing to pay for.
-        let Some(capacity) = limits.iter().map(Limit::capacity).min() else {
-            self.give_back(domain, entries, held, now, margin).await;
-            return (Answer::Allow(ttl), None);
-        };
-        let refills = || {
-            limits
-                .iter()
-                .map(|l| (l.refill().amount(), l.refill().period()))
-        };
-        let fill = assignment::fill_interval(refills());
-        // What the limits refill in a fill interval: the most all Envoys can share.
-        let supply = refills()
-            .map(|(amount, period)| assignment::refill_per(fill, amount, period))
-            .min()
-            .unwrap_or(0);
-        let want = want(fill, supply);
-        let share = self
-            .demands
-            .share((Arc::clone(domain), entries), self.id, want, supply);
-        let most = assignment::largest_rate(capacity, fill, ttl);
-        let rate = u32::try_from(share).unwrap_or(u32::MAX).min(most);
-        // The rate held is kept when it is no more than this Envoy's share and close to the
-        // rate it would get: a new strategy is a new full bucket to pay, and demand jitters.
-        let close = |held: u32| {
-            let (held, rate) = (u64::from(held), u64::from(rate));
-            held <= share && held * 5 >= rate * 4 && held * 4 <= rate * 5
-        };
-        let held = match held {
-            Some(held)
-                if held.assignment.fill == fill
-                    && held.assignment.extendable(now, margin)
-                    && close(held.assignment.rate) =>
-            {
-                let (extended, cost) = held.assignment.extended(now, ttl);
-                match self.charge(domain, entries, cost).await {
-                    (Charged::Paid, charge) => {
-                        let charge = charge.or(held.charge);
-                        let held = Held {
-                            assignment: extended,
-                            charge,
-                        };
-                        return (Answer::Tokens(extended), Some(held));
-                    }
-                    (Charged::Free, _) => {
-                        self.give_back(domain, entries, Some(held), now, margin)
-                            .await;
-                        return (Answer::Allow(ttl), None);
-                    }
-                    // Replaced below by what the bucket still pays for.
-                    (Charged::Closed | Charged::Short(_), _) => Some(held),
-                }
-            }
-            other => other,
-        };
-        // Whatever the Envoy holds is replaced: the refill it will not reach goes back first,
-        // so that it can pay for the new assignment (its own or another Envoy's).
-        self.give_back(domain, entries, held, now, margin).await;
-        let mut rate = rate;
-        for _ in 0..2 {
-            if rate == 0 {
-                break;
-            }
-            let (fresh, cost) = Assignment::fresh(rate, fill, now, ttl);
-            match self.charge(domain, entries, cost).await {
-                (Charged::Paid, charge) => {
-                    let held = Held {
-                        assignment: fresh,
-                        charge,
-                    };
-                    return (Answer::Tokens(fresh), Some(held));
-                }
-                (Charged::Free, _) => return (Answer::Allow(ttl), None),
-                (Charged::Closed, _) => break,
-                // Too few tokens: the largest fresh bucket what is left pays for, if any.
-                (Charged::Short(available), _) => {
-                    rate = rate.min(assignment::largest_rate(available, fill, ttl));
-                }
-            }
-        }
-        (Answer::Deny(ttl), None)
-    }
-
-    /// Gives back the refill `held` paid for beyond `now + margin`, which its Envoy will not
-    /// reach once its assignment is replaced, from the last charge made for it. A store that
-    /// cannot answer keeps it (the quota under-admits, never over-admits).
-    async fn give_back(
-        &self,
-        domain: &str,
-        entries: &Entries,
-        held: Option<Held>,
-        now: Timestamp,
-        margin: Duration,
-    ) {
-        let Some(Held {
-            assignment,
-            charge: Some(charge),
-        }) = held
-        else {
-            return;
-        };
-        let refund = assignment.unused(now, margin).min(charge.cost);
-        if refund == 0 {
-            return;
-        }
-        let request = Decide {
-            domain,
-            descriptors: std::slice::from_ref(entries),
-            cost: charge.cost.into(),
-            request_id: Some(&charge.id),
-        };
-        match self.decider.settle(&request, charge.cost - refund).await {
-            Ok(_) => metrics::record_rlqs_given_back(refund),
-            Err(err) => {
-                tracing::debug!(domain, error = %err, "unused RLQS tokens could not be given back");
-            }
-        }
-    }
-
-    /// Takes `cost` tokens from every limit on the bucket, all or nothing, under a request
-    /// id of its own so that what goes unused can be given back.
-    async fn charge(
-        &self,
-        domain: &str,
-        entries: &Entries,
-        cost: u64,
-    ) -> (Charged, Option<Charge>) {
-        if cost == 0 {
-            return (Charged::Paid, None);
-        }
-        let charge = self.charges.fetch_add(1, Ordering::Relaxed);
-        let id = format!("rlqs-{:016x}-{}-{charge}", self.nonce, self.id);
-        let request = Decide {
-            domain,
-            descriptors: std::slice::from_ref(entries),
-            cost: cost.into(),
-            request_id: Some(&id),
-        };
-        let outcome: Outcome = match self.decider.decide(Api::Rlqs, &request).await {
-            Ok(outcome) => outcome,
-            // Larger than a capacity (a policy reloaded between sizing and charging), or a
-            // limit the store cannot represent: nothing was charged, and nothing is given.
-            Err(err @ (DecideError::Invalid(_) | DecideError::Internal(_))) => {
-                tracing::warn!(domain, error = %err, "an RLQS assignment could not be charged");
-                return (Charged::Short(0), None);
-            }
-            Err(DecideError::Unavailable(_)) => return (Charged::Closed, None),
-        };
-        if outcome.failed_closed {
-            return (Charged::Closed, None);
-        }
-        let enforced = outcome
-            .limits
-            .iter()
-            .filter(|limit| limit.mode == "enforce")
-            .filter_map(|limit| limit.decision);
-        let mut tightest = None::<u64>;
-        for decision in enforced {
-            tightest = Some(tightest.map_or(decision.remaining(), |t| t.min(decision.remaining())));
-        }
-        match tightest {
-            None => (Charged::Free, None),
-            Some(_) if outcome.allowed => {
-                metrics::record_rlqs_prepaid(cost);
-                (Charged::Paid, Some(Charge { id, cost }))
-            }
-            // A cost above an emergency budget's capacity is shown as an empty bucket: what
-            // the budgets hold is asked apart, so that a smaller assignment can be paid.
-            Some(_) if outcome.degraded => {
-                (Charged::Short(self.emergency_left(domain, entries)), None)
-            }
-            Some(left) => (Charged::Short(left), None),
-        }
-    }
-
-    /// What the emergency budgets of the bucket's limits hold now (0 if any is empty).
-    fn emergency_left(&self, domain: &str, entries: &Entries) -> u64 {
-        let descriptors = std::slice::from_ref(entries);
-        let explained =
-            self.decider
-                .engine()
-                .explain_degraded(domain, descriptors, 1u64, "store unavailable");
-        let Ok(outcome) = explained else {
-            return 0;
-        };
-        if !outcome.allowed {
-            return 0;
-        }
-        outcome
-            .limits
-            .iter()
-            .filter(|limit| limit.mode == "enforce")
-            .filter_map(|limit| limit.decision)
-            .map(|decision| decision.remaining().saturating_add(1))
-            .min()
-            .unwrap_or(0)
-    }
-}
-
-fn quota(strategy: RateLimitStrategy, ttl: Duration) -> Action {
-    Action::QuotaAssignmentAction(QuotaAssignmentAction {
-        assignment_time_to_live: Some(duration(ttl)),
-        rate_limit_strategy: Some(strategy),
-    })
-}
-
 type Assignments = Pin<Box<dyn Stream<Item = Result<RateLimitQuotaResponse, Status>> + Send>>;
 
 #[tonic::async_trait]
@@ -862,6 +411,7 @@ impl RateLimitQuotaService for Rlqs {
             charges: AtomicU64::new(0),
             decider: Arc::clone(&self.decider),
             demands: Arc::clone(&self.demands),
+            in_flight: Arc::clone(&self.in_flight),
         };
         let session = Session {
             payer,

@@ -1,0 +1,403 @@
+//! Paying for assignments: sizing each by demand and fair shares, charging the shared buckets
+//! before it is sent, and giving back what a replaced one can no longer spend.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::sync::Semaphore;
+use tollgate::{Limit, Timestamp};
+use tollgate_policy::Outcome;
+
+use super::MIN_TTL;
+use super::assignment::{self, Assignment};
+use super::message::Entries;
+use crate::decider::{DecideError, Decider, Request as Decide};
+use crate::metrics::{self, Api};
+
+/// Store calls (charges and give-backs) the RLQS streams of one process have in flight at
+/// most. Envoys may report thousands of buckets each at once; sent all together on Redis,
+/// their calls queue past the store timeout, which opens the breaker for every decision of
+/// the process, RLS and HTTP ones included. In waves of this many, a call waits for a permit
+/// rather than for Redis, and the store batches them into few round trips.
+pub(super) const IN_FLIGHT: usize = 64;
+
+/// A bucket of a domain.
+type BucketKey = (Arc<str>, Entries);
+
+/// What each stream's Envoy wants of each bucket (tokens a fill), so that shares are fair
+/// across the streams of this process. Streams remove their own entries as they end.
+#[derive(Default)]
+pub(super) struct Demands {
+    /// Per bucket: stream → want.
+    wants: Mutex<HashMap<BucketKey, HashMap<u64, u64>>>,
+}
+
+impl Demands {
+    /// Records `want` for `stream` and returns its fair share of `supply`.
+    fn share(&self, bucket: (Arc<str>, &Entries), stream: u64, want: u64, supply: u64) -> u64 {
+        let mut wants = self.wants.lock();
+        let key = (bucket.0, bucket.1.clone());
+        let of_bucket = wants.entry(key).or_default();
+        of_bucket.insert(stream, want);
+        let others = of_bucket
+            .iter()
+            .filter(|&(&other, _)| other != stream)
+            .map(|(_, &want)| want);
+        assignment::fair_share(supply, want, others)
+    }
+
+    /// Drops `stream`'s want of a bucket (it ended, or the bucket went quiet).
+    pub(super) fn forget(&self, domain: &Arc<str>, entries: &Entries, stream: u64) {
+        let mut wants = self.wants.lock();
+        let key = (Arc::clone(domain), entries.clone());
+        if let Some(of_bucket) = wants.get_mut(&key) {
+            of_bucket.remove(&stream);
+            if of_bucket.is_empty() {
+                wants.remove(&key);
+            }
+        }
+    }
+}
+
+/// A charge made for an assignment: its request id, and what it took.
+struct Charge {
+    id: String,
+    cost: u64,
+}
+
+/// A token bucket an Envoy holds, and the last charge made for it.
+pub(super) struct Held {
+    assignment: Assignment,
+    charge: Option<Charge>,
+}
+
+/// by the buckets of one report, which are paid at once.
+pub(super) struct Payer {
+    /// The stream's number in this process.
+    pub(super) id: u64,
+    /// This process's, so that request ids differ from every other process's on one store.
+    pub(super) nonce: u64,
+    /// Charges made, numbering their request ids.
+    pub(super) charges: AtomicU64,
+    pub(super) decider: Arc<Decider>,
+    pub(super) demands: Arc<Demands>,
+    /// Store calls all RLQS streams of this process may have in flight (see [`IN_FLIGHT`]).
+    pub(super) in_flight: Arc<Semaphore>,
+}
+
+/// What one report asks of one bucket.
+pub(super) enum Answer {
+    /// A token bucket.
+    Tokens(Assignment),
+    /// `ALLOW_ALL` for this long.
+    Allow(Duration),
+    /// `DENY_ALL` for this long.
+    Deny(Duration),
+    Abandon,
+    /// Nothing (the stream is at its bound of buckets).
+    None,
+}
+
+impl Answer {
+    pub(super) fn label(&self) -> &'static str {
+        match self {
+            Answer::Tokens(_) => "tokens",
+            Answer::Allow(_) => "allow_all",
+            Answer::Deny(_) => "deny_all",
+            Answer::Abandon => "abandon",
+            Answer::None => "refused",
+        }
+    }
+}
+
+/// How a charge went.
+enum Charged {
+    /// Paid.
+    Paid,
+    /// No limit that can reject applies.
+    Free,
+    /// A limit fails closed while the store is down.
+    Closed,
+    /// Too few tokens: this many are left in the tightest enforced bucket.
+    Short(u64),
+}
+
+/// One bucket's report, between [`Session::prepare`] and its payment.
+pub(super) enum Step {
+    /// Past the stream's bound of buckets: no answer.
+    Refused,
+    /// Quiet for too long: Envoy is told to forget it.
+    Abandon { held: Option<Held>, now: Timestamp },
+    /// An assignment to size and pay.
+    Assign {
+        held: Option<Held>,
+        requests: u64,
+        /// The bucket's first report on this stream.
+        first: bool,
+        interval: Duration,
+        ttl: Duration,
+        now: Timestamp,
+    },
+}
+
+impl Payer {
+    /// Pays for what `step` asks (the state it holds is taken out of it), and returns the
+    /// answer and what the Envoy holds after it.
+    pub(super) async fn pay(
+        &self,
+        domain: &Arc<str>,
+        entries: &Entries,
+        step: &mut Step,
+    ) -> (Answer, Option<Held>) {
+        match std::mem::replace(step, Step::Refused) {
+            Step::Refused => (Answer::None, None),
+            Step::Abandon { held, now } => {
+                // Envoy forgets the bucket: what it had paid ahead goes back.
+                self.give_back(domain, entries, held, now, MIN_TTL / 4)
+                    .await;
+                (Answer::Abandon, None)
+            }
+            Step::Assign {
+                held,
+                requests,
+                first,
+                interval,
+                ttl,
+                now,
+            } => {
+                // A first report is sent as the bucket's first request arrives, and says
+                // little about its demand: the Envoy starts with a full share, so that a
+                // busy bucket is not denied until its next report. The next report sizes it.
+                let want = |fill, supply: u64| {
+                    let want = assignment::wanted_rate(requests, interval, fill);
+                    if first { want.max(supply) } else { want }
+                };
+                self.assign(domain, entries, held, want, ttl, now).await
+            }
+        }
+    }
+
+    /// The answer for a bucket whose Envoy holds `held` and wants `want(fill, supply)`
+    /// tokens a fill, paid for in the store, and what the Envoy holds after it.
+    async fn assign(
+        &self,
+        domain: &Arc<str>,
+        entries: &Entries,
+        held: Option<Held>,
+        want: impl FnOnce(Duration, u64) -> u64,
+        ttl: Duration,
+        now: Timestamp,
+    ) -> (Answer, Option<Held>) {
+        // A message is taken to reach the Envoy within a quarter of the time-to-live.
+        let margin = ttl / 4;
+        let limits = self
+            .decider
+            .engine()
+            .enforced_limits(domain, std::slice::from_ref(entries));
+        // None applies, or none can reject (shadow, exempt): nothing to pay for.
+        let Some(capacity) = limits.iter().map(Limit::capacity).min() else {
+            self.give_back(domain, entries, held, now, margin).await;
+            return (Answer::Allow(ttl), None);
+        };
+        let refills = || {
+            limits
+                .iter()
+                .map(|l| (l.refill().amount(), l.refill().period()))
+        };
+        let fill = assignment::fill_interval(refills());
+        // What the limits refill in a fill interval: the most all Envoys can share.
+        let supply = refills()
+            .map(|(amount, period)| assignment::refill_per(fill, amount, period))
+            .min()
+            .unwrap_or(0);
+        let want = want(fill, supply);
+        let share = self
+            .demands
+            .share((Arc::clone(domain), entries), self.id, want, supply);
+        let most = assignment::largest_rate(capacity, fill, ttl);
+        let rate = u32::try_from(share).unwrap_or(u32::MAX).min(most);
+        // The rate held is kept when it is no more than this Envoy's share and close to the
+        // rate it would get: a new strategy is a new full bucket to pay, and demand jitters.
+        let close = |held: u32| {
+            let (held, rate) = (u64::from(held), u64::from(rate));
+            held <= share && held * 5 >= rate * 4 && held * 4 <= rate * 5
+        };
+        let held = match held {
+            Some(held)
+                if held.assignment.fill == fill
+                    && held.assignment.extendable(now, margin)
+                    && close(held.assignment.rate) =>
+            {
+                let (extended, cost) = held.assignment.extended(now, ttl);
+                match self.charge(domain, entries, cost).await {
+                    (Charged::Paid, charge) => {
+                        let charge = charge.or(held.charge);
+                        let held = Held {
+                            assignment: extended,
+                            charge,
+                        };
+                        return (Answer::Tokens(extended), Some(held));
+                    }
+                    (Charged::Free, _) => {
+                        self.give_back(domain, entries, Some(held), now, margin)
+                            .await;
+                        return (Answer::Allow(ttl), None);
+                    }
+                    // Replaced below by what the bucket still pays for.
+                    (Charged::Closed | Charged::Short(_), _) => Some(held),
+                }
+            }
+            other => other,
+        };
+        // Whatever the Envoy holds is replaced: the refill it will not reach goes back first,
+        // so that it can pay for the new assignment (its own or another Envoy's).
+        self.give_back(domain, entries, held, now, margin).await;
+        let mut rate = rate;
+        for _ in 0..2 {
+            if rate == 0 {
+                break;
+            }
+            let (fresh, cost) = Assignment::fresh(rate, fill, now, ttl);
+            match self.charge(domain, entries, cost).await {
+                (Charged::Paid, charge) => {
+                    let held = Held {
+                        assignment: fresh,
+                        charge,
+                    };
+                    return (Answer::Tokens(fresh), Some(held));
+                }
+                (Charged::Free, _) => return (Answer::Allow(ttl), None),
+                (Charged::Closed, _) => break,
+                // Too few tokens: the largest fresh bucket what is left pays for, if any.
+                (Charged::Short(available), _) => {
+                    rate = rate.min(assignment::largest_rate(available, fill, ttl));
+                }
+            }
+        }
+        (Answer::Deny(ttl), None)
+    }
+
+    /// Gives back the refill `held` paid for beyond `now + margin`, which its Envoy will not
+    /// reach once its assignment is replaced, from the last charge made for it. A store that
+    /// cannot answer keeps it (the quota under-admits, never over-admits).
+    async fn give_back(
+        &self,
+        domain: &str,
+        entries: &Entries,
+        held: Option<Held>,
+        now: Timestamp,
+        margin: Duration,
+    ) {
+        let Some(Held {
+            assignment,
+            charge: Some(charge),
+        }) = held
+        else {
+            return;
+        };
+        let refund = assignment.unused(now, margin).min(charge.cost);
+        if refund == 0 {
+            return;
+        }
+        let request = Decide {
+            domain,
+            descriptors: std::slice::from_ref(entries),
+            cost: charge.cost.into(),
+            request_id: Some(&charge.id),
+        };
+        let Ok(_permit) = self.in_flight.acquire().await else {
+            return;
+        };
+        match self.decider.settle(&request, charge.cost - refund).await {
+            Ok(_) => metrics::record_rlqs_given_back(refund),
+            Err(err) => {
+                tracing::debug!(domain, error = %err, "unused RLQS tokens could not be given back");
+            }
+        }
+    }
+
+    /// Takes `cost` tokens from every limit on the bucket, all or nothing, under a request
+    /// id of its own so that what goes unused can be given back.
+    async fn charge(
+        &self,
+        domain: &str,
+        entries: &Entries,
+        cost: u64,
+    ) -> (Charged, Option<Charge>) {
+        if cost == 0 {
+            return (Charged::Paid, None);
+        }
+        let charge = self.charges.fetch_add(1, Ordering::Relaxed);
+        let id = format!("rlqs-{:016x}-{}-{charge}", self.nonce, self.id);
+        let request = Decide {
+            domain,
+            descriptors: std::slice::from_ref(entries),
+            cost: cost.into(),
+            request_id: Some(&id),
+        };
+        let Ok(_permit) = self.in_flight.acquire().await else {
+            return (Charged::Closed, None);
+        };
+        let outcome: Outcome = match self.decider.decide(Api::Rlqs, &request).await {
+            Ok(outcome) => outcome,
+            // Larger than a capacity (a policy reloaded between sizing and charging), or a
+            // limit the store cannot represent: nothing was charged, and nothing is given.
+            Err(err @ (DecideError::Invalid(_) | DecideError::Internal(_))) => {
+                tracing::warn!(domain, error = %err, "an RLQS assignment could not be charged");
+                return (Charged::Short(0), None);
+            }
+            Err(DecideError::Unavailable(_)) => return (Charged::Closed, None),
+        };
+        if outcome.failed_closed {
+            return (Charged::Closed, None);
+        }
+        let enforced = outcome
+            .limits
+            .iter()
+            .filter(|limit| limit.mode == "enforce")
+            .filter_map(|limit| limit.decision);
+        let mut tightest = None::<u64>;
+        for decision in enforced {
+            tightest = Some(tightest.map_or(decision.remaining(), |t| t.min(decision.remaining())));
+        }
+        match tightest {
+            None => (Charged::Free, None),
+            Some(_) if outcome.allowed => {
+                metrics::record_rlqs_prepaid(cost);
+                (Charged::Paid, Some(Charge { id, cost }))
+            }
+            // A cost above an emergency budget's capacity is shown as an empty bucket: what
+            // the budgets hold is asked apart, so that a smaller assignment can be paid.
+            Some(_) if outcome.degraded => {
+                (Charged::Short(self.emergency_left(domain, entries)), None)
+            }
+            Some(left) => (Charged::Short(left), None),
+        }
+    }
+
+    /// What the emergency budgets of the bucket's limits hold now (0 if any is empty).
+    fn emergency_left(&self, domain: &str, entries: &Entries) -> u64 {
+        let descriptors = std::slice::from_ref(entries);
+        let explained =
+            self.decider
+                .engine()
+                .explain_degraded(domain, descriptors, 1u64, "store unavailable");
+        let Ok(outcome) = explained else {
+            return 0;
+        };
+        if !outcome.allowed {
+            return 0;
+        }
+        outcome
+            .limits
+            .iter()
+            .filter(|limit| limit.mode == "enforce")
+            .filter_map(|limit| limit.decision)
+            .map(|decision| decision.remaining().saturating_add(1))
+            .min()
+            .unwrap_or(0)
+    }
+}
