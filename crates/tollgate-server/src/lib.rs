@@ -127,7 +127,15 @@ pub async fn run(
         let _ = stop.send(true);
     });
     housekeeping(&state, &stopped);
-    serve_listeners(state, http, grpc, stopped).await
+    let rlqs = rlqs_service(&state, &stopped);
+    serve_listeners(state, http, grpc, stopped, rlqs).await
+}
+
+/// The RLQS service, one per process so that fair shares and the bound on store calls
+/// span every serving thread.
+fn rlqs_service(state: &AppState, stopped: &watch::Receiver<bool>) -> Arc<rlqs::Rlqs> {
+    let decider = Arc::clone(&state.decider);
+    Arc::new(rlqs::Rlqs::new(decider, state.rlqs, stopped.clone()))
 }
 
 /// Serves like [`run`], on `threads` threads, each with a single-threaded runtime of its own:
@@ -156,15 +164,17 @@ pub async fn run_per_core(
     let (mut to_http, mut to_grpc) = (vec![own_http.0], vec![own_grpc.0]);
     let mut spawned = Vec::with_capacity(threads.saturating_sub(1));
     let mut started = Ok(());
+    let rlqs = rlqs_service(&state, &stopped);
     for index in 1..threads.max(1) {
         let (http_in, http_out) = mpsc::unbounded_channel();
         let (grpc_in, grpc_out) = mpsc::unbounded_channel();
         let (state, stopped, stopping) = (Arc::clone(&state), stopped.clone(), Arc::clone(&stop));
+        let rlqs = Arc::clone(&rlqs);
         let thread = std::thread::Builder::new()
             // Named for `top -H` and the like (a thread name holds 15 bytes).
             .name("tollgate-worker".to_owned())
             .spawn(move || {
-                let result = serve_on_own_runtime(state, (http_out, grpc_out), stopped);
+                let result = serve_on_own_runtime(state, (http_out, grpc_out), stopped, rlqs);
                 if let Err(err) = &result {
                     tracing::error!(thread = index, error = %err, "serving thread failed");
                 }
@@ -195,7 +205,8 @@ pub async fn run_per_core(
     let grpc = connection::admit(grpc, Arc::clone(&gates.grpc));
     tokio::spawn(hand_out(http, to_http, stopped.clone()));
     tokio::spawn(hand_out(grpc, to_grpc, stopped.clone()));
-    let served = serve_incoming(state, handed(own_http.1), handed(own_grpc.1), stopped).await;
+    let (http_in, grpc_in) = (handed(own_http.1), handed(own_grpc.1));
+    let served = serve_incoming(state, http_in, grpc_in, stopped, rlqs).await;
     let _ = stop.send(true);
     let joined = tokio::task::spawn_blocking(move || {
         spawned
@@ -275,12 +286,19 @@ fn serve_on_own_runtime(
         mpsc::UnboundedReceiver<Handoff>,
     ),
     stopped: watch::Receiver<bool>,
+    rlqs: Arc<rlqs::Rlqs>,
 ) -> Result<(), ServeError> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(ServeError::Thread)?;
-    runtime.block_on(serve_incoming(state, handed(http), handed(grpc), stopped))
+    runtime.block_on(serve_incoming(
+        state,
+        handed(http),
+        handed(grpc),
+        stopped,
+        rlqs,
+    ))
 }
 
 /// Resolves once `stopped` turns true, or once nothing can turn it any more.
@@ -346,11 +364,12 @@ async fn serve_listeners(
     http: TcpListener,
     grpc: TcpListener,
     stopped: watch::Receiver<bool>,
+    rlqs: Arc<rlqs::Rlqs>,
 ) -> Result<(), ServeError> {
     let gates = &state.connections;
     let http = connection::admit(http, Arc::clone(&gates.http));
     let grpc = connection::admit(grpc, Arc::clone(&gates.grpc));
-    serve_incoming(state, http, grpc, stopped).await
+    serve_incoming(state, http, grpc, stopped, rlqs).await
 }
 
 /// Serves HTTP on the connections `http` yields and gRPC on those `grpc` yields, until
@@ -360,6 +379,7 @@ async fn serve_incoming<H, G>(
     http: H,
     grpc: G,
     stopped: watch::Receiver<bool>,
+    rlqs: Arc<rlqs::Rlqs>,
 ) -> Result<(), ServeError>
 where
     H: futures_util::Stream<Item = std::io::Result<Admitted>>,
@@ -370,9 +390,8 @@ where
     let unary = grpc_unary::ShouldRateLimit::new(Arc::clone(&rls));
     let rls = rls::Rls::server(rls);
     let health = health::GrpcHealth::new(Arc::clone(&state.decider), stopped.clone()).into_server();
-    let rlqs = rlqs::Rlqs::new(Arc::clone(&state.decider), state.rlqs, stopped.clone());
     let grpc_server = grpc::serve(
-        health::Routes::new(rls, unary, health, rlqs.into_server()),
+        health::Routes::new(rls, unary, health, rlqs::Rlqs::server(rlqs)),
         grpc,
         limits,
         stopped.clone(),

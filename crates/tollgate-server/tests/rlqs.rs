@@ -59,9 +59,14 @@ fn remaining(server: &Server, entry: &str, value: &str) -> u64 {
 }
 
 fn start() -> (Server, Scratch) {
-    let scratch = Scratch::new("rlqs");
+    start_with("rlqs", &[])
+}
+
+fn start_with(name: &str, args: &[&str]) -> (Server, Scratch) {
+    let scratch = Scratch::new(name);
     let policy = scratch.write("policy.yaml", POLICY);
-    let server = Server::start(&["--config", policy.to_str().expect("utf-8")]);
+    let config = ["--config", policy.to_str().expect("utf-8")];
+    let server = Server::start(&[&config[..], args].concat());
     (server, scratch)
 }
 
@@ -132,7 +137,18 @@ async fn an_assignment_is_sized_to_demand_and_paid_from_the_shared_bucket() {
 
 #[tokio::test]
 async fn envoys_on_one_bucket_get_fair_shares_of_the_refill() {
-    let (server, _scratch) = start();
+    fair_shares(start()).await;
+}
+
+/// With a runtime per core, the two Envoys' connections are served by different threads,
+/// which must still see each other's demand.
+#[tokio::test]
+async fn fair_shares_span_the_threads_of_a_runtime_per_core() {
+    let args = ["--runtime", "per-core", "--threads", "2"];
+    fair_shares(start_with("rlqs-per-core", &args)).await;
+}
+
+async fn fair_shares((server, _scratch): (Server, Scratch)) {
     let (mut first, mut second) = (Envoy::connect(&server).await, Envoy::connect(&server).await);
     let busy = || vec![usage(&[("tenant", "b")], 400, 100, SECOND)];
     let rate = |actions: Vec<Action>| match assigned(actions.into_iter().next().expect("one")) {

@@ -144,6 +144,11 @@ impl Rlqs {
     pub fn into_server(self) -> RateLimitQuotaServiceServer<Self> {
         RateLimitQuotaServiceServer::new(self)
     }
+
+    /// The tonic server for this service, shared by every serving thread.
+    pub(crate) fn server(rlqs: Arc<Self>) -> RateLimitQuotaServiceServer<Self> {
+        RateLimitQuotaServiceServer::from_arc(rlqs)
+    }
 }
 
 /// What tollgate told one stream about one bucket.
