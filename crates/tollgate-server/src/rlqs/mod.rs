@@ -355,7 +355,8 @@ impl Session {
     ) -> Step {
         let now = self.clock.now();
         let requests = allowed.saturating_add(denied);
-        if !self.buckets.contains_key(entries) && self.buckets.len() >= self.options.max_buckets {
+        let first = !self.buckets.contains_key(entries);
+        if first && self.buckets.len() >= self.options.max_buckets {
             if !self.warned_full {
                 self.warned_full = true;
                 tracing::warn!(
@@ -366,12 +367,18 @@ impl Session {
             }
             return Step::Refused;
         }
-        let first = !self.buckets.contains_key(entries);
-        let bucket = self.buckets.entry(entries.clone()).or_insert(Bucket {
-            held: None,
-            last_report: now,
-            idle_since: None,
-        });
+        // A known bucket is found by reference: only a new one copies its entries.
+        if first {
+            let bucket = Bucket {
+                held: None,
+                last_report: now,
+                idle_since: None,
+            };
+            self.buckets.insert(entries.clone(), bucket);
+        }
+        let Some(bucket) = self.buckets.get_mut(entries) else {
+            return Step::Refused;
+        };
         let since_last = now.saturating_duration_since(bucket.last_report);
         bucket.last_report = now;
         let held = bucket.held.take();

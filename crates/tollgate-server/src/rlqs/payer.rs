@@ -24,23 +24,41 @@ use crate::metrics::{self, Api};
 /// rather than for Redis, and the store batches them into few round trips.
 pub(super) const IN_FLIGHT: usize = 64;
 
-/// A bucket of a domain.
-type BucketKey = (Arc<str>, Entries);
-
 /// What each stream's Envoy wants of each bucket (tokens a fill), so that shares are fair
 /// across the streams of this process. Streams remove their own entries as they end.
 #[derive(Default)]
 pub(super) struct Demands {
-    /// Per bucket: stream → want.
-    wants: Mutex<HashMap<BucketKey, HashMap<u64, u64>>>,
+    /// Per domain and bucket: stream → want. Nested so that a report on a known bucket
+    /// finds it by reference, without copying its entries.
+    wants: Mutex<HashMap<Arc<str>, HashMap<Entries, Wants>>>,
 }
+
+/// One bucket's wants: stream → tokens a fill.
+type Wants = HashMap<u64, u64>;
 
 impl Demands {
     /// Records `want` for `stream` and returns its fair share of `supply`.
-    fn share(&self, bucket: (Arc<str>, &Entries), stream: u64, want: u64, supply: u64) -> u64 {
+    fn share(
+        &self,
+        domain: &Arc<str>,
+        entries: &Entries,
+        stream: u64,
+        want: u64,
+        supply: u64,
+    ) -> u64 {
         let mut wants = self.wants.lock();
-        let key = (bucket.0, bucket.1.clone());
-        let of_bucket = wants.entry(key).or_default();
+        if !wants.contains_key(&**domain) {
+            wants.insert(Arc::clone(domain), HashMap::new());
+        }
+        let Some(of_domain) = wants.get_mut(&**domain) else {
+            return 1;
+        };
+        if !of_domain.contains_key(entries) {
+            of_domain.insert(entries.clone(), HashMap::new());
+        }
+        let Some(of_bucket) = of_domain.get_mut(entries) else {
+            return 1;
+        };
         of_bucket.insert(stream, want);
         let others = of_bucket
             .iter()
@@ -52,12 +70,17 @@ impl Demands {
     /// Drops `stream`'s want of a bucket (it ended, or the bucket went quiet).
     pub(super) fn forget(&self, domain: &Arc<str>, entries: &Entries, stream: u64) {
         let mut wants = self.wants.lock();
-        let key = (Arc::clone(domain), entries.clone());
-        if let Some(of_bucket) = wants.get_mut(&key) {
+        let Some(of_domain) = wants.get_mut(&**domain) else {
+            return;
+        };
+        if let Some(of_bucket) = of_domain.get_mut(entries) {
             of_bucket.remove(&stream);
             if of_bucket.is_empty() {
-                wants.remove(&key);
+                of_domain.remove(entries);
             }
+        }
+        if of_domain.is_empty() {
+            wants.remove(&**domain);
         }
     }
 }
@@ -74,6 +97,7 @@ pub(super) struct Held {
     charge: Option<Charge>,
 }
 
+/// What pays a stream's assignments: the store, through the policy, and the shares. Shared
 /// by the buckets of one report, which are paid at once.
 pub(super) struct Payer {
     /// The stream's number in this process.
@@ -214,9 +238,7 @@ impl Payer {
             .min()
             .unwrap_or(0);
         let want = want(fill, supply);
-        let share = self
-            .demands
-            .share((Arc::clone(domain), entries), self.id, want, supply);
+        let share = self.demands.share(domain, entries, self.id, want, supply);
         let most = assignment::largest_rate(capacity, fill, ttl);
         let rate = u32::try_from(share).unwrap_or(u32::MAX).min(most);
         // The rate held is kept when it is no more than this Envoy's share and close to the
