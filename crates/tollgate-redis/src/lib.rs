@@ -82,6 +82,10 @@
 //!   where the lease had ended. A least-privileged user needs `+zadd +zrem
 //!   +zremrangebyscore +zcard +zcount +zrange +zrangebyscore +zscore +pexpire` besides the
 //!   buckets' commands.
+//! * [`RedisStore::post_want`] keeps a board of wants per global bucket (a hash at
+//!   `PREFIX wants:KEY`, in the bucket's slot): each process posts how many tokens it wants,
+//!   with a time to live on Redis' `TIME`, and reads every live want, to size a fair share. A
+//!   least-privileged user needs `+hgetall +hset +hdel +pexpire` for it.
 //! * A call that times out, or loses its connection, after Redis ran its script has charged
 //!   the buckets though its caller hears [`tollgate::Error::StoreUnavailable`]: the store
 //!   cannot tell. A retry with the same request id gets the first decision back instead of a
@@ -119,6 +123,7 @@ pub fn script_reply(reply: &[u8]) -> Option<Vec<i64>> {
 }
 mod tls;
 mod units;
+mod wants;
 
 pub use breaker::BreakerConfig;
 pub use failover::{Failover, FailoverStats, FailureMode, Guarded, Outcome};
@@ -126,3 +131,4 @@ pub use store::{ConnectError, RedisConfig, RedisStore, redact};
 pub use tls::TlsFiles;
 pub use token_batches::TokenBatchStats;
 pub use units::check_limit;
+pub use wants::{MAX_WANT_TOKENS, MAX_WANT_TTL, Want};
