@@ -17,10 +17,11 @@ use crate::error::Error;
 use crate::key::{self, stable_hash};
 use crate::policy::{
     Conditions, DomainIndex, Exemption, FailureMode, LimitDef, Mode, Override, Params, Policy,
+    Scope,
 };
 use crate::schema::{
-    self, EmergencyText, FailureModeSpec, LeaseTimeoutText, ModeSpec, PolicyFile, RateText, Text,
-    WindowText, at, at_location,
+    self, EmergencyText, FailureModeSpec, LeaseTimeoutText, ModeSpec, PolicyFile, RateText,
+    ScopeSpec, Text, WindowText, at, at_location,
 };
 use crate::wall::UnixTime;
 
@@ -725,6 +726,26 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
             });
         }
 
+        let scope = match &spec.scope {
+            None => Scope::Regional,
+            Some(s) => match s.value {
+                ScopeSpec::Regional => Scope::Regional,
+                // A share is paid for in advance as tokens of a bucket and given back the
+                // same way; window counts and leases have no such tokens to hand over.
+                ScopeSpec::Global if !matches!(algorithm.name, "token_bucket" | "gcra") => {
+                    return Err(at(
+                        file,
+                        s,
+                        format!("{path}.scope"),
+                        format!(
+                            "scope global needs a token_bucket or gcra limit, not {}",
+                            algorithm.name
+                        ),
+                    ));
+                }
+                ScopeSpec::Global => Scope::Global,
+            },
+        };
         let mode = match spec.mode.unwrap_or(default_mode) {
             ModeSpec::Enforce => Mode::Enforce,
             ModeSpec::Shadow => Mode::Shadow,
@@ -749,6 +770,7 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
             mode,
             rollout: spec.rollout.map_or(10_000, |p| p.0),
             failure_mode,
+            scope,
             overrides: overrides.into_boxed_slice(),
             exemptions: Box::new([]),
         });

@@ -81,7 +81,8 @@ pub use envoy::{ImportOptions, import_envoy, import_envoy_with};
 pub use error::{Diagnostic, Error};
 pub use lint::{EXPIRING_SOON, Warning, lint};
 pub use policy::{
-    Effect, Exemption, FailureMode, LeaseMatched, LimitDef, Matched, Mode, Override, Params, Policy,
+    Effect, Exemption, FailureMode, LeaseMatched, LimitDef, Matched, Mode, Override, Params,
+    Policy, Scope,
 };
 pub use wall::{ManualWallClock, SystemWallClock, UnixTime, WallClock};
 

@@ -83,6 +83,30 @@ pub enum FailureMode {
     },
 }
 
+/// Where a limit's buckets are decided when a server also has a global store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum Scope {
+    /// On the store of this region (`--store`), every request a call to it: the default.
+    #[default]
+    Regional,
+    /// One quota for every region, kept on the global store: each process spends a share it
+    /// has paid for there in advance, and rebalances the shares in the background, so no
+    /// request waits on another region (see the `tollgate-regional` crate). Without a global
+    /// store, decided like a regional limit.
+    Global,
+}
+
+impl Scope {
+    /// The name used in the policy file and on `/v1/policy`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Scope::Regional => "regional",
+            Scope::Global => "global",
+        }
+    }
+}
+
 /// The parameters of a limit or an override: a rate, or a bound on leases in flight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -165,6 +189,7 @@ pub struct LimitDef {
     /// Hundredths of a percent of subjects that are enforced (10,000 = all).
     pub(crate) rollout: u16,
     pub(crate) failure_mode: FailureMode,
+    pub(crate) scope: Scope,
     pub(crate) overrides: Box<[Override]>,
     /// Indexes into the policy's exemptions that name this limit.
     pub(crate) exemptions: Box<[u32]>,
@@ -232,6 +257,11 @@ impl LimitDef {
     /// What to do when the store fails.
     pub fn failure_mode(&self) -> FailureMode {
         self.failure_mode
+    }
+
+    /// Whether its buckets are regional or global (overrides keep their limit's).
+    pub fn scope(&self) -> Scope {
+        self.scope
     }
 
     /// The overrides, in the order they are tried.
@@ -465,6 +495,25 @@ impl Policy {
     /// The limit named `name`.
     pub fn limit(&self, name: &str) -> Option<&LimitDef> {
         self.limits.iter().find(|l| &*l.name == name)
+    }
+
+    /// Whether any limit is `scope: global`: without one, a global store has nothing to do.
+    pub fn has_global(&self) -> bool {
+        self.limits.iter().any(|l| l.scope == Scope::Global)
+    }
+
+    /// Whether the store key `key` (as the engine hands it to a store: the limit's name, then
+    /// `|{values}` or `{name}`, an override and a parameter tag) is a bucket of a
+    /// `scope: global` limit. Names are made of `[A-Za-z0-9_.-]` only, so the name is what
+    /// precedes the first other character, after an opening `{`.
+    pub fn is_global_key(&self, key: &str) -> bool {
+        let key = key.strip_prefix('{').unwrap_or(key);
+        let end = key
+            .bytes()
+            .position(|b| !(b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-')))
+            .unwrap_or(key.len());
+        self.limit(&key[..end])
+            .is_some_and(|l| l.scope == Scope::Global)
     }
 
     /// The exemptions in declaration order.

@@ -79,6 +79,9 @@ pub(crate) struct LimitSpec {
     pub(crate) rollout: Option<Percent>,
     #[serde(default)]
     pub(crate) failure_mode: Option<FailureModeSpec>,
+    /// `regional` (the default) or `global`.
+    #[serde(default)]
+    pub(crate) scope: Option<Spanned<ScopeSpec>>,
     /// A rate for rate limits, a number of leases for concurrency limits: which one is
     /// allowed depends on the algorithm, so it is checked in
     /// [`crate::compile`](mod@crate::compile).
@@ -127,6 +130,14 @@ pub(crate) struct ExemptionSpec {
 pub(crate) enum ModeSpec {
     Enforce,
     Shadow,
+}
+
+/// `regional` or `global`.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum ScopeSpec {
+    Regional,
+    Global,
 }
 
 /// `closed` or `open`.

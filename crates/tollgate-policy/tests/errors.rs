@@ -665,3 +665,23 @@ fn emergency_is_a_rate_for_rate_limits_and_a_count_for_concurrency_limits() {
     assert!(compile("p.yaml", &format!("defaults:\n  emergency: 2/s\n{lease}")).is_ok());
     assert!(compile("p.yaml", &format!("{lease}    emergency: '3'\n")).is_ok());
 }
+
+#[test]
+fn a_global_scope_needs_a_token_bucket() {
+    case(
+        &format!(
+            "{HEAD}    algorithm: fixed_window\n    limit: 5\n    window: 1m\n    scope: global\n"
+        ),
+        8,
+        12,
+        "limits[0].scope",
+        "scope global needs a token_bucket or gcra limit, not fixed_window",
+    );
+    case(
+        &format!("{HEAD}    capacity: 5\n    refill: 1/s\n    scope: planet\n"),
+        7,
+        12,
+        "limits[0].scope",
+        "unknown variant `planet`",
+    );
+}

@@ -611,3 +611,28 @@ fn the_documented_concurrency_example_is_a_valid_policy() {
     );
     assert!(p.matches("api", &[d], NOW).is_empty());
 }
+
+#[test]
+fn global_scope_is_read_and_its_store_keys_are_recognised() {
+    let policy = compile(
+        "p.yaml",
+        "limits:\n  - name: per-tenant\n    domain: api\n    key: [tenant]\n    capacity: 10\n    refill: 1/s\n    scope: global\n  - name: per-user\n    domain: api\n    key: [user]\n    capacity: 10\n    refill: 1/s\n  - name: all\n    domain: api\n    capacity: 10\n    refill: 1/s\n    algorithm: gcra\n    scope: global\n",
+    )
+    .unwrap();
+    let scopes: Vec<_> = policy.limits().iter().map(|l| l.scope().as_str()).collect();
+    assert_eq!(scopes, ["global", "regional", "global"]);
+    assert!(policy.has_global());
+    assert!(policy.is_global_key("per-tenant|{acme}@0000002a"));
+    assert!(policy.is_global_key("per-tenant|{acme}#gold@0000002a"));
+    assert!(policy.is_global_key("{all}@0000002a"));
+    assert!(!policy.is_global_key("per-user|{acme}@0000002a"));
+    // A name that merely starts like a global one is another limit.
+    assert!(!policy.is_global_key("per-tenant-x|{acme}@0000002a"));
+    assert!(!policy.is_global_key(""));
+    let regional = compile(
+        "p.yaml",
+        "limits:\n  - name: a\n    domain: api\n    capacity: 1\n    refill: 1/s\n",
+    )
+    .unwrap();
+    assert!(!regional.has_global());
+}

@@ -220,6 +220,57 @@ pub trait Store: Send + Sync {
     ) -> impl Future<Output = Result<Settlement, Error>> + Send;
 }
 
+/// A reference decides as the store it refers to: several users (a process's shares of global
+/// limits, its own checks) can share one store without wrapping it.
+impl<S: Store + ?Sized> Store for &S {
+    fn check(
+        &self,
+        request: CheckRequest<'_>,
+    ) -> impl Future<Output = Result<Vec<Decision>, Error>> + Send {
+        (**self).check(request)
+    }
+
+    fn peek(
+        &self,
+        request: CheckRequest<'_>,
+    ) -> impl Future<Output = Result<Vec<Decision>, Error>> + Send {
+        (**self).peek(request)
+    }
+
+    fn settle(
+        &self,
+        request: CheckRequest<'_>,
+        refunds: &[u64],
+    ) -> impl Future<Output = Result<Settlement, Error>> + Send {
+        (**self).settle(request, refunds)
+    }
+}
+
+/// Shared ownership decides as the store owned.
+impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
+    fn check(
+        &self,
+        request: CheckRequest<'_>,
+    ) -> impl Future<Output = Result<Vec<Decision>, Error>> + Send {
+        (**self).check(request)
+    }
+
+    fn peek(
+        &self,
+        request: CheckRequest<'_>,
+    ) -> impl Future<Output = Result<Vec<Decision>, Error>> + Send {
+        (**self).peek(request)
+    }
+
+    fn settle(
+        &self,
+        request: CheckRequest<'_>,
+        refunds: &[u64],
+    ) -> impl Future<Output = Result<Settlement, Error>> + Send {
+        (**self).settle(request, refunds)
+    }
+}
+
 /// Runs `future` to its end on this thread, without an async runtime: for futures that never
 /// wait on anything, as every future of [`LocalStore`] (the in-process store answers at once).
 /// Code generic over [`Store`] can so serve synchronous callers too. A future that did wait

@@ -1,0 +1,412 @@
+//! Shares of global limits, with the global store, the board and the regional store all in
+//! memory on one manual clock: exactness across processes, fair shares, all-or-nothing,
+//! idempotency, outages and give-backs.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use proptest::prelude::*;
+use tollgate::{
+    CheckRequest, Clock, Decision, Error, Limit, LocalStore, ManualClock, SettleStatus, Settlement,
+    Store, Take, Unavailable, block_on_ready,
+};
+use tollgate_regional::{MemoryBoard, Options, Regional};
+
+const SECOND: Duration = Duration::from_secs(1);
+
+/// A store that can be cut off.
+struct Switch<S> {
+    store: S,
+    down: AtomicBool,
+}
+
+impl<S: Store> Switch<S> {
+    fn new(store: S) -> Self {
+        Self {
+            store,
+            down: AtomicBool::new(false),
+        }
+    }
+
+    fn cut(&self, down: bool) {
+        self.down.store(down, Ordering::Relaxed);
+    }
+
+    fn reach(&self) -> Result<(), Error> {
+        if self.down.load(Ordering::Relaxed) {
+            return Err(Error::StoreUnavailable {
+                reason: Unavailable::Connection,
+            });
+        }
+        Ok(())
+    }
+}
+
+impl<S: Store> Store for Switch<S> {
+    async fn check(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
+        self.reach()?;
+        self.store.check(request).await
+    }
+
+    async fn peek(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
+        self.reach()?;
+        self.store.peek(request).await
+    }
+
+    async fn settle(
+        &self,
+        request: CheckRequest<'_>,
+        refunds: &[u64],
+    ) -> Result<Settlement, Error> {
+        self.reach()?;
+        self.store.settle(request, refunds).await
+    }
+}
+
+fn everything_global(key: &str) -> bool {
+    key.starts_with("g:")
+}
+
+fn check(
+    shares: &Regional<&Switch<LocalStore<&ManualClock>>, &MemoryBoard<&ManualClock>, &ManualClock>,
+    regional: &LocalStore<&ManualClock>,
+    takes: &[Take<'_>],
+    request_id: Option<&str>,
+) -> Result<Vec<Decision>, Error> {
+    let request = CheckRequest {
+        takes,
+        request_id,
+        now: None,
+    };
+    block_on_ready(shares.over(regional, &everything_global).check(request))
+}
+
+/// The global bucket's balance, read without charging.
+fn balance(global: &Switch<LocalStore<&ManualClock>>, key: &str, limit: &Limit) -> u64 {
+    let takes = [Take::new(key, limit, 1)];
+    let request = CheckRequest {
+        takes: &takes,
+        request_id: None,
+        now: None,
+    };
+    let decision = block_on_ready(global.peek(request)).unwrap()[0];
+    // A peek shows what would remain after taking its one token.
+    decision.remaining() + u64::from(decision.allowed())
+}
+
+struct World {
+    clock: ManualClock,
+}
+
+impl World {
+    fn new() -> Self {
+        Self {
+            clock: ManualClock::new(),
+        }
+    }
+}
+
+#[test]
+fn a_first_request_fetches_a_few_tokens_and_the_next_are_spent_here() {
+    let w = World::new();
+    let global = Switch::new(LocalStore::new(&w.clock));
+    let board = MemoryBoard::new(&w.clock);
+    let regional = LocalStore::new(&w.clock);
+    let shares = Regional::new(&global, &board, &w.clock, "eu", Options::default());
+    let limit = Limit::new(100, "10/s".parse().unwrap()).unwrap();
+    let takes = [Take::new("g:acme", &limit, 1)];
+
+    assert!(check(&shares, &regional, &takes, None).unwrap()[0].allowed());
+    let (keys, held) = shares.held();
+    assert_eq!(keys, 1);
+    // The global bucket was charged for the request and what the reservoir holds.
+    assert_eq!(balance(&global, "g:acme", &limit), 100 - 1 - held);
+    global.cut(true);
+    for _ in 0..held {
+        assert!(check(&shares, &regional, &takes, None).unwrap()[0].allowed());
+    }
+    // Empty: a rejection until a round finds the global store unreachable; then the
+    // failure mode's turn.
+    assert!(!check(&shares, &regional, &takes, None).unwrap()[0].allowed());
+    w.clock.advance(SECOND);
+    assert_eq!(block_on_ready(shares.rebalance()).failed, 1);
+    assert!(matches!(
+        check(&shares, &regional, &takes, None),
+        Err(Error::StoreUnavailable { .. })
+    ));
+}
+
+#[test]
+fn a_short_reservoir_rejects_with_the_wait_until_the_next_round() {
+    let w = World::new();
+    let global = Switch::new(LocalStore::new(&w.clock));
+    let board = MemoryBoard::new(&w.clock);
+    let regional = LocalStore::new(&w.clock);
+    let shares = Regional::new(&global, &board, &w.clock, "eu", Options::default());
+    let limit = Limit::new(3, "1/m".parse().unwrap()).unwrap();
+    let takes = [Take::new("g:slow", &limit, 1)];
+    let mut allowed = 0;
+    for _ in 0..10 {
+        let d = check(&shares, &regional, &takes, None).unwrap();
+        if d[0].allowed() {
+            allowed += 1;
+        } else {
+            let wait = d[0].retry_after().unwrap();
+            assert!(wait > Duration::ZERO && wait <= 60 * SECOND, "{wait:?}");
+        }
+    }
+    assert!((1..=3).contains(&allowed), "{allowed}");
+}
+
+#[test]
+fn shares_follow_demand_and_are_fair() {
+    let w = World::new();
+    let global = Switch::new(LocalStore::new(&w.clock));
+    let board = MemoryBoard::new(&w.clock);
+    let regional = LocalStore::new(&w.clock);
+    let small = Regional::new(&global, &board, &w.clock, "small", Options::default());
+    let big = Regional::new(&global, &board, &w.clock, "big", Options::default());
+    let limit = Limit::new(100, "100/s".parse().unwrap()).unwrap();
+    let takes = [Take::new("g:tenant", &limit, 1)];
+    // `small` wants 20 a second, `big` 300; each round is 10 steps of 100 ms.
+    let mut last = (0, 0);
+    for round in 0..30 {
+        let mut got = (0, 0);
+        for _ in 0..10 {
+            for _ in 0..2 {
+                got.0 += u32::from(check(&small, &regional, &takes, None).unwrap()[0].allowed());
+            }
+            for _ in 0..30 {
+                got.1 += u32::from(check(&big, &regional, &takes, None).unwrap()[0].allowed());
+            }
+            w.clock.advance(SECOND / 10);
+        }
+        block_on_ready(small.rebalance());
+        block_on_ready(big.rebalance());
+        if round >= 20 {
+            last.0 += got.0;
+            last.1 += got.1;
+        }
+    }
+    // Over the last ten seconds the limit allowed 1,000 (plus its burst, long spent): the
+    // small one got all it asked, the big one the rest, less what sits in reservoirs.
+    assert_eq!(last.0, 200, "{last:?}");
+    assert!(last.1 <= 800 && last.1 >= 700, "{last:?}");
+}
+
+#[test]
+fn a_rejected_regional_take_charges_no_global_token() {
+    let w = World::new();
+    let global = Switch::new(LocalStore::new(&w.clock));
+    let board = MemoryBoard::new(&w.clock);
+    let regional = LocalStore::new(&w.clock);
+    let shares = Regional::new(&global, &board, &w.clock, "eu", Options::default());
+    let tenant = Limit::new(100, "10/s".parse().unwrap()).unwrap();
+    let user = Limit::new(1, "1/h".parse().unwrap()).unwrap();
+    let takes = [
+        Take::new("g:acme", &tenant, 1),
+        Take::new("user:7", &user, 1),
+    ];
+    let first = check(&shares, &regional, &takes, None).unwrap();
+    assert!(first.iter().all(Decision::allowed));
+    let held = shares.held().1;
+    let second = check(&shares, &regional, &takes, None).unwrap();
+    assert!(!second[1].allowed());
+    assert!(second[0].allowed(), "the tenant would have passed");
+    assert_eq!(shares.held().1, held, "and its token is back");
+    // A cost above the capacity is an error that takes nothing.
+    let too_much = [Take::new("g:acme", &tenant, 101)];
+    assert!(matches!(
+        check(&shares, &regional, &too_much, None),
+        Err(Error::InvalidCost {
+            cost: 101,
+            capacity: 100
+        })
+    ));
+    assert_eq!(shares.held().1, held);
+}
+
+#[test]
+fn a_retry_is_free_and_a_settlement_gives_back_once() {
+    let w = World::new();
+    let global = Switch::new(LocalStore::new(&w.clock));
+    let board = MemoryBoard::new(&w.clock);
+    let regional = LocalStore::new(&w.clock);
+    let shares = Regional::new(&global, &board, &w.clock, "eu", Options::default());
+    let limit = Limit::new(1_000, "100/s".parse().unwrap()).unwrap();
+    let takes = [Take::new("g:acme", &limit, 10)];
+    let first = check(&shares, &regional, &takes, Some("r1")).unwrap();
+    let held = shares.held().1;
+    assert_eq!(
+        check(&shares, &regional, &takes, Some("r1")).unwrap(),
+        first
+    );
+    assert_eq!(shares.held().1, held, "a retry charges nothing");
+    let other = [Take::new("g:acme", &limit, 11)];
+    assert!(matches!(
+        check(&shares, &regional, &other, Some("r1")),
+        Err(Error::IdempotencyConflict)
+    ));
+
+    let request = CheckRequest {
+        takes: &takes,
+        request_id: Some("r1"),
+        now: None,
+    };
+    let over = shares.over(&regional, &everything_global);
+    let settled = block_on_ready(over.settle(request, &[7])).unwrap();
+    assert_eq!(settled.status, SettleStatus::Settled);
+    assert_eq!(shares.held().1, held + 7);
+    let again = block_on_ready(over.settle(request, &[7])).unwrap();
+    assert_eq!(again.status, SettleStatus::Repeated);
+    assert_eq!(shares.held().1, held + 7);
+    let unknown = CheckRequest {
+        request_id: Some("r2"),
+        ..request
+    };
+    let none = block_on_ready(over.settle(unknown, &[7])).unwrap();
+    assert_eq!(none.status, SettleStatus::NotFound);
+}
+
+#[test]
+fn a_quiet_reservoir_is_given_back_and_forgotten() {
+    let w = World::new();
+    let global = Switch::new(LocalStore::new(&w.clock));
+    let board = MemoryBoard::new(&w.clock);
+    let regional = LocalStore::new(&w.clock);
+    let options = Options {
+        abandon_after: 5 * SECOND,
+        ..Options::default()
+    };
+    let shares = Regional::new(&global, &board, &w.clock, "eu", options);
+    // No refill to speak of over the test, so every token back is a token given back.
+    let limit = Limit::new(1_000, "1/d".parse().unwrap()).unwrap();
+    let takes = [Take::new("g:acme", &limit, 1)];
+    assert!(check(&shares, &regional, &takes, None).unwrap()[0].allowed());
+    let held = shares.held().1;
+    assert!(held > 0);
+    assert_eq!(balance(&global, "g:acme", &limit), 1_000 - 1 - held);
+    w.clock.advance(5 * SECOND);
+    let round = block_on_ready(shares.rebalance());
+    assert_eq!((round.abandoned, round.given_back), (1, held));
+    assert_eq!(shares.held(), (0, 0));
+    assert_eq!(balance(&global, "g:acme", &limit), 999);
+}
+
+#[test]
+fn beyond_the_bound_a_key_is_fetched_for_its_request_alone() {
+    let w = World::new();
+    let global = Switch::new(LocalStore::new(&w.clock));
+    let board = MemoryBoard::new(&w.clock);
+    let regional = LocalStore::new(&w.clock);
+    let options = Options {
+        max_keys: 1,
+        ..Options::default()
+    };
+    let shares = Regional::new(&global, &board, &w.clock, "eu", options);
+    let limit = Limit::new(1_000, "1/d".parse().unwrap()).unwrap();
+    let a = [Take::new("g:a", &limit, 1)];
+    let b = [Take::new("g:b", &limit, 3)];
+    assert!(check(&shares, &regional, &a, None).unwrap()[0].allowed());
+    assert!(check(&shares, &regional, &b, None).unwrap()[0].allowed());
+    assert_eq!(shares.held().0, 1);
+    assert_eq!(
+        balance(&global, "g:b", &limit),
+        997,
+        "exactly the cost, nothing held"
+    );
+}
+
+#[test]
+fn without_the_global_store_a_round_fails_and_keeps_what_it_holds() {
+    let w = World::new();
+    let global = Switch::new(LocalStore::new(&w.clock));
+    let board = MemoryBoard::new(&w.clock);
+    let regional = LocalStore::new(&w.clock);
+    let shares = Regional::new(&global, &board, &w.clock, "eu", Options::default());
+    let limit = Limit::new(1_000, "100/s".parse().unwrap()).unwrap();
+    let takes = [Take::new("g:acme", &limit, 1)];
+    for _ in 0..50 {
+        check(&shares, &regional, &takes, None).unwrap();
+    }
+    w.clock.advance(SECOND);
+    block_on_ready(shares.rebalance());
+    let held = shares.held().1;
+    global.cut(true);
+    w.clock.advance(SECOND);
+    let round = block_on_ready(shares.rebalance());
+    assert_eq!(round.failed, 1);
+    assert_eq!(shares.held().1, held);
+    global.cut(false);
+    w.clock.advance(SECOND);
+    let round = block_on_ready(shares.rebalance());
+    assert_eq!(round.failed, 0);
+}
+
+/// One step of a random run.
+#[derive(Debug, Clone)]
+enum Step {
+    /// Process `p` checks `cost`.
+    Check { p: usize, cost: u64 },
+    /// Process `p` runs a round.
+    Round { p: usize },
+    /// Time passes.
+    Wait { ms: u64 },
+}
+
+fn steps() -> impl Strategy<Value = Vec<Step>> {
+    let step = prop_oneof![
+        6 => (0..3usize, 1..=5u64).prop_map(|(p, cost)| Step::Check { p, cost }),
+        1 => (0..3usize).prop_map(|p| Step::Round { p }),
+        2 => (1..700u64).prop_map(|ms| Step::Wait { ms }),
+    ];
+    prop::collection::vec(step, 1..400)
+}
+
+proptest! {
+    /// Three processes on one global limit, with random requests, rounds and waits: all of
+    /// them together never admit more than the limit's bucket could (its capacity plus its
+    /// refill since the start), and never more than the global store charged less what it
+    /// was given back.
+    #[test]
+    fn processes_together_never_admit_more_than_the_limit(
+        steps in steps(),
+        capacity in 1..50u64,
+        per_second in 1..40u64,
+    ) {
+        let clock = ManualClock::new();
+        let global = Switch::new(LocalStore::new(&clock));
+        let board = MemoryBoard::new(&clock);
+        let regional = LocalStore::new(&clock);
+        let options = Options { abandon_after: 3 * SECOND, ..Options::default() };
+        let processes: Vec<_> = ["a", "b", "c"]
+            .iter()
+            .map(|p| Regional::new(&global, &board, &clock, p, options))
+            .collect();
+        let limit = Limit::new(capacity, tollgate::Rate::per_second(per_second).unwrap()).unwrap();
+        let start = clock.now();
+        let mut admitted = 0u128;
+        for step in steps {
+            match step {
+                Step::Check { p, cost } => {
+                    let cost = cost.min(capacity);
+                    let takes = [Take::new("g:k", &limit, cost)];
+                    if let Ok(d) = check(&processes[p], &regional, &takes, None)
+                        && d[0].allowed()
+                    {
+                        admitted += u128::from(cost);
+                    }
+                }
+                Step::Round { p } => {
+                    block_on_ready(processes[p].rebalance());
+                }
+                Step::Wait { ms } => clock.advance(Duration::from_millis(ms)),
+            }
+            let elapsed = clock.now().saturating_duration_since(start).as_nanos();
+            let bound = u128::from(capacity) + u128::from(per_second) * elapsed / 1_000_000_000;
+            prop_assert!(admitted <= bound, "{admitted} > {bound}");
+            let held: u128 = processes.iter().map(|p| u128::from(p.held().1)).sum();
+            prop_assert!(admitted + held <= bound, "{admitted} + {held} held > {bound}");
+        }
+    }
+}
