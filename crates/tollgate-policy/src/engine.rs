@@ -628,6 +628,12 @@ impl PolicyEngine {
         block_on_ready(self.run_on(&self.local, domain, descriptors, cost, request_id, run))
     }
 
+    /// This process's buckets, as a [`Store`]: for a wrapper that decides some buckets
+    /// elsewhere (the shares of global limits) and hands the rest to [`decide_on`](Self::decide_on).
+    pub fn local(&self) -> &LocalStore<Arc<dyn Clock>> {
+        &self.local
+    }
+
     /// The effective parameters of the limits that could reject a request with these
     /// descriptors now: enforced, neither in shadow mode, outside their rollout nor exempt.
     /// Nothing is decided, charged or counted. For callers that size something by the limits

@@ -512,8 +512,11 @@ impl Policy {
             .bytes()
             .position(|b| !(b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-')))
             .unwrap_or(key.len());
-        self.limit(&key[..end])
-            .is_some_and(|l| l.scope == Scope::Global)
+        let name = &key[..end];
+        // Global limits are few; a policy's limits may be thousands.
+        self.limits
+            .iter()
+            .any(|l| l.scope == Scope::Global && &*l.name == name)
     }
 
     /// The exemptions in declaration order.

@@ -89,6 +89,8 @@ struct Reservoir {
     empty_until: Timestamp,
     /// The global store could not be reached in the last round.
     unavailable: Option<Unavailable>,
+    /// The level the last round sized it to.
+    level: u64,
 }
 
 /// The books of one process.
@@ -111,6 +113,9 @@ pub struct Regional<G, B, C> {
     options: Options,
     books: Mutex<Books>,
     charges: AtomicU64,
+    /// Tokens charged on the global store and given back to it, since the start.
+    fetched: AtomicU64,
+    given_back: AtomicU64,
 }
 
 impl<G: Store, B: Board, C: Clock> Regional<G, B, C> {
@@ -126,6 +131,8 @@ impl<G: Store, B: Board, C: Clock> Regional<G, B, C> {
             options,
             books: Mutex::new(Books::default()),
             charges: AtomicU64::new(0),
+            fetched: AtomicU64::new(0),
+            given_back: AtomicU64::new(0),
         }
     }
 
@@ -137,6 +144,15 @@ impl<G: Store, B: Board, C: Clock> Regional<G, B, C> {
     /// The options.
     pub fn options(&self) -> &Options {
         &self.options
+    }
+
+    /// Tokens charged on the global store for reservoirs and requests, and tokens given back
+    /// to it, since the start: by rounds and by requests alike.
+    pub fn totals(&self) -> (u64, u64) {
+        (
+            self.fetched.load(Ordering::Relaxed),
+            self.given_back.load(Ordering::Relaxed),
+        )
     }
 
     /// Reservoirs held, and the tokens in them.
@@ -196,6 +212,7 @@ impl<G: Store, B: Board, C: Clock> Regional<G, B, C> {
                 });
             };
             if decision.allowed() {
+                self.fetched.fetch_add(ask, Ordering::Relaxed);
                 let charge = Charge {
                     id,
                     limit: *limit,
@@ -203,7 +220,15 @@ impl<G: Store, B: Board, C: Clock> Regional<G, B, C> {
                 };
                 return Ok((ask, Some(charge), None));
             }
-            retry = decision.retry_after();
+            // The bucket refills linearly: `least` tokens are there sooner than `ask` by
+            // the time the difference takes to refill.
+            let rate = limit.refill();
+            let sooner = u128::from(ask.saturating_sub(least.max(1))) * rate.period().as_nanos()
+                / u128::from(rate.amount().max(1));
+            let sooner = Duration::from_nanos(u64::try_from(sooner).unwrap_or(u64::MAX));
+            retry = decision
+                .retry_after()
+                .map(|wait| wait.saturating_sub(sooner));
             let there = decision.remaining();
             if there < least.max(1) || there >= ask {
                 break;
@@ -227,7 +252,10 @@ impl<G: Store, B: Board, C: Clock> Regional<G, B, C> {
             now: None,
         };
         match self.global.settle(request, &[tokens]).await?.status {
-            SettleStatus::Settled => Ok(tokens),
+            SettleStatus::Settled => {
+                self.given_back.fetch_add(tokens, Ordering::Relaxed);
+                Ok(tokens)
+            }
             _ => Ok(0),
         }
     }
@@ -275,12 +303,36 @@ impl<G: Store, B: Board, C: Clock> Regional<G, B, C> {
                 charge: None,
                 empty_until,
                 unavailable: None,
+                level: extra,
             });
         reservoir.tokens = reservoir.tokens.saturating_add(tokens);
         if charge.is_some() {
             reservoir.charge = charge;
         }
         Ok(None)
+    }
+
+    /// Fetches, for a request its reservoir is `short` for, what it lacks and the reservoir's
+    /// `level` besides (at least what it lacks, or nothing). A global store that cannot answer
+    /// marks the reservoir, so the request follows its limit's failure mode.
+    async fn more(&self, take: &Take<'_>, short: u64, level: u64, now: Timestamp) {
+        let result = self
+            .charge(take.key, take.limit, short.saturating_add(level), short)
+            .await;
+        let mut books = self.books.lock();
+        let Some(r) = books.reservoirs.get_mut(take.key) else {
+            return;
+        };
+        match result {
+            Ok((tokens, charge, retry)) => {
+                r.tokens = r.tokens.saturating_add(tokens);
+                if charge.is_some() {
+                    r.charge = charge;
+                }
+                r.empty_until = now + retry.unwrap_or(Duration::ZERO);
+            }
+            Err(err) => r.unavailable = unavailable(&err).or(r.unavailable),
+        }
     }
 
     /// Tops up, trims or forgets every reservoir once: what a process runs every
@@ -366,6 +418,9 @@ impl<G: Store, B: Board, C: Clock> Regional<G, B, C> {
             }
         };
         let level = share::level(&limit, span, want, &others);
+        if let Some(r) = self.books.lock().reservoirs.get_mut(key) {
+            r.level = level;
+        }
 
         let (tokens, charge, empty_until) = {
             let books = self.books.lock();
@@ -469,6 +524,13 @@ struct Step {
     failed: usize,
 }
 
+/// What a global take needs before it can be decided.
+enum Need {
+    First,
+    More { short: u64, level: u64 },
+    Nothing,
+}
+
 /// Tokens fetched for one request beyond the bound on reservoirs.
 struct Transient {
     tokens: u64,
@@ -537,11 +599,38 @@ impl<S: Store, G: Store, B: Board, C: Clock> Over<'_, S, G, B, C> {
             }
         }
 
+        // A key seen for the first time, or a reservoir a burst has emptied while the global
+        // bucket may have tokens, is fetched for at once: the one case where a request waits
+        // on the global store.
         let mut transients: Vec<(usize, Transient)> = Vec::new();
+        let now = shares.clock.now();
         for &i in &global {
-            let known = shares.books.lock().reservoirs.contains_key(takes[i].key);
-            if !known && let Some(transient) = shares.first(&takes[i]).await? {
-                transients.push((i, transient));
+            let take = &takes[i];
+            let need = {
+                let books = shares.books.lock();
+                match books.reservoirs.get(take.key) {
+                    None => Need::First,
+                    Some(r)
+                        if r.tokens < take.cost
+                            && r.unavailable.is_none()
+                            && now >= r.empty_until =>
+                    {
+                        Need::More {
+                            short: take.cost - r.tokens,
+                            level: r.level,
+                        }
+                    }
+                    Some(_) => Need::Nothing,
+                }
+            };
+            match need {
+                Need::First => {
+                    if let Some(transient) = shares.first(take).await? {
+                        transients.push((i, transient));
+                    }
+                }
+                Need::More { short, level } => shares.more(take, short, level, now).await,
+                Need::Nothing => {}
             }
         }
 

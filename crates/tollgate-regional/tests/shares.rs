@@ -125,11 +125,8 @@ fn a_first_request_fetches_a_few_tokens_and_the_next_are_spent_here() {
     for _ in 0..held {
         assert!(check(&shares, &regional, &takes, None).unwrap()[0].allowed());
     }
-    // Empty: a rejection until a round finds the global store unreachable; then the
-    // failure mode's turn.
-    assert!(!check(&shares, &regional, &takes, None).unwrap()[0].allowed());
-    w.clock.advance(SECOND);
-    assert_eq!(block_on_ready(shares.rebalance()).failed, 1);
+    // Empty, and the fetch it now needs cannot reach the global store: the failure mode's
+    // turn, not a rejection.
     assert!(matches!(
         check(&shares, &regional, &takes, None),
         Err(Error::StoreUnavailable { .. })
@@ -137,7 +134,7 @@ fn a_first_request_fetches_a_few_tokens_and_the_next_are_spent_here() {
 }
 
 #[test]
-fn a_short_reservoir_rejects_with_the_wait_until_the_next_round() {
+fn a_burst_gets_the_whole_capacity_then_the_global_buckets_wait() {
     let w = World::new();
     let global = Switch::new(LocalStore::new(&w.clock));
     let board = MemoryBoard::new(&w.clock);
@@ -155,7 +152,8 @@ fn a_short_reservoir_rejects_with_the_wait_until_the_next_round() {
             assert!(wait > Duration::ZERO && wait <= 60 * SECOND, "{wait:?}");
         }
     }
-    assert!((1..=3).contains(&allowed), "{allowed}");
+    // A reservoir a burst empties fetches at once while the global bucket has tokens.
+    assert_eq!(allowed, 3);
 }
 
 #[test]
@@ -188,10 +186,11 @@ fn shares_follow_demand_and_are_fair() {
             last.1 += got.1;
         }
     }
-    // Over the last ten seconds the limit allowed 1,000 (plus its burst, long spent): the
-    // small one got all it asked, the big one the rest, less what sits in reservoirs.
+    // Over the last ten seconds the limit allowed at most 1,100 (its refill, and its
+    // capacity at most, long spent): the small one got all it asked, the big one the rest,
+    // less what sits in reservoirs.
     assert_eq!(last.0, 200, "{last:?}");
-    assert!(last.1 <= 800 && last.1 >= 700, "{last:?}");
+    assert!((700..=900).contains(&last.1), "{last:?}");
 }
 
 #[test]

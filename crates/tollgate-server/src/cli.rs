@@ -16,7 +16,7 @@ use clap::{Parser, Subcommand};
 use tokio::net::TcpListener;
 use tollgate_policy::audit::AuditLog;
 use tollgate_policy::watch::PolicyWatcher;
-use tollgate_policy::{EngineOptions, PolicyEngine, SystemWallClock, WallClock, compile};
+use tollgate_policy::{EngineOptions, PolicyEngine, Scope, SystemWallClock, WallClock, compile};
 use tollgate_redis::{RedisConfig, RedisStore, TlsFiles, redact};
 
 use crate::ConnectionLimits;
@@ -183,6 +183,32 @@ pub struct ServeArgs {
     #[arg(long, env = "TOLLGATE_RLQS_MAX_BUCKETS", default_value_t = 10_000,
           value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub rlqs_max_buckets: u32,
+    /// Global limits (`scope: global` in the policy): the Redis or Redis Cluster shared by
+    /// every region (redis://, rediss://, redis+cluster://). Each process spends tokens it
+    /// was charged for there in advance, and rebalances them in the background, so no request
+    /// waits on it (except a key's first). Without it, global limits are decided on --store.
+    #[arg(long, env = "TOLLGATE_GLOBAL_STORE", value_name = "URL")]
+    pub global_store: Option<String>,
+    /// Global limits: this process's region, named on the global store's board of wants
+    /// (with a random number, so processes of one region differ).
+    #[arg(long, env = "TOLLGATE_REGION", default_value = "default", value_parser = parse_region)]
+    pub region: String,
+    /// Global limits: how often reservoirs are topped up or trimmed. Every process sharing a
+    /// global store should use the same.
+    #[arg(long, env = "TOLLGATE_REBALANCE_INTERVAL", default_value = "1s", value_parser = parse_interval)]
+    pub rebalance_interval: Duration,
+    /// Global limits: how long a call to the global store may take (a key's first request
+    /// waits on one; rounds run in the background).
+    #[arg(long, env = "TOLLGATE_GLOBAL_STORE_TIMEOUT", default_value = "500ms", value_parser = parse_timeout)]
+    pub global_store_timeout: Duration,
+    /// Global limits: a reservoir with no request for this long is given back.
+    #[arg(long, env = "TOLLGATE_GLOBAL_ABANDON_AFTER", default_value = "1m", value_parser = parse_timeout)]
+    pub global_abandon_after: Duration,
+    /// Global limits: the most reservoirs held; a new key beyond it is fetched for its request
+    /// alone.
+    #[arg(long, env = "TOLLGATE_GLOBAL_MAX_KEYS", default_value_t = 100_000,
+          value_parser = clap::value_parser!(u32).range(1..=10_000_000))]
+    pub global_max_keys: u32,
     /// Bearer token for the admin endpoints (must not be empty); without one they answer
     /// loopback clients only.
     #[arg(long, env = "TOLLGATE_ADMIN_TOKEN", hide_env_values = true)]
@@ -283,6 +309,35 @@ fn parse_timeout(text: &str) -> Result<Duration, String> {
         Duration::ZERO => Err("a timeout must be longer than 0".to_owned()),
         timeout if timeout > LONGEST => Err(format!("{text} is longer than a day (1440m)")),
         timeout => Ok(timeout),
+    }
+}
+
+/// A rebalancing interval: from 10 ms (more often costs the global store more than it
+/// helps) to a minute (less often leaves shares behind demand for too long).
+fn parse_interval(text: &str) -> Result<Duration, String> {
+    match parse_duration(text)? {
+        interval if interval < Duration::from_millis(10) => {
+            Err(format!("{text} is shorter than 10ms"))
+        }
+        interval if interval > Duration::from_secs(60) => Err(format!("{text} is longer than 1m")),
+        interval => Ok(interval),
+    }
+}
+
+/// A region's name: what `[A-Za-z0-9_.-]` can spell, up to 64 bytes, so it reads well in logs
+/// and on the board.
+fn parse_region(text: &str) -> Result<String, String> {
+    let fits = !text.is_empty()
+        && text.len() <= 64
+        && text
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
+    if fits {
+        Ok(text.to_owned())
+    } else {
+        Err(format!(
+            "{text:?} is not a region name (1 to 64 of A-Z a-z 0-9 _ . -)"
+        ))
     }
 }
 
@@ -671,10 +726,16 @@ pub async fn serve(
         Backend::Memory => "memory".to_owned(),
         Backend::Redis(_) => redact(&args.store),
     };
-    let decider = Arc::new(
-        Decider::new(Arc::clone(&engine), backend)
-            .with_hot_keys(args.hot_keys, args.hot_keys_window),
-    );
+    let shares = match &args.global_store {
+        Some(url) => Some(Arc::new(global_shares(&args, url, &engine).await?)),
+        None => None,
+    };
+    let mut decider = Decider::new(Arc::clone(&engine), backend)
+        .with_hot_keys(args.hot_keys, args.hot_keys_window);
+    if let Some(shares) = &shares {
+        decider = decider.with_global(Arc::clone(shares));
+    }
+    let decider = Arc::new(decider);
 
     let deny = StatusCode::from_u16(args.forward_auth_deny_status)
         .ok()
@@ -748,10 +809,28 @@ pub async fn serve(
         "  curl -si -X POST http://{http_addr}/v1/check -H 'content-type: application/json' \\\n    -d '{}'",
         example_body(&policy)
     );
+    if let Some(url) = &args.global_store {
+        let global = policy
+            .limits()
+            .iter()
+            .filter(|l| l.scope() == Scope::Global)
+            .count();
+        println!(
+            "  global limits  {global} on {} (region {}, rebalanced every {:?})",
+            redact(url),
+            args.region,
+            args.rebalance_interval
+        );
+    }
     println!(
         "listening http={http_addr} grpc={grpc_addr} max_connections={}",
         limits.max_connections
     );
+
+    let (stop_rounds, rounds_stopped) = tokio::sync::watch::channel(false);
+    let rounds = shares
+        .clone()
+        .map(|shares| tokio::spawn(crate::global::rebalance(shares, rounds_stopped)));
 
     match args.runtime {
         RuntimeModel::Shared => crate::run(state, http, grpc, shutdown).await,
@@ -764,7 +843,12 @@ pub async fn serve(
         }
     }
     .map_err(|err| anyhow!("{err}"))?;
-    // The requests are done: tokens this process still holds in batches go back, so that
+    // The requests are done: the reservoirs of global limits go back to the global store.
+    let _ = stop_rounds.send(true);
+    if let Some(rounds) = rounds {
+        let _ = rounds.await;
+    }
+    // Tokens this process still holds in batches go back too, so that
     // the other processes can admit them at once rather than when their buckets refill.
     if let Backend::Redis(store) = decider.backend() {
         let returned = store.return_token_batches().await;
@@ -773,6 +857,52 @@ pub async fn serve(
         }
     }
     Ok(())
+}
+
+/// Connects to the global store of `--global-store` and makes this process's shares of it.
+async fn global_shares(
+    args: &ServeArgs,
+    url: &str,
+    engine: &PolicyEngine,
+) -> Result<crate::global::Shares> {
+    let policy = engine.current();
+    for limit in policy
+        .limits()
+        .iter()
+        .filter(|l| l.scope() == Scope::Global)
+    {
+        let params = limit
+            .rate()
+            .into_iter()
+            .chain(limit.overrides().iter().filter_map(|o| o.rate()));
+        for params in params {
+            tollgate_redis::check_limit(params).with_context(|| {
+                format!("global limit {} cannot be kept in Redis", limit.name())
+            })?;
+        }
+    }
+    // The reservoirs' charges carry request ids, which the memory of rejections and token
+    // batches leave alone anyway; neither is wanted on a store only rounds call.
+    let config = RedisConfig::default()
+        .with_timeout(args.global_store_timeout)
+        .with_idempotency_window(args.idempotency_window)
+        .with_rejection_memory(0);
+    let store = RedisStore::connect(url, config)
+        .await
+        .with_context(|| format!("cannot use the global store {}", redact(url)))?;
+    if !policy.has_global() {
+        tracing::warn!(
+            "--global-store is set but no limit of the policy is `scope: global`: it is used \
+             once one is"
+        );
+    }
+    let options = tollgate_regional::Options {
+        interval: args.rebalance_interval,
+        abandon_after: args.global_abandon_after,
+        max_keys: args.global_max_keys as usize,
+        ..tollgate_regional::Options::default()
+    };
+    Ok(crate::global::shares(store, &args.region, options))
 }
 
 /// Descriptors the process needs beside its connections: listeners, Redis, the policy file's

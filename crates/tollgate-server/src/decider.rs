@@ -9,10 +9,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tollgate::{Clock, Error as CoreError, MonotonicClock, Unavailable};
-use tollgate_policy::{Costs, Error as PolicyError, LeaseOutcome, Outcome, PolicyEngine};
+use tollgate::{Clock, Error as CoreError, MonotonicClock, Store, Unavailable};
+use tollgate_policy::{Costs, Error as PolicyError, LeaseOutcome, Outcome, Policy, PolicyEngine};
 use tollgate_redis::RedisStore;
 
+use crate::global::Shares;
 use crate::hot_keys::{self, HotKeys};
 use crate::metrics::{self, Api};
 
@@ -74,6 +75,8 @@ pub struct Decider {
     clock: MonotonicClock,
     /// The busiest bucket keys.
     hot_keys: HotKeys,
+    /// The shares of global limits, with `--global-store`.
+    global: Option<Arc<Shares>>,
 }
 
 impl Decider {
@@ -84,7 +87,20 @@ impl Decider {
             backend,
             clock: MonotonicClock::new(),
             hot_keys: HotKeys::new(DEFAULT_HOT_KEYS, hot_keys::DEFAULT_WINDOW),
+            global: None,
         }
+    }
+
+    /// The same decider, deciding the buckets of `scope: global` limits from `shares`.
+    #[must_use]
+    pub fn with_global(mut self, shares: Arc<Shares>) -> Self {
+        self.global = Some(shares);
+        self
+    }
+
+    /// The shares of global limits, if any.
+    pub fn global(&self) -> Option<&Arc<Shares>> {
+        self.global.as_ref()
     }
 
     /// The same decider, reporting each limit's `top` busiest keys of each `window` (0 keys:
@@ -206,13 +222,28 @@ impl Decider {
                 },
             }));
         };
-        let result = match &self.backend {
-            Backend::Memory => self
-                .engine
-                .settle(domain, descriptors, cost, used, request_id),
-            Backend::Redis(store) => {
+        let policy = self.global.as_ref().map(|_| self.engine.current());
+        let scope = |key: &str| policy.as_deref().is_some_and(|p| p.is_global_key(key));
+        let result = match (&self.backend, self.global_shares(policy.as_deref())) {
+            (Backend::Memory, None) => {
+                self.engine
+                    .settle(domain, descriptors, cost, used, request_id)
+            }
+            (Backend::Redis(store), None) => {
                 self.engine
                     .settle_on(&**store, domain, descriptors, cost, used, request_id)
+                    .await
+            }
+            (Backend::Memory, Some(shares)) => {
+                let store = shares.over(self.engine.local(), &scope);
+                self.engine
+                    .settle_on(&store, domain, descriptors, cost, used, request_id)
+                    .await
+            }
+            (Backend::Redis(redis), Some(shares)) => {
+                let store = shares.over(&**redis, &scope);
+                self.engine
+                    .settle_on(&store, domain, descriptors, cost, used, request_id)
                     .await
             }
         };
@@ -245,18 +276,23 @@ impl Decider {
             cost,
             request_id,
         } = *request;
-        let result = match (&self.backend, consume) {
-            (Backend::Memory, true) => self.engine.decide(domain, descriptors, cost, request_id),
-            (Backend::Memory, false) => self.engine.explain(domain, descriptors, cost),
-            (Backend::Redis(store), true) => {
-                self.engine
-                    .decide_on(&**store, domain, descriptors, cost, request_id)
-                    .await
+        // The policy is read here only with a global store: its limits say which buckets the
+        // shares decide.
+        let policy = self.global.as_ref().map(|_| self.engine.current());
+        let scope = |key: &str| policy.as_deref().is_some_and(|p| p.is_global_key(key));
+        let result = match (&self.backend, self.global_shares(policy.as_deref())) {
+            (Backend::Memory, None) if consume => {
+                self.engine.decide(domain, descriptors, cost, request_id)
             }
-            (Backend::Redis(store), false) => {
-                self.engine
-                    .explain_on(&**store, domain, descriptors, cost)
-                    .await
+            (Backend::Memory, None) => self.engine.explain(domain, descriptors, cost),
+            (Backend::Redis(store), None) => self.on(&**store, request, consume).await,
+            (Backend::Memory, Some(shares)) => {
+                let store = shares.over(self.engine.local(), &scope);
+                self.on(&store, request, consume).await
+            }
+            (Backend::Redis(redis), Some(shares)) => {
+                let store = shares.over(&**redis, &scope);
+                self.on(&store, request, consume).await
             }
         };
         match result {
@@ -269,6 +305,37 @@ impl Decider {
                 self.degraded(request, reason, consume)
             }
             Err(err) => Err(refused(err)),
+        }
+    }
+
+    /// The shares, when the policy in force has a global limit for them to decide.
+    fn global_shares(&self, policy: Option<&Policy>) -> Option<&Shares> {
+        self.global
+            .as_deref()
+            .filter(|_| policy.is_some_and(Policy::has_global))
+    }
+
+    /// Decides or explains `request` on `store`.
+    async fn on<St: Store, S: AsRef<str>>(
+        &self,
+        store: &St,
+        request: &Request<'_, S>,
+        consume: bool,
+    ) -> Result<Outcome, PolicyError> {
+        let Request {
+            domain,
+            descriptors,
+            cost,
+            request_id,
+        } = *request;
+        if consume {
+            self.engine
+                .decide_on(store, domain, descriptors, cost, request_id)
+                .await
+        } else {
+            self.engine
+                .explain_on(store, domain, descriptors, cost)
+                .await
         }
     }
 

@@ -47,6 +47,7 @@
 pub mod cli;
 mod connection;
 pub mod decider;
+pub mod global;
 mod grpc;
 mod grpc_unary;
 mod health;

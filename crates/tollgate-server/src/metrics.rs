@@ -96,6 +96,16 @@ pub const RLQS_ANSWERS: &str = "tollgate_rlqs_answers_total";
 pub const RLQS_PREPAID: &str = "tollgate_rlqs_prepaid_tokens_total";
 /// Prepaid RLQS tokens given back: refill an assignment replaced could no longer reach.
 pub const RLQS_GIVEN_BACK: &str = "tollgate_rlqs_given_back_tokens_total";
+/// Gauge: reservoirs of global limits held in this process.
+pub const GLOBAL_RESERVOIRS: &str = "tollgate_global_reservoirs";
+/// Gauge: tokens of global limits held in this process's reservoirs, paid for and unspent.
+pub const GLOBAL_HELD: &str = "tollgate_global_held_tokens";
+/// Counter: tokens of global limits charged on the global store for the reservoirs.
+pub const GLOBAL_FETCHED: &str = "tollgate_global_fetched_tokens_total";
+/// Counter: tokens of global limits given back to the global store.
+pub const GLOBAL_GIVEN_BACK: &str = "tollgate_global_given_back_tokens_total";
+/// Counter: calls of a rebalancing round the global store could not answer.
+pub const GLOBAL_ROUND_FAILURES: &str = "tollgate_global_round_failures_total";
 
 /// Why the server closed a connection on its client.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -238,6 +248,23 @@ fn describe() {
     describe_counter!(
         RLQS_GIVEN_BACK,
         "Prepaid RLQS tokens given back when an assignment was replaced."
+    );
+    describe_gauge!(GLOBAL_RESERVOIRS, "Reservoirs of global limits held here.");
+    describe_gauge!(
+        GLOBAL_HELD,
+        "Tokens of global limits held here, paid for on the global store and unspent."
+    );
+    describe_counter!(
+        GLOBAL_FETCHED,
+        "Tokens of global limits charged on the global store for reservoirs."
+    );
+    describe_counter!(
+        GLOBAL_GIVEN_BACK,
+        "Tokens of global limits given back to the global store."
+    );
+    describe_counter!(
+        GLOBAL_ROUND_FAILURES,
+        "Calls of rebalancing rounds the global store could not answer."
     );
 }
 
@@ -498,6 +525,18 @@ pub fn record_rlqs_prepaid(tokens: u64) {
 /// Records prepaid RLQS tokens given back.
 pub fn record_rlqs_given_back(tokens: u64) {
     counter!(RLQS_GIVEN_BACK).increment(tokens);
+}
+
+/// Records one rebalancing round of the global limits' reservoirs, what they hold after it,
+/// and what requests and rounds have fetched and given back so far.
+pub fn record_global_round(shares: &crate::global::Shares, round: &tollgate_regional::Round) {
+    let (fetched, given_back) = shares.totals();
+    let (reservoirs, held) = shares.held();
+    counter!(GLOBAL_FETCHED).absolute(fetched);
+    counter!(GLOBAL_GIVEN_BACK).absolute(given_back);
+    counter!(GLOBAL_ROUND_FAILURES).increment(round.failed as u64);
+    gauge!(GLOBAL_RESERVOIRS).set(reservoirs as f64);
+    gauge!(GLOBAL_HELD).set(held as f64);
 }
 
 /// Records a settlement of a reservation.

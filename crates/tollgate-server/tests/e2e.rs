@@ -1376,6 +1376,7 @@ exemptions:
     assert_eq!(user["refill"], "10/s");
     assert_eq!(user["key"], serde_json::json!(["user"]));
     assert_eq!(user["rollout"], "12.5%");
+    assert_eq!(user["scope"], "regional");
     assert_eq!(user["failure_mode"], "open");
     assert_eq!(user["emergency"], "2/s");
     assert_eq!(user["overrides"][0]["name"], "premium");

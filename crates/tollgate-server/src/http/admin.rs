@@ -170,6 +170,7 @@ fn limit_body(limit: &LimitDef) -> serde_json::Value {
         "algorithm": limit.algorithm(),
         "mode": limit.mode().as_str(),
         "rollout": rollout(limit.rollout()),
+        "scope": limit.scope().as_str(),
         "overrides": limit.overrides().iter().map(|o| {
             let mut body = json!({"name": o.name(), "when": conditions(o.when())});
             params_into(&mut body, o.params());

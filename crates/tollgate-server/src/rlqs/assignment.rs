@@ -106,26 +106,9 @@ pub(crate) fn wanted_rate(requests: u64, elapsed: Duration, fill: Duration) -> u
     u64::try_from(wanted).unwrap_or(u64::MAX)
 }
 
-/// The most one Envoy wanting `mine` may have of `supply` when the others want `others`:
-/// max-min fair shares (an Envoy wanting less than an equal share gets what it wants, and what
-/// it leaves is split among the rest). At least one, so no Envoy is shut out by rounding.
-pub(crate) fn fair_share(supply: u64, mine: u64, others: impl IntoIterator<Item = u64>) -> u64 {
-    let mut wants: Vec<u64> = others.into_iter().collect();
-    wants.push(mine);
-    wants.sort_unstable();
-    let mut left = supply;
-    let mut sharing = wants.len() as u64;
-    for want in wants {
-        let level = left / sharing;
-        if want > level {
-            // Everyone from here on wants more than an equal share of what is left.
-            return mine.min(level).max(1);
-        }
-        left -= want;
-        sharing -= 1;
-    }
-    mine.max(1)
-}
+/// Max-min fair shares, as global limits' reservoirs share a limit among processes: here among
+/// the Envoys of this process.
+pub(crate) use tollgate_regional::share::fair_share;
 
 /// A token-bucket assignment an Envoy holds: `max_tokens` and `tokens_per_fill` both `rate`,
 /// a fill every `fill`.

@@ -1,0 +1,206 @@
+//! Global limits end to end: `tollgate serve` processes in two "regions", each on its own
+//! memory store, sharing `scope: global` limits through one test Redis (`--global-store`).
+
+mod support;
+
+use std::path::Path;
+use std::time::Duration;
+
+use support::{Scratch, Server, assert_serve_flags_refused, path_str, post_json, request};
+use tollgate::{Clock, MonotonicClock};
+use tollgate_redis::test_server::RedisServer;
+
+const POLICY: &str = r#"
+version: "global"
+limits:
+  - name: tenant-worldwide
+    domain: api
+    key: [tenant]
+    capacity: 40
+    refill: 20/s
+    scope: global
+    failure_mode: closed
+  - name: tenant-lenient
+    domain: lenient
+    key: [tenant]
+    capacity: 40
+    refill: 20/s
+    scope: global
+    failure_mode: open
+    emergency: 2/h
+  - name: per-user
+    domain: api
+    key: [user]
+    capacity: 5
+    refill: 1/h
+"#;
+
+fn in_region(config: &Path, redis: &RedisServer, region: &str) -> Server {
+    Server::start(&[
+        "--config",
+        path_str(config),
+        "--global-store",
+        &redis.url(),
+        "--global-store-timeout",
+        "2s",
+        "--region",
+        region,
+        "--rebalance-interval",
+        "100ms",
+    ])
+}
+
+fn metric(server: &Server, series: &str) -> f64 {
+    let metrics = request(server.http, "GET", "/metrics", &[], "").body;
+    metrics
+        .lines()
+        .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+fn check(server: &Server, domain: &str, tenant: &str, user: &str) -> u16 {
+    let body = format!(
+        r#"{{"domain":"{domain}","descriptors":[{{"tenant":"{tenant}","user":"{user}"}}]}}"#
+    );
+    let answer = post_json(server.http, "/v1/check", &body);
+    assert!(matches!(answer.status, 200 | 429 | 503), "{}", answer.body);
+    answer.status
+}
+
+/// Two regions hammer one tenant's global limit for two seconds: together they admit no more
+/// than its bucket allows over the run (40 + 20 a second), both get a fair part of it, and the
+/// reservoirs were topped up in the background.
+#[test]
+fn two_regions_share_a_global_limit_without_over_admitting() {
+    let redis = RedisServer::start();
+    let scratch = Scratch::new("global-shared");
+    let config = scratch.write("policy.yaml", POLICY);
+    let regions = [
+        in_region(&config, &redis, "eu"),
+        in_region(&config, &redis, "us"),
+    ];
+    let clock = MonotonicClock::new();
+    let start = clock.now();
+    let run = Duration::from_secs(2);
+    let admitted: Vec<usize> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..6)
+            .map(|worker| {
+                let server = &regions[worker % 2];
+                let clock = &clock;
+                scope.spawn(move || {
+                    let mut admitted = 0;
+                    let mut n = 0u32;
+                    while clock.now().saturating_duration_since(start) < run && n < 20_000 {
+                        // Each request its own user, so only the global limit can reject.
+                        let user = format!("w{worker}-{n}");
+                        admitted += usize::from(check(server, "api", "acme", &user) == 200);
+                        n += 1;
+                    }
+                    admitted
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let elapsed = clock.now().saturating_duration_since(start);
+    let eu: usize = admitted.iter().step_by(2).sum();
+    let us: usize = admitted.iter().skip(1).step_by(2).sum();
+    let bound = 40 + (20 * elapsed.as_millis()).div_ceil(1_000) as usize;
+    assert!(
+        eu + us <= bound,
+        "admitted {eu} + {us} > {bound} in {elapsed:?}"
+    );
+    // Both ran flat out the whole time: each gets a fair part, and together most of it.
+    assert!(
+        eu >= bound / 5 && us >= bound / 5,
+        "eu {eu}, us {us} of {bound}"
+    );
+    // What sits unspent in the reservoirs at the end is all that is lost (79 of 81 here).
+    assert!(eu + us >= bound * 3 / 4, "admitted {eu} + {us} of {bound}");
+    let policy = request(regions[0].http, "GET", "/v1/policy", &[], "").json();
+    assert_eq!(policy["limits"][0]["scope"], "global");
+    for region in &regions {
+        assert!(metric(region, "tollgate_global_fetched_tokens_total") > 0.0);
+        assert_eq!(metric(region, "tollgate_global_reservoirs"), 1.0);
+    }
+    // A regional limit still decides here alone: user pat has 5 in each region.
+    let regional: Vec<usize> = regions
+        .iter()
+        .map(|r| {
+            (0..8)
+                .filter(|_| check(r, "api", "other", "pat") == 200)
+                .count()
+        })
+        .collect();
+    assert_eq!(regional, [5, 5]);
+    let [eu, us] = regions;
+    assert!(eu.terminate().success());
+    assert!(us.terminate().success());
+}
+
+/// The global store dies: each region goes on spending what its reservoir holds, then a
+/// closed global limit answers 503 and an open one its emergency budget, as for any store.
+#[test]
+fn with_the_global_store_killed_a_region_spends_what_it_holds_then_fails_as_configured() {
+    let mut redis = RedisServer::start();
+    let scratch = Scratch::new("global-killed");
+    let config = scratch.write("policy.yaml", POLICY);
+    let server = in_region(&config, &redis, "eu");
+    // Fill both reservoirs with a few requests and a round or two.
+    for n in 0..5 {
+        assert_eq!(check(&server, "api", "acme", &format!("u{n}")), 200);
+        assert_eq!(check(&server, "lenient", "acme", &format!("u{n}")), 200);
+    }
+    redis.kill();
+    let clock = MonotonicClock::new();
+    let start = clock.now();
+    let (mut closed, mut open) = (Vec::new(), Vec::new());
+    let mut n = 0;
+    while clock.now().saturating_duration_since(start) < Duration::from_secs(5) {
+        closed.push(check(&server, "api", "acme", &format!("k{n}")));
+        let body =
+            format!(r#"{{"domain":"lenient","descriptors":[{{"tenant":"acme","user":"k{n}"}}]}}"#);
+        let answer = post_json(server.http, "/v1/check", &body);
+        open.push((answer.status, answer.json()["degraded"] == true));
+        n += 1;
+        if closed.ends_with(&[503; 3]) && open.iter().filter(|(_, degraded)| *degraded).count() >= 3
+        {
+            break;
+        }
+    }
+    assert!(closed.ends_with(&[503; 3]), "{closed:?}");
+    // What was held is spent before the failure mode applies; nothing after it is admitted.
+    let first_down = closed.iter().position(|&s| s == 503).unwrap();
+    assert!(closed[first_down..].iter().all(|&s| s == 503), "{closed:?}");
+    let degraded: Vec<u16> = open.iter().filter(|(_, d)| *d).map(|(s, _)| *s).collect();
+    assert!(degraded.len() >= 3, "{open:?}");
+    assert!(
+        degraded.iter().filter(|&&s| s == 200).count() <= 2,
+        "the emergency budget, never unlimited: {open:?}"
+    );
+    // Rounds fail too (each may wait out the 2 s timeout first).
+    let waited = MonotonicClock::new();
+    let since = waited.now();
+    while metric(&server, "tollgate_global_round_failures_total") == 0.0 {
+        assert!(
+            waited.now().saturating_duration_since(since) < Duration::from_secs(10),
+            "no round failed"
+        );
+        std::thread::yield_now();
+    }
+    assert!(
+        server.terminate().success(),
+        "stops even with the global store gone"
+    );
+}
+
+#[test]
+fn global_flags_refuse_what_cannot_work() {
+    assert_serve_flags_refused(&[
+        ("--region", "eu west", "is not a region name"),
+        ("--rebalance-interval", "1ms", "is shorter than 10ms"),
+        ("--rebalance-interval", "2m", "is longer than 1m"),
+    ]);
+    let refused = support::serve_refused(&["--global-store", "http://127.0.0.1:1"]);
+    assert!(refused.contains("cannot use the global store"), "{refused}");
+}
