@@ -9,7 +9,7 @@
 //! over-admission. A give-back is a settlement of the charge that bought the tokens, so the
 //! global store's own rules keep it from restoring more than it took.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -65,6 +65,10 @@ pub struct Round {
     pub failed: usize,
 }
 
+/// Unsettled charges a reservoir keeps. Tokens bought by charges older than these can only be
+/// spent, not given back: a reservoir topped up every round holds a few rounds' charges.
+const KEPT_CHARGES: usize = 16;
+
 /// A charge made on the global store, kept so that its tokens can be given back.
 #[derive(Debug, Clone)]
 struct Charge {
@@ -83,14 +87,30 @@ struct Reservoir {
     refused: u64,
     last_used: Timestamp,
     last_round: Timestamp,
-    /// The last charge not yet settled.
-    charge: Option<Charge>,
+    /// Charges not yet settled, oldest first, at most [`KEPT_CHARGES`]: what its tokens can
+    /// be given back under.
+    charges: VecDeque<Charge>,
     /// The global bucket was empty when last asked: not before this time can asking help.
     empty_until: Timestamp,
     /// The global store could not be reached in the last round.
     unavailable: Option<Unavailable>,
-    /// The level the last round sized it to.
+    /// The level the last round sized it to, doubled at each shortfall since.
     level: u64,
+    /// A request found it short since the last round, and fetched.
+    ran_short: bool,
+}
+
+impl Reservoir {
+    /// Adds what `charge` bought.
+    fn add(&mut self, tokens: u64, charge: Option<Charge>) {
+        self.tokens = self.tokens.saturating_add(tokens);
+        if let Some(charge) = charge {
+            self.charges.push_back(charge);
+            if self.charges.len() > KEPT_CHARGES {
+                self.charges.pop_front();
+            }
+        }
+    }
 }
 
 /// The books of one process.
@@ -238,26 +258,45 @@ impl<G: Store, B: Board, C: Clock> Regional<G, B, C> {
         Ok((0, None, retry))
     }
 
-    /// Settles `charge` for `tokens` of it (taken out of a reservoir already). What the store
-    /// did not take back is returned, to go back into the reservoir.
-    async fn give_back(&self, key: &str, charge: &Charge, tokens: u64) -> Result<u64, Error> {
-        let tokens = tokens.min(charge.cost);
-        if tokens == 0 {
-            return Ok(0);
-        }
-        let takes = [Take::new(key, &charge.limit, charge.cost)];
-        let request = CheckRequest {
-            takes: &takes,
-            request_id: Some(&charge.id),
-            now: None,
-        };
-        match self.global.settle(request, &[tokens]).await?.status {
-            SettleStatus::Settled => {
-                self.given_back.fetch_add(tokens, Ordering::Relaxed);
-                Ok(tokens)
+    /// Gives back `tokens` (taken out of a reservoir already) under `charges`, newest first,
+    /// each settled once for as much of it as is left to give: the global store restores no
+    /// more than each charge took. Charges settled, or that the store no longer knows (past
+    /// its idempotency window), are removed; those left are still unsettled. Returns what was
+    /// given back: the caller keeps the rest.
+    async fn give_back(
+        &self,
+        key: &str,
+        charges: &mut Vec<Charge>,
+        tokens: u64,
+    ) -> Result<u64, Error> {
+        let mut given = 0;
+        while given < tokens {
+            let Some(charge) = charges.pop() else {
+                break;
+            };
+            let refund = (tokens - given).min(charge.cost);
+            let takes = [Take::new(key, &charge.limit, charge.cost)];
+            let request = CheckRequest {
+                takes: &takes,
+                request_id: Some(&charge.id),
+                now: None,
+            };
+            match self.global.settle(request, &[refund]).await {
+                Ok(settled) if settled.status == SettleStatus::Settled => {
+                    self.given_back.fetch_add(refund, Ordering::Relaxed);
+                    given += refund;
+                }
+                Ok(_) => {}
+                Err(err) => {
+                    charges.push(charge);
+                    if given == 0 {
+                        return Err(err);
+                    }
+                    break;
+                }
             }
-            _ => Ok(0),
         }
+        Ok(given)
     }
 
     /// Fetches a first reservoir for `take`'s key, unless another request did meanwhile.
@@ -300,21 +339,21 @@ impl<G: Store, B: Board, C: Clock> Regional<G, B, C> {
                 refused: 0,
                 last_used: now,
                 last_round: now,
-                charge: None,
+                charges: VecDeque::new(),
                 empty_until,
                 unavailable: None,
                 level: extra,
+                ran_short: false,
             });
-        reservoir.tokens = reservoir.tokens.saturating_add(tokens);
-        if charge.is_some() {
-            reservoir.charge = charge;
-        }
+        reservoir.add(tokens, charge);
         Ok(None)
     }
 
     /// Fetches, for a request its reservoir is `short` for, what it lacks and the reservoir's
-    /// `level` besides (at least what it lacks, or nothing). A global store that cannot answer
-    /// marks the reservoir, so the request follows its limit's failure mode.
+    /// `level` besides (at least what it lacks, or nothing), and doubles the level until the
+    /// next round: a reservoir that runs short within a round is sized below its demand, and
+    /// each shortfall costs a request a round trip to the global store. A global store that
+    /// cannot answer marks the reservoir, so the request follows its limit's failure mode.
     async fn more(&self, take: &Take<'_>, short: u64, level: u64, now: Timestamp) {
         let result = self
             .charge(take.key, take.limit, short.saturating_add(level), short)
@@ -325,10 +364,13 @@ impl<G: Store, B: Board, C: Clock> Regional<G, B, C> {
         };
         match result {
             Ok((tokens, charge, retry)) => {
-                r.tokens = r.tokens.saturating_add(tokens);
-                if charge.is_some() {
-                    r.charge = charge;
-                }
+                r.add(tokens, charge);
+                r.ran_short = true;
+                r.level = r
+                    .level
+                    .saturating_mul(2)
+                    .max(short)
+                    .min(take.limit.capacity());
                 r.empty_until = now + retry.unwrap_or(Duration::ZERO);
             }
             Err(err) => r.unavailable = unavailable(&err).or(r.unavailable),
@@ -376,11 +418,20 @@ impl<G: Store, B: Board, C: Clock> Regional<G, B, C> {
                     r.refused = 0;
                     let elapsed = now.saturating_duration_since(r.last_round);
                     r.last_round = now;
-                    Ok((r.limit, demand, elapsed))
+                    // A reservoir that ran short since the last round grew its level to keep
+                    // up; what it spent meanwhile was held back by the waits, so it is no
+                    // measure of what it needs. Otherwise the level falls by half a round at
+                    // most, so a key quiet for a moment does not start from nothing.
+                    let kept = if std::mem::take(&mut r.ran_short) {
+                        r.level
+                    } else {
+                        r.level / 2
+                    };
+                    Ok((r.limit, demand, elapsed, kept))
                 }
             }
         };
-        let (limit, demand, elapsed) = match read {
+        let (limit, demand, elapsed, kept) = match read {
             Ok(read) => read,
             Err(quiet) => {
                 step.abandoned = true;
@@ -392,13 +443,9 @@ impl<G: Store, B: Board, C: Clock> Regional<G, B, C> {
                 {
                     step.failed += 1;
                 }
-                if let Some(Reservoir {
-                    charge: Some(charge),
-                    tokens,
-                    ..
-                }) = &quiet
-                {
-                    match self.give_back(key, charge, *tokens).await {
+                if let Some(r) = quiet {
+                    let mut charges = Vec::from(r.charges);
+                    match self.give_back(key, &mut charges, r.tokens).await {
                         Ok(tokens) => step.given_back = tokens,
                         Err(_) => step.failed += 1,
                     }
@@ -407,7 +454,7 @@ impl<G: Store, B: Board, C: Clock> Regional<G, B, C> {
             }
         };
         let span = self.span();
-        let want = share::want(demand, elapsed, span);
+        let want = share::want(demand, elapsed, span).max(kept);
         let ttl = self.options.interval.saturating_mul(3);
         let others = match self.board.post(key, &self.participant, want, ttl).await {
             Ok(others) => others,
@@ -422,12 +469,12 @@ impl<G: Store, B: Board, C: Clock> Regional<G, B, C> {
             r.level = level;
         }
 
-        let (tokens, charge, empty_until) = {
+        let (tokens, empty_until) = {
             let books = self.books.lock();
             let Some(r) = books.reservoirs.get(key) else {
                 return step;
             };
-            (r.tokens, r.charge.clone(), r.empty_until)
+            (r.tokens, r.empty_until)
         };
         if tokens < level && now >= empty_until {
             match self.charge(key, &limit, level - tokens, 1).await {
@@ -435,11 +482,8 @@ impl<G: Store, B: Board, C: Clock> Regional<G, B, C> {
                     step.fetched = fetched;
                     let mut books = self.books.lock();
                     if let Some(r) = books.reservoirs.get_mut(key) {
-                        r.tokens = r.tokens.saturating_add(fetched);
+                        r.add(fetched, charge);
                         r.unavailable = None;
-                        if charge.is_some() {
-                            r.charge = charge;
-                        }
                         r.empty_until = now + retry.unwrap_or(Duration::ZERO);
                     }
                 }
@@ -450,21 +494,29 @@ impl<G: Store, B: Board, C: Clock> Regional<G, B, C> {
             }
         } else if tokens > level.saturating_add(level / 4).saturating_add(1) {
             // Others need what this process holds beyond its share (or it wants less): give
-            // the excess back, out of the reservoir first so nothing spends it meanwhile.
-            let Some(charge) = charge else {
-                return step;
-            };
-            let excess = {
+            // the excess back, out of the reservoir first so nothing spends it meanwhile. Only
+            // whole charges, newest first: one settled in part could never give back its rest,
+            // which the reservoir may still have to return when it goes quiet.
+            let (mut charges, excess) = {
                 let mut books = self.books.lock();
                 let Some(r) = books.reservoirs.get_mut(key) else {
                     return step;
                 };
-                let excess = r.tokens.saturating_sub(level).min(charge.cost);
+                let mut excess = 0u64;
+                let mut charges = Vec::new();
+                let over = r.tokens.saturating_sub(level);
+                while let Some(charge) = r.charges.back() {
+                    if excess + charge.cost > over {
+                        break;
+                    }
+                    excess += charge.cost;
+                    charges.extend(r.charges.pop_back());
+                }
+                charges.reverse();
                 r.tokens -= excess;
-                r.charge = None;
-                excess
+                (charges, excess)
             };
-            let back = match self.give_back(key, &charge, excess).await {
+            let back = match self.give_back(key, &mut charges, excess).await {
                 Ok(back) => back,
                 Err(_) => {
                     step.failed += 1;
@@ -475,6 +527,10 @@ impl<G: Store, B: Board, C: Clock> Regional<G, B, C> {
             let mut books = self.books.lock();
             if let Some(r) = books.reservoirs.get_mut(key) {
                 r.tokens = r.tokens.saturating_add(excess - back);
+                // Charges not settled (the store failed) can still give back later.
+                for charge in charges {
+                    r.charges.push_back(charge);
+                }
             }
         } else {
             let mut books = self.books.lock();
@@ -499,10 +555,10 @@ impl<G: Store, B: Board, C: Clock> Regional<G, B, C> {
         futures_util::stream::iter(drained)
             .map(|(key, r)| async move {
                 let _ = self.board.post(&key, &self.participant, 0, span).await;
-                match &r.charge {
-                    Some(charge) => self.give_back(&key, charge, r.tokens).await.unwrap_or(0),
-                    None => 0,
-                }
+                let mut charges = Vec::from(r.charges);
+                self.give_back(&key, &mut charges, r.tokens)
+                    .await
+                    .unwrap_or(0)
             })
             .buffer_unordered(self.options.in_flight.max(1))
             .fold(0u64, |sum, back| async move { sum.saturating_add(back) })
@@ -779,11 +835,13 @@ impl<G: Store, B: Board, C: Clock> Regional<G, B, C> {
     /// Gives back what requests beyond the bound on reservoirs fetched and did not spend.
     async fn settle_transients(&self, takes: &[Take<'_>], transients: Vec<(usize, Transient)>) {
         for (i, t) in transients {
-            if let Some(charge) = &t.charge
+            if let Some(charge) = t.charge
                 && t.tokens > 0
             {
                 // A failure leaves the tokens charged: under-admission, never more.
-                let _ = self.give_back(takes[i].key, charge, t.tokens).await;
+                let _ = self
+                    .give_back(takes[i].key, &mut vec![charge], t.tokens)
+                    .await;
             }
         }
     }

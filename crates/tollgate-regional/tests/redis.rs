@@ -277,13 +277,11 @@ async fn balance(store: &RedisStore, key: &str, limit: &Limit) -> u64 {
     decision.remaining() + u64::from(decision.allowed())
 }
 
-/// Fails about one run in four: a reservoir remembers only its last charge, and gives back at
-/// most that charge's cost, so tokens still held from an earlier charge (two requests' fetches
-/// in flight at once, or a top-up before the last charge's tokens were spent) stay charged on
-/// the global store for good. Ignored until `Regional` keeps every charge whose tokens it may
-/// hold; run with `--ignored`.
+/// Every token a reservoir holds goes back at the end, whichever of its charges bought it:
+/// failed about one run in four while a reservoir remembered only its last charge (two
+/// requests' fetches in flight at once, or a top-up before the last charge's tokens were spent,
+/// left tokens charged for good).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known bug: a reservoir gives back at most its last charge (src/regional.rs)"]
 async fn a_give_back_at_the_end_returns_what_reservoirs_hold() {
     let server = RedisServer::start();
     let clock = Arc::new(MonotonicClock::new());

@@ -317,7 +317,7 @@ fn beyond_the_bound_a_key_is_fetched_for_its_request_alone() {
 }
 
 #[test]
-fn without_the_global_store_a_round_fails_and_keeps_what_it_holds() {
+fn without_the_global_store_what_is_held_is_spent_and_rounds_fail_until_it_is_back() {
     let w = World::new();
     let global = Switch::new(LocalStore::new(&w.clock));
     let board = MemoryBoard::new(&w.clock);
@@ -332,14 +332,21 @@ fn without_the_global_store_a_round_fails_and_keeps_what_it_holds() {
     block_on_ready(shares.rebalance());
     let held = shares.held().1;
     global.cut(true);
+    // What is held is spent without the global store...
+    for _ in 0..held {
+        assert!(check(&shares, &regional, &takes, None).unwrap()[0].allowed());
+    }
+    // ...and a round cannot top it up.
     w.clock.advance(SECOND);
     let round = block_on_ready(shares.rebalance());
     assert_eq!(round.failed, 1);
-    assert_eq!(shares.held().1, held);
+    assert_eq!(shares.held().1, 0);
     global.cut(false);
     w.clock.advance(SECOND);
     let round = block_on_ready(shares.rebalance());
     assert_eq!(round.failed, 0);
+    assert!(shares.held().1 > 0, "topped up again");
+    assert!(check(&shares, &regional, &takes, None).unwrap()[0].allowed());
 }
 
 /// One step of a random run.
