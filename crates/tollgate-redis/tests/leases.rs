@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use redis::cluster_routing::Slot;
-use support::{RedisCluster, RedisServer, command, free_port};
+use support::{Inspector, RedisCluster, RedisServer, command, free_port};
 use tollgate::{
     Error, LeaseDecision, LeaseLimit, LeaseRequest, LeaseStore, LeaseTake, MemoryLeases, Timestamp,
     Unavailable,
@@ -121,45 +121,7 @@ impl<'a> Both<'a> {
     }
 }
 
-/// Reads the keys a store leaves behind, on a single node or a cluster.
-enum Inspector {
-    Single(redis::aio::MultiplexedConnection),
-    Cluster(redis::cluster_async::ClusterConnection),
-}
-
 impl Inspector {
-    async fn single(server: &RedisServer) -> Self {
-        let client = redis::Client::open(server.url()).expect("a URL");
-        Self::Single(
-            client
-                .get_multiplexed_async_connection()
-                .await
-                .expect("connect"),
-        )
-    }
-
-    async fn cluster(cluster: &RedisCluster) -> Self {
-        let nodes: Vec<String> = cluster
-            .nodes
-            .iter()
-            .map(|node| format!("redis://127.0.0.1:{}", node.port))
-            .collect();
-        let client = redis::cluster::ClusterClient::new(nodes).expect("the nodes");
-        Self::Cluster(client.get_async_connection().await.expect("connect"))
-    }
-
-    async fn query<T: redis::FromRedisValue>(&mut self, args: &[&str]) -> T {
-        let mut cmd = redis::cmd(args[0]);
-        for arg in &args[1..] {
-            cmd.arg(*arg);
-        }
-        match self {
-            Inspector::Single(connection) => cmd.query_async(connection).await,
-            Inspector::Cluster(connection) => cmd.query_async(connection).await,
-        }
-        .unwrap_or_else(|err| panic!("{args:?}: {err}"))
-    }
-
     async fn integer(&mut self, args: &[&str]) -> i64 {
         self.query(args).await
     }

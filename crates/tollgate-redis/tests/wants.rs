@@ -7,7 +7,7 @@ mod support;
 
 use std::time::Duration;
 
-use support::{CLUSTER_COMMANDS, RedisCluster, RedisServer, as_tollgate_user, command};
+use support::{CLUSTER_COMMANDS, Inspector, RedisCluster, RedisServer, as_tollgate_user, command};
 use tollgate::{Error, Unavailable};
 use tollgate_redis::{MAX_WANT_TOKENS, MAX_WANT_TTL, RedisConfig, RedisStore, Want};
 
@@ -46,45 +46,7 @@ async fn post(store: &RedisStore, key: &str, who: &str, tokens: u64, ttl: Durati
         .unwrap_or_else(|err| panic!("post {who} on {key}: {err}"))
 }
 
-/// Raw commands on the keys the store leaves behind, on a single node or a cluster.
-enum Inspector {
-    Single(redis::aio::MultiplexedConnection),
-    Cluster(redis::cluster_async::ClusterConnection),
-}
-
 impl Inspector {
-    async fn single(server: &RedisServer) -> Self {
-        let client = redis::Client::open(server.url()).expect("a URL");
-        Self::Single(
-            client
-                .get_multiplexed_async_connection()
-                .await
-                .expect("connect"),
-        )
-    }
-
-    async fn cluster(cluster: &RedisCluster) -> Self {
-        let nodes: Vec<String> = cluster
-            .nodes
-            .iter()
-            .map(|node| format!("redis://127.0.0.1:{}", node.port))
-            .collect();
-        let client = redis::cluster::ClusterClient::new(nodes).expect("the nodes");
-        Self::Cluster(client.get_async_connection().await.expect("connect"))
-    }
-
-    async fn query<T: redis::FromRedisValue>(&mut self, args: &[&str]) -> T {
-        let mut cmd = redis::cmd(args[0]);
-        for arg in &args[1..] {
-            cmd.arg(*arg);
-        }
-        match self {
-            Inspector::Single(connection) => cmd.query_async(connection).await,
-            Inspector::Cluster(connection) => cmd.query_async(connection).await,
-        }
-        .unwrap_or_else(|err| panic!("{args:?}: {err}"))
-    }
-
     async fn exists(&mut self, key: &str) -> bool {
         self.query::<i64>(&["EXISTS", key]).await == 1
     }

@@ -2,6 +2,7 @@
 //! memory on one manual clock: exactness across processes, fair shares, all-or-nothing,
 //! idempotency, outages and give-backs.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
@@ -67,68 +68,92 @@ fn everything_global(key: &str) -> bool {
     key.starts_with("g:")
 }
 
-fn check(
-    shares: &Regional<&Switch<LocalStore<&ManualClock>>, &MemoryBoard<&ManualClock>, &ManualClock>,
-    regional: &LocalStore<&ManualClock>,
-    takes: &[Take<'_>],
-    request_id: Option<&str>,
-) -> Result<Vec<Decision>, Error> {
-    let request = CheckRequest {
-        takes,
-        request_id,
-        now: None,
-    };
-    block_on_ready(shares.over(regional, &everything_global).check(request))
-}
+type Time = Arc<ManualClock>;
+type Global = Switch<LocalStore<Time>>;
+type Process<'w> = Regional<&'w Global, &'w MemoryBoard<Time>, Time>;
 
-/// The global bucket's balance, read without charging.
-fn balance(global: &Switch<LocalStore<&ManualClock>>, key: &str, limit: &Limit) -> u64 {
-    let takes = [Take::new(key, limit, 1)];
-    let request = CheckRequest {
-        takes: &takes,
-        request_id: None,
-        now: None,
-    };
-    let decision = block_on_ready(global.peek(request)).unwrap()[0];
-    // A peek shows what would remain after taking its one token.
-    decision.remaining() + u64::from(decision.allowed())
-}
-
+/// One manual clock, a global store that can be cut off, its board, and a regional store.
 struct World {
-    clock: ManualClock,
+    clock: Time,
+    global: Global,
+    board: MemoryBoard<Time>,
+    regional: LocalStore<Time>,
 }
 
 impl World {
     fn new() -> Self {
+        let clock = Arc::new(ManualClock::new());
         Self {
-            clock: ManualClock::new(),
+            global: Switch::new(LocalStore::new(Arc::clone(&clock))),
+            board: MemoryBoard::new(Arc::clone(&clock)),
+            regional: LocalStore::new(Arc::clone(&clock)),
+            clock,
         }
+    }
+
+    /// A process sharing the global store as `name`.
+    fn process(&self, name: &str, options: Options) -> Process<'_> {
+        Regional::new(
+            &self.global,
+            &self.board,
+            Arc::clone(&self.clock),
+            name,
+            options,
+        )
+    }
+
+    fn check(
+        &self,
+        process: &Process<'_>,
+        takes: &[Take<'_>],
+        request_id: Option<&str>,
+    ) -> Result<Vec<Decision>, Error> {
+        let request = CheckRequest {
+            takes,
+            request_id,
+            now: None,
+        };
+        block_on_ready(
+            process
+                .over(&self.regional, &everything_global)
+                .check(request),
+        )
+    }
+
+    /// The global bucket's balance, read without charging.
+    fn balance(&self, key: &str, limit: &Limit) -> u64 {
+        let takes = [Take::new(key, limit, 1)];
+        let request = CheckRequest {
+            takes: &takes,
+            request_id: None,
+            now: None,
+        };
+        let decision = block_on_ready(self.global.peek(request)).unwrap()[0];
+        // A peek shows what would remain after taking its one token.
+        decision.remaining() + u64::from(decision.allowed())
     }
 }
 
 #[test]
 fn a_first_request_fetches_a_few_tokens_and_the_next_are_spent_here() {
     let w = World::new();
-    let global = Switch::new(LocalStore::new(&w.clock));
-    let board = MemoryBoard::new(&w.clock);
-    let regional = LocalStore::new(&w.clock);
-    let shares = Regional::new(&global, &board, &w.clock, "eu", Options::default());
+    let shares = w.process("eu", Options::default());
     let limit = Limit::new(100, "10/s".parse().unwrap()).unwrap();
     let takes = [Take::new("g:acme", &limit, 1)];
 
-    assert!(check(&shares, &regional, &takes, None).unwrap()[0].allowed());
+    assert!(w.check(&shares, &takes, None).unwrap()[0].allowed());
     let (keys, held) = shares.held();
     assert_eq!(keys, 1);
     // The global bucket was charged for the request and what the reservoir holds.
-    assert_eq!(balance(&global, "g:acme", &limit), 100 - 1 - held);
-    global.cut(true);
+    assert_eq!(w.balance("g:acme", &limit), 100 - 1 - held);
+    w.global.cut(true);
     for _ in 0..held {
-        assert!(check(&shares, &regional, &takes, None).unwrap()[0].allowed());
+        assert!(w.check(&shares, &takes, None).unwrap()[0].allowed());
     }
     // Empty, and the fetch it now needs cannot reach the global store: the failure mode's
     // turn, not a rejection.
     assert!(matches!(
-        check(&shares, &regional, &takes, None),
+        w.check(&shares, &takes, None),
         Err(Error::StoreUnavailable { .. })
     ));
 }
@@ -136,15 +161,12 @@ fn a_first_request_fetches_a_few_tokens_and_the_next_are_spent_here() {
 #[test]
 fn a_burst_gets_the_whole_capacity_then_the_global_buckets_wait() {
     let w = World::new();
-    let global = Switch::new(LocalStore::new(&w.clock));
-    let board = MemoryBoard::new(&w.clock);
-    let regional = LocalStore::new(&w.clock);
-    let shares = Regional::new(&global, &board, &w.clock, "eu", Options::default());
+    let shares = w.process("eu", Options::default());
     let limit = Limit::new(3, "1/m".parse().unwrap()).unwrap();
     let takes = [Take::new("g:slow", &limit, 1)];
     let mut allowed = 0;
     for _ in 0..10 {
-        let d = check(&shares, &regional, &takes, None).unwrap();
+        let d = w.check(&shares, &takes, None).unwrap();
         if d[0].allowed() {
             allowed += 1;
         } else {
@@ -159,11 +181,8 @@ fn a_burst_gets_the_whole_capacity_then_the_global_buckets_wait() {
 #[test]
 fn shares_follow_demand_and_are_fair() {
     let w = World::new();
-    let global = Switch::new(LocalStore::new(&w.clock));
-    let board = MemoryBoard::new(&w.clock);
-    let regional = LocalStore::new(&w.clock);
-    let small = Regional::new(&global, &board, &w.clock, "small", Options::default());
-    let big = Regional::new(&global, &board, &w.clock, "big", Options::default());
+    let small = w.process("small", Options::default());
+    let big = w.process("big", Options::default());
     let limit = Limit::new(100, "100/s".parse().unwrap()).unwrap();
     let takes = [Take::new("g:tenant", &limit, 1)];
     // `small` wants 20 a second, `big` 300; each round is 10 steps of 100 ms.
@@ -172,10 +191,10 @@ fn shares_follow_demand_and_are_fair() {
         let mut got = (0, 0);
         for _ in 0..10 {
             for _ in 0..2 {
-                got.0 += u32::from(check(&small, &regional, &takes, None).unwrap()[0].allowed());
+                got.0 += u32::from(w.check(&small, &takes, None).unwrap()[0].allowed());
             }
             for _ in 0..30 {
-                got.1 += u32::from(check(&big, &regional, &takes, None).unwrap()[0].allowed());
+                got.1 += u32::from(w.check(&big, &takes, None).unwrap()[0].allowed());
             }
             w.clock.advance(SECOND / 10);
         }
@@ -196,27 +215,24 @@ fn shares_follow_demand_and_are_fair() {
 #[test]
 fn a_rejected_regional_take_charges_no_global_token() {
     let w = World::new();
-    let global = Switch::new(LocalStore::new(&w.clock));
-    let board = MemoryBoard::new(&w.clock);
-    let regional = LocalStore::new(&w.clock);
-    let shares = Regional::new(&global, &board, &w.clock, "eu", Options::default());
+    let shares = w.process("eu", Options::default());
     let tenant = Limit::new(100, "10/s".parse().unwrap()).unwrap();
     let user = Limit::new(1, "1/h".parse().unwrap()).unwrap();
     let takes = [
         Take::new("g:acme", &tenant, 1),
         Take::new("user:7", &user, 1),
     ];
-    let first = check(&shares, &regional, &takes, None).unwrap();
+    let first = w.check(&shares, &takes, None).unwrap();
     assert!(first.iter().all(Decision::allowed));
     let held = shares.held().1;
-    let second = check(&shares, &regional, &takes, None).unwrap();
+    let second = w.check(&shares, &takes, None).unwrap();
     assert!(!second[1].allowed());
     assert!(second[0].allowed(), "the tenant would have passed");
     assert_eq!(shares.held().1, held, "and its token is back");
     // A cost above the capacity is an error that takes nothing.
     let too_much = [Take::new("g:acme", &tenant, 101)];
     assert!(matches!(
-        check(&shares, &regional, &too_much, None),
+        w.check(&shares, &too_much, None),
         Err(Error::InvalidCost {
             cost: 101,
             capacity: 100
@@ -228,22 +244,16 @@ fn a_rejected_regional_take_charges_no_global_token() {
 #[test]
 fn a_retry_is_free_and_a_settlement_gives_back_once() {
     let w = World::new();
-    let global = Switch::new(LocalStore::new(&w.clock));
-    let board = MemoryBoard::new(&w.clock);
-    let regional = LocalStore::new(&w.clock);
-    let shares = Regional::new(&global, &board, &w.clock, "eu", Options::default());
+    let shares = w.process("eu", Options::default());
     let limit = Limit::new(1_000, "100/s".parse().unwrap()).unwrap();
     let takes = [Take::new("g:acme", &limit, 10)];
-    let first = check(&shares, &regional, &takes, Some("r1")).unwrap();
+    let first = w.check(&shares, &takes, Some("r1")).unwrap();
     let held = shares.held().1;
-    assert_eq!(
-        check(&shares, &regional, &takes, Some("r1")).unwrap(),
-        first
-    );
+    assert_eq!(w.check(&shares, &takes, Some("r1")).unwrap(), first);
     assert_eq!(shares.held().1, held, "a retry charges nothing");
     let other = [Take::new("g:acme", &limit, 11)];
     assert!(matches!(
-        check(&shares, &regional, &other, Some("r1")),
+        w.check(&shares, &other, Some("r1")),
         Err(Error::IdempotencyConflict)
     ));
 
@@ -252,7 +262,7 @@ fn a_retry_is_free_and_a_settlement_gives_back_once() {
         request_id: Some("r1"),
         now: None,
     };
-    let over = shares.over(&regional, &everything_global);
+    let over = shares.over(&w.regional, &everything_global);
     let settled = block_on_ready(over.settle(request, &[7])).unwrap();
     assert_eq!(settled.status, SettleStatus::Settled);
     assert_eq!(shares.held().1, held + 7);
@@ -270,47 +280,41 @@ fn a_retry_is_free_and_a_settlement_gives_back_once() {
 #[test]
 fn a_quiet_reservoir_is_given_back_and_forgotten() {
     let w = World::new();
-    let global = Switch::new(LocalStore::new(&w.clock));
-    let board = MemoryBoard::new(&w.clock);
-    let regional = LocalStore::new(&w.clock);
     let options = Options {
         abandon_after: 5 * SECOND,
         ..Options::default()
     };
-    let shares = Regional::new(&global, &board, &w.clock, "eu", options);
+    let shares = w.process("eu", options);
     // No refill to speak of over the test, so every token back is a token given back.
     let limit = Limit::new(1_000, "1/d".parse().unwrap()).unwrap();
     let takes = [Take::new("g:acme", &limit, 1)];
-    assert!(check(&shares, &regional, &takes, None).unwrap()[0].allowed());
+    assert!(w.check(&shares, &takes, None).unwrap()[0].allowed());
     let held = shares.held().1;
     assert!(held > 0);
-    assert_eq!(balance(&global, "g:acme", &limit), 1_000 - 1 - held);
+    assert_eq!(w.balance("g:acme", &limit), 1_000 - 1 - held);
     w.clock.advance(5 * SECOND);
     let round = block_on_ready(shares.rebalance());
     assert_eq!((round.abandoned, round.given_back), (1, held));
     assert_eq!(shares.held(), (0, 0));
-    assert_eq!(balance(&global, "g:acme", &limit), 999);
+    assert_eq!(w.balance("g:acme", &limit), 999);
 }
 
 #[test]
 fn beyond_the_bound_a_key_is_fetched_for_its_request_alone() {
     let w = World::new();
-    let global = Switch::new(LocalStore::new(&w.clock));
-    let board = MemoryBoard::new(&w.clock);
-    let regional = LocalStore::new(&w.clock);
     let options = Options {
         max_keys: 1,
         ..Options::default()
     };
-    let shares = Regional::new(&global, &board, &w.clock, "eu", options);
+    let shares = w.process("eu", options);
     let limit = Limit::new(1_000, "1/d".parse().unwrap()).unwrap();
     let a = [Take::new("g:a", &limit, 1)];
     let b = [Take::new("g:b", &limit, 3)];
-    assert!(check(&shares, &regional, &a, None).unwrap()[0].allowed());
-    assert!(check(&shares, &regional, &b, None).unwrap()[0].allowed());
+    assert!(w.check(&shares, &a, None).unwrap()[0].allowed());
+    assert!(w.check(&shares, &b, None).unwrap()[0].allowed());
     assert_eq!(shares.held().0, 1);
     assert_eq!(
-        balance(&global, "g:b", &limit),
+        w.balance("g:b", &limit),
         997,
         "exactly the cost, nothing held"
     );
@@ -319,34 +323,31 @@ fn beyond_the_bound_a_key_is_fetched_for_its_request_alone() {
 #[test]
 fn without_the_global_store_what_is_held_is_spent_and_rounds_fail_until_it_is_back() {
     let w = World::new();
-    let global = Switch::new(LocalStore::new(&w.clock));
-    let board = MemoryBoard::new(&w.clock);
-    let regional = LocalStore::new(&w.clock);
-    let shares = Regional::new(&global, &board, &w.clock, "eu", Options::default());
+    let shares = w.process("eu", Options::default());
     let limit = Limit::new(1_000, "100/s".parse().unwrap()).unwrap();
     let takes = [Take::new("g:acme", &limit, 1)];
     for _ in 0..50 {
-        check(&shares, &regional, &takes, None).unwrap();
+        w.check(&shares, &takes, None).unwrap();
     }
     w.clock.advance(SECOND);
     block_on_ready(shares.rebalance());
     let held = shares.held().1;
-    global.cut(true);
+    w.global.cut(true);
     // What is held is spent without the global store...
     for _ in 0..held {
-        assert!(check(&shares, &regional, &takes, None).unwrap()[0].allowed());
+        assert!(w.check(&shares, &takes, None).unwrap()[0].allowed());
     }
     // ...and a round cannot top it up.
     w.clock.advance(SECOND);
     let round = block_on_ready(shares.rebalance());
     assert_eq!(round.failed, 1);
     assert_eq!(shares.held().1, 0);
-    global.cut(false);
+    w.global.cut(false);
     w.clock.advance(SECOND);
     let round = block_on_ready(shares.rebalance());
     assert_eq!(round.failed, 0);
     assert!(shares.held().1 > 0, "topped up again");
-    assert!(check(&shares, &regional, &takes, None).unwrap()[0].allowed());
+    assert!(w.check(&shares, &takes, None).unwrap()[0].allowed());
 }
 
 /// One step of a random run.
@@ -380,24 +381,18 @@ proptest! {
         capacity in 1..50u64,
         per_second in 1..40u64,
     ) {
-        let clock = ManualClock::new();
-        let global = Switch::new(LocalStore::new(&clock));
-        let board = MemoryBoard::new(&clock);
-        let regional = LocalStore::new(&clock);
+        let w = World::new();
         let options = Options { abandon_after: 3 * SECOND, ..Options::default() };
-        let processes: Vec<_> = ["a", "b", "c"]
-            .iter()
-            .map(|p| Regional::new(&global, &board, &clock, p, options))
-            .collect();
+        let processes: Vec<_> = ["a", "b", "c"].iter().map(|p| w.process(p, options)).collect();
         let limit = Limit::new(capacity, tollgate::Rate::per_second(per_second).unwrap()).unwrap();
-        let start = clock.now();
+        let start = w.clock.now();
         let mut admitted = 0u128;
         for step in steps {
             match step {
                 Step::Check { p, cost } => {
                     let cost = cost.min(capacity);
                     let takes = [Take::new("g:k", &limit, cost)];
-                    if let Ok(d) = check(&processes[p], &regional, &takes, None)
+                    if let Ok(d) = w.check(&processes[p], &takes, None)
                         && d[0].allowed()
                     {
                         admitted += u128::from(cost);
@@ -406,9 +401,9 @@ proptest! {
                 Step::Round { p } => {
                     block_on_ready(processes[p].rebalance());
                 }
-                Step::Wait { ms } => clock.advance(Duration::from_millis(ms)),
+                Step::Wait { ms } => w.clock.advance(Duration::from_millis(ms)),
             }
-            let elapsed = clock.now().saturating_duration_since(start).as_nanos();
+            let elapsed = w.clock.now().saturating_duration_since(start).as_nanos();
             let bound = u128::from(capacity) + u128::from(per_second) * elapsed / 1_000_000_000;
             prop_assert!(admitted <= bound, "{admitted} > {bound}");
             let held: u128 = processes.iter().map(|p| u128::from(p.held().1)).sum();

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
-use support::{Server, assert_serve_flags_refused, descriptor, post_json, request};
+use support::{Server, assert_serve_flags_refused, descriptor, metric, post_json};
 
 const CHECK: &str = r#"{"domain":"api","descriptors":[{"user":"alice"}]}"#;
 
@@ -35,15 +35,6 @@ fn closed_within(stream: &mut TcpStream, limit: Duration) -> bool {
         }
     }
     false
-}
-
-/// The value of the metric line starting with `series` (name and labels), 0 if absent.
-fn metric(server: &Server, series: &str) -> f64 {
-    let text = request(server.http, "GET", "/metrics", &[], "").body;
-    text.lines()
-        .find_map(|line| line.strip_prefix(series))
-        .and_then(|value| value.trim().parse().ok())
-        .unwrap_or(0.0)
 }
 
 const HTTP_HEADER_TIMEOUTS: &str =

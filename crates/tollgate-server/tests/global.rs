@@ -6,7 +6,7 @@ mod support;
 use std::path::Path;
 use std::time::Duration;
 
-use support::{Scratch, Server, assert_serve_flags_refused, path_str, post_json, request};
+use support::{Scratch, Server, assert_serve_flags_refused, metric, path_str, post_json, request};
 use tollgate::{Clock, MonotonicClock};
 use tollgate_redis::test_server::RedisServer;
 
@@ -48,14 +48,6 @@ fn in_region(config: &Path, redis: &RedisServer, region: &str) -> Server {
         "--rebalance-interval",
         "100ms",
     ])
-}
-
-fn metric(server: &Server, series: &str) -> f64 {
-    let metrics = request(server.http, "GET", "/metrics", &[], "").body;
-    metrics
-        .lines()
-        .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
-        .unwrap_or(0.0)
 }
 
 fn check(server: &Server, domain: &str, tenant: &str, user: &str) -> u16 {

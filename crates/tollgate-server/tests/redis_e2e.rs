@@ -10,7 +10,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::google::protobuf::UInt64Value;
-use support::{Scratch, Server, path_str, post_json, request, serve_refused};
+use support::{Scratch, Server, metric, path_str, post_json, request, serve_refused};
 use tollgate_redis::test_server::{
     RedisCluster, RedisSentinel, RedisServer, TestCertificates, command, free_port,
 };
@@ -175,15 +175,6 @@ fn rejections_are_remembered_unless_turned_off() {
         remembered(&servers[1]),
         "tollgate_remembered_rejections_total 0"
     );
-}
-
-/// A metric's value in `server`'s `/metrics` (the line that starts with `series`), 0 if absent.
-fn metric(server: &Server, series: &str) -> f64 {
-    let metrics = request(server.http, "GET", "/metrics", &[], "").body;
-    metrics
-        .lines()
-        .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
-        .unwrap_or(0.0)
 }
 
 /// Token leasing (`--token-batch`): two servers hammering one key each take its tokens from

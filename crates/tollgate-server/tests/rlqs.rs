@@ -12,7 +12,7 @@ use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use tollgate::{Clock, MonotonicClock};
 
 use support::rlqs::{Admissions, Assigned, Envoy, assigned, reports, usage};
-use support::{Scratch, Server, post_json, request};
+use support::{Scratch, Server, metric, post_json, request};
 
 const POLICY: &str = r#"
 version: "1"
@@ -39,14 +39,6 @@ limits:
     refill: 1/h
     mode: shadow
 "#;
-
-/// A counter's value on `/metrics` (0 when absent).
-fn metric(server: &Server, series: &str) -> f64 {
-    let body = request(server.http, "GET", "/metrics", &[], "").body;
-    body.lines()
-        .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
-        .unwrap_or(0.0)
-}
 
 /// What one more request would leave of `entry`'s bucket, as `/v1/explain` says.
 fn remaining(server: &Server, entry: &str, value: &str) -> u64 {

@@ -223,3 +223,46 @@ where
         }
     }
 }
+
+/// Raw commands on the keys a store leaves behind, on a single node or a cluster. Test files
+/// add the readings they need in `impl Inspector` blocks of their own.
+#[allow(dead_code)] // not every test binary inspects keys
+pub(crate) enum Inspector {
+    Single(redis::aio::MultiplexedConnection),
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+#[allow(dead_code)]
+impl Inspector {
+    pub(crate) async fn single(server: &RedisServer) -> Self {
+        let client = redis::Client::open(server.url()).expect("a URL");
+        Self::Single(
+            client
+                .get_multiplexed_async_connection()
+                .await
+                .expect("connect"),
+        )
+    }
+
+    pub(crate) async fn cluster(cluster: &RedisCluster) -> Self {
+        let nodes: Vec<String> = cluster
+            .nodes
+            .iter()
+            .map(|node| format!("redis://127.0.0.1:{}", node.port))
+            .collect();
+        let client = redis::cluster::ClusterClient::new(nodes).expect("the nodes");
+        Self::Cluster(client.get_async_connection().await.expect("connect"))
+    }
+
+    pub(crate) async fn query<T: redis::FromRedisValue>(&mut self, args: &[&str]) -> T {
+        let mut cmd = redis::cmd(args[0]);
+        for arg in &args[1..] {
+            cmd.arg(*arg);
+        }
+        match self {
+            Inspector::Single(connection) => cmd.query_async(connection).await,
+            Inspector::Cluster(connection) => cmd.query_async(connection).await,
+        }
+        .unwrap_or_else(|err| panic!("{args:?}: {err}"))
+    }
+}

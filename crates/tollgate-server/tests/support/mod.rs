@@ -380,3 +380,12 @@ pub fn descriptor(
         ..RateLimitDescriptor::default()
     }
 }
+
+/// The value of the metric line of `server`'s `/metrics` that starts with `series` (its name
+/// and labels), 0 when there is none.
+pub fn metric(server: &Server, series: &str) -> f64 {
+    let text = request(server.http, "GET", "/metrics", &[], "").body;
+    text.lines()
+        .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
