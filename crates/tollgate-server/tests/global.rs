@@ -125,6 +125,16 @@ fn two_regions_share_a_global_limit_without_over_admitting() {
         })
         .collect();
     assert_eq!(regional, [5, 5]);
+    // Explaining a global limit no reservoir holds yet reads the global bucket, charging
+    // nothing (the limit 40 + 20/s, one more request leaving 39).
+    let fresh = r#"{"domain":"api","descriptors":[{"tenant":"fresh","user":"f"}]}"#;
+    for _ in 0..2 {
+        let explain = post_json(regions[0].http, "/v1/explain", fresh);
+        assert_eq!(explain.status, 200, "{}", explain.body);
+        let worldwide = &explain.json()["limits"][0];
+        assert_eq!(worldwide["name"], "tenant-worldwide", "{}", explain.body);
+        assert_eq!(worldwide["remaining"], 39, "{}", explain.body);
+    }
     let [eu, us] = regions;
     assert!(eu.terminate().success());
     assert!(us.terminate().success());
