@@ -11,7 +11,8 @@
 //!
 //! Here each process holds a **reservoir** per global key: tokens it has already been charged
 //! for on the global store, in batches. A request spends from the reservoir in this process,
-//! exactly and at once. In the background, every round ([`Options::interval`]), the process
+//! exactly and at once; only a key's first request, and a burst that empties a reservoir while
+//! the global bucket has tokens, wait for a fetch from the global store. In the background, every round ([`Options::interval`]), the process
 //! tops each reservoir up to a **level**, or gives back what it holds beyond it:
 //!
 //! * its **want**: the tokens it spent or turned away over the last round, scaled to two

@@ -604,10 +604,12 @@ fn unavailable(err: &Error) -> Option<Unavailable> {
 /// [`Regional::over`]: the process's shares and the regional store, deciding as one store.
 ///
 /// All or nothing: a request's global takes are taken from their reservoirs first, under one
-/// lock, and put back if a regional take rejects or the regional store fails. A global take
-/// whose reservoir is short is rejected; when the global store could not be reached in its
-/// last round, the take is unavailable instead, so the limit's failure mode applies. A key
-/// seen for the first time is fetched from the global store before the request is decided.
+/// lock, and put back if a regional take rejects or the regional store fails. A key seen for
+/// the first time, or a reservoir too short for a take while the global bucket may have
+/// tokens, is fetched for from the global store before the request is decided (the only
+/// waits on it). A take still short is rejected, with the wait until the next round or until
+/// the global bucket has tokens again; when the global store cannot be reached, the take is
+/// unavailable instead, so the limit's failure mode applies.
 pub struct Over<'a, S, G, B, C> {
     shares: &'a Regional<G, B, C>,
     regional: &'a S,
