@@ -509,6 +509,16 @@ async fn behind_proxy() -> (RedisServer, Proxy, Arc<RedisStore>) {
     (server, proxy, Arc::new(store))
 }
 
+/// Waits until a first decision goes through `store` (at most 5 s): on a loaded host the first
+/// call, which also loads the script, can pass the production 20 ms timeout these tests keep.
+async fn warm_up(store: &RedisStore, limit: &Limit) {
+    until(Duration::from_secs(5), || async {
+        take_one_unit(store, "warm-up", limit, None).await.is_ok()
+    })
+    .await
+    .expect("a first decision through the proxy");
+}
+
 /// Tries `attempt` every 50 ms until it succeeds, for at most `within`.
 async fn until<F, Fut>(within: Duration, attempt: F) -> Result<(), tokio::time::error::Elapsed>
 where
@@ -531,8 +541,8 @@ async fn a_connection_that_stops_answering_is_replaced() {
     let (_server, proxy, store) = behind_proxy().await;
     let limit = limit(1_000, "1/s");
     let take = |key| take_one(&store, limit, key);
-    assert!(take("k").await.is_ok());
-    assert_eq!(proxy.connections(), 1);
+    warm_up(&store, &limit).await;
+    let before = proxy.connections();
 
     proxy.black_hole();
     // Enough concurrent requests to fill every call slot of the batcher with a call that will
@@ -556,7 +566,7 @@ async fn a_connection_that_stops_answering_is_replaced() {
     })
     .await
     .expect("a new connection once the old one stopped answering");
-    assert!(proxy.connections() >= 2, "{}", proxy.connections());
+    assert!(proxy.connections() > before, "{}", proxy.connections());
     assert!(!store.is_degraded());
     // The silent connection is closed once its last call has timed out, not leaked.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
@@ -581,7 +591,8 @@ async fn a_primary_demoted_behind_its_address_is_left_for_the_new_one() {
     let new = RedisServer::start();
     let limit = limit(1_000, "1/s");
     let take = |key| take_one(&store, limit, key);
-    assert!(take("k").await.is_ok());
+    warm_up(&store, &limit).await;
+    let before = proxy.connections();
 
     proxy.retarget(new.port);
     let reply = command(old.port, &["REPLICAOF", "127.0.0.1", &new.port.to_string()]);
@@ -594,7 +605,7 @@ async fn a_primary_demoted_behind_its_address_is_left_for_the_new_one() {
     })
     .await
     .expect("decides on the new primary");
-    assert!(proxy.connections() >= 2, "{}", proxy.connections());
+    assert!(proxy.connections() > before, "{}", proxy.connections());
     assert!(!store.is_degraded());
 }
 
@@ -605,7 +616,7 @@ async fn a_primary_demoted_behind_its_address_is_left_for_the_new_one() {
 async fn a_replacement_slower_to_open_than_the_timeout_still_opens() {
     let (_server, proxy, store) = behind_proxy().await;
     let limit = limit(1_000, "1/s");
-    assert!(take_one_unit(&*store, "k", &limit, None).await.is_ok());
+    warm_up(&store, &limit).await;
 
     proxy.delay_new_connections(Duration::from_millis(60));
     proxy.black_hole();
