@@ -92,7 +92,8 @@ struct Reservoir {
     charges: VecDeque<Charge>,
     /// The global bucket was empty when last asked: not before this time can asking help.
     empty_until: Timestamp,
-    /// The global store could not be reached in the last round.
+    /// The global store could not be reached, by the last round or a fetch since: cleared by
+    /// the next round that reaches it.
     unavailable: Option<Unavailable>,
     /// The level the last round sized it to, doubled at each shortfall since.
     level: u64,
@@ -648,8 +649,11 @@ impl<S: Store, G: Store, B: Board, C: Clock> Over<'_, S, G, B, C> {
             }
         }
         let shares = self.shares;
-        let content = recent::content(takes.iter().map(|t| (t.key, t.cost)));
-        if let Some(id) = request.request_id {
+        // What the request asks, fingerprinted only for a request id to be recorded under.
+        let content = request
+            .request_id
+            .map(|_| recent::content(takes.iter().map(|t| (t.key, t.cost))));
+        if let (Some(id), Some(content)) = (request.request_id, content) {
             check_request_id(id)?;
             let now = shares.clock.now();
             if let Some(record) = shares.books.lock().recent.get(id, content, now)? {
@@ -658,21 +662,24 @@ impl<S: Store, G: Store, B: Board, C: Clock> Over<'_, S, G, B, C> {
         }
 
         // A key seen for the first time, or a reservoir a burst has emptied while the global
-        // bucket may have tokens, is fetched for at once: the one case where a request waits
+        // bucket may have tokens, is fetched for at once: the only cases where a request waits
         // on the global store.
         let mut transients: Vec<(usize, Transient)> = Vec::new();
         let now = shares.clock.now();
         for &i in &global {
             let take = &takes[i];
             let need = {
-                let books = shares.books.lock();
-                match books.reservoirs.get(take.key) {
+                let mut books = shares.books.lock();
+                match books.reservoirs.get_mut(take.key) {
                     None => Need::First,
                     Some(r)
                         if r.tokens < take.cost
                             && r.unavailable.is_none()
                             && now >= r.empty_until =>
                     {
+                        // In use from now: a round must not abandon it while the fetch is on
+                        // its way, or what the fetch brings would have nowhere to go.
+                        r.last_used = now;
                         Need::More {
                             short: take.cost - r.tokens,
                             level: r.level,
@@ -797,7 +804,7 @@ impl<S: Store, G: Store, B: Board, C: Clock> Over<'_, S, G, B, C> {
                 reason: Unavailable::Protocol,
             });
         }
-        if let Some(id) = request.request_id
+        if let (Some(id), Some(content)) = (request.request_id, content)
             && !short
             && regional_ok
         {

@@ -278,6 +278,36 @@ fn a_retry_is_free_and_a_settlement_gives_back_once() {
 }
 
 #[test]
+fn a_reservoir_whose_demand_falls_gives_its_excess_back() {
+    let w = World::new();
+    let shares = w.process("eu", Options::default());
+    let limit = Limit::new(10_000, "1000/s".parse().unwrap()).unwrap();
+    let takes = [Take::new("g:acme", &limit, 1)];
+    // A busy round, with shortfalls, grows the reservoir...
+    let mut admitted = 0;
+    for _ in 0..500 {
+        admitted += u64::from(w.check(&shares, &takes, None).unwrap()[0].allowed());
+    }
+    w.clock.advance(SECOND);
+    block_on_ready(shares.rebalance());
+    let busy = shares.held().1;
+    assert!(busy > 100, "held {busy}");
+    // ...and quiet rounds trim it back, whole charges at a time.
+    let mut given_back = 0;
+    for _ in 0..10 {
+        w.clock.advance(SECOND);
+        given_back += block_on_ready(shares.rebalance()).given_back;
+    }
+    let quiet = shares.held().1;
+    assert!(quiet < busy / 4, "held {quiet} of {busy}");
+    assert!(given_back > 0);
+    // Nothing minted, nothing lost: what was charged less what went back is what was
+    // admitted and what is still held.
+    let (fetched, returned) = shares.totals();
+    assert_eq!(fetched - returned, admitted + quiet);
+}
+
+#[test]
 fn a_quiet_reservoir_is_given_back_and_forgotten() {
     let w = World::new();
     let options = Options {
@@ -410,4 +440,92 @@ proptest! {
             prop_assert!(admitted + held <= bound, "{admitted} + {held} held > {bound}");
         }
     }
+}
+
+/// A global store that holds its next check until the test lets it go, saying when it
+/// arrived: so a round can run while a request's fetch is on its way.
+struct Gated {
+    store: LocalStore<Time>,
+    gate: std::sync::Mutex<Option<Gate>>,
+}
+
+type Gate = (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::sync::oneshot::Receiver<()>,
+);
+
+impl Store for Gated {
+    async fn check(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
+        let gate = self.gate.lock().unwrap().take();
+        if let Some((arrived, release)) = gate {
+            let _ = arrived.send(());
+            let _ = release.await;
+        }
+        self.store.check(request).await
+    }
+
+    async fn peek(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
+        self.store.peek(request).await
+    }
+
+    async fn settle(
+        &self,
+        request: CheckRequest<'_>,
+        refunds: &[u64],
+    ) -> Result<Settlement, Error> {
+        self.store.settle(request, refunds).await
+    }
+}
+
+/// A key quiet past `abandon_after` gets a request its reservoir is short for: the fetch it
+/// makes keeps a round that runs meanwhile from abandoning the reservoir, so what the fetch
+/// brings has somewhere to go (it was lost, charged and never spent, before).
+#[tokio::test]
+async fn a_round_during_a_fetch_does_not_abandon_the_reservoir_it_fills() {
+    let w = World::new();
+    let global = Gated {
+        store: LocalStore::new(Arc::clone(&w.clock)),
+        gate: std::sync::Mutex::new(None),
+    };
+    let options = Options {
+        abandon_after: 5 * SECOND,
+        ..Options::default()
+    };
+    let shares = Regional::new(&global, &w.board, Arc::clone(&w.clock), "eu", options);
+    let limit = Limit::new(1_000, "1/d".parse().unwrap()).unwrap();
+    let takes = [Take::new("g:acme", &limit, 1)];
+    let decide = || async {
+        let request = CheckRequest {
+            takes: &takes,
+            request_id: None,
+            now: None,
+        };
+        shares
+            .over(&w.regional, &everything_global)
+            .check(request)
+            .await
+    };
+    // A first request, then what the reservoir holds: it is dry, the bucket far from empty.
+    assert!(decide().await.unwrap()[0].allowed());
+    let mut admitted = 1;
+    while shares.held().1 > 0 {
+        assert!(decide().await.unwrap()[0].allowed());
+        admitted += 1;
+    }
+    w.clock.advance(6 * SECOND);
+    let (arrived, arrival) = tokio::sync::oneshot::channel();
+    let (release, released) = tokio::sync::oneshot::channel();
+    *global.gate.lock().unwrap() = Some((arrived, released));
+    let round = async {
+        arrival.await.unwrap();
+        let round = shares.rebalance().await;
+        release.send(()).unwrap();
+        round
+    };
+    let (decision, round) = futures_util::future::join(decide(), round).await;
+    assert_eq!(round.abandoned, 0, "{round:?}");
+    assert!(decision.unwrap()[0].allowed());
+    admitted += 1;
+    let (fetched, returned) = shares.totals();
+    assert_eq!(fetched - returned, admitted + shares.held().1);
 }
