@@ -183,6 +183,12 @@ pub struct ServeArgs {
     #[arg(long, env = "TOLLGATE_RLQS_MAX_BUCKETS", default_value_t = 10_000,
           value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub rlqs_max_buckets: u32,
+    /// RLQS: how often tollgate renews, between Envoy's reports, the assignments it gives a
+    /// time-to-live of twice this: those a limit's capacity cannot pay for as long as the
+    /// reporting interval asks (twice it), and `DENY_ALL`. Shorter lets a small capacity pay
+    /// a higher rate, for a payment per bucket and renewal.
+    #[arg(long, env = "TOLLGATE_RLQS_RENEW_EVERY", default_value = "1s", value_parser = parse_interval)]
+    pub rlqs_renew_every: Duration,
     /// Global limits (`scope: global` in the policy): the Redis or Redis Cluster shared by
     /// every region (redis://, rediss://, redis+cluster://). Each process spends tokens it
     /// was charged for there in advance, and rebalances them in the background, so no request
@@ -775,6 +781,7 @@ pub async fn serve(
             .with_rlqs(RlqsOptions {
                 abandon_after: args.rlqs_abandon_after,
                 max_buckets: args.rlqs_max_buckets as usize,
+                renew_every: args.rlqs_renew_every,
             }),
     );
 

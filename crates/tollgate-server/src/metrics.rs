@@ -89,13 +89,16 @@ pub const CONNECTIONS_CLOSED: &str = "tollgate_connections_closed_total";
 pub const RLQS_STREAMS: &str = "tollgate_rlqs_streams";
 /// Requests RLQS clients reported deciding themselves: label `result` (`allowed`, `denied`).
 pub const RLQS_REPORTED: &str = "tollgate_rlqs_reported_requests_total";
-/// Answers to RLQS bucket reports: label `action` (`tokens`, `allow_all`, `deny_all`,
-/// `abandon`, `refused`: a stream over its bound of buckets).
+/// Answers to RLQS bucket reports, and renewals: label `action` (`tokens`, `allow_all`,
+/// `deny_all`, `abandon`, `refused`: a stream over its bound of buckets).
 pub const RLQS_ANSWERS: &str = "tollgate_rlqs_answers_total";
 /// Tokens charged to the shared buckets for RLQS assignments, before they could be spent.
 pub const RLQS_PREPAID: &str = "tollgate_rlqs_prepaid_tokens_total";
 /// Prepaid RLQS tokens given back: refill an assignment replaced could no longer reach.
 pub const RLQS_GIVEN_BACK: &str = "tollgate_rlqs_given_back_tokens_total";
+/// RLQS assignments tollgate renewed between an Envoy's reports (those with the short
+/// time-to-live a small capacity calls for, and `DENY_ALL`).
+pub const RLQS_RENEWED: &str = "tollgate_rlqs_renewed_total";
 /// Gauge: reservoirs of global limits held in this process.
 pub const GLOBAL_RESERVOIRS: &str = "tollgate_global_reservoirs";
 /// Gauge: tokens of global limits held in this process's reservoirs, paid for and unspent.
@@ -240,7 +243,14 @@ fn describe() {
         RLQS_REPORTED,
         "Requests RLQS clients reported deciding, by result."
     );
-    describe_counter!(RLQS_ANSWERS, "Answers to RLQS bucket reports, by action.");
+    describe_counter!(
+        RLQS_ANSWERS,
+        "Answers to RLQS bucket reports and renewals, by action."
+    );
+    describe_counter!(
+        RLQS_RENEWED,
+        "RLQS assignments renewed by tollgate between an Envoy's reports."
+    );
     describe_counter!(
         RLQS_PREPAID,
         "Tokens charged for RLQS assignments before they could be spent."
@@ -520,6 +530,11 @@ pub fn record_rlqs_answer(action: &'static str) {
 /// Records tokens charged for an RLQS assignment.
 pub fn record_rlqs_prepaid(tokens: u64) {
     counter!(RLQS_PREPAID).increment(tokens);
+}
+
+/// Records RLQS assignments renewed between reports.
+pub fn record_rlqs_renewed(buckets: usize) {
+    counter!(RLQS_RENEWED).increment(buckets as u64);
 }
 
 /// Records prepaid RLQS tokens given back.

@@ -32,6 +32,16 @@ limits:
     key: [team]
     capacity: 10
     refill: 1/s
+  - name: small
+    domain: edge
+    key: [client]
+    capacity: 10
+    refill: 10/s
+  - name: per-minute
+    domain: edge
+    key: [account]
+    capacity: 100
+    refill: 100/m
   - name: watched
     domain: edge
     key: [probe]
@@ -429,4 +439,179 @@ async fn buckets_past_the_bound_get_no_assignment() {
         metric(&server, r#"tollgate_rlqs_answers_total{action="refused"}"#),
         2.0
     );
+}
+
+/// The actions of the next message tollgate sends of itself (a renewal).
+async fn renewal(envoy: &mut Envoy) -> Vec<Assigned> {
+    let message = envoy.answer().await.expect("no error").expect("a renewal");
+    message
+        .bucket_action
+        .into_iter()
+        .map(|action| assigned(action.bucket_action.expect("an action")))
+        .collect()
+}
+
+/// An Envoy reporting once a minute: an assignment paid for twice that (two minutes) could
+/// not be paid at all by a limit whose capacity is a second or a minute of refill. tollgate
+/// gives those a time-to-live of 2 s instead and renews them itself every second, as the
+/// same strategy (extended, never restarted), so Envoy never waits on its own next report.
+#[tokio::test]
+async fn assignments_a_small_capacity_cannot_pay_for_long_are_renewed_by_tollgate() {
+    let (server, _scratch) = start();
+    let clock = MonotonicClock::new();
+    let mut envoy = Envoy::connect(&server).await;
+    let start = clock.now();
+    let minute = 60 * SECOND;
+    let actions = envoy
+        .report(
+            "edge",
+            vec![
+                usage(&[("client", "c")], 1, 0, minute),
+                usage(&[("account", "a")], 1, 0, minute),
+            ],
+        )
+        .await;
+    let mut admissions = Admissions::default();
+    let answered: Vec<Assigned> = actions.into_iter().map(assigned).collect();
+    // 10 and 10 a second: a full bucket of 3 and 2 s of its refill is all 10 can pay.
+    // 100 a minute: a token a second, its whole refill, for 2 s.
+    assert!(
+        matches!(answered[..], [
+            Assigned::Tokens { rate: 3, fill: f1, ttl: t1 },
+            Assigned::Tokens { rate: 1, fill: f2, ttl: t2 },
+        ] if f1 == SECOND && f2 == SECOND && t1 <= 2 * SECOND && t2 <= 2 * SECOND),
+        "{answered:?}"
+    );
+    let mut answered = answered.into_iter();
+    admissions.receive(0, clock.now(), answered.next().expect("client"));
+    let prepaid = || metric(&server, "tollgate_rlqs_prepaid_tokens_total");
+    assert_eq!(prepaid(), 9.0 + 3.0);
+    for _ in 0..3 {
+        let renewed = renewal(&mut envoy).await;
+        assert!(
+            matches!(renewed[..], [
+                Assigned::Tokens { rate: 3, ttl: t1, .. },
+                Assigned::Tokens { rate: 1, ttl: t2, .. },
+            ] if t1 <= 2 * SECOND && t2 <= 2 * SECOND),
+            "{renewed:?}"
+        );
+        let mut renewed = renewed.into_iter();
+        admissions.receive(0, clock.now(), renewed.next().expect("client"));
+    }
+    let last = clock.now();
+    // Renewals extend the bucket Envoy holds: no full bucket paid again, only refill.
+    assert_eq!(
+        metric(
+            &server,
+            r#"tollgate_decisions_total{limit="small",result="allowed",mode="enforce",api="rlqs"}"#
+        ),
+        4.0
+    );
+    assert_eq!(metric(&server, "tollgate_rlqs_renewed_total"), 6.0);
+    admissions.close(0, last + Duration::from_secs(120));
+    admissions.assert_within(10.0, 10.0, last.saturating_duration_since(start));
+}
+
+/// Renewing more often buys a small capacity a higher rate: a quarter-second renewal sends
+/// time-to-lives of half a second, and a capacity of 10 then pays 6 a second.
+#[tokio::test]
+async fn shorter_renewals_let_a_small_capacity_pay_a_higher_rate() {
+    let (server, _scratch) = start_with("rlqs-renew", &["--rlqs-renew-every", "250ms"]);
+    let mut envoy = Envoy::connect(&server).await;
+    let slow = || vec![usage(&[("client", "r")], 1, 0, 60 * SECOND)];
+    match assigned(envoy.report("edge", slow()).await.remove(0)) {
+        Assigned::Tokens { rate, ttl, .. } => {
+            assert_eq!(rate, 6);
+            assert!(ttl <= SECOND / 2, "{ttl:?}");
+        }
+        other => panic!("a token bucket, not {other:?}"),
+    }
+    let renewed = renewal(&mut envoy).await;
+    assert!(
+        matches!(renewed[..], [Assigned::Tokens { rate: 6, .. }]),
+        "{renewed:?}"
+    );
+    // An Envoy reporting often on a limit that can pay its reporting interval's
+    // time-to-live is not renewed: its own reports extend it.
+    let mut fast = Envoy::connect(&server).await;
+    let busy = || vec![usage(&[("tenant", "r")], 5, 0, SECOND / 10)];
+    assert!(matches!(
+        assigned(fast.report("edge", busy()).await.remove(0)),
+        Assigned::Tokens { .. }
+    ));
+    let quiet = tokio::time::timeout(SECOND, fast.answers.message()).await;
+    assert!(quiet.is_err(), "nothing sent unasked: {quiet:?}");
+}
+
+/// `DENY_ALL` is renewed too, with another try at an assignment each time: a bucket emptied
+/// by other clients is assigned tokens again once it has refilled, even if its Envoy
+/// reports only once a minute.
+#[tokio::test]
+async fn an_empty_bucket_is_assigned_again_once_refilled_without_a_report() {
+    let (server, _scratch) = start();
+    let spend = r#"{"domain":"edge","descriptors":[{"team":"e"}],"cost":10}"#;
+    assert_eq!(post_json(server.http, "/v1/check", spend).status, 200);
+    let mut envoy = Envoy::connect(&server).await;
+    let slow = vec![usage(&[("team", "e")], 1, 0, 60 * SECOND)];
+    let first = assigned(envoy.report("edge", slow).await.remove(0));
+    assert!(
+        matches!(first, Assigned::Deny(ttl) if ttl <= 2 * SECOND),
+        "{first:?}"
+    );
+    // The team's bucket refills a token a second; a token a second for 2 s costs 3.
+    let mut denied = 0;
+    loop {
+        match &renewal(&mut envoy).await[..] {
+            [Assigned::Deny(_)] => denied += 1,
+            [Assigned::Tokens { rate: 1, .. }] => break,
+            other => panic!("{other:?}"),
+        }
+        assert!(denied < 10, "still denied after {denied} renewals");
+    }
+    assert!(denied >= 1, "denied until refilled");
+}
+
+/// Three Envoys reporting once a minute on one small limit: renewed, replaced and denied by
+/// turns for 4 s, all they could admit together stays within the limit.
+#[tokio::test]
+async fn renewed_envoys_together_never_get_more_than_the_limit() {
+    let (server, _scratch) = start();
+    let clock = MonotonicClock::new();
+    let start = clock.now();
+    let mut listening = Vec::new();
+    for index in 0..3u32 {
+        let mut envoy = Envoy::connect(&server).await;
+        let clock = clock.clone();
+        envoy.send(reports(
+            "edge",
+            vec![usage(&[("client", "shared")], 1, 0, 60 * SECOND)],
+        ));
+        listening.push(tokio::spawn(async move {
+            let mut received = Vec::new();
+            let until = clock.now() + 4 * SECOND;
+            while clock.now() < until {
+                let message = envoy.answer().await.expect("no error").expect("an answer");
+                for action in message.bucket_action {
+                    let action = assigned(action.bucket_action.expect("an action"));
+                    received.push((index, clock.now(), action));
+                }
+            }
+            received
+        }));
+    }
+    let mut admissions = Admissions::default();
+    let mut last = start;
+    let mut tokens = 0;
+    for listener in listening {
+        for (index, at, action) in listener.await.expect("the listener") {
+            tokens += usize::from(matches!(action, Assigned::Tokens { .. }));
+            last = last.max(at);
+            admissions.receive(index, at, action);
+        }
+    }
+    assert!(tokens >= 3, "{tokens} token buckets sent");
+    for index in 0..3 {
+        admissions.close(index, last + Duration::from_secs(120));
+    }
+    admissions.assert_within(10.0, 10.0, last.saturating_duration_since(start));
 }

@@ -30,10 +30,15 @@
 //!   process pays from the same buckets, first come, first served.
 //! * A report's buckets are paid together (on Redis their charges share round trips).
 //! * The time-to-live is twice the reporting interval (at least 2 s, at most 2 min), so one
-//!   late report does not let an assignment lapse.
+//!   late report does not let an assignment lapse. Paid whole when sent, from buckets holding
+//!   at most their capacity, that long would cap the rate of a limit whose capacity is a few
+//!   seconds of its refill (and deny one of a minute's, under Envoy's minute-long reporting
+//!   intervals). Such assignments get twice `renew_every` (1 s by default) instead, and
+//!   tollgate renews them itself between reports, extending the strategy Envoy holds.
 //! * No limit applies, or none that can reject (shadow, exempt): `ALLOW_ALL`. The bucket is
-//!   empty, or a limit fails closed while the store is down: `DENY_ALL` until the next
-//!   report. Limits failing open are paid from their emergency budgets, as checks are.
+//!   empty, or a limit fails closed while the store is down: `DENY_ALL`, renewed (another
+//!   try at an assignment) every `renew_every` until tokens can be paid again. Limits
+//!   failing open are paid from their emergency budgets, as checks are.
 //! * A bucket that reports no requests for `abandon_after` (a minute by default) is abandoned:
 //!   Envoy forgets it until its next request.
 //!
@@ -94,6 +99,11 @@ pub struct RlqsOptions {
     /// Buckets one stream may have assigned; an Envoy reporting more gets no assignment for
     /// the rest (its `no_assignment_behavior` applies to them).
     pub max_buckets: usize,
+    /// How often tollgate renews, between reports, the assignments it gave a short
+    /// time-to-live (twice this): those a limit's capacity could not pay for the reporting
+    /// interval's, and `DENY_ALL`. Shorter renewals let a small capacity pay a higher rate,
+    /// at the cost of a payment per bucket and renewal.
+    pub renew_every: Duration,
 }
 
 impl Default for RlqsOptions {
@@ -101,6 +111,7 @@ impl Default for RlqsOptions {
         Self {
             abandon_after: Duration::from_secs(60),
             max_buckets: 10_000,
+            renew_every: Duration::from_secs(1),
         }
     }
 }
@@ -158,6 +169,13 @@ struct Bucket {
     last_report: Timestamp,
     /// Since when it has reported no requests.
     idle_since: Option<Timestamp>,
+    /// The last report's requests and the time they covered: the demand renewals assume.
+    requests: u64,
+    interval: Duration,
+    /// A report after the first has come: the demand is measured.
+    sized: bool,
+    /// When tollgate renews the last answer itself, if it had the short time-to-live.
+    renew_at: Option<Timestamp>,
 }
 
 /// One Envoy's stream.
@@ -173,6 +191,8 @@ struct Session {
     ended: bool,
     /// Buckets refused for the bound were logged once.
     warned_full: bool,
+    /// Ticks at half the renewal interval, to renew what is due.
+    renewals: tokio::time::Interval,
 }
 
 impl Drop for Session {
@@ -207,6 +227,12 @@ impl Session {
                         return None;
                     }
                     continue;
+                }
+                _ = self.renewals.tick() => {
+                    match self.renew().await {
+                        Some(response) => return Some((Ok(response), self)),
+                        None => continue,
+                    }
                 }
             };
             match message {
@@ -282,28 +308,100 @@ impl Session {
             let step = self.prepare(&domain, &entries, allowed, denied, elapsed);
             work.push((entries, step));
         }
+        let actions = self.deliver(&domain, work).await;
+        self.forget_silent(&domain);
+        Ok((!actions.is_empty()).then_some(RateLimitQuotaResponse {
+            bucket_action: actions,
+        }))
+    }
+
+    /// Renews the answers due for it (see [`Payer::assign`](payer::Payer)): a token bucket
+    /// the capacity could only pay for a short time, or `DENY_ALL`, of a bucket the Envoy
+    /// still reports. Nothing to send if none is due.
+    async fn renew(&mut self) -> Option<RateLimitQuotaResponse> {
+        let domain = self.domain.clone()?;
+        let now = self.clock.now();
+        let renew_every = self.options.renew_every;
+        let mut work = Vec::new();
+        for (entries, bucket) in &mut self.buckets {
+            let due = bucket.renew_at.is_some_and(|at| at <= now);
+            // Envoy reports every bucket it has each interval: one missing from two reports
+            // in a row is gone, and renewing it would only pay for tokens no one spends.
+            let reported = now.saturating_duration_since(bucket.last_report)
+                <= bucket.interval.saturating_mul(2) + renew_every;
+            if !(due && reported) {
+                continue;
+            }
+            bucket.renew_at = None;
+            let step = Step::Assign {
+                held: bucket.held.take(),
+                requests: bucket.requests,
+                first: !bucket.sized,
+                interval: bucket.interval,
+                ttl: ttl_for(bucket.interval),
+                now,
+                renewal: true,
+            };
+            work.push((entries.clone(), step));
+        }
+        if work.is_empty() {
+            return None;
+        }
+        let actions = self.deliver(&domain, work).await;
+        metrics::record_rlqs_renewed(actions.len());
+        (!actions.is_empty()).then_some(RateLimitQuotaResponse {
+            bucket_action: actions,
+        })
+    }
+
+    /// Pays for each bucket's step, keeps what its Envoy holds after it, and returns the
+    /// actions to send.
+    async fn deliver(
+        &mut self,
+        domain: &Arc<str>,
+        mut work: Vec<(Entries, Step)>,
+    ) -> Vec<BucketAction> {
+        // When each step was prepared, and the time-to-live its reporting interval called
+        // for: an answer with a shorter one is renewed by tollgate.
+        let prepared: Vec<Option<(Timestamp, Duration)>> = work
+            .iter()
+            .map(|(_, step)| match step {
+                Step::Assign { now, ttl, .. } => Some((*now, *ttl)),
+                _ => None,
+            })
+            .collect();
         let payer = &self.payer;
         let paid = match payer.decider.backend() {
             Backend::Memory => {
                 let mut paid = Vec::with_capacity(work.len());
                 for (entries, step) in &mut work {
-                    paid.push(payer.pay(&domain, entries, step).await);
+                    paid.push(payer.pay(domain, entries, step).await);
                 }
                 paid
             }
             Backend::Redis(_) => {
                 let paying = work
                     .iter_mut()
-                    .map(|(entries, step)| payer.pay(&domain, entries, step));
+                    .map(|(entries, step)| payer.pay(domain, entries, step));
                 futures_util::future::join_all(paying).await
             }
         };
         let mut actions = Vec::with_capacity(paid.len());
         let now = self.clock.now();
-        for ((entries, _), (answer, held)) in work.into_iter().zip(paid) {
+        let renew_every = self.options.renew_every;
+        for (((entries, _), (answer, held)), prepared) in work.into_iter().zip(paid).zip(prepared) {
             metrics::record_rlqs_answer(answer.label());
+            let renewed = match (&answer, prepared) {
+                (Answer::Deny(_), _) => true,
+                (Answer::Tokens(assigned), Some((then, ttl))) => assigned.expires_at < then + ttl,
+                _ => false,
+            };
             if let Some(bucket) = self.buckets.get_mut(&entries) {
                 bucket.held = held;
+                // Ticks come every half interval: renewed three quarters to one and a
+                // quarter intervals after this answer, an assignment of twice the interval
+                // still has more than its margin (a quarter of it) to run.
+                bucket.renew_at = renewed.then(|| now + (renew_every - renew_every / 4));
             }
             let action = match answer {
                 Answer::None => continue,
@@ -322,10 +420,7 @@ impl Session {
                 bucket_action: Some(action),
             });
         }
-        self.forget_silent(&domain);
-        Ok((!actions.is_empty()).then_some(RateLimitQuotaResponse {
-            bucket_action: actions,
-        }))
+        actions
     }
 
     /// Buckets no longer reported at all (Envoy dropped them) are forgotten after
@@ -373,6 +468,10 @@ impl Session {
                 held: None,
                 last_report: now,
                 idle_since: None,
+                requests: 0,
+                interval: DEFAULT_INTERVAL,
+                sized: false,
+                renew_at: None,
             };
             self.buckets.insert(entries.clone(), bucket);
         }
@@ -395,6 +494,9 @@ impl Session {
         let interval = elapsed
             .or((!since_last.is_zero()).then_some(since_last))
             .unwrap_or(DEFAULT_INTERVAL);
+        bucket.requests = requests;
+        bucket.interval = interval;
+        bucket.sized |= !first;
         Step::Assign {
             held,
             requests,
@@ -402,6 +504,7 @@ impl Session {
             interval,
             ttl: ttl_for(interval),
             now,
+            renewal: false,
         }
     }
 }
@@ -424,7 +527,11 @@ impl RateLimitQuotaService for Rlqs {
             decider: Arc::clone(&self.decider),
             demands: Arc::clone(&self.demands),
             in_flight: Arc::clone(&self.in_flight),
+            short_ttl: self.options.renew_every.saturating_mul(2),
         };
+        let tick = self.options.renew_every / 2;
+        let mut renewals = tokio::time::interval_at(tokio::time::Instant::now() + tick, tick);
+        renewals.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let session = Session {
             payer,
             clock: self.clock.clone(),
@@ -435,6 +542,7 @@ impl RateLimitQuotaService for Rlqs {
             stopped: self.stopped.clone(),
             ended: false,
             warned_full: false,
+            renewals,
         };
         Ok(Response::new(
             stream::unfold(session, Session::next).boxed(),

@@ -11,7 +11,6 @@ use tokio::sync::Semaphore;
 use tollgate::{Limit, Timestamp};
 use tollgate_policy::Outcome;
 
-use super::MIN_TTL;
 use super::assignment::{self, Assignment};
 use super::message::Entries;
 use crate::decider::{DecideError, Decider, Request as Decide};
@@ -110,6 +109,8 @@ pub(super) struct Payer {
     pub(super) demands: Arc<Demands>,
     /// Store calls all RLQS streams of this process may have in flight (see [`IN_FLIGHT`]).
     pub(super) in_flight: Arc<Semaphore>,
+    /// The time-to-live of assignments tollgate renews itself (see [`Payer::assign`]).
+    pub(super) short_ttl: Duration,
 }
 
 /// What one report asks of one bucket.
@@ -159,11 +160,15 @@ pub(super) enum Step {
     Assign {
         held: Option<Held>,
         requests: u64,
-        /// The bucket's first report on this stream.
+        /// No report but the bucket's first on this stream has come yet.
         first: bool,
         interval: Duration,
+        /// The time-to-live the Envoy's reporting interval calls for.
         ttl: Duration,
         now: Timestamp,
+        /// Sent by tollgate between reports, to keep an assignment alive: the demand is the
+        /// last report's, and the rate held is kept if the share still allows it.
+        renewal: bool,
     },
 }
 
@@ -180,7 +185,7 @@ impl Payer {
             Step::Refused => (Answer::None, None),
             Step::Abandon { held, now } => {
                 // Envoy forgets the bucket: what it had paid ahead goes back.
-                self.give_back(domain, entries, held, now, MIN_TTL / 4)
+                self.give_back(domain, entries, held, now, self.short_ttl / 4)
                     .await;
                 (Answer::Abandon, None)
             }
@@ -191,12 +196,18 @@ impl Payer {
                 interval,
                 ttl,
                 now,
+                renewal,
             } => {
                 // A first report is sent as the bucket's first request arrives, and says
                 // little about its demand: the Envoy starts with a full share, so that a
                 // busy bucket is not denied until its next report. The next report sizes it.
+                // A renewal learns nothing new of the demand: it asks for the rate held.
+                let kept = match (&held, renewal) {
+                    (Some(held), true) => u64::from(held.assignment.rate),
+                    _ => 0,
+                };
                 let want = |fill, supply: u64| {
-                    let want = assignment::wanted_rate(requests, interval, fill);
+                    let want = assignment::wanted_rate(requests, interval, fill).max(kept);
                     if first { want.max(supply) } else { want }
                 };
                 self.assign(domain, entries, held, want, ttl, now).await
@@ -206,6 +217,16 @@ impl Payer {
 
     /// The answer for a bucket whose Envoy holds `held` and wants `want(fill, supply)`
     /// tokens a fill, paid for in the store, and what the Envoy holds after it.
+    ///
+    /// An assignment is paid for its whole time-to-live when sent, from buckets that hold at
+    /// most their capacity: a rate `r` a fill `f` for a time-to-live `t` costs `r × (f + t)
+    /// / f`, so no rate above `capacity × f / (f + t)` can be paid. The `ttl` of the Envoy's
+    /// reporting interval (twice it) would cap a limit whose capacity is a few seconds of
+    /// its refill well below its rate, and deny one of a minute's capacity altogether when
+    /// Envoy reports every minute. Where it would cap the rate, the assignment gets the
+    /// short time-to-live instead, and tollgate renews it itself between reports
+    /// ([`super::RlqsOptions::renew_every`]); `DENY_ALL` has the short one too, so that a
+    /// bucket refilled is assigned again without waiting for a slow report.
     async fn assign(
         &self,
         domain: &Arc<str>,
@@ -239,8 +260,17 @@ impl Payer {
             .unwrap_or(0);
         let want = want(fill, supply);
         let share = self.demands.share(domain, entries, self.id, want, supply);
-        let most = assignment::largest_rate(capacity, fill, ttl);
-        let rate = u32::try_from(share).unwrap_or(u32::MAX).min(most);
+        let share_rate = u32::try_from(share).unwrap_or(u32::MAX);
+        let short_ttl = self.short_ttl.min(ttl);
+        let most_short = assignment::largest_rate(capacity, fill, short_ttl);
+        let most_long = assignment::largest_rate(capacity, fill, ttl);
+        let (ttl, most) = if share_rate.min(most_short) <= most_long {
+            (ttl, most_long)
+        } else {
+            (short_ttl, most_short)
+        };
+        let rate = share_rate.min(most);
+        let margin = ttl / 4;
         // The rate held is kept when it is no more than this Envoy's share and close to the
         // rate it would get: a new strategy is a new full bucket to pay, and demand jitters.
         let close = |held: u32| {
@@ -299,7 +329,7 @@ impl Payer {
                 }
             }
         }
-        (Answer::Deny(ttl), None)
+        (Answer::Deny(short_ttl), None)
     }
 
     /// Gives back the refill `held` paid for beyond `now + margin`, which its Envoy will not
