@@ -7,6 +7,9 @@
 # Envoys each reporting BUCKETS buckets per message, the next as soon as the last is answered),
 # with the server's CPU per check and per bucket report. With RLS the server works per
 # request; with RLQS per bucket, Envoy and reporting interval, whatever the request rate.
+# A third run has the Envoys report once, as if once a minute, on a limit whose capacity
+# cannot pay for that (10 and 10/s), and counts the server's CPU per assignment it renews
+# itself (`--rlqs-renew-every`, RENEW_EVERY, 250ms by default here).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 store=${1:-memory}
@@ -27,6 +30,7 @@ cat >"$work/policy.yaml" <<'YAML'
 version: rlqs-cost
 limits:
   - {name: per-tenant, domain: edge, key: [tenant], capacity: 1000000, refill: 100000/s}
+  - {name: small, domain: renew, key: [tenant], capacity: 10, refill: 10/s}
 YAML
 store_flag=memory
 if [[ $store == redis ]]; then
@@ -35,7 +39,8 @@ if [[ $store == redis ]]; then
   scratch_redis
   store_flag=$redis_url
 fi
-$B serve --http 127.0.0.1:0 --grpc 127.0.0.1:0 --store "$store_flag" --config "$work/policy.yaml" >"$work/server.out" 2>&1 &
+$B serve --http 127.0.0.1:0 --grpc 127.0.0.1:0 --store "$store_flag" --config "$work/policy.yaml" \
+  --rlqs-renew-every "${RENEW_EVERY:-250ms}" >"$work/server.out" 2>&1 &
 server=$!
 pids+=($server)
 until grep -q '^listening' "$work/server.out" 2>/dev/null; do sleep 0.1; done
@@ -52,7 +57,10 @@ measure() {
 import json, os, sys
 name, before, after, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
 tick = os.sysconf("SC_CLK_TCK")
-if "bucket_reports" in out:
+if "renewals" in out:
+    units, rate, p50, p99 = out["renewals"], out["renewals_per_s"], float("nan"), float("nan")
+    granted = f"{100 * out['tokens'] / max(out['tokens'] + out['blanket'], 1):.1f} % token buckets"
+elif "bucket_reports" in out:
     units, rate, p50, p99 = out["bucket_reports"], out["bucket_reports_per_s"], out["p50_us"], out["p99_us"]
     granted = f"{100 * out['tokens'] / max(out['tokens'] + out['blanket'], 1):.1f} % token buckets"
 else:
@@ -72,4 +80,6 @@ for round in $(seq "$rounds"); do
     $L "$grpc" edge "$streams" "$buckets" "$secs"
   measure "RLQS report, ${streams} Envoys × ${buckets} shared buckets (round $round)" \
     $L "$grpc" edge "$streams" "$buckets" "$secs" --shared
+  measure "RLQS renewal, ${streams}×${buckets} buckets (round $round)" \
+    $L "$grpc" renew "$streams" "$buckets" "$secs" --renewals
 done

@@ -42,6 +42,11 @@ limits:
     key: [account]
     capacity: 100
     refill: 100/m
+  - name: single
+    domain: edge
+    key: [seat]
+    capacity: 1
+    refill: 1/s
   - name: watched
     domain: edge
     key: [probe]
@@ -487,7 +492,12 @@ async fn assignments_a_small_capacity_cannot_pay_for_long_are_renewed_by_tollgat
     let prepaid = || metric(&server, "tollgate_rlqs_prepaid_tokens_total");
     assert_eq!(prepaid(), 9.0 + 3.0);
     for _ in 0..3 {
-        let renewed = renewal(&mut envoy).await;
+        // Renewals come in no particular order of buckets: the larger rate is the client's.
+        let mut renewed = renewal(&mut envoy).await;
+        renewed.sort_by_key(|action| match action {
+            Assigned::Tokens { rate, .. } => std::cmp::Reverse(*rate),
+            _ => std::cmp::Reverse(0),
+        });
         assert!(
             matches!(renewed[..], [
                 Assigned::Tokens { rate: 3, ttl: t1, .. },
@@ -614,4 +624,35 @@ async fn renewed_envoys_together_never_get_more_than_the_limit() {
         admissions.close(index, last + Duration::from_secs(120));
     }
     admissions.assert_within(10.0, 10.0, last.saturating_duration_since(start));
+}
+
+/// A capacity of 1 cannot pay for any assignment (a full bucket and the start of its refill
+/// cost 2): the bucket is denied to every Envoy, and the server says why, once per stream.
+#[tokio::test]
+async fn a_capacity_too_small_for_any_assignment_is_denied_and_logged() {
+    use std::io::Read as _;
+    let scratch = Scratch::new("rlqs-single");
+    let policy = scratch.write("policy.yaml", POLICY);
+    let (server, mut stderr) =
+        Server::start_logging(&["--config", policy.to_str().expect("utf-8")], "warn");
+    let mut envoy = Envoy::connect(&server).await;
+    for _ in 0..2 {
+        let actions = envoy
+            .report("edge", vec![usage(&[("seat", "s")], 1, 0, SECOND)])
+            .await;
+        assert!(
+            matches!(assigned(actions[0]), Assigned::Deny(_)),
+            "{actions:?}"
+        );
+    }
+    assert_eq!(metric(&server, "tollgate_rlqs_prepaid_tokens_total"), 0.0);
+    drop(envoy);
+    let status = tokio::task::spawn_blocking(move || server.terminate())
+        .await
+        .expect("terminate");
+    assert!(status.success(), "{status:?}");
+    let mut logs = String::new();
+    stderr.read_to_string(&mut logs).expect("read the logs");
+    let said = logs.matches("cannot pay for any assignment").count();
+    assert_eq!(said, 1, "{logs}");
 }

@@ -8,7 +8,12 @@
 //! and prints one JSON line: bucket reports and messages a second, message latency, and what
 //! the answers assigned.
 //!
-//! `rlqs-load HOST:PORT DOMAIN STREAMS BUCKETS SECONDS [--shared]`
+//! With `--renewals`, each stream reports its buckets once, as an Envoy reporting once a
+//! minute would, and then only listens for `SECONDS`: on a limit whose capacity cannot pay
+//! for a minute's time-to-live, what comes is tollgate renewing the assignments itself, and
+//! the JSON line counts those bucket renewals.
+//!
+//! `rlqs-load HOST:PORT DOMAIN STREAMS BUCKETS SECONDS [--shared] [--renewals]`
 
 use std::time::Duration;
 
@@ -31,15 +36,12 @@ struct Seen {
     latency: Histogram<u64>,
 }
 
-fn usage(name: String) -> BucketQuotaUsage {
+fn usage(name: String, seconds: i64) -> BucketQuotaUsage {
     BucketQuotaUsage {
         bucket_id: Some(BucketId {
             bucket: [("tenant".to_owned(), name)].into_iter().collect(),
         }),
-        time_elapsed: Some(ProtoDuration {
-            seconds: 1,
-            nanos: 0,
-        }),
+        time_elapsed: Some(ProtoDuration { seconds, nanos: 0 }),
         num_requests_allowed: 50,
         num_requests_denied: 0,
     }
@@ -51,6 +53,7 @@ async fn stream(
     index: usize,
     buckets: usize,
     shared: bool,
+    renewals: bool,
     seconds: f64,
 ) -> Seen {
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{target}"))
@@ -73,7 +76,6 @@ async fn stream(
         })
         .collect();
     let clock = MonotonicClock::new();
-    let start = clock.now();
     let run_for = Duration::from_secs_f64(seconds);
     let mut seen = Seen {
         messages: 0,
@@ -81,18 +83,36 @@ async fn stream(
         blanket: 0,
         latency: Histogram::new(3).expect("a histogram"),
     };
-    while clock.now().saturating_duration_since(start) < run_for {
-        let sent = clock.now();
+    if renewals {
         let report = RateLimitQuotaUsageReports {
             domain: domain.clone(),
-            bucket_quota_usages: names.iter().cloned().map(usage).collect(),
+            bucket_quota_usages: names.iter().map(|n| usage(n.clone(), 60)).collect(),
         };
         reports.send(report).expect("the stream is open");
-        let answer = answers
+        answers
             .message()
             .await
             .expect("an answer, not an error")
             .expect("the stream stays open");
+    }
+    let start = clock.now();
+    while clock.now().saturating_duration_since(start) < run_for {
+        let sent = clock.now();
+        if !renewals {
+            let report = RateLimitQuotaUsageReports {
+                domain: domain.clone(),
+                bucket_quota_usages: names.iter().map(|n| usage(n.clone(), 1)).collect(),
+            };
+            reports.send(report).expect("the stream is open");
+        }
+        let left = run_for.saturating_sub(clock.now().saturating_duration_since(start));
+        let answer = match tokio::time::timeout(left, answers.message()).await {
+            Ok(answer) => answer
+                .expect("an answer, not an error")
+                .expect("the stream stays open"),
+            // Listening for renewals, the time ran out first.
+            Err(_) => break,
+        };
         let took = clock.now().saturating_duration_since(sent);
         let _ = seen
             .latency
@@ -117,7 +137,7 @@ async fn stream(
 #[tokio::main]
 async fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let usage_line = "rlqs-load HOST:PORT DOMAIN STREAMS BUCKETS SECONDS [--shared]";
+    let usage_line = "rlqs-load HOST:PORT DOMAIN STREAMS BUCKETS SECONDS [--shared] [--renewals]";
     let [target, domain, streams, buckets, seconds, rest @ ..] = args.as_slice() else {
         eprintln!("usage: {usage_line}");
         std::process::exit(2);
@@ -132,6 +152,7 @@ async fn main() {
     let buckets = parse(buckets, "BUCKETS") as usize;
     let seconds = parse(seconds, "SECONDS");
     let shared = rest.iter().any(|arg| arg == "--shared");
+    let renewals = rest.iter().any(|arg| arg == "--renewals");
     let clock = MonotonicClock::new();
     let start = clock.now();
     let tasks: Vec<_> = (0..streams)
@@ -142,6 +163,7 @@ async fn main() {
                 index,
                 buckets,
                 shared,
+                renewals,
                 seconds,
             ))
         })
@@ -156,6 +178,16 @@ async fn main() {
         blanket += seen.blanket;
     }
     let elapsed = clock.now().saturating_duration_since(start).as_secs_f64();
+    if renewals {
+        let renewed = tokens + blanket;
+        println!(
+            "{{\"renewals\":{renewed},\"renewals_per_s\":{:.0},\"messages_per_s\":{:.0},\
+             \"tokens\":{tokens},\"blanket\":{blanket}}}",
+            renewed as f64 / seconds,
+            messages as f64 / seconds,
+        );
+        return;
+    }
     let reports = messages * buckets as u64;
     println!(
         "{{\"bucket_reports\":{reports},\"bucket_reports_per_s\":{:.0},\"messages_per_s\":{:.0},\

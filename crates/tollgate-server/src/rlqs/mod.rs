@@ -55,7 +55,7 @@ mod payer;
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::BlanketRule;
@@ -528,6 +528,7 @@ impl RateLimitQuotaService for Rlqs {
             demands: Arc::clone(&self.demands),
             in_flight: Arc::clone(&self.in_flight),
             short_ttl: self.options.renew_every.saturating_mul(2),
+            warned_small: AtomicBool::new(false),
         };
         let tick = self.options.renew_every / 2;
         let mut renewals = tokio::time::interval_at(tokio::time::Instant::now() + tick, tick);

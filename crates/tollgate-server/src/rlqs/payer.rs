@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -111,6 +111,8 @@ pub(super) struct Payer {
     pub(super) in_flight: Arc<Semaphore>,
     /// The time-to-live of assignments tollgate renews itself (see [`Payer::assign`]).
     pub(super) short_ttl: Duration,
+    /// A bucket no assignment can be paid for was logged once on this stream.
+    pub(super) warned_small: AtomicBool,
 }
 
 /// What one report asks of one bucket.
@@ -270,6 +272,19 @@ impl Payer {
             (short_ttl, most_short)
         };
         let rate = share_rate.min(most);
+        if most_short == 0 && !self.warned_small.swap(true, Ordering::Relaxed) {
+            // Not one token a fill can be paid for even the short time-to-live: the bucket
+            // is denied for as long as its limits stay as they are. Said once per stream.
+            tracing::warn!(
+                domain = &**domain,
+                bucket = ?entries,
+                capacity,
+                renew_every = ?self.short_ttl / 2,
+                "an RLQS bucket's capacity cannot pay for any assignment, so every Envoy is \
+                 denied it; decide its limit with RLS or /v1/check, or renew more often \
+                 (--rlqs-renew-every)"
+            );
+        }
         let margin = ttl / 4;
         // The rate held is kept when it is no more than this Envoy's share and close to the
         // rate it would get: a new strategy is a new full bucket to pay, and demand jitters.
