@@ -193,6 +193,9 @@ struct Session {
     warned_full: bool,
     /// Ticks at half the renewal interval, to renew what is due.
     renewals: tokio::time::Interval,
+    /// When a renewal may next be due: at or before every bucket's `renew_at` (none if no
+    /// bucket has one).
+    next_renewal: Option<Timestamp>,
 }
 
 impl Drop for Session {
@@ -321,18 +324,29 @@ impl Session {
     async fn renew(&mut self) -> Option<RateLimitQuotaResponse> {
         let domain = self.domain.clone()?;
         let now = self.clock.now();
+        // Most ticks find nothing due: a stream's buckets are looked at only when one is.
+        if self.next_renewal.is_none_or(|at| at > now) {
+            return None;
+        }
         let renew_every = self.options.renew_every;
         let mut work = Vec::new();
+        let mut next = None::<Timestamp>;
         for (entries, bucket) in &mut self.buckets {
-            let due = bucket.renew_at.is_some_and(|at| at <= now);
+            let Some(at) = bucket.renew_at else {
+                continue;
+            };
+            if at > now {
+                next = Some(next.map_or(at, |next| next.min(at)));
+                continue;
+            }
+            bucket.renew_at = None;
             // Envoy reports every bucket it has each interval: one missing from two reports
             // in a row is gone, and renewing it would only pay for tokens no one spends.
             let reported = now.saturating_duration_since(bucket.last_report)
                 <= bucket.interval.saturating_mul(2) + renew_every;
-            if !(due && reported) {
+            if !reported {
                 continue;
             }
-            bucket.renew_at = None;
             let step = Step::Assign {
                 held: bucket.held.take(),
                 requests: bucket.requests,
@@ -344,6 +358,7 @@ impl Session {
             };
             work.push((entries.clone(), step));
         }
+        self.next_renewal = next;
         if work.is_empty() {
             return None;
         }
@@ -402,6 +417,9 @@ impl Session {
                 // quarter intervals after this answer, an assignment of twice the interval
                 // still has more than its margin (a quarter of it) to run.
                 bucket.renew_at = renewed.then(|| now + (renew_every - renew_every / 4));
+                if let Some(at) = bucket.renew_at {
+                    self.next_renewal = Some(self.next_renewal.map_or(at, |next| next.min(at)));
+                }
             }
             let action = match answer {
                 Answer::None => continue,
@@ -544,6 +562,7 @@ impl RateLimitQuotaService for Rlqs {
             ended: false,
             warned_full: false,
             renewals,
+            next_renewal: None,
         };
         Ok(Response::new(
             stream::unfold(session, Session::next).boxed(),
