@@ -825,6 +825,34 @@ async fn rlqs_envoys_on_two_servers_share_a_quota() {
     assert!(given_back > 0.0, "replacements gave nothing back");
 }
 
+/// Envoys reporting once a minute through two tollgate processes on one Redis, on a limit
+/// whose capacity cannot pay for a minute's time-to-live: each process renews its own
+/// Envoys' assignments, paid in the shared bucket, and together they stay within the limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rlqs_renewals_on_two_servers_share_a_quota() {
+    let redis = RedisServer::start();
+    let scratch = Scratch::new("rlqs-renewals");
+    let config = scratch.write(
+        "policy.yaml",
+        "limits: [{name: small, domain: edge, key: [client], capacity: 10, refill: 10/s}]",
+    );
+    let servers = [
+        on_store(&config, &redis.url(), &[]),
+        on_store(&config, &redis.url(), &[]),
+    ];
+    let envoys = [&servers[0], &servers[1], &servers[0], &servers[1]];
+    let (admissions, lasted) = support::rlqs::slow_envoys(
+        &envoys,
+        &[("client", "shared")],
+        std::time::Duration::from_secs(3),
+    )
+    .await;
+    admissions.assert_within(10.0, 10.0, lasted);
+    for server in &servers {
+        assert!(metric(server, "tollgate_rlqs_renewed_total") > 0.0);
+    }
+}
+
 /// RLQS while Redis is down: a limit failing closed denies its buckets until the next report;
 /// one failing open pays assignments from its emergency budget, never more.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -11,7 +11,7 @@ use envoy_types::pb::envoy::service::rate_limit_quota::v3::RateLimitQuotaUsageRe
 use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use tollgate::{Clock, MonotonicClock};
 
-use support::rlqs::{Admissions, Assigned, Envoy, assigned, reports, usage};
+use support::rlqs::{Admissions, Assigned, Envoy, assigned, reports, slow_envoys, usage};
 use support::{Scratch, Server, metric, post_json, request};
 
 const POLICY: &str = r#"
@@ -586,44 +586,9 @@ async fn an_empty_bucket_is_assigned_again_once_refilled_without_a_report() {
 #[tokio::test]
 async fn renewed_envoys_together_never_get_more_than_the_limit() {
     let (server, _scratch) = start();
-    let clock = MonotonicClock::new();
-    let start = clock.now();
-    let mut listening = Vec::new();
-    for index in 0..3u32 {
-        let mut envoy = Envoy::connect(&server).await;
-        let clock = clock.clone();
-        envoy.send(reports(
-            "edge",
-            vec![usage(&[("client", "shared")], 1, 0, 60 * SECOND)],
-        ));
-        listening.push(tokio::spawn(async move {
-            let mut received = Vec::new();
-            let until = clock.now() + 4 * SECOND;
-            while clock.now() < until {
-                let message = envoy.answer().await.expect("no error").expect("an answer");
-                for action in message.bucket_action {
-                    let action = assigned(action.bucket_action.expect("an action"));
-                    received.push((index, clock.now(), action));
-                }
-            }
-            received
-        }));
-    }
-    let mut admissions = Admissions::default();
-    let mut last = start;
-    let mut tokens = 0;
-    for listener in listening {
-        for (index, at, action) in listener.await.expect("the listener") {
-            tokens += usize::from(matches!(action, Assigned::Tokens { .. }));
-            last = last.max(at);
-            admissions.receive(index, at, action);
-        }
-    }
-    assert!(tokens >= 3, "{tokens} token buckets sent");
-    for index in 0..3 {
-        admissions.close(index, last + Duration::from_secs(120));
-    }
-    admissions.assert_within(10.0, 10.0, last.saturating_duration_since(start));
+    let (admissions, lasted) =
+        slow_envoys(&[&server; 3], &[("client", "shared")], 4 * SECOND).await;
+    admissions.assert_within(10.0, 10.0, lasted);
 }
 
 /// A capacity of 1 cannot pay for any assignment (a full bucket and the start of its refill

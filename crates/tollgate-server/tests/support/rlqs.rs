@@ -194,3 +194,53 @@ impl Admissions {
         }
     }
 }
+
+/// Envoys (one stream each, on the servers given) that report `entries` once, as if they
+/// reported once a minute, then only listen for `listen`: all they are sent, renewals
+/// included, counted into what they could admit. Returns that, and the time of the last
+/// answer, from `start`.
+pub async fn slow_envoys(
+    servers: &[&Server],
+    entries: &[(&str, &str)],
+    listen: Duration,
+) -> (Admissions, Duration) {
+    use tollgate::{Clock, MonotonicClock};
+    let clock = MonotonicClock::new();
+    let start = clock.now();
+    let mut listening = Vec::new();
+    for (index, server) in servers.iter().enumerate() {
+        let mut envoy = Envoy::connect(server).await;
+        let clock = clock.clone();
+        envoy.send(reports(
+            "edge",
+            vec![usage(entries, 1, 0, Duration::from_secs(60))],
+        ));
+        listening.push(tokio::spawn(async move {
+            let mut received = Vec::new();
+            let until = clock.now() + listen;
+            while clock.now() < until {
+                let message = envoy.answer().await.expect("no error").expect("an answer");
+                for action in message.bucket_action {
+                    let action = assigned(action.bucket_action.expect("an action"));
+                    received.push((index as u32, clock.now(), action));
+                }
+            }
+            received
+        }));
+    }
+    let mut admissions = Admissions::default();
+    let mut last = start;
+    let mut tokens = 0;
+    for listener in listening {
+        for (index, at, action) in listener.await.expect("the listener") {
+            tokens += usize::from(matches!(action, Assigned::Tokens { .. }));
+            last = last.max(at);
+            admissions.receive(index, at, action);
+        }
+    }
+    assert!(tokens >= servers.len(), "{tokens} token buckets sent");
+    for index in 0..servers.len() {
+        admissions.close(index as u32, last + Duration::from_secs(120));
+    }
+    (admissions, last.saturating_duration_since(start))
+}
