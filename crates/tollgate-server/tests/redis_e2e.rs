@@ -825,6 +825,76 @@ async fn rlqs_envoys_on_two_servers_share_a_quota() {
     assert!(given_back > 0.0, "replacements gave nothing back");
 }
 
+/// Envoys of one bucket on two tollgate processes share its refill fairly: each process
+/// posts its Envoys' wants on the store's board and sizes them by its share among the
+/// processes. Without that, an Envoy on the first process holds all it took by extending it,
+/// and one on the second gets what is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rlqs_envoys_on_two_servers_get_fair_shares() {
+    use support::rlqs::{Admissions, Assigned, Envoy, assigned, usage};
+    use tollgate::{Clock, MonotonicClock};
+
+    let redis = RedisServer::start();
+    let scratch = Scratch::new("rlqs-fair");
+    let config = scratch.write(
+        "policy.yaml",
+        "limits: [{name: pool, domain: edge, key: [pool], capacity: 40, refill: 20/s}]",
+    );
+    let servers = [
+        on_store(&config, &redis.url(), &[]),
+        on_store(&config, &redis.url(), &[]),
+    ];
+    let fifth = std::time::Duration::from_millis(200);
+    // Each Envoy sees 40 requests every 200 ms: far more than the 20 a second refilled.
+    let busy = || vec![usage(&[("pool", "p")], 40, 0, fifth)];
+    let rate = |action| match assigned(action) {
+        Assigned::Tokens { rate, .. } => rate,
+        _ => 0,
+    };
+    let clock = MonotonicClock::new();
+    let start = clock.now();
+    let mut admissions = Admissions::default();
+    let mut first = Envoy::connect(&servers[0]).await;
+    let mut alone = 0;
+    for _ in 0..6 {
+        let action = first.report("edge", busy()).await.remove(0);
+        let at = clock.now();
+        alone = rate(action);
+        admissions.receive(0, at, assigned(action));
+        tokio::time::sleep(fifth).await;
+    }
+    // Alone, it gets all a bucket of 40 can pay for 2 s ahead: 13 a second.
+    assert_eq!(alone, 13);
+    let mut second = Envoy::connect(&servers[1]).await;
+    let mut rates = Vec::new();
+    let mut answered = start;
+    for _ in 0..20 {
+        for (index, envoy) in [&mut first, &mut second].into_iter().enumerate() {
+            let action = envoy.report("edge", busy()).await.remove(0);
+            answered = clock.now();
+            rates.push((index, rate(action)));
+            admissions.receive(index as u32, answered, assigned(action));
+        }
+        tokio::time::sleep(fifth).await;
+    }
+    eprintln!("rates (Envoy, tokens a second): {rates:?}");
+    // Once the processes have read each other's wants, the first Envoy's share is half.
+    let late: Vec<u32> = rates[rates.len() - 10..]
+        .iter()
+        .filter(|(index, _)| *index == 0)
+        .map(|&(_, rate)| rate)
+        .collect();
+    assert!(late.iter().all(|&rate| rate <= 10), "{rates:?}");
+    assert!(
+        rates.iter().any(|&(index, rate)| index == 1 && rate > 0),
+        "{rates:?}"
+    );
+    for envoy in 0..2 {
+        admissions.close(envoy, answered + std::time::Duration::from_secs(120));
+    }
+    admissions.assert_within(40.0, 20.0, answered.saturating_duration_since(start));
+}
+
 /// Envoys reporting once a minute through two tollgate processes on one Redis, on a limit
 /// whose capacity cannot pay for a minute's time-to-live: each process renews its own
 /// Envoys' assignments, paid in the shared bucket, and together they stay within the limit.

@@ -26,8 +26,10 @@
 //!   first report, sent with its first request, starts it with a full share). The rate held
 //!   is extended rather than replaced while it is within a fifth below or a quarter above
 //!   that and no more than the fair share, since a new strategy makes Envoy start a full
-//!   bucket, which must be paid again. Envoys on other processes meet in the store: each
-//!   process pays from the same buckets, first come, first served.
+//!   bucket, which must be paid again; a rate held below the share is replaced only by a
+//!   larger one the bucket pays for, and extended otherwise. On Redis the fair share spans
+//!   processes: each posts its Envoys' wants on the store's board every second (the `board`
+//!   module) and splits its share among them.
 //! * A report's buckets are paid together (on Redis their charges share round trips).
 //! * The time-to-live is twice the reporting interval (at least 2 s, at most 2 min), so one
 //!   late report does not let an assignment lapse. Paid whole when sent, from buckets holding
@@ -49,6 +51,7 @@
 //! last assignment admits beyond the quota, which tollgate cannot see.
 
 pub(crate) mod assignment;
+mod board;
 mod message;
 mod payer;
 
@@ -134,12 +137,16 @@ pub struct Rlqs {
 impl Rlqs {
     /// A service assigning quotas through `decider`'s policy and store; its streams end once
     /// `stopped` turns true.
+    ///
+    /// On Redis, the service posts its Envoys' wants for fair shares across processes (the
+    /// `board` module) from a task on the Tokio runtime it is created in; created outside
+    /// one, it shares buckets fairly among its own streams only.
     pub fn new(
         decider: Arc<Decider>,
         options: RlqsOptions,
         stopped: watch::Receiver<bool>,
     ) -> Self {
-        Self {
+        let rlqs = Self {
             decider,
             clock: MonotonicClock::new(),
             options,
@@ -148,7 +155,17 @@ impl Rlqs {
             streams: AtomicU64::new(0),
             nonce: rand::random(),
             stopped,
+        };
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(board::post_wants(
+                Arc::clone(&rlqs.decider),
+                Arc::clone(&rlqs.demands),
+                Arc::clone(&rlqs.in_flight),
+                rlqs.nonce,
+                rlqs.stopped.clone(),
+            ));
         }
+        rlqs
     }
 
     /// The tonic server for this service.

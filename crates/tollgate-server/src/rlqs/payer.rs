@@ -24,19 +24,39 @@ use crate::metrics::{self, Api};
 pub(super) const IN_FLIGHT: usize = 64;
 
 /// What each stream's Envoy wants of each bucket (tokens a fill), so that shares are fair
-/// across the streams of this process. Streams remove their own entries as they end.
+/// across the streams of this process, and, on a shared store, what the other processes
+/// serving the bucket want (the `board` module posts and reads those). Streams remove their
+/// own entries as they end.
 #[derive(Default)]
 pub(super) struct Demands {
-    /// Per domain and bucket: stream → want. Nested so that a report on a known bucket
-    /// finds it by reference, without copying its entries.
+    /// Per domain and bucket. Nested so that a report on a known bucket finds it by
+    /// reference, without copying its entries.
     wants: Mutex<HashMap<Arc<str>, HashMap<Entries, Wants>>>,
 }
 
-/// One bucket's wants: stream → tokens a fill.
-type Wants = HashMap<u64, u64>;
+/// One bucket's wants, in tokens a fill.
+#[derive(Default)]
+struct Wants {
+    /// Stream → want.
+    streams: HashMap<u64, u64>,
+    /// Each other process's want (its Envoys' together), as the board last said.
+    elsewhere: Vec<u64>,
+}
+
+impl Wants {
+    /// What this process's Envoys want together.
+    fn here(&self) -> u64 {
+        self.streams
+            .values()
+            .fold(0, |sum, &want| sum.saturating_add(want))
+    }
+}
 
 impl Demands {
-    /// Records `want` for `stream` and returns its fair share of `supply`.
+    /// Records `want` for `stream` and returns its fair share of `supply`: this process's
+    /// max-min fair share of it among the processes on the board, split max-min fairly
+    /// among its streams. With no other process, the process's share is what its streams
+    /// want (at most the supply), and the split is a max-min fair share of the supply.
     fn share(
         &self,
         domain: &Arc<str>,
@@ -53,17 +73,23 @@ impl Demands {
             return 1;
         };
         if !of_domain.contains_key(entries) {
-            of_domain.insert(entries.clone(), HashMap::new());
+            of_domain.insert(entries.clone(), Wants::default());
         }
         let Some(of_bucket) = of_domain.get_mut(entries) else {
             return 1;
         };
-        of_bucket.insert(stream, want);
+        of_bucket.streams.insert(stream, want);
+        let ours = assignment::fair_share(
+            supply,
+            of_bucket.here(),
+            of_bucket.elsewhere.iter().copied(),
+        );
         let others = of_bucket
+            .streams
             .iter()
             .filter(|&(&other, _)| other != stream)
             .map(|(_, &want)| want);
-        assignment::fair_share(supply, want, others)
+        assignment::fair_share(ours, want, others)
     }
 
     /// Drops `stream`'s want of a bucket (it ended, or the bucket went quiet).
@@ -73,13 +99,37 @@ impl Demands {
             return;
         };
         if let Some(of_bucket) = of_domain.get_mut(entries) {
-            of_bucket.remove(&stream);
-            if of_bucket.is_empty() {
+            of_bucket.streams.remove(&stream);
+            if of_bucket.streams.is_empty() {
                 of_domain.remove(entries);
             }
         }
         if of_domain.is_empty() {
             wants.remove(&**domain);
+        }
+    }
+
+    /// Every bucket some stream of this process wants, with what its streams want together.
+    pub(super) fn totals(&self) -> Vec<(Arc<str>, Entries, u64)> {
+        let wants = self.wants.lock();
+        wants
+            .iter()
+            .flat_map(|(domain, of_domain)| {
+                of_domain.iter().map(|(entries, of_bucket)| {
+                    (Arc::clone(domain), entries.clone(), of_bucket.here())
+                })
+            })
+            .collect()
+    }
+
+    /// Records what the other processes serving a bucket want, as the board said.
+    pub(super) fn set_elsewhere(&self, domain: &Arc<str>, entries: &Entries, elsewhere: Vec<u64>) {
+        let mut wants = self.wants.lock();
+        if let Some(of_bucket) = wants
+            .get_mut(&**domain)
+            .and_then(|of_domain| of_domain.get_mut(entries))
+        {
+            of_bucket.elsewhere = elsewhere;
         }
     }
 }
@@ -319,6 +369,24 @@ impl Payer {
             }
             other => other,
         };
+        // A rate held below the one wanted is replaced only by a larger one the bucket pays
+        // for: a new strategy is a full bucket to pay at once, and replacing a small
+        // assignment by another small one would spend the refill on full buckets instead of
+        // letting it build up. Envoys whose shares changed then trade places a little at a
+        // time, as refill frees, instead of each knocking the other down to a token or two.
+        let held = match held {
+            Some(held)
+                if held.assignment.fill == fill
+                    && held.assignment.extendable(now, margin)
+                    && held.assignment.rate < rate =>
+            {
+                match self.grow(domain, entries, held, rate, ttl, now).await {
+                    Ok(answer) => return answer,
+                    Err(held) => Some(held),
+                }
+            }
+            other => other,
+        };
         // Whatever the Envoy holds is replaced: the refill it will not reach goes back first,
         // so that it can pay for the new assignment (its own or another Envoy's).
         self.give_back(domain, entries, held, now, margin).await;
@@ -345,6 +413,67 @@ impl Payer {
             }
         }
         (Answer::Deny(short_ttl), None)
+    }
+
+    /// For an Envoy holding `held`, below `rate`: the largest fresh assignment up to `rate`
+    /// the bucket pays for, if larger than `held` (which then gives back what it will not
+    /// reach), or else `held` extended. `Err(held)` when neither can be paid, or a limit
+    /// fails closed.
+    async fn grow(
+        &self,
+        domain: &Arc<str>,
+        entries: &Entries,
+        held: Held,
+        rate: u32,
+        ttl: Duration,
+        now: Timestamp,
+    ) -> Result<(Answer, Option<Held>), Held> {
+        let margin = ttl / 4;
+        let fill = held.assignment.fill;
+        let mut rate = rate;
+        for _ in 0..2 {
+            if rate <= held.assignment.rate {
+                break;
+            }
+            let (fresh, cost) = Assignment::fresh(rate, fill, now, ttl);
+            match self.charge(domain, entries, cost).await {
+                (Charged::Paid, charge) => {
+                    self.give_back(domain, entries, Some(held), now, margin)
+                        .await;
+                    let fresh_held = Held {
+                        assignment: fresh,
+                        charge,
+                    };
+                    return Ok((Answer::Tokens(fresh), Some(fresh_held)));
+                }
+                (Charged::Free, _) => {
+                    self.give_back(domain, entries, Some(held), now, margin)
+                        .await;
+                    return Ok((Answer::Allow(ttl), None));
+                }
+                (Charged::Closed, _) => return Err(held),
+                (Charged::Short(available), _) => {
+                    rate = rate.min(assignment::largest_rate(available, fill, ttl));
+                }
+            }
+        }
+        let (extended, cost) = held.assignment.extended(now, ttl);
+        match self.charge(domain, entries, cost).await {
+            (Charged::Paid, charge) => {
+                let charge = charge.or(held.charge);
+                let extended_held = Held {
+                    assignment: extended,
+                    charge,
+                };
+                Ok((Answer::Tokens(extended), Some(extended_held)))
+            }
+            (Charged::Free, _) => {
+                self.give_back(domain, entries, Some(held), now, margin)
+                    .await;
+                Ok((Answer::Allow(ttl), None))
+            }
+            (Charged::Closed | Charged::Short(_), _) => Err(held),
+        }
     }
 
     /// Gives back the refill `held` paid for beyond `now + margin`, which its Envoy will not
@@ -466,5 +595,50 @@ impl Payer {
             .map(|decision| decision.remaining().saturating_add(1))
             .min()
             .unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bucket() -> (Arc<str>, Entries) {
+        (Arc::from("edge"), vec![("pool".to_owned(), "p".to_owned())])
+    }
+
+    #[test]
+    fn streams_of_one_process_split_the_supply_max_min() {
+        let demands = Demands::default();
+        let (domain, entries) = bucket();
+        assert_eq!(demands.share(&domain, &entries, 1, 30, 20), 20);
+        // A second stream: 10 each; one that wants little gets it, the other the rest.
+        assert_eq!(demands.share(&domain, &entries, 2, 30, 20), 10);
+        assert_eq!(demands.share(&domain, &entries, 2, 4, 20), 4);
+        assert_eq!(demands.share(&domain, &entries, 1, 30, 20), 16);
+        assert_eq!(
+            demands.totals(),
+            vec![(Arc::clone(&domain), entries.clone(), 34)]
+        );
+    }
+
+    #[test]
+    fn other_processes_on_the_board_take_their_share_first() {
+        let demands = Demands::default();
+        let (domain, entries) = bucket();
+        assert_eq!(demands.share(&domain, &entries, 1, 30, 20), 20);
+        // Another process wants 30 too: this one gets half, for its one stream.
+        demands.set_elsewhere(&domain, &entries, vec![30]);
+        assert_eq!(demands.share(&domain, &entries, 1, 30, 20), 10);
+        // Two more processes that want little: 2 each, and 8 for each of the busy two,
+        // which this process's two streams split.
+        demands.set_elsewhere(&domain, &entries, vec![30, 2, 2]);
+        assert_eq!(demands.share(&domain, &entries, 2, 30, 20), 4);
+        // The others left the board: the supply is this process's again.
+        demands.set_elsewhere(&domain, &entries, Vec::new());
+        assert_eq!(demands.share(&domain, &entries, 1, 30, 20), 10);
+        // A bucket every stream forgot is no longer posted (its post expires on the board).
+        demands.forget(&domain, &entries, 1);
+        demands.forget(&domain, &entries, 2);
+        assert!(demands.totals().is_empty());
     }
 }
