@@ -923,7 +923,7 @@ async fn rlqs_renewals_on_two_servers_share_a_quota() {
     }
 }
 
-/// RLQS while Redis is down: a limit failing closed denies its buckets until the next report;
+/// RLQS while Redis is down: a limit failing closed denies its buckets (renewed until it is back);
 /// one failing open pays assignments from its emergency budget, never more.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rlqs_with_redis_killed_follows_each_limits_failure_mode() {
