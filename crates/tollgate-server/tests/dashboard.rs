@@ -66,6 +66,25 @@ fn the_page_is_served_and_what_it_reads_is_there() {
     for series in SERIES {
         assert!(page.body.contains(series), "the page reads {series}");
     }
+    // The RLQS and global-limit cards' series appear only on servers with Envoys on RLQS or
+    // a global store; read by the names the server records them under.
+    use tollgate_server::metrics;
+    for series in [
+        metrics::RLQS_STREAMS,
+        metrics::RLQS_ANSWERS,
+        metrics::RLQS_RENEWED,
+        metrics::RLQS_PREPAID,
+        metrics::GLOBAL_RESERVOIRS,
+        metrics::GLOBAL_HELD,
+        metrics::GLOBAL_FETCHED,
+        metrics::GLOBAL_GIVEN_BACK,
+        metrics::GLOBAL_ROUND_FAILURES,
+    ] {
+        assert!(
+            page.body.contains(&format!("\"{series}\"")),
+            "the page reads {series}"
+        );
+    }
     for series in &SERIES[..5] {
         assert!(
             metrics.lines().any(|line| line.starts_with(series)),
