@@ -12,7 +12,7 @@ use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use tollgate::{Clock, MonotonicClock};
 
 use support::rlqs::{Admissions, Assigned, Envoy, assigned, reports, slow_envoys, usage};
-use support::{Scratch, Server, metric, post_json, request};
+use support::{Scratch, Server, assert_serve_flags_refused, metric, post_json, request};
 
 const POLICY: &str = r#"
 version: "1"
@@ -620,4 +620,14 @@ async fn a_capacity_too_small_for_any_assignment_is_denied_and_logged() {
     stderr.read_to_string(&mut logs).expect("read the logs");
     let said = logs.matches("cannot pay for any assignment").count();
     assert_eq!(said, 1, "{logs}");
+}
+
+/// A renewal interval outside 10 ms to a minute is refused at the start, in one line.
+#[test]
+fn renewal_intervals_out_of_bounds_are_refused() {
+    assert_serve_flags_refused(&[
+        ("--rlqs-renew-every", "1ms", "is shorter than 10ms"),
+        ("--rlqs-renew-every", "2m", "is longer than 1m"),
+        ("--rlqs-renew-every", "soon", "soon"),
+    ]);
 }
