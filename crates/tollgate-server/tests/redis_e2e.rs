@@ -878,6 +878,14 @@ async fn rlqs_envoys_on_two_servers_get_fair_shares() {
         tokio::time::sleep(fifth).await;
     }
     eprintln!("rates (Envoy, tokens a second): {rates:?}");
+    let charges: f64 = servers
+        .iter()
+        .map(|server| {
+            metric(server, r#"tollgate_decisions_total{limit="pool",result="allowed",mode="enforce",api="rlqs"}"#)
+                + metric(server, r#"tollgate_decisions_total{limit="pool",result="rejected",mode="enforce",api="rlqs"}"#)
+        })
+        .sum();
+    eprintln!("{charges} charges tried for {} reports", 6 + rates.len());
     // Once the processes have read each other's wants, the first Envoy's share is half.
     let late: Vec<u32> = rates[rates.len() - 10..]
         .iter()
