@@ -28,8 +28,13 @@ pub struct Server {
 pub struct Scratch(pub PathBuf);
 
 impl Scratch {
+    /// A directory of its own, even for tests of one binary that run at once under one
+    /// name: one test's drop must not remove another's policy file while its server starts.
     pub fn new(name: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!("tollgate-e2e-{}-{name}", std::process::id()));
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir =
+            std::env::temp_dir().join(format!("tollgate-e2e-{}-{n}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("create a scratch directory");
         Self(dir)
