@@ -90,7 +90,8 @@ pub const RLQS_STREAMS: &str = "tollgate_rlqs_streams";
 /// Requests RLQS clients reported deciding themselves: label `result` (`allowed`, `denied`).
 pub const RLQS_REPORTED: &str = "tollgate_rlqs_reported_requests_total";
 /// Answers to RLQS bucket reports, and renewals: label `action` (`tokens`, `allow_all`,
-/// `deny_all`, `abandon`, `refused`: a stream over its bound of buckets).
+/// `deny_all`, `abandon`, `refused`: a stream over its bound of buckets; `kept`: nothing
+/// sent, the token bucket held stays, its extension not payable just then).
 pub const RLQS_ANSWERS: &str = "tollgate_rlqs_answers_total";
 /// Tokens charged to the shared buckets for RLQS assignments, before they could be spent.
 pub const RLQS_PREPAID: &str = "tollgate_rlqs_prepaid_tokens_total";

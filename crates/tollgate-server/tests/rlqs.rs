@@ -631,3 +631,50 @@ fn renewal_intervals_out_of_bounds_are_refused() {
         ("--rlqs-renew-every", "soon", "soon"),
     ]);
 }
+
+/// An assignment whose extension the bucket cannot pay just now (other clients spent it) is
+/// kept as it is, paid for until it expires, and extended by a later renewal: not replaced by
+/// whatever the bucket holds at that moment, which would be nothing.
+#[tokio::test]
+async fn an_assignment_the_bucket_cannot_extend_just_now_is_kept() {
+    let (server, _scratch) = start();
+    let mut envoy = Envoy::connect(&server).await;
+    let busy = || vec![usage(&[("client", "k")], 10, 0, SECOND)];
+    // All 10 and 10/s can pay for 2 s: 3 a second, a full bucket of 3 and 6 of refill.
+    assert!(matches!(
+        assigned(envoy.report("edge", busy()).await.remove(0)),
+        Assigned::Tokens { rate: 3, .. }
+    ));
+    let kept = || metric(&server, r#"tollgate_rlqs_answers_total{action="kept"}"#);
+    let spend = r#"{"domain":"edge","descriptors":[{"client":"k"}],"cost":1}"#;
+    let clock = MonotonicClock::new();
+    for _ in 0..5 {
+        // Other clients spend what the bucket holds; extending the assignment right after
+        // costs a token it does not have (unless one refilled meanwhile: then again).
+        while post_json(server.http, "/v1/check", spend).status == 200 {}
+        envoy.send(reports("edge", busy()));
+        let until = clock.now() + SECOND / 2;
+        while kept() < 1.0 && clock.now() < until {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        if kept() >= 1.0 {
+            break;
+        }
+        let extended = renewal(&mut envoy).await.remove(0);
+        assert!(
+            matches!(extended, Assigned::Tokens { rate: 3, .. }),
+            "{extended:?}"
+        );
+    }
+    assert_eq!(kept(), 1.0, "no answer for the bucket, the assignment kept");
+    // The bucket refills 10 a second: a renewal extends the same strategy.
+    let renewed = renewal(&mut envoy).await;
+    assert!(
+        matches!(renewed[..], [Assigned::Tokens { rate: 3, .. }]),
+        "{renewed:?}"
+    );
+    assert_eq!(
+        metric(&server, r#"tollgate_rlqs_answers_total{action="deny_all"}"#),
+        0.0
+    );
+}

@@ -424,7 +424,8 @@ impl Session {
         for (((entries, _), (answer, held)), prepared) in work.into_iter().zip(paid).zip(prepared) {
             metrics::record_rlqs_answer(answer.label());
             let renewed = match (&answer, prepared) {
-                (Answer::Deny(_), _) => true,
+                // Tried again at the next renewal, unless a report comes first.
+                (Answer::Deny(_) | Answer::Keep, _) => true,
                 (Answer::Tokens(assigned), Some((then, ttl))) => assigned.expires_at < then + ttl,
                 _ => false,
             };
@@ -439,7 +440,7 @@ impl Session {
                 }
             }
             let action = match answer {
-                Answer::None => continue,
+                Answer::None | Answer::Keep => continue,
                 Answer::Abandon => Action::AbandonAction(AbandonAction {}),
                 Answer::Tokens(assigned) => {
                     let ttl = assigned.expires_at.saturating_duration_since(now);

@@ -176,6 +176,11 @@ pub(super) enum Answer {
     Abandon,
     /// Nothing (the stream is at its bound of buckets).
     None,
+    /// Nothing new: the token bucket held stays as it is, paid for until it expires, since
+    /// the bucket could not pay its extension just now. Tried again at the next report or
+    /// renewal; replacing it by what the bucket holds at that moment would hand the refill
+    /// to whichever Envoy asked last.
+    Keep,
 }
 
 impl Answer {
@@ -186,6 +191,7 @@ impl Answer {
             Answer::Deny(_) => "deny_all",
             Answer::Abandon => "abandon",
             Answer::None => "refused",
+            Answer::Keep => "kept",
         }
     }
 }
@@ -363,6 +369,10 @@ impl Payer {
                             .await;
                         return (Answer::Allow(ttl), None);
                     }
+                    // Kept while it has time to run: tried again at the next report.
+                    (Charged::Short(_), _) if held.assignment.extendable(now, margin) => {
+                        return (Answer::Keep, Some(held));
+                    }
                     // Replaced below by what the bucket still pays for.
                     (Charged::Closed | Charged::Short(_), _) => Some(held),
                 }
@@ -417,8 +427,8 @@ impl Payer {
 
     /// For an Envoy holding `held`, below `rate`: the largest fresh assignment up to `rate`
     /// the bucket pays for, if larger than `held` (which then gives back what it will not
-    /// reach), or else `held` extended. `Err(held)` when neither can be paid, or a limit
-    /// fails closed.
+    /// reach), or else `held` extended, or kept as it is when the bucket cannot pay even
+    /// that. `Err(held)` when a limit fails closed.
     async fn grow(
         &self,
         domain: &Arc<str>,
@@ -472,7 +482,9 @@ impl Payer {
                     .await;
                 Ok((Answer::Allow(ttl), None))
             }
-            (Charged::Closed | Charged::Short(_), _) => Err(held),
+            // Still extendable (checked before growing): kept, tried again next time.
+            (Charged::Short(_), _) => Ok((Answer::Keep, Some(held))),
+            (Charged::Closed, _) => Err(held),
         }
     }
 
