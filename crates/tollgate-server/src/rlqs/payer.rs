@@ -354,27 +354,10 @@ impl Payer {
                     && held.assignment.extendable(now, margin)
                     && close(held.assignment.rate) =>
             {
-                let (extended, cost) = held.assignment.extended(now, ttl);
-                match self.charge(domain, entries, cost).await {
-                    (Charged::Paid, charge) => {
-                        let charge = charge.or(held.charge);
-                        let held = Held {
-                            assignment: extended,
-                            charge,
-                        };
-                        return (Answer::Tokens(extended), Some(held));
-                    }
-                    (Charged::Free, _) => {
-                        self.give_back(domain, entries, Some(held), now, margin)
-                            .await;
-                        return (Answer::Allow(ttl), None);
-                    }
-                    // Kept while it has time to run: tried again at the next report.
-                    (Charged::Short(_), _) if held.assignment.extendable(now, margin) => {
-                        return (Answer::Keep, Some(held));
-                    }
+                match self.extend(domain, entries, held, ttl, now).await {
+                    Ok(answer) => return answer,
                     // Replaced below by what the bucket still pays for.
-                    (Charged::Closed | Charged::Short(_), _) => Some(held),
+                    Err(held) => Some(held),
                 }
             }
             other => other,
@@ -467,22 +450,34 @@ impl Payer {
                 }
             }
         }
+        self.extend(domain, entries, held, ttl, now).await
+    }
+
+    /// `held` extended to `ttl` from `now` (the caller checked it is extendable), paying only
+    /// the refill beyond what is paid; kept as it is when the bucket cannot pay that just now
+    /// (tried again at the next report or renewal). `Err(held)` when a limit fails closed.
+    async fn extend(
+        &self,
+        domain: &Arc<str>,
+        entries: &Entries,
+        held: Held,
+        ttl: Duration,
+        now: Timestamp,
+    ) -> Result<(Answer, Option<Held>), Held> {
         let (extended, cost) = held.assignment.extended(now, ttl);
         match self.charge(domain, entries, cost).await {
             (Charged::Paid, charge) => {
-                let charge = charge.or(held.charge);
                 let extended_held = Held {
                     assignment: extended,
-                    charge,
+                    charge: charge.or(held.charge),
                 };
                 Ok((Answer::Tokens(extended), Some(extended_held)))
             }
             (Charged::Free, _) => {
-                self.give_back(domain, entries, Some(held), now, margin)
+                self.give_back(domain, entries, Some(held), now, ttl / 4)
                     .await;
                 Ok((Answer::Allow(ttl), None))
             }
-            // Still extendable (checked before growing): kept, tried again next time.
             (Charged::Short(_), _) => Ok((Answer::Keep, Some(held))),
             (Charged::Closed, _) => Err(held),
         }
