@@ -16,12 +16,12 @@ use tollgate::{Algorithm, LeaseLimit, Limit, MAX_IN_FLIGHT, Rate};
 use crate::error::Error;
 use crate::key::{self, stable_hash};
 use crate::policy::{
-    Conditions, DomainIndex, Exemption, FailureMode, LimitDef, Mode, Override, Params, Policy,
-    Scope,
+    Conditions, DomainIndex, Exemption, FailureMode, Filed, LimitDef, Mode, Override, Params,
+    Policy, Scope, ValueMatch,
 };
 use crate::schema::{
     self, EmergencyText, FailureModeSpec, LeaseTimeoutText, ModeSpec, PolicyFile, RateText,
-    ScopeSpec, Text, WindowText, at, at_location,
+    ScopeSpec, WhenValue, WindowText, at, at_location,
 };
 use crate::wall::UnixTime;
 
@@ -61,7 +61,7 @@ fn check_name(file: &str, name: &Spanned<String>, path: String, what: &str) -> R
 
 fn conditions(
     file: &str,
-    when: &Spanned<BTreeMap<String, Text>>,
+    when: &Spanned<BTreeMap<String, WhenValue>>,
     path: String,
 ) -> Result<Conditions, Error> {
     if when.value.keys().any(String::is_empty) {
@@ -75,9 +75,15 @@ fn conditions(
     Ok(plain_conditions(&when.value))
 }
 
-fn plain_conditions(when: &BTreeMap<String, Text>) -> Conditions {
+fn plain_conditions(when: &BTreeMap<String, WhenValue>) -> Conditions {
     when.iter()
-        .map(|(k, v)| (k.as_str().into(), v.0.as_str().into()))
+        .map(|(k, v)| {
+            let test = match v {
+                WhenValue::Exact(text) => ValueMatch::Exact(text.as_str().into()),
+                WhenValue::Prefix(text) => ValueMatch::Prefix(text.as_str().into()),
+            };
+            (k.as_str().into(), test)
+        })
         .collect()
 }
 
@@ -763,7 +769,7 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
             when,
             key: key.iter().map(|k| k.as_str().into()).collect(),
             exact,
-            filed: 0,
+            filed: Filed::Always,
             tag: key::params_tag(&params),
             params,
             algorithm: algorithm.name,
@@ -817,19 +823,24 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
     let mut domains: HashMap<Box<str>, DomainIndex, _> =
         HashMap::with_hasher(foldhash::fast::RandomState::default());
     type Lists = StdHashMap<u64, Vec<u32>>;
-    // File each limit under its most selective condition: the `when` pair (or, without `when`,
-    // the key entry) that the fewest limits of its domain share. Filing under a pair such as
-    // method=POST would make every POST request try every limit filed there.
+    // File each limit under its most selective condition: the exact `when` pair (or, without
+    // one, the entry it requires: a key entry or a prefix condition's) that the fewest limits of
+    // its domain share. Filing under a pair such as method=POST would make every POST request
+    // try every limit filed there.
     let mut pair_use: StdHashMap<(&str, &str, &str), usize> = StdHashMap::new();
     let mut entry_use: StdHashMap<(&str, &str), usize> = StdHashMap::new();
     for limit in &limits {
-        for (entry, value) in &*limit.when {
-            *pair_use
-                .entry((&*limit.domain, &**entry, &**value))
-                .or_default() += 1;
+        let domain = &*limit.domain;
+        for (entry, test) in &*limit.when {
+            match test {
+                ValueMatch::Exact(value) => {
+                    *pair_use.entry((domain, &**entry, &**value)).or_default() += 1;
+                }
+                ValueMatch::Prefix(_) => *entry_use.entry((domain, &**entry)).or_default() += 1,
+            }
         }
         for entry in &*limit.key {
-            *entry_use.entry((&*limit.domain, &**entry)).or_default() += 1;
+            *entry_use.entry((domain, &**entry)).or_default() += 1;
         }
     }
     let mut filed_at = Vec::with_capacity(limits.len());
@@ -837,35 +848,40 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
     for limit in &limits {
         let (pairs, entries, always) = staging.entry(&*limit.domain).or_default();
         let domain = &*limit.domain;
-        let best_pair = (0..limit.when.len()).min_by_key(|&i| {
-            let (entry, value) = &limit.when[i];
-            pair_use
-                .get(&(domain, &**entry, &**value))
-                .copied()
-                .unwrap_or(0)
-        });
-        let best_entry = (0..limit.key.len()).min_by_key(|&i| {
-            entry_use
-                .get(&(domain, &*limit.key[i]))
-                .copied()
-                .unwrap_or(0)
-        });
+        let best_pair = (0..limit.when.len())
+            .filter_map(|i| match &limit.when[i].1 {
+                ValueMatch::Exact(value) => Some((i, &**value)),
+                ValueMatch::Prefix(_) => None,
+            })
+            .min_by_key(|&(i, value)| {
+                pair_use
+                    .get(&(domain, &*limit.when[i].0, value))
+                    .copied()
+                    .unwrap_or(0)
+            });
+        // The entries a limit requires by name: its prefix conditions', then its key's.
+        let required = (0..limit.when.len())
+            .filter(|&i| matches!(limit.when[i].1, ValueMatch::Prefix(_)))
+            .map(|i| (Filed::Condition(i), &*limit.when[i].0))
+            .chain((0..limit.key.len()).map(|i| (Filed::Key(i), &*limit.key[i])));
+        let best_entry = required
+            .min_by_key(|&(_, entry)| entry_use.get(&(domain, entry)).copied().unwrap_or(0));
         let filed = match (best_pair, best_entry) {
-            (Some(i), _) => {
-                let (entry, value) = &limit.when[i];
-                Some((pairs, hasher.hash_one((&**entry, &**value)), i))
+            (Some((i, value)), _) => {
+                let hash = hasher.hash_one((&*limit.when[i].0, value));
+                Some((pairs, hash, Filed::Pair(i)))
             }
-            (None, Some(i)) => Some((entries, hasher.hash_one(&*limit.key[i]), i)),
+            (None, Some((filed, entry))) => Some((entries, hasher.hash_one(entry), filed)),
             (None, None) => None,
         };
         match filed {
-            Some((lists, hash, i)) => {
+            Some((lists, hash, filed)) => {
                 lists.entry(hash).or_default().push(limit.index);
-                filed_at.push(i);
+                filed_at.push(filed);
             }
             None => {
                 always.push(limit.index);
-                filed_at.push(0);
+                filed_at.push(Filed::Always);
             }
         }
     }

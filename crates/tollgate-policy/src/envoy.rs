@@ -10,6 +10,10 @@
 //!   wildcard ones become `key` (one bucket per value, as in Envoy).
 //! * A node with a value next to a wildcard sibling with a limit becomes an **override** of the
 //!   sibling's limit, which is exactly Envoy's precedence (first match wins, same key).
+//! * A wildcard value (`foo*`) becomes a `!prefix foo` condition with the entry in `key` too
+//!   (Envoy counts each full value apart). Envoy tries exact values, then wildcard values in file
+//!   order, then the key-only node, so beside a key-only sibling they are overrides after the
+//!   exact ones; without one, an exact value a wildcard value covers is an override of it.
 //! * `N` requests per `unit` becomes capacity `N`, refill `N/unit`: Envoy counts in calendar fixed
 //!   windows, tollgate refills a token bucket continuously, so a client can no longer burst `2N`
 //!   across a window edge. Said once in the notes.
@@ -17,9 +21,10 @@
 //! * `value: ""` is a wildcard, as in Envoy; values are taken as written (`1.50`, `007`).
 //!
 //! What tollgate cannot express is listed in [`EnvoyImport::notes`], with the descriptor path:
-//! `replaces`, wildcard values (`foo*`), `unlimited` exceptions to a wildcard sibling, a valued
-//! node hiding its wildcard sibling's subtree, a key repeated further down its own path
-//! (skipped), entry order, month and year units (approximated), and fields it does not know.
+//! `replaces`, overlapping wildcard values (Envoy takes the first, tollgate applies each),
+//! `unlimited` exceptions to a wildcard sibling, a valued node hiding a wider sibling's
+//! subtree, a key repeated further down its own path (skipped), entry order, month and year
+//! units (approximated), and fields it does not know.
 
 use std::collections::{BTreeMap, HashSet};
 use std::fmt::Write as _;
@@ -29,6 +34,7 @@ use serde::de::IgnoredAny;
 
 use crate::compile::compile;
 use crate::error::Error;
+use crate::policy::ValueMatch;
 use crate::schema::{Text, parse_as};
 
 /// A converted configuration.
@@ -101,12 +107,28 @@ struct Out {
     /// The descriptor path it came from, for notes.
     path: String,
     name: String,
-    when: Vec<(String, String)>,
+    when: Vec<(String, ValueMatch)>,
     key: Vec<String>,
     capacity: u64,
     refill: String,
     shadow: bool,
-    overrides: Vec<(String, (String, String), u64, String)>,
+    overrides: Vec<OverrideOut>,
+}
+
+/// One override on its way out: name, condition, capacity and refill.
+type OverrideOut = (String, (String, ValueMatch), u64, String);
+
+/// An Envoy wildcard value (`foo*`) as the prefix it stands for.
+fn prefix_of(value: &str) -> Option<&str> {
+    value.strip_suffix('*')
+}
+
+/// The condition a path step with `value` puts in `when`.
+fn condition_of(value: &str) -> ValueMatch {
+    match prefix_of(value) {
+        Some(prefix) => ValueMatch::Prefix(prefix.into()),
+        None => ValueMatch::Exact(value.into()),
+    }
 }
 
 struct Importer {
@@ -270,8 +292,24 @@ impl Importer {
             let wildcard_limit =
                 wildcard.and_then(|w| self.parsed_rate(w, &[path, &[(key, None)]].concat()));
 
+            // Envoy looks a value up exactly first, then among the wildcard values (`foo*`, in
+            // file order), then takes the key-only node: overrides of one limit, tried in that
+            // order, say the same. Exact nodes come first, prefixes after them.
+            let (prefixed, exact): (Vec<&Node>, Vec<&Node>) = group
+                .iter()
+                .copied()
+                .filter(|n| n.value().is_some())
+                .partition(|n| n.value().and_then(prefix_of).is_some());
+            let prefix_limits: Vec<Option<(u64, String)>> = prefixed
+                .iter()
+                .map(|n| {
+                    let value = n.value().unwrap_or_default();
+                    self.parsed_rate(n, &[path, &[(key, Some(value))]].concat())
+                })
+                .collect();
+            let mut prefix_overrides: Vec<Vec<OverrideOut>> = vec![Vec::new(); prefixed.len()];
             let mut overrides = Vec::new();
-            for node in &group {
+            for node in &exact {
                 let Some(value) = node.value() else {
                     continue;
                 };
@@ -279,17 +317,74 @@ impl Importer {
                 here_path.push((key, Some(value)));
                 let here = describe(&here_path);
                 self.check_node(node, &here);
-                if value.ends_with('*') {
-                    self.note(
-                        &here,
-                        "wildcard values (prefix*) cannot be expressed: this node and its \
-                         children were skipped"
-                            .into(),
-                    );
-                    continue;
-                }
                 let rate = self.parsed_rate(node, &here_path);
-                match (&wildcard_limit, rate) {
+                // Without a key-only sibling, the first wildcard value covering this one.
+                let covering = prefixed.iter().zip(&prefix_limits).position(|(p, limit)| {
+                    limit.is_some()
+                        && p.value()
+                            .and_then(prefix_of)
+                            .is_some_and(|prefix| value.starts_with(prefix))
+                });
+                match (&wildcard_limit, covering, rate) {
+                    (Some(_), _, Some((capacity, refill))) => {
+                        if wildcard.is_some_and(|w| w.shadow_mode != node.shadow_mode) {
+                            self.note(&here, "shadow_mode differs from the wildcard sibling's; the sibling's mode applies".into());
+                        }
+                        let name = self.override_name(&overrides, value);
+                        overrides.push((
+                            name,
+                            (key.to_owned(), ValueMatch::Exact(value.into())),
+                            capacity,
+                            refill,
+                        ));
+                    }
+                    (None, Some(j), Some((capacity, refill))) => {
+                        if prefixed[j].shadow_mode != node.shadow_mode {
+                            self.note(&here, format!("shadow_mode differs from the wildcard value `{key}={}`'s; that one's mode applies", prefixed[j].value().unwrap_or_default()));
+                        }
+                        let name = self.override_name(&prefix_overrides[j], value);
+                        prefix_overrides[j].push((
+                            name,
+                            (key.to_owned(), ValueMatch::Exact(value.into())),
+                            capacity,
+                            refill,
+                        ));
+                    }
+                    (Some(_), _, None) | (None, Some(_), None) => {
+                        if node.rate_limit.as_ref().is_some_and(|r| r.unlimited)
+                            || node.rate_limit.is_none()
+                        {
+                            let sibling = match covering {
+                                Some(j) if wildcard_limit.is_none() => format!(
+                                    "the wildcard value `{key}={}`",
+                                    prefixed[j].value().unwrap_or_default()
+                                ),
+                                _ => format!("a wildcard sibling `{key}`"),
+                            };
+                            self.note(
+                                &here,
+                                format!(
+                                    "has no limit of its own but {sibling} does: in tollgate \
+                                     the sibling's limit applies to {key}={value} too"
+                                ),
+                            );
+                        }
+                    }
+                    (None, None, Some((capacity, refill))) => {
+                        self.push(&here_path, capacity, refill, node, Vec::new());
+                    }
+                    (None, None, None) => {}
+                }
+                self.level(&node.descriptors, &here_path);
+            }
+            for (j, node) in prefixed.iter().enumerate() {
+                let value = node.value().unwrap_or_default();
+                let prefix = prefix_of(value).unwrap_or_default();
+                let mut here_path = path.to_vec();
+                here_path.push((key, Some(value)));
+                let here = describe(&here_path);
+                self.check_node(node, &here);
+                match (&wildcard_limit, prefix_limits[j].clone()) {
                     (Some(_), Some((capacity, refill))) => {
                         if wildcard.is_some_and(|w| w.shadow_mode != node.shadow_mode) {
                             self.note(&here, "shadow_mode differs from the wildcard sibling's; the sibling's mode applies".into());
@@ -297,30 +392,54 @@ impl Importer {
                         let name = self.override_name(&overrides, value);
                         overrides.push((
                             name,
-                            (key.to_owned(), value.to_owned()),
+                            (key.to_owned(), ValueMatch::Prefix(prefix.into())),
                             capacity,
                             refill,
                         ));
                     }
-                    (Some(_), None) => {
-                        if node.rate_limit.as_ref().is_some_and(|r| r.unlimited)
-                            || node.rate_limit.is_none()
-                        {
+                    (Some(_), None) => self.note(
+                        &here,
+                        format!(
+                            "has no limit of its own but the wildcard sibling `{key}` does: in \
+                             tollgate the sibling's limit applies to these values too"
+                        ),
+                    ),
+                    (None, Some((capacity, refill))) => {
+                        // Envoy takes the first wildcard value that matches; tollgate applies
+                        // every limit that matches.
+                        let earlier = prefixed[..j].iter().zip(&prefix_limits).find(|(p, l)| {
+                            l.is_some()
+                                && p.value().and_then(prefix_of).is_some_and(|other| {
+                                    prefix.starts_with(other) || other.starts_with(prefix)
+                                })
+                        });
+                        if let Some((other, _)) = earlier {
                             self.note(
                                 &here,
                                 format!(
-                                    "has no limit of its own but a wildcard sibling `{key}` does: \
-                                     in tollgate the sibling's limit applies to {key}={value} too"
+                                    "overlaps the wildcard value `{key}={}` above it: envoy \
+                                     applies the first that matches, tollgate both",
+                                    other.value().unwrap_or_default()
                                 ),
                             );
                         }
-                    }
-                    (None, Some((capacity, refill))) => {
-                        self.push(&here_path, capacity, refill, node, Vec::new());
+                        let covered = std::mem::take(&mut prefix_overrides[j]);
+                        self.push(&here_path, capacity, refill, node, covered);
                     }
                     (None, None) => {}
                 }
+                let before = self.limits.len();
                 self.level(&node.descriptors, &here_path);
+                let nested: Vec<String> = self.limits[before..]
+                    .iter()
+                    .map(|l| l.path.clone())
+                    .collect();
+                let covered: Vec<&Node> = exact
+                    .iter()
+                    .copied()
+                    .filter(|e| e.value().is_some_and(|v| v.starts_with(prefix)))
+                    .collect();
+                self.note_hidden_subtree(&covered, &nested, path, key, value);
             }
             if let Some(w) = wildcard {
                 let mut here_path = path.to_vec();
@@ -335,7 +454,7 @@ impl Importer {
                     .iter()
                     .map(|l| l.path.clone())
                     .collect();
-                self.note_hidden_subtree(&group, &nested, path, key);
+                self.note_hidden_subtree(&group, &nested, path, key, key);
             }
             for extra in wildcards.iter().skip(1) {
                 let mut here_path = path.to_vec();
@@ -348,17 +467,20 @@ impl Importer {
         }
     }
 
-    /// Envoy looks an entry up by `key_value` first and only then by `key`, and goes on from
-    /// the node it found: a request with `key=value` walks the valued node's subtree and never
-    /// reaches the wildcard sibling's. tollgate matches every limit on its own, so the limits
-    /// of the wildcard's subtree (`nested`, their paths) apply to such requests too. A `when`
-    /// cannot say "not equal", so this is noted for each valued sibling rather than expressed.
+    /// Envoy looks an entry up by `key_value` first, then among the wildcard values, and
+    /// only then by `key`, and goes on from the node it found: a request with `key=value` walks
+    /// that node's subtree and never reaches a wider sibling's (`wider`: the key-only node, or a
+    /// wildcard value). tollgate matches every limit on its own, so the limits of the wider
+    /// sibling's subtree (`nested`, their paths) apply to such requests too. A `when` cannot
+    /// say "not equal", so this is noted for each narrower sibling in `group` rather than
+    /// expressed.
     fn note_hidden_subtree(
         &mut self,
         group: &[&Node],
         nested: &[String],
         path: &Path<'_>,
         key: &str,
+        wider: &str,
     ) {
         if nested.is_empty() {
             return;
@@ -367,10 +489,18 @@ impl Importer {
             let Some(value) = node.value() else {
                 continue;
             };
+            if value == wider {
+                continue;
+            }
             let mut here_path = path.to_vec();
             here_path.push((key, Some(value)));
+            let sibling = if wider == key {
+                format!("`{key}`")
+            } else {
+                format!("`{key}={wider}`")
+            };
             let message = format!(
-                "hides the subtree of its wildcard sibling `{key}` in envoy, but in tollgate the \
+                "hides the subtree of its wildcard sibling {sibling} in envoy, but in tollgate the \
                  limits under it apply to {key}={value} too: {}",
                 nested.join(", ")
             );
@@ -453,11 +583,7 @@ impl Importer {
         name
     }
 
-    fn override_name(
-        &self,
-        taken: &[(String, (String, String), u64, String)],
-        value: &str,
-    ) -> String {
+    fn override_name(&self, taken: &[OverrideOut], value: &str) -> String {
         let base = sanitize(value, 100);
         let mut name = base.clone();
         let mut n = 2;
@@ -474,7 +600,7 @@ impl Importer {
         capacity: u64,
         refill: String,
         node: &Node,
-        overrides: Vec<(String, (String, String), u64, String)>,
+        overrides: Vec<OverrideOut>,
     ) {
         let declared = node.rate_limit.as_ref().and_then(|r| r.name.as_deref());
         let base = match declared {
@@ -493,11 +619,12 @@ impl Importer {
         let name = self.unique(base);
         let when = path
             .iter()
-            .filter_map(|(k, v)| v.map(|v| ((*k).to_owned(), v.to_owned())))
+            .filter_map(|(k, v)| v.map(|v| ((*k).to_owned(), condition_of(v))))
             .collect();
+        // A wildcard value (`foo*`) counts each full value apart in Envoy: keyed too.
         let key = path
             .iter()
-            .filter(|(_, v)| v.is_none())
+            .filter(|(_, v)| v.is_none_or(|v| prefix_of(v).is_some()))
             .map(|(k, _)| (*k).to_owned())
             .collect();
         self.limits.push(Out {
@@ -514,6 +641,10 @@ impl Importer {
 
     fn render(&self, file: &str) -> String {
         let q = |text: &str| serde_json::to_string(text).unwrap_or_else(|_| "\"\"".into());
+        let condition = |test: &ValueMatch| match test {
+            ValueMatch::Prefix(prefix) => format!("!prefix {}", q(prefix)),
+            other => q(other.text()),
+        };
         let mut out = String::new();
         // Both come from outside (the domain from the file, the file name from the caller):
         // quoted and escaped, so a line break in either cannot end the comment and add fields
@@ -534,7 +665,7 @@ impl Importer {
             if !limit.when.is_empty() {
                 out.push_str("    when:\n");
                 for (k, v) in &limit.when {
-                    let _ = writeln!(out, "      {}: {}", q(k), q(v));
+                    let _ = writeln!(out, "      {}: {}", q(k), condition(v));
                 }
             }
             if !limit.key.is_empty() {
@@ -553,7 +684,7 @@ impl Importer {
                 out.push_str("    overrides:\n");
                 for (name, (k, v), capacity, refill) in &limit.overrides {
                     let _ = writeln!(out, "      - name: {}", q(name));
-                    let _ = writeln!(out, "        when: {{{}: {}}}", q(k), q(v));
+                    let _ = writeln!(out, "        when: {{{}: {}}}", q(k), condition(v));
                     self.render_params(&mut out, "        ", *capacity, refill);
                 }
             }

@@ -82,7 +82,7 @@ pub use error::{Diagnostic, Error};
 pub use lint::{EXPIRING_SOON, Warning, lint};
 pub use policy::{
     Effect, Exemption, FailureMode, LeaseMatched, LimitDef, Matched, Mode, Override, Params,
-    Policy, Scope,
+    Policy, Scope, ValueMatch,
 };
 pub use wall::{ManualWallClock, SystemWallClock, UnixTime, WallClock};
 

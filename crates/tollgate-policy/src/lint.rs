@@ -153,11 +153,15 @@ fn lint_limit(limit: &LimitDef, warnings: &mut Vec<Warning>) {
     }
     let overrides = limit.overrides();
     for (at, this) in overrides.iter().enumerate() {
-        // An earlier override whose conditions are all among this one's matches whenever this
-        // one would, and is tried first.
-        let winner = overrides[..at]
-            .iter()
-            .find(|earlier| earlier.when().all(|entry| this.when().any(|e| e == entry)));
+        // An earlier override each of whose conditions one of this one's implies (same entry,
+        // a value or prefix within the earlier's) matches whenever this one would, and is
+        // tried first.
+        let winner = overrides[..at].iter().find(|earlier| {
+            earlier.when().all(|(entry, wider)| {
+                this.when()
+                    .any(|(e, test)| e == entry && test.within(wider))
+            })
+        });
         if let Some(earlier) = winner {
             warnings.push(Warning::OverrideUnreachable {
                 limit: name(),
@@ -242,6 +246,59 @@ limits:
             found[2]
         );
         assert!(found[3].contains("\"silver\"") && found[3].contains("own parameters"));
+    }
+
+    #[test]
+    fn an_override_behind_a_wider_prefix_is_named() {
+        let yaml = "\
+version: 1
+limits:
+  - name: paths
+    domain: api
+    key: [path]
+    capacity: 5
+    refill: 1/s
+    overrides:
+      - name: health
+        when: {path: /api/health}
+        capacity: 50
+        refill: 10/s
+      - name: api
+        when: {path: !prefix /api/}
+        capacity: 20
+        refill: 10/s
+      - name: v2
+        when: {path: !prefix /api/v2/}
+        capacity: 80
+        refill: 10/s
+      - name: admin
+        when: {path: /api/admin}
+        capacity: 1
+        refill: 1/s
+      - name: web
+        when: {path: !prefix /web}
+        capacity: 2
+        refill: 1/s
+      - name: web-exact
+        when: {path: /web}
+        capacity: 3
+        refill: 1/s
+";
+        let found = warnings(yaml);
+        let unreachable = |name: &str, by: &str| {
+            found.iter().any(|w| {
+                w.contains(&format!("override \"{name}\"")) && w.contains(&format!("\"{by}\""))
+            })
+        };
+        // An exact value first, then a prefix that covers it: both reachable.
+        assert!(
+            !found.iter().any(|w| w.contains("\"health\"")),
+            "{found:#?}"
+        );
+        assert!(unreachable("v2", "api"), "{found:#?}");
+        assert!(unreachable("admin", "api"), "{found:#?}");
+        assert!(unreachable("web-exact", "web"), "{found:#?}");
+        assert_eq!(found.len(), 3, "{found:#?}");
     }
 
     #[test]

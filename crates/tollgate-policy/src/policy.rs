@@ -18,9 +18,10 @@
 //! Matching runs on every request, so it must not scan the limits. Per domain, each limit is
 //! filed once, under the most specific thing it requires:
 //!
-//! * the `when` entry and value (a hash of the pair) that the fewest limits of its domain share,
-//!   or else
-//! * the `key` entry name that the fewest limits of its domain share, or else
+//! * the exact `when` entry and value (a hash of the pair) that the fewest limits of its domain
+//!   share, or else
+//! * the entry name, among its `key` entries and its `!prefix` conditions' entries, that the
+//!   fewest limits of its domain share, or else
 //! * nothing: it applies to every descriptor of the domain.
 //!
 //! A descriptor of `n` entries then costs `2n` hash lookups plus a verification of each
@@ -37,8 +38,50 @@ use tollgate::{LeaseLimit, Limit};
 use crate::key;
 use crate::wall::UnixTime;
 
-/// Descriptor entries and the values they must equal.
-pub(crate) type Conditions = Box<[(Box<str>, Box<str>)]>;
+/// Descriptor entries and what their values must be.
+pub(crate) type Conditions = Box<[(Box<str>, ValueMatch)]>;
+
+/// What a `when` condition asks of a descriptor entry's value.
+///
+/// A plain value in the file must be equal; `!prefix VALUE` asks for a value that starts with
+/// it (Envoy's `value: "foo*"`), so that one condition covers a family of values (`/api/v1/…`,
+/// tenants named `eu-…`). With the entry also in `key`, each full value still gets a bucket of
+/// its own.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ValueMatch {
+    /// The value equals this text.
+    Exact(Box<str>),
+    /// The value starts with this text (the empty text: any value, the entry being present).
+    Prefix(Box<str>),
+}
+
+impl ValueMatch {
+    /// Whether `value` satisfies the condition.
+    #[inline]
+    pub fn matches(&self, value: &str) -> bool {
+        match self {
+            Self::Exact(text) => value == &**text,
+            Self::Prefix(text) => value.starts_with(&**text),
+        }
+    }
+
+    /// The text the file gave: the value, or the prefix.
+    pub fn text(&self) -> &str {
+        match self {
+            Self::Exact(text) | Self::Prefix(text) => text,
+        }
+    }
+
+    /// Whether every value this condition matches also matches `wider`.
+    pub fn within(&self, wider: &Self) -> bool {
+        match (self, wider) {
+            (Self::Exact(a), Self::Exact(b)) => a == b,
+            (Self::Exact(a) | Self::Prefix(a), Self::Prefix(b)) => a.starts_with(&**b),
+            (Self::Prefix(_), Self::Exact(_)) => false,
+        }
+    }
+}
 
 /// Whether a limit can reject requests or only reports what it would have done.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -177,9 +220,8 @@ pub struct LimitDef {
     /// With `exact: true`, the number of distinct entries a descriptor must have (those of
     /// `when` and `key`, no others).
     pub(crate) exact: Option<usize>,
-    /// The position, in `when` (or in `key` when `when` is empty), of the entry the limit is
-    /// filed under in its domain's index.
-    pub(crate) filed: usize,
+    /// What the limit is filed under in its domain's index.
+    pub(crate) filed: Filed,
     pub(crate) params: Params,
     /// [`key::params_tag`] of `params`, made once.
     pub(crate) tag: u32,
@@ -206,9 +248,9 @@ impl LimitDef {
         &self.domain
     }
 
-    /// Descriptor entries that must equal the given values.
-    pub fn when(&self) -> impl Iterator<Item = (&str, &str)> {
-        self.when.iter().map(|(k, v)| (&**k, &**v))
+    /// Descriptor entries and what their values must be.
+    pub fn when(&self) -> impl Iterator<Item = (&str, &ValueMatch)> {
+        self.when.iter().map(|(k, v)| (&**k, v))
     }
 
     /// Descriptor entries whose values identify the bucket.
@@ -287,9 +329,9 @@ impl Override {
         &self.name
     }
 
-    /// The descriptor entries, beyond its limit's, that must equal the given values.
-    pub fn when(&self) -> impl Iterator<Item = (&str, &str)> {
-        self.when.iter().map(|(k, v)| (&**k, &**v))
+    /// The descriptor entries, beyond its limit's, and what their values must be.
+    pub fn when(&self) -> impl Iterator<Item = (&str, &ValueMatch)> {
+        self.when.iter().map(|(k, v)| (&**k, v))
     }
 
     /// The parameters it applies.
@@ -327,10 +369,10 @@ impl Exemption {
         &self.limit
     }
 
-    /// The descriptor entries that must equal the given values for it to apply (none: every
+    /// The descriptor entries and what their values must be for it to apply (none: every
     /// subject of the limit).
-    pub fn when(&self) -> impl Iterator<Item = (&str, &str)> {
-        self.when.iter().map(|(k, v)| (&**k, &**v))
+    pub fn when(&self) -> impl Iterator<Item = (&str, &ValueMatch)> {
+        self.when.iter().map(|(k, v)| (&**k, v))
     }
 
     /// Who is accountable for it.
@@ -446,12 +488,45 @@ impl<'p, P> Matched<'p, P> {
     }
 }
 
+/// What a limit is filed under in its domain's [`DomainIndex`] (see the module docs).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Filed {
+    /// The pair of `when[i]`, an exact condition, in `by_pair`.
+    Pair(usize),
+    /// The entry name of `when[i]`, a prefix condition, in `by_entry`.
+    Condition(usize),
+    /// The entry name `key[i]`, in `by_entry`.
+    Key(usize),
+    /// Nothing: the limit is in `always`.
+    Always,
+}
+
+impl LimitDef {
+    /// The exact pair the limit is filed under, if any.
+    fn filed_pair(&self) -> Option<(&str, &str)> {
+        match self.filed {
+            Filed::Pair(i) => Some((&*self.when[i].0, self.when[i].1.text())),
+            _ => None,
+        }
+    }
+
+    /// The entry name the limit is filed under, if any.
+    fn filed_entry(&self) -> Option<&str> {
+        match self.filed {
+            Filed::Condition(i) => Some(&self.when[i].0),
+            Filed::Key(i) => Some(&self.key[i]),
+            _ => None,
+        }
+    }
+}
+
 /// Candidate lists of one domain.
 #[derive(Debug, Default)]
 pub(crate) struct DomainIndex {
     /// Keyed by the hash of the `when` (entry, value) a limit is filed under.
     pub(crate) by_pair: HashTable<(u64, Box<[u32]>)>,
-    /// Keyed by the hash of the key entry name a `when`-less limit is filed under.
+    /// Keyed by the hash of the entry name (a key entry's, or a prefix condition's) a limit
+    /// without an exact condition is filed under.
     pub(crate) by_entry: HashTable<(u64, Box<[u32]>)>,
     /// Limits with neither conditions nor key entries.
     pub(crate) always: Box<[u32]>,
@@ -609,8 +684,7 @@ impl Policy {
                         // A hash collision could file another pair's limits here: check the
                         // pair this limit is filed under, so it is tried once only.
                         let candidate = &self.limits[limit as usize];
-                        let filed = &candidate.when[candidate.filed];
-                        if &*filed.0 == entry && &*filed.1 == value {
+                        if candidate.filed_pair() == Some((entry, value)) {
                             self.try_limit(limit, position, entries, now, out);
                         }
                     }
@@ -619,7 +693,7 @@ impl Policy {
                 if let Some((_, list)) = index.by_entry.find(name, |(h, _)| *h == name) {
                     for &limit in &**list {
                         let candidate = &self.limits[limit as usize];
-                        if &*candidate.key[candidate.filed] == entry {
+                        if candidate.filed_entry() == Some(entry) {
                             self.try_limit(limit, position, entries, now, out);
                         }
                     }
@@ -657,7 +731,7 @@ impl Policy {
         // The other kind is left out first: it is one comparison.
         if P::pick(&limit.params).is_none()
             || limit.exact.is_some_and(|n| n != entries.len())
-            || !all_equal(&limit.when, entries)
+            || !all_hold(&limit.when, entries)
         {
             return;
         }
@@ -668,7 +742,7 @@ impl Policy {
                 None => return,
             }
         }
-        let override_ = limit.overrides.iter().find(|o| all_equal(&o.when, entries));
+        let override_ = limit.overrides.iter().find(|o| all_hold(&o.when, entries));
         // An override's parameters are of its limit's kind (compile makes sure).
         let Some(params) = P::pick(override_.map_or(&limit.params, |o| &o.params)) else {
             return;
@@ -684,7 +758,7 @@ impl Policy {
             .exemptions
             .iter()
             .map(|&e| &self.exemptions[e as usize])
-            .find(|e| e.is_active(now) && all_equal(&e.when, entries));
+            .find(|e| e.is_active(now) && all_hold(&e.when, entries));
         let effect = if let Some(exemption) = exemption {
             Effect::Exempt(exemption)
         } else if limit.mode == Mode::Shadow {
@@ -718,8 +792,8 @@ fn lookup<'e, S: AsRef<str>>(entries: &'e [(S, S)], entry: &str) -> Option<&'e s
         .map(|(_, v)| v.as_ref())
 }
 
-fn all_equal<S: AsRef<str>>(conditions: &[(Box<str>, Box<str>)], entries: &[(S, S)]) -> bool {
+fn all_hold<S: AsRef<str>>(conditions: &[(Box<str>, ValueMatch)], entries: &[(S, S)]) -> bool {
     conditions
         .iter()
-        .all(|(entry, value)| lookup(entries, entry) == Some(&**value))
+        .all(|(entry, test)| lookup(entries, entry).is_some_and(|value| test.matches(value)))
 }

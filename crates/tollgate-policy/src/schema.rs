@@ -12,7 +12,7 @@ use std::fmt;
 
 use serde::Deserialize;
 use serde::de::{self, Deserializer, Visitor};
-use serde_saphyr::Spanned;
+use serde_saphyr::{Spanned, Tagged};
 use tollgate::Rate;
 
 use crate::error::{Diagnostic, Error};
@@ -51,7 +51,7 @@ pub(crate) struct LimitSpec {
     pub(crate) name: Spanned<String>,
     pub(crate) domain: Spanned<String>,
     #[serde(default)]
-    pub(crate) when: Option<Spanned<BTreeMap<String, Text>>>,
+    pub(crate) when: Option<Spanned<BTreeMap<String, WhenValue>>>,
     #[serde(default)]
     pub(crate) key: Option<Spanned<Vec<String>>>,
     #[serde(default)]
@@ -97,7 +97,7 @@ pub(crate) struct LimitSpec {
 pub(crate) struct OverrideSpec {
     #[serde(default)]
     pub(crate) name: Option<Spanned<String>>,
-    pub(crate) when: Spanned<BTreeMap<String, Text>>,
+    pub(crate) when: Spanned<BTreeMap<String, WhenValue>>,
     #[serde(default)]
     pub(crate) capacity: Option<Spanned<u64>>,
     #[serde(default)]
@@ -118,7 +118,7 @@ pub(crate) struct OverrideSpec {
 pub(crate) struct ExemptionSpec {
     pub(crate) limit: Spanned<String>,
     #[serde(default)]
-    pub(crate) when: BTreeMap<String, Text>,
+    pub(crate) when: BTreeMap<String, WhenValue>,
     pub(crate) owner: Spanned<String>,
     pub(crate) reason: Spanned<String>,
     pub(crate) expires: Expiry,
@@ -330,6 +330,35 @@ impl<'de> Deserialize<'de> for Text {
     }
 }
 
+/// A `when` value: a plain scalar, which the descriptor entry's value must equal, or
+/// `!prefix TEXT`, which it must start with. Both are taken as written, as [`Text`] is.
+///
+/// A YAML tag, not a map such as `{prefix: …}`: the parser hands a string request the scalar's
+/// own text (`01234` stays `01234`) but has no way to ask "a string or a map" without resolving
+/// the scalar into a number first.
+#[derive(Debug)]
+pub(crate) enum WhenValue {
+    Exact(String),
+    Prefix(String),
+}
+
+/// The tag of `!prefix` as the parser reports it.
+const PREFIX_TAG: &str = "!prefix";
+
+impl<'de> Deserialize<'de> for WhenValue {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let Tagged(Text(text), tag) = Tagged::<Text>::deserialize(deserializer)?;
+        match tag.as_deref() {
+            None | Some("tag:yaml.org,2002:str") => Ok(Self::Exact(text)),
+            Some(PREFIX_TAG) => Ok(Self::Prefix(text)),
+            Some(other) => Err(de::Error::custom(format!(
+                "unknown tag {other} on a condition: write the value plain to match it exactly, \
+                 or `!prefix VALUE` to match the values that start with it"
+            ))),
+        }
+    }
+}
+
 /// Parses `text` (named `file` in errors) into the mirror, or the first problem with its
 /// position and field path.
 pub(crate) fn parse(file: &str, text: &str) -> Result<PolicyFile, Error> {
@@ -378,6 +407,15 @@ fn clean_path(path: &str, spanned: bool) -> String {
     }
     while let Some(stripped) = cleaned.strip_suffix(".?") {
         cleaned.truncate(stripped.len());
+    }
+    // A `when` value is read as a tagged scalar (see [`WhenValue`]), which the parser hands
+    // over as a pair (value, tag): an error in the value adds a `[0]` step after the entry name.
+    let dotted = format!(".{cleaned}");
+    if let Some(at) = dotted.rfind(".when.")
+        && let Some(entry) = dotted[at + ".when.".len()..].strip_suffix("[0]")
+        && !entry.contains(['[', '.'])
+    {
+        cleaned.truncate(cleaned.len() - "[0]".len());
     }
     cleaned
 }
@@ -431,11 +469,54 @@ mod tests {
 
     #[derive(Debug, Deserialize)]
     struct Values {
-        v: BTreeMap<String, Text>,
+        when: BTreeMap<String, WhenValue>,
     }
 
     fn values(text: &str) -> Result<Vec<String>, Error> {
-        parse_as::<Values>("v.yaml", text, false).map(|v| v.v.into_values().map(|t| t.0).collect())
+        parse_as::<Values>("v.yaml", text, false).map(|v| {
+            v.when
+                .into_values()
+                .map(|value| match value {
+                    WhenValue::Exact(text) => text,
+                    WhenValue::Prefix(text) => format!("prefix {text}"),
+                })
+                .collect()
+        })
+    }
+
+    #[test]
+    fn a_prefix_is_a_tagged_scalar_taken_as_written() {
+        for (written, text) in [
+            ("!prefix /api/", "prefix /api/"),
+            ("!prefix 0012", "prefix 0012"),
+            ("!prefix 2.10", "prefix 2.10"),
+            ("!prefix ''", "prefix "),
+            ("!prefix \"eu-\"", "prefix eu-"),
+            ("!<!prefix> x", "prefix x"),
+            ("!!str 443", "443"),
+        ] {
+            let parsed = values(&format!("when: {{k: {written}}}\n"));
+            assert_eq!(
+                parsed.map_err(|e| e.to_string()),
+                Ok(vec![text.to_owned()]),
+                "{written}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_unknown_tag_or_a_prefix_without_a_value_is_refused() {
+        for (text, needle) in [
+            ("when:\n  k: !prefx /api\n", "unknown tag !prefx"),
+            ("when:\n  k: !prefix\n", "a value is missing"),
+            ("when:\n  k: !prefix [a]\n", ""),
+            ("when:\n  k: !!int 12\n", ""),
+        ] {
+            let err = values(text).map(|_| ()).unwrap_err();
+            let d = err.diagnostic().cloned().unwrap_or_else(|| panic!("{err}"));
+            assert_eq!((d.line, d.path.as_str()), (2, "when.k"), "{text:?}: {d}");
+            assert!(d.message.contains(needle), "{text:?}: {d}");
+        }
     }
 
     #[test]
@@ -457,7 +538,7 @@ mod tests {
             ("\"a: b\"", "a: b"),
             ("/v1/payments", "/v1/payments"),
         ] {
-            let parsed = values(&format!("v: {{k: {written}}}\n"));
+            let parsed = values(&format!("when: {{k: {written}}}\n"));
             assert_eq!(
                 parsed.map_err(|e| e.to_string()),
                 Ok(vec![text.to_owned()]),
@@ -469,15 +550,15 @@ mod tests {
     #[test]
     fn non_scalars_are_refused_with_their_position() {
         for (text, line, column) in [
-            ("v:\n  k: [1, 2]\n", 2, 6),
-            ("v:\n  k: {a: 1}\n", 2, 6),
-            ("v:\n  k:\n", 2, 4),
+            ("when:\n  k: [1, 2]\n", 2, 6),
+            ("when:\n  k: {a: 1}\n", 2, 6),
+            ("when:\n  k:\n", 2, 4),
         ] {
             let err = values(text).map(|_| ()).unwrap_err();
             let d = err.diagnostic().cloned().unwrap_or_else(|| panic!("{err}"));
             assert_eq!(
                 (d.file.as_str(), d.line, d.column, d.path.as_str()),
-                ("v.yaml", line, column, "v.k"),
+                ("v.yaml", line, column, "when.k"),
                 "{text:?}: {d}"
             );
             assert!(!d.message.contains("Option<"), "{d}");

@@ -159,7 +159,6 @@ fn tenant_config_with_everything_envoy_has() {
         "tenant > user: detailed_metric ignored",
         "tenant=internal: has no limit of its own but a wildcard sibling `tenant` does",
         "plan=free: replaces cannot be expressed",
-        "bucket=uploads-*: wildcard values (prefix*) cannot be expressed",
         "billing: unit month approximated as 30 days",
         "export: unknown field `quota_mode` ignored",
     ] {
@@ -183,10 +182,119 @@ fn tenant_config_with_everything_envoy_has() {
         matched(&p, "tenants", &[("export", "x")]),
         ["tenants.export|x capacity 7 refill 7/7d"]
     );
+    // A wildcard value: a prefix condition, one bucket per full value as in Envoy.
     assert_eq!(
         matched(&p, "tenants", &[("bucket", "uploads-1")]),
+        ["tenants.bucket_uploads-_|uploads-1 capacity 3 refill 3/s"]
+    );
+    assert_eq!(
+        matched(&p, "tenants", &[("bucket", "downloads-1")]),
         Vec::<String>::new()
     );
+}
+
+/// Wildcard values (`foo*`) beside exact values, a key-only node and each other.
+const WILDCARDS: &str = r#"
+domain: paths
+descriptors:
+  - key: path
+    value: "/api/*"
+    rate_limit: {unit: second, requests_per_unit: 20}
+    descriptors:
+      - key: user
+        rate_limit: {unit: second, requests_per_unit: 2}
+  - key: path
+    value: /api/health
+    rate_limit: {unit: second, requests_per_unit: 1000}
+  - key: path
+    value: /api/quiet
+  - key: tier
+    rate_limit: {unit: second, requests_per_unit: 3}
+  - key: tier
+    value: "gold*"
+    rate_limit: {unit: second, requests_per_unit: 30}
+  - key: tier
+    value: gold-plus
+    rate_limit: {unit: second, requests_per_unit: 300}
+  - key: tier
+    value: "*"
+    rate_limit: {unit: second, requests_per_unit: 9}
+"#;
+
+#[test]
+fn wildcard_values_become_prefix_conditions_with_envoys_precedence() {
+    let (imported, p) = import(WILDCARDS);
+    assert!(
+        imported.policy.contains("\"path\": !prefix \"/api/\""),
+        "{}",
+        imported.policy
+    );
+    let m = |d: &[(&str, &str)]| matched(&p, "paths", d);
+    // Each full value its own bucket, as Envoy's cache keys hold the request's values.
+    assert_eq!(
+        m(&[("path", "/api/users")]),
+        ["paths.path__api__|/api/users capacity 20 refill 20/s"]
+    );
+    assert_eq!(m(&[("path", "/web/users")]), Vec::<String>::new());
+    // An exact value under a wildcard value is its override: Envoy tries exact values first.
+    assert_eq!(
+        m(&[("path", "/api/health")]),
+        ["paths.path__api__|/api/health#_api_health capacity 1000 refill 1000/s"]
+    );
+    // The wildcard value's subtree, keyed by both entries.
+    assert_eq!(
+        m(&[("path", "/api/x"), ("user", "u1")]),
+        ["paths.path__api__.user|/api/x|u1 capacity 2 refill 2/s"]
+    );
+    // Beside a key-only node: exact value, then wildcard values in file order, then the
+    // key-only node's own limit, as overrides of one limit.
+    assert_eq!(
+        m(&[("tier", "gold-plus")]),
+        ["paths.tier|gold-plus#gold-plus capacity 300 refill 300/s"]
+    );
+    assert_eq!(
+        m(&[("tier", "gold-1")]),
+        ["paths.tier|gold-1#gold_ capacity 30 refill 30/s"]
+    );
+    // `*` is a wildcard value with an empty prefix: every value, ahead of the key-only node.
+    assert_eq!(
+        m(&[("tier", "silver")]),
+        ["paths.tier|silver#_ capacity 9 refill 9/s"]
+    );
+    let notes = imported.notes.join("\n");
+    for fragment in [
+        "path=/api/health: hides the subtree of its wildcard sibling `path=/api/*`",
+        "path=/api/quiet: has no limit of its own but the wildcard value `path=/api/*` does",
+    ] {
+        assert!(notes.contains(fragment), "missing {fragment:?} in\n{notes}");
+    }
+    assert!(!notes.contains("cannot be expressed: this node"), "{notes}");
+}
+
+#[test]
+fn overlapping_wildcard_values_are_noted() {
+    let text = r#"
+domain: d
+descriptors:
+  - key: path
+    value: "/api/*"
+    rate_limit: {unit: second, requests_per_unit: 20}
+  - key: path
+    value: "/api/v2*"
+    rate_limit: {unit: second, requests_per_unit: 5}
+  - key: path
+    value: "/web*"
+    rate_limit: {unit: second, requests_per_unit: 5}
+"#;
+    let (imported, p) = import(text);
+    let notes = imported.notes.join("\n");
+    assert!(
+        notes.contains("path=/api/v2*: overlaps the wildcard value `path=/api/*` above it"),
+        "{notes}"
+    );
+    assert!(!notes.contains("path=/web*: overlaps"), "{notes}");
+    assert_eq!(matched(&p, "d", &[("path", "/api/v2/x")]).len(), 2);
+    assert_eq!(matched(&p, "d", &[("path", "/web/x")]).len(), 1);
 }
 
 #[test]

@@ -685,3 +685,32 @@ fn a_global_scope_needs_a_token_bucket() {
         "unknown variant `planet`",
     );
 }
+
+#[test]
+fn condition_tags_other_than_prefix_are_refused_where_written() {
+    case(
+        &format!("{HEAD}    when:\n      path: !prefx /api/\n    capacity: 20\n    refill: 10/s\n"),
+        6,
+        20,
+        "limits[0].when.path",
+        "unknown tag !prefx",
+    );
+    case(
+        &format!(
+            "{HEAD}    capacity: 20\n    refill: 10/s\n    overrides:\n      - when: {{tier: !gold x}}\n        capacity: 3\n"
+        ),
+        8,
+        28,
+        "limits[0].overrides[0].when.tier",
+        "`!prefix VALUE`",
+    );
+    case(
+        &format!(
+            "{HEAD}    capacity: 20\n    refill: 10/s\nexemptions:\n  - limit: per-user\n    when: {{user: !prefix}}\n    owner: a\n    reason: b\n    expires: 2030-01-01T00:00:00Z\n"
+        ),
+        9,
+        25,
+        "exemptions[0].when.user",
+        "a value is missing",
+    );
+}

@@ -271,6 +271,117 @@ fn when_value_with_leading_zero_matches_as_written() {
     assert!(names(&p, "api", &[&[("zip", "668")]]).is_empty());
 }
 
+const PREFIXES: &str = r#"
+limits:
+  - name: api-paths
+    domain: d
+    when: {path: !prefix /api/}
+    key: [path]
+    capacity: 5
+    refill: 1/s
+    overrides:
+      - name: health
+        when: {path: /api/health}
+        capacity: 100
+        refill: 100/s
+      - name: v2
+        when: {path: !prefix /api/v2/}
+        capacity: 50
+        refill: 10/s
+  - name: eu-tenants
+    domain: d
+    when: {method: POST, tenant: !prefix eu-}
+    capacity: 10
+    refill: 1/s
+  - name: any-region
+    domain: d
+    when: {region: !prefix ''}
+    capacity: 10
+    refill: 1/s
+exemptions:
+  - limit: api-paths
+    when: {user: !prefix svc-}
+    owner: ops@example.com
+    reason: internal callers
+    expires: 2099-01-01T00:00:00Z
+"#;
+
+#[test]
+fn prefix_conditions_match_the_values_that_start_with_them() {
+    let p = compile("p.yaml", PREFIXES).unwrap_or_else(|e| panic!("{e}"));
+    type Case<'a> = (&'a [(&'a str, &'a str)], &'a [&'a str]);
+    let cases: &[Case<'_>] = &[
+        // One bucket per full value, as in Envoy's wildcard values.
+        (&[("path", "/api/users")], &["api-paths|/api/users@0"]),
+        (&[("path", "/api/")], &["api-paths|/api/@0"]),
+        (&[("path", "/ap")], &[]),
+        (&[("path", "/apix")], &[]),
+        (&[("path", "/web/api/x")], &[]),
+        // Overrides: an exact value first, then a narrower prefix, in file order.
+        (
+            &[("path", "/api/health")],
+            &["api-paths|/api/health#health@0"],
+        ),
+        (&[("path", "/api/v2/x")], &["api-paths|/api/v2/x#v2@0"]),
+        (&[("path", "/api/v2")], &["api-paths|/api/v2@0"]),
+        // A prefix beside an exact condition: both must hold.
+        (
+            &[("method", "POST"), ("tenant", "eu-acme")],
+            &["eu-tenants@0"],
+        ),
+        (&[("method", "GET"), ("tenant", "eu-acme")], &[]),
+        (&[("method", "POST"), ("tenant", "us-acme")], &[]),
+        (&[("method", "POST"), ("tenant", "eu")], &[]),
+        // An empty prefix: the entry present, whatever its value.
+        (&[("region", "")], &["any-region@0"]),
+        (&[("region", "anything")], &["any-region@0"]),
+        (&[("zone", "anything")], &[]),
+    ];
+    for (descriptor, expected) in cases {
+        assert_eq!(names(&p, "d", &[descriptor]), *expected, "{descriptor:?}");
+    }
+    let effect = |user: &str| {
+        let m = p.matches("d", &[&[("path", "/api/a"), ("user", user)]], NOW);
+        matches!(m[0].effect, Effect::Exempt(_))
+    };
+    assert!(effect("svc-billing"));
+    assert!(!effect("alice"));
+    assert!(!effect("svc"));
+}
+
+#[test]
+fn an_exact_and_a_prefix_condition_on_one_value_are_different_conditions() {
+    // `!prefix /a` is not `/a`: a policy may hold both, and they match differently.
+    let exact = when_policy("path: /a");
+    let prefix = when_policy("path: !prefix /a");
+    assert_eq!(names(&exact, "api", &[&[("path", "/a")]]), ["l@0"]);
+    assert!(names(&exact, "api", &[&[("path", "/ab")]]).is_empty());
+    assert_eq!(names(&prefix, "api", &[&[("path", "/a")]]), ["l@0"]);
+    assert_eq!(names(&prefix, "api", &[&[("path", "/ab")]]), ["l@0"]);
+    // Values are taken as written, prefixes too.
+    let zip = when_policy("zip: !prefix 012");
+    assert_eq!(names(&zip, "api", &[&[("zip", "01234")]]), ["l@0"]);
+    assert!(names(&zip, "api", &[&[("zip", "1234")]]).is_empty());
+}
+
+#[test]
+fn many_prefix_limits_are_found_through_the_index() {
+    // Limits with only prefix conditions are filed under the entry they require, beside keyed
+    // limits: each is tried for descriptors holding that entry only.
+    let mut text = String::from("limits:\n");
+    for i in 0..40 {
+        text.push_str(&format!(
+            "  - name: p{i}\n    domain: d\n    when: {{route{}: !prefix /r{i}/}}\n    capacity: 1\n    refill: 1/s\n",
+            i % 4
+        ));
+    }
+    let p = compile("x.yaml", &text).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(names(&p, "d", &[&[("route3", "/r7/x")]]), ["p7@0"]);
+    assert_eq!(names(&p, "d", &[&[("route1", "/r13/")]]), ["p13@0"]);
+    assert!(names(&p, "d", &[&[("route0", "/r13/")]]).is_empty());
+    assert!(names(&p, "d", &[&[("other", "/r7/x")]]).is_empty());
+}
+
 fn rollout_policy(percent: &str) -> Policy {
     let text = format!(
         "limits:\n  - name: canary\n    domain: api\n    key: [user]\n    capacity: 1\n    refill: 1/s\n    rollout: {percent}\n"

@@ -983,7 +983,8 @@ fn example_body(policy: &tollgate_policy::Policy) -> String {
     };
     let mut entries: Vec<String> = limit
         .when()
-        .map(|(key, value)| format!("\"{key}\":\"{value}\""))
+        // A prefix is itself a value that starts with it.
+        .map(|(key, test)| format!("\"{key}\":\"{}\"", test.text()))
         .collect();
     entries.extend(limit.key().map(|key| format!("\"{key}\":\"alice\"")));
     format!(

@@ -1342,6 +1342,10 @@ limits:
         when: {tier: premium}
         capacity: 200
         refill: 100/s
+      - name: eu
+        when: {region: !prefix eu-}
+        capacity: 50
+        refill: 5/s
   - name: per-route
     domain: api
     when: {method: POST}
@@ -1382,6 +1386,19 @@ exemptions:
     assert_eq!(user["overrides"][0]["name"], "premium");
     assert_eq!(user["overrides"][0]["when"]["tier"], "premium");
     assert_eq!(user["overrides"][0]["capacity"], 200);
+    assert_eq!(
+        user["overrides"][1]["when"]["region"],
+        serde_json::json!({"prefix": "eu-"})
+    );
+    // The prefix override applies to a value that starts with it, and only to such values.
+    let capacity_for = |region: &str| {
+        let body =
+            format!(r#"{{"domain":"api","descriptors":[{{"user":"u9","region":"{region}"}}]}}"#);
+        let answer = request(server.http, "POST", "/v1/check", &[], &body).json();
+        answer["limits"][0]["capacity"].clone()
+    };
+    assert_eq!(capacity_for("eu-west-1"), 50);
+    assert_eq!(capacity_for("us-east-1"), 20);
     let route = &limits[1];
     assert_eq!(route["algorithm"], "sliding_window");
     assert_eq!(route["limit"], 100);

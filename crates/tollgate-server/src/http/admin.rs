@@ -13,7 +13,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 use tollgate_policy::{
-    Error as PolicyError, FailureMode, LimitDef, Params, SystemWallClock, WallClock,
+    Error as PolicyError, FailureMode, LimitDef, Params, SystemWallClock, ValueMatch, WallClock,
 };
 
 use super::AppState;
@@ -215,9 +215,16 @@ fn params_into(body: &mut serde_json::Value, params: &Params) {
     }
 }
 
-fn conditions<'a>(entries: impl Iterator<Item = (&'a str, &'a str)>) -> serde_json::Value {
+/// A `when` as JSON: an exact value as a string, a prefix as `{"prefix": …}`.
+fn conditions<'a>(entries: impl Iterator<Item = (&'a str, &'a ValueMatch)>) -> serde_json::Value {
     entries
-        .map(|(name, value)| (name.to_owned(), json!(value)))
+        .map(|(name, test)| {
+            let value = match test {
+                ValueMatch::Prefix(prefix) => json!({ "prefix": prefix }),
+                other => json!(other.text()),
+            };
+            (name.to_owned(), value)
+        })
         .collect::<serde_json::Map<_, _>>()
         .into()
 }
