@@ -9,7 +9,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use crate::policy::{LimitDef, Mode, Policy};
+use crate::policy::{LimitDef, Mode, Policy, ValueMatch};
 use crate::wall::UnixTime;
 
 /// How soon an exemption's expiry is worth a warning: a week, time to renew or let it go.
@@ -63,6 +63,16 @@ pub enum Warning {
         /// The override.
         name: String,
     },
+    /// A `when` value ending in `*`, matched exactly as written: Envoy's wildcard spelling,
+    /// which here is `!prefix`.
+    StarValue {
+        /// The limit whose condition, override's or exemption's it is.
+        limit: String,
+        /// The descriptor entry.
+        entry: String,
+        /// The value as written.
+        value: String,
+    },
 }
 
 impl fmt::Display for Warning {
@@ -111,6 +121,25 @@ impl fmt::Display for Warning {
                 "override {name:?} of limit {limit:?} sets the limit's own parameters: it \
                  only moves its subjects to buckets of their own"
             ),
+            Warning::StarValue {
+                limit,
+                entry,
+                value,
+            } => {
+                write!(
+                    f,
+                    "limit {limit:?}: `{entry}: {value}` matches the value {value:?} exactly, \
+                     star included; "
+                )?;
+                match value.trim_end_matches('*') {
+                    "" => write!(f, "to match any value, write `{entry}: !prefix ''`"),
+                    prefix => write!(
+                        f,
+                        "to match the values that start with {prefix:?}, write `{entry}: \
+                         !prefix {prefix}`"
+                    ),
+                }
+            }
         }
     }
 }
@@ -120,6 +149,9 @@ pub fn lint(policy: &Policy, now: UnixTime) -> Vec<Warning> {
     let mut warnings = Vec::new();
     for limit in policy.limits() {
         lint_limit(limit, &mut warnings);
+    }
+    for exemption in policy.exemptions() {
+        star_values(exemption.limit(), exemption.when(), &mut warnings);
     }
     let soon = i64::try_from(EXPIRING_SOON.as_nanos()).unwrap_or(i64::MAX);
     for exemption in policy.exemptions() {
@@ -151,6 +183,10 @@ fn lint_limit(limit: &LimitDef, warnings: &mut Vec<Warning>) {
         }
         _ => {}
     }
+    star_values(limit.name(), limit.when(), warnings);
+    for o in limit.overrides() {
+        star_values(limit.name(), o.when(), warnings);
+    }
     let overrides = limit.overrides();
     for (at, this) in overrides.iter().enumerate() {
         // An earlier override each of whose conditions one of this one's implies (same entry,
@@ -172,6 +208,25 @@ fn lint_limit(limit: &LimitDef, warnings: &mut Vec<Warning>) {
             warnings.push(Warning::OverrideSameParams {
                 limit: name(),
                 name: this.name().to_owned(),
+            });
+        }
+    }
+}
+
+/// Exact `when` values ending in `*` (Envoy's wildcard spelling, not tollgate's).
+fn star_values<'a>(
+    limit: &str,
+    when: impl Iterator<Item = (&'a str, &'a ValueMatch)>,
+    warnings: &mut Vec<Warning>,
+) {
+    for (entry, test) in when {
+        if let ValueMatch::Exact(value) = test
+            && value.ends_with('*')
+        {
+            warnings.push(Warning::StarValue {
+                limit: limit.to_owned(),
+                entry: entry.to_owned(),
+                value: value.to_string(),
             });
         }
     }
@@ -299,6 +354,44 @@ limits:
         assert!(unreachable("admin", "api"), "{found:#?}");
         assert!(unreachable("web-exact", "web"), "{found:#?}");
         assert_eq!(found.len(), 3, "{found:#?}");
+    }
+
+    #[test]
+    fn a_value_spelt_as_an_envoy_wildcard_is_named() {
+        let yaml = "\
+version: 1
+limits:
+  - name: paths
+    domain: api
+    when: {path: /api/*}
+    capacity: 5
+    refill: 1/s
+    overrides:
+      - when: {tier: gold*}
+        capacity: 50
+        refill: 10/s
+  - name: fine
+    domain: api
+    when: {path: !prefix /api/, glob: '*'}
+    capacity: 5
+    refill: 1/s
+exemptions:
+  - limit: paths
+    when: {user: svc-*}
+    owner: ops@example.com
+    reason: internal
+    expires: 2099-01-01T00:00:00Z
+";
+        let found = warnings(yaml);
+        assert_eq!(found.len(), 4, "{found:#?}");
+        assert!(found[0].contains("`path: /api/*`") && found[0].contains("!prefix /api/"));
+        assert!(found[1].contains("`tier: gold*`"), "{}", found[1]);
+        assert!(
+            found[2].contains("`glob: *`") && found[2].contains("`glob: !prefix ''`"),
+            "{}",
+            found[2]
+        );
+        assert!(found[3].contains("`user: svc-*`"), "{}", found[3]);
     }
 
     #[test]
