@@ -151,6 +151,38 @@ fn forward_auth_for_nginx_and_traefik() {
     assert_eq!(answer.status, 400);
 }
 
+/// A limit on part of a site, as the README shows it: every path under `/api/`, query strings
+/// and all, shares a user's bucket; paths outside it are not limited.
+#[test]
+fn forward_auth_limits_a_path_prefix() {
+    let scratch = Scratch::new("forward-prefix");
+    let config = scratch.write(
+        "policy.yaml",
+        "limits:\n  - name: api-per-user\n    domain: api\n    when: {path: !prefix /api/}\n    key: [user]\n    capacity: 3\n    refill: 1/h\n",
+    );
+    let server = Server::start(&[
+        "--config",
+        path_str(&config),
+        "--forward-auth-header",
+        "user=X-User-Id",
+    ]);
+    let status = |uri: &str| {
+        let headers = [("X-User-Id", "dave"), ("X-Forwarded-Uri", uri)];
+        request(server.http, "GET", "/v1/forward-auth/api", &headers, "").status
+    };
+    for uri in ["/api/users", "/api/orders?page=2", "/api/"] {
+        assert_eq!(status(uri), 200, "{uri}");
+    }
+    assert_eq!(
+        status("/api/users/7"),
+        429,
+        "the fourth under /api/ shares the bucket"
+    );
+    for uri in ["/apix", "/web/api/", "/"] {
+        assert_eq!(status(uri), 200, "{uri} is outside the prefix");
+    }
+}
+
 /// SPEC §5: a request no limit applies to is allowed. A forward-auth subrequest that carries
 /// none of the mapped headers (an anonymous client) must not be a 400, which nginx
 /// `auth_request` turns into a 500 for the client.
