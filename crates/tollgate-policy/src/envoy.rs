@@ -330,25 +330,23 @@ impl Importer {
                         if wildcard.is_some_and(|w| w.shadow_mode != node.shadow_mode) {
                             self.note(&here, "shadow_mode differs from the wildcard sibling's; the sibling's mode applies".into());
                         }
-                        let name = self.override_name(&overrides, value);
-                        overrides.push((
-                            name,
-                            (key.to_owned(), ValueMatch::Exact(value.into())),
-                            capacity,
-                            refill,
-                        ));
+                        Self::add_override(
+                            &mut overrides,
+                            value,
+                            (key, ValueMatch::Exact(value.into())),
+                            (capacity, refill),
+                        );
                     }
                     (None, Some(j), Some((capacity, refill))) => {
                         if prefixed[j].shadow_mode != node.shadow_mode {
                             self.note(&here, format!("shadow_mode differs from the wildcard value `{key}={}`'s; that one's mode applies", prefixed[j].value().unwrap_or_default()));
                         }
-                        let name = self.override_name(&prefix_overrides[j], value);
-                        prefix_overrides[j].push((
-                            name,
-                            (key.to_owned(), ValueMatch::Exact(value.into())),
-                            capacity,
-                            refill,
-                        ));
+                        Self::add_override(
+                            &mut prefix_overrides[j],
+                            value,
+                            (key, ValueMatch::Exact(value.into())),
+                            (capacity, refill),
+                        );
                     }
                     (Some(_), _, None) | (None, Some(_), None) => {
                         if node.rate_limit.as_ref().is_some_and(|r| r.unlimited)
@@ -389,13 +387,12 @@ impl Importer {
                         if wildcard.is_some_and(|w| w.shadow_mode != node.shadow_mode) {
                             self.note(&here, "shadow_mode differs from the wildcard sibling's; the sibling's mode applies".into());
                         }
-                        let name = self.override_name(&overrides, value);
-                        overrides.push((
-                            name,
-                            (key.to_owned(), ValueMatch::Prefix(prefix.into())),
-                            capacity,
-                            refill,
-                        ));
+                        Self::add_override(
+                            &mut overrides,
+                            value,
+                            (key, ValueMatch::Prefix(prefix.into())),
+                            (capacity, refill),
+                        );
                     }
                     (Some(_), None) => self.note(
                         &here,
@@ -583,7 +580,18 @@ impl Importer {
         name
     }
 
-    fn override_name(&self, taken: &[OverrideOut], value: &str) -> String {
+    /// Adds to `overrides` one whose name comes from `value`, for `condition`, at `rate`.
+    fn add_override(
+        overrides: &mut Vec<OverrideOut>,
+        value: &str,
+        (key, test): (&str, ValueMatch),
+        (capacity, refill): (u64, String),
+    ) {
+        let name = Self::override_name(overrides, value);
+        overrides.push((name, (key.to_owned(), test), capacity, refill));
+    }
+
+    fn override_name(taken: &[OverrideOut], value: &str) -> String {
         let base = sanitize(value, 100);
         let mut name = base.clone();
         let mut n = 2;
