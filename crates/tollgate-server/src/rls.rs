@@ -23,6 +23,7 @@
 //!   open are decided by their emergency budgets and answer as usual.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
@@ -45,12 +46,36 @@ use tollgate_tower::headers as fields;
 /// The gRPC service.
 pub struct Rls {
     decider: Arc<Decider>,
+    /// Whether a descriptor's own `limit` has been reported as ignored (once per process).
+    told_limit_ignored: AtomicBool,
 }
 
 impl Rls {
     /// A service deciding through `decider`.
     pub fn new(decider: Arc<Decider>) -> Self {
-        Self { decider }
+        Self {
+            decider,
+            told_limit_ignored: AtomicBool::new(false),
+        }
+    }
+
+    /// Envoy's `limit` rate-limit action (from dynamic metadata) sends a limit with the
+    /// descriptor, which envoyproxy/ratelimit applies instead of its configuration. tollgate
+    /// decides by its policy alone, so that a client cannot set its own limit; an operator
+    /// moving such a setup over must hear that the limit sent does nothing here, once.
+    fn tell_limit_ignored(&self, request: &RateLimitRequest) {
+        let Some(limit) = request.descriptors.iter().find_map(|d| d.limit.as_ref()) else {
+            return;
+        };
+        if !self.told_limit_ignored.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                domain = %request.domain,
+                requests_per_unit = limit.requests_per_unit,
+                "an RLS descriptor carries its own limit (Envoy's `limit` action); tollgate \
+                 decides by its policy and ignores it: write the limit in the policy, with an \
+                 override per value if it varies (said once per process)"
+            );
+        }
     }
 
     /// The tonic server for this service.
@@ -213,6 +238,7 @@ impl Rls {
         &self,
         mut request: RateLimitRequest,
     ) -> Result<RateLimitResponse, Status> {
+        self.tell_limit_ignored(&request);
         let descriptors =
             parse(&mut request).inspect_err(|_| metrics::record_invalid(Api::Grpc))?;
         let count = descriptors.len();

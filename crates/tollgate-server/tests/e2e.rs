@@ -282,6 +282,45 @@ async fn rls_descriptors_of_different_costs_are_all_or_nothing() {
     assert_eq!(answer.status, 200, "mixed was charged: {}", answer.body);
 }
 
+/// Envoy's `limit` action sends a limit with the descriptor. tollgate decides by its policy
+/// (a client must not set its own limit), and tells the operator once that the limit sent is
+/// ignored, so a setup moved over from envoyproxy/ratelimit does not change silently.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_limit_sent_with_a_descriptor_is_ignored_and_said_once() {
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
+    use std::io::Read as _;
+    let scratch = Scratch::new("grpc-limit-override");
+    let config = scratch.write("policy.yaml", POLICY);
+    let (server, mut stderr) = Server::start_logging(&["--config", path_str(&config)], "warn");
+    let request = || {
+        let mut sent = descriptor(&[("user", "overriding")]);
+        sent.limit = Some(RateLimitOverride {
+            requests_per_unit: 1_000,
+            unit: 1,
+        });
+        RateLimitRequest {
+            domain: "api".to_owned(),
+            descriptors: vec![sent],
+            hits_addend: 1,
+        }
+    };
+    let mut codes = Vec::new();
+    for _ in 0..4 {
+        let response = should_rate_limit(&server, request()).await.unwrap();
+        codes.push(response.overall_code);
+    }
+    // per-user's capacity of 3, not the 1,000 a second sent.
+    let (ok, over) = (Code::Ok as i32, Code::OverLimit as i32);
+    assert_eq!(codes, [ok, ok, ok, over]);
+    let status = tokio::task::spawn_blocking(move || server.terminate())
+        .await
+        .expect("terminate");
+    assert!(status.success(), "{status:?}");
+    let mut logs = String::new();
+    stderr.read_to_string(&mut logs).expect("read the logs");
+    assert_eq!(logs.matches("carries its own limit").count(), 1, "{logs}");
+}
+
 const WINDOWS: &str = r#"
 version: "w"
 limits:
