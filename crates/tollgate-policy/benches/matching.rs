@@ -2,7 +2,8 @@
 //!
 //! The policy mixes the shapes real policies have: per-route limits keyed by user (filed under
 //! their `when` pair), per-tenant limits with no conditions (filed under their key entry), and a
-//! few global limits, over several domains. A request matches a handful of them.
+//! few global limits, over several domains. A request matches a handful of them. A second
+//! policy holds a thousand routes by path prefix.
 
 use std::fmt::Write as _;
 use std::hint::black_box;
@@ -120,5 +121,39 @@ fn bench(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench);
+/// A thousand routes by path prefix (as an import of Envoy wildcard values gives), each keyed
+/// by user: a request under one route must not test the other 999 prefixes.
+fn prefixes(c: &mut Criterion) {
+    let mut text = String::from("version: bench\nlimits:\n");
+    for i in 0..1_000 {
+        let _ = writeln!(
+            text,
+            "  - name: route-{i}\n    domain: api\n    when: {{path: !prefix /v1/r{i}/}}\n    key: [user]\n    capacity: 100\n    refill: 10/s"
+        );
+    }
+    let policy: Policy = match compile("bench.yaml", &text) {
+        Ok(policy) => policy,
+        Err(err) => panic!("{err}"),
+    };
+    let now = UnixTime::from_secs(1_800_000_000);
+    let hit = [("path", "/v1/r502/items/7"), ("user", "u-42")];
+    let miss = [("path", "/v2/elsewhere"), ("user", "u-42")];
+    let mut out = Vec::with_capacity(16);
+    policy.match_into("api", &[hit], now, &mut out);
+    assert_eq!(out.len(), 1);
+    let mut group = c.benchmark_group("match_1000_prefixes");
+    group.throughput(Throughput::Elements(1));
+    for (name, descriptor) in [("hit_1_limit", hit), ("miss", miss)] {
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                out.clear();
+                policy.match_into(black_box("api"), black_box(&[descriptor]), now, &mut out);
+                black_box(out.len())
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench, prefixes);
 criterion_main!(benches);

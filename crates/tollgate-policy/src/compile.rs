@@ -823,69 +823,81 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
     let mut domains: HashMap<Box<str>, DomainIndex, _> =
         HashMap::with_hasher(foldhash::fast::RandomState::default());
     type Lists = StdHashMap<u64, Vec<u32>>;
-    // File each limit under its most selective condition: the exact `when` pair (or, without
-    // one, the entry it requires: a key entry or a prefix condition's) that the fewest limits of
-    // its domain share. Filing under a pair such as method=POST would make every POST request
-    // try every limit filed there.
+    // File each limit under its most selective condition: the exact `when` pair, else the
+    // prefix condition, else the key entry, that the fewest limits of its domain share. Filing
+    // under a pair such as method=POST would make every POST request try every limit filed
+    // there.
     let mut pair_use: StdHashMap<(&str, &str, &str), usize> = StdHashMap::new();
+    let mut prefix_use: StdHashMap<(&str, &str, &str), usize> = StdHashMap::new();
     let mut entry_use: StdHashMap<(&str, &str), usize> = StdHashMap::new();
     for limit in &limits {
         let domain = &*limit.domain;
         for (entry, test) in &*limit.when {
-            match test {
-                ValueMatch::Exact(value) => {
-                    *pair_use.entry((domain, &**entry, &**value)).or_default() += 1;
-                }
-                ValueMatch::Prefix(_) => *entry_use.entry((domain, &**entry)).or_default() += 1,
-            }
+            let uses = match test {
+                ValueMatch::Exact(_) => &mut pair_use,
+                ValueMatch::Prefix(_) => &mut prefix_use,
+            };
+            *uses.entry((domain, &**entry, test.text())).or_default() += 1;
         }
         for entry in &*limit.key {
             *entry_use.entry((domain, &**entry)).or_default() += 1;
         }
     }
-    let mut filed_at = Vec::with_capacity(limits.len());
-    let mut staging: StdHashMap<&str, (Lists, Lists, Vec<u32>)> = StdHashMap::new();
-    for limit in &limits {
-        let (pairs, entries, always) = staging.entry(&*limit.domain).or_default();
-        let domain = &*limit.domain;
-        let best_pair = (0..limit.when.len())
-            .filter_map(|i| match &limit.when[i].1 {
-                ValueMatch::Exact(value) => Some((i, &**value)),
-                ValueMatch::Prefix(_) => None,
-            })
-            .min_by_key(|&(i, value)| {
-                pair_use
-                    .get(&(domain, &*limit.when[i].0, value))
+    let rarest = |uses: &StdHashMap<(&str, &str, &str), usize>, limit: &LimitDef, prefix: bool| {
+        (0..limit.when.len())
+            .filter(|&i| matches!(limit.when[i].1, ValueMatch::Prefix(_)) == prefix)
+            .min_by_key(|&i| {
+                let (entry, test) = &limit.when[i];
+                uses.get(&(&*limit.domain, &**entry, test.text()))
                     .copied()
                     .unwrap_or(0)
-            });
-        // The entries a limit requires by name: its prefix conditions', then its key's.
-        let required = (0..limit.when.len())
-            .filter(|&i| matches!(limit.when[i].1, ValueMatch::Prefix(_)))
-            .map(|i| (Filed::Condition(i), &*limit.when[i].0))
-            .chain((0..limit.key.len()).map(|i| (Filed::Key(i), &*limit.key[i])));
-        let best_entry = required
-            .min_by_key(|&(_, entry)| entry_use.get(&(domain, entry)).copied().unwrap_or(0));
-        let filed = match (best_pair, best_entry) {
-            (Some((i, value)), _) => {
-                let hash = hasher.hash_one((&*limit.when[i].0, value));
-                Some((pairs, hash, Filed::Pair(i)))
-            }
-            (None, Some((filed, entry))) => Some((entries, hasher.hash_one(entry), filed)),
-            (None, None) => None,
-        };
-        match filed {
-            Some((lists, hash, filed)) => {
-                lists.entry(hash).or_default().push(limit.index);
-                filed_at.push(filed);
-            }
-            None => {
-                always.push(limit.index);
-                filed_at.push(Filed::Always);
-            }
-        }
+            })
+    };
+    #[derive(Default)]
+    struct Staged<'a> {
+        pairs: Lists,
+        prefixes: Lists,
+        lengths: StdHashMap<&'a str, Vec<usize>>,
+        entries: Lists,
+        always: Vec<u32>,
     }
-    for (domain, (pairs, entries, always)) in staging {
+    let mut filed_at = Vec::with_capacity(limits.len());
+    let mut staging: StdHashMap<&str, Staged<'_>> = StdHashMap::new();
+    for limit in &limits {
+        let staged = staging.entry(&*limit.domain).or_default();
+        let condition = |i: usize| (&*limit.when[i].0, limit.when[i].1.text());
+        let filed = if let Some(i) = rarest(&pair_use, limit, false) {
+            Filed::Pair(i)
+        } else if let Some(i) = rarest(&prefix_use, limit, true) {
+            Filed::Prefix(i)
+        } else if let Some(i) = (0..limit.key.len()).min_by_key(|&i| {
+            entry_use
+                .get(&(&*limit.domain, &*limit.key[i]))
+                .copied()
+                .unwrap_or(0)
+        }) {
+            Filed::Key(i)
+        } else {
+            Filed::Always
+        };
+        let list = match filed {
+            Filed::Pair(i) => staged.pairs.entry(hasher.hash_one(condition(i))),
+            Filed::Prefix(i) => {
+                let (entry, prefix) = condition(i);
+                staged.lengths.entry(entry).or_default().push(prefix.len());
+                staged.prefixes.entry(hasher.hash_one((entry, prefix)))
+            }
+            Filed::Key(i) => staged.entries.entry(hasher.hash_one(&*limit.key[i])),
+            Filed::Always => {
+                staged.always.push(limit.index);
+                filed_at.push(filed);
+                continue;
+            }
+        };
+        list.or_default().push(limit.index);
+        filed_at.push(filed);
+    }
+    for (domain, staged) in staging {
         let table = |lists: Lists| {
             let mut table = HashTable::with_capacity(lists.len());
             for (hash, list) in lists {
@@ -893,12 +905,25 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
             }
             table
         };
+        let mut prefix_lengths = HashTable::with_capacity(staged.lengths.len());
+        for (entry, mut lengths) in staged.lengths {
+            lengths.sort_unstable();
+            lengths.dedup();
+            let hash = hasher.hash_one(entry);
+            prefix_lengths.insert_unique(
+                hash,
+                (hash, entry.into(), lengths.into_boxed_slice()),
+                |(h, ..)| *h,
+            );
+        }
         domains.insert(
             domain.into(),
             DomainIndex {
-                by_pair: table(pairs),
-                by_entry: table(entries),
-                always: always.into_boxed_slice(),
+                by_pair: table(staged.pairs),
+                by_prefix: table(staged.prefixes),
+                prefix_lengths,
+                by_entry: table(staged.entries),
+                always: staged.always.into_boxed_slice(),
             },
         );
     }

@@ -20,13 +20,15 @@
 //!
 //! * the exact `when` entry and value (a hash of the pair) that the fewest limits of its domain
 //!   share, or else
-//! * the entry name, among its `key` entries and its `!prefix` conditions' entries, that the
-//!   fewest limits of its domain share, or else
+//! * the `!prefix` condition (a hash of the entry and the prefix) that the fewest share, or else
+//! * the `key` entry name that the fewest share, or else
 //! * nothing: it applies to every descriptor of the domain.
 //!
 //! A descriptor of `n` entries then costs `2n` hash lookups plus a verification of each
-//! candidate's remaining conditions, whatever the number of limits. Results are returned in
-//! declaration order, so decisions do not depend on hash order.
+//! candidate's remaining conditions, whatever the number of limits. An entry that prefixes are
+//! filed under costs one more lookup per distinct prefix length filed for it (the value cut to
+//! each length), not one test per prefix: a thousand routes by prefix cost a handful of
+//! lookups. Results are returned in declaration order, so decisions do not depend on hash order.
 
 use std::hash::BuildHasher;
 use std::sync::Arc;
@@ -493,8 +495,8 @@ impl<'p, P> Matched<'p, P> {
 pub(crate) enum Filed {
     /// The pair of `when[i]`, an exact condition, in `by_pair`.
     Pair(usize),
-    /// The entry name of `when[i]`, a prefix condition, in `by_entry`.
-    Condition(usize),
+    /// The entry and prefix of `when[i]`, a prefix condition, in `by_prefix`.
+    Prefix(usize),
     /// The entry name `key[i]`, in `by_entry`.
     Key(usize),
     /// Nothing: the limit is in `always`.
@@ -510,10 +512,17 @@ impl LimitDef {
         }
     }
 
-    /// The entry name the limit is filed under, if any.
+    /// The entry and prefix the limit is filed under, if any.
+    fn filed_prefix(&self) -> Option<(&str, &str)> {
+        match self.filed {
+            Filed::Prefix(i) => Some((&*self.when[i].0, self.when[i].1.text())),
+            _ => None,
+        }
+    }
+
+    /// The key entry name the limit is filed under, if any.
     fn filed_entry(&self) -> Option<&str> {
         match self.filed {
-            Filed::Condition(i) => Some(&self.when[i].0),
             Filed::Key(i) => Some(&self.key[i]),
             _ => None,
         }
@@ -525,8 +534,12 @@ impl LimitDef {
 pub(crate) struct DomainIndex {
     /// Keyed by the hash of the `when` (entry, value) a limit is filed under.
     pub(crate) by_pair: HashTable<(u64, Box<[u32]>)>,
-    /// Keyed by the hash of the entry name (a key entry's, or a prefix condition's) a limit
-    /// without an exact condition is filed under.
+    /// Keyed by the hash of the `!prefix` (entry, prefix) a limit is filed under.
+    pub(crate) by_prefix: HashTable<(u64, Box<[u32]>)>,
+    /// Keyed by the hash of an entry name that prefixes are filed under: the distinct lengths
+    /// of those prefixes, in bytes, shortest first.
+    pub(crate) prefix_lengths: HashTable<(u64, Box<str>, Box<[usize]>)>,
+    /// Keyed by the hash of the key entry name a limit without conditions is filed under.
     pub(crate) by_entry: HashTable<(u64, Box<[u32]>)>,
     /// Limits with neither conditions nor key entries.
     pub(crate) always: Box<[u32]>,
@@ -690,6 +703,29 @@ impl Policy {
                     }
                 }
                 let name = self.hasher.hash_one(entry);
+                if !index.prefix_lengths.is_empty()
+                    && let Some((_, _, lengths)) = index
+                        .prefix_lengths
+                        .find(name, |(h, filed, _)| *h == name && &**filed == entry)
+                {
+                    for &length in &**lengths {
+                        let Some(prefix) = value.get(..length) else {
+                            // Longer than the value, or inside a character: no such prefix.
+                            continue;
+                        };
+                        let hash = self.hasher.hash_one((entry, prefix));
+                        let Some((_, list)) = index.by_prefix.find(hash, |(h, _)| *h == hash)
+                        else {
+                            continue;
+                        };
+                        for &limit in &**list {
+                            let candidate = &self.limits[limit as usize];
+                            if candidate.filed_prefix() == Some((entry, prefix)) {
+                                self.try_limit(limit, position, entries, now, out);
+                            }
+                        }
+                    }
+                }
                 if let Some((_, list)) = index.by_entry.find(name, |(h, _)| *h == name) {
                     for &limit in &**list {
                         let candidate = &self.limits[limit as usize];

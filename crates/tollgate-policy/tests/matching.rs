@@ -382,6 +382,56 @@ fn many_prefix_limits_are_found_through_the_index() {
     assert!(names(&p, "d", &[&[("other", "/r7/x")]]).is_empty());
 }
 
+#[test]
+fn prefixes_of_one_entry_are_found_by_length_not_tried_one_by_one() {
+    // Nested, overlapping and empty prefixes, multi-byte characters, a limit with two prefix
+    // conditions, and a hundred routes besides: each limit that matches is found once, in
+    // declaration order, and no other.
+    let mut text = String::from("limits:\n");
+    for (name, when) in [
+        ("a", "path: !prefix /a"),
+        ("ab", "path: !prefix /a/b"),
+        ("abc", "path: !prefix /a/b/c"),
+        ("any", "path: !prefix ''"),
+        ("accent", "path: !prefix /é"),
+        ("two", "path: !prefix /a, tenant: !prefix eu-"),
+    ] {
+        text.push_str(&format!(
+            "  - name: {name}\n    domain: d\n    when: {{{when}}}\n    capacity: 1\n    refill: 1/s\n"
+        ));
+    }
+    for i in 0..100 {
+        text.push_str(&format!(
+            "  - name: r{i}\n    domain: d\n    when: {{path: !prefix /r/{i}/}}\n    capacity: 1\n    refill: 1/s\n"
+        ));
+    }
+    let p = compile("x.yaml", &text).unwrap_or_else(|e| panic!("{e}"));
+    type Case<'a> = (&'a [(&'a str, &'a str)], &'a [&'a str]);
+    let cases: &[Case<'_>] = &[
+        (&[("path", "/a/b/c/d")], &["a@0", "ab@0", "abc@0", "any@0"]),
+        (&[("path", "/a/b")], &["a@0", "ab@0", "any@0"]),
+        (&[("path", "/a")], &["a@0", "any@0"]),
+        (&[("path", "/")], &["any@0"]),
+        (&[("path", "")], &["any@0"]),
+        (&[("path", "/éa")], &["any@0", "accent@0"]),
+        (&[("path", "/e")], &["any@0"]),
+        // The length of `/a` cuts `/é` inside the two bytes of é: no prefix there, no panic.
+        (&[("path", "/\u{e9}")], &["any@0", "accent@0"]),
+        (
+            &[("path", "/a/x"), ("tenant", "eu-1")],
+            &["a@0", "any@0", "two@0"],
+        ),
+        (&[("path", "/a/x"), ("tenant", "us-1")], &["a@0", "any@0"]),
+        (&[("path", "/r/42/items")], &["any@0", "r42@0"]),
+        (&[("path", "/r/4/items")], &["any@0", "r4@0"]),
+        (&[("path", "/r/420")], &["any@0"]),
+        (&[("route", "/a/b")], &[]),
+    ];
+    for (descriptor, expected) in cases {
+        assert_eq!(names(&p, "d", &[descriptor]), *expected, "{descriptor:?}");
+    }
+}
+
 fn rollout_policy(percent: &str) -> Policy {
     let text = format!(
         "limits:\n  - name: canary\n    domain: api\n    key: [user]\n    capacity: 1\n    refill: 1/s\n    rollout: {percent}\n"
