@@ -14,6 +14,9 @@
 //!   (Envoy counts each full value apart). Envoy tries exact values, then wildcard values in file
 //!   order, then the key-only node, so beside a key-only sibling they are overrides after the
 //!   exact ones; without one, an exact value a wildcard value covers is an override of it.
+//! * A limit under a valued node with the shape of one under its key-only sibling
+//!   (`tenant=acme > user` beside `tenant > user`) is what Envoy applies for that value instead
+//!   of the sibling's: an override of it, tried before its own.
 //! * `N` requests per `unit` becomes capacity `N`, refill `N/unit`: Envoy counts in calendar fixed
 //!   windows, tollgate refills a token bucket continuously, so a client can no longer burst `2N`
 //!   across a window edge. Said once in the notes.
@@ -22,12 +25,13 @@
 //!
 //! What tollgate cannot express is listed in [`EnvoyImport::notes`], with the descriptor path:
 //! `replaces`, overlapping wildcard values (Envoy takes the first, tollgate applies each),
-//! `unlimited` exceptions to a wildcard sibling, a valued node hiding a wider sibling's
-//! subtree, a key repeated further down its own path (skipped), entry order, month and year
-//! units (approximated), and fields it does not know.
+//! `unlimited` exceptions to a wildcard sibling, the rest of a wider sibling's subtree that a
+//! valued node hides, a key repeated further down its own path (skipped), entry order, month
+//! and year units (approximated), and fields it does not know.
 
 use std::collections::{BTreeMap, HashSet};
 use std::fmt::Write as _;
+use std::ops::Range;
 
 use serde::Deserialize;
 use serde::de::IgnoredAny;
@@ -106,6 +110,8 @@ struct RateLimit {
 struct Out {
     /// The descriptor path it came from, for notes.
     path: String,
+    /// The same path, step by step: each entry and its value (`None`: any value).
+    steps: Vec<(String, Option<String>)>,
     name: String,
     when: Vec<(String, ValueMatch)>,
     key: Vec<String>,
@@ -308,6 +314,8 @@ impl Importer {
                 })
                 .collect();
             let mut prefix_overrides: Vec<Vec<OverrideOut>> = vec![Vec::new(); prefixed.len()];
+            // The limits each valued node's subtree gave, by value.
+            let mut subtrees: Vec<(&str, Range<usize>)> = Vec::new();
             let mut overrides = Vec::new();
             for node in &exact {
                 let Some(value) = node.value() else {
@@ -373,7 +381,9 @@ impl Importer {
                     }
                     (None, None, None) => {}
                 }
+                let before = self.limits.len();
                 self.level(&node.descriptors, &here_path);
+                subtrees.push((value, before..self.limits.len()));
             }
             for (j, node) in prefixed.iter().enumerate() {
                 let value = node.value().unwrap_or_default();
@@ -427,6 +437,7 @@ impl Importer {
                 }
                 let before = self.limits.len();
                 self.level(&node.descriptors, &here_path);
+                subtrees.push((value, before..self.limits.len()));
                 let nested: Vec<String> = self.limits[before..]
                     .iter()
                     .map(|l| l.path.clone())
@@ -447,11 +458,7 @@ impl Importer {
                 }
                 let before = self.limits.len();
                 self.level(&w.descriptors, &here_path);
-                let nested: Vec<String> = self.limits[before..]
-                    .iter()
-                    .map(|l| l.path.clone())
-                    .collect();
-                self.note_hidden_subtree(&group, &nested, path, key, key);
+                self.merge_hidden_subtrees(&subtrees, before..self.limits.len(), path, key);
             }
             for extra in wildcards.iter().skip(1) {
                 let mut here_path = path.to_vec();
@@ -461,6 +468,93 @@ impl Importer {
                 }
                 self.level(&extra.descriptors, &here_path);
             }
+        }
+    }
+
+    /// Envoy walks a valued node's subtree instead of its key-only sibling's (see
+    /// [`note_hidden_subtree`](Self::note_hidden_subtree)). Where a limit under the valued node
+    /// has the shape of one under the sibling (the same entries, the same values but this one),
+    /// it is what Envoy applies instead of the sibling's for that value: it becomes an override
+    /// of the sibling's limit (`when` that value), tried before the overrides the limit had,
+    /// since Envoy chose the value at this level before looking further down. The sibling's
+    /// limits that nothing under a value replaces still apply to it: noted, as before.
+    fn merge_hidden_subtrees(
+        &mut self,
+        subtrees: &[(&str, Range<usize>)],
+        nested: Range<usize>,
+        path: &Path<'_>,
+        key: &str,
+    ) {
+        let depth = path.len();
+        // (limit under a value, limit under the sibling it overrides, the value)
+        let mut merged: Vec<(usize, usize, &str)> = Vec::new();
+        for &(value, ref range) in subtrees {
+            let mut hidden = Vec::new();
+            for into in nested.clone() {
+                let from = range.clone().find(|&from| {
+                    self.limits[from].overrides.is_empty()
+                        && !merged.iter().any(|&(taken, ..)| taken == from)
+                        && same_shape(
+                            &self.limits[from].steps,
+                            &self.limits[into].steps,
+                            depth,
+                            value,
+                        )
+                });
+                match from {
+                    Some(from) => merged.push((from, into, value)),
+                    None => hidden.push(self.limits[into].path.clone()),
+                }
+            }
+            if !hidden.is_empty() {
+                let mut here_path = path.to_vec();
+                here_path.push((key, Some(value)));
+                let message = format!(
+                    "hides the subtree of its wildcard sibling `{key}` in envoy, but in tollgate \
+                     the limits under it apply to {key}={value} too: {}",
+                    hidden.join(", ")
+                );
+                self.note(&describe(&here_path), message);
+            }
+        }
+        let mut added: Vec<(usize, Vec<OverrideOut>)> = Vec::new();
+        for &(from, into, value) in &merged {
+            if self.limits[from].shadow != self.limits[into].shadow {
+                let message = format!(
+                    "shadow_mode differs from `{}`'s, whose override it becomes; that one's \
+                     mode applies",
+                    self.limits[into].path
+                );
+                let here = self.limits[from].path.clone();
+                self.note(&here, message);
+            }
+            let position = match added.iter().position(|(i, _)| *i == into) {
+                Some(position) => position,
+                None => {
+                    added.push((into, Vec::new()));
+                    added.len() - 1
+                }
+            };
+            let taken: Vec<OverrideOut> = added[position]
+                .1
+                .iter()
+                .chain(&self.limits[into].overrides)
+                .cloned()
+                .collect();
+            let name = Self::override_name(&taken, value);
+            let rate = (self.limits[from].capacity, self.limits[from].refill.clone());
+            added[position]
+                .1
+                .push((name, (key.to_owned(), condition_of(value)), rate.0, rate.1));
+        }
+        for (into, mut overrides) in added {
+            overrides.append(&mut self.limits[into].overrides);
+            self.limits[into].overrides = overrides;
+        }
+        let mut gone: Vec<usize> = merged.iter().map(|&(from, ..)| from).collect();
+        gone.sort_unstable();
+        for from in gone.into_iter().rev() {
+            self.limits.remove(from);
         }
     }
 
@@ -637,6 +731,10 @@ impl Importer {
             .collect();
         self.limits.push(Out {
             path: describe(path),
+            steps: path
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), v.map(str::to_owned)))
+                .collect(),
             name,
             when,
             key,
@@ -718,6 +816,26 @@ impl Importer {
         let _ = writeln!(out, "{indent}limit: {n}");
         let _ = writeln!(out, "{indent}window: {count}{period}");
     }
+}
+
+/// Whether a limit under a valued node (`steps` of `narrow`) stands where one under its
+/// key-only sibling does (`wide`): the same entries with the same values, but at `depth`,
+/// where the narrow one has `value` and the wide one any value.
+fn same_shape(
+    narrow: &[(String, Option<String>)],
+    wide: &[(String, Option<String>)],
+    depth: usize,
+    value: &str,
+) -> bool {
+    narrow.len() == wide.len()
+        && narrow.iter().zip(wide).enumerate().all(|(i, (n, w))| {
+            n.0 == w.0
+                && if i == depth {
+                    n.1.as_deref() == Some(value) && w.1.is_none()
+                } else {
+                    n.1 == w.1
+                }
+        })
 }
 
 /// A limit or override name from arbitrary text: other characters become `_`.

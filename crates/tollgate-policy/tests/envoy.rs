@@ -271,6 +271,81 @@ fn wildcard_values_become_prefix_conditions_with_envoys_precedence() {
     assert!(!notes.contains("cannot be expressed: this node"), "{notes}");
 }
 
+/// A common shape: every tenant's users limited, one tenant's users limited otherwise, and one
+/// user of every tenant limited otherwise again. Envoy walks `tenant=acme` first and never
+/// reaches `tenant`'s subtree for acme: acme's users get acme's limit alone.
+const TENANT_USERS: &str = r#"
+domain: api
+descriptors:
+  - key: tenant
+    value: acme
+    descriptors:
+      - key: user
+        rate_limit: {unit: second, requests_per_unit: 100}
+      - key: route
+        rate_limit: {unit: second, requests_per_unit: 7}
+  - key: tenant
+    value: "eu-*"
+    descriptors:
+      - key: user
+        rate_limit: {unit: second, requests_per_unit: 50}
+  - key: tenant
+    descriptors:
+      - key: user
+        rate_limit: {unit: second, requests_per_unit: 10}
+      - key: user
+        value: bot
+        rate_limit: {unit: second, requests_per_unit: 1}
+      - key: ip
+        rate_limit: {unit: second, requests_per_unit: 5}
+"#;
+
+#[test]
+fn a_valued_nodes_subtree_overrides_the_same_limits_of_its_wildcard_sibling() {
+    let (imported, p) = import(TENANT_USERS);
+    let m = |d: &[(&str, &str)]| matched(&p, "api", d);
+    // acme's users: acme's limit alone, as an override of the per-user limit.
+    assert_eq!(
+        m(&[("tenant", "acme"), ("user", "u1")]),
+        ["api.tenant.user|acme|u1#acme capacity 100 refill 100/s"]
+    );
+    // The tenant chosen first wins over the user below it, as in Envoy: acme's bot is acme's.
+    assert_eq!(
+        m(&[("tenant", "acme"), ("user", "bot")]),
+        ["api.tenant.user|acme|bot#acme capacity 100 refill 100/s"]
+    );
+    // A wildcard value's subtree too, after the exact values.
+    assert_eq!(
+        m(&[("tenant", "eu-1"), ("user", "u1")]),
+        ["api.tenant.user|eu-1|u1#eu-_ capacity 50 refill 50/s"]
+    );
+    // Everyone else: the sibling's limits, and its own override below.
+    assert_eq!(
+        m(&[("tenant", "other"), ("user", "u1")]),
+        ["api.tenant.user|other|u1 capacity 10 refill 10/s"]
+    );
+    assert_eq!(
+        m(&[("tenant", "other"), ("user", "bot")]),
+        ["api.tenant.user|other|bot#bot capacity 1 refill 1/s"]
+    );
+    // A limit under a value with no counterpart stays a limit of its own.
+    assert_eq!(
+        m(&[("tenant", "acme"), ("route", "/x")]),
+        ["api.tenant_acme.route|/x capacity 7 refill 7/s"]
+    );
+    // What nothing under a value replaces still applies to it, and is noted.
+    assert_eq!(
+        m(&[("tenant", "acme"), ("ip", "10.0.0.1")]),
+        ["api.tenant.ip|acme|10.0.0.1 capacity 5 refill 5/s"]
+    );
+    let notes = imported.notes.join("\n");
+    assert!(
+        notes.contains("tenant=acme: hides the subtree of its wildcard sibling `tenant` in envoy, but in tollgate the limits under it apply to tenant=acme too: tenant > ip"),
+        "{notes}"
+    );
+    assert!(!notes.contains("tenant > user,"), "{notes}");
+}
+
 #[test]
 fn overlapping_wildcard_values_are_noted() {
     let text = r#"
