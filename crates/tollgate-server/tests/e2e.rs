@@ -288,10 +288,9 @@ async fn rls_descriptors_of_different_costs_are_all_or_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_limit_sent_with_a_descriptor_is_ignored_and_said_once() {
     use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
-    use std::io::Read as _;
     let scratch = Scratch::new("grpc-limit-override");
     let config = scratch.write("policy.yaml", POLICY);
-    let (server, mut stderr) = Server::start_logging(&["--config", path_str(&config)], "warn");
+    let (server, stderr) = Server::start_logging(&["--config", path_str(&config)], "warn");
     let request = || {
         let mut sent = descriptor(&[("user", "overriding")]);
         sent.limit = Some(RateLimitOverride {
@@ -312,12 +311,9 @@ async fn a_limit_sent_with_a_descriptor_is_ignored_and_said_once() {
     // per-user's capacity of 3, not the 1,000 a second sent.
     let (ok, over) = (Code::Ok as i32, Code::OverLimit as i32);
     assert_eq!(codes, [ok, ok, ok, over]);
-    let status = tokio::task::spawn_blocking(move || server.terminate())
+    let logs = tokio::task::spawn_blocking(move || server.terminate_and_read(stderr))
         .await
         .expect("terminate");
-    assert!(status.success(), "{status:?}");
-    let mut logs = String::new();
-    stderr.read_to_string(&mut logs).expect("read the logs");
     assert_eq!(logs.matches("carries its own limit").count(), 1, "{logs}");
 }
 

@@ -595,10 +595,9 @@ async fn renewed_envoys_together_never_get_more_than_the_limit() {
 /// cost 2): the bucket is denied to every Envoy, and the server says why, once per stream.
 #[tokio::test]
 async fn a_capacity_too_small_for_any_assignment_is_denied_and_logged() {
-    use std::io::Read as _;
     let scratch = Scratch::new("rlqs-single");
     let policy = scratch.write("policy.yaml", POLICY);
-    let (server, mut stderr) =
+    let (server, stderr) =
         Server::start_logging(&["--config", policy.to_str().expect("utf-8")], "warn");
     let mut envoy = Envoy::connect(&server).await;
     for _ in 0..2 {
@@ -612,12 +611,9 @@ async fn a_capacity_too_small_for_any_assignment_is_denied_and_logged() {
     }
     assert_eq!(metric(&server, "tollgate_rlqs_prepaid_tokens_total"), 0.0);
     drop(envoy);
-    let status = tokio::task::spawn_blocking(move || server.terminate())
+    let logs = tokio::task::spawn_blocking(move || server.terminate_and_read(stderr))
         .await
         .expect("terminate");
-    assert!(status.success(), "{status:?}");
-    let mut logs = String::new();
-    stderr.read_to_string(&mut logs).expect("read the logs");
     let said = logs.matches("cannot pay for any assignment").count();
     assert_eq!(said, 1, "{logs}");
 }

@@ -149,6 +149,16 @@ impl Server {
         child.wait().expect("wait for tollgate")
     }
 
+    /// Stops a server started with [`start_logging`](Self::start_logging) by SIGTERM, asserts
+    /// that it exited cleanly, and returns all it logged.
+    pub fn terminate_and_read(self, mut logs: ChildStderr) -> String {
+        let status = self.terminate();
+        assert!(status.success(), "{status:?}");
+        let mut text = String::new();
+        logs.read_to_string(&mut text).expect("read the logs");
+        text
+    }
+
     /// Sends SIGTERM and waits up to `limit` for the exit status; `None` (and the process
     /// killed) if it did not stop by then.
     pub fn terminate_within(mut self, limit: std::time::Duration) -> Option<ExitStatus> {
