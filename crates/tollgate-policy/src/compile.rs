@@ -87,6 +87,51 @@ fn plain_conditions(when: &BTreeMap<String, WhenValue>) -> Conditions {
         .collect()
 }
 
+/// Resolves each limit's `replaces` to positions: names of other limits of its own domain
+/// (a limit of another domain never applies to the same request), each once.
+fn resolve_replaces(file: &str, parsed: &PolicyFile, limits: &mut [LimitDef]) -> Result<(), Error> {
+    for (i, spec) in parsed.limits.iter().enumerate() {
+        let Some(names) = &spec.replaces else {
+            continue;
+        };
+        let path = format!("limits[{i}].replaces");
+        let mut replaced = Vec::with_capacity(names.value.len());
+        for name in &names.value {
+            let problem = match limits.iter().position(|l| *l.name == **name) {
+                None => Some(format!("no limit is named {name:?}")),
+                Some(j) if j == i => Some("a limit cannot replace itself".to_owned()),
+                Some(j) if limits[j].domain != limits[i].domain => Some(format!(
+                    "limit {name:?} is of domain {:?}, not {:?}: it never applies to the same \
+                     request",
+                    limits[j].domain, limits[i].domain
+                )),
+                // Rate limits and concurrency limits are matched apart (a check or a lease).
+                Some(j)
+                    if limits[j].params.rate().is_some() != limits[i].params.rate().is_some() =>
+                {
+                    Some(format!(
+                        "limit {name:?} is not of this limit's kind (a rate limit or a \
+                         concurrency limit): it never applies to the same request"
+                    ))
+                }
+                // At most MAX_ENTRIES limits, checked before.
+                Some(j) if replaced.contains(&(j as u32)) => {
+                    Some(format!("{name:?} is named twice"))
+                }
+                Some(j) => {
+                    replaced.push(j as u32);
+                    None
+                }
+            };
+            if let Some(message) = problem {
+                return Err(at(file, names, path, message));
+            }
+        }
+        limits[i].replaces = replaced.into_boxed_slice();
+    }
+    Ok(())
+}
+
 fn limit_of(file: &str, capacity: &Spanned<u64>, refill: Rate, path: &str) -> Result<Limit, Error> {
     Limit::new(capacity.value, refill)
         .map_err(|err| at(file, capacity, format!("{path}.capacity"), format!("{err}")))
@@ -779,8 +824,10 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
             scope,
             overrides: overrides.into_boxed_slice(),
             exemptions: Box::new([]),
+            replaces: Box::new([]),
         });
     }
+    resolve_replaces(file, &parsed, &mut limits)?;
 
     let mut exemptions = Vec::with_capacity(parsed.exemptions.len());
     let mut per_limit: Vec<Vec<u32>> = vec![Vec::new(); limits.len()];

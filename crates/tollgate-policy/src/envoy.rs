@@ -20,11 +20,13 @@
 //! * `N` requests per `unit` becomes capacity `N`, refill `N/unit`: Envoy counts in calendar fixed
 //!   windows, tollgate refills a token bucket continuously, so a client can no longer burst `2N`
 //!   across a window edge. Said once in the notes.
-//! * `shadow_mode` becomes `mode: shadow`; `unlimited` means no limit.
+//! * `shadow_mode` becomes `mode: shadow`; `unlimited` means no limit; `replaces` becomes
+//!   `replaces` by the names the limits were imported under.
 //! * `value: ""` is a wildcard, as in Envoy; values are taken as written (`1.50`, `007`).
 //!
 //! What tollgate cannot express is listed in [`EnvoyImport::notes`], with the descriptor path:
-//! `replaces`, overlapping wildcard values (Envoy takes the first, tollgate applies each),
+//! a `replaces` naming what did not become a limit of its own, overlapping wildcard values
+//! (Envoy takes the first, tollgate applies each),
 //! `unlimited` exceptions to a wildcard sibling, the rest of a wider sibling's subtree that a
 //! valued node hides, a key repeated further down its own path (skipped), entry order, month
 //! and year units (approximated), and fields it does not know.
@@ -101,7 +103,16 @@ struct RateLimit {
     #[serde(default)]
     name: Option<String>,
     #[serde(default)]
-    replaces: Vec<IgnoredAny>,
+    replaces: Vec<Replaced>,
+    #[serde(flatten)]
+    other: BTreeMap<String, IgnoredAny>,
+}
+
+/// An entry of a `rate_limit`'s `replaces`: another limit's `name`.
+#[derive(Debug, Deserialize)]
+struct Replaced {
+    #[serde(default)]
+    name: String,
     #[serde(flatten)]
     other: BTreeMap<String, IgnoredAny>,
 }
@@ -119,6 +130,10 @@ struct Out {
     refill: String,
     shadow: bool,
     overrides: Vec<OverrideOut>,
+    /// The `rate_limit.name` the file gave, which `replaces` refers to.
+    declared: Option<String>,
+    /// The names (as the file gives them) of the limits this one replaces.
+    replaces: Vec<String>,
 }
 
 /// One override on its way out: name, condition, capacity and refill.
@@ -199,6 +214,7 @@ pub fn import_envoy_with(
         importer.note("", format!("unknown field `{field}` ignored"));
     }
     importer.level(&config.descriptors, &[]);
+    importer.resolve_replaces();
     let policy = importer.render(file);
     // The output must be a policy tollgate accepts: compile it now rather than hand the
     // operator a file that fails at load time.
@@ -344,6 +360,7 @@ impl Importer {
                             (key, ValueMatch::Exact(value.into())),
                             (capacity, refill),
                         );
+                        self.note_lost_replaces(node, &here);
                     }
                     (None, Some(j), Some((capacity, refill))) => {
                         if prefixed[j].shadow_mode != node.shadow_mode {
@@ -355,6 +372,7 @@ impl Importer {
                             (key, ValueMatch::Exact(value.into())),
                             (capacity, refill),
                         );
+                        self.note_lost_replaces(node, &here);
                     }
                     (Some(_), _, None) | (None, Some(_), None) => {
                         if node.rate_limit.as_ref().is_some_and(|r| r.unlimited)
@@ -403,6 +421,7 @@ impl Importer {
                             (key, ValueMatch::Prefix(prefix.into())),
                             (capacity, refill),
                         );
+                        self.note_lost_replaces(node, &here);
                     }
                     (Some(_), None) => self.note(
                         &here,
@@ -519,6 +538,15 @@ impl Importer {
         }
         let mut added: Vec<(usize, Vec<OverrideOut>)> = Vec::new();
         for &(from, into, value) in &merged {
+            if !self.limits[from].replaces.is_empty() {
+                let here = self.limits[from].path.clone();
+                self.note(
+                    &here,
+                    "replaces dropped: this limit became an override of another, which cannot \
+                     replace limits of its own"
+                        .into(),
+                );
+            }
             if self.limits[from].shadow != self.limits[into].shadow {
                 let message = format!(
                     "shadow_mode differs from `{}`'s, whose override it becomes; that one's \
@@ -599,6 +627,60 @@ impl Importer {
         }
     }
 
+    /// Turns each limit's `replaces`, names as the file gave them (`rate_limit.name`), into
+    /// the names the limits were imported under, noting those that did not become limits of
+    /// their own (skipped, or overrides of another limit) and so cannot be replaced.
+    fn resolve_replaces(&mut self) {
+        let mut notes = Vec::new();
+        let declared: Vec<(Option<String>, String)> = self
+            .limits
+            .iter()
+            .map(|l| (l.declared.clone(), l.name.clone()))
+            .collect();
+        for limit in &mut self.limits {
+            let wanted = std::mem::take(&mut limit.replaces);
+            for name in wanted {
+                let found = declared
+                    .iter()
+                    .find(|(d, _)| d.as_deref() == Some(name.as_str()))
+                    .map(|(_, imported)| imported.clone());
+                match found {
+                    Some(imported) if imported != limit.name => {
+                        if !limit.replaces.contains(&imported) {
+                            limit.replaces.push(imported);
+                        }
+                    }
+                    _ => notes.push((
+                        limit.path.clone(),
+                        format!(
+                            "replaces {name:?}, which is not a limit of its own here (not \
+                             named so, skipped, or an override): that part is dropped"
+                        ),
+                    )),
+                }
+            }
+        }
+        for (path, message) in notes {
+            self.note(&path, message);
+        }
+    }
+
+    /// A node that became an override is no limit of its own, so it cannot replace others.
+    fn note_lost_replaces(&mut self, node: &Node, here: &str) {
+        if node
+            .rate_limit
+            .as_ref()
+            .is_some_and(|r| !r.replaces.is_empty())
+        {
+            self.note(
+                here,
+                "replaces dropped: this node became an override of another limit, which \
+                 cannot replace limits of its own"
+                    .into(),
+            );
+        }
+    }
+
     fn check_node(&mut self, node: &Node, here: &str) {
         for field in node.other.keys() {
             self.note(here, format!("unknown field `{field}` ignored"));
@@ -610,12 +692,8 @@ impl Importer {
             for field in rate.other.keys() {
                 self.note(here, format!("unknown rate_limit field `{field}` ignored"));
             }
-            if !rate.replaces.is_empty() {
-                self.note(
-                    here,
-                    "replaces cannot be expressed: in tollgate the replaced limits apply too"
-                        .into(),
-                );
+            if rate.replaces.iter().any(|r| !r.other.is_empty()) {
+                self.note(here, "unknown fields of replaces ignored".into());
             }
         }
     }
@@ -741,6 +819,13 @@ impl Importer {
             capacity,
             refill,
             shadow: node.shadow_mode,
+            declared: declared.map(str::to_owned),
+            replaces: node
+                .rate_limit
+                .iter()
+                .flat_map(|r| &r.replaces)
+                .map(|r| r.name.clone())
+                .collect(),
             overrides,
         });
     }
@@ -785,6 +870,10 @@ impl Importer {
             self.render_params(&mut out, "    ", limit.capacity, &limit.refill);
             if limit.shadow {
                 out.push_str("    mode: shadow\n");
+            }
+            if !limit.replaces.is_empty() {
+                let names: Vec<String> = limit.replaces.iter().map(|n| q(n)).collect();
+                let _ = writeln!(out, "    replaces: [{}]", names.join(", "));
             }
             if !limit.overrides.is_empty() {
                 out.push_str("    overrides:\n");

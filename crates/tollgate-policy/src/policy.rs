@@ -237,6 +237,8 @@ pub struct LimitDef {
     pub(crate) overrides: Box<[Override]>,
     /// Indexes into the policy's exemptions that name this limit.
     pub(crate) exemptions: Box<[u32]>,
+    /// Indexes of the limits this one replaces: left out of a request this one applies to.
+    pub(crate) replaces: Box<[u32]>,
 }
 
 impl LimitDef {
@@ -263,6 +265,12 @@ impl LimitDef {
     /// Whether a descriptor must hold exactly the `when` and `key` entries, no others.
     pub fn exact(&self) -> bool {
         self.exact.is_some()
+    }
+
+    /// The limits this one replaces (`replaces`, by position in the policy): a request this one
+    /// applies to is not decided by them.
+    pub fn replaces(&self) -> &[u32] {
+        &self.replaces
     }
 
     /// The parameters when no override applies.
@@ -680,6 +688,7 @@ impl Policy {
         let Some(index) = self.domains.get(domain) else {
             return;
         };
+        let begin = out.len();
         for (position, descriptor) in descriptors.iter().enumerate() {
             let entries = descriptor.as_ref();
             let start = out.len();
@@ -736,6 +745,20 @@ impl Policy {
                 }
             }
             out[start..].sort_unstable_by_key(|m| m.limit.index);
+        }
+        // Envoy's `replaces`: a limit that applies to the request, through any descriptor,
+        // takes the place of the limits it names.
+        if out[begin..].iter().any(|m| !m.limit.replaces.is_empty()) {
+            let replaced: Vec<u32> = out[begin..]
+                .iter()
+                .flat_map(|m| m.limit.replaces.iter().copied())
+                .collect();
+            let mut position = 0;
+            out.retain(|m| {
+                let keep = position < begin || !replaced.contains(&m.limit.index);
+                position += 1;
+                keep
+            });
         }
     }
 

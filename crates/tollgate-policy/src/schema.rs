@@ -89,6 +89,9 @@ pub(crate) struct LimitSpec {
     pub(crate) emergency: Option<Spanned<EmergencyText>>,
     #[serde(default)]
     pub(crate) overrides: Vec<OverrideSpec>,
+    /// Names of limits of the same domain this one takes the place of when it applies.
+    #[serde(default)]
+    pub(crate) replaces: Option<Spanned<Vec<String>>>,
 }
 
 /// One entry of a limit's `overrides`.

@@ -158,7 +158,7 @@ fn tenant_config_with_everything_envoy_has() {
     for fragment in [
         "tenant > user: detailed_metric ignored",
         "tenant=internal: has no limit of its own but a wildcard sibling `tenant` does",
-        "plan=free: replaces cannot be expressed",
+        "plan=free: replaces \"tenant-default\", which is not a limit of its own here",
         "billing: unit month approximated as 30 days",
         "export: unknown field `quota_mode` ignored",
     ] {
@@ -344,6 +344,50 @@ fn a_valued_nodes_subtree_overrides_the_same_limits_of_its_wildcard_sibling() {
         "{notes}"
     );
     assert!(!notes.contains("tenant > user,"), "{notes}");
+}
+
+#[test]
+fn replaces_become_replaces_by_the_imported_names() {
+    let text = r#"
+domain: d
+descriptors:
+  - key: user
+    rate_limit: {unit: second, requests_per_unit: 10, name: per user}
+  - key: ip
+    rate_limit: {unit: second, requests_per_unit: 5, name: per-ip}
+  - key: plan
+    value: partner
+    rate_limit:
+      unit: second
+      requests_per_unit: 1000
+      name: partners
+      replaces: [{name: per user}, {name: per-ip}, {name: per user}]
+"#;
+    let (imported, p) = import(text);
+    assert!(
+        imported
+            .policy
+            .contains("replaces: [\"per_user\", \"per-ip\"]"),
+        "{}",
+        imported.policy
+    );
+    // Envoy sends one descriptor per action; the replacing limit applies through another.
+    let found = p.matches(
+        "d",
+        &[
+            &[("user", "u1")][..],
+            &[("ip", "10.0.0.1")][..],
+            &[("plan", "partner")][..],
+        ],
+        UnixTime::from_secs(0),
+    );
+    let keys: Vec<&str> = found.iter().map(|m| m.bucket_key.as_str()).collect();
+    assert_eq!(keys, ["partners"]);
+    assert!(
+        imported.notes.iter().all(|n| !n.contains("replaces")),
+        "{:?}",
+        imported.notes
+    );
 }
 
 #[test]

@@ -714,3 +714,23 @@ fn condition_tags_other_than_prefix_are_refused_where_written() {
         "a value is missing",
     );
 }
+
+#[test]
+fn replaces_names_another_limit_of_the_same_domain_once() {
+    let other = "  - name: other\n    domain: api\n    key: [ip]\n    capacity: 1\n    refill: 1/s\n  - name: elsewhere\n    domain: edge\n    key: [ip]\n    capacity: 1\n    refill: 1/s\n  - name: exports\n    domain: api\n    key: [ip]\n    algorithm: concurrency\n    max_in_flight: 2\n    lease_timeout: 30s\n";
+    for (replaces, fragment) in [
+        ("[nobody]", "no limit is named \"nobody\""),
+        ("[per-user]", "cannot replace itself"),
+        ("[elsewhere]", "never applies to the same request"),
+        ("[other, other]", "\"other\" is named twice"),
+        ("[exports]", "not of this limit's kind"),
+    ] {
+        case(
+            &format!("{HEAD}    capacity: 20\n    refill: 10/s\n    replaces: {replaces}\n{other}"),
+            7,
+            15,
+            "limits[0].replaces",
+            fragment,
+        );
+    }
+}

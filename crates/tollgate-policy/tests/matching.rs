@@ -432,6 +432,66 @@ fn prefixes_of_one_entry_are_found_by_length_not_tried_one_by_one() {
     }
 }
 
+const REPLACES: &str = r#"
+limits:
+  - name: per-user
+    domain: d
+    key: [user]
+    capacity: 10
+    refill: 1/s
+  - name: per-ip
+    domain: d
+    key: [ip]
+    capacity: 5
+    refill: 1/s
+  - name: partners
+    domain: d
+    when: {plan: partner}
+    key: [user]
+    capacity: 1000
+    refill: 100/s
+    replaces: [per-user, per-ip]
+  - name: trial
+    domain: d
+    when: {plan: trial}
+    capacity: 3
+    refill: 1/s
+    mode: shadow
+    replaces: [per-user]
+"#;
+
+#[test]
+fn a_limit_that_applies_takes_the_place_of_those_it_replaces() {
+    let p = compile("p.yaml", REPLACES).unwrap_or_else(|e| panic!("{e}"));
+    let m = |descriptors: &[&[(&str, &str)]]| names(&p, "d", descriptors);
+    // Without the replacing limit, the others apply.
+    assert_eq!(
+        m(&[&[("user", "u1"), ("ip", "a")]]),
+        ["per-user|u1@0", "per-ip|a@0"]
+    );
+    // With it, through the same descriptor or another one of the request, they do not.
+    assert_eq!(
+        m(&[&[("user", "u1"), ("ip", "a"), ("plan", "partner")]]),
+        ["partners|u1@0"]
+    );
+    assert_eq!(
+        m(&[
+            &[("user", "u1")],
+            &[("ip", "a")],
+            &[("plan", "partner"), ("user", "u1")]
+        ]),
+        ["partners|u1@2"]
+    );
+    // A shadow limit replaces too: which limits apply is configuration, not enforcement.
+    assert_eq!(m(&[&[("user", "u1"), ("plan", "trial")]]), ["trial@0"]);
+    assert_eq!(p.limits()[2].replaces(), [0, 1]);
+    // A request's earlier matches in a reused buffer are left alone.
+    let mut out = p.matches("d", &[[("user", "u1")]], NOW);
+    p.match_into("d", &[[("plan", "partner"), ("user", "u2")]], NOW, &mut out);
+    let keys: Vec<&str> = out.iter().map(|m| m.bucket_key.as_str()).collect();
+    assert_eq!(keys, ["per-user|u1", "partners|u2"]);
+}
+
 fn rollout_policy(percent: &str) -> Policy {
     let text = format!(
         "limits:\n  - name: canary\n    domain: api\n    key: [user]\n    capacity: 1\n    refill: 1/s\n    rollout: {percent}\n"
@@ -593,8 +653,16 @@ fn the_documented_example_is_a_valid_policy() {
     let end = doc[start..].find("```").map_or(doc.len(), |i| start + i);
     let p = compile("docs/policy.md", &doc[start..end]).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(p.version(), "2026-11-30.1");
-    assert_eq!(p.limits().len(), 5);
-    assert_eq!(p.limits()[4].algorithm(), "sliding_window");
+    assert_eq!(p.limits().len(), 6);
+    assert_eq!(p.limits()[5].algorithm(), "sliding_window");
+    // The partner plan's limit takes the place of per-tenant.
+    let partner = [("tenant", "globex"), ("plan", "partner")];
+    let keys: Vec<String> = p
+        .matches("api", &[partner], NOW)
+        .into_iter()
+        .map(|m| m.bucket_key)
+        .collect();
+    assert_eq!(keys, ["partner-tenants|globex"]);
     let pay = [
         ("route", "/v1/payments"),
         ("method", "POST"),

@@ -1404,6 +1404,7 @@ limits:
     failure_mode: open
     emergency: 2/s
     rollout: 12.5%
+    replaces: [per-route]
     overrides:
       - name: premium
         when: {tier: premium}
@@ -1450,6 +1451,8 @@ exemptions:
     assert_eq!(user["scope"], "regional");
     assert_eq!(user["failure_mode"], "open");
     assert_eq!(user["emergency"], "2/s");
+    assert_eq!(user["replaces"], serde_json::json!(["per-route"]));
+    assert!(limits[1].get("replaces").is_none());
     assert_eq!(user["overrides"][0]["name"], "premium");
     assert_eq!(user["overrides"][0]["when"]["tier"], "premium");
     assert_eq!(user["overrides"][0]["capacity"], 200);

@@ -139,7 +139,11 @@ pub(crate) async fn policy(
     authorize(state.options.admin_token.as_deref(), &headers, peer)?;
     let mut body = status_body(&state);
     let policy = state.decider.engine().current();
-    body["limits"] = policy.limits().iter().map(limit_body).collect();
+    body["limits"] = policy
+        .limits()
+        .iter()
+        .map(|limit| limit_body(policy.limits(), limit))
+        .collect();
     let now = SystemWallClock.now();
     body["exemptions"] = policy
         .exemptions()
@@ -161,7 +165,7 @@ pub(crate) async fn policy(
 
 /// A limit as the policy file gives it, in force: what `GET /v1/policy` lists, so that an
 /// operator can read what is enforced without the file at hand.
-fn limit_body(limit: &LimitDef) -> serde_json::Value {
+fn limit_body(limits: &[LimitDef], limit: &LimitDef) -> serde_json::Value {
     let mut body = json!({
         "name": limit.name(),
         "domain": limit.domain(),
@@ -178,6 +182,14 @@ fn limit_body(limit: &LimitDef) -> serde_json::Value {
         }).collect::<Vec<_>>(),
     });
     params_into(&mut body, limit.params());
+    if !limit.replaces().is_empty() {
+        let names: Vec<&str> = limit
+            .replaces()
+            .iter()
+            .filter_map(|&i| limits.get(i as usize).map(LimitDef::name))
+            .collect();
+        body["replaces"] = json!(names);
+    }
     match limit.failure_mode() {
         FailureMode::Closed => body["failure_mode"] = json!("closed"),
         FailureMode::Open { emergency } => {
