@@ -29,6 +29,7 @@
 //! filed under costs one more lookup per distinct prefix length filed for it (the value cut to
 //! each length), not one test per prefix: a thousand routes by prefix cost a handful of
 //! lookups. Results are returned in declaration order, so decisions do not depend on hash order.
+//! Last, the limits named in the `replaces` of a limit found for the request are left out.
 
 use std::hash::BuildHasher;
 use std::sync::Arc;
