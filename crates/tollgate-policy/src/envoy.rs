@@ -350,29 +350,15 @@ impl Importer {
                             .is_some_and(|prefix| value.starts_with(prefix))
                 });
                 match (&wildcard_limit, covering, rate) {
-                    (Some(_), _, Some((capacity, refill))) => {
-                        if wildcard.is_some_and(|w| w.shadow_mode != node.shadow_mode) {
-                            self.note(&here, "shadow_mode differs from the wildcard sibling's; the sibling's mode applies".into());
-                        }
-                        Self::add_override(
-                            &mut overrides,
-                            value,
-                            (key, ValueMatch::Exact(value.into())),
-                            (capacity, refill),
-                        );
-                        self.note_lost_replaces(node, &here);
+                    (Some(_), _, Some(rate)) => {
+                        let wider = wildcard.unwrap_or(node);
+                        let condition = (key, ValueMatch::Exact(value.into()));
+                        self.adopt(&mut overrides, node, &here, condition, rate, wider);
                     }
-                    (None, Some(j), Some((capacity, refill))) => {
-                        if prefixed[j].shadow_mode != node.shadow_mode {
-                            self.note(&here, format!("shadow_mode differs from the wildcard value `{key}={}`'s; that one's mode applies", prefixed[j].value().unwrap_or_default()));
-                        }
-                        Self::add_override(
-                            &mut prefix_overrides[j],
-                            value,
-                            (key, ValueMatch::Exact(value.into())),
-                            (capacity, refill),
-                        );
-                        self.note_lost_replaces(node, &here);
+                    (None, Some(j), Some(rate)) => {
+                        let condition = (key, ValueMatch::Exact(value.into()));
+                        let into = &mut prefix_overrides[j];
+                        self.adopt(into, node, &here, condition, rate, prefixed[j]);
                     }
                     (Some(_), _, None) | (None, Some(_), None) => {
                         if node.rate_limit.as_ref().is_some_and(|r| r.unlimited)
@@ -411,17 +397,10 @@ impl Importer {
                 let here = describe(&here_path);
                 self.check_node(node, &here);
                 match (&wildcard_limit, prefix_limits[j].clone()) {
-                    (Some(_), Some((capacity, refill))) => {
-                        if wildcard.is_some_and(|w| w.shadow_mode != node.shadow_mode) {
-                            self.note(&here, "shadow_mode differs from the wildcard sibling's; the sibling's mode applies".into());
-                        }
-                        Self::add_override(
-                            &mut overrides,
-                            value,
-                            (key, ValueMatch::Prefix(prefix.into())),
-                            (capacity, refill),
-                        );
-                        self.note_lost_replaces(node, &here);
+                    (Some(_), Some(rate)) => {
+                        let wider = wildcard.unwrap_or(node);
+                        let condition = (key, ValueMatch::Prefix(prefix.into()));
+                        self.adopt(&mut overrides, node, &here, condition, rate, wider);
                     }
                     (Some(_), None) => self.note(
                         &here,
@@ -536,10 +515,11 @@ impl Importer {
                 self.note(&describe(&here_path), message);
             }
         }
-        let mut added: Vec<(usize, Vec<OverrideOut>)> = Vec::new();
+        // Per limit overridden, how many overrides were put in front of its own so far.
+        let mut in_front: Vec<(usize, usize)> = Vec::new();
         for &(from, into, value) in &merged {
+            let here = self.limits[from].path.clone();
             if !self.limits[from].replaces.is_empty() {
-                let here = self.limits[from].path.clone();
                 self.note(
                     &here,
                     "replaces dropped: this limit became an override of another, which cannot \
@@ -553,31 +533,25 @@ impl Importer {
                      mode applies",
                     self.limits[into].path
                 );
-                let here = self.limits[from].path.clone();
                 self.note(&here, message);
             }
-            let position = match added.iter().position(|(i, _)| *i == into) {
-                Some(position) => position,
+            let at = match in_front.iter_mut().find(|(limit, _)| *limit == into) {
+                Some((_, count)) => {
+                    *count += 1;
+                    *count - 1
+                }
                 None => {
-                    added.push((into, Vec::new()));
-                    added.len() - 1
+                    in_front.push((into, 1));
+                    0
                 }
             };
-            let taken: Vec<OverrideOut> = added[position]
-                .1
-                .iter()
-                .chain(&self.limits[into].overrides)
-                .cloned()
-                .collect();
-            let name = Self::override_name(&taken, value);
-            let rate = (self.limits[from].capacity, self.limits[from].refill.clone());
-            added[position]
-                .1
-                .push((name, (key.to_owned(), condition_of(value)), rate.0, rate.1));
-        }
-        for (into, mut overrides) in added {
-            overrides.append(&mut self.limits[into].overrides);
-            self.limits[into].overrides = overrides;
+            let overrides = &self.limits[into].overrides;
+            let name = Self::override_name(overrides, value);
+            let (capacity, refill) = (self.limits[from].capacity, self.limits[from].refill.clone());
+            let condition = (key.to_owned(), condition_of(value));
+            self.limits[into]
+                .overrides
+                .insert(at, (name, condition, capacity, refill));
         }
         let mut gone: Vec<usize> = merged.iter().map(|&(from, ..)| from).collect();
         gone.sort_unstable();
@@ -665,8 +639,32 @@ impl Importer {
         }
     }
 
-    /// A node that became an override is no limit of its own, so it cannot replace others.
-    fn note_lost_replaces(&mut self, node: &Node, here: &str) {
+    /// `node` (at `here`) becomes an override, for `condition` at `rate`, of the limit of the
+    /// `wider` node that also matches its values (its key-only sibling, or a wildcard value
+    /// covering it). An override has its limit's mode and no `replaces` of its own: said where
+    /// the node asked for other.
+    fn adopt(
+        &mut self,
+        overrides: &mut Vec<OverrideOut>,
+        node: &Node,
+        here: &str,
+        condition: (&str, ValueMatch),
+        rate: (u64, String),
+        wider: &Node,
+    ) {
+        let wider_name = match wider.value() {
+            Some(value) => format!("`{}={value}`", wider.key),
+            None => format!("`{}`", wider.key),
+        };
+        if wider.shadow_mode != node.shadow_mode {
+            self.note(
+                here,
+                format!(
+                    "shadow_mode differs from the wildcard {wider_name}'s, whose override this \
+                     becomes; that one's mode applies"
+                ),
+            );
+        }
         if node
             .rate_limit
             .as_ref()
@@ -674,11 +672,14 @@ impl Importer {
         {
             self.note(
                 here,
-                "replaces dropped: this node became an override of another limit, which \
-                 cannot replace limits of its own"
-                    .into(),
+                format!(
+                    "replaces dropped: this node becomes an override of {wider_name}'s limit, \
+                     which cannot replace limits of its own"
+                ),
             );
         }
+        // Named after the value as the file gives it (`gold*` → `gold_`).
+        Self::add_override(overrides, node.value().unwrap_or_default(), condition, rate);
     }
 
     fn check_node(&mut self, node: &Node, here: &str) {

@@ -390,6 +390,50 @@ descriptors:
     );
 }
 
+/// A node that becomes an override keeps neither its own mode nor its `replaces`: the import
+/// says so for the node itself and for a limit under it merged into its sibling's.
+#[test]
+fn what_an_override_cannot_keep_is_noted() {
+    let text = r#"
+domain: d
+descriptors:
+  - key: tenant
+    rate_limit: {unit: second, requests_per_unit: 10}
+    descriptors:
+      - key: user
+        rate_limit: {unit: second, requests_per_unit: 5}
+  - key: tenant
+    value: acme
+    shadow_mode: true
+    rate_limit: {unit: second, requests_per_unit: 100, replaces: [{name: other}]}
+    descriptors:
+      - key: user
+        shadow_mode: true
+        rate_limit: {unit: second, requests_per_unit: 50, replaces: [{name: other}]}
+  - key: other
+    rate_limit: {unit: second, requests_per_unit: 1, name: other}
+"#;
+    let (imported, p) = import(text);
+    let notes = imported.notes.join("\n");
+    for fragment in [
+        "tenant=acme: shadow_mode differs from the wildcard `tenant`'s, whose override this becomes",
+        "tenant=acme: replaces dropped: this node becomes an override of `tenant`'s limit",
+        "tenant=acme > user: replaces dropped: this limit became an override of another",
+        "tenant=acme > user: shadow_mode differs from `tenant > user`'s",
+    ] {
+        assert!(notes.contains(fragment), "missing {fragment:?} in\n{notes}");
+    }
+    // The overrides decide as their limits do: enforced, not in shadow.
+    let found = p.matches(
+        "d",
+        &[[("tenant", "acme"), ("user", "u1")]],
+        UnixTime::from_secs(0),
+    );
+    assert_eq!(found.len(), 1);
+    assert_eq!(found[0].bucket_key, "d.tenant.user|acme|u1#acme");
+    assert_eq!(found[0].effect.as_str(), "enforce");
+}
+
 #[test]
 fn overlapping_wildcard_values_are_noted() {
     let text = r#"
