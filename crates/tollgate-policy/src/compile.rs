@@ -21,7 +21,7 @@ use crate::policy::{
 };
 use crate::schema::{
     self, EmergencyText, FailureModeSpec, LeaseTimeoutText, ModeSpec, PolicyFile, RateText,
-    ScopeSpec, WhenValue, WindowText, at, at_location,
+    RequestLimitSpec, ScopeSpec, WhenValue, WindowText, at, at_location,
 };
 use crate::wall::UnixTime;
 
@@ -797,6 +797,36 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
                 ScopeSpec::Global => Scope::Global,
             },
         };
+        let request_limit = match &spec.request_limit {
+            None => false,
+            Some(r) => match r.value {
+                RequestLimitSpec::Ignore => false,
+                // Envoy says a limit as "N per unit", which is a bucket of N refilled N per
+                // unit; a window or a number of leases would need another reading of it.
+                RequestLimitSpec::Apply if !matches!(algorithm.name, "token_bucket" | "gcra") => {
+                    return Err(at(
+                        file,
+                        r,
+                        format!("{path}.request_limit"),
+                        format!(
+                            "request_limit apply needs a token_bucket or gcra limit, not {}",
+                            algorithm.name
+                        ),
+                    ));
+                }
+                // A global limit's shares are sized by its parameters, the same everywhere;
+                // a limit asked for per request has none to size them by.
+                RequestLimitSpec::Apply if scope == Scope::Global => {
+                    return Err(at(
+                        file,
+                        r,
+                        format!("{path}.request_limit"),
+                        "request_limit apply needs a regional limit, not scope global".into(),
+                    ));
+                }
+                RequestLimitSpec::Apply => true,
+            },
+        };
         let mode = match spec.mode.unwrap_or(default_mode) {
             ModeSpec::Enforce => Mode::Enforce,
             ModeSpec::Shadow => Mode::Shadow,
@@ -825,6 +855,7 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
             overrides: overrides.into_boxed_slice(),
             exemptions: Box::new([]),
             replaces: Box::new([]),
+            request_limit,
         });
     }
     resolve_replaces(file, &parsed, &mut limits)?;
@@ -907,11 +938,13 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
         lengths: StdHashMap<&'a str, Vec<usize>>,
         entries: Lists,
         always: Vec<u32>,
+        request_limits: bool,
     }
     let mut filed_at = Vec::with_capacity(limits.len());
     let mut staging: StdHashMap<&str, Staged<'_>> = StdHashMap::new();
     for limit in &limits {
         let staged = staging.entry(&*limit.domain).or_default();
+        staged.request_limits |= limit.request_limit;
         let condition = |i: usize| (&*limit.when[i].0, limit.when[i].1.text());
         let filed = if let Some(i) = rarest(&pair_use, limit, false) {
             Filed::Pair(i)
@@ -971,6 +1004,7 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
                 prefix_lengths,
                 by_entry: table(staged.entries),
                 always: staged.always.into_boxed_slice(),
+                request_limits: staged.request_limits,
             },
         );
     }

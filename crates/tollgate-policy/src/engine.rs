@@ -45,7 +45,7 @@ use crate::audit::{AuditEvent, AuditLog};
 use crate::compile::compile;
 use crate::error::Error;
 use crate::key::{rate_tag, stable_hash};
-use crate::policy::{Effect, Exemption, FailureMode, Matched, Policy};
+use crate::policy::{Descriptor, Effect, Exemption, FailureMode, Matched, Policy};
 use crate::wall::{SystemWallClock, UnixTime, WallClock};
 
 /// How a [`PolicyEngine`] is set up.
@@ -616,7 +616,7 @@ impl PolicyEngine {
         request_id: Option<&str>,
     ) -> Result<Outcome, Error>
     where
-        D: AsRef<[(S, S)]>,
+        D: Descriptor<S>,
         S: AsRef<str>,
     {
         let cost = cost.into();
@@ -640,7 +640,7 @@ impl PolicyEngine {
     /// before deciding (RLQS assignments).
     pub fn enforced_limits<D, S>(&self, domain: &str, descriptors: &[D]) -> Vec<Limit>
     where
-        D: AsRef<[(S, S)]>,
+        D: Descriptor<S>,
         S: AsRef<str>,
     {
         let policy = self.current.load_full();
@@ -664,7 +664,7 @@ impl PolicyEngine {
         cost: impl Into<Costs<'c>>,
     ) -> Result<Outcome, Error>
     where
-        D: AsRef<[(S, S)]>,
+        D: Descriptor<S>,
         S: AsRef<str>,
     {
         let cost = cost.into();
@@ -694,7 +694,7 @@ impl PolicyEngine {
     ) -> Result<Outcome, Error>
     where
         St: Store,
-        D: AsRef<[(S, S)]>,
+        D: Descriptor<S>,
         S: AsRef<str>,
     {
         let cost = cost.into();
@@ -721,7 +721,7 @@ impl PolicyEngine {
     ) -> Result<Outcome, Error>
     where
         St: Store,
-        D: AsRef<[(S, S)]>,
+        D: Descriptor<S>,
         S: AsRef<str>,
     {
         let cost = cost.into();
@@ -759,7 +759,7 @@ impl PolicyEngine {
         request_id: &str,
     ) -> Result<Outcome, Error>
     where
-        D: AsRef<[(S, S)]>,
+        D: Descriptor<S>,
         S: AsRef<str>,
     {
         let run = Run {
@@ -794,7 +794,7 @@ impl PolicyEngine {
     ) -> Result<Outcome, Error>
     where
         St: Store,
-        D: AsRef<[(S, S)]>,
+        D: Descriptor<S>,
         S: AsRef<str>,
     {
         let run = Run {
@@ -828,7 +828,7 @@ impl PolicyEngine {
     ) -> Result<Outcome, Error>
     where
         St: Store,
-        D: AsRef<[(S, S)]>,
+        D: Descriptor<S>,
         S: AsRef<str>,
     {
         // Before matching: whether a cost of 0 is refused must not depend on what applies
@@ -1087,7 +1087,7 @@ impl PolicyEngine {
         reason: &str,
     ) -> Result<Outcome, Error>
     where
-        D: AsRef<[(S, S)]>,
+        D: Descriptor<S>,
         S: AsRef<str>,
     {
         self.degraded(domain, descriptors, cost.into(), reason, true)
@@ -1109,7 +1109,7 @@ impl PolicyEngine {
         reason: &str,
     ) -> Result<Outcome, Error>
     where
-        D: AsRef<[(S, S)]>,
+        D: Descriptor<S>,
         S: AsRef<str>,
     {
         self.degraded(domain, descriptors, cost.into(), reason, false)
@@ -1124,7 +1124,7 @@ impl PolicyEngine {
         consume: bool,
     ) -> Result<Outcome, Error>
     where
-        D: AsRef<[(S, S)]>,
+        D: Descriptor<S>,
         S: AsRef<str>,
     {
         // Refused whatever applies, as in `decide`.

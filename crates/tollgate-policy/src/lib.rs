@@ -81,8 +81,8 @@ pub use envoy::{ImportOptions, import_envoy, import_envoy_with};
 pub use error::{Diagnostic, Error};
 pub use lint::{EXPIRING_SOON, Warning, lint};
 pub use policy::{
-    Effect, Exemption, FailureMode, LeaseMatched, LimitDef, Matched, Mode, Override, Params,
-    Policy, Scope, ValueMatch,
+    Descriptor, Effect, Exemption, FailureMode, LeaseMatched, LimitDef, Matched, Mode, Override,
+    Params, Policy, RequestDescriptor, Scope, ValueMatch,
 };
 pub use wall::{ManualWallClock, SystemWallClock, UnixTime, WallClock};
 

@@ -192,20 +192,89 @@ impl std::fmt::Display for Params {
 
 /// One kind of parameters that matching can look for: [`Limit`] (rate limits) or
 /// [`LeaseLimit`] (concurrency limits).
-pub(crate) trait Kind {
+pub(crate) trait Kind: Copy {
     /// `params` if they are of this kind.
     fn pick(params: &Params) -> Option<&Self>;
+
+    /// The limit a descriptor asks for, if limits of this kind can take it: rate limits can,
+    /// a number of leases cannot be said in Envoy's terms.
+    fn requested(limit: &Limit) -> Option<Self>;
 }
 
 impl Kind for Limit {
     fn pick(params: &Params) -> Option<&Self> {
         params.rate()
     }
+
+    fn requested(limit: &Limit) -> Option<Self> {
+        Some(*limit)
+    }
 }
 
 impl Kind for LeaseLimit {
     fn pick(params: &Params) -> Option<&Self> {
         params.concurrency()
+    }
+
+    fn requested(_: &Limit) -> Option<Self> {
+        None
+    }
+}
+
+/// A request descriptor as matching reads it: its `(entry, value)` pairs and, when its sender
+/// asks for one, a limit of its own.
+///
+/// Any list of pairs is a descriptor that asks for nothing (`Vec<(String, String)>`,
+/// `[(&str, &str); N]`, …); [`RequestDescriptor`] also carries a limit, as Envoy's `limit`
+/// rate-limit action sends one. Only limits written with `request_limit: apply` take it (see
+/// [`LimitDef::applies_request_limit`]); every other limit decides by its own parameters.
+pub trait Descriptor<S> {
+    /// The entries, in the order sent. Within a descriptor the first occurrence of an entry
+    /// counts.
+    fn entries(&self) -> &[(S, S)];
+
+    /// The limit the sender asks for, if any.
+    fn requested_limit(&self) -> Option<&Limit> {
+        None
+    }
+}
+
+impl<S, T: AsRef<[(S, S)]> + ?Sized> Descriptor<S> for T {
+    fn entries(&self) -> &[(S, S)] {
+        self.as_ref()
+    }
+}
+
+/// A descriptor that may carry the limit its sender asks for.
+///
+/// ```
+/// use tollgate::Limit;
+/// use tollgate_policy::{Descriptor, RequestDescriptor};
+///
+/// let sent = RequestDescriptor {
+///     entries: vec![("route", "checkout")],
+///     limit: Some(Limit::per(50, std::time::Duration::from_secs(60))?),
+/// };
+/// assert_eq!(sent.entries(), &[("route", "checkout")]);
+/// assert_eq!(sent.requested_limit().map(Limit::capacity), Some(50));
+/// # Ok::<(), tollgate::Error>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestDescriptor<S> {
+    /// The `(entry, value)` pairs.
+    pub entries: Vec<(S, S)>,
+    /// The limit asked for: taken by the limits that apply it in place of their own
+    /// parameters, ignored by the others.
+    pub limit: Option<Limit>,
+}
+
+impl<S> Descriptor<S> for RequestDescriptor<S> {
+    fn entries(&self) -> &[(S, S)] {
+        &self.entries
+    }
+
+    fn requested_limit(&self) -> Option<&Limit> {
+        self.limit.as_ref()
     }
 }
 
@@ -240,6 +309,9 @@ pub struct LimitDef {
     pub(crate) exemptions: Box<[u32]>,
     /// Indexes of the limits this one replaces: left out of a request this one applies to.
     pub(crate) replaces: Box<[u32]>,
+    /// Whether a limit a descriptor carries takes the place of `params` and the overrides'
+    /// (`request_limit: apply`).
+    pub(crate) request_limit: bool,
 }
 
 impl LimitDef {
@@ -320,6 +392,13 @@ impl LimitDef {
     /// The overrides, in the order they are tried.
     pub fn overrides(&self) -> &[Override] {
         &self.overrides
+    }
+
+    /// Whether the limit a descriptor carries ([`Descriptor::requested_limit`], Envoy's
+    /// `limit` action) decides in place of this limit's parameters and overrides
+    /// (`request_limit: apply`), in a bucket of its own per limit asked for.
+    pub fn applies_request_limit(&self) -> bool {
+        self.request_limit
     }
 }
 
@@ -480,22 +559,29 @@ pub struct Matched<'p, P = Limit> {
     pub bucket_key: String,
     /// Whether it can reject.
     pub effect: Effect<'p>,
+    /// Whether the parameters are the ones the descriptor asked for
+    /// ([`LimitDef::applies_request_limit`]); then no override applies.
+    pub requested: bool,
     /// The effective parameters, of the kind matched for.
-    pub(crate) params: &'p P,
+    pub(crate) params: P,
+    /// The tag of the effective parameters ([`key::params_tag`]), which ends the bucket's
+    /// store key: buckets of different parameters never meet.
+    pub(crate) tag: u32,
 }
 
 /// A concurrency limit that applies to a request: its lease key and effective bound.
 pub type LeaseMatched<'p> = Matched<'p, LeaseLimit>;
 
-impl<'p, P> Matched<'p, P> {
-    /// The effective parameters: the override's, or else the limit's.
-    pub fn params(&self) -> &'p P {
-        self.params
+impl<P> Matched<'_, P> {
+    /// The effective parameters: the descriptor's own limit where the limit applies it, or
+    /// else the override's, or else the limit's.
+    pub fn params(&self) -> &P {
+        &self.params
     }
 
     /// The tag of the effective parameters, which ends the bucket's store key.
     pub(crate) fn params_tag(&self) -> u32 {
-        self.override_.map_or(self.limit.tag, |o| o.tag)
+        self.tag
     }
 }
 
@@ -552,6 +638,8 @@ pub(crate) struct DomainIndex {
     pub(crate) by_entry: HashTable<(u64, Box<[u32]>)>,
     /// Limits with neither conditions nor key entries.
     pub(crate) always: Box<[u32]>,
+    /// Whether a limit of the domain applies the limits descriptors carry.
+    pub(crate) request_limits: bool,
 }
 
 /// A validated, indexed policy: one version of the control plane.
@@ -599,6 +687,13 @@ impl Policy {
         self.limits.iter().any(|l| l.scope == Scope::Global)
     }
 
+    /// Whether a limit of `domain` applies the limits descriptors carry
+    /// ([`LimitDef::applies_request_limit`]): where none does, a limit sent with a request
+    /// changes nothing.
+    pub fn applies_request_limits(&self, domain: &str) -> bool {
+        self.domains.get(domain).is_some_and(|d| d.request_limits)
+    }
+
     /// Whether the store key `key` (as the engine hands it to a store: the limit's name, then
     /// `|{values}` or `{name}`, an override and a parameter tag) is a bucket of a
     /// `scope: global` limit. Names are made of `[A-Za-z0-9_.-]` only, so the name is what
@@ -636,7 +731,7 @@ impl Policy {
         now: UnixTime,
         out: &mut Vec<Matched<'p>>,
     ) where
-        D: AsRef<[(S, S)]>,
+        D: Descriptor<S>,
         S: AsRef<str>,
     {
         self.match_kind(domain, descriptors, now, out);
@@ -652,7 +747,7 @@ impl Policy {
         now: UnixTime,
         out: &mut Vec<LeaseMatched<'p>>,
     ) where
-        D: AsRef<[(S, S)]>,
+        D: Descriptor<S>,
         S: AsRef<str>,
     {
         self.match_kind(domain, descriptors, now, out);
@@ -667,7 +762,7 @@ impl Policy {
         now: UnixTime,
     ) -> Vec<LeaseMatched<'p>>
     where
-        D: AsRef<[(S, S)]>,
+        D: Descriptor<S>,
         S: AsRef<str>,
     {
         let mut out = Vec::new();
@@ -683,7 +778,7 @@ impl Policy {
         out: &mut Vec<Matched<'p, P>>,
     ) where
         P: Kind,
-        D: AsRef<[(S, S)]>,
+        D: Descriptor<S>,
         S: AsRef<str>,
     {
         let Some(index) = self.domains.get(domain) else {
@@ -691,10 +786,14 @@ impl Policy {
         };
         let begin = out.len();
         for (position, descriptor) in descriptors.iter().enumerate() {
-            let entries = descriptor.as_ref();
+            let entries = descriptor.entries();
+            let requested = descriptor.requested_limit();
             let start = out.len();
+            let found = |limit, out: &mut Vec<Matched<'p, P>>| {
+                self.try_limit(limit, position, (entries, requested), now, out);
+            };
             for &limit in &*index.always {
-                self.try_limit(limit, position, entries, now, out);
+                found(limit, out);
             }
             for (i, (entry, value)) in entries.iter().enumerate() {
                 let (entry, value) = (entry.as_ref(), value.as_ref());
@@ -708,7 +807,7 @@ impl Policy {
                         // pair this limit is filed under, so it is tried once only.
                         let candidate = &self.limits[limit as usize];
                         if candidate.filed_pair() == Some((entry, value)) {
-                            self.try_limit(limit, position, entries, now, out);
+                            found(limit, out);
                         }
                     }
                 }
@@ -731,7 +830,7 @@ impl Policy {
                         for &limit in &**list {
                             let candidate = &self.limits[limit as usize];
                             if candidate.filed_prefix() == Some((entry, prefix)) {
-                                self.try_limit(limit, position, entries, now, out);
+                                found(limit, out);
                             }
                         }
                     }
@@ -740,7 +839,7 @@ impl Policy {
                     for &limit in &**list {
                         let candidate = &self.limits[limit as usize];
                         if candidate.filed_entry() == Some(entry) {
-                            self.try_limit(limit, position, entries, now, out);
+                            found(limit, out);
                         }
                     }
                 }
@@ -771,7 +870,7 @@ impl Policy {
         now: UnixTime,
     ) -> Vec<Matched<'p>>
     where
-        D: AsRef<[(S, S)]>,
+        D: Descriptor<S>,
         S: AsRef<str>,
     {
         let mut out = Vec::new();
@@ -783,7 +882,7 @@ impl Policy {
         &'p self,
         index: u32,
         position: usize,
-        entries: &[(S, S)],
+        (entries, requested): (&[(S, S)], Option<&Limit>),
         now: UnixTime,
         out: &mut Vec<Matched<'p, P>>,
     ) {
@@ -802,10 +901,22 @@ impl Policy {
                 None => return,
             }
         }
-        let override_ = limit.overrides.iter().find(|o| all_hold(&o.when, entries));
-        // An override's parameters are of its limit's kind (compile makes sure).
-        let Some(params) = P::pick(override_.map_or(&limit.params, |o| &o.params)) else {
-            return;
+        // A limit the descriptor asks for, where this limit applies one, takes the place of
+        // its own parameters and its overrides'; its tag gives it a bucket of its own.
+        let asked = requested
+            .filter(|_| limit.request_limit)
+            .and_then(|asked| Some((P::requested(asked)?, asked)));
+        let override_ = match asked {
+            Some(_) => None,
+            None => limit.overrides.iter().find(|o| all_hold(&o.when, entries)),
+        };
+        let (params, tag) = match asked {
+            Some((params, asked)) => (params, key::params_tag(&Params::Rate(*asked))),
+            // An override's parameters are of its limit's kind (compile makes sure).
+            None => match P::pick(override_.map_or(&limit.params, |o| &o.params)) {
+                Some(params) => (*params, override_.map_or(limit.tag, |o| o.tag)),
+                None => return,
+            },
         };
         let mut bucket_key =
             String::with_capacity(size + override_.map_or(0, |o| o.name.len() + 1));
@@ -840,7 +951,9 @@ impl Policy {
             override_,
             bucket_key,
             effect,
+            requested: asked.is_some(),
             params,
+            tag,
         });
     }
 }

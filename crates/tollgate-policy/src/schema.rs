@@ -92,6 +92,17 @@ pub(crate) struct LimitSpec {
     /// Names of limits of the same domain this one takes the place of when it applies.
     #[serde(default)]
     pub(crate) replaces: Option<Spanned<Vec<String>>>,
+    /// Whether a limit an RLS descriptor carries (Envoy's `limit` action) is applied.
+    #[serde(default)]
+    pub(crate) request_limit: Option<Spanned<RequestLimitSpec>>,
+}
+
+/// `ignore` (the default) or `apply`: what a limit does with a limit a descriptor carries.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum RequestLimitSpec {
+    Ignore,
+    Apply,
 }
 
 /// One entry of a limit's `overrides`.

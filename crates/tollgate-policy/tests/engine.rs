@@ -6,9 +6,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use tollgate::{Clock, ManualClock, block_on_ready};
+use tollgate::{Clock, Limit, ManualClock, block_on_ready};
 use tollgate_policy::audit::AuditLog;
-use tollgate_policy::{EngineOptions, ManualWallClock, PolicyEngine, UnixTime, compile};
+use tollgate_policy::{
+    EngineOptions, ManualWallClock, PolicyEngine, RequestDescriptor, UnixTime, compile,
+};
 
 const NOW: UnixTime = UnixTime::from_secs(1_790_000_000); // 2026-09-21
 
@@ -1996,4 +1998,78 @@ fn a_settled_reservation_gives_back_what_it_did_not_use() {
     let none = r.engine.settle("other", &request, 5, 1, "r3").unwrap();
     assert_eq!(none.settled, Some(tollgate::SettleStatus::NotFound));
     assert_eq!(r.engine.unmatched(), 0);
+}
+
+const REQUEST_LIMIT: &str = r#"
+version: "1"
+limits:
+  - name: per-route
+    domain: api
+    key: [route]
+    capacity: 100
+    refill: 100/m
+    request_limit: apply
+"#;
+
+#[test]
+fn a_limit_sent_with_a_descriptor_decides_in_a_bucket_of_its_own() {
+    let r = rig(REQUEST_LIMIT);
+    let per_minute = |n| Limit::per(n, Duration::from_secs(60)).unwrap_or_else(|e| panic!("{e}"));
+    let take = |limit: Option<Limit>| {
+        let sent = [RequestDescriptor {
+            entries: vec![("route", "search")],
+            limit,
+        }];
+        let outcome = r
+            .engine
+            .decide("api", &sent, 1, None)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let decision = outcome.limits[0]
+            .decision
+            .unwrap_or_else(|| panic!("undecided"));
+        (
+            outcome.allowed,
+            decision.remaining(),
+            decision.limit().capacity(),
+        )
+    };
+    // Three a minute asked for: three pass, the fourth is rejected, and the decision reports
+    // the limit asked for.
+    assert_eq!(take(Some(per_minute(3))), (true, 2, 3));
+    assert_eq!(take(Some(per_minute(3))), (true, 1, 3));
+    assert_eq!(take(Some(per_minute(3))), (true, 0, 3));
+    assert_eq!(take(Some(per_minute(3))), (false, 0, 3));
+    // The policy's own bucket was not touched, nor is another limit asked for.
+    assert_eq!(take(None), (true, 99, 100));
+    assert_eq!(take(Some(per_minute(4))), (true, 3, 4));
+    // Asking for the policy's own parameters is its own bucket.
+    assert_eq!(take(Some(per_minute(100))), (true, 98, 100));
+    // The bucket asked for refills at its own rate: one token in 20 s at three a minute.
+    r.clock.advance(Duration::from_secs(20));
+    assert_eq!(take(Some(per_minute(3))), (true, 0, 3));
+    assert_eq!(take(Some(per_minute(3))), (false, 0, 3));
+    // A cost above the limit asked for can never pass: a typed error, nothing charged.
+    let sent = [RequestDescriptor {
+        entries: vec![("route", "bulk")],
+        limit: Some(per_minute(3)),
+    }];
+    let err = r.engine.decide("api", &sent, 4, None).map(|o| o.allowed);
+    assert!(
+        matches!(
+            err,
+            Err(tollgate_policy::Error::Check {
+                source: tollgate::Error::InvalidCost {
+                    cost: 4,
+                    capacity: 3
+                },
+                ..
+            })
+        ),
+        "{err:?}"
+    );
+    let bulk = r
+        .engine
+        .decide("api", &sent, 1, None)
+        .map(|o| o.limits[0].decision.map(|d| d.remaining()));
+    assert_eq!(bulk.ok().flatten(), Some(2));
 }

@@ -734,3 +734,52 @@ fn replaces_names_another_limit_of_the_same_domain_once() {
         );
     }
 }
+
+#[test]
+fn request_limit_is_for_regional_token_buckets() {
+    case(
+        &format!(
+            "{HEAD}    algorithm: fixed_window\n    limit: 5\n    window: 1m\n    request_limit: apply\n"
+        ),
+        8,
+        20,
+        "limits[0].request_limit",
+        "request_limit apply needs a token_bucket or gcra limit, not fixed_window",
+    );
+    case(
+        &format!(
+            "{HEAD}    algorithm: concurrency\n    max_in_flight: 2\n    lease_timeout: 30s\n    request_limit: apply\n"
+        ),
+        8,
+        20,
+        "limits[0].request_limit",
+        "not concurrency",
+    );
+    case(
+        &format!(
+            "{HEAD}    capacity: 5\n    refill: 1/s\n    scope: global\n    request_limit: apply\n"
+        ),
+        8,
+        20,
+        "limits[0].request_limit",
+        "needs a regional limit",
+    );
+    case(
+        &format!("{HEAD}    capacity: 5\n    refill: 1/s\n    request_limit: always\n"),
+        7,
+        20,
+        "limits[0].request_limit",
+        "unknown variant `always`",
+    );
+    for (algorithm, value) in [
+        ("token_bucket", "apply"),
+        ("gcra", "apply"),
+        ("gcra", "ignore"),
+    ] {
+        let text = format!(
+            "{HEAD}    algorithm: {algorithm}\n    capacity: 5\n    refill: 1/s\n    request_limit: {value}\n"
+        );
+        let policy = compile("p.yaml", &text).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(policy.limits()[0].applies_request_limit(), value == "apply");
+    }
+}

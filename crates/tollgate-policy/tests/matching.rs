@@ -1,6 +1,9 @@
 //! Matching: which limits apply to a request, with which bucket and which parameters.
 
-use tollgate_policy::{Effect, FailureMode, Mode, Policy, UnixTime, compile};
+use std::time::Duration;
+
+use tollgate::Limit;
+use tollgate_policy::{Effect, FailureMode, Mode, Policy, RequestDescriptor, UnixTime, compile};
 
 const POLICY: &str = r#"
 version: "12"
@@ -490,6 +493,84 @@ fn a_limit_that_applies_takes_the_place_of_those_it_replaces() {
     p.match_into("d", &[[("plan", "partner"), ("user", "u2")]], NOW, &mut out);
     let keys: Vec<&str> = out.iter().map(|m| m.bucket_key.as_str()).collect();
     assert_eq!(keys, ["per-user|u1", "partners|u2"]);
+}
+
+const REQUEST_LIMITS: &str = r#"
+limits:
+  - name: per-route
+    domain: edge
+    key: [route]
+    capacity: 100
+    refill: 100/m
+    request_limit: apply
+    overrides:
+      - name: checkout
+        when: {route: checkout}
+        capacity: 10
+        refill: 10/m
+  - name: per-client
+    domain: edge
+    key: [client]
+    capacity: 5
+    refill: 5/s
+"#;
+
+#[test]
+fn a_limit_sent_with_a_descriptor_decides_where_the_limit_applies_it() {
+    let p = compile("p.yaml", REQUEST_LIMITS).unwrap_or_else(|e| panic!("{e}"));
+    assert!(p.limits()[0].applies_request_limit());
+    assert!(!p.limits()[1].applies_request_limit());
+    assert!(p.applies_request_limits("edge"));
+    assert!(!p.applies_request_limits("other"));
+    let per_minute = |n| Limit::per(n, Duration::from_secs(60)).unwrap_or_else(|e| panic!("{e}"));
+    let sent = |route: &'static str, client: &'static str, limit| RequestDescriptor {
+        entries: vec![("route", route), ("client", client)],
+        limit,
+    };
+    let seen = |descriptor: RequestDescriptor<&str>| -> Vec<(String, String, bool)> {
+        p.matches("edge", &[descriptor], NOW)
+            .iter()
+            .map(|m| (m.bucket_key.clone(), m.params().to_string(), m.requested))
+            .collect()
+    };
+    let owned = |rows: &[(&str, &str, bool)]| -> Vec<(String, String, bool)> {
+        rows.iter()
+            .map(|&(k, p, r)| (k.to_owned(), p.to_owned(), r))
+            .collect()
+    };
+    // Nothing asked: the limit's own parameters, and the override's for checkout.
+    assert_eq!(
+        seen(sent("search", "c1", None)),
+        owned(&[
+            ("per-route|search", "capacity 100 refill 100/m", false),
+            ("per-client|c1", "capacity 5 refill 5/s", false)
+        ])
+    );
+    assert_eq!(
+        seen(sent("checkout", "c1", None))[0],
+        owned(&[(
+            "per-route|checkout#checkout",
+            "capacity 10 refill 10/m",
+            false
+        )])[0]
+    );
+    // A limit asked for: per-route takes it, in place of the override too; per-client, which
+    // does not apply limits sent, keeps its own.
+    assert_eq!(
+        seen(sent("search", "c1", Some(per_minute(7)))),
+        owned(&[
+            ("per-route|search", "capacity 7 refill 7/m", true),
+            ("per-client|c1", "capacity 5 refill 5/s", false)
+        ])
+    );
+    assert_eq!(
+        seen(sent("checkout", "c1", Some(per_minute(7))))[0],
+        owned(&[("per-route|checkout", "capacity 7 refill 7/m", true)])[0]
+    );
+    // Plain pairs ask for nothing, whatever the limit.
+    let m = p.matches("edge", &[[("route", "search")]], NOW);
+    assert_eq!(m[0].params().capacity(), 100);
+    assert!(!m[0].requested);
 }
 
 fn rollout_policy(percent: &str) -> Policy {

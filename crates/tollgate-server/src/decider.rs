@@ -9,8 +9,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tollgate::{Clock, Error as CoreError, MonotonicClock, Store, Unavailable};
-use tollgate_policy::{Costs, Error as PolicyError, LeaseOutcome, Outcome, Policy, PolicyEngine};
+use tollgate::{Clock, Error as CoreError, Limit, MonotonicClock, Store, Unavailable};
+use tollgate_policy::{
+    Costs, Descriptor, Error as PolicyError, LeaseOutcome, Outcome, Policy, PolicyEngine,
+};
 use tollgate_redis::RedisStore;
 
 use crate::global::Shares;
@@ -35,13 +37,15 @@ impl Backend {
     }
 }
 
-/// One request, as every API hands it over. The entries' strings are `S`: owned, or borrowed
-/// from the request's own bytes where the front end can (the JSON body's unescaped strings).
-pub struct Request<'a, S = String> {
+/// One request, as every API hands it over. A descriptor `D` is a list of `(entry, value)`
+/// pairs whose strings are owned, or borrowed from the request's own bytes where the front end
+/// can (the JSON body's unescaped strings); or, from Envoy's RLS, a
+/// [`RequestDescriptor`](tollgate_policy::RequestDescriptor) that may carry a limit.
+pub struct Request<'a, D = Vec<(String, String)>> {
     /// The Envoy RLS domain (HTTP callers pass it too).
     pub domain: &'a str,
     /// Descriptors: entry → value lists.
-    pub descriptors: &'a [Vec<(S, S)>],
+    pub descriptors: &'a [D],
     /// Tokens per matched limit: one cost for every descriptor, or one per descriptor.
     pub cost: Costs<'a>,
     /// Makes a retry free.
@@ -131,15 +135,28 @@ impl Decider {
         &self.backend
     }
 
+    /// Whether the store can decide `limit` exactly: a limit that comes with a request (Envoy's
+    /// `limit` action) was not checked when the policy was loaded, as the policy's own were.
+    ///
+    /// # Errors
+    ///
+    /// The store's reason, for a limit Redis' scripts cannot keep exactly.
+    pub fn supports(&self, limit: &Limit) -> Result<(), CoreError> {
+        match self.backend {
+            Backend::Memory => Ok(()),
+            Backend::Redis(_) => tollgate_redis::check_limit(limit),
+        }
+    }
+
     /// Decides `request`, charging the buckets it passes, and records the metrics.
     ///
     /// # Errors
     ///
     /// [`DecideError`] when the request cannot be decided at all.
-    pub async fn decide<S: AsRef<str>>(
+    pub async fn decide<S: AsRef<str>, D: Descriptor<S>>(
         &self,
         api: Api,
-        request: &Request<'_, S>,
+        request: &Request<'_, D>,
     ) -> Result<Outcome, DecideError> {
         let started = self.clock.now();
         let outcome = self.run(request, true).await;
@@ -161,9 +178,9 @@ impl Decider {
     /// # Errors
     ///
     /// As for `decide`.
-    pub async fn explain<S: AsRef<str>>(
+    pub async fn explain<S: AsRef<str>, D: Descriptor<S>>(
         &self,
-        request: &Request<'_, S>,
+        request: &Request<'_, D>,
     ) -> Result<Outcome, DecideError> {
         self.run(request, false).await
     }
@@ -176,9 +193,9 @@ impl Decider {
     /// # Errors
     ///
     /// As for `decide`.
-    pub async fn check_only<S: AsRef<str>>(
+    pub async fn check_only<S: AsRef<str>, D: Descriptor<S>>(
         &self,
-        request: &Request<'_, S>,
+        request: &Request<'_, D>,
     ) -> Result<Outcome, DecideError> {
         match self.run(request, false).await {
             Err(DecideError::Unavailable(reason)) => self
@@ -203,9 +220,9 @@ impl Decider {
     ///
     /// [`DecideError::Invalid`] without a request id, or for `used` above the cost, or an id
     /// used for another request; [`DecideError::Unavailable`] when the store cannot answer.
-    pub async fn settle<S: AsRef<str>>(
+    pub async fn settle<S: AsRef<str>, D: Descriptor<S>>(
         &self,
-        request: &Request<'_, S>,
+        request: &Request<'_, D>,
         used: u64,
     ) -> Result<Outcome, DecideError> {
         let Request {
@@ -265,9 +282,9 @@ impl Decider {
         }
     }
 
-    async fn run<S: AsRef<str>>(
+    async fn run<S: AsRef<str>, D: Descriptor<S>>(
         &self,
-        request: &Request<'_, S>,
+        request: &Request<'_, D>,
         consume: bool,
     ) -> Result<Outcome, DecideError> {
         let Request {
@@ -316,10 +333,10 @@ impl Decider {
     }
 
     /// Decides or explains `request` on `store`.
-    async fn on<St: Store, S: AsRef<str>>(
+    async fn on<St: Store, S: AsRef<str>, D: Descriptor<S>>(
         &self,
         store: &St,
-        request: &Request<'_, S>,
+        request: &Request<'_, D>,
         consume: bool,
     ) -> Result<Outcome, PolicyError> {
         let Request {
@@ -340,9 +357,9 @@ impl Decider {
     }
 
     /// The store could not answer: every limit follows its failure mode.
-    fn degraded<S: AsRef<str>>(
+    fn degraded<S: AsRef<str>, D: Descriptor<S>>(
         &self,
-        request: &Request<'_, S>,
+        request: &Request<'_, D>,
         reason: Unavailable,
         consume: bool,
     ) -> Result<Outcome, DecideError> {

@@ -27,6 +27,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
     Code, DescriptorStatus, RateLimit, rate_limit::Unit,
 };
@@ -34,8 +35,9 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{
     RateLimitService, RateLimitServiceServer,
 };
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
-use tollgate::Decision;
-use tollgate_policy::{Costs, Error as PolicyError, LimitOutcome, Outcome};
+use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
+use tollgate::{Decision, Limit};
+use tollgate_policy::{Costs, Error as PolicyError, LimitOutcome, Outcome, RequestDescriptor};
 use tonic::{Request, Response, Status};
 
 use crate::decider::{DecideError, Decider, Request as Decide};
@@ -61,19 +63,21 @@ impl Rls {
 
     /// Envoy's `limit` rate-limit action (from dynamic metadata) sends a limit with the
     /// descriptor, which envoyproxy/ratelimit applies instead of its configuration. tollgate
-    /// decides by its policy alone, so that a client cannot set its own limit; an operator
-    /// moving such a setup over must hear that the limit sent does nothing here, once.
-    fn tell_limit_ignored(&self, request: &RateLimitRequest) {
+    /// applies it only in the limits that say `request_limit: apply`, so that no caller sets
+    /// its own limit unasked; an operator moving such a setup over must hear, once, that in a
+    /// domain without such a limit the limit sent does nothing.
+    fn tell_limit_ignored(&self, request: &RateLimitRequest, applied: bool) {
         let Some(limit) = request.descriptors.iter().find_map(|d| d.limit.as_ref()) else {
             return;
         };
-        if !self.told_limit_ignored.swap(true, Ordering::Relaxed) {
+        if !applied && !self.told_limit_ignored.swap(true, Ordering::Relaxed) {
             tracing::warn!(
                 domain = %request.domain,
                 requests_per_unit = limit.requests_per_unit,
-                "an RLS descriptor carries its own limit (Envoy's `limit` action); tollgate \
-                 decides by its policy and ignores it: write the limit in the policy, with an \
-                 override per value if it varies (said once per process)"
+                "an RLS descriptor carries its own limit (Envoy's `limit` action), and no limit \
+                 of its domain applies one: tollgate decides by its policy and ignores it; \
+                 write `request_limit: apply` on the limits that should take it \
+                 (said once per process)"
             );
         }
     }
@@ -104,12 +108,46 @@ fn status(err: DecideError) -> Status {
     }
 }
 
-/// A descriptor's entries.
-type Entries = Vec<(String, String)>;
+/// A descriptor as the policy reads it: its entries and the limit it carries, if any.
+type Sent = RequestDescriptor<String>;
+
+/// The limit a descriptor carries, as tollgate's: `requests_per_unit` a unit is a bucket of
+/// that many refilled as many a unit, as a `rate_limit` of envoyproxy/ratelimit's file is
+/// imported. A month is 30 days and a year 365, as there.
+fn requested_limit(sent: &RateLimitOverride) -> Result<Limit, String> {
+    const DAY: u64 = 86_400;
+    let seconds = match RateLimitUnit::try_from(sent.unit) {
+        Ok(RateLimitUnit::Second) => 1,
+        Ok(RateLimitUnit::Minute) => 60,
+        Ok(RateLimitUnit::Hour) => 3_600,
+        Ok(RateLimitUnit::Day) => DAY,
+        Ok(RateLimitUnit::Month) => 30 * DAY,
+        Ok(RateLimitUnit::Year) => 365 * DAY,
+        Ok(RateLimitUnit::Unknown) | Err(_) => {
+            return Err(format!("unit {} is not a known unit", sent.unit));
+        }
+    };
+    if sent.requests_per_unit == 0 {
+        // Envoy's "deny all"; tollgate has no limit that admits nothing, and reading it as any
+        // other limit would admit something.
+        return Err("requests_per_unit 0 cannot be applied: a limit admits at least 1".into());
+    }
+    Limit::per(
+        u64::from(sent.requests_per_unit),
+        Duration::from_secs(seconds),
+    )
+    .map_err(|err| err.to_string())
+}
 
 /// Descriptors and their costs, checked against the same bounds as the HTTP API. The
-/// descriptors are taken out of `request`: their strings move rather than copy.
-fn parse(request: &mut RateLimitRequest) -> Result<Vec<(Entries, u64)>, Status> {
+/// descriptors are taken out of `request`: their strings move rather than copy. The limits
+/// they carry are read only where a limit applies them (`applied`), and refused then when they
+/// cannot be: elsewhere they change nothing, so they fail nothing either.
+fn parse(
+    request: &mut RateLimitRequest,
+    applied: bool,
+    decider: &Decider,
+) -> Result<Vec<(Sent, u64)>, Status> {
     if request.domain.is_empty() || request.domain.len() > MAX_NAME_BYTES {
         return Err(invalid(format!(
             "domain must be 1 to {MAX_NAME_BYTES} bytes"
@@ -143,12 +181,25 @@ fn parse(request: &mut RateLimitRequest) -> Result<Vec<(Entries, u64)>, Status> 
                 }
                 entries.push((entry.key, entry.value));
             }
+            let limit = match descriptor.limit.as_ref().filter(|_| applied) {
+                Some(sent) => Some(
+                    requested_limit(sent)
+                        .and_then(|limit| {
+                            decider.supports(&limit).map_err(|e| e.to_string())?;
+                            Ok(limit)
+                        })
+                        .map_err(|reason| {
+                            invalid(format!("descriptors[{index}].limit: {reason}"))
+                        })?,
+                ),
+                None => None,
+            };
             // A descriptor's own hits_addend wins, and 0 there means check only.
             let cost = descriptor
                 .hits_addend
                 .as_ref()
                 .map_or(default_cost, |hits| hits.value);
-            Ok((entries, cost))
+            Ok((RequestDescriptor { entries, limit }, cost))
         })
         .collect()
 }
@@ -238,9 +289,17 @@ impl Rls {
         &self,
         mut request: RateLimitRequest,
     ) -> Result<RateLimitResponse, Status> {
-        self.tell_limit_ignored(&request);
-        let descriptors =
-            parse(&mut request).inspect_err(|_| metrics::record_invalid(Api::Grpc))?;
+        // The policy is read only when a descriptor carries a limit (rare), and the limits
+        // decide by the version in force when they are decided, as always.
+        let applied = request.descriptors.iter().any(|d| d.limit.is_some())
+            && self
+                .decider
+                .engine()
+                .current()
+                .applies_request_limits(&request.domain);
+        self.tell_limit_ignored(&request, applied);
+        let descriptors = parse(&mut request, applied, &self.decider)
+            .inspect_err(|_| metrics::record_invalid(Api::Grpc))?;
         let count = descriptors.len();
 
         // Check-only descriptors (`hits_addend: 0`) are decided first, charging nothing; the
@@ -248,14 +307,14 @@ impl Rls {
         // only if every check passed: a rejected request is charged nowhere.
         let (mut checked, mut charged) = ((Vec::new(), Vec::new()), (Vec::new(), Vec::new()));
         let mut costs = Vec::with_capacity(count);
-        for (index, (entries, cost)) in descriptors.into_iter().enumerate() {
+        for (index, (sent, cost)) in descriptors.into_iter().enumerate() {
             let (indexes, group) = if cost == 0 {
                 &mut checked
             } else {
                 &mut charged
             };
             indexes.push(index);
-            group.push(entries);
+            group.push(sent);
             if cost > 0 {
                 costs.push(cost);
             }
@@ -360,6 +419,45 @@ mod tests {
     fn decision(capacity: u64, rate: &str) -> Decision {
         let limit = Limit::new(capacity, rate.parse().unwrap()).unwrap();
         bucket::peek(&limit, None, Timestamp::ZERO, 1).unwrap()
+    }
+
+    #[test]
+    fn a_limit_sent_is_a_bucket_refilled_per_unit() {
+        let sent = |requests_per_unit, unit: RateLimitUnit| RateLimitOverride {
+            requests_per_unit,
+            unit: unit as i32,
+        };
+        let day = 86_400;
+        for (requests, unit, seconds) in [
+            (5, RateLimitUnit::Second, 1),
+            (100, RateLimitUnit::Minute, 60),
+            (7, RateLimitUnit::Hour, 3_600),
+            (1, RateLimitUnit::Day, day),
+            (3, RateLimitUnit::Month, 30 * day),
+            (u32::MAX, RateLimitUnit::Year, 365 * day),
+        ] {
+            let limit = requested_limit(&sent(requests, unit)).unwrap();
+            assert_eq!(limit.capacity(), u64::from(requests));
+            assert_eq!(limit.refill().amount(), u64::from(requests));
+            assert_eq!(limit.refill().period(), Duration::from_secs(seconds));
+        }
+        for (limit, fragment) in [
+            (sent(0, RateLimitUnit::Minute), "requests_per_unit 0"),
+            (
+                sent(10, RateLimitUnit::Unknown),
+                "unit 0 is not a known unit",
+            ),
+            (
+                RateLimitOverride {
+                    requests_per_unit: 10,
+                    unit: 42,
+                },
+                "unit 42",
+            ),
+        ] {
+            let err = requested_limit(&limit).unwrap_err();
+            assert!(err.contains(fragment), "{err}");
+        }
     }
 
     #[test]

@@ -3,9 +3,9 @@
 mod support;
 
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
-use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use std::time::Duration;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -13,7 +13,7 @@ use tonic_health::pb::health_client::HealthClient;
 
 use support::{
     Scratch, Server, assert_serve_flags_refused, descriptor, path_str, post_json, request, run,
-    serve_refused, serve_refused_with_env,
+    serve_refused, serve_refused_with_env, should_rate_limit,
 };
 
 const POLICY: &str = r#"
@@ -241,19 +241,6 @@ fn forward_auth_accepts_a_utf8_header_value() {
     assert_eq!(answer.status, 200, "{}", answer.body);
 }
 
-async fn should_rate_limit(
-    server: &Server,
-    request: RateLimitRequest,
-) -> Result<RateLimitResponse, tonic::Status> {
-    let mut client = RateLimitServiceClient::connect(format!("http://{}", server.grpc))
-        .await
-        .expect("connect to the gRPC port");
-    client
-        .should_rate_limit(request)
-        .await
-        .map(tonic::Response::into_inner)
-}
-
 /// Descriptors with different `hits_addend`s are still all or nothing: a request rejected on
 /// one descriptor charges none of the others (they were once decided one cost after another).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -315,6 +302,95 @@ async fn a_limit_sent_with_a_descriptor_is_ignored_and_said_once() {
         .await
         .expect("terminate");
     assert_eq!(logs.matches("carries its own limit").count(), 1, "{logs}");
+}
+
+const REQUEST_LIMITS: &str = r#"
+version: "rl"
+limits:
+  - name: per-route
+    domain: edge
+    key: [route]
+    capacity: 100
+    refill: 100/m
+    request_limit: apply
+"#;
+
+/// Envoy's `limit` action, where the policy asks for it: the limit sent decides, in a bucket
+/// of its own, and Envoy's `current_limit` reports it; a limit that cannot be applied is
+/// refused, and nothing is said about limits ignored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_limit_sent_with_a_descriptor_decides_where_the_policy_applies_it() {
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
+    let scratch = Scratch::new("grpc-request-limit");
+    let config = scratch.write("policy.yaml", REQUEST_LIMITS);
+    let (server, stderr) = Server::start_logging(&["--config", path_str(&config)], "warn");
+    let asking = |requests_per_unit: Option<u32>| {
+        let mut sent = descriptor(&[("route", "search")]);
+        sent.limit = requests_per_unit.map(|requests_per_unit| RateLimitOverride {
+            requests_per_unit,
+            unit: 2, // MINUTE
+        });
+        RateLimitRequest {
+            domain: "edge".to_owned(),
+            descriptors: vec![sent],
+            hits_addend: 1,
+        }
+    };
+    let (ok, over) = (Code::Ok as i32, Code::OverLimit as i32);
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        let response = should_rate_limit(&server, asking(Some(2))).await.unwrap();
+        let status = &response.statuses[0];
+        let limit = status.current_limit.clone().unwrap_or_default();
+        seen.push((
+            response.overall_code,
+            status.limit_remaining,
+            limit.name,
+            limit.requests_per_unit,
+            limit.unit,
+        ));
+    }
+    let minute = 2;
+    assert_eq!(
+        seen,
+        [
+            (ok, 1, "per-route".to_owned(), 2, minute),
+            (ok, 0, "per-route".to_owned(), 2, minute),
+            (over, 0, "per-route".to_owned(), 2, minute),
+        ]
+    );
+    // The policy's own bucket is another one, untouched.
+    let own = should_rate_limit(&server, asking(None)).await.unwrap();
+    assert_eq!(
+        (own.overall_code, own.statuses[0].limit_remaining),
+        (ok, 99)
+    );
+    // Envoy's "deny all" cannot be applied: refused, not read as some other limit.
+    let refused = should_rate_limit(&server, asking(Some(0)))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+    assert!(
+        refused
+            .message()
+            .contains("descriptors[0].limit: requests_per_unit 0"),
+        "{refused:?}"
+    );
+    // The policy says which limits apply what is sent.
+    let http = server.http;
+    let listed = tokio::task::spawn_blocking(move || request(http, "GET", "/v1/policy", &[], ""))
+        .await
+        .unwrap();
+    assert_eq!(
+        listed.json()["limits"][0]["request_limit"],
+        "apply",
+        "{}",
+        listed.body
+    );
+    let logs = tokio::task::spawn_blocking(move || server.terminate_and_read(stderr))
+        .await
+        .expect("terminate");
+    assert!(!logs.contains("carries its own limit"), "{logs}");
 }
 
 const WINDOWS: &str = r#"

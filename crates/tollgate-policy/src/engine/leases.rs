@@ -37,7 +37,7 @@ use tollgate::{
 use super::{PolicyEngine, store_key};
 use crate::audit::AuditEvent;
 use crate::error::Error;
-use crate::policy::{Effect, FailureMode, LeaseMatched};
+use crate::policy::{Descriptor, Effect, FailureMode, LeaseMatched};
 
 /// The result of one lease request (an acquire, or an explanation of one).
 #[derive(Debug, Clone)]
@@ -207,7 +207,7 @@ impl PolicyEngine {
         lease_id: &str,
     ) -> Result<LeaseOutcome, Error>
     where
-        D: AsRef<[(S, S)]>,
+        D: Descriptor<S>,
         S: AsRef<str>,
     {
         block_on_ready(self.lease_run_on(&self.local, domain, descriptors, Some(lease_id)))
@@ -230,7 +230,7 @@ impl PolicyEngine {
     ) -> Result<LeaseOutcome, Error>
     where
         St: LeaseStore,
-        D: AsRef<[(S, S)]>,
+        D: Descriptor<S>,
         S: AsRef<str>,
     {
         self.lease_run_on(store, domain, descriptors, Some(lease_id))
@@ -249,7 +249,7 @@ impl PolicyEngine {
         descriptors: &[D],
     ) -> Result<LeaseOutcome, Error>
     where
-        D: AsRef<[(S, S)]>,
+        D: Descriptor<S>,
         S: AsRef<str>,
     {
         block_on_ready(self.lease_run_on(&self.local, domain, descriptors, None))
@@ -268,7 +268,7 @@ impl PolicyEngine {
     ) -> Result<LeaseOutcome, Error>
     where
         St: LeaseStore,
-        D: AsRef<[(S, S)]>,
+        D: Descriptor<S>,
         S: AsRef<str>,
     {
         self.lease_run_on(store, domain, descriptors, None).await
@@ -384,7 +384,7 @@ impl PolicyEngine {
         reason: &str,
     ) -> Result<LeaseOutcome, Error>
     where
-        D: AsRef<[(S, S)]>,
+        D: Descriptor<S>,
         S: AsRef<str>,
     {
         // Refused whatever applies, as in `acquire`.
@@ -501,7 +501,7 @@ impl PolicyEngine {
     ) -> Result<LeaseOutcome, Error>
     where
         St: LeaseStore,
-        D: AsRef<[(S, S)]>,
+        D: Descriptor<S>,
         S: AsRef<str>,
     {
         // Before matching: whether an id is refused must not depend on what applies.

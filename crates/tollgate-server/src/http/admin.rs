@@ -190,6 +190,9 @@ fn limit_body(limits: &[LimitDef], limit: &LimitDef) -> serde_json::Value {
             .collect();
         body["replaces"] = json!(names);
     }
+    if limit.applies_request_limit() {
+        body["request_limit"] = json!("apply");
+    }
     match limit.failure_mode() {
         FailureMode::Closed => body["failure_mode"] = json!("closed"),
         FailureMode::Open { emergency } => {

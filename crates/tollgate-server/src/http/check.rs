@@ -195,7 +195,7 @@ pub(crate) struct Parsed<'a> {
 }
 
 impl Parsed<'_> {
-    pub(crate) fn request(&self) -> Request<'_, Cow<'_, str>> {
+    pub(crate) fn request(&self) -> Request<'_, Vec<(Cow<'_, str>, Cow<'_, str>)>> {
         Request {
             domain: &self.domain,
             descriptors: &self.descriptors,

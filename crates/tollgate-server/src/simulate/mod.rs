@@ -242,7 +242,7 @@ impl Simulation {
         line: u64,
         now: u64,
         at: UnixTime,
-        request: &Request<'_, Cow<'_, str>>,
+        request: &Request<'_, Vec<(Cow<'_, str>, Cow<'_, str>)>>,
         duration: Option<Duration>,
         reservation: Option<(u64, u64)>,
     ) {

@@ -378,6 +378,21 @@ pub fn path_str(path: &Path) -> &str {
     path.to_str().expect("utf-8 path")
 }
 
+/// One `ShouldRateLimit` call, as Envoy makes it, on a connection of its own.
+pub async fn should_rate_limit(
+    server: &Server,
+    request: envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest,
+) -> Result<envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse, tonic::Status> {
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+    let mut client = RateLimitServiceClient::connect(format!("http://{}", server.grpc))
+        .await
+        .expect("connect to the gRPC port");
+    client
+        .should_rate_limit(request)
+        .await
+        .map(tonic::Response::into_inner)
+}
+
 /// An Envoy RLS descriptor of `entries`, as Envoy's rate-limit filter builds one.
 pub fn descriptor(
     entries: &[(&str, &str)],
