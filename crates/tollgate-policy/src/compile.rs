@@ -768,12 +768,37 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
                 ));
             }
             let when = conditions(file, &o.when, format!("{opath}.when"))?;
-            let params = override_params(file, o, &params, &opath)?;
+            let unlimited = o.unlimited.as_ref().filter(|u| u.value);
+            let params = match unlimited {
+                None => override_params(file, o, &params, &opath)?,
+                Some(spanned) => {
+                    // Parameters beside `unlimited: true` would never apply: refused rather
+                    // than left to mislead a reader.
+                    let set = [
+                        ("capacity", o.capacity.is_some()),
+                        ("refill", o.refill.is_some()),
+                        ("limit", o.limit.is_some()),
+                        ("window", o.window.is_some()),
+                        ("max_in_flight", o.max_in_flight.is_some()),
+                        ("lease_timeout", o.lease_timeout.is_some()),
+                    ];
+                    if let Some((field, _)) = set.iter().find(|(_, set)| *set) {
+                        return Err(at(
+                            file,
+                            spanned,
+                            format!("{opath}.unlimited"),
+                            format!("an unlimited override sets no parameters, yet {field} is set"),
+                        ));
+                    }
+                    params
+                }
+            };
             overrides.push(Override {
                 name,
                 when,
                 tag: key::params_tag(&params),
                 params,
+                unlimited: unlimited.is_some(),
             });
         }
 

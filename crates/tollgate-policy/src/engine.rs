@@ -1630,7 +1630,11 @@ fn changed_limits(old: &Policy, new: &Policy) -> Vec<String> {
                         .overrides()
                         .iter()
                         .zip(limit.overrides())
-                        .any(|(a, b)| a.name() != b.name() || a.params() != b.params())
+                        .any(|(a, b)| {
+                            a.name() != b.name()
+                                || a.params() != b.params()
+                                || a.unlimited() != b.unlimited()
+                        })
             })
         })
         .map(|limit| limit.name().to_owned())

@@ -16,7 +16,12 @@
 //!   exact ones; without one, an exact value a wildcard value covers is an override of it.
 //! * A limit under a valued node with the shape of one under its key-only sibling
 //!   (`tenant=acme > user` beside `tenant > user`) is what Envoy applies for that value instead
-//!   of the sibling's: an override of it, tried before its own.
+//!   of the sibling's: an override of it, tried before its own. A limit under the sibling that
+//!   nothing under the value matches is one Envoy never reaches for that value: it gets an
+//!   `unlimited: true` override for the value, in the same place.
+//! * A valued node without a limit (`unlimited: true`, or no `rate_limit`) beside a wider node
+//!   with one is limited by nothing in Envoy: an `unlimited: true` override of the wider
+//!   node's limit.
 //! * `N` requests per `unit` becomes capacity `N`, refill `N/unit`: Envoy counts in calendar fixed
 //!   windows, tollgate refills a token bucket continuously, so a client can no longer burst `2N`
 //!   across a window edge. Said once in the notes.
@@ -26,10 +31,9 @@
 //!
 //! What tollgate cannot express is listed in [`EnvoyImport::notes`], with the descriptor path:
 //! a `replaces` naming what did not become a limit of its own, overlapping wildcard values
-//! (Envoy takes the first, tollgate applies each),
-//! `unlimited` exceptions to a wildcard sibling, the rest of a wider sibling's subtree that a
-//! valued node hides, a key repeated further down its own path (skipped), entry order, month
-//! and year units (approximated), and fields it does not know.
+//! (Envoy takes the first, tollgate applies each), the subtree of a wildcard value that an
+//! exact value it covers hides, a key repeated further down its own path (skipped), entry
+//! order, month and year units (approximated), and fields it does not know.
 
 use std::collections::{BTreeMap, HashSet};
 use std::fmt::Write as _;
@@ -136,8 +140,15 @@ struct Out {
     replaces: Vec<String>,
 }
 
-/// One override on its way out: name, condition, capacity and refill.
-type OverrideOut = (String, (String, ValueMatch), u64, String);
+/// One override on its way out: name, condition, and capacity and refill, or `None` for
+/// `unlimited: true`.
+type OverrideOut = (String, (String, ValueMatch), Option<(u64, String)>);
+
+/// Whether a node limits nothing in Envoy: `unlimited: true`, or no `rate_limit` at all (a
+/// descriptor that ends on it gets no limit, whatever its siblings have).
+fn unlimited(node: &Node) -> bool {
+    node.rate_limit.as_ref().is_none_or(|r| r.unlimited)
+}
 
 /// An Envoy wildcard value (`foo*`) as the prefix it stands for.
 fn prefix_of(value: &str) -> Option<&str> {
@@ -349,6 +360,15 @@ impl Importer {
                             .and_then(prefix_of)
                             .is_some_and(|prefix| value.starts_with(prefix))
                 });
+                // A value without a limit of its own (unlimited, or none) beside a wider
+                // node with one: Envoy applies no limit to it, so neither does the override
+                // it becomes (`unlimited: true`). A limit that could not be converted was
+                // noted already; the wider one then applies.
+                let rate = match rate {
+                    Some(rate) => Some(Some(rate)),
+                    None if unlimited(node) => Some(None),
+                    None => None,
+                };
                 match (&wildcard_limit, covering, rate) {
                     (Some(_), _, Some(rate)) => {
                         let wider = wildcard.unwrap_or(node);
@@ -360,30 +380,11 @@ impl Importer {
                         let into = &mut prefix_overrides[j];
                         self.adopt(into, node, &here, condition, rate, prefixed[j]);
                     }
-                    (Some(_), _, None) | (None, Some(_), None) => {
-                        if node.rate_limit.as_ref().is_some_and(|r| r.unlimited)
-                            || node.rate_limit.is_none()
-                        {
-                            let sibling = match covering {
-                                Some(j) if wildcard_limit.is_none() => format!(
-                                    "the wildcard value `{key}={}`",
-                                    prefixed[j].value().unwrap_or_default()
-                                ),
-                                _ => format!("a wildcard sibling `{key}`"),
-                            };
-                            self.note(
-                                &here,
-                                format!(
-                                    "has no limit of its own but {sibling} does: in tollgate \
-                                     the sibling's limit applies to {key}={value} too"
-                                ),
-                            );
-                        }
-                    }
-                    (None, None, Some((capacity, refill))) => {
+                    (Some(_), _, None) | (None, Some(_), None) => {}
+                    (None, None, Some(Some((capacity, refill)))) => {
                         self.push(&here_path, capacity, refill, node, Vec::new());
                     }
-                    (None, None, None) => {}
+                    (None, None, _) => {}
                 }
                 let before = self.limits.len();
                 self.level(&node.descriptors, &here_path);
@@ -400,13 +401,18 @@ impl Importer {
                     (Some(_), Some(rate)) => {
                         let wider = wildcard.unwrap_or(node);
                         let condition = (key, ValueMatch::Prefix(prefix.into()));
-                        self.adopt(&mut overrides, node, &here, condition, rate, wider);
+                        self.adopt(&mut overrides, node, &here, condition, Some(rate), wider);
+                    }
+                    (Some(_), None) if unlimited(node) => {
+                        let wider = wildcard.unwrap_or(node);
+                        let condition = (key, ValueMatch::Prefix(prefix.into()));
+                        self.adopt(&mut overrides, node, &here, condition, None, wider);
                     }
                     (Some(_), None) => self.note(
                         &here,
                         format!(
-                            "has no limit of its own but the wildcard sibling `{key}` does: in \
-                             tollgate the sibling's limit applies to these values too"
+                            "its limit was skipped but the wildcard sibling `{key}` has one: \
+                             in tollgate the sibling's limit applies to these values"
                         ),
                     ),
                     (None, Some((capacity, refill))) => {
@@ -474,8 +480,9 @@ impl Importer {
     /// has the shape of one under the sibling (the same entries, the same values but this one),
     /// it is what Envoy applies instead of the sibling's for that value: it becomes an override
     /// of the sibling's limit (`when` that value), tried before the overrides the limit had,
-    /// since Envoy chose the value at this level before looking further down. The sibling's
-    /// limits that nothing under a value replaces still apply to it: noted, as before.
+    /// since Envoy chose the value at this level before looking further down. A sibling's limit
+    /// that nothing under the value replaces does not apply to the value in Envoy at all: it
+    /// gets an `unlimited` override for it, in the same place.
     fn merge_hidden_subtrees(
         &mut self,
         subtrees: &[(&str, Range<usize>)],
@@ -484,14 +491,14 @@ impl Importer {
         key: &str,
     ) {
         let depth = path.len();
-        // (limit under a value, limit under the sibling it overrides, the value)
-        let mut merged: Vec<(usize, usize, &str)> = Vec::new();
+        // (limit under the sibling, the value, the limit under the value that replaces it or
+        // none), in the order Envoy tries the values.
+        let mut adds: Vec<(usize, &str, Option<usize>)> = Vec::new();
         for &(value, ref range) in subtrees {
-            let mut hidden = Vec::new();
             for into in nested.clone() {
                 let from = range.clone().find(|&from| {
                     self.limits[from].overrides.is_empty()
-                        && !merged.iter().any(|&(taken, ..)| taken == from)
+                        && !adds.iter().any(|&(.., taken)| taken == Some(from))
                         && same_shape(
                             &self.limits[from].steps,
                             &self.limits[into].steps,
@@ -499,42 +506,35 @@ impl Importer {
                             value,
                         )
                 });
-                match from {
-                    Some(from) => merged.push((from, into, value)),
-                    None => hidden.push(self.limits[into].path.clone()),
-                }
-            }
-            if !hidden.is_empty() {
-                let mut here_path = path.to_vec();
-                here_path.push((key, Some(value)));
-                let message = format!(
-                    "hides the subtree of its wildcard sibling `{key}` in envoy, but in tollgate \
-                     the limits under it apply to {key}={value} too: {}",
-                    hidden.join(", ")
-                );
-                self.note(&describe(&here_path), message);
+                adds.push((into, value, from));
             }
         }
         // Per limit overridden, how many overrides were put in front of its own so far.
         let mut in_front: Vec<(usize, usize)> = Vec::new();
-        for &(from, into, value) in &merged {
-            let here = self.limits[from].path.clone();
-            if !self.limits[from].replaces.is_empty() {
-                self.note(
-                    &here,
-                    "replaces dropped: this limit became an override of another, which cannot \
-                     replace limits of its own"
-                        .into(),
-                );
-            }
-            if self.limits[from].shadow != self.limits[into].shadow {
-                let message = format!(
-                    "shadow_mode differs from `{}`'s, whose override it becomes; that one's \
-                     mode applies",
-                    self.limits[into].path
-                );
-                self.note(&here, message);
-            }
+        for &(into, value, from) in &adds {
+            let rate = match from {
+                Some(from) => {
+                    let here = self.limits[from].path.clone();
+                    if !self.limits[from].replaces.is_empty() {
+                        self.note(
+                            &here,
+                            "replaces dropped: this limit became an override of another, which \
+                             cannot replace limits of its own"
+                                .into(),
+                        );
+                    }
+                    if self.limits[from].shadow != self.limits[into].shadow {
+                        let message = format!(
+                            "shadow_mode differs from `{}`'s, whose override it becomes; that \
+                             one's mode applies",
+                            self.limits[into].path
+                        );
+                        self.note(&here, message);
+                    }
+                    Some((self.limits[from].capacity, self.limits[from].refill.clone()))
+                }
+                None => None,
+            };
             let at = match in_front.iter_mut().find(|(limit, _)| *limit == into) {
                 Some((_, count)) => {
                     *count += 1;
@@ -547,13 +547,12 @@ impl Importer {
             };
             let overrides = &self.limits[into].overrides;
             let name = Self::override_name(overrides, value);
-            let (capacity, refill) = (self.limits[from].capacity, self.limits[from].refill.clone());
             let condition = (key.to_owned(), condition_of(value));
             self.limits[into]
                 .overrides
-                .insert(at, (name, condition, capacity, refill));
+                .insert(at, (name, condition, rate));
         }
-        let mut gone: Vec<usize> = merged.iter().map(|&(from, ..)| from).collect();
+        let mut gone: Vec<usize> = adds.iter().filter_map(|&(.., from)| from).collect();
         gone.sort_unstable();
         for from in gone.into_iter().rev() {
             self.limits.remove(from);
@@ -649,14 +648,15 @@ impl Importer {
         node: &Node,
         here: &str,
         condition: (&str, ValueMatch),
-        rate: (u64, String),
+        rate: Option<(u64, String)>,
         wider: &Node,
     ) {
         let wider_name = match wider.value() {
             Some(value) => format!("`{}={value}`", wider.key),
             None => format!("`{}`", wider.key),
         };
-        if wider.shadow_mode != node.shadow_mode {
+        // An unlimited value has no mode to keep.
+        if rate.is_some() && wider.shadow_mode != node.shadow_mode {
             self.note(
                 here,
                 format!(
@@ -753,15 +753,16 @@ impl Importer {
         name
     }
 
-    /// Adds to `overrides` one whose name comes from `value`, for `condition`, at `rate`.
+    /// Adds to `overrides` one whose name comes from `value`, for `condition`, at `rate`
+    /// (`None`: unlimited).
     fn add_override(
         overrides: &mut Vec<OverrideOut>,
         value: &str,
         (key, test): (&str, ValueMatch),
-        (capacity, refill): (u64, String),
+        rate: Option<(u64, String)>,
     ) {
         let name = Self::override_name(overrides, value);
-        overrides.push((name, (key.to_owned(), test), capacity, refill));
+        overrides.push((name, (key.to_owned(), test), rate));
     }
 
     fn override_name(taken: &[OverrideOut], value: &str) -> String {
@@ -878,10 +879,15 @@ impl Importer {
             }
             if !limit.overrides.is_empty() {
                 out.push_str("    overrides:\n");
-                for (name, (k, v), capacity, refill) in &limit.overrides {
+                for (name, (k, v), rate) in &limit.overrides {
                     let _ = writeln!(out, "      - name: {}", q(name));
                     let _ = writeln!(out, "        when: {{{}: {}}}", q(k), condition(v));
-                    self.render_params(&mut out, "        ", *capacity, refill);
+                    match rate {
+                        Some((capacity, refill)) => {
+                            self.render_params(&mut out, "        ", *capacity, refill);
+                        }
+                        None => out.push_str("        unlimited: true\n"),
+                    }
                 }
             }
         }

@@ -204,7 +204,7 @@ fn lint_limit(limit: &LimitDef, warnings: &mut Vec<Warning>) {
                 unreachable: this.name().to_owned(),
                 by: earlier.name().to_owned(),
             });
-        } else if this.params() == limit.params() {
+        } else if !this.unlimited() && this.params() == limit.params() {
             warnings.push(Warning::OverrideSameParams {
                 limit: name(),
                 name: this.name().to_owned(),
@@ -246,7 +246,9 @@ mod tests {
 
     #[test]
     fn a_tidy_policy_has_no_warnings() {
-        let yaml = "version: 1\nlimits:\n  - name: a\n    domain: api\n    key: [user]\n    capacity: 5\n    refill: 1/s\n    overrides:\n      - when: {tier: gold}\n        capacity: 50\n        refill: 10/s\n";
+        let yaml = "version: 1\nlimits:\n  - name: a\n    domain: api\n    key: [user]\n    capacity: 5\n    refill: 1/s\n    overrides:\n      - when: {tier: gold}\n        capacity: 50\n        refill: 10/s\n      - when: {tier: internal}\n        unlimited: true\n";
+        // An unlimited override keeps its limit's parameters inside, never applying them: it
+        // is not an override that changes nothing.
         assert_eq!(warnings(yaml), Vec::<String>::new());
     }
 

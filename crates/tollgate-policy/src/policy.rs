@@ -407,10 +407,12 @@ impl LimitDef {
 pub struct Override {
     pub(crate) name: Box<str>,
     pub(crate) when: Conditions,
-    /// Always of the same kind as its limit's.
+    /// Always of the same kind as its limit's; its limit's own when `unlimited`.
     pub(crate) params: Params,
     /// [`key::params_tag`] of `params`, made once.
     pub(crate) tag: u32,
+    /// `unlimited: true`: the requests it matches are not limited by its limit at all.
+    pub(crate) unlimited: bool,
 }
 
 impl Override {
@@ -424,19 +426,28 @@ impl Override {
         self.when.iter().map(|(k, v)| (&**k, v))
     }
 
-    /// The parameters it applies.
+    /// The parameters it applies; for an [`unlimited`](Self::unlimited) override, which
+    /// applies none, its limit's.
     pub fn params(&self) -> &Params {
         &self.params
     }
 
-    /// The rate it applies, in an override of a rate limit.
+    /// The rate it applies, in an override of a rate limit (`None` when unlimited).
     pub fn rate(&self) -> Option<&Limit> {
-        self.params.rate()
+        self.params.rate().filter(|_| !self.unlimited)
     }
 
-    /// The bound on leases it applies, in an override of a concurrency limit.
+    /// The bound on leases it applies, in an override of a concurrency limit (`None` when
+    /// unlimited).
     pub fn concurrency(&self) -> Option<&LeaseLimit> {
-        self.params.concurrency()
+        self.params.concurrency().filter(|_| !self.unlimited)
+    }
+
+    /// Whether the requests it matches are left out of its limit altogether (`unlimited:
+    /// true`, Envoy's `unlimited`): the limit does not apply to them, as if its conditions
+    /// had not held.
+    pub fn unlimited(&self) -> bool {
+        self.unlimited
     }
 }
 
@@ -910,6 +921,9 @@ impl Policy {
             Some(_) => None,
             None => limit.overrides.iter().find(|o| all_hold(&o.when, entries)),
         };
+        if override_.is_some_and(|o| o.unlimited) {
+            return;
+        }
         let (params, tag) = match asked {
             Some((params, asked)) => (params, key::params_tag(&Params::Rate(*asked))),
             // An override's parameters are of its limit's kind (compile makes sure).

@@ -124,6 +124,9 @@ pub(crate) struct OverrideSpec {
     pub(crate) max_in_flight: Option<Spanned<u64>>,
     #[serde(default)]
     pub(crate) lease_timeout: Option<Spanned<LeaseTimeoutText>>,
+    /// `true`: the limit does not apply to the requests the override matches.
+    #[serde(default)]
+    pub(crate) unlimited: Option<Spanned<bool>>,
 }
 
 /// One entry of `exemptions`.

@@ -157,7 +157,6 @@ fn tenant_config_with_everything_envoy_has() {
     let notes = imported.notes.join("\n");
     for fragment in [
         "tenant > user: detailed_metric ignored",
-        "tenant=internal: has no limit of its own but a wildcard sibling `tenant` does",
         "plan=free: replaces \"tenant-default\", which is not a limit of its own here",
         "billing: unit month approximated as 30 days",
         "export: unknown field `quota_mode` ignored",
@@ -172,6 +171,19 @@ fn tenant_config_with_everything_envoy_has() {
         matched(&p, "tenants", &[("tenant", "acme")]),
         ["tenants.tenant|acme capacity 100 refill 100/s"]
     );
+    // An unlimited tenant is limited neither by the tenants' limit nor by the per-user limit
+    // of the wildcard's subtree, which Envoy never walks for it.
+    for descriptor in [
+        &[("tenant", "internal")][..],
+        &[("tenant", "internal"), ("user", "u1")],
+    ] {
+        assert_eq!(
+            matched(&p, "tenants", descriptor),
+            Vec::<String>::new(),
+            "{descriptor:?}\n{}",
+            imported.policy
+        );
+    }
     let free = p.matches("tenants", &[[("plan", "free")]], UnixTime::from_secs(0));
     assert_eq!(free.len(), 1);
     assert_eq!(
@@ -241,6 +253,9 @@ fn wildcard_values_become_prefix_conditions_with_envoys_precedence() {
         m(&[("path", "/api/health")]),
         ["paths.path__api__|/api/health#_api_health capacity 1000 refill 1000/s"]
     );
+    // A value with no limit of its own under a wildcard value: no limit, as in Envoy (an
+    // unlimited override of the wildcard value's limit).
+    assert_eq!(m(&[("path", "/api/quiet")]), Vec::<String>::new());
     // The wildcard value's subtree, keyed by both entries.
     assert_eq!(
         m(&[("path", "/api/x"), ("user", "u1")]),
@@ -264,7 +279,7 @@ fn wildcard_values_become_prefix_conditions_with_envoys_precedence() {
     let notes = imported.notes.join("\n");
     for fragment in [
         "path=/api/health: hides the subtree of its wildcard sibling `path=/api/*`",
-        "path=/api/quiet: has no limit of its own but the wildcard value `path=/api/*` does",
+        "path=/api/quiet: hides the subtree of its wildcard sibling `path=/api/*`",
     ] {
         assert!(notes.contains(fragment), "missing {fragment:?} in\n{notes}");
     }
@@ -333,17 +348,27 @@ fn a_valued_nodes_subtree_overrides_the_same_limits_of_its_wildcard_sibling() {
         m(&[("tenant", "acme"), ("route", "/x")]),
         ["api.tenant_acme.route|/x capacity 7 refill 7/s"]
     );
-    // What nothing under a value replaces still applies to it, and is noted.
+    // What nothing under a value replaces does not apply to it, as in Envoy (which never
+    // reaches the sibling's subtree for acme): an unlimited override of it for acme.
     assert_eq!(
         m(&[("tenant", "acme"), ("ip", "10.0.0.1")]),
-        ["api.tenant.ip|acme|10.0.0.1 capacity 5 refill 5/s"]
+        Vec::<String>::new()
+    );
+    assert_eq!(
+        m(&[("tenant", "eu-1"), ("ip", "10.0.0.1")]),
+        Vec::<String>::new()
+    );
+    assert_eq!(
+        m(&[("tenant", "other"), ("ip", "10.0.0.1")]),
+        ["api.tenant.ip|other|10.0.0.1 capacity 5 refill 5/s"]
+    );
+    assert!(
+        imported.policy.contains("unlimited: true"),
+        "{}",
+        imported.policy
     );
     let notes = imported.notes.join("\n");
-    assert!(
-        notes.contains("tenant=acme: hides the subtree of its wildcard sibling `tenant` in envoy, but in tollgate the limits under it apply to tenant=acme too: tenant > ip"),
-        "{notes}"
-    );
-    assert!(!notes.contains("tenant > user,"), "{notes}");
+    assert!(!notes.contains("hides the subtree"), "{notes}");
 }
 
 #[test]
@@ -510,21 +535,29 @@ fn envoy_empty_value_is_a_wildcard() {
 #[test]
 fn envoy_valued_node_hides_the_wildcard_subtree() {
     // Envoy walks `key_value` first: [client=vip, path=x] lands on node client=vip, which has
-    // no child `path`, so no limit applies. tollgate's `when` cannot say "not vip", so the
-    // wildcard's child applies there too: the import must say so.
+    // no child `path`, so no limit applies. The wildcard's child gets an unlimited override
+    // for vip, so none applies in tollgate either.
     let cfg = "domain: d\ndescriptors:\n  - key: client\n    value: vip\n    rate_limit:\n      unit: second\n      requests_per_unit: 100\n  - key: client\n    rate_limit:\n      unit: second\n      requests_per_unit: 10\n    descriptors:\n      - key: path\n        rate_limit:\n          unit: second\n          requests_per_unit: 1\n";
     let (imported, p) = import(cfg);
     assert_eq!(
         matched(&p, "d", &[("client", "vip"), ("path", "/a")]),
-        ["d.client.path|vip|/a capacity 1 refill 1/s"]
+        Vec::<String>::new(),
+        "{}",
+        imported.policy
     );
-    let hidden: Vec<&String> = imported
-        .notes
-        .iter()
-        .filter(|n| n.starts_with("client=vip: hides the subtree"))
-        .collect();
-    assert_eq!(hidden.len(), 1, "{:?}", imported.notes);
-    assert!(hidden[0].ends_with(": client > path"), "{}", hidden[0]);
+    assert_eq!(
+        matched(&p, "d", &[("client", "web"), ("path", "/a")]),
+        ["d.client.path|web|/a capacity 1 refill 1/s"]
+    );
+    assert_eq!(
+        matched(&p, "d", &[("client", "vip")]),
+        ["d.client|vip#vip capacity 100 refill 100/s"]
+    );
+    assert!(
+        imported.notes.iter().all(|n| !n.contains("hides")),
+        "{:?}",
+        imported.notes
+    );
     // A wildcard without a subtree hides nothing: no such note.
     let flat = import(&cfg[..cfg.find("    descriptors:").unwrap_or(cfg.len())]).0;
     assert!(

@@ -783,3 +783,37 @@ fn request_limit_is_for_regional_token_buckets() {
         assert_eq!(policy.limits()[0].applies_request_limit(), value == "apply");
     }
 }
+
+#[test]
+fn an_unlimited_override_sets_no_parameters() {
+    for (field, value) in [("capacity", "3"), ("refill", "1/s")] {
+        case(
+            &format!(
+                "{HEAD}    capacity: 5\n    refill: 1/s\n    overrides:\n      - when: {{tier: free}}\n        unlimited: true\n        {field}: {value}\n"
+            ),
+            9,
+            20,
+            "limits[0].overrides[0].unlimited",
+            &format!("an unlimited override sets no parameters, yet {field} is set"),
+        );
+    }
+    case(
+        &format!(
+            "{HEAD}    capacity: 5\n    refill: 1/s\n    overrides:\n      - when: {{tier: free}}\n        unlimited: always\n"
+        ),
+        9,
+        20,
+        "limits[0].overrides[0].unlimited",
+        "",
+    );
+    // `unlimited: false` is an ordinary override, which must set parameters.
+    case(
+        &format!(
+            "{HEAD}    capacity: 5\n    refill: 1/s\n    overrides:\n      - when: {{tier: free}}\n        unlimited: false\n"
+        ),
+        8,
+        15,
+        "limits[0].overrides[0]",
+        "an override must set capacity, refill or both",
+    );
+}

@@ -573,6 +573,60 @@ fn a_limit_sent_with_a_descriptor_decides_where_the_limit_applies_it() {
     assert!(!m[0].requested);
 }
 
+const UNLIMITED: &str = r#"
+limits:
+  - name: per-tenant
+    domain: api
+    key: [tenant]
+    capacity: 10
+    refill: 10/s
+    overrides:
+      - name: internal
+        when: {tenant: internal}
+        unlimited: true
+      - name: staff
+        when: {tenant: !prefix staff-}
+        unlimited: true
+      - name: staff-lab
+        when: {tenant: staff-lab}
+        capacity: 1
+  - name: per-user
+    domain: api
+    key: [user]
+    capacity: 5
+    refill: 5/s
+    replaces: [per-tenant]
+    overrides:
+      - when: {user: root}
+        unlimited: true
+"#;
+
+#[test]
+fn an_unlimited_override_leaves_its_requests_out_of_the_limit() {
+    let p = compile("p.yaml", UNLIMITED).unwrap_or_else(|e| panic!("{e}"));
+    let m = |descriptors: &[&[(&str, &str)]]| names(&p, "api", descriptors);
+    assert_eq!(m(&[&[("tenant", "acme")]]), ["per-tenant|acme@0"]);
+    // Unlimited by value and by prefix: the limit does not apply at all, and the first
+    // override that matches wins, as for any override.
+    assert!(m(&[&[("tenant", "internal")]]).is_empty());
+    assert!(m(&[&[("tenant", "staff-lab")]]).is_empty());
+    // Only the limit whose override matched is left out.
+    assert_eq!(
+        m(&[&[("tenant", "internal"), ("user", "u1")]]),
+        ["per-user|u1@0"]
+    );
+    // A limit left out by an unlimited override does not apply, so it replaces nothing.
+    assert_eq!(
+        m(&[&[("tenant", "acme"), ("user", "root")]]),
+        ["per-tenant|acme@0"]
+    );
+    let overrides = p.limits()[0].overrides();
+    assert!(overrides[0].unlimited() && overrides[1].unlimited());
+    assert!(!overrides[2].unlimited());
+    assert_eq!(overrides[0].rate(), None);
+    assert_eq!(overrides[2].rate().map(|r| r.capacity()), Some(1));
+}
+
 fn rollout_policy(percent: &str) -> Policy {
     let text = format!(
         "limits:\n  - name: canary\n    domain: api\n    key: [user]\n    capacity: 1\n    refill: 1/s\n    rollout: {percent}\n"
@@ -754,6 +808,14 @@ fn the_documented_example_is_a_valid_policy() {
     let m = p.matches("api", &[pay], NOW);
     assert_eq!(m[0].bucket_key, "payments-per-user|globex|u1#premium");
     assert_eq!(m[0].params().capacity(), 200);
+    // Staff are out of payments-per-user altogether; per-tenant still counts them.
+    let staff = [pay[0], pay[1], pay[2], pay[3], ("tier", "staff")];
+    let keys: Vec<String> = p
+        .matches("api", &[staff], NOW)
+        .into_iter()
+        .map(|m| m.bucket_key)
+        .collect();
+    assert_eq!(keys, ["per-tenant|globex"]);
     let before_expiry = UnixTime::from_secs(1_790_000_000);
     let acme = [
         ("route", "/v1/payments"),

@@ -1490,6 +1490,9 @@ limits:
         when: {region: !prefix eu-}
         capacity: 50
         refill: 5/s
+      - name: staff
+        when: {tier: staff}
+        unlimited: true
   - name: per-route
     domain: api
     when: {method: POST}
@@ -1545,6 +1548,16 @@ exemptions:
     };
     assert_eq!(capacity_for("eu-west-1"), 50);
     assert_eq!(capacity_for("us-east-1"), 20);
+    // An unlimited override is listed as such, without parameters, and its requests are out
+    // of the limit.
+    let staff = &user["overrides"][2];
+    assert_eq!(
+        (&staff["name"], &staff["unlimited"], staff.get("capacity")),
+        (&serde_json::json!("staff"), &serde_json::json!(true), None)
+    );
+    let check = r#"{"domain":"api","descriptors":[{"user":"u9","tier":"staff"}]}"#;
+    let answer = request(server.http, "POST", "/v1/check", &[], check).json();
+    assert_eq!(answer["limits"], serde_json::json!([]), "{answer}");
     let route = &limits[1];
     assert_eq!(route["algorithm"], "sliding_window");
     assert_eq!(route["limit"], 100);

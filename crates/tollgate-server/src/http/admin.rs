@@ -177,7 +177,11 @@ fn limit_body(limits: &[LimitDef], limit: &LimitDef) -> serde_json::Value {
         "scope": limit.scope().as_str(),
         "overrides": limit.overrides().iter().map(|o| {
             let mut body = json!({"name": o.name(), "when": conditions(o.when())});
-            params_into(&mut body, o.params());
+            if o.unlimited() {
+                body["unlimited"] = json!(true);
+            } else {
+                params_into(&mut body, o.params());
+            }
             body
         }).collect::<Vec<_>>(),
     });
