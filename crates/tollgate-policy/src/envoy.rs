@@ -43,7 +43,7 @@ use serde::Deserialize;
 use serde::de::IgnoredAny;
 
 use crate::compile::compile;
-use crate::error::Error;
+use crate::error::{Diagnostic, Error};
 use crate::policy::ValueMatch;
 use crate::schema::{Text, parse_as};
 
@@ -213,26 +213,90 @@ pub fn import_envoy_with(
     text: &str,
     options: ImportOptions,
 ) -> Result<EnvoyImport, Error> {
-    let config: Config = parse_as(file, text, false)?;
-    let mut importer = Importer {
-        domain: config.domain.clone(),
-        limits: Vec::new(),
-        names: HashSet::new(),
-        notes: Vec::new(),
-        windows: options.fixed_windows,
-    };
-    for field in config.other.keys() {
-        importer.note("", format!("unknown field `{field}` ignored"));
+    import_envoy_files(&[(file, text)], options)
+}
+
+/// Converts several envoyproxy/ratelimit configuration files, `(name, text)` each with a
+/// domain of its own (as envoyproxy/ratelimit loads every file of its configuration
+/// directory), into one policy. Limit names stay unique across the files; a `replaces` refers
+/// to limits of its own file. With more than one file, each note starts with its file's name.
+///
+/// ```
+/// use tollgate_policy::{ImportOptions, import_envoy_files};
+///
+/// let edge = "domain: edge\ndescriptors:\n  - key: remote_address\n    rate_limit: {unit: second, requests_per_unit: 50}\n";
+/// let api = "domain: api\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 600}\n";
+/// let imported = import_envoy_files(&[("edge.yaml", edge), ("api.yaml", api)], ImportOptions::default())?;
+/// assert_eq!(imported.limits, 2);
+/// # Ok::<(), tollgate_policy::Error>(())
+/// ```
+///
+/// # Errors
+///
+/// As [`import_envoy`], for any of the files; [`Error::Invalid`] also when two files declare
+/// the same domain (envoyproxy/ratelimit refuses that too, unless told to merge them).
+pub fn import_envoy_files(
+    files: &[(&str, &str)],
+    options: ImportOptions,
+) -> Result<EnvoyImport, Error> {
+    let several = files.len() > 1;
+    let mut names = HashSet::new();
+    let mut domains: Vec<(String, &str)> = Vec::with_capacity(files.len());
+    let mut header = String::new();
+    let mut body = String::new();
+    let (mut limits, mut notes) = (0, Vec::new());
+    for &(file, text) in files {
+        let config: Config = parse_as(file, text, false)?;
+        if let Some((_, first)) = domains.iter().find(|(d, _)| *d == config.domain) {
+            return Err(Error::Invalid(Box::new(Diagnostic {
+                file: file.to_owned(),
+                line: 0,
+                column: 0,
+                path: "domain".into(),
+                message: format!(
+                    "domain {:?} is also the domain of {first}: each file must have its own",
+                    config.domain
+                ),
+            })));
+        }
+        domains.push((config.domain.clone(), file));
+        let mut importer = Importer {
+            domain: config.domain.clone(),
+            limits: Vec::new(),
+            names: std::mem::take(&mut names),
+            notes: Vec::new(),
+            windows: options.fixed_windows,
+        };
+        for field in config.other.keys() {
+            importer.note("", format!("unknown field `{field}` ignored"));
+        }
+        importer.level(&config.descriptors, &[]);
+        importer.resolve_replaces();
+        importer.render_header(&mut header, file);
+        importer.render_limits(&mut body);
+        limits += importer.limits.len();
+        notes.extend(importer.notes.into_iter().map(|note| {
+            if several {
+                format!("{file}: {note}")
+            } else {
+                note
+            }
+        }));
+        names = importer.names;
     }
-    importer.level(&config.descriptors, &[]);
-    importer.resolve_replaces();
-    let policy = importer.render(file);
+    let mut policy = header;
+    if body.is_empty() {
+        policy.push_str("limits: []\n");
+    } else {
+        policy.push_str("limits:\n");
+        policy.push_str(&body);
+    }
     // The output must be a policy tollgate accepts: compile it now rather than hand the
     // operator a file that fails at load time.
-    compile(&format!("{file} (imported)"), &policy)?;
-    let mut notes = importer.notes;
-    if !importer.limits.is_empty() {
-        let counting = if importer.windows {
+    let named: Vec<&str> = files.iter().map(|(file, _)| *file).collect();
+    compile(&format!("{} (imported)", named.join(", ")), &policy)?;
+    if limits > 0 {
+        let counting = if options.fixed_windows {
             "envoy counts requests in calendar fixed windows; each limit becomes a fixed_window \
              of N per unit (on Redis, windows start on the same Unix-time boundaries)"
         } else {
@@ -249,7 +313,7 @@ pub fn import_envoy_with(
         );
     }
     Ok(EnvoyImport {
-        limits: importer.limits.len(),
+        limits,
         policy,
         notes,
     })
@@ -832,13 +896,8 @@ impl Importer {
         });
     }
 
-    fn render(&self, file: &str) -> String {
-        let q = |text: &str| serde_json::to_string(text).unwrap_or_else(|_| "\"\"".into());
-        let condition = |test: &ValueMatch| match test {
-            ValueMatch::Prefix(prefix) => format!("!prefix {}", q(prefix)),
-            other => q(other.text()),
-        };
-        let mut out = String::new();
+    /// The comment naming where the limits come from.
+    fn render_header(&self, out: &mut String, file: &str) {
         // Both come from outside (the domain from the file, the file name from the caller):
         // quoted and escaped, so a line break in either cannot end the comment and add fields
         // to the policy. Debug formatting escapes every control and line-separator character.
@@ -847,11 +906,15 @@ impl Importer {
             "# Imported from envoyproxy/ratelimit config {file:?} (domain {:?}).",
             self.domain
         );
-        out.push_str("limits:\n");
-        if self.limits.is_empty() {
-            out.truncate(out.len() - 1);
-            out.push_str(" []\n");
-        }
+    }
+
+    /// The limits, as entries of the policy's `limits` list.
+    fn render_limits(&self, out: &mut String) {
+        let q = |text: &str| serde_json::to_string(text).unwrap_or_else(|_| "\"\"".into());
+        let condition = |test: &ValueMatch| match test {
+            ValueMatch::Prefix(prefix) => format!("!prefix {}", q(prefix)),
+            other => q(other.text()),
+        };
         for limit in &self.limits {
             let _ = writeln!(out, "  - name: {}", q(&limit.name));
             let _ = writeln!(out, "    domain: {}", q(&self.domain));
@@ -869,7 +932,7 @@ impl Importer {
             if self.windows {
                 out.push_str("    algorithm: fixed_window\n");
             }
-            self.render_params(&mut out, "    ", limit.capacity, &limit.refill);
+            self.render_params(out, "    ", limit.capacity, &limit.refill);
             if limit.shadow {
                 out.push_str("    mode: shadow\n");
             }
@@ -884,14 +947,13 @@ impl Importer {
                     let _ = writeln!(out, "        when: {{{}: {}}}", q(k), condition(v));
                     match rate {
                         Some((capacity, refill)) => {
-                            self.render_params(&mut out, "        ", *capacity, refill);
+                            self.render_params(out, "        ", *capacity, refill);
                         }
                         None => out.push_str("        unlimited: true\n"),
                     }
                 }
             }
         }
-        out
     }
 }
 

@@ -77,7 +77,7 @@ pub use engine::{
     Costs, EngineOptions, LeaseLimitOutcome, LeaseOutcome, LimitOutcome, Outcome, PolicyEngine,
     PolicyStatus,
 };
-pub use envoy::{ImportOptions, import_envoy, import_envoy_with};
+pub use envoy::{ImportOptions, import_envoy, import_envoy_files, import_envoy_with};
 pub use error::{Diagnostic, Error};
 pub use lint::{EXPIRING_SOON, Warning, lint};
 pub use policy::{

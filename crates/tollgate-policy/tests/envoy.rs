@@ -2,7 +2,7 @@
 //! match, and the notes list what cannot be expressed.
 
 use tollgate_policy::envoy::EnvoyImport;
-use tollgate_policy::{Policy, UnixTime, compile, import_envoy};
+use tollgate_policy::{ImportOptions, Policy, UnixTime, compile, import_envoy, import_envoy_files};
 
 fn import(text: &str) -> (EnvoyImport, Policy) {
     let imported = import_envoy("ratelimit.yaml", text).unwrap_or_else(|e| panic!("{e}"));
@@ -652,4 +652,74 @@ fn fixed_windows_keep_envoys_counting() {
             .iter()
             .all(|l| l.algorithm() == "token_bucket")
     );
+}
+
+#[test]
+fn several_files_import_into_one_policy_with_names_unique_across_them() {
+    let edge = "domain: edge\ndescriptors:\n  - key: remote_address\n    rate_limit: {unit: second, requests_per_unit: 50, name: per-client}\n  - key: plan\n    value: free\n    rate_limit: {unit: minute, requests_per_unit: 5, replaces: [{name: per-client}]}\n";
+    let api = "domain: api\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 600, name: per-client}\n    detailed_metric: true\n";
+    let imported = import_envoy_files(
+        &[("edge.yaml", edge), ("api.yaml", api)],
+        ImportOptions::default(),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(imported.limits, 3, "{}", imported.policy);
+    let p = compile("out.yaml", &imported.policy).unwrap_or_else(|e| panic!("{e}"));
+    // One `rate_limit.name` in two files: two limits, the second renamed.
+    assert_eq!(
+        matched(&p, "edge", &[("remote_address", "1.2.3.4")]),
+        ["per-client|1.2.3.4 capacity 50 refill 50/s"]
+    );
+    assert_eq!(
+        matched(&p, "api", &[("user", "u1")]),
+        ["per-client-2|u1 capacity 600 refill 600/m"]
+    );
+    // A `replaces` names a limit of its own file.
+    let free = p
+        .limits()
+        .iter()
+        .find(|l| l.domain() == "edge" && l.name() != "per-client");
+    let replaced: Vec<&str> = free
+        .map(|l| {
+            l.replaces()
+                .iter()
+                .map(|&i| p.limits()[i as usize].name())
+                .collect()
+        })
+        .unwrap_or_default();
+    assert_eq!(replaced, ["per-client"]);
+    // Notes name their file; the general ones come once.
+    assert!(
+        imported
+            .notes
+            .iter()
+            .any(|n| n.starts_with("api.yaml: user: detailed_metric")),
+        "{:?}",
+        imported.notes
+    );
+    assert_eq!(
+        imported
+            .notes
+            .iter()
+            .filter(|n| n.contains("calendar fixed windows"))
+            .count(),
+        1
+    );
+    // Two files of one domain: refused, naming both.
+    let twice = import_envoy_files(
+        &[("edge.yaml", edge), ("edge-2.yaml", edge)],
+        ImportOptions::default(),
+    )
+    .map(|_| ())
+    .map_err(|e| e.to_string());
+    let err = twice.unwrap_err();
+    assert!(
+        err.starts_with("edge-2.yaml") && err.contains("also the domain of edge.yaml"),
+        "{err}"
+    );
+    // One file behaves as `import_envoy`.
+    let one = import_envoy_files(&[("api.yaml", api)], ImportOptions::default())
+        .unwrap_or_else(|e| panic!("{e}"));
+    let alone = import_envoy("api.yaml", api).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!((one.policy, one.notes), (alone.policy, alone.notes));
 }

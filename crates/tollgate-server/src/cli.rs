@@ -65,10 +65,12 @@ enum Command {
 
 #[derive(Debug, Subcommand)]
 enum ImportFrom {
-    /// An envoyproxy/ratelimit configuration file (one domain).
+    /// envoyproxy/ratelimit configuration files (one domain each), into one policy.
     Envoy {
-        /// The configuration file.
-        file: PathBuf,
+        /// The configuration files, or directories whose `.yaml` and `.yml` files are read
+        /// (in name order), as envoyproxy/ratelimit reads its configuration directory.
+        #[arg(required = true, num_args = 1..)]
+        files: Vec<PathBuf>,
         /// Count as Envoy does, in fixed windows of N per unit, rather than in token buckets
         /// of the same rate (which have no double burst at a window's edge).
         #[arg(long)]
@@ -393,10 +395,10 @@ pub fn main() -> ExitCode {
         Command::Import {
             from:
                 ImportFrom::Envoy {
-                    file,
+                    files,
                     fixed_windows,
                 },
-        } => import_envoy(&file, fixed_windows),
+        } => import_envoy(&files, fixed_windows),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -482,23 +484,66 @@ fn check(args: CheckArgs) -> Result<()> {
     Ok(())
 }
 
-fn import_envoy(file: &Path, fixed_windows: bool) -> Result<()> {
-    let text =
-        std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))?;
+fn import_envoy(paths: &[PathBuf], fixed_windows: bool) -> Result<()> {
+    let mut files = Vec::new();
+    for path in paths {
+        if path.is_dir() {
+            let found = config_files_in(path)?;
+            if found.is_empty() {
+                bail!("{} holds no .yaml or .yml file", path.display());
+            }
+            files.extend(found);
+        } else {
+            files.push(path.clone());
+        }
+    }
+    let mut texts = Vec::with_capacity(files.len());
+    for file in &files {
+        let text = std::fs::read_to_string(file)
+            .with_context(|| format!("cannot read {}", file.display()))?;
+        texts.push((file.display().to_string(), text));
+    }
+    let named: Vec<(&str, &str)> = texts
+        .iter()
+        .map(|(n, t)| (n.as_str(), t.as_str()))
+        .collect();
     let options = tollgate_policy::ImportOptions::default().fixed_windows(fixed_windows);
-    let imported = tollgate_policy::import_envoy_with(&file.display().to_string(), &text, options)
-        .map_err(|err| anyhow!("{err}"))?;
+    let imported =
+        tollgate_policy::import_envoy_files(&named, options).map_err(|err| anyhow!("{err}"))?;
     print!("{}", imported.policy);
     for note in &imported.notes {
         eprintln!("note: {note}");
     }
+    let from = match &*files {
+        [one] => one.display().to_string(),
+        many => format!("{} files", many.len()),
+    };
     eprintln!(
-        "imported {} limits from {}; {} notes on what could not be expressed exactly",
+        "imported {} limits from {from}; {} notes on what could not be expressed exactly",
         imported.limits,
-        file.display(),
         imported.notes.len()
     );
     Ok(())
+}
+
+/// The `.yaml` and `.yml` files directly in `dir`, in name order.
+fn config_files_in(dir: &Path) -> Result<Vec<PathBuf>> {
+    let entries =
+        std::fs::read_dir(dir).with_context(|| format!("cannot read {}", dir.display()))?;
+    let mut files = Vec::new();
+    for entry in entries {
+        let path = entry
+            .with_context(|| format!("cannot read {}", dir.display()))?
+            .path();
+        let yaml = path
+            .extension()
+            .is_some_and(|ext| ext == "yaml" || ext == "yml");
+        if yaml && path.is_file() {
+            files.push(path);
+        }
+    }
+    files.sort();
+    Ok(files)
 }
 
 fn serve_main(args: ServeArgs) -> Result<()> {

@@ -1447,6 +1447,48 @@ fn validate_check_and_import_from_the_command_line() {
         stdout.contains("algorithm: fixed_window\n    limit: 10\n    window: 1s\n"),
         "{stdout}"
     );
+
+    // A configuration directory, as envoyproxy/ratelimit reads one: every .yaml and .yml file
+    // in it (and nothing else), one domain each, into one policy.
+    let dir = Scratch::new("envoy-config-dir");
+    dir.write(
+        "edge.yaml",
+        "domain: edge\ndescriptors:\n  - key: remote_address\n    rate_limit:\n      unit: second\n      requests_per_unit: 10\n",
+    );
+    dir.write(
+        "api.yml",
+        "domain: api\ndescriptors:\n  - key: user\n    rate_limit:\n      unit: minute\n      requests_per_unit: 600\n",
+    );
+    dir.write("README.md", "not a configuration\n");
+    let (status, stdout, stderr) = run(&["import", "envoy", path_str(&dir.0)]);
+    assert!(status.success(), "{stderr}");
+    assert!(
+        stderr.contains("imported 2 limits from 2 files"),
+        "{stderr}"
+    );
+    assert!(
+        stdout.contains("domain: \"edge\"") && stdout.contains("domain: \"api\""),
+        "{stdout}"
+    );
+    let imported = scratch.write("imported-dir.yaml", &stdout);
+    let (status, _, stderr) = run(&["validate", path_str(&imported)]);
+    assert!(status.success(), "the import validates: {stderr}");
+    // Two files of one domain are refused, naming both.
+    let again = dir.write(
+        "edge-again.yaml",
+        "domain: edge\ndescriptors:\n  - key: user\n    rate_limit:\n      unit: second\n      requests_per_unit: 1\n",
+    );
+    let (status, _, stderr) = run(&["import", "envoy", path_str(&dir.0)]);
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("edge-again.yaml") && stderr.contains("edge.yaml"),
+        "{stderr}"
+    );
+    std::fs::remove_file(again).expect("remove");
+    let empty = Scratch::new("envoy-empty-dir");
+    let (status, _, stderr) = run(&["import", "envoy", path_str(&empty.0)]);
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("holds no .yaml or .yml file"), "{stderr}");
 }
 
 #[test]
