@@ -189,6 +189,7 @@ pub fn import_envoy(file: &str, text: &str) -> Result<EnvoyImport, Error> {
 #[non_exhaustive]
 pub struct ImportOptions {
     fixed_windows: bool,
+    merge_domains: bool,
 }
 
 impl ImportOptions {
@@ -199,6 +200,15 @@ impl ImportOptions {
     #[must_use]
     pub fn fixed_windows(mut self, yes: bool) -> Self {
         self.fixed_windows = yes;
+        self
+    }
+
+    /// Files of [`import_envoy_files`] that declare the same domain are merged, their
+    /// top-level descriptors one list in file order (envoyproxy/ratelimit's
+    /// `MERGE_DOMAIN_CONFIG`), rather than refused.
+    #[must_use]
+    pub fn merge_domains(mut self, yes: bool) -> Self {
+        self.merge_domains = yes;
         self
     }
 }
@@ -234,32 +244,47 @@ pub fn import_envoy_with(
 /// # Errors
 ///
 /// As [`import_envoy`], for any of the files; [`Error::Invalid`] also when two files declare
-/// the same domain (envoyproxy/ratelimit refuses that too, unless told to merge them).
+/// the same domain, unless [`ImportOptions::merge_domains`] (envoyproxy/ratelimit refuses
+/// that too, unless told to merge them).
 pub fn import_envoy_files(
     files: &[(&str, &str)],
     options: ImportOptions,
 ) -> Result<EnvoyImport, Error> {
     let several = files.len() > 1;
+    // Each domain with the files that declare it, in the order they come.
+    let mut domains: Vec<(Config, Vec<&str>)> = Vec::with_capacity(files.len());
+    for &(file, text) in files {
+        let config: Config = parse_as(file, text, false)?;
+        match domains.iter_mut().find(|(d, _)| d.domain == config.domain) {
+            Some((merged, from)) if options.merge_domains => {
+                // envoyproxy/ratelimit's MERGE_DOMAIN_CONFIG: the files' top-level descriptors
+                // become one list, in file order.
+                merged.descriptors.extend(config.descriptors);
+                merged.other.extend(config.other);
+                from.push(file);
+            }
+            Some((_, from)) => {
+                return Err(Error::Invalid(Box::new(Diagnostic {
+                    file: file.to_owned(),
+                    line: 0,
+                    column: 0,
+                    path: "domain".into(),
+                    message: format!(
+                        "domain {:?} is also the domain of {}: each file must have its own, \
+                         or merge them (--merge-domains, envoyproxy/ratelimit's \
+                         MERGE_DOMAIN_CONFIG)",
+                        config.domain, from[0]
+                    ),
+                })));
+            }
+            None => domains.push((config, vec![file])),
+        }
+    }
     let mut names = HashSet::new();
-    let mut domains: Vec<(String, &str)> = Vec::with_capacity(files.len());
     let mut header = String::new();
     let mut body = String::new();
     let (mut limits, mut notes) = (0, Vec::new());
-    for &(file, text) in files {
-        let config: Config = parse_as(file, text, false)?;
-        if let Some((_, first)) = domains.iter().find(|(d, _)| *d == config.domain) {
-            return Err(Error::Invalid(Box::new(Diagnostic {
-                file: file.to_owned(),
-                line: 0,
-                column: 0,
-                path: "domain".into(),
-                message: format!(
-                    "domain {:?} is also the domain of {first}: each file must have its own",
-                    config.domain
-                ),
-            })));
-        }
-        domains.push((config.domain.clone(), file));
+    for (config, from) in &domains {
         let mut importer = Importer {
             domain: config.domain.clone(),
             limits: Vec::new(),
@@ -272,12 +297,13 @@ pub fn import_envoy_files(
         }
         importer.level(&config.descriptors, &[]);
         importer.resolve_replaces();
-        importer.render_header(&mut header, file);
+        let label = from.join(" + ");
+        importer.render_header(&mut header, &label);
         importer.render_limits(&mut body);
         limits += importer.limits.len();
         notes.extend(importer.notes.into_iter().map(|note| {
             if several {
-                format!("{file}: {note}")
+                format!("{label}: {note}")
             } else {
                 note
             }

@@ -717,6 +717,26 @@ fn several_files_import_into_one_policy_with_names_unique_across_them() {
         err.starts_with("edge-2.yaml") && err.contains("also the domain of edge.yaml"),
         "{err}"
     );
+    // Merged as envoyproxy/ratelimit's MERGE_DOMAIN_CONFIG does: one level, so a value in
+    // one file is an override of the key-only node of the other, as Envoy looks it up.
+    let wide = "domain: edge\ndescriptors:\n  - key: remote_address\n    rate_limit: {unit: second, requests_per_unit: 50}\n";
+    let narrow = "domain: edge\ndescriptors:\n  - key: remote_address\n    value: 10.0.0.1\n    rate_limit: {unit: second, requests_per_unit: 1}\n";
+    let merged = import_envoy_files(
+        &[("wide.yaml", wide), ("narrow.yaml", narrow)],
+        ImportOptions::default().merge_domains(true),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let p = compile("out.yaml", &merged.policy).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(merged.limits, 1, "{}", merged.policy);
+    assert_eq!(
+        matched(&p, "edge", &[("remote_address", "10.0.0.1")]),
+        ["edge.remote_address|10.0.0.1#10.0.0.1 capacity 1 refill 1/s"]
+    );
+    assert!(
+        merged.policy.contains("\"wide.yaml + narrow.yaml\""),
+        "{}",
+        merged.policy
+    );
     // One file behaves as `import_envoy`.
     let one = import_envoy_files(&[("api.yaml", api)], ImportOptions::default())
         .unwrap_or_else(|e| panic!("{e}"));

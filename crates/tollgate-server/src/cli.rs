@@ -75,6 +75,10 @@ enum ImportFrom {
         /// of the same rate (which have no double burst at a window's edge).
         #[arg(long)]
         fixed_windows: bool,
+        /// Merge files that declare the same domain (envoyproxy/ratelimit's
+        /// `MERGE_DOMAIN_CONFIG`) rather than refuse them.
+        #[arg(long)]
+        merge_domains: bool,
     },
 }
 
@@ -397,8 +401,9 @@ pub fn main() -> ExitCode {
                 ImportFrom::Envoy {
                     files,
                     fixed_windows,
+                    merge_domains,
                 },
-        } => import_envoy(&files, fixed_windows),
+        } => import_envoy(&files, fixed_windows, merge_domains),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -484,7 +489,7 @@ fn check(args: CheckArgs) -> Result<()> {
     Ok(())
 }
 
-fn import_envoy(paths: &[PathBuf], fixed_windows: bool) -> Result<()> {
+fn import_envoy(paths: &[PathBuf], fixed_windows: bool, merge_domains: bool) -> Result<()> {
     let mut files = Vec::new();
     for path in paths {
         if path.is_dir() {
@@ -507,7 +512,9 @@ fn import_envoy(paths: &[PathBuf], fixed_windows: bool) -> Result<()> {
         .iter()
         .map(|(n, t)| (n.as_str(), t.as_str()))
         .collect();
-    let options = tollgate_policy::ImportOptions::default().fixed_windows(fixed_windows);
+    let options = tollgate_policy::ImportOptions::default()
+        .fixed_windows(fixed_windows)
+        .merge_domains(merge_domains);
     let imported =
         tollgate_policy::import_envoy_files(&named, options).map_err(|err| anyhow!("{err}"))?;
     print!("{}", imported.policy);

@@ -1484,6 +1484,14 @@ fn validate_check_and_import_from_the_command_line() {
         stderr.contains("edge-again.yaml") && stderr.contains("edge.yaml"),
         "{stderr}"
     );
+    // ...unless merged, as envoyproxy/ratelimit's MERGE_DOMAIN_CONFIG does.
+    let (status, stdout, stderr) = run(&["import", "envoy", "--merge-domains", path_str(&dir.0)]);
+    assert!(status.success(), "{stderr}");
+    assert!(
+        stderr.contains("imported 3 limits from 3 files"),
+        "{stderr}"
+    );
+    assert_eq!(stdout.matches("domain: \"edge\"").count(), 2, "{stdout}");
     std::fs::remove_file(again).expect("remove");
     let empty = Scratch::new("envoy-empty-dir");
     let (status, _, stderr) = run(&["import", "envoy", path_str(&empty.0)]);
