@@ -21,7 +21,9 @@
 //!   `unlimited: true` override for the value, in the same place.
 //! * A valued node without a limit (`unlimited: true`, or no `rate_limit`) beside a wider node
 //!   with one is limited by nothing in Envoy: an `unlimited: true` override of the wider
-//!   node's limit.
+//!   node's limit. Likewise each limit under a wildcard value gets an `unlimited: true`
+//!   override for the exact values the wildcard value covers, whose own subtrees Envoy walks
+//!   instead.
 //! * `N` requests per `unit` becomes capacity `N`, refill `N/unit`: Envoy counts in calendar fixed
 //!   windows, tollgate refills a token bucket continuously, so a client can no longer burst `2N`
 //!   across a window edge. Said once in the notes.
@@ -31,9 +33,8 @@
 //!
 //! What tollgate cannot express is listed in [`EnvoyImport::notes`], with the descriptor path:
 //! a `replaces` naming what did not become a limit of its own, overlapping wildcard values
-//! (Envoy takes the first, tollgate applies each), the subtree of a wildcard value that an
-//! exact value it covers hides, a key repeated further down its own path (skipped), entry
-//! order, month and year units (approximated), and fields it does not know.
+//! (Envoy takes the first, tollgate applies each), a key repeated further down its own path
+//! (skipped), entry order, month and year units (approximated), and fields it does not know.
 
 use std::collections::{BTreeMap, HashSet};
 use std::fmt::Write as _;
@@ -532,16 +533,12 @@ impl Importer {
                 let before = self.limits.len();
                 self.level(&node.descriptors, &here_path);
                 subtrees.push((value, before..self.limits.len()));
-                let nested: Vec<String> = self.limits[before..]
+                let covered: Vec<&str> = exact
                     .iter()
-                    .map(|l| l.path.clone())
+                    .filter_map(|e| e.value())
+                    .filter(|v| v.starts_with(prefix))
                     .collect();
-                let covered: Vec<&Node> = exact
-                    .iter()
-                    .copied()
-                    .filter(|e| e.value().is_some_and(|v| v.starts_with(prefix)))
-                    .collect();
-                self.note_hidden_subtree(&covered, &nested, path, key, value);
+                self.exclude_hidden(&covered, before..self.limits.len(), key);
             }
             if let Some(w) = wildcard {
                 let mut here_path = path.to_vec();
@@ -649,44 +646,22 @@ impl Importer {
         }
     }
 
-    /// Envoy looks an entry up by `key_value` first, then among the wildcard values, and
-    /// only then by `key`, and goes on from the node it found: a request with `key=value` walks
-    /// that node's subtree and never reaches a wider sibling's (`wider`: the key-only node, or a
-    /// wildcard value). tollgate matches every limit on its own, so the limits of the wider
-    /// sibling's subtree (`nested`, their paths) apply to such requests too. A `when` cannot
-    /// say "not equal", so this is noted for each narrower sibling in `group` rather than
-    /// expressed.
-    fn note_hidden_subtree(
-        &mut self,
-        group: &[&Node],
-        nested: &[String],
-        path: &Path<'_>,
-        key: &str,
-        wider: &str,
-    ) {
-        if nested.is_empty() {
-            return;
-        }
-        for node in group {
-            let Some(value) = node.value() else {
-                continue;
-            };
-            if value == wider {
-                continue;
+    /// Envoy looks an entry up by `key_value` first, then among the wildcard values: a request
+    /// with `key=value` for an exact value a wildcard value covers walks the exact node's
+    /// subtree and never reaches the wildcard value's. tollgate matches every limit on its own,
+    /// so each limit of the wildcard value's subtree (`nested`) gets an `unlimited` override
+    /// for each such value (`covered`), in front of its own overrides, since Envoy chose the
+    /// value before looking further down.
+    fn exclude_hidden(&mut self, covered: &[&str], nested: Range<usize>, key: &str) {
+        for limit in nested {
+            for (at, value) in covered.iter().enumerate() {
+                let overrides = &self.limits[limit].overrides;
+                let name = Self::override_name(overrides, value);
+                let condition = (key.to_owned(), ValueMatch::Exact((*value).into()));
+                self.limits[limit]
+                    .overrides
+                    .insert(at, (name, condition, None));
             }
-            let mut here_path = path.to_vec();
-            here_path.push((key, Some(value)));
-            let sibling = if wider == key {
-                format!("`{key}`")
-            } else {
-                format!("`{key}={wider}`")
-            };
-            let message = format!(
-                "hides the subtree of its wildcard sibling {sibling} in envoy, but in tollgate the \
-                 limits under it apply to {key}={value} too: {}",
-                nested.join(", ")
-            );
-            self.note(&describe(&here_path), message);
         }
     }
 

@@ -276,13 +276,18 @@ fn wildcard_values_become_prefix_conditions_with_envoys_precedence() {
         m(&[("tier", "silver")]),
         ["paths.tier|silver#_ capacity 9 refill 9/s"]
     );
-    let notes = imported.notes.join("\n");
-    for fragment in [
-        "path=/api/health: hides the subtree of its wildcard sibling `path=/api/*`",
-        "path=/api/quiet: hides the subtree of its wildcard sibling `path=/api/*`",
-    ] {
-        assert!(notes.contains(fragment), "missing {fragment:?} in\n{notes}");
+    // Exact values the wildcard value covers: Envoy walks their own (empty) subtrees, never
+    // the wildcard value's, so its per-user limit does not apply to them.
+    for path in ["/api/health", "/api/quiet"] {
+        assert_eq!(
+            m(&[("path", path), ("user", "u1")]),
+            Vec::<String>::new(),
+            "{path}\n{}",
+            imported.policy
+        );
     }
+    let notes = imported.notes.join("\n");
+    assert!(!notes.contains("hides the subtree"), "{notes}");
     assert!(!notes.contains("cannot be expressed: this node"), "{notes}");
 }
 
@@ -742,4 +747,55 @@ fn several_files_import_into_one_policy_with_names_unique_across_them() {
         .unwrap_or_else(|e| panic!("{e}"));
     let alone = import_envoy("api.yaml", api).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!((one.policy, one.notes), (alone.policy, alone.notes));
+}
+
+/// A key-only node, a wildcard value and an exact value it covers, each with a subtree of the
+/// same shape: Envoy walks exactly one of the three subtrees for a request, the most specific.
+const THREE_SUBTREES: &str = r#"
+domain: mix
+descriptors:
+  - key: path
+    rate_limit: {unit: second, requests_per_unit: 100}
+    descriptors:
+      - key: user
+        rate_limit: {unit: second, requests_per_unit: 10}
+  - key: path
+    value: "/api/*"
+    descriptors:
+      - key: user
+        rate_limit: {unit: second, requests_per_unit: 5}
+  - key: path
+    value: /api/health
+    descriptors:
+      - key: user
+        rate_limit: {unit: second, requests_per_unit: 1}
+"#;
+
+#[test]
+fn of_a_key_a_wildcard_value_and_an_exact_value_only_the_most_specific_subtree_applies() {
+    let (imported, p) = import(THREE_SUBTREES);
+    let capacities = |d: &[(&str, &str)]| -> Vec<u64> {
+        p.matches("mix", &[d], UnixTime::from_secs(0))
+            .iter()
+            .map(|m| m.params().capacity())
+            .collect()
+    };
+    type Case<'a> = (&'a [(&'a str, &'a str)], &'a [u64]);
+    let cases: &[Case<'_>] = &[
+        (&[("path", "/web"), ("user", "u")], &[10]),
+        (&[("path", "/api/x"), ("user", "u")], &[5]),
+        (&[("path", "/api/health"), ("user", "u")], &[1]),
+        (&[("path", "/web")], &[100]),
+        // The wildcard value and the exact value have no limit of their own at this depth.
+        (&[("path", "/api/x")], &[]),
+        (&[("path", "/api/health")], &[]),
+    ];
+    for (descriptor, expected) in cases {
+        assert_eq!(
+            capacities(descriptor),
+            *expected,
+            "{descriptor:?}\n{}",
+            imported.policy
+        );
+    }
 }
