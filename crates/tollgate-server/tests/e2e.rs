@@ -304,38 +304,16 @@ async fn a_limit_sent_with_a_descriptor_is_ignored_and_said_once() {
     assert_eq!(logs.matches("carries its own limit").count(), 1, "{logs}");
 }
 
-const REQUEST_LIMITS: &str = r#"
-version: "rl"
-limits:
-  - name: per-route
-    domain: edge
-    key: [route]
-    capacity: 100
-    refill: 100/m
-    request_limit: apply
-"#;
-
 /// Envoy's `limit` action, where the policy asks for it: the limit sent decides, in a bucket
 /// of its own, and Envoy's `current_limit` reports it; a limit that cannot be applied is
 /// refused, and nothing is said about limits ignored.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_limit_sent_with_a_descriptor_decides_where_the_policy_applies_it() {
-    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
     let scratch = Scratch::new("grpc-request-limit");
-    let config = scratch.write("policy.yaml", REQUEST_LIMITS);
+    let config = scratch.write("policy.yaml", support::REQUEST_LIMITS);
     let (server, stderr) = Server::start_logging(&["--config", path_str(&config)], "warn");
-    let asking = |requests_per_unit: Option<u32>| {
-        let mut sent = descriptor(&[("route", "search")]);
-        sent.limit = requests_per_unit.map(|requests_per_unit| RateLimitOverride {
-            requests_per_unit,
-            unit: 2, // MINUTE
-        });
-        RateLimitRequest {
-            domain: "edge".to_owned(),
-            descriptors: vec![sent],
-            hits_addend: 1,
-        }
-    };
+    let asking =
+        |requests_per_unit: Option<u32>| support::asking_for(requests_per_unit.map(|n| (n, 2)));
     let (ok, over) = (Code::Ok as i32, Code::OverLimit as i32);
     let mut seen = Vec::new();
     for _ in 0..3 {

@@ -489,42 +489,19 @@ async fn rls_with_redis_down_fails_closed_descriptor_by_descriptor() {
     assert_eq!(lenient.overall_code, Code::Ok as i32);
 }
 
-const REQUEST_LIMITS: &str = r#"
-version: "rl"
-limits:
-  - name: per-route
-    domain: edge
-    key: [route]
-    capacity: 100
-    refill: 100/m
-    request_limit: apply
-"#;
-
 /// A limit sent with a descriptor (Envoy's `limit` action) is one bucket in Redis, shared by
 /// every server exactly; one the scripts cannot keep exactly is refused before anything is
 /// charged, as the policy's own limits are refused at load.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_limit_sent_with_a_descriptor_is_shared_through_redis() {
-    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
     let redis = RedisServer::start();
     let scratch = Scratch::new("rls-request-limit");
-    let config = scratch.write("policy.yaml", REQUEST_LIMITS);
+    let config = scratch.write("policy.yaml", support::REQUEST_LIMITS);
     let servers = [
         on_store(&config, &redis.url(), &[]),
         on_store(&config, &redis.url(), &[]),
     ];
-    let asking = |requests_per_unit, unit| {
-        let mut sent = descriptor(&[("route", "search")], None);
-        sent.limit = Some(RateLimitOverride {
-            requests_per_unit,
-            unit,
-        });
-        RateLimitRequest {
-            domain: "edge".to_owned(),
-            descriptors: vec![sent],
-            hits_addend: 1,
-        }
-    };
+    let asking = |requests_per_unit, unit| support::asking_for(Some((requests_per_unit, unit)));
     let (minute, year) = (2, 6);
     let mut allowed = 0;
     for i in 0..8 {

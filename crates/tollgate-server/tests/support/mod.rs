@@ -378,6 +378,38 @@ pub fn path_str(path: &Path) -> &str {
     path.to_str().expect("utf-8 path")
 }
 
+/// A policy whose limit applies the limits Envoy sends with a descriptor
+/// (`request_limit: apply`): domain `edge`, a bucket per `route`, 100 a minute otherwise.
+pub const REQUEST_LIMITS: &str = r#"
+version: "rl"
+limits:
+  - name: per-route
+    domain: edge
+    key: [route]
+    capacity: 100
+    refill: 100/m
+    request_limit: apply
+"#;
+
+/// An RLS request for `route=search` in domain `edge`, carrying `requests_per_unit` a `unit`
+/// (Envoy's `RateLimitUnit`: 2 is a minute, 6 a year) when given, as Envoy's `limit` action
+/// sends one.
+pub fn asking_for(
+    limit: Option<(u32, i32)>,
+) -> envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest {
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
+    let mut sent = descriptor(&[("route", "search")]);
+    sent.limit = limit.map(|(requests_per_unit, unit)| RateLimitOverride {
+        requests_per_unit,
+        unit,
+    });
+    envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest {
+        domain: "edge".to_owned(),
+        descriptors: vec![sent],
+        hits_addend: 1,
+    }
+}
+
 /// One `ShouldRateLimit` call, as Envoy makes it, on a connection of its own.
 pub async fn should_rate_limit(
     server: &Server,
