@@ -21,9 +21,12 @@
 //!   `unlimited: true` override for the value, in the same place.
 //! * A valued node without a limit (`unlimited: true`, or no `rate_limit`) beside a wider node
 //!   with one is limited by nothing in Envoy: an `unlimited: true` override of the wider
-//!   node's limit. Likewise each limit under a wildcard value gets an `unlimited: true`
-//!   override for the exact values the wildcard value covers, whose own subtrees Envoy walks
-//!   instead.
+//!   node's limit. Likewise each limit of a wildcard value and of its subtree gets an
+//!   `unlimited: true` override for what Envoy takes before it: the exact values it covers,
+//!   and the earlier wildcard values that overlap it (Envoy takes the first that matches).
+//! * An override has its limit's mode, so a valued node whose `shadow_mode` differs from its
+//!   wider sibling's stays a limit of its own, and the sibling's limit leaves its values out
+//!   (an `unlimited: true` override).
 //! * `N` requests per `unit` becomes capacity `N`, refill `N/unit`: Envoy counts in calendar fixed
 //!   windows, tollgate refills a token bucket continuously, so a client can no longer burst `2N`
 //!   across a window edge. Said once in the notes.
@@ -32,9 +35,10 @@
 //! * `value: ""` is a wildcard, as in Envoy; values are taken as written (`1.50`, `007`).
 //!
 //! What tollgate cannot express is listed in [`EnvoyImport::notes`], with the descriptor path:
-//! a `replaces` naming what did not become a limit of its own, overlapping wildcard values
-//! (Envoy takes the first, tollgate applies each), a key repeated further down its own path
-//! (skipped), entry order, month and year units (approximated), and fields it does not know.
+//! a `replaces` naming what did not become a limit of its own, a key repeated further down its
+//! own path (skipped), entry order, month and year units (approximated), and fields it does
+//! not know. `tests/envoy_model.rs` checks the rest against a model of envoyproxy/ratelimit's
+//! own lookup, on random configurations and descriptors.
 
 use std::collections::{BTreeMap, HashSet};
 use std::fmt::Write as _;
@@ -149,6 +153,16 @@ type OverrideOut = (String, (String, ValueMatch), Option<(u64, String)>);
 /// descriptor that ends on it gets no limit, whatever its siblings have).
 fn unlimited(node: &Node) -> bool {
     node.rate_limit.as_ref().is_none_or(|r| r.unlimited)
+}
+
+/// Unlimited overrides, on entry `key`, for what Envoy takes before a node (`(value as the
+/// file gives it, condition)` each).
+fn taken_out(key: &str, taken: &[(&str, ValueMatch)]) -> Vec<OverrideOut> {
+    let mut overrides = Vec::with_capacity(taken.len());
+    for (value, test) in taken {
+        Importer::add_override(&mut overrides, value, (key, test.clone()), None);
+    }
+    overrides
 }
 
 /// An Envoy wildcard value (`foo*`) as the prefix it stands for.
@@ -464,12 +478,26 @@ impl Importer {
                     (Some(_), _, Some(rate)) => {
                         let wider = wildcard.unwrap_or(node);
                         let condition = (key, ValueMatch::Exact(value.into()));
-                        self.adopt(&mut overrides, node, &here, condition, rate, wider);
+                        self.adopt(
+                            &mut overrides,
+                            node,
+                            &here_path,
+                            condition,
+                            (rate, Vec::new()),
+                            wider,
+                        );
                     }
                     (None, Some(j), Some(rate)) => {
                         let condition = (key, ValueMatch::Exact(value.into()));
                         let into = &mut prefix_overrides[j];
-                        self.adopt(into, node, &here, condition, rate, prefixed[j]);
+                        self.adopt(
+                            into,
+                            node,
+                            &here_path,
+                            condition,
+                            (rate, Vec::new()),
+                            prefixed[j],
+                        );
                     }
                     (Some(_), _, None) | (None, Some(_), None) => {}
                     (None, None, Some(Some((capacity, refill)))) => {
@@ -488,16 +516,39 @@ impl Importer {
                 here_path.push((key, Some(value)));
                 let here = describe(&here_path);
                 self.check_node(node, &here);
+                // The wildcard values before this one that take some of its values.
+                let overlapping: Vec<&str> = prefixed[..j]
+                    .iter()
+                    .filter_map(|p| p.value())
+                    .filter(|other| {
+                        let other = prefix_of(other).unwrap_or_default();
+                        prefix.starts_with(other) || other.starts_with(prefix)
+                    })
+                    .collect();
+                // What Envoy takes before this wildcard value: the exact values it covers, and
+                // the earlier wildcard values that take some of its values.
+                let mut taken: Vec<(&str, ValueMatch)> = exact
+                    .iter()
+                    .filter_map(|e| e.value())
+                    .filter(|v| v.starts_with(prefix))
+                    .map(|v| (v, ValueMatch::Exact(v.into())))
+                    .collect();
+                taken.extend(overlapping.iter().map(|&earlier| {
+                    let other = prefix_of(earlier).unwrap_or_default();
+                    (earlier, ValueMatch::Prefix(other.into()))
+                }));
                 match (&wildcard_limit, prefix_limits[j].clone()) {
                     (Some(_), Some(rate)) => {
                         let wider = wildcard.unwrap_or(node);
                         let condition = (key, ValueMatch::Prefix(prefix.into()));
-                        self.adopt(&mut overrides, node, &here, condition, Some(rate), wider);
+                        let rate = (Some(rate), taken_out(key, &taken));
+                        self.adopt(&mut overrides, node, &here_path, condition, rate, wider);
                     }
                     (Some(_), None) if unlimited(node) => {
                         let wider = wildcard.unwrap_or(node);
                         let condition = (key, ValueMatch::Prefix(prefix.into()));
-                        self.adopt(&mut overrides, node, &here, condition, None, wider);
+                        let rate = (None, Vec::new());
+                        self.adopt(&mut overrides, node, &here_path, condition, rate, wider);
                     }
                     (Some(_), None) => self.note(
                         &here,
@@ -507,38 +558,25 @@ impl Importer {
                         ),
                     ),
                     (None, Some((capacity, refill))) => {
-                        // Envoy takes the first wildcard value that matches; tollgate applies
-                        // every limit that matches.
-                        let earlier = prefixed[..j].iter().zip(&prefix_limits).find(|(p, l)| {
-                            l.is_some()
-                                && p.value().and_then(prefix_of).is_some_and(|other| {
-                                    prefix.starts_with(other) || other.starts_with(prefix)
-                                })
-                        });
-                        if let Some((other, _)) = earlier {
-                            self.note(
-                                &here,
-                                format!(
-                                    "overlaps the wildcard value `{key}={}` above it: envoy \
-                                     applies the first that matches, tollgate both",
-                                    other.value().unwrap_or_default()
-                                ),
-                            );
+                        // Envoy takes the first wildcard value that matches: the values an
+                        // earlier one takes are out of this one's limit (an unlimited override
+                        // each, after the exact values this one covers).
+                        let mut overrides = std::mem::take(&mut prefix_overrides[j]);
+                        for &earlier in &overlapping {
+                            let other = prefix_of(earlier).unwrap_or_default();
+                            let condition = (key, ValueMatch::Prefix(other.into()));
+                            Self::add_override(&mut overrides, earlier, condition, None);
                         }
-                        let covered = std::mem::take(&mut prefix_overrides[j]);
-                        self.push(&here_path, capacity, refill, node, covered);
+                        self.push(&here_path, capacity, refill, node, overrides);
                     }
                     (None, None) => {}
                 }
                 let before = self.limits.len();
                 self.level(&node.descriptors, &here_path);
                 subtrees.push((value, before..self.limits.len()));
-                let covered: Vec<&str> = exact
-                    .iter()
-                    .filter_map(|e| e.value())
-                    .filter(|v| v.starts_with(prefix))
-                    .collect();
-                self.exclude_hidden(&covered, before..self.limits.len(), key);
+                // Envoy walks this subtree for none of the values an exact value or an earlier
+                // wildcard value takes.
+                self.exclude_hidden(&taken, before..self.limits.len(), key);
             }
             if let Some(w) = wildcard {
                 let mut here_path = path.to_vec();
@@ -583,8 +621,12 @@ impl Importer {
         let mut adds: Vec<(usize, &str, Option<usize>)> = Vec::new();
         for &(value, ref range) in subtrees {
             for into in nested.clone() {
+                // A limit in another mode than the sibling's cannot be its override (an
+                // override has its limit's mode): it stays a limit of its own, and the
+                // sibling's leaves the value out.
                 let from = range.clone().find(|&from| {
                     self.limits[from].overrides.is_empty()
+                        && self.limits[from].shadow == self.limits[into].shadow
                         && !adds.iter().any(|&(.., taken)| taken == Some(from))
                         && same_shape(
                             &self.limits[from].steps,
@@ -601,22 +643,14 @@ impl Importer {
         for &(into, value, from) in &adds {
             let rate = match from {
                 Some(from) => {
-                    let here = self.limits[from].path.clone();
                     if !self.limits[from].replaces.is_empty() {
+                        let here = self.limits[from].path.clone();
                         self.note(
                             &here,
                             "replaces dropped: this limit became an override of another, which \
                              cannot replace limits of its own"
                                 .into(),
                         );
-                    }
-                    if self.limits[from].shadow != self.limits[into].shadow {
-                        let message = format!(
-                            "shadow_mode differs from `{}`'s, whose override it becomes; that \
-                             one's mode applies",
-                            self.limits[into].path
-                        );
-                        self.note(&here, message);
                     }
                     Some((self.limits[from].capacity, self.limits[from].refill.clone()))
                 }
@@ -646,18 +680,19 @@ impl Importer {
         }
     }
 
-    /// Envoy looks an entry up by `key_value` first, then among the wildcard values: a request
-    /// with `key=value` for an exact value a wildcard value covers walks the exact node's
-    /// subtree and never reaches the wildcard value's. tollgate matches every limit on its own,
-    /// so each limit of the wildcard value's subtree (`nested`) gets an `unlimited` override
-    /// for each such value (`covered`), in front of its own overrides, since Envoy chose the
-    /// value before looking further down.
-    fn exclude_hidden(&mut self, covered: &[&str], nested: Range<usize>, key: &str) {
+    /// Envoy looks an entry up by `key_value` first, then among the wildcard values in file
+    /// order: a request whose value an exact value or an earlier wildcard value takes walks
+    /// that node's subtree and never reaches a later wildcard value's. tollgate matches every
+    /// limit on its own, so each limit of the wildcard value's subtree (`nested`) gets an
+    /// `unlimited` override for each of those (`taken`: the value as the file gives it, and
+    /// its condition), in front of its own overrides, since Envoy chose the value before
+    /// looking further down.
+    fn exclude_hidden(&mut self, taken: &[(&str, ValueMatch)], nested: Range<usize>, key: &str) {
         for limit in nested {
-            for (at, value) in covered.iter().enumerate() {
+            for (at, (value, test)) in taken.iter().enumerate() {
                 let overrides = &self.limits[limit].overrides;
                 let name = Self::override_name(overrides, value);
-                let condition = (key.to_owned(), ValueMatch::Exact((*value).into()));
+                let condition = (key.to_owned(), test.clone());
                 self.limits[limit]
                     .overrides
                     .insert(at, (name, condition, None));
@@ -711,32 +746,32 @@ impl Importer {
         &mut self,
         overrides: &mut Vec<OverrideOut>,
         node: &Node,
-        here: &str,
+        here_path: &Path<'_>,
         condition: (&str, ValueMatch),
-        rate: Option<(u64, String)>,
+        (rate, narrower): (Option<(u64, String)>, Vec<OverrideOut>),
         wider: &Node,
     ) {
-        let wider_name = match wider.value() {
-            Some(value) => format!("`{}={value}`", wider.key),
-            None => format!("`{}`", wider.key),
-        };
-        // An unlimited value has no mode to keep.
-        if rate.is_some() && wider.shadow_mode != node.shadow_mode {
-            self.note(
-                here,
-                format!(
-                    "shadow_mode differs from the wildcard {wider_name}'s, whose override this \
-                     becomes; that one's mode applies"
-                ),
-            );
+        if let Some((capacity, refill)) = rate.clone()
+            && wider.shadow_mode != node.shadow_mode
+        {
+            // An override has its limit's mode: a value in another mode stays a limit of its
+            // own, leaving out what Envoy takes before it (`narrower`), and the wider limit
+            // leaves its values out.
+            self.push(here_path, capacity, refill, node, narrower);
+            Self::add_override(overrides, node.value().unwrap_or_default(), condition, None);
+            return;
         }
         if node
             .rate_limit
             .as_ref()
             .is_some_and(|r| !r.replaces.is_empty())
         {
+            let wider_name = match wider.value() {
+                Some(value) => format!("`{}={value}`", wider.key),
+                None => format!("`{}`", wider.key),
+            };
             self.note(
-                here,
+                &describe(here_path),
                 format!(
                     "replaces dropped: this node becomes an override of {wider_name}'s limit, \
                      which cannot replace limits of its own"

@@ -420,10 +420,11 @@ descriptors:
     );
 }
 
-/// A node that becomes an override keeps neither its own mode nor its `replaces`: the import
-/// says so for the node itself and for a limit under it merged into its sibling's.
+/// An override has its limit's mode and no `replaces` of its own: a node in another mode than
+/// its wildcard sibling stays a limit of its own (the sibling's leaving its value out), and a
+/// `replaces` an override cannot keep is noted.
 #[test]
-fn what_an_override_cannot_keep_is_noted() {
+fn a_value_in_another_mode_stays_a_limit_and_what_an_override_cannot_keep_is_noted() {
     let text = r#"
 domain: d
 descriptors:
@@ -435,37 +436,53 @@ descriptors:
   - key: tenant
     value: acme
     shadow_mode: true
-    rate_limit: {unit: second, requests_per_unit: 100, replaces: [{name: other}]}
+    rate_limit: {unit: second, requests_per_unit: 100}
     descriptors:
       - key: user
         shadow_mode: true
-        rate_limit: {unit: second, requests_per_unit: 50, replaces: [{name: other}]}
+        rate_limit: {unit: second, requests_per_unit: 50}
+  - key: tenant
+    value: globex
+    rate_limit: {unit: second, requests_per_unit: 30, replaces: [{name: other}]}
+    descriptors:
+      - key: user
+        rate_limit: {unit: second, requests_per_unit: 3, replaces: [{name: other}]}
   - key: other
     rate_limit: {unit: second, requests_per_unit: 1, name: other}
 "#;
     let (imported, p) = import(text);
     let notes = imported.notes.join("\n");
     for fragment in [
-        "tenant=acme: shadow_mode differs from the wildcard `tenant`'s, whose override this becomes",
-        "tenant=acme: replaces dropped: this node becomes an override of `tenant`'s limit",
-        "tenant=acme > user: replaces dropped: this limit became an override of another",
-        "tenant=acme > user: shadow_mode differs from `tenant > user`'s",
+        "tenant=globex: replaces dropped: this node becomes an override of `tenant`'s limit",
+        "tenant=globex > user: replaces dropped: this limit became an override of another",
     ] {
         assert!(notes.contains(fragment), "missing {fragment:?} in\n{notes}");
     }
-    // The overrides decide as their limits do: enforced, not in shadow.
-    let found = p.matches(
-        "d",
-        &[[("tenant", "acme"), ("user", "u1")]],
-        UnixTime::from_secs(0),
+    assert!(!notes.contains("shadow_mode differs"), "{notes}");
+    let found = |d: &[(&str, &str)]| -> Vec<(String, &str)> {
+        p.matches("d", &[d], UnixTime::from_secs(0))
+            .iter()
+            .map(|m| (m.bucket_key.clone(), m.effect.as_str()))
+            .collect()
+    };
+    // acme's limits keep their shadow mode, as in Envoy, and the wildcard's leave acme out.
+    assert_eq!(
+        found(&[("tenant", "acme")]),
+        [("d.tenant_acme".to_owned(), "shadow")]
     );
-    assert_eq!(found.len(), 1);
-    assert_eq!(found[0].bucket_key, "d.tenant.user|acme|u1#acme");
-    assert_eq!(found[0].effect.as_str(), "enforce");
+    assert_eq!(
+        found(&[("tenant", "acme"), ("user", "u1")]),
+        [("d.tenant_acme.user|u1".to_owned(), "shadow")]
+    );
+    // globex's, in the wildcard's mode, are its overrides, enforced.
+    assert_eq!(
+        found(&[("tenant", "globex"), ("user", "u1")]),
+        [("d.tenant.user|globex|u1#globex".to_owned(), "enforce")]
+    );
 }
 
 #[test]
-fn overlapping_wildcard_values_are_noted() {
+fn overlapping_wildcard_values_decide_as_envoy_the_first_that_matches() {
     let text = r#"
 domain: d
 descriptors:
@@ -480,13 +497,17 @@ descriptors:
     rate_limit: {unit: second, requests_per_unit: 5}
 "#;
     let (imported, p) = import(text);
-    let notes = imported.notes.join("\n");
     assert!(
-        notes.contains("path=/api/v2*: overlaps the wildcard value `path=/api/*` above it"),
-        "{notes}"
+        !imported.notes.join("\n").contains("overlaps"),
+        "{:?}",
+        imported.notes
     );
-    assert!(!notes.contains("path=/web*: overlaps"), "{notes}");
-    assert_eq!(matched(&p, "d", &[("path", "/api/v2/x")]).len(), 2);
+    // `/api/*` comes first and takes every `/api/` value, `/api/v2/x` included: Envoy never
+    // reaches `/api/v2*`.
+    assert_eq!(
+        matched(&p, "d", &[("path", "/api/v2/x")]),
+        ["d.path__api__|/api/v2/x capacity 20 refill 20/s"]
+    );
     assert_eq!(matched(&p, "d", &[("path", "/web/x")]).len(), 1);
 }
 

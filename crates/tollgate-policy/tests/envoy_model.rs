@@ -1,0 +1,220 @@
+//! The Envoy import against a model of envoyproxy/ratelimit's own lookup: for random
+//! configurations and descriptors, the imported policy applies exactly the limit Envoy would
+//! (or none where Envoy applies none), unless the import said it could not.
+//!
+//! The model walks the descriptor's entries down the tree as envoyproxy/ratelimit does: at each
+//! level the node with the entry's exact value, else the first wildcard value (`foo*`, in file
+//! order) the value starts with, else the key-only node; the limit is that of the node the last
+//! entry lands on (`unlimited` is none), and a walk that runs out of nodes applies none.
+//!
+//! Each level of a generated tree uses keys of its own (`a1`/`b1`, then `a2`/`b2`, …), so a
+//! descriptor written in tree order is the only order its entries can have: Envoy's ordered
+//! walk and tollgate's exact limits (which ignore order) agree by construction there, and the
+//! import's general note about order does not apply.
+
+use proptest::prelude::*;
+use tollgate_policy::{UnixTime, compile, import_envoy};
+
+/// A descriptor node of the generated configuration.
+#[derive(Debug, Clone)]
+struct Node {
+    key: String,
+    /// `None`: the key-only node; `Some("a*")`: a wildcard value.
+    value: Option<String>,
+    rate: Rate,
+    shadow: bool,
+    children: Vec<Node>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Rate {
+    /// Requests per second.
+    Limited(u32),
+    Unlimited,
+    /// No `rate_limit` at all.
+    Absent,
+}
+
+const VALUES: &[&str] = &["a", "ab", "abc", "b", "ba"];
+const WILDCARDS: &[&str] = &["a*", "ab*", "b*", "*"];
+
+fn rate() -> impl Strategy<Value = Rate> {
+    prop_oneof![
+        4 => (1u32..50).prop_map(Rate::Limited),
+        1 => Just(Rate::Unlimited),
+        2 => Just(Rate::Absent),
+    ]
+}
+
+/// The nodes of one level (depth `depth`, 1-based), each with a unique key and value.
+fn level(depth: u32) -> BoxedStrategy<Vec<Node>> {
+    let keys = vec![format!("a{depth}"), format!("b{depth}")];
+    let value = prop_oneof![
+        2 => Just(None),
+        3 => prop::sample::select(VALUES).prop_map(|v| Some(v.to_owned())),
+        2 => prop::sample::select(WILDCARDS).prop_map(|v| Some(v.to_owned())),
+    ];
+    let children = if depth < 3 {
+        prop_oneof![2 => Just(Vec::new()), 1 => level(depth + 1)].boxed()
+    } else {
+        Just(Vec::new()).boxed()
+    };
+    let node = (
+        prop::sample::select(keys),
+        value,
+        rate(),
+        prop::bool::weighted(0.1),
+        children,
+    )
+        .prop_map(|(key, value, rate, shadow, children)| Node {
+            key,
+            value,
+            rate,
+            shadow,
+            children,
+        });
+    prop::collection::vec(node, 1..6)
+        .prop_map(|nodes| {
+            // envoyproxy/ratelimit refuses a (key, value) twice at one level.
+            let mut unique: Vec<Node> = Vec::new();
+            for node in nodes {
+                if !unique
+                    .iter()
+                    .any(|n| n.key == node.key && n.value == node.value)
+                {
+                    unique.push(node);
+                }
+            }
+            unique
+        })
+        .boxed()
+}
+
+fn render(nodes: &[Node], indent: usize, out: &mut String) {
+    let pad = " ".repeat(indent);
+    for node in nodes {
+        out.push_str(&format!("{pad}- key: {}\n", node.key));
+        if let Some(value) = &node.value {
+            out.push_str(&format!("{pad}  value: \"{value}\"\n"));
+        }
+        match node.rate {
+            Rate::Limited(n) => out.push_str(&format!(
+                "{pad}  rate_limit: {{unit: second, requests_per_unit: {n}}}\n"
+            )),
+            Rate::Unlimited => out.push_str(&format!("{pad}  rate_limit: {{unlimited: true}}\n")),
+            Rate::Absent => {}
+        }
+        if node.shadow {
+            out.push_str(&format!("{pad}  shadow_mode: true\n"));
+        }
+        if !node.children.is_empty() {
+            out.push_str(&format!("{pad}  descriptors:\n"));
+            render(&node.children, indent + 4, out);
+        }
+    }
+}
+
+/// envoyproxy/ratelimit's lookup: the limit Envoy applies to `entries`, as (requests per
+/// second, shadow).
+fn envoy(mut nodes: &[Node], entries: &[(String, String)]) -> Option<(u32, bool)> {
+    let mut found = None;
+    for (i, (key, value)) in entries.iter().enumerate() {
+        let of_key = || nodes.iter().filter(|n| n.key == *key);
+        let next = of_key()
+            .find(|n| n.value.as_deref() == Some(value))
+            .or_else(|| {
+                of_key().find(|n| {
+                    n.value
+                        .as_deref()
+                        .and_then(|v| v.strip_suffix('*'))
+                        .is_some_and(|prefix| value.starts_with(prefix))
+                })
+            })
+            .or_else(|| of_key().find(|n| n.value.is_none()));
+        let Some(node) = next else {
+            break;
+        };
+        if i == entries.len() - 1
+            && let Rate::Limited(n) = node.rate
+        {
+            found = Some((n, node.shadow));
+        }
+        if node.children.is_empty() {
+            break;
+        }
+        nodes = &node.children;
+    }
+    found
+}
+
+/// A descriptor written in tree order: one entry per level, with values that hit exact
+/// values, wildcard values and neither, sometimes one entry deeper than the tree.
+fn descriptor() -> impl Strategy<Value = Vec<(String, String)>> {
+    let entry = |depth: u32| {
+        (
+            prop::sample::select(vec![format!("a{depth}"), format!("b{depth}")]),
+            prop::sample::select(vec!["a", "ab", "abc", "abz", "b", "ba", "bz", "c", "z"]),
+        )
+            .prop_map(|(k, v)| (k, v.to_owned()))
+    };
+    (1usize..=4, entry(1), entry(2), entry(3), entry(4))
+        .prop_map(|(len, e1, e2, e3, e4)| [e1, e2, e3, e4].into_iter().take(len).collect())
+}
+
+/// The general notes every import with limits carries.
+fn general(note: &str) -> bool {
+    note.starts_with("envoy counts requests in calendar fixed windows")
+        || note.starts_with("envoy matches descriptor entries in order")
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    #[test]
+    fn the_import_applies_the_limit_envoy_applies(
+        tree in level(1),
+        descriptors in prop::collection::vec(descriptor(), 1..24),
+    ) {
+        let mut text = String::from("domain: model\ndescriptors:\n");
+        render(&tree, 2, &mut text);
+        let imported = import_envoy("model.yaml", &text)
+            .map_err(|e| TestCaseError::fail(format!("{e}\n{text}")))?;
+        // Everything these configurations hold can be expressed: the import notes nothing
+        // beyond what it says of every import.
+        prop_assert!(
+            imported.notes.iter().all(|n| general(n)),
+            "{:?}\n{}",
+            imported.notes,
+            text
+        );
+        let policy = compile("out.yaml", &imported.policy)
+            .map_err(|e| TestCaseError::fail(format!("{e}\n{}", imported.policy)))?;
+        for entries in &descriptors {
+            let expected: Vec<(u64, String, &str)> = envoy(&tree, entries)
+                .map(|(n, shadow)| {
+                    (u64::from(n), format!("{n}/s"), if shadow { "shadow" } else { "enforce" })
+                })
+                .into_iter()
+                .collect();
+            let applied: Vec<(u64, String, &str)> = policy
+                .matches("model", &[entries], UnixTime::from_secs(0))
+                .iter()
+                .map(|m| {
+                    (
+                        m.params().capacity(),
+                        m.params().refill().to_string(),
+                        m.effect.as_str(),
+                    )
+                })
+                .collect();
+            prop_assert_eq!(
+                &applied,
+                &expected,
+                "descriptor {:?}\nconfig:\n{}\nimported:\n{}",
+                entries,
+                text,
+                imported.policy
+            );
+        }
+    }
+}
