@@ -1,6 +1,7 @@
 //! The Envoy import against a model of envoyproxy/ratelimit's own lookup: for random
-//! configurations and descriptors, the imported policy applies exactly the limit Envoy would
-//! (or none where Envoy applies none), unless the import said it could not.
+//! configurations and descriptors, the imported policy applies exactly the limit Envoy would,
+//! in its mode (or none where Envoy applies none), as a token bucket or, with
+//! `--fixed-windows`, a fixed window of the same `N` per unit.
 //!
 //! The model walks the descriptor's entries down the tree as envoyproxy/ratelimit does: at each
 //! level the node with the entry's exact value, else the first wildcard value (`foo*`, in file
@@ -13,7 +14,7 @@
 //! import's general note about order does not apply.
 
 use proptest::prelude::*;
-use tollgate_policy::{UnixTime, compile, import_envoy};
+use tollgate_policy::{ImportOptions, UnixTime, compile, import_envoy_with};
 
 /// A descriptor node of the generated configuration.
 #[derive(Debug, Clone)]
@@ -174,10 +175,12 @@ proptest! {
     fn the_import_applies_the_limit_envoy_applies(
         tree in level(1),
         descriptors in prop::collection::vec(descriptor(), 1..24),
+        windows in any::<bool>(),
     ) {
         let mut text = String::from("domain: model\ndescriptors:\n");
         render(&tree, 2, &mut text);
-        let imported = import_envoy("model.yaml", &text)
+        let options = ImportOptions::default().fixed_windows(windows);
+        let imported = import_envoy_with("model.yaml", &text, options)
             .map_err(|e| TestCaseError::fail(format!("{e}\n{text}")))?;
         // Everything these configurations hold can be expressed: the import notes nothing
         // beyond what it says of every import.
@@ -190,19 +193,22 @@ proptest! {
         let policy = compile("out.yaml", &imported.policy)
             .map_err(|e| TestCaseError::fail(format!("{e}\n{}", imported.policy)))?;
         for entries in &descriptors {
-            let expected: Vec<(u64, String, &str)> = envoy(&tree, entries)
+            let algorithm = if windows { "fixed_window" } else { "token_bucket" };
+            let expected: Vec<(u64, String, &str, &str)> = envoy(&tree, entries)
                 .map(|(n, shadow)| {
-                    (u64::from(n), format!("{n}/s"), if shadow { "shadow" } else { "enforce" })
+                    let mode = if shadow { "shadow" } else { "enforce" };
+                    (u64::from(n), format!("{n}/s"), algorithm, mode)
                 })
                 .into_iter()
                 .collect();
-            let applied: Vec<(u64, String, &str)> = policy
+            let applied: Vec<(u64, String, &str, &str)> = policy
                 .matches("model", &[entries], UnixTime::from_secs(0))
                 .iter()
                 .map(|m| {
                     (
                         m.params().capacity(),
                         m.params().refill().to_string(),
+                        m.params().algorithm().as_str(),
                         m.effect.as_str(),
                     )
                 })
