@@ -796,6 +796,16 @@ impl Importer {
             if rate.replaces.iter().any(|r| !r.other.is_empty()) {
                 self.note(here, "unknown fields of replaces ignored".into());
             }
+            // Envoy applies an unlimited limit's `replaces` still; in tollgate there is no
+            // limit to carry them.
+            if rate.unlimited && !rate.replaces.is_empty() {
+                self.note(
+                    here,
+                    "replaces of an unlimited limit dropped: envoy still leaves the replaced \
+                     limits out, tollgate has no limit here to do so"
+                        .into(),
+                );
+            }
         }
     }
 

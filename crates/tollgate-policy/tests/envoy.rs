@@ -459,6 +459,17 @@ descriptors:
         assert!(notes.contains(fragment), "missing {fragment:?} in\n{notes}");
     }
     assert!(!notes.contains("shadow_mode differs"), "{notes}");
+    // An unlimited node's `replaces` (which Envoy still applies) has nothing to go on.
+    let unlimited = "domain: d\ndescriptors:\n  - key: plan\n    value: free\n    rate_limit: {unlimited: true, replaces: [{name: other}]}\n  - key: other\n    rate_limit: {unit: second, requests_per_unit: 1, name: other}\n";
+    let (imported, _) = import(unlimited);
+    assert!(
+        imported
+            .notes
+            .iter()
+            .any(|n| n.starts_with("plan=free: replaces of an unlimited limit dropped")),
+        "{:?}",
+        imported.notes
+    );
     let found = |d: &[(&str, &str)]| -> Vec<(String, &str)> {
         p.matches("d", &[d], UnixTime::from_secs(0))
             .iter()
