@@ -111,10 +111,24 @@ fn status(err: DecideError) -> Status {
 /// A descriptor as the policy reads it: its entries and the limit it carries, if any.
 type Sent = RequestDescriptor<String>;
 
+/// Why a limit sent with a descriptor cannot be applied.
+#[derive(Debug, thiserror::Error)]
+enum SentLimitError {
+    #[error("unit {0} is not a known unit")]
+    UnknownUnit(i32),
+    /// Envoy's "deny all": tollgate has no limit that admits nothing, and reading it as any
+    /// other limit would admit something.
+    #[error("requests_per_unit 0 cannot be applied: a limit admits at least 1")]
+    DenyAll,
+    /// Not a limit the core (or the store) can keep exactly.
+    #[error(transparent)]
+    Unrepresentable(#[from] tollgate::Error),
+}
+
 /// The limit a descriptor carries, as tollgate's: `requests_per_unit` a unit is a bucket of
 /// that many refilled as many a unit, as a `rate_limit` of envoyproxy/ratelimit's file is
 /// imported. A month is 30 days and a year 365, as there.
-fn requested_limit(sent: &RateLimitOverride) -> Result<Limit, String> {
+fn requested_limit(sent: &RateLimitOverride) -> Result<Limit, SentLimitError> {
     const DAY: u64 = 86_400;
     let seconds = match RateLimitUnit::try_from(sent.unit) {
         Ok(RateLimitUnit::Second) => 1,
@@ -123,20 +137,15 @@ fn requested_limit(sent: &RateLimitOverride) -> Result<Limit, String> {
         Ok(RateLimitUnit::Day) => DAY,
         Ok(RateLimitUnit::Month) => 30 * DAY,
         Ok(RateLimitUnit::Year) => 365 * DAY,
-        Ok(RateLimitUnit::Unknown) | Err(_) => {
-            return Err(format!("unit {} is not a known unit", sent.unit));
-        }
+        Ok(RateLimitUnit::Unknown) | Err(_) => return Err(SentLimitError::UnknownUnit(sent.unit)),
     };
     if sent.requests_per_unit == 0 {
-        // Envoy's "deny all"; tollgate has no limit that admits nothing, and reading it as any
-        // other limit would admit something.
-        return Err("requests_per_unit 0 cannot be applied: a limit admits at least 1".into());
+        return Err(SentLimitError::DenyAll);
     }
-    Limit::per(
+    Ok(Limit::per(
         u64::from(sent.requests_per_unit),
         Duration::from_secs(seconds),
-    )
-    .map_err(|err| err.to_string())
+    )?)
 }
 
 /// Descriptors and their costs, checked against the same bounds as the HTTP API. The
@@ -185,7 +194,7 @@ fn parse(
                 Some(sent) => Some(
                     requested_limit(sent)
                         .and_then(|limit| {
-                            decider.supports(&limit).map_err(|e| e.to_string())?;
+                            decider.supports(&limit)?;
                             Ok(limit)
                         })
                         .map_err(|reason| {
@@ -455,7 +464,7 @@ mod tests {
                 "unit 42",
             ),
         ] {
-            let err = requested_limit(&limit).unwrap_err();
+            let err = requested_limit(&limit).unwrap_err().to_string();
             assert!(err.contains(fragment), "{err}");
         }
     }
