@@ -244,7 +244,8 @@ pub fn import_envoy_with(
 /// Converts several envoyproxy/ratelimit configuration files, `(name, text)` each with a
 /// domain of its own (as envoyproxy/ratelimit loads every file of its configuration
 /// directory), into one policy. Limit names stay unique across the files; a `replaces` refers
-/// to limits of its own file. With more than one file, each note starts with its file's name.
+/// to limits of its own domain. With more than one file, each note starts with its file's
+/// name (the files', joined by ` + `, for a merged domain).
 ///
 /// ```
 /// use tollgate_policy::{ImportOptions, import_envoy_files};
