@@ -24,9 +24,10 @@
 //!   node's limit. Likewise each limit of a wildcard value and of its subtree gets an
 //!   `unlimited: true` override for what Envoy takes before it: the exact values it covers,
 //!   and the earlier wildcard values that overlap it (Envoy takes the first that matches).
-//! * An override has its limit's mode, so a valued node whose `shadow_mode` differs from its
-//!   wider sibling's stays a limit of its own, and the sibling's limit leaves its values out
-//!   (an `unlimited: true` override).
+//! * An override has its limit's mode, replaces what its limit replaces and is replaced with
+//!   it, so a valued node whose `shadow_mode` differs from its wider sibling's, or where either
+//!   has `replaces` or is named by one, stays a limit of its own, and the sibling's limit
+//!   leaves its values out (an `unlimited: true` override).
 //! * `N` requests per `unit` becomes capacity `N`, refill `N/unit`: Envoy counts in calendar fixed
 //!   windows, tollgate refills a token bucket continuously, so a client can no longer burst `2N`
 //!   across a window edge. Said once in the notes.
@@ -35,9 +36,9 @@
 //! * `value: ""` is a wildcard, as in Envoy; values are taken as written (`1.50`, `007`).
 //!
 //! What tollgate cannot express is listed in [`EnvoyImport::notes`], with the descriptor path:
-//! a `replaces` naming what did not become a limit of its own, a key repeated further down its
-//! own path (skipped), entry order, month and year units (approximated), and fields it does
-//! not know. `tests/envoy_model.rs` checks the rest against a model of envoyproxy/ratelimit's
+//! a `replaces` naming what is not a limit (no such `name`, or an unlimited one), the
+//! `replaces` of an unlimited limit, a key repeated further down its own path (skipped), entry
+//! order, month and year units (approximated), and fields it does not know. `tests/envoy_model.rs` checks the rest against a model of envoyproxy/ratelimit's
 //! own lookup, on random configurations and descriptors.
 
 use std::collections::{BTreeMap, HashSet};
@@ -185,6 +186,28 @@ struct Importer {
     notes: Vec<String>,
     /// Limits become fixed windows rather than token buckets.
     windows: bool,
+    /// The `rate_limit.name`s some `replaces` of the domain names: such a limit neither becomes
+    /// an override nor takes others as overrides, since a replacement applies to a whole limit
+    /// (its overrides with it) and in Envoy to that one node only.
+    replaced: HashSet<String>,
+}
+
+/// The names every `replaces` under `nodes` gives.
+fn replaced_names(nodes: &[Node], into: &mut HashSet<String>) {
+    for node in nodes {
+        if let Some(rate) = &node.rate_limit {
+            into.extend(rate.replaces.iter().map(|r| r.name.clone()));
+        }
+        replaced_names(&node.descriptors, into);
+    }
+}
+
+/// Whether a replacement names the node's limit.
+fn is_replaced(replaced: &HashSet<String>, node: &Node) -> bool {
+    node.rate_limit
+        .as_ref()
+        .and_then(|r| r.name.as_ref())
+        .is_some_and(|name| replaced.contains(name))
 }
 
 /// Converts the envoyproxy/ratelimit configuration `text` (named `file` in errors and notes)
@@ -307,7 +330,9 @@ pub fn import_envoy_files(
             names: std::mem::take(&mut names),
             notes: Vec::new(),
             windows: options.fixed_windows,
+            replaced: HashSet::new(),
         };
+        replaced_names(&config.descriptors, &mut importer.replaced);
         for field in config.other.keys() {
             importer.note("", format!("unknown field `{field}` ignored"));
         }
@@ -625,9 +650,18 @@ impl Importer {
                 // A limit in another mode than the sibling's cannot be its override (an
                 // override has its limit's mode): it stays a limit of its own, and the
                 // sibling's leaves the value out.
+                let apart = |limit: &Out| {
+                    !limit.replaces.is_empty()
+                        || limit
+                            .declared
+                            .as_ref()
+                            .is_some_and(|name| self.replaced.contains(name))
+                };
                 let from = range.clone().find(|&from| {
                     self.limits[from].overrides.is_empty()
                         && self.limits[from].shadow == self.limits[into].shadow
+                        && !apart(&self.limits[from])
+                        && !apart(&self.limits[into])
                         && !adds.iter().any(|&(.., taken)| taken == Some(from))
                         && same_shape(
                             &self.limits[from].steps,
@@ -642,21 +676,8 @@ impl Importer {
         // Per limit overridden, how many overrides were put in front of its own so far.
         let mut in_front: Vec<(usize, usize)> = Vec::new();
         for &(into, value, from) in &adds {
-            let rate = match from {
-                Some(from) => {
-                    if !self.limits[from].replaces.is_empty() {
-                        let here = self.limits[from].path.clone();
-                        self.note(
-                            &here,
-                            "replaces dropped: this limit became an override of another, which \
-                             cannot replace limits of its own"
-                                .into(),
-                        );
-                    }
-                    Some((self.limits[from].capacity, self.limits[from].refill.clone()))
-                }
-                None => None,
-            };
+            let rate =
+                from.map(|from| (self.limits[from].capacity, self.limits[from].refill.clone()));
             let at = match in_front.iter_mut().find(|(limit, _)| *limit == into) {
                 Some((_, count)) => {
                     *count += 1;
@@ -753,31 +774,22 @@ impl Importer {
         wider: &Node,
     ) {
         if let Some((capacity, refill)) = rate.clone()
-            && wider.shadow_mode != node.shadow_mode
+            && (wider.shadow_mode != node.shadow_mode
+                || is_replaced(&self.replaced, node)
+                || is_replaced(&self.replaced, wider)
+                || [node, wider].iter().any(|n| {
+                    n.rate_limit
+                        .as_ref()
+                        .is_some_and(|r| !r.replaces.is_empty())
+                }))
         {
-            // An override has its limit's mode: a value in another mode stays a limit of its
-            // own, leaving out what Envoy takes before it (`narrower`), and the wider limit
-            // leaves its values out.
+            // An override has its limit's mode, replaces what its limit replaces and is
+            // replaced with it: a value in another mode, or where either replaces others or is
+            // named by a replacement, stays a limit of its own, leaving out what Envoy takes
+            // before it (`narrower`), and the wider limit leaves its values out.
             self.push(here_path, capacity, refill, node, narrower);
             Self::add_override(overrides, node.value().unwrap_or_default(), condition, None);
             return;
-        }
-        if node
-            .rate_limit
-            .as_ref()
-            .is_some_and(|r| !r.replaces.is_empty())
-        {
-            let wider_name = match wider.value() {
-                Some(value) => format!("`{}={value}`", wider.key),
-                None => format!("`{}`", wider.key),
-            };
-            self.note(
-                &describe(here_path),
-                format!(
-                    "replaces dropped: this node becomes an override of {wider_name}'s limit, \
-                     which cannot replace limits of its own"
-                ),
-            );
         }
         // Named after the value as the file gives it (`gold*` → `gold_`).
         Self::add_override(overrides, node.value().unwrap_or_default(), condition, rate);

@@ -1,12 +1,13 @@
 //! The Envoy import against a model of envoyproxy/ratelimit's own lookup: for random
-//! configurations and descriptors, the imported policy applies exactly the limit Envoy would,
-//! in its mode (or none where Envoy applies none), as a token bucket or, with
-//! `--fixed-windows`, a fixed window of the same `N` per unit.
+//! configurations and requests, the imported policy applies exactly the limits Envoy would, in
+//! their modes, less those another one of the request replaces (or none where Envoy applies
+//! none), as token buckets or, with `--fixed-windows`, fixed windows of the same `N` per unit.
 //!
 //! The model walks the descriptor's entries down the tree as envoyproxy/ratelimit does: at each
 //! level the node with the entry's exact value, else the first wildcard value (`foo*`, in file
 //! order) the value starts with, else the key-only node; the limit is that of the node the last
-//! entry lands on (`unlimited` is none), and a walk that runs out of nodes applies none.
+//! entry lands on (`unlimited` is none), and a walk that runs out of nodes applies none. Of a
+//! request's limits, those whose `name` another one's `replaces` gives are left out.
 //!
 //! Each level of a generated tree uses keys of its own (`a1`/`b1`, then `a2`/`b2`, …), so a
 //! descriptor written in tree order is the only order its entries can have: Envoy's ordered
@@ -24,6 +25,11 @@ struct Node {
     value: Option<String>,
     rate: Rate,
     shadow: bool,
+    /// Picks of other limits this one replaces (resolved to names by [`name_limits`]).
+    picks: Vec<u8>,
+    /// `rate_limit.name` and the names it replaces, once named.
+    name: String,
+    replaces: Vec<String>,
     children: Vec<Node>,
 }
 
@@ -60,18 +66,23 @@ fn level(depth: u32) -> BoxedStrategy<Vec<Node>> {
     } else {
         Just(Vec::new()).boxed()
     };
+    let picks = prop_oneof![3 => Just(Vec::new()), 1 => prop::collection::vec(any::<u8>(), 1..3)];
     let node = (
         prop::sample::select(keys),
         value,
         rate(),
         prop::bool::weighted(0.1),
+        picks,
         children,
     )
-        .prop_map(|(key, value, rate, shadow, children)| Node {
+        .prop_map(|(key, value, rate, shadow, picks, children)| Node {
             key,
             value,
             rate,
             shadow,
+            picks,
+            name: String::new(),
+            replaces: Vec::new(),
             children,
         });
     prop::collection::vec(node, 1..6)
@@ -99,9 +110,18 @@ fn render(nodes: &[Node], indent: usize, out: &mut String) {
             out.push_str(&format!("{pad}  value: \"{value}\"\n"));
         }
         match node.rate {
-            Rate::Limited(n) => out.push_str(&format!(
-                "{pad}  rate_limit: {{unit: second, requests_per_unit: {n}}}\n"
-            )),
+            Rate::Limited(n) => {
+                let replaces: Vec<String> = node
+                    .replaces
+                    .iter()
+                    .map(|r| format!("{{name: {r}}}"))
+                    .collect();
+                out.push_str(&format!(
+                    "{pad}  rate_limit: {{unit: second, requests_per_unit: {n}, name: {}, replaces: [{}]}}\n",
+                    node.name,
+                    replaces.join(", ")
+                ));
+            }
             Rate::Unlimited => out.push_str(&format!("{pad}  rate_limit: {{unlimited: true}}\n")),
             Rate::Absent => {}
         }
@@ -115,9 +135,43 @@ fn render(nodes: &[Node], indent: usize, out: &mut String) {
     }
 }
 
-/// envoyproxy/ratelimit's lookup: the limit Envoy applies to `entries`, as (requests per
-/// second, shadow).
-fn envoy(mut nodes: &[Node], entries: &[(String, String)]) -> Option<(u32, bool)> {
+/// Names every limited node (`n0`, `n1`, …) and turns its picks into the names of other
+/// limited nodes it replaces.
+fn name_limits(tree: &mut [Node]) {
+    let mut count = 0;
+    number(tree, &mut count);
+    let names: Vec<String> = (0..count).map(|i| format!("n{i}")).collect();
+    pick(tree, &names);
+}
+
+fn number(nodes: &mut [Node], count: &mut usize) {
+    for node in nodes {
+        if let Rate::Limited(_) = node.rate {
+            node.name = format!("n{count}");
+            *count += 1;
+        }
+        number(&mut node.children, count);
+    }
+}
+
+fn pick(nodes: &mut [Node], names: &[String]) {
+    for node in nodes {
+        if !node.name.is_empty() && names.len() > 1 {
+            let mut replaces: Vec<String> = node
+                .picks
+                .iter()
+                .map(|&p| names[usize::from(p) % names.len()].clone())
+                .filter(|n| *n != node.name)
+                .collect();
+            replaces.dedup();
+            node.replaces = replaces;
+        }
+        pick(&mut node.children, names);
+    }
+}
+
+/// envoyproxy/ratelimit's lookup: the limit node Envoy finds for `entries`.
+fn envoy<'t>(mut nodes: &'t [Node], entries: &[(String, String)]) -> Option<&'t Node> {
     let mut found = None;
     for (i, (key, value)) in entries.iter().enumerate() {
         let of_key = || nodes.iter().filter(|n| n.key == *key);
@@ -135,10 +189,8 @@ fn envoy(mut nodes: &[Node], entries: &[(String, String)]) -> Option<(u32, bool)
         let Some(node) = next else {
             break;
         };
-        if i == entries.len() - 1
-            && let Rate::Limited(n) = node.rate
-        {
-            found = Some((n, node.shadow));
+        if i == entries.len() - 1 && matches!(node.rate, Rate::Limited(_)) {
+            found = Some(node);
         }
         if node.children.is_empty() {
             break;
@@ -172,11 +224,12 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
 
     #[test]
-    fn the_import_applies_the_limit_envoy_applies(
-        tree in level(1),
-        descriptors in prop::collection::vec(descriptor(), 1..24),
+    fn the_import_applies_the_limits_envoy_applies(
+        mut tree in level(1),
+        requests in prop::collection::vec(prop::collection::vec(descriptor(), 1..4), 1..12),
         windows in any::<bool>(),
     ) {
+        name_limits(&mut tree);
         let mut text = String::from("domain: model\ndescriptors:\n");
         render(&tree, 2, &mut text);
         let options = ImportOptions::default().fixed_windows(windows);
@@ -184,28 +237,37 @@ proptest! {
             .map_err(|e| TestCaseError::fail(format!("{e}\n{text}")))?;
         // Everything these configurations hold can be expressed: the import notes nothing
         // beyond what it says of every import.
-        prop_assert!(
-            imported.notes.iter().all(|n| general(n)),
-            "{:?}\n{}",
-            imported.notes,
-            text
-        );
+        let unexpressed: Vec<&String> = imported.notes.iter().filter(|n| !general(n)).collect();
+        prop_assert!(unexpressed.is_empty(), "{:?}\n{}", unexpressed, text);
         let policy = compile("out.yaml", &imported.policy)
             .map_err(|e| TestCaseError::fail(format!("{e}\n{}", imported.policy)))?;
-        for entries in &descriptors {
-            let algorithm = if windows { "fixed_window" } else { "token_bucket" };
-            let expected: Vec<(u64, String, &str, &str)> = envoy(&tree, entries)
-                .map(|(n, shadow)| {
-                    let mode = if shadow { "shadow" } else { "enforce" };
-                    (u64::from(n), format!("{n}/s"), algorithm, mode)
-                })
-                .into_iter()
+        let algorithm = if windows { "fixed_window" } else { "token_bucket" };
+        for descriptors in &requests {
+            // Envoy: each descriptor's limit, less those any of them replaces.
+            let found: Vec<(usize, &Node)> = descriptors
+                .iter()
+                .enumerate()
+                .filter_map(|(i, entries)| envoy(&tree, entries).map(|node| (i, node)))
                 .collect();
-            let applied: Vec<(u64, String, &str, &str)> = policy
-                .matches("model", &[entries], UnixTime::from_secs(0))
+            let replaced: Vec<&String> =
+                found.iter().flat_map(|(_, node)| &node.replaces).collect();
+            let mut expected: Vec<(usize, u64, String, &str, &str)> = found
+                .iter()
+                .filter(|(_, node)| !replaced.contains(&&node.name))
+                .filter_map(|&(i, node)| match node.rate {
+                    Rate::Limited(n) => {
+                        let mode = if node.shadow { "shadow" } else { "enforce" };
+                        Some((i, u64::from(n), format!("{n}/s"), algorithm, mode))
+                    }
+                    _ => None,
+                })
+                .collect();
+            let mut applied: Vec<(usize, u64, String, &str, &str)> = policy
+                .matches("model", descriptors, UnixTime::from_secs(0))
                 .iter()
                 .map(|m| {
                     (
+                        m.descriptor,
                         m.params().capacity(),
                         m.params().refill().to_string(),
                         m.params().algorithm().as_str(),
@@ -213,11 +275,13 @@ proptest! {
                     )
                 })
                 .collect();
+            expected.sort();
+            applied.sort();
             prop_assert_eq!(
                 &applied,
                 &expected,
-                "descriptor {:?}\nconfig:\n{}\nimported:\n{}",
-                entries,
+                "descriptors {:?}\nconfig:\n{}\nimported:\n{}",
+                descriptors,
                 text,
                 imported.policy
             );
