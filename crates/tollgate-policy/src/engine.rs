@@ -872,7 +872,7 @@ impl PolicyEngine {
                 slot_of.push(usize::MAX);
                 continue;
             }
-            let key = store_key(&m.bucket_key, m.params_tag());
+            let key = store_key(&m.bucket_key, m.tag);
             let cost = cost.of(m.descriptor);
             let refund = used.map_or(0, |used| cost - used.of(m.descriptor));
             match buckets.iter().position(|(k, ..)| *k == key) {

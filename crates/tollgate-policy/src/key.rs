@@ -53,7 +53,7 @@ pub(crate) fn stable_hash(bytes: &[u8]) -> u64 {
 
 /// 32 bits of a stable hash of a limit's parameters: the tag that ends a store key, so that a
 /// bucket made under other parameters is never read as this one's. Made once per limit and
-/// override when a policy is compiled.
+/// override when a policy is compiled, and per request for a limit a descriptor carries.
 ///
 /// A window limit's tag covers its algorithm and window, not its limit per window: its counts
 /// mean the same under any limit, so a change of the limit keeps them (the bucket stays under

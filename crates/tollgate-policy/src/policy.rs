@@ -576,7 +576,7 @@ pub struct Matched<'p, P = Limit> {
     /// The effective parameters, of the kind matched for.
     pub(crate) params: P,
     /// The tag of the effective parameters ([`key::params_tag`]), which ends the bucket's
-    /// store key: buckets of different parameters never meet.
+    /// store key, so that a bucket is not read under other parameters than its own.
     pub(crate) tag: u32,
 }
 
@@ -588,11 +588,6 @@ impl<P> Matched<'_, P> {
     /// else the override's, or else the limit's.
     pub fn params(&self) -> &P {
         &self.params
-    }
-
-    /// The tag of the effective parameters, which ends the bucket's store key.
-    pub(crate) fn params_tag(&self) -> u32 {
-        self.tag
     }
 }
 
@@ -925,7 +920,7 @@ impl Policy {
             return;
         }
         let (params, tag) = match asked {
-            Some((params, asked)) => (params, key::params_tag(&Params::Rate(*asked))),
+            Some((params, asked)) => (params, key::rate_tag(asked)),
             // An override's parameters are of its limit's kind (compile makes sure).
             None => match P::pick(override_.map_or(&limit.params, |o| &o.params)) {
                 Some(params) => (*params, override_.map_or(limit.tag, |o| o.tag)),

@@ -1008,3 +1008,13 @@ fn global_scope_is_read_and_its_store_keys_are_recognised() {
     .unwrap();
     assert!(!regional.has_global());
 }
+
+#[test]
+fn an_unlimited_override_leaves_requests_out_of_a_concurrency_limit_too() {
+    let text = "limits:\n  - name: exports\n    domain: api\n    key: [tenant]\n    algorithm: concurrency\n    max_in_flight: 2\n    lease_timeout: 30s\n    overrides:\n      - when: {tenant: internal}\n        unlimited: true\n";
+    let p = compile("p.yaml", text).unwrap_or_else(|e| panic!("{e}"));
+    let leases = |tenant: &str| p.lease_matches("api", &[[("tenant", tenant)]], NOW).len();
+    assert_eq!((leases("acme"), leases("internal")), (1, 0));
+    let o = &p.limits()[0].overrides()[0];
+    assert!(o.unlimited() && o.concurrency().is_none());
+}
