@@ -555,6 +555,63 @@ fn fields_message(algorithm: &str, family: Family, foreign: Option<Family>) -> S
     format!("{algorithm} takes {takes}{rest}")
 }
 
+/// What a `deny: true` limit is made of: no parameters (every one of them is refused with its
+/// position, as is `algorithm`), so its `algorithm` reads `deny`; a nominal rate stands in its
+/// [`Params`], which nothing decides by (matching marks its requests denied), and its failure
+/// mode is moot: a deny is decided without the store.
+fn deny_limit(
+    file: &str,
+    spec: &schema::LimitSpec,
+    deny: &Spanned<bool>,
+    path: &str,
+) -> Result<(AlgorithmSpec, Params, FailureMode), Error> {
+    let present = [
+        ("capacity", spec.capacity.as_ref().map(|s| s.referenced)),
+        ("refill", spec.refill.as_ref().map(|s| s.referenced)),
+        ("limit", spec.limit.as_ref().map(|s| s.referenced)),
+        ("window", spec.window.as_ref().map(|s| s.referenced)),
+        (
+            "max_in_flight",
+            spec.max_in_flight.as_ref().map(|s| s.referenced),
+        ),
+        (
+            "lease_timeout",
+            spec.lease_timeout.as_ref().map(|s| s.referenced),
+        ),
+        ("algorithm", spec.algorithm.as_ref().map(|s| s.referenced)),
+        ("emergency", spec.emergency.as_ref().map(|s| s.referenced)),
+        (
+            "request_limit",
+            spec.request_limit.as_ref().map(|s| s.referenced),
+        ),
+    ];
+    if let Some((field, Some(location))) = present.iter().find(|(_, at)| at.is_some()) {
+        return Err(at_location(
+            file,
+            *location,
+            format!("{path}.{field}"),
+            format!("a deny limit has no parameters, yet {field} is set"),
+        ));
+    }
+    if spec.failure_mode.is_some() {
+        return Err(at(
+            file,
+            deny,
+            format!("{path}.failure_mode"),
+            "a deny limit is decided without the store, so it has no failure_mode".into(),
+        ));
+    }
+    let nominal = Limit::per(1, std::time::Duration::from_secs(1))
+        .map_err(|err| at(file, deny, format!("{path}.deny"), err.to_string()))?;
+    Ok((DENY, Params::Rate(nominal), FailureMode::Closed))
+}
+
+/// The algorithm a deny limit reports: it decides as no algorithm does.
+const DENY: AlgorithmSpec = AlgorithmSpec {
+    name: "deny",
+    kind: Kind::Rate(Algorithm::TokenBucket),
+};
+
 /// A limit's failure mode. An `emergency` must be of the limit's kind: a rate for a rate limit,
 /// a number of leases for a concurrency limit (checked whatever the failure mode, since either
 /// way it says the author misread what the limit is). `defaults.emergency`, a rate, is for rate
@@ -728,16 +785,22 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
                 ));
             }
         }
-        let algorithm = algorithm_of(file, spec.algorithm.as_ref(), &path)?;
-        let params = base_params(file, spec, algorithm, &path)?;
-
-        let failure_mode = failure_mode_of(
-            file,
-            spec,
-            &params,
-            (default_failure, default_emergency),
-            &path,
-        )?;
+        let deny = spec.deny.as_ref().filter(|d| d.value);
+        let (algorithm, params, failure_mode) = match deny {
+            None => {
+                let algorithm = algorithm_of(file, spec.algorithm.as_ref(), &path)?;
+                let params = base_params(file, spec, algorithm, &path)?;
+                let failure_mode = failure_mode_of(
+                    file,
+                    spec,
+                    &params,
+                    (default_failure, default_emergency),
+                    &path,
+                )?;
+                (algorithm, params, failure_mode)
+            }
+            Some(spanned) => deny_limit(file, spec, spanned, &path)?,
+        };
 
         let mut override_names = HashSet::new();
         let mut overrides = Vec::with_capacity(spec.overrides.len());
@@ -769,11 +832,34 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
             }
             let when = conditions(file, &o.when, format!("{opath}.when"))?;
             let unlimited = o.unlimited.as_ref().filter(|u| u.value);
-            let params = match unlimited {
+            let denies = o.deny.as_ref().filter(|d| d.value);
+            if let (Some(_), Some(d)) = (unlimited, denies) {
+                return Err(at(
+                    file,
+                    d,
+                    format!("{opath}.deny"),
+                    "an override is unlimited or denies, not both".into(),
+                ));
+            }
+            let params = match unlimited
+                .map(|u| ("unlimited", u))
+                .or(denies.map(|d| ("deny", d)))
+            {
+                _ if deny.is_some() && unlimited.is_none() => {
+                    // A deny limit has no parameters for an override to change.
+                    return Err(at(
+                        file,
+                        &o.when,
+                        opath,
+                        "a deny limit's overrides can only take requests out of it (unlimited: \
+                         true); for a rate, write a limit with parameters and a deny override"
+                            .into(),
+                    ));
+                }
                 None => override_params(file, o, &params, &opath)?,
-                Some(spanned) => {
-                    // Parameters beside `unlimited: true` would never apply: refused rather
-                    // than left to mislead a reader.
+                Some((what, spanned)) => {
+                    // Parameters beside `unlimited: true` or `deny: true` would never apply:
+                    // refused rather than left to mislead a reader.
                     let set = [
                         ("capacity", o.capacity.is_some()),
                         ("refill", o.refill.is_some()),
@@ -783,11 +869,28 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
                         ("lease_timeout", o.lease_timeout.is_some()),
                     ];
                     if let Some((field, _)) = set.iter().find(|(_, set)| *set) {
+                        let article = if what == "deny" {
+                            "a deny"
+                        } else {
+                            "an unlimited"
+                        };
                         return Err(at(
                             file,
                             spanned,
-                            format!("{opath}.unlimited"),
-                            format!("an unlimited override sets no parameters, yet {field} is set"),
+                            format!("{opath}.{what}"),
+                            format!("{article} override sets no parameters, yet {field} is set"),
+                        ));
+                    }
+                    // A lease is not a request that passes or not: leases are decided by
+                    // their own call, which a deny would silently never reach.
+                    if let (Some(d), Params::Concurrency(_)) = (denies, &params) {
+                        return Err(at(
+                            file,
+                            d,
+                            format!("{opath}.deny"),
+                            "deny is for rate limits; a concurrency limit's requests are \
+                             denied by a deny limit (or override) of a rate limit beside it"
+                                .into(),
                         ));
                     }
                     params
@@ -799,6 +902,7 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
                 tag: key::params_tag(&params),
                 params,
                 unlimited: unlimited.is_some(),
+                deny: denies.is_some(),
             });
         }
 
@@ -881,6 +985,7 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
             exemptions: Box::new([]),
             replaces: Box::new([]),
             request_limit,
+            deny: deny.is_some(),
         });
     }
     resolve_replaces(file, &parsed, &mut limits)?;

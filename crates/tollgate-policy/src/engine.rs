@@ -637,8 +637,9 @@ impl PolicyEngine {
     /// The effective parameters of the limits that could reject a request with these
     /// descriptors now: enforced, neither in shadow mode, outside their rollout nor exempt.
     /// Nothing is decided, charged or counted. For callers that size something by the limits
-    /// before deciding (RLQS assignments).
-    pub fn enforced_limits<D, S>(&self, domain: &str, descriptors: &[D]) -> Vec<Limit>
+    /// before deciding (RLQS assignments). `None` when one of them denies the request outright
+    /// ([`Matched::denied`]): there is nothing to size.
+    pub fn enforced_limits<D, S>(&self, domain: &str, descriptors: &[D]) -> Option<Vec<Limit>>
     where
         D: Descriptor<S>,
         S: AsRef<str>,
@@ -648,7 +649,7 @@ impl PolicyEngine {
             .matches(domain, descriptors, self.match_time(&policy))
             .into_iter()
             .filter(|m| m.effect == Effect::Enforce)
-            .map(|m| *m.params())
+            .map(|m| (!m.denied).then_some(*m.params()))
             .collect()
     }
 
@@ -907,6 +908,11 @@ impl PolicyEngine {
         let mut decisions: Vec<Option<Decision>> = vec![None; buckets.len()];
         for (slot, bucket) in buckets.iter().enumerate() {
             let (_, limit, cost, first) = bucket;
+            // A deny has no bucket: decided here, whatever the cost, and never sent to a store.
+            if matched[*first].denied {
+                decisions[slot] = Some(Decision::denied(*limit, *cost));
+                continue;
+            }
             if *cost <= limit.capacity() {
                 continue;
             }
@@ -922,8 +928,12 @@ impl PolicyEngine {
             decisions[slot] = Some(never_fits(limit));
         }
         let enforce_slots: Vec<usize> = (0..buckets.len())
-            .filter(|&s| enforced(&buckets[s]))
+            .filter(|&s| enforced(&buckets[s]) && !matched[buckets[s].3].denied)
             .collect();
+        // An enforced deny rejects the request: the other buckets are then only read, so a
+        // rejected request is charged nothing (a settlement still gives back what an earlier
+        // admission took).
+        let denied = buckets.iter().any(|b| enforced(b) && matched[b.3].denied);
         let check_error = |slot: usize, source: tollgate::Error| Error::Check {
             limit: matched[buckets[slot].3].limit.name().to_owned(),
             source,
@@ -971,7 +981,7 @@ impl PolicyEngine {
                         settled.push(settlement.status);
                         settlement.decisions
                     })
-            } else if consume {
+            } else if consume && !denied {
                 store.check(request).await
             } else {
                 store.peek(request).await
@@ -984,9 +994,10 @@ impl PolicyEngine {
         // Only enforced limits decide; a would-reject of one that cannot reject is already in
         // `decisions` and must not count.
         let allowed = used.is_some()
-            || enforce_slots
-                .iter()
-                .all(|&s| decisions[s].is_some_and(|d| d.allowed()));
+            || !denied
+                && enforce_slots
+                    .iter()
+                    .all(|&s| decisions[s].is_some_and(|d| d.allowed()));
         // Limits that cannot reject (shadow, outside a rollout) are charged, each on its own,
         // only when the request passes; otherwise they report their balance as it stands. One
         // already decided was asked for more than it can ever hold: charged nothing.
@@ -1153,8 +1164,13 @@ impl PolicyEngine {
         // in `decide`: two descriptors on one bucket take from it for both).
         let mut open: Vec<(Box<str>, Limit, u64)> = Vec::new();
         let mut slot_of = vec![usize::MAX; matched.len()];
+        // A deny needs no store: it rejects as it would with the store up, as an ordinary
+        // rejection (a closed limit beside it changes nothing), and nothing is charged.
+        let denied = matched
+            .iter()
+            .any(|m| m.denied && m.effect == Effect::Enforce);
         for (i, m) in matched.iter().enumerate() {
-            if m.effect != Effect::Enforce {
+            if m.effect != Effect::Enforce || m.denied {
                 continue;
             }
             match m.limit.failure_mode() {
@@ -1177,6 +1193,7 @@ impl PolicyEngine {
                 }
             }
         }
+        failed_closed &= !denied;
         let check_error = |slot: usize, source: tollgate::Error| Error::Check {
             limit: slot_of
                 .iter()
@@ -1212,7 +1229,7 @@ impl PolicyEngine {
                         cost: *cost,
                     })
                     .collect();
-                let results = if consume {
+                let results = if consume && !denied {
                     self.emergency.check_all(&items, now, None)
                 } else {
                     items
@@ -1227,10 +1244,14 @@ impl PolicyEngine {
                 }
             }
         }
-        let allowed = !failed_closed && emergency_ok;
+        let allowed = !denied && !failed_closed && emergency_ok;
         let mut limits = Vec::with_capacity(matched.len());
         for (m, &slot) in matched.iter().zip(&slot_of) {
-            let decision = decisions.get(slot).copied().flatten();
+            let decision = match m.effect {
+                Effect::Exempt(_) => None,
+                _ if m.denied => Some(Decision::denied(*m.params(), cost.of(m.descriptor))),
+                _ => decisions.get(slot).copied().flatten(),
+            };
             let mut exempted_by = None;
             match m.effect {
                 Effect::Exempt(exemption) => {
@@ -1239,7 +1260,7 @@ impl PolicyEngine {
                         self.use_exemption(m, exemption, &version);
                     }
                 }
-                Effect::Enforce if consume => {
+                Effect::Enforce if consume && !m.denied => {
                     let mode = match m.limit.failure_mode() {
                         FailureMode::Open { .. } => "open",
                         _ => "closed",
@@ -1625,6 +1646,7 @@ fn changed_limits(old: &Policy, new: &Policy) -> Vec<String> {
         .filter(|limit| {
             old.limit(limit.name()).is_some_and(|before| {
                 before.params() != limit.params()
+                    || before.deny() != limit.deny()
                     || before.overrides().len() != limit.overrides().len()
                     || before
                         .overrides()
@@ -1634,6 +1656,7 @@ fn changed_limits(old: &Policy, new: &Policy) -> Vec<String> {
                             a.name() != b.name()
                                 || a.params() != b.params()
                                 || a.unlimited() != b.unlimited()
+                                || a.deny() != b.deny()
                         })
             })
         })
@@ -1750,7 +1773,7 @@ exemptions:
         let options = EngineOptions::default().wall_clock(Arc::new(wall.clone()));
         let engine = PolicyEngine::new(policy, options);
         let capacities = |entries: &[(&str, &str)]| {
-            let limits = engine.enforced_limits("api", &[entries]);
+            let limits = engine.enforced_limits("api", &[entries]).unwrap();
             limits.iter().map(Limit::capacity).collect::<Vec<_>>()
         };
         assert_eq!(capacities(&[("user", "u1"), ("team", "t")]), [10, 7]);

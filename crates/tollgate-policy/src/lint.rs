@@ -204,7 +204,7 @@ fn lint_limit(limit: &LimitDef, warnings: &mut Vec<Warning>) {
                 unreachable: this.name().to_owned(),
                 by: earlier.name().to_owned(),
             });
-        } else if !this.unlimited() && this.params() == limit.params() {
+        } else if !this.unlimited() && !this.deny() && this.params() == limit.params() {
             warnings.push(Warning::OverrideSameParams {
                 limit: name(),
                 name: this.name().to_owned(),

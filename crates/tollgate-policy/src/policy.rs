@@ -312,6 +312,9 @@ pub struct LimitDef {
     /// Whether a limit a descriptor carries takes the place of `params` and the overrides'
     /// (`request_limit: apply`).
     pub(crate) request_limit: bool,
+    /// `deny: true`: every request it applies to is rejected; `params` is then a nominal rate
+    /// that nothing decides by.
+    pub(crate) deny: bool,
 }
 
 impl LimitDef {
@@ -346,14 +349,24 @@ impl LimitDef {
         &self.replaces
     }
 
-    /// The parameters when no override applies.
+    /// The parameters when no override applies. A [`deny`](Self::deny) limit has none to
+    /// decide by: its parameters are a nominal rate of `1/s`.
     pub fn params(&self) -> &Params {
         &self.params
     }
 
-    /// The rate when no override applies, for a rate limit; `None` for a concurrency limit.
+    /// The rate when no override applies, for a rate limit; `None` for a concurrency limit
+    /// and for a [`deny`](Self::deny) limit.
     pub fn rate(&self) -> Option<&Limit> {
-        self.params.rate()
+        self.params.rate().filter(|_| !self.deny)
+    }
+
+    /// Whether every request the limit applies to is rejected (`deny: true`, a block list;
+    /// Envoy's `requests_per_unit: 0`), whatever was spent before: no bucket, nothing charged
+    /// anywhere, decided without the store. Its overrides can only take requests out of it
+    /// ([`Override::unlimited`]). Its `algorithm` reads `deny`.
+    pub fn deny(&self) -> bool {
+        self.deny
     }
 
     /// The bound on leases when no override applies, for a concurrency limit; `None` for a
@@ -413,6 +426,8 @@ pub struct Override {
     pub(crate) tag: u32,
     /// `unlimited: true`: the requests it matches are not limited by its limit at all.
     pub(crate) unlimited: bool,
+    /// `deny: true`: its limit rejects every request it matches.
+    pub(crate) deny: bool,
 }
 
 impl Override {
@@ -426,15 +441,16 @@ impl Override {
         self.when.iter().map(|(k, v)| (&**k, v))
     }
 
-    /// The parameters it applies; for an [`unlimited`](Self::unlimited) override, which
-    /// applies none, its limit's.
+    /// The parameters it applies; for an [`unlimited`](Self::unlimited) or a
+    /// [`deny`](Self::deny) override, which apply none, its limit's.
     pub fn params(&self) -> &Params {
         &self.params
     }
 
-    /// The rate it applies, in an override of a rate limit (`None` when unlimited).
+    /// The rate it applies, in an override of a rate limit (`None` when unlimited or when
+    /// it denies).
     pub fn rate(&self) -> Option<&Limit> {
-        self.params.rate().filter(|_| !self.unlimited)
+        self.params.rate().filter(|_| !self.unlimited && !self.deny)
     }
 
     /// The bound on leases it applies, in an override of a concurrency limit (`None` when
@@ -448,6 +464,13 @@ impl Override {
     /// had not held.
     pub fn unlimited(&self) -> bool {
         self.unlimited
+    }
+
+    /// Whether its limit rejects every request it matches (`deny: true`; Envoy's
+    /// `requests_per_unit: 0` on a value), without a bucket: in the limit's mode, so a shadow
+    /// limit reports a would-reject and passes the request.
+    pub fn deny(&self) -> bool {
+        self.deny
     }
 }
 
@@ -573,6 +596,10 @@ pub struct Matched<'p, P = Limit> {
     /// Whether the parameters are the ones the descriptor asked for
     /// ([`LimitDef::applies_request_limit`]); then no override applies.
     pub requested: bool,
+    /// Whether the request is rejected by this limit whatever its bucket holds: a
+    /// [`LimitDef::deny`] limit, or a [`Override::deny`] override. No bucket is read or
+    /// charged; the parameters are not what decides.
+    pub denied: bool,
     /// The effective parameters, of the kind matched for.
     pub(crate) params: P,
     /// The tag of the effective parameters ([`key::params_tag`]), which ends the bucket's
@@ -961,6 +988,7 @@ impl Policy {
             bucket_key,
             effect,
             requested: asked.is_some(),
+            denied: limit.deny || override_.is_some_and(|o| o.deny),
             params,
             tag,
         });

@@ -95,6 +95,10 @@ pub(crate) struct LimitSpec {
     /// Whether a limit an RLS descriptor carries (Envoy's `limit` action) is applied.
     #[serde(default)]
     pub(crate) request_limit: Option<Spanned<RequestLimitSpec>>,
+    /// `true`: every request the limit applies to is rejected (a block list), in place of
+    /// parameters.
+    #[serde(default)]
+    pub(crate) deny: Option<Spanned<bool>>,
 }
 
 /// `ignore` (the default) or `apply`: what a limit does with a limit a descriptor carries.
@@ -127,6 +131,9 @@ pub(crate) struct OverrideSpec {
     /// `true`: the limit does not apply to the requests the override matches.
     #[serde(default)]
     pub(crate) unlimited: Option<Spanned<bool>>,
+    /// `true`: the limit rejects every request the override matches.
+    #[serde(default)]
+    pub(crate) deny: Option<Spanned<bool>>,
 }
 
 /// One entry of `exemptions`.

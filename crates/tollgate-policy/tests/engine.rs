@@ -2073,3 +2073,161 @@ fn a_limit_sent_with_a_descriptor_decides_in_a_bucket_of_its_own() {
         .map(|o| o.limits[0].decision.map(|d| d.remaining()));
     assert_eq!(bulk.ok().flatten(), Some(2));
 }
+
+/// A block list beside ordinary limits: a deny limit with an exception and an exemption, a deny
+/// override, a deny in shadow.
+const BLOCKS: &str = r#"
+version: "1"
+defaults: {failure_mode: open, emergency: 2/s}
+limits:
+  - name: per-user
+    domain: api
+    key: [user]
+    capacity: 3
+    refill: 1/s
+    overrides:
+      - {name: banned, when: {tier: banned}, deny: true}
+  - name: blocked-tenants
+    domain: api
+    when: {tenant: evil}
+    key: [tenant]
+    deny: true
+    overrides:
+      - {when: {user: ops}, unlimited: true}
+  - name: watched
+    domain: api
+    when: {tenant: watched}
+    deny: true
+    mode: shadow
+exemptions:
+  - {limit: blocked-tenants, when: {user: auditor}, owner: sec@example.com, reason: audit, expires: "2027-01-01T00:00:00Z"}
+"#;
+
+/// What `user` has left of per-user, read without charging.
+fn per_user_left(engine: &PolicyEngine, user: &str) -> u64 {
+    let outcome = engine
+        .explain("api", &[[("user", user), ("tenant", "good")]], 1)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let limit = outcome.limits.iter().find(|l| &*l.name == "per-user");
+    // A peek at cost 1 reports the balance less that cost.
+    limit.and_then(|l| l.decision).map_or(0, |d| d.remaining()) + 1
+}
+
+#[test]
+fn a_deny_rejects_whatever_is_left_and_charges_nothing_else() {
+    let r = rig(BLOCKS);
+    let evil = [("user", "u1"), ("tenant", "evil")];
+    for attempt in 0..5 {
+        let id = format!("r-{}", attempt % 2);
+        let outcome = r
+            .engine
+            .decide("api", &[evil], 1, Some(&id))
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(!outcome.allowed && !outcome.failed_closed);
+        let blocked = outcome
+            .limits
+            .iter()
+            .find(|l| &*l.name == "blocked-tenants")
+            .and_then(|l| l.decision)
+            .unwrap_or_else(|| panic!("{outcome:?}"));
+        assert!(blocked.is_denied() && !blocked.allowed());
+        assert_eq!((blocked.remaining(), blocked.capacity()), (0, 0));
+        assert_eq!(blocked.retry_after(), None);
+        assert_eq!(outcome.limits[0].bucket_key, "per-user|u1");
+        assert!(outcome.limits[0].decision.is_some_and(|d| !d.is_denied()));
+    }
+    // All or nothing: five rejected requests took nothing from u1's own bucket.
+    assert_eq!(per_user_left(&r.engine, "u1"), 3);
+    // A cost far above any capacity is denied too, not an error: no bucket is asked.
+    let huge = r
+        .engine
+        .decide("api", &[[("tenant", "evil")]], 1_000_000, None);
+    assert!(huge.is_ok_and(|o| !o.allowed));
+
+    // The exception (an unlimited override) and the exemption take requests out of the deny.
+    for user in ["ops", "auditor"] {
+        let outcome = r
+            .engine
+            .decide("api", &[[("user", user), ("tenant", "evil")]], 1, None)
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(outcome.allowed, "{user}: {outcome:?}");
+        assert!(
+            outcome
+                .limits
+                .iter()
+                .all(|l| l.decision.is_none_or(|d| !d.is_denied())),
+            "{user}: {outcome:?}"
+        );
+        assert_eq!(per_user_left(&r.engine, user), 2, "{user}");
+    }
+
+    // A deny override: the banned tier of per-user, in a bucket key of its own, charged
+    // nothing (the user's ordinary bucket stays full).
+    let banned = [("user", "u2"), ("tier", "banned")];
+    let outcome = r.engine.decide("api", &[banned], 1, None).unwrap();
+    assert!(!outcome.allowed);
+    assert_eq!(outcome.limits[0].bucket_key, "per-user|u2#banned");
+    assert!(outcome.limits[0].decision.is_some_and(|d| d.is_denied()));
+    assert_eq!(per_user_left(&r.engine, "u2"), 3);
+
+    // In shadow a deny reports a would-reject and lets the request through, charged.
+    let watched = [("user", "u3"), ("tenant", "watched")];
+    let outcome = r.engine.decide("api", &[watched], 1, None).unwrap();
+    assert!(outcome.allowed);
+    let shadow = outcome
+        .limits
+        .iter()
+        .find(|l| &*l.name == "watched")
+        .unwrap();
+    assert!(shadow.would_reject() && shadow.mode == "shadow");
+    assert_eq!(per_user_left(&r.engine, "u3"), 2);
+
+    // Explaining charges nothing and says the same.
+    let explained = r.engine.explain("api", &[evil], 1).unwrap();
+    assert!(!explained.allowed);
+    assert_eq!(per_user_left(&r.engine, "u1"), 3);
+}
+
+#[test]
+fn a_deny_needs_no_store_and_spends_no_emergency_budget() {
+    let r = rig(BLOCKS);
+    let evil = [("user", "u1"), ("tenant", "evil")];
+    for _ in 0..3 {
+        let outcome = r
+            .engine
+            .decide_degraded("api", &[evil], 1, "store timeout")
+            .unwrap_or_else(|e| panic!("{e}"));
+        // An ordinary rejection, decided as with the store up: not a failure.
+        assert!(!outcome.allowed && !outcome.failed_closed && outcome.degraded);
+        let blocked = outcome
+            .limits
+            .iter()
+            .find(|l| &*l.name == "blocked-tenants");
+        assert!(
+            blocked
+                .and_then(|l| l.decision)
+                .is_some_and(|d| d.is_denied())
+        );
+    }
+    // per-user's emergency budget (2 a second) is whole: the denied requests took nothing.
+    let good = [("user", "u1"), ("tenant", "good")];
+    for expected in [true, true, false] {
+        let outcome = r
+            .engine
+            .decide_degraded("api", &[good], 1, "store timeout")
+            .unwrap();
+        assert_eq!(outcome.allowed, expected);
+    }
+    // Only the per-user decisions were degraded ones: a deny is not audited as degraded.
+    let degraded = r
+        .audit
+        .events()
+        .iter()
+        .filter(|e| e["event"] == "degraded")
+        .map(|e| e["limit"].as_str().unwrap_or_default().to_owned())
+        .collect::<Vec<_>>();
+    assert!(
+        !degraded.is_empty() && degraded.iter().all(|l| l == "per-user"),
+        "{degraded:?}"
+    );
+}

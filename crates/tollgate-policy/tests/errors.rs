@@ -817,3 +817,136 @@ fn an_unlimited_override_sets_no_parameters() {
         "an override must set capacity, refill or both",
     );
 }
+
+#[test]
+fn a_deny_limit_has_no_parameters_nor_a_failure_mode() {
+    for (field, value, column) in [
+        ("capacity", "3", 15),
+        ("refill", "1/s", 13),
+        ("limit", "3", 12),
+        ("window", "1m", 13),
+        ("max_in_flight", "3", 20),
+        ("lease_timeout", "1s", 20),
+        ("algorithm", "token_bucket", 16),
+        ("emergency", "1/s", 16),
+        ("request_limit", "apply", 20),
+    ] {
+        case(
+            &format!("{HEAD}    deny: true\n    {field}: {value}\n"),
+            6,
+            column,
+            &format!("limits[0].{field}"),
+            &format!("a deny limit has no parameters, yet {field} is set"),
+        );
+    }
+    case(
+        &format!("{HEAD}    deny: true\n    failure_mode: open\n"),
+        5,
+        11,
+        "limits[0].failure_mode",
+        "a deny limit is decided without the store, so it has no failure_mode",
+    );
+    case(
+        &format!("{HEAD}    deny: true\n    scope: global\n"),
+        6,
+        12,
+        "limits[0].scope",
+        "scope global needs a token_bucket or gcra limit, not deny",
+    );
+    case(
+        &format!("{HEAD}    deny: yes please\n"),
+        5,
+        11,
+        "limits[0].deny",
+        "",
+    );
+    // Without `deny: true` the parameters are required as ever.
+    case(
+        &format!("{HEAD}    deny: false\n"),
+        2,
+        11,
+        "limits[0]",
+        "missing field `capacity`",
+    );
+    let policy = compile(
+        "p.yaml",
+        &format!("{HEAD}    deny: true\n    mode: shadow\n"),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let limit = &policy.limits()[0];
+    assert!(limit.deny());
+    assert_eq!((limit.algorithm(), limit.rate()), ("deny", None));
+}
+
+#[test]
+fn a_deny_limits_overrides_only_take_requests_out() {
+    case(
+        &format!(
+            "{HEAD}    deny: true\n    overrides:\n      - when: {{tier: gold}}\n        capacity: 3\n        refill: 1/s\n"
+        ),
+        7,
+        15,
+        "limits[0].overrides[0]",
+        "a deny limit's overrides can only take requests out of it (unlimited: true)",
+    );
+    case(
+        &format!(
+            "{HEAD}    deny: true\n    overrides:\n      - when: {{tier: gold}}\n        deny: true\n"
+        ),
+        7,
+        15,
+        "limits[0].overrides[0]",
+        "a deny limit's overrides can only take requests out of it",
+    );
+    let policy = compile(
+        "p.yaml",
+        &format!(
+            "{HEAD}    deny: true\n    overrides:\n      - when: {{tier: gold}}\n        unlimited: true\n"
+        ),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert!(policy.limits()[0].overrides()[0].unlimited());
+}
+
+#[test]
+fn a_deny_override_sets_no_parameters() {
+    for (field, value) in [("capacity", "3"), ("refill", "1/s")] {
+        case(
+            &format!(
+                "{HEAD}    capacity: 5\n    refill: 1/s\n    overrides:\n      - when: {{tier: free}}\n        deny: true\n        {field}: {value}\n"
+            ),
+            9,
+            15,
+            "limits[0].overrides[0].deny",
+            &format!("a deny override sets no parameters, yet {field} is set"),
+        );
+    }
+    case(
+        &format!(
+            "{HEAD}    capacity: 5\n    refill: 1/s\n    overrides:\n      - when: {{tier: free}}\n        deny: true\n        unlimited: true\n"
+        ),
+        9,
+        15,
+        "limits[0].overrides[0].deny",
+        "an override is unlimited or denies, not both",
+    );
+    case(
+        &format!(
+            "{HEAD}    algorithm: concurrency\n    max_in_flight: 2\n    lease_timeout: 30s\n    overrides:\n      - when: {{tier: free}}\n        deny: true\n"
+        ),
+        10,
+        15,
+        "limits[0].overrides[0].deny",
+        "deny is for rate limits",
+    );
+    let policy = compile(
+        "p.yaml",
+        &format!(
+            "{HEAD}    capacity: 5\n    refill: 1/s\n    overrides:\n      - when: {{tier: free}}\n        deny: true\n"
+        ),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let o = &policy.limits()[0].overrides()[0];
+    assert!(o.deny() && !o.unlimited());
+    assert_eq!(o.rate(), None);
+}

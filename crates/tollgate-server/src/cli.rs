@@ -471,11 +471,13 @@ fn check(args: CheckArgs) -> Result<()> {
                     limit.mode,
                     if d.allowed() { "allowed" } else { "rejected" },
                     d.remaining(),
-                    d.limit().capacity(),
+                    d.capacity(),
                     d.reset_after(),
-                    d.retry_after()
-                        .map(|wait| format!(", retry after {wait:?}"))
-                        .unwrap_or_default(),
+                    match d.retry_after() {
+                        Some(wait) => format!(", retry after {wait:?}"),
+                        None if d.is_denied() => ", denied (no wait lifts it)".to_owned(),
+                        None => String::new(),
+                    },
                 ),
                 None => println!(
                     "    {} [{}] exempted by {}",

@@ -218,6 +218,14 @@ fn parse(
 /// the refill is a whole number is used (`600/m` stays 600 per minute), falling back to a
 /// per-day figure rounded down.
 fn current_limit(name: &str, decision: &Decision) -> RateLimit {
+    if decision.is_denied() {
+        // Envoy's own way of saying "deny all": 0 requests a second.
+        return RateLimit {
+            name: name.to_owned(),
+            requests_per_unit: 0,
+            unit: Unit::Second as i32,
+        };
+    }
     let refill = decision.limit().refill();
     let period = refill.period().as_nanos();
     let units = [
@@ -273,10 +281,13 @@ fn status_of(limits: &[&LimitOutcome], failed_closed: bool) -> DescriptorStatus 
     if let Some((name, decision)) = enforced {
         status.current_limit = Some(current_limit(name, decision));
         status.limit_remaining = u32::try_from(decision.remaining()).unwrap_or(u32::MAX);
-        let until = decision
-            .retry_after()
-            .unwrap_or_else(|| decision.reset_after());
-        status.duration_until_reset = Some(duration(until));
+        // A denial does not reset: no duration to wait out.
+        if !decision.is_denied() {
+            let until = decision
+                .retry_after()
+                .unwrap_or_else(|| decision.reset_after());
+            status.duration_until_reset = Some(duration(until));
+        }
     }
     status
 }

@@ -18,6 +18,9 @@
 //!   otherwise until the bucket is full again.
 //! * `Retry-After`: whole seconds, rounded up, at least 1, never earlier than `t`.
 //!
+//! A denial ([`Decision::denied`], a policy's `deny`) is a quota of nothing that no wait
+//! changes: `"name";q=0` and `"name";r=0`, without `w`, `t` or `Retry-After`.
+//!
 //! Every figure rounds up, so a client that waits what it is told is never refused for coming
 //! back early.
 
@@ -53,6 +56,9 @@ pub fn retry_after_secs(decision: &Decision) -> Option<u64> {
 /// that emptied the bucket, until one token is (the reset time less the time that refills the
 /// other `capacity - 1` tokens, rounded so that it never comes out early).
 pub fn reset_secs(decision: &Decision) -> u64 {
+    if decision.is_denied() {
+        return 0;
+    }
     if let Some(wait) = decision.retry_after() {
         return ceil_secs(wait);
     }
@@ -101,13 +107,40 @@ pub fn rate_limit_headers<'a>(
     if let (Some((name, decision)), None) = (few.next(), few.next()) {
         // The usual answer names one limit.
         let state = rate_limit_value([(name, decision)])?;
-        return Some((kept_policy_value(name, decision.limit())?, state));
+        let policy = if decision.is_denied() {
+            list(std::iter::once((name, policy_params(decision))))?
+        } else {
+            kept_policy_value(name, decision.limit())?
+        };
+        return Some((policy, state));
     }
-    let policy = rate_limit_policy_value(
-        most_constrained_per_name(items.clone()).map(|(name, decision)| (name, decision.limit())),
+    let policy = list(
+        most_constrained_per_name(items.clone())
+            .map(|(name, decision)| (name, policy_params(decision))),
     )?;
     Some((policy, rate_limit_value(most_constrained_per_name(items))?))
 }
+
+/// The parameters of a `RateLimit-Policy` item for what decided: the limit's, or a quota of
+/// nothing for a denial.
+fn policy_params(decision: &Decision) -> [(&'static str, u64); 2] {
+    if decision.is_denied() {
+        [("q", 0), NONE]
+    } else {
+        limit_params(decision.limit())
+    }
+}
+
+/// The parameters of a limit's `RateLimit-Policy` item.
+fn limit_params(limit: &Limit) -> [(&'static str, u64); 2] {
+    [
+        ("q", limit.capacity()),
+        ("w", ceil_secs(policy_window(limit))),
+    ]
+}
+
+/// A parameter slot left empty: [`list`] writes nothing for it.
+const NONE: (&str, u64) = ("", 0);
 
 /// `items` without the repeats of a name, each name kept at its most constrained decision (the
 /// first of equals), each where that decision stands in the order given. Quadratic, for the
@@ -136,15 +169,11 @@ fn most_constrained_per_name<'a>(
 pub fn rate_limit_policy_value<'a>(
     items: impl IntoIterator<Item = (&'a str, &'a Limit)>,
 ) -> Option<HeaderValue> {
-    list(items.into_iter().map(|(name, limit)| {
-        (
-            name,
-            [
-                ("q", limit.capacity()),
-                ("w", ceil_secs(policy_window(limit))),
-            ],
-        )
-    }))
+    list(
+        items
+            .into_iter()
+            .map(|(name, limit)| (name, limit_params(limit))),
+    )
 }
 
 /// The `w` of a limit's policy item: the window of a window limit (what the draft's quota
@@ -180,10 +209,12 @@ pub fn rate_limit_value<'a>(
     items: impl IntoIterator<Item = (&'a str, &'a Decision)>,
 ) -> Option<HeaderValue> {
     list(items.into_iter().map(|(name, decision)| {
-        (
-            name,
-            [("r", decision.remaining()), ("t", reset_secs(decision))],
-        )
+        let t = if decision.is_denied() {
+            NONE
+        } else {
+            ("t", reset_secs(decision))
+        };
+        (name, [("r", decision.remaining()), t])
     }))
 }
 
@@ -199,6 +230,9 @@ fn list<'a>(
         }
         push_sf_string(&mut value, name);
         for (key, number) in params {
+            if key.is_empty() {
+                continue;
+            }
             value.push(';');
             value.push_str(key);
             value.push('=');
@@ -365,6 +399,22 @@ mod tests {
         let (limiter, _) = limiter_slow();
         let decision = limiter.check("k").unwrap();
         assert_eq!(reset_secs(&decision), 90);
+    }
+
+    #[test]
+    fn a_denial_is_a_quota_of_nothing_without_a_wait() {
+        let denied = Decision::denied(Limit::new(5, "1/s".parse().unwrap()).unwrap(), 1);
+        let (policy, ratelimit) = rate_limit_headers([("blocked", &denied)]).unwrap();
+        assert_eq!(policy, r#""blocked";q=0"#);
+        assert_eq!(ratelimit, r#""blocked";r=0"#);
+        assert_eq!(retry_after_secs(&denied), None);
+        // Beside a limit that decided, each keeps its own figures.
+        let (limiter, _clock) = limiter(20, "10/s");
+        let decision = limiter.check_n("alice", 20).unwrap();
+        let (policy, ratelimit) =
+            rate_limit_headers([("per-user", &decision), ("blocked", &denied)]).unwrap();
+        assert_eq!(policy, r#""per-user";q=20;w=2, "blocked";q=0"#);
+        assert_eq!(ratelimit, r#""per-user";r=0;t=1, "blocked";r=0"#);
     }
 
     #[test]

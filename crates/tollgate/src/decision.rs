@@ -4,7 +4,8 @@
 //! durations: the hot path then does no division, and each figure is derived exactly, rounded
 //! the documented way, only when a caller asks for it. A window's figures come from counters
 //! and window edges rather than from a deficit, so the window math works them out as it
-//! decides.
+//! decides. A denial (a policy's `deny`) has no bucket behind it at all: nothing left, and no
+//! wait after which it would pass.
 
 use std::time::Duration;
 
@@ -44,6 +45,8 @@ enum Figures {
         retry_after: u64,
         reset_after: u64,
     },
+    /// Rejected whatever the balance: no bucket, no wait that would help.
+    Denied,
 }
 
 impl Decision {
@@ -100,6 +103,44 @@ impl Decision {
         )
     }
 
+    /// A rejection that no wait would turn into an admission: a block list entry, Envoy's
+    /// `requests_per_unit: 0`. It reads as an empty limit of capacity 0 (`remaining` and
+    /// [`capacity`](Self::capacity) 0), with no [`retry_after`](Self::retry_after) and a zero
+    /// [`reset_after`](Self::reset_after). `limit` is kept for [`limit`](Self::limit) only.
+    ///
+    /// ```
+    /// use tollgate::{Decision, Limit};
+    ///
+    /// let denied = Decision::denied(Limit::new(10, "10/s".parse()?)?, 1);
+    /// assert!(!denied.allowed() && denied.is_denied());
+    /// assert_eq!((denied.remaining(), denied.capacity()), (0, 0));
+    /// assert_eq!(denied.retry_after(), None);
+    /// # Ok::<(), tollgate::Error>(())
+    /// ```
+    pub fn denied(limit: Limit, cost: u64) -> Self {
+        Self {
+            allowed: false,
+            limit,
+            cost,
+            figures: Figures::Denied,
+        }
+    }
+
+    /// Whether this is a denial ([`Decision::denied`]): rejected whatever the balance, so
+    /// waiting does not help.
+    pub fn is_denied(&self) -> bool {
+        matches!(self.figures, Figures::Denied)
+    }
+
+    /// The most the limit that decided admits at once: its capacity (for a window, its limit
+    /// per window), 0 for a denial.
+    pub fn capacity(&self) -> u64 {
+        match self.figures {
+            Figures::Denied => 0,
+            _ => self.limit.capacity(),
+        }
+    }
+
     /// A decision made elsewhere (by a remote store), from the bucket's deficit after it: how
     /// many units short of full the bucket is, in `limit`'s units
     /// ([`Limit::units_per_token`]). A deficit above the capacity is clamped to it.
@@ -132,6 +173,7 @@ impl Decision {
                 retry_after: retry_after.saturating_sub(nanos),
                 reset_after: reset_after.saturating_sub(nanos),
             },
+            Figures::Denied => Figures::Denied,
         };
         Self { figures, ..*self }
     }
@@ -141,7 +183,8 @@ impl Decision {
         self.allowed
     }
 
-    /// The limit that decided.
+    /// The limit that decided (for a denial, the limit it was asked under, which did not
+    /// decide: see [`Decision::denied`]).
     pub fn limit(&self) -> &Limit {
         &self.limit
     }
@@ -161,11 +204,13 @@ impl Decision {
                 (units / u128::from(self.limit.p())) as u64
             }
             Figures::Window { remaining, .. } => remaining,
+            Figures::Denied => 0,
         }
     }
 
     /// When rejected: the exact time until `cost` tokens are available, rounded up to the
-    /// nanosecond, so a caller that waits this long is allowed. `None` when allowed.
+    /// nanosecond, so a caller that waits this long is allowed. `None` when allowed, and for a
+    /// denial, which no wait lifts.
     pub fn retry_after(&self) -> Option<Duration> {
         if self.allowed {
             return None;
@@ -179,6 +224,7 @@ impl Decision {
                 ))
             }
             Figures::Window { retry_after, .. } => Some(Duration::from_nanos(retry_after)),
+            Figures::Denied => None,
         }
     }
 
@@ -190,6 +236,7 @@ impl Decision {
                 Duration::from_nanos(self.limit.units_to_nanos_ceil(deficit))
             }
             Figures::Window { reset_after, .. } => Duration::from_nanos(reset_after),
+            Figures::Denied => Duration::ZERO,
         }
     }
 }

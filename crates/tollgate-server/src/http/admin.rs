@@ -179,20 +179,25 @@ fn limit_body(limits: &[LimitDef], limit: &LimitDef) -> serde_json::Value {
             let mut body = json!({"name": o.name(), "when": conditions(o.when())});
             if o.unlimited() {
                 body["unlimited"] = json!(true);
+            } else if o.deny() {
+                body["deny"] = json!(true);
             } else {
                 params_into(&mut body, o.params());
             }
             body
         }).collect::<Vec<_>>(),
     });
+    if limit.deny() {
+        // No parameters, and no failure mode: a deny is decided without the store.
+        body["deny"] = json!(true);
+        if !limit.replaces().is_empty() {
+            body["replaces"] = json!(replaced_names(limits, limit));
+        }
+        return body;
+    }
     params_into(&mut body, limit.params());
     if !limit.replaces().is_empty() {
-        let names: Vec<&str> = limit
-            .replaces()
-            .iter()
-            .filter_map(|&i| limits.get(i as usize).map(LimitDef::name))
-            .collect();
-        body["replaces"] = json!(names);
+        body["replaces"] = json!(replaced_names(limits, limit));
     }
     if limit.applies_request_limit() {
         body["request_limit"] = json!("apply");
@@ -210,6 +215,15 @@ fn limit_body(limits: &[LimitDef], limit: &LimitDef) -> serde_json::Value {
         _ => {}
     }
     body
+}
+
+/// The names of the limits `limit` replaces.
+fn replaced_names<'a>(limits: &'a [LimitDef], limit: &LimitDef) -> Vec<&'a str> {
+    limit
+        .replaces()
+        .iter()
+        .filter_map(|&i| limits.get(i as usize).map(LimitDef::name))
+        .collect()
 }
 
 /// `params` under the names the policy file gives them: `capacity` and `refill`; `limit` and

@@ -445,14 +445,21 @@ pub(crate) fn write_body(outcome: &Outcome, explain: bool) -> Vec<u8> {
         );
         if let Some(d) = decision {
             push_number(&mut out, b",\"remaining\":", d.remaining());
-            push_number(&mut out, b",\"capacity\":", d.limit().capacity());
-            let retry = d.retry_after().map_or(0, millis_ceil);
-            push_number(&mut out, b",\"retry_after_ms\":", retry);
+            push_number(&mut out, b",\"capacity\":", d.capacity());
+            // A denial has no wait that would help: no retry_after_ms at all, rather than a 0
+            // that would read "retry now".
+            if !d.is_denied() {
+                let retry = d.retry_after().map_or(0, millis_ceil);
+                push_number(&mut out, b",\"retry_after_ms\":", retry);
+            }
             push_number(
                 &mut out,
                 b",\"reset_after_ms\":",
                 millis_ceil(d.reset_after()),
             );
+            if d.is_denied() {
+                out.extend_from_slice(b",\"denied\":true");
+            }
         }
         if let Some(owner) = &limit.exempted_by {
             out.extend_from_slice(b",\"exempted_by\":");
@@ -712,6 +719,8 @@ mod tests {
         #[serde(skip_serializing_if = "Option::is_none")]
         reset_after_ms: Option<u64>,
         #[serde(skip_serializing_if = "Option::is_none")]
+        denied: Option<bool>,
+        #[serde(skip_serializing_if = "Option::is_none")]
         exempted_by: Option<&'a str>,
         #[serde(skip_serializing_if = "Option::is_none")]
         bucket_key: Option<&'a str>,
@@ -730,9 +739,12 @@ mod tests {
                     mode: limit.mode,
                     allowed: decision.map_or(!outcome.failed_closed, Decision::allowed),
                     remaining: decision.map(Decision::remaining),
-                    capacity: decision.map(|d| d.limit().capacity()),
-                    retry_after_ms: decision.map(|d| d.retry_after().map_or(0, millis_ceil)),
+                    capacity: decision.map(Decision::capacity),
+                    retry_after_ms: decision
+                        .filter(|d| !d.is_denied())
+                        .map(|d| d.retry_after().map_or(0, millis_ceil)),
                     reset_after_ms: decision.map(|d| millis_ceil(d.reset_after())),
+                    denied: decision.filter(|d| d.is_denied()).map(|_| true),
                     exempted_by: limit.exempted_by.as_deref(),
                     bucket_key: explain.then_some(limit.bucket_key.as_str()),
                     descriptor: explain.then_some(limit.descriptor),
@@ -761,6 +773,7 @@ limits:
   - {name: per-user, domain: api, key: [user], capacity: 3, refill: 1/s}
   - {name: trial, domain: api, key: [user], capacity: 3, refill: 1/m, mode: shadow}
   - {name: vip, domain: api, key: [user], capacity: 3, refill: 1/h}
+  - {name: blocked, domain: api, when: {user: "u-bad"}, deny: true}
 exemptions:
   - {limit: vip, when: {user: "a\"b"}, owner: "ops <ops@example.com>", reason: test, expires: "2099-01-01T00:00:00Z"}
 "#;
@@ -773,7 +786,14 @@ exemptions:
         let mut outcomes = Vec::new();
         // Plain, and with each kind of byte JSON escapes alone: a quote, a backslash, a
         // control character.
-        for user in ["u1", "a\"b", "\u{1F600}\\", "tab\tonly", "nul\u{1}"] {
+        for user in [
+            "u1",
+            "a\"b",
+            "\u{1F600}\\",
+            "tab\tonly",
+            "nul\u{1}",
+            "u-bad",
+        ] {
             for cost in [1, 2, 3] {
                 outcomes.push(engine.decide("api", &descriptors(user), cost, None));
             }
@@ -794,6 +814,11 @@ exemptions:
                 .any(|o| o.limits.iter().any(|l| l.exempted_by.is_some()))
         );
         assert!(outcomes.iter().any(Outcome::unmatched));
+        assert!(outcomes.iter().any(|o| {
+            o.limits
+                .iter()
+                .any(|l| l.decision.is_some_and(|d| d.is_denied()))
+        }));
         for outcome in &outcomes {
             for explain in [false, true] {
                 let written = write_body(outcome, explain);

@@ -296,10 +296,15 @@ impl Payer {
     ) -> (Answer, Option<Held>) {
         // A message is taken to reach the Envoy within a quarter of the time-to-live.
         let margin = ttl / 4;
-        let limits = self
+        let Some(limits) = self
             .decider
             .engine()
-            .enforced_limits(domain, std::slice::from_ref(entries));
+            .enforced_limits(domain, std::slice::from_ref(entries))
+        else {
+            // A deny (a block list entry): nothing to pay for, nothing to share.
+            self.give_back(domain, entries, held, now, margin).await;
+            return (Answer::Deny(ttl), None);
+        };
         // None applies, or none can reject (shadow, exempt): nothing to pay for.
         let Some(capacity) = limits.iter().map(Limit::capacity).min() else {
             self.give_back(domain, entries, held, now, margin).await;
