@@ -1624,3 +1624,118 @@ fn without_a_config_the_banner_shows_the_demo_policy_an_example_and_the_dashboar
         200
     );
 }
+
+/// A block list: a deny limit and a deny override reject over HTTP, forward-auth and RLS as a
+/// quota of nothing (no wait offered, nothing charged elsewhere), and `/v1/policy` lists them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deny_rejects_over_every_interface_without_a_wait() {
+    let scratch = Scratch::new("deny");
+    let config = scratch.write(
+        "policy.yaml",
+        r#"
+version: "blocks-1"
+limits:
+  - name: per-user
+    domain: api
+    key: [user]
+    capacity: 5
+    refill: 1/s
+    overrides:
+      - {name: banned, when: {tier: banned}, deny: true}
+  - name: blocked-ips
+    domain: api
+    when: {ip: 203.0.113.7}
+    key: [ip]
+    deny: true
+"#,
+    );
+    let server = Server::start(&["--config", path_str(&config)]);
+    let blocked = r#"{"domain":"api","descriptors":[{"user":"u1","ip":"203.0.113.7"}]}"#;
+    for _ in 0..3 {
+        let answer = post_json(server.http, "/v1/check", blocked);
+        assert_eq!(answer.status, 429, "{}", answer.body);
+        assert_eq!(answer.header("retry-after"), None, "no wait lifts a deny");
+        assert_eq!(
+            answer.header("ratelimit-policy"),
+            Some(r#""per-user";q=5;w=5, "blocked-ips";q=0"#)
+        );
+        assert_eq!(
+            answer.header("ratelimit"),
+            Some(r#""per-user";r=4;t=1, "blocked-ips";r=0"#)
+        );
+        let body = answer.json();
+        let deny = &body["limits"][1];
+        assert_eq!(
+            (
+                &deny["name"],
+                &deny["denied"],
+                &deny["capacity"],
+                &deny["remaining"]
+            ),
+            (
+                &serde_json::json!("blocked-ips"),
+                &serde_json::json!(true),
+                &serde_json::json!(0),
+                &serde_json::json!(0)
+            ),
+            "{body}"
+        );
+        assert!(deny.get("retry_after_ms").is_none(), "{body}");
+    }
+    // The rejected requests took nothing from u1's own bucket.
+    let elsewhere = r#"{"domain":"api","descriptors":[{"user":"u1","ip":"198.51.100.1"}]}"#;
+    let answer = post_json(server.http, "/v1/check", elsewhere);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(answer.json()["limits"][0]["remaining"], 4);
+
+    // The deny override of per-user, through forward-auth.
+    let banned = [("x-tollgate-user", "u2"), ("x-tollgate-tier", "banned")];
+    let answer = request(server.http, "GET", "/v1/forward-auth/api", &banned, "");
+    assert_eq!(answer.status, 429, "{}", answer.body);
+    assert_eq!(answer.header("ratelimit"), Some(r#""per-user";r=0"#));
+    assert_eq!(answer.header("retry-after"), None);
+
+    // Over RLS: Envoy's own deny-all, 0 requests a second, with no reset to wait for.
+    let request_for = |entries: &[(&str, &str)]| RateLimitRequest {
+        domain: "api".to_owned(),
+        descriptors: vec![descriptor(entries)],
+        hits_addend: 1,
+    };
+    let response = should_rate_limit(&server, request_for(&[("ip", "203.0.113.7")]))
+        .await
+        .unwrap();
+    assert_eq!(response.overall_code, Code::OverLimit as i32);
+    let status = &response.statuses[0];
+    let limit = status.current_limit.clone().unwrap_or_default();
+    assert_eq!(
+        (
+            limit.name.as_str(),
+            limit.requests_per_unit,
+            status.limit_remaining
+        ),
+        ("blocked-ips", 0, 0)
+    );
+    assert_eq!(status.duration_until_reset, None);
+    let response = should_rate_limit(&server, request_for(&[("ip", "198.51.100.1")]))
+        .await
+        .unwrap();
+    assert_eq!(response.overall_code, Code::Ok as i32, "no limit applies");
+
+    // Listed as written: no parameters, no failure mode.
+    let body = request(server.http, "GET", "/v1/policy", &[], "").json();
+    let limits = &body["limits"];
+    assert_eq!(limits[0]["overrides"][0]["deny"], true, "{body}");
+    assert!(limits[0]["overrides"][0].get("capacity").is_none());
+    let ips = &limits[1];
+    assert_eq!(
+        (&ips["deny"], &ips["algorithm"]),
+        (&serde_json::json!(true), &serde_json::json!("deny"))
+    );
+    assert!(
+        ips.get("capacity").is_none() && ips.get("failure_mode").is_none(),
+        "{ips}"
+    );
+    tokio::task::spawn_blocking(move || server.terminate())
+        .await
+        .expect("terminate");
+}

@@ -310,7 +310,15 @@ impl Shared {
         if outcome.allowed {
             return Verdict::Allow(self.success_headers(items), None);
         }
-        let retry = items.clone().filter_map(|(_, d)| retry_after_secs(d)).max();
+        // A denial (a policy's `deny`) is not lifted by waiting: no Retry-After at all.
+        let retry = if items.clone().any(|(_, d)| d.is_denied()) {
+            None
+        } else {
+            // At least 1 on every other 429, even if no rejecting decision said so (one
+            // always does).
+            let wait = items.clone().filter_map(|(_, d)| retry_after_secs(d)).max();
+            Some(wait.unwrap_or(1))
+        };
         Verdict::Answer(too_many_requests(items, retry))
     }
 
@@ -348,8 +356,8 @@ fn too_many_requests<'a>(
     response
 }
 
-/// A 429 without the rate-limit fields: `Retry-After` and a problem document naming the
-/// `violated` limits. Shared by the rate limits and the concurrency limits.
+/// A 429 without the rate-limit fields: `Retry-After` (when a wait helps: `retry_after` is
+/// `None` only for a denial) and a problem document naming the `violated` limits. Shared by the rate limits and the concurrency limits.
 pub(crate) fn quota_exceeded<'a>(
     violated: impl IntoIterator<Item = &'a str>,
     retry_after: Option<u64>,
@@ -365,11 +373,12 @@ pub(crate) fn quota_exceeded<'a>(
     }
     body.push_str("]}");
     let mut response = problem(StatusCode::TOO_MANY_REQUESTS, body);
-    // At least 1 on every 429, even if no rejecting decision said so (it always does).
-    response.headers_mut().insert(
-        RETRY_AFTER,
-        HeaderValue::from(retry_after.unwrap_or(1).max(1)),
-    );
+    // At least 1; none at all only for a denial, which no wait lifts.
+    if let Some(wait) = retry_after {
+        response
+            .headers_mut()
+            .insert(RETRY_AFTER, HeaderValue::from(wait.max(1)));
+    }
     response
 }
 

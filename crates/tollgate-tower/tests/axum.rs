@@ -384,6 +384,49 @@ async fn a_policy_decides_all_its_limits_and_reports_the_enforced_ones() {
     );
 }
 
+/// A tenant on a block list is answered 429 with a quota of nothing and no `Retry-After` (no
+/// wait lifts it), even beside a limit that is merely empty; its requests charge nothing.
+#[tokio::test]
+async fn a_denied_request_is_told_no_wait_will_help() {
+    let policy = format!(
+        "{POLICY}  - name: blocked\n    domain: api\n    when: {{tenant: evil}}\n    deny: true\n"
+    );
+    let engine = PolicyEngine::new(
+        compile("test.yaml", &policy).unwrap(),
+        EngineOptions::default().clock(Arc::new(ManualClock::new())),
+    );
+    let layer = TollgateLayer::policy(Arc::new(engine), "api", descriptors).build();
+    let app = app(layer);
+    let request = |tenant: &str| {
+        Request::get("/")
+            .header("x-user", "u1")
+            .header("x-tenant", tenant)
+            .body(Body::empty())
+            .unwrap()
+    };
+    for _ in 0..3 {
+        let denied = send(&app, request("evil")).await;
+        assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert!(denied.headers().get("retry-after").is_none());
+        assert_eq!(
+            header(&denied, "ratelimit"),
+            // The others as a request of cost 1 would leave them: read, not charged.
+            r#""per-user";r=1;t=1, "per-tenant";r=9;t=6, "blocked";r=0"#
+        );
+        let text = body(denied).await;
+        assert!(
+            text.contains(r#""violated-policies":["blocked"]"#),
+            "{text}"
+        );
+    }
+    // u1's bucket is still full: the denied requests were charged nothing.
+    let ok = send(&app, request("acme")).await;
+    assert_eq!(
+        header(&ok, "ratelimit"),
+        r#""per-user";r=1;t=1, "per-tenant";r=9;t=6"#
+    );
+}
+
 /// The layer reads the clock before the store takes its lock, so on a real clock two requests
 /// on one key often reach the bucket with their times in the opposite order. The later-timed
 /// charge empties the bucket; the earlier-timed request must get a clean 429 showing 0 left

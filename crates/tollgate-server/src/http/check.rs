@@ -384,15 +384,17 @@ pub(crate) fn status_of(outcome: &Outcome, deny: StatusCode) -> StatusCode {
     }
 }
 
-/// Adds `RateLimit-Policy`, `RateLimit` and, when rejected, `Retry-After` to `headers`, from the
-/// enforced limits. Added to the response's own map: a map of their own would cost an allocation
+/// Adds `RateLimit-Policy`, `RateLimit` and, when rejected (not denied), `Retry-After` to
+/// `headers`, from the enforced limits. Added to the response's own map: a map of their own would cost an allocation
 /// and a merge on every answer.
 pub(crate) fn add_rate_limit_headers(headers: &mut HeaderMap, outcome: &Outcome) {
     if let Some((policy, state)) = fields::rate_limit_headers(enforced_decisions(outcome)) {
         headers.insert(fields::RATELIMIT_POLICY, policy);
         headers.insert(fields::RATELIMIT, state);
     }
-    if !outcome.allowed && !outcome.failed_closed {
+    // A denial is not lifted by waiting: no Retry-After that would invite a retry.
+    let denied = || enforced_decisions(outcome).any(|(_, decision)| decision.is_denied());
+    if !outcome.allowed && !outcome.failed_closed && !denied() {
         let wait = enforced_decisions(outcome)
             .filter_map(|(_, decision)| fields::retry_after_secs(decision))
             .max()
