@@ -31,8 +31,16 @@
 //! * `N` requests per `unit` becomes capacity `N`, refill `N/unit`: Envoy counts in calendar fixed
 //!   windows, tollgate refills a token bucket continuously, so a client can no longer burst `2N`
 //!   across a window edge. Said once in the notes.
-//! * `shadow_mode` becomes `mode: shadow`; `unlimited` means no limit; `replaces` becomes
-//!   `replaces` by the names the limits were imported under.
+//! * `requests_per_unit: 0` (Envoy's "deny all", a block list) becomes `deny: true`, whatever
+//!   the `unit`: where the node becomes an override, a `deny: true` override in the same
+//!   place; where it becomes a limit, a `deny: true` limit with no parameters. A deny limit's
+//!   overrides can only take requests out (`unlimited: true`), so a valued node with a limit
+//!   beside a deny sibling, or covered by a deny wildcard value, stays a limit of its own, and
+//!   the deny limit leaves its values out; likewise a limit under a valued node shaped as one
+//!   under a deny sibling.
+//! * `shadow_mode` becomes `mode: shadow` (for a deny, a would-reject); `unlimited` means no
+//!   limit, even with `requests_per_unit: 0`; `replaces` becomes `replaces` by the names the
+//!   limits were imported under, a deny limit's as any other's.
 //! * `value: ""` is a wildcard, as in Envoy; values are taken as written (`1.50`, `007`).
 //!
 //! What tollgate cannot express is listed in [`EnvoyImport::notes`], with the descriptor path:
@@ -136,8 +144,7 @@ struct Out {
     name: String,
     when: Vec<(String, ValueMatch)>,
     key: Vec<String>,
-    capacity: u64,
-    refill: String,
+    rate: Rate,
     shadow: bool,
     overrides: Vec<OverrideOut>,
     /// The `rate_limit.name` the file gave, which `replaces` refers to.
@@ -146,14 +153,32 @@ struct Out {
     replaces: Vec<String>,
 }
 
-/// One override on its way out: name, condition, and capacity and refill, or `None` for
+/// What a converted limit or override does to the requests it matches.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Rate {
+    /// `N` per unit: `N` (a bucket's capacity, a window's limit) and the refill (`N/period`).
+    Every(u64, String),
+    /// `requests_per_unit: 0`, Envoy's "deny all": every request is rejected, nothing is
+    /// counted (`deny: true`).
+    Deny,
+}
+
+/// One override on its way out: name, condition, and what it applies, or `None` for
 /// `unlimited: true`.
-type OverrideOut = (String, (String, ValueMatch), Option<(u64, String)>);
+type OverrideOut = (String, (String, ValueMatch), Option<Rate>);
 
 /// Whether a node limits nothing in Envoy: `unlimited: true`, or no `rate_limit` at all (a
 /// descriptor that ends on it gets no limit, whatever its siblings have).
 fn unlimited(node: &Node) -> bool {
     node.rate_limit.as_ref().is_none_or(|r| r.unlimited)
+}
+
+/// Whether a node's limit is Envoy's "deny all" (`requests_per_unit: 0`, not unlimited), which
+/// [`Importer::parsed_rate`] reads as [`Rate::Deny`].
+fn denies(node: &Node) -> bool {
+    node.rate_limit
+        .as_ref()
+        .is_some_and(|r| !r.unlimited && r.requests_per_unit == Some(0))
 }
 
 /// Unlimited overrides, on entry `key`, for what Envoy takes before a node (`(value as the
@@ -323,6 +348,8 @@ pub fn import_envoy_files(
     let mut header = String::new();
     let mut body = String::new();
     let (mut limits, mut notes) = (0, Vec::new());
+    // Limits that count requests: a deny counts nothing, so the note on counting is not for it.
+    let mut counting = 0;
     for (config, from) in &domains {
         let mut importer = Importer {
             domain: config.domain.clone(),
@@ -342,6 +369,11 @@ pub fn import_envoy_files(
         importer.render_header(&mut header, &label);
         importer.render_limits(&mut body);
         limits += importer.limits.len();
+        counting += importer
+            .limits
+            .iter()
+            .filter(|l| l.rate != Rate::Deny)
+            .count();
         notes.extend(importer.notes.into_iter().map(|note| {
             if several {
                 format!("{label}: {note}")
@@ -363,6 +395,14 @@ pub fn import_envoy_files(
     let named: Vec<&str> = files.iter().map(|(file, _)| *file).collect();
     compile(&format!("{} (imported)", named.join(", ")), &policy)?;
     if limits > 0 {
+        notes.insert(
+            0,
+            "envoy matches descriptor entries in order; tollgate's exact limits match the same \
+             entries in any order"
+                .to_owned(),
+        );
+    }
+    if counting > 0 {
         let counting = if options.fixed_windows {
             "envoy counts requests in calendar fixed windows; each limit becomes a fixed_window \
              of N per unit (on Redis, windows start on the same Unix-time boundaries)"
@@ -372,12 +412,6 @@ pub fn import_envoy_files(
              edges; --fixed-windows keeps envoy's counting)"
         };
         notes.insert(0, counting.to_owned());
-        notes.insert(
-            1,
-            "envoy matches descriptor entries in order; tollgate's exact limits match the same \
-             entries in any order"
-                .to_owned(),
-        );
     }
     Ok(EnvoyImport {
         limits,
@@ -464,7 +498,7 @@ impl Importer {
                 .copied()
                 .filter(|n| n.value().is_some())
                 .partition(|n| n.value().and_then(prefix_of).is_some());
-            let prefix_limits: Vec<Option<(u64, String)>> = prefixed
+            let prefix_limits: Vec<Option<Rate>> = prefixed
                 .iter()
                 .map(|n| {
                     let value = n.value().unwrap_or_default();
@@ -526,8 +560,8 @@ impl Importer {
                         );
                     }
                     (Some(_), _, None) | (None, Some(_), None) => {}
-                    (None, None, Some(Some((capacity, refill)))) => {
-                        self.push(&here_path, capacity, refill, node, Vec::new());
+                    (None, None, Some(Some(rate))) => {
+                        self.push(&here_path, rate, node, Vec::new());
                     }
                     (None, None, _) => {}
                 }
@@ -583,7 +617,7 @@ impl Importer {
                              in tollgate the sibling's limit applies to these values"
                         ),
                     ),
-                    (None, Some((capacity, refill))) => {
+                    (None, Some(rate)) => {
                         // Envoy takes the first wildcard value that matches: the values an
                         // earlier one takes are out of this one's limit (an unlimited override
                         // each, after the exact values this one covers).
@@ -593,7 +627,7 @@ impl Importer {
                             let condition = (key, ValueMatch::Prefix(other.into()));
                             Self::add_override(&mut overrides, earlier, condition, None);
                         }
-                        self.push(&here_path, capacity, refill, node, overrides);
+                        self.push(&here_path, rate, node, overrides);
                     }
                     (None, None) => {}
                 }
@@ -608,8 +642,8 @@ impl Importer {
                 let mut here_path = path.to_vec();
                 here_path.push((key, None));
                 self.check_node(w, &describe(&here_path));
-                if let Some((capacity, refill)) = wildcard_limit {
-                    self.push(&here_path, capacity, refill, w, overrides);
+                if let Some(rate) = wildcard_limit {
+                    self.push(&here_path, rate, w, overrides);
                 }
                 let before = self.limits.len();
                 self.level(&w.descriptors, &here_path);
@@ -618,8 +652,8 @@ impl Importer {
             for extra in wildcards.iter().skip(1) {
                 let mut here_path = path.to_vec();
                 here_path.push((key, None));
-                if let Some((capacity, refill)) = self.parsed_rate(extra, &here_path) {
-                    self.push(&here_path, capacity, refill, extra, Vec::new());
+                if let Some(rate) = self.parsed_rate(extra, &here_path) {
+                    self.push(&here_path, rate, extra, Vec::new());
                 }
                 self.level(&extra.descriptors, &here_path);
             }
@@ -648,8 +682,9 @@ impl Importer {
         for &(value, ref range) in subtrees {
             for into in nested.clone() {
                 // A limit in another mode than the sibling's cannot be its override (an
-                // override has its limit's mode): it stays a limit of its own, and the
-                // sibling's leaves the value out.
+                // override has its limit's mode), nor can any limit be an override of a deny
+                // limit (whose overrides only take requests out): it stays a limit of its
+                // own, and the sibling's leaves the value out.
                 let apart = |limit: &Out| {
                     !limit.replaces.is_empty()
                         || limit
@@ -660,6 +695,7 @@ impl Importer {
                 let from = range.clone().find(|&from| {
                     self.limits[from].overrides.is_empty()
                         && self.limits[from].shadow == self.limits[into].shadow
+                        && self.limits[into].rate != Rate::Deny
                         && !apart(&self.limits[from])
                         && !apart(&self.limits[into])
                         && !adds.iter().any(|&(.., taken)| taken == Some(from))
@@ -676,8 +712,7 @@ impl Importer {
         // Per limit overridden, how many overrides were put in front of its own so far.
         let mut in_front: Vec<(usize, usize)> = Vec::new();
         for &(into, value, from) in &adds {
-            let rate =
-                from.map(|from| (self.limits[from].capacity, self.limits[from].refill.clone()));
+            let rate = from.map(|from| self.limits[from].rate.clone());
             let at = match in_front.iter_mut().find(|(limit, _)| *limit == into) {
                 Some((_, count)) => {
                     *count += 1;
@@ -762,19 +797,21 @@ impl Importer {
 
     /// `node` (at `here`) becomes an override, for `condition` at `rate`, of the limit of the
     /// `wider` node that also matches its values (its key-only sibling, or a wildcard value
-    /// covering it). An override has its limit's mode and no `replaces` of its own: said where
-    /// the node asked for other.
+    /// covering it). An override has its limit's mode and no `replaces` of its own, and a deny
+    /// limit's overrides only take requests out: where the node needs other, it stays a limit
+    /// of its own.
     fn adopt(
         &mut self,
         overrides: &mut Vec<OverrideOut>,
         node: &Node,
         here_path: &Path<'_>,
         condition: (&str, ValueMatch),
-        (rate, narrower): (Option<(u64, String)>, Vec<OverrideOut>),
+        (rate, narrower): (Option<Rate>, Vec<OverrideOut>),
         wider: &Node,
     ) {
-        if let Some((capacity, refill)) = rate.clone()
+        if let Some(own) = rate.clone()
             && (wider.shadow_mode != node.shadow_mode
+                || denies(wider)
                 || is_replaced(&self.replaced, node)
                 || is_replaced(&self.replaced, wider)
                 || [node, wider].iter().any(|n| {
@@ -784,10 +821,11 @@ impl Importer {
                 }))
         {
             // An override has its limit's mode, replaces what its limit replaces and is
-            // replaced with it: a value in another mode, or where either replaces others or is
-            // named by a replacement, stays a limit of its own, leaving out what Envoy takes
-            // before it (`narrower`), and the wider limit leaves its values out.
-            self.push(here_path, capacity, refill, node, narrower);
+            // replaced with it, and a deny limit can have no override that applies anything: a
+            // value in another mode, where either replaces others or is named by a
+            // replacement, or beside a deny, stays a limit of its own, leaving out what Envoy
+            // takes before it (`narrower`), and the wider limit leaves its values out.
+            self.push(here_path, own, node, narrower);
             Self::add_override(overrides, node.value().unwrap_or_default(), condition, None);
             return;
         }
@@ -822,12 +860,18 @@ impl Importer {
         }
     }
 
-    /// The node's limit as (capacity, refill text), or `None` for no limit (absent or
-    /// unlimited) or one that cannot be converted (noted).
-    fn parsed_rate(&mut self, node: &Node, path: &Path<'_>) -> Option<(u64, String)> {
+    /// The node's limit, or `None` for no limit (absent or unlimited) or one that cannot be
+    /// converted (noted).
+    fn parsed_rate(&mut self, node: &Node, path: &Path<'_>) -> Option<Rate> {
         let rate = node.rate_limit.as_ref()?;
+        // Envoy checks `unlimited` before it counts: an unlimited 0 admits everything.
         if rate.unlimited {
             return None;
+        }
+        // Envoy's "deny all" (a block list): over the limit from the first request, whatever
+        // the unit, so the unit says nothing (nor needs approximating).
+        if rate.requests_per_unit == Some(0) {
+            return Some(Rate::Deny);
         }
         let here = describe(path);
         let (Some(unit), Some(n)) = (rate.unit.as_deref(), rate.requests_per_unit) else {
@@ -837,13 +881,6 @@ impl Importer {
             );
             return None;
         };
-        if n == 0 {
-            self.note(
-                &here,
-                "requests_per_unit 0 (deny all) cannot be expressed: skipped".into(),
-            );
-            return None;
-        }
         let period = match unit.to_ascii_lowercase().as_str() {
             "second" => "s",
             "minute" => "m",
@@ -863,7 +900,7 @@ impl Importer {
                 return None;
             }
         };
-        Some((n, format!("{n}/{period}")))
+        Some(Rate::Every(n, format!("{n}/{period}")))
     }
 
     fn unique(&mut self, base: String) -> String {
@@ -882,7 +919,7 @@ impl Importer {
         overrides: &mut Vec<OverrideOut>,
         value: &str,
         (key, test): (&str, ValueMatch),
-        rate: Option<(u64, String)>,
+        rate: Option<Rate>,
     ) {
         let name = Self::override_name(overrides, value);
         overrides.push((name, (key.to_owned(), test), rate));
@@ -899,14 +936,7 @@ impl Importer {
         name
     }
 
-    fn push(
-        &mut self,
-        path: &Path<'_>,
-        capacity: u64,
-        refill: String,
-        node: &Node,
-        overrides: Vec<OverrideOut>,
-    ) {
+    fn push(&mut self, path: &Path<'_>, rate: Rate, node: &Node, overrides: Vec<OverrideOut>) {
         let declared = node.rate_limit.as_ref().and_then(|r| r.name.as_deref());
         let base = match declared {
             Some(name) => sanitize(name, 120),
@@ -941,8 +971,7 @@ impl Importer {
             name,
             when,
             key,
-            capacity,
-            refill,
+            rate,
             shadow: node.shadow_mode,
             declared: declared.map(str::to_owned),
             replaces: node
@@ -988,10 +1017,11 @@ impl Importer {
                 let _ = writeln!(out, "    key: [{}]", keys.join(", "));
             }
             out.push_str("    exact: true\n");
-            if self.windows {
+            // A deny limit has no algorithm: it counts nothing.
+            if self.windows && limit.rate != Rate::Deny {
                 out.push_str("    algorithm: fixed_window\n");
             }
-            self.render_params(out, "    ", limit.capacity, &limit.refill);
+            self.render_rate(out, "    ", &limit.rate);
             if limit.shadow {
                 out.push_str("    mode: shadow\n");
             }
@@ -1005,9 +1035,7 @@ impl Importer {
                     let _ = writeln!(out, "      - name: {}", q(name));
                     let _ = writeln!(out, "        when: {{{}: {}}}", q(k), condition(v));
                     match rate {
-                        Some((capacity, refill)) => {
-                            self.render_params(out, "        ", *capacity, refill);
-                        }
+                        Some(rate) => self.render_rate(out, "        ", rate),
                         None => out.push_str("        unlimited: true\n"),
                     }
                 }
@@ -1017,8 +1045,16 @@ impl Importer {
 }
 
 impl Importer {
-    /// `N` per period as the algorithm takes it: capacity and refill, or limit and window.
-    fn render_params(&self, out: &mut String, indent: &str, n: u64, refill: &str) {
+    /// `N` per period as the algorithm takes it (capacity and refill, or limit and window), or
+    /// `deny: true`.
+    fn render_rate(&self, out: &mut String, indent: &str, rate: &Rate) {
+        let (n, refill) = match rate {
+            Rate::Every(n, refill) => (*n, refill.as_str()),
+            Rate::Deny => {
+                let _ = writeln!(out, "{indent}deny: true");
+                return;
+            }
+        };
         if !self.windows {
             let _ = writeln!(out, "{indent}capacity: {n}");
             let _ = writeln!(out, "{indent}refill: {refill}");

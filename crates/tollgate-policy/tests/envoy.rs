@@ -11,11 +11,28 @@ fn import(text: &str) -> (EnvoyImport, Policy) {
     (imported, policy)
 }
 
+/// Each limit that applies to descriptor `d`: its bucket key and parameters, or `deny` for a
+/// deny, whose parameters decide nothing.
 fn matched(policy: &Policy, domain: &str, d: &[(&str, &str)]) -> Vec<String> {
     policy
         .matches(domain, &[d], UnixTime::from_secs(0))
         .iter()
-        .map(|m| format!("{} {}", m.bucket_key, m.params()))
+        .map(|m| {
+            if m.denied {
+                format!("{} deny", m.bucket_key)
+            } else {
+                format!("{} {}", m.bucket_key, m.params())
+            }
+        })
+        .collect()
+}
+
+/// The notes beyond the two general ones (counting and entry order).
+fn particular(imported: &EnvoyImport) -> Vec<&String> {
+    imported
+        .notes
+        .iter()
+        .filter(|n| !n.starts_with("envoy "))
         .collect()
 }
 
@@ -491,6 +508,220 @@ descriptors:
             ("d.tenant|initech#initech".to_owned(), "enforce"),
             ("other|x".to_owned(), "enforce")
         ]
+    );
+}
+
+/// A block list: every address limited, a few denied outright (`requests_per_unit: 0`, Envoy's
+/// "deny all", whatever the unit). The denied values become `deny: true` overrides of the
+/// address limit, where Envoy's precedence puts them; one in another mode stays a deny limit
+/// of its own, which the address limit leaves out.
+#[test]
+fn a_block_list_becomes_deny_overrides() {
+    let text = r#"
+domain: edge
+descriptors:
+  - key: remote_address
+    rate_limit: {unit: second, requests_per_unit: 10}
+  - key: remote_address
+    value: 203.0.113.7
+    rate_limit: {unit: second, requests_per_unit: 0}
+  - key: remote_address
+    value: "198.51.100.*"
+    rate_limit: {unit: month, requests_per_unit: 0}
+  - key: remote_address
+    value: 198.51.100.1
+    rate_limit: {unit: second, requests_per_unit: 50}
+  - key: remote_address
+    value: 192.0.2.9
+    shadow_mode: true
+    rate_limit: {unit: hour, requests_per_unit: 0}
+  - key: remote_address
+    value: 192.0.2.10
+    rate_limit: {unlimited: true, requests_per_unit: 0}
+"#;
+    let (imported, p) = import(text);
+    // Nothing left out, and a deny's unit (month here) is not approximated: it counts nothing.
+    assert!(particular(&imported).is_empty(), "{:?}", imported.notes);
+    assert_eq!(imported.limits, 2, "{}", imported.policy);
+    let wide = p
+        .limits()
+        .iter()
+        .find(|l| l.name() == "edge.remote_address")
+        .unwrap_or_else(|| panic!("{}", imported.policy));
+    assert!(!wide.deny());
+    let denies: Vec<&str> = wide
+        .overrides()
+        .iter()
+        .filter(|o| o.deny())
+        .map(|o| o.name())
+        .collect();
+    assert_eq!(denies, ["203.0.113.7", "198.51.100._"]);
+    let m = |address: &str| matched(&p, "edge", &[("remote_address", address)]);
+    assert_eq!(
+        m("1.2.3.4"),
+        ["edge.remote_address|1.2.3.4 capacity 10 refill 10/s"]
+    );
+    assert_eq!(
+        m("203.0.113.7"),
+        ["edge.remote_address|203.0.113.7#203.0.113.7 deny"]
+    );
+    assert_eq!(
+        m("198.51.100.77"),
+        ["edge.remote_address|198.51.100.77#198.51.100._ deny"]
+    );
+    // Envoy takes the exact value before the wildcard value that covers it.
+    assert_eq!(
+        m("198.51.100.1"),
+        ["edge.remote_address|198.51.100.1#198.51.100.1 capacity 50 refill 50/s"]
+    );
+    // Unlimited wins over 0, as Envoy checks it before counting.
+    assert_eq!(m("192.0.2.10"), Vec::<String>::new());
+    // The shadow deny: a limit of its own, in its mode; the enforced address limit leaves it out.
+    let found = p.matches(
+        "edge",
+        &[&[("remote_address", "192.0.2.9")]],
+        UnixTime::from_secs(0),
+    );
+    let found: Vec<(&str, bool, &str)> = found
+        .iter()
+        .map(|m| (m.limit.name(), m.denied, m.effect.as_str()))
+        .collect();
+    assert_eq!(found, [("edge.remote_address_192.0.2.9", true, "shadow")]);
+}
+
+/// A value denied with no wider node beside it is a deny limit: no parameters, no algorithm
+/// (with `--fixed-windows` neither), and it replaces and is replaced like any limit.
+#[test]
+fn a_denied_value_of_its_own_becomes_a_deny_limit() {
+    let text = r#"
+domain: api
+descriptors:
+  - key: user_agent
+    value: badbot
+    rate_limit: {unit: minute, requests_per_unit: 0, name: bots, replaces: [{name: per-user}]}
+  - key: user
+    rate_limit: {unit: second, requests_per_unit: 5, name: per-user}
+  - key: scanner
+    value: yes
+    rate_limit: {unit: second, requests_per_unit: 1, replaces: [{name: bots}]}
+"#;
+    for windows in [false, true] {
+        let options = ImportOptions::default().fixed_windows(windows);
+        let imported = tollgate_policy::import_envoy_with("ratelimit.yaml", text, options)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let p = compile("out.yaml", &imported.policy)
+            .unwrap_or_else(|e| panic!("{e}\n{}", imported.policy));
+        assert!(particular(&imported).is_empty(), "{:?}", imported.notes);
+        let bots = p
+            .limits()
+            .iter()
+            .find(|l| l.name() == "bots")
+            .unwrap_or_else(|| panic!("{}", imported.policy));
+        assert!(bots.deny() && bots.rate().is_none() && bots.overrides().is_empty());
+        let entry = imported
+            .policy
+            .split("  - name: ")
+            .find(|l| l.starts_with("\"bots\""))
+            .unwrap_or_default();
+        assert!(entry.contains("deny: true"), "{entry}");
+        for absent in ["capacity", "refill", "algorithm", "limit:", "window"] {
+            assert!(!entry.contains(absent), "{absent} in {entry}");
+        }
+        assert_eq!(
+            matched(&p, "api", &[("user_agent", "badbot")]),
+            ["bots deny"]
+        );
+        assert_eq!(
+            matched(&p, "api", &[("user_agent", "curl")]),
+            Vec::<String>::new()
+        );
+        let names = |d: &[&[(&str, &str)]]| -> Vec<String> {
+            p.matches("api", d, UnixTime::from_secs(0))
+                .iter()
+                .map(|m| m.limit.name().to_owned())
+                .collect()
+        };
+        // The deny replaces the per-user limit, and a scanner's limit replaces the deny.
+        assert_eq!(
+            names(&[&[("user_agent", "badbot")], &[("user", "u1")]]),
+            ["bots"]
+        );
+        assert_eq!(
+            names(&[&[("user_agent", "badbot")], &[("scanner", "yes")]]),
+            ["api.scanner_yes"]
+        );
+        // The notes on counting and order stay: the other limits count.
+        assert!(
+            imported.notes[0].starts_with("envoy counts"),
+            "{:?}",
+            imported.notes
+        );
+    }
+    // Only denies: nothing counts, so no note on counting.
+    let only = "domain: api\ndescriptors:\n  - key: user_agent\n    value: badbot\n    rate_limit: {unit: second, requests_per_unit: 0}\n";
+    let (imported, _) = import(only);
+    assert!(
+        !imported.notes.iter().any(|n| n.starts_with("envoy counts")),
+        "{:?}",
+        imported.notes
+    );
+}
+
+/// A deny limit's overrides only take requests out, so what would be an override with
+/// parameters of one stays a limit of its own, and the deny leaves its values out: a value
+/// beside a denied key-only node, and a limit under a value shaped as one under it.
+#[test]
+fn what_a_deny_cannot_take_as_an_override_stays_a_limit_of_its_own() {
+    let text = r#"
+domain: d
+descriptors:
+  - key: country
+    rate_limit: {unit: second, requests_per_unit: 0}
+    descriptors:
+      - key: user
+        rate_limit: {unit: second, requests_per_unit: 0}
+  - key: country
+    value: US
+    rate_limit: {unit: second, requests_per_unit: 100}
+    descriptors:
+      - key: user
+        rate_limit: {unit: second, requests_per_unit: 5}
+  - key: country
+    value: CA
+  - key: country
+    value: KP
+    rate_limit: {unit: second, requests_per_unit: 0}
+"#;
+    let (imported, p) = import(text);
+    assert!(particular(&imported).is_empty(), "{:?}", imported.notes);
+    for limit in p.limits().iter().filter(|l| l.deny()) {
+        assert!(
+            limit.overrides().iter().all(|o| o.unlimited()),
+            "{}",
+            imported.policy
+        );
+    }
+    let m = |d: &[(&str, &str)]| matched(&p, "d", d);
+    assert_eq!(m(&[("country", "FR")]), ["d.country|FR deny"]);
+    assert_eq!(
+        m(&[("country", "US")]),
+        ["d.country_US capacity 100 refill 100/s"]
+    );
+    // No rate_limit on CA: Envoy applies nothing to it.
+    assert_eq!(m(&[("country", "CA")]), Vec::<String>::new());
+    assert_eq!(m(&[("country", "KP")]), ["d.country_KP deny"]);
+    assert_eq!(
+        m(&[("country", "FR"), ("user", "u1")]),
+        ["d.country.user|FR|u1 deny"]
+    );
+    assert_eq!(
+        m(&[("country", "US"), ("user", "u1")]),
+        ["d.country_US.user|u1 capacity 5 refill 5/s"]
+    );
+    // Envoy walks CA's (empty) subtree, not the key-only node's.
+    assert_eq!(
+        m(&[("country", "CA"), ("user", "u1")]),
+        Vec::<String>::new()
     );
 }
 

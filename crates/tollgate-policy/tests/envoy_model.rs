@@ -1,7 +1,8 @@
 //! The Envoy import against a model of envoyproxy/ratelimit's own lookup: for random
 //! configurations and requests, the imported policy applies exactly the limits Envoy would, in
 //! their modes, less those another one of the request replaces (or none where Envoy applies
-//! none), as token buckets or, with `--fixed-windows`, fixed windows of the same `N` per unit.
+//! none), as token buckets or, with `--fixed-windows`, fixed windows of the same `N` per unit,
+//! and where Envoy's limit is `requests_per_unit: 0` ("deny all"), a deny.
 //!
 //! The model walks the descriptor's entries down the tree as envoyproxy/ratelimit does: at each
 //! level the node with the entry's exact value, else the first wildcard value (`foo*`, in file
@@ -35,7 +36,7 @@ struct Node {
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Rate {
-    /// Requests per second.
+    /// Requests per `unit` (a second, unless 0: Envoy's "deny all", whose unit is then any).
     Limited(u32),
     Unlimited,
     /// No `rate_limit` at all.
@@ -48,6 +49,7 @@ const WILDCARDS: &[&str] = &["a*", "ab*", "b*", "*"];
 fn rate() -> impl Strategy<Value = Rate> {
     prop_oneof![
         4 => (1u32..50).prop_map(Rate::Limited),
+        2 => Just(Rate::Limited(0)),
         1 => Just(Rate::Unlimited),
         2 => Just(Rate::Absent),
     ]
@@ -102,6 +104,10 @@ fn level(depth: u32) -> BoxedStrategy<Vec<Node>> {
         .boxed()
 }
 
+/// Units a deny is written with: a deny counts nothing, so none of them (month and year
+/// included, which a limit approximates with a note) may change the import.
+const DENY_UNITS: &[&str] = &["second", "minute", "hour", "day", "week", "month", "year"];
+
 fn render(nodes: &[Node], indent: usize, out: &mut String) {
     let pad = " ".repeat(indent);
     for node in nodes {
@@ -116,8 +122,16 @@ fn render(nodes: &[Node], indent: usize, out: &mut String) {
                     .iter()
                     .map(|r| format!("{{name: {r}}}"))
                     .collect();
+                // A deny's unit, picked by its number (`n7`): any of them.
+                let unit = match n {
+                    0 => {
+                        let number: usize = node.name[1..].parse().unwrap_or_default();
+                        DENY_UNITS[number % DENY_UNITS.len()]
+                    }
+                    _ => "second",
+                };
                 out.push_str(&format!(
-                    "{pad}  rate_limit: {{unit: second, requests_per_unit: {n}, name: {}, replaces: [{}]}}\n",
+                    "{pad}  rate_limit: {{unit: {unit}, requests_per_unit: {n}, name: {}, replaces: [{}]}}\n",
                     node.name,
                     replaces.join(", ")
                 ));
@@ -214,7 +228,7 @@ fn descriptor() -> impl Strategy<Value = Vec<(String, String)>> {
         .prop_map(|(len, e1, e2, e3, e4)| [e1, e2, e3, e4].into_iter().take(len).collect())
 }
 
-/// The general notes every import with limits carries.
+/// The general notes an import with limits carries (the one on counting, when one counts).
 fn general(note: &str) -> bool {
     note.starts_with("envoy counts requests in calendar fixed windows")
         || note.starts_with("envoy matches descriptor entries in order")
@@ -251,28 +265,36 @@ proptest! {
                 .collect();
             let replaced: Vec<&String> =
                 found.iter().flat_map(|(_, node)| &node.replaces).collect();
-            let mut expected: Vec<(usize, u64, String, &str, &str)> = found
+            // (descriptor, what decides it, mode): `N N/s algorithm`, or `deny`, which has no
+            // parameters to compare.
+            let mut expected: Vec<(usize, String, &str)> = found
                 .iter()
                 .filter(|(_, node)| !replaced.contains(&&node.name))
-                .filter_map(|&(i, node)| match node.rate {
-                    Rate::Limited(n) => {
-                        let mode = if node.shadow { "shadow" } else { "enforce" };
-                        Some((i, u64::from(n), format!("{n}/s"), algorithm, mode))
+                .filter_map(|&(i, node)| {
+                    let mode = if node.shadow { "shadow" } else { "enforce" };
+                    match node.rate {
+                        Rate::Limited(0) => Some((i, "deny".to_owned(), mode)),
+                        Rate::Limited(n) => Some((i, format!("{n} {n}/s {algorithm}"), mode)),
+                        _ => None,
                     }
-                    _ => None,
                 })
                 .collect();
-            let mut applied: Vec<(usize, u64, String, &str, &str)> = policy
+            let mut applied: Vec<(usize, String, &str)> = policy
                 .matches("model", descriptors, UnixTime::from_secs(0))
                 .iter()
                 .map(|m| {
-                    (
-                        m.descriptor,
-                        m.params().capacity(),
-                        m.params().refill().to_string(),
-                        m.params().algorithm().as_str(),
-                        m.effect.as_str(),
-                    )
+                    let params = m.params();
+                    let decides = if m.denied {
+                        "deny".to_owned()
+                    } else {
+                        format!(
+                            "{} {} {}",
+                            params.capacity(),
+                            params.refill(),
+                            params.algorithm().as_str()
+                        )
+                    };
+                    (m.descriptor, decides, m.effect.as_str())
                 })
                 .collect();
             expected.sort();
