@@ -876,7 +876,12 @@ impl PolicyEngine {
             let key = store_key(&m.bucket_key, m.tag);
             let cost = cost.of(m.descriptor);
             let refund = used.map_or(0, |used| cost - used.of(m.descriptor));
-            match buckets.iter().position(|(k, ..)| *k == key) {
+            // A denial shares no slot with a bucket the store decides (a descriptor asking
+            // for a denial beside one of the same values that does not).
+            let same = |(k, .., first): &(Box<str>, Limit, u64, usize)| {
+                *k == key && matched[*first].denied == m.denied
+            };
+            match buckets.iter().position(same) {
                 Some(slot) => {
                     buckets[slot].2 = buckets[slot].2.saturating_add(cost);
                     if let Some(total) = refunds.get_mut(slot) {

@@ -234,9 +234,20 @@ pub trait Descriptor<S> {
     fn entries(&self) -> &[(S, S)];
 
     /// The limit the sender asks for, if any.
-    fn requested_limit(&self) -> Option<&Limit> {
+    fn requested_limit(&self) -> Option<RequestedLimit> {
         None
     }
+}
+
+/// A limit a descriptor asks for (Envoy's `limit` action): a rate, or none at all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RequestedLimit {
+    /// This rate, in a bucket of its own.
+    Rate(Limit),
+    /// Nothing admitted (Envoy's `requests_per_unit: 0`): the request is denied, as by a
+    /// [`LimitDef::deny`] limit.
+    Deny,
 }
 
 impl<S, T: AsRef<[(S, S)]> + ?Sized> Descriptor<S> for T {
@@ -249,14 +260,15 @@ impl<S, T: AsRef<[(S, S)]> + ?Sized> Descriptor<S> for T {
 ///
 /// ```
 /// use tollgate::Limit;
-/// use tollgate_policy::{Descriptor, RequestDescriptor};
+/// use tollgate_policy::{Descriptor, RequestDescriptor, RequestedLimit};
 ///
+/// let fifty = Limit::per(50, std::time::Duration::from_secs(60))?;
 /// let sent = RequestDescriptor {
 ///     entries: vec![("route", "checkout")],
-///     limit: Some(Limit::per(50, std::time::Duration::from_secs(60))?),
+///     limit: Some(RequestedLimit::Rate(fifty)),
 /// };
 /// assert_eq!(sent.entries(), &[("route", "checkout")]);
-/// assert_eq!(sent.requested_limit().map(Limit::capacity), Some(50));
+/// assert_eq!(sent.requested_limit(), Some(RequestedLimit::Rate(fifty)));
 /// # Ok::<(), tollgate::Error>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -265,7 +277,7 @@ pub struct RequestDescriptor<S> {
     pub entries: Vec<(S, S)>,
     /// The limit asked for: taken by the limits that apply it in place of their own
     /// parameters, ignored by the others.
-    pub limit: Option<Limit>,
+    pub limit: Option<RequestedLimit>,
 }
 
 impl<S> Descriptor<S> for RequestDescriptor<S> {
@@ -273,8 +285,8 @@ impl<S> Descriptor<S> for RequestDescriptor<S> {
         &self.entries
     }
 
-    fn requested_limit(&self) -> Option<&Limit> {
-        self.limit.as_ref()
+    fn requested_limit(&self) -> Option<RequestedLimit> {
+        self.limit
     }
 }
 
@@ -915,7 +927,7 @@ impl Policy {
         &'p self,
         index: u32,
         position: usize,
-        (entries, requested): (&[(S, S)], Option<&Limit>),
+        (entries, requested): (&[(S, S)], Option<RequestedLimit>),
         now: UnixTime,
         out: &mut Vec<Matched<'p, P>>,
     ) {
@@ -936,9 +948,15 @@ impl Policy {
         }
         // A limit the descriptor asks for, where this limit applies one, takes the place of
         // its own parameters and its overrides'; its tag gives it a bucket of its own.
-        let asked = requested
-            .filter(|_| limit.request_limit)
-            .and_then(|asked| Some((P::requested(asked)?, asked)));
+        // A denial asked for keeps the limit's own parameters and bucket key, which decide
+        // nothing.
+        let asked = match requested.filter(|_| limit.request_limit) {
+            Some(RequestedLimit::Rate(sent)) => {
+                P::requested(&sent).map(|params| Some((params, key::rate_tag(&sent))))
+            }
+            Some(RequestedLimit::Deny) => Some(None),
+            None => None,
+        };
         let override_ = match asked {
             Some(_) => None,
             None => limit.overrides.iter().find(|o| all_hold(&o.when, entries)),
@@ -947,9 +965,9 @@ impl Policy {
             return;
         }
         let (params, tag) = match asked {
-            Some((params, asked)) => (params, key::rate_tag(asked)),
+            Some(Some(rate)) => rate,
             // An override's parameters are of its limit's kind (compile makes sure).
-            None => match P::pick(override_.map_or(&limit.params, |o| &o.params)) {
+            _ => match P::pick(override_.map_or(&limit.params, |o| &o.params)) {
                 Some(params) => (*params, override_.map_or(limit.tag, |o| o.tag)),
                 None => return,
             },
@@ -988,7 +1006,7 @@ impl Policy {
             bucket_key,
             effect,
             requested: asked.is_some(),
-            denied: limit.deny || override_.is_some_and(|o| o.deny),
+            denied: limit.deny || override_.is_some_and(|o| o.deny) || matches!(asked, Some(None)),
             params,
             tag,
         });

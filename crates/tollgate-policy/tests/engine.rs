@@ -9,7 +9,8 @@ use parking_lot::Mutex;
 use tollgate::{Clock, Limit, ManualClock, block_on_ready};
 use tollgate_policy::audit::AuditLog;
 use tollgate_policy::{
-    EngineOptions, ManualWallClock, PolicyEngine, RequestDescriptor, UnixTime, compile,
+    EngineOptions, ManualWallClock, PolicyEngine, RequestDescriptor, RequestedLimit, UnixTime,
+    compile,
 };
 
 const NOW: UnixTime = UnixTime::from_secs(1_790_000_000); // 2026-09-21
@@ -2018,7 +2019,7 @@ fn a_limit_sent_with_a_descriptor_decides_in_a_bucket_of_its_own() {
     let take = |limit: Option<Limit>| {
         let sent = [RequestDescriptor {
             entries: vec![("route", "search")],
-            limit,
+            limit: limit.map(RequestedLimit::Rate),
         }];
         let outcome = r
             .engine
@@ -2051,7 +2052,7 @@ fn a_limit_sent_with_a_descriptor_decides_in_a_bucket_of_its_own() {
     // A cost above the limit asked for can never pass: a typed error, nothing charged.
     let sent = [RequestDescriptor {
         entries: vec![("route", "bulk")],
-        limit: Some(per_minute(3)),
+        limit: Some(RequestedLimit::Rate(per_minute(3))),
     }];
     let err = r.engine.decide("api", &sent, 4, None).map(|o| o.allowed);
     assert!(
@@ -2072,6 +2073,39 @@ fn a_limit_sent_with_a_descriptor_decides_in_a_bucket_of_its_own() {
         .decide("api", &sent, 1, None)
         .map(|o| o.limits[0].decision.map(|d| d.remaining()));
     assert_eq!(bulk.ok().flatten(), Some(2));
+}
+
+/// Envoy's `requests_per_unit: 0` sent with a descriptor, where the limit applies limits sent:
+/// a denial, charging nothing, and kept apart from a descriptor of the same values that asks
+/// for nothing.
+#[test]
+fn a_denial_sent_with_a_descriptor_denies_where_the_limit_applies_it() {
+    let r = rig(REQUEST_LIMIT);
+    let sent = |limit| RequestDescriptor {
+        entries: vec![("route", "search")],
+        limit,
+    };
+    let outcome = r
+        .engine
+        .decide("api", &[sent(Some(RequestedLimit::Deny))], 1, None)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(!outcome.allowed);
+    assert!(outcome.limits[0].decision.is_some_and(|d| d.is_denied()));
+    // Both at once: the same bucket key, yet the one asking for nothing is decided by the
+    // bucket (read, not charged, as the request is denied).
+    let both = [sent(None), sent(Some(RequestedLimit::Deny))];
+    let outcome = r.engine.decide("api", &both, 1, None).unwrap();
+    assert!(!outcome.allowed);
+    let denied: Vec<bool> = outcome
+        .limits
+        .iter()
+        .map(|l| l.decision.is_some_and(|d| d.is_denied()))
+        .collect();
+    assert_eq!(denied, [false, true], "{outcome:?}");
+    assert_eq!(outcome.limits[0].bucket_key, outcome.limits[1].bucket_key);
+    // Nothing was charged by either denied request.
+    let outcome = r.engine.decide("api", &[sent(None)], 1, None).unwrap();
+    assert_eq!(outcome.limits[0].decision.map(|d| d.remaining()), Some(99));
 }
 
 /// A block list beside ordinary limits: a deny limit with an exception and an exemption, a deny

@@ -3,7 +3,9 @@
 use std::time::Duration;
 
 use tollgate::Limit;
-use tollgate_policy::{Effect, FailureMode, Mode, Policy, RequestDescriptor, UnixTime, compile};
+use tollgate_policy::{
+    Effect, FailureMode, Mode, Policy, RequestDescriptor, RequestedLimit, UnixTime, compile,
+};
 
 const POLICY: &str = r#"
 version: "12"
@@ -523,10 +525,11 @@ fn a_limit_sent_with_a_descriptor_decides_where_the_limit_applies_it() {
     assert!(p.applies_request_limits("edge"));
     assert!(!p.applies_request_limits("other"));
     let per_minute = |n| Limit::per(n, Duration::from_secs(60)).unwrap_or_else(|e| panic!("{e}"));
-    let sent = |route: &'static str, client: &'static str, limit| RequestDescriptor {
-        entries: vec![("route", route), ("client", client)],
-        limit,
-    };
+    let sent =
+        |route: &'static str, client: &'static str, limit: Option<Limit>| RequestDescriptor {
+            entries: vec![("route", route), ("client", client)],
+            limit: limit.map(RequestedLimit::Rate),
+        };
     let seen = |descriptor: RequestDescriptor<&str>| -> Vec<(String, String, bool)> {
         p.matches("edge", &[descriptor], NOW)
             .iter()
@@ -788,8 +791,8 @@ fn the_documented_example_is_a_valid_policy() {
     let end = doc[start..].find("```").map_or(doc.len(), |i| start + i);
     let p = compile("docs/policy.md", &doc[start..end]).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(p.version(), "2026-11-30.1");
-    assert_eq!(p.limits().len(), 6);
-    assert_eq!(p.limits()[5].algorithm(), "sliding_window");
+    assert_eq!(p.limits().len(), 7);
+    assert_eq!(p.limits()[6].algorithm(), "sliding_window");
     // The partner plan's limit takes the place of per-tenant.
     let partner = [("tenant", "globex"), ("plan", "partner")];
     let keys: Vec<String> = p
@@ -816,6 +819,22 @@ fn the_documented_example_is_a_valid_policy() {
         .map(|m| m.bucket_key)
         .collect();
     assert_eq!(keys, ["per-tenant|globex"]);
+    // The banned tier is denied by payments-per-user; the block list denies its addresses
+    // but the one it makes an exception of.
+    let banned = [pay[0], pay[1], pay[2], pay[3], ("tier", "banned")];
+    let m = p.matches("api", &[banned], NOW);
+    assert!(m[0].denied && m[0].bucket_key.ends_with("#banned"));
+    let denied = |address: &str| {
+        let m = p.matches("edge", &[[("remote_address", address)]], NOW);
+        m.iter()
+            .map(|m| (m.limit.name().to_owned(), m.denied))
+            .collect::<Vec<_>>()
+    };
+    let blocked = || ("blocked-addresses".to_owned(), true);
+    let per_ip = || ("per-ip".to_owned(), false);
+    assert_eq!(denied("203.0.113.7"), [blocked(), per_ip()]);
+    assert_eq!(denied("203.0.113.9"), [per_ip()]);
+    assert_eq!(denied("198.51.100.1"), [per_ip()]);
     let before_expiry = UnixTime::from_secs(1_790_000_000);
     let acme = [
         ("route", "/v1/payments"),

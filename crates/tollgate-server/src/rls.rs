@@ -37,7 +37,9 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
 use tollgate::{Decision, Limit};
-use tollgate_policy::{Costs, Error as PolicyError, LimitOutcome, Outcome, RequestDescriptor};
+use tollgate_policy::{
+    Costs, Error as PolicyError, LimitOutcome, Outcome, RequestDescriptor, RequestedLimit,
+};
 use tonic::{Request, Response, Status};
 
 use crate::decider::{DecideError, Decider, Request as Decide};
@@ -116,10 +118,6 @@ type Sent = RequestDescriptor<String>;
 enum SentLimitError {
     #[error("unit {0} is not a known unit")]
     UnknownUnit(i32),
-    /// Envoy's "deny all": tollgate has no limit that admits nothing, and reading it as any
-    /// other limit would admit something.
-    #[error("requests_per_unit 0 cannot be applied: a limit admits at least 1")]
-    DenyAll,
     /// Not a limit the core (or the store) can keep exactly.
     #[error(transparent)]
     Unrepresentable(#[from] tollgate::Error),
@@ -127,8 +125,9 @@ enum SentLimitError {
 
 /// The limit a descriptor carries, as tollgate's: `requests_per_unit` a unit is a bucket of
 /// that many refilled as many a unit, as a `rate_limit` of envoyproxy/ratelimit's file is
-/// imported. A month is 30 days and a year 365, as there.
-fn requested_limit(sent: &RateLimitOverride) -> Result<Limit, SentLimitError> {
+/// imported (a month is 30 days and a year 365, as there), and 0, Envoy's "deny all", a
+/// denial.
+fn requested_limit(sent: &RateLimitOverride) -> Result<RequestedLimit, SentLimitError> {
     const DAY: u64 = 86_400;
     let seconds = match RateLimitUnit::try_from(sent.unit) {
         Ok(RateLimitUnit::Second) => 1,
@@ -140,12 +139,12 @@ fn requested_limit(sent: &RateLimitOverride) -> Result<Limit, SentLimitError> {
         Ok(RateLimitUnit::Unknown) | Err(_) => return Err(SentLimitError::UnknownUnit(sent.unit)),
     };
     if sent.requests_per_unit == 0 {
-        return Err(SentLimitError::DenyAll);
+        return Ok(RequestedLimit::Deny);
     }
-    Ok(Limit::per(
+    Ok(RequestedLimit::Rate(Limit::per(
         u64::from(sent.requests_per_unit),
         Duration::from_secs(seconds),
-    )?)
+    )?))
 }
 
 /// Descriptors and their costs, checked against the same bounds as the HTTP API. The
@@ -194,7 +193,10 @@ fn parse(
                 Some(sent) => Some(
                     requested_limit(sent)
                         .and_then(|limit| {
-                            decider.supports(&limit)?;
+                            // A denial needs no store, so any store supports it.
+                            if let RequestedLimit::Rate(rate) = &limit {
+                                decider.supports(rate)?;
+                            }
                             Ok(limit)
                         })
                         .map_err(|reason| {
@@ -456,13 +458,21 @@ mod tests {
             (3, RateLimitUnit::Month, 30 * day),
             (u32::MAX, RateLimitUnit::Year, 365 * day),
         ] {
-            let limit = requested_limit(&sent(requests, unit)).unwrap();
+            let Ok(RequestedLimit::Rate(limit)) = requested_limit(&sent(requests, unit)) else {
+                panic!("{requests} a {unit:?} is a rate");
+            };
             assert_eq!(limit.capacity(), u64::from(requests));
             assert_eq!(limit.refill().amount(), u64::from(requests));
             assert_eq!(limit.refill().period(), Duration::from_secs(seconds));
         }
+        // Envoy's "deny all", whatever the unit.
+        for unit in [RateLimitUnit::Second, RateLimitUnit::Year] {
+            assert_eq!(
+                requested_limit(&sent(0, unit)).ok(),
+                Some(RequestedLimit::Deny)
+            );
+        }
         for (limit, fragment) in [
-            (sent(0, RateLimitUnit::Minute), "requests_per_unit 0"),
             (
                 sent(10, RateLimitUnit::Unknown),
                 "unit 0 is not a known unit",

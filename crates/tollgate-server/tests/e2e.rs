@@ -343,17 +343,19 @@ async fn a_limit_sent_with_a_descriptor_decides_where_the_policy_applies_it() {
         (own.overall_code, own.statuses[0].limit_remaining),
         (ok, 99)
     );
-    // Envoy's "deny all" cannot be applied: refused, not read as some other limit.
-    let refused = should_rate_limit(&server, asking(Some(0)))
-        .await
-        .unwrap_err();
-    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
-    assert!(
-        refused
-            .message()
-            .contains("descriptors[0].limit: requests_per_unit 0"),
-        "{refused:?}"
-    );
+    // Envoy's "deny all": denied, reported as 0 a second, and the own bucket left untouched.
+    for _ in 0..2 {
+        let denied = should_rate_limit(&server, asking(Some(0))).await.unwrap();
+        let status = &denied.statuses[0];
+        let limit = status.current_limit.clone().unwrap_or_default();
+        assert_eq!(
+            (denied.overall_code, limit.requests_per_unit, limit.unit),
+            (over, 0, 1),
+            "{denied:?}"
+        );
+    }
+    let own = should_rate_limit(&server, asking(None)).await.unwrap();
+    assert_eq!(own.statuses[0].limit_remaining, 98);
     // The policy says which limits apply what is sent.
     let http = server.http;
     let listed = tokio::task::spawn_blocking(move || request(http, "GET", "/v1/policy", &[], ""))
