@@ -98,6 +98,17 @@ fn bench(c: &mut Criterion) {
     });
     group.finish();
 
+    // The same request from a tenant on a block list: one deny limit more, and the other
+    // buckets only read (nothing charged).
+    let blocked_text = format!(
+        "{text}  - name: blocked\n    domain: domain-2\n    when: {{tenant: evil}}\n    deny: true\n"
+    );
+    let blocked_policy = match compile("bench.yaml", &blocked_text) {
+        Ok(policy) => policy,
+        Err(err) => panic!("{err}"),
+    };
+    let denied = [hit[0], hit[1], ("tenant", "evil"), hit[3], hit[4]];
+
     let clock = ManualClock::new();
     let engine = PolicyEngine::new(
         policy,
@@ -114,6 +125,27 @@ fn bench(c: &mut Criterion) {
             black_box(
                 engine
                     .decide(black_box("domain-2"), black_box(&[hit]), 1, None)
+                    .map(|o| o.allowed),
+            )
+        })
+    });
+    let blocked = PolicyEngine::new(
+        blocked_policy,
+        EngineOptions::default()
+            .clock(Arc::new(clock.clone()))
+            .wall_clock(Arc::new(ManualWallClock::new(now))),
+    );
+    assert!(
+        blocked
+            .decide("domain-2", &[denied], 1, None)
+            .is_ok_and(|o| !o.allowed && o.limits.len() == found + 1)
+    );
+    group.bench_function(format!("memory_store_denied_{}_limits", found + 1), |b| {
+        b.iter(|| {
+            clock.advance(std::time::Duration::from_secs(1));
+            black_box(
+                blocked
+                    .decide(black_box("domain-2"), black_box(&[denied]), 1, None)
                     .map(|o| o.allowed),
             )
         })

@@ -81,6 +81,16 @@ fn plain_conditions(when: &BTreeMap<String, WhenValue>) -> Conditions {
             let test = match v {
                 WhenValue::Exact(text) => ValueMatch::Exact(text.as_str().into()),
                 WhenValue::Prefix(text) => ValueMatch::Prefix(text.as_str().into()),
+                WhenValue::AnyOf(values) => {
+                    let mut values: Vec<Box<str>> =
+                        values.iter().map(|v| v.as_str().into()).collect();
+                    values.sort_unstable();
+                    values.dedup();
+                    match <[Box<str>; 1]>::try_from(values) {
+                        Ok([one]) => ValueMatch::Exact(one),
+                        Err(values) => ValueMatch::AnyOf(values.into_boxed_slice()),
+                    }
+                }
             };
             (k.as_str().into(), test)
         })
@@ -1041,11 +1051,12 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
     for limit in &limits {
         let domain = &*limit.domain;
         for (entry, test) in &*limit.when {
-            let uses = match test {
-                ValueMatch::Exact(_) => &mut pair_use,
-                ValueMatch::Prefix(_) => &mut prefix_use,
-            };
-            *uses.entry((domain, &**entry, test.text())).or_default() += 1;
+            if let ValueMatch::Prefix(prefix) = test {
+                *prefix_use.entry((domain, &**entry, prefix)).or_default() += 1;
+            }
+            for value in test.exact_values() {
+                *pair_use.entry((domain, &**entry, value)).or_default() += 1;
+            }
         }
         for entry in &*limit.key {
             *entry_use.entry((domain, &**entry)).or_default() += 1;
@@ -1055,10 +1066,23 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
         (0..limit.when.len())
             .filter(|&i| matches!(limit.when[i].1, ValueMatch::Prefix(_)) == prefix)
             .min_by_key(|&i| {
+                // A list of values is as rare as its most shared value: a request with that
+                // value tries every limit filed there.
                 let (entry, test) = &limit.when[i];
-                uses.get(&(&*limit.domain, &**entry, test.text()))
-                    .copied()
-                    .unwrap_or(0)
+                let uses_of = |value: &str| {
+                    uses.get(&(&*limit.domain, &**entry, value))
+                        .copied()
+                        .unwrap_or(0)
+                };
+                match test {
+                    ValueMatch::Prefix(prefix) => uses_of(prefix),
+                    _ => test
+                        .exact_values()
+                        .iter()
+                        .map(|v| uses_of(v))
+                        .max()
+                        .unwrap_or(0),
+                }
             })
     };
     #[derive(Default)]
@@ -1091,7 +1115,21 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
             Filed::Always
         };
         let list = match filed {
-            Filed::Pair(i) => staged.pairs.entry(hasher.hash_one(condition(i))),
+            Filed::Pair(i) => {
+                // Under each of its values; two of them whose hashes collide file it once.
+                let entry = &*limit.when[i].0;
+                for value in limit.when[i].1.exact_values() {
+                    let list = staged
+                        .pairs
+                        .entry(hasher.hash_one((entry, &**value)))
+                        .or_default();
+                    if list.last() != Some(&limit.index) {
+                        list.push(limit.index);
+                    }
+                }
+                filed_at.push(filed);
+                continue;
+            }
             Filed::Prefix(i) => {
                 let (entry, prefix) = condition(i);
                 staged.lengths.entry(entry).or_default().push(prefix.len());

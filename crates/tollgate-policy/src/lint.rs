@@ -220,14 +220,14 @@ fn star_values<'a>(
     warnings: &mut Vec<Warning>,
 ) {
     for (entry, test) in when {
-        if let ValueMatch::Exact(value) = test
-            && value.ends_with('*')
-        {
-            warnings.push(Warning::StarValue {
-                limit: limit.to_owned(),
-                entry: entry.to_owned(),
-                value: value.to_string(),
-            });
+        for value in test.exact_values() {
+            if value.ends_with('*') {
+                warnings.push(Warning::StarValue {
+                    limit: limit.to_owned(),
+                    entry: entry.to_owned(),
+                    value: value.to_string(),
+                });
+            }
         }
     }
 }

@@ -19,7 +19,7 @@
 //! filed once, under the most specific thing it requires:
 //!
 //! * the exact `when` entry and value (a hash of the pair) that the fewest limits of its domain
-//!   share, or else
+//!   share (a list of values: under each of its values), or else
 //! * the `!prefix` condition (a hash of the entry and the prefix) that the fewest share, or else
 //! * the `key` entry name that the fewest share, or else
 //! * nothing: it applies to every descriptor of the domain.
@@ -57,6 +57,9 @@ pub enum ValueMatch {
     Exact(Box<str>),
     /// The value starts with this text (the empty text: any value, the entry being present).
     Prefix(Box<str>),
+    /// The value is one of these (a list in the file: `method: [GET, HEAD]`), kept sorted
+    /// and without repeats, at least two (a list of one is [`Exact`](Self::Exact)).
+    AnyOf(Box<[Box<str>]>),
 }
 
 impl ValueMatch {
@@ -66,22 +69,35 @@ impl ValueMatch {
         match self {
             Self::Exact(text) => value == &**text,
             Self::Prefix(text) => value.starts_with(&**text),
+            Self::AnyOf(values) => values.binary_search_by(|v| (**v).cmp(value)).is_ok(),
         }
     }
 
-    /// The text the file gave: the value, or the prefix.
+    /// The text the file gave: the value, or the prefix; of a list, its first value in sorted
+    /// order (a value it matches).
     pub fn text(&self) -> &str {
         match self {
             Self::Exact(text) | Self::Prefix(text) => text,
+            Self::AnyOf(values) => values.first().map_or("", |v| v),
         }
     }
 
     /// Whether every value this condition matches also matches `wider`.
     pub fn within(&self, wider: &Self) -> bool {
-        match (self, wider) {
-            (Self::Exact(a), Self::Exact(b)) => a == b,
-            (Self::Exact(a) | Self::Prefix(a), Self::Prefix(b)) => a.starts_with(&**b),
-            (Self::Prefix(_), Self::Exact(_)) => false,
+        match self {
+            Self::Exact(value) => wider.matches(value),
+            Self::AnyOf(values) => values.iter().all(|v| wider.matches(v)),
+            // Infinitely many values: only a prefix of the prefix holds them all.
+            Self::Prefix(a) => matches!(wider, Self::Prefix(b) if a.starts_with(&**b)),
+        }
+    }
+
+    /// The exact values it is filed under in an index: its value, or each of its list's.
+    pub(crate) fn exact_values(&self) -> &[Box<str>] {
+        match self {
+            Self::Exact(value) => std::slice::from_ref(value),
+            Self::AnyOf(values) => values,
+            Self::Prefix(_) => &[],
         }
     }
 }
@@ -644,11 +660,12 @@ pub(crate) enum Filed {
 }
 
 impl LimitDef {
-    /// The exact pair the limit is filed under, if any.
-    fn filed_pair(&self) -> Option<(&str, &str)> {
+    /// Whether the limit is filed under the exact pair (`entry`, `value`): its condition there
+    /// is that value, or a list holding it.
+    fn filed_under_pair(&self, entry: &str, value: &str) -> bool {
         match self.filed {
-            Filed::Pair(i) => Some((&*self.when[i].0, self.when[i].1.text())),
-            _ => None,
+            Filed::Pair(i) => &*self.when[i].0 == entry && self.when[i].1.matches(value),
+            _ => false,
         }
     }
 
@@ -851,7 +868,7 @@ impl Policy {
                         // A hash collision could file another pair's limits here: check the
                         // pair this limit is filed under, so it is tried once only.
                         let candidate = &self.limits[limit as usize];
-                        if candidate.filed_pair() == Some((entry, value)) {
+                        if candidate.filed_under_pair(entry, value) {
                             found(limit, out);
                         }
                     }

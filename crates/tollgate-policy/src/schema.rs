@@ -360,10 +360,16 @@ impl<'de> Deserialize<'de> for Text {
 /// A YAML tag, not a map such as `{prefix: …}`: the parser hands a string request the scalar's
 /// own text (`01234` stays `01234`) but has no way to ask "a string or a map" without resolving
 /// the scalar into a number first.
+///
+/// A list of values (`method: [GET, HEAD]`) matches any of them. Telling a list from a scalar
+/// needs the deserializer's "any" request, which resolves a plain scalar such as `01234` or
+/// `true` before handing it over; such a scalar's text is then read back from the source, at
+/// the position the parser reports for it (see [`Source`]), so it is still taken as written.
 #[derive(Debug)]
 pub(crate) enum WhenValue {
     Exact(String),
     Prefix(String),
+    AnyOf(Vec<String>),
 }
 
 /// The tag of `!prefix` as the parser reports it.
@@ -371,7 +377,27 @@ const PREFIX_TAG: &str = "!prefix";
 
 impl<'de> Deserialize<'de> for WhenValue {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        let Tagged(Text(text), tag) = Tagged::<Text>::deserialize(deserializer)?;
+        let Tagged(spanned, tag) = Tagged::<Spanned<Raw>>::deserialize(deserializer)?;
+        let text = match spanned.value {
+            Raw::Text(text) => text,
+            Raw::Resolved => Source::text_at(spanned.referenced).ok_or_else(|| {
+                de::Error::custom("this value could not be read back as written: quote it")
+            })?,
+            Raw::List(values) if tag.is_none() => {
+                if values.is_empty() {
+                    return Err(de::Error::custom(
+                        "an empty list of values matches nothing: give at least one",
+                    ));
+                }
+                return Ok(Self::AnyOf(values.into_iter().map(|Text(v)| v).collect()));
+            }
+            Raw::List(_) => {
+                return Err(de::Error::custom(
+                    "a tag applies to one value: write a list of plain values, or one tagged \
+                     value",
+                ));
+            }
+        };
         match tag.as_deref() {
             None | Some("tag:yaml.org,2002:str") => Ok(Self::Exact(text)),
             Some(PREFIX_TAG) => Ok(Self::Prefix(text)),
@@ -380,6 +406,107 @@ impl<'de> Deserialize<'de> for WhenValue {
                  or `!prefix VALUE` to match the values that start with it"
             ))),
         }
+    }
+}
+
+/// A `when` value as the deserializer's "any" request hands it over.
+enum Raw {
+    /// A string, as written.
+    Text(String),
+    /// A plain scalar the parser resolved (a number, a boolean): its text is in the source.
+    Resolved,
+    /// A list of values, each taken as written ([`Text`]).
+    List(Vec<Text>),
+}
+
+impl<'de> Deserialize<'de> for Raw {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct RawVisitor;
+
+        impl<'de> Visitor<'de> for RawVisitor {
+            type Value = Raw;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a value or a list of values")
+            }
+
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Raw, E> {
+                Ok(Raw::Text(v.to_owned()))
+            }
+
+            fn visit_string<E: de::Error>(self, v: String) -> Result<Raw, E> {
+                Ok(Raw::Text(v))
+            }
+
+            fn visit_bool<E: de::Error>(self, _: bool) -> Result<Raw, E> {
+                Ok(Raw::Resolved)
+            }
+
+            fn visit_i64<E: de::Error>(self, _: i64) -> Result<Raw, E> {
+                Ok(Raw::Resolved)
+            }
+
+            fn visit_u64<E: de::Error>(self, _: u64) -> Result<Raw, E> {
+                Ok(Raw::Resolved)
+            }
+
+            fn visit_i128<E: de::Error>(self, _: i128) -> Result<Raw, E> {
+                Ok(Raw::Resolved)
+            }
+
+            fn visit_u128<E: de::Error>(self, _: u128) -> Result<Raw, E> {
+                Ok(Raw::Resolved)
+            }
+
+            fn visit_f64<E: de::Error>(self, _: f64) -> Result<Raw, E> {
+                Ok(Raw::Resolved)
+            }
+
+            fn visit_unit<E: de::Error>(self) -> Result<Raw, E> {
+                // Worded as the parser words it for a string, which `message_of` rewrites.
+                Err(E::custom("cannot deserialize null into string"))
+            }
+
+            fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Raw, A::Error> {
+                let mut values = Vec::new();
+                while let Some(value) = seq.next_element::<Text>()? {
+                    values.push(value);
+                }
+                Ok(Raw::List(values))
+            }
+        }
+
+        deserializer.deserialize_any(RawVisitor)
+    }
+}
+
+/// The text being parsed, for the values the parser resolved before handing them over (see
+/// [`WhenValue`]): set by [`parse_as`] for the length of one parse, on its own thread.
+struct Source;
+
+thread_local! {
+    static SOURCE: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
+}
+
+impl Source {
+    /// Runs `parse` with `text` as the source.
+    fn with<T>(text: &str, parse: impl FnOnce() -> T) -> T {
+        SOURCE.with_borrow_mut(|source| text.clone_into(source));
+        let result = parse();
+        SOURCE.with_borrow_mut(String::clear);
+        result
+    }
+
+    /// The source text of the plain scalar at `location`.
+    fn text_at(location: serde_saphyr::Location) -> Option<String> {
+        let span = location.span();
+        let start = usize::try_from(span.byte_offset()?).ok()?;
+        let len = usize::try_from(span.byte_len()?).ok()?;
+        SOURCE.with_borrow(|source| {
+            source
+                .get(start..start.checked_add(len)?)
+                .map(str::to_owned)
+        })
     }
 }
 
@@ -399,12 +526,17 @@ pub(crate) fn parse_as<T: de::DeserializeOwned>(
     let options = serde_saphyr::options! {
         with_snippet: false,
         duplicate_keys: serde_saphyr::DuplicateKeyPolicy::Error,
+        // `.inf` and `.nan` written as condition values are read back as written (see
+        // `WhenValue`); nothing else in the file asks for "any" value.
+        non_finite_float_policy: serde_saphyr::NonFiniteFloatPolicy::PassThrough,
     };
     let mut path = String::new();
-    let result = serde_saphyr::with_deserializer_from_str_with_options(text, options, |de| {
-        serde_path_to_error::deserialize(de).map_err(|err| {
-            path = err.path().to_string();
-            err.into_inner()
+    let result = Source::with(text, || {
+        serde_saphyr::with_deserializer_from_str_with_options(text, options, |de| {
+            serde_path_to_error::deserialize(de).map_err(|err| {
+                path = err.path().to_string();
+                err.into_inner()
+            })
         })
     });
     result.map_err(|err| {
@@ -432,14 +564,22 @@ fn clean_path(path: &str, spanned: bool) -> String {
     while let Some(stripped) = cleaned.strip_suffix(".?") {
         cleaned.truncate(stripped.len());
     }
-    // A `when` value is read as a tagged scalar (see [`WhenValue`]), which the parser hands
-    // over as a pair (value, tag): an error in the value adds a `[0]` step after the entry name.
+    // A `when` value is read as a tagged, spanned value (see [`WhenValue`]), which the parser
+    // hands over as a pair (value, tag) around a map (value, position): an error in the value
+    // adds a `[0]` and a `.value` step after the entry name (and an element's index within a
+    // list of values after that, which is kept).
     let dotted = format!(".{cleaned}");
-    if let Some(at) = dotted.rfind(".when.")
-        && let Some(entry) = dotted[at + ".when.".len()..].strip_suffix("[0]")
-        && !entry.contains(['[', '.'])
-    {
-        cleaned.truncate(cleaned.len() - "[0]".len());
+    if let Some(at) = dotted.rfind(".when.") {
+        let after = &dotted[at + ".when.".len()..];
+        for wrapper in ["[0].value", "[0]"] {
+            if let Some(index) = after.find(wrapper)
+                && !after[..index].contains(['[', '.'])
+            {
+                let start = at + ".when.".len() + index - 1;
+                cleaned.replace_range(start..start + wrapper.len(), "");
+                break;
+            }
+        }
     }
     cleaned
 }
@@ -503,6 +643,7 @@ mod tests {
                 .map(|value| match value {
                     WhenValue::Exact(text) => text,
                     WhenValue::Prefix(text) => format!("prefix {text}"),
+                    WhenValue::AnyOf(values) => format!("any of {}", values.join(" | ")),
                 })
                 .collect()
         })
@@ -560,20 +701,69 @@ mod tests {
     }
 
     #[test]
-    fn non_scalars_are_refused_with_their_position() {
-        for (text, line, column) in [
-            ("when:\n  k: [1, 2]\n", 2, 6),
-            ("when:\n  k: {a: 1}\n", 2, 6),
-            ("when:\n  k:\n", 2, 4),
+    fn what_is_neither_a_value_nor_a_list_of_values_is_refused_with_its_position() {
+        for (text, line, column, path, needle) in [
+            (
+                "when:\n  k: {a: 1}\n",
+                2,
+                6,
+                "when.k",
+                "a value or a list of values",
+            ),
+            ("when:\n  k:\n", 2, 4, "when.k", "a value is missing"),
+            (
+                "when:\n  k: []\n",
+                2,
+                6,
+                "when.k",
+                "an empty list of values",
+            ),
+            ("when:\n  k: [a, {b: 1}]\n", 2, 10, "when.k[1]", ""),
+            ("when:\n  k: [a, [b]]\n", 2, 10, "when.k[1]", ""),
+            (
+                "when:\n  k: [a, ~]\n",
+                2,
+                10,
+                "when.k[1]",
+                "a value is missing",
+            ),
+            (
+                "when:\n  k: !prefix [a]\n",
+                2,
+                14,
+                "when.k",
+                "a tag applies to one value",
+            ),
         ] {
             let err = values(text).map(|_| ()).unwrap_err();
             let d = err.diagnostic().cloned().unwrap_or_else(|| panic!("{err}"));
             assert_eq!(
                 (d.file.as_str(), d.line, d.column, d.path.as_str()),
-                ("v.yaml", line, column, "when.k"),
+                ("v.yaml", line, column, path),
                 "{text:?}: {d}"
             );
+            assert!(d.message.contains(needle), "{text:?}: {d}");
             assert!(!d.message.contains("Option<"), "{d}");
+        }
+    }
+
+    #[test]
+    fn a_list_of_values_is_taken_as_written() {
+        for (written, text) in [
+            ("[GET, HEAD]", "any of GET | HEAD"),
+            (
+                "[01234, 1.50, true, .inf, 0x1F]",
+                "any of 01234 | 1.50 | true | .inf | 0x1F",
+            ),
+            ("['007', \"a: b\", /v1/x]", "any of 007 | a: b | /v1/x"),
+            ("\n    - 443\n    - 8443", "any of 443 | 8443"),
+        ] {
+            let parsed = values(&format!("when:\n  k: {written}\n"));
+            assert_eq!(
+                parsed.map_err(|e| e.to_string()),
+                Ok(vec![text.to_owned()]),
+                "{written}"
+            );
         }
     }
 

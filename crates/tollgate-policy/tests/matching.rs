@@ -4,7 +4,8 @@ use std::time::Duration;
 
 use tollgate::Limit;
 use tollgate_policy::{
-    Effect, FailureMode, Mode, Policy, RequestDescriptor, RequestedLimit, UnixTime, compile,
+    Effect, FailureMode, Mode, Policy, RequestDescriptor, RequestedLimit, UnixTime, ValueMatch,
+    compile,
 };
 
 const POLICY: &str = r#"
@@ -1036,4 +1037,132 @@ fn an_unlimited_override_leaves_requests_out_of_a_concurrency_limit_too() {
     assert_eq!((leases("acme"), leases("internal")), (1, 0));
     let o = &p.limits()[0].overrides()[0];
     assert!(o.unlimited() && o.concurrency().is_none());
+}
+
+/// A list of values matches any of them, in a limit, an override and an exemption, found
+/// through the index under each value (a limit with a list is filed under every value in it).
+#[test]
+fn a_list_of_values_matches_any_of_them() {
+    let p = compile(
+        "p.yaml",
+        r#"
+limits:
+  - name: reads
+    domain: api
+    when: {method: [GET, HEAD, "01"]}
+    key: [user]
+    capacity: 100
+    refill: 10/s
+    overrides:
+      - name: bulk
+        when: {tier: [batch, bulk]}
+        capacity: 1000
+  - name: blocked
+    domain: api
+    when: {tenant: [evil, worse]}
+    key: [tenant]
+    deny: true
+  - name: one
+    domain: api
+    when: {method: [POST]}
+    key: [user]
+    capacity: 5
+    refill: 1/s
+exemptions:
+  - limit: reads
+    when: {user: [ops, sre]}
+    owner: ops@example.com
+    reason: tooling
+    expires: 2099-01-01T00:00:00Z
+"#,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let keys = |d: &[(&str, &str)]| -> Vec<(String, bool)> {
+        p.matches("api", &[d], NOW)
+            .iter()
+            .map(|m| (m.bucket_key.clone(), matches!(m.effect, Effect::Exempt(_))))
+            .collect()
+    };
+    let key = |k: &str| (k.to_owned(), false);
+    assert_eq!(keys(&[("method", "GET"), ("user", "u")]), [key("reads|u")]);
+    assert_eq!(keys(&[("method", "HEAD"), ("user", "u")]), [key("reads|u")]);
+    // Taken as written: "01", not 1.
+    assert_eq!(keys(&[("method", "01"), ("user", "u")]), [key("reads|u")]);
+    assert_eq!(keys(&[("method", "1"), ("user", "u")]), []);
+    assert_eq!(keys(&[("method", "PUT"), ("user", "u")]), []);
+    // A list of one value is that value.
+    assert_eq!(keys(&[("method", "POST"), ("user", "u")]), [key("one|u")]);
+    let one = &p.limits()[2];
+    assert!(matches!(one.when().next(), Some((_, ValueMatch::Exact(v))) if &**v == "POST"));
+    // The override's list.
+    for tier in ["batch", "bulk"] {
+        let d = [("method", "GET"), ("user", "u"), ("tier", tier)];
+        assert_eq!(keys(&d), [key("reads|u#bulk")], "{tier}");
+    }
+    // The exemption's list.
+    for user in ["ops", "sre"] {
+        let d = [("method", "GET"), ("user", user)];
+        assert_eq!(keys(&d), [(format!("reads|{user}"), true)], "{user}");
+    }
+    // A block list of tenants.
+    let d = [("tenant", "worse")];
+    let m = p.matches("api", &[d], NOW);
+    assert_eq!((m.len(), m[0].denied), (1, true));
+    assert!(p.matches("api", &[[("tenant", "good")]], NOW).is_empty());
+}
+
+/// A block list of thousands of values is one limit, filed under each value: a request costs
+/// the same lookups as against a limit of one value, and every listed value (and only those)
+/// matches.
+#[test]
+fn a_long_list_is_filed_under_every_value() {
+    let listed: Vec<String> = (0..5_000)
+        .map(|i| format!("10.0.{}.{}", i / 256, i % 256))
+        .collect();
+    let text = format!(
+        "limits:\n  - name: blocked\n    domain: edge\n    when: {{ip: [{}]}}\n    key: [ip]\n    deny: true\n",
+        listed.join(", ")
+    );
+    let p = compile("p.yaml", &text).unwrap_or_else(|e| panic!("{e}"));
+    for ip in &listed {
+        let m = p.matches("edge", &[[("ip", ip.as_str())]], NOW);
+        assert_eq!(m.len(), 1, "{ip}");
+    }
+    for ip in ["10.0.19.136", "10.0.0", "10.0.0.1.2", ""] {
+        assert!(p.matches("edge", &[[("ip", ip)]], NOW).is_empty(), "{ip}");
+    }
+}
+
+/// Lint reads a list as the values it holds: an override whose list lies within an earlier
+/// override's is unreachable, and a value ending in `*` in a list is named.
+#[test]
+fn lint_reads_lists_as_their_values() {
+    let p = compile(
+        "p.yaml",
+        r#"
+limits:
+  - name: reads
+    domain: api
+    key: [user]
+    capacity: 100
+    refill: 10/s
+    overrides:
+      - {name: wide, when: {tier: [a, b, c]}, capacity: 5}
+      - {name: narrow, when: {tier: [a, c]}, capacity: 7}
+      - {name: other, when: {tier: [c, d]}, capacity: 9}
+      - {name: star, when: {path: [/x, "/api/*"]}, capacity: 3}
+"#,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let warnings: Vec<String> = tollgate_policy::lint(&p, NOW)
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    let about = |name: &str| warnings.iter().filter(|w| w.contains(name)).count();
+    assert_eq!(about("narrow"), 1, "{warnings:?}");
+    assert_eq!(about("\"other\""), 0, "{warnings:?}");
+    assert!(
+        warnings.iter().any(|w| w.contains("/api/*")),
+        "{warnings:?}"
+    );
 }

@@ -1646,7 +1646,7 @@ limits:
       - {name: banned, when: {tier: banned}, deny: true}
   - name: blocked-ips
     domain: api
-    when: {ip: 203.0.113.7}
+    when: {ip: [203.0.113.7, 203.0.113.8]}
     key: [ip]
     deny: true
 "#,
@@ -1718,6 +1718,14 @@ limits:
         ("blocked-ips", 0, 0)
     );
     assert_eq!(status.duration_until_reset, None);
+    let response = should_rate_limit(&server, request_for(&[("ip", "203.0.113.8")]))
+        .await
+        .unwrap();
+    assert_eq!(
+        response.overall_code,
+        Code::OverLimit as i32,
+        "the list's other value"
+    );
     let response = should_rate_limit(&server, request_for(&[("ip", "198.51.100.1")]))
         .await
         .unwrap();
@@ -1736,6 +1744,10 @@ limits:
     assert!(
         ips.get("capacity").is_none() && ips.get("failure_mode").is_none(),
         "{ips}"
+    );
+    assert_eq!(
+        ips["when"]["ip"],
+        serde_json::json!(["203.0.113.7", "203.0.113.8"])
     );
     tokio::task::spawn_blocking(move || server.terminate())
         .await

@@ -248,12 +248,14 @@ fn params_into(body: &mut serde_json::Value, params: &Params) {
     }
 }
 
-/// A `when` as JSON: an exact value as a string, a prefix as `{"prefix": …}`.
+/// A `when` as JSON: an exact value as a string, a prefix as `{"prefix": …}`, a list of values
+/// as an array.
 fn conditions<'a>(entries: impl Iterator<Item = (&'a str, &'a ValueMatch)>) -> serde_json::Value {
     entries
         .map(|(name, test)| {
             let value = match test {
                 ValueMatch::Prefix(prefix) => json!({ "prefix": prefix }),
+                ValueMatch::AnyOf(values) => json!(values),
                 other => json!(other.text()),
             };
             (name.to_owned(), value)
