@@ -250,7 +250,7 @@ pub trait Descriptor<S> {
     fn entries(&self) -> &[(S, S)];
 
     /// The limit the sender asks for, if any.
-    fn requested_limit(&self) -> Option<RequestedLimit> {
+    fn requested_limit(&self) -> Option<&RequestedLimit> {
         None
     }
 }
@@ -284,7 +284,7 @@ impl<S, T: AsRef<[(S, S)]> + ?Sized> Descriptor<S> for T {
 ///     limit: Some(RequestedLimit::Rate(fifty)),
 /// };
 /// assert_eq!(sent.entries(), &[("route", "checkout")]);
-/// assert_eq!(sent.requested_limit(), Some(RequestedLimit::Rate(fifty)));
+/// assert_eq!(sent.requested_limit(), Some(&RequestedLimit::Rate(fifty)));
 /// # Ok::<(), tollgate::Error>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -301,8 +301,8 @@ impl<S> Descriptor<S> for RequestDescriptor<S> {
         &self.entries
     }
 
-    fn requested_limit(&self) -> Option<RequestedLimit> {
-        self.limit
+    fn requested_limit(&self) -> Option<&RequestedLimit> {
+        self.limit.as_ref()
     }
 }
 
@@ -944,7 +944,7 @@ impl Policy {
         &'p self,
         index: u32,
         position: usize,
-        (entries, requested): (&[(S, S)], Option<RequestedLimit>),
+        (entries, requested): (&[(S, S)], Option<&RequestedLimit>),
         now: UnixTime,
         out: &mut Vec<Matched<'p, P>>,
     ) {
@@ -969,7 +969,7 @@ impl Policy {
         // nothing.
         let asked = match requested.filter(|_| limit.request_limit) {
             Some(RequestedLimit::Rate(sent)) => {
-                P::requested(&sent).map(|params| Some((params, key::rate_tag(&sent))))
+                P::requested(sent).map(|params| Some((params, key::rate_tag(sent))))
             }
             Some(RequestedLimit::Deny) => Some(None),
             None => None,
