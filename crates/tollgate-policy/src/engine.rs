@@ -598,6 +598,9 @@ impl PolicyEngine {
     ///   as an empty bucket: `remaining` 0, `retry_after` = `reset_after` = its time to full)
     ///   and is not charged.
     /// * Exempt limits are not decided; each use is counted and audited.
+    /// * A denial ([`Matched::denied`]: a deny limit or override, or a denial the descriptor
+    ///   asks for) rejects whatever the cost, without a bucket or a store
+    ///   ([`Decision::denied`]); the request's other buckets are then only read.
     /// * A request no limit applies to is allowed and counted as unmatched.
     /// * Two descriptors that land on one bucket charge it once for their summed cost.
     ///
@@ -1089,8 +1092,11 @@ impl PolicyEngine {
     ///   empty bucket (`remaining` 0, `retry_after` = `reset_after` = the emergency budget's
     ///   time to full), and the other emergency buckets report what they would decide.
     ///
-    /// Shadow and outside-rollout limits are not decided (they could not reject anyway);
-    /// exemptions apply as usual. Every degraded limit decision is audited with its reason.
+    /// A denial needs no store: it rejects as with the store up, an ordinary rejection (not
+    /// failed closed, whatever fails closed beside it), spending no emergency budget and not
+    /// audited as degraded. Shadow and outside-rollout limits are not decided (they could not
+    /// reject anyway), but for a denial's would-reject; exemptions apply as usual. Every
+    /// degraded limit decision is audited with its reason.
     ///
     /// # Errors
     ///
