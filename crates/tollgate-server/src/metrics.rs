@@ -21,8 +21,9 @@ use tollgate_policy::{LeaseOutcome, LimitOutcome, Outcome, PolicyEngine};
 use crate::connection::{Connections, Listener};
 use crate::decider::{Backend, DecideError};
 
-/// Decisions per limit: labels `limit`, `result` (`allowed`, `rejected`, `unavailable`,
-/// `exempt`), `mode` (`enforce`, `shadow`, `rollout`, `exempt`), `api`.
+/// Decisions per limit: labels `limit`, `result` (`allowed`, `rejected`, `denied`: by a deny
+/// limit or override, which no wait lifts, `unavailable`, `exempt`), `mode` (`enforce`,
+/// `shadow`, `rollout`, `exempt`), `api`.
 pub const DECISIONS: &str = "tollgate_decisions_total";
 /// Requests no limit applied to (allowed): label `api`.
 pub const UNMATCHED: &str = "tollgate_unmatched_requests_total";
@@ -482,6 +483,11 @@ pub fn record_renewal(renewed: bool) {
 
 /// The `result` label of a limit's decision.
 fn result_of(limit: &LimitOutcome, failed_closed: bool) -> &'static str {
+    // A block list's hits apart from quotas run dry: an operator alerts on the one, not the
+    // other.
+    if limit.decision.is_some_and(|d| d.is_denied()) && !failed_closed {
+        return "denied";
+    }
     result_label(
         limit.decision.map(|d| d.allowed()),
         limit.mode,

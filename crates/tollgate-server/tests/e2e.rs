@@ -1684,6 +1684,9 @@ limits:
         );
         assert!(deny.get("retry_after_ms").is_none(), "{body}");
     }
+    // Counted apart from quotas run dry.
+    let series = r#"tollgate_decisions_total{limit="blocked-ips",result="denied",mode="enforce",api="http"}"#;
+    assert_eq!(support::metric(&server, series), 3.0);
     // The rejected requests took nothing from u1's own bucket.
     let elsewhere = r#"{"domain":"api","descriptors":[{"user":"u1","ip":"198.51.100.1"}]}"#;
     let answer = post_json(server.http, "/v1/check", elsewhere);
