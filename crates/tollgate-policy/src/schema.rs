@@ -469,7 +469,15 @@ impl<'de> Deserialize<'de> for Raw {
 
             fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Raw, A::Error> {
                 let mut values = Vec::new();
-                while let Some(value) = seq.next_element::<Text>()? {
+                while let Some(Tagged(value, tag)) = seq.next_element::<Tagged<Text>>()? {
+                    // A tag read as nothing would turn `!prefix /api/` into the exact value
+                    // `/api/` without a word.
+                    if let Some(tag) = tag.filter(|t| t != "tag:yaml.org,2002:str") {
+                        return Err(de::Error::custom(format!(
+                            "a list holds plain values, not {tag}: for several prefixes, \
+                             write an override or a limit per prefix"
+                        )));
+                    }
                     values.push(value);
                 }
                 Ok(Raw::List(values))
@@ -579,6 +587,14 @@ fn clean_path(path: &str, spanned: bool) -> String {
                 cleaned.replace_range(start..start + wrapper.len(), "");
                 break;
             }
+        }
+        // An element of a list is a tagged value too: `k[1][0]` is the list's second value.
+        let tail = &cleaned[at.saturating_sub(1).min(cleaned.len())..];
+        if let Some(element) = tail.strip_suffix("[0]")
+            && element.ends_with(']')
+            && element.matches('[').count() == 1
+        {
+            cleaned.truncate(cleaned.len() - "[0]".len());
         }
     }
     cleaned
@@ -734,6 +750,13 @@ mod tests {
                 "when.k",
                 "a tag applies to one value",
             ),
+            (
+                "when:\n  k: [a, !prefix b]\n",
+                2,
+                6,
+                "when.k",
+                "a list holds plain values",
+            ),
         ] {
             let err = values(text).map(|_| ()).unwrap_err();
             let d = err.diagnostic().cloned().unwrap_or_else(|| panic!("{err}"));
@@ -755,7 +778,10 @@ mod tests {
                 "[01234, 1.50, true, .inf, 0x1F]",
                 "any of 01234 | 1.50 | true | .inf | 0x1F",
             ),
-            ("['007', \"a: b\", /v1/x]", "any of 007 | a: b | /v1/x"),
+            (
+                "['007', \"a: b\", /v1/x, !!str 443]",
+                "any of 007 | a: b | /v1/x | 443",
+            ),
             ("\n    - 443\n    - 8443", "any of 443 | 8443"),
         ] {
             let parsed = values(&format!("when:\n  k: {written}\n"));
