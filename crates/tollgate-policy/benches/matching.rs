@@ -110,12 +110,13 @@ fn bench(c: &mut Criterion) {
     let denied = [hit[0], hit[1], ("tenant", "evil"), hit[3], hit[4]];
 
     let clock = ManualClock::new();
-    let engine = PolicyEngine::new(
-        policy,
-        EngineOptions::default()
+    let engine_of = |policy| {
+        let options = EngineOptions::default()
             .clock(Arc::new(clock.clone()))
-            .wall_clock(Arc::new(ManualWallClock::new(now))),
-    );
+            .wall_clock(Arc::new(ManualWallClock::new(now)));
+        PolicyEngine::new(policy, options)
+    };
+    let engine = engine_of(policy);
     let mut group = c.benchmark_group("decide_1000_limits");
     group.throughput(Throughput::Elements(1));
     group.bench_function(format!("memory_store_{found}_limits"), |b| {
@@ -129,12 +130,7 @@ fn bench(c: &mut Criterion) {
             )
         })
     });
-    let blocked = PolicyEngine::new(
-        blocked_policy,
-        EngineOptions::default()
-            .clock(Arc::new(clock.clone()))
-            .wall_clock(Arc::new(ManualWallClock::new(now))),
-    );
+    let blocked = engine_of(blocked_policy);
     assert!(
         blocked
             .decide("domain-2", &[denied], 1, None)
