@@ -28,6 +28,13 @@
 //!   it, so a valued node whose `shadow_mode` differs from its wider sibling's, or where either
 //!   has `replaces` or is named by one, stays a limit of its own, and the sibling's limit
 //!   leaves its values out (an `unlimited: true` override).
+//! * Overrides of one limit next to one another that apply the same thing (the same
+//!   parameters, `deny: true`, or `unlimited: true`) to exact values of one entry are written
+//!   as one override listing the values (`when: {remote_address: [203.0.113.7, …]}`), named
+//!   after the first: a block list of many addresses is one override. Only neighbours merge,
+//!   so the first match is the same; a prefix never joins a list. Each value keeps a bucket of
+//!   its own (`limit|value#first`), the entry being in the limit's key, as Envoy counts each
+//!   value apart.
 //! * `N` requests per `unit` becomes capacity `N`, refill `N/unit`: Envoy counts in calendar fixed
 //!   windows, tollgate refills a token bucket continuously, so a client can no longer burst `2N`
 //!   across a window edge. Said once in the notes.
@@ -46,8 +53,9 @@
 //! What tollgate cannot express is listed in [`EnvoyImport::notes`], with the descriptor path:
 //! a `replaces` naming what is not a limit (no such `name`, or an unlimited one), the
 //! `replaces` of an unlimited limit, a key repeated further down its own path (skipped), entry
-//! order, month and year units (approximated), and fields it does not know. `tests/envoy_model.rs` checks the rest against a model of envoyproxy/ratelimit's
-//! own lookup, on random configurations and descriptors.
+//! order, month and year units (approximated), and fields it does not know.
+//! `tests/envoy_model.rs` checks the rest against a model of envoyproxy/ratelimit's own
+//! lookup, on random configurations and descriptors, bucket keys included.
 
 use std::collections::{BTreeMap, HashSet};
 use std::fmt::Write as _;
@@ -1031,10 +1039,17 @@ impl Importer {
             }
             if !limit.overrides.is_empty() {
                 out.push_str("    overrides:\n");
-                for (name, (k, v), rate) in &limit.overrides {
-                    let _ = writeln!(out, "      - name: {}", q(name));
-                    let _ = writeln!(out, "        when: {{{}: {}}}", q(k), condition(v));
-                    match rate {
+                for run in merge_runs(&limit.overrides, &limit.key) {
+                    let _ = writeln!(out, "      - name: {}", q(run.name));
+                    let test = match run.tests.as_slice() {
+                        [one] => condition(one),
+                        several => {
+                            let values: Vec<String> = several.iter().map(|v| q(v.text())).collect();
+                            format!("[{}]", values.join(", "))
+                        }
+                    };
+                    let _ = writeln!(out, "        when: {{{}: {test}}}", q(run.entry));
+                    match run.rate {
                         Some(rate) => self.render_rate(out, "        ", rate),
                         None => out.push_str("        unlimited: true\n"),
                     }
@@ -1069,6 +1084,62 @@ impl Importer {
         let _ = writeln!(out, "{indent}limit: {n}");
         let _ = writeln!(out, "{indent}window: {count}{period}");
     }
+}
+
+/// An override as written out: one of [`OverrideOut`], or a run of them merged by
+/// [`merge_runs`].
+struct Written<'a> {
+    /// The first override's name.
+    name: &'a str,
+    /// The one entry its `when` tests.
+    entry: &'a str,
+    /// One condition, or (a list in the file) several exact values, in the overrides' order.
+    tests: Vec<&'a ValueMatch>,
+    rate: &'a Option<Rate>,
+}
+
+/// The overrides of a limit keyed by `key`, each run of adjacent ones that apply the same thing
+/// (the same parameters, deny or unlimited) to exact values of the same entry merged into one
+/// whose `when` lists the values: a block list of many values is one override, as a reader
+/// would write it. It keeps the first one's name, which is unique among them already, and which
+/// values added after it on a later import leave alone: a reload carries an override's balances
+/// over by name.
+///
+/// Only adjacent ones merge, so first-match order is unchanged: a request whose value is in the
+/// list matched one of the run before, and that one applied what the merged one applies. A
+/// prefix condition never joins a run (a list holds plain values, and an exact value after a
+/// prefix that covers it must stay after it). The bucket of an override is
+/// `limit|values#override`: with parameters, values of one entry share a bucket unless the entry
+/// is in `key`, where Envoy counts each value apart, so such overrides only merge when it is.
+/// Every override with parameters the import makes tests an entry of its limit's key (the
+/// wildcard or wildcard value it overrides); a deny or unlimited override has no bucket.
+fn merge_runs<'a>(overrides: &'a [OverrideOut], key: &[String]) -> Vec<Written<'a>> {
+    let mut written: Vec<Written<'a>> = Vec::with_capacity(overrides.len());
+    for (name, (entry, test), rate) in overrides {
+        let joins = |run: &Written<'_>| {
+            matches!(test, ValueMatch::Exact(_))
+                && run.tests.iter().all(|t| matches!(t, ValueMatch::Exact(_)))
+                && run.entry == entry
+                && run.rate == rate
+                && (!matches!(rate, Some(Rate::Every(..))) || key.contains(entry))
+        };
+        match written.last_mut() {
+            Some(run) if joins(run) => {
+                // A repeated value: the first of the two matched it before, with the same
+                // effect.
+                if !run.tests.contains(&test) {
+                    run.tests.push(test);
+                }
+            }
+            _ => written.push(Written {
+                name,
+                entry,
+                tests: vec![test],
+                rate,
+            }),
+        }
+    }
+    written
 }
 
 /// Whether a limit under a valued node (`steps` of `narrow`) stands where one under its
@@ -1108,4 +1179,120 @@ fn sanitize(text: &str, max: usize) -> String {
         name.push('_');
     }
     name
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn exact(entry: &str, value: &str, rate: Option<Rate>) -> OverrideOut {
+        let test = ValueMatch::Exact(value.into());
+        (sanitize(value, 100), (entry.to_owned(), test), rate)
+    }
+
+    /// Each written override: its name and its values (a prefix as `foo*`).
+    fn written(overrides: &[OverrideOut], key: &[&str]) -> Vec<(String, Vec<String>)> {
+        let key: Vec<String> = key.iter().map(|k| (*k).to_owned()).collect();
+        merge_runs(overrides, &key)
+            .iter()
+            .map(|run| {
+                let values = run
+                    .tests
+                    .iter()
+                    .map(|test| match test {
+                        ValueMatch::Prefix(prefix) => format!("{prefix}*"),
+                        other => other.text().to_owned(),
+                    })
+                    .collect();
+                (run.name.to_owned(), values)
+            })
+            .collect()
+    }
+
+    fn run(name: &str, values: &[&str]) -> (String, Vec<String>) {
+        let values = values.iter().map(|v| (*v).to_owned()).collect();
+        (name.to_owned(), values)
+    }
+
+    #[test]
+    fn a_run_of_exact_values_applying_the_same_thing_is_one_override() {
+        let every = || Some(Rate::Every(5, "5/s".into()));
+        let overrides = [
+            exact("ip", "a", Some(Rate::Deny)),
+            exact("ip", "b", Some(Rate::Deny)),
+            // The same value again: the first of the two already took it.
+            exact("ip", "a", Some(Rate::Deny)),
+            exact("ip", "c", every()),
+            exact("ip", "d", every()),
+            exact("ip", "e", None),
+            exact("ip", "f", None),
+        ];
+        assert_eq!(
+            written(&overrides, &["ip"]),
+            [
+                run("a", &["a", "b"]),
+                run("c", &["c", "d"]),
+                run("e", &["e", "f"])
+            ]
+        );
+    }
+
+    #[test]
+    fn a_prefix_another_entry_or_another_effect_splits_a_run() {
+        let prefix = |value: &str| {
+            let test = ValueMatch::Prefix(value.into());
+            (format!("{value}_"), ("ip".to_owned(), test), None)
+        };
+        // An exact value after a prefix that covers it is taken by the prefix first: merged
+        // with the exact value before the prefix, it would come first.
+        let overrides = [
+            exact("ip", "a", None),
+            prefix("a"),
+            exact("ip", "ab", None),
+            exact("user", "ac", None),
+            exact("ip", "ad", Some(Rate::Deny)),
+            exact("ip", "ae", Some(Rate::Every(5, "5/s".into()))),
+            exact("ip", "af", Some(Rate::Every(6, "6/s".into()))),
+        ];
+        assert_eq!(
+            written(&overrides, &["ip"]),
+            [
+                run("a", &["a"]),
+                run("a_", &["a*"]),
+                run("ab", &["ab"]),
+                run("ac", &["ac"]),
+                run("ad", &["ad"]),
+                run("ae", &["ae"]),
+                run("af", &["af"]),
+            ]
+        );
+    }
+
+    /// An override's bucket is `limit|key values#override`: values of an entry that is not in
+    /// the key would share one bucket, where Envoy counts each apart. A deny or unlimited
+    /// override has no bucket.
+    #[test]
+    fn overrides_with_parameters_merge_only_on_an_entry_of_the_key() {
+        let every = || Some(Rate::Every(5, "5/s".into()));
+        let counting = [
+            exact("tier", "gold", every()),
+            exact("tier", "silver", every()),
+        ];
+        assert_eq!(
+            written(&counting, &["user"]),
+            [run("gold", &["gold"]), run("silver", &["silver"])]
+        );
+        assert_eq!(
+            written(&counting, &["user", "tier"]),
+            [run("gold", &["gold", "silver"])]
+        );
+        let denying = [
+            exact("tier", "gold", Some(Rate::Deny)),
+            exact("tier", "silver", Some(Rate::Deny)),
+        ];
+        assert_eq!(
+            written(&denying, &["user"]),
+            [run("gold", &["gold", "silver"])]
+        );
+    }
 }

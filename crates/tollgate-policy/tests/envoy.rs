@@ -2,7 +2,9 @@
 //! match, and the notes list what cannot be expressed.
 
 use tollgate_policy::envoy::EnvoyImport;
-use tollgate_policy::{ImportOptions, Policy, UnixTime, compile, import_envoy, import_envoy_files};
+use tollgate_policy::{
+    ImportOptions, Policy, UnixTime, ValueMatch, compile, import_envoy, import_envoy_files,
+};
 
 fn import(text: &str) -> (EnvoyImport, Policy) {
     let imported = import_envoy("ratelimit.yaml", text).unwrap_or_else(|e| panic!("{e}"));
@@ -587,6 +589,131 @@ descriptors:
         .map(|m| (m.limit.name(), m.denied, m.effect.as_str()))
         .collect();
     assert_eq!(found, [("edge.remote_address_192.0.2.9", true, "shadow")]);
+}
+
+/// Values that apply the same thing, next to one another in the file, are one override
+/// listing them (a list matches any of its values): a block list of many addresses is one
+/// `deny: true` override, tenants at one rate one override with that rate. A value that
+/// applies something else splits the run, so each value is still decided by what Envoy gives
+/// it, and each keeps a bucket of its own, as Envoy counts each apart.
+#[test]
+fn runs_of_values_that_apply_the_same_thing_become_one_override_with_a_list() {
+    let mut text = String::from(
+        "domain: edge\ndescriptors:\n  - key: remote_address\n    rate_limit: {unit: second, requests_per_unit: 10}\n",
+    );
+    let blocked: Vec<String> = (1..=200).map(|i| format!("203.0.113.{i}")).collect();
+    for address in &blocked {
+        text.push_str(&format!(
+            "  - key: remote_address\n    value: {address}\n    rate_limit: {{unit: hour, requests_per_unit: 0}}\n"
+        ));
+    }
+    text.push_str(
+        r#"
+  - key: tenant
+    rate_limit: {unit: second, requests_per_unit: 10}
+  - key: tenant
+    value: acme
+    rate_limit: {unit: minute, requests_per_unit: 100}
+  - key: tenant
+    value: globex
+    rate_limit: {unit: minute, requests_per_unit: 100}
+  - key: tenant
+    value: initech
+    rate_limit: {unit: minute, requests_per_unit: 100}
+  - key: tenant
+    value: hooli
+    rate_limit: {unit: second, requests_per_unit: 5}
+  - key: tenant
+    value: umbrella
+    rate_limit: {unit: minute, requests_per_unit: 100}
+  - key: tenant
+    value: wayne
+    rate_limit: {unit: minute, requests_per_unit: 100}
+  - key: tenant
+    value: internal
+  - key: tenant
+    value: staff
+    rate_limit: {unlimited: true}
+"#,
+    );
+    let (imported, p) = import(&text);
+    assert!(particular(&imported).is_empty(), "{:?}", imported.notes);
+    assert_eq!(imported.limits, 2, "{}", imported.policy);
+    // Each override: its name and the values its one condition lists.
+    let overrides = |limit: &str| -> Vec<(String, Vec<String>)> {
+        let limit = p
+            .limit(limit)
+            .unwrap_or_else(|| panic!("no {limit} in\n{}", imported.policy));
+        limit
+            .overrides()
+            .iter()
+            .map(|o| {
+                let values = o
+                    .when()
+                    .flat_map(|(_, test)| match test {
+                        ValueMatch::AnyOf(values) => values.iter().map(|v| v.to_string()).collect(),
+                        other => vec![other.text().to_owned()],
+                    })
+                    .collect();
+                (o.name().to_owned(), values)
+            })
+            .collect()
+    };
+    // 200 addresses, one override, named after the first; written in the file's order.
+    let mut sorted = blocked.clone();
+    sorted.sort();
+    assert_eq!(
+        overrides("edge.remote_address"),
+        [(blocked[0].clone(), sorted)]
+    );
+    let written = format!(
+        "when: {{\"remote_address\": [\"{}\", \"{}\", ",
+        blocked[0], blocked[1]
+    );
+    assert!(imported.policy.contains(&written), "{}", imported.policy);
+    let m = |d: &[(&str, &str)]| matched(&p, "edge", d);
+    assert_eq!(
+        m(&[("remote_address", "203.0.113.17")]),
+        ["edge.remote_address|203.0.113.17#203.0.113.1 deny"]
+    );
+    assert_eq!(
+        m(&[("remote_address", "203.0.113.201")]),
+        ["edge.remote_address|203.0.113.201 capacity 10 refill 10/s"]
+    );
+    // The tenants: hooli's rate splits the run in two, in Envoy's order; the unlimited ones
+    // are a run of their own.
+    let list = |values: &[&str]| values.iter().map(|v| (*v).to_owned()).collect::<Vec<_>>();
+    assert_eq!(
+        overrides("edge.tenant"),
+        [
+            ("acme".to_owned(), list(&["acme", "globex", "initech"])),
+            ("hooli".to_owned(), list(&["hooli"])),
+            ("umbrella".to_owned(), list(&["umbrella", "wayne"])),
+            ("internal".to_owned(), list(&["internal", "staff"])),
+        ]
+    );
+    // One override, and still a bucket per tenant.
+    assert_eq!(
+        m(&[("tenant", "acme")]),
+        ["edge.tenant|acme#acme capacity 100 refill 100/m"]
+    );
+    assert_eq!(
+        m(&[("tenant", "globex")]),
+        ["edge.tenant|globex#acme capacity 100 refill 100/m"]
+    );
+    assert_eq!(
+        m(&[("tenant", "hooli")]),
+        ["edge.tenant|hooli#hooli capacity 5 refill 5/s"]
+    );
+    assert_eq!(
+        m(&[("tenant", "wayne")]),
+        ["edge.tenant|wayne#umbrella capacity 100 refill 100/m"]
+    );
+    assert_eq!(m(&[("tenant", "staff")]), Vec::<String>::new());
+    assert_eq!(
+        m(&[("tenant", "other")]),
+        ["edge.tenant|other capacity 10 refill 10/s"]
+    );
 }
 
 /// A value denied with no wider node beside it is a deny limit: no parameters, no algorithm

@@ -10,6 +10,12 @@
 //! entry lands on (`unlimited` is none), and a walk that runs out of nodes applies none. Of a
 //! request's limits, those whose `name` another one's `replaces` gives are left out.
 //!
+//! Envoy counts each descriptor apart (its counter's key holds every entry and value), so two
+//! descriptors with different entries must never share a tollgate bucket either: the import
+//! writes a run of overrides that apply the same thing as one override listing their values,
+//! and this checks each value keeps a bucket of its own. A second property draws levels of many
+//! values at few rates (`runs()`), where such runs are common.
+//!
 //! Each level of a generated tree uses keys of its own (`a1`/`b1`, then `a2`/`b2`, …), so a
 //! descriptor written in tree order is the only order its entries can have: Envoy's ordered
 //! walk and tollgate's exact limits (which ignore order) agree by construction there, and the
@@ -45,6 +51,9 @@ enum Rate {
 
 const VALUES: &[&str] = &["a", "ab", "abc", "b", "ba"];
 const WILDCARDS: &[&str] = &["a*", "ab*", "b*", "*"];
+/// The values descriptors send: the exact values, others the wildcard values take, and others
+/// no value takes.
+const SENT: &[&str] = &["a", "ab", "abc", "abz", "b", "ba", "bz", "c", "z"];
 
 fn rate() -> impl Strategy<Value = Rate> {
     prop_oneof![
@@ -99,6 +108,64 @@ fn level(depth: u32) -> BoxedStrategy<Vec<Node>> {
                     unique.push(node);
                 }
             }
+            unique
+        })
+        .boxed()
+}
+
+/// A top level shaped for runs of overrides: one key's key-only node and up to ten valued
+/// siblings (of any value a descriptor sends), their rates drawn from a few (deny, unlimited,
+/// none, 1 or 2 a second) so that neighbours often apply the same thing and the import writes
+/// them as one override listing their values; other rates, wildcard values and other modes
+/// among them split the runs. Subtrees as [`level`] makes them, so that limits under the
+/// values shaped as ones under the key-only node (overrides of those, in runs too) come up.
+fn runs() -> BoxedStrategy<Vec<Node>> {
+    let few = prop_oneof![
+        3 => Just(Rate::Limited(1)),
+        2 => Just(Rate::Limited(0)),
+        1 => Just(Rate::Limited(2)),
+        1 => Just(Rate::Unlimited),
+        1 => Just(Rate::Absent),
+    ];
+    let value = prop_oneof![
+        6 => prop::sample::select(SENT).prop_map(|v| Some(v.to_owned())),
+        1 => prop::sample::select(WILDCARDS).prop_map(|v| Some(v.to_owned())),
+    ];
+    let children = prop_oneof![3 => Just(Vec::new()), 1 => level(2)];
+    let valued = (value, few, prop::bool::weighted(0.1), children.clone()).prop_map(
+        |(value, rate, shadow, children)| Node {
+            key: "a1".to_owned(),
+            value,
+            rate,
+            shadow,
+            picks: Vec::new(),
+            name: String::new(),
+            replaces: Vec::new(),
+            children,
+        },
+    );
+    // Mostly a rate, sometimes a deny (whose overrides only take requests out).
+    let rate = prop_oneof![4 => (1u32..3).prop_map(Rate::Limited), 1 => Just(Rate::Limited(0))];
+    let wide = (rate, children).prop_map(|(rate, children)| Node {
+        key: "a1".to_owned(),
+        value: None,
+        rate,
+        shadow: false,
+        picks: Vec::new(),
+        name: String::new(),
+        replaces: Vec::new(),
+        children,
+    });
+    (wide, prop::collection::vec(valued, 2..11), 0usize..11)
+        .prop_map(|(wide, valued, at)| {
+            // The key-only node anywhere among them: Envoy's precedence does not depend on it.
+            let mut unique: Vec<Node> = Vec::new();
+            for node in valued {
+                if !unique.iter().any(|n| n.value == node.value) {
+                    unique.push(node);
+                }
+            }
+            unique.insert(at.min(unique.len()), wide);
             unique
         })
         .boxed()
@@ -220,7 +287,7 @@ fn descriptor() -> impl Strategy<Value = Vec<(String, String)>> {
     let entry = |depth: u32| {
         (
             prop::sample::select(vec![format!("a{depth}"), format!("b{depth}")]),
-            prop::sample::select(vec!["a", "ab", "abc", "abz", "b", "ba", "bz", "c", "z"]),
+            prop::sample::select(SENT),
         )
             .prop_map(|(k, v)| (k, v.to_owned()))
     };
@@ -234,79 +301,120 @@ fn general(note: &str) -> bool {
         || note.starts_with("envoy matches descriptor entries in order")
 }
 
+/// Imports `tree` and checks every request of `requests` against Envoy's lookup: the limits
+/// applied, their parameters and modes, and that no two descriptors share a bucket.
+fn check(
+    mut tree: Vec<Node>,
+    requests: &[Vec<Vec<(String, String)>>],
+    windows: bool,
+) -> Result<(), TestCaseError> {
+    name_limits(&mut tree);
+    let mut text = String::from("domain: model\ndescriptors:\n");
+    render(&tree, 2, &mut text);
+    let options = ImportOptions::default().fixed_windows(windows);
+    let imported = import_envoy_with("model.yaml", &text, options)
+        .map_err(|e| TestCaseError::fail(format!("{e}\n{text}")))?;
+    // Everything these configurations hold can be expressed: the import notes nothing
+    // beyond what it says of every import.
+    let unexpressed: Vec<&String> = imported.notes.iter().filter(|n| !general(n)).collect();
+    prop_assert!(unexpressed.is_empty(), "{:?}\n{}", unexpressed, text);
+    let policy = compile("out.yaml", &imported.policy)
+        .map_err(|e| TestCaseError::fail(format!("{e}\n{}", imported.policy)))?;
+    let algorithm = if windows {
+        "fixed_window"
+    } else {
+        "token_bucket"
+    };
+    // Each bucket charged, with the entries of the first descriptor that charged it.
+    let mut buckets: Vec<(String, &Vec<(String, String)>)> = Vec::new();
+    for descriptors in requests {
+        // Envoy: each descriptor's limit, less those any of them replaces.
+        let found: Vec<(usize, &Node)> = descriptors
+            .iter()
+            .enumerate()
+            .filter_map(|(i, entries)| envoy(&tree, entries).map(|node| (i, node)))
+            .collect();
+        let replaced: Vec<&String> = found.iter().flat_map(|(_, node)| &node.replaces).collect();
+        // (descriptor, what decides it, mode): `N N/s algorithm`, or `deny`, which has no
+        // parameters to compare.
+        let mut expected: Vec<(usize, String, &str)> = found
+            .iter()
+            .filter(|(_, node)| !replaced.contains(&&node.name))
+            .filter_map(|&(i, node)| {
+                let mode = if node.shadow { "shadow" } else { "enforce" };
+                match node.rate {
+                    Rate::Limited(0) => Some((i, "deny".to_owned(), mode)),
+                    Rate::Limited(n) => Some((i, format!("{n} {n}/s {algorithm}"), mode)),
+                    _ => None,
+                }
+            })
+            .collect();
+        let matches = policy.matches("model", descriptors, UnixTime::from_secs(0));
+        let mut applied: Vec<(usize, String, &str)> = matches
+            .iter()
+            .map(|m| {
+                let params = m.params();
+                let decides = if m.denied {
+                    "deny".to_owned()
+                } else {
+                    format!(
+                        "{} {} {}",
+                        params.capacity(),
+                        params.refill(),
+                        params.algorithm().as_str()
+                    )
+                };
+                (m.descriptor, decides, m.effect.as_str())
+            })
+            .collect();
+        expected.sort();
+        applied.sort();
+        prop_assert_eq!(
+            &applied,
+            &expected,
+            "descriptors {:?}\nconfig:\n{}\nimported:\n{}",
+            descriptors,
+            text,
+            imported.policy
+        );
+        // A deny charges no bucket; every other limit charges one per distinct descriptor, as
+        // Envoy keeps a counter per distinct descriptor.
+        for m in matches.iter().filter(|m| !m.denied) {
+            let entries = &descriptors[m.descriptor];
+            match buckets.iter().find(|(key, _)| *key == m.bucket_key) {
+                Some((_, first)) => prop_assert_eq!(
+                    *first,
+                    entries,
+                    "two descriptors share bucket {}\nconfig:\n{}\nimported:\n{}",
+                    m.bucket_key,
+                    text,
+                    imported.policy
+                ),
+                None => buckets.push((m.bucket_key.clone(), entries)),
+            }
+        }
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
 
     #[test]
     fn the_import_applies_the_limits_envoy_applies(
-        mut tree in level(1),
+        tree in level(1),
         requests in prop::collection::vec(prop::collection::vec(descriptor(), 1..4), 1..12),
         windows in any::<bool>(),
     ) {
-        name_limits(&mut tree);
-        let mut text = String::from("domain: model\ndescriptors:\n");
-        render(&tree, 2, &mut text);
-        let options = ImportOptions::default().fixed_windows(windows);
-        let imported = import_envoy_with("model.yaml", &text, options)
-            .map_err(|e| TestCaseError::fail(format!("{e}\n{text}")))?;
-        // Everything these configurations hold can be expressed: the import notes nothing
-        // beyond what it says of every import.
-        let unexpressed: Vec<&String> = imported.notes.iter().filter(|n| !general(n)).collect();
-        prop_assert!(unexpressed.is_empty(), "{:?}\n{}", unexpressed, text);
-        let policy = compile("out.yaml", &imported.policy)
-            .map_err(|e| TestCaseError::fail(format!("{e}\n{}", imported.policy)))?;
-        let algorithm = if windows { "fixed_window" } else { "token_bucket" };
-        for descriptors in &requests {
-            // Envoy: each descriptor's limit, less those any of them replaces.
-            let found: Vec<(usize, &Node)> = descriptors
-                .iter()
-                .enumerate()
-                .filter_map(|(i, entries)| envoy(&tree, entries).map(|node| (i, node)))
-                .collect();
-            let replaced: Vec<&String> =
-                found.iter().flat_map(|(_, node)| &node.replaces).collect();
-            // (descriptor, what decides it, mode): `N N/s algorithm`, or `deny`, which has no
-            // parameters to compare.
-            let mut expected: Vec<(usize, String, &str)> = found
-                .iter()
-                .filter(|(_, node)| !replaced.contains(&&node.name))
-                .filter_map(|&(i, node)| {
-                    let mode = if node.shadow { "shadow" } else { "enforce" };
-                    match node.rate {
-                        Rate::Limited(0) => Some((i, "deny".to_owned(), mode)),
-                        Rate::Limited(n) => Some((i, format!("{n} {n}/s {algorithm}"), mode)),
-                        _ => None,
-                    }
-                })
-                .collect();
-            let mut applied: Vec<(usize, String, &str)> = policy
-                .matches("model", descriptors, UnixTime::from_secs(0))
-                .iter()
-                .map(|m| {
-                    let params = m.params();
-                    let decides = if m.denied {
-                        "deny".to_owned()
-                    } else {
-                        format!(
-                            "{} {} {}",
-                            params.capacity(),
-                            params.refill(),
-                            params.algorithm().as_str()
-                        )
-                    };
-                    (m.descriptor, decides, m.effect.as_str())
-                })
-                .collect();
-            expected.sort();
-            applied.sort();
-            prop_assert_eq!(
-                &applied,
-                &expected,
-                "descriptors {:?}\nconfig:\n{}\nimported:\n{}",
-                descriptors,
-                text,
-                imported.policy
-            );
-        }
+        check(tree, &requests, windows)?;
+    }
+
+    #[test]
+    fn runs_of_overrides_apply_the_limits_envoy_applies(
+        tree in runs(),
+        requests in prop::collection::vec(prop::collection::vec(descriptor(), 1..4), 1..12),
+        windows in any::<bool>(),
+    ) {
+        check(tree, &requests, windows)?;
     }
 }
