@@ -73,6 +73,14 @@ pub enum Warning {
         /// The value as written.
         value: String,
     },
+    /// A deny limit without `when`: it rejects every request of its domain (that carries its
+    /// key entries), which a block list rarely means.
+    DenyWithoutConditions {
+        /// The limit.
+        limit: String,
+        /// Its domain.
+        domain: String,
+    },
 }
 
 impl fmt::Display for Warning {
@@ -140,6 +148,11 @@ impl fmt::Display for Warning {
                     ),
                 }
             }
+            Warning::DenyWithoutConditions { limit, domain } => write!(
+                f,
+                "deny limit {limit:?} has no `when`: it rejects every request of domain \
+                 {domain:?} that has its key entries; list what it blocks in `when`"
+            ),
         }
     }
 }
@@ -182,6 +195,12 @@ fn lint_limit(limit: &LimitDef, warnings: &mut Vec<Warning>) {
             warnings.push(Warning::RolloutOfShadow { limit: name() });
         }
         _ => {}
+    }
+    if limit.deny() && limit.when().next().is_none() {
+        warnings.push(Warning::DenyWithoutConditions {
+            limit: name(),
+            domain: limit.domain().to_owned(),
+        });
     }
     star_values(limit.name(), limit.when(), warnings);
     for o in limit.overrides() {
@@ -236,6 +255,21 @@ fn star_values<'a>(
 mod tests {
     use super::*;
     use crate::compile;
+
+    #[test]
+    fn a_deny_limit_without_conditions_is_named() {
+        let yaml = "version: 1\nlimits:\n  - {name: all, domain: edge, key: [ip], deny: true}\n  - {name: listed, domain: edge, when: {ip: [a, b]}, key: [ip], deny: true}\n  - {name: banned, domain: edge, key: [user], capacity: 5, refill: 1/s, overrides: [{when: {tier: banned}, deny: true}]}\n";
+        let policy = compile("p.yaml", yaml).unwrap_or_else(|e| panic!("{e}"));
+        let warnings = lint(&policy, NOW);
+        assert_eq!(
+            warnings,
+            [Warning::DenyWithoutConditions {
+                limit: "all".into(),
+                domain: "edge".into()
+            }]
+        );
+        assert!(warnings[0].to_string().contains("rejects every request"));
+    }
 
     const NOW: UnixTime = UnixTime::from_secs(1_795_946_400); // 2026-11-29T10:00:00Z
 
