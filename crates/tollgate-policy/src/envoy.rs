@@ -39,7 +39,8 @@
 //!   windows, tollgate refills a token bucket continuously, so a client can no longer burst `2N`
 //!   across a window edge. Said once in the notes.
 //! * `requests_per_unit: 0` (Envoy's "deny all", a block list) becomes `deny: true`, whatever
-//!   the `unit`: where the node becomes an override, a `deny: true` override in the same
+//!   the `unit`, and so does a `unit` without `requests_per_unit` (Envoy reads 0; noted, since
+//!   it may be a slip): where the node becomes an override, a `deny: true` override in the same
 //!   place; where it becomes a limit, a `deny: true` limit with no parameters. A deny limit's
 //!   overrides can only take requests out (`unlimited: true`), so a valued node with a limit
 //!   beside a deny sibling, or covered by a deny wildcard value, stays a limit of its own, and
@@ -882,6 +883,21 @@ impl Importer {
             return Some(Rate::Deny);
         }
         let here = describe(path);
+        // A known unit without a number: envoyproxy/ratelimit reads the number as 0 and
+        // denies every request. Imported as Envoy decides, and said, since it may be a slip.
+        const UNITS: [&str; 7] = ["second", "minute", "hour", "day", "week", "month", "year"];
+        if rate.requests_per_unit.is_none()
+            && let Some(unit) = rate.unit.as_deref()
+            && UNITS.contains(&unit.to_ascii_lowercase().as_str())
+        {
+            self.note(
+                &here,
+                "rate_limit without requests_per_unit: envoy reads 0 and denies every request; \
+                 imported as deny: true (give requests_per_unit if a limit was meant)"
+                    .into(),
+            );
+            return Some(Rate::Deny);
+        }
         let (Some(unit), Some(n)) = (rate.unit.as_deref(), rate.requests_per_unit) else {
             self.note(
                 &here,

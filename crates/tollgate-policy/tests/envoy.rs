@@ -1191,3 +1191,34 @@ fn of_a_key_a_wildcard_value_and_an_exact_value_only_the_most_specific_subtree_a
         );
     }
 }
+
+/// A `rate_limit` with a unit and no `requests_per_unit` is a deny-all in envoyproxy/ratelimit
+/// (the number reads as 0): imported as such, and said, since it may be a slip. Without a unit
+/// Envoy refuses the file, and the import skips the limit with a note.
+#[test]
+fn a_rate_limit_without_a_number_denies_as_in_envoy() {
+    let text = r#"
+domain: api
+descriptors:
+  - key: user
+    rate_limit: {unit: minute}
+  - key: tenant
+    rate_limit: {requests_per_unit: 5}
+"#;
+    let imported =
+        tollgate_policy::import_envoy("ratelimit.yaml", text).unwrap_or_else(|e| panic!("{e}"));
+    let p = compile("out.yaml", &imported.policy).unwrap_or_else(|e| panic!("{e}"));
+    let user: Vec<String> = matched(&p, "api", &[("user", "u1")])
+        .iter()
+        .map(|m| m.rsplit(' ').next().unwrap_or_default().to_owned())
+        .collect();
+    assert_eq!(user, ["deny"], "{}", imported.policy);
+    assert!(matched(&p, "api", &[("tenant", "t1")]).is_empty());
+    let notes = particular(&imported);
+    assert_eq!(notes.len(), 2, "{notes:?}");
+    assert!(
+        notes[0].contains("envoy reads 0 and denies every request"),
+        "{notes:?}"
+    );
+    assert!(notes[1].contains("skipped"), "{notes:?}");
+}
