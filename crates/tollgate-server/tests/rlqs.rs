@@ -53,6 +53,11 @@ limits:
     capacity: 1
     refill: 1/h
     mode: shadow
+  - name: blocked
+    domain: edge
+    when: {tenant: [evil, worse]}
+    key: [tenant]
+    deny: true
 "#;
 
 /// What one more request would leave of `entry`'s bucket, as `/v1/explain` says.
@@ -221,6 +226,27 @@ async fn an_empty_bucket_denies_and_one_without_an_enforced_limit_allows() {
             r#"tollgate_rlqs_reported_requests_total{result="allowed"}"#
         ),
         9.0
+    );
+}
+
+/// A tenant on a block list gets a deny-all assignment at once: nothing to pay for, nothing
+/// charged to its other limits.
+#[tokio::test]
+async fn a_denied_bucket_is_assigned_deny_all_and_charged_nothing() {
+    let (server, _scratch) = start();
+    let mut envoy = Envoy::connect(&server).await;
+    for _ in 0..2 {
+        let actions = envoy
+            .report("edge", vec![usage(&[("tenant", "worse")], 5, 0, SECOND)])
+            .await;
+        let actions: Vec<Assigned> = actions.into_iter().map(assigned).collect();
+        assert!(matches!(actions[..], [Assigned::Deny(_)]), "{actions:?}");
+    }
+    // per-tenant, which applies too, was not charged for the assignments (a peek at cost 1).
+    assert_eq!(remaining(&server, "tenant", "worse"), 999);
+    assert_eq!(
+        metric(&server, r#"tollgate_rlqs_answers_total{action="deny_all"}"#),
+        2.0
     );
 }
 
