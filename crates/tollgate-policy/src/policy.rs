@@ -625,8 +625,9 @@ pub struct Matched<'p, P = Limit> {
     /// ([`LimitDef::applies_request_limit`]); then no override applies.
     pub requested: bool,
     /// Whether the request is rejected by this limit whatever its bucket holds: a
-    /// [`LimitDef::deny`] limit, or a [`Override::deny`] override. No bucket is read or
-    /// charged; the parameters are not what decides.
+    /// [`LimitDef::deny`] limit, a [`Override::deny`] override, or a denial the descriptor asks
+    /// for ([`RequestedLimit::Deny`]). No bucket is read or charged; the parameters are not
+    /// what decides.
     pub denied: bool,
     /// The effective parameters, of the kind matched for.
     pub(crate) params: P,

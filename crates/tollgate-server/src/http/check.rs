@@ -385,8 +385,8 @@ pub(crate) fn status_of(outcome: &Outcome, deny: StatusCode) -> StatusCode {
 }
 
 /// Adds `RateLimit-Policy`, `RateLimit` and, when rejected (not denied), `Retry-After` to
-/// `headers`, from the enforced limits. Added to the response's own map: a map of their own would cost an allocation
-/// and a merge on every answer.
+/// `headers`, from the enforced limits. Added to the response's own map: a map of their own
+/// would cost an allocation and a merge on every answer.
 pub(crate) fn add_rate_limit_headers(headers: &mut HeaderMap, outcome: &Outcome) {
     if let Some((policy, state)) = fields::rate_limit_headers(enforced_decisions(outcome)) {
         headers.insert(fields::RATELIMIT_POLICY, policy);
@@ -450,7 +450,8 @@ pub(crate) fn write_body(outcome: &Outcome, explain: bool) -> Vec<u8> {
             push_number(&mut out, b",\"capacity\":", d.capacity());
             // A denial has no wait that would help: no retry_after_ms at all, rather than a 0
             // that would read "retry now".
-            if !d.is_denied() {
+            let denied = d.is_denied();
+            if !denied {
                 let retry = d.retry_after().map_or(0, millis_ceil);
                 push_number(&mut out, b",\"retry_after_ms\":", retry);
             }
@@ -459,7 +460,7 @@ pub(crate) fn write_body(outcome: &Outcome, explain: bool) -> Vec<u8> {
                 b",\"reset_after_ms\":",
                 millis_ceil(d.reset_after()),
             );
-            if d.is_denied() {
+            if denied {
                 out.extend_from_slice(b",\"denied\":true");
             }
         }
