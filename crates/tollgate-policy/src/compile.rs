@@ -891,18 +891,6 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
                             format!("{article} override sets no parameters, yet {field} is set"),
                         ));
                     }
-                    // Leases are decided by bounds in flight, which have no denial: a deny
-                    // there would never apply, so it is refused rather than ignored.
-                    if let (Some(d), Params::Concurrency(_)) = (denies, &params) {
-                        return Err(at(
-                            file,
-                            d,
-                            format!("{opath}.deny"),
-                            "deny is for rate limits, which checks decide; a lease is taken \
-                             against concurrency limits alone, and they cannot deny"
-                                .into(),
-                        ));
-                    }
                     params
                 }
             };

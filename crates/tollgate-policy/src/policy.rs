@@ -11,7 +11,9 @@
 //! concurrency limit is acquired: a request holds a lease until it ends. The two are asked
 //! through different calls (a check, a lease), so they are matched apart too, by the same
 //! rules: [`Policy::matches`] finds the rate limits only, which is all that checks, Envoy's
-//! RLS and forward-auth deal in, and [`Policy::lease_matches`] the concurrency limits only.
+//! RLS and forward-auth deal in, and [`Policy::lease_matches`] the concurrency limits. A
+//! deny limit ([`LimitDef::deny`]) is of neither kind, and both find it: a client on a block
+//! list takes no lease either.
 //!
 //! # Indexes
 //!
@@ -215,11 +217,19 @@ pub(crate) trait Kind: Copy {
     /// The limit a descriptor asks for, if limits of this kind can take it: rate limits can,
     /// a number of leases cannot be said in Envoy's terms.
     fn requested(limit: &Limit) -> Option<Self>;
+
+    /// What stands in for the parameters of a deny limit (`params`, a nominal rate) when it
+    /// is matched for this kind: nothing decides by them.
+    fn for_deny(params: &Params) -> Option<Self>;
 }
 
 impl Kind for Limit {
     fn pick(params: &Params) -> Option<&Self> {
         params.rate()
+    }
+
+    fn for_deny(params: &Params) -> Option<Self> {
+        params.rate().copied()
     }
 
     fn requested(limit: &Limit) -> Option<Self> {
@@ -234,6 +244,11 @@ impl Kind for LeaseLimit {
 
     fn requested(_: &Limit) -> Option<Self> {
         None
+    }
+
+    fn for_deny(_: &Params) -> Option<Self> {
+        // One lease for a second: valid, and never taken (a denial holds nothing).
+        LeaseLimit::new(1, std::time::Duration::from_secs(1)).ok()
     }
 }
 
@@ -802,7 +817,9 @@ impl Policy {
 
     /// Appends to `out` the concurrency limits that apply to one request, by the same rules as
     /// [`match_into`](Self::match_into) (domain, `when`, `key`, overrides, mode, rollout,
-    /// exemptions); the bucket key names the limit's leases.
+    /// exemptions); the bucket key names the limit's leases. Deny limits that apply are among
+    /// them too ([`Matched::denied`], with a nominal bound of one lease that nothing takes): a
+    /// denied client takes no lease.
     pub fn lease_match_into<'p, D, S>(
         &'p self,
         domain: &str,
@@ -950,8 +967,8 @@ impl Policy {
         out: &mut Vec<Matched<'p, P>>,
     ) {
         let limit = &self.limits[index as usize];
-        // The other kind is left out first: it is one comparison.
-        if P::pick(&limit.params).is_none()
+        // The other kind is left out first: it is one comparison (a deny limit is of both).
+        if (P::pick(&limit.params).is_none() && !limit.deny)
             || limit.exact.is_some_and(|n| n != entries.len())
             || !all_hold(&limit.when, entries)
         {
@@ -987,6 +1004,11 @@ impl Policy {
             // An override's parameters are of its limit's kind (compile makes sure).
             _ => match P::pick(override_.map_or(&limit.params, |o| &o.params)) {
                 Some(params) => (*params, override_.map_or(limit.tag, |o| o.tag)),
+                // A deny limit's overrides are all unlimited (compile makes sure).
+                None if limit.deny => match P::for_deny(&limit.params) {
+                    Some(params) => (params, limit.tag),
+                    None => return,
+                },
                 None => return,
             },
         };

@@ -2265,3 +2265,132 @@ fn a_deny_needs_no_store_and_spends_no_emergency_budget() {
         "{degraded:?}"
     );
 }
+
+/// A block list and a banned tier beside a concurrency limit: a deny limit with an exception, a
+/// concurrency limit's deny override, a deny in shadow.
+const LEASE_BLOCKS: &str = r#"
+version: "1"
+limits:
+  - name: exports
+    domain: api
+    key: [user]
+    algorithm: concurrency
+    max_in_flight: 2
+    lease_timeout: 30s
+    failure_mode: open
+    emergency: 1
+    overrides:
+      - {name: banned, when: {tier: banned}, deny: true}
+  - name: blocked-tenants
+    domain: api
+    when: {tenant: evil}
+    key: [tenant]
+    deny: true
+    overrides:
+      - {when: {user: ops}, unlimited: true}
+  - name: watched
+    domain: api
+    when: {tenant: watched}
+    deny: true
+    mode: shadow
+"#;
+
+#[test]
+fn a_deny_refuses_a_lease_and_holds_nothing_anywhere() {
+    let r = rig(LEASE_BLOCKS);
+    let evil = [("user", "u1"), ("tenant", "evil")];
+    for id in ["a", "b", "c"] {
+        let outcome = acquire(&r.engine, &evil, id);
+        assert!(!outcome.allowed && !outcome.held && !outcome.failed_closed);
+        let names: Vec<&str> = outcome.limits.iter().map(|l| &*l.name).collect();
+        assert_eq!(names, ["exports", "blocked-tenants"], "{outcome:?}");
+        let blocked = outcome.limits[1]
+            .decision
+            .unwrap_or_else(|| panic!("{outcome:?}"));
+        assert!(blocked.is_denied() && !blocked.allowed());
+        assert_eq!((blocked.max_in_flight(), blocked.remaining()), (0, 0));
+        // No release frees a slot for it: no wait is given.
+        assert_eq!(outcome.retry_after(), None);
+        // The concurrency limit was read, not taken.
+        let exports = outcome.limits[0]
+            .decision
+            .unwrap_or_else(|| panic!("{outcome:?}"));
+        assert!(exports.allowed() && !exports.is_denied());
+        assert_eq!(exports.in_flight(), 0);
+    }
+    assert_eq!(in_flight(&r.engine, &[("user", "u1")]), [0]);
+    // The id of a refused lease was never held: it is free to use.
+    assert!(r.engine.release("a").is_ok_and(|held| !held));
+    let explained = r.engine.explain_leases("api", &[evil]).unwrap();
+    assert!(!explained.allowed && explained.limits[1].decision.is_some_and(|d| d.is_denied()));
+
+    // The exception takes its requests out of the deny: leases as usual.
+    let ops = acquire(&r.engine, &[("user", "ops"), ("tenant", "evil")], "d");
+    assert!(ops.allowed && ops.held && ops.limits.len() == 1, "{ops:?}");
+
+    // A concurrency limit's deny override: a key of its own, refused, nothing held.
+    let banned = [("user", "u2"), ("tier", "banned")];
+    let outcome = acquire(&r.engine, &banned, "e");
+    assert!(!outcome.allowed && !outcome.held);
+    assert_eq!(outcome.limits[0].bucket_key, "exports|u2#banned");
+    assert!(outcome.limits[0].decision.is_some_and(|d| d.is_denied()));
+    assert_eq!(in_flight(&r.engine, &[("user", "u2")]), [0]);
+
+    // In shadow a deny reports a would-reject, and the lease is taken.
+    let watched = acquire(&r.engine, &[("user", "u3"), ("tenant", "watched")], "f");
+    assert!(watched.allowed && watched.held);
+    let shadow = &watched.limits[1];
+    assert!(
+        shadow.would_reject() && shadow.mode == "shadow",
+        "{watched:?}"
+    );
+    assert_eq!(in_flight(&r.engine, &[("user", "u3")]), [1]);
+}
+
+#[test]
+fn a_lease_deny_needs_no_store_and_takes_nothing_from_the_emergency_table() {
+    let r = rig(LEASE_BLOCKS);
+    let evil = [("user", "u1"), ("tenant", "evil")];
+    for id in ["a", "b"] {
+        let outcome = r
+            .engine
+            .acquire_degraded("api", &[evil], id, "store timeout")
+            .unwrap_or_else(|e| panic!("{e}"));
+        // An ordinary refusal, decided as with the store up: not a failure.
+        assert!(!outcome.allowed && !outcome.held && !outcome.failed_closed);
+        assert!(outcome.degraded);
+        assert!(outcome.limits[1].decision.is_some_and(|d| d.is_denied()));
+    }
+    // The same through a store that cannot answer: the denial is the engine's.
+    let banned = [("user", "u1"), ("tier", "banned")];
+    let outcome = r
+        .engine
+        .acquire_degraded("api", &[banned], "c", "store timeout")
+        .unwrap();
+    assert!(!outcome.allowed && outcome.limits[0].decision.is_some_and(|d| d.is_denied()));
+    // exports' emergency bound (one lease) is whole: the refusals took nothing.
+    let good = [("user", "u1")];
+    let first = r
+        .engine
+        .acquire_degraded("api", &[good], "d", "store timeout")
+        .unwrap();
+    assert!(first.allowed && first.held);
+    let second = r
+        .engine
+        .acquire_degraded("api", &[good], "e", "store timeout")
+        .unwrap();
+    assert!(!second.allowed);
+    // Only exports' own keys were degraded decisions (read beside a deny, or taken): a deny
+    // is not audited as one.
+    let degraded: Vec<String> = r
+        .audit
+        .events()
+        .iter()
+        .filter(|e| e["event"] == "degraded")
+        .map(|e| e["bucket_key"].as_str().unwrap_or_default().to_owned())
+        .collect();
+    assert_eq!(degraded, ["exports|u1"; 4]);
+    // Against a store that is down, an acquire fails (the caller then degrades, above).
+    let down = block_on_ready(r.engine.acquire_on(&Down, "api", &[evil], "f"));
+    assert!(down.is_err());
+}

@@ -932,13 +932,22 @@ fn a_deny_override_sets_no_parameters() {
     );
     case(
         &format!(
-            "{HEAD}    algorithm: concurrency\n    max_in_flight: 2\n    lease_timeout: 30s\n    overrides:\n      - when: {{tier: free}}\n        deny: true\n"
+            "{HEAD}    algorithm: concurrency\n    max_in_flight: 2\n    lease_timeout: 30s\n    overrides:\n      - when: {{tier: free}}\n        deny: true\n        max_in_flight: 1\n"
         ),
         10,
         15,
         "limits[0].overrides[0].deny",
-        "deny is for rate limits",
+        "a deny override sets no parameters, yet max_in_flight is set",
     );
+    // A concurrency limit's deny override refuses leases (engine tests).
+    let leases = compile(
+        "p.yaml",
+        &format!(
+            "{HEAD}    algorithm: concurrency\n    max_in_flight: 2\n    lease_timeout: 30s\n    overrides:\n      - when: {{tier: free}}\n        deny: true\n"
+        ),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert!(leases.limits()[0].overrides()[0].deny());
     let policy = compile(
         "p.yaml",
         &format!(

@@ -427,8 +427,14 @@ pub fn record_lease_decision(
     let api = Api::Leases;
     let limits = outcome.iter().flat_map(|outcome| {
         outcome.limits.iter().map(|limit| {
-            let allowed = limit.decision.map(|d| d.allowed());
-            let result = result_label(allowed, limit.mode, outcome.failed_closed);
+            let result = match limit.decision {
+                Some(d) if d.is_denied() && !outcome.failed_closed => "denied",
+                decision => result_label(
+                    decision.map(|d| d.allowed()),
+                    limit.mode,
+                    outcome.failed_closed,
+                ),
+            };
             (&*limit.name, result, limit.mode)
         })
     });
@@ -573,13 +579,20 @@ pub fn record_store_error(reason: Unavailable) {
 
 /// Records the limits a degraded outcome decided without the store.
 pub fn record_degraded(reason: Unavailable, outcome: &Outcome) {
-    let enforced = outcome.limits.iter().filter(|l| l.mode == "enforce");
+    // A denial is decided as with the store up: not degraded.
+    let enforced = outcome
+        .limits
+        .iter()
+        .filter(|l| l.mode == "enforce" && !l.decision.is_some_and(|d| d.is_denied()));
     record_degraded_limits(reason, outcome.failed_closed, enforced.count());
 }
 
 /// Records the concurrency limits of a lease request decided without the shared store.
 pub fn record_degraded_leases(reason: Unavailable, outcome: &LeaseOutcome) {
-    let enforced = outcome.limits.iter().filter(|l| l.mode == "enforce");
+    let enforced = outcome
+        .limits
+        .iter()
+        .filter(|l| l.mode == "enforce" && !l.decision.is_some_and(|d| d.is_denied()));
     record_degraded_limits(reason, outcome.failed_closed, enforced.count());
 }
 

@@ -1627,8 +1627,9 @@ fn without_a_config_the_banner_shows_the_demo_policy_an_example_and_the_dashboar
     );
 }
 
-/// A block list: a deny limit and a deny override reject over HTTP, forward-auth and RLS as a
-/// quota of nothing (no wait offered, nothing charged elsewhere), and `/v1/policy` lists them.
+/// A block list: a deny limit and a deny override reject over HTTP, forward-auth, RLS and
+/// leases as a quota of nothing (no wait offered, nothing charged or held elsewhere), and
+/// `/v1/policy` lists them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deny_rejects_over_every_interface_without_a_wait() {
     let scratch = Scratch::new("deny");
@@ -1649,6 +1650,14 @@ limits:
     when: {ip: [203.0.113.7, 203.0.113.8]}
     key: [ip]
     deny: true
+  - name: exports
+    domain: api
+    key: [user]
+    algorithm: concurrency
+    max_in_flight: 1
+    lease_timeout: 30s
+    overrides:
+      - {name: banned, when: {tier: banned}, deny: true}
 "#,
     );
     let server = Server::start(&["--config", path_str(&config)]);
@@ -1733,6 +1742,41 @@ limits:
         .await
         .unwrap();
     assert_eq!(response.overall_code, Code::Ok as i32, "no limit applies");
+
+    // A blocked client takes no lease either, and the banned tier of exports none at all;
+    // nothing is held for them, so u1's one slot is free afterwards.
+    let lease_body = |entries: &str| format!(r#"{{"domain":"api","descriptors":[{entries}]}}"#);
+    for entries in [
+        r#"{"user":"u1","ip":"203.0.113.8"}"#,
+        r#"{"user":"u1","tier":"banned"}"#,
+    ] {
+        let answer = post_json(server.http, "/v1/leases", &lease_body(entries));
+        assert_eq!(answer.status, 429, "{}", answer.body);
+        assert_eq!(
+            answer.header("retry-after"),
+            None,
+            "no release lifts a deny"
+        );
+        let body = answer.json();
+        assert_eq!(body["lease_id"], serde_json::Value::Null, "{body}");
+        let denied = body["limits"]
+            .as_array()
+            .and_then(|limits| limits.iter().find(|l| l["denied"] == true))
+            .unwrap_or_else(|| panic!("{body}"));
+        assert_eq!(
+            (&denied["capacity"], &denied["allowed"]),
+            (&serde_json::json!(0), &serde_json::json!(false))
+        );
+        assert!(denied.get("retry_after_ms").is_none(), "{body}");
+    }
+    let answer = post_json(server.http, "/v1/leases", &lease_body(r#"{"user":"u1"}"#));
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    for series in [
+        r#"tollgate_decisions_total{limit="blocked-ips",result="denied",mode="enforce",api="leases"}"#,
+        r#"tollgate_decisions_total{limit="exports",result="denied",mode="enforce",api="leases"}"#,
+    ] {
+        assert_eq!(support::metric(&server, series), 1.0, "{series}");
+    }
 
     // Listed as written: no parameters, no failure mode.
     let body = request(server.http, "GET", "/v1/policy", &[], "").json();

@@ -380,6 +380,61 @@ limits:
     assert_eq!(in_flight["first_rejection"], "2026-11-29T10:00:01Z");
 }
 
+/// A deny limit applies to checks and leases alike; a replay counts each request it decides
+/// once, and a banned tier of a concurrency limit refuses leases.
+#[test]
+fn a_deny_counts_once_and_refuses_leases() {
+    let dir = Scratch::new("simulate-deny");
+    let policy = dir.write(
+        "policy.yaml",
+        "\
+version: d
+limits:
+  - name: in-flight
+    domain: api
+    key: [user]
+    algorithm: concurrency
+    max_in_flight: 5
+    lease_timeout: 10s
+    overrides:
+      - {name: banned, when: {tier: banned}, deny: true}
+  - name: watched
+    domain: api
+    when: {user: w}
+    deny: true
+    mode: shadow
+",
+    );
+    let ran = |time: &str, entries: &str| {
+        format!(
+            r#"{{"time":"2026-11-29T10:00:{time}Z","domain":"api","descriptors":[{entries}],"duration_ms":1000}}"#
+        )
+    };
+    let trace = [
+        ran("00", r#"{"user":"w"}"#),
+        ran("01", r#"{"user":"w"}"#),
+        ran("02", r#"{"user":"b","tier":"banned"}"#),
+    ];
+    let trace = dir.write("trace.jsonl", &trace.join("\n"));
+    let report = simulate_json(&[path_str(&trace), "--config", path_str(&policy)]);
+    let policy = &report["policies"][0];
+    assert_eq!(
+        (&policy["allowed"], &policy["rejected"]),
+        (&2.into(), &1.into()),
+        "{policy}"
+    );
+    assert_eq!(policy["leases"], 2);
+    let watched = limit(policy, "watched");
+    assert_eq!(watched["decisions"], 2, "{watched}");
+    assert_eq!(watched["would_reject"], 2, "{watched}");
+    let in_flight = limit(policy, "in-flight");
+    assert_eq!(
+        (&in_flight["decisions"], &in_flight["rejected"]),
+        (&3.into(), &1.into()),
+        "{in_flight}"
+    );
+}
+
 #[test]
 fn a_retried_request_finds_its_lease_held_as_the_server_would() {
     let dir = Scratch::new("simulate-lease-retry");

@@ -9,6 +9,11 @@
 //! takes one lease over all of them in one all-or-nothing acquire, and frees it by its id
 //! alone.
 //!
+//! A deny limit that applies, or a concurrency limit's deny override, refuses the lease
+//! whatever is held ([`LeaseDecision::denied`]): nothing is taken anywhere, the other keys are
+//! only read, and the store is not needed for it, so the refusal stands while the store is
+//! down too (an ordinary rejection then, not a failure).
+//!
 //! # Keys across versions
 //!
 //! Leases live under the same store keys as buckets (`store_key`: the bucket key, the subject
@@ -132,13 +137,14 @@ struct Slot {
     first: usize,
 }
 
-/// The distinct keys of `matched` (exempt matches left out: they hold nothing), and the slot
-/// of each match (`usize::MAX` for none). Two descriptors that land on one key take one slot.
+/// The distinct keys of `matched` (exempt matches and denials left out: they hold nothing),
+/// and the slot of each match (`usize::MAX` for none). Two descriptors that land on one key
+/// take one slot.
 fn slots(matched: &[LeaseMatched<'_>]) -> (Vec<Slot>, Vec<usize>) {
     let mut slots: Vec<Slot> = Vec::with_capacity(matched.len());
     let mut slot_of = Vec::with_capacity(matched.len());
     for (i, m) in matched.iter().enumerate() {
-        if let Effect::Exempt(_) = m.effect {
+        if matches!(m.effect, Effect::Exempt(_)) || m.denied {
             slot_of.push(usize::MAX);
             continue;
         }
@@ -165,6 +171,16 @@ fn slots(matched: &[LeaseMatched<'_>]) -> (Vec<Slot>, Vec<usize>) {
     (slots, slot_of)
 }
 
+/// What `m` decided, given the decision of its slot: a denial decides by itself, an exempt
+/// match not at all.
+fn decision_of(m: &LeaseMatched<'_>, slot: Option<LeaseDecision>) -> Option<LeaseDecision> {
+    match m.effect {
+        Effect::Exempt(_) => None,
+        _ if m.denied => Some(LeaseDecision::denied()),
+        _ => slot,
+    }
+}
+
 /// A lease error from the core, as the policy's check error: errors about the lease id or the
 /// lease table name no limit, the others `limit`.
 fn lease_error(limit: &str, source: tollgate::Error) -> Error {
@@ -187,12 +203,17 @@ impl PolicyEngine {
     ///   they hold a slot when they have one free (so their counts show what enforcing them
     ///   would do) and report a would-reject when they have none.
     /// * Exempt limits are left out; each use is counted and audited.
+    /// * A deny limit that applies ([`crate::LimitDef::deny`], a rate limit's kind otherwise)
+    ///   or a concurrency limit's deny override refuses the lease whatever is held
+    ///   ([`LeaseDecision::denied`], no `retry_after`): nothing is held anywhere, the other
+    ///   keys are only read. In shadow mode or outside its rollout it reports a would-reject.
     /// * Two descriptors that land on one key take one slot.
     /// * A request no concurrency limit applies to is allowed, holds nothing (`held` false)
     ///   and is counted as unmatched, as a check is.
     ///
     /// The lease is held until [`release`](Self::release) or its limit's `lease_timeout`. Rate
-    /// limits of the policy are not looked at ([`decide`](Self::decide) is for them).
+    /// limits of the policy are not looked at ([`decide`](Self::decide) is for them), but for
+    /// deny limits.
     ///
     /// # Errors
     ///
@@ -368,7 +389,9 @@ impl PolicyEngine {
     ///   `lease_timeout`. Two descriptors on one key take one slot.
     ///
     /// Shadow and outside-rollout limits are not decided (they could not reject anyway);
-    /// exemptions apply as usual. Every degraded limit decision is audited with its reason, and
+    /// exemptions apply as usual. A denial needs no store: it refuses as it does with the store
+    /// up (an ordinary rejection, whatever fails closed beside it), takes nothing from the
+    /// emergency table and is not audited as degraded. Every degraded limit decision is audited with its reason, and
     /// a request no concurrency limit applies to is counted as unmatched. The lease is given
     /// back by [`release_on`](Self::release_on) (or [`release`](Self::release)), which looks
     /// in the emergency table first.
@@ -400,8 +423,11 @@ impl PolicyEngine {
         let mut failed_closed = false;
         let mut open: Vec<Slot> = Vec::new();
         let mut slot_of = vec![usize::MAX; matched.len()];
+        let denied = matched
+            .iter()
+            .any(|m| m.denied && m.effect == Effect::Enforce);
         for (i, m) in matched.iter().enumerate() {
-            if m.effect != Effect::Enforce {
+            if m.effect != Effect::Enforce || m.denied {
                 continue;
             }
             match m.limit.failure_mode() {
@@ -431,19 +457,23 @@ impl PolicyEngine {
                 FailureMode::Closed | FailureMode::Open { .. } => failed_closed = true,
             }
         }
+        failed_closed &= !denied;
         let mut decisions: Vec<Option<LeaseDecision>> = vec![None; open.len()];
-        let mut allowed = !failed_closed;
+        let mut allowed = !failed_closed && !denied;
         let mut held = false;
         if !failed_closed && !open.is_empty() {
             let takes: Vec<LeaseTake<'_>> = open
                 .iter()
                 .map(|s| LeaseTake::new(&s.key, &s.limit))
                 .collect();
-            let results = self
-                .emergency_leases
-                .acquire(&takes, lease_id, now)
+            let results = if denied {
+                self.emergency_leases.in_flight(&takes, now)
+            } else {
+                self.emergency_leases.acquire(&takes, lease_id, now)
+            };
+            let results = results
                 .map_err(|source| lease_error(matched[open[0].first].limit.name(), source))?;
-            allowed = results.iter().all(LeaseDecision::allowed);
+            allowed &= results.iter().all(LeaseDecision::allowed);
             held = allowed;
             decisions = results.into_iter().map(Some).collect();
         }
@@ -456,7 +486,7 @@ impl PolicyEngine {
                     exempted_by = Some(exemption.owner().to_owned());
                     self.use_exemption(m, exemption, &version);
                 }
-                Effect::Enforce => {
+                Effect::Enforce if !m.denied => {
                     let mode = match m.limit.failure_mode() {
                         FailureMode::OpenInFlight { .. } => "open",
                         _ => "closed",
@@ -477,7 +507,7 @@ impl PolicyEngine {
                 descriptor: m.descriptor,
                 bucket_key: m.bucket_key.clone(),
                 mode: m.effect.as_str(),
-                decision: decisions.get(slot).copied().flatten(),
+                decision: decision_of(m, decisions.get(slot).copied().flatten()),
                 exempted_by,
             });
         }
@@ -520,8 +550,12 @@ impl PolicyEngine {
         }
 
         let (slots, slot_of) = slots(&matched);
+        // A denial needs no slot: the other keys are only read, so nothing is held for it.
+        let denied = matched
+            .iter()
+            .any(|m| m.denied && m.effect == Effect::Enforce);
         let mut decisions: Vec<Option<LeaseDecision>> = vec![None; slots.len()];
-        let mut allowed = true;
+        let mut allowed = !denied;
         let mut held = false;
         if !slots.is_empty() {
             let takes: Vec<LeaseTake<'_>> = slots
@@ -537,7 +571,7 @@ impl PolicyEngine {
                 lease_id: lease_id.unwrap_or_default(),
                 now: None,
             };
-            let results = if acquire {
+            let results = if acquire && !denied {
                 store.acquire(request).await
             } else {
                 store.in_flight(request).await
@@ -547,7 +581,7 @@ impl PolicyEngine {
                 lease_error(matched[first].limit.name(), source)
             })?;
             // Only enforced keys decide; a soft key that was full is a would-reject.
-            allowed = slots
+            allowed &= slots
                 .iter()
                 .zip(&results)
                 .all(|(slot, d)| d.allowed() || !slot.enforce);
@@ -565,12 +599,13 @@ impl PolicyEngine {
                     self.use_exemption(&m, exemption, &version);
                 }
             }
+            let decision = decision_of(&m, decisions.get(slot).copied().flatten());
             limits.push(LeaseLimitOutcome {
                 name: Arc::clone(&m.limit.name),
                 descriptor: m.descriptor,
                 bucket_key: m.bucket_key,
                 mode: m.effect.as_str(),
-                decision: decisions.get(slot).copied().flatten(),
+                decision,
                 exempted_by,
             });
         }

@@ -21,10 +21,13 @@
 //! when an enforced concurrency limit is full (with `Retry-After`: when the oldest lease times
 //! out, the latest a slot frees itself), 503 when one fails closed because the shared store is
 //! down. `lease_id` is `null` when the request holds nothing (no concurrency limit applied, or
-//! only exempt ones): there is nothing to give back.
+//! only exempt ones): there is nothing to give back. A deny (a deny limit that applies, or a
+//! concurrency limit's deny override) answers 429 without `Retry-After`, its limit
+//! `"denied":true`: no release frees a slot for it.
 //!
 //! Rate limits are not decided here, nor concurrency limits by `/v1/check`: a request that
-//! needs both calls both, so neither API's answer depends on the other's.
+//! needs both calls both, so neither API's answer depends on the other's. Deny limits are
+//! decided by both: a client on a block list is refused a lease as it is refused a check.
 
 use std::borrow::Cow;
 use std::fmt::Write as _;
@@ -134,7 +137,8 @@ pub(crate) async fn acquire(
     };
     let held = outcome.held.then_some(lease_id.as_str());
     let mut response = json(status, write_body(&outcome, Body::Taken(held)));
-    if !outcome.allowed && !outcome.failed_closed {
+    let denied = enforced(&outcome).any(LeaseDecision::is_denied);
+    if !outcome.allowed && !outcome.failed_closed && !denied {
         let wait = enforced(&outcome)
             .filter_map(LeaseDecision::retry_after)
             .map(|wait| wait.as_nanos().div_ceil(1_000_000_000))
@@ -324,13 +328,20 @@ fn write_body(outcome: &LeaseOutcome, body: Body<'_>) -> Vec<u8> {
             push_number(&mut out, b",\"in_flight\":", d.in_flight());
             push_number(&mut out, b",\"remaining\":", d.remaining());
             push_number(&mut out, b",\"capacity\":", d.max_in_flight());
-            let retry = d.retry_after().filter(|_| !repeated).map_or(0, millis_ceil);
-            push_number(&mut out, b",\"retry_after_ms\":", retry);
+            // As in a check's body: a denial has no wait that would help, so no
+            // retry_after_ms rather than a 0 that would read "retry now".
+            if !d.is_denied() {
+                let retry = d.retry_after().filter(|_| !repeated).map_or(0, millis_ceil);
+                push_number(&mut out, b",\"retry_after_ms\":", retry);
+            }
             push_number(
                 &mut out,
                 b",\"reset_after_ms\":",
                 millis_ceil(d.reset_after()),
             );
+            if d.is_denied() {
+                out.extend_from_slice(b",\"denied\":true");
+            }
         }
         if let Some(owner) = &limit.exempted_by {
             out.extend_from_slice(b",\"exempted_by\":");

@@ -165,9 +165,12 @@ impl Tally {
             .limits
             .iter()
             .map(|l| (&l.name, l.mode, l.would_reject(), &*l.bucket_key));
+        // A deny limit applies to both calls (names are unique across kinds, so a name in
+        // both lists is one): counted once, as the check decided it.
         let leases = lease
             .iter()
             .flat_map(|lease| &lease.limits)
+            .filter(|l| !outcome.limits.iter().any(|r| r.name == l.name))
             .map(|l| (&l.name, l.mode, l.would_reject(), &*l.bucket_key));
         let mut would_reject = false;
         for (name, mode, short, key) in rates.chain(leases) {

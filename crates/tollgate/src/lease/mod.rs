@@ -145,6 +145,7 @@ pub struct LeaseDecision {
     in_flight: u64,
     retry_after: Option<Duration>,
     reset_after: Duration,
+    denied: bool,
 }
 
 impl LeaseDecision {
@@ -165,7 +166,34 @@ impl LeaseDecision {
             in_flight,
             retry_after,
             reset_after,
+            denied: false,
         }
+    }
+
+    /// A refusal that no slot decided: the request is denied whatever the key holds (a deny
+    /// limit or override of a policy), so no release or timeout will let it in. Its limit is
+    /// zero leases, it holds none, and it has no `retry_after`: waiting does not help.
+    ///
+    /// ```
+    /// let denied = tollgate::LeaseDecision::denied();
+    /// assert!(!denied.allowed() && denied.is_denied());
+    /// assert_eq!((denied.max_in_flight(), denied.remaining()), (0, 0));
+    /// assert_eq!(denied.retry_after(), None);
+    /// ```
+    pub fn denied() -> Self {
+        Self {
+            allowed: false,
+            max_in_flight: 0,
+            in_flight: 0,
+            retry_after: None,
+            reset_after: Duration::ZERO,
+            denied: true,
+        }
+    }
+
+    /// Whether this is a denial ([`LeaseDecision::denied`]): refused whatever the key holds.
+    pub fn is_denied(&self) -> bool {
+        self.denied
     }
 
     /// Whether this key had a free slot. The acquire as a whole passes only if every key had
