@@ -81,15 +81,12 @@ fn plain_conditions(when: &BTreeMap<String, WhenValue>) -> Conditions {
             let test = match v {
                 WhenValue::Exact(text) => ValueMatch::Exact(text.as_str().into()),
                 WhenValue::Prefix(text) => ValueMatch::Prefix(text.as_str().into()),
-                WhenValue::AnyOf(values) => {
-                    let mut values: Vec<Box<str>> =
-                        values.iter().map(|v| v.as_str().into()).collect();
-                    values.sort_unstable();
-                    values.dedup();
-                    match <[Box<str>; 1]>::try_from(values) {
-                        Ok([one]) => ValueMatch::Exact(one),
-                        Err(values) => ValueMatch::AnyOf(values.into_boxed_slice()),
-                    }
+                WhenValue::AnyOf { values, prefixes } => {
+                    let boxed = |list: &[String]| list.iter().map(|v| v.as_str().into()).collect();
+                    // The schema refuses an empty list; were one to come, it matches nothing,
+                    // which no value equals.
+                    ValueMatch::any_of(boxed(values), boxed(prefixes))
+                        .unwrap_or_else(|| ValueMatch::AnyOf(Box::default()))
                 }
             };
             (k.as_str().into(), test)
@@ -1039,7 +1036,7 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
     for limit in &limits {
         let domain = &*limit.domain;
         for (entry, test) in &*limit.when {
-            if let ValueMatch::Prefix(prefix) = test {
+            for prefix in test.prefixes() {
                 *prefix_use.entry((domain, &**entry, prefix)).or_default() += 1;
             }
             for value in test.exact_values() {
@@ -1052,25 +1049,22 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
     }
     let rarest = |uses: &StdHashMap<(&str, &str, &str), usize>, limit: &LimitDef, prefix: bool| {
         (0..limit.when.len())
-            .filter(|&i| matches!(limit.when[i].1, ValueMatch::Prefix(_)) == prefix)
+            .filter(|&i| limit.when[i].1.prefixes().is_empty() != prefix)
             .min_by_key(|&i| {
-                // A list of values is as rare as its most shared value: a request with that
-                // value tries every limit filed there.
+                // A list is as rare as its most shared item: a request with that value tries
+                // every limit filed there.
                 let (entry, test) = &limit.when[i];
                 let uses_of = |value: &str| {
                     uses.get(&(&*limit.domain, &**entry, value))
                         .copied()
                         .unwrap_or(0)
                 };
-                match test {
-                    ValueMatch::Prefix(prefix) => uses_of(prefix),
-                    _ => test
-                        .exact_values()
-                        .iter()
-                        .map(|v| uses_of(v))
-                        .max()
-                        .unwrap_or(0),
-                }
+                let items = if prefix {
+                    test.prefixes()
+                } else {
+                    test.exact_values()
+                };
+                items.iter().map(|v| uses_of(v)).max().unwrap_or(0)
             })
     };
     #[derive(Default)]
@@ -1087,7 +1081,6 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
     for limit in &limits {
         let staged = staging.entry(&*limit.domain).or_default();
         staged.request_limits |= limit.request_limit;
-        let condition = |i: usize| (&*limit.when[i].0, limit.when[i].1.text());
         let filed = if let Some(i) = rarest(&pair_use, limit, false) {
             Filed::Pair(i)
         } else if let Some(i) = rarest(&prefix_use, limit, true) {
@@ -1103,25 +1096,25 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
             Filed::Always
         };
         let list = match filed {
-            Filed::Pair(i) => {
-                // Under each of its values; two of them whose hashes collide file it once.
-                let entry = &*limit.when[i].0;
-                for value in limit.when[i].1.exact_values() {
-                    let list = staged
-                        .pairs
-                        .entry(hasher.hash_one((entry, &**value)))
-                        .or_default();
+            Filed::Pair(i) | Filed::Prefix(i) => {
+                // Under each of its values and prefixes; two of them whose hashes collide
+                // file it once.
+                let (entry, test) = (&*limit.when[i].0, &limit.when[i].1);
+                let file = |lists: &mut Lists, item: &str| {
+                    let list = lists.entry(hasher.hash_one((entry, item))).or_default();
                     if list.last() != Some(&limit.index) {
                         list.push(limit.index);
                     }
+                };
+                for value in test.exact_values() {
+                    file(&mut staged.pairs, value);
+                }
+                for prefix in test.prefixes() {
+                    file(&mut staged.prefixes, prefix);
+                    staged.lengths.entry(entry).or_default().push(prefix.len());
                 }
                 filed_at.push(filed);
                 continue;
-            }
-            Filed::Prefix(i) => {
-                let (entry, prefix) = condition(i);
-                staged.lengths.entry(entry).or_default().push(prefix.len());
-                staged.prefixes.entry(hasher.hash_one((entry, prefix)))
             }
             Filed::Key(i) => staged.entries.entry(hasher.hash_one(&*limit.key[i])),
             Filed::Always => {

@@ -22,7 +22,8 @@
 //!
 //! * the exact `when` entry and value (a hash of the pair) that the fewest limits of its domain
 //!   share (a list of values: under each of its values), or else
-//! * the `!prefix` condition (a hash of the entry and the prefix) that the fewest share, or else
+//! * the `!prefix` condition (a hash of the entry and the prefix) that the fewest share (a list
+//!   holding prefixes: under each of its prefixes, and its values as pairs), or else
 //! * the `key` entry name that the fewest share, or else
 //! * nothing: it applies to every descriptor of the domain.
 //!
@@ -51,7 +52,7 @@ pub(crate) type Conditions = Box<[(Box<str>, ValueMatch)]>;
 /// A plain value in the file must be equal; `!prefix VALUE` asks for a value that starts with
 /// it (Envoy's `value: "foo*"`), so that one condition covers a family of values (`/api/v1/…`,
 /// tenants named `eu-…`). With the entry also in `key`, each full value still gets a bucket of
-/// its own.
+/// its own. A list asks for any of its values and prefixes.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum ValueMatch {
@@ -59,38 +60,127 @@ pub enum ValueMatch {
     Exact(Box<str>),
     /// The value starts with this text (the empty text: any value, the entry being present).
     Prefix(Box<str>),
-    /// The value is one of these (a list in the file: `method: [GET, HEAD]`), kept sorted
-    /// and without repeats, at least two (a list of one is [`Exact`](Self::Exact)).
-    AnyOf(Box<[Box<str>]>),
+    /// The value is one of a list's values, or starts with one of its prefixes (a list in the
+    /// file: `method: [GET, HEAD]`, `path: [/health, !prefix /internal/]`). A list that comes
+    /// down to one value is [`Exact`](Self::Exact), to one prefix [`Prefix`](Self::Prefix).
+    AnyOf(Box<ValueList>),
+}
+
+/// The values and prefixes of a list condition ([`ValueMatch::AnyOf`]).
+///
+/// Invariant: both sorted and without repeats; no prefix starts with another of the list, and
+/// no value starts with one of its prefixes (what a shorter prefix covers is left out when the
+/// list is made). So a value matches at most one item of the list, which lets an index file
+/// the list under each item and find it once.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
+pub struct ValueList {
+    values: Box<[Box<str>]>,
+    prefixes: Box<[Box<str>]>,
+    /// The distinct byte lengths of `prefixes`, shortest first.
+    lengths: Box<[usize]>,
+}
+
+impl ValueList {
+    /// The exact values, sorted.
+    pub fn values(&self) -> &[Box<str>] {
+        &self.values
+    }
+
+    /// The prefixes, sorted; none starts with another, nor is a value covered by one.
+    pub fn prefixes(&self) -> &[Box<str>] {
+        &self.prefixes
+    }
+
+    /// Whether `value` is one of the exact values.
+    fn has_value(&self, value: &str) -> bool {
+        self.values.binary_search_by(|v| (**v).cmp(value)).is_ok()
+    }
+
+    /// The prefix of the list that `value` starts with, if any (at most one: see the type's
+    /// invariant). One binary search per distinct prefix length, not one test per prefix.
+    fn prefix_of(&self, value: &str) -> Option<&str> {
+        self.lengths.iter().find_map(|&length| {
+            let head = value.get(..length)?;
+            let at = self.prefixes.binary_search_by(|p| (**p).cmp(head)).ok()?;
+            Some(&*self.prefixes[at])
+        })
+    }
 }
 
 impl ValueMatch {
+    /// The condition a list of `values` and `prefixes` (any order, repeats allowed) asks for:
+    /// what shorter prefixes of the list cover is left out, and a list that comes down to one
+    /// item is that item (`None` for an empty list, which matches nothing).
+    pub fn any_of(values: Vec<Box<str>>, prefixes: Vec<Box<str>>) -> Option<Self> {
+        let mut prefixes = prefixes;
+        // Shortest first, so that a prefix is kept only when none kept before covers it.
+        prefixes.sort_unstable_by(|a, b| a.len().cmp(&b.len()).then_with(|| a.cmp(b)));
+        prefixes.dedup();
+        let mut kept: Vec<Box<str>> = Vec::with_capacity(prefixes.len());
+        for prefix in prefixes {
+            if !kept.iter().any(|k| prefix.starts_with(&**k)) {
+                kept.push(prefix);
+            }
+        }
+        let mut values: Vec<Box<str>> = values
+            .into_iter()
+            .filter(|v| !kept.iter().any(|k| v.starts_with(&**k)))
+            .collect();
+        values.sort_unstable();
+        values.dedup();
+        let mut lengths: Vec<usize> = kept.iter().map(|p| p.len()).collect();
+        lengths.dedup();
+        kept.sort_unstable();
+        Some(match (values.len(), kept.len()) {
+            (0, 0) => return None,
+            (1, 0) => Self::Exact(values.pop()?),
+            (0, 1) => Self::Prefix(kept.pop()?),
+            _ => Self::AnyOf(Box::new(ValueList {
+                values: values.into_boxed_slice(),
+                prefixes: kept.into_boxed_slice(),
+                lengths: lengths.into_boxed_slice(),
+            })),
+        })
+    }
+
     /// Whether `value` satisfies the condition.
     #[inline]
     pub fn matches(&self, value: &str) -> bool {
         match self {
             Self::Exact(text) => value == &**text,
             Self::Prefix(text) => value.starts_with(&**text),
-            Self::AnyOf(values) => values.binary_search_by(|v| (**v).cmp(value)).is_ok(),
+            Self::AnyOf(list) => list.has_value(value) || list.prefix_of(value).is_some(),
         }
     }
 
     /// The text the file gave: the value, or the prefix; of a list, its first value in sorted
-    /// order (a value it matches).
+    /// order, or its first prefix (a value it matches, either way).
     pub fn text(&self) -> &str {
         match self {
             Self::Exact(text) | Self::Prefix(text) => text,
-            Self::AnyOf(values) => values.first().map_or("", |v| v),
+            Self::AnyOf(list) => list
+                .values
+                .first()
+                .or(list.prefixes.first())
+                .map_or("", |v| v),
         }
     }
 
     /// Whether every value this condition matches also matches `wider`.
     pub fn within(&self, wider: &Self) -> bool {
+        // Infinitely many values: only a prefix of the prefix holds them all.
+        let prefix_within = |a: &str| match wider {
+            Self::Prefix(b) => a.starts_with(&**b),
+            Self::AnyOf(list) => list.prefixes.iter().any(|b| a.starts_with(&**b)),
+            Self::Exact(_) => false,
+        };
         match self {
             Self::Exact(value) => wider.matches(value),
-            Self::AnyOf(values) => values.iter().all(|v| wider.matches(v)),
-            // Infinitely many values: only a prefix of the prefix holds them all.
-            Self::Prefix(a) => matches!(wider, Self::Prefix(b) if a.starts_with(&**b)),
+            Self::Prefix(a) => prefix_within(a),
+            Self::AnyOf(list) => {
+                list.values.iter().all(|v| wider.matches(v))
+                    && list.prefixes.iter().all(|p| prefix_within(p))
+            }
         }
     }
 
@@ -98,8 +188,38 @@ impl ValueMatch {
     pub(crate) fn exact_values(&self) -> &[Box<str>] {
         match self {
             Self::Exact(value) => std::slice::from_ref(value),
-            Self::AnyOf(values) => values,
+            Self::AnyOf(list) => &list.values,
             Self::Prefix(_) => &[],
+        }
+    }
+
+    /// The prefixes it is filed under in an index: its prefix, or each of its list's.
+    pub(crate) fn prefixes(&self) -> &[Box<str>] {
+        match self {
+            Self::Prefix(prefix) => std::slice::from_ref(prefix),
+            Self::AnyOf(list) => &list.prefixes,
+            Self::Exact(_) => &[],
+        }
+    }
+
+    /// Whether `value` is one of its exact values (not one a prefix of it covers).
+    fn has_value(&self, value: &str) -> bool {
+        match self {
+            Self::Exact(text) => value == &**text,
+            Self::AnyOf(list) => list.has_value(value),
+            Self::Prefix(_) => false,
+        }
+    }
+
+    /// Whether `prefix` is one of its prefixes.
+    fn has_prefix(&self, prefix: &str) -> bool {
+        match self {
+            Self::Prefix(text) => prefix == &**text,
+            Self::AnyOf(list) => list
+                .prefixes
+                .binary_search_by(|p| (**p).cmp(prefix))
+                .is_ok(),
+            Self::Exact(_) => false,
         }
     }
 }
@@ -665,9 +785,11 @@ impl<P> Matched<'_, P> {
 /// What a limit is filed under in its domain's [`DomainIndex`] (see the module docs).
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Filed {
-    /// The pair of `when[i]`, an exact condition, in `by_pair`.
+    /// The pair of `when[i]`, an exact condition (or each pair of a list of exact values), in
+    /// `by_pair`.
     Pair(usize),
-    /// The entry and prefix of `when[i]`, a prefix condition, in `by_prefix`.
+    /// The entry and prefix of `when[i]`, a prefix condition, in `by_prefix`; of a list
+    /// holding prefixes, each prefix there and each exact value in `by_pair`.
     Prefix(usize),
     /// The entry name `key[i]`, in `by_entry`.
     Key(usize),
@@ -680,16 +802,19 @@ impl LimitDef {
     /// is that value, or a list holding it.
     fn filed_under_pair(&self, entry: &str, value: &str) -> bool {
         match self.filed {
-            Filed::Pair(i) => &*self.when[i].0 == entry && self.when[i].1.matches(value),
+            Filed::Pair(i) | Filed::Prefix(i) => {
+                &*self.when[i].0 == entry && self.when[i].1.has_value(value)
+            }
             _ => false,
         }
     }
 
-    /// The entry and prefix the limit is filed under, if any.
-    fn filed_prefix(&self) -> Option<(&str, &str)> {
+    /// Whether the limit is filed under the prefix (`entry`, `prefix`): its condition there is
+    /// that prefix, or a list holding it.
+    fn filed_under_prefix(&self, entry: &str, prefix: &str) -> bool {
         match self.filed {
-            Filed::Prefix(i) => Some((&*self.when[i].0, self.when[i].1.text())),
-            _ => None,
+            Filed::Prefix(i) => &*self.when[i].0 == entry && self.when[i].1.has_prefix(prefix),
+            _ => false,
         }
     }
 
@@ -908,8 +1033,10 @@ impl Policy {
                             continue;
                         };
                         for &limit in &**list {
+                            // A list's items never overlap, so a value finds a limit under
+                            // one of them at most (see `ValueList`).
                             let candidate = &self.limits[limit as usize];
-                            if candidate.filed_prefix() == Some((entry, prefix)) {
+                            if candidate.filed_under_prefix(entry, prefix) {
                                 found(limit, out);
                             }
                         }

@@ -361,7 +361,8 @@ impl<'de> Deserialize<'de> for Text {
 /// own text (`01234` stays `01234`) but has no way to ask "a string or a map" without resolving
 /// the scalar into a number first.
 ///
-/// A list of values (`method: [GET, HEAD]`) matches any of them. Telling a list from a scalar
+/// A list (`method: [GET, HEAD]`, `path: [/health, !prefix /internal/]`) matches any of its
+/// values and prefixes. Telling a list from a scalar
 /// needs the deserializer's "any" request, which resolves a plain scalar such as `01234` or
 /// `true` before handing it over; such a scalar's text is then read back from the source, at
 /// the position the parser reports for it (see [`Source`]), so it is still taken as written.
@@ -369,7 +370,10 @@ impl<'de> Deserialize<'de> for Text {
 pub(crate) enum WhenValue {
     Exact(String),
     Prefix(String),
-    AnyOf(Vec<String>),
+    AnyOf {
+        values: Vec<String>,
+        prefixes: Vec<String>,
+    },
 }
 
 /// The tag of `!prefix` as the parser reports it.
@@ -389,12 +393,18 @@ impl<'de> Deserialize<'de> for WhenValue {
                         "an empty list of values matches nothing: give at least one",
                     ));
                 }
-                return Ok(Self::AnyOf(values.into_iter().map(|Text(v)| v).collect()));
+                let (prefixes, values): (Vec<Item>, Vec<Item>) =
+                    values.into_iter().partition(|item| item.prefix);
+                let text = |items: Vec<Item>| items.into_iter().map(|item| item.text).collect();
+                return Ok(Self::AnyOf {
+                    values: text(values),
+                    prefixes: text(prefixes),
+                });
             }
             Raw::List(_) => {
                 return Err(de::Error::custom(
-                    "a tag applies to one value: write a list of plain values, or one tagged \
-                     value",
+                    "a tag applies to one value: tag each item of the list (`[!prefix /a/, \
+                     !prefix /b/]`), not the list",
                 ));
             }
         };
@@ -415,8 +425,14 @@ enum Raw {
     Text(String),
     /// A plain scalar the parser resolved (a number, a boolean): its text is in the source.
     Resolved,
-    /// A list of values, each taken as written ([`Text`]).
-    List(Vec<Text>),
+    /// A list of values and prefixes, each taken as written ([`Text`]).
+    List(Vec<Item>),
+}
+
+/// An item of a list in a `when`: a value, or with `!prefix` a prefix.
+struct Item {
+    text: String,
+    prefix: bool,
 }
 
 impl<'de> Deserialize<'de> for Raw {
@@ -469,16 +485,20 @@ impl<'de> Deserialize<'de> for Raw {
 
             fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Raw, A::Error> {
                 let mut values = Vec::new();
-                while let Some(Tagged(value, tag)) = seq.next_element::<Tagged<Text>>()? {
-                    // A tag read as nothing would turn `!prefix /api/` into the exact value
+                while let Some(Tagged(Text(text), tag)) = seq.next_element::<Tagged<Text>>()? {
+                    // A tag read as nothing would turn `!foo /api/` into the exact value
                     // `/api/` without a word.
-                    if let Some(tag) = tag.filter(|t| t != "tag:yaml.org,2002:str") {
-                        return Err(de::Error::custom(format!(
-                            "a list holds plain values, not {tag}: for several prefixes, \
-                             write an override or a limit per prefix"
-                        )));
-                    }
-                    values.push(value);
+                    let prefix = match tag.as_deref() {
+                        None | Some("tag:yaml.org,2002:str") => false,
+                        Some(PREFIX_TAG) => true,
+                        Some(other) => {
+                            return Err(de::Error::custom(format!(
+                                "unknown tag {other} in a list: an item is a plain value, or \
+                                 `!prefix VALUE` for the values that start with it"
+                            )));
+                        }
+                    };
+                    values.push(Item { text, prefix });
                 }
                 Ok(Raw::List(values))
             }
@@ -659,7 +679,11 @@ mod tests {
                 .map(|value| match value {
                     WhenValue::Exact(text) => text,
                     WhenValue::Prefix(text) => format!("prefix {text}"),
-                    WhenValue::AnyOf(values) => format!("any of {}", values.join(" | ")),
+                    WhenValue::AnyOf { values, prefixes } => {
+                        let prefixes = prefixes.iter().map(|p| format!("!prefix {p}"));
+                        let items: Vec<String> = values.iter().cloned().chain(prefixes).collect();
+                        format!("any of {}", items.join(" | "))
+                    }
                 })
                 .collect()
         })
@@ -751,11 +775,11 @@ mod tests {
                 "a tag applies to one value",
             ),
             (
-                "when:\n  k: [a, !prefix b]\n",
+                "when:\n  k: [a, !prefx b]\n",
                 2,
                 6,
                 "when.k",
-                "a list holds plain values",
+                "unknown tag !prefx in a list",
             ),
         ] {
             let err = values(text).map(|_| ()).unwrap_err();
@@ -783,6 +807,15 @@ mod tests {
                 "any of 007 | a: b | /v1/x | 443",
             ),
             ("\n    - 443\n    - 8443", "any of 443 | 8443"),
+            // Prefixes among them, tagged one by one, as written too.
+            (
+                "[/health, !prefix /internal/, !prefix 0012, !prefix '']",
+                "any of /health | !prefix /internal/ | !prefix 0012 | !prefix ",
+            ),
+            (
+                "\n    - !prefix 10.\n    - 192.168.1.1",
+                "any of 192.168.1.1 | !prefix 10.",
+            ),
         ] {
             let parsed = values(&format!("when:\n  k: {written}\n"));
             assert_eq!(

@@ -651,7 +651,9 @@ fn runs_of_values_that_apply_the_same_thing_become_one_override_with_a_list() {
                 let values = o
                     .when()
                     .flat_map(|(_, test)| match test {
-                        ValueMatch::AnyOf(values) => values.iter().map(|v| v.to_string()).collect(),
+                        ValueMatch::AnyOf(list) => {
+                            list.values().iter().map(|v| v.to_string()).collect()
+                        }
                         other => vec![other.text().to_owned()],
                     })
                     .collect();

@@ -836,6 +836,10 @@ fn the_documented_example_is_a_valid_policy() {
     assert_eq!(denied("203.0.113.7"), [blocked(), per_ip()]);
     assert_eq!(denied("203.0.113.9"), [per_ip()]);
     assert_eq!(denied("198.51.100.1"), [per_ip()]);
+    // The list's other prefix and its value.
+    assert_eq!(denied("198.51.100.77"), [blocked(), per_ip()]);
+    assert_eq!(denied("192.0.2.10"), [blocked(), per_ip()]);
+    assert_eq!(denied("192.0.2.100"), [per_ip()]);
     let before_expiry = UnixTime::from_secs(1_790_000_000);
     let acme = [
         ("route", "/v1/payments"),
@@ -1165,4 +1169,183 @@ limits:
         warnings.iter().any(|w| w.contains("/api/*")),
         "{warnings:?}"
     );
+}
+
+/// A list can hold prefixes beside values (`[/health, !prefix /internal/]`): in a limit, an
+/// override and an exemption, found through the index under each item, and once only.
+#[test]
+fn a_list_with_prefixes_matches_its_values_and_what_starts_with_its_prefixes() {
+    let p = compile(
+        "p.yaml",
+        r#"
+limits:
+  - name: private
+    domain: api
+    when: {path: [/health, !prefix /internal/, !prefix /admin, !prefix /admin/users]}
+    key: [user]
+    capacity: 10
+    refill: 1/s
+    overrides:
+      - name: ops-tools
+        when: {path: [!prefix /admin/tools/, /internal/status]}
+        capacity: 100
+  - name: blocked-ranges
+    domain: api
+    when: {ip: [!prefix 203.0.113., !prefix 198.51.100., 192.0.2.7]}
+    key: [ip]
+    deny: true
+exemptions:
+  - limit: private
+    when: {user: [!prefix svc-, root]}
+    owner: ops@example.com
+    reason: internal callers
+    expires: 2099-01-01T00:00:00Z
+"#,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let keys = |d: &[(&str, &str)]| -> Vec<(String, bool)> {
+        p.matches("api", &[d], NOW)
+            .iter()
+            .map(|m| (m.bucket_key.clone(), matches!(m.effect, Effect::Exempt(_))))
+            .collect()
+    };
+    let key = |k: &str| vec![(k.to_owned(), false)];
+    for path in [
+        "/health",
+        "/internal/",
+        "/internal/x",
+        "/admin",
+        "/admin/users/7",
+        "/adminx",
+    ] {
+        assert_eq!(
+            keys(&[("path", path), ("user", "u")]),
+            key("private|u"),
+            "{path}"
+        );
+    }
+    for path in ["/healthz", "/internal", "/admi", "/", ""] {
+        assert!(keys(&[("path", path), ("user", "u")]).is_empty(), "{path}");
+    }
+    // The override: a prefix and a value of its own list.
+    for path in ["/admin/tools/x", "/internal/status"] {
+        let d = [("path", path), ("user", "u")];
+        assert_eq!(keys(&d), key("private|u#ops-tools"), "{path}");
+    }
+    // The exemption: a prefix and a value.
+    for user in ["svc-export", "root"] {
+        let d = [("path", "/health"), ("user", user)];
+        assert_eq!(keys(&d), [(format!("private|{user}"), true)], "{user}");
+    }
+    // A block list of ranges, as written: a prefix is text, not an address range.
+    for ip in ["203.0.113.9", "198.51.100.200", "192.0.2.7"] {
+        let m = p.matches("api", &[[("ip", ip)]], NOW);
+        assert_eq!(
+            (m.len(), m.first().map(|m| m.denied)),
+            (1, Some(true)),
+            "{ip}"
+        );
+    }
+    for ip in ["192.0.2.70", "203.0.114.1", "203.0.113"] {
+        assert!(p.matches("api", &[[("ip", ip)]], NOW).is_empty(), "{ip}");
+    }
+    // What a shorter prefix covers is left out of the list in force.
+    let Some((_, ValueMatch::AnyOf(list))) = p.limits()[0].when().next() else {
+        panic!("{:?}", p.limits()[0]);
+    };
+    let texts = |items: &[Box<str>]| items.iter().map(|i| i.to_string()).collect::<Vec<_>>();
+    assert_eq!(texts(list.values()), ["/health"]);
+    assert_eq!(texts(list.prefixes()), ["/admin", "/internal/"]);
+}
+
+/// `ValueMatch::any_of` keeps the list's items apart: no value or prefix covered by another
+/// prefix, a list of one item is that item.
+#[test]
+fn a_list_comes_down_to_the_items_nothing_else_covers() {
+    let b = |items: &[&str]| items.iter().map(|&i| i.into()).collect::<Vec<Box<str>>>();
+    assert_eq!(ValueMatch::any_of(b(&[]), b(&[])), None);
+    assert_eq!(
+        ValueMatch::any_of(b(&["a", "a"]), b(&[])),
+        Some(ValueMatch::Exact("a".into()))
+    );
+    assert_eq!(
+        ValueMatch::any_of(b(&["ab", "abc"]), b(&["ab", "a"])),
+        Some(ValueMatch::Prefix("a".into()))
+    );
+    // The empty prefix covers every value.
+    assert_eq!(
+        ValueMatch::any_of(b(&["x"]), b(&["", "y"])),
+        Some(ValueMatch::Prefix("".into()))
+    );
+    let Some(ValueMatch::AnyOf(list)) = ValueMatch::any_of(b(&["b", "ax", "c"]), b(&["bb", "a"]))
+    else {
+        panic!("a list");
+    };
+    // `b` stays: the prefix `bb` does not cover it.
+    assert_eq!(list.values(), &*b(&["b", "c"]));
+    assert_eq!(list.prefixes(), &*b(&["a", "bb"]));
+}
+
+/// Through the index, the limits that apply are those whose items as written match: random
+/// lists of values and prefixes over a small alphabet (so that they overlap and cover each
+/// other), random values.
+#[test]
+fn lists_with_prefixes_are_found_through_the_index_as_a_scan_finds_them() {
+    use proptest::prelude::*;
+    use proptest::test_runner::{Config, TestRunner};
+
+    let item = || "[ab]{0,3}";
+    let list = || {
+        (
+            prop::collection::vec(item(), 0..4),
+            prop::collection::vec(item(), 0..4),
+        )
+    };
+    let mut runner = TestRunner::new(Config::with_cases(300));
+    let strategy = (
+        prop::collection::vec(list(), 1..6),
+        prop::collection::vec(item(), 1..20),
+    );
+    runner
+        .run(&strategy, |(lists, values)| {
+            let mut text = String::from("limits:\n");
+            let mut tests = Vec::new();
+            for (i, (exact, prefixes)) in lists.iter().enumerate() {
+                if exact.is_empty() && prefixes.is_empty() {
+                    continue;
+                }
+                let items: Vec<String> = exact
+                    .iter()
+                    .map(|v| format!("'{v}'"))
+                    .chain(prefixes.iter().map(|p| format!("!prefix '{p}'")))
+                    .collect();
+                text.push_str(&format!(
+                    "  - name: l{i}\n    domain: d\n    when: {{k: [{}]}}\n    capacity: 1\n    refill: 1/s\n",
+                    items.join(", ")
+                ));
+                tests.push((format!("l{i}"), exact, prefixes));
+            }
+            if tests.is_empty() {
+                return Ok(());
+            }
+            let p = compile("p.yaml", &text).map_err(|e| TestCaseError::fail(e.to_string()))?;
+            for value in &values {
+                let found: Vec<String> = p
+                    .matches("d", &[[("k", value.as_str())]], NOW)
+                    .iter()
+                    .map(|m| m.limit.name().to_owned())
+                    .collect();
+                // By the items as written, not by the list in force.
+                let scanned: Vec<String> = tests
+                    .iter()
+                    .filter(|(_, exact, prefixes)| {
+                        exact.contains(value) || prefixes.iter().any(|p| value.starts_with(p))
+                    })
+                    .map(|(name, ..)| name.clone())
+                    .collect();
+                prop_assert_eq!(&found, &scanned, "{} for {:?}", text, value);
+            }
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
 }

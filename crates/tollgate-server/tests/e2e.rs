@@ -1647,7 +1647,7 @@ limits:
       - {name: banned, when: {tier: banned}, deny: true}
   - name: blocked-ips
     domain: api
-    when: {ip: [203.0.113.7, 203.0.113.8]}
+    when: {ip: [203.0.113.7, 203.0.113.8, !prefix 192.0.2.]}
     key: [ip]
     deny: true
   - name: exports
@@ -1738,6 +1738,14 @@ limits:
         Code::OverLimit as i32,
         "the list's other value"
     );
+    let response = should_rate_limit(&server, request_for(&[("ip", "192.0.2.55")]))
+        .await
+        .unwrap();
+    assert_eq!(
+        response.overall_code,
+        Code::OverLimit as i32,
+        "the list's prefix"
+    );
     let response = should_rate_limit(&server, request_for(&[("ip", "198.51.100.1")]))
         .await
         .unwrap();
@@ -1794,7 +1802,7 @@ limits:
     );
     assert_eq!(
         ips["when"]["ip"],
-        serde_json::json!(["203.0.113.7", "203.0.113.8"])
+        serde_json::json!(["203.0.113.7", "203.0.113.8", {"prefix": "192.0.2."}])
     );
     tokio::task::spawn_blocking(move || server.terminate())
         .await

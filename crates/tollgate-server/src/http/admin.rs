@@ -248,14 +248,18 @@ fn params_into(body: &mut serde_json::Value, params: &Params) {
     }
 }
 
-/// A `when` as JSON: an exact value as a string, a prefix as `{"prefix": …}`, a list of values
-/// as an array.
+/// A `when` as JSON: an exact value as a string, a prefix as `{"prefix": …}`, a list as an
+/// array of both (its values, then its prefixes, each sorted).
 fn conditions<'a>(entries: impl Iterator<Item = (&'a str, &'a ValueMatch)>) -> serde_json::Value {
     entries
         .map(|(name, test)| {
             let value = match test {
                 ValueMatch::Prefix(prefix) => json!({ "prefix": prefix }),
-                ValueMatch::AnyOf(values) => json!(values),
+                ValueMatch::AnyOf(list) => {
+                    let values = list.values().iter().map(|v| json!(v));
+                    let prefixes = list.prefixes().iter().map(|p| json!({ "prefix": p }));
+                    serde_json::Value::Array(values.chain(prefixes).collect())
+                }
                 other => json!(other.text()),
             };
             (name.to_owned(), value)
