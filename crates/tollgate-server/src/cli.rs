@@ -180,6 +180,11 @@ pub struct ServeArgs {
     /// The window the hot keys are counted over; both reports show the last one completed.
     #[arg(long, env = "TOLLGATE_HOT_KEYS_WINDOW", default_value = "1m", value_parser = parse_timeout)]
     pub hot_keys_window: Duration,
+    /// The share of a limit that an allowed decision must leave spent to be counted in
+    /// `tollgate_near_limit_decisions_total` (envoyproxy/ratelimit's NEAR_LIMIT_RATIO): a
+    /// decimal above 0 and at most 1, to three places (1 counts nothing).
+    #[arg(long, env = "TOLLGATE_NEAR_LIMIT_RATIO", default_value = "0.8", value_parser = parse_ratio)]
+    pub near_limit_ratio: u32,
     /// RLQS (Envoy's rate-limit quota service): a bucket whose Envoy reports no requests for
     /// this long is abandoned (Envoy forgets it until its next request).
     #[arg(long, env = "TOLLGATE_RLQS_ABANDON_AFTER", default_value = "1m", value_parser = parse_timeout)]
@@ -361,6 +366,35 @@ fn parse_hot_keys(text: &str) -> Result<usize, String> {
     match text.parse::<usize>() {
         Ok(count) if count <= MOST_HOT_KEYS => Ok(count),
         _ => Err(format!("expected 0 to {MOST_HOT_KEYS} keys, not {text}")),
+    }
+}
+
+/// A ratio written as a decimal (`0.8`, `0.95`, `1`), in thousandths, read exactly.
+fn parse_ratio(text: &str) -> Result<u32, String> {
+    let refused = || format!("expected a decimal above 0 and at most 1, such as 0.8, not {text}");
+    let (whole, fraction) = text.split_once('.').unwrap_or((text, ""));
+    if whole.is_empty() && fraction.is_empty()
+        || fraction.len() > 3
+        || !whole
+            .bytes()
+            .chain(fraction.bytes())
+            .all(|b| b.is_ascii_digit())
+    {
+        return Err(refused());
+    }
+    let whole: u32 = if whole.is_empty() {
+        0
+    } else {
+        whole.parse().map_err(|_| refused())?
+    };
+    let mut thousandths: u32 = 0;
+    for (place, digit) in fraction.bytes().enumerate() {
+        let scale = [100, 10, 1][place];
+        thousandths += u32::from(digit - b'0') * scale;
+    }
+    match whole.checked_mul(1_000).map(|w| w + thousandths) {
+        Some(permille @ 1..=1_000) => Ok(permille),
+        _ => Err(refused()),
     }
 }
 
@@ -816,6 +850,7 @@ pub async fn serve(
         forward_auth_headers: args.forward_auth_headers.clone(),
         forward_auth_deny: deny,
     };
+    crate::metrics::set_near_limit_ratio(args.near_limit_ratio);
     let metrics = match crate::metrics::install() {
         Ok(handle) => Some(handle),
         Err(err) => {
@@ -1050,7 +1085,22 @@ fn example_body(policy: &tollgate_policy::Policy) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::counted;
+    use super::{counted, parse_ratio};
+
+    #[test]
+    fn ratios_are_read_exactly_in_thousandths() {
+        for (text, permille) in [("0.8", 800), ("0.95", 950), ("1", 1_000), ("1.000", 1_000)] {
+            assert_eq!(parse_ratio(text), Ok(permille), "{text}");
+        }
+        for (text, permille) in [(".5", 500), ("0.001", 1), ("00.25", 250)] {
+            assert_eq!(parse_ratio(text), Ok(permille), "{text}");
+        }
+        for bad in [
+            "0", "0.0", "1.001", "2", "0.0005", "", ".", "-0.5", "0.8x", "1e-1", "80%",
+        ] {
+            assert!(parse_ratio(bad).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn counts_read_as_english() {

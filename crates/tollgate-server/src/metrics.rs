@@ -9,6 +9,7 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::LazyLock;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use metrics::{Counter, Histogram, counter, gauge, histogram};
@@ -25,6 +26,11 @@ use crate::decider::{Backend, DecideError};
 /// limit or override, which no wait lifts, `unavailable`, `exempt`), `mode` (`enforce`,
 /// `shadow`, `rollout`, `exempt`), `api`.
 pub const DECISIONS: &str = "tollgate_decisions_total";
+/// Allowed decisions that left their limit nearly used up: more than the near-limit ratio of
+/// its capacity (`--near-limit-ratio`, 0.8 by default) spent, or of its `max_in_flight` held.
+/// Labels `limit`, `mode`, `api`. Counted beside `result="allowed"`, not instead of it: a
+/// warning before rejections begin (envoyproxy/ratelimit's `near_limit`).
+pub const NEAR_LIMIT: &str = "tollgate_near_limit_decisions_total";
 /// Requests no limit applied to (allowed): label `api`.
 pub const UNMATCHED: &str = "tollgate_unmatched_requests_total";
 /// Requests refused as malformed or impossible: label `api`.
@@ -191,6 +197,10 @@ fn builder(
 fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram};
     describe_counter!(DECISIONS, "Limit decisions by limit, result, mode and API.");
+    describe_counter!(
+        NEAR_LIMIT,
+        "Allowed decisions that left their limit nearly used up, by limit, mode and API."
+    );
     describe_counter!(UNMATCHED, "Requests no limit applied to (allowed).");
     describe_counter!(INVALID, "Requests refused as malformed or impossible.");
     describe_histogram!(LATENCY, metrics::Unit::Seconds, "Time to decide a request.");
@@ -280,16 +290,40 @@ fn describe() {
     );
 }
 
+/// The near-limit ratio in thousandths ([`set_near_limit_ratio`]).
+static NEAR_PERMILLE: AtomicU32 = AtomicU32::new(DEFAULT_NEAR_PERMILLE);
+
+/// The near-limit ratio a server starts with, in thousandths: envoyproxy/ratelimit's default.
+pub const DEFAULT_NEAR_PERMILLE: u32 = 800;
+
+/// Sets the share of a limit that, once spent by an allowed decision, counts it as near the
+/// limit ([`NEAR_LIMIT`]), in thousandths (1 to 1,000; 1,000 counts nothing).
+pub fn set_near_limit_ratio(permille: u32) {
+    NEAR_PERMILLE.store(permille.clamp(1, 1_000), Ordering::Relaxed);
+}
+
+/// Whether `used` of `capacity` is past the near-limit ratio: `used > capacity × ratio`, in
+/// integers (as envoyproxy/ratelimit's `used > floor(capacity × ratio)` for whole `used`).
+fn near(used: u64, capacity: u64) -> bool {
+    let permille = u128::from(NEAR_PERMILLE.load(Ordering::Relaxed));
+    u128::from(used) * 1_000 > u128::from(capacity) * permille
+}
+
 /// Metric handles already registered, so a decision costs an atomic add rather than a registry
 /// lookup with freshly allocated labels. Bounded: limit names come from the policies loaded.
 struct Handles {
-    /// Per limit name: ((result, mode, api), counter).
+    /// Per limit name: ((result, mode, api), counter); near-limit counters under the result
+    /// [`NEAR`].
     decisions: RwLock<HashMap<String, Vec<(DecisionLabels, Counter)>>>,
     latency: RwLock<Vec<((Api, &'static str), Histogram)>>,
 }
 
 /// `result`, `mode` and `api` of a decision counter.
 type DecisionLabels = (&'static str, &'static str, Api);
+
+/// The result under which [`Handles`] keeps a limit's [`NEAR_LIMIT`] counters: no decision
+/// counter has it.
+const NEAR: &str = "near_limit";
 
 static HANDLES: LazyLock<Handles> = LazyLock::new(|| Handles {
     decisions: RwLock::new(HashMap::new()),
@@ -357,13 +391,22 @@ fn decision_counter(limit: &str, result: &'static str, mode: &'static str, api: 
     if let Some(counter) = cached {
         return counter;
     }
-    let counter = counter!(
-        DECISIONS,
-        "limit" => limit.to_owned(),
-        "result" => result,
-        "mode" => mode,
-        "api" => api.as_str()
-    );
+    let counter = if result == NEAR {
+        counter!(
+            NEAR_LIMIT,
+            "limit" => limit.to_owned(),
+            "mode" => mode,
+            "api" => api.as_str()
+        )
+    } else {
+        counter!(
+            DECISIONS,
+            "limit" => limit.to_owned(),
+            "result" => result,
+            "mode" => mode,
+            "api" => api.as_str()
+        )
+    };
     HANDLES
         .decisions
         .write()
@@ -399,7 +442,12 @@ pub fn record_decision(
     let limits = outcome.iter().flat_map(|outcome| {
         outcome.limits.iter().map(|limit| {
             let result = result_of(limit, outcome.failed_closed);
-            (&*limit.name, result, limit.mode)
+            let near = result == "allowed"
+                && limit.decision.is_some_and(|d| {
+                    let capacity = d.capacity();
+                    near(capacity.saturating_sub(d.remaining()), capacity)
+                });
+            (&*limit.name, result, limit.mode, near)
         })
     });
     record_limits(api, store, elapsed, limits);
@@ -435,7 +483,11 @@ pub fn record_lease_decision(
                     outcome.failed_closed,
                 ),
             };
-            (&*limit.name, result, limit.mode)
+            let near = result == "allowed"
+                && limit
+                    .decision
+                    .is_some_and(|d| near(d.in_flight(), d.max_in_flight()));
+            (&*limit.name, result, limit.mode, near)
         })
     });
     record_limits(api, store, elapsed, limits);
@@ -454,17 +506,21 @@ pub fn record_lease_decision(
     }
 }
 
-/// Records a request's latency and its limits' decisions: (limit, result, mode) each.
+/// Records a request's latency and its limits' decisions: (limit, result, mode, whether near
+/// the limit) each.
 fn record_limits<'a>(
     api: Api,
     store: &'static str,
     elapsed: Duration,
-    limits: impl Iterator<Item = (&'a str, &'static str, &'static str)> + Clone,
+    limits: impl Iterator<Item = (&'a str, &'static str, &'static str, bool)> + Clone,
 ) {
     let record = |handles: &mut LocalHandles| {
         handles.latency(api, store).record(elapsed.as_secs_f64());
-        for (name, result, mode) in limits.clone() {
+        for (name, result, mode, near) in limits.clone() {
             handles.decision(name, result, mode, api).increment(1);
+            if near {
+                handles.decision(name, NEAR, mode, api).increment(1);
+            }
         }
     };
     let recorded =
@@ -668,6 +724,28 @@ pub fn refresh(engine: &PolicyEngine, previous: &mut Option<String>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `near` is envoyproxy/ratelimit's `used > floor(capacity × ratio)`, in integers, at every
+    /// ratio and capacity tried (the ratio is process-wide: set and read back in one test).
+    #[test]
+    fn near_is_past_the_floor_of_the_share() {
+        for permille in [1, 333, 500, 800, 999, 1_000] {
+            set_near_limit_ratio(permille);
+            for capacity in 0..=40u64 {
+                let threshold = capacity * u64::from(permille) / 1_000;
+                for used in 0..=capacity {
+                    assert_eq!(
+                        near(used, capacity),
+                        used > threshold,
+                        "{used} of {capacity} at {permille}"
+                    );
+                }
+            }
+        }
+        assert!(!near(u64::MAX, u64::MAX), "1,000 thousandths count nothing");
+        set_near_limit_ratio(DEFAULT_NEAR_PERMILLE);
+        assert!(near(u64::MAX, u64::MAX) && !near(4, 5) && near(5, 5));
+    }
     use std::sync::Arc;
     use tollgate_policy::{EngineOptions, compile};
 

@@ -8,10 +8,12 @@ use support::{Server, post_json, request};
 
 /// What the page's script reads, by name: endpoints, and metric series in `/metrics`.
 const ENDPOINTS: [&str; 4] = ["/metrics", "/readyz", "/v1/policy", "/v1/hot-keys"];
-/// The first five are on every server from the first decision; the others appear once what
-/// they count happens (a store error, a rejection answered from memory on Redis, a settlement).
-const SERIES: [&str; 8] = [
+/// The first six are on every server once its decisions have run a limit near its end (the
+/// test's do); the others appear once what they count happens (a store error, a rejection
+/// answered from memory on Redis, a settlement).
+const SERIES: [&str; 9] = [
     "tollgate_decisions_total",
+    "tollgate_near_limit_decisions_total",
     "tollgate_decision_duration_seconds_bucket",
     "tollgate_unmatched_requests_total",
     "tollgate_live_buckets",
@@ -85,7 +87,7 @@ fn the_page_is_served_and_what_it_reads_is_there() {
             "the page reads {series}"
         );
     }
-    for series in &SERIES[..5] {
+    for series in &SERIES[..6] {
         assert!(
             metrics.lines().any(|line| line.starts_with(series)),
             "{series} is not in /metrics:\n{metrics}"

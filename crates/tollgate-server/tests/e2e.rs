@@ -608,6 +608,26 @@ fn metrics_count_decisions() {
     assert_eq!(value(r#"tollgate_policy_info{version="demo-1"}"#), 1.0);
     assert_eq!(value("tollgate_live_buckets"), 1.0);
     assert!(metrics.contains("tollgate_decision_duration_seconds_bucket"));
+    // Of the ten allowed, the 9th and 10th left more than 0.8 of the capacity spent.
+    let near = r#"tollgate_near_limit_decisions_total{limit="per-user",mode="enforce",api="http"}"#;
+    assert_eq!(value(near), 2.0);
+}
+
+/// `--near-limit-ratio` moves the line: at 0.5, the allowed decisions that left more than 5
+/// of 10 spent (the 6th to the 10th); a ratio that is not one is refused in one line.
+#[test]
+fn the_near_limit_ratio_is_the_operators() {
+    let server = Server::start(&["--near-limit-ratio", "0.5"]);
+    for _ in 0..12 {
+        post_json(server.http, "/v1/check", &check_body("nina"));
+    }
+    let near = r#"tollgate_near_limit_decisions_total{limit="per-user",mode="enforce",api="http"}"#;
+    assert_eq!(support::metric(&server, near), 5.0);
+    let refused: Vec<(&str, &str, &str)> = ["0", "1.5", "0.8x", ".", "0.1234", "80%", "", "1.0001"]
+        .into_iter()
+        .map(|bad| ("--near-limit-ratio", bad, "a decimal above 0 and at most 1"))
+        .collect();
+    support::assert_serve_flags_refused(&refused);
 }
 
 /// The hot-key series on `/metrics`: (key, decisions, rejections) of limit `per-user`.

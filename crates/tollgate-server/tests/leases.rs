@@ -108,6 +108,9 @@ fn leases_up_to_max_in_flight_then_429_until_one_is_released() {
     };
     assert_eq!(metric(&server, &series("allowed")), 4.0);
     assert_eq!(metric(&server, &series("rejected")), 1.0);
+    // The two acquires that took acme's last slot left it full: past 0.8 of max_in_flight.
+    let near = r#"tollgate_near_limit_decisions_total{limit="exports-per-tenant",mode="enforce",api="leases"}"#;
+    assert_eq!(metric(&server, near), 2.0);
     assert_eq!(
         metric(
             &server,
