@@ -16,8 +16,8 @@ use tollgate::{Algorithm, LeaseLimit, Limit, MAX_IN_FLIGHT, Rate};
 use crate::error::Error;
 use crate::key::{self, stable_hash};
 use crate::policy::{
-    Conditions, DomainIndex, Exemption, FailureMode, Filed, LimitDef, Mode, Override, Params,
-    Policy, Scope, ValueMatch,
+    Conditions, DomainIndex, Exemption, FailureMode, Filed, LimitDef, Mode, NetLengths, Override,
+    Params, Policy, Scope, ValueMatch,
 };
 use crate::schema::{
     self, EmergencyText, FailureModeSpec, LeaseTimeoutText, ModeSpec, PolicyFile, RateText,
@@ -81,11 +81,16 @@ fn plain_conditions(when: &BTreeMap<String, WhenValue>) -> Conditions {
             let test = match v {
                 WhenValue::Exact(text) => ValueMatch::Exact(text.as_str().into()),
                 WhenValue::Prefix(text) => ValueMatch::Prefix(text.as_str().into()),
-                WhenValue::AnyOf { values, prefixes } => {
+                WhenValue::Network(network) => ValueMatch::Network(Box::new(network.clone())),
+                WhenValue::AnyOf {
+                    values,
+                    prefixes,
+                    networks,
+                } => {
                     let boxed = |list: &[String]| list.iter().map(|v| v.as_str().into()).collect();
                     // The schema refuses an empty list; were one to come, it matches nothing,
                     // which no value equals.
-                    ValueMatch::any_of(boxed(values), boxed(prefixes))
+                    ValueMatch::any_of(boxed(values), boxed(prefixes), networks.clone())
                         .unwrap_or_else(|| ValueMatch::AnyOf(Box::default()))
                 }
             };
@@ -1027,17 +1032,24 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
         HashMap::with_hasher(foldhash::fast::RandomState::default());
     type Lists = StdHashMap<u64, Vec<u32>>;
     // File each limit under its most selective condition: the exact `when` pair, else the
-    // prefix condition, else the key entry, that the fewest limits of its domain share. Filing
+    // prefix or network condition, else the key entry, that the fewest limits of its domain
+    // share. Filing
     // under a pair such as method=POST would make every POST request try every limit filed
     // there.
     let mut pair_use: StdHashMap<(&str, &str, &str), usize> = StdHashMap::new();
     let mut prefix_use: StdHashMap<(&str, &str, &str), usize> = StdHashMap::new();
+    let mut network_use: StdHashMap<(&str, &str, ipnet::IpNet), usize> = StdHashMap::new();
     let mut entry_use: StdHashMap<(&str, &str), usize> = StdHashMap::new();
     for limit in &limits {
         let domain = &*limit.domain;
         for (entry, test) in &*limit.when {
             for prefix in test.prefixes() {
                 *prefix_use.entry((domain, &**entry, prefix)).or_default() += 1;
+            }
+            for network in test.networks() {
+                *network_use
+                    .entry((domain, &**entry, network.net()))
+                    .or_default() += 1;
             }
             for value in test.exact_values() {
                 *pair_use.entry((domain, &**entry, value)).or_default() += 1;
@@ -1047,24 +1059,34 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
             *entry_use.entry((domain, &**entry)).or_default() += 1;
         }
     }
-    let rarest = |uses: &StdHashMap<(&str, &str, &str), usize>, limit: &LimitDef, prefix: bool| {
+    // Among a limit's exact conditions (`wide` false) or its prefix and network ones (true).
+    let rarest = |limit: &LimitDef, wide: bool| {
         (0..limit.when.len())
-            .filter(|&i| limit.when[i].1.prefixes().is_empty() != prefix)
+            .filter(|&i| limit.when[i].1.is_wide() == wide)
             .min_by_key(|&i| {
                 // A list is as rare as its most shared item: a request with that value tries
                 // every limit filed there.
                 let (entry, test) = &limit.when[i];
-                let uses_of = |value: &str| {
-                    uses.get(&(&*limit.domain, &**entry, value))
+                let key = (&*limit.domain, &**entry);
+                let uses_of = |uses: &StdHashMap<(&str, &str, &str), usize>, item: &str| {
+                    uses.get(&(key.0, key.1, item)).copied().unwrap_or(0)
+                };
+                if !wide {
+                    return test
+                        .exact_values()
+                        .iter()
+                        .map(|v| uses_of(&pair_use, v))
+                        .max()
+                        .unwrap_or(0);
+                }
+                let prefixes = test.prefixes().iter().map(|p| uses_of(&prefix_use, p));
+                let networks = test.networks().iter().map(|n| {
+                    network_use
+                        .get(&(key.0, key.1, n.net()))
                         .copied()
                         .unwrap_or(0)
-                };
-                let items = if prefix {
-                    test.prefixes()
-                } else {
-                    test.exact_values()
-                };
-                items.iter().map(|v| uses_of(v)).max().unwrap_or(0)
+                });
+                prefixes.chain(networks).max().unwrap_or(0)
             })
     };
     #[derive(Default)]
@@ -1072,6 +1094,8 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
         pairs: Lists,
         prefixes: Lists,
         lengths: StdHashMap<&'a str, Vec<usize>>,
+        networks: Lists,
+        net_lengths: StdHashMap<&'a str, Vec<ipnet::IpNet>>,
         entries: Lists,
         always: Vec<u32>,
         request_limits: bool,
@@ -1081,10 +1105,10 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
     for limit in &limits {
         let staged = staging.entry(&*limit.domain).or_default();
         staged.request_limits |= limit.request_limit;
-        let filed = if let Some(i) = rarest(&pair_use, limit, false) {
+        let filed = if let Some(i) = rarest(limit, false) {
             Filed::Pair(i)
-        } else if let Some(i) = rarest(&prefix_use, limit, true) {
-            Filed::Prefix(i)
+        } else if let Some(i) = rarest(limit, true) {
+            Filed::Items(i)
         } else if let Some(i) = (0..limit.key.len()).min_by_key(|&i| {
             entry_use
                 .get(&(&*limit.domain, &*limit.key[i]))
@@ -1096,9 +1120,9 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
             Filed::Always
         };
         let list = match filed {
-            Filed::Pair(i) | Filed::Prefix(i) => {
-                // Under each of its values and prefixes; two of them whose hashes collide
-                // file it once.
+            Filed::Pair(i) | Filed::Items(i) => {
+                // Under each of its values, prefixes and networks; two of them whose hashes
+                // collide file it once.
                 let (entry, test) = (&*limit.when[i].0, &limit.when[i].1);
                 let file = |lists: &mut Lists, item: &str| {
                     let list = lists.entry(hasher.hash_one((entry, item))).or_default();
@@ -1112,6 +1136,17 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
                 for prefix in test.prefixes() {
                     file(&mut staged.prefixes, prefix);
                     staged.lengths.entry(entry).or_default().push(prefix.len());
+                }
+                for network in test.networks() {
+                    let net = network.net();
+                    let list = staged
+                        .networks
+                        .entry(hasher.hash_one((entry, net)))
+                        .or_default();
+                    if list.last() != Some(&limit.index) {
+                        list.push(limit.index);
+                    }
+                    staged.net_lengths.entry(entry).or_default().push(net);
                 }
                 filed_at.push(filed);
                 continue;
@@ -1145,12 +1180,23 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
                 |(h, ..)| *h,
             );
         }
+        let mut network_lengths = HashTable::with_capacity(staged.net_lengths.len());
+        for (entry, nets) in staged.net_lengths {
+            let hash = hasher.hash_one(entry);
+            network_lengths.insert_unique(
+                hash,
+                (hash, entry.into(), NetLengths::of(nets.iter())),
+                |(h, ..)| *h,
+            );
+        }
         domains.insert(
             domain.into(),
             DomainIndex {
                 by_pair: table(staged.pairs),
                 by_prefix: table(staged.prefixes),
                 prefix_lengths,
+                by_network: table(staged.networks),
+                network_lengths,
                 by_entry: table(staged.entries),
                 always: staged.always.into_boxed_slice(),
                 request_limits: staged.request_limits,

@@ -1025,6 +1025,7 @@ impl Importer {
         let q = |text: &str| serde_json::to_string(text).unwrap_or_else(|_| "\"\"".into());
         let condition = |test: &ValueMatch| match test {
             ValueMatch::Prefix(prefix) => format!("!prefix {}", q(prefix)),
+            ValueMatch::Network(network) => format!("!cidr {}", network.net()),
             other => q(other.text()),
         };
         for limit in &self.limits {

@@ -81,8 +81,8 @@ pub use envoy::{ImportOptions, import_envoy, import_envoy_files, import_envoy_wi
 pub use error::{Diagnostic, Error};
 pub use lint::{EXPIRING_SOON, Warning, lint};
 pub use policy::{
-    Descriptor, Effect, Exemption, FailureMode, LeaseMatched, LimitDef, Matched, Mode, Override,
-    Params, Policy, RequestDescriptor, RequestedLimit, Scope, ValueList, ValueMatch,
+    Descriptor, Effect, Exemption, FailureMode, LeaseMatched, LimitDef, Matched, Mode, Network,
+    Override, Params, Policy, RequestDescriptor, RequestedLimit, Scope, ValueList, ValueMatch,
 };
 pub use wall::{ManualWallClock, SystemWallClock, UnixTime, WallClock};
 

@@ -38,7 +38,10 @@ use std::hash::BuildHasher;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use std::net::IpAddr;
+
 use hashbrown::{HashMap, HashTable};
+use ipnet::{IpNet, Ipv4Net};
 use tollgate::{LeaseLimit, Limit};
 
 use crate::key;
@@ -51,8 +54,9 @@ pub(crate) type Conditions = Box<[(Box<str>, ValueMatch)]>;
 ///
 /// A plain value in the file must be equal; `!prefix VALUE` asks for a value that starts with
 /// it (Envoy's `value: "foo*"`), so that one condition covers a family of values (`/api/v1/…`,
-/// tenants named `eu-…`). With the entry also in `key`, each full value still gets a bucket of
-/// its own. A list asks for any of its values and prefixes.
+/// tenants named `eu-…`); `!cidr NETWORK` asks for an IP address inside the network. With the
+/// entry also in `key`, each full value still gets a bucket of its own. A list asks for any of
+/// its values, prefixes and networks.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum ValueMatch {
@@ -60,24 +64,119 @@ pub enum ValueMatch {
     Exact(Box<str>),
     /// The value starts with this text (the empty text: any value, the entry being present).
     Prefix(Box<str>),
-    /// The value is one of a list's values, or starts with one of its prefixes (a list in the
-    /// file: `method: [GET, HEAD]`, `path: [/health, !prefix /internal/]`). A list that comes
-    /// down to one value is [`Exact`](Self::Exact), to one prefix [`Prefix`](Self::Prefix).
+    /// The value is an IP address inside this network (`!cidr 203.0.113.0/24`; see
+    /// [`Network`]).
+    Network(Box<Network>),
+    /// The value is one of a list's values, starts with one of its prefixes, or is an address
+    /// in one of its networks (a list in the file: `method: [GET, HEAD]`, `path: [/health,
+    /// !prefix /internal/]`). A list that comes down to one item is that item.
     AnyOf(Box<ValueList>),
 }
 
-/// The values and prefixes of a list condition ([`ValueMatch::AnyOf`]).
+/// The network of a `!cidr` condition.
 ///
-/// Invariant: both sorted and without repeats; no prefix starts with another of the list, and
-/// no value starts with one of its prefixes (what a shorter prefix covers is left out when the
-/// list is made). So a value matches at most one item of the list, which lets an index file
-/// the list under each item and find it once.
+/// A value matches when it is an IP address alone (`203.0.113.7`, `2001:db8::1`; no port, no
+/// zone) inside the network. An IPv4 address written as IPv6 (`::ffff:203.0.113.7`) is the
+/// IPv4 address, in a value and in a network, so either spelling of a client matches.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Network {
+    net: IpNet,
+    /// The network's first address as text: a value it matches.
+    address: Box<str>,
+}
+
+impl Network {
+    /// `net`, whose address must have no bits past its prefix length (a network as written
+    /// in a policy: `10.0.0.0/8`, not `10.1.2.3/8`); `None` otherwise. An IPv4-mapped IPv6
+    /// network (`::ffff:10.0.0.0/104`) is made the IPv4 one (`10.0.0.0/8`).
+    pub fn new(net: IpNet) -> Option<Self> {
+        if net.trunc() != net {
+            return None;
+        }
+        let net = match net {
+            IpNet::V6(v6) if v6.prefix_len() >= 96 => match v6.addr().to_ipv4_mapped() {
+                Some(v4) => IpNet::V4(Ipv4Net::new(v4, v6.prefix_len() - 96).ok()?),
+                None => net,
+            },
+            _ => net,
+        };
+        Some(Self {
+            net,
+            address: net.network().to_string().into(),
+        })
+    }
+
+    /// The network.
+    pub fn net(&self) -> IpNet {
+        self.net
+    }
+
+    /// Whether `address` is inside it.
+    fn holds(&self, address: IpAddr) -> bool {
+        self.net.contains(&address)
+    }
+}
+
+/// `value` read as an IP address alone, an IPv4-mapped IPv6 address as IPv4; `None` for
+/// anything else (a name, an address with a port or a zone).
+fn address(value: &str) -> Option<IpAddr> {
+    value.parse::<IpAddr>().ok().map(|a| a.to_canonical())
+}
+
+/// The prefix lengths networks are filed under, by address family, each shortest first.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub(crate) struct NetLengths {
+    pub(crate) v4: Box<[u8]>,
+    pub(crate) v6: Box<[u8]>,
+}
+
+impl NetLengths {
+    /// The distinct prefix lengths of `nets`.
+    pub(crate) fn of<'a>(nets: impl Iterator<Item = &'a IpNet>) -> Self {
+        let (mut v4, mut v6) = (Vec::new(), Vec::new());
+        for net in nets {
+            match net {
+                IpNet::V4(_) => v4.push(net.prefix_len()),
+                IpNet::V6(_) => v6.push(net.prefix_len()),
+            }
+        }
+        for lengths in [&mut v4, &mut v6] {
+            lengths.sort_unstable();
+            lengths.dedup();
+        }
+        Self {
+            v4: v4.into_boxed_slice(),
+            v6: v6.into_boxed_slice(),
+        }
+    }
+
+    /// The networks of `address` at each of its family's lengths, shortest first.
+    pub(crate) fn networks_of(&self, address: IpAddr) -> impl Iterator<Item = IpNet> + '_ {
+        let lengths = match address {
+            IpAddr::V4(_) => &self.v4,
+            IpAddr::V6(_) => &self.v6,
+        };
+        lengths
+            .iter()
+            .filter_map(move |&length| IpNet::new(address, length).ok().map(|n| n.trunc()))
+    }
+}
+
+/// The values, prefixes and networks of a list condition ([`ValueMatch::AnyOf`]).
+///
+/// Invariant: each kind sorted and without repeats; what another item of the list covers is
+/// left out (a prefix that starts with a shorter one, a value that starts with a prefix or is
+/// an address in a network, a network inside a wider one). So a value matches at most one
+/// value, one prefix and one network of the list, which lets an index file the list under
+/// each item; matching drops the repeat where a prefix and a network both hold a value.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
 pub struct ValueList {
     values: Box<[Box<str>]>,
     prefixes: Box<[Box<str>]>,
     /// The distinct byte lengths of `prefixes`, shortest first.
     lengths: Box<[usize]>,
+    networks: Box<[Network]>,
+    net_lengths: NetLengths,
 }
 
 impl ValueList {
@@ -89,6 +188,11 @@ impl ValueList {
     /// The prefixes, sorted; none starts with another, nor is a value covered by one.
     pub fn prefixes(&self) -> &[Box<str>] {
         &self.prefixes
+    }
+
+    /// The networks, sorted; none inside another.
+    pub fn networks(&self) -> &[Network] {
+        &self.networks
     }
 
     /// Whether `value` is one of the exact values.
@@ -105,13 +209,34 @@ impl ValueList {
             Some(&*self.prefixes[at])
         })
     }
+
+    /// Whether `value` is an address in one of the networks: one binary search per distinct
+    /// prefix length of its family.
+    fn in_network(&self, value: &str) -> bool {
+        if self.networks.is_empty() {
+            return false;
+        }
+        address(value).is_some_and(|address| {
+            self.net_lengths
+                .networks_of(address)
+                .any(|net| self.has_network(&net))
+        })
+    }
+
+    fn has_network(&self, net: &IpNet) -> bool {
+        self.networks.binary_search_by(|n| n.net.cmp(net)).is_ok()
+    }
 }
 
 impl ValueMatch {
-    /// The condition a list of `values` and `prefixes` (any order, repeats allowed) asks for:
-    /// what shorter prefixes of the list cover is left out, and a list that comes down to one
-    /// item is that item (`None` for an empty list, which matches nothing).
-    pub fn any_of(values: Vec<Box<str>>, prefixes: Vec<Box<str>>) -> Option<Self> {
+    /// The condition a list of `values`, `prefixes` and `networks` (any order, repeats
+    /// allowed) asks for: what another item covers is left out, and a list that comes down to
+    /// one item is that item (`None` for an empty list, which matches nothing).
+    pub fn any_of(
+        values: Vec<Box<str>>,
+        prefixes: Vec<Box<str>>,
+        networks: Vec<Network>,
+    ) -> Option<Self> {
         let mut prefixes = prefixes;
         // Shortest first, so that a prefix is kept only when none kept before covers it.
         prefixes.sort_unstable_by(|a, b| a.len().cmp(&b.len()).then_with(|| a.cmp(b)));
@@ -122,23 +247,39 @@ impl ValueMatch {
                 kept.push(prefix);
             }
         }
+        // The same for networks: the widest first.
+        let mut networks = networks;
+        networks.sort_unstable_by_key(|n| (n.net.prefix_len(), n.net));
+        networks.dedup();
+        let mut nets: Vec<Network> = Vec::with_capacity(networks.len());
+        for network in networks {
+            if !nets.iter().any(|n| n.net.contains(&network.net)) {
+                nets.push(network);
+            }
+        }
         let mut values: Vec<Box<str>> = values
             .into_iter()
             .filter(|v| !kept.iter().any(|k| v.starts_with(&**k)))
+            .filter(|v| address(v).is_none_or(|a| !nets.iter().any(|n| n.holds(a))))
             .collect();
         values.sort_unstable();
         values.dedup();
         let mut lengths: Vec<usize> = kept.iter().map(|p| p.len()).collect();
         lengths.dedup();
         kept.sort_unstable();
-        Some(match (values.len(), kept.len()) {
-            (0, 0) => return None,
-            (1, 0) => Self::Exact(values.pop()?),
-            (0, 1) => Self::Prefix(kept.pop()?),
+        let net_lengths = NetLengths::of(nets.iter().map(|n| &n.net));
+        nets.sort_unstable_by_key(|n| n.net);
+        Some(match (values.len(), kept.len(), nets.len()) {
+            (0, 0, 0) => return None,
+            (1, 0, 0) => Self::Exact(values.pop()?),
+            (0, 1, 0) => Self::Prefix(kept.pop()?),
+            (0, 0, 1) => Self::Network(Box::new(nets.pop()?)),
             _ => Self::AnyOf(Box::new(ValueList {
                 values: values.into_boxed_slice(),
                 prefixes: kept.into_boxed_slice(),
                 lengths: lengths.into_boxed_slice(),
+                networks: nets.into_boxed_slice(),
+                net_lengths,
             })),
         })
     }
@@ -149,20 +290,27 @@ impl ValueMatch {
         match self {
             Self::Exact(text) => value == &**text,
             Self::Prefix(text) => value.starts_with(&**text),
-            Self::AnyOf(list) => list.has_value(value) || list.prefix_of(value).is_some(),
+            Self::Network(network) => address(value).is_some_and(|a| network.holds(a)),
+            Self::AnyOf(list) => {
+                list.has_value(value) || list.prefix_of(value).is_some() || list.in_network(value)
+            }
         }
     }
 
-    /// The text the file gave: the value, or the prefix; of a list, its first value in sorted
-    /// order, or its first prefix (a value it matches, either way).
+    /// The text the file gave: the value, or the prefix; of a network, its first address; of
+    /// a list, its first value in sorted order, or its first prefix or network's (a value it
+    /// matches, whichever).
     pub fn text(&self) -> &str {
         match self {
             Self::Exact(text) | Self::Prefix(text) => text,
+            Self::Network(network) => &network.address,
             Self::AnyOf(list) => list
                 .values
                 .first()
                 .or(list.prefixes.first())
-                .map_or("", |v| v),
+                .map(|v| &**v)
+                .or(list.networks.first().map(|n| &*n.address))
+                .unwrap_or(""),
         }
     }
 
@@ -172,14 +320,22 @@ impl ValueMatch {
         let prefix_within = |a: &str| match wider {
             Self::Prefix(b) => a.starts_with(&**b),
             Self::AnyOf(list) => list.prefixes.iter().any(|b| a.starts_with(&**b)),
-            Self::Exact(_) => false,
+            Self::Exact(_) | Self::Network(_) => false,
+        };
+        // Many addresses: a network that holds the whole network.
+        let network_within = |a: &Network| match wider {
+            Self::Network(b) => b.net.contains(&a.net),
+            Self::AnyOf(list) => list.networks.iter().any(|b| b.net.contains(&a.net)),
+            Self::Exact(_) | Self::Prefix(_) => false,
         };
         match self {
             Self::Exact(value) => wider.matches(value),
             Self::Prefix(a) => prefix_within(a),
+            Self::Network(a) => network_within(a),
             Self::AnyOf(list) => {
                 list.values.iter().all(|v| wider.matches(v))
                     && list.prefixes.iter().all(|p| prefix_within(p))
+                    && list.networks.iter().all(network_within)
             }
         }
     }
@@ -189,7 +345,7 @@ impl ValueMatch {
         match self {
             Self::Exact(value) => std::slice::from_ref(value),
             Self::AnyOf(list) => &list.values,
-            Self::Prefix(_) => &[],
+            Self::Prefix(_) | Self::Network(_) => &[],
         }
     }
 
@@ -198,16 +354,30 @@ impl ValueMatch {
         match self {
             Self::Prefix(prefix) => std::slice::from_ref(prefix),
             Self::AnyOf(list) => &list.prefixes,
-            Self::Exact(_) => &[],
+            Self::Exact(_) | Self::Network(_) => &[],
         }
     }
 
-    /// Whether `value` is one of its exact values (not one a prefix of it covers).
+    /// The networks it is filed under in an index: its network, or each of its list's.
+    pub(crate) fn networks(&self) -> &[Network] {
+        match self {
+            Self::Network(network) => std::slice::from_ref(&**network),
+            Self::AnyOf(list) => &list.networks,
+            Self::Exact(_) | Self::Prefix(_) => &[],
+        }
+    }
+
+    /// Whether it is filed under more than its exact values (prefixes or networks).
+    pub(crate) fn is_wide(&self) -> bool {
+        !self.prefixes().is_empty() || !self.networks().is_empty()
+    }
+
+    /// Whether `value` is one of its exact values (not one a prefix or network covers).
     fn has_value(&self, value: &str) -> bool {
         match self {
             Self::Exact(text) => value == &**text,
             Self::AnyOf(list) => list.has_value(value),
-            Self::Prefix(_) => false,
+            Self::Prefix(_) | Self::Network(_) => false,
         }
     }
 
@@ -219,7 +389,16 @@ impl ValueMatch {
                 .prefixes
                 .binary_search_by(|p| (**p).cmp(prefix))
                 .is_ok(),
-            Self::Exact(_) => false,
+            Self::Exact(_) | Self::Network(_) => false,
+        }
+    }
+
+    /// Whether `net` is one of its networks.
+    fn has_network(&self, net: &IpNet) -> bool {
+        match self {
+            Self::Network(network) => network.net == *net,
+            Self::AnyOf(list) => list.has_network(net),
+            Self::Exact(_) | Self::Prefix(_) => false,
         }
     }
 }
@@ -788,9 +967,9 @@ pub(crate) enum Filed {
     /// The pair of `when[i]`, an exact condition (or each pair of a list of exact values), in
     /// `by_pair`.
     Pair(usize),
-    /// The entry and prefix of `when[i]`, a prefix condition, in `by_prefix`; of a list
-    /// holding prefixes, each prefix there and each exact value in `by_pair`.
-    Prefix(usize),
+    /// The items of `when[i]`, a prefix or network condition or a list holding one: each
+    /// prefix in `by_prefix`, each network in `by_network`, each exact value in `by_pair`.
+    Items(usize),
     /// The entry name `key[i]`, in `by_entry`.
     Key(usize),
     /// Nothing: the limit is in `always`.
@@ -802,7 +981,7 @@ impl LimitDef {
     /// is that value, or a list holding it.
     fn filed_under_pair(&self, entry: &str, value: &str) -> bool {
         match self.filed {
-            Filed::Pair(i) | Filed::Prefix(i) => {
+            Filed::Pair(i) | Filed::Items(i) => {
                 &*self.when[i].0 == entry && self.when[i].1.has_value(value)
             }
             _ => false,
@@ -813,7 +992,16 @@ impl LimitDef {
     /// that prefix, or a list holding it.
     fn filed_under_prefix(&self, entry: &str, prefix: &str) -> bool {
         match self.filed {
-            Filed::Prefix(i) => &*self.when[i].0 == entry && self.when[i].1.has_prefix(prefix),
+            Filed::Items(i) => &*self.when[i].0 == entry && self.when[i].1.has_prefix(prefix),
+            _ => false,
+        }
+    }
+
+    /// Whether the limit is filed under the network (`entry`, `net`): its condition there is
+    /// that network, or a list holding it.
+    fn filed_under_network(&self, entry: &str, net: &IpNet) -> bool {
+        match self.filed {
+            Filed::Items(i) => &*self.when[i].0 == entry && self.when[i].1.has_network(net),
             _ => false,
         }
     }
@@ -837,6 +1025,11 @@ pub(crate) struct DomainIndex {
     /// Keyed by the hash of an entry name that prefixes are filed under: the distinct lengths
     /// of those prefixes, in bytes, shortest first.
     pub(crate) prefix_lengths: HashTable<(u64, Box<str>, Box<[usize]>)>,
+    /// Keyed by the hash of the (entry, network) a limit is filed under.
+    pub(crate) by_network: HashTable<(u64, Box<[u32]>)>,
+    /// Keyed by the hash of an entry name that networks are filed under: the distinct prefix
+    /// lengths of those networks, per address family.
+    pub(crate) network_lengths: HashTable<(u64, Box<str>, NetLengths)>,
     /// Keyed by the hash of the key entry name a limit without conditions is filed under.
     pub(crate) by_entry: HashTable<(u64, Box<[u32]>)>,
     /// Limits with neither conditions nor key entries.
@@ -1042,6 +1235,28 @@ impl Policy {
                         }
                     }
                 }
+                if !index.network_lengths.is_empty()
+                    && let Some((_, _, lengths)) = index
+                        .network_lengths
+                        .find(name, |(h, filed, _)| *h == name && &**filed == entry)
+                    && let Some(address) = address(value)
+                {
+                    // One lookup per distinct prefix length of the address's family, as for
+                    // prefixes: a block list of a thousand networks costs a handful.
+                    for net in lengths.networks_of(address) {
+                        let hash = self.hasher.hash_one((entry, net));
+                        let Some((_, list)) = index.by_network.find(hash, |(h, _)| *h == hash)
+                        else {
+                            continue;
+                        };
+                        for &limit in &**list {
+                            let candidate = &self.limits[limit as usize];
+                            if candidate.filed_under_network(entry, &net) {
+                                found(limit, out);
+                            }
+                        }
+                    }
+                }
                 if let Some((_, list)) = index.by_entry.find(name, |(h, _)| *h == name) {
                     for &limit in &**list {
                         let candidate = &self.limits[limit as usize];
@@ -1052,6 +1267,10 @@ impl Policy {
                 }
             }
             out[start..].sort_unstable_by_key(|m| m.limit.index);
+            if !index.network_lengths.is_empty() {
+                // A list whose prefix and network both hold a value finds its limit twice.
+                dedup_from(out, start);
+            }
         }
         // Envoy's `replaces`: a limit that applies to the request, through any descriptor,
         // takes the place of the limits it names.
@@ -1178,6 +1397,19 @@ impl Policy {
             tag,
         });
     }
+}
+
+/// Drops, from `out[start..]` (sorted by limit), the matches of a limit found before.
+fn dedup_from<P>(out: &mut Vec<Matched<'_, P>>, start: usize) {
+    let mut kept = start;
+    for i in start..out.len() {
+        if kept > start && out[kept - 1].limit.index == out[i].limit.index {
+            continue;
+        }
+        out.swap(kept, i);
+        kept += 1;
+    }
+    out.truncate(kept);
 }
 
 fn lookup<'e, S: AsRef<str>>(entries: &'e [(S, S)], entry: &str) -> Option<&'e str> {

@@ -10,12 +10,14 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
+use ipnet::IpNet;
 use serde::Deserialize;
 use serde::de::{self, Deserializer, Visitor};
 use serde_saphyr::{Spanned, Tagged};
 use tollgate::Rate;
 
 use crate::error::{Diagnostic, Error};
+use crate::policy::Network;
 
 /// The whole file.
 #[derive(Debug, Deserialize)]
@@ -370,15 +372,40 @@ impl<'de> Deserialize<'de> for Text {
 pub(crate) enum WhenValue {
     Exact(String),
     Prefix(String),
+    Network(Network),
     AnyOf {
         values: Vec<String>,
         prefixes: Vec<String>,
+        networks: Vec<Network>,
     },
 }
 
 /// The tag of `!prefix` as the parser reports it.
 const PREFIX_TAG: &str = "!prefix";
+/// The tag of `!cidr`.
+const CIDR_TAG: &str = "!cidr";
 
+/// The network written after `!cidr`: `ADDRESS/LENGTH` (a lone address is a network of one).
+fn network<E: de::Error>(text: &str) -> Result<Network, E> {
+    let net = match text.parse::<IpNet>() {
+        Ok(net) => net,
+        Err(_) => match text.parse::<std::net::IpAddr>() {
+            Ok(address) => IpNet::from(address),
+            Err(_) => {
+                return Err(E::custom(format!(
+                    "{text:?} is not a network: write ADDRESS/LENGTH, as 203.0.113.0/24 or \
+                     2001:db8::/32"
+                )));
+            }
+        },
+    };
+    Network::new(net).ok_or_else(|| {
+        E::custom(format!(
+            "{text} has bits set past its length: the network is {}",
+            net.trunc()
+        ))
+    })
+}
 impl<'de> Deserialize<'de> for WhenValue {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         let Tagged(spanned, tag) = Tagged::<Spanned<Raw>>::deserialize(deserializer)?;
@@ -393,12 +420,18 @@ impl<'de> Deserialize<'de> for WhenValue {
                         "an empty list of values matches nothing: give at least one",
                     ));
                 }
-                let (prefixes, values): (Vec<Item>, Vec<Item>) =
-                    values.into_iter().partition(|item| item.prefix);
-                let text = |items: Vec<Item>| items.into_iter().map(|item| item.text).collect();
+                let (mut exact, mut prefixes, mut networks) = (Vec::new(), Vec::new(), Vec::new());
+                for item in values {
+                    match item {
+                        Item::Exact(text) => exact.push(text),
+                        Item::Prefix(text) => prefixes.push(text),
+                        Item::Network(network) => networks.push(network),
+                    }
+                }
                 return Ok(Self::AnyOf {
-                    values: text(values),
-                    prefixes: text(prefixes),
+                    values: exact,
+                    prefixes,
+                    networks,
                 });
             }
             Raw::List(_) => {
@@ -411,9 +444,11 @@ impl<'de> Deserialize<'de> for WhenValue {
         match tag.as_deref() {
             None | Some("tag:yaml.org,2002:str") => Ok(Self::Exact(text)),
             Some(PREFIX_TAG) => Ok(Self::Prefix(text)),
+            Some(CIDR_TAG) => network(&text).map(Self::Network),
             Some(other) => Err(de::Error::custom(format!(
                 "unknown tag {other} on a condition: write the value plain to match it exactly, \
-                 or `!prefix VALUE` to match the values that start with it"
+                 `!prefix VALUE` to match the values that start with it, or `!cidr NETWORK` the \
+                 addresses in a network"
             ))),
         }
     }
@@ -429,10 +464,11 @@ enum Raw {
     List(Vec<Item>),
 }
 
-/// An item of a list in a `when`: a value, or with `!prefix` a prefix.
-struct Item {
-    text: String,
-    prefix: bool,
+/// An item of a list in a `when`: a value, with `!prefix` a prefix, with `!cidr` a network.
+enum Item {
+    Exact(String),
+    Prefix(String),
+    Network(Network),
 }
 
 impl<'de> Deserialize<'de> for Raw {
@@ -488,17 +524,19 @@ impl<'de> Deserialize<'de> for Raw {
                 while let Some(Tagged(Text(text), tag)) = seq.next_element::<Tagged<Text>>()? {
                     // A tag read as nothing would turn `!foo /api/` into the exact value
                     // `/api/` without a word.
-                    let prefix = match tag.as_deref() {
-                        None | Some("tag:yaml.org,2002:str") => false,
-                        Some(PREFIX_TAG) => true,
+                    let item = match tag.as_deref() {
+                        None | Some("tag:yaml.org,2002:str") => Item::Exact(text),
+                        Some(PREFIX_TAG) => Item::Prefix(text),
+                        Some(CIDR_TAG) => Item::Network(network(&text)?),
                         Some(other) => {
                             return Err(de::Error::custom(format!(
-                                "unknown tag {other} in a list: an item is a plain value, or \
-                                 `!prefix VALUE` for the values that start with it"
+                                "unknown tag {other} in a list: an item is a plain value, \
+                                 `!prefix VALUE` for the values that start with it, or `!cidr \
+                                 NETWORK` for the addresses in a network"
                             )));
                         }
                     };
-                    values.push(Item { text, prefix });
+                    values.push(item);
                 }
                 Ok(Raw::List(values))
             }
@@ -679,9 +717,20 @@ mod tests {
                 .map(|value| match value {
                     WhenValue::Exact(text) => text,
                     WhenValue::Prefix(text) => format!("prefix {text}"),
-                    WhenValue::AnyOf { values, prefixes } => {
+                    WhenValue::Network(network) => format!("cidr {}", network.net()),
+                    WhenValue::AnyOf {
+                        values,
+                        prefixes,
+                        networks,
+                    } => {
                         let prefixes = prefixes.iter().map(|p| format!("!prefix {p}"));
-                        let items: Vec<String> = values.iter().cloned().chain(prefixes).collect();
+                        let networks = networks.iter().map(|n| format!("!cidr {}", n.net()));
+                        let items: Vec<String> = values
+                            .iter()
+                            .cloned()
+                            .chain(prefixes)
+                            .chain(networks)
+                            .collect();
                         format!("any of {}", items.join(" | "))
                     }
                 })

@@ -840,6 +840,9 @@ fn the_documented_example_is_a_valid_policy() {
     assert_eq!(denied("198.51.100.77"), [blocked(), per_ip()]);
     assert_eq!(denied("192.0.2.10"), [blocked(), per_ip()]);
     assert_eq!(denied("192.0.2.100"), [per_ip()]);
+    // Its networks, IPv6 among them.
+    assert_eq!(denied("2001:db8:bad::1"), [blocked(), per_ip()]);
+    assert_eq!(denied("2001:db8:bae::1"), [per_ip()]);
     let before_expiry = UnixTime::from_secs(1_790_000_000);
     let acme = [
         ("route", "/v1/payments"),
@@ -1263,21 +1266,22 @@ exemptions:
 #[test]
 fn a_list_comes_down_to_the_items_nothing_else_covers() {
     let b = |items: &[&str]| items.iter().map(|&i| i.into()).collect::<Vec<Box<str>>>();
-    assert_eq!(ValueMatch::any_of(b(&[]), b(&[])), None);
+    assert_eq!(ValueMatch::any_of(b(&[]), b(&[]), vec![]), None);
     assert_eq!(
-        ValueMatch::any_of(b(&["a", "a"]), b(&[])),
+        ValueMatch::any_of(b(&["a", "a"]), b(&[]), vec![]),
         Some(ValueMatch::Exact("a".into()))
     );
     assert_eq!(
-        ValueMatch::any_of(b(&["ab", "abc"]), b(&["ab", "a"])),
+        ValueMatch::any_of(b(&["ab", "abc"]), b(&["ab", "a"]), vec![]),
         Some(ValueMatch::Prefix("a".into()))
     );
     // The empty prefix covers every value.
     assert_eq!(
-        ValueMatch::any_of(b(&["x"]), b(&["", "y"])),
+        ValueMatch::any_of(b(&["x"]), b(&["", "y"]), vec![]),
         Some(ValueMatch::Prefix("".into()))
     );
-    let Some(ValueMatch::AnyOf(list)) = ValueMatch::any_of(b(&["b", "ax", "c"]), b(&["bb", "a"]))
+    let Some(ValueMatch::AnyOf(list)) =
+        ValueMatch::any_of(b(&["b", "ax", "c"]), b(&["bb", "a"]), vec![])
     else {
         panic!("a list");
     };
@@ -1340,6 +1344,233 @@ fn lists_with_prefixes_are_found_through_the_index_as_a_scan_finds_them() {
                     .iter()
                     .filter(|(_, exact, prefixes)| {
                         exact.contains(value) || prefixes.iter().any(|p| value.starts_with(p))
+                    })
+                    .map(|(name, ..)| name.clone())
+                    .collect();
+                prop_assert_eq!(&found, &scanned, "{} for {:?}", text, value);
+            }
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// `!cidr` matches the IP addresses inside a network, IPv4 and IPv6, alone or in a list, in a
+/// limit, an override and an exemption; a value that is not an address alone matches no
+/// network.
+#[test]
+fn a_network_matches_the_addresses_inside_it() {
+    let p = compile(
+        "p.yaml",
+        r#"
+limits:
+  - name: blocked
+    domain: edge
+    when: {ip: [!cidr 203.0.113.0/24, !cidr 2001:db8::/32, !cidr 198.51.100.0/22, 192.0.2.7, 203.0.113.9]}
+    key: [ip]
+    deny: true
+  - name: per-ip
+    domain: edge
+    key: [ip]
+    capacity: 10
+    refill: 1/s
+    overrides:
+      - name: office
+        when: {ip: !cidr 10.20.0.0/16}
+        capacity: 100
+  - name: internal
+    domain: edge
+    when: {ip: !cidr 10.0.0.0/8}
+    capacity: 1000
+    refill: 100/s
+exemptions:
+  - limit: per-ip
+    when: {ip: [!cidr 10.99.0.0/16, !cidr ::1/128]}
+    owner: ops@example.com
+    reason: probes
+    expires: 2099-01-01T00:00:00Z
+"#,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let found = |ip: &str| -> Vec<String> {
+        p.matches("edge", &[[("ip", ip)]], NOW)
+            .iter()
+            .map(|m| match m.effect {
+                Effect::Exempt(_) => format!("{}:exempt", m.bucket_key),
+                _ => m.bucket_key.clone(),
+            })
+            .collect()
+    };
+    for ip in [
+        "203.0.113.0",
+        "203.0.113.255",
+        "2001:db8::1",
+        "2001:db8:ffff::",
+        "198.51.103.4",
+        "192.0.2.7",
+        "::ffff:203.0.113.5",
+    ] {
+        assert_eq!(found(ip)[0], format!("blocked|{ip}"), "{ip}");
+    }
+    for ip in ["203.0.114.0", "2001:db9::1", "198.51.104.1", "192.0.2.8"] {
+        assert_eq!(found(ip), [format!("per-ip|{ip}")], "{ip}");
+    }
+    // Not an address alone: with a port, a name, a zone, text around it.
+    for value in [
+        "203.0.113.5:443",
+        "host.example",
+        "fe80::1%eth0",
+        " 203.0.113.5",
+        "",
+    ] {
+        assert!(
+            found(value).iter().all(|k| k.starts_with("per-ip")),
+            "{value}"
+        );
+    }
+    // The override, and the limit beside it on the wider network.
+    assert_eq!(found("10.20.3.4"), ["per-ip|10.20.3.4#office", "internal"]);
+    assert_eq!(found("10.21.3.4"), ["per-ip|10.21.3.4", "internal"]);
+    // The exemption's list.
+    assert_eq!(found("10.99.1.1"), ["per-ip|10.99.1.1:exempt", "internal"]);
+    assert_eq!(found("::1"), ["per-ip|::1:exempt"]);
+    // What a network of the list holds is left out of it: 203.0.113.9 is in 203.0.113.0/24.
+    let Some((_, ValueMatch::AnyOf(list))) = p.limits()[0].when().next() else {
+        panic!("{:?}", p.limits()[0]);
+    };
+    assert_eq!(list.values().len(), 1);
+    let networks: Vec<String> = list
+        .networks()
+        .iter()
+        .map(|n| n.net().to_string())
+        .collect();
+    assert_eq!(
+        networks,
+        ["198.51.100.0/22", "203.0.113.0/24", "2001:db8::/32"]
+    );
+}
+
+/// A network is written as one: an address and a length, no bits past the length.
+#[test]
+fn a_network_that_is_not_one_is_refused_with_its_position() {
+    let limit = |when: &str| {
+        format!(
+            "limits:\n  - name: l\n    domain: d\n    when: {{ip: {when}}}\n    capacity: 1\n    refill: 1/s\n"
+        )
+    };
+    for (when, needle) in [
+        (
+            "!cidr 10.1.2.3/8",
+            "has bits set past its length: the network is 10.0.0.0/8",
+        ),
+        ("!cidr 10.0.0.0/33", "is not a network"),
+        ("!cidr example.com/8", "is not a network"),
+        ("!cidr ''", "is not a network"),
+        ("[a, !cidr 2001:db8::1/32]", "the network is 2001:db8::/32"),
+        ("[a, !cdr 10.0.0.0/8]", "unknown tag !cdr in a list"),
+        ("!cdr 10.0.0.0/8", "`!cidr NETWORK`"),
+    ] {
+        let err = compile("p.yaml", &limit(when)).map(|_| ()).unwrap_err();
+        let d = err.diagnostic().cloned().unwrap_or_else(|| panic!("{err}"));
+        assert_eq!(
+            (d.line, d.path.as_str()),
+            (4, "limits[0].when.ip"),
+            "{when}: {d}"
+        );
+        assert!(d.message.contains(needle), "{when}: {d}");
+    }
+    // A lone address is a network of one, and a mapped IPv6 network is the IPv4 one.
+    let p = compile(
+        "p.yaml",
+        &limit("[!cidr 192.0.2.7, !cidr '::ffff:10.0.0.0/104']"),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    for (ip, applies) in [
+        ("192.0.2.7", true),
+        ("10.9.9.9", true),
+        ("192.0.2.8", false),
+    ] {
+        assert_eq!(
+            !p.matches("d", &[[("ip", ip)]], NOW).is_empty(),
+            applies,
+            "{ip}"
+        );
+    }
+}
+
+/// Through the index, the limits that apply are those whose items as written match: random
+/// lists of networks (nested, of both families), prefixes and values, random addresses.
+#[test]
+fn networks_are_found_through_the_index_as_a_scan_finds_them() {
+    use proptest::prelude::*;
+    use proptest::test_runner::{Config, TestRunner};
+    use std::net::IpAddr;
+
+    // Few addresses, so that networks nest and values fall inside them.
+    let v4 = || (0u8..3, 0u8..3).prop_map(|(a, b)| format!("10.{a}.0.{b}"));
+    let v6 = || (0u16..3, 0u16..3).prop_map(|(a, b)| format!("2001:db8:{a}::{b}"));
+    let address = move || prop_oneof![v4(), v6(), Just("::ffff:10.1.0.1".to_owned())];
+    let network = move || {
+        prop_oneof![
+            (v4(), prop::sample::select(vec![8u8, 15, 16, 24, 31, 32])),
+            (v6(), prop::sample::select(vec![32u8, 47, 48, 127, 128])),
+        ]
+        .prop_map(|(a, len)| {
+            let net = ipnet::IpNet::new(a.parse::<IpAddr>().unwrap_or(IpAddr::from([0; 4])), len);
+            net.map(|n| n.trunc().to_string()).unwrap_or_default()
+        })
+    };
+    let list = move || {
+        (
+            prop::collection::vec(address(), 0..3),
+            prop::collection::vec(prop::sample::select(vec!["10.", "10.1", "2001:", ""]), 0..2),
+            prop::collection::vec(network(), 0..4),
+        )
+    };
+    let mut runner = TestRunner::new(Config::with_cases(300));
+    let strategy = (
+        prop::collection::vec(list(), 1..5),
+        prop::collection::vec(address(), 1..12),
+    );
+    runner
+        .run(&strategy, |(lists, values)| {
+            let mut text = String::from("limits:\n");
+            let mut tests = Vec::new();
+            for (i, (exact, prefixes, nets)) in lists.iter().enumerate() {
+                if exact.is_empty() && prefixes.is_empty() && nets.is_empty() {
+                    continue;
+                }
+                let items: Vec<String> = exact
+                    .iter()
+                    .map(|v| format!("'{v}'"))
+                    .chain(prefixes.iter().map(|p| format!("!prefix '{p}'")))
+                    .chain(nets.iter().map(|n| format!("!cidr '{n}'")))
+                    .collect();
+                text.push_str(&format!(
+                    "  - name: l{i}\n    domain: d\n    when: {{k: [{}]}}\n    capacity: 1\n    refill: 1/s\n",
+                    items.join(", ")
+                ));
+                tests.push((format!("l{i}"), exact, prefixes, nets));
+            }
+            if tests.is_empty() {
+                return Ok(());
+            }
+            let p = compile("p.yaml", &text).map_err(|e| TestCaseError::fail(e.to_string()))?;
+            for value in &values {
+                let found: Vec<String> = p
+                    .matches("d", &[[("k", value.as_str())]], NOW)
+                    .iter()
+                    .map(|m| m.limit.name().to_owned())
+                    .collect();
+                let canonical = value.parse::<IpAddr>().ok().map(|a| a.to_canonical());
+                let scanned: Vec<String> = tests
+                    .iter()
+                    .filter(|(_, exact, prefixes, nets)| {
+                        exact.contains(value)
+                            || prefixes.iter().any(|p| value.starts_with(p))
+                            || nets.iter().any(|n| {
+                                let net: ipnet::IpNet = n.parse().unwrap_or_default();
+                                canonical.is_some_and(|a| net.contains(&a))
+                            })
                     })
                     .map(|(name, ..)| name.clone())
                     .collect();

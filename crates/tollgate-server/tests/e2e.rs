@@ -1667,7 +1667,7 @@ limits:
       - {name: banned, when: {tier: banned}, deny: true}
   - name: blocked-ips
     domain: api
-    when: {ip: [203.0.113.7, 203.0.113.8, !prefix 192.0.2.]}
+    when: {ip: [203.0.113.7, 203.0.113.8, !prefix 192.0.2., !cidr 2001:db8::/32]}
     key: [ip]
     deny: true
   - name: exports
@@ -1766,6 +1766,15 @@ limits:
         Code::OverLimit as i32,
         "the list's prefix"
     );
+    for (ip, code) in [("2001:db8::5", Code::OverLimit), ("2001:db9::5", Code::Ok)] {
+        let response = should_rate_limit(&server, request_for(&[("ip", ip)]))
+            .await
+            .unwrap();
+        assert_eq!(
+            response.overall_code, code as i32,
+            "the list's network: {ip}"
+        );
+    }
     let response = should_rate_limit(&server, request_for(&[("ip", "198.51.100.1")]))
         .await
         .unwrap();
@@ -1822,7 +1831,12 @@ limits:
     );
     assert_eq!(
         ips["when"]["ip"],
-        serde_json::json!(["203.0.113.7", "203.0.113.8", {"prefix": "192.0.2."}])
+        serde_json::json!([
+            "203.0.113.7",
+            "203.0.113.8",
+            {"prefix": "192.0.2."},
+            {"cidr": "2001:db8::/32"}
+        ])
     );
     tokio::task::spawn_blocking(move || server.terminate())
         .await

@@ -248,17 +248,23 @@ fn params_into(body: &mut serde_json::Value, params: &Params) {
     }
 }
 
-/// A `when` as JSON: an exact value as a string, a prefix as `{"prefix": …}`, a list as an
-/// array of both (its values, then its prefixes, each sorted).
+/// A `when` as JSON: an exact value as a string, a prefix as `{"prefix": …}`, a network as
+/// `{"cidr": …}`, a list as an array of them (its values, prefixes, then networks, each
+/// sorted).
 fn conditions<'a>(entries: impl Iterator<Item = (&'a str, &'a ValueMatch)>) -> serde_json::Value {
     entries
         .map(|(name, test)| {
             let value = match test {
                 ValueMatch::Prefix(prefix) => json!({ "prefix": prefix }),
+                ValueMatch::Network(network) => json!({ "cidr": network.net().to_string() }),
                 ValueMatch::AnyOf(list) => {
                     let values = list.values().iter().map(|v| json!(v));
                     let prefixes = list.prefixes().iter().map(|p| json!({ "prefix": p }));
-                    serde_json::Value::Array(values.chain(prefixes).collect())
+                    let networks = list
+                        .networks()
+                        .iter()
+                        .map(|n| json!({ "cidr": n.net().to_string() }));
+                    serde_json::Value::Array(values.chain(prefixes).chain(networks).collect())
                 }
                 other => json!(other.text()),
             };
