@@ -115,6 +115,13 @@ impl Network {
     fn holds(&self, address: IpAddr) -> bool {
         self.net.contains(&address)
     }
+
+    /// Whether `value` is an address inside it. Out of line, as a list's test is: the exact
+    /// and prefix tests that most conditions are stay small enough to inline.
+    #[inline(never)]
+    fn matches(&self, value: &str) -> bool {
+        address(value).is_some_and(|a| self.holds(a))
+    }
 }
 
 /// `value` read as an IP address alone, an IPv4-mapped IPv6 address as IPv4; `None` for
@@ -193,6 +200,13 @@ impl ValueList {
     /// The networks, sorted; none inside another.
     pub fn networks(&self) -> &[Network] {
         &self.networks
+    }
+
+    /// Whether `value` is one of the values, starts with one of the prefixes or is an address
+    /// in one of the networks (out of line: see [`Network::matches`]).
+    #[inline(never)]
+    fn matches(&self, value: &str) -> bool {
+        self.has_value(value) || self.prefix_of(value).is_some() || self.in_network(value)
     }
 
     /// Whether `value` is one of the exact values.
@@ -290,10 +304,8 @@ impl ValueMatch {
         match self {
             Self::Exact(text) => value == &**text,
             Self::Prefix(text) => value.starts_with(&**text),
-            Self::Network(network) => address(value).is_some_and(|a| network.holds(a)),
-            Self::AnyOf(list) => {
-                list.has_value(value) || list.prefix_of(value).is_some() || list.in_network(value)
-            }
+            Self::Network(network) => network.matches(value),
+            Self::AnyOf(list) => list.matches(value),
         }
     }
 
@@ -517,9 +529,14 @@ pub(crate) trait Kind: Copy {
     /// a number of leases cannot be said in Envoy's terms.
     fn requested(limit: &Limit) -> Option<Self>;
 
-    /// What stands in for the parameters of a deny limit (`params`, a nominal rate) when it
-    /// is matched for this kind: nothing decides by them.
-    fn for_deny(params: &Params) -> Option<Self>;
+    /// Whether a deny limit, whose parameters are a nominal rate, is matched for this kind
+    /// with [`for_deny`](Self::for_deny) standing in: a constant, so that matching rate
+    /// limits, where the nominal rate serves, compiles to no test at all.
+    const DENY_STANDS_IN: bool;
+
+    /// What stands in for the parameters of a deny limit when it is matched for this kind:
+    /// nothing decides by them.
+    fn for_deny() -> Option<Self>;
 }
 
 impl Kind for Limit {
@@ -527,8 +544,10 @@ impl Kind for Limit {
         params.rate()
     }
 
-    fn for_deny(params: &Params) -> Option<Self> {
-        params.rate().copied()
+    const DENY_STANDS_IN: bool = false;
+
+    fn for_deny() -> Option<Self> {
+        None
     }
 
     fn requested(limit: &Limit) -> Option<Self> {
@@ -545,7 +564,9 @@ impl Kind for LeaseLimit {
         None
     }
 
-    fn for_deny(_: &Params) -> Option<Self> {
+    const DENY_STANDS_IN: bool = true;
+
+    fn for_deny() -> Option<Self> {
         // One lease for a second: valid, and never taken (a denial holds nothing).
         LeaseLimit::new(1, std::time::Duration::from_secs(1)).ok()
     }
@@ -1314,7 +1335,7 @@ impl Policy {
     ) {
         let limit = &self.limits[index as usize];
         // The other kind is left out first: it is one comparison (a deny limit is of both).
-        if (P::pick(&limit.params).is_none() && !limit.deny)
+        if (P::pick(&limit.params).is_none() && !(P::DENY_STANDS_IN && limit.deny))
             || limit.exact.is_some_and(|n| n != entries.len())
             || !all_hold(&limit.when, entries)
         {
@@ -1351,7 +1372,7 @@ impl Policy {
             _ => match P::pick(override_.map_or(&limit.params, |o| &o.params)) {
                 Some(params) => (*params, override_.map_or(limit.tag, |o| o.tag)),
                 // A deny limit's overrides are all unlimited (compile makes sure).
-                None if limit.deny => match P::for_deny(&limit.params) {
+                None if P::DENY_STANDS_IN && limit.deny => match P::for_deny() {
                     Some(params) => (params, limit.tag),
                     None => return,
                 },
