@@ -88,8 +88,8 @@ fn plain_conditions(when: &BTreeMap<String, WhenValue>) -> Conditions {
                     networks,
                 } => {
                     let boxed = |list: &[String]| list.iter().map(|v| v.as_str().into()).collect();
-                    // The schema refuses an empty list; were one to come, it matches nothing,
-                    // which no value equals.
+                    // The schema refuses an empty list; were one to come, it would match
+                    // nothing, as an empty `AnyOf` does.
                     ValueMatch::any_of(boxed(values), boxed(prefixes), networks.clone())
                         .unwrap_or_else(|| ValueMatch::AnyOf(Box::default()))
                 }

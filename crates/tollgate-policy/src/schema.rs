@@ -356,15 +356,16 @@ impl<'de> Deserialize<'de> for Text {
     }
 }
 
-/// A `when` value: a plain scalar, which the descriptor entry's value must equal, or
-/// `!prefix TEXT`, which it must start with. Both are taken as written, as [`Text`] is.
+/// A `when` value: a plain scalar, which the descriptor entry's value must equal,
+/// `!prefix TEXT`, which it must start with, or `!cidr NETWORK`, a network it must be an
+/// address in. Each is taken as written, as [`Text`] is (a network is then parsed).
 ///
 /// A YAML tag, not a map such as `{prefix: …}`: the parser hands a string request the scalar's
 /// own text (`01234` stays `01234`) but has no way to ask "a string or a map" without resolving
 /// the scalar into a number first.
 ///
 /// A list (`method: [GET, HEAD]`, `path: [/health, !prefix /internal/]`) matches any of its
-/// values and prefixes. Telling a list from a scalar
+/// values, prefixes and networks. Telling a list from a scalar
 /// needs the deserializer's "any" request, which resolves a plain scalar such as `01234` or
 /// `true` before handing it over; such a scalar's text is then read back from the source, at
 /// the position the parser reports for it (see [`Source`]), so it is still taken as written.
@@ -406,6 +407,7 @@ fn network<E: de::Error>(text: &str) -> Result<Network, E> {
         ))
     })
 }
+
 impl<'de> Deserialize<'de> for WhenValue {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         let Tagged(spanned, tag) = Tagged::<Spanned<Raw>>::deserialize(deserializer)?;
@@ -460,7 +462,7 @@ enum Raw {
     Text(String),
     /// A plain scalar the parser resolved (a number, a boolean): its text is in the source.
     Resolved,
-    /// A list of values and prefixes, each taken as written ([`Text`]).
+    /// A list of values, prefixes and networks, each taken as written ([`Text`]).
     List(Vec<Item>),
 }
 
