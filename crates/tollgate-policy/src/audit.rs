@@ -87,6 +87,15 @@ pub enum AuditEvent {
         /// The policy version it belongs to.
         policy_version: String,
     },
+    /// A bucket an operator reset: as if never used ([`crate::PolicyEngine::reset_on`]).
+    Reset {
+        /// The limit.
+        limit: String,
+        /// The bucket.
+        bucket_key: String,
+        /// The policy version that matched.
+        policy_version: String,
+    },
     /// A decision made without the shared store (failure mode closed or open).
     Degraded {
         /// The limit.

@@ -22,11 +22,13 @@
 //! on the way and decides on the emptier of the two.
 //!
 //! Concurrency limits (leases) are decided in [`leases`], against the same policy and the same
-//! kind of store keys.
+//! kind of store keys; an operator's resets of buckets are in [`reset`].
 
 mod leases;
+mod reset;
 
 pub use leases::{LeaseLimitOutcome, LeaseOutcome};
+pub use reset::{ResetBucket, ResetOutcome, SkippedLimit};
 
 use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};

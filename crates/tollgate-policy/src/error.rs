@@ -47,6 +47,12 @@ pub enum Error {
         /// Why.
         source: std::io::Error,
     },
+    /// A limit named that the policy in force does not have.
+    #[error("the policy has no limit named {name:?}")]
+    UnknownLimit {
+        /// The name given.
+        name: String,
+    },
     /// A rollback with no earlier version kept.
     #[error("no earlier policy version is kept to roll back to")]
     NothingToRollBack,

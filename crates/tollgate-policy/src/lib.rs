@@ -75,7 +75,7 @@ pub use compile::compile;
 
 pub use engine::{
     Costs, EngineOptions, LeaseLimitOutcome, LeaseOutcome, LimitOutcome, Outcome, PolicyEngine,
-    PolicyStatus,
+    PolicyStatus, ResetBucket, ResetOutcome, SkippedLimit,
 };
 pub use envoy::{ImportOptions, import_envoy, import_envoy_files, import_envoy_with};
 pub use error::{Diagnostic, Error};

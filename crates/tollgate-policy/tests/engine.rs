@@ -2394,3 +2394,141 @@ fn a_lease_deny_needs_no_store_and_takes_nothing_from_the_emergency_table() {
     let down = block_on_ready(r.engine.acquire_on(&Down, "api", &[evil], "f"));
     assert!(down.is_err());
 }
+
+/// Resets: a drained subject's buckets (and emergency buckets) made new, the others untouched;
+/// deny and global limits skipped; a filter by limit name; every reset audited.
+const RESETS: &str = r#"
+version: "r1"
+defaults: {failure_mode: open, emergency: 2/s}
+limits:
+  - name: per-user
+    domain: api
+    key: [user]
+    capacity: 3
+    refill: 1/h
+  - name: per-user-minute
+    domain: api
+    key: [user]
+    algorithm: sliding_window
+    limit: 5
+    window: 1m
+  - name: blocked
+    domain: api
+    when: {user: evil}
+    deny: true
+  - name: everyone
+    domain: api
+    capacity: 1000000
+    refill: 1000/s
+    scope: global
+"#;
+
+#[test]
+fn a_reset_makes_a_subjects_buckets_new_and_leaves_the_rest() {
+    let r = rig(RESETS);
+    let u1 = [("user", "u1")];
+    let u2 = [("user", "u2")];
+    let left = |user: [(&str, &str); 1]| -> Vec<u64> {
+        r.engine
+            .explain("api", &[user], 1)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .limits
+            .iter()
+            // The global bucket is everyone's: not this subject's to look at.
+            .filter(|l| &*l.name != "everyone")
+            .map(|l| l.decision.map_or(u64::MAX, |d| d.remaining()))
+            .collect()
+    };
+    for _ in 0..3 {
+        assert!(r.engine.decide("api", &[u1], 1, None).unwrap().allowed);
+    }
+    assert!(r.engine.decide("api", &[u2], 1, None).unwrap().allowed);
+    assert!(!r.engine.decide("api", &[u1], 1, None).unwrap().allowed);
+    // A peek at cost 1 reports what is left after it.
+    assert_eq!(left(u1), [0, 1]);
+
+    // Only the minute window, by name: the token bucket stays empty.
+    let only = r
+        .engine
+        .reset("api", &[u1], Some(&["per-user-minute"]))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let reset: Vec<&str> = only.reset.iter().map(|b| b.bucket_key.as_str()).collect();
+    assert_eq!(reset, ["per-user-minute|u1"]);
+    assert!(only.skipped.is_empty());
+    assert_eq!(left(u1), [0, 4]);
+
+    // Everything that applies: the global limit is skipped, as is a deny.
+    let all = r.engine.reset("api", &[u1], None).unwrap();
+    let reset: Vec<&str> = all.reset.iter().map(|b| b.bucket_key.as_str()).collect();
+    assert_eq!(reset, ["per-user|u1", "per-user-minute|u1"]);
+    let skipped: Vec<(&str, &str)> = all.skipped.iter().map(|s| (&*s.name, s.reason)).collect();
+    assert_eq!(skipped, [("everyone", "global")]);
+    assert_eq!(&*all.policy_version, "r1");
+    assert_eq!(left(u1), [2, 4]);
+    // u2's buckets are as they were.
+    assert_eq!(left(u2), [1, 3]);
+    assert!(r.engine.decide("api", &[u1], 3, None).unwrap().allowed);
+
+    let evil = r.engine.reset("api", &[[("user", "evil")]], None).unwrap();
+    assert!(
+        evil.skipped
+            .iter()
+            .any(|s| &*s.name == "blocked" && s.reason == "deny")
+    );
+
+    // A name the policy does not have is refused, nothing reset.
+    let unknown = r.engine.reset("api", &[u2], Some(&["per-usr"]));
+    assert!(
+        matches!(unknown, Err(tollgate_policy::Error::UnknownLimit { ref name }) if name == "per-usr")
+    );
+    assert_eq!(left(u2), [1, 3]);
+
+    // Each bucket reset is audited.
+    let audited: Vec<String> = r
+        .audit
+        .events()
+        .iter()
+        .filter(|e| e["event"] == "reset")
+        .map(|e| {
+            format!(
+                "{} {}",
+                e["bucket_key"].as_str().unwrap_or(""),
+                e["policy_version"]
+            )
+        })
+        .collect();
+    assert_eq!(
+        audited,
+        [
+            "per-user-minute|u1 \"r1\"",
+            "per-user|u1 \"r1\"",
+            "per-user-minute|u1 \"r1\"",
+            "per-user|evil \"r1\"",
+            "per-user-minute|evil \"r1\""
+        ]
+    );
+}
+
+#[test]
+fn a_reset_makes_emergency_buckets_new_too() {
+    let r = rig(r#"
+defaults: {failure_mode: open, emergency: 2/s}
+limits:
+  - {name: per-user, domain: api, key: [user], capacity: 3, refill: 1/h}
+"#);
+    let u1 = [("user", "u1")];
+    // The emergency budget, 2 a second, spent while the store is down.
+    for expected in [true, true, false] {
+        let outcome = r
+            .engine
+            .decide_degraded("api", &[u1], 1, "store timeout")
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(outcome.allowed, expected);
+    }
+    r.engine.reset("api", &[u1], None).unwrap();
+    let outcome = r
+        .engine
+        .decide_degraded("api", &[u1], 1, "store timeout")
+        .unwrap();
+    assert!(outcome.allowed, "{outcome:?}");
+}

@@ -1443,6 +1443,34 @@ impl Store for RedisStore {
         self.run(request, false).await
     }
 
+    /// Deletes each key: absent, a token bucket is full and a window or a log counts nothing,
+    /// as the script reads them. One `DEL` per key, sent together (on a cluster each goes to
+    /// its key's master); a rejection remembered for a key is forgotten after. Tokens a
+    /// process holds in a batch of the key (`with_token_batches`) stay spendable there.
+    async fn reset(&self, keys: &[&str]) -> Result<(), Error> {
+        let stored: Vec<String> = keys.iter().map(|key| self.prefixed(key)).collect();
+        let work = async {
+            let connection = self.link.get();
+            let deletes = stored.iter().map(|key| {
+                let connection = connection.clone();
+                let mut delete = redis::cmd("DEL");
+                delete.arg(key);
+                async move { connection.query::<i64>(&delete).await }
+            });
+            for deleted in join_all(deletes).await {
+                deleted.map_err(|err| classify(&err))?;
+            }
+            Ok(Ok(()))
+        };
+        self.guarded(&stored, work).await?;
+        if let Some(memory) = &self.rejections {
+            for key in &stored {
+                memory.forget(key);
+            }
+        }
+        Ok(())
+    }
+
     async fn peek(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
         self.run(request, true).await
     }

@@ -120,10 +120,14 @@ async fn decides_exactly_like_the_memory_store() {
     let server = RedisServer::start();
     let store = connect(&server).await;
     for seed in 1..=6 {
-        let trace = Trace::new(seed, 400, format!("conformance-{seed}"));
+        // Resets among the requests: after one, every kind of bucket decides as new, as in
+        // the memory store.
+        let trace = Trace::new(seed, 400, format!("conformance-{seed}")).resets(true);
         // Logs alone too, of one subject: in a trace of every kind, their keys have mostly
         // stopped counting by the time they are asked again (see `Trace::only`).
-        let mut logs = Trace::new(seed, 400, format!("logs-{seed}")).only(Algorithm::SlidingLog);
+        let mut logs = Trace::new(seed, 400, format!("logs-{seed}"))
+            .only(Algorithm::SlidingLog)
+            .resets(true);
         logs.subjects = 1;
         for trace in [trace, logs] {
             if let Err(mismatch) = compare_with_memory(&store, &trace).await {

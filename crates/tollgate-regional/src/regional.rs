@@ -872,6 +872,17 @@ impl<S: Store, G: Store, B: Board, C: Clock> Store for Over<'_, S, G, B, C> {
         self.decide(request).await
     }
 
+    /// Resets regional buckets on the regional store. A global bucket is refused: its tokens
+    /// are held in every region's reservoir, which a reset here could not take back.
+    async fn reset(&self, keys: &[&str]) -> Result<(), Error> {
+        if keys.iter().any(|key| (self.scope)(key)) {
+            return Err(Error::Unsupported {
+                operation: "reset a global limit",
+            });
+        }
+        self.regional.reset(keys).await
+    }
+
     async fn peek(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
         let takes = request.takes;
         let (global, regional, regional_at) = self.split(takes);

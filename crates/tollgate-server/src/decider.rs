@@ -12,6 +12,7 @@ use std::time::Duration;
 use tollgate::{Clock, Error as CoreError, Limit, MonotonicClock, Store, Unavailable};
 use tollgate_policy::{
     Costs, Descriptor, Error as PolicyError, LeaseOutcome, Outcome, Policy, PolicyEngine,
+    ResetOutcome,
 };
 use tollgate_redis::RedisStore;
 
@@ -492,6 +493,36 @@ impl Decider {
             err @ PolicyError::Check { .. } if is_caller_error(&err) => DecideError::Invalid(err),
             err => DecideError::Internal(err),
         }
+    }
+
+    /// Makes the buckets that would decide `descriptors` (of the limits in `only`, when
+    /// given) as if never used, on this server's store and in its emergency buckets; each
+    /// bucket reset is counted and audited ([`PolicyEngine::reset_on`]).
+    ///
+    /// # Errors
+    ///
+    /// [`DecideError::Unavailable`] when the shared store cannot answer (some buckets may have
+    /// been reset: a reset can be repeated); [`DecideError::Internal`] with
+    /// [`PolicyError::UnknownLimit`] for a name the policy does not have.
+    pub async fn reset<S: AsRef<str>>(
+        &self,
+        domain: &str,
+        descriptors: &[Vec<(S, S)>],
+        only: Option<&[&str]>,
+    ) -> Result<ResetOutcome, DecideError> {
+        let result = match &self.backend {
+            Backend::Memory => self.engine.reset(domain, descriptors, only),
+            Backend::Redis(store) => {
+                self.engine
+                    .reset_on(&**store, domain, descriptors, only)
+                    .await
+            }
+        };
+        let outcome = result.map_err(|err| self.lease_op_error(err))?;
+        for bucket in &outcome.reset {
+            metrics::record_reset(&bucket.name);
+        }
+        Ok(outcome)
     }
 
     /// Whether the store answers: for `/readyz`.

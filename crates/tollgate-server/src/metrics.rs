@@ -31,6 +31,8 @@ pub const DECISIONS: &str = "tollgate_decisions_total";
 /// Labels `limit`, `mode`, `api`. Counted beside `result="allowed"`, not instead of it: a
 /// warning before rejections begin (envoyproxy/ratelimit's `near_limit`).
 pub const NEAR_LIMIT: &str = "tollgate_near_limit_decisions_total";
+/// Buckets an operator reset through `POST /v1/reset`: label `limit`.
+pub const RESETS: &str = "tollgate_resets_total";
 /// Requests no limit applied to (allowed): label `api`.
 pub const UNMATCHED: &str = "tollgate_unmatched_requests_total";
 /// Requests refused as malformed or impossible: label `api`.
@@ -202,6 +204,7 @@ fn describe() {
         "Allowed decisions that left their limit nearly used up, by limit, mode and API."
     );
     describe_counter!(UNMATCHED, "Requests no limit applied to (allowed).");
+    describe_counter!(RESETS, "Buckets reset by an operator, by limit.");
     describe_counter!(INVALID, "Requests refused as malformed or impossible.");
     describe_histogram!(LATENCY, metrics::Unit::Seconds, "Time to decide a request.");
     describe_counter!(STORE_ERRORS, "Shared-store failures by reason.");
@@ -529,6 +532,11 @@ fn record_limits<'a>(
         // The thread is being torn down (or, were it ever, re-entered): from the shared handles.
         record(&mut LocalHandles::default());
     }
+}
+
+/// Records a bucket of `limit` reset by an operator.
+pub fn record_reset(limit: &str) {
+    counter!(RESETS, "limit" => limit.to_owned()).increment(1);
 }
 
 /// Records a lease given back (or not found).

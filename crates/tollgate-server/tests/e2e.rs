@@ -1842,3 +1842,91 @@ limits:
         .await
         .expect("terminate");
 }
+
+/// `POST /v1/reset`: an operator lets a drained user in again, behind the admin token; the
+/// buckets reset are listed, counted and audited; bad requests change nothing.
+#[test]
+fn an_operator_resets_a_drained_users_buckets() {
+    let scratch = Scratch::new("reset");
+    let audit = scratch.0.join("audit.jsonl");
+    let server = Server::start(&["--admin-token", "s3cret", "--audit-log", path_str(&audit)]);
+    let auth = [("Authorization", "Bearer s3cret")];
+    let drain = |user: &str| {
+        (0..20)
+            .map(|_| post_json(server.http, "/v1/check", &check_body(user)).status)
+            .any(|status| status == 429)
+    };
+    assert!(drain("rita"));
+    assert!(drain("sam"));
+    let body = r#"{"domain":"api","descriptors":[{"user":"rita"}],"limits":["per-user"]}"#;
+    assert_eq!(
+        request(server.http, "POST", "/v1/reset", &[], body).status,
+        401
+    );
+
+    // Bad requests are refused and reset nothing.
+    for (bad, code) in [
+        (
+            r#"{"domain":"api","descriptors":[{"user":"rita"}],"limits":["nope"]}"#,
+            "unknown_limit",
+        ),
+        (
+            r#"{"domain":"api","descriptors":[{"user":"rita"}],"cost":1}"#,
+            "invalid_json",
+        ),
+        (
+            r#"{"domain":"api","descriptors":[{"user":1}]}"#,
+            "invalid_descriptor",
+        ),
+        (r#"{"domain":"api""#, "invalid_json"),
+        (
+            r#"{"domain":"","descriptors":[{"user":"rita"}]}"#,
+            "invalid_domain",
+        ),
+    ] {
+        let answer = request(server.http, "POST", "/v1/reset", &auth, bad);
+        assert_eq!(answer.status, 400, "{bad}: {}", answer.body);
+        assert_eq!(answer.json()["error"]["code"], code, "{bad}");
+    }
+    assert_eq!(
+        post_json(server.http, "/v1/check", &check_body("rita")).status,
+        429
+    );
+
+    let answer = request(server.http, "POST", "/v1/reset", &auth, body);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let reset = answer.json();
+    assert_eq!(reset["policy_version"], "demo-1");
+    assert_eq!(
+        reset["reset"],
+        serde_json::json!([{"name": "per-user", "bucket_key": "per-user|rita", "descriptor": 0}])
+    );
+    assert_eq!(reset["skipped"], serde_json::json!([]));
+    // Rita is in again, with a full bucket; Sam is not.
+    let again = post_json(server.http, "/v1/check", &check_body("rita"));
+    assert_eq!(again.status, 200, "{}", again.body);
+    assert_eq!(again.json()["limits"][0]["remaining"], 9);
+    assert_eq!(
+        post_json(server.http, "/v1/check", &check_body("sam")).status,
+        429
+    );
+
+    let series = r#"tollgate_resets_total{limit="per-user"}"#;
+    assert_eq!(
+        request(server.http, "GET", "/metrics", &auth, "")
+            .body
+            .lines()
+            .find(|line| line.starts_with(series))
+            .and_then(|line| line.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok()),
+        Some(1.0)
+    );
+    let audited = std::fs::read_to_string(&audit).unwrap_or_default();
+    let resets: Vec<serde_json::Value> = audited
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|event| event["event"] == "reset")
+        .collect();
+    assert_eq!(resets.len(), 1, "{audited}");
+    assert_eq!(resets[0]["bucket_key"], "per-user|rita");
+}

@@ -323,6 +323,20 @@ fn a_reload_that_grows_a_limit_carries_redis_balances_over() {
     // A subject with no history starts with the new burst.
     let fresh = r#"{"domain":"api","descriptors":[{"user":"new"}],"cost":60}"#;
     assert_eq!(post_json(a.http, "/v1/check", fresh).status, 200);
+
+    // An operator resets max: his bucket starts anew in Redis for both processes. The old
+    // bucket the change carries over from goes too (else its 2 tokens would come back through
+    // the carry), and so does the rejection the changed process remembers.
+    let body = r#"{"domain":"api","descriptors":[{"user":"max"}]}"#;
+    let answer = request(a.http, "POST", "/v1/reset", &auth, body);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(answer.json()["reset"][0]["bucket_key"], "shared-quota|max");
+    assert_eq!(spend(&a, 60).status, 200);
+    assert_eq!(
+        spend(&b, 50).status,
+        200,
+        "the lagging process's bucket is new too"
+    );
 }
 
 #[test]

@@ -108,6 +108,14 @@ pub enum Error {
         /// Which bound it passes.
         reason: &'static str,
     },
+    /// An operation this store does not offer (see [`Store::reset`]).
+    ///
+    /// [`Store::reset`]: crate::Store::reset
+    #[error("this store cannot {operation}")]
+    Unsupported {
+        /// The operation, as a verb: `reset`.
+        operation: &'static str,
+    },
     /// The store could not decide: its state is out of reach. Not a rejection.
     #[error("store unavailable: {reason}")]
     StoreUnavailable {

@@ -218,6 +218,41 @@ pub trait Store: Send + Sync {
         request: CheckRequest<'_>,
         refunds: &[u64],
     ) -> impl Future<Output = Result<Settlement, Error>> + Send;
+
+    /// Makes the buckets of `keys` as if never used: a token bucket full, a window or a log
+    /// counting nothing. For an operator who must let a subject in again now (after an
+    /// incident, or a limit set too low); nothing else changes, and idempotency records stay,
+    /// so the retry of a request decided before still gets its first decision. A key that
+    /// holds nothing is left as it is.
+    ///
+    /// The default refuses with [`Error::Unsupported`]: a store that cannot reset says so
+    /// rather than pretending.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unsupported`]; [`Error::StoreUnavailable`], after which some of the keys may
+    /// have been reset and others not (a reset can be repeated).
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use tollgate::{CheckRequest, Limit, LocalStore, ManualClock, Store, Take};
+    /// use tollgate::block_on_ready;
+    ///
+    /// let store = LocalStore::new(ManualClock::new());
+    /// let limit = Limit::new(2, "1/h".parse()?)?;
+    /// let takes = [Take::new("user:7", &limit, 2)];
+    /// let request = CheckRequest { takes: &takes, request_id: None, now: None };
+    /// assert!(block_on_ready(store.check(request))?[0].allowed());
+    /// assert!(!block_on_ready(store.check(request))?[0].allowed());
+    /// block_on_ready(store.reset(&["user:7"]))?;
+    /// assert!(block_on_ready(store.check(request))?[0].allowed());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    fn reset(&self, keys: &[&str]) -> impl Future<Output = Result<(), Error>> + Send {
+        let _ = keys;
+        std::future::ready(Err(Error::Unsupported { operation: "reset" }))
+    }
 }
 
 /// A reference decides as the store it refers to: several users (a process's shares of global
@@ -244,6 +279,10 @@ impl<S: Store + ?Sized> Store for &S {
     ) -> impl Future<Output = Result<Settlement, Error>> + Send {
         (**self).settle(request, refunds)
     }
+
+    fn reset(&self, keys: &[&str]) -> impl Future<Output = Result<(), Error>> + Send {
+        (**self).reset(keys)
+    }
 }
 
 /// Shared ownership decides as the store owned.
@@ -268,6 +307,10 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
         refunds: &[u64],
     ) -> impl Future<Output = Result<Settlement, Error>> + Send {
         (**self).settle(request, refunds)
+    }
+
+    fn reset(&self, keys: &[&str]) -> impl Future<Output = Result<(), Error>> + Send {
+        (**self).reset(keys)
     }
 }
 
@@ -432,5 +475,12 @@ impl<C: Clock> Store for LocalStore<C> {
         refunds: &[u64],
     ) -> impl Future<Output = Result<Settlement, Error>> + Send {
         std::future::ready(self.settle_now(request, refunds))
+    }
+
+    fn reset(&self, keys: &[&str]) -> impl Future<Output = Result<(), Error>> + Send {
+        for key in keys {
+            self.memory().reset(*key);
+        }
+        std::future::ready(Ok(()))
     }
 }

@@ -74,6 +74,9 @@ pub struct Trace {
     /// whose states count briefly (a log's entries) is rarely seen full, rejecting, or given
     /// back to while its charge still counts. Focused, the same keys meet while they count.
     pub only: Option<Algorithm>,
+    /// Whether the buckets of a request are now and then reset first ([`Store::reset`]), in
+    /// both stores. Off by default: a store may not offer resets.
+    pub resets: bool,
 }
 
 impl Trace {
@@ -88,7 +91,15 @@ impl Trace {
             hash_tags: true,
             steps_back: true,
             only: None,
+            resets: false,
         }
+    }
+
+    /// The same trace with or without resets of the buckets a request names (see
+    /// [`Trace::resets`]).
+    pub fn resets(mut self, on: bool) -> Self {
+        self.resets = on;
+        self
     }
 
     /// The same trace with or without hash tags.
@@ -234,6 +245,21 @@ pub async fn compare_with_memory<S: Store>(store: &S, trace: &Trace) -> Result<(
             _ => {}
         }
         let keys = keys_of(trace, &takes_spec);
+        // Now and then, the request's buckets reset first: afterwards every decision must
+        // agree again, for every kind of bucket.
+        if trace.resets && rng.below(24) == 0 {
+            let reset: Vec<&str> = keys.iter().map(String::as_str).collect();
+            let expected = reference.reset(&reset).await;
+            let actual = store.reset(&reset).await;
+            if expected != actual {
+                return Err(Box::new(Mismatch {
+                    step,
+                    request: format!("reset {reset:?}"),
+                    expected: expected.map(|()| Vec::new()),
+                    actual: actual.map(|()| Vec::new()),
+                }));
+            }
+        }
         let takes: Vec<Take<'_>> = takes_spec
             .iter()
             .zip(&keys)

@@ -64,7 +64,11 @@ pub(crate) async fn metrics(State(state): State<Arc<AppState>>) -> Response {
 
 /// Lets the request through if it carries the admin token, or, with no token configured,
 /// comes from this machine.
-fn authorize(token: Option<&str>, headers: &HeaderMap, peer: SocketAddr) -> Result<(), ApiError> {
+pub(super) fn authorize(
+    token: Option<&str>,
+    headers: &HeaderMap,
+    peer: SocketAddr,
+) -> Result<(), ApiError> {
     match token {
         Some(token) => {
             let given = headers

@@ -13,6 +13,7 @@ mod forward_auth;
 pub(crate) mod leases;
 pub(crate) mod listener;
 mod plain_body;
+mod reset;
 
 use std::sync::Arc;
 
@@ -122,6 +123,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/policy/reload", post(admin::reload))
         .route("/v1/policy/rollback", post(admin::rollback))
         .route("/v1/hot-keys", get(admin::hot_keys))
+        .route("/v1/reset", post(reset::reset))
         .route("/dashboard", get(dashboard::dashboard))
         // After the routes: it applies to the routes registered before it.
         .method_not_allowed_fallback(error::method_not_allowed)

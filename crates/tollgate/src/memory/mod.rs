@@ -714,6 +714,37 @@ where
         bucket::peek(limit, state, now, cost)
     }
 
+    /// Makes the bucket of `key` as if never used: a token bucket full, a window or a log
+    /// counting nothing (see [`Store::reset`](crate::Store::reset)). Says whether it held
+    /// anything. Idempotency records stay.
+    pub fn reset<Q>(&self, key: &Q) -> bool
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        let hash = self.hash(key);
+        let mut shard = self.lock(hash);
+        let Shard {
+            buckets,
+            spill,
+            logs,
+            ..
+        } = &mut *shard;
+        let mut held = false;
+        if let Some(slot) = buckets.find_mut(hash, key) {
+            // Full since the clock's start: what absent means, so the slot expires at the next
+            // sweep, and its exact state, if spilled, goes with it now.
+            unspill(slot.state(), &slot.key, hash, spill);
+            slot.set_state(0);
+            held = true;
+        }
+        if let Ok(entry) = logs.find_entry(hash, |logged| logged.key.borrow() == key) {
+            entry.remove();
+            held = true;
+        }
+        held
+    }
+
     /// Live buckets and housekeeping counters. Locks each shard in turn, so the figures are a
     /// consistent sum only when the store is quiet.
     pub fn stats(&self) -> MemoryStats {
@@ -1754,6 +1785,62 @@ mod tests {
 
     fn log(n: u64, window_ms: u64) -> Limit {
         Limit::sliding_log(n, Duration::from_millis(window_ms)).unwrap()
+    }
+
+    /// A reset makes every kind of bucket as if never used: a packed token bucket, one whose
+    /// exact state spilled (a rate of 3/s), a fixed and a sliding window (with a previous
+    /// window's count), a log; idempotency records stay; other keys are untouched.
+    #[test]
+    fn a_reset_makes_a_bucket_as_if_never_used() {
+        let store: MemoryStore<Box<str>> = MemoryStore::default();
+        let kinds = [
+            ("packed", limit(5, "1/h")),
+            ("spilled", limit(5, "3/s")),
+            (
+                "fixed",
+                Limit::fixed_window(5, Duration::from_secs(60)).unwrap(),
+            ),
+            (
+                "sliding",
+                Limit::sliding_window(5, Duration::from_secs(60)).unwrap(),
+            ),
+            ("log", log(5, 60_000)),
+        ];
+        for (key, limit) in &kinds {
+            // The sliding window keeps last minute's count as well as this one's.
+            store.check(*key, limit, 3, at(30 * SEC)).unwrap();
+            let drained =
+                (0..10).any(|_| !store.check(*key, limit, 1, at(70 * SEC)).unwrap().allowed());
+            assert!(drained, "{key}");
+            store.check("other", limit, 5, at(70 * SEC)).unwrap();
+            assert!(store.reset(*key), "{key}");
+            let decision = store.check(*key, limit, 5, at(70 * SEC)).unwrap();
+            assert!(decision.allowed(), "{key}: {decision:?}");
+            assert!(
+                !store
+                    .check("other", limit, 1, at(70 * SEC))
+                    .unwrap()
+                    .allowed(),
+                "{key}"
+            );
+            assert!(store.reset("other"));
+        }
+        // The states the last checks spilled go with their resets.
+        assert!(store.stats().spilled > 0);
+        for (key, _) in &kinds {
+            store.reset(*key);
+        }
+        assert_eq!(store.stats().spilled, 0);
+        assert!(!store.reset("never-seen"));
+        // A recorded request is answered as recorded after a reset, not charged again.
+        let once = limit(1, "1/h");
+        let first = store.check_idempotent("id", &once, 1, at(0), "r").unwrap();
+        store.reset("id");
+        assert_eq!(
+            store.check_idempotent("id", &once, 1, at(0), "r").unwrap(),
+            first
+        );
+        assert!(store.check("id", &once, 1, at(0)).unwrap().allowed());
     }
 
     #[test]
