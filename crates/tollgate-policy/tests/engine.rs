@@ -2469,6 +2469,10 @@ fn a_reset_makes_a_subjects_buckets_new_and_leaves_the_rest() {
     assert_eq!(left(u2), [1, 3]);
     assert!(r.engine.decide("api", &[u1], 3, None).unwrap().allowed);
 
+    // Two descriptors on one subject's buckets: each reset (and audited) once.
+    let twice = r.engine.reset("api", &[u2, u2], None).unwrap();
+    assert_eq!(twice.reset.len(), 2, "{twice:?}");
+    assert_eq!(left(u2), [2, 4]);
     let evil = r.engine.reset("api", &[[("user", "evil")]], None).unwrap();
     assert!(
         evil.skipped
@@ -2481,7 +2485,7 @@ fn a_reset_makes_a_subjects_buckets_new_and_leaves_the_rest() {
     assert!(
         matches!(unknown, Err(tollgate_policy::Error::UnknownLimit { ref name }) if name == "per-usr")
     );
-    assert_eq!(left(u2), [1, 3]);
+    assert_eq!(left(u2), [2, 4]);
 
     // Each bucket reset is audited.
     let audited: Vec<String> = r
@@ -2503,6 +2507,8 @@ fn a_reset_makes_a_subjects_buckets_new_and_leaves_the_rest() {
             "per-user-minute|u1 \"r1\"",
             "per-user|u1 \"r1\"",
             "per-user-minute|u1 \"r1\"",
+            "per-user|u2 \"r1\"",
+            "per-user-minute|u2 \"r1\"",
             "per-user|evil \"r1\"",
             "per-user-minute|evil \"r1\""
         ]

@@ -153,18 +153,17 @@ impl PolicyEngine {
                 emergency.push(store_key(&m.bucket_key, rate_tag(&rate)));
             }
             keys.push(key);
-            outcome.reset.push(ResetBucket {
-                name: Arc::clone(&m.limit.name),
-                descriptor: m.descriptor,
-                bucket_key: m.bucket_key.clone(),
-            });
+            // Two descriptors on one bucket name it twice: reported (and audited) once.
+            if !outcome.reset.iter().any(|r| r.bucket_key == m.bucket_key) {
+                outcome.reset.push(ResetBucket {
+                    name: Arc::clone(&m.limit.name),
+                    descriptor: m.descriptor,
+                    bucket_key: m.bucket_key.clone(),
+                });
+            }
         }
-        // Two descriptors on one bucket name it twice: reset once.
         keys.sort_unstable();
         keys.dedup();
-        outcome
-            .reset
-            .dedup_by(|a, b| a.bucket_key == b.bucket_key && a.name == b.name);
         if !keys.is_empty() {
             let keys: Vec<&str> = keys.iter().map(|key| &**key).collect();
             store.reset(&keys).await.map_err(|source| Error::Check {
