@@ -1312,46 +1312,58 @@ fn lists_with_prefixes_are_found_through_the_index_as_a_scan_finds_them() {
     );
     runner
         .run(&strategy, |(lists, values)| {
-            let mut text = String::from("limits:\n");
-            let mut tests = Vec::new();
-            for (i, (exact, prefixes)) in lists.iter().enumerate() {
-                if exact.is_empty() && prefixes.is_empty() {
-                    continue;
-                }
-                let items: Vec<String> = exact
-                    .iter()
-                    .map(|v| format!("'{v}'"))
-                    .chain(prefixes.iter().map(|p| format!("!prefix '{p}'")))
-                    .collect();
-                text.push_str(&format!(
-                    "  - name: l{i}\n    domain: d\n    when: {{k: [{}]}}\n    capacity: 1\n    refill: 1/s\n",
-                    items.join(", ")
-                ));
-                tests.push((format!("l{i}"), exact, prefixes));
-            }
-            if tests.is_empty() {
-                return Ok(());
-            }
-            let p = compile("p.yaml", &text).map_err(|e| TestCaseError::fail(e.to_string()))?;
-            for value in &values {
-                let found: Vec<String> = p
-                    .matches("d", &[[("k", value.as_str())]], NOW)
-                    .iter()
-                    .map(|m| m.limit.name().to_owned())
-                    .collect();
-                // By the items as written, not by the list in force.
-                let scanned: Vec<String> = tests
-                    .iter()
-                    .filter(|(_, exact, prefixes)| {
-                        exact.contains(value) || prefixes.iter().any(|p| value.starts_with(p))
-                    })
-                    .map(|(name, ..)| name.clone())
-                    .collect();
-                prop_assert_eq!(&found, &scanned, "{} for {:?}", text, value);
-            }
-            Ok(())
+            let items: Vec<Vec<String>> = lists
+                .iter()
+                .map(|(exact, prefixes)| {
+                    let exact = exact.iter().map(|v| format!("'{v}'"));
+                    exact
+                        .chain(prefixes.iter().map(|p| format!("!prefix '{p}'")))
+                        .collect()
+                })
+                .collect();
+            // By the items as written, not by the list in force.
+            index_finds_what_holds(&items, &values, |i, value| {
+                let (exact, prefixes) = &lists[i];
+                exact.iter().any(|v| v == value) || prefixes.iter().any(|p| value.starts_with(p))
+            })
         })
         .unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// Compiles a limit `l{i}` per non-empty list of `items` (`when: {k: [items]}`, each as the
+/// file writes it) and checks that matching `k: value` finds, in order, exactly the limits
+/// whose list `holds(i, value)`, for every value: the index against the items as written.
+fn index_finds_what_holds(
+    items: &[Vec<String>],
+    values: &[String],
+    holds: impl Fn(usize, &str) -> bool,
+) -> Result<(), proptest::test_runner::TestCaseError> {
+    use proptest::prelude::*;
+
+    let mut text = String::from("limits:\n");
+    for (i, list) in items.iter().enumerate().filter(|(_, l)| !l.is_empty()) {
+        text.push_str(&format!(
+            "  - name: l{i}\n    domain: d\n    when: {{k: [{}]}}\n    capacity: 1\n    refill: 1/s\n",
+            list.join(", ")
+        ));
+    }
+    if items.iter().all(Vec::is_empty) {
+        return Ok(());
+    }
+    let p = compile("p.yaml", &text).map_err(|e| TestCaseError::fail(e.to_string()))?;
+    for value in values {
+        let found: Vec<String> = p
+            .matches("d", &[[("k", value.as_str())]], NOW)
+            .iter()
+            .map(|m| m.limit.name().to_owned())
+            .collect();
+        let expected: Vec<String> = (0..items.len())
+            .filter(|&i| !items[i].is_empty() && holds(i, value))
+            .map(|i| format!("l{i}"))
+            .collect();
+        prop_assert_eq!(&found, &expected, "{} for {:?}", text, value);
+    }
+    Ok(())
 }
 
 /// `!cidr` matches the IP addresses inside a network, IPv4 and IPv6, alone or in a list, in a
@@ -1533,50 +1545,26 @@ fn networks_are_found_through_the_index_as_a_scan_finds_them() {
     );
     runner
         .run(&strategy, |(lists, values)| {
-            let mut text = String::from("limits:\n");
-            let mut tests = Vec::new();
-            for (i, (exact, prefixes, nets)) in lists.iter().enumerate() {
-                if exact.is_empty() && prefixes.is_empty() && nets.is_empty() {
-                    continue;
-                }
-                let items: Vec<String> = exact
-                    .iter()
-                    .map(|v| format!("'{v}'"))
-                    .chain(prefixes.iter().map(|p| format!("!prefix '{p}'")))
-                    .chain(nets.iter().map(|n| format!("!cidr '{n}'")))
-                    .collect();
-                text.push_str(&format!(
-                    "  - name: l{i}\n    domain: d\n    when: {{k: [{}]}}\n    capacity: 1\n    refill: 1/s\n",
-                    items.join(", ")
-                ));
-                tests.push((format!("l{i}"), exact, prefixes, nets));
-            }
-            if tests.is_empty() {
-                return Ok(());
-            }
-            let p = compile("p.yaml", &text).map_err(|e| TestCaseError::fail(e.to_string()))?;
-            for value in &values {
-                let found: Vec<String> = p
-                    .matches("d", &[[("k", value.as_str())]], NOW)
-                    .iter()
-                    .map(|m| m.limit.name().to_owned())
-                    .collect();
+            let items: Vec<Vec<String>> = lists
+                .iter()
+                .map(|(exact, prefixes, nets)| {
+                    let exact = exact.iter().map(|v| format!("'{v}'"));
+                    exact
+                        .chain(prefixes.iter().map(|p| format!("!prefix '{p}'")))
+                        .chain(nets.iter().map(|n| format!("!cidr '{n}'")))
+                        .collect()
+                })
+                .collect();
+            index_finds_what_holds(&items, &values, |i, value| {
+                let (exact, prefixes, nets) = &lists[i];
                 let canonical = value.parse::<IpAddr>().ok().map(|a| a.to_canonical());
-                let scanned: Vec<String> = tests
-                    .iter()
-                    .filter(|(_, exact, prefixes, nets)| {
-                        exact.contains(value)
-                            || prefixes.iter().any(|p| value.starts_with(p))
-                            || nets.iter().any(|n| {
-                                let net: ipnet::IpNet = n.parse().unwrap_or_default();
-                                canonical.is_some_and(|a| net.contains(&a))
-                            })
+                exact.iter().any(|v| v == value)
+                    || prefixes.iter().any(|p| value.starts_with(p))
+                    || nets.iter().any(|n| {
+                        let net: ipnet::IpNet = n.parse().unwrap_or_default();
+                        canonical.is_some_and(|a| net.contains(&a))
                     })
-                    .map(|(name, ..)| name.clone())
-                    .collect();
-                prop_assert_eq!(&found, &scanned, "{} for {:?}", text, value);
-            }
-            Ok(())
+            })
         })
         .unwrap_or_else(|e| panic!("{e}"));
 }
