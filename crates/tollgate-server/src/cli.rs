@@ -21,7 +21,7 @@ use tollgate_redis::{RedisConfig, RedisStore, TlsFiles, redact};
 
 use crate::ConnectionLimits;
 use crate::decider::{Backend, Decider};
-use crate::http::{AppState, HttpOptions};
+use crate::http::{AppState, ClientAddress, HttpOptions};
 use crate::loadgen::args::parse_duration;
 use crate::rlqs::RlqsOptions;
 
@@ -239,6 +239,18 @@ pub struct ServeArgs {
         value_parser = parse_mapping
     )]
     pub forward_auth_headers: Vec<(String, String)>,
+    /// Forward-auth: the header the proxies record the client's address in, for the
+    /// `remote_address` entry (`!cidr` conditions): `X-Real-IP`, or `X-Forwarded-For:N` for
+    /// the entry N from its right end (0, the default: the one the proxy calling tollgate
+    /// appended; N when N more trusted proxies stand in front of it). A client cannot set
+    /// `remote_address` itself then.
+    #[arg(
+        long,
+        env = "TOLLGATE_FORWARD_AUTH_ADDRESS",
+        value_name = "HEADER[:TRUSTED]",
+        value_parser = parse_address_source
+    )]
+    pub forward_auth_address: Option<ClientAddress>,
     /// Forward-auth: the status of a rejection (429; 403 for nginx auth_request).
     #[arg(long, env = "TOLLGATE_FORWARD_AUTH_DENY_STATUS", default_value_t = 429)]
     pub forward_auth_deny_status: u16,
@@ -396,6 +408,26 @@ fn parse_ratio(text: &str) -> Result<u32, String> {
         Some(permille @ 1..=1_000) => Ok(permille),
         _ => Err(refused()),
     }
+}
+
+/// `HEADER[:TRUSTED]`: a header name, and how many trusted proxies' entries to pass over.
+fn parse_address_source(text: &str) -> Result<ClientAddress, String> {
+    let refused = || {
+        format!(
+            "expected HEADER or HEADER:TRUSTED, as in X-Forwarded-For:1 (at most 16), not {text}"
+        )
+    };
+    let (header, trusted) = match text.split_once(':') {
+        Some((header, trusted)) => (header, trusted.parse::<usize>().map_err(|_| refused())?),
+        None => (text, 0),
+    };
+    if trusted > 16 || axum::http::HeaderName::from_bytes(header.as_bytes()).is_err() {
+        return Err(refused());
+    }
+    Ok(ClientAddress {
+        header: header.to_ascii_lowercase(),
+        trusted,
+    })
 }
 
 fn parse_mapping(text: &str) -> Result<(String, String), String> {
@@ -849,6 +881,7 @@ pub async fn serve(
             .map(|token| token.trim().to_owned()),
         forward_auth_headers: args.forward_auth_headers.clone(),
         forward_auth_deny: deny,
+        forward_auth_address: args.forward_auth_address.clone(),
     };
     crate::metrics::set_near_limit_ratio(args.near_limit_ratio);
     let metrics = match crate::metrics::install() {

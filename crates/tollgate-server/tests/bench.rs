@@ -35,6 +35,7 @@ async fn start() -> Server {
         admin_token: None,
         forward_auth_headers: Vec::new(),
         forward_auth_deny: StatusCode::TOO_MANY_REQUESTS,
+        forward_auth_address: None,
     };
     let state = Arc::new(AppState::new(decider, None, options));
     let http = TcpListener::bind("127.0.0.1:0").await.expect("bind http");

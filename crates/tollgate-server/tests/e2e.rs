@@ -1930,3 +1930,50 @@ fn an_operator_resets_a_drained_users_buckets() {
     assert_eq!(resets.len(), 1, "{audited}");
     assert_eq!(resets[0]["bucket_key"], "per-user|rita");
 }
+
+/// Forward-auth with `--forward-auth-address`: a block list of networks applies to the client
+/// address the trusted proxies recorded, whatever the client claims.
+#[test]
+fn forward_auth_blocks_networks_by_the_address_the_proxies_recorded() {
+    let scratch = Scratch::new("fa-address");
+    let config = scratch.write(
+        "policy.yaml",
+        r#"
+limits:
+  - name: blocked
+    domain: edge
+    when: {remote_address: [!cidr 203.0.113.0/24, !cidr 2001:db8::/32]}
+    deny: true
+"#,
+    );
+    let server = Server::start(&[
+        "--config",
+        path_str(&config),
+        "--forward-auth-address",
+        "X-Forwarded-For:1",
+    ]);
+    let ask = |chain: &str, claim: Option<&str>| {
+        let mut headers = vec![("X-Forwarded-For", chain)];
+        if let Some(claim) = claim {
+            headers.push(("x-tollgate-remote_address", claim));
+        }
+        request(server.http, "GET", "/v1/forward-auth/edge", &headers, "").status
+    };
+    // The client, then the load balancer in front (trusted), as the proxy calling tollgate
+    // forwards them.
+    assert_eq!(ask("203.0.113.5, 10.0.0.1", None), 429);
+    assert_eq!(ask("2001:db8::7, 10.0.0.1", None), 429);
+    assert_eq!(ask("198.51.100.1, 10.0.0.1", None), 200);
+    // What the client writes itself changes nothing.
+    assert_eq!(ask("198.51.100.1, 10.0.0.1", Some("203.0.113.5")), 200);
+    assert_eq!(ask("203.0.113.5, 198.51.100.1, 10.0.0.1", None), 200);
+    support::assert_serve_flags_refused(&[
+        (
+            "--forward-auth-address",
+            "X-Forwarded-For:x",
+            "HEADER:TRUSTED",
+        ),
+        ("--forward-auth-address", "bad header:1", "HEADER:TRUSTED"),
+        ("--forward-auth-address", "X-Forwarded-For:99", "at most 16"),
+    ]);
+}

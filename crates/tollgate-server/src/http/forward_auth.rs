@@ -4,7 +4,9 @@
 //! The proxy forwards the client's headers; one descriptor is built from them:
 //! `x-tollgate-<entry>: value` gives that entry, `--forward-auth-header ENTRY=HEADER` maps an
 //! existing header (`user=X-User-Id`), and `X-Forwarded-Method`, `X-Forwarded-Uri` or
-//! `X-Original-URI` give `method` and `path`. The cost comes from `x-tollgate-cost` (default 1).
+//! `X-Original-URI` give `method` and `path`. With `--forward-auth-address HEADER[:TRUSTED]`,
+//! `remote_address` is the client's address as the proxies recorded it, and nothing the client
+//! sends sets it. The cost comes from `x-tollgate-cost` (default 1).
 //! Allowed: 200 with the rate-limit headers; over the limit: 429 (or the configured deny status,
 //! 403 for nginx); failing closed: 503.
 
@@ -20,7 +22,7 @@ use super::check::{
     Entries, Parsed, add_rate_limit_headers, check_bounds, decide_error, status_of,
 };
 use super::error::ApiError;
-use super::{AppState, MAX_NAME_BYTES};
+use super::{AppState, ClientAddress, MAX_NAME_BYTES};
 use crate::metrics::{self, Api};
 
 const PREFIX: &str = "x-tollgate-";
@@ -42,10 +44,32 @@ fn header_str<'h>(headers: &'h HeaderMap, name: &str) -> Result<Option<&'h str>,
     }
 }
 
+/// The entry a client's address goes under: Envoy's name for it (its `remote_address` action).
+const REMOTE_ADDRESS: &str = "remote_address";
+
+/// The client's address as `source` records it: the entry `source.trusted` from the right of
+/// the header's comma-separated list (its lines joined in order), in canonical form (an
+/// IPv4-mapped IPv6 address as IPv4). `None` when the header is absent, too short, or the entry
+/// is not an address alone.
+fn client_address(headers: &HeaderMap, source: &ClientAddress) -> Option<String> {
+    let entries: Vec<&str> = headers
+        .get_all(source.header.as_str())
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .map(str::trim)
+        .filter(|entry| !entry.is_empty())
+        .collect();
+    let at = entries.len().checked_sub(source.trusted + 1)?;
+    let address: std::net::IpAddr = entries[at].parse().ok()?;
+    Some(address.to_canonical().to_string())
+}
+
 /// The descriptor the headers give, its strings borrowed from them and from `mapping`.
 fn descriptor<'a>(
     headers: &'a HeaderMap,
     mapping: &'a [(String, String)],
+    address: Option<&ClientAddress>,
 ) -> Result<Entries<'a>, ApiError> {
     let mut entries: Entries<'a> = Vec::new();
     let mut set =
@@ -80,6 +104,14 @@ fn descriptor<'a>(
             set(entry, value);
         }
     }
+    // Last, so that it wins: what the trusted proxies recorded, never what the client sent
+    // (an `x-tollgate-remote_address` of its own is dropped when no address is found).
+    if let Some(source) = address {
+        entries.retain(|(key, _)| key != REMOTE_ADDRESS);
+        if let Some(found) = client_address(headers, source) {
+            entries.push((Cow::Borrowed(REMOTE_ADDRESS), Cow::Owned(found)));
+        }
+    }
     Ok(entries)
 }
 
@@ -88,6 +120,7 @@ fn parse<'a>(
     domain: String,
     headers: &'a HeaderMap,
     mapping: &'a [(String, String)],
+    address: Option<&ClientAddress>,
 ) -> Result<Parsed<'a>, ApiError> {
     let cost = match header_str(headers, COST)? {
         None => NonZeroU64::MIN,
@@ -97,7 +130,7 @@ fn parse<'a>(
     };
     let parsed = Parsed {
         domain: Cow::Owned(domain),
-        descriptors: vec![descriptor(headers, mapping)?],
+        descriptors: vec![descriptor(headers, mapping, address)?],
         cost: cost.get(),
         request_id: None,
     };
@@ -126,8 +159,14 @@ pub(crate) async fn forward_auth(
     Path(domain): Path<String>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
-    let parsed = parse(domain, &headers, &state.options.forward_auth_headers)
-        .inspect_err(|_| metrics::record_invalid(Api::ForwardAuth))?;
+    let options = &state.options;
+    let parsed = parse(
+        domain,
+        &headers,
+        &options.forward_auth_headers,
+        options.forward_auth_address.as_ref(),
+    )
+    .inspect_err(|_| metrics::record_invalid(Api::ForwardAuth))?;
     let outcome = state
         .decider
         .decide(Api::ForwardAuth, &parsed.request())
@@ -165,7 +204,7 @@ mod tests {
         headers.insert("x-tollgate-tenant", HeaderValue::from_static("acme"));
         headers.insert("x-tollgate-cost", HeaderValue::from_static("3"));
         let mapping = vec![("user".to_owned(), "x-user-id".to_owned())];
-        let mut entries = owned(descriptor(&headers, &mapping).unwrap());
+        let mut entries = owned(descriptor(&headers, &mapping, None).unwrap());
         entries.sort();
         let expected = [
             ("method", "POST"),
@@ -180,6 +219,56 @@ mod tests {
         assert_eq!(entries, expected);
     }
 
+    /// The client's address: from the right of a forwarded chain, past the trusted proxies;
+    /// canonical; never from what the client sends when a source is set.
+    #[test]
+    fn the_client_address_is_the_proxies_not_the_clients() {
+        let xff = |trusted| ClientAddress {
+            header: "x-forwarded-for".to_owned(),
+            trusted,
+        };
+        let address = |headers: &HeaderMap, source: &ClientAddress| {
+            owned(descriptor(headers, &[], Some(source)).unwrap())
+                .into_iter()
+                .find(|(key, _)| key == REMOTE_ADDRESS)
+                .map(|(_, value)| value)
+        };
+        let mut headers = HeaderMap::new();
+        // The client wrote the first two; the proxy in front appended 198.51.100.4, the one
+        // calling tollgate 203.0.113.7.
+        headers.append(
+            "x-forwarded-for",
+            HeaderValue::from_static("6.6.6.6, 10.0.0.1,198.51.100.4"),
+        );
+        headers.append("x-forwarded-for", HeaderValue::from_static("203.0.113.7"));
+        headers.insert(
+            "x-tollgate-remote_address",
+            HeaderValue::from_static("1.1.1.1"),
+        );
+        assert_eq!(address(&headers, &xff(0)).as_deref(), Some("203.0.113.7"));
+        assert_eq!(address(&headers, &xff(1)).as_deref(), Some("198.51.100.4"));
+        assert_eq!(address(&headers, &xff(3)).as_deref(), Some("6.6.6.6"));
+        // Past the chain's start, or no address there: none, and not the client's own.
+        assert_eq!(address(&headers, &xff(4)), None);
+        headers.insert("x-forwarded-for", HeaderValue::from_static("unknown"));
+        assert_eq!(address(&headers, &xff(0)), None);
+        headers.insert(
+            "x-forwarded-for",
+            HeaderValue::from_static("203.0.113.7:443"),
+        );
+        assert_eq!(address(&headers, &xff(0)), None);
+        // One address alone, IPv4-mapped IPv6 read as IPv4.
+        let real = ClientAddress {
+            header: "x-real-ip".to_owned(),
+            trusted: 0,
+        };
+        headers.insert("x-real-ip", HeaderValue::from_static(" ::ffff:192.0.2.9 "));
+        assert_eq!(address(&headers, &real).as_deref(), Some("192.0.2.9"));
+        // Without a source, the client's own entry stands, as any x-tollgate- entry does.
+        let entries = owned(descriptor(&headers, &[], None).unwrap());
+        assert!(entries.contains(&(REMOTE_ADDRESS.to_owned(), "1.1.1.1".to_owned())));
+    }
+
     #[test]
     fn utf8_header_values_are_taken_and_invalid_bytes_refused() {
         let mapping = vec![("user".to_owned(), "x-user-id".to_owned())];
@@ -188,23 +277,23 @@ mod tests {
             "x-user-id",
             HeaderValue::from_bytes("jos\u{e9}".as_bytes()).unwrap(),
         );
-        let entries = owned(descriptor(&headers, &mapping).unwrap());
+        let entries = owned(descriptor(&headers, &mapping, None).unwrap());
         assert_eq!(entries, vec![("user".to_owned(), "jos\u{e9}".to_owned())]);
         headers.insert("x-user-id", HeaderValue::from_bytes(b"jos\xe9").unwrap());
-        let err = descriptor(&headers, &mapping).unwrap_err();
+        let err = descriptor(&headers, &mapping, None).unwrap_err();
         assert!(format!("{err:?}").contains("invalid_header"), "{err:?}");
     }
 
     #[test]
     fn no_descriptor_header_is_an_empty_descriptor_not_an_error() {
         let none = HeaderMap::new();
-        let parsed = parse("api".to_owned(), &none, &[]).unwrap();
+        let parsed = parse("api".to_owned(), &none, &[], None).unwrap();
         assert_eq!(parsed.descriptors, vec![Entries::new()]);
         assert_eq!(parsed.cost, 1);
         let mut headers = HeaderMap::new();
         headers.insert("x-tollgate-cost", HeaderValue::from_static("0"));
-        assert!(parse("api".to_owned(), &headers, &[]).is_err());
-        assert!(parse("d".repeat(MAX_NAME_BYTES + 1), &HeaderMap::new(), &[]).is_err());
+        assert!(parse("api".to_owned(), &headers, &[], None).is_err());
+        assert!(parse("d".repeat(MAX_NAME_BYTES + 1), &HeaderMap::new(), &[], None).is_err());
     }
 
     /// A header sent empty is an entry with the empty value (one bucket shared by every such
@@ -215,7 +304,7 @@ mod tests {
         let mut headers = HeaderMap::new();
         headers.insert("x-user-id", HeaderValue::from_static(""));
         headers.insert("x-tollgate-tier", HeaderValue::from_static(""));
-        let mut entries = owned(descriptor(&headers, &mapping).unwrap());
+        let mut entries = owned(descriptor(&headers, &mapping, None).unwrap());
         entries.sort();
         let expected = [("tier", ""), ("user", "")].map(|(k, v)| (k.to_owned(), v.to_owned()));
         assert_eq!(entries, expected);
@@ -226,7 +315,7 @@ mod tests {
         let mut headers = HeaderMap::new();
         headers.insert("x-forwarded-method", HeaderValue::from_static("GET"));
         headers.insert("x-tollgate-method", HeaderValue::from_static("POST"));
-        let entries = owned(descriptor(&headers, &[]).unwrap());
+        let entries = owned(descriptor(&headers, &[], None).unwrap());
         assert_eq!(entries, vec![("method".to_owned(), "POST".to_owned())]);
     }
 }

@@ -53,6 +53,20 @@ pub struct HttpOptions {
     /// The status forward-auth answers when a request is over its limit (429, or 403 for
     /// nginx, whose `auth_request` passes on only 401 and 403).
     pub forward_auth_deny: StatusCode,
+    /// Where forward-auth reads the client's address (the `remote_address` entry), if
+    /// anywhere.
+    pub forward_auth_address: Option<ClientAddress>,
+}
+
+/// The header a proxy records the client's address in, for forward-auth's `remote_address`
+/// entry: the address `trusted` hops from its right end (0: the last one, which the proxy
+/// calling tollgate appended itself; 1 when one more trusted proxy stands in front of it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientAddress {
+    /// The header, in lower case (`x-forwarded-for`, `x-real-ip`).
+    pub header: String,
+    /// How many trusted proxies' entries to pass over from the right.
+    pub trusted: usize,
 }
 
 /// What every handler shares.
