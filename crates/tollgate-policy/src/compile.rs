@@ -1033,9 +1033,8 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
     type Lists = StdHashMap<u64, Vec<u32>>;
     // File each limit under its most selective condition: the exact `when` pair, else the
     // prefix or network condition, else the key entry, that the fewest limits of its domain
-    // share. Filing
-    // under a pair such as method=POST would make every POST request try every limit filed
-    // there.
+    // share. Filing under a pair such as method=POST would make every POST request try every
+    // limit filed there.
     let mut pair_use: StdHashMap<(&str, &str, &str), usize> = StdHashMap::new();
     let mut prefix_use: StdHashMap<(&str, &str, &str), usize> = StdHashMap::new();
     let mut network_use: StdHashMap<(&str, &str, ipnet::IpNet), usize> = StdHashMap::new();
@@ -1124,28 +1123,22 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
                 // Under each of its values, prefixes and networks; two of them whose hashes
                 // collide file it once.
                 let (entry, test) = (&*limit.when[i].0, &limit.when[i].1);
-                let file = |lists: &mut Lists, item: &str| {
-                    let list = lists.entry(hasher.hash_one((entry, item))).or_default();
+                let file = |lists: &mut Lists, hash: u64| {
+                    let list = lists.entry(hash).or_default();
                     if list.last() != Some(&limit.index) {
                         list.push(limit.index);
                     }
                 };
                 for value in test.exact_values() {
-                    file(&mut staged.pairs, value);
+                    file(&mut staged.pairs, hasher.hash_one((entry, &**value)));
                 }
                 for prefix in test.prefixes() {
-                    file(&mut staged.prefixes, prefix);
+                    file(&mut staged.prefixes, hasher.hash_one((entry, &**prefix)));
                     staged.lengths.entry(entry).or_default().push(prefix.len());
                 }
                 for network in test.networks() {
                     let net = network.net();
-                    let list = staged
-                        .networks
-                        .entry(hasher.hash_one((entry, net)))
-                        .or_default();
-                    if list.last() != Some(&limit.index) {
-                        list.push(limit.index);
-                    }
+                    file(&mut staged.networks, hasher.hash_one((entry, net)));
                     staged.net_lengths.entry(entry).or_default().push(net);
                 }
                 filed_at.push(filed);

@@ -35,10 +35,9 @@
 //! Last, the limits named in the `replaces` of a limit found for the request are left out.
 
 use std::hash::BuildHasher;
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-
-use std::net::IpAddr;
 
 use hashbrown::{HashMap, HashTable};
 use ipnet::{IpNet, Ipv4Net};
@@ -233,13 +232,14 @@ impl ValueList {
         address(value).is_some_and(|address| {
             self.net_lengths
                 .networks_of(address)
-                .any(|net| self.has_network(&net))
+                .any(|net| has_network(&self.networks, &net))
         })
     }
+}
 
-    fn has_network(&self, net: &IpNet) -> bool {
-        self.networks.binary_search_by(|n| n.net.cmp(net)).is_ok()
-    }
+/// Whether the sorted `networks` hold `net` itself.
+fn has_network(networks: &[Network], net: &IpNet) -> bool {
+    networks.binary_search_by(|n| n.net.cmp(net)).is_ok()
 }
 
 impl ValueMatch {
@@ -393,25 +393,16 @@ impl ValueMatch {
         }
     }
 
-    /// Whether `prefix` is one of its prefixes.
+    /// Whether `prefix` is one of its prefixes (they are sorted).
     fn has_prefix(&self, prefix: &str) -> bool {
-        match self {
-            Self::Prefix(text) => prefix == &**text,
-            Self::AnyOf(list) => list
-                .prefixes
-                .binary_search_by(|p| (**p).cmp(prefix))
-                .is_ok(),
-            Self::Exact(_) | Self::Network(_) => false,
-        }
+        self.prefixes()
+            .binary_search_by(|p| (**p).cmp(prefix))
+            .is_ok()
     }
 
-    /// Whether `net` is one of its networks.
+    /// Whether `net` is one of its networks (they are sorted).
     fn has_network(&self, net: &IpNet) -> bool {
-        match self {
-            Self::Network(network) => network.net == *net,
-            Self::AnyOf(list) => list.has_network(net),
-            Self::Exact(_) | Self::Prefix(_) => false,
-        }
+        has_network(self.networks(), net)
     }
 }
 
@@ -1247,8 +1238,8 @@ impl Policy {
                             continue;
                         };
                         for &limit in &**list {
-                            // A list's items never overlap, so a value finds a limit under
-                            // one of them at most (see `ValueList`).
+                            // No prefix of a list starts with another, so a value finds a
+                            // limit under one of its prefixes at most (see `ValueList`).
                             let candidate = &self.limits[limit as usize];
                             if candidate.filed_under_prefix(entry, prefix) {
                                 found(limit, out);

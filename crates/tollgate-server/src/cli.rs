@@ -394,18 +394,12 @@ fn parse_ratio(text: &str) -> Result<u32, String> {
     {
         return Err(refused());
     }
-    let whole: u32 = if whole.is_empty() {
-        0
-    } else {
-        whole.parse().map_err(|_| refused())?
-    };
-    let mut thousandths: u32 = 0;
-    for (place, digit) in fraction.bytes().enumerate() {
-        let scale = [100, 10, 1][place];
-        thousandths += u32::from(digit - b'0') * scale;
-    }
-    match whole.checked_mul(1_000).map(|w| w + thousandths) {
-        Some(permille @ 1..=1_000) => Ok(permille),
+    // Three places, padded: "0.8" is 0800 thousandths, "1" is 1000.
+    let permille: u32 = format!("{whole}{fraction:0<3}")
+        .parse()
+        .map_err(|_| refused())?;
+    match permille {
+        1..=1_000 => Ok(permille),
         _ => Err(refused()),
     }
 }

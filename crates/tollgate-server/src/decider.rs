@@ -445,7 +445,7 @@ impl Decider {
                     .await
             }
         };
-        result.map_err(|err| self.lease_op_error(err))
+        result.map_err(|err| self.op_error(err))
     }
 
     /// Gives lease `lease_id` back: `Ok(true)` if it was still held.
@@ -459,7 +459,7 @@ impl Decider {
             Backend::Memory => self.engine.release(lease_id),
             Backend::Redis(store) => self.engine.release_on(&**store, lease_id).await,
         };
-        let released = result.map_err(|err| self.lease_op_error(err))?;
+        let released = result.map_err(|err| self.op_error(err))?;
         metrics::record_release(released);
         Ok(released)
     }
@@ -475,13 +475,14 @@ impl Decider {
             Backend::Memory => self.engine.renew(lease_id),
             Backend::Redis(store) => self.engine.renew_on(&**store, lease_id).await,
         };
-        let renewed = result.map_err(|err| self.lease_op_error(err))?;
+        let renewed = result.map_err(|err| self.op_error(err))?;
         metrics::record_renewal(renewed.is_some());
         Ok(renewed)
     }
 
-    /// The answer to a release, a renewal or an explanation the engine could not do.
-    fn lease_op_error(&self, err: PolicyError) -> DecideError {
+    /// The answer to an operation other than a decision (a release, a renewal, an
+    /// explanation of leases, a reset) that the engine could not do.
+    fn op_error(&self, err: PolicyError) -> DecideError {
         match err {
             PolicyError::Check {
                 source: CoreError::StoreUnavailable { reason },
@@ -518,7 +519,7 @@ impl Decider {
                     .await
             }
         };
-        let outcome = result.map_err(|err| self.lease_op_error(err))?;
+        let outcome = result.map_err(|err| self.op_error(err))?;
         for bucket in &outcome.reset {
             metrics::record_reset(&bucket.name);
         }

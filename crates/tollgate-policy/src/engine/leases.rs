@@ -391,7 +391,8 @@ impl PolicyEngine {
     /// Shadow and outside-rollout limits are not decided (they could not reject anyway);
     /// exemptions apply as usual. A denial needs no store: it refuses as it does with the store
     /// up (an ordinary rejection, whatever fails closed beside it), takes nothing from the
-    /// emergency table and is not audited as degraded. Every degraded limit decision is audited with its reason, and
+    /// emergency table and is not audited as degraded. Every degraded limit decision is
+    /// audited with its reason, and
     /// a request no concurrency limit applies to is counted as unmatched. The lease is given
     /// back by [`release_on`](Self::release_on) (or [`release`](Self::release)), which looks
     /// in the emergency table first.

@@ -330,7 +330,8 @@ fn write_body(outcome: &LeaseOutcome, body: Body<'_>) -> Vec<u8> {
             push_number(&mut out, b",\"capacity\":", d.max_in_flight());
             // As in a check's body: a denial has no wait that would help, so no
             // retry_after_ms rather than a 0 that would read "retry now".
-            if !d.is_denied() {
+            let denied = d.is_denied();
+            if !denied {
                 let retry = d.retry_after().filter(|_| !repeated).map_or(0, millis_ceil);
                 push_number(&mut out, b",\"retry_after_ms\":", retry);
             }
@@ -339,7 +340,7 @@ fn write_body(outcome: &LeaseOutcome, body: Body<'_>) -> Vec<u8> {
                 b",\"reset_after_ms\":",
                 millis_ceil(d.reset_after()),
             );
-            if d.is_denied() {
+            if denied {
                 out.extend_from_slice(b",\"denied\":true");
             }
         }
