@@ -82,7 +82,8 @@ pub use error::{Diagnostic, Error};
 pub use lint::{EXPIRING_SOON, Warning, lint};
 pub use policy::{
     Descriptor, Effect, Exemption, FailureMode, LeaseMatched, LimitDef, Matched, Mode, Network,
-    Override, Params, Policy, RequestDescriptor, RequestedLimit, Scope, ValueList, ValueMatch,
+    NetworkError, Override, Params, Policy, RequestDescriptor, RequestedLimit, Scope, ValueList,
+    ValueMatch,
 };
 pub use wall::{ManualWallClock, SystemWallClock, UnixTime, WallClock};
 

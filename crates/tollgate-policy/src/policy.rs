@@ -110,6 +110,21 @@ impl Network {
         self.net
     }
 
+    /// Whether `address` is inside it (an IPv4-mapped IPv6 address as the IPv4 one).
+    ///
+    /// ```
+    /// use tollgate_policy::Network;
+    ///
+    /// let proxies: Network = "10.0.0.0/8".parse()?;
+    /// assert!(proxies.contains("10.1.2.3".parse()?));
+    /// assert!(proxies.contains("::ffff:10.1.2.3".parse()?));
+    /// assert!(!proxies.contains("192.0.2.1".parse()?));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn contains(&self, address: IpAddr) -> bool {
+        self.holds(address.to_canonical())
+    }
+
     /// Whether `address` is inside it.
     fn holds(&self, address: IpAddr) -> bool {
         self.net.contains(&address)
@@ -120,6 +135,52 @@ impl Network {
     #[inline(never)]
     fn matches(&self, value: &str) -> bool {
         address(value).is_some_and(|a| self.holds(a))
+    }
+}
+
+/// Why a text is not a network, as `!cidr` (or a flag taking networks) reads it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NetworkError {
+    /// Neither `ADDRESS/LENGTH` nor an address alone.
+    #[error("{0:?} is not a network: write ADDRESS/LENGTH, as 203.0.113.0/24 or 2001:db8::/32")]
+    Malformed(String),
+    /// An address with bits past the length, which is a typo more often than not: the
+    /// network meant is said.
+    #[error("{written} has bits set past its length: the network is {network}")]
+    HostBits {
+        /// The text as written.
+        written: String,
+        /// The network its length makes.
+        network: IpNet,
+    },
+}
+
+impl std::str::FromStr for Network {
+    type Err = NetworkError;
+
+    /// `ADDRESS/LENGTH`, or an address alone (a network of one), with no bits past the length.
+    ///
+    /// ```
+    /// use tollgate_policy::{Network, NetworkError};
+    ///
+    /// assert_eq!("203.0.113.9".parse::<Network>()?.net().to_string(), "203.0.113.9/32");
+    /// let typo = "10.1.2.3/8".parse::<Network>().unwrap_err();
+    /// assert_eq!(typo.to_string(), "10.1.2.3/8 has bits set past its length: the network is 10.0.0.0/8");
+    /// assert!(matches!("eu-west".parse::<Network>(), Err(NetworkError::Malformed(_))));
+    /// # Ok::<(), NetworkError>(())
+    /// ```
+    fn from_str(text: &str) -> Result<Self, NetworkError> {
+        let net = match text.parse::<IpNet>() {
+            Ok(net) => net,
+            Err(_) => match text.parse::<IpAddr>() {
+                Ok(address) => IpNet::from(address),
+                Err(_) => return Err(NetworkError::Malformed(text.to_owned())),
+            },
+        };
+        Self::new(net).ok_or_else(|| NetworkError::HostBits {
+            written: text.to_owned(),
+            network: net.trunc(),
+        })
     }
 }
 

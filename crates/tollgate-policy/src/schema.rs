@@ -10,7 +10,6 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use ipnet::IpNet;
 use serde::Deserialize;
 use serde::de::{self, Deserializer, Visitor};
 use serde_saphyr::{Spanned, Tagged};
@@ -388,24 +387,7 @@ const CIDR_TAG: &str = "!cidr";
 
 /// The network written after `!cidr`: `ADDRESS/LENGTH` (a lone address is a network of one).
 fn network<E: de::Error>(text: &str) -> Result<Network, E> {
-    let net = match text.parse::<IpNet>() {
-        Ok(net) => net,
-        Err(_) => match text.parse::<std::net::IpAddr>() {
-            Ok(address) => IpNet::from(address),
-            Err(_) => {
-                return Err(E::custom(format!(
-                    "{text:?} is not a network: write ADDRESS/LENGTH, as 203.0.113.0/24 or \
-                     2001:db8::/32"
-                )));
-            }
-        },
-    };
-    Network::new(net).ok_or_else(|| {
-        E::custom(format!(
-            "{text} has bits set past its length: the network is {}",
-            net.trunc()
-        ))
-    })
+    text.parse().map_err(E::custom)
 }
 
 impl<'de> Deserialize<'de> for WhenValue {

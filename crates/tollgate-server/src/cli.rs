@@ -251,6 +251,19 @@ pub struct ServeArgs {
         value_parser = parse_address_source
     )]
     pub forward_auth_address: Option<ClientAddress>,
+    /// Forward-auth: the networks of trusted proxies (`10.0.0.0/8,2001:db8::/32`; a lone
+    /// address is a network of one). Past the entries `--forward-auth-address` passes over,
+    /// an entry inside one is passed over too, so the client is the first address from the
+    /// right that no trusted proxy holds, however many proxies a request crossed.
+    #[arg(
+        long,
+        env = "TOLLGATE_FORWARD_AUTH_TRUSTED_PROXIES",
+        value_name = "CIDR[,CIDR...]",
+        value_delimiter = ',',
+        requires = "forward_auth_address",
+        value_parser = parse_network
+    )]
+    pub forward_auth_trusted_proxies: Vec<tollgate_policy::Network>,
     /// Forward-auth: the status of a rejection (429; 403 for nginx auth_request).
     #[arg(long, env = "TOLLGATE_FORWARD_AUTH_DENY_STATUS", default_value_t = 429)]
     pub forward_auth_deny_status: u16,
@@ -421,7 +434,14 @@ fn parse_address_source(text: &str) -> Result<ClientAddress, String> {
     Ok(ClientAddress {
         header: header.to_ascii_lowercase(),
         trusted,
+        // From --forward-auth-trusted-proxies, once both flags are read.
+        proxies: Vec::new(),
     })
+}
+
+/// A trusted proxy's network, as a `!cidr` condition writes it.
+fn parse_network(text: &str) -> Result<tollgate_policy::Network, String> {
+    text.trim().parse().map_err(|err| format!("{err}"))
 }
 
 fn parse_mapping(text: &str) -> Result<(String, String), String> {
@@ -875,7 +895,13 @@ pub async fn serve(
             .map(|token| token.trim().to_owned()),
         forward_auth_headers: args.forward_auth_headers.clone(),
         forward_auth_deny: deny,
-        forward_auth_address: args.forward_auth_address.clone(),
+        forward_auth_address: args
+            .forward_auth_address
+            .clone()
+            .map(|source| ClientAddress {
+                proxies: args.forward_auth_trusted_proxies.clone(),
+                ..source
+            }),
     };
     crate::metrics::set_near_limit_ratio(args.near_limit_ratio);
     let metrics = match crate::metrics::install() {

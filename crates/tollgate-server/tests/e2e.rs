@@ -1977,3 +1977,53 @@ limits:
         ("--forward-auth-address", "X-Forwarded-For:99", "at most 16"),
     ]);
 }
+
+/// `--forward-auth-trusted-proxies`: the client is the first address from the right that no
+/// trusted proxy's network holds, however many proxies a request crossed.
+#[test]
+fn forward_auth_passes_over_trusted_proxy_networks() {
+    let scratch = Scratch::new("fa-proxies");
+    let config = scratch.write(
+        "policy.yaml",
+        r#"
+limits:
+  - name: blocked
+    domain: edge
+    when: {remote_address: !cidr 203.0.113.0/24}
+    deny: true
+"#,
+    );
+    let server = Server::start(&[
+        "--config",
+        path_str(&config),
+        "--forward-auth-address",
+        "X-Forwarded-For",
+        "--forward-auth-trusted-proxies",
+        "10.0.0.0/8,192.0.2.0/24",
+    ]);
+    let ask = |chain: &str| {
+        let headers = [("X-Forwarded-For", chain)];
+        request(server.http, "GET", "/v1/forward-auth/edge", &headers, "").status
+    };
+    // Straight to the proxy calling tollgate, through a load balancer, through a CDN too.
+    assert_eq!(ask("203.0.113.5"), 429);
+    assert_eq!(ask("203.0.113.5, 10.0.0.1"), 429);
+    assert_eq!(ask("203.0.113.5, 192.0.2.9, 10.0.0.1"), 429);
+    assert_eq!(ask("198.51.100.1, 192.0.2.9, 10.0.0.1"), 200);
+    // Left of the first address no proxy holds is the client's own writing: not read.
+    assert_eq!(ask("203.0.113.5, 198.51.100.1, 10.0.0.1"), 200);
+    support::assert_serve_flags_refused(&[
+        (
+            "--forward-auth-trusted-proxies",
+            "10.1.2.3/8",
+            "the network is 10.0.0.0/8",
+        ),
+        ("--forward-auth-trusted-proxies", "lan", "not a network"),
+        // Networks to pass over mean nothing without a header to walk.
+        (
+            "--forward-auth-trusted-proxies",
+            "10.0.0.0/8",
+            "--forward-auth-address",
+        ),
+    ]);
+}

@@ -48,9 +48,11 @@ fn header_str<'h>(headers: &'h HeaderMap, name: &str) -> Result<Option<&'h str>,
 const REMOTE_ADDRESS: &str = "remote_address";
 
 /// The client's address as `source` records it: the entry `source.trusted` from the right of
-/// the header's comma-separated list (its lines joined in order), in canonical form (an
-/// IPv4-mapped IPv6 address as IPv4). `None` when the header is absent, too short, or the entry
-/// is not an address alone.
+/// the header's comma-separated list (its lines joined in order), or further left while that
+/// entry is inside a trusted proxy's network; in canonical form (an IPv4-mapped IPv6 address
+/// as IPv4). When every entry is a trusted proxy's (a request only they handled), the first.
+/// `None` when the header is absent, too short, or the entry reached is not an address alone:
+/// a walk stops at the first entry it cannot read, as everything left of it is unvouched for.
 fn client_address(headers: &HeaderMap, source: &ClientAddress) -> Option<String> {
     let entries: Vec<&str> = headers
         .get_all(source.header.as_str())
@@ -60,9 +62,14 @@ fn client_address(headers: &HeaderMap, source: &ClientAddress) -> Option<String>
         .map(str::trim)
         .filter(|entry| !entry.is_empty())
         .collect();
-    let at = entries.len().checked_sub(source.trusted + 1)?;
-    let address: std::net::IpAddr = entries[at].parse().ok()?;
-    Some(address.to_canonical().to_string())
+    let start = entries.len().checked_sub(source.trusted + 1)?;
+    for (at, entry) in entries[..=start].iter().enumerate().rev() {
+        let address = entry.parse::<std::net::IpAddr>().ok()?.to_canonical();
+        if at == 0 || !source.proxies.iter().any(|proxy| proxy.contains(address)) {
+            return Some(address.to_string());
+        }
+    }
+    None
 }
 
 /// The descriptor the headers give, its strings borrowed from them and from `mapping`.
@@ -226,6 +233,7 @@ mod tests {
         let xff = |trusted| ClientAddress {
             header: "x-forwarded-for".to_owned(),
             trusted,
+            proxies: Vec::new(),
         };
         let address = |headers: &HeaderMap, source: &ClientAddress| {
             owned(descriptor(headers, &[], Some(source)).unwrap())
@@ -261,12 +269,62 @@ mod tests {
         let real = ClientAddress {
             header: "x-real-ip".to_owned(),
             trusted: 0,
+            proxies: Vec::new(),
         };
         headers.insert("x-real-ip", HeaderValue::from_static(" ::ffff:192.0.2.9 "));
         assert_eq!(address(&headers, &real).as_deref(), Some("192.0.2.9"));
         // Without a source, the client's own entry stands, as any x-tollgate- entry does.
         let entries = owned(descriptor(&headers, &[], None).unwrap());
         assert!(entries.contains(&(REMOTE_ADDRESS.to_owned(), "1.1.1.1".to_owned())));
+    }
+
+    /// Past the counted hops, the walk goes left over every trusted proxy's address, stops at
+    /// the first other one, and stops short at anything it cannot read.
+    #[test]
+    fn the_walk_passes_over_trusted_proxy_networks() {
+        let networks = |list: &[&str]| {
+            list.iter()
+                .map(|text| text.parse().unwrap())
+                .collect::<Vec<tollgate_policy::Network>>()
+        };
+        let walk = |chain: &str, trusted, proxies: &[&str]| {
+            let mut headers = HeaderMap::new();
+            headers.insert("x-forwarded-for", HeaderValue::from_str(chain).unwrap());
+            let source = ClientAddress {
+                header: "x-forwarded-for".to_owned(),
+                trusted,
+                proxies: networks(proxies),
+            };
+            client_address(&headers, &source)
+        };
+        let lan = ["10.0.0.0/8", "fd00::/8"];
+        assert_eq!(
+            walk("6.6.6.6, 198.51.100.4, 10.1.1.1, 10.2.2.2", 0, &lan).as_deref(),
+            Some("198.51.100.4")
+        );
+        // A mapped IPv6 proxy is the IPv4 one; an IPv6 client stays IPv6.
+        assert_eq!(
+            walk("2001:db8::5, ::ffff:10.1.1.1, fd00::1", 0, &lan).as_deref(),
+            Some("2001:db8::5")
+        );
+        // The counted hops come first, whatever their address: the CDN at 203.0.113.1 is
+        // trusted by count, the balancer by network.
+        assert_eq!(
+            walk("198.51.100.4, 10.1.1.1, 203.0.113.1", 1, &lan).as_deref(),
+            Some("198.51.100.4")
+        );
+        // Only trusted proxies handled it (a health check): the first of them.
+        assert_eq!(
+            walk("10.9.9.9, 10.1.1.1", 0, &lan).as_deref(),
+            Some("10.9.9.9")
+        );
+        // An entry that is no address stops the walk: nothing left of it is vouched for.
+        assert_eq!(walk("198.51.100.4, unknown, 10.1.1.1", 0, &lan), None);
+        // Without networks, the counted entry alone.
+        assert_eq!(
+            walk("198.51.100.4, 10.1.1.1", 0, &[]).as_deref(),
+            Some("10.1.1.1")
+        );
     }
 
     #[test]

@@ -60,13 +60,18 @@ pub struct HttpOptions {
 
 /// The header a proxy records the client's address in, for forward-auth's `remote_address`
 /// entry: the address `trusted` hops from its right end (0: the last one, which the proxy
-/// calling tollgate appended itself; 1 when one more trusted proxy stands in front of it).
+/// calling tollgate appended itself; 1 when one more trusted proxy stands in front of it),
+/// and further left past every address inside `proxies`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClientAddress {
     /// The header, in lower case (`x-forwarded-for`, `x-real-ip`).
     pub header: String,
     /// How many trusted proxies' entries to pass over from the right.
     pub trusted: usize,
+    /// The networks of trusted proxies: past the `trusted` entries, an entry inside one is
+    /// passed over too, for chains whose length varies (a CDN in front of some requests and
+    /// not others).
+    pub proxies: Vec<tollgate_policy::Network>,
 }
 
 /// What every handler shares.
