@@ -21,7 +21,7 @@ use tollgate_redis::{RedisConfig, RedisStore, TlsFiles, redact};
 
 use crate::ConnectionLimits;
 use crate::decider::{Backend, Decider};
-use crate::http::{AppState, ClientAddress, HttpOptions};
+use crate::http::{AddressMask, AppState, ClientAddress, HttpOptions};
 use crate::loadgen::args::parse_duration;
 use crate::rlqs::RlqsOptions;
 
@@ -264,6 +264,18 @@ pub struct ServeArgs {
         value_parser = parse_network
     )]
     pub forward_auth_trusted_proxies: Vec<tollgate_policy::Network>,
+    /// Forward-auth: prefix lengths for IPv4 and IPv6 (`24,64`) that add the client's
+    /// network as the `masked_remote_address` entry (`198.51.100.0/24`, Envoy's form), so a
+    /// limit keyed by it holds one bucket per network: a client rotating through its IPv6 /64
+    /// is one subject.
+    #[arg(
+        long,
+        env = "TOLLGATE_FORWARD_AUTH_ADDRESS_MASK",
+        value_name = "V4LEN,V6LEN",
+        requires = "forward_auth_address",
+        value_parser = parse_address_mask
+    )]
+    pub forward_auth_address_mask: Option<AddressMask>,
     /// Forward-auth: the status of a rejection (429; 403 for nginx auth_request).
     #[arg(long, env = "TOLLGATE_FORWARD_AUTH_DENY_STATUS", default_value_t = 429)]
     pub forward_auth_deny_status: u16,
@@ -434,9 +446,22 @@ fn parse_address_source(text: &str) -> Result<ClientAddress, String> {
     Ok(ClientAddress {
         header: header.to_ascii_lowercase(),
         trusted,
-        // From --forward-auth-trusted-proxies, once both flags are read.
+        // From --forward-auth-trusted-proxies and --forward-auth-address-mask, once every
+        // flag is read.
         proxies: Vec::new(),
+        mask: None,
     })
+}
+
+/// `V4LEN,V6LEN`: prefix lengths within each family's width.
+fn parse_address_mask(text: &str) -> Result<AddressMask, String> {
+    let refused = || format!("expected V4LEN,V6LEN, as in 24,64 (at most 32 and 128), not {text}");
+    let (v4, v6) = text.split_once(',').ok_or_else(refused)?;
+    let (v4, v6) = (v4.trim().parse::<u8>(), v6.trim().parse::<u8>());
+    match (v4, v6) {
+        (Ok(v4 @ 0..=32), Ok(v6 @ 0..=128)) => Ok(AddressMask { v4, v6 }),
+        _ => Err(refused()),
+    }
 }
 
 /// A trusted proxy's network, as a `!cidr` condition writes it.
@@ -900,6 +925,7 @@ pub async fn serve(
             .clone()
             .map(|source| ClientAddress {
                 proxies: args.forward_auth_trusted_proxies.clone(),
+                mask: args.forward_auth_address_mask,
                 ..source
             }),
     };

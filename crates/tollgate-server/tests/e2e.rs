@@ -2023,7 +2023,56 @@ limits:
         (
             "--forward-auth-trusted-proxies",
             "10.0.0.0/8",
-            "--forward-auth-address",
+            "not provided:\n  --forward-auth-address <",
+        ),
+    ]);
+}
+
+/// `--forward-auth-address-mask`: a limit keyed by `masked_remote_address` holds one bucket
+/// per client network, IPv4 and IPv6 alike.
+#[test]
+fn forward_auth_keys_by_the_clients_network() {
+    let scratch = Scratch::new("fa-mask");
+    let config = scratch.write(
+        "policy.yaml",
+        r#"
+limits:
+  - name: per-network
+    domain: edge
+    key: [masked_remote_address]
+    capacity: 2
+    refill: 1/h
+"#,
+    );
+    let server = Server::start(&[
+        "--config",
+        path_str(&config),
+        "--forward-auth-address",
+        "X-Real-IP",
+        "--forward-auth-address-mask",
+        "24,64",
+    ]);
+    let ask = |address: &str| {
+        let headers = [("X-Real-IP", address)];
+        request(server.http, "GET", "/v1/forward-auth/edge", &headers, "").status
+    };
+    // Three addresses of one /24 share two tokens; the next /24 has its own.
+    assert_eq!(ask("198.51.100.1"), 200);
+    assert_eq!(ask("198.51.100.2"), 200);
+    assert_eq!(ask("198.51.100.3"), 429);
+    assert_eq!(ask("198.51.101.1"), 200);
+    // A client rotating through its /64 is one subject.
+    assert_eq!(ask("2001:db8:0:1::1"), 200);
+    assert_eq!(ask("2001:db8:0:1:ffff::2"), 200);
+    assert_eq!(ask("2001:db8:0:1:abcd:ef::3"), 429);
+    assert_eq!(ask("2001:db8:0:2::1"), 200);
+    support::assert_serve_flags_refused(&[
+        ("--forward-auth-address-mask", "24", "V4LEN,V6LEN"),
+        ("--forward-auth-address-mask", "33,64", "at most 32 and 128"),
+        (
+            "--forward-auth-address-mask",
+            "24,64",
+            "not provided:\n  --forward-auth-address <",
         ),
     ]);
 }

@@ -11,18 +11,20 @@
 //! 403 for nginx); failing closed: 503.
 
 use std::borrow::Cow;
+use std::net::IpAddr;
 use std::num::NonZeroU64;
 use std::sync::Arc;
 
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
+use ipnet::IpNet;
 
 use super::check::{
     Entries, Parsed, add_rate_limit_headers, check_bounds, decide_error, status_of,
 };
 use super::error::ApiError;
-use super::{AppState, ClientAddress, MAX_NAME_BYTES};
+use super::{AddressMask, AppState, ClientAddress, MAX_NAME_BYTES};
 use crate::metrics::{self, Api};
 
 const PREFIX: &str = "x-tollgate-";
@@ -46,6 +48,8 @@ fn header_str<'h>(headers: &'h HeaderMap, name: &str) -> Result<Option<&'h str>,
 
 /// The entry a client's address goes under: Envoy's name for it (its `remote_address` action).
 const REMOTE_ADDRESS: &str = "remote_address";
+/// The entry a client's network goes under, as Envoy's `masked_remote_address` action names it.
+const MASKED_REMOTE_ADDRESS: &str = "masked_remote_address";
 
 /// The client's address as `source` records it: the entry `source.trusted` from the right of
 /// the header's comma-separated list (its lines joined in order), or further left while that
@@ -53,7 +57,7 @@ const REMOTE_ADDRESS: &str = "remote_address";
 /// as IPv4). When every entry is a trusted proxy's (a request only they handled), the first.
 /// `None` when the header is absent, too short, or the entry reached is not an address alone:
 /// a walk stops at the first entry it cannot read, as everything left of it is unvouched for.
-fn client_address(headers: &HeaderMap, source: &ClientAddress) -> Option<String> {
+fn client_address(headers: &HeaderMap, source: &ClientAddress) -> Option<IpAddr> {
     let entries: Vec<&str> = headers
         .get_all(source.header.as_str())
         .iter()
@@ -64,12 +68,20 @@ fn client_address(headers: &HeaderMap, source: &ClientAddress) -> Option<String>
         .collect();
     let start = entries.len().checked_sub(source.trusted + 1)?;
     for (at, entry) in entries[..=start].iter().enumerate().rev() {
-        let address = entry.parse::<std::net::IpAddr>().ok()?.to_canonical();
+        let address = entry.parse::<IpAddr>().ok()?.to_canonical();
         if at == 0 || !source.proxies.iter().any(|proxy| proxy.contains(address)) {
-            return Some(address.to_string());
+            return Some(address);
         }
     }
     None
+}
+
+/// `address`'s network under `mask`, written as Envoy writes `masked_remote_address`: the
+/// network's first address and its length.
+fn masked(address: IpAddr, mask: AddressMask) -> String {
+    let len = if address.is_ipv4() { mask.v4 } else { mask.v6 };
+    // The lengths were checked against each family's width when the flag was read.
+    IpNet::new(address, len).map_or_else(|_| address.to_string(), |net| net.trunc().to_string())
 }
 
 /// The descriptor the headers give, its strings borrowed from them and from `mapping`.
@@ -112,11 +124,18 @@ fn descriptor<'a>(
         }
     }
     // Last, so that it wins: what the trusted proxies recorded, never what the client sent
-    // (an `x-tollgate-remote_address` of its own is dropped when no address is found).
+    // (an `x-tollgate-remote_address` of its own, or a network, is dropped when no address
+    // is found).
     if let Some(source) = address {
-        entries.retain(|(key, _)| key != REMOTE_ADDRESS);
+        entries.retain(|(key, _)| key != REMOTE_ADDRESS && key != MASKED_REMOTE_ADDRESS);
         if let Some(found) = client_address(headers, source) {
-            entries.push((Cow::Borrowed(REMOTE_ADDRESS), Cow::Owned(found)));
+            entries.push((Cow::Borrowed(REMOTE_ADDRESS), Cow::Owned(found.to_string())));
+            if let Some(mask) = source.mask {
+                entries.push((
+                    Cow::Borrowed(MASKED_REMOTE_ADDRESS),
+                    Cow::Owned(masked(found, mask)),
+                ));
+            }
         }
     }
     Ok(entries)
@@ -234,6 +253,7 @@ mod tests {
             header: "x-forwarded-for".to_owned(),
             trusted,
             proxies: Vec::new(),
+            mask: None,
         };
         let address = |headers: &HeaderMap, source: &ClientAddress| {
             owned(descriptor(headers, &[], Some(source)).unwrap())
@@ -270,6 +290,7 @@ mod tests {
             header: "x-real-ip".to_owned(),
             trusted: 0,
             proxies: Vec::new(),
+            mask: None,
         };
         headers.insert("x-real-ip", HeaderValue::from_static(" ::ffff:192.0.2.9 "));
         assert_eq!(address(&headers, &real).as_deref(), Some("192.0.2.9"));
@@ -294,8 +315,9 @@ mod tests {
                 header: "x-forwarded-for".to_owned(),
                 trusted,
                 proxies: networks(proxies),
+                mask: None,
             };
-            client_address(&headers, &source)
+            client_address(&headers, &source).map(|found| found.to_string())
         };
         let lan = ["10.0.0.0/8", "fd00::/8"];
         assert_eq!(
@@ -325,6 +347,51 @@ mod tests {
             walk("198.51.100.4, 10.1.1.1", 0, &[]).as_deref(),
             Some("10.1.1.1")
         );
+    }
+
+    /// With a mask, the client's network goes under `masked_remote_address` as Envoy writes
+    /// it, beside the address; a client's own network entry is dropped as its address is.
+    #[test]
+    fn the_masked_address_is_the_clients_network() {
+        let source = ClientAddress {
+            header: "x-real-ip".to_owned(),
+            trusted: 0,
+            proxies: Vec::new(),
+            mask: Some(AddressMask { v4: 24, v6: 64 }),
+        };
+        let entries_for = |address: &'static str| {
+            let mut headers = HeaderMap::new();
+            headers.insert("x-real-ip", HeaderValue::from_static(address));
+            headers.insert(
+                "x-tollgate-masked_remote_address",
+                HeaderValue::from_static("0.0.0.0/0"),
+            );
+            let mut entries = owned(descriptor(&headers, &[], Some(&source)).unwrap());
+            entries.sort();
+            entries
+        };
+        let pair = |key: &str, value: &str| (key.to_owned(), value.to_owned());
+        assert_eq!(
+            entries_for("198.51.100.77"),
+            [
+                pair(MASKED_REMOTE_ADDRESS, "198.51.100.0/24"),
+                pair(REMOTE_ADDRESS, "198.51.100.77")
+            ]
+        );
+        assert_eq!(
+            entries_for("2001:db8:1:2:aaaa::9"),
+            [
+                pair(MASKED_REMOTE_ADDRESS, "2001:db8:1:2::/64"),
+                pair(REMOTE_ADDRESS, "2001:db8:1:2:aaaa::9")
+            ]
+        );
+        // An IPv4 client written as IPv6 gets the IPv4 mask.
+        assert_eq!(
+            entries_for("::ffff:198.51.100.77")[0],
+            pair(MASKED_REMOTE_ADDRESS, "198.51.100.0/24")
+        );
+        // No address found: neither entry, and not the client's own.
+        assert!(entries_for("unknown").is_empty());
     }
 
     #[test]

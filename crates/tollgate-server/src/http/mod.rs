@@ -72,6 +72,20 @@ pub struct ClientAddress {
     /// passed over too, for chains whose length varies (a CDN in front of some requests and
     /// not others).
     pub proxies: Vec<tollgate_policy::Network>,
+    /// The prefix lengths of the `masked_remote_address` entry, if one is given.
+    pub mask: Option<AddressMask>,
+}
+
+/// Prefix lengths for forward-auth's `masked_remote_address` entry, Envoy's name and form for
+/// a client's network (`198.51.100.0/24`, `2001:db8:1:2::/64`): a limit keyed by it holds one
+/// bucket per network, so a client rotating through the addresses of its IPv6 /64 (or a NAT
+/// pool's /24) is one subject.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AddressMask {
+    /// For IPv4 addresses, at most 32.
+    pub v4: u8,
+    /// For IPv6 addresses, at most 128.
+    pub v6: u8,
 }
 
 /// What every handler shares.
