@@ -11,7 +11,8 @@
 //! request. Keying on them when clients can reach the service directly lets every client pick
 //! its own key, and so its own fresh bucket: no limit at all. Key on a forwarded address only
 //! behind a proxy you run, which overwrites (or appends to) the header, and then take the entry
-//! your proxy added, counting from the right: [`ForwardedFor::trusting`] does exactly that.
+//! your proxy added, counting from the right: [`ForwardedFor::trusting`] does exactly that,
+//! and [`ForwardedFor::past_proxies`] where the number of your proxies varies.
 //! Without such a proxy, key on the peer address ([`PeerIp`]).
 
 use std::borrow::Cow;
@@ -20,6 +21,7 @@ use std::sync::Arc;
 
 use http::header::HeaderName;
 use http::{Extensions, HeaderMap, Method, Request, Uri};
+use tollgate_policy::Network;
 
 use crate::error::Error;
 
@@ -225,17 +227,44 @@ impl KeyExtractor for Header {
 /// the client, who can write anything. `ForwardedFor::trusting(n)` takes the `n`th entry from
 /// the right: with one load balancer in front of the service, `trusting(1)` is the address
 /// that connected to it. A request with fewer entries than that did not come through your
-/// proxies and gets [`Error::MissingKey`].
+/// proxies and gets [`Error::MissingKey`]. Where the number of proxies varies (a CDN in front
+/// of some requests), name their networks with [`ForwardedFor::past_proxies`] instead.
 #[derive(Debug, Clone)]
 pub struct ForwardedFor {
     hops: usize,
+    proxies: Vec<Network>,
 }
 
 impl ForwardedFor {
     /// Takes the `hops`th address from the right (1 = the one your outermost proxy saw); a
     /// `hops` of 0 is taken as 1.
     pub fn trusting(hops: usize) -> Self {
-        Self { hops: hops.max(1) }
+        Self {
+            hops: hops.max(1),
+            proxies: Vec::new(),
+        }
+    }
+
+    /// From the entry [`trusting`](Self::trusting) takes, goes further left past every entry
+    /// inside one of `proxies`, your proxies' networks: the key is the first address from the
+    /// right that none of them holds, however many of them a request crossed (nginx's
+    /// `set_real_ip_from` with `real_ip_recursive`). A request only your proxies handled (a
+    /// health check) is keyed by the first of them.
+    ///
+    /// ```
+    /// use http::Request;
+    /// use tollgate_tower::{ForwardedFor, KeyExtractor, RequestHead};
+    ///
+    /// let key = ForwardedFor::trusting(1).past_proxies(["10.0.0.0/8".parse()?]);
+    /// let request = Request::builder()
+    ///     .header("x-forwarded-for", "6.6.6.6, 198.51.100.7, 10.0.3.1, 10.0.0.9")
+    ///     .body(())?;
+    /// assert_eq!(key.extract(&RequestHead::of(&request))?, "198.51.100.7");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn past_proxies(mut self, proxies: impl IntoIterator<Item = Network>) -> Self {
+        self.proxies.extend(proxies);
+        self
     }
 }
 
@@ -251,18 +280,25 @@ impl KeyExtractor for ForwardedFor {
             })?;
             entries.extend(text.split(',').map(str::trim));
         }
-        let entry = entries
-            .len()
-            .checked_sub(self.hops)
-            .and_then(|i| entries.get(i))
-            .ok_or_else(|| Error::MissingKey {
-                what: format!("{WHAT} entry {} from the right", self.hops),
+        let missing = || Error::MissingKey {
+            what: format!("{WHAT} entry {} from the right", self.hops),
+        };
+        let start = entries.len().checked_sub(self.hops).ok_or_else(missing)?;
+        // From the counted entry leftwards while it is a trusted proxy's (to the first entry
+        // at most); an entry that is no address stops the walk, as nothing left of it can be
+        // vouched for.
+        let mut client = None;
+        for entry in entries[..=start].iter().rev() {
+            let ip: IpAddr = entry.parse().map_err(|_| Error::InvalidKey {
+                what: WHAT.into(),
+                reason: "not an IP address",
             })?;
-        let ip: IpAddr = entry.parse().map_err(|_| Error::InvalidKey {
-            what: WHAT.into(),
-            reason: "not an IP address",
-        })?;
-        Ok(Cow::Owned(ip_key(ip, true)))
+            client = Some(ip);
+            if !self.proxies.iter().any(|proxy| proxy.contains(ip)) {
+                break;
+            }
+        }
+        Ok(Cow::Owned(ip_key(client.ok_or_else(missing)?, true)))
     }
 }
 
@@ -435,6 +471,46 @@ mod tests {
             extract(&ForwardedFor::trusting(1), &req),
             Err(Error::InvalidKey { .. })
         ));
+    }
+
+    #[test]
+    fn forwarded_for_walks_past_trusted_proxy_networks() {
+        let key = ForwardedFor::trusting(1)
+            .past_proxies(["10.0.0.0/8", "192.0.2.0/24"].map(|net| net.parse().unwrap()));
+        let with = |chain: &str| request().header("x-forwarded-for", chain).body(()).unwrap();
+        // However many of them a request crossed.
+        for chain in [
+            "6.6.6.6, 198.51.100.7",
+            "6.6.6.6, 198.51.100.7, 10.0.0.9",
+            "6.6.6.6, 198.51.100.7, 192.0.2.1, 10.0.0.9",
+        ] {
+            assert_eq!(
+                extract(&key, &with(chain)).unwrap(),
+                "198.51.100.7",
+                "{chain}"
+            );
+        }
+        // IPv6 clients keyed by their /64 as ever; a proxy written as mapped IPv6 is trusted.
+        assert_eq!(
+            extract(&key, &with("2001:db8:1:2::9, ::ffff:10.0.0.9")).unwrap(),
+            "2001:db8:1:2::/64"
+        );
+        // Only proxies: the first of them.
+        assert_eq!(
+            extract(&key, &with("10.1.1.1, 10.0.0.9")).unwrap(),
+            "10.1.1.1"
+        );
+        // Something unreadable before a client is found: refused, not skipped.
+        assert!(matches!(
+            extract(&key, &with("198.51.100.7, unknown, 10.0.0.9")),
+            Err(Error::InvalidKey { .. })
+        ));
+        // The counted hops come first, whatever their address.
+        let key = ForwardedFor::trusting(2).past_proxies(["10.0.0.0/8".parse().unwrap()]);
+        assert_eq!(
+            extract(&key, &with("198.51.100.7, 10.0.0.8, 203.0.113.1")).unwrap(),
+            "198.51.100.7"
+        );
     }
 
     #[test]
