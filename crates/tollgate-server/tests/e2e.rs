@@ -1931,33 +1931,39 @@ fn an_operator_resets_a_drained_users_buckets() {
     assert_eq!(resets[0]["bucket_key"], "per-user|rita");
 }
 
+/// A server on `limits` (a policy's `limits:` list) with the forward-auth `flags`, and its
+/// scratch directory, which must outlive it.
+fn forward_auth_server(name: &str, limits: &str, flags: &[&str]) -> (Server, Scratch) {
+    let scratch = Scratch::new(name);
+    let config = scratch.write("policy.yaml", &format!("limits:\n{limits}"));
+    let mut args = vec!["--config", path_str(&config)];
+    args.extend_from_slice(flags);
+    (Server::start(&args), scratch)
+}
+
+/// The status forward-auth answers on domain `edge` for a request with `headers`.
+fn forward_auth_status(server: &Server, headers: &[(&str, &str)]) -> u16 {
+    request(server.http, "GET", "/v1/forward-auth/edge", headers, "").status
+}
+
 /// Forward-auth with `--forward-auth-address`: a block list of networks applies to the client
 /// address the trusted proxies recorded, whatever the client claims.
 #[test]
 fn forward_auth_blocks_networks_by_the_address_the_proxies_recorded() {
-    let scratch = Scratch::new("fa-address");
-    let config = scratch.write(
-        "policy.yaml",
-        r#"
-limits:
+    let limits = r#"
   - name: blocked
     domain: edge
     when: {remote_address: [!cidr 203.0.113.0/24, !cidr 2001:db8::/32]}
     deny: true
-"#,
-    );
-    let server = Server::start(&[
-        "--config",
-        path_str(&config),
-        "--forward-auth-address",
-        "X-Forwarded-For:1",
-    ]);
+"#;
+    let flags = ["--forward-auth-address", "X-Forwarded-For:1"];
+    let (server, _scratch) = forward_auth_server("fa-address", limits, &flags);
     let ask = |chain: &str, claim: Option<&str>| {
         let mut headers = vec![("X-Forwarded-For", chain)];
         if let Some(claim) = claim {
             headers.push(("x-tollgate-remote_address", claim));
         }
-        request(server.http, "GET", "/v1/forward-auth/edge", &headers, "").status
+        forward_auth_status(&server, &headers)
     };
     // The client, then the load balancer in front (trusted), as the proxy calling tollgate
     // forwards them.
@@ -1982,29 +1988,20 @@ limits:
 /// trusted proxy's network holds, however many proxies a request crossed.
 #[test]
 fn forward_auth_passes_over_trusted_proxy_networks() {
-    let scratch = Scratch::new("fa-proxies");
-    let config = scratch.write(
-        "policy.yaml",
-        r#"
-limits:
+    let limits = r#"
   - name: blocked
     domain: edge
     when: {remote_address: !cidr 203.0.113.0/24}
     deny: true
-"#,
-    );
-    let server = Server::start(&[
-        "--config",
-        path_str(&config),
+"#;
+    let flags = [
         "--forward-auth-address",
         "X-Forwarded-For",
         "--forward-auth-trusted-proxies",
         "10.0.0.0/8,192.0.2.0/24",
-    ]);
-    let ask = |chain: &str| {
-        let headers = [("X-Forwarded-For", chain)];
-        request(server.http, "GET", "/v1/forward-auth/edge", &headers, "").status
-    };
+    ];
+    let (server, _scratch) = forward_auth_server("fa-proxies", limits, &flags);
+    let ask = |chain: &str| forward_auth_status(&server, &[("X-Forwarded-For", chain)]);
     // Straight to the proxy calling tollgate, through a load balancer, through a CDN too.
     assert_eq!(ask("203.0.113.5"), 429);
     assert_eq!(ask("203.0.113.5, 10.0.0.1"), 429);
@@ -2032,30 +2029,21 @@ limits:
 /// per client network, IPv4 and IPv6 alike.
 #[test]
 fn forward_auth_keys_by_the_clients_network() {
-    let scratch = Scratch::new("fa-mask");
-    let config = scratch.write(
-        "policy.yaml",
-        r#"
-limits:
+    let limits = r#"
   - name: per-network
     domain: edge
     key: [masked_remote_address]
     capacity: 2
     refill: 1/h
-"#,
-    );
-    let server = Server::start(&[
-        "--config",
-        path_str(&config),
+"#;
+    let flags = [
         "--forward-auth-address",
         "X-Real-IP",
         "--forward-auth-address-mask",
         "24,64",
-    ]);
-    let ask = |address: &str| {
-        let headers = [("X-Real-IP", address)];
-        request(server.http, "GET", "/v1/forward-auth/edge", &headers, "").status
-    };
+    ];
+    let (server, _scratch) = forward_auth_server("fa-mask", limits, &flags);
+    let ask = |address: &str| forward_auth_status(&server, &[("X-Real-IP", address)]);
     // Three addresses of one /24 share two tokens; the next /24 has its own.
     assert_eq!(ask("198.51.100.1"), 200);
     assert_eq!(ask("198.51.100.2"), 200);
