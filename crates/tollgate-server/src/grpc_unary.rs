@@ -122,28 +122,20 @@ const CUT_SHORT: &str = "Unexpected EOF decoding stream.";
 /// followed by another.
 async fn read_message(body: Received) -> Result<RateLimitRequest, Status> {
     let mut body = std::pin::pin!(body);
-    // Usually one data frame, read without a copy; the rest, if any, joins it.
-    let mut first = Bytes::new();
-    let mut joined: Option<BytesMut> = None;
+    let mut gathered = Gathered::default();
     while let Some(frame) = body.frame().await {
         // The client reset the stream: nobody will read the answer.
         let frame = frame.map_err(|err| Status::cancelled(err.to_string()))?;
         let Ok(data) = frame.into_data() else {
             continue;
         };
-        let read = joined.as_ref().map_or(first.len(), BytesMut::len) + data.len();
+        let read = gathered.len() + data.len();
         if read > PREFIX + MAX_MESSAGE {
             return Err(too_large(read - PREFIX));
         }
-        if first.is_empty() && joined.is_none() {
-            first = data;
-        } else {
-            joined
-                .get_or_insert_with(|| BytesMut::from(&first[..]))
-                .extend_from_slice(&data);
-        }
+        gathered.push(data);
     }
-    let whole = joined.map_or(first, BytesMut::freeze);
+    let whole = gathered.into_bytes();
     let Some((head, rest)) = whole.split_first_chunk::<PREFIX>() else {
         return Err(Status::internal(if whole.is_empty() {
             "Missing request message."
@@ -170,6 +162,37 @@ async fn read_message(body: Received) -> Result<RateLimitRequest, Status> {
         )),
         std::cmp::Ordering::Equal => RateLimitRequest::decode(rest)
             .map_err(|err| Status::internal(format!("failed to decode Protobuf message: {err}"))),
+    }
+}
+
+/// A message's data frames, which usually come as one: the first kept as it came, without a
+/// copy, the rest, if any, joined to it. The generator reads answers so too.
+#[derive(Default)]
+pub(crate) struct Gathered {
+    first: Bytes,
+    joined: Option<BytesMut>,
+}
+
+impl Gathered {
+    /// The bytes so far.
+    pub(crate) fn len(&self) -> usize {
+        self.joined.as_ref().map_or(self.first.len(), BytesMut::len)
+    }
+
+    /// Adds the next frame's bytes.
+    pub(crate) fn push(&mut self, data: Bytes) {
+        if self.first.is_empty() && self.joined.is_none() {
+            self.first = data;
+        } else {
+            self.joined
+                .get_or_insert_with(|| BytesMut::from(&self.first[..]))
+                .extend_from_slice(&data);
+        }
+    }
+
+    /// All of it.
+    pub(crate) fn into_bytes(self) -> Bytes {
+        self.joined.map_or(self.first, BytesMut::freeze)
     }
 }
 

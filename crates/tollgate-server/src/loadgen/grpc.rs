@@ -27,6 +27,7 @@ use tokio::net::TcpStream;
 
 use super::Verdict;
 use super::args::Plan;
+use crate::grpc_unary::Gathered;
 
 /// The method's path, from the service's package, name and method.
 const PATH: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
@@ -269,36 +270,24 @@ async fn call(
     }
     // An error may come as headers alone, without a message.
     status(&head.headers)?;
-    // Usually one data frame, kept as it came; the rest, if any, joins it.
-    let mut first = Bytes::new();
-    let mut joined: Option<BytesMut> = None;
+    let mut message = Gathered::default();
     while let Some(chunk) = body.data().await {
         let chunk = chunk?;
         // Credit the server's window back, or a long run stalls the connection.
         let _ = body.flow_control().release_capacity(chunk.len());
-        let read = joined.as_ref().map_or(first.len(), BytesMut::len);
-        if read + chunk.len() > MAX_ANSWER_BYTES {
+        if message.len() + chunk.len() > MAX_ANSWER_BYTES {
             return Err(CallError::transport(format!(
                 "an answer over {MAX_ANSWER_BYTES} bytes"
             )));
         }
-        if first.is_empty() && joined.is_none() {
-            first = chunk;
-        } else {
-            joined
-                .get_or_insert_with(|| BytesMut::from(&first[..]))
-                .extend_from_slice(&chunk);
-        }
+        message.push(chunk);
     }
     match body.trailers().await? {
         Some(trailers) => status(&trailers)?,
         None if head.headers.contains_key(&GRPC_STATUS) => {}
         None => return Err(CallError::transport("an answer without grpc-status")),
     }
-    match joined {
-        Some(joined) => decode(&joined),
-        None => decode(&first),
-    }
+    decode(&message.into_bytes())
 }
 
 /// Fails when `headers` carry a `grpc-status` other than OK (the message percent-decoded).
