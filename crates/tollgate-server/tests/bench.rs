@@ -28,13 +28,18 @@ struct Server {
 }
 
 async fn start() -> Server {
+    start_denying_with(StatusCode::TOO_MANY_REQUESTS).await
+}
+
+/// A server whose forward-auth answers `deny` to a rejected request.
+async fn start_denying_with(deny: StatusCode) -> Server {
     let policy = compile("demo", DEMO_POLICY).expect("demo policy compiles");
     let engine = Arc::new(PolicyEngine::new(policy, EngineOptions::default()));
     let decider = Arc::new(Decider::new(engine, Backend::Memory));
     let options = HttpOptions {
         admin_token: None,
         forward_auth_headers: Vec::new(),
-        forward_auth_deny: StatusCode::TOO_MANY_REQUESTS,
+        forward_auth_deny: deny,
         forward_auth_address: None,
     };
     let state = Arc::new(AppState::new(decider, None, options));
@@ -103,6 +108,33 @@ async fn http_counts_add_up_and_the_demo_limit_rejects() {
         summary.schedule_lag_us.is_none() && summary.service_us.is_none(),
         "closed loop has no schedule"
     );
+}
+
+/// As nginx's auth_request sends them, against a server denying with 403 for nginx.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forward_auth_counts_add_up_and_the_demo_limit_rejects() {
+    let server = start_denying_with(StatusCode::FORBIDDEN).await;
+    let target = format!("http://{}", server.http);
+    let summary = bench(&[
+        "--target",
+        &target,
+        "--forward-auth",
+        "--requests",
+        "200",
+        "--keys",
+        "2",
+        "-c",
+        "4",
+    ])
+    .await
+    .expect("bench runs");
+    assert_eq!(summary.api, "forward-auth");
+    assert!(
+        summary.target.ends_with("/v1/forward-auth/api"),
+        "{}",
+        summary.target
+    );
+    assert_limited(&summary, 200, 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

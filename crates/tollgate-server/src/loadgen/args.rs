@@ -27,6 +27,11 @@ pub struct BenchArgs {
     /// gRPC target, as `HOST:PORT`: Envoy RLS v3 `ShouldRateLimit`.
     #[arg(long, value_name = "HOST:PORT")]
     pub grpc: Option<String>,
+    /// HTTP only: send forward-auth subrequests, as nginx `auth_request` and Traefik
+    /// ForwardAuth do (`GET /v1/forward-auth/{domain}`, each entry as an `x-tollgate-<entry>`
+    /// header, the cost as `x-tollgate-cost`); 429 and 403 count as rejections.
+    #[arg(long, conflicts_with_all = ["grpc", "path"])]
+    pub forward_auth: bool,
     /// HTTP path to send the check body to; `/v1/noop` measures the stack without deciding.
     #[arg(long, default_value = "/v1/check")]
     pub path: String,
@@ -99,6 +104,8 @@ pub(crate) enum Target {
     Http { authority: String, path: String },
     /// `host:port`, over gRPC.
     Grpc { authority: String },
+    /// `host:port` and the forward-auth path of the domain, over HTTP/1.1.
+    ForwardAuth { authority: String, path: String },
 }
 
 /// When a run stops.
@@ -132,6 +139,10 @@ impl BenchArgs {
     /// Checks the flags together.
     pub(crate) fn plan(&self) -> Result<Plan, String> {
         let target = match (&self.target, &self.grpc) {
+            (Some(url), None) if self.forward_auth => Target::ForwardAuth {
+                authority: http_authority(url)?,
+                path: forward_auth_path(&self.domain, &self.key_entry, &self.entries)?,
+            },
             (Some(url), None) => Target::Http {
                 authority: http_authority(url)?,
                 path: check_path(&self.path)?,
@@ -149,7 +160,7 @@ impl BenchArgs {
         }
         let connections = match (self.connections, &target) {
             (None, _) => self.concurrency,
-            (Some(_), Target::Http { .. }) => {
+            (Some(_), Target::Http { .. } | Target::ForwardAuth { .. }) => {
                 return Err(
                     "--connections is for --grpc: HTTP/1.1 carries one request at a \
                             time per connection, so --concurrency sets the connections"
@@ -236,6 +247,38 @@ fn check_authority(authority: &str, flag: &str) -> Result<String, String> {
     }
 }
 
+/// `/v1/forward-auth/{domain}`, once the domain is a path segment as it is and every entry
+/// makes a header name.
+fn forward_auth_path(
+    domain: &str,
+    key_entry: &str,
+    entries: &[(String, String)],
+) -> Result<String, String> {
+    let plain = |b: u8| b.is_ascii_alphanumeric() || b"-._~".contains(&b);
+    if !domain.bytes().all(plain) {
+        return Err(format!(
+            "--forward-auth puts the domain in the path: letters, digits and -._~ only, not {domain}"
+        ));
+    }
+    let names = std::iter::once(key_entry).chain(entries.iter().map(|(entry, _)| entry.as_str()));
+    for entry in names {
+        let name = format!("{}{entry}", super::http::ENTRY_HEADER_PREFIX);
+        if http::HeaderName::from_bytes(name.as_bytes()).is_err() {
+            return Err(format!(
+                "--forward-auth sends entry {entry} as the header {name}, which is no header name"
+            ));
+        }
+    }
+    for (entry, value) in entries {
+        if http::HeaderValue::from_str(value).is_err() {
+            return Err(format!(
+                "--forward-auth sends entry {entry} as a header, and {value:?} is no header value"
+            ));
+        }
+    }
+    Ok(format!("/v1/forward-auth/{domain}"))
+}
+
 fn check_path(path: &str) -> Result<String, String> {
     if path.starts_with('/') && path.bytes().all(|b| b.is_ascii_graphic()) {
         Ok(path.to_owned())
@@ -280,6 +323,42 @@ mod tests {
         let args = BenchArgs::try_parse_from(std::iter::once("bench").chain(args.iter().copied()))
             .map_err(|err| err.to_string())?;
         args.plan()
+    }
+
+    #[test]
+    fn forward_auth_sends_the_domain_in_the_path_and_entries_as_headers() {
+        let forward = plan(&[
+            "--target",
+            "http://127.0.0.1:8080",
+            "--forward-auth",
+            "--domain",
+            "edge",
+            "--entry",
+            "method=GET",
+        ])
+        .map(|p| p.target);
+        assert_eq!(
+            forward,
+            Ok(Target::ForwardAuth {
+                authority: "127.0.0.1:8080".into(),
+                path: "/v1/forward-auth/edge".into()
+            })
+        );
+        let base = ["--target", "http://127.0.0.1:8080", "--forward-auth"];
+        for (extra, expected) in [
+            (&["--domain", "a/b"][..], "letters, digits"),
+            (&["--key-entry", "us er"][..], "no header name"),
+            (&["--entry", "tier=a\nb"][..], "no header value"),
+            (&["--path", "/v1/noop"][..], "cannot be used with"),
+        ] {
+            let args: Vec<&str> = base.iter().chain(extra).copied().collect();
+            let err = plan(&args).err().unwrap_or_default();
+            assert!(err.contains(expected), "{extra:?}: {err}");
+        }
+        let err = plan(&["--grpc", "127.0.0.1:8081", "--forward-auth"])
+            .err()
+            .unwrap_or_default();
+        assert!(err.contains("cannot be used with"), "{err}");
     }
 
     #[test]

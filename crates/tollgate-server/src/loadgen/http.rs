@@ -4,12 +4,14 @@
 //! per worker and one request in flight on each, `--concurrency` is exactly the number of
 //! connections and of requests the server holds at once. The JSON body is built once around
 //! the key, so the generator spends its share of the two cores on I/O, not on serializing.
+//! With `--forward-auth` the requests are the subrequests a proxy sends instead: a `GET`
+//! whose headers carry the descriptor, built once but for the key's.
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1::{self, SendRequest};
-use hyper::header::{CONTENT_TYPE, HOST};
-use hyper::{Request, StatusCode};
+use hyper::header::{CONTENT_TYPE, HOST, HeaderMap, HeaderName, HeaderValue};
+use hyper::{Method, Request, StatusCode};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
@@ -19,15 +21,30 @@ use super::args::Plan;
 /// The most bytes of an unexpected response body quoted in an error.
 const QUOTED_BODY_BYTES: usize = 200;
 
+/// Forward-auth reads a descriptor entry from a header of this prefix and the entry's name.
+pub(crate) const ENTRY_HEADER_PREFIX: &str = "x-tollgate-";
+
 /// One worker's connection to an HTTP target.
 pub(crate) struct HttpClient {
     authority: String,
     path: String,
-    /// The body up to the key's value, and after it.
-    body_head: String,
-    body_tail: &'static str,
+    shape: Shape,
     /// `None` before the first request and after a failure: the next request reconnects.
     sender: Option<SendRequest<Full<Bytes>>>,
+}
+
+/// What a request looks like.
+enum Shape {
+    /// `POST` of a JSON check: the body up to the key's value, and after it.
+    Check {
+        body_head: String,
+        body_tail: &'static str,
+    },
+    /// A forward-auth `GET`: every header but the key's, and the key's name.
+    ForwardAuth {
+        headers: HeaderMap,
+        key_header: HeaderName,
+    },
 }
 
 impl HttpClient {
@@ -50,8 +67,46 @@ impl HttpClient {
         Self {
             authority: authority.to_owned(),
             path: path.to_owned(),
-            body_head,
-            body_tail: "\"}]}",
+            shape: Shape::Check {
+                body_head,
+                body_tail: "\"}]}",
+            },
+            sender: None,
+        }
+    }
+
+    /// A client sending forward-auth subrequests to `path`, the descriptor in headers.
+    ///
+    /// The plan checked that every entry makes a header name and every value a header value;
+    /// one that did not would be left out rather than panic.
+    pub(crate) fn forward_auth(plan: &Plan, authority: &str, path: &str) -> Self {
+        let header = |entry: &str| {
+            HeaderName::from_bytes(format!("{ENTRY_HEADER_PREFIX}{entry}").as_bytes()).ok()
+        };
+        let mut headers = HeaderMap::new();
+        if let Ok(host) = HeaderValue::from_str(authority) {
+            headers.insert(HOST, host);
+        }
+        for (entry, value) in &plan.entries {
+            if let (Some(name), Ok(value)) = (header(entry), HeaderValue::from_str(value)) {
+                headers.insert(name, value);
+            }
+        }
+        if plan.cost != 1 {
+            headers.insert(
+                HeaderName::from_static("x-tollgate-cost"),
+                HeaderValue::from(plan.cost),
+            );
+        }
+        let key_header =
+            header(&plan.key_entry).unwrap_or(HeaderName::from_static("x-tollgate-user"));
+        Self {
+            authority: authority.to_owned(),
+            path: path.to_owned(),
+            shape: Shape::ForwardAuth {
+                headers,
+                key_header,
+            },
             sender: None,
         }
     }
@@ -90,12 +145,37 @@ impl HttpClient {
         let Some(sender) = self.sender.as_mut() else {
             return Err("no connection".into());
         };
-        let body = format!("{}{key}{}", self.body_head, self.body_tail);
-        let request = Request::post(self.path.as_str())
-            .header(HOST, self.authority.as_str())
-            .header(CONTENT_TYPE, "application/json")
-            .body(Full::new(Bytes::from(body)))
-            .map_err(|err| format!("cannot build the request: {err}"))?;
+        let request = match &self.shape {
+            Shape::Check {
+                body_head,
+                body_tail,
+            } => Request::post(self.path.as_str())
+                .header(HOST, self.authority.as_str())
+                .header(CONTENT_TYPE, "application/json")
+                .body(Full::new(Bytes::from(format!(
+                    "{body_head}{key}{body_tail}"
+                ))))
+                .map_err(|err| format!("cannot build the request: {err}"))?,
+            Shape::ForwardAuth {
+                headers,
+                key_header,
+            } => {
+                let mut request = Request::new(Full::new(Bytes::new()));
+                *request.method_mut() = Method::GET;
+                *request.uri_mut() = self
+                    .path
+                    .parse()
+                    .map_err(|err| format!("cannot build the request: {err}"))?;
+                let mut value = itoa::Buffer::new();
+                let key = format!("{}{}", super::KEY_PREFIX, value.format(key));
+                let key = HeaderValue::from_str(&key)
+                    .map_err(|err| format!("cannot build the request: {err}"))?;
+                *request.headers_mut() = headers.clone();
+                request.headers_mut().insert(key_header.clone(), key);
+                request
+            }
+        };
+        let forward_auth = matches!(self.shape, Shape::ForwardAuth { .. });
         let result = async {
             sender.ready().await?;
             let response = sender.send_request(request).await?;
@@ -115,6 +195,8 @@ impl HttpClient {
         match status {
             StatusCode::OK => Ok(Verdict::Allowed),
             StatusCode::TOO_MANY_REQUESTS => Ok(Verdict::Rejected),
+            // nginx's auth_request passes on only 401 and 403: forward-auth's deny status then.
+            StatusCode::FORBIDDEN if forward_auth => Ok(Verdict::Rejected),
             _ => {
                 let quoted = &body[..body.len().min(QUOTED_BODY_BYTES)];
                 Err(format!(

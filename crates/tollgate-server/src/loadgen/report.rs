@@ -128,6 +128,9 @@ impl Summary {
         let (api, target) = match &plan.target {
             Target::Http { authority, path } => ("http", format!("http://{authority}{path}")),
             Target::Grpc { authority } => ("grpc", authority.clone()),
+            Target::ForwardAuth { authority, path } => {
+                ("forward-auth", format!("http://{authority}{path}"))
+            }
         };
         Self {
             api,

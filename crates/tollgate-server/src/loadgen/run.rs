@@ -319,6 +319,9 @@ pub async fn run(args: &BenchArgs) -> Result<Summary, BenchError> {
             Target::Http { authority, path } => {
                 Client::Http(HttpClient::new(&plan, authority, path))
             }
+            Target::ForwardAuth { authority, path } => {
+                Client::Http(HttpClient::forward_auth(&plan, authority, path))
+            }
             Target::Grpc { authority } => {
                 let connection = Arc::clone(&connections[worker % connections.len()]);
                 Client::Grpc(
