@@ -81,6 +81,7 @@ echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 for round in $(seq "$rounds"); do
   run "HTTP /v1/noop" --target "http://$http" --path /v1/noop -c 16
   run "HTTP /v1/check" --target "http://$http" -c 16
+  run "HTTP forward-auth" --target "http://$http" --forward-auth -c 16
   run "gRPC RLS" --grpc "$grpc" -c 16
   run "gRPC RLS, 16 streams over 2 connections" --grpc "$grpc" -c 16 --connections 2
 done
@@ -93,13 +94,16 @@ def rates(name):
         return [json.loads(line)["decisions_per_s"] for line in f if line.strip()]
 noop, check = rates("HTTP__v1_noop"), rates("HTTP__v1_check")
 grpc, mux = rates("gRPC_RLS"), rates("gRPC_RLS__16_streams_over_2_connections")
+forward = rates("HTTP_forward_auth")
 med = statistics.median
 def ratios(a, b):
     return ", ".join(f"{x / y:.0%}" for x, y in zip(a, b))
 print(f"half={int(med(check) / 2)}")
 print(f"# medians over {len(check)} rounds: no-op {med(noop):,.0f}/s, check {med(check):,.0f}/s, "
-      f"gRPC {med(grpc):,.0f}/s, gRPC over 2 connections {med(mux):,.0f}/s")
+      f"forward-auth {med(forward):,.0f}/s, gRPC {med(grpc):,.0f}/s, gRPC over 2 connections {med(mux):,.0f}/s")
 print(f"# check / no-op per round: {ratios(check, noop)} (median {med([c / n for c, n in zip(check, noop)]):.0%})")
+print(f"# forward-auth / no-op per round: {ratios(forward, noop)} "
+      f"(median {med([f / n for f, n in zip(forward, noop)]):.0%})")
 print(f"# gRPC / check per round: {ratios(grpc, check)} (median {med([g / c for g, c in zip(grpc, check)]):.0%})")
 print(f"# gRPC over 2 connections / check per round: {ratios(mux, check)} "
       f"(median {med([m / c for m, c in zip(mux, check)]):.0%})")
