@@ -120,6 +120,48 @@ pub const GLOBAL_GIVEN_BACK: &str = "tollgate_global_given_back_tokens_total";
 /// Counter: calls of a rebalancing round the global store could not answer.
 pub const GLOBAL_ROUND_FAILURES: &str = "tollgate_global_round_failures_total";
 
+/// Every metric name above, for dashboards, alerts and tests to check theirs against (the
+/// busiest keys' two series are [`crate::hot_keys`]'s).
+pub const ALL: &[&str] = &[
+    DECISIONS,
+    NEAR_LIMIT,
+    RESETS,
+    UNMATCHED,
+    INVALID,
+    LATENCY,
+    STORE_ERRORS,
+    DEGRADED,
+    STORE_CIRCUIT_OPEN,
+    REMEMBERED_REJECTIONS,
+    TOKEN_BATCHES,
+    BATCHED_TOKENS_TAKEN,
+    BATCHED_TOKENS,
+    BATCHED_TOKENS_HELD,
+    LEASES_RELEASED,
+    LEASES_RENEWED,
+    SETTLEMENTS,
+    LIVE_LEASES,
+    LIVE_BUCKETS,
+    EVICTIONS,
+    EXPIRED,
+    POLICY_INFO,
+    POLICY_CHANGES,
+    POLICY_REFUSED,
+    CONNECTIONS_OPEN,
+    CONNECTIONS_CLOSED,
+    RLQS_STREAMS,
+    RLQS_REPORTED,
+    RLQS_ANSWERS,
+    RLQS_PREPAID,
+    RLQS_GIVEN_BACK,
+    RLQS_RENEWED,
+    GLOBAL_RESERVOIRS,
+    GLOBAL_HELD,
+    GLOBAL_FETCHED,
+    GLOBAL_GIVEN_BACK,
+    GLOBAL_ROUND_FAILURES,
+];
+
 /// Why the server closed a connection on its client.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Closed {
@@ -732,6 +774,26 @@ pub fn refresh(engine: &PolicyEngine, previous: &mut Option<String>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `ALL` holds every name this file gives a metric, so a check against it is complete.
+    #[test]
+    fn all_lists_every_metric_named_here() {
+        let source = include_str!("metrics.rs");
+        let named: Vec<&str> = source
+            .lines()
+            .filter_map(|line| line.strip_prefix("pub const "))
+            .filter_map(|line| line.split_once(": &str = \"tollgate_"))
+            .filter_map(|(_, rest)| rest.split_once('"'))
+            .map(|(name, _)| name)
+            .collect();
+        assert_eq!(named.len(), ALL.len(), "{named:?}");
+        for name in named {
+            assert!(
+                ALL.contains(&format!("tollgate_{name}").as_str()),
+                "{name} not in ALL"
+            );
+        }
+    }
 
     /// `near` is envoyproxy/ratelimit's `used > floor(capacity × ratio)`, in integers, at every
     /// ratio and capacity tried (the ratio is process-wide: set and read back in one test).
