@@ -407,7 +407,7 @@ fn parse_hot_keys(text: &str) -> Result<usize, String> {
 }
 
 /// A ratio written as a decimal (`0.8`, `0.95`, `1`), in thousandths, read exactly.
-fn parse_ratio(text: &str) -> Result<u32, String> {
+pub(crate) fn parse_ratio(text: &str) -> Result<u32, String> {
     let refused = || format!("expected a decimal above 0 and at most 1, such as 0.8, not {text}");
     let (whole, fraction) = text.split_once('.').unwrap_or((text, ""));
     if whole.is_empty() && fraction.is_empty()

@@ -347,11 +347,16 @@ pub fn set_near_limit_ratio(permille: u32) {
     NEAR_PERMILLE.store(permille.clamp(1, 1_000), Ordering::Relaxed);
 }
 
-/// Whether `used` of `capacity` is past the near-limit ratio: `used > capacity × ratio`, in
-/// integers (as envoyproxy/ratelimit's `used > floor(capacity × ratio)` for whole `used`).
+/// Whether `used` of `capacity` is past the process's near-limit ratio ([`is_near`]).
 fn near(used: u64, capacity: u64) -> bool {
-    let permille = u128::from(NEAR_PERMILLE.load(Ordering::Relaxed));
-    u128::from(used) * 1_000 > u128::from(capacity) * permille
+    is_near(used, capacity, NEAR_PERMILLE.load(Ordering::Relaxed))
+}
+
+/// Whether `used` of `capacity` is past `permille` thousandths of it: `used > capacity ×
+/// ratio`, in integers (as envoyproxy/ratelimit's `used > floor(capacity × ratio)` for whole
+/// `used`). `tollgate simulate` counts by the same test.
+pub fn is_near(used: u64, capacity: u64, permille: u32) -> bool {
+    u128::from(used) * 1_000 > u128::from(capacity) * u128::from(permille)
 }
 
 /// Metric handles already registered, so a decision costs an atomic add rather than a registry

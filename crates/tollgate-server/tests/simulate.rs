@@ -41,7 +41,7 @@ limits:
 #[test]
 fn a_burst_is_cut_at_the_capacity_and_refills_on_the_trace_time() {
     let dir = Scratch::new("simulate-burst");
-    let policy = dir.write("policy.yaml", BUCKET);
+    let policy_file = dir.write("policy.yaml", BUCKET);
     // Ten at once from u1, then one a second later (refilled), then one 0.5 s after that (not
     // yet), and three from u2 (all within its own bucket).
     let mut trace: Vec<String> = (0..10)
@@ -52,7 +52,7 @@ fn a_burst_is_cut_at_the_capacity_and_refills_on_the_trace_time() {
     trace.extend((0..3).map(|_| line("2026-11-29T10:00:02Z", "u2")));
     let trace = dir.write("trace.jsonl", &(trace.join("\n") + "\n"));
 
-    let report = simulate_json(&[path_str(&trace), "--config", path_str(&policy)]);
+    let report = simulate_json(&[path_str(&trace), "--config", path_str(&policy_file)]);
     assert_eq!(report["trace"]["requests"], 15);
     assert_eq!(report["trace"]["first"], "2026-11-29T10:00:00Z");
     let policy = &report["policies"][0];
@@ -76,6 +76,38 @@ fn a_burst_is_cut_at_the_capacity_and_refills_on_the_trace_time() {
     assert_eq!(timeline[0]["start"], "2026-11-29T10:00:00Z");
     assert_eq!(timeline[0]["requests"], 15);
     assert_eq!(timeline[0]["rejected"], 6);
+    // Near the limit, past 0.8 of its 5 tokens spent: u1's fifth request, and its one a second
+    // later that took the token refilled. u2 spent 3 of 5.
+    assert_eq!(per_user["near_limit"], 2);
+    let half = simulate_json(&[
+        path_str(&trace),
+        "--config",
+        path_str(&policy_file),
+        "--near-limit-ratio",
+        "0.5",
+    ]);
+    // Past half: u1's third to fifth and the refilled one, u2's third.
+    assert_eq!(limit(&half["policies"][0], "per-user")["near_limit"], 5);
+    let (status, text, _) = run(&[
+        "simulate",
+        path_str(&trace),
+        "--config",
+        path_str(&policy_file),
+    ]);
+    assert!(status.success());
+    assert!(text.contains("near limit"), "{text}");
+    let (status, _, stderr) = run(&[
+        "simulate",
+        path_str(&trace),
+        "--config",
+        path_str(&policy_file),
+        "--near-limit-ratio",
+        "1.5",
+    ]);
+    assert!(
+        !status.success() && stderr.contains("at most 1"),
+        "{stderr}"
+    );
 }
 
 #[test]
@@ -378,6 +410,8 @@ limits:
     assert_eq!(in_flight["decisions"], 6);
     assert_eq!(in_flight["rejected"], 1);
     assert_eq!(in_flight["first_rejection"], "2026-11-29T10:00:01Z");
+    // The leases that filled both slots (past 0.8 of 2): the second at 0 s and at 5 s.
+    assert_eq!(in_flight["near_limit"], 2);
 }
 
 /// A deny limit applies to checks and leases alike; a replay counts each request it decides

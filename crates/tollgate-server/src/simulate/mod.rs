@@ -82,6 +82,11 @@ pub struct SimulateArgs {
     /// reservation (a line with `used`) that ends later keeps its whole cost.
     #[arg(long, default_value = "60s", value_parser = parse_window)]
     pub idempotency_window: Duration,
+    /// The share of a limit an allowed decision must leave spent to count as near the limit,
+    /// as `tollgate serve --near-limit-ratio`: how close the traffic runs to a limit that
+    /// rejects nothing yet.
+    #[arg(long, default_value = "0.8", value_parser = crate::cli::parse_ratio)]
+    pub near_limit_ratio: u32,
 }
 
 fn parse_window(text: &str) -> Result<Duration, String> {
@@ -350,8 +355,9 @@ pub struct Simulator {
 }
 
 impl Simulator {
-    /// A simulator of the policy files `configs`, with a timeline in `interval`s and the
-    /// `top` most rejected keys of each limit.
+    /// A simulator of the policy files `configs`, with a timeline in `interval`s, the `top`
+    /// most rejected keys of each limit, and decisions near a limit counted past
+    /// `near_limit_permille` thousandths of it spent.
     ///
     /// # Errors
     ///
@@ -361,6 +367,7 @@ impl Simulator {
         interval: Duration,
         top: usize,
         idempotency_window: Duration,
+        near_limit_permille: u32,
     ) -> Result<Self, SimulateError> {
         let mut policies = Vec::with_capacity(configs.len());
         for path in configs {
@@ -371,7 +378,7 @@ impl Simulator {
                 .wall_clock(Arc::new(wall.clone()))
                 .idempotency_window(idempotency_window);
             let engine = PolicyEngine::from_file(path, options)?;
-            let tally = Tally::new(&engine.current(), interval);
+            let tally = Tally::new(&engine.current(), interval, near_limit_permille);
             policies.push(Simulation {
                 file: path.display().to_string(),
                 engine,
@@ -548,6 +555,7 @@ pub fn main(args: &SimulateArgs) -> Result<(), SimulateError> {
         args.interval,
         args.top,
         args.idempotency_window,
+        args.near_limit_ratio,
     )?;
     let source = args.trace.display().to_string();
     let trace_error = |error| SimulateError::Trace {
@@ -641,6 +649,7 @@ mod tests {
             Duration::from_secs(60),
             3,
             Duration::from_secs(60),
+            800,
         );
         (simulator.unwrap(), Scratch(path))
     }

@@ -96,6 +96,8 @@ pub(crate) struct LimitReport {
     pub(crate) would_reject: u64,
     /// Times an exemption lifted it.
     pub(crate) exempt: u64,
+    /// Allowed decisions that left it nearly used up (`--near-limit-ratio`).
+    pub(crate) near_limit: u64,
     /// When it first rejected or would have.
     pub(crate) first_rejection: Option<String>,
     /// The keys it rejected most (rejections and would-rejections).
@@ -162,6 +164,7 @@ impl PolicyReport {
                     rejected: limit.rejected,
                     would_reject: limit.would_reject,
                     exempt: limit.exempt,
+                    near_limit: limit.near_limit,
                     first_rejection: limit.first_rejection.map(UnixTime::to_rfc3339),
                     top_keys: limit
                         .top_keys(top)
@@ -339,19 +342,20 @@ impl PolicyReport {
             .unwrap_or(5);
         let _ = writeln!(
             out,
-            "  {:<width$}  {:<14}  {:>10}  {:>10}  {:>12}  {:>8}  first rejection",
-            "limit", "algorithm", "decisions", "rejected", "would reject", "exempt"
+            "  {:<width$}  {:<14}  {:>10}  {:>10}  {:>12}  {:>8}  {:>10}  first rejection",
+            "limit", "algorithm", "decisions", "rejected", "would reject", "exempt", "near limit"
         );
         for limit in &self.limits {
             let _ = writeln!(
                 out,
-                "  {:<width$}  {:<14}  {:>10}  {:>10}  {:>12}  {:>8}  {}",
+                "  {:<width$}  {:<14}  {:>10}  {:>10}  {:>12}  {:>8}  {:>10}  {}",
                 limit.name,
                 limit.algorithm,
                 limit.decisions,
                 limit.rejected,
                 limit.would_reject,
                 limit.exempt,
+                limit.near_limit,
                 limit.first_rejection.as_deref().unwrap_or("-"),
             );
         }

@@ -11,6 +11,8 @@ use std::time::Duration;
 
 use tollgate_policy::{LeaseOutcome, Outcome, Policy, UnixTime};
 
+use crate::metrics::is_near;
+
 /// The most distinct rejected keys remembered per limit.
 pub(crate) const MAX_KEYS: usize = 100_000;
 
@@ -29,6 +31,9 @@ pub(crate) struct LimitTally {
     pub(crate) would_reject: u64,
     /// Where an exemption lifted it.
     pub(crate) exempt: u64,
+    /// Allowed decisions that left it nearly used up: past the near-limit ratio of its
+    /// capacity spent (or of its `max_in_flight` held), as `tollgate serve` counts them.
+    pub(crate) near_limit: u64,
     /// The first instant it rejected or would have.
     pub(crate) first_rejection: Option<UnixTime>,
     /// Rejections (and would-rejections) per bucket key, for the first [`MAX_KEYS`] keys.
@@ -115,12 +120,15 @@ pub(crate) struct Tally {
     /// since the Unix epoch.
     pub(crate) timeline: BTreeMap<u64, Slot>,
     interval_ns: u64,
+    /// The near-limit ratio, in thousandths.
+    near_permille: u32,
     index: HashMap<Arc<str>, usize>,
 }
 
 impl Tally {
-    /// An empty tally for `policy`, with a timeline in intervals of `interval` (at least 1 ms).
-    pub(crate) fn new(policy: &Policy, interval: Duration) -> Self {
+    /// An empty tally for `policy`, with a timeline in intervals of `interval` (at least 1 ms),
+    /// counting decisions past `near_permille` thousandths of their limit as near it.
+    pub(crate) fn new(policy: &Policy, interval: Duration, near_permille: u32) -> Self {
         let mut tally = Self {
             counts: Counts::default(),
             first_invalid: None,
@@ -135,6 +143,7 @@ impl Tally {
             interval_ns: u64::try_from(interval.as_nanos())
                 .unwrap_or(u64::MAX)
                 .max(1_000_000),
+            near_permille,
             index: HashMap::new(),
         };
         for def in policy.limits() {
@@ -161,19 +170,31 @@ impl Tally {
     /// passed them and took a lease, its concurrency limits' `lease`.
     pub(crate) fn record(&mut self, at: UnixTime, outcome: &Outcome, lease: Option<&LeaseOutcome>) {
         self.counts.requests += 1;
-        let rates = outcome
-            .limits
-            .iter()
-            .map(|l| (&l.name, l.mode, l.would_reject(), &*l.bucket_key));
+        let permille = self.near_permille;
+        let rates = outcome.limits.iter().map(|l| {
+            let near = l.decision.is_some_and(|d| {
+                d.allowed() && !d.is_denied() && {
+                    let capacity = d.capacity();
+                    is_near(capacity.saturating_sub(d.remaining()), capacity, permille)
+                }
+            });
+            (&l.name, l.mode, l.would_reject(), near, &*l.bucket_key)
+        });
         // A deny limit applies to both calls (names are unique across kinds, so a name in
         // both lists is one): counted once, as the check decided it.
         let leases = lease
             .iter()
             .flat_map(|lease| &lease.limits)
             .filter(|l| !outcome.limits.iter().any(|r| r.name == l.name))
-            .map(|l| (&l.name, l.mode, l.would_reject(), &*l.bucket_key));
+            .map(|l| {
+                let near = l.decision.is_some_and(|d| {
+                    d.allowed() && is_near(d.in_flight(), d.max_in_flight(), permille)
+                });
+                (&l.name, l.mode, l.would_reject(), near, &*l.bucket_key)
+            });
         let mut would_reject = false;
-        for (name, mode, short, key) in rates.chain(leases) {
+        for (name, mode, short, near, key) in rates.chain(leases) {
+            self.row(name).near_limit += u64::from(near);
             would_reject |= self.count(at, name, mode, short, key);
         }
         self.leases += u64::from(lease.is_some_and(|lease| lease.held));
@@ -289,7 +310,7 @@ mod tests {
     fn an_interval_is_at_least_a_millisecond() {
         let policy = tollgate_policy::compile("t.yaml", "version: 1\nlimits: []\n").unwrap();
         assert_eq!(
-            Tally::new(&policy, Duration::ZERO).interval(),
+            Tally::new(&policy, Duration::ZERO, 800).interval(),
             Duration::from_millis(1)
         );
     }
