@@ -298,19 +298,23 @@ impl Decider {
         // shares decide.
         let policy = self.global.as_ref().map(|_| self.engine.current());
         let scope = |key: &str| policy.as_deref().is_some_and(|p| p.is_global_key(key));
+        // The futures of the stores that wait are boxed: held inline, the largest of them
+        // (kilobytes) would size every decision's future, the memory store's too, and every
+        // request would copy it into the box its handler's future is kept in. A decision that
+        // waits on a network pays one allocation instead.
         let result = match (&self.backend, self.global_shares(policy.as_deref())) {
             (Backend::Memory, None) if consume => {
                 self.engine.decide(domain, descriptors, cost, request_id)
             }
             (Backend::Memory, None) => self.engine.explain(domain, descriptors, cost),
-            (Backend::Redis(store), None) => self.on(&**store, request, consume).await,
+            (Backend::Redis(store), None) => Box::pin(self.on(&**store, request, consume)).await,
             (Backend::Memory, Some(shares)) => {
                 let store = shares.over(self.engine.local(), &scope);
-                self.on(&store, request, consume).await
+                Box::pin(self.on(&store, request, consume)).await
             }
             (Backend::Redis(redis), Some(shares)) => {
                 let store = shares.over(&**redis, &scope);
-                self.on(&store, request, consume).await
+                Box::pin(self.on(&store, request, consume)).await
             }
         };
         match result {
@@ -397,10 +401,13 @@ impl Decider {
         let started = self.clock.now();
         let result = match &self.backend {
             Backend::Memory => self.engine.acquire(domain, descriptors, lease_id),
+            // Boxed, as in `run`: a Redis future inline would size the memory store's too.
             Backend::Redis(store) => {
-                self.engine
-                    .acquire_on(&**store, domain, descriptors, lease_id)
-                    .await
+                Box::pin(
+                    self.engine
+                        .acquire_on(&**store, domain, descriptors, lease_id),
+                )
+                .await
             }
         };
         let outcome = match result {
@@ -457,7 +464,7 @@ impl Decider {
     pub async fn release(&self, lease_id: &str) -> Result<bool, DecideError> {
         let result = match &self.backend {
             Backend::Memory => self.engine.release(lease_id),
-            Backend::Redis(store) => self.engine.release_on(&**store, lease_id).await,
+            Backend::Redis(store) => Box::pin(self.engine.release_on(&**store, lease_id)).await,
         };
         let released = result.map_err(|err| self.op_error(err))?;
         metrics::record_release(released);
@@ -473,7 +480,7 @@ impl Decider {
     pub async fn renew(&self, lease_id: &str) -> Result<Option<Duration>, DecideError> {
         let result = match &self.backend {
             Backend::Memory => self.engine.renew(lease_id),
-            Backend::Redis(store) => self.engine.renew_on(&**store, lease_id).await,
+            Backend::Redis(store) => Box::pin(self.engine.renew_on(&**store, lease_id)).await,
         };
         let renewed = result.map_err(|err| self.op_error(err))?;
         metrics::record_renewal(renewed.is_some());
@@ -558,4 +565,40 @@ fn is_caller_error(err: &PolicyError) -> bool {
             ..
         }
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use tollgate_policy::{EngineOptions, PolicyEngine, compile};
+
+    use super::*;
+
+    /// A decision's future holds what the memory store needs, not the Redis store's futures:
+    /// every request copies it into a box (7 KB each, before those were boxed).
+    #[test]
+    fn a_decisions_future_stays_small() {
+        let policy = compile(
+            "p.yaml",
+            "limits: [{name: l, domain: api, key: [user], capacity: 1, refill: 1/s}]",
+        )
+        .expect("policy");
+        let engine = Arc::new(PolicyEngine::new(policy, EngineOptions::default()));
+        let decider = Decider::new(engine, Backend::Memory);
+        let descriptors = vec![vec![("user", "u1")]];
+        let request = Request {
+            domain: "api",
+            descriptors: &descriptors,
+            cost: Costs::Same(1),
+            request_id: None,
+        };
+        let sizes = [
+            std::mem::size_of_val(&decider.decide(Api::Http, &request)),
+            std::mem::size_of_val(&decider.check_only(&request)),
+            std::mem::size_of_val(&decider.acquire("api", &descriptors, "lease-1")),
+            std::mem::size_of_val(&decider.release("lease-1")),
+        ];
+        assert!(sizes.iter().all(|&size| size < 1024), "{sizes:?}");
+    }
 }
