@@ -827,7 +827,8 @@ fn redis_killed_under_concurrency_limits() {
 /// together they are never sent more than the limit allows.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rlqs_envoys_on_two_servers_share_a_quota() {
-    use support::rlqs::{Admissions, Envoy, assigned, usage};
+    use support::rlqs::{Admissions, Envoy, assigned, reports, usage};
+    use tokio::sync::watch;
     use tollgate::{Clock, MonotonicClock};
 
     let redis = RedisServer::start();
@@ -840,24 +841,55 @@ async fn rlqs_envoys_on_two_servers_share_a_quota() {
         on_store(&config, &redis.url(), &[]),
         on_store(&config, &redis.url(), &[]),
     ];
-    let mut envoys = Vec::new();
-    for index in 0..4 {
-        envoys.push(Envoy::connect(&servers[index % 2]).await);
-    }
     let clock = MonotonicClock::new();
     let start = clock.now();
-    let mut answered = start;
-    let mut admissions = Admissions::default();
+    // Each Envoy reports every tenth of a second while a task takes its answers as they come,
+    // each counted from when it arrived: a report whose assignment the bucket cannot extend
+    // just then is answered later (at a renewal or the next report), or not at all.
+    let (stop, stopped) = watch::channel(false);
+    let mut senders = Vec::new();
+    let mut listeners = Vec::new();
+    for index in 0..4u32 {
+        let (sender, mut answers) = Envoy::connect(&servers[index as usize % 2]).await.split();
+        senders.push(sender);
+        let (clock, mut stopped) = (clock.clone(), stopped.clone());
+        listeners.push(tokio::spawn(async move {
+            let mut received = Vec::new();
+            loop {
+                let message = tokio::select! {
+                    _ = stopped.changed() => break,
+                    message = answers.message() => message.expect("no error"),
+                };
+                let Some(message) = message else { break };
+                for action in message.bucket_action {
+                    let action = assigned(action.bucket_action.expect("an action"));
+                    received.push((index, clock.now(), action));
+                }
+            }
+            received
+        }));
+    }
     let tenth = std::time::Duration::from_millis(100);
     for round in 0u64..25 {
-        for (index, envoy) in envoys.iter_mut().enumerate() {
+        for (index, sender) in senders.iter().enumerate() {
             let demand = 30 + 30 * index as u64 + round % 5 * 10;
             let usage = usage(&[("pool", "p")], demand, demand, tenth);
-            let action = envoy.report("edge", vec![usage]).await.remove(0);
-            answered = clock.now();
-            admissions.receive(index as u32, answered, assigned(action));
+            sender
+                .send(reports("edge", vec![usage]))
+                .expect("the stream is open");
         }
         tokio::time::sleep(tenth).await;
+    }
+    // The last reports' answers.
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let _ = stop.send(true);
+    let mut admissions = Admissions::default();
+    let mut answered = start;
+    for listener in listeners {
+        for (index, at, action) in listener.await.expect("the listener") {
+            answered = answered.max(at);
+            admissions.receive(index, at, action);
+        }
     }
     for envoy in 0..4 {
         admissions.close(envoy, answered + std::time::Duration::from_secs(120));

@@ -42,6 +42,18 @@ impl Envoy {
         self.reports.send(report).expect("the stream is open");
     }
 
+    /// Its reports' sender and its answers apart, for a test that reports on a schedule while
+    /// a task listens, as Envoy does: a server owes no answer to a report (it keeps an
+    /// assignment it cannot extend just then), so reading one per report can wait for nothing.
+    pub fn split(
+        self,
+    ) -> (
+        mpsc::UnboundedSender<RateLimitQuotaUsageReports>,
+        Streaming<RateLimitQuotaResponse>,
+    ) {
+        (self.reports, self.answers)
+    }
+
     /// The next answer, within a few seconds.
     pub async fn answer(&mut self) -> Result<Option<RateLimitQuotaResponse>, tonic::Status> {
         tokio::time::timeout(Duration::from_secs(5), self.answers.message())
