@@ -60,6 +60,9 @@ async fn start_denying_with(deny: StatusCode) -> Server {
     }
 }
 
+/// 200 requests from 4 workers over 2 keys: the demo limit both admits and rejects.
+const TWO_KEYS: [&str; 6] = ["--requests", "200", "--keys", "2", "-c", "4"];
+
 async fn bench(args: &[&str]) -> Result<Summary, BenchError> {
     let args = BenchArgs::try_parse_from(std::iter::once("bench").chain(args.iter().copied()))
         .expect("flags parse");
@@ -90,18 +93,9 @@ fn assert_limited(summary: &Summary, requests: u64, keys: u64) {
 async fn http_counts_add_up_and_the_demo_limit_rejects() {
     let server = start().await;
     let target = format!("http://{}", server.http);
-    let summary = bench(&[
-        "--target",
-        &target,
-        "--requests",
-        "200",
-        "--keys",
-        "2",
-        "-c",
-        "4",
-    ])
-    .await
-    .expect("bench runs");
+    let summary = bench(&[&["--target", &target][..], &TWO_KEYS].concat())
+        .await
+        .expect("bench runs");
     assert_eq!(summary.api, "http");
     assert_limited(&summary, 200, 2);
     assert!(
@@ -115,19 +109,9 @@ async fn http_counts_add_up_and_the_demo_limit_rejects() {
 async fn forward_auth_counts_add_up_and_the_demo_limit_rejects() {
     let server = start_denying_with(StatusCode::FORBIDDEN).await;
     let target = format!("http://{}", server.http);
-    let summary = bench(&[
-        "--target",
-        &target,
-        "--forward-auth",
-        "--requests",
-        "200",
-        "--keys",
-        "2",
-        "-c",
-        "4",
-    ])
-    .await
-    .expect("bench runs");
+    let summary = bench(&[&["--target", &target, "--forward-auth"][..], &TWO_KEYS].concat())
+        .await
+        .expect("bench runs");
     assert_eq!(summary.api, "forward-auth");
     assert!(
         summary.target.ends_with("/v1/forward-auth/api"),
@@ -141,18 +125,13 @@ async fn forward_auth_counts_add_up_and_the_demo_limit_rejects() {
 async fn grpc_counts_add_up_and_the_demo_limit_rejects() {
     let server = start().await;
     let target = server.grpc.to_string();
-    let summary = bench(&[
-        "--grpc",
-        &target,
-        "--requests",
-        "200",
-        "--keys",
-        "2",
-        "-c",
-        "4",
-        "--distribution",
-        "zipf",
-    ])
+    let summary = bench(
+        &[
+            &["--grpc", &target, "--distribution", "zipf"][..],
+            &TWO_KEYS,
+        ]
+        .concat(),
+    )
     .await
     .expect("bench runs");
     assert_eq!(summary.api, "grpc");
