@@ -83,7 +83,7 @@ pub use lint::{EXPIRING_SOON, Warning, lint};
 pub use policy::{
     Descriptor, Effect, Exemption, FailureMode, LeaseMatched, LimitDef, Matched, Mode, Network,
     NetworkError, Override, Params, Policy, RequestDescriptor, RequestedLimit, Scope, ValueList,
-    ValueMatch,
+    ValueMatch, forwarded_client,
 };
 pub use wall::{ManualWallClock, SystemWallClock, UnixTime, WallClock};
 

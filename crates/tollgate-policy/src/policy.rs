@@ -184,6 +184,41 @@ impl std::str::FromStr for Network {
     }
 }
 
+/// The client's address in a forwarded chain (an `X-Forwarded-For` list, each proxy's entry
+/// appended on the right), `chain` ending at the entry the caller's count of trusted hops
+/// reached: from there leftwards past every address inside one of `proxies`, the first address
+/// none of them holds, or the first entry when all are proxies' (a request only they handled).
+/// In canonical form (an IPv4-mapped IPv6 address as IPv4). `None` for an empty chain;
+/// `Some(Err(entry))` when the walk meets an entry that is no address alone, as nothing left of
+/// it can be vouched for.
+///
+/// ```
+/// use tollgate_policy::{Network, forwarded_client};
+///
+/// let proxies: Vec<Network> = vec!["10.0.0.0/8".parse()?];
+/// let chain = ["6.6.6.6", "198.51.100.7", "10.0.3.1", "10.0.0.9"];
+/// assert_eq!(forwarded_client(&chain, &proxies), Some(Ok("198.51.100.7".parse()?)));
+/// assert_eq!(forwarded_client(&["unknown", "10.0.0.9"], &proxies), Some(Err("unknown")));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn forwarded_client<'a>(
+    chain: &[&'a str],
+    proxies: &[Network],
+) -> Option<Result<IpAddr, &'a str>> {
+    let mut client = None;
+    for &entry in chain.iter().rev() {
+        let Ok(found) = entry.parse::<IpAddr>() else {
+            return Some(Err(entry));
+        };
+        let found = found.to_canonical();
+        client = Some(Ok(found));
+        if !proxies.iter().any(|proxy| proxy.holds(found)) {
+            break;
+        }
+    }
+    client
+}
+
 /// `value` read as an IP address alone, an IPv4-mapped IPv6 address as IPv4; `None` for
 /// anything else (a name, an address with a port or a zone).
 fn address(value: &str) -> Option<IpAddr> {

@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use http::header::HeaderName;
 use http::{Extensions, HeaderMap, Method, Request, Uri};
-use tollgate_policy::Network;
+use tollgate_policy::{Network, forwarded_client};
 
 use crate::error::Error;
 
@@ -284,21 +284,14 @@ impl KeyExtractor for ForwardedFor {
             what: format!("{WHAT} entry {} from the right", self.hops),
         };
         let start = entries.len().checked_sub(self.hops).ok_or_else(missing)?;
-        // From the counted entry leftwards while it is a trusted proxy's (to the first entry
-        // at most); an entry that is no address stops the walk, as nothing left of it can be
-        // vouched for.
-        let mut client = None;
-        for entry in entries[..=start].iter().rev() {
-            let ip: IpAddr = entry.parse().map_err(|_| Error::InvalidKey {
+        let chain = entries.get(..=start).ok_or_else(missing)?;
+        let ip = forwarded_client(chain, &self.proxies)
+            .ok_or_else(missing)?
+            .map_err(|_| Error::InvalidKey {
                 what: WHAT.into(),
                 reason: "not an IP address",
             })?;
-            client = Some(ip);
-            if !self.proxies.iter().any(|proxy| proxy.contains(ip)) {
-                break;
-            }
-        }
-        Ok(Cow::Owned(ip_key(client.ok_or_else(missing)?, true)))
+        Ok(Cow::Owned(ip_key(ip, true)))
     }
 }
 

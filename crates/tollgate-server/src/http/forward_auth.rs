@@ -67,13 +67,7 @@ fn client_address(headers: &HeaderMap, source: &ClientAddress) -> Option<IpAddr>
         .filter(|entry| !entry.is_empty())
         .collect();
     let start = entries.len().checked_sub(source.trusted + 1)?;
-    for (at, entry) in entries[..=start].iter().enumerate().rev() {
-        let address = entry.parse::<IpAddr>().ok()?.to_canonical();
-        if at == 0 || !source.proxies.iter().any(|proxy| proxy.contains(address)) {
-            return Some(address);
-        }
-    }
-    None
+    tollgate_policy::forwarded_client(entries.get(..=start)?, &source.proxies)?.ok()
 }
 
 /// `address`'s network under `mask`, written as Envoy writes `masked_remote_address`: the
