@@ -116,7 +116,7 @@ pub fn wait_for_replicas(
     line.trim().strip_prefix(':')?.parse().ok()
 }
 
-/// Tries at a fresh port before [`RedisServer::start`] gives up.
+/// Tries at fresh ports before a server start gives up.
 const ATTEMPTS: usize = 5;
 
 /// Why a `redis-server` did not come up as ours.
@@ -160,19 +160,7 @@ impl RedisServer {
     ///
     /// When `redis-server` is missing or does not come up: a setup error, never a skip.
     pub fn start() -> Self {
-        // A free port is only free until someone binds it: another test's client can take it
-        // as its own end of a connection before redis-server binds it. Then this server exits
-        // at once, and another port will do.
-        for _ in 1..ATTEMPTS {
-            let port = free_port();
-            let mut server = Self::unstarted(port, Vec::new());
-            match server.try_spawn() {
-                Ok(()) => return server,
-                Err(Spawn::Exited(_)) => continue,
-                Err(err) => panic!("redis-server on port {port}: {err}"),
-            }
-        }
-        Self::start_with(free_port(), Vec::new())
+        Self::start_fresh(|| Self::unstarted(free_port(), Vec::new()))
     }
 
     /// Starts a server that also speaks TLS, with `certificates`' server certificate, on
@@ -180,17 +168,33 @@ impl RedisServer {
     /// certificate of that authority (Redis' default). The plain port stays open for the
     /// tests' own commands.
     pub fn start_tls(certificates: &TestCertificates, require_client_cert: bool) -> Self {
-        let tls_port = free_port();
-        let mut server = Self::start_with(
-            free_port(),
-            tls_args(certificates, tls_port, require_client_cert),
-        );
-        server.tls_port = Some(tls_port);
-        server
+        Self::start_fresh(|| {
+            let tls_port = free_port();
+            let mut server = Self::unstarted(
+                free_port(),
+                tls_args(certificates, tls_port, require_client_cert),
+            );
+            server.tls_port = Some(tls_port);
+            server
+        })
     }
 
-    fn start_with(port: u16, extra: Vec<String>) -> Self {
-        let mut server = Self::unstarted(port, extra);
+    /// Starts the server `unstarted` describes, asking it for another (on other free ports)
+    /// when one exits at start.
+    ///
+    /// A free port is only free until someone binds it: another test's client can take it as
+    /// its own end of a connection before redis-server binds it, and a server needs up to three
+    /// (clients, TLS, cluster bus). Then it exits at once, and other ports will do.
+    fn start_fresh(mut unstarted: impl FnMut() -> Self) -> Self {
+        for _ in 1..ATTEMPTS {
+            let mut server = unstarted();
+            match server.try_spawn() {
+                Ok(()) => return server,
+                Err(Spawn::Exited(_)) => continue,
+                Err(err) => panic!("redis-server on port {}: {err}", server.port),
+            }
+        }
+        let mut server = unstarted();
         server.spawn();
         server
     }
@@ -400,27 +404,24 @@ impl RedisSentinel {
                 (tls_port, args)
             })
         };
-        let start = |tls: Option<(u16, Vec<String>)>, mut extra: Vec<String>| {
-            let (tls_port, tls_args) = tls.unzip();
+        let unstarted = |mut extra: Vec<String>| {
+            let (tls_port, tls_args) = tls().unzip();
             extra.extend(tls_args.unwrap_or_default());
             let mut server = RedisServer::unstarted(free_port(), extra);
             server.tls_port = tls_port;
             server
         };
-        let mut master = start(tls(), Vec::new());
-        master.spawn();
+        let master = RedisServer::start_fresh(|| unstarted(Vec::new()));
         // Replicas, and the sentinel, reach the master on its TLS port when it has one.
         let master_port = master.tls_port.unwrap_or(master.port);
-        let mut replica = start(
-            tls(),
-            vec![
+        let replica = RedisServer::start_fresh(|| {
+            unstarted(vec![
                 "--replicaof".into(),
                 "127.0.0.1".into(),
                 master_port.to_string(),
-            ],
-        );
-        replica.spawn();
-        let mut sentinel = start(tls(), Vec::new());
+            ])
+        });
+        let mut sentinel = unstarted(Vec::new());
         let config = sentinel.dir.join("sentinel.conf");
         std::fs::write(
             &config,
@@ -535,24 +536,30 @@ fn add_node(port: u16, member: u16, options: &[&str]) {
 
 /// One cluster-enabled `redis-server` on a free port, not yet part of a cluster.
 fn cluster_node(certificates: Option<&TestCertificates>) -> RedisServer {
-    let port = free_port();
-    let mut args: Vec<String> = vec![
-        "--cluster-enabled".into(),
-        "yes".into(),
-        "--cluster-config-file".into(),
-        format!("nodes-{port}.conf"),
-        "--cluster-node-timeout".into(),
-        "2000".into(),
-    ];
-    let tls_port = certificates.map(|certificates| {
-        let tls_port = free_port();
-        args.extend(tls_args(certificates, tls_port, false));
-        args.extend(["--tls-cluster".into(), "yes".into()]);
-        tls_port
-    });
-    let mut node = RedisServer::start_with(port, args);
-    node.tls_port = tls_port;
-    node
+    RedisServer::start_fresh(|| {
+        let port = free_port();
+        // The bus port is named: Redis' default, the port + 10000, may be another process's,
+        // and past 55535 it does not exist.
+        let mut args: Vec<String> = vec![
+            "--cluster-enabled".into(),
+            "yes".into(),
+            "--cluster-port".into(),
+            free_port().to_string(),
+            "--cluster-config-file".into(),
+            format!("nodes-{port}.conf"),
+            "--cluster-node-timeout".into(),
+            "2000".into(),
+        ];
+        let tls_port = certificates.map(|certificates| {
+            let tls_port = free_port();
+            args.extend(tls_args(certificates, tls_port, false));
+            args.extend(["--tls-cluster".into(), "yes".into()]);
+            tls_port
+        });
+        let mut node = RedisServer::unstarted(port, args);
+        node.tls_port = tls_port;
+        node
+    })
 }
 
 impl RedisCluster {
@@ -1014,5 +1021,18 @@ mod tests {
         // Nothing reads from the listener, so a PING to it gets no answer.
         let mut server = RedisServer::unstarted(port, Vec::new());
         assert!(matches!(server.try_spawn(), Err(Spawn::Exited(_))));
+    }
+
+    /// A start whose port is taken tries again on the ports it is given next.
+    #[test]
+    fn a_start_on_a_taken_port_moves_on() {
+        let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+        let taken_port = taken.local_addr().unwrap().port();
+        let mut ports = vec![free_port(), taken_port, taken_port];
+        let server = RedisServer::start_fresh(|| {
+            RedisServer::unstarted(ports.pop().expect("a port per try"), Vec::new())
+        });
+        assert_ne!(server.port, taken_port);
+        assert!(ports.is_empty(), "two tries failed before the third");
     }
 }
