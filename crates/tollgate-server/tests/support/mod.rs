@@ -53,7 +53,7 @@ impl Drop for Scratch {
     }
 }
 
-fn binary() -> &'static str {
+pub fn binary() -> &'static str {
     env!("CARGO_BIN_EXE_tollgate")
 }
 
@@ -101,6 +101,12 @@ impl Server {
             .and_then(|child| child.stderr.take())
             .expect("piped stderr");
         (server, stderr)
+    }
+
+    /// Runs `command`, a `tollgate serve` with addresses of its own (or a program that runs
+    /// one, as strace does), and waits for its `listening` line.
+    pub fn start_command(command: Command) -> Self {
+        Self::spawn(command, None)
     }
 
     /// Runs `command` (a `tollgate serve`) and waits for its `listening` line. Its logs go to
@@ -161,14 +167,20 @@ impl Server {
 
     /// Sends SIGTERM and waits up to `limit` for the exit status; `None` (and the process
     /// killed) if it did not stop by then.
-    pub fn terminate_within(mut self, limit: std::time::Duration) -> Option<ExitStatus> {
-        let mut child = self.child.take().expect("running");
-        let pid = child.id().to_string();
+    pub fn terminate_within(self, limit: std::time::Duration) -> Option<ExitStatus> {
         let status = Command::new("kill")
-            .args(["-TERM", &pid])
+            .args(["-TERM", &self.pid().to_string()])
             .status()
             .expect("run kill");
         assert!(status.success());
+        self.wait_within(limit)
+    }
+
+    /// Waits up to `limit` for the process to exit of itself; `None` (and the process killed)
+    /// if it did not by then.
+    pub fn wait_within(mut self, limit: std::time::Duration) -> Option<ExitStatus> {
+        let mut child = self.child.take().expect("running");
+        let pid = child.id().to_string();
         let (exited, exit) = std::sync::mpsc::channel();
         let waiter = std::thread::spawn(move || {
             let _ = exited.send(child.wait().expect("wait for tollgate"));
