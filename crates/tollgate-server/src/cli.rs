@@ -1,5 +1,5 @@
-//! The `tollgate` command line: `serve`, `validate`, `check`, `simulate`, `bench` and
-//! `import envoy`.
+//! The `tollgate` command line: `serve`, `validate`, `check`, `simulate`, `bench`,
+//! `import envoy` and `completions`.
 //!
 //! Every `serve` flag is also a `TOLLGATE_*` environment variable. Errors print as one line that
 //! says what to do, and exit with status 1.
@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
 use axum::http::StatusCode;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use tokio::net::TcpListener;
 use tollgate_policy::audit::AuditLog;
 use tollgate_policy::watch::PolicyWatcher;
@@ -60,6 +60,15 @@ enum Command {
     Import {
         #[command(subcommand)]
         from: ImportFrom,
+    },
+    /// Print a completion script for a shell: commands, flags and their values at the tab key.
+    ///
+    /// bash: `source <(tollgate completions bash)` (or save it in
+    /// /etc/bash_completion.d/tollgate); zsh: save it as `_tollgate` in a directory of
+    /// `$fpath`; fish: save it in ~/.config/fish/completions/tollgate.fish.
+    Completions {
+        /// The shell the script is for.
+        shell: clap_complete::Shell,
     },
 }
 
@@ -509,6 +518,7 @@ pub fn main() -> ExitCode {
                     merge_domains,
                 },
         } => import_envoy(&files, fixed_windows, merge_domains),
+        Command::Completions { shell } => completions(shell),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -517,6 +527,17 @@ pub fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Prints `shell`'s completion script. Written from a buffer: the generator panics on a
+/// failed write, and a closed pipe (`| head`) is an error to report, not a crash.
+fn completions(shell: clap_complete::Shell) -> Result<()> {
+    use std::io::Write;
+    let mut script = Vec::new();
+    clap_complete::generate(shell, &mut Cli::command(), "tollgate", &mut script);
+    std::io::stdout()
+        .write_all(&script)
+        .context("cannot write the completion script")
 }
 
 fn validate(file: &Path, strict: bool) -> Result<()> {
