@@ -23,19 +23,21 @@ fn bash_completes(line: &[&str]) -> Vec<String> {
          _tollgate tollgate \"${{COMP_WORDS[COMP_CWORD]}}\" \"${{COMP_WORDS[COMP_CWORD-1]}}\"\n\
          printf '%s\\n' \"${{COMPREPLY[@]}}\""
     );
-    let output = Command::new("bash")
-        .args(["-c", &script, binary()])
-        .output()
-        .expect("run bash");
+    bash(&["-c", &script, binary()])
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Runs bash with `args`, asserts it succeeded, and returns what it printed.
+fn bash(args: &[&str]) -> String {
+    let output = Command::new("bash").args(args).output().expect("run bash");
     assert!(
         output.status.success(),
         "{}",
         String::from_utf8_lossy(&output.stderr)
     );
-    String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .map(str::to_owned)
-        .collect()
+    String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
 #[test]
@@ -65,15 +67,7 @@ fn bash_completes_commands_flags_and_values() {
 fn the_bash_script_is_valid_bash() {
     let (status, script, _) = run(&["completions", "bash"]);
     assert!(status.success());
-    let output = Command::new("bash")
-        .args(["-n", "-c", &script])
-        .output()
-        .expect("run bash");
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    bash(&["-n", "-c", &script]);
 }
 
 #[test]
