@@ -10,10 +10,9 @@ mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
-use std::process::Command;
 
 use serde_json::{Value, json};
-use support::{Scratch, Server, post_json, request};
+use support::{Scratch, Server, post_json, request, run_promtool};
 use tollgate_server::{hot_keys, metrics};
 
 fn dashboard() -> Value {
@@ -63,48 +62,15 @@ fn queries(dashboard: &Value) -> Vec<(String, String)> {
 
 /// The `tollgate_*` names a query reads, histogram suffixes folded into their metric.
 fn series_in(query: &str) -> BTreeSet<String> {
-    let mut names = BTreeSet::new();
-    let mut rest = query;
-    while let Some(at) = rest.find("tollgate_") {
-        let tail = &rest[at..];
-        let end = tail
-            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
-            .unwrap_or(tail.len());
-        let name = &tail[..end];
-        let name = name
-            .strip_suffix("_bucket")
-            .filter(|base| *base == metrics::LATENCY)
-            .unwrap_or(name);
-        names.insert(name.to_owned());
-        rest = &tail[end..];
-    }
-    names
-}
-
-fn promtool() -> std::ffi::OsString {
-    std::env::var_os("TOLLGATE_PROMTOOL").unwrap_or_else(|| "promtool".into())
-}
-
-/// Runs promtool with `args` in `dir`, failing the test with its output when it fails.
-fn run_promtool(dir: &Path, args: &[&str]) {
-    let promtool = promtool();
-    let output = Command::new(&promtool)
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .unwrap_or_else(|err| {
-            panic!(
-                "cannot run {promtool:?} ({err}): these tests need Prometheus' promtool on \
-                 the PATH or in TOLLGATE_PROMTOOL (Debian: apt-get install prometheus, or \
-                 extract usr/bin/promtool from `apt-get download prometheus` as .ci/run does)"
-            )
-        });
-    assert!(
-        output.status.success(),
-        "promtool {args:?} failed:\n{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
+    support::series_named(query)
+        .into_iter()
+        .map(|name| {
+            name.strip_suffix("_bucket")
+                .filter(|base| *base == metrics::LATENCY)
+                .unwrap_or(name)
+                .to_owned()
+        })
+        .collect()
 }
 
 #[test]

@@ -463,3 +463,41 @@ pub fn metric(server: &Server, series: &str) -> f64 {
         .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
         .unwrap_or(0.0)
 }
+
+/// Runs Prometheus' promtool (from `TOLLGATE_PROMTOOL`, else the `PATH`) with `args` in `dir`,
+/// failing the test with its output when it fails, or with what to install when it is missing.
+pub fn run_promtool(dir: &Path, args: &[&str]) {
+    let promtool = std::env::var_os("TOLLGATE_PROMTOOL").unwrap_or_else(|| "promtool".into());
+    let output = Command::new(&promtool)
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap_or_else(|err| {
+            panic!(
+                "cannot run {promtool:?} ({err}): these tests need Prometheus' promtool on \
+                 the PATH or in TOLLGATE_PROMTOOL (Debian: apt-get install prometheus, or \
+                 extract usr/bin/promtool from `apt-get download prometheus` as .ci/run does)"
+            )
+        });
+    assert!(
+        output.status.success(),
+        "promtool {args:?} failed:\n{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// The `tollgate_*` names a text mentions, in order of appearance.
+pub fn series_named(text: &str) -> Vec<&str> {
+    let mut names = Vec::new();
+    let mut rest = text;
+    while let Some(at) = rest.find("tollgate_") {
+        let tail = &rest[at..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(tail.len());
+        names.push(&tail[..end]);
+        rest = &tail[end..];
+    }
+    names
+}
