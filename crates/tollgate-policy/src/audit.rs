@@ -7,7 +7,7 @@
 
 use std::fs::OpenOptions;
 use std::io::{self, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
@@ -125,6 +125,9 @@ struct Line<'a> {
 /// Shared by reference; lines from concurrent writers never interleave.
 pub struct AuditLog {
     out: Mutex<Box<dyn Write + Send>>,
+    /// The file lines are appended to, opened again by [`AuditLog::reopen`]; `None` for
+    /// standard output or another writer.
+    path: Option<PathBuf>,
     clock: Box<dyn WallClock>,
     failed_writes: AtomicU64,
 }
@@ -142,6 +145,7 @@ impl AuditLog {
     pub fn new(out: Box<dyn Write + Send>, clock: Box<dyn WallClock>) -> Self {
         Self {
             out: Mutex::new(out),
+            path: None,
             clock,
             failed_writes: AtomicU64::new(0),
         }
@@ -159,7 +163,26 @@ impl AuditLog {
     /// When the file cannot be opened for appending.
     pub fn file(path: &Path, clock: Box<dyn WallClock>) -> io::Result<Self> {
         let file = OpenOptions::new().create(true).append(true).open(path)?;
-        Ok(Self::new(Box::new(file), clock))
+        Ok(Self {
+            path: Some(path.to_owned()),
+            ..Self::new(Box::new(file), clock)
+        })
+    }
+
+    /// Opens the log's file again at its path, and appends there from now on: after logrotate
+    /// (or an operator) renamed the file away, lines would otherwise keep going to the renamed
+    /// one. Nothing to do for a log that is not a file.
+    ///
+    /// # Errors
+    ///
+    /// When the file cannot be opened; lines keep going where they went.
+    pub fn reopen(&self) -> io::Result<()> {
+        let Some(path) = &self.path else {
+            return Ok(());
+        };
+        let file = OpenOptions::new().create(true).append(true).open(path)?;
+        *self.out.lock() = Box::new(file);
+        Ok(())
     }
 
     /// Writes one event as one line.
@@ -246,6 +269,45 @@ mod tests {
         assert_eq!(first["to"], "1");
         let second: serde_json::Value = serde_json::from_str(lines[1]).unwrap_or_default();
         assert_eq!(second["kept_version"], "1");
+    }
+
+    /// As logrotate does: the file renamed away, then the log reopened at its path.
+    #[test]
+    fn a_reopened_file_log_writes_to_a_new_file_at_its_path() {
+        let dir = std::env::temp_dir().join(format!("tollgate-audit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("audit.jsonl");
+        let rotated = dir.join("audit.jsonl.1");
+        let log = AuditLog::file(&path, Box::new(ManualWallClock::default())).unwrap();
+        let event = |to: &str| AuditEvent::RolledBack {
+            from: "2".into(),
+            to: to.into(),
+        };
+        log.record(&event("before"));
+        std::fs::rename(&path, &rotated).unwrap();
+        log.record(&event("renamed"));
+        log.reopen().unwrap();
+        log.record(&event("reopened"));
+        let old = std::fs::read_to_string(&rotated).unwrap();
+        let new = std::fs::read_to_string(&path).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(old.contains("before") && old.contains("renamed"), "{old}");
+        assert!(!old.contains("reopened"), "{old}");
+        assert_eq!(new.lines().count(), 1, "{new}");
+        assert!(new.contains("reopened"), "{new}");
+        assert_eq!(log.failed_writes(), 0);
+    }
+
+    #[test]
+    fn a_log_that_is_no_file_has_nothing_to_reopen() {
+        let out = Shared::default();
+        let log = AuditLog::new(Box::new(out.clone()), Box::new(ManualWallClock::default()));
+        log.reopen().unwrap();
+        log.record(&AuditEvent::RolledBack {
+            from: "2".into(),
+            to: "1".into(),
+        });
+        assert_eq!(out.0.lock().iter().filter(|&&b| b == b'\n').count(), 1);
     }
 
     #[test]

@@ -744,17 +744,36 @@ fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>> {
     })
 }
 
-/// Reloads the policy file on SIGHUP, as Prometheus and nginx reload theirs, until dropped.
-/// The reload is forced: it also puts the file back in force after a rollback, which the file
-/// watcher leaves alone until the file changes. A file that fails validation is refused as on
-/// any reload, and the version in force stays.
-fn reload_on_hangup(engine: Arc<PolicyEngine>) -> Result<Option<AbortOnDrop>> {
+/// On SIGHUP, until dropped: reopens the audit log file (after logrotate renamed it away, as
+/// nginx reopens its logs) and reloads the policy file when there is one (`reload`), as
+/// Prometheus and nginx reload theirs. The reload is forced: it also puts the file back in
+/// force after a rollback, which the file watcher leaves alone until the file changes. A file
+/// that fails validation is refused as on any reload, and the version in force stays. With
+/// neither a policy file nor an audit log, SIGHUP keeps its default (it ends the process).
+fn on_hangup(
+    engine: Arc<PolicyEngine>,
+    reload: bool,
+    audit: Option<Arc<AuditLog>>,
+) -> Result<Option<AbortOnDrop>> {
+    if !reload && audit.is_none() {
+        return Ok(None);
+    }
     #[cfg(unix)]
     {
         use tokio::signal::unix::{SignalKind, signal};
         let mut hangups = signal(SignalKind::hangup()).context("cannot watch for SIGHUP")?;
         let task = tokio::spawn(async move {
             while hangups.recv().await.is_some() {
+                // First, so that the reload's own line goes to the new file.
+                if let Some(Err(err)) = audit.as_ref().map(|audit| audit.reopen()) {
+                    tracing::warn!(
+                        error = %err,
+                        "SIGHUP: cannot reopen the audit log; lines keep going to the file open"
+                    );
+                }
+                if !reload {
+                    continue;
+                }
                 match engine.reload() {
                     Ok(policy) => {
                         tracing::info!("SIGHUP: policy version {} in force", policy.version());
@@ -773,7 +792,7 @@ fn reload_on_hangup(engine: Arc<PolicyEngine>) -> Result<Option<AbortOnDrop>> {
     }
     #[cfg(not(unix))]
     {
-        let _ = engine;
+        let _ = (engine, audit);
         Ok(None)
     }
 }
@@ -818,14 +837,16 @@ pub async fn serve(
         // names the store.)
         options = options.limit_check(tollgate_redis::check_limit);
     }
+    let mut audit_log = None;
     if let Some(path) = &args.audit_log {
-        let audit = if path.as_os_str() == "-" {
+        let audit = Arc::new(if path.as_os_str() == "-" {
             AuditLog::stdout(Box::new(SystemWallClock))
         } else {
             AuditLog::file(path, Box::new(SystemWallClock))
                 .with_context(|| format!("cannot open the audit log {}", path.display()))?
-        };
-        options = options.audit(Arc::new(audit));
+        });
+        options = options.audit(Arc::clone(&audit));
+        audit_log = Some(audit);
     }
     let engine = match &args.config {
         Some(path) => PolicyEngine::from_file(path, options).map_err(|err| anyhow!("{err}"))?,
@@ -847,10 +868,7 @@ pub async fn serve(
         ),
         None => None,
     };
-    let _hangups = match &args.config {
-        Some(_) => reload_on_hangup(Arc::clone(&engine))?,
-        None => None,
-    };
+    let _hangups = on_hangup(Arc::clone(&engine), args.config.is_some(), audit_log)?;
 
     if args.token_batch > 0 && args.token_batch_ttl >= args.idempotency_window {
         bail!(

@@ -4,8 +4,9 @@
 //! and gRPC, on memory and on Redis, reloading, writing its audit log, draining) passes the
 //! unit's system call filter, which would otherwise answer a call outside it with EPERM.
 //!
-//! systemd's own tools judge the unit (`systemd-analyze`) and strace records the server's
-//! system calls; `.ci/run` installs both when missing. A machine without them fails these tests
+//! The logrotate file beside it rotates the audit log the unit's settings write, with nothing
+//! lost. systemd's own tools judge the unit (`systemd-analyze`), logrotate runs its file, and
+//! strace records the server's system calls; `.ci/run` installs them when missing. A machine without them fails these tests
 //! with what to install, as one without `redis-server` fails the Redis tests.
 
 mod support;
@@ -274,6 +275,65 @@ fn the_units_commands_start_reload_and_stop_the_server() {
         .wait_within(limit)
         .expect("stopped before TimeoutStopSec");
     assert!(status.success(), "{status:?}");
+}
+
+/// The shipped logrotate file, run by logrotate itself on a server started as the unit starts
+/// it (its paths moved to `scratch`, `systemctl reload` done as systemd does it: the
+/// ExecReload signal): the lines written before the rotation stay in the rotated file, and
+/// those after go to a new file at the log's path.
+#[test]
+fn logrotate_rotates_the_audit_log_without_losing_a_line() {
+    let scratch = Scratch::new("unit-logrotate");
+    let policy = scratch.write("policy.yaml", POLICY);
+    let server = Server::start_command(as_the_unit_starts_it(&scratch, &policy, &[]));
+    let audit = scratch.0.join("audit.jsonl");
+    let before = std::fs::read_to_string(&audit).expect("the audit log");
+    assert!(before.contains("\"version\":\"first\""), "{before}");
+
+    let shipped = std::fs::read_to_string(deploy().join("../logrotate/tollgate"))
+        .expect("deploy/logrotate/tollgate");
+    let reload = "systemctl reload tollgate.service";
+    assert!(shipped.contains(INSTALLED_AUDIT_LOG) && shipped.contains(reload));
+    let (signal_name, _) = unit_signals();
+    let config = shipped
+        .replace(INSTALLED_AUDIT_LOG, audit.to_str().expect("a UTF-8 path"))
+        .replace(reload, &format!("kill -{signal_name} {}", server.pid()));
+    let config = scratch.write("logrotate.conf", &config);
+    let state = scratch.0.join("logrotate.state");
+    let output = tool(
+        "logrotate",
+        &[
+            "--force",
+            "--state",
+            state.to_str().expect("a UTF-8 path"),
+            config.to_str().expect("a UTF-8 path"),
+        ],
+        "logrotate",
+    );
+    assert!(
+        output.status.success(),
+        "logrotate: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    // delaycompress: the newest rotated file stays as it is, for a server still writing.
+    let rotated = std::fs::read_to_string(scratch.0.join("audit.jsonl.1")).expect("rotated");
+    assert_eq!(rotated, before);
+
+    // The server opens the file again when the signal reaches it: a new, empty file.
+    for _ in 0..200 {
+        if audit.exists() {
+            break;
+        }
+        pause(Duration::from_millis(50));
+    }
+    assert!(audit.exists(), "no new audit log after the rotation");
+    // A policy change after the rotation is recorded in the new file.
+    std::fs::write(&policy, NEXT_POLICY).expect("change the policy");
+    wait_for_version(&server, "second");
+    let after = std::fs::read_to_string(&audit).expect("a new audit log at its path");
+    assert!(after.contains("\"version\":\"second\""), "{after}");
+    let rotated = std::fs::read_to_string(scratch.0.join("audit.jsonl.1")).expect("rotated");
+    assert!(!rotated.contains("second"), "{rotated}");
 }
 
 /// The system calls each `tool` set of `systemd-analyze syscall-filter` names, its nested
