@@ -824,6 +824,34 @@ fn reload_and_rollback_through_the_api() {
     );
 }
 
+/// On the demo policy, with an audit log file, SIGHUP opens the log again (after a rotation)
+/// rather than ending the process.
+#[test]
+// The signal acts on its own time: the test polls for its effect.
+#[allow(clippy::disallowed_methods)]
+fn sighup_without_a_policy_file_reopens_the_audit_log() {
+    let scratch = Scratch::new("sighup-audit");
+    let audit = scratch.0.join("audit.jsonl");
+    let server = Server::start(&["--audit-log", path_str(&audit)]);
+    std::fs::rename(&audit, scratch.0.join("audit.jsonl.1")).expect("rotate");
+    let status = std::process::Command::new("kill")
+        .args(["-HUP", &server.pid().to_string()])
+        .status()
+        .expect("run kill");
+    assert!(status.success());
+    for _ in 0..100 {
+        if audit.exists() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(audit.exists(), "the audit log was not opened again");
+    let body = r#"{"domain":"api","descriptors":[{"user":"alice"}]}"#;
+    assert_eq!(post_json(server.http, "/v1/check", body).status, 200);
+    let status = server.terminate();
+    assert!(status.success(), "{status:?}");
+}
+
 /// SIGHUP reloads the policy file, as for Prometheus and nginx, rather than ending the process:
 /// here it puts the file back in force after a rollback, which the file watcher leaves alone
 /// (the file has not changed since). A broken file is refused, the version in force stays.
