@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use support::{Scratch, Server, binary, post_json, request, run};
+use support::{Scratch, Server, binary, post_json, request, run, wait_for};
 use tollgate_redis::test_server::RedisServer;
 
 /// Where the unit installs the binary and its files.
@@ -217,13 +217,9 @@ fn policy_version(server: &Server) -> String {
 
 /// Waits until the server reports policy `version`, for up to 10 s.
 fn wait_for_version(server: &Server, version: &str) {
-    for _ in 0..200 {
-        if policy_version(server) == version {
-            return;
-        }
-        pause(Duration::from_millis(50));
-    }
-    panic!("policy {version} never came into force");
+    wait_for(&format!("policy {version} in force"), || {
+        (policy_version(server) == version).then_some(())
+    });
 }
 
 /// Sends `signal` (`HUP`, `TERM`) to process `pid`.
@@ -320,13 +316,9 @@ fn logrotate_rotates_the_audit_log_without_losing_a_line() {
     assert_eq!(rotated, before);
 
     // The server opens the file again when the signal reaches it: a new, empty file.
-    for _ in 0..200 {
-        if audit.exists() {
-            break;
-        }
-        pause(Duration::from_millis(50));
-    }
-    assert!(audit.exists(), "no new audit log after the rotation");
+    wait_for("a new audit log after the rotation", || {
+        audit.exists().then_some(())
+    });
     // A policy change after the rotation is recorded in the new file.
     std::fs::write(&policy, NEXT_POLICY).expect("change the policy");
     wait_for_version(&server, "second");
@@ -415,19 +407,11 @@ fn syscalls_in(trace: &str) -> BTreeSet<String> {
 
 /// The tollgate process strace started, by the children file of strace's main thread.
 fn traced_child(strace: u32) -> u32 {
-    for _ in 0..100 {
+    wait_for("the process strace starts", || {
         let children = std::fs::read_to_string(format!("/proc/{strace}/task/{strace}/children"))
             .unwrap_or_default();
-        if let Some(pid) = children
-            .split_whitespace()
-            .next()
-            .and_then(|p| p.parse().ok())
-        {
-            return pid;
-        }
-        pause(Duration::from_millis(20));
-    }
-    panic!("strace started no process");
+        children.split_whitespace().next()?.parse().ok()
+    })
 }
 
 /// Kills the traced server if the test ends early: killing strace alone would leave it running.

@@ -501,3 +501,17 @@ pub fn series_named(text: &str) -> Vec<&str> {
     }
     names
 }
+
+/// Asks `found` every 50 ms, for up to 10 s, and returns its first answer; panics saying what
+/// never came otherwise. The server acts on its own time (a signal, the file watcher): a test
+/// waits for the effect rather than sleeping for a guess.
+#[allow(clippy::disallowed_methods)]
+pub fn wait_for<T>(what: &str, mut found: impl FnMut() -> Option<T>) -> T {
+    for _ in 0..200 {
+        if let Some(answer) = found() {
+            return answer;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("{what} never came within 10 s");
+}
