@@ -3,6 +3,7 @@
 
 #![allow(dead_code, unreachable_pub)]
 
+pub mod browser;
 pub mod rlqs;
 
 use std::collections::HashMap;
