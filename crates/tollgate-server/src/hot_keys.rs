@@ -43,7 +43,8 @@ const LONGEST_LABEL: usize = 200;
 
 /// Estimated decisions of a hot key in the last window: labels `limit`, `key`.
 pub const HOT_KEY_DECISIONS: &str = "tollgate_hot_key_decisions";
-/// Estimated rejections of a hot key in the last window: labels `limit`, `key`.
+/// Estimated rejections of a hot key in the last window (for a limit in shadow, the rejections
+/// it would have made: who a limit about to be enforced would stop): labels `limit`, `key`.
 pub const HOT_KEY_REJECTIONS: &str = "tollgate_hot_key_rejections";
 
 /// A key among the busiest of a window.
@@ -56,7 +57,7 @@ pub struct HotKey {
     pub key: String,
     /// Estimated decisions on it in the window (a multiple of [`SAMPLE`]).
     pub decisions: u64,
-    /// Estimated rejections among them.
+    /// Estimated rejections among them (would-be rejections for a limit in shadow).
     pub rejections: u64,
     /// How much of `decisions` may belong to keys this one's counter took over from: the
     /// estimate lies between `decisions - overcount` and `decisions`.
@@ -151,7 +152,7 @@ impl HotKeys {
         write_series(
             out,
             HOT_KEY_REJECTIONS,
-            "Estimated rejections on each of the busiest bucket keys in the last full window.",
+            "Estimated rejections (in shadow mode, would-be rejections) on each of the busiest bucket keys in the last full window.",
             &keys,
             |key| key.rejections,
         );
