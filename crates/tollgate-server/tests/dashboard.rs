@@ -6,6 +6,7 @@
 mod support;
 
 use support::browser::Browser;
+use support::rlqs::{Envoy, usage};
 use support::{Scratch, Server, metric, path_str, post_json, request};
 
 /// What the page's script reads, by name: endpoints, and metric series in `/metrics`.
@@ -160,6 +161,7 @@ return {
   // How far the page is wider than the window (1280 px): a row of cards or a table's
   // columns pushing the rest out of sight.
   overflow: document.documentElement.scrollWidth - document.documentElement.clientWidth,
+  rlqs: document.getElementById("rlqs").style.display === "none" ? null : text("q-streams"),
 };
 "##;
 
@@ -293,6 +295,11 @@ async fn in_a_browser_the_page_shows_the_traffic_and_the_policy() {
         page["overflow"], 0,
         "the page is wider than the window: {page:#}"
     );
+    assert_eq!(
+        page["rlqs"],
+        serde_json::Value::Null,
+        "no Envoy on RLQS yet: {page:#}"
+    );
 
     // Each limit as the policy gives it, enforced rejections on the enforced one only, and
     // would-rejects on the shadow one only.
@@ -335,6 +342,15 @@ async fn in_a_browser_the_page_shows_the_traffic_and_the_policy() {
             .any(|row| row.contains("per-user") && row.contains("busy")),
         "{hot:?}"
     );
+
+    // An Envoy on RLQS: its stream shows in cards that were hidden until then.
+    let mut envoy = Envoy::connect(&server).await;
+    let usage = usage(&[("user", "edge")], 5, 0, std::time::Duration::from_secs(1));
+    assert_eq!(envoy.report("api", vec![usage]).await.len(), 1);
+    browser
+        .wait_until("the RLQS cards", READ_PAGE, |page| page["rlqs"] == "1")
+        .await;
+    drop(envoy);
 
     // A policy file that cannot load: the reload is refused, the page says so, and the
     // version in force stays.
