@@ -1,0 +1,284 @@
+//! README.md's command-line reference held to the binary's own `--help`: the synopsis of
+//! "Command line" lists every `serve` flag and no flag a command lacks, and every `TOLLGATE_*`
+//! name the README, the docs and the systemd files mention is one the binary reads. A flag
+//! added without its line in the README, or renamed with a stale one left behind, fails here
+//! rather than in a reader's terminal.
+
+mod support;
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use support::run;
+
+/// The commands the synopsis has a line for, as their `--help` is asked for.
+const COMMANDS: [&[&str]; 7] = [
+    &["serve"],
+    &["validate"],
+    &["check"],
+    &["simulate"],
+    &["import", "envoy"],
+    &["completions"],
+    &["bench"],
+];
+
+/// `TOLLGATE_*` names that are no `serve` flag: the log filter the binary reads, and where
+/// the tests find the tools they drive.
+const OTHER_NAMES: [&str; 5] = [
+    "TOLLGATE_LOG",
+    "TOLLGATE_PROMTOOL",
+    "TOLLGATE_NGINX",
+    "TOLLGATE_CHROMIUM",
+    "TOLLGATE_CHROMEDRIVER",
+];
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_else(|err| panic!("{}: {err}", path.display()))
+}
+
+/// The `--long` flags written in `text`.
+fn flags_in(text: &str) -> BTreeSet<String> {
+    let mut flags = BTreeSet::new();
+    let mut rest = text;
+    while let Some(at) = rest.find("--") {
+        let tail = &rest[at + 2..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-'))
+            .unwrap_or(tail.len());
+        if tail.starts_with(|c: char| c.is_ascii_lowercase()) {
+            flags.insert(format!("--{}", &tail[..end]));
+        }
+        rest = &tail[end..];
+    }
+    flags
+}
+
+/// The flags `tollgate COMMAND --help` lists (its own `--help` left out).
+fn help_flags(command: &[&str]) -> BTreeSet<String> {
+    let (status, help, err) = run(&[command, &["--help"]].concat());
+    assert!(status.success(), "{command:?} --help: {err}");
+    let options: String = help
+        .lines()
+        .filter(|line| line.trim_start().starts_with('-'))
+        .map(|line| {
+            line.split_whitespace()
+                .take(3)
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    let mut flags = flags_in(&options);
+    flags.remove("--help");
+    flags
+}
+
+/// The synopsis: the first `sh` block under "### Command line", as (command, its lines).
+fn synopsis() -> Vec<(Vec<String>, String)> {
+    let readme = read(&root().join("README.md"));
+    let section = &readme[readme
+        .find("\n### Command line\n")
+        .expect("a Command line section in README.md")..];
+    let start = section.find("```sh\n").expect("its sh block") + "```sh\n".len();
+    let block = &section[start..start + section[start..].find("```").expect("the block's end")];
+    let mut entries: Vec<(Vec<String>, String)> = Vec::new();
+    for line in block.lines() {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let named = COMMANDS.iter().find(|command| {
+            words.first() == Some(&"tollgate")
+                && words.len() > command.len()
+                && words[1..=command.len()] == command[..]
+        });
+        match named {
+            Some(command) => entries.push((
+                command.iter().map(|word| (*word).to_owned()).collect(),
+                line.to_owned(),
+            )),
+            // A continuation (indented) belongs to the entry above; any other line (`source
+            // <(tollgate completions bash)`) names no flag of its own.
+            None if line.starts_with(' ') => {
+                if let Some((_, text)) = entries.last_mut() {
+                    text.push('\n');
+                    text.push_str(line);
+                }
+            }
+            None => assert!(flags_in(line).is_empty(), "a line of no command: {line}"),
+        }
+    }
+    entries
+}
+
+#[test]
+fn the_synopsis_names_only_flags_its_commands_have() {
+    let entries = synopsis();
+    for command in COMMANDS {
+        if command == ["completions"] {
+            continue; // its line is `source <(tollgate completions bash)`, with no flag
+        }
+        assert!(
+            entries.iter().any(|(named, _)| named == command),
+            "no synopsis line for tollgate {command:?}"
+        );
+    }
+    for (command, text) in &entries {
+        let command: Vec<&str> = command.iter().map(String::as_str).collect();
+        let real = help_flags(&command);
+        let unknown: Vec<_> = flags_in(text).difference(&real).cloned().collect();
+        assert!(
+            unknown.is_empty(),
+            "the README's synopsis of tollgate {command:?} names {unknown:?}, which it does not have"
+        );
+    }
+}
+
+#[test]
+fn the_synopsis_lists_every_serve_flag() {
+    let entries = synopsis();
+    let (_, serve) = entries
+        .iter()
+        .find(|(command, _)| command == &["serve"])
+        .expect("a serve line");
+    let missing: Vec<_> = help_flags(&["serve"])
+        .difference(&flags_in(serve))
+        .cloned()
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "serve flags missing from the README's synopsis: {missing:?}"
+    );
+}
+
+/// The README says every `serve` flag is an environment variable named by a rule; `--help`
+/// shows each one's, so the rule is checked on all of them.
+#[test]
+fn every_serve_flag_is_the_environment_variable_the_rule_names() {
+    let (status, help, err) = run(&["serve", "--help"]);
+    assert!(status.success(), "{err}");
+    let mut flag = None;
+    let mut seen = BTreeSet::new();
+    for line in help.lines() {
+        let trimmed = line.trim_start();
+        // A flag's first line: `--name <VALUE>` or `-x, --name` (a possible value's line,
+        // `- shared: ...`, is not one).
+        if trimmed.starts_with("--") || trimmed.get(2..5) == Some(", -") {
+            flag = flags_in(
+                &trimmed
+                    .split_whitespace()
+                    .take(2)
+                    .collect::<Vec<_>>()
+                    .join(" "),
+            )
+            .into_iter()
+            .next();
+        }
+        if let Some(at) = trimmed.find("[env: ") {
+            let name = trimmed[at + "[env: ".len()..]
+                .split(['=', ']'])
+                .next()
+                .unwrap_or_default();
+            let flag = flag
+                .clone()
+                .unwrap_or_else(|| panic!("{name} under no flag"));
+            let expected = format!(
+                "TOLLGATE_{}",
+                flag.trim_start_matches("--")
+                    .replace('-', "_")
+                    .to_uppercase()
+            );
+            assert_eq!(name, expected, "{flag}");
+            seen.insert(flag);
+        }
+    }
+    let flags = help_flags(&["serve"]);
+    let without: Vec<_> = flags.difference(&seen).collect();
+    assert!(
+        without.is_empty(),
+        "serve flags without a variable: {without:?}"
+    );
+    let readme = read(&root().join("README.md"));
+    assert!(
+        readme.contains("`--store-timeout 50ms` is `TOLLGATE_STORE_TIMEOUT=50ms`"),
+        "the README states the rule with its example"
+    );
+}
+
+/// Every `TOLLGATE_*` name written in the README, the docs and the deploy files is one the
+/// binary reads (a `serve` flag's, or the log filter) or one the tests read for their tools.
+#[test]
+fn every_variable_the_documentation_names_is_real() {
+    let (status, help, err) = run(&["serve", "--help"]);
+    assert!(status.success(), "{err}");
+    let real: BTreeSet<&str> = help
+        .split("[env: ")
+        .skip(1)
+        .filter_map(|rest| rest.split(['=', ']']).next())
+        .chain(OTHER_NAMES)
+        .collect();
+    let mut files = vec![root().join("README.md")];
+    for dir in [
+        "docs",
+        "docs/examples",
+        "deploy/systemd",
+        "deploy/logrotate",
+    ] {
+        for entry in std::fs::read_dir(root().join(dir)).expect("the directory") {
+            let path = entry.expect("an entry").path();
+            if path.is_file() {
+                files.push(path);
+            }
+        }
+    }
+    for file in files {
+        let text = read(&file);
+        for (at, _) in text.match_indices("TOLLGATE_") {
+            let tail = &text[at..];
+            let name = &tail[..tail
+                .find(|c: char| !(c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_'))
+                .unwrap_or(tail.len())];
+            // `TOLLGATE_` alone is the prefix the rule is stated with.
+            assert!(
+                name == "TOLLGATE_" || real.contains(name),
+                "{} names {name}, which nothing reads",
+                file.display()
+            );
+        }
+    }
+}
+
+/// The README's example of a repeatable flag in its variable: values separated by commas,
+/// each mapping taking effect (a limit keyed by both entries applies only when both are read).
+#[test]
+fn a_repeatable_flag_takes_its_values_from_its_variable_separated_by_commas() {
+    let scratch = support::Scratch::new("readme-env");
+    let config = scratch.write(
+        "policy.yaml",
+        "limits: [{name: pair, domain: api, key: [user, tenant], capacity: 1, refill: 1/h}]\n",
+    );
+    let mut command = std::process::Command::new(support::binary());
+    command
+        .args([
+            "serve",
+            "--http",
+            "127.0.0.1:0",
+            "--grpc",
+            "127.0.0.1:0",
+            "--config",
+        ])
+        .arg(&config)
+        .env(
+            "TOLLGATE_FORWARD_AUTH_HEADER",
+            "user=X-User-Id,tenant=X-Tenant",
+        );
+    let server = support::Server::start_command(command);
+    let status = |tenant: &str| {
+        let headers = [("X-User-Id", "u1"), ("X-Tenant", tenant)];
+        support::request(server.http, "GET", "/v1/forward-auth/api", &headers, "").status
+    };
+    assert_eq!(status("t1"), 200);
+    assert_eq!(status("t1"), 429, "the pair's bucket of one is spent");
+    assert_eq!(status("t2"), 200, "another tenant, another bucket");
+}
