@@ -161,6 +161,7 @@ return {
   // How far the page is wider than the window (1280 px): a row of cards or a table's
   // columns pushing the rest out of sight.
   overflow: document.documentElement.scrollWidth - document.documentElement.clientWidth,
+  width: document.documentElement.clientWidth,
   rlqs: document.getElementById("rlqs").style.display === "none" ? null : text("q-streams"),
 };
 "##;
@@ -342,6 +343,21 @@ async fn in_a_browser_the_page_shows_the_traffic_and_the_policy() {
             .any(|row| row.contains("per-user") && row.contains("busy")),
         "{hot:?}"
     );
+
+    // On a phone's width too: the cards wrap, and a wide table scrolls in its section.
+    browser
+        .client()
+        .set_window_size(390, 844)
+        .await
+        .expect("a narrow window");
+    let narrow = browser.run(READ_PAGE).await;
+    assert!(narrow["width"].as_u64() < Some(400), "{narrow:#}");
+    assert_eq!(narrow["overflow"], 0, "wider than a phone: {narrow:#}");
+    browser
+        .client()
+        .set_window_size(1280, 900)
+        .await
+        .expect("the window back");
 
     // An Envoy on RLQS: its stream shows in cards that were hidden until then.
     let mut envoy = Envoy::connect(&server).await;
