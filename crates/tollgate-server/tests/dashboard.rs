@@ -6,11 +6,13 @@
 mod support;
 
 use support::browser::Browser;
+use support::nginx::Nginx;
 use support::rlqs::{Envoy, usage};
 use support::{Scratch, Server, metric, path_str, post_json, request};
 
 /// What the page's script reads, by name: endpoints, and metric series in `/metrics`.
-const ENDPOINTS: [&str; 4] = ["/metrics", "/readyz", "/v1/policy", "/v1/hot-keys"];
+/// Relative to the page, so that a proxy serving the server under a prefix serves them too.
+const ENDPOINTS: [&str; 4] = ["metrics", "readyz", "v1/policy", "v1/hot-keys"];
 /// The first six are on every server once its decisions have run a limit near its end (the
 /// test's do); the others appear once what they count happens (a store error, a rejection
 /// answered from memory on Redis, a settlement).
@@ -64,7 +66,7 @@ fn the_page_is_served_and_what_it_reads_is_there() {
             page.body.contains(&format!("\"{path}\"")),
             "the page reads {path}"
         );
-        let answer = request(server.http, "GET", path, &[], "");
+        let answer = request(server.http, "GET", &format!("/{path}"), &[], "");
         assert_eq!(answer.status, 200, "{path}: {}", answer.body);
     }
     let metrics = request(server.http, "GET", "/metrics", &[], "").body;
@@ -452,5 +454,37 @@ async fn in_a_browser_the_page_asks_for_the_admin_token_and_keeps_it() {
         .await;
     assert_eq!(page["tokenShown"], false, "{page:#}");
     assert_eq!(page["token"], "s3cret", "{page:#}");
+    browser.close().await;
+}
+
+/// Served under a prefix by a proxy (nginx here; `kubectl proxy` serves a service's port under
+/// a path the same way), the page reads the server through the same prefix: its reads are
+/// relative to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_a_browser_the_page_works_under_a_proxys_path_prefix() {
+    let server = Server::start(&[]);
+    let _traffic = Traffic::start(&server);
+    let nginx = Nginx::start(&format!(
+        "server {{\n  listen LISTEN;\n  location /tollgate/ {{ proxy_pass http://{}/; }}\n}}",
+        server.http
+    ));
+    let browser = Browser::open().await;
+    browser
+        .visit(&format!("http://{}/tollgate/dashboard", nginx.addr))
+        .await;
+    let page = browser
+        .wait_until("the page read through the prefix", READ_PAGE, |page| {
+            page["version"] == "demo-1"
+                && shown(&page["rate"]).is_some_and(|rate| rate > 0.0)
+                && limit_row(page, "per-user").is_some()
+        })
+        .await;
+    assert_eq!(page["store"], "memory · ready", "{page:#}");
+    assert!(
+        page["updated"]
+            .as_str()
+            .is_some_and(|text| text.starts_with("updated ")),
+        "{page:#}"
+    );
     browser.close().await;
 }
