@@ -1,8 +1,9 @@
-//! README.md's command-line reference held to the binary's own `--help`: the synopsis of
-//! "Command line" lists every `serve` flag and no flag a command lacks, and every `TOLLGATE_*`
-//! name the README, the docs and the systemd files mention is one the binary reads. A flag
-//! added without its line in the README, or renamed with a stale one left behind, fails here
-//! rather than in a reader's terminal.
+//! README.md held to the binary: the quick start's curl commands run as written answer what
+//! the README shows; the synopsis of "Command line" lists every `serve` flag and no flag a
+//! command lacks (by the binary's own `--help`); and every `TOLLGATE_*` name the README, the
+//! docs and the systemd files mention is one the binary reads. A flag added without its line
+//! in the README, or an answer changed without its example, fails here rather than in a
+//! reader's terminal.
 
 mod support;
 
@@ -281,4 +282,108 @@ fn a_repeatable_flag_takes_its_values_from_its_variable_separated_by_commas() {
     assert_eq!(status("t1"), 200);
     assert_eq!(status("t1"), 429, "the pair's bucket of one is spent");
     assert_eq!(status("t2"), 200, "another tenant, another bucket");
+}
+
+/// The fenced block of `kind` that follows `after` in the README.
+fn block_after(readme: &str, after: &str, kind: &str) -> String {
+    let from = readme
+        .find(after)
+        .unwrap_or_else(|| panic!("{after:?} in README.md"))
+        + after.len();
+    let fence = format!("```{kind}\n");
+    let start = from + readme[from..].find(&fence).expect("the block") + fence.len();
+    readme[start..start + readme[start..].find("```").expect("its end")].to_owned()
+}
+
+/// Runs a README shell command (its `127.0.0.1:8080` pointed at `server`) and returns what it
+/// printed, lines ending in `\n`.
+fn shell(command: &str, server: &support::Server) -> String {
+    let command = command.replace("127.0.0.1:8080", &server.http.to_string());
+    let output = std::process::Command::new("sh")
+        .args(["-c", &command])
+        .output()
+        .expect("sh runs");
+    assert!(
+        output.status.success(),
+        "{command}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).replace("\r\n", "\n")
+}
+
+/// The quick start's requests, run as the README writes them (curl, through sh) against the
+/// server the first command starts: the answer it shows, line for line, and the leases
+/// example's answers, its lease id aside.
+#[test]
+fn the_quick_start_answers_as_the_readme_shows() {
+    let readme = read(&root().join("README.md"));
+    let server = support::Server::start(&[]);
+
+    let check = block_after(&readme, "Then, from another terminal:", "sh");
+    let shown = block_after(&readme, "Then, from another terminal:", "text");
+    let printed = shell(&check, &server);
+    for line in shown.lines().filter(|line| !line.is_empty()) {
+        assert!(
+            printed.lines().any(|printed| printed == line),
+            "the README shows {line:?}; curl printed:\n{printed}"
+        );
+    }
+    // Sent one curl at a time, a request may find a refilled token (one each 200 ms): the
+    // burst of 10 passes whole, and a 429 with Retry-After comes once it is spent.
+    let mut allowed = 1;
+    let rejected = loop {
+        let printed = shell(&check, &server);
+        if printed.starts_with("HTTP/1.1 200 OK\n") && allowed < 40 {
+            allowed += 1;
+            continue;
+        }
+        break printed;
+    };
+    assert!(
+        rejected.starts_with("HTTP/1.1 429 Too Many Requests\n"),
+        "{rejected}"
+    );
+    assert!(allowed >= 10, "{allowed} allowed before the 429");
+    assert!(
+        rejected
+            .lines()
+            .any(|line| line.starts_with("retry-after: ")),
+        "{rejected}"
+    );
+
+    // Each command, then the comment lines after it: what it prints.
+    let leases = block_after(&readme, "The demo also caps exports", "sh");
+    let mut steps: Vec<(String, Vec<String>)> = Vec::new();
+    for line in leases.lines() {
+        match line.strip_prefix("# ") {
+            Some(shown) => steps
+                .last_mut()
+                .expect("a command before its output")
+                .1
+                .push(shown.to_owned()),
+            None if steps
+                .last()
+                .is_some_and(|(command, _)| command.ends_with('\\')) =>
+            {
+                let (command, _) = steps.last_mut().expect("the command");
+                command.push('\n');
+                command.push_str(line);
+            }
+            None => steps.push((line.to_owned(), Vec::new())),
+        }
+    }
+    assert_eq!(steps.len(), 2, "take a lease, give it back: {steps:?}");
+    let taken = shell(&steps[0].0, &server);
+    let taken: serde_json::Value = serde_json::from_str(taken.trim()).expect("JSON");
+    let mut shown: serde_json::Value = serde_json::from_str(&steps[0].1[0]).expect("JSON shown");
+    let readme_id = shown["lease_id"].as_str().expect("an id shown").to_owned();
+    let id = taken["lease_id"].as_str().expect("a lease id");
+    shown["lease_id"] = serde_json::Value::String(id.to_owned());
+    assert_eq!(taken, shown);
+    let given_back = shell(&steps[1].0.replace(&readme_id, id), &server);
+    assert_eq!(
+        given_back.lines().next(),
+        Some(steps[1].1[0].as_str()),
+        "{given_back}"
+    );
 }
