@@ -160,8 +160,8 @@ return {
   token: sessionStorage.getItem("tollgate-token"),
   policyError: errorShown ? text("policy-error-text") : null,
   chart: { allowed, rejected },
-  // How far the page is wider than the window (1280 px): a row of cards or a table's
-  // columns pushing the rest out of sight.
+  // How far the page is wider than the window: a row of cards or a table's columns
+  // pushing the rest out of sight.
   overflow: document.documentElement.scrollWidth - document.documentElement.clientWidth,
   width: document.documentElement.clientWidth,
   rlqs: document.getElementById("rlqs").style.display === "none" ? null : text("q-streams"),
