@@ -5,22 +5,12 @@
 
 mod support;
 
-use std::path::Path;
-
 use support::nginx::Nginx;
-use support::{Server, request};
+use support::{Server, fenced_block, readme, request};
 
 /// The README's nginx block: the `tollgate serve` flags its first line names, and the rest.
 fn readme_snippet() -> (Vec<String>, String) {
-    let readme =
-        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../README.md"))
-            .expect("README.md");
-    let start = readme
-        .find("```nginx\n")
-        .expect("an nginx block in README.md")
-        + "```nginx\n".len();
-    let end = start + readme[start..].find("```").expect("the block's end");
-    let block = &readme[start..end];
+    let block = fenced_block(&readme(), "### Forward-auth (nginx, Traefik)", "nginx");
     let (first, rest) = block.split_once('\n').expect("more than one line");
     let flags = first
         .strip_prefix("# tollgate serve ")

@@ -10,7 +10,7 @@ mod support;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-use support::run;
+use support::{fenced_block, readme, run};
 
 /// The commands the synopsis has a line for, as their `--help` is asked for.
 const COMMANDS: [&[&str]; 7] = [
@@ -80,12 +80,7 @@ fn help_flags(command: &[&str]) -> BTreeSet<String> {
 
 /// The synopsis: the first `sh` block under "### Command line", as (command, its lines).
 fn synopsis() -> Vec<(Vec<String>, String)> {
-    let readme = read(&root().join("README.md"));
-    let section = &readme[readme
-        .find("\n### Command line\n")
-        .expect("a Command line section in README.md")..];
-    let start = section.find("```sh\n").expect("its sh block") + "```sh\n".len();
-    let block = &section[start..start + section[start..].find("```").expect("the block's end")];
+    let block = fenced_block(&readme(), "\n### Command line\n", "sh");
     let mut entries: Vec<(Vec<String>, String)> = Vec::new();
     for line in block.lines() {
         let words: Vec<&str> = line.split_whitespace().collect();
@@ -200,7 +195,7 @@ fn every_serve_flag_is_the_environment_variable_the_rule_names() {
         without.is_empty(),
         "serve flags without a variable: {without:?}"
     );
-    let readme = read(&root().join("README.md"));
+    let readme = readme();
     assert!(
         readme.contains("`--store-timeout 50ms` is `TOLLGATE_STORE_TIMEOUT=50ms`"),
         "the README states the rule with its example"
@@ -284,17 +279,6 @@ fn a_repeatable_flag_takes_its_values_from_its_variable_separated_by_commas() {
     assert_eq!(status("t2"), 200, "another tenant, another bucket");
 }
 
-/// The fenced block of `kind` that follows `after` in the README.
-fn block_after(readme: &str, after: &str, kind: &str) -> String {
-    let from = readme
-        .find(after)
-        .unwrap_or_else(|| panic!("{after:?} in README.md"))
-        + after.len();
-    let fence = format!("```{kind}\n");
-    let start = from + readme[from..].find(&fence).expect("the block") + fence.len();
-    readme[start..start + readme[start..].find("```").expect("its end")].to_owned()
-}
-
 /// Runs a README shell command (its `127.0.0.1:8080` pointed at `server`) and returns what it
 /// printed, lines ending in `\n`.
 fn shell(command: &str, server: &support::Server) -> String {
@@ -316,11 +300,11 @@ fn shell(command: &str, server: &support::Server) -> String {
 /// example's answers, its lease id aside.
 #[test]
 fn the_quick_start_answers_as_the_readme_shows() {
-    let readme = read(&root().join("README.md"));
+    let readme = readme();
     let server = support::Server::start(&[]);
 
-    let check = block_after(&readme, "Then, from another terminal:", "sh");
-    let shown = block_after(&readme, "Then, from another terminal:", "text");
+    let check = fenced_block(&readme, "Then, from another terminal:", "sh");
+    let shown = fenced_block(&readme, "Then, from another terminal:", "text");
     let printed = shell(&check, &server);
     for line in shown.lines().filter(|line| !line.is_empty()) {
         assert!(
@@ -352,7 +336,7 @@ fn the_quick_start_answers_as_the_readme_shows() {
     );
 
     // Each command, then the comment lines after it: what it prints.
-    let leases = block_after(&readme, "The demo also caps exports", "sh");
+    let leases = fenced_block(&readme, "The demo also caps exports", "sh");
     let mut steps: Vec<(String, Vec<String>)> = Vec::new();
     for line in leases.lines() {
         match line.strip_prefix("# ") {

@@ -504,6 +504,29 @@ pub fn series_named(text: &str) -> Vec<&str> {
     names
 }
 
+/// The project's README.md, which some tests hold to the binary.
+pub fn readme() -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../README.md");
+    std::fs::read_to_string(&path).unwrap_or_else(|err| panic!("{}: {err}", path.display()))
+}
+
+/// The first fenced block of `kind` (`sh`, `nginx`, ...) after `after` in `text`, without its
+/// fences.
+pub fn fenced_block(text: &str, after: &str, kind: &str) -> String {
+    let from = text
+        .find(after)
+        .unwrap_or_else(|| panic!("{after:?} is not in the text"))
+        + after.len();
+    let fence = format!("```{kind}\n");
+    let start = from
+        + text[from..]
+            .find(&fence)
+            .unwrap_or_else(|| panic!("no {kind} block after {after:?}"))
+        + fence.len();
+    let end = start + text[start..].find("```").expect("the block's end");
+    text[start..end].to_owned()
+}
+
 /// Asks `found` every 50 ms, for up to 10 s, and returns its first answer; panics saying what
 /// never came otherwise. The server acts on its own time (a signal, the file watcher): a test
 /// waits for the effect rather than sleeping for a guess.
