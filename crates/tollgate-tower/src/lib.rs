@@ -156,3 +156,10 @@ pub use layer::{LimitBuilder, PolicyBuilder, TollgateLayer};
 pub use limiter::Descriptor;
 pub use reservation::Reservation;
 pub use service::Tollgate;
+
+/// The README's Rust examples (the library's and this layer's), compiled and run as this
+/// crate's doctests: the front door's code cannot stop compiling unnoticed. This crate, which
+/// has both `tollgate` and axum within reach, is where they can run.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeExamples;
