@@ -371,3 +371,33 @@ fn the_quick_start_answers_as_the_readme_shows() {
         "{given_back}"
     );
 }
+
+/// Every policy the README writes (a whole file, or limits to put under `limits:`) is one
+/// `tollgate validate` accepts; the Envoy configurations beside them are Envoy's to judge.
+#[test]
+fn the_readme_policies_validate() {
+    let readme = readme();
+    let scratch = support::Scratch::new("readme-policies");
+    let mut validated = 0;
+    for (n, block) in readme.split("```yaml\n").skip(1).enumerate() {
+        let block = &block[..block.find("```").expect("the block's end")];
+        let policy = if block.starts_with("# Envoy") {
+            continue;
+        } else if block.starts_with("  - ") {
+            format!("limits:\n{block}")
+        } else {
+            block.to_owned()
+        };
+        let file = scratch.write(&format!("policy-{n}.yaml"), &policy);
+        let (status, _, stderr) = run(&["validate", support::path_str(&file)]);
+        assert!(
+            status.success(),
+            "the README's policy\n{policy}\nis refused: {stderr}"
+        );
+        validated += 1;
+    }
+    assert_eq!(
+        validated, 3,
+        "the policy file, the path prefix and the block list"
+    );
+}
