@@ -28,7 +28,7 @@ pub struct Browser {
     client: Option<Client>,
     driver: Child,
     /// The browser's profile, new for each session: nothing carries over between tests.
-    _profile: Scratch,
+    profile: Scratch,
 }
 
 impl Browser {
@@ -51,7 +51,7 @@ impl Browser {
         let mut browser = Self {
             client: None,
             driver,
-            _profile: profile,
+            profile,
         };
         let mut options = json!({
             "args": [
@@ -66,7 +66,7 @@ impl Browser {
                 "--disable-sync",
                 "--disable-crash-reporter",
                 "--window-size=1280,900",
-                format!("--user-data-dir={}", super::path_str(&browser._profile.0)),
+                format!("--user-data-dir={}", super::path_str(&browser.profile.0)),
             ]
         });
         if let Some(binary) = std::env::var_os("TOLLGATE_CHROMIUM") {
