@@ -38,6 +38,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use parking_lot::Mutex;
+use smallvec::{SmallVec, smallvec};
 use tollgate::{
     Carry, CheckRequest, Clock, Decision, Item, Limit, LocalStore, MemoryLeases, MemoryStore,
     MonotonicClock, SettleStatus, Store, Take, Timestamp, block_on_ready,
@@ -49,6 +50,10 @@ use crate::error::Error;
 use crate::key::{rate_tag, stable_hash};
 use crate::policy::{Descriptor, Effect, Exemption, FailureMode, Matched, Policy};
 use crate::wall::{SystemWallClock, UnixTime, WallClock};
+
+/// One store entry of a request being decided: its bucket key, the limit, the summed cost of
+/// the matches on it, and the first of those matches.
+type BucketSlot = (Box<str>, Limit, u64, usize);
 
 /// How a [`PolicyEngine`] is set up.
 #[derive(Clone)]
@@ -870,9 +875,11 @@ impl PolicyEngine {
 
         // One store entry per distinct bucket, with the summed cost of the matches on it (and,
         // in a settlement, what they gave back: the summed cost less the summed use).
-        let mut buckets: Vec<(Box<str>, Limit, u64, usize)> = Vec::with_capacity(matched.len());
+        // Inline for the usual request (one or two buckets): a decision allocates no
+        // bookkeeping of its own beside what the store and the answer need.
+        let mut buckets: SmallVec<[BucketSlot; 2]> = SmallVec::new();
         let mut refunds: Vec<u64> = Vec::new();
-        let mut slot_of = Vec::with_capacity(matched.len());
+        let mut slot_of: SmallVec<[usize; 4]> = SmallVec::new();
         for (i, m) in matched.iter().enumerate() {
             if let Effect::Exempt(_) = m.effect {
                 slot_of.push(usize::MAX);
@@ -883,9 +890,8 @@ impl PolicyEngine {
             let refund = used.map_or(0, |used| cost - used.of(m.descriptor));
             // A denial shares no slot with a bucket the store decides (a descriptor asking
             // for a denial beside one of the same values that does not).
-            let same = |(k, .., first): &(Box<str>, Limit, u64, usize)| {
-                *k == key && matched[*first].denied == m.denied
-            };
+            let same =
+                |(k, .., first): &BucketSlot| *k == key && matched[*first].denied == m.denied;
             match buckets.iter().position(same) {
                 Some(slot) => {
                     buckets[slot].2 = buckets[slot].2.saturating_add(cost);
@@ -910,12 +916,11 @@ impl PolicyEngine {
                 .collect()
         };
         let mut settled: Vec<SettleStatus> = Vec::new();
-        let enforced =
-            |slot: &(Box<str>, Limit, u64, usize)| matched[slot.3].effect == Effect::Enforce;
+        let enforced = |slot: &BucketSlot| matched[slot.3].effect == Effect::Enforce;
         // A cost above an enforced limit's capacity could never pass: a typed error, before
         // anything is charged. A limit that cannot reject (shadow, outside a rollout) must not
         // fail the request for it: it reports a would-reject and is left out of every charge.
-        let mut decisions: Vec<Option<Decision>> = vec![None; buckets.len()];
+        let mut decisions: SmallVec<[Option<Decision>; 2]> = smallvec![None; buckets.len()];
         for (slot, bucket) in buckets.iter().enumerate() {
             let (_, limit, cost, first) = bucket;
             // A deny has no bucket: decided here, whatever the cost, and never sent to a store.
@@ -937,7 +942,7 @@ impl PolicyEngine {
             }
             decisions[slot] = Some(never_fits(limit));
         }
-        let enforce_slots: Vec<usize> = (0..buckets.len())
+        let enforce_slots: SmallVec<[usize; 2]> = (0..buckets.len())
             .filter(|&s| enforced(&buckets[s]) && !matched[buckets[s].3].denied)
             .collect();
         // An enforced deny rejects the request: the other buckets are then only read, so a
@@ -960,7 +965,7 @@ impl PolicyEngine {
                 .map(|(key, ..)| Self::carry_for(&carries, key, now))
                 .collect()
         };
-        let takes_of = |slots: &[usize]| -> Vec<Take<'_>> {
+        let takes_of = |slots: &[usize]| -> SmallVec<[Take<'_>; 2]> {
             slots
                 .iter()
                 .map(|&s| {
