@@ -875,8 +875,8 @@ impl PolicyEngine {
 
         // One store entry per distinct bucket, with the summed cost of the matches on it (and,
         // in a settlement, what they gave back: the summed cost less the summed use).
-        // Inline for the usual request (one or two buckets): a decision allocates no
-        // bookkeeping of its own beside what the store and the answer need.
+        // These lists hold one or two entries for the usual request: kept inline, they cost
+        // no allocation of their own.
         let mut buckets: SmallVec<[BucketSlot; 2]> = SmallVec::new();
         let mut refunds: Vec<u64> = Vec::new();
         let mut slot_of: SmallVec<[usize; 4]> = SmallVec::new();

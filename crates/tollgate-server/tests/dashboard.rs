@@ -173,6 +173,18 @@ fn shown(value: &serde_json::Value) -> Option<f64> {
     value.as_str()?.replace(',', "").parse().ok()
 }
 
+/// The page's last read of `/metrics` went through (a failed one says so where the time of
+/// the last read goes) and the store it shows is ready.
+fn assert_read_the_server(page: &serde_json::Value) {
+    assert!(
+        page["updated"]
+            .as_str()
+            .is_some_and(|text| text.starts_with("updated ")),
+        "{page:#}"
+    );
+    assert_eq!(page["store"], "memory · ready", "{page:#}");
+}
+
 /// The row of the limits table for `name`.
 fn limit_row<'a>(page: &'a serde_json::Value, name: &str) -> Option<&'a Vec<serde_json::Value>> {
     page["limits"]
@@ -269,13 +281,7 @@ async fn in_a_browser_the_page_shows_the_traffic_and_the_policy() {
             },
         )
         .await;
-    assert!(
-        page["updated"]
-            .as_str()
-            .is_some_and(|text| text.starts_with("updated ")),
-        "{page:#}"
-    );
-    assert_eq!(page["store"], "memory · ready", "{page:#}");
+    assert_read_the_server(&page);
     assert!(
         page["source"]
             .as_str()
@@ -479,12 +485,6 @@ async fn in_a_browser_the_page_works_under_a_proxys_path_prefix() {
                 && limit_row(page, "per-user").is_some()
         })
         .await;
-    assert_eq!(page["store"], "memory · ready", "{page:#}");
-    assert!(
-        page["updated"]
-            .as_str()
-            .is_some_and(|text| text.starts_with("updated ")),
-        "{page:#}"
-    );
+    assert_read_the_server(&page);
     browser.close().await;
 }

@@ -7,7 +7,7 @@
 
 mod support;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use support::{fenced_block, readme, run};
@@ -58,24 +58,36 @@ fn flags_in(text: &str) -> BTreeSet<String> {
     flags
 }
 
-/// The flags `tollgate COMMAND --help` lists (its own `--help` left out).
-fn help_flags(command: &[&str]) -> BTreeSet<String> {
+/// The options `tollgate COMMAND --help` lists (its own `--help` left out), each with the
+/// environment variable it names, if any.
+fn options(command: &[&str]) -> BTreeMap<String, Option<String>> {
     let (status, help, err) = run(&[command, &["--help"]].concat());
     assert!(status.success(), "{command:?} --help: {err}");
-    let options: String = help
-        .lines()
-        .filter(|line| line.trim_start().starts_with('-'))
-        .map(|line| {
-            line.split_whitespace()
-                .take(3)
-                .collect::<Vec<_>>()
-                .join(" ")
-        })
-        .collect::<Vec<_>>()
-        .join("\n");
-    let mut flags = flags_in(&options);
-    flags.remove("--help");
-    flags
+    let mut options = BTreeMap::new();
+    let mut flag = None;
+    for line in help.lines() {
+        let trimmed = line.trim_start();
+        // An option's first line: `--name <VALUE>` or `-x, --name` (a possible value's line,
+        // `- shared: ...`, is not one).
+        if trimmed.starts_with("--") || trimmed.get(2..5) == Some(", -") {
+            let head: Vec<&str> = trimmed.split_whitespace().take(2).collect();
+            flag = flags_in(&head.join(" ")).into_iter().next();
+            if let Some(flag) = &flag {
+                options.insert(flag.clone(), None);
+            }
+        }
+        if let (Some(flag), Some(at)) = (&flag, trimmed.find("[env: ")) {
+            let name = trimmed[at + "[env: ".len()..].split(['=', ']']).next();
+            options.insert(flag.clone(), name.map(str::to_owned));
+        }
+    }
+    options.remove("--help");
+    options
+}
+
+/// The flags `tollgate COMMAND --help` lists (its own `--help` left out).
+fn help_flags(command: &[&str]) -> BTreeSet<String> {
+    options(command).into_keys().collect()
 }
 
 /// The synopsis: the first `sh` block under "### Command line", as (command, its lines).
@@ -152,49 +164,15 @@ fn the_synopsis_lists_every_serve_flag() {
 /// shows each one's, so the rule is checked on all of them.
 #[test]
 fn every_serve_flag_is_the_environment_variable_the_rule_names() {
-    let (status, help, err) = run(&["serve", "--help"]);
-    assert!(status.success(), "{err}");
-    let mut flag = None;
-    let mut seen = BTreeSet::new();
-    for line in help.lines() {
-        let trimmed = line.trim_start();
-        // A flag's first line: `--name <VALUE>` or `-x, --name` (a possible value's line,
-        // `- shared: ...`, is not one).
-        if trimmed.starts_with("--") || trimmed.get(2..5) == Some(", -") {
-            flag = flags_in(
-                &trimmed
-                    .split_whitespace()
-                    .take(2)
-                    .collect::<Vec<_>>()
-                    .join(" "),
-            )
-            .into_iter()
-            .next();
-        }
-        if let Some(at) = trimmed.find("[env: ") {
-            let name = trimmed[at + "[env: ".len()..]
-                .split(['=', ']'])
-                .next()
-                .unwrap_or_default();
-            let flag = flag
-                .clone()
-                .unwrap_or_else(|| panic!("{name} under no flag"));
-            let expected = format!(
-                "TOLLGATE_{}",
-                flag.trim_start_matches("--")
-                    .replace('-', "_")
-                    .to_uppercase()
-            );
-            assert_eq!(name, expected, "{flag}");
-            seen.insert(flag);
-        }
+    for (flag, name) in options(&["serve"]) {
+        let expected = format!(
+            "TOLLGATE_{}",
+            flag.trim_start_matches("--")
+                .replace('-', "_")
+                .to_uppercase()
+        );
+        assert_eq!(name.as_deref(), Some(expected.as_str()), "{flag}");
     }
-    let flags = help_flags(&["serve"]);
-    let without: Vec<_> = flags.difference(&seen).collect();
-    assert!(
-        without.is_empty(),
-        "serve flags without a variable: {without:?}"
-    );
     let readme = readme();
     assert!(
         readme.contains("`--store-timeout 50ms` is `TOLLGATE_STORE_TIMEOUT=50ms`"),
@@ -206,12 +184,11 @@ fn every_serve_flag_is_the_environment_variable_the_rule_names() {
 /// binary reads (a `serve` flag's, or the log filter) or one the tests read for their tools.
 #[test]
 fn every_variable_the_documentation_names_is_real() {
-    let (status, help, err) = run(&["serve", "--help"]);
-    assert!(status.success(), "{err}");
-    let real: BTreeSet<&str> = help
-        .split("[env: ")
-        .skip(1)
-        .filter_map(|rest| rest.split(['=', ']']).next())
+    let serve = options(&["serve"]);
+    let real: BTreeSet<&str> = serve
+        .values()
+        .flatten()
+        .map(String::as_str)
         .chain(OTHER_NAMES)
         .collect();
     let mut files = vec![root().join("README.md")];
