@@ -13,6 +13,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, anyhow, bail};
 use axum::http::StatusCode;
 use clap::{CommandFactory, Parser, Subcommand};
+use futures_util::{Stream, StreamExt};
 use tokio::net::TcpListener;
 use tollgate_policy::audit::AuditLog;
 use tollgate_policy::watch::PolicyWatcher;
@@ -180,6 +181,13 @@ pub struct ServeArgs {
     /// before they are dropped and the process exits.
     #[arg(long, env = "TOLLGATE_DRAIN_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub drain_timeout: Duration,
+    /// How long, on SIGTERM or SIGINT, the server goes on serving out of its load balancers'
+    /// rotation before it stops accepting and drains: `/readyz` and the gRPC health service
+    /// answer "not ready" meanwhile, so that a Kubernetes Service or Envoy stops sending it new
+    /// connections first (a few seconds covers their lag). 0, the default, stops accepting at
+    /// once; a second signal ends the wait.
+    #[arg(long, env = "TOLLGATE_SHUTDOWN_DELAY", default_value = "0s", value_parser = parse_shutdown_delay)]
+    pub shutdown_delay: Duration,
     /// How many of each limit's busiest bucket keys `/metrics` (`tollgate_hot_key_*`) and
     /// `/v1/hot-keys` report, from a sample of the decisions; 0, the default, counts nothing.
     /// Keys are made of descriptor values (user ids, addresses, API keys): turn this on only
@@ -372,6 +380,17 @@ fn parse_timeout(text: &str) -> Result<Duration, String> {
         Duration::ZERO => Err("a timeout must be longer than 0".to_owned()),
         timeout if timeout > LONGEST => Err(format!("{text} is longer than a day (1440m)")),
         timeout => Ok(timeout),
+    }
+}
+
+/// A shutdown delay: up to ten minutes, since a process that waits longer on SIGTERM is taken
+/// for hung (Kubernetes' grace period, systemd's stop timeout) and killed before it drains.
+fn parse_shutdown_delay(text: &str) -> Result<Duration, String> {
+    match parse_duration(text)? {
+        delay if delay > Duration::from_secs(600) => {
+            Err(format!("{text} is longer than ten minutes (10m)"))
+        }
+        delay => Ok(delay),
     }
 }
 
@@ -689,7 +708,7 @@ fn serve_main(args: ServeArgs) -> Result<()> {
             .enable_all()
             .build()
             .context("cannot start the async runtime")?;
-        return runtime.block_on(async { serve(args, shutdown_signal()?).await });
+        return runtime.block_on(async { serve(args, shutdown_signals()?).await });
     }
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
     if let Some(threads) = args.threads {
@@ -701,7 +720,7 @@ fn serve_main(args: ServeArgs) -> Result<()> {
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
-    runtime.block_on(async { serve(args, shutdown_signal()?).await })
+    runtime.block_on(async { serve(args, shutdown_signals()?).await })
 }
 
 fn init_tracing(format: LogFormat) {
@@ -717,31 +736,57 @@ fn init_tracing(format: LogFormat) {
     };
 }
 
-/// Watches for SIGINT and SIGTERM from now on, and resolves on the first. The handlers are in
-/// place when this returns, before the server says it listens: a signal caught only once the
-/// future was first polled would, if it came sooner, end the process at once (the signals'
-/// default), not after the requests in flight.
-fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>> {
+/// Watches for SIGINT and SIGTERM from now on: an item for each. The handlers are in place
+/// when this returns, before the server says it listens: a signal caught only once the stream
+/// was first polled would, if it came sooner, end the process at once (the signals' default),
+/// not after the requests in flight.
+fn shutdown_signals() -> Result<impl Stream<Item = ()> + Send + Unpin + 'static> {
     #[cfg(unix)]
-    let stopped = {
+    let signals = {
         use tokio::signal::unix::{SignalKind, signal};
-        let mut interrupt = signal(SignalKind::interrupt()).context("cannot watch for SIGINT")?;
-        let mut terminate = signal(SignalKind::terminate()).context("cannot watch for SIGTERM")?;
-        async move {
-            tokio::select! {
-                _ = interrupt.recv() => {},
-                _ = terminate.recv() => {},
-            }
-        }
+        let interrupt = signal(SignalKind::interrupt()).context("cannot watch for SIGINT")?;
+        let terminate = signal(SignalKind::terminate()).context("cannot watch for SIGTERM")?;
+        futures_util::stream::unfold(
+            (interrupt, terminate),
+            |(mut interrupt, mut terminate)| async move {
+                tokio::select! {
+                    _ = interrupt.recv() => {},
+                    _ = terminate.recv() => {},
+                }
+                Some(((), (interrupt, terminate)))
+            },
+        )
     };
     #[cfg(not(unix))]
-    let stopped = async {
+    let signals = futures_util::stream::unfold((), |()| async {
         let _ = tokio::signal::ctrl_c().await;
-    };
-    Ok(async move {
-        stopped.await;
-        tracing::info!("shutting down: finishing requests in flight");
-    })
+        Some(((), ()))
+    });
+    Ok(Box::pin(signals))
+}
+
+/// Resolves when the server is to stop accepting: at the first of `signals`, or with a
+/// `delay`, that long after it, out of rotation meanwhile (see [`crate::Rotation`]), or at a
+/// second signal, for an operator who will not wait.
+async fn stop_after(
+    mut signals: impl Stream<Item = ()> + Unpin,
+    delay: Duration,
+    state: Arc<AppState>,
+) {
+    signals.next().await;
+    if !delay.is_zero() {
+        state.rotation().leave();
+        tracing::info!(
+            delay = ?delay,
+            "shutting down: out of rotation (/readyz and gRPC health answer not ready), \
+             still serving until the delay is over"
+        );
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            _ = signals.next() => tracing::info!("a second signal: not waiting out the delay"),
+        }
+    }
+    tracing::info!("shutting down: finishing requests in flight");
 }
 
 /// On SIGHUP, until dropped: reopens the audit log file (after logrotate renamed it away, as
@@ -806,14 +851,15 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// Sets everything up from `args`, prints where it listens, and serves until `shutdown`.
+/// Sets everything up from `args`, prints where it listens, and serves until the first of
+/// `signals` (and `--shutdown-delay` after it).
 ///
 /// # Errors
 ///
 /// A bad policy, an unusable store URL, a port in use: one line each.
 pub async fn serve(
     args: ServeArgs,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    signals: impl Stream<Item = ()> + Send + Unpin + 'static,
 ) -> Result<()> {
     // `--admin-token "$TOKEN"` with TOKEN unset must not quietly stand for "no token", nor for
     // a token that an absent credential matches: both would surprise whoever set it.
@@ -1046,6 +1092,7 @@ pub async fn serve(
         .clone()
         .map(|shares| tokio::spawn(crate::global::rebalance(shares, rounds_stopped)));
 
+    let shutdown = stop_after(signals, args.shutdown_delay, Arc::clone(&state));
     match args.runtime {
         RuntimeModel::Shared => crate::run(state, http, grpc, shutdown).await,
         RuntimeModel::PerCore => {

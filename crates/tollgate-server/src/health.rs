@@ -7,6 +7,9 @@
 //! is `/readyz`'s: serving when the store answers (always, on the memory store), computed on
 //! every `Check` so that the two never disagree. The service names known are the server as a
 //! whole (`""`) and the RLS service; others are `NOT_FOUND`, as the protocol asks.
+//!
+//! Both also say "not serving" once the server has left its load balancers' [`Rotation`] on
+//! its way out (`--shutdown-delay`), while it still answers every call.
 
 use std::convert::Infallible;
 use std::pin::Pin;
@@ -40,17 +43,70 @@ const SERVICES: [&str; 3] = [
 /// nothing to Redis, and a status a few seconds late is what health checking tolerates.
 const WATCH_EVERY: Duration = Duration::from_secs(2);
 
+/// Whether the server is in its load balancers' rotation.
+///
+/// A server stopped at once refuses the new connections that load balancers, which learn of
+/// the stop later (a Kubernetes Service's endpoints, Envoy's health checks), still send it
+/// for a few seconds: refused calls a client treats as the limiter being down. With
+/// `--shutdown-delay`, the first SIGTERM takes the server out of rotation instead: `/readyz`
+/// and the gRPC health service answer "not ready", so the balancers stop sending, while it
+/// goes on serving every request, new connections included, until the delay is over and it
+/// drains. It never comes back: leaving is for a server on its way out.
+#[derive(Debug)]
+pub struct Rotation {
+    leaving: watch::Sender<bool>,
+}
+
+impl Rotation {
+    /// A server in rotation.
+    pub fn new() -> Self {
+        Self {
+            leaving: watch::Sender::new(false),
+        }
+    }
+
+    /// Takes the server out of rotation, waking every health `Watch` to say so.
+    pub fn leave(&self) {
+        self.leaving.send_replace(true);
+    }
+
+    /// Whether the server has left rotation.
+    pub fn is_leaving(&self) -> bool {
+        *self.leaving.borrow()
+    }
+
+    fn subscribe(&self) -> watch::Receiver<bool> {
+        self.leaving.subscribe()
+    }
+}
+
+impl Default for Rotation {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 /// The health service of one server.
 pub(crate) struct GrpcHealth {
     decider: Arc<Decider>,
+    /// Whether the server has left rotation (see [`Rotation`]).
+    leaving: watch::Receiver<bool>,
     /// Ends every `Watch` stream at shutdown: a stream that never ends would hold the graceful
     /// stop forever.
     stopped: watch::Receiver<bool>,
 }
 
 impl GrpcHealth {
-    pub(crate) fn new(decider: Arc<Decider>, stopped: watch::Receiver<bool>) -> Self {
-        Self { decider, stopped }
+    pub(crate) fn new(
+        decider: Arc<Decider>,
+        rotation: &Rotation,
+        stopped: watch::Receiver<bool>,
+    ) -> Self {
+        Self {
+            decider,
+            leaving: rotation.subscribe(),
+            stopped,
+        }
     }
 
     pub(crate) fn into_server(self) -> HealthServer<Self> {
@@ -59,9 +115,12 @@ impl GrpcHealth {
 }
 
 /// The status of `service` now: `None` for a name this server does not know.
-async fn status(decider: &Decider, service: &str) -> Option<ServingStatus> {
+async fn status(decider: &Decider, leaving: bool, service: &str) -> Option<ServingStatus> {
     if !SERVICES.contains(&service) {
         return None;
+    }
+    if leaving {
+        return Some(ServingStatus::NotServing);
     }
     Some(match decider.store_ready().await {
         Ok(()) => ServingStatus::Serving,
@@ -80,6 +139,7 @@ struct Watching {
     decider: Arc<Decider>,
     service: String,
     last: Option<ServingStatus>,
+    leaving: watch::Receiver<bool>,
     stopped: watch::Receiver<bool>,
 }
 
@@ -90,7 +150,8 @@ impl Watching {
             if *self.stopped.borrow() {
                 return None;
             }
-            let now = status(&self.decider, &self.service)
+            let leaving = *self.leaving.borrow_and_update();
+            let now = status(&self.decider, leaving, &self.service)
                 .await
                 .unwrap_or(ServingStatus::ServiceUnknown);
             if self.last != Some(now) {
@@ -99,6 +160,9 @@ impl Watching {
             }
             tokio::select! {
                 () = tokio::time::sleep(WATCH_EVERY) => {}
+                // Said at once, not up to WATCH_EVERY later: the delay out of rotation is short.
+                // (A sender gone, at the server's end, no longer matches: the others decide.)
+                Ok(()) = self.leaving.changed() => {}
                 changed = self.stopped.changed() => {
                     // The server that would say "stop" is gone: so is the reason to watch.
                     if changed.is_err() {
@@ -119,7 +183,8 @@ impl Health for GrpcHealth {
         request: Request<HealthCheckRequest>,
     ) -> Result<Response<HealthCheckResponse>, Status> {
         let service = request.into_inner().service;
-        match status(&self.decider, &service).await {
+        let leaving = *self.leaving.borrow();
+        match status(&self.decider, leaving, &service).await {
             Some(status) => Ok(Response::new(response(status))),
             None => Err(Status::not_found(format!("unknown service {service:?}"))),
         }
@@ -135,6 +200,7 @@ impl Health for GrpcHealth {
             decider: Arc::clone(&self.decider),
             service: request.into_inner().service,
             last: None,
+            leaving: self.leaving.clone(),
             stopped: self.stopped.clone(),
         };
         Ok(Response::new(
@@ -222,13 +288,50 @@ mod tests {
     }
 
     fn watch(service: &str, stopped: watch::Receiver<bool>) -> WatchStream {
+        watch_in(&Rotation::new(), service, stopped)
+    }
+
+    fn watch_in(rotation: &Rotation, service: &str, stopped: watch::Receiver<bool>) -> WatchStream {
         let watching = Watching {
             decider: decider(),
             service: service.to_owned(),
             last: None,
+            leaving: rotation.subscribe(),
             stopped,
         };
         stream::unfold(watching, Watching::next).boxed()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn leaving_rotation_is_said_at_once_to_a_watch_and_to_a_check() {
+        let rotation = Rotation::new();
+        let (_stop, stopped) = watch::channel(false);
+        let mut statuses = watch_in(&rotation, "", stopped.clone());
+        let first = statuses.next().await.expect("a status").expect("ok");
+        assert_eq!(first.status, ServingStatus::Serving as i32);
+        let health = GrpcHealth::new(decider(), &rotation, stopped);
+        let asked = || async {
+            let request = Request::new(HealthCheckRequest {
+                service: "envoy.service.ratelimit.v3.RateLimitService".to_owned(),
+            });
+            health
+                .check(request)
+                .await
+                .expect("known")
+                .into_inner()
+                .status
+        };
+        assert_eq!(asked().await, ServingStatus::Serving as i32);
+
+        let left = tokio::time::Instant::now();
+        rotation.leave();
+        let next = statuses.next().await.expect("a status").expect("ok");
+        assert_eq!(next.status, ServingStatus::NotServing as i32);
+        // Woken by the leaving, not by its next look WATCH_EVERY later (time stands still here
+        // unless something sleeps).
+        assert!(left.elapsed() < WATCH_EVERY, "{:?}", left.elapsed());
+        assert_eq!(asked().await, ServingStatus::NotServing as i32);
+        assert!(rotation.is_leaving());
     }
 
     #[tokio::test(start_paused = true)]

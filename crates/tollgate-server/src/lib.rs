@@ -70,6 +70,7 @@ use tokio::sync::{mpsc, watch};
 pub use connection::ConnectionLimits;
 use connection::{Admitted, Place};
 pub use decider::{Backend, Decider};
+pub use health::Rotation;
 pub use http::{AppState, HttpOptions};
 
 /// Why serving stopped with an error.
@@ -390,7 +391,9 @@ where
     let rls = Arc::new(rls::Rls::new(Arc::clone(&state.decider)));
     let unary = grpc_unary::ShouldRateLimit::new(Arc::clone(&rls));
     let rls = rls::Rls::server(rls);
-    let health = health::GrpcHealth::new(Arc::clone(&state.decider), stopped.clone()).into_server();
+    let health =
+        health::GrpcHealth::new(Arc::clone(&state.decider), &state.rotation, stopped.clone())
+            .into_server();
     let grpc_server = grpc::serve(
         health::Routes::new(rls, unary, health, rlqs::Rlqs::server(rlqs)),
         grpc,

@@ -1,7 +1,8 @@
 //! The server's bounds on its connections, seen by clients of the real binary: a client that
 //! never finishes a request head, never opens HTTP/2 or goes quiet is let go (and counted),
 //! while clients that speak keep their connections; past `--max-connections` a new client
-//! waits until a connection closes.
+//! waits until a connection closes. On the way out, with `--shutdown-delay`, the server leaves
+//! its load balancers' rotation and goes on serving before it drains.
 
 mod support;
 
@@ -12,7 +13,10 @@ use std::time::{Duration, Instant};
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
-use support::{Server, assert_serve_flags_refused, descriptor, metric, post_json};
+use support::{Server, assert_serve_flags_refused, descriptor, metric, post_json, request};
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
 
 const CHECK: &str = r#"{"domain":"api","descriptors":[{"user":"alice"}]}"#;
 
@@ -292,7 +296,92 @@ fn connection_limits_are_checked_at_start() {
         ("--header-timeout", "0s", "longer than 0"),
         ("--idle-timeout", "1441m", "longer than a day"),
         ("--max-connections", "0", "not in 1.."),
+        ("--shutdown-delay", "11m", "longer than ten minutes"),
     ]);
+}
+
+/// The gRPC health service's status for the server as a whole, asked on a new connection.
+async fn health_on_a_new_connection(server: &Server) -> i32 {
+    let mut health = HealthClient::new(server.grpc_channel().await);
+    let ask = HealthCheckRequest {
+        service: String::new(),
+    };
+    health
+        .check(ask)
+        .await
+        .expect("a status")
+        .into_inner()
+        .status
+}
+
+/// Whether `/readyz` answers 503 and says the server is shutting down.
+fn out_of_rotation(server: &Server) -> bool {
+    let ready = request(server.http, "GET", "/readyz", &[], "");
+    ready.status == 503 && ready.json()["shutting_down"] == true
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_delay_takes_the_server_out_of_rotation_while_it_serves_on() {
+    // The delay is long enough for the calls below on a busy host; nothing waits it out but
+    // the end, which is a drain of nothing.
+    let server = Server::start(&["--shutdown-delay", "5s", "--drain-timeout", "1s"]);
+    assert_eq!(request(server.http, "GET", "/readyz", &[], "").status, 200);
+    let mut watch = HealthClient::new(server.grpc_channel().await)
+        .watch(HealthCheckRequest {
+            service: "envoy.service.ratelimit.v3.RateLimitService".to_owned(),
+        })
+        .await
+        .expect("a watch")
+        .into_inner();
+    let first = watch.message().await.expect("a status").expect("open");
+    assert_eq!(first.status, ServingStatus::Serving as i32);
+    let mut kept = HealthClient::new(server.grpc_channel().await);
+    let mut rls = RateLimitServiceClient::new(server.grpc_channel().await);
+
+    server.signal("TERM");
+    // Said to the watch as it happens (its own look comes every 2 s).
+    let next = tokio::time::timeout(Duration::from_secs(1), watch.message()).await;
+    let next = next.expect("told within a second").expect("a status");
+    assert_eq!(next.expect("open").status, ServingStatus::NotServing as i32);
+    assert!(out_of_rotation(&server));
+    let asked = kept
+        .check(HealthCheckRequest::default())
+        .await
+        .expect("a status");
+    assert_eq!(asked.into_inner().status, ServingStatus::NotServing as i32);
+    // Still serving: on connections opened before, and on new ones, both APIs.
+    call(&mut rls).await;
+    assert_eq!(post_json(server.http, "/v1/check", CHECK).status, 200);
+    assert_eq!(
+        health_on_a_new_connection(&server).await,
+        ServingStatus::NotServing as i32
+    );
+    let mut late = RateLimitServiceClient::new(server.grpc_channel().await);
+    call(&mut late).await;
+    assert!(
+        out_of_rotation(&server),
+        "the delay ended before the calls above"
+    );
+
+    let status = tokio::task::spawn_blocking(move || server.wait_within(Duration::from_secs(30)));
+    let status = status.await.expect("waited");
+    let status = status.expect("still running 30 s after SIGTERM, with a 5 s delay");
+    assert!(status.success(), "{status:?}");
+}
+
+#[test]
+fn a_second_signal_ends_the_shutdown_delay() {
+    let server = Server::start(&["--shutdown-delay", "10m"]);
+    assert_eq!(request(server.http, "GET", "/readyz", &[], "").status, 200);
+    server.signal("TERM");
+    support::wait_for("readyz to say shutting down", || {
+        out_of_rotation(&server).then_some(())
+    });
+    // An operator at a terminal, pressing Ctrl-C again.
+    server.signal("INT");
+    let status = server.wait_within(Duration::from_secs(10));
+    let status = status.expect("still running 10 s after a second signal");
+    assert!(status.success(), "{status:?}");
 }
 
 #[test]

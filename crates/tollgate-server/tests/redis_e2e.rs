@@ -386,6 +386,10 @@ fn redis_killed_under_closed_and_open_limits() {
     assert_eq!(ready.status, 503);
     // Gone, not slow: its port refuses connections, and the server says so.
     assert_eq!(ready.json()["store_error"], "connection", "{}", ready.body);
+    // Left in its Service by a probe that leaves the store out, as the limits' failure modes
+    // still answer.
+    let serving = support::request(server.http, "GET", "/readyz?exclude=store", &[], "");
+    assert_eq!(serving.status, 200, "{}", serving.body);
     assert_eq!(breakers().as_deref(), Some("1"), "the breaker is open");
     let metrics = support::request(server.http, "GET", "/metrics", &[], "").body;
     assert!(

@@ -139,13 +139,21 @@ fn the_environment_file_offers_real_settings() {
             "{name} is no setting of tollgate serve"
         );
     }
-    // Requests in flight must be drained before systemd kills what is left.
+    // The time out of rotation, then the requests in flight drained, before systemd kills
+    // what is left.
     let stop = seconds(&single(&unit(), "TimeoutStopSec"));
-    let drain = offered
-        .iter()
-        .find(|(name, _)| name == "TOLLGATE_DRAIN_TIMEOUT")
-        .map_or(10, |(_, value)| seconds(value));
-    assert!(drain < stop, "drain {drain} s, TimeoutStopSec {stop} s");
+    let offered_seconds = |setting: &str, default: u64| {
+        offered
+            .iter()
+            .find(|(name, _)| name == setting)
+            .map_or(default, |(_, value)| seconds(value))
+    };
+    let drain = offered_seconds("TOLLGATE_DRAIN_TIMEOUT", 10);
+    let delay = offered_seconds("TOLLGATE_SHUTDOWN_DELAY", 0);
+    assert!(
+        delay + drain < stop,
+        "delay {delay} s and drain {drain} s, TimeoutStopSec {stop} s"
+    );
 }
 
 /// A server started as the unit starts it, with every setting of the environment file given

@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::Json;
-use axum::extract::{ConnectInfo, State};
+use axum::extract::{ConnectInfo, RawQuery, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
@@ -24,9 +24,41 @@ pub(crate) async fn healthz() -> &'static str {
     "ok\n"
 }
 
-pub(crate) async fn readyz(State(state): State<Arc<AppState>>) -> Response {
+/// `GET /readyz[?exclude=store]`: ready when the policy is loaded, the store answers and the
+/// server is in rotation. `exclude=store` leaves the store out, as Kubernetes' own `/readyz`
+/// takes `exclude=etcd`: every replica shares one store, so when it is down a readiness that
+/// asks it takes them all out of their Service at once, and clients get no answer at all,
+/// where the servers would have answered by each limit's failure mode.
+pub(crate) async fn readyz(
+    State(state): State<Arc<AppState>>,
+    RawQuery(query): RawQuery,
+) -> Response {
+    let ask_store = match excluded(query.as_deref()) {
+        Ok(exclude_store) => !exclude_store,
+        Err(name) => {
+            return ApiError::bad_request(
+                "invalid_query",
+                format!("readiness has no check named {name:?} to exclude (only \"store\")"),
+            )
+            .into_response();
+        }
+    };
     let version = state.decider.engine().current().version().to_owned();
     let store = state.decider.backend().name();
+    if state.rotation.is_leaving() {
+        // On its way out (`--shutdown-delay`): still serving, but no new work should come.
+        let body = json!({
+            "ready": false,
+            "policy_version": version,
+            "store": store,
+            "shutting_down": true,
+        });
+        return (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response();
+    }
+    if !ask_store {
+        return Json(json!({"ready": true, "policy_version": version, "store": store}))
+            .into_response();
+    }
     match state.decider.store_ready().await {
         Ok(()) => {
             Json(json!({"ready": true, "policy_version": version, "store": store})).into_response()
@@ -42,6 +74,26 @@ pub(crate) async fn readyz(State(state): State<Arc<AppState>>) -> Response {
         )
             .into_response(),
     }
+}
+
+/// Whether a readiness query excludes the store: `Err` with a name it cannot exclude. Other
+/// parameters are left alone (a probe may carry a cache buster).
+fn excluded(query: Option<&str>) -> Result<bool, &str> {
+    let mut store = false;
+    for (name, value) in query
+        .unwrap_or_default()
+        .split('&')
+        .filter_map(|pair| pair.split_once('='))
+    {
+        if name != "exclude" {
+            continue;
+        }
+        match value {
+            "store" => store = true,
+            other => return Err(other),
+        }
+    }
+    Ok(store)
 }
 
 pub(crate) async fn metrics(State(state): State<Arc<AppState>>) -> Response {
@@ -409,6 +461,17 @@ mod tests {
         assert_eq!(duration(Duration::from_millis(1_500)), "1500ms");
         assert_eq!(duration(Duration::from_secs(86_400)), "1d");
         assert_eq!(duration(Duration::from_secs(7_200)), "2h");
+    }
+
+    #[test]
+    fn readiness_may_leave_the_store_out_and_nothing_else() {
+        assert_eq!(excluded(None), Ok(false));
+        assert_eq!(excluded(Some("")), Ok(false));
+        assert_eq!(excluded(Some("exclude=store")), Ok(true));
+        assert_eq!(excluded(Some("t=1&exclude=store")), Ok(true));
+        assert_eq!(excluded(Some("verbose")), Ok(false));
+        assert_eq!(excluded(Some("exclude=redis")), Err("redis"));
+        assert_eq!(excluded(Some("exclude=store&exclude=")), Err(""));
     }
 
     const REMOTE: &str = "203.0.113.7:40000";

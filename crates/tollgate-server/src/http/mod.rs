@@ -27,6 +27,7 @@ use parking_lot::Mutex;
 
 use crate::connection::{ConnectionLimits, Connections};
 use crate::decider::Decider;
+use crate::health::Rotation;
 use crate::rlqs::RlqsOptions;
 
 pub use error::ApiError;
@@ -99,6 +100,8 @@ pub struct AppState {
     pub(crate) connections: Connections,
     /// How the RLQS service treats its streams' buckets.
     pub(crate) rlqs: RlqsOptions,
+    /// Whether the server is in its load balancers' rotation (`/readyz` says so).
+    pub(crate) rotation: Rotation,
 }
 
 impl AppState {
@@ -115,7 +118,13 @@ impl AppState {
             exported_version: Mutex::new(None),
             connections: Connections::new(ConnectionLimits::default()),
             rlqs: RlqsOptions::default(),
+            rotation: Rotation::new(),
         }
+    }
+
+    /// Whether the server is in its load balancers' rotation: taken out of it on the way out.
+    pub fn rotation(&self) -> &Rotation {
+        &self.rotation
     }
 
     /// The same state, with `options` for the RLQS service instead of the defaults.

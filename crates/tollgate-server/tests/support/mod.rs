@@ -146,6 +146,15 @@ impl Server {
         self.child.as_ref().map_or(0, Child::id)
     }
 
+    /// Sends it `signal` (`TERM`, `HUP`...) without waiting for anything.
+    pub fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .args([&format!("-{signal}"), &self.pid().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -{signal}");
+    }
+
     /// Sends SIGTERM and waits for the exit status.
     pub fn terminate(mut self) -> ExitStatus {
         let mut child = self.child.take().expect("running");
