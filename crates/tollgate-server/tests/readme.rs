@@ -25,9 +25,10 @@ const COMMANDS: [&[&str]; 7] = [
 
 /// `TOLLGATE_*` names that are no `serve` flag: the log filter the binary reads, and where
 /// the tests find the tools they drive.
-const OTHER_NAMES: [&str; 5] = [
+const OTHER_NAMES: [&str; 6] = [
     "TOLLGATE_LOG",
     "TOLLGATE_PROMTOOL",
+    "TOLLGATE_KUBERNETES_VALIDATE",
     "TOLLGATE_NGINX",
     "TOLLGATE_CHROMIUM",
     "TOLLGATE_CHROMEDRIVER",
@@ -197,6 +198,7 @@ fn every_variable_the_documentation_names_is_real() {
         "docs/examples",
         "deploy/systemd",
         "deploy/logrotate",
+        "deploy/kubernetes",
     ] {
         for entry in std::fs::read_dir(root().join(dir)).expect("the directory") {
             let path = entry.expect("an entry").path();
