@@ -161,7 +161,7 @@ fn the_manifest_passes_the_kubernetes_schema() {
 fn the_manifests_objects_name_each_other() {
     let objects = objects();
     let deployment = object(&objects, "Deployment");
-    let service = object(&objects, "Service");
+    let services: Vec<&Value> = objects.iter().filter(|o| o["kind"] == "Service").collect();
     let budget = object(&objects, "PodDisruptionBudget");
     let config_map = object(&objects, "ConfigMap");
     let pod = &deployment["spec"]["template"];
@@ -181,25 +181,34 @@ fn the_manifests_objects_name_each_other() {
         &deployment["spec"]["selector"]["matchLabels"],
         "the Deployment",
     );
-    selects_the_pods(&service["spec"]["selector"], "the Service");
+    for service in &services {
+        selects_the_pods(&service["spec"]["selector"], "a Service");
+    }
     selects_the_pods(&budget["spec"]["selector"]["matchLabels"], "the budget");
     // A budget that allows no disruption would block every node drain.
     assert!(number(&budget["spec"]["minAvailable"]) < number(&deployment["spec"]["replicas"]));
 
     let container = container(&deployment);
     let ports = ports(&container);
-    for port in service["spec"]["ports"].as_array().expect("service ports") {
+    for port in services
+        .iter()
+        .flat_map(|service| service["spec"]["ports"].as_array().expect("service ports"))
+    {
         let target = text(&port["targetPort"]);
         assert!(
             ports.contains_key(target),
-            "the Service targets {target}, no port of the pod's"
+            "a Service targets {target}, no port of the pod's"
         );
         assert_eq!(
             number(&port["port"]),
             ports[target],
-            "the Service's {target} port"
+            "a Service's {target} port"
         );
     }
+    // One Service with an address for both ports, one with the pods' own for Envoy's DNS.
+    let headless = |service: &&&Value| service["spec"]["clusterIP"] == "None";
+    assert_eq!(services.iter().filter(headless).count(), 1);
+    assert_eq!(services.len(), 2);
     let args = args(&container);
     assert_eq!(listening_port(flag(&args, "--http")), ports["http"]);
     assert_eq!(listening_port(flag(&args, "--grpc")), ports["grpc"]);
