@@ -16,7 +16,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use serde_json::Value;
-use support::{Scratch, Server, binary, path_str, post_json, request, wait_for};
+use support::{Scratch, Server, binary, path_str, post_json, request, seconds, wait_for};
 use tollgate_redis::test_server::RedisServer;
 
 fn repository() -> PathBuf {
@@ -87,23 +87,6 @@ fn flag<'a>(args: &'a [String], flag: &str) -> &'a str {
         .position(|arg| arg == flag)
         .unwrap_or_else(|| panic!("no {flag} in {args:?}"));
     args.get(at + 1).expect("a value after the flag")
-}
-
-/// Whole seconds of a duration flag's value such as `5s` or `1m`.
-fn seconds(value: &str) -> u64 {
-    let (digits, unit) = value.split_at(
-        value
-            .find(|c: char| !c.is_ascii_digit())
-            .unwrap_or(value.len()),
-    );
-    let n: u64 = digits
-        .parse()
-        .unwrap_or_else(|_| panic!("a duration: {value}"));
-    match unit {
-        "s" => n,
-        "m" => n * 60,
-        other => panic!("unexpected unit {other} in {value}"),
-    }
 }
 
 /// The container's ports by name.

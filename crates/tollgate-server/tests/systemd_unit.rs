@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use support::{Scratch, Server, binary, post_json, request, run, wait_for};
+use support::{Scratch, Server, binary, post_json, request, run, seconds, wait_for};
 use tollgate_redis::test_server::RedisServer;
 
 /// Where the unit installs the binary and its files.
@@ -64,22 +64,6 @@ fn tool(program: &str, args: &[&str], package: &str) -> Output {
 #[allow(clippy::disallowed_methods)]
 fn pause(duration: Duration) {
     std::thread::sleep(duration);
-}
-
-/// `10s`, `30s`, `1min`, `2m`: the forms the unit and the environment file use.
-fn seconds(text: &str) -> u64 {
-    let (digits, unit) = text.split_at(
-        text.find(|c: char| !c.is_ascii_digit())
-            .unwrap_or(text.len()),
-    );
-    let n: u64 = digits
-        .parse()
-        .unwrap_or_else(|_| panic!("a duration: {text}"));
-    match unit {
-        "" | "s" => n,
-        "m" | "min" => n * 60,
-        other => panic!("unexpected duration unit {other} in {text}"),
-    }
 }
 
 #[test]

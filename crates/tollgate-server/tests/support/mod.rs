@@ -549,3 +549,19 @@ pub fn wait_for<T>(what: &str, mut found: impl FnMut() -> Option<T>) -> T {
     }
     panic!("{what} never came within 10 s");
 }
+
+/// Whole seconds of `10s`, `30s`, `1min`, `2m`: the forms the deploy files give durations in.
+pub fn seconds(text: &str) -> u64 {
+    let (digits, unit) = text.split_at(
+        text.find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(text.len()),
+    );
+    let n: u64 = digits
+        .parse()
+        .unwrap_or_else(|_| panic!("a duration: {text}"));
+    match unit {
+        "" | "s" => n,
+        "m" | "min" => n * 60,
+        other => panic!("unexpected duration unit {other} in {text}"),
+    }
+}
