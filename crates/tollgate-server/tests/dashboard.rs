@@ -488,3 +488,24 @@ async fn in_a_browser_the_page_works_under_a_proxys_path_prefix() {
     assert_read_the_server(&page);
     browser.close().await;
 }
+
+/// On its way out (`--shutdown-delay`), the page says the server is not ready because it is
+/// shutting down, not because of its store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_a_browser_the_page_says_when_the_server_is_shutting_down() {
+    let server = Server::start(&["--shutdown-delay", "10m"]);
+    let browser = Browser::open().await;
+    browser.visit(&server.url("/dashboard")).await;
+    browser
+        .wait_until("the store ready", READ_PAGE, |page| {
+            page["store"] == "memory · ready"
+        })
+        .await;
+    server.signal("TERM");
+    browser
+        .wait_until("the store not ready", READ_PAGE, |page| {
+            page["store"] == "memory · not ready (shutting down)"
+        })
+        .await;
+    browser.close().await;
+}
