@@ -371,17 +371,21 @@ async fn a_shutdown_delay_takes_the_server_out_of_rotation_while_it_serves_on() 
 
 #[test]
 fn a_second_signal_ends_the_shutdown_delay() {
-    let server = Server::start(&["--shutdown-delay", "10m"]);
-    assert_eq!(request(server.http, "GET", "/readyz", &[], "").status, 200);
-    server.signal("TERM");
-    support::wait_for("readyz to say shutting down", || {
-        out_of_rotation(&server).then_some(())
-    });
-    // An operator at a terminal, pressing Ctrl-C again.
-    server.signal("INT");
-    let status = server.wait_within(Duration::from_secs(10));
-    let status = status.expect("still running 10 s after a second signal");
-    assert!(status.success(), "{status:?}");
+    // Both runtimes: the per-core one watches the signals on its accepting thread's own.
+    for runtime in ["shared", "per-core"] {
+        let server = Server::start(&["--shutdown-delay", "10m", "--runtime", runtime]);
+        assert_eq!(request(server.http, "GET", "/readyz", &[], "").status, 200);
+        server.signal("TERM");
+        support::wait_for("readyz to say shutting down", || {
+            out_of_rotation(&server).then_some(())
+        });
+        assert_eq!(post_json(server.http, "/v1/check", CHECK).status, 200);
+        // An operator at a terminal, pressing Ctrl-C again.
+        server.signal("INT");
+        let status = server.wait_within(Duration::from_secs(10));
+        let status = status.expect("still running 10 s after a second signal");
+        assert!(status.success(), "{runtime}: {status:?}");
+    }
 }
 
 #[test]
