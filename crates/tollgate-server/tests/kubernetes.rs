@@ -299,7 +299,8 @@ fn the_container_started_as_the_deployment_starts_it_serves_and_stops_within_its
     let secret = BTreeMap::from([("store", redis.url()), ("admin-token", token.to_owned())]);
     let config = flag(&args, "--config").to_owned();
     let key = config.rsplit('/').next().expect("a file name");
-    let policy = scratch.write(key, text(&config_map["data"][key]));
+    let file = text(&config_map["data"][key]);
+    let policy = mount_config_map(&scratch, key, file);
     let mut command = Command::new(binary());
     let mut given = args.iter();
     while let Some(arg) = given.next() {
@@ -344,6 +345,26 @@ fn the_container_started_as_the_deployment_starts_it_serves_and_stops_within_its
         "",
     );
     assert_eq!(policy_answer.status, 200, "the Secret's admin token");
+    let version = |body: &str| -> String {
+        let policy: Value = serde_json::from_str(body).expect("JSON");
+        text(&policy["version"]).to_owned()
+    };
+    assert_eq!(version(&policy_answer.body), "1");
+
+    // A change of the ConfigMap, as the kubelet makes it: taken without a restart.
+    let changed = file.replacen("version: \"1\"", "version: \"2\"", 1);
+    assert_ne!(changed, file, "the ConfigMap's policy names its version");
+    update_config_map(&scratch, key, &changed);
+    wait_for("the changed ConfigMap in force", || {
+        let answer = request(
+            server.http,
+            "GET",
+            "/v1/policy",
+            &[("authorization", authorization.as_str())],
+            "",
+        );
+        (version(&answer.body) == "2").then_some(())
+    });
 
     // The way out: the readiness probe fails before the server stops accepting (the Service
     // must see it in time), and all of it fits the grace period.
@@ -370,6 +391,32 @@ fn the_container_started_as_the_deployment_starts_it_serves_and_stops_within_its
     let status = server.wait_within(Duration::from_secs(grace));
     let status = status.unwrap_or_else(|| panic!("still running {grace} s after SIGTERM"));
     assert!(status.success(), "{status:?}");
+}
+
+/// Writes `text` as `key` of a ConfigMap mounted in `scratch` the way the kubelet lays it out
+/// (the file a link into `..data`, itself a link to a timestamped directory); returns the path
+/// the container reads.
+fn mount_config_map(scratch: &Scratch, key: &str, text: &str) -> PathBuf {
+    let first = scratch.0.join("..2026_12_04_00_00_00.1");
+    std::fs::create_dir(&first).expect("a data directory");
+    std::fs::write(first.join(key), text).expect("the file");
+    std::os::unix::fs::symlink("..2026_12_04_00_00_00.1", scratch.0.join("..data"))
+        .expect("..data");
+    let path = scratch.0.join(key);
+    std::os::unix::fs::symlink(format!("..data/{key}"), &path).expect("the file's link");
+    path
+}
+
+/// Changes the mounted ConfigMap as the kubelet does: a new timestamped directory, `..data`
+/// swapped to it by a rename, the old one removed.
+fn update_config_map(scratch: &Scratch, key: &str, text: &str) {
+    let second = scratch.0.join("..2026_12_04_00_01_00.2");
+    std::fs::create_dir(&second).expect("a data directory");
+    std::fs::write(second.join(key), text).expect("the file");
+    let swap = scratch.0.join("..data_tmp");
+    std::os::unix::fs::symlink("..2026_12_04_00_01_00.2", &swap).expect("..data_tmp");
+    std::fs::rename(&swap, scratch.0.join("..data")).expect("..data swapped");
+    std::fs::remove_dir_all(scratch.0.join("..2026_12_04_00_00_00.1")).expect("the old data");
 }
 
 /// The Dockerfile's instructions: (keyword, the rest), continuation lines joined.
