@@ -1218,6 +1218,12 @@ fn sigterm_shuts_down_cleanly() {
         request(server.http, "GET", "/readyz", &[], "").json()["ready"],
         true
     );
+    // Only the store can be left out of readiness; a misspelt check is said, not ignored.
+    let excluded = request(server.http, "GET", "/readyz?exclude=store", &[], "");
+    assert_eq!(excluded.status, 200, "{}", excluded.body);
+    let misspelt = request(server.http, "GET", "/readyz?exclude=stores", &[], "");
+    assert_eq!(misspelt.status, 400, "{}", misspelt.body);
+    assert_eq!(misspelt.json()["error"]["code"], "invalid_query");
     let status = server.terminate();
     assert!(status.success(), "exit {status:?}");
 }

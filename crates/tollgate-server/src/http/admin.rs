@@ -55,11 +55,12 @@ pub(crate) async fn readyz(
         });
         return (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response();
     }
-    if !ask_store {
-        return Json(json!({"ready": true, "policy_version": version, "store": store}))
-            .into_response();
-    }
-    match state.decider.store_ready().await {
+    let store_ready = if ask_store {
+        state.decider.store_ready().await
+    } else {
+        Ok(())
+    };
+    match store_ready {
         Ok(()) => {
             Json(json!({"ready": true, "policy_version": version, "store": store})).into_response()
         }
