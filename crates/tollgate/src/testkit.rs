@@ -8,6 +8,7 @@
 //! refused costs, for token buckets, fixed and sliding windows, sliding logs, and requests mixing
 //! them. Enabled by the `testkit` feature, for other crates' tests.
 
+use std::collections::BTreeSet;
 use std::fmt;
 use std::time::Duration;
 
@@ -62,6 +63,9 @@ pub struct Trace {
     /// multi-bucket request land in different cluster slots.
     pub hash_tags: bool,
     /// Whether the time now and then steps back (a clock gone back: it must mint nothing).
+    /// Before a request timed before the latest time seen, the buckets the trace touched that
+    /// are full at that latest time are reset in both stores (see [`compare_with_memory`]), so
+    /// a store compared with steps back must offer [`Store::reset`].
     /// A store that charges and then refunds (a cluster, across slots) cannot put a bucket's
     /// state back as it was before the charge: a refunded token bucket is as full as it was at
     /// the charge's time, and a refunded window keeps its state in the window charged. A later
@@ -175,6 +179,14 @@ type Spec = (usize, usize, u64);
 /// Runs `trace` through `store` and through a fresh memory store, and returns the first
 /// difference.
 ///
+/// A store may forget a bucket once it is full (lossless expiry), and when it does is its own
+/// affair: the memory store drops full buckets as its tables grow, Redis when their keys
+/// expire. A forgotten bucket reads as new, as a kept one reads at every time from then on;
+/// at an earlier time (a clock gone back) a kept one may read fewer tokens, and SPEC §2 allows
+/// both answers. So that the comparison stays exact, before each request timed before the
+/// latest time seen both stores forget alike: every bucket the trace touched that is full at
+/// that time (and so may have been dropped by either) is reset in both.
+///
 /// # Errors
 ///
 /// The first [`Mismatch`].
@@ -197,6 +209,10 @@ pub async fn compare_with_memory<S: Store>(store: &S, trace: &Trace) -> Result<(
         None => &all_steps_us[..],
     };
     let back_us = [1u64, 137, 1_000, 7_000, 250_000];
+    // The latest time of any request so far, and the keys requests named since both stores
+    // last forgot them.
+    let mut latest = trace.start;
+    let mut touched: BTreeSet<String> = BTreeSet::new();
     // Requests that charged, by id, to retry or settle later: (id, [(subject, limit, cost)],
     // the refunds of its last settlement).
     let mut recent: Vec<(String, Vec<Spec>, Vec<u64>)> = Vec::new();
@@ -277,6 +293,11 @@ pub async fn compare_with_memory<S: Store>(store: &S, trace: &Trace) -> Result<(
         } else {
             now
         };
+        if at < latest {
+            forget_alike(&reference, store, &mut touched, latest, step).await?;
+        }
+        latest = latest.max(at);
+        touched.extend(keys.iter().cloned());
         let request = CheckRequest {
             takes: &takes,
             request_id: request_id.as_deref(),
@@ -329,6 +350,10 @@ pub async fn compare_with_memory<S: Store>(store: &S, trace: &Trace) -> Result<(
                     .collect();
             }
             let keys = keys_of(trace, spec);
+            if now < latest {
+                forget_alike(&reference, store, &mut touched, latest, step).await?;
+            }
+            touched.extend(keys.iter().cloned());
             let takes: Vec<Take<'_>> = spec
                 .iter()
                 .zip(&keys)
@@ -359,6 +384,35 @@ pub async fn compare_with_memory<S: Store>(store: &S, trace: &Trace) -> Result<(
                 }));
             }
         }
+    }
+    Ok(())
+}
+
+/// Resets, in both stores, the `touched` buckets full at `latest` (see [`compare_with_memory`]).
+async fn forget_alike<S: Store>(
+    reference: &LocalStore<ManualClock>,
+    store: &S,
+    touched: &mut BTreeSet<String>,
+    latest: Timestamp,
+    step: usize,
+) -> Result<(), Box<Mismatch>> {
+    let (full, kept): (BTreeSet<String>, BTreeSet<String>) = std::mem::take(touched)
+        .into_iter()
+        .partition(|key| reference.memory().forgettable(key.as_str(), latest));
+    *touched = kept;
+    if full.is_empty() {
+        return Ok(());
+    }
+    let keys: Vec<&str> = full.iter().map(String::as_str).collect();
+    let expected = reference.reset(&keys).await;
+    let actual = store.reset(&keys).await;
+    if expected != actual {
+        return Err(Box::new(Mismatch {
+            step,
+            request: format!("reset {keys:?}, full at {latest:?}, before a step back"),
+            expected: expected.map(|()| Vec::new()),
+            actual: actual.map(|()| Vec::new()),
+        }));
     }
     Ok(())
 }
@@ -400,6 +454,62 @@ mod tests {
         }
     }
 
+    /// The memory store, dropping every full bucket after each request: as early as lossless
+    /// expiry allows, where the reference drops them only as its tables grow.
+    struct Forgetful(LocalStore<ManualClock>);
+
+    impl Forgetful {
+        fn forget(&self, request: CheckRequest<'_>) {
+            self.0
+                .memory()
+                .sweep(request.now.unwrap_or(Timestamp::ZERO));
+        }
+    }
+
+    impl Store for Forgetful {
+        async fn check(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
+            let decisions = self.0.check_now(request);
+            self.forget(request);
+            decisions
+        }
+
+        async fn peek(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
+            self.0.peek_now(request)
+        }
+
+        async fn settle(
+            &self,
+            request: CheckRequest<'_>,
+            refunds: &[u64],
+        ) -> Result<Settlement, Error> {
+            let settlement = self.0.settle_now(request, refunds);
+            self.forget(request);
+            settlement
+        }
+
+        async fn reset(&self, keys: &[&str]) -> Result<(), Error> {
+            self.0.reset(keys).await
+        }
+    }
+
+    /// When a store forgets a full bucket is its own affair, even with the clock going back:
+    /// one forgetting as early as it may conforms, on every kind of bucket.
+    #[test]
+    fn a_store_that_forgets_full_buckets_at_once_conforms() {
+        let store = Forgetful(LocalStore::new(ManualClock::new()));
+        for seed in 1..20 {
+            let traces = [
+                Trace::new(seed, 500, format!("forgetful-{seed}")),
+                Trace::new(seed, 500, format!("forgetful-logs-{seed}")).only(Algorithm::SlidingLog),
+            ];
+            for trace in traces {
+                if let Err(mismatch) = block_on_ready(compare_with_memory(&store, &trace)) {
+                    panic!("{mismatch}");
+                }
+            }
+        }
+    }
+
     /// A store that charges one token too few must be caught.
     struct Lenient(LocalStore<ManualClock>);
 
@@ -434,6 +544,10 @@ mod tests {
         ) -> Result<Settlement, Error> {
             self.0.settle_now(request, refunds)
         }
+
+        async fn reset(&self, keys: &[&str]) -> Result<(), Error> {
+            self.0.reset(keys).await
+        }
     }
 
     /// A store that settles but gives nothing back must be caught.
@@ -454,6 +568,10 @@ mod tests {
             refunds: &[u64],
         ) -> Result<Settlement, Error> {
             self.0.settle_now(request, &vec![0; refunds.len()])
+        }
+
+        async fn reset(&self, keys: &[&str]) -> Result<(), Error> {
+            self.0.reset(keys).await
         }
     }
 
@@ -534,6 +652,10 @@ mod tests {
             refunds: &[u64],
         ) -> Result<Settlement, Error> {
             self.0.settle_now(request, refunds)
+        }
+
+        async fn reset(&self, keys: &[&str]) -> Result<(), Error> {
+            self.0.reset(keys).await
         }
     }
 

@@ -745,6 +745,31 @@ where
         held
     }
 
+    /// Whether a sweep at `now` may drop the state of `key`, or there is none: then it reads
+    /// as new at `now` and at every later time, but a store that kept it can tell it from a
+    /// new one at an earlier time (a clock gone back), where one that dropped it cannot. The
+    /// conformance traces ask, before they step back, to make two stores agree on what they
+    /// forgot (see [`crate::testkit`]).
+    #[cfg(feature = "testkit")]
+    pub(crate) fn forgettable<Q>(&self, key: &Q, now: Timestamp) -> bool
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        let hash = self.hash(key);
+        let shard = self.lock(hash);
+        let is_full = |full_at| BucketState::whole(full_at).is_full(now);
+        let bucket = shard
+            .buckets
+            .find(hash, key)
+            .is_none_or(|slot| is_full(self.full_at(slot, &shard.spill)));
+        let log = shard
+            .logs
+            .find(hash, |logged| logged.key.borrow() == key)
+            .is_none_or(|logged| is_full(logged.free_at));
+        bucket && log
+    }
+
     /// Live buckets and housekeeping counters. Locks each shard in turn, so the figures are a
     /// consistent sum only when the store is quiet.
     pub fn stats(&self) -> MemoryStats {
