@@ -19,6 +19,7 @@ use tollgate_policy::audit::AuditLog;
 use tollgate_policy::watch::PolicyWatcher;
 use tollgate_policy::{EngineOptions, PolicyEngine, Scope, SystemWallClock, WallClock, compile};
 use tollgate_redis::{RedisConfig, RedisStore, TlsFiles, redact};
+use tollgate_tower::HeaderStyle;
 
 use crate::ConnectionLimits;
 use crate::decider::{Backend, Decider};
@@ -296,6 +297,12 @@ pub struct ServeArgs {
     /// Forward-auth: the status of a rejection (429; 403 for nginx auth_request).
     #[arg(long, env = "TOLLGATE_FORWARD_AUTH_DENY_STATUS", default_value_t = 429)]
     pub forward_auth_deny_status: u16,
+    /// The rate-limit fields of HTTP answers and of RLS's `response_headers_to_add`: `ietf`
+    /// (`RateLimit-Policy` and `RateLimit`), `x-ratelimit` (`X-RateLimit-Limit`,
+    /// `-Remaining` and `-Reset`, for clients written against them; `Reset` in seconds from
+    /// now), `both`, or `none`. `Retry-After` goes on every 429 a wait can lift.
+    #[arg(long, env = "TOLLGATE_RATE_LIMIT_HEADERS", default_value_t = HeaderStyle::Ietf)]
+    pub rate_limit_headers: HeaderStyle,
     /// Audit log (JSON lines): a file path, or `-` for stdout.
     #[arg(long, env = "TOLLGATE_AUDIT_LOG")]
     pub audit_log: Option<PathBuf>,
@@ -1005,6 +1012,7 @@ pub async fn serve(
             .map(|token| token.trim().to_owned()),
         forward_auth_headers: args.forward_auth_headers.clone(),
         forward_auth_deny: deny,
+        rate_limit_headers: args.rate_limit_headers,
         forward_auth_address: args
             .forward_auth_address
             .clone()

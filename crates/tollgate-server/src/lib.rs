@@ -388,7 +388,10 @@ where
     G: futures_util::Stream<Item = std::io::Result<Admitted>>,
 {
     let limits = state.connections.limits;
-    let rls = Arc::new(rls::Rls::new(Arc::clone(&state.decider)));
+    let rls = Arc::new(
+        rls::Rls::new(Arc::clone(&state.decider))
+            .with_header_style(state.options.rate_limit_headers),
+    );
     let unary = grpc_unary::ShouldRateLimit::new(Arc::clone(&rls));
     let rls = rls::Rls::server(rls);
     let health =

@@ -45,11 +45,14 @@ use tonic::{Request, Response, Status};
 use crate::decider::{DecideError, Decider, Request as Decide};
 use crate::http::{MAX_DESCRIPTORS, MAX_ENTRIES, MAX_NAME_BYTES, MAX_VALUE_BYTES};
 use crate::metrics::{self, Api};
+use tollgate_tower::HeaderStyle;
 use tollgate_tower::headers as fields;
 
 /// The gRPC service.
 pub struct Rls {
     decider: Arc<Decider>,
+    /// The rate-limit fields put in `response_headers_to_add`.
+    header_style: HeaderStyle,
     /// Whether a descriptor's own `limit` has been reported as ignored (once per process).
     told_limit_ignored: AtomicBool,
 }
@@ -59,8 +62,16 @@ impl Rls {
     pub fn new(decider: Arc<Decider>) -> Self {
         Self {
             decider,
+            header_style: HeaderStyle::default(),
             told_limit_ignored: AtomicBool::new(false),
         }
+    }
+
+    /// The same service, answering with the rate-limit fields of `style` in
+    /// `response_headers_to_add` (default: the draft's).
+    pub fn with_header_style(mut self, style: HeaderStyle) -> Self {
+        self.header_style = style;
+        self
     }
 
     /// Envoy's `limit` rate-limit action (from dynamic metadata) sends a limit with the
@@ -413,11 +424,22 @@ impl Rls {
             .filter(|limit| limit.mode == "enforce")
             .filter_map(|limit| limit.decision.as_ref().map(|d| (&*limit.name, d)))
             .collect();
-        if let Some((policy, state)) = fields::rate_limit_headers(enforced.iter().copied()) {
+        if self.header_style.ietf()
+            && let Some((policy, state)) = fields::rate_limit_headers(enforced.iter().copied())
+        {
             // The values are visible ASCII by construction.
             for (name, value) in [("ratelimit-policy", policy), ("ratelimit", state)] {
                 if let Ok(value) = value.to_str() {
                     response_headers.push(header(name, value.to_owned()));
+                }
+            }
+        }
+        if self.header_style.x_rate_limit()
+            && let Some(figures) = fields::x_rate_limit(enforced.iter().copied())
+        {
+            for (name, value) in figures.fields() {
+                if let Ok(value) = value.to_str() {
+                    response_headers.push(header(name.as_str(), value.to_owned()));
                 }
             }
         }

@@ -41,6 +41,7 @@ async fn start_denying_with(deny: StatusCode) -> Server {
         forward_auth_headers: Vec::new(),
         forward_auth_deny: deny,
         forward_auth_address: None,
+        rate_limit_headers: tollgate_tower::HeaderStyle::Ietf,
     };
     let state = Arc::new(AppState::new(decider, None, options));
     let http = TcpListener::bind("127.0.0.1:0").await.expect("bind http");

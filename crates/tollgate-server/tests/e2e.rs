@@ -151,6 +151,134 @@ fn forward_auth_for_nginx_and_traefik() {
     assert_eq!(answer.status, 400);
 }
 
+/// `--rate-limit-headers x-ratelimit`: the check API, forward-auth and RLS answer with
+/// `X-RateLimit-*` for the tightest limit, and without the draft's fields; `both` sends the
+/// two sets, `none` neither; a style of another name stops the start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn x_rate_limit_headers_on_every_interface() {
+    let scratch = Scratch::new("x-ratelimit");
+    let config = scratch.write("policy.yaml", POLICY);
+    let server = Server::start(&[
+        "--config",
+        path_str(&config),
+        "--rate-limit-headers",
+        "x-ratelimit",
+    ]);
+    let fields = |answer: &support::Answer| {
+        [
+            "x-ratelimit-limit",
+            "x-ratelimit-remaining",
+            "x-ratelimit-reset",
+        ]
+        .map(|name| answer.header(name).map(str::to_owned))
+    };
+    // A user's 3 and a tenant's 100, one token a minute each: the user's limit is the one to
+    // heed, full again 60 s after each charge.
+    let body = r#"{"domain":"api","descriptors":[{"user":"ivy","tenant":"acme"}]}"#;
+    for (left, full_in) in [("2", "60"), ("1", "120"), ("0", "60")] {
+        let answer = post_json(server.http, "/v1/check", body);
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        let [limit, remaining, reset] = fields(&answer);
+        assert_eq!(limit.as_deref(), Some("3"));
+        assert_eq!(remaining.as_deref(), Some(left));
+        // Emptied, the reset is the wait for one token, as the draft's `t`.
+        assert_eq!(reset.as_deref(), Some(full_in), "{left} left");
+        assert!(answer.header("ratelimit").is_none());
+        assert!(answer.header("ratelimit-policy").is_none());
+    }
+    let answer = post_json(server.http, "/v1/check", body);
+    assert_eq!(answer.status, 429);
+    let [limit, remaining, reset] = fields(&answer);
+    assert_eq!(
+        (limit.as_deref(), remaining.as_deref()),
+        (Some("3"), Some("0"))
+    );
+    let reset: u64 = reset.unwrap().parse().unwrap();
+    assert_eq!(
+        answer.header("retry-after"),
+        Some(reset.to_string().as_str())
+    );
+    assert!((59..=60).contains(&reset), "reset {reset}");
+
+    let answer = request(
+        server.http,
+        "GET",
+        "/v1/forward-auth/api",
+        &[("x-tollgate-user", "jay")],
+        "",
+    );
+    assert_eq!(answer.status, 200);
+    assert_eq!(
+        fields(&answer).map(Option::unwrap),
+        ["3", "2", "60"].map(str::to_owned)
+    );
+    assert!(answer.header("ratelimit").is_none());
+
+    let rls = RateLimitRequest {
+        domain: "api".to_owned(),
+        descriptors: vec![descriptor(&[("user", "kim")])],
+        hits_addend: 1,
+    };
+    let response = should_rate_limit(&server, rls.clone()).await.unwrap();
+    let added: Vec<(&str, &str)> = response
+        .response_headers_to_add
+        .iter()
+        .map(|h| (h.key.as_str(), h.value.as_str()))
+        .collect();
+    assert_eq!(
+        added,
+        [
+            ("x-ratelimit-limit", "3"),
+            ("x-ratelimit-remaining", "2"),
+            ("x-ratelimit-reset", "60")
+        ]
+    );
+    drop(server);
+
+    let both = Server::start(&[
+        "--config",
+        path_str(&config),
+        "--rate-limit-headers",
+        "both",
+    ]);
+    let answer = post_json(both.http, "/v1/check", body);
+    assert_eq!(answer.header("x-ratelimit-remaining"), Some("2"));
+    assert_eq!(
+        answer.header("ratelimit"),
+        Some(r#""per-user";r=2;t=60, "per-tenant";r=99;t=60"#)
+    );
+    let response = should_rate_limit(&both, rls.clone()).await.unwrap();
+    assert_eq!(response.response_headers_to_add.len(), 5);
+    drop(both);
+
+    let none = Server::start(&[
+        "--config",
+        path_str(&config),
+        "--rate-limit-headers",
+        "none",
+    ]);
+    for _ in 0..3 {
+        let answer = post_json(none.http, "/v1/check", body);
+        assert_eq!(fields(&answer), [None, None, None]);
+        assert!(answer.header("ratelimit").is_none());
+    }
+    let answer = post_json(none.http, "/v1/check", body);
+    assert_eq!(answer.status, 429);
+    assert!(
+        answer.header("retry-after").is_some(),
+        "still told when to come back"
+    );
+    let response = should_rate_limit(&none, rls).await.unwrap();
+    assert!(response.response_headers_to_add.is_empty());
+    drop(none);
+
+    assert_serve_flags_refused(&[(
+        "--rate-limit-headers",
+        "legacy",
+        "expected ietf, x-ratelimit, both or none",
+    )]);
+}
+
 /// A limit on part of a site, as the README shows it: every path under `/api/`, query strings
 /// and all, shares a user's bucket; paths outside it are not limited.
 #[test]

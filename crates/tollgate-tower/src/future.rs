@@ -14,7 +14,7 @@ use http::Response;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
-use crate::headers::{RATELIMIT, RATELIMIT_POLICY};
+use crate::headers::{RATELIMIT, RATELIMIT_POLICY, X_RATELIMIT_REMAINING, X_RATELIMIT_RESET};
 use crate::limiter::Headers;
 
 pub(crate) type BoxResponseFuture<B, E> =
@@ -84,7 +84,7 @@ where
         match self.project().kind.project() {
             KindProj::Called { future, headers } => {
                 let response = ready!(future.poll(cx))?;
-                Poll::Ready(Ok(with_headers(response, headers.take())))
+                Poll::Ready(Ok(with_headers(response, std::mem::take(headers))))
             }
             KindProj::Answered { response } => Poll::Ready(Ok(response
                 .take()
@@ -94,18 +94,30 @@ where
     }
 }
 
-/// The inner service's response, with the rate-limit fields appended: both are Structured
-/// Field Lists, so lines added by another limiter (an outer layer, the service itself) combine
-/// with ours into one list rather than being overwritten.
+/// The inner service's response, with the rate-limit fields added. The draft's are Structured
+/// Field Lists, so lines added by another limiter (an inner layer, the service itself) combine
+/// with ours into one list rather than being overwritten. The `X-RateLimit-*` fields hold one
+/// limit: ours replace another limiter's only when we have fewer tokens left.
 pub(crate) fn with_headers<B>(
     response: Response<B>,
     headers: Headers,
 ) -> Response<ResponseBody<B>> {
     let mut response = response.map(ResponseBody::inner);
-    if let Some((policy, ratelimit)) = headers {
-        let map = response.headers_mut();
+    let map = response.headers_mut();
+    if let Some((policy, ratelimit)) = headers.ietf {
         map.append(RATELIMIT_POLICY, policy);
         map.append(RATELIMIT, ratelimit);
+    }
+    if let Some(fields) = headers.x {
+        let theirs = map
+            .get(X_RATELIMIT_REMAINING)
+            .and_then(|value| value.to_str().ok()?.parse::<u64>().ok());
+        if theirs.is_none_or(|theirs| fields.remaining < theirs) {
+            map.remove(X_RATELIMIT_RESET);
+            for (name, value) in fields.fields() {
+                map.insert(name, value);
+            }
+        }
     }
     response
 }

@@ -23,6 +23,25 @@
 //!
 //! Every figure rounds up, so a client that waits what it is told is never refused for coming
 //! back early.
+//!
+//! # `X-RateLimit-*`, for clients written against them
+//!
+//! Before the draft, APIs answered `X-RateLimit-Limit`, `X-RateLimit-Remaining` and
+//! `X-RateLimit-Reset`, one limit each, and many clients still read them. A [`HeaderStyle`]
+//! asks for them instead of the draft's fields or beside them ([`x_rate_limit`]):
+//!
+//! ```text
+//! X-RateLimit-Limit: 20
+//! X-RateLimit-Remaining: 0
+//! X-RateLimit-Reset: 1
+//! ```
+//!
+//! They hold one limit, so they speak for the one the client must heed: of the applicable
+//! limits, a rejecting one (the longest wait of those), else the one with the fewest tokens
+//! left. `Limit` is its capacity, `Remaining` its whole tokens left, and `Reset` **delta
+//! seconds**, the draft's `t` (as Envoy's `x-ratelimit-reset`; GitHub's means a Unix time, so
+//! a client written for GitHub reads it as long past and retries at once, where `Retry-After`
+//! still holds it). A denial is `Limit: 0`, `Remaining: 0` and no `Reset`.
 
 use std::cell::RefCell;
 use std::time::Duration;
@@ -36,6 +55,154 @@ pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-poli
 
 /// `RateLimit`: what is left of each applicable limit.
 pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+
+/// `X-RateLimit-Limit`: the capacity of the limit the client must heed.
+pub const X_RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
+
+/// `X-RateLimit-Remaining`: its whole tokens left.
+pub const X_RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
+
+/// `X-RateLimit-Reset`: seconds from now, rounded up, as the draft's `t`.
+pub const X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
+
+/// Which rate-limit fields an answer carries. `Retry-After` goes on every 429 that a wait can
+/// lift, whichever is chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HeaderStyle {
+    /// `RateLimit-Policy` and `RateLimit` (the IETF draft), one item per applicable limit.
+    #[default]
+    Ietf,
+    /// `X-RateLimit-Limit`, `X-RateLimit-Remaining` and `X-RateLimit-Reset` (see
+    /// [`x_rate_limit`]).
+    XRateLimit,
+    /// Both sets.
+    Both,
+    /// Neither: quotas are not shown to the client.
+    None,
+}
+
+impl HeaderStyle {
+    /// Whether the draft's fields are sent.
+    pub fn ietf(self) -> bool {
+        matches!(self, Self::Ietf | Self::Both)
+    }
+
+    /// Whether the `X-RateLimit-*` fields are sent.
+    pub fn x_rate_limit(self) -> bool {
+        matches!(self, Self::XRateLimit | Self::Both)
+    }
+}
+
+impl std::fmt::Display for HeaderStyle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Ietf => "ietf",
+            Self::XRateLimit => "x-ratelimit",
+            Self::Both => "both",
+            Self::None => "none",
+        })
+    }
+}
+
+/// A [`HeaderStyle`] name that is none of `ietf`, `x-ratelimit`, `both` and `none`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown rate-limit header style {0:?}: expected ietf, x-ratelimit, both or none")]
+pub struct UnknownHeaderStyle(pub String);
+
+impl std::str::FromStr for HeaderStyle {
+    type Err = UnknownHeaderStyle;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "ietf" => Ok(Self::Ietf),
+            "x-ratelimit" => Ok(Self::XRateLimit),
+            "both" => Ok(Self::Both),
+            "none" => Ok(Self::None),
+            other => Err(UnknownHeaderStyle(other.to_owned())),
+        }
+    }
+}
+
+/// The figures of the `X-RateLimit-*` fields (see [`x_rate_limit`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct XRateLimit {
+    /// `X-RateLimit-Limit`: the capacity; 0 for a denial.
+    pub limit: u64,
+    /// `X-RateLimit-Remaining`: whole tokens left.
+    pub remaining: u64,
+    /// `X-RateLimit-Reset`: seconds from now, rounded up; `None` for a denial, which no wait
+    /// lifts.
+    pub reset: Option<u64>,
+}
+
+impl XRateLimit {
+    /// The three fields (two for a denial), as names and values.
+    pub fn fields(&self) -> impl Iterator<Item = (HeaderName, HeaderValue)> + use<> {
+        [
+            Some((X_RATELIMIT_LIMIT, HeaderValue::from(self.limit))),
+            Some((X_RATELIMIT_REMAINING, HeaderValue::from(self.remaining))),
+            self.reset
+                .map(|reset| (X_RATELIMIT_RESET, HeaderValue::from(reset))),
+        ]
+        .into_iter()
+        .flatten()
+    }
+}
+
+/// The `X-RateLimit-*` figures of the limit a client must heed among the applicable ones: a
+/// denial, else the rejecting limit with the longest wait, else the limit with the fewest
+/// tokens left (of equals, the one full last, then the first). `None` when there is none.
+///
+/// ```
+/// use tollgate::{Limit, ManualClock, RateLimiter};
+/// use tollgate_tower::headers::{XRateLimit, x_rate_limit};
+///
+/// let clock = ManualClock::new();
+/// let per_user = RateLimiter::new(Limit::new(20, "10/s".parse()?)?, clock.clone());
+/// let per_ip = RateLimiter::new(Limit::new(100, "100/m".parse()?)?, clock);
+/// let user = per_user.check_n("alice", 15)?;
+/// let ip = per_ip.check_n("10.0.0.1", 15)?;
+/// // The user has 5 left, the address 85: the user's limit is the one to heed.
+/// let fields = x_rate_limit([("per-user", &user), ("per-ip", &ip)]);
+/// assert_eq!(fields, Some(XRateLimit { limit: 20, remaining: 5, reset: Some(2) }));
+/// # Ok::<(), tollgate::Error>(())
+/// ```
+pub fn x_rate_limit<'a>(
+    items: impl IntoIterator<Item = (&'a str, &'a Decision)>,
+) -> Option<XRateLimit> {
+    // Smaller is tighter: a denial, then rejections by longest wait, then admissions by
+    // fewest tokens left and latest reset.
+    let tightness = |decision: &Decision| {
+        let reset = reset_secs(decision);
+        if decision.is_denied() {
+            (0, 0, 0)
+        } else if !decision.allowed() {
+            (1, u64::MAX - reset, 0)
+        } else {
+            (2, decision.remaining(), u64::MAX - reset)
+        }
+    };
+    let mut tightest: Option<(&Decision, (u8, u64, u64))> = None;
+    for (_, decision) in items {
+        let this = tightness(decision);
+        if tightest.is_none_or(|(_, best)| this < best) {
+            tightest = Some((decision, this));
+        }
+    }
+    let (decision, _) = tightest?;
+    if decision.is_denied() {
+        return Some(XRateLimit {
+            limit: 0,
+            remaining: 0,
+            reset: None,
+        });
+    }
+    Some(XRateLimit {
+        limit: decision.limit().capacity(),
+        remaining: decision.remaining(),
+        reset: Some(reset_secs(decision)),
+    })
+}
 
 /// `Duration` in whole seconds, rounded up (a nanosecond over a second is two seconds).
 pub fn ceil_secs(duration: Duration) -> u64 {
@@ -446,6 +613,109 @@ mod tests {
         assert_eq!(reset_secs(&d), 45);
         let denied = limiter.check("k").unwrap();
         assert_eq!(retry_after_secs(&denied), Some(45));
+    }
+
+    #[test]
+    fn x_rate_limit_speaks_for_the_limit_to_heed() {
+        let (roomy, _) = limiter(10, "1/s");
+        let (tight, _) = limiter(100, "1/s");
+        let (slow, _) = limiter(2, "1/m");
+        let roomy = roomy.check_n("k", 2).unwrap(); // 8 left
+        let tight = tight.check_n("k", 97).unwrap(); // 3 left
+        assert_eq!(
+            x_rate_limit([("roomy", &roomy), ("tight", &tight)]),
+            Some(XRateLimit {
+                limit: 100,
+                remaining: 3,
+                reset: Some(97)
+            })
+        );
+        // A rejection wins over any admission, however few tokens that left.
+        slow.check_n("k", 2).unwrap();
+        let rejected = slow.check("k").unwrap();
+        assert!(!rejected.allowed());
+        let expected = XRateLimit {
+            limit: 2,
+            remaining: 0,
+            reset: Some(60),
+        };
+        let items = [("tight", &tight), ("slow", &rejected), ("roomy", &roomy)];
+        assert_eq!(x_rate_limit(items), Some(expected));
+        // Of two rejections, the longer wait: the client must wait for both.
+        let (quick, _) = limiter(1, "1/s");
+        quick.check("k").unwrap();
+        let soon = quick.check("k").unwrap();
+        assert_eq!(reset_secs(&soon), 1);
+        assert_eq!(
+            x_rate_limit([("quick", &soon), ("slow", &rejected)]),
+            Some(expected)
+        );
+        assert_eq!(
+            x_rate_limit([("slow", &rejected), ("quick", &soon)]),
+            Some(expected)
+        );
+        // A denial over everything, and no reset: no wait lifts it.
+        let denied = Decision::denied(Limit::new(5, "1/s".parse().unwrap()).unwrap(), 1);
+        let denial = x_rate_limit([("slow", &rejected), ("blocked", &denied)]).unwrap();
+        assert_eq!(
+            denial,
+            XRateLimit {
+                limit: 0,
+                remaining: 0,
+                reset: None
+            }
+        );
+        let names: Vec<_> = denial.fields().map(|(name, _)| name).collect();
+        assert_eq!(names, [X_RATELIMIT_LIMIT, X_RATELIMIT_REMAINING]);
+        let fields: Vec<_> = x_rate_limit([("slow", &rejected)])
+            .unwrap()
+            .fields()
+            .map(|(name, value)| format!("{name}: {}", value.to_str().unwrap()))
+            .collect();
+        assert_eq!(
+            fields,
+            [
+                "x-ratelimit-limit: 2",
+                "x-ratelimit-remaining: 0",
+                "x-ratelimit-reset: 60"
+            ]
+        );
+        assert_eq!(x_rate_limit(std::iter::empty()), None);
+    }
+
+    #[test]
+    fn x_rate_limit_of_equal_tokens_left_is_the_one_full_last() {
+        let (fast, _) = limiter(10, "1/s");
+        let (slow, _) = limiter(10, "1/m");
+        let fast = fast.check_n("k", 5).unwrap();
+        let slow = slow.check_n("k", 5).unwrap();
+        let expected = Some(XRateLimit {
+            limit: 10,
+            remaining: 5,
+            reset: Some(300),
+        });
+        assert_eq!(x_rate_limit([("fast", &fast), ("slow", &slow)]), expected);
+        assert_eq!(x_rate_limit([("slow", &slow), ("fast", &fast)]), expected);
+    }
+
+    #[test]
+    fn header_styles_parse_and_print_alike() {
+        for style in [
+            HeaderStyle::Ietf,
+            HeaderStyle::XRateLimit,
+            HeaderStyle::Both,
+            HeaderStyle::None,
+        ] {
+            assert_eq!(style.to_string().parse::<HeaderStyle>(), Ok(style));
+        }
+        assert_eq!(HeaderStyle::default(), HeaderStyle::Ietf);
+        assert!(HeaderStyle::Both.ietf() && HeaderStyle::Both.x_rate_limit());
+        assert!(!HeaderStyle::None.ietf() && !HeaderStyle::None.x_rate_limit());
+        let err = "legacy".parse::<HeaderStyle>().unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "unknown rate-limit header style \"legacy\": expected ietf, x-ratelimit, both or none"
+        );
     }
 
     #[test]

@@ -12,6 +12,7 @@ use tower_layer::Layer;
 
 use crate::error::Error;
 use crate::extract::{KeyExtractor, MissingKey, RequestHead};
+use crate::headers::HeaderStyle;
 use crate::limiter::{CostFn, Descriptor, Limiter, Policy, Shared, Single, SingleStore};
 use crate::service::Tollgate;
 
@@ -128,6 +129,7 @@ impl TollgateLayer {
 struct Common {
     cost: Option<CostFn>,
     headers_on_success: bool,
+    header_style: HeaderStyle,
     reservations: bool,
 }
 
@@ -136,6 +138,7 @@ impl Default for Common {
         Self {
             cost: None,
             headers_on_success: true,
+            header_style: HeaderStyle::default(),
             reservations: false,
         }
     }
@@ -228,10 +231,41 @@ impl LimitBuilder {
         self
     }
 
-    /// Whether admitted responses carry the `RateLimit-Policy` and `RateLimit` fields too
+    /// Whether admitted responses carry the rate-limit fields too
     /// (default true; 429s always do).
     pub fn headers_on_success(mut self, on: bool) -> Self {
         self.common.headers_on_success = on;
+        self
+    }
+
+    /// Which rate-limit fields answers carry (default [`HeaderStyle::Ietf`]): the draft's,
+    /// `X-RateLimit-*` for clients written against them, both, or none. `Retry-After` goes on
+    /// every 429 a wait can lift.
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::get};
+    /// use http::Request;
+    /// use tollgate::Limit;
+    /// use tollgate_tower::{Global, HeaderStyle, TollgateLayer};
+    /// use tower::ServiceExt;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let layer = TollgateLayer::limit("global", Limit::new(100, "10/s".parse()?)?, Global)
+    ///     .rate_limit_headers(HeaderStyle::XRateLimit)
+    ///     .build();
+    /// let app = Router::new().route("/", get(|| async { "hello" })).layer(layer);
+    /// let response = app.oneshot(Request::get("/").body(Body::empty())?).await?;
+    /// assert_eq!(response.headers()["x-ratelimit-limit"], "100");
+    /// assert_eq!(response.headers()["x-ratelimit-remaining"], "99");
+    /// // Seconds from now until the bucket is full again, rounded up.
+    /// assert_eq!(response.headers()["x-ratelimit-reset"], "1");
+    /// assert!(response.headers().get("ratelimit").is_none());
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn rate_limit_headers(mut self, style: HeaderStyle) -> Self {
+        self.common.header_style = style;
         self
     }
 
@@ -270,6 +304,7 @@ impl LimitBuilder {
                 }),
                 cost: self.common.cost,
                 headers_on_success: self.common.headers_on_success,
+                header_style: self.common.header_style,
                 reservations: self.common.reservations,
             }),
         }
@@ -312,10 +347,17 @@ impl PolicyBuilder {
         self
     }
 
-    /// Whether admitted responses carry the `RateLimit-Policy` and `RateLimit` fields too
+    /// Whether admitted responses carry the rate-limit fields too
     /// (default true; 429s always do).
     pub fn headers_on_success(mut self, on: bool) -> Self {
         self.common.headers_on_success = on;
+        self
+    }
+
+    /// Which rate-limit fields answers carry (default [`HeaderStyle::Ietf`]; see
+    /// [`LimitBuilder::rate_limit_headers`]).
+    pub fn rate_limit_headers(mut self, style: HeaderStyle) -> Self {
+        self.common.header_style = style;
         self
     }
 
@@ -342,6 +384,7 @@ impl PolicyBuilder {
                 }),
                 cost: self.common.cost,
                 headers_on_success: self.common.headers_on_success,
+                header_style: self.common.header_style,
                 reservations: self.common.reservations,
             }),
         }

@@ -52,7 +52,8 @@
 //!   ([`TollgateLayer::policy`]): several limits, all or nothing, hot reload, shadow mode.
 //! * **Answers**: admitted responses get `RateLimit-Policy` and `RateLimit` (one list item per
 //!   enforced limit; see [`headers`]); a denial is a 429 with those, `Retry-After` in whole
-//!   seconds rounded up (at least 1), and an `application/problem+json` body. When a shared
+//!   seconds rounded up (at least 1), and an `application/problem+json` body. `X-RateLimit-*`
+//!   instead, both sets, or none: [`LimitBuilder::rate_limit_headers`]. When a shared
 //!   store is down, a limit that fails closed answers 503 (not 429), one that fails open
 //!   decides on its bounded emergency budget.
 //! * **Reservations** ([`LimitBuilder::reservations`], [`PolicyBuilder::reservations`]): for
@@ -152,6 +153,7 @@ pub use extract::{
     ForwardedFor, Global, Header, KeyExtractor, KeyFn, MissingKey, PeerIp, RequestHead,
 };
 pub use future::{ResponseBody, ResponseFuture};
+pub use headers::HeaderStyle;
 pub use layer::{LimitBuilder, PolicyBuilder, TollgateLayer};
 pub use limiter::Descriptor;
 pub use reservation::Reservation;

@@ -18,7 +18,8 @@ use tollgate_policy::PolicyEngine;
 use crate::error::Error;
 use crate::extract::{KeyExtractor, MissingKey, RequestHead};
 use crate::headers::{
-    RATELIMIT, RATELIMIT_POLICY, rate_limit_headers, rate_limit_value, retry_after_secs,
+    HeaderStyle, RATELIMIT, RATELIMIT_POLICY, XRateLimit, rate_limit_headers, rate_limit_value,
+    retry_after_secs, x_rate_limit,
 };
 use crate::reservation::{Reservation, Reserved, next_id};
 
@@ -30,8 +31,14 @@ pub(crate) type CostFn = Box<dyn Fn(&RequestHead<'_>) -> u64 + Send + Sync>;
 pub(crate) type DescriptorFn =
     Box<dyn Fn(&RequestHead<'_>) -> Result<Vec<Descriptor>, Error> + Send + Sync>;
 
-/// The headers added to an admitted request's response.
-pub(crate) type Headers = Option<(HeaderValue, HeaderValue)>;
+/// The rate-limit fields added to an admitted request's response.
+#[derive(Default)]
+pub(crate) struct Headers {
+    /// `RateLimit-Policy` and `RateLimit`.
+    pub(crate) ietf: Option<(HeaderValue, HeaderValue)>,
+    /// `X-RateLimit-*`.
+    pub(crate) x: Option<XRateLimit>,
+}
 
 /// What to do with a request.
 pub(crate) enum Verdict {
@@ -72,6 +79,8 @@ pub(crate) struct Shared {
     pub(crate) limiter: Limiter,
     pub(crate) cost: Option<CostFn>,
     pub(crate) headers_on_success: bool,
+    /// Which rate-limit fields answers carry.
+    pub(crate) header_style: HeaderStyle,
     /// Whether admitted requests are reservations, settled by the handler (see
     /// [`Reservation`]).
     pub(crate) reservations: bool,
@@ -115,7 +124,7 @@ impl Shared {
         let cost = self.cost.as_ref().map_or(1, |cost| cost(head));
         // A cost of 0 is how a cost function exempts a request (health checks, say).
         if cost == 0 {
-            return Step::Done(Verdict::Allow(None, None));
+            return Step::Done(Verdict::Allow(Headers::default(), None));
         }
         // A reservation is a check under a request id of its own, which its settlement finds.
         let id = self.reservations.then(next_id);
@@ -287,12 +296,23 @@ impl Shared {
         let items = [(&*single.name, decision)];
         if decision.allowed() {
             if !self.headers_on_success {
-                return Verdict::Allow(None, None);
+                return Verdict::Allow(Headers::default(), None);
             }
-            let fields = single.policy_field.clone().zip(rate_limit_value(items));
-            Verdict::Allow(fields, None)
+            let style = self.header_style;
+            let headers = Headers {
+                ietf: style
+                    .ietf()
+                    .then(|| single.policy_field.clone().zip(rate_limit_value(items)))
+                    .flatten(),
+                x: style.x_rate_limit().then(|| x_rate_limit(items)).flatten(),
+            };
+            Verdict::Allow(headers, None)
         } else {
-            Verdict::Answer(too_many_requests(items, retry_after_secs(decision)))
+            Verdict::Answer(too_many_requests(
+                items,
+                retry_after_secs(decision),
+                self.header_style,
+            ))
         }
     }
 
@@ -319,28 +339,35 @@ impl Shared {
             let wait = items.clone().filter_map(|(_, d)| retry_after_secs(d)).max();
             Some(wait.unwrap_or(1))
         };
-        Verdict::Answer(too_many_requests(items, retry))
+        Verdict::Answer(too_many_requests(items, retry, self.header_style))
     }
 
     fn success_headers<'a>(
         &self,
         items: impl IntoIterator<Item = (&'a str, &'a Decision)> + Clone,
     ) -> Headers {
-        if self.headers_on_success {
-            rate_limit_headers(items)
-        } else {
-            None
+        if !self.headers_on_success {
+            return Headers::default();
+        }
+        let style = self.header_style;
+        Headers {
+            ietf: style
+                .ietf()
+                .then(|| rate_limit_headers(items.clone()))
+                .flatten(),
+            x: style.x_rate_limit().then(|| x_rate_limit(items)).flatten(),
         }
     }
 }
 
 const PROBLEM_JSON: HeaderValue = HeaderValue::from_static("application/problem+json");
 
-/// The 429: the rate-limit fields of every applicable limit, `Retry-After`, and a problem
-/// document naming the limits that rejected.
+/// The 429: the rate-limit fields of every applicable limit in `style`, `Retry-After`, and a
+/// problem document naming the limits that rejected.
 fn too_many_requests<'a>(
     items: impl IntoIterator<Item = (&'a str, &'a Decision)> + Clone,
     retry_after: Option<u64>,
+    style: HeaderStyle,
 ) -> Response<Bytes> {
     let violated = items
         .clone()
@@ -349,9 +376,16 @@ fn too_many_requests<'a>(
         .map(|(name, _)| name);
     let mut response = quota_exceeded(violated, retry_after);
     let headers = response.headers_mut();
-    if let Some((policy, ratelimit)) = rate_limit_headers(items) {
+    if style.ietf()
+        && let Some((policy, ratelimit)) = rate_limit_headers(items.clone())
+    {
         headers.insert(RATELIMIT_POLICY, policy);
         headers.insert(RATELIMIT, ratelimit);
+    }
+    if style.x_rate_limit()
+        && let Some(fields) = x_rate_limit(items)
+    {
+        headers.extend(fields.fields());
     }
     response
 }
@@ -501,7 +535,11 @@ mod tests {
 
     #[test]
     fn grpc_answers_are_trailers_only() {
-        let response = for_grpc(too_many_requests(std::iter::empty(), Some(3)));
+        let response = for_grpc(too_many_requests(
+            std::iter::empty(),
+            Some(3),
+            HeaderStyle::Ietf,
+        ));
         assert_eq!(response.status(), StatusCode::OK);
         assert_eq!(response.headers()["grpc-status"], "8");
         assert_eq!(response.headers()["content-type"], "application/grpc");

@@ -14,7 +14,7 @@ use http::header::HeaderName;
 use http::{Request, StatusCode};
 use tollgate::{Limit, ManualClock};
 use tollgate_policy::{EngineOptions, PolicyEngine, compile};
-use tollgate_tower::{Error, Header, MissingKey, PeerIp, RequestHead, TollgateLayer};
+use tollgate_tower::{Error, Header, HeaderStyle, MissingKey, PeerIp, RequestHead, TollgateLayer};
 use tower::ServiceExt;
 
 fn limit(capacity: u64, rate: &str) -> Limit {
@@ -382,6 +382,98 @@ async fn a_policy_decides_all_its_limits_and_reports_the_enforced_ones() {
         send(&app, anonymous).await.status(),
         StatusCode::BAD_REQUEST
     );
+}
+
+/// `X-RateLimit-*` speak for the limit the client must heed: the one with the fewest tokens
+/// left, then the one that rejected; with both styles the draft's fields come too, and with
+/// none only `Retry-After` tells a client anything.
+#[tokio::test]
+async fn x_rate_limit_fields_follow_the_tightest_limit() {
+    let clock = ManualClock::new();
+    let engine = Arc::new(PolicyEngine::new(
+        compile("test.yaml", POLICY).unwrap(),
+        EngineOptions::default().clock(Arc::new(clock.clone())),
+    ));
+    let user = |u: &str| {
+        Request::get("/")
+            .header("x-user", u)
+            .header("x-tenant", "acme")
+            .body(Body::empty())
+            .unwrap()
+    };
+    let fields = |response: &Response| -> Vec<String> {
+        [
+            "x-ratelimit-limit",
+            "x-ratelimit-remaining",
+            "x-ratelimit-reset",
+        ]
+        .iter()
+        .filter_map(|name| response.headers().get(*name))
+        .map(|value| value.to_str().unwrap().to_owned())
+        .collect()
+    };
+    let layer = |style| {
+        TollgateLayer::policy(Arc::clone(&engine), "api", descriptors)
+            .rate_limit_headers(style)
+            .build()
+    };
+    let legacy = app(layer(HeaderStyle::XRateLimit));
+    let ok = send(&legacy, user("u1")).await;
+    assert_eq!(ok.status(), StatusCode::OK);
+    // per-user has 1 of 2 left, per-tenant 9 of 10: the user's limit, full again in 1 s.
+    assert_eq!(fields(&ok), ["2", "1", "1"]);
+    assert!(ok.headers().get("ratelimit").is_none());
+    assert!(ok.headers().get("ratelimit-policy").is_none());
+
+    let both = app(layer(HeaderStyle::Both));
+    let ok = send(&both, user("u1")).await;
+    assert_eq!(fields(&ok), ["2", "0", "1"]);
+    assert_eq!(
+        header(&ok, "ratelimit"),
+        r#""per-user";r=0;t=1, "per-tenant";r=8;t=12"#
+    );
+    let denied = send(&both, user("u1")).await;
+    assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(fields(&denied), ["2", "0", "1"]);
+    assert_eq!(header(&denied, "retry-after"), "1");
+
+    let quiet = app(layer(HeaderStyle::None));
+    let denied = send(&quiet, user("u1")).await;
+    assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(fields(&denied).is_empty());
+    assert!(denied.headers().get("ratelimit").is_none());
+    assert_eq!(header(&denied, "retry-after"), "1");
+    let ok = send(&quiet, user("u2")).await;
+    assert_eq!(ok.status(), StatusCode::OK);
+    assert!(fields(&ok).is_empty() && ok.headers().get("ratelimit").is_none());
+}
+
+/// Two layers, each adding `X-RateLimit-*`: the response keeps the figures of whichever limit
+/// has fewer tokens left, whichever layer is outside.
+#[tokio::test]
+async fn nested_layers_keep_the_tighter_x_rate_limit() {
+    for tight_outside in [true, false] {
+        let layer = |name: &str, capacity| {
+            TollgateLayer::limit(name, limit(capacity, "1/s"), api_key())
+                .rate_limit_headers(HeaderStyle::XRateLimit)
+                .clock(ManualClock::new())
+                .build()
+        };
+        let (outer, inner) = if tight_outside {
+            (layer("tight", 3), layer("roomy", 50))
+        } else {
+            (layer("roomy", 50), layer("tight", 3))
+        };
+        let app = Router::new()
+            .route("/", get(|| async { "hello" }))
+            .layer(inner)
+            .layer(outer);
+        let ok = send(&app, get_with_key("k")).await;
+        assert_eq!(header(&ok, "x-ratelimit-limit"), "3", "{tight_outside}");
+        assert_eq!(header(&ok, "x-ratelimit-remaining"), "2");
+        assert_eq!(header(&ok, "x-ratelimit-reset"), "1");
+        assert_eq!(ok.headers().get_all("x-ratelimit-limit").iter().count(), 1);
+    }
 }
 
 /// A tenant on a block list is answered 429 with a quota of nothing and no `Retry-After` (no

@@ -31,6 +31,7 @@ use super::plain_body;
 use super::{AppState, MAX_DESCRIPTORS, MAX_ENTRIES, MAX_NAME_BYTES, MAX_VALUE_BYTES};
 use crate::decider::{DecideError, Request};
 use crate::metrics::{self, Api};
+use tollgate_tower::HeaderStyle;
 use tollgate_tower::headers as fields;
 
 /// The request body. Unknown fields are refused: a misspelt `cost` must not silently be 1.
@@ -384,13 +385,25 @@ pub(crate) fn status_of(outcome: &Outcome, deny: StatusCode) -> StatusCode {
     }
 }
 
-/// Adds `RateLimit-Policy`, `RateLimit` and, when rejected (not denied), `Retry-After` to
-/// `headers`, from the enforced limits. Added to the response's own map: a map of their own
-/// would cost an allocation and a merge on every answer.
-pub(crate) fn add_rate_limit_headers(headers: &mut HeaderMap, outcome: &Outcome) {
-    if let Some((policy, state)) = fields::rate_limit_headers(enforced_decisions(outcome)) {
+/// Adds the rate-limit fields of `style` (`RateLimit-Policy` and `RateLimit`, or
+/// `X-RateLimit-*`) and, when rejected (not denied), `Retry-After` to `headers`, from the
+/// enforced limits. Added to the response's own map: a map of their own would cost an
+/// allocation and a merge on every answer.
+pub(crate) fn add_rate_limit_headers(
+    headers: &mut HeaderMap,
+    outcome: &Outcome,
+    style: HeaderStyle,
+) {
+    if style.ietf()
+        && let Some((policy, state)) = fields::rate_limit_headers(enforced_decisions(outcome))
+    {
         headers.insert(fields::RATELIMIT_POLICY, policy);
         headers.insert(fields::RATELIMIT, state);
+    }
+    if style.x_rate_limit()
+        && let Some(figures) = fields::x_rate_limit(enforced_decisions(outcome))
+    {
+        headers.extend(figures.fields());
     }
     // A denial is not lifted by waiting: no Retry-After that would invite a retry.
     let denied = || enforced_decisions(outcome).any(|(_, decision)| decision.is_denied());
@@ -532,7 +545,11 @@ pub(crate) async fn check(
         .map_err(decide_error)?;
     let status = status_of(&outcome, StatusCode::TOO_MANY_REQUESTS);
     let mut response = json(status, write_body(&outcome, false));
-    add_rate_limit_headers(response.headers_mut(), &outcome);
+    add_rate_limit_headers(
+        response.headers_mut(),
+        &outcome,
+        state.options.rate_limit_headers,
+    );
     Ok(response)
 }
 

@@ -199,7 +199,11 @@ pub(crate) async fn forward_auth(
         _ => "rate limited",
     };
     let mut response = (status, text).into_response();
-    add_rate_limit_headers(response.headers_mut(), &outcome);
+    add_rate_limit_headers(
+        response.headers_mut(),
+        &outcome,
+        state.options.rate_limit_headers,
+    );
     Ok(response)
 }
 

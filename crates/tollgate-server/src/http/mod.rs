@@ -24,6 +24,7 @@ use axum::http::StatusCode;
 use axum::routing::{delete, get, post};
 use metrics_exporter_prometheus::PrometheusHandle;
 use parking_lot::Mutex;
+use tollgate_tower::HeaderStyle;
 
 use crate::connection::{ConnectionLimits, Connections};
 use crate::decider::Decider;
@@ -57,6 +58,9 @@ pub struct HttpOptions {
     /// Where forward-auth reads the client's address (the `remote_address` entry), if
     /// anywhere.
     pub forward_auth_address: Option<ClientAddress>,
+    /// The rate-limit fields of `/v1/check`'s and forward-auth's answers (and of RLS's
+    /// `response_headers_to_add`).
+    pub rate_limit_headers: HeaderStyle,
 }
 
 /// The header a proxy records the client's address in, for forward-auth's `remote_address`
