@@ -323,6 +323,15 @@ fn descriptors(head: &RequestHead<'_>) -> Result<Vec<tollgate_tower::Descriptor>
     ]])
 }
 
+/// A request from user `u` of tenant acme.
+fn user(u: &str) -> Request<Body> {
+    Request::get("/")
+        .header("x-user", u)
+        .header("x-tenant", "acme")
+        .body(Body::empty())
+        .unwrap()
+}
+
 #[tokio::test]
 async fn a_policy_decides_all_its_limits_and_reports_the_enforced_ones() {
     let clock = ManualClock::new();
@@ -332,13 +341,6 @@ async fn a_policy_decides_all_its_limits_and_reports_the_enforced_ones() {
     );
     let layer = TollgateLayer::policy(Arc::new(engine), "api", descriptors).build();
     let app = app(layer);
-    let user = |u: &str| {
-        Request::get("/")
-            .header("x-user", u)
-            .header("x-tenant", "acme")
-            .body(Body::empty())
-            .unwrap()
-    };
 
     let ok = send(&app, user("u1")).await;
     assert_eq!(ok.status(), StatusCode::OK);
@@ -394,13 +396,6 @@ async fn x_rate_limit_fields_follow_the_tightest_limit() {
         compile("test.yaml", POLICY).unwrap(),
         EngineOptions::default().clock(Arc::new(clock.clone())),
     ));
-    let user = |u: &str| {
-        Request::get("/")
-            .header("x-user", u)
-            .header("x-tenant", "acme")
-            .body(Body::empty())
-            .unwrap()
-    };
     let fields = |response: &Response| -> Vec<String> {
         [
             "x-ratelimit-limit",

@@ -270,16 +270,7 @@ pub async fn compare_with_memory<S: Store>(store: &S, trace: &Trace) -> Result<(
         // agree again, for every kind of bucket.
         if trace.resets && rng.below(24) == 0 {
             let reset: Vec<&str> = keys.iter().map(String::as_str).collect();
-            let expected = reference.reset(&reset).await;
-            let actual = store.reset(&reset).await;
-            if expected != actual {
-                return Err(Box::new(Mismatch {
-                    step,
-                    request: format!("reset {reset:?}"),
-                    expected: expected.map(|()| Vec::new()),
-                    actual: actual.map(|()| Vec::new()),
-                }));
-            }
+            reset_both(&reference, store, &reset, step, String::new()).await?;
         }
         let takes: Vec<Take<'_>> = takes_spec
             .iter()
@@ -404,12 +395,24 @@ async fn forget_alike<S: Store>(
         return Ok(());
     }
     let keys: Vec<&str> = full.iter().map(String::as_str).collect();
-    let expected = reference.reset(&keys).await;
-    let actual = store.reset(&keys).await;
+    let why = format!(", full at {latest:?}, before a step back");
+    reset_both(reference, store, &keys, step, why).await
+}
+
+/// Resets `keys` in both stores, which must answer alike.
+async fn reset_both<S: Store>(
+    reference: &LocalStore<ManualClock>,
+    store: &S,
+    keys: &[&str],
+    step: usize,
+    why: String,
+) -> Result<(), Box<Mismatch>> {
+    let expected = reference.reset(keys).await;
+    let actual = store.reset(keys).await;
     if expected != actual {
         return Err(Box::new(Mismatch {
             step,
-            request: format!("reset {keys:?}, full at {latest:?}, before a step back"),
+            request: format!("reset {keys:?}{why}"),
             expected: expected.map(|()| Vec::new()),
             actual: actual.map(|()| Vec::new()),
         }));
