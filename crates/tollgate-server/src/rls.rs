@@ -11,8 +11,9 @@
 //! * `statuses` has one entry per request descriptor, in order. A descriptor no limit applies
 //!   to gets `OK`; otherwise its most constrained enforced limit fills `current_limit` (with its
 //!   name), `limit_remaining` and `duration_until_reset`, from which Envoy builds its own
-//!   `X-RateLimit-*` headers. The IETF `RateLimit-Policy`/`RateLimit` fields go in
-//!   `response_headers_to_add`.
+//!   `X-RateLimit-*` headers when asked to. The rate-limit fields of the server's style
+//!   (`--rate-limit-headers`: the IETF `RateLimit-Policy`/`RateLimit` by default, or tollgate's
+//!   own `X-RateLimit-*`, both, or none) go in `response_headers_to_add`.
 //! * Never `UNKNOWN`. An unknown domain answers `OK`. A `hits_addend` above a limit's capacity
 //!   can never pass: the request's charged descriptors answer `OVER_LIMIT` (as a gRPC error,
 //!   Envoy would let the request through).
