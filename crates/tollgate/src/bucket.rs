@@ -567,6 +567,61 @@ mod tests {
     }
 
     #[test]
+    fn rebase_keeps_a_part_of_a_token() {
+        // 4.5 tokens at 4.5 s under 1/s are 4.5 under 2/s, whose tokens are half as many
+        // nanoseconds apart: the half token is converted, not dropped (nor rounded up), so
+        // 5 tokens are there a quarter of a second later and not a nanosecond sooner.
+        let old = limit(10, "1/s");
+        let (_, state) = take(&old, None, at(0), 10).unwrap();
+        let new = limit(20, "2/s");
+        let change = 4 * SEC + SEC / 2;
+        let rebased = rebase(&old, &new, state, at(change));
+        assert!(peek(&new, rebased, at(change), 4).unwrap().allowed());
+        assert!(!peek(&new, rebased, at(change), 5).unwrap().allowed());
+        let five = change + SEC / 4;
+        assert!(!peek(&new, rebased, at(five - 1), 5).unwrap().allowed());
+        assert!(peek(&new, rebased, at(five), 5).unwrap().allowed());
+    }
+
+    #[test]
+    fn rebase_to_or_from_a_window_keeps_the_whole_tokens_left() {
+        let bucket = limit(10, "1/s");
+        let window = Limit::fixed_window(6, Duration::from_secs(1)).unwrap();
+        // Emptied at 0, the bucket holds 4 tokens at 4 s: the window admits 4 more in the
+        // window of 4 s, not its whole limit, and not a figure read as a bucket's state.
+        let (_, state) = take(&bucket, None, at(0), 10).unwrap();
+        let rebased = rebase(&bucket, &window, state, at(4 * SEC));
+        assert_eq!(
+            peek(&window, rebased, at(4 * SEC), 1).unwrap().remaining(),
+            3
+        );
+        assert!(!peek(&window, rebased, at(4 * SEC), 5).unwrap().allowed());
+        // A window with 1 left becomes a bucket with 1 token.
+        let (_, state) = take(&window, None, at(0), 5).unwrap();
+        let rebased = rebase(&window, &bucket, state, at(0));
+        assert_eq!(peek(&bucket, rebased, at(0), 1).unwrap().remaining(), 0);
+        assert!(!peek(&bucket, rebased, at(0), 2).unwrap().allowed());
+        // The same window with a higher limit keeps its count: 5 used of 8.
+        let wider = Limit::fixed_window(8, Duration::from_secs(1)).unwrap();
+        let rebased = rebase(&window, &wider, state, at(0));
+        assert_eq!(peek(&wider, rebased, at(0), 1).unwrap().remaining(), 2);
+        // A longer window starts from the tokens left, 1 at 1 s, for the whole of its window
+        // of 0 to 3 s: the 1 s window's count, which ends at 2 s, is not carried over as such.
+        let (_, state) = take(&window, None, at(SEC), 5).unwrap();
+        let longer = Limit::fixed_window(6, Duration::from_secs(3)).unwrap();
+        let rebased = rebase(&window, &longer, state, at(SEC));
+        for now in [SEC, 5 * SEC / 2] {
+            let one = peek(&longer, rebased, at(now), 1).unwrap();
+            assert!(one.allowed() && one.remaining() == 0, "{one:?}");
+            assert!(!peek(&longer, rebased, at(now), 2).unwrap().allowed());
+        }
+        assert_eq!(
+            peek(&longer, rebased, at(3 * SEC), 1).unwrap().remaining(),
+            5
+        );
+    }
+
+    #[test]
     fn with_tokens_builds_the_named_balance() {
         let l = limit(10, "7/s");
         let state = BucketState::with_tokens(&l, 4, at(SEC));
