@@ -248,17 +248,24 @@ mod tests {
 
     #[test]
     fn an_aged_rejection_reads_as_the_bucket_would_then() {
+        // 10/s has one unit per nanosecond; 3/7ns three (see `crate::bucket`).
+        for (rate, elapsed) in [("10/s", 150_000_000), ("3/7ns", 5)] {
+            let limit = Limit::new(10, rate.parse().unwrap()).unwrap();
+            let (_, state) = bucket::take(&limit, None, Timestamp::ZERO, 10).unwrap();
+            let (rejected, _) = bucket::take(&limit, state, Timestamp::ZERO, 4).unwrap();
+            assert_eq!((rejected.allowed(), rejected.cost()), (false, 4));
+            let later = Timestamp::from_nanos(elapsed);
+            let (then, _) = bucket::take(&limit, state, later, 4).unwrap();
+            assert_eq!(rejected.aged(Duration::from_nanos(elapsed)), then, "{rate}");
+            assert_eq!(
+                rejected.aged(Duration::from_secs(5)).reset_after(),
+                Duration::ZERO
+            );
+        }
         let limit = Limit::new(10, "10/s".parse().unwrap()).unwrap();
         let (_, state) = bucket::take(&limit, None, Timestamp::ZERO, 10).unwrap();
         let (rejected, _) = bucket::take(&limit, state, Timestamp::ZERO, 4).unwrap();
         assert_eq!(rejected.retry_after(), Some(Duration::from_millis(400)));
-        let later = Timestamp::from_nanos(150_000_000);
-        let (then, _) = bucket::take(&limit, state, later, 4).unwrap();
-        assert_eq!(rejected.aged(Duration::from_millis(150)), then);
-        assert_eq!(
-            rejected.aged(Duration::from_secs(5)).reset_after(),
-            Duration::ZERO
-        );
     }
 
     #[test]

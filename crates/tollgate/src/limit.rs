@@ -533,12 +533,15 @@ mod tests {
 
     #[test]
     fn limits_reduce_the_rate() {
+        // Through the public figures, which the Redis store converts its units from.
+        let units = |limit: Limit| (limit.units_per_nanosecond(), limit.units_per_token());
         let limit = Limit::new(20, rate("10/s")).unwrap();
-        assert_eq!((limit.a(), limit.p()), (1, 100_000_000));
+        assert_eq!(units(limit), (1, 100_000_000));
         let limit = Limit::new(1, rate("1000000000/s")).unwrap();
-        assert_eq!((limit.a(), limit.p()), (1, 1));
+        assert_eq!(units(limit), (1, 1));
         let limit = Limit::new(5, rate("999999937/s")).unwrap();
-        assert_eq!((limit.a(), limit.p()), (999_999_937, 1_000_000_000));
+        assert_eq!(units(limit), (999_999_937, 1_000_000_000));
+        assert_eq!((limit.a(), limit.p()), units(limit));
     }
 
     #[test]
@@ -559,6 +562,26 @@ mod tests {
         ));
         assert!(Limit::new(u64::MAX, rate("1/1ns")).is_err());
         assert!(Limit::new(u64::MAX, rate("4000000000/1ns")).is_ok());
+    }
+
+    #[test]
+    fn window_limits_are_taken_up_to_their_bounds() {
+        let ms = Duration::from_millis;
+        // The longest window is the last whole millisecond within 2^60 ns.
+        let longest = ms((1 << 60) / 1_000_000);
+        assert!(Limit::fixed_window(1, longest).is_ok());
+        assert!(matches!(
+            Limit::fixed_window(1, longest + ms(1)),
+            Err(Error::LimitTooLarge)
+        ));
+        // The most per window is what 32-bit counters hold.
+        let window = Duration::from_secs(1_000);
+        let most = Limit::sliding_window(MAX_WINDOW_LIMIT, window).unwrap();
+        assert_eq!(most.capacity(), MAX_WINDOW_LIMIT);
+        assert!(matches!(
+            Limit::sliding_window(MAX_WINDOW_LIMIT + 1, window),
+            Err(Error::InvalidWindow { .. })
+        ));
     }
 
     #[test]
