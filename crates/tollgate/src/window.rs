@@ -398,6 +398,76 @@ mod tests {
     }
 
     #[test]
+    fn a_count_of_most_of_the_windows_nanoseconds_reads_back() {
+        // The largest limit a 1 ms window takes: a count past half the window's nanoseconds,
+        // kept past the window's end, still reads as this window's and frees at its edge.
+        for limit in [
+            fixed(999_999, Duration::from_millis(1)),
+            sliding(999_999, Duration::from_millis(1)),
+        ] {
+            let d = run(&limit, &[(0, 600_000), (MS / 2, 1), (2 * MS, 1)]);
+            assert!(d[0].allowed() && d[1].allowed(), "{limit}");
+            assert_eq!(d[1].remaining(), 399_998, "{limit}");
+            assert_eq!(d[2].remaining(), 999_998, "{limit}");
+        }
+        let limit = fixed(999_999, Duration::from_millis(1));
+        let d = run(&limit, &[(0, 600_000), (MS / 2, 1), (MS, 1)]);
+        assert_eq!(d[1].reset_after(), Duration::from_nanos(MS / 2));
+        assert_eq!(d[2].remaining(), 999_998);
+        // And a refund finds that count in its window.
+        let (d, state) = take(&limit, None, at(0), 600_000);
+        let charged = charged_window(&limit, at(0), d.reset_after());
+        let refunded = give_back(&limit, state.unwrap(), charged, 100_000);
+        assert_eq!(balance(&limit, refunded, at(0), 1).remaining(), 499_999);
+    }
+
+    #[test]
+    fn a_window_that_counts_nothing_has_nothing_to_reset() {
+        for limit in [
+            fixed(5, Duration::from_secs(1)),
+            sliding(5, Duration::from_secs(1)),
+        ] {
+            let empty = balance(&limit, None, at(SEC / 2), 1);
+            assert_eq!(empty.remaining(), 5, "{limit}");
+            assert_eq!(empty.reset_after(), Duration::ZERO, "{limit}");
+        }
+        // A sliding window whose previous window counted something is not empty until this
+        // window ends, though this one has counted nothing yet.
+        let limit = sliding(5, Duration::from_secs(1));
+        let (_, state) = take(&limit, None, at(SEC / 2), 2);
+        let later = balance(&limit, state, at(SEC + SEC / 4), 1);
+        assert_eq!(later.reset_after(), Duration::from_millis(750));
+    }
+
+    #[test]
+    fn a_refund_goes_back_to_the_window_charged() {
+        let charge_at = at(2 * SEC + SEC / 2);
+        // Fixed: 3 charged in window 2, 2 given back there; nothing given back to window 3.
+        let limit = fixed(5, Duration::from_secs(1));
+        let (d, state) = take(&limit, None, charge_at, 3);
+        let charged = charged_window(&limit, charge_at, d.reset_after());
+        assert_eq!(charged, 2);
+        let refunded = give_back(&limit, state.unwrap(), charged, 2);
+        assert_eq!(balance(&limit, refunded, charge_at, 1).remaining(), 4);
+        let (_, later) = take(&limit, state, at(3 * SEC + SEC / 5), 1);
+        let later = later.unwrap();
+        assert_eq!(give_back(&limit, later, charged, 2), Some(later));
+        // Sliding: the same in window 2, then from the previous count once window 3 counts.
+        let limit = sliding(5, Duration::from_secs(1));
+        let (d, state) = take(&limit, None, charge_at, 3);
+        let charged = charged_window(&limit, charge_at, d.reset_after());
+        assert_eq!(charged, 2);
+        let refunded = give_back(&limit, state.unwrap(), charged, 2);
+        assert_eq!(balance(&limit, refunded, charge_at, 1).remaining(), 4);
+        let now = at(3 * SEC + SEC / 5);
+        let (_, later) = take(&limit, state, now, 1);
+        // 3 * 0.8 + 1 counted, then 1 * 0.8 + 1.
+        assert_eq!(balance(&limit, later, now, 1).remaining(), 1);
+        let refunded = give_back(&limit, later.unwrap(), charged, 2);
+        assert_eq!(balance(&limit, refunded, now, 1).remaining(), 3);
+    }
+
+    #[test]
     fn with_tokens_counts_the_rest_as_used() {
         let limit = fixed(5, Duration::from_secs(1));
         let state = with_tokens(&limit, 2, at(SEC / 2));
