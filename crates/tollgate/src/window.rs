@@ -461,10 +461,14 @@ mod tests {
         assert_eq!(balance(&limit, refunded, charge_at, 1).remaining(), 4);
         let now = at(3 * SEC + SEC / 5);
         let (_, later) = take(&limit, state, now, 1);
-        // 3 * 0.8 + 1 counted, then 1 * 0.8 + 1.
+        // 3 * 0.8 + 1 counted, then 2 * 0.8 + 1.
         assert_eq!(balance(&limit, later, now, 1).remaining(), 1);
-        let refunded = give_back(&limit, later.unwrap(), charged, 2);
-        assert_eq!(balance(&limit, refunded, now, 1).remaining(), 3);
+        let refunded = give_back(&limit, later.unwrap(), charged, 1);
+        assert_eq!(balance(&limit, refunded, now, 1).remaining(), 2);
+        // Two windows on, window 2's count weighs nothing, and window 3's is not the refund's.
+        let (_, moved) = take(&limit, later, at(4 * SEC + SEC / 5), 1);
+        let moved = moved.unwrap();
+        assert_eq!(give_back(&limit, moved, charged, 1), Some(moved));
     }
 
     #[test]
