@@ -493,6 +493,33 @@ mod tests {
     }
 
     #[test]
+    fn a_thinning_log_gives_back_a_bursts_room_but_keeps_a_small_one() {
+        let limit = log_limit(10_000, Duration::from_secs(1));
+        let capacity = |log: &RequestLog| log.older.as_ref().map_or(0, |o| o.capacity());
+        // A thousand entries, then two of them still counting: most of the room goes back.
+        let mut log = RequestLog::default();
+        for ms in 0..1_000 {
+            take(&limit, &mut log, at(ms * MS), 1);
+        }
+        assert!(capacity(&log) >= 999);
+        take(&limit, &mut log, at(1_997 * MS), 1);
+        assert_eq!(log.len(), 3);
+        assert!(capacity(&log) <= 16, "{}", capacity(&log));
+        // Room for 16 or fewer is kept: reallocating it as a log thins and grows again would
+        // cost more than it frees.
+        let mut log = RequestLog::default();
+        for ms in 0..16 {
+            take(&limit, &mut log, at(ms * MS), 1);
+        }
+        let room = capacity(&log);
+        assert!((15..=16).contains(&room), "{room}");
+        // The latest entry joins the older ones (16 of them) before the 14 oldest leave.
+        take(&limit, &mut log, at(1_013 * MS), 1);
+        assert_eq!(log.len(), 3);
+        assert_eq!(capacity(&log), room);
+    }
+
+    #[test]
     fn a_refund_comes_off_the_charged_entry_while_it_counts() {
         let limit = log_limit(5, Duration::from_secs(1));
         let mut log = RequestLog::default();
