@@ -442,33 +442,41 @@ mod tests {
     #[test]
     fn a_refund_goes_back_to_the_window_charged() {
         let charge_at = at(2 * SEC + SEC / 2);
-        // Fixed: 3 charged in window 2, 2 given back there; nothing given back to window 3.
-        let limit = fixed(5, Duration::from_secs(1));
-        let (d, state) = take(&limit, None, charge_at, 3);
-        let charged = charged_window(&limit, charge_at, d.reset_after());
-        assert_eq!(charged, 2);
-        let refunded = give_back(&limit, state.unwrap(), charged, 2);
-        assert_eq!(balance(&limit, refunded, charge_at, 1).remaining(), 4);
-        let (_, later) = take(&limit, state, at(3 * SEC + SEC / 5), 1);
-        let later = later.unwrap();
-        assert_eq!(give_back(&limit, later, charged, 2), Some(later));
-        // Sliding: the same in window 2, then from the previous count once window 3 counts.
-        let limit = sliding(5, Duration::from_secs(1));
-        let (d, state) = take(&limit, None, charge_at, 3);
-        let charged = charged_window(&limit, charge_at, d.reset_after());
-        assert_eq!(charged, 2);
-        let refunded = give_back(&limit, state.unwrap(), charged, 2);
-        assert_eq!(balance(&limit, refunded, charge_at, 1).remaining(), 4);
+        let (fixed, sliding) = (
+            fixed(5, Duration::from_secs(1)),
+            sliding(5, Duration::from_secs(1)),
+        );
+        // 3 charged in window 2, 2 given back while the state is still there.
+        for limit in [fixed, sliding] {
+            let (d, state) = take(&limit, None, charge_at, 3);
+            assert_eq!(
+                charged_window(&limit, charge_at, d.reset_after()),
+                2,
+                "{limit}"
+            );
+            let refunded = give_back(&limit, state.unwrap(), 2, 2);
+            assert_eq!(
+                balance(&limit, refunded, charge_at, 1).remaining(),
+                4,
+                "{limit}"
+            );
+        }
+        // Fixed: nothing given back once window 3 counts.
         let now = at(3 * SEC + SEC / 5);
-        let (_, later) = take(&limit, state, now, 1);
-        // 3 * 0.8 + 1 counted, then 2 * 0.8 + 1.
-        assert_eq!(balance(&limit, later, now, 1).remaining(), 1);
-        let refunded = give_back(&limit, later.unwrap(), charged, 1);
-        assert_eq!(balance(&limit, refunded, now, 1).remaining(), 2);
+        let (_, state) = take(&fixed, None, charge_at, 3);
+        let (_, later) = take(&fixed, state, now, 1);
+        let later = later.unwrap();
+        assert_eq!(give_back(&fixed, later, 2, 2), Some(later));
+        // Sliding: then from the previous count, 3 * 0.8 + 1 counted becoming 2 * 0.8 + 1.
+        let (_, state) = take(&sliding, None, charge_at, 3);
+        let (_, later) = take(&sliding, state, now, 1);
+        assert_eq!(balance(&sliding, later, now, 1).remaining(), 1);
+        let refunded = give_back(&sliding, later.unwrap(), 2, 1);
+        assert_eq!(balance(&sliding, refunded, now, 1).remaining(), 2);
         // Two windows on, window 2's count weighs nothing, and window 3's is not the refund's.
-        let (_, moved) = take(&limit, later, at(4 * SEC + SEC / 5), 1);
+        let (_, moved) = take(&sliding, later, at(4 * SEC + SEC / 5), 1);
         let moved = moved.unwrap();
-        assert_eq!(give_back(&limit, moved, charged, 1), Some(moved));
+        assert_eq!(give_back(&sliding, moved, 2, 1), Some(moved));
     }
 
     #[test]
