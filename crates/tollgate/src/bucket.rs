@@ -587,8 +587,8 @@ mod tests {
     fn rebase_to_or_from_a_window_keeps_the_whole_tokens_left() {
         let bucket = limit(10, "1/s");
         let window = Limit::fixed_window(6, Duration::from_secs(1)).unwrap();
-        // Emptied at 0, the bucket holds 4 tokens at 4 s: the window admits 4 more in the
-        // window of 4 s, not its whole limit, and not a figure read as a bucket's state.
+        // Emptied at 0, the bucket holds 4 tokens at 4 s: the window admits 4 more in its
+        // window from 4 s, not its whole limit, nor a figure read from a bucket's state.
         let (_, state) = take(&bucket, None, at(0), 10).unwrap();
         let rebased = rebase(&bucket, &window, state, at(4 * SEC));
         assert_eq!(

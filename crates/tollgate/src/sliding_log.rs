@@ -505,8 +505,7 @@ mod tests {
         take(&limit, &mut log, at(1_997 * MS), 1);
         assert_eq!(log.len(), 3);
         assert!(capacity(&log) <= 16, "{}", capacity(&log));
-        // Room for 16 or fewer is kept: reallocating it as a log thins and grows again would
-        // cost more than it frees.
+        // Room for 16 or fewer is kept, too little to be worth a reallocation.
         let mut log = RequestLog::default();
         for ms in 0..16 {
             take(&limit, &mut log, at(ms * MS), 1);
