@@ -248,12 +248,14 @@ mod tests {
 
     #[test]
     fn an_aged_rejection_reads_as_the_bucket_would_then() {
-        // 10/s has one unit per nanosecond; 3/7ns three (see `crate::bucket`).
-        for (rate, elapsed) in [("10/s", 150_000_000), ("3/7ns", 5)] {
+        // 10/s has one unit per nanosecond; 3/7ns three (see `crate::bucket`), and 4 tokens
+        // take 9 1/3 ns to refill, a retry of 10 rounded up.
+        for (rate, retry, elapsed) in [("10/s", 400_000_000, 150_000_000), ("3/7ns", 10, 5)] {
             let limit = Limit::new(10, rate.parse().unwrap()).unwrap();
             let (_, state) = bucket::take(&limit, None, Timestamp::ZERO, 10).unwrap();
             let (rejected, _) = bucket::take(&limit, state, Timestamp::ZERO, 4).unwrap();
             assert_eq!((rejected.allowed(), rejected.cost()), (false, 4));
+            assert_eq!(rejected.retry_after(), Some(Duration::from_nanos(retry)));
             let later = Timestamp::from_nanos(elapsed);
             let (then, _) = bucket::take(&limit, state, later, 4).unwrap();
             assert_eq!(rejected.aged(Duration::from_nanos(elapsed)), then, "{rate}");
@@ -262,10 +264,6 @@ mod tests {
                 Duration::ZERO
             );
         }
-        let limit = Limit::new(10, "10/s".parse().unwrap()).unwrap();
-        let (_, state) = bucket::take(&limit, None, Timestamp::ZERO, 10).unwrap();
-        let (rejected, _) = bucket::take(&limit, state, Timestamp::ZERO, 4).unwrap();
-        assert_eq!(rejected.retry_after(), Some(Duration::from_millis(400)));
     }
 
     #[test]
