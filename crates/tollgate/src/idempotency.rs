@@ -75,7 +75,9 @@ pub(crate) enum Settle {
 #[derive(Debug, Default)]
 pub(crate) struct Records {
     by_id: HashTable<Record>,
-    /// `(id, expires_at)` in insertion order, which is also expiry order.
+    /// `(id, expires_at)` in insertion order, which is expiry order up to the skew of threads
+    /// that read the clock before they lock: a record queued behind a later one is freed with it,
+    /// a little past its window (`get` ignores it from its deadline on).
     queue: VecDeque<(u128, u64)>,
 }
 
@@ -261,5 +263,39 @@ mod tests {
         records.insert(1, 5, Recorded::One(decision()), 10, 20, 4);
         assert!(matches!(records.get(1, 5, 15), Some(Ok(_))));
         assert_eq!(records.len(), 1);
+    }
+
+    #[test]
+    fn a_stale_queue_entry_leaves_its_ids_newer_record() {
+        // Threads read the clock before they lock, so one may record at an instant before the
+        // last record's: the queue is then out of expiry order, and the record 1 made at 50
+        // outlives its queue entry's turn. Reused at 70, 1 gets a second queue entry; when
+        // the bound pops the first, the record made at 70 must stay.
+        let mut records = Records::default();
+        records.insert(9, 0, Recorded::One(decision()), 100, 110, 3);
+        records.insert(1, 0, Recorded::One(decision()), 50, 60, 3);
+        assert!(records.get(1, 0, 70).is_none(), "expired at 60");
+        records.insert(1, 2, Recorded::One(decision()), 70, 80, 3);
+        records.insert(3, 0, Recorded::One(decision()), 75, 85, 3);
+        records.insert(4, 0, Recorded::One(decision()), 76, 86, 3);
+        assert!(records.get(9, 0, 77).is_none(), "the oldest went first");
+        assert!(
+            matches!(records.get(1, 2, 77), Some(Ok(_))),
+            "popping the stale entry kept the live record"
+        );
+    }
+
+    #[test]
+    fn request_ids_are_one_to_max_bytes() {
+        assert!(matches!(
+            check_request_id(""),
+            Err(Error::InvalidRequestId { len: 0 })
+        ));
+        assert!(check_request_id("a").is_ok());
+        assert!(check_request_id(&"a".repeat(MAX_REQUEST_ID_BYTES)).is_ok());
+        assert!(matches!(
+            check_request_id(&"a".repeat(MAX_REQUEST_ID_BYTES + 1)),
+            Err(Error::InvalidRequestId { len }) if len == MAX_REQUEST_ID_BYTES + 1
+        ));
     }
 }
