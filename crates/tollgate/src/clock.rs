@@ -241,9 +241,26 @@ mod tests {
     }
 
     #[test]
+    fn shared_and_borrowed_clocks_read_the_clock_they_point_to() {
+        fn read(clock: impl Clock) -> Timestamp {
+            clock.now()
+        }
+        let clock = ManualClock::starting_at(Timestamp::from_nanos(42));
+        assert_eq!(read(&clock), Timestamp::from_nanos(42));
+        let shared: Arc<dyn Clock> = Arc::new(clock.clone());
+        clock.advance(Duration::from_nanos(1));
+        assert_eq!(read(shared), Timestamp::from_nanos(43));
+    }
+
+    #[test]
     fn timestamp_arithmetic_saturates() {
         let t = Timestamp::from_nanos(5);
         assert_eq!(t - Duration::from_nanos(10), Timestamp::ZERO);
+        assert_eq!(t - Duration::from_nanos(2), Timestamp::from_nanos(3));
+        assert_eq!(
+            Timestamp::from_nanos(9).saturating_duration_since(t),
+            Duration::from_nanos(4)
+        );
         assert_eq!((t + Duration::MAX).as_nanos(), u64::MAX);
         assert_eq!(
             t.saturating_duration_since(Timestamp::from_nanos(9)),
