@@ -1293,6 +1293,79 @@ mod tests {
     }
 
     #[test]
+    fn a_state_full_at_the_first_instant_a_slot_cannot_hold_spills() {
+        let store: MemoryStore<u64> = MemoryStore::builder().shards(1).build();
+        let l = limit(2, "1/ms");
+        // Full again at 2^55 ns - 1: packed.
+        assert!(
+            store
+                .check(&1, &l, 1, at(SPILLED - 1_000_001))
+                .unwrap()
+                .allowed()
+        );
+        assert_eq!(store.stats().spilled, 0);
+        // Full again at 2^55 ns: spilled, and read back exactly.
+        let now = at(SPILLED - 1_000_000);
+        assert!(store.check(&2, &l, 1, now).unwrap().allowed());
+        assert_eq!(store.stats().spilled, 1);
+        assert_eq!(store.check(&2, &l, 1, now).unwrap().remaining(), 0);
+        assert!(!store.check(&2, &l, 1, now).unwrap().allowed());
+    }
+
+    #[test]
+    fn the_bound_is_split_over_the_shards_exactly() {
+        // Ten over four shards: 3, 3, 2 and 2, so the store holds ten, not eight or twelve.
+        let store: MemoryStore<u64> = MemoryStore::builder().shards(4).max_buckets(10).build();
+        let l = limit(10, "1/h");
+        for key in 0..1_000 {
+            assert!(store.check(&key, &l, 1, at(0)).unwrap().allowed());
+        }
+        let stats = store.stats();
+        assert_eq!(stats.live_buckets, 10);
+        assert_eq!(stats.evicted, 990);
+    }
+
+    #[test]
+    fn a_shard_at_its_share_of_records_forgets_its_oldest() {
+        let store: MemoryStore<Box<str>> = MemoryStore::builder()
+            .shards(1)
+            .max_idempotency_records(2)
+            .build();
+        let l = limit(10, "1/h");
+        for id in ["r-0", "r-1", "r-2"] {
+            assert!(
+                store
+                    .check_idempotent("k", &l, 1, at(0), id)
+                    .unwrap()
+                    .allowed()
+            );
+        }
+        assert_eq!(store.stats().idempotency_records, 2);
+        let retry = |id| store.check_idempotent("k", &l, 1, at(1), id).unwrap();
+        assert_eq!(
+            retry("r-2").remaining(),
+            7,
+            "remembered: its first decision"
+        );
+        assert_eq!(retry("r-0").remaining(), 6, "forgotten: charged again");
+    }
+
+    #[cfg(feature = "testkit")]
+    #[test]
+    fn a_bucket_or_log_is_forgettable_once_it_reads_as_new() {
+        let store: MemoryStore<Box<str>> = MemoryStore::default();
+        assert!(store.forgettable("k", at(0)), "nothing held");
+        let l = limit(2, "1/s");
+        assert!(store.check("k", &l, 1, at(0)).unwrap().allowed());
+        assert!(!store.forgettable("k", at(SEC - 1)));
+        assert!(store.forgettable("k", at(SEC)));
+        let window = log(2, 1_000);
+        assert!(store.check("l", &window, 1, at(0)).unwrap().allowed());
+        assert!(!store.forgettable("l", at(SEC - 1)));
+        assert!(store.forgettable("l", at(SEC)));
+    }
+
+    #[test]
     fn keys_are_independent() {
         let store: MemoryStore<u64> = MemoryStore::default();
         let l = limit(1, "1/s");
