@@ -1421,6 +1421,27 @@ mod tests {
     }
 
     #[test]
+    fn a_full_table_grows_unless_dropping_its_full_buckets_frees_an_eighth() {
+        // 24 buckets fill a 32-slot table to its 3/4; the 25th insert first drops the full
+        // ones, and grows the table unless that freed an eighth (3), so that the next sweep is
+        // at least that many inserts away.
+        for (full, slots) in [(0, 64), (1, 64), (2, 64), (3, 32), (4, 32)] {
+            let store: MemoryStore<u64> = MemoryStore::builder().shards(1).build();
+            let (brief, long) = (limit(1, "1/ms"), limit(1, "1/h"));
+            for key in 0..24 {
+                let l = if key < full { &brief } else { &long };
+                assert!(store.check(&key, l, 1, at(0)).unwrap().allowed());
+            }
+            assert_eq!(store.stats().slots, 32);
+            assert!(store.check(&24, &long, 1, at(SEC)).unwrap().allowed());
+            let stats = store.stats();
+            assert_eq!(stats.slots, slots, "{full} full");
+            assert_eq!(stats.expired, full);
+            assert_eq!(stats.live_buckets, 25 - full as usize);
+        }
+    }
+
+    #[test]
     fn a_sweep_after_a_spike_gives_the_tables_back() {
         let store: MemoryStore<u64> = MemoryStore::builder().build();
         // A hundred buckets stay in use for a minute; a spike of keys is full again in a second.
