@@ -1505,15 +1505,16 @@ mod tests {
         assert!(mean < 0.75, "{mean} slots past home on average");
     }
 
-    /// A weak hasher: the key, moved up `SHIFT` bits. Sequential keys then differ only in a
-    /// few bits (the low ones, or high ones), and the store's own mixing must carry them to
-    /// the bits that pick the shard, the home slot and the tag.
+    /// A weak hasher: the key, moved up `SHIFT` bits (all of them out at 64: every key hashes
+    /// to 0). Sequential keys then differ only in a few bits (the low ones, or high ones), and
+    /// the store's own mixing must carry them to the bits that pick the shard, the home slot
+    /// and the tag.
     #[derive(Default)]
     struct Shifted<const SHIFT: u32>(u64);
 
     impl<const SHIFT: u32> std::hash::Hasher for Shifted<SHIFT> {
         fn finish(&self) -> u64 {
-            self.0 << SHIFT
+            self.0.checked_shl(SHIFT).unwrap_or(0)
         }
         fn write(&mut self, bytes: &[u8]) {
             for &byte in bytes {
@@ -1553,6 +1554,35 @@ mod tests {
     }
 
     #[test]
+    fn keys_whose_hashes_collide_stay_apart() {
+        // Every key hashes alike: only comparing the keys tells them apart.
+        let store: MemoryStore<u64, _> = MemoryStore::builder()
+            .build_with_hasher(std::hash::BuildHasherDefault::<Shifted<64>>::default());
+        let l = limit(1, "1/s");
+        assert!(store.check(&1, &l, 1, at(0)).unwrap().allowed());
+        assert!(store.check(&2, &l, 1, at(0)).unwrap().allowed());
+        assert!(!store.check(&1, &l, 1, at(0)).unwrap().allowed());
+        let both = [
+            Item {
+                key: &3,
+                limit: &l,
+                cost: 1,
+            },
+            Item {
+                key: &4,
+                limit: &l,
+                cost: 1,
+            },
+        ];
+        let decisions = store.check_all(&both, at(0), None).unwrap();
+        assert!(decisions.iter().all(Decision::allowed));
+        assert!(matches!(
+            store.check_all(&[both[0], both[0]], at(0), None),
+            Err(Error::DuplicateKey { index: 1 })
+        ));
+    }
+
+    #[test]
     fn a_weak_hashers_sequential_keys_still_spread_over_shards_and_slots() {
         // Half a slot past home on average, as with a good hasher (see the test above).
         assert_spread::<0>(0.75);
@@ -1578,6 +1608,42 @@ mod tests {
             .filter(|k| store.peek(*k, &l, 10, at(0)).map(|d| !d.allowed()).unwrap())
             .count();
         assert_eq!(survivors_of_cost_one, 6);
+    }
+
+    /// A shard at its bound frees 1/64 of it (at least one): full buckets first, then the
+    /// closest to full, taking only as many of a tie as make up the count.
+    #[test]
+    fn the_bound_frees_exactly_its_share() {
+        let brief = limit(1, "1/ms");
+        let long = limit(2, "1/h");
+        // (bound, buckets full when the next key comes, live after it, expired, evicted)
+        let cases = [
+            // One slot: the only bucket is evicted.
+            (1, 0, 1, 0, 1),
+            // A bucket gone full makes the room; nothing is evicted.
+            (4, 1, 4, 1, 0),
+            // 128 frees two: one full, then one of the 127 tied closest to full.
+            (128, 1, 127, 1, 1),
+            // 192 frees three: the bucket closest to full (not full yet), then two of the tie.
+            (192, 0, 190, 0, 3),
+        ];
+        for (bound, full, live, expired, evicted) in cases {
+            let store: MemoryStore<u64> =
+                MemoryStore::builder().shards(1).max_buckets(bound).build();
+            // Key 0 is full again after 1 ms; the rest after half an hour, all at once.
+            assert!(store.check(&0, &brief, 1, at(0)).unwrap().allowed());
+            for key in 1..bound as u64 {
+                assert!(store.check(&key, &long, 1, at(0)).unwrap().allowed());
+            }
+            let next = if full == 1 { at(SEC) } else { at(1) };
+            assert!(store.check(&u64::MAX, &long, 1, next).unwrap().allowed());
+            let stats = store.stats();
+            assert_eq!(
+                (stats.live_buckets, stats.expired, stats.evicted),
+                (live, expired, evicted),
+                "bound {bound}"
+            );
+        }
     }
 
     #[test]
