@@ -484,3 +484,107 @@ impl<C: Clock> Store for LocalStore<C> {
         std::future::ready(Ok(()))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::{LeaseLimit, LeaseTake, ManualClock};
+
+    fn limit(capacity: u64, rate: &str) -> Limit {
+        Limit::new(capacity, rate.parse().unwrap()).unwrap()
+    }
+
+    fn request<'a>(takes: &'a [Take<'a>], request_id: Option<&'a str>) -> CheckRequest<'a> {
+        CheckRequest {
+            takes,
+            request_id,
+            now: None,
+        }
+    }
+
+    #[test]
+    fn a_local_store_decides_one_or_several_buckets_on_its_clock() {
+        let clock = ManualClock::new();
+        let store = LocalStore::new(clock.clone());
+        let (two, one) = (limit(2, "1/s"), limit(1, "1/s"));
+        let both = [Take::new("a", &two, 1), Take::new("b", &one, 1)];
+        let allowed = |decisions: Vec<Decision>| decisions.iter().map(Decision::allowed).collect();
+        let checked: Vec<bool> = allowed(store.check_now(request(&both, None)).unwrap());
+        assert_eq!(checked, [true, true]);
+        // b is empty: the pair is refused (a alone would pass), and a keeps its last token.
+        let checked: Vec<bool> = allowed(store.check_now(request(&both, None)).unwrap());
+        assert_eq!(checked, [true, false]);
+        let peeked: Vec<bool> = allowed(store.peek_now(request(&both, None)).unwrap());
+        assert_eq!(peeked, [true, false]);
+        let a = [Take::new("a", &two, 1)];
+        assert!(store.check_now(request(&a, Some("r-1"))).unwrap()[0].allowed());
+        assert!(!store.check_now(request(&a, None)).unwrap()[0].allowed());
+        // A retry gets the first decision; after the clock moves a second, b has a token.
+        assert!(store.check_now(request(&a, Some("r-1"))).unwrap()[0].allowed());
+        clock.advance(Duration::from_secs(1));
+        let checked: Vec<bool> = allowed(store.check_now(request(&both, None)).unwrap());
+        assert_eq!(checked, [true, true]);
+    }
+
+    #[test]
+    fn a_local_store_settles_only_a_request_it_can_name() {
+        let store = LocalStore::new(ManualClock::new());
+        let l = limit(5, "1/h");
+        let takes = [Take::new("a", &l, 3)];
+        store.check_now(request(&takes, Some("r"))).unwrap();
+        assert!(matches!(
+            store.settle_now(request(&takes, None), &[2]),
+            Err(Error::InvalidSettlement { .. })
+        ));
+        let settled = store.settle_now(request(&takes, Some("r")), &[2]).unwrap();
+        assert_eq!(settled.status, SettleStatus::Settled);
+        assert_eq!(settled.decisions[0].remaining(), 4, "5 - 3 + 2");
+    }
+
+    #[test]
+    fn a_local_store_keeps_the_lease_table_it_was_given() {
+        let store = LocalStore::new(ManualClock::new())
+            .with_leases(MemoryLeases::builder().max_leases(1).build());
+        let limit = LeaseLimit::new(5, Duration::from_secs(30)).unwrap();
+        let takes = [LeaseTake::new("k", &limit)];
+        store
+            .leases()
+            .acquire(&takes, "l-1", Timestamp::ZERO)
+            .unwrap();
+        assert!(matches!(
+            store.leases().acquire(&takes, "l-2", Timestamp::ZERO),
+            Err(Error::TooManyLeases { max: 1 })
+        ));
+    }
+
+    #[test]
+    fn refunds_pair_with_takes_and_stay_within_their_costs() {
+        let l = limit(5, "1/s");
+        let takes = [Take::new("a", &l, 3), Take::new("b", &l, 1)];
+        assert!(check_refunds(&takes, &[3, 0]).is_ok());
+        assert!(check_refunds(&takes, &[3]).is_err());
+        assert!(check_refunds(&takes, &[0, 2]).is_err());
+    }
+
+    #[test]
+    fn a_carried_take_names_its_old_bucket() {
+        let (old, new) = (limit(5, "1/s"), limit(10, "1/s"));
+        let carry = Carry {
+            key: "k@1",
+            limit: &old,
+            since: Duration::from_secs(2),
+        };
+        let take = Take::new("k@2", &new, 1).carried_from(carry);
+        assert_eq!(take.carry.map(|carry| carry.key), Some("k@1"));
+        assert_eq!(take.key, "k@2");
+    }
+
+    #[test]
+    fn settle_statuses_have_stable_names() {
+        assert_eq!(SettleStatus::Settled.as_str(), "settled");
+        assert_eq!(SettleStatus::Repeated.as_str(), "repeated");
+        assert_eq!(SettleStatus::NotFound.as_str(), "not_found");
+    }
+}
