@@ -1485,24 +1485,30 @@ mod tests {
     fn a_shards_keys_spread_over_its_whole_table() {
         // Every key of a shard shares the hash bits that chose the shard: were its home slot
         // drawn from them, a shard's keys would crowd into a fraction of its table.
-        let store: MemoryStore<u64> = MemoryStore::default();
+        let (_, mean) = fill_and_measure(&MemoryStore::default());
+        // Linear probing at load a finds a key (1 + 1 / (1 - a)) / 2 - 1 slots past its home
+        // on average: 0.5 here, 1.5 at the 3/4 bound.
+        assert!(mean < 0.75, "{mean} slots past home on average");
+    }
+
+    /// Fills `store` with 128,000 sequential keys, 2,000 a shard on average (4,096 slots each,
+    /// about half in use), and returns the most one shard holds and how many slots past its
+    /// home a key sits on average.
+    fn fill_and_measure<S: BuildHasher>(store: &MemoryStore<u64, S>) -> (usize, f64) {
         let l = limit(1, "1/h");
-        // 2,000 keys per shard on average: 4,096 slots each, about half in use.
         let keys = 128_000;
         for key in 0..keys {
             store.check(&key, &l, 1, at(0)).unwrap();
         }
-        let (mut held, mut displacement) = (0, 0);
+        let (mut held, mut fullest, mut displacement) = (0, 0, 0);
         for shard in &store.shards {
             let shard = sync::lock(&shard.0);
             held += shard.buckets.len();
+            fullest = fullest.max(shard.buckets.len());
             displacement += shard.buckets.displacement(|key| store.hash(key));
         }
         assert_eq!(held as u64, keys);
-        // Linear probing at load a finds a key (1 + 1 / (1 - a)) / 2 - 1 slots past its home
-        // on average: 0.5 here, 1.5 at the 3/4 bound.
-        let mean = displacement as f64 / held as f64;
-        assert!(mean < 0.75, "{mean} slots past home on average");
+        (fullest, displacement as f64 / held as f64)
     }
 
     /// A weak hasher: the key, moved up `SHIFT` bits (all of them out at 64: every key hashes
@@ -1529,24 +1535,11 @@ mod tests {
     fn assert_spread<const SHIFT: u32>(most_past_home: f64) {
         let store: MemoryStore<u64, _> = MemoryStore::builder()
             .build_with_hasher(std::hash::BuildHasherDefault::<Shifted<SHIFT>>::default());
-        let l = limit(1, "1/h");
-        let keys = 128_000;
-        for key in 0..keys {
-            store.check(&key, &l, 1, at(0)).unwrap();
-        }
-        let (mut fullest, mut displacement) = (0, 0);
-        for shard in &store.shards {
-            let shard = sync::lock(&shard.0);
-            fullest = fullest.max(shard.buckets.len());
-            displacement += shard.buckets.displacement(|key| store.hash(key));
-        }
-        assert_eq!(store.stats().live_buckets as u64, keys);
-        // 2,000 keys a shard on average.
+        let (fullest, mean) = fill_and_measure(&store);
         assert!(
             fullest < 2_400,
             "{fullest} keys in one shard (shift {SHIFT})"
         );
-        let mean = displacement as f64 / keys as f64;
         assert!(
             mean < most_past_home,
             "{mean} slots past home on average (shift {SHIFT})"
