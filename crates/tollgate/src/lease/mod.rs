@@ -474,6 +474,50 @@ mod tests {
                 .timeout_ms(),
             1
         );
+        assert_eq!(
+            MAX_LEASE_TIMEOUT.as_secs(),
+            24 * 3600,
+            "the 24h the rule names"
+        );
+        assert_eq!(
+            LeaseLimit::new(5, Duration::from_secs(30))
+                .unwrap()
+                .to_string(),
+            "5 in flight, leases of 30000ms"
+        );
+    }
+
+    #[test]
+    fn only_a_denial_is_denied() {
+        assert!(LeaseDecision::denied().is_denied());
+        let full = LeaseDecision::new(false, 2, 2, Some(Duration::from_secs(1)), Duration::ZERO);
+        assert!(!full.is_denied(), "a full key may free a slot");
+    }
+
+    #[test]
+    fn a_local_store_takes_leases_on_its_clock() {
+        let clock = crate::ManualClock::new();
+        let store = LocalStore::new(clock.clone());
+        let limit = LeaseLimit::new(1, Duration::from_secs(10)).unwrap();
+        let takes = [LeaseTake::new("k", &limit)];
+        let request = |lease_id| LeaseRequest {
+            takes: &takes,
+            lease_id,
+            now: None,
+        };
+        assert!(store.acquire_now(request("a")).unwrap()[0].allowed());
+        assert!(!store.acquire_now(request("b")).unwrap()[0].allowed());
+        assert_eq!(store.in_flight_now(request("")).unwrap()[0].in_flight(), 1);
+        clock.advance(Duration::from_secs(4));
+        assert_eq!(
+            store.renew_now("a", None).unwrap(),
+            Some(Duration::from_secs(10)),
+            "held until 14 s"
+        );
+        assert_eq!(store.renew_now("b", None).unwrap(), None, "never held");
+        assert!(store.release_now("a", None).unwrap());
+        assert!(!store.release_now("a", None).unwrap(), "already given back");
+        assert_eq!(store.in_flight_now(request("")).unwrap()[0].in_flight(), 0);
     }
 
     #[test]
