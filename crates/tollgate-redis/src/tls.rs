@@ -5,8 +5,9 @@
 //! only, often with a private certificate authority, and Redis itself asks TLS clients for a
 //! certificate unless told otherwise (`tls-auth-clients`). The files are read once, when the
 //! store connects, so a missing or unreadable one stops the process at start with its path,
-//! not at the first decision. rustls does the TLS, with `ring` for its cryptography: no system
-//! OpenSSL to match at run time.
+//! not at the first decision. rustls does the TLS, with `aws-lc-rs` for its cryptography (built in,
+//! no system OpenSSL to match at run time), which offers Redis a post-quantum key exchange
+//! (X25519MLKEM768) beside the classical ones, for the servers that speak it.
 
 use std::path::{Path, PathBuf};
 
@@ -95,11 +96,11 @@ fn read(path: &Path) -> Result<Vec<u8>, ConnectError> {
     })
 }
 
-/// Makes `ring` the process' rustls provider unless one is set already (by the embedding
+/// Makes `aws-lc-rs` the process' rustls provider unless one is set already (by the embedding
 /// program, or an earlier store): the client builds its TLS settings on that default.
 pub(crate) fn install_provider() {
     // An error means a provider is installed already, which is as good.
-    let _ = rustls::crypto::ring::default_provider().install_default();
+    let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
 }
 
 #[cfg(test)]
@@ -127,6 +128,21 @@ mod tests {
             }
             other => panic!("expected a file error, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn the_provider_offers_a_post_quantum_key_exchange_first() {
+        install_provider();
+        let provider = rustls::crypto::CryptoProvider::get_default();
+        let groups: Vec<_> = provider
+            .map(|p| p.kx_groups.iter().map(|g| g.name()).collect())
+            .unwrap_or_default();
+        assert_eq!(
+            groups.first(),
+            Some(&rustls::NamedGroup::X25519MLKEM768),
+            "{groups:?}"
+        );
+        assert!(groups.contains(&rustls::NamedGroup::X25519), "{groups:?}");
     }
 
     #[test]
