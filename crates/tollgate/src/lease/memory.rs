@@ -674,7 +674,106 @@ mod tests {
         // Once they time out, the full table sweeps itself before refusing.
         assert!(leases.acquire(&d, "id3", at(1_000)).unwrap()[0].allowed());
         assert_eq!(leases.len(), 1);
+        assert!(!leases.is_empty());
         assert_eq!(leases.sweep(at(2_000)), 1);
         assert!(leases.is_empty());
+    }
+
+    /// A table of `max` leases on distinct keys, all taken at 0 for one second.
+    fn full_table(max: usize) -> MemoryLeases {
+        let leases = MemoryLeases::builder().shards(4).max_leases(max).build();
+        let l = limit(1, 1_000);
+        for i in 0..max {
+            let key = format!("k{i}");
+            let take = [LeaseTake::new(&key, &l)];
+            assert!(leases.acquire(&take, &format!("id{i}"), at(0)).unwrap()[0].allowed());
+        }
+        leases
+    }
+
+    #[test]
+    fn a_full_table_sweeps_itself_at_most_every_hundred_milliseconds() {
+        let leases = full_table(2);
+        let l = limit(1, 1_000);
+        let c = [LeaseTake::new("c", &l)];
+        let full = Err(Error::TooManyLeases { max: 2 });
+        // Swept at 950 ms, dropping nothing: every lease is held until 1,000.
+        assert_eq!(leases.acquire(&c, "c", at(950)), full);
+        // Timed out at 1,000, but the last sweep was less than 100 ms ago: refused, in
+        // constant time, until the next one is due.
+        assert_eq!(leases.acquire(&c, "c", at(1_000)), full);
+        assert_eq!(leases.acquire(&c, "c", at(1_049)), full);
+        assert_eq!(leases.len(), 2);
+        assert!(leases.acquire(&c, "c", at(1_050)).unwrap()[0].allowed());
+        assert_eq!(leases.len(), 1);
+    }
+
+    #[test]
+    fn a_full_table_sweeps_again_when_time_goes_back() {
+        let leases = full_table(2);
+        let l = limit(1, 1_000);
+        let c = [LeaseTake::new("c", &l)];
+        let full = Err(Error::TooManyLeases { max: 2 });
+        assert_eq!(leases.acquire(&c, "c", at(950)), full);
+        // An earlier time (another thread's clock reading, say) sweeps, and counts from there.
+        assert_eq!(leases.acquire(&c, "c", at(500)), full);
+        assert!(leases.acquire(&c, "c", at(1_000)).unwrap()[0].allowed());
+    }
+
+    #[test]
+    fn a_lease_released_or_renewed_at_its_end_was_not_held() {
+        let leases = MemoryLeases::default();
+        let l = limit(1, 1_000);
+        let k = [LeaseTake::new("k", &l)];
+        assert!(leases.acquire(&k, "a", at(0)).unwrap()[0].allowed());
+        assert!(!leases.release("a", at(1_000)).unwrap(), "ended at 1,000");
+
+        let short = limit(1, 1_000);
+        let long = limit(1, 5_000);
+        let both = [LeaseTake::new("s", &short), LeaseTake::new("l", &long)];
+        assert!(leases.acquire(&both, "b", at(0)).unwrap()[0].allowed());
+        // At the short key's end only the long key is renewed: the short slot is free.
+        assert_eq!(
+            leases.renew("b", at(1_000)).unwrap(),
+            Some(Duration::from_millis(5_000))
+        );
+        assert_eq!(
+            leases.in_flight(&both, at(1_000)).unwrap()[0].in_flight(),
+            0
+        );
+    }
+
+    #[test]
+    fn keys_and_ids_spread_over_the_shards() {
+        let leases = MemoryLeases::builder().shards(16).build();
+        let l = limit(1, 1_000);
+        for i in 0..160 {
+            let key = format!("key-{i}");
+            let take = [LeaseTake::new(&key, &l)];
+            assert!(leases.acquire(&take, &format!("id-{i}"), at(0)).unwrap()[0].allowed());
+        }
+        let keys = leases.keys.iter().filter(|s| !s.lock().is_empty()).count();
+        let ids = leases.ids.iter().filter(|s| !s.lock().is_empty()).count();
+        // 160 keys over 16 shards: 10 each on average, and no shard left empty but by a
+        // hash that ignores the key.
+        assert!(
+            keys >= 12 && ids >= 12,
+            "{keys} key shards, {ids} id shards"
+        );
+
+        // One shard holds everything, and works.
+        let one = MemoryLeases::builder().shards(1).build();
+        let both = [LeaseTake::new("x", &l), LeaseTake::new("y", &l)];
+        assert!(one.acquire(&both, "a", at(0)).unwrap()[1].allowed());
+        assert!(one.release("a", at(1)).unwrap());
+    }
+
+    #[test]
+    fn debug_shows_the_table_s_size_and_bound() {
+        let leases = full_table(3);
+        assert_eq!(
+            format!("{leases:?}"),
+            "MemoryLeases { shards: 4, live: 3, max_leases: 3, .. }"
+        );
     }
 }
