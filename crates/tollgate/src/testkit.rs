@@ -445,6 +445,7 @@ fn same(expected: &Result<Vec<Decision>, Error>, actual: &Result<Vec<Decision>, 
 mod tests {
     use super::*;
     use crate::store::block_on_ready;
+    use std::collections::BTreeMap;
 
     #[test]
     fn the_memory_store_conforms_to_itself() {
@@ -703,5 +704,287 @@ mod tests {
             let trace = Trace::new(seed, 500, format!("unchanged-{seed}"));
             block_on_ready(compare_with_memory(&store, &trace)).is_err()
         }));
+    }
+
+    /// One check a trace asked for: when (whole microseconds: a request on windows alone may
+    /// fall between two), with which id, and each bucket's key, algorithm, cost and capacity.
+    struct Asked {
+        at_us: u64,
+        between_us: bool,
+        id: Option<String>,
+        takes: Vec<(String, Algorithm, u64, u64)>,
+    }
+
+    /// The memory store, writing down every check, settlement and look it is asked for.
+    struct Recorder {
+        store: LocalStore<ManualClock>,
+        checks: parking_lot::Mutex<Vec<Asked>>,
+        settles: parking_lot::Mutex<Vec<(String, Vec<u64>)>>,
+        peeks: std::sync::atomic::AtomicUsize,
+        resets: std::sync::atomic::AtomicUsize,
+    }
+
+    impl Recorder {
+        fn new() -> Self {
+            Self {
+                store: LocalStore::new(ManualClock::new()),
+                checks: parking_lot::Mutex::default(),
+                settles: parking_lot::Mutex::default(),
+                peeks: std::sync::atomic::AtomicUsize::new(0),
+                resets: std::sync::atomic::AtomicUsize::new(0),
+            }
+        }
+    }
+
+    impl Store for Recorder {
+        async fn check(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
+            self.checks.lock().push(Asked {
+                at_us: request.now.map_or(0, |now| now.as_nanos() / 1_000),
+                between_us: request.now.is_some_and(|now| now.as_nanos() % 1_000 != 0),
+                id: request.request_id.map(str::to_owned),
+                takes: request
+                    .takes
+                    .iter()
+                    .map(|t| {
+                        let capacity = t.limit.capacity();
+                        (t.key.to_owned(), t.limit.algorithm(), t.cost, capacity)
+                    })
+                    .collect(),
+            });
+            self.store.check_now(request)
+        }
+
+        async fn peek(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
+            self.peeks
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.store.peek_now(request)
+        }
+
+        async fn settle(
+            &self,
+            request: CheckRequest<'_>,
+            refunds: &[u64],
+        ) -> Result<Settlement, Error> {
+            let id = request.request_id.unwrap_or_default().to_owned();
+            self.settles.lock().push((id, refunds.to_vec()));
+            self.store.settle_now(request, refunds)
+        }
+
+        async fn reset(&self, keys: &[&str]) -> Result<(), Error> {
+            self.resets
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.store.reset(keys).await
+        }
+    }
+
+    /// What `trace` asked of a store, for seeds 1 to 6: every check, and how many
+    /// settlements and looks.
+    /// Each settlement is (settled before under its id, with other refunds than then).
+    fn record(trace: impl Fn(u64) -> Trace) -> (Vec<Vec<Asked>>, Vec<(bool, bool)>, usize) {
+        let (mut checks, mut settles, mut peeks) = (Vec::new(), Vec::new(), 0);
+        for seed in 1..=6 {
+            let recorder = Recorder::new();
+            if let Err(mismatch) = block_on_ready(compare_with_memory(&recorder, &trace(seed))) {
+                panic!("{mismatch}");
+            }
+            checks.push(recorder.checks.into_inner());
+            // Each settlement: whether its id was settled before, and with other refunds.
+            let mut last: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+            for (id, refunds) in recorder.settles.into_inner() {
+                let before = last.insert(id, refunds.clone());
+                settles.push((before.is_some(), before.is_some_and(|b| b != refunds)));
+            }
+            peeks += recorder.peeks.into_inner();
+        }
+        (checks, settles, peeks)
+    }
+
+    /// The share of `items` for which `is` holds.
+    fn share<T>(items: &[T], is: impl Fn(&T) -> bool) -> f64 {
+        items.iter().filter(|item| is(item)).count() as f64 / items.len().max(1) as f64
+    }
+
+    /// Each check's step from the one before, in microseconds: forward (positive) or back.
+    fn steps_us(traces: &[Vec<Asked>]) -> Vec<i128> {
+        traces
+            .iter()
+            .flat_map(|checks| {
+                checks
+                    .windows(2)
+                    .map(|pair| i128::from(pair[1].at_us) - i128::from(pair[0].at_us))
+            })
+            .collect()
+    }
+
+    /// The conformance suite is only as good as the requests it makes: a narrowed trace (no
+    /// refused costs, no steps back, one bucket per request) would let a faulty store pass,
+    /// and the faulty stores above might still be caught by what is left. This holds the
+    /// trace to the mix it promises, close to the odds it draws with.
+    #[test]
+    fn a_trace_asks_for_the_mix_it_promises() {
+        let (traces, settles, peeks) = record(|seed| Trace::new(seed, 500, format!("mix-{seed}")));
+        let checks: Vec<&Asked> = traces.iter().flatten().collect();
+        assert_eq!(checks.len(), 6 * 500);
+        let within = |what: &str, got: f64, low: f64, high: f64| {
+            assert!(
+                (low..=high).contains(&got),
+                "{what}: {got:.3}, not in {low}..={high}"
+            );
+        };
+        // Buckets per request, drawn 7 : 2 : 1, and never one bucket twice.
+        let buckets = |n: usize| share(&checks, |a| a.takes.len() == n);
+        within("one bucket", buckets(1), 0.60, 0.80);
+        within("two buckets", buckets(2), 0.12, 0.28);
+        within("three buckets", buckets(3), 0.05, 0.15);
+        assert!(checks.iter().all(|a| {
+            let keys: BTreeSet<&String> = a.takes.iter().map(|(key, ..)| key).collect();
+            keys.len() == a.takes.len()
+        }));
+        // Costs, drawn per bucket: 0 (refused) 1 in 20, capacity + 1 (refused) 1 in 20, the
+        // whole capacity 4 in 20, and the rest between, some of them above 3.
+        let takes: Vec<(u64, u64)> = checks
+            .iter()
+            .flat_map(|a| {
+                a.takes
+                    .iter()
+                    .map(|&(_, _, cost, capacity)| (cost, capacity))
+            })
+            .collect();
+        within("cost 0", share(&takes, |&(cost, _)| cost == 0), 0.03, 0.07);
+        let over = share(&takes, |&(cost, capacity)| cost == capacity + 1);
+        within("cost capacity + 1", over, 0.03, 0.07);
+        assert!(takes.iter().all(|&(cost, capacity)| cost <= capacity + 1));
+        let whole = share(&takes, |&(cost, capacity)| cost == capacity);
+        within("cost = capacity", whole, 0.20, 0.40);
+        let between = share(&takes, |&(cost, capacity)| cost > 3 && cost < capacity);
+        within("cost between 4 and capacity - 1", between, 0.01, 0.10);
+        // Every kind of limit.
+        for algorithm in [
+            Algorithm::TokenBucket,
+            Algorithm::FixedWindow,
+            Algorithm::SlidingWindow,
+            Algorithm::SlidingLog,
+        ] {
+            let used = checks
+                .iter()
+                .any(|a| a.takes.iter().any(|&(_, kind, ..)| kind == algorithm));
+            assert!(used, "{algorithm:?} never asked for");
+        }
+        // Time: back 1 step in 16, by 1 µs to 250 ms; forward by up to 70 s.
+        let steps = steps_us(&traces);
+        within("steps back", share(&steps, |&step| step < 0), 0.03, 0.10);
+        // A request on windows alone falls between two microseconds 1 time in 3, any
+        // other never.
+        let on_windows = |a: &&Asked| a.takes.iter().all(|&(_, kind, ..)| kind.is_window());
+        let (windows_only, others): (Vec<&Asked>, Vec<&Asked>) =
+            checks.iter().copied().partition(on_windows);
+        within(
+            "between",
+            share(&windows_only, |a| a.between_us),
+            0.22,
+            0.45,
+        );
+        assert!(others.iter().all(|a| !a.between_us));
+        assert_eq!(steps.iter().min(), Some(&-250_000));
+        assert_eq!(steps.iter().max(), Some(&70_000_000));
+        // Retries of an earlier id, fresh ids, settlements and looks.
+        let mut seen = BTreeSet::new();
+        let retries = traces
+            .iter()
+            .flatten()
+            .filter_map(|a| a.id.as_ref())
+            .filter(|id| !seen.insert(*id))
+            .count();
+        within("ids", share(&checks, |a| a.id.is_some()), 0.10, 0.25);
+        assert!(retries >= 100, "{retries} retries");
+        // Settlements, 1 step in 6 once there is something to settle; a repeated one draws
+        // other refunds 2 times in 3, equal to the last by chance now and then.
+        within(
+            "settlements",
+            settles.len() as f64 / checks.len() as f64,
+            0.10,
+            0.22,
+        );
+        let repeats: Vec<bool> = settles.iter().filter(|s| s.0).map(|s| s.1).collect();
+        within("repeated settlements", share(&settles, |s| s.0), 0.25, 0.75);
+        within(
+            "of those, other refunds",
+            share(&repeats, |&other| other),
+            0.45,
+            0.80,
+        );
+        within("looks", peeks as f64 / checks.len() as f64, 0.08, 0.17);
+    }
+
+    /// Ids retried for another request (a client's bug the trace plays), and resets.
+    fn reuses_and_resets(trace: impl Fn(u64) -> Trace) -> (usize, usize) {
+        let (mut reused, mut resets) = (0, 0);
+        for seed in 1..=6 {
+            let recorder = Recorder::new();
+            if let Err(mismatch) = block_on_ready(compare_with_memory(&recorder, &trace(seed))) {
+                panic!("{mismatch}");
+            }
+            resets += recorder.resets.into_inner();
+            let mut first: BTreeMap<String, Vec<(String, u64)>> = BTreeMap::new();
+            for asked in recorder.checks.into_inner() {
+                let Some(id) = asked.id else { continue };
+                let request: Vec<(String, u64)> =
+                    asked.takes.into_iter().map(|(k, _, c, _)| (k, c)).collect();
+                let earlier = first.entry(id).or_insert_with(|| request.clone());
+                reused += usize::from(*earlier != request);
+            }
+        }
+        (reused, resets)
+    }
+
+    #[test]
+    fn an_id_is_reused_for_another_request_only_under_hash_tags() {
+        let (reused, _) = reuses_and_resets(|seed| Trace::new(seed, 500, format!("re-{seed}")));
+        assert!(reused >= 10, "{reused} ids reused for another request");
+        let (reused, _) =
+            reuses_and_resets(|seed| Trace::new(seed, 500, format!("nt-{seed}")).hash_tags(false));
+        assert_eq!(reused, 0);
+    }
+
+    #[test]
+    fn buckets_are_reset_only_when_the_trace_asks_for_it() {
+        // Without steps back, nor windows timed between two microseconds (token buckets
+        // alone), nothing is forgotten alike: every reset is a trace's own.
+        let trace = |seed| {
+            Trace::new(seed, 500, format!("rs-{seed}"))
+                .steps_back(false)
+                .only(Algorithm::TokenBucket)
+        };
+        assert_eq!(reuses_and_resets(trace).1, 0);
+        let (_, resets) = reuses_and_resets(|seed| trace(seed).resets(true));
+        // 1 request in 24: 125 of 3,000.
+        assert!((60..=250).contains(&resets), "{resets} resets");
+    }
+
+    /// A trace on one algorithm asks for nothing else, and steps no more than a second.
+    #[test]
+    fn a_focused_trace_stays_on_its_algorithm_and_its_short_steps() {
+        let (traces, ..) =
+            record(|seed| Trace::new(seed, 300, format!("log-{seed}")).only(Algorithm::SlidingLog));
+        assert!(traces.iter().flatten().all(|a| {
+            a.takes
+                .iter()
+                .all(|&(_, kind, ..)| kind == Algorithm::SlidingLog)
+        }));
+        assert_eq!(steps_us(&traces).iter().max(), Some(&1_000_000));
+    }
+
+    #[test]
+    fn a_mismatch_shows_the_step_the_request_and_both_answers() {
+        let mismatch = Mismatch {
+            step: 7,
+            request: "a request".into(),
+            expected: Err(Error::EmptyCheck),
+            actual: Ok(Vec::new()),
+        };
+        assert_eq!(
+            mismatch.to_string(),
+            "step 7: a request\n  memory: Err(EmptyCheck)\n  store:  Ok([])"
+        );
     }
 }

@@ -691,33 +691,36 @@ mod tests {
         leases
     }
 
+    /// Whether one more lease, on a key of its own, is taken at `ms`.
+    fn one_more(leases: &MemoryLeases, ms: u64) -> Result<bool, Error> {
+        let l = limit(1, 1_000);
+        let take = [LeaseTake::new("one-more", &l)];
+        Ok(leases.acquire(&take, "one-more", at(ms))?[0].allowed())
+    }
+
     #[test]
     fn a_full_table_sweeps_itself_at_most_every_hundred_milliseconds() {
         let leases = full_table(2);
-        let l = limit(1, 1_000);
-        let c = [LeaseTake::new("c", &l)];
         let full = Err(Error::TooManyLeases { max: 2 });
         // Swept at 950 ms, dropping nothing: every lease is held until 1,000.
-        assert_eq!(leases.acquire(&c, "c", at(950)), full);
+        assert_eq!(one_more(&leases, 950), full);
         // Timed out at 1,000, but the last sweep was less than 100 ms ago: refused, in
         // constant time, until the next one is due.
-        assert_eq!(leases.acquire(&c, "c", at(1_000)), full);
-        assert_eq!(leases.acquire(&c, "c", at(1_049)), full);
+        assert_eq!(one_more(&leases, 1_000), full);
+        assert_eq!(one_more(&leases, 1_049), full);
         assert_eq!(leases.len(), 2);
-        assert!(leases.acquire(&c, "c", at(1_050)).unwrap()[0].allowed());
+        assert_eq!(one_more(&leases, 1_050), Ok(true));
         assert_eq!(leases.len(), 1);
     }
 
     #[test]
     fn a_full_table_sweeps_again_when_time_goes_back() {
         let leases = full_table(2);
-        let l = limit(1, 1_000);
-        let c = [LeaseTake::new("c", &l)];
         let full = Err(Error::TooManyLeases { max: 2 });
-        assert_eq!(leases.acquire(&c, "c", at(950)), full);
+        assert_eq!(one_more(&leases, 950), full);
         // An earlier time (another thread's clock reading, say) sweeps, and counts from there.
-        assert_eq!(leases.acquire(&c, "c", at(500)), full);
-        assert!(leases.acquire(&c, "c", at(1_000)).unwrap()[0].allowed());
+        assert_eq!(one_more(&leases, 500), full);
+        assert_eq!(one_more(&leases, 1_000), Ok(true));
     }
 
     #[test]
