@@ -777,18 +777,26 @@ mod tests {
         }
     }
 
-    /// What `trace` asked of a store, for seeds 1 to 6: every check, and how many
-    /// settlements and looks.
-    /// Each settlement is (settled before under its id, with other refunds than then).
+    /// The recorders of `trace` run with seeds 1 to 6.
+    fn recorders(trace: impl Fn(u64) -> Trace) -> Vec<Recorder> {
+        (1..=6)
+            .map(|seed| {
+                let recorder = Recorder::new();
+                if let Err(mismatch) = block_on_ready(compare_with_memory(&recorder, &trace(seed)))
+                {
+                    panic!("{mismatch}");
+                }
+                recorder
+            })
+            .collect()
+    }
+
+    /// What `trace` asked of a store, for seeds 1 to 6: every check; each settlement as
+    /// (its id was settled before, with other refunds than then); how many looks.
     fn record(trace: impl Fn(u64) -> Trace) -> (Vec<Vec<Asked>>, Vec<(bool, bool)>, usize) {
         let (mut checks, mut settles, mut peeks) = (Vec::new(), Vec::new(), 0);
-        for seed in 1..=6 {
-            let recorder = Recorder::new();
-            if let Err(mismatch) = block_on_ready(compare_with_memory(&recorder, &trace(seed))) {
-                panic!("{mismatch}");
-            }
+        for recorder in recorders(trace) {
             checks.push(recorder.checks.into_inner());
-            // Each settlement: whether its id was settled before, and with other refunds.
             let mut last: BTreeMap<String, Vec<u64>> = BTreeMap::new();
             for (id, refunds) in recorder.settles.into_inner() {
                 let before = last.insert(id, refunds.clone());
@@ -873,6 +881,8 @@ mod tests {
         // Time: back 1 step in 16, by 1 µs to 250 ms; forward by up to 70 s.
         let steps = steps_us(&traces);
         within("steps back", share(&steps, |&step| step < 0), 0.03, 0.10);
+        assert_eq!(steps.iter().min(), Some(&-250_000));
+        assert_eq!(steps.iter().max(), Some(&70_000_000));
         // A request on windows alone falls between two microseconds 1 time in 3, any
         // other never.
         let on_windows = |a: &&Asked| a.takes.iter().all(|&(_, kind, ..)| kind.is_window());
@@ -885,8 +895,6 @@ mod tests {
             0.45,
         );
         assert!(others.iter().all(|a| !a.between_us));
-        assert_eq!(steps.iter().min(), Some(&-250_000));
-        assert_eq!(steps.iter().max(), Some(&70_000_000));
         // Retries of an earlier id, fresh ids, settlements and looks.
         let mut seen = BTreeSet::new();
         let retries = traces
@@ -919,11 +927,7 @@ mod tests {
     /// Ids retried for another request (a client's bug the trace plays), and resets.
     fn reuses_and_resets(trace: impl Fn(u64) -> Trace) -> (usize, usize) {
         let (mut reused, mut resets) = (0, 0);
-        for seed in 1..=6 {
-            let recorder = Recorder::new();
-            if let Err(mismatch) = block_on_ready(compare_with_memory(&recorder, &trace(seed))) {
-                panic!("{mismatch}");
-            }
+        for recorder in recorders(trace) {
             resets += recorder.resets.into_inner();
             let mut first: BTreeMap<String, Vec<(String, u64)>> = BTreeMap::new();
             for asked in recorder.checks.into_inner() {
