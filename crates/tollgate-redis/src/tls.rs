@@ -5,9 +5,9 @@
 //! only, often with a private certificate authority, and Redis itself asks TLS clients for a
 //! certificate unless told otherwise (`tls-auth-clients`). The files are read once, when the
 //! store connects, so a missing or unreadable one stops the process at start with its path,
-//! not at the first decision. rustls does the TLS, with `aws-lc-rs` for its cryptography (built in,
-//! no system OpenSSL to match at run time), which offers Redis a post-quantum key exchange
-//! (X25519MLKEM768) beside the classical ones, for the servers that speak it.
+//! not at the first decision. rustls does the TLS, with `aws-lc-rs` for its cryptography
+//! (built in, no system OpenSSL to match at run time), which offers Redis a post-quantum key
+//! exchange (X25519MLKEM768) beside the classical ones, for the servers that speak it.
 
 use std::path::{Path, PathBuf};
 

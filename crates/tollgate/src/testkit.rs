@@ -715,7 +715,7 @@ mod tests {
         takes: Vec<(String, Algorithm, u64, u64)>,
     }
 
-    /// The memory store, writing down every check, settlement and look it is asked for.
+    /// The memory store, writing down every check, settlement, look and reset it is asked for.
     struct Recorder {
         store: LocalStore<ManualClock>,
         checks: parking_lot::Mutex<Vec<Asked>>,
