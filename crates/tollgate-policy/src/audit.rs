@@ -269,6 +269,7 @@ mod tests {
         assert_eq!(first["to"], "1");
         let second: serde_json::Value = serde_json::from_str(lines[1]).unwrap_or_default();
         assert_eq!(second["kept_version"], "1");
+        assert_eq!(log.now(), UnixTime::from_secs(1_800_000_000));
     }
 
     /// As logrotate does: the file renamed away, then the log reopened at its path.
@@ -318,5 +319,6 @@ mod tests {
             to: "1".into(),
         });
         assert_eq!(log.failed_writes(), 1);
+        assert_eq!(format!("{log:?}"), "AuditLog { failed_writes: 1, .. }");
     }
 }

@@ -96,3 +96,28 @@ impl Error {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(limit: &str, cost: u64) -> String {
+        let source = tollgate::Error::InvalidCost { cost, capacity: 10 };
+        Error::Check {
+            limit: limit.to_owned(),
+            source,
+        }
+        .to_string()
+    }
+
+    /// A cost refused before any limit was looked at names no limit and no capacity; once a
+    /// limit refused it, the message names the limit and keeps the core's reason.
+    #[test]
+    fn a_refused_cost_names_its_limit_only_when_there_is_one() {
+        let core = |cost| tollgate::Error::InvalidCost { cost, capacity: 10 }.to_string();
+        assert_eq!(check("", 0), "cost 0 is invalid: it must be at least 1");
+        assert_eq!(check("", 11), core(11));
+        assert_eq!(check("api", 0), format!("limit api: {}", core(0)));
+        assert_eq!(check("api", 11), format!("limit api: {}", core(11)));
+    }
+}

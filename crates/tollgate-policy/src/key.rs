@@ -122,6 +122,9 @@ mod tests {
         assert_eq!(logs[0], logs[1]);
         assert_ne!(logs[0], window(Limit::sliding_window(5, minute).unwrap()));
         assert_ne!(logs[0], window(Limit::fixed_window(5, minute).unwrap()));
+        let sliding = window(Limit::sliding_window(5, minute).unwrap());
+        assert_ne!(sliding, window(Limit::fixed_window(5, minute).unwrap()));
+        assert_eq!(sliding, "dfa35909");
         // Leases keep their key whatever the bound or timeout.
         let lease = |max, ms| {
             let limit = tollgate::LeaseLimit::new(max, std::time::Duration::from_millis(ms));
@@ -197,5 +200,15 @@ mod tests {
         assert!((4_600..5_400).contains(&inside), "{inside}");
         assert!(in_rollout("x", 10_000));
         assert!(!in_rollout("x", 0));
+    }
+
+    /// A subject is inside a rollout of `p` hundredths when its hash lands below `p`: the one
+    /// whose hash lands on 7024 joins at 70.25 %, not at 70.24 %.
+    #[test]
+    fn a_subject_joins_the_rollout_just_above_its_hash() {
+        let subject = "payments|acme|u1";
+        assert_eq!(stable_hash(subject.as_bytes()) % 10_000, 7024);
+        assert!(!in_rollout(subject, 7024));
+        assert!(in_rollout(subject, 7025));
     }
 }

@@ -280,9 +280,10 @@ mod tests {
 
     #[test]
     fn a_tidy_policy_has_no_warnings() {
-        let yaml = "version: 1\nlimits:\n  - name: a\n    domain: api\n    key: [user]\n    capacity: 5\n    refill: 1/s\n    overrides:\n      - when: {tier: gold}\n        capacity: 50\n        refill: 10/s\n      - when: {tier: internal}\n        unlimited: true\n";
+        let yaml = "version: 1\nlimits:\n  - name: a\n    domain: api\n    key: [user]\n    capacity: 5\n    refill: 1/s\n    overrides:\n      - when: {tier: gold}\n        capacity: 50\n        refill: 10/s\n      - when: {tier: internal}\n        unlimited: true\n  - {name: watched, domain: api, key: [ip], capacity: 5, refill: 1/s, mode: shadow, rollout: 100%}\n";
         // An unlimited override keeps its limit's parameters inside, never applying them: it
-        // is not an override that changes nothing.
+        // is not an override that changes nothing. A shadow limit over every subject is what
+        // shadow mode is for.
         assert_eq!(warnings(yaml), Vec::<String>::new());
     }
 

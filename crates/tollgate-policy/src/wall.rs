@@ -80,3 +80,25 @@ impl WallClock for ManualWallClock {
         UnixTime(self.0.load(Ordering::SeqCst))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_system_clock_reads_the_calendar() {
+        // Later than this file was written, earlier than any machine running it will see.
+        let written = UnixTime::parse_rfc3339("2026-12-05T00:00:00Z");
+        let now = SystemWallClock.now();
+        assert!(
+            written.is_some_and(|written| now > written),
+            "{}",
+            now.to_rfc3339()
+        );
+        assert!(
+            now < UnixTime::from_secs(4_102_444_800),
+            "{}",
+            now.to_rfc3339()
+        ); // 2100
+    }
+}

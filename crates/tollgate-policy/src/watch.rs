@@ -109,3 +109,17 @@ fn directory_of(file: &Path) -> PathBuf {
         _ => PathBuf::from("."),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A file named without a directory lives in the working one: watching the empty path
+    /// would fail.
+    #[test]
+    fn a_bare_file_name_is_watched_in_the_working_directory() {
+        assert_eq!(directory_of(Path::new("policy.yaml")), Path::new("."));
+        assert_eq!(directory_of(Path::new("etc/p.yaml")), Path::new("etc"));
+        assert_eq!(directory_of(Path::new("/p.yaml")), Path::new("/"));
+    }
+}

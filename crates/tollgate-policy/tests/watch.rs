@@ -65,6 +65,10 @@ fn atomic_rename_and_bad_files() {
     write(&path, &policy("1"));
     let (engine, watcher, rx) = start(&path);
     assert_eq!(watcher.dir(), dir);
+    assert_eq!(
+        format!("{watcher:?}"),
+        format!("PolicyWatcher {{ dir: {dir:?}, .. }}")
+    );
 
     // Write elsewhere, rename over: the file watched by name is a new inode.
     let tmp = dir.join(".policy.yaml.tmp");
