@@ -1209,3 +1209,42 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
         hasher,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Matching finds the same limits wherever one is filed, so only the index shows which
+    /// condition was chosen: the one the fewest limits of the domain share, so that a request
+    /// with the shared value does not try every limit filed under it.
+    #[test]
+    fn each_limit_is_filed_under_its_rarest_condition() {
+        let mut text = String::from("limits:\n");
+        let common = "domain: d, capacity: 1, refill: 1/s";
+        for i in 0..3 {
+            text.push_str(&format!(
+                "  - {{name: r{i}, {common}, when: {{method: POST, route: /r{i}}}}}\n  \
+                   - {{name: p{i}, {common}, when: {{a: !prefix /all/, b: !prefix /p{i}/}}}}\n  \
+                   - {{name: n{i}, {common}, when: {{a: !cidr 10.0.0.0/8, b: !cidr 10.{i}.0.0/16}}}}\n  \
+                   - {{name: k{i}, {common}, key: [tenant, user{i}]}}\n"
+            ));
+        }
+        let policy = compile("p.yaml", &text).unwrap_or_else(|e| panic!("{e}"));
+        let filed: Vec<String> = policy
+            .limits()
+            .iter()
+            .map(|l| format!("{} {:?}", l.name(), l.filed))
+            .collect();
+        let expected: Vec<String> = (0..3)
+            .flat_map(|i| {
+                [
+                    format!("r{i} Pair(1)"),
+                    format!("p{i} Items(1)"),
+                    format!("n{i} Items(1)"),
+                    format!("k{i} Key(1)"),
+                ]
+            })
+            .collect();
+        assert_eq!(filed, expected);
+    }
+}

@@ -2293,6 +2293,8 @@ limits:
     when: {tenant: watched}
     deny: true
     mode: shadow
+exemptions:
+  - {limit: blocked-tenants, when: {user: auditor}, owner: sec@example.com, reason: audit, expires: "2027-01-01T00:00:00Z"}
 "#;
 
 #[test]
@@ -2327,6 +2329,13 @@ fn a_deny_refuses_a_lease_and_holds_nothing_anywhere() {
     // The exception takes its requests out of the deny: leases as usual.
     let ops = acquire(&r.engine, &[("user", "ops"), ("tenant", "evil")], "d");
     assert!(ops.allowed && ops.held && ops.limits.len() == 1, "{ops:?}");
+    // So does the exemption: the deny is listed, exempt, deciding nothing.
+    let auditor = acquire(&r.engine, &[("user", "auditor"), ("tenant", "evil")], "d2");
+    assert!(auditor.allowed && auditor.held, "{auditor:?}");
+    let names: Vec<&str> = auditor.limits.iter().map(|l| &*l.name).collect();
+    assert_eq!(names, ["exports", "blocked-tenants"], "{auditor:?}");
+    assert!(auditor.limits[1].decision.is_none(), "{auditor:?}");
+    assert_eq!(in_flight(&r.engine, &[("user", "auditor")]), [1]);
 
     // A concurrency limit's deny override: a key of its own, refused, nothing held.
     let banned = [("user", "u2"), ("tier", "banned")];
@@ -2390,6 +2399,17 @@ fn a_lease_deny_needs_no_store_and_takes_nothing_from_the_emergency_table() {
         .map(|e| e["bucket_key"].as_str().unwrap_or_default().to_owned())
         .collect();
     assert_eq!(degraded, ["exports|u1"; 4]);
+    // An exemption takes its requests out of the deny with the store down too: named, counted.
+    let auditor = [("user", "auditor"), ("tenant", "evil")];
+    let outcome = r
+        .engine
+        .acquire_degraded("api", &[auditor], "g", "store timeout")
+        .unwrap();
+    assert!(outcome.allowed && outcome.held, "{outcome:?}");
+    let exempt = &outcome.limits[1];
+    assert_eq!(exempt.exempted_by.as_deref(), Some("sec@example.com"));
+    assert!(exempt.decision.is_none(), "{outcome:?}");
+    assert_eq!(r.engine.current().exemptions()[0].uses(), 1);
     // Against a store that is down, an acquire fails (the caller then degrades, above).
     let down = block_on_ready(r.engine.acquire_on(&Down, "api", &[evil], "f"));
     assert!(down.is_err());

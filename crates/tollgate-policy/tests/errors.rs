@@ -247,6 +247,17 @@ fn rules_across_fields_point_at_the_field() {
         "version",
         "1 to 64 characters",
     );
+    let long = "v".repeat(65);
+    case(
+        &format!("version: {long}\nlimits: []\n"),
+        1,
+        10,
+        "version",
+        "1 to 64 characters",
+    );
+    let longest = &long[1..];
+    let policy = compile("p.yaml", &format!("version: {longest}\nlimits: []\n"));
+    assert_eq!(policy.map(|p| p.version().len()).ok(), Some(64));
 }
 
 #[test]
