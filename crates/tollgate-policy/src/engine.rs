@@ -1756,6 +1756,10 @@ mod tests {
         for (bucket, tag) in [
             ("per-user|acme|u2", "acme|u2"),
             ("per-user|a\\#b#gold", "a\\#b"),
+            // A `#` in a value, escaped, is no override's: the braces take it in.
+            ("per-user|a\\#b", "a\\#b"),
+            // An escaped backslash before the override's `#` escapes nothing.
+            ("per-user|a\\\\#gold", "a\\\\"),
             ("per-user|x}y", "x"),
         ] {
             assert_eq!(hash_tag(&store_key(bucket, rate_tag(&a))), tag, "{bucket}");

@@ -883,6 +883,12 @@ fn degraded_decisions_follow_failure_modes_and_are_audited() {
     assert_eq!(degraded[5]["limit"], "closed-one");
     assert_eq!(degraded[5]["failure_mode"], "closed");
     assert_eq!(degraded[5]["allowed"], false);
+    // The closed request took nothing from v's emergency budget (2): it is whole.
+    let v = r
+        .engine
+        .decide_degraded("api", &[[("user", "v")]], 2, "store down")
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(v.allowed, "{v:?}");
 }
 
 #[test]
@@ -923,9 +929,9 @@ fn degraded_two_descriptors_on_one_bucket_charge_summed_cost() {
 
 #[test]
 fn degraded_cost_above_the_emergency_budget_is_a_reported_rejection() {
-    let text = "limits:\n  - name: per-user\n    domain: api\n    key: [user]\n    capacity: 100\n    refill: 100/s\n    failure_mode: open\n    emergency: 2/s\n  - name: per-tenant\n    domain: api\n    key: [tenant]\n    capacity: 100\n    refill: 100/s\n    failure_mode: open\n    emergency: 10/s\n";
+    let text = "limits:\n  - name: per-user\n    domain: api\n    key: [user]\n    capacity: 100\n    refill: 100/s\n    failure_mode: open\n    emergency: 2/s\n  - name: per-tenant\n    domain: api\n    key: [tenant]\n    capacity: 100\n    refill: 100/s\n    failure_mode: open\n    emergency: 10/s\n  - name: per-region\n    domain: api\n    key: [region]\n    capacity: 100\n    refill: 100/s\n    failure_mode: open\n    emergency: 3/s\n";
     let r = rig(text);
-    let d = [("user", "u"), ("tenant", "t")];
+    let d = [("user", "u"), ("tenant", "t"), ("region", "eu")];
     let outcome = r
         .engine
         .decide_degraded("api", &[d], 3, "down")
@@ -939,6 +945,12 @@ fn degraded_cost_above_the_emergency_budget_is_a_reported_rejection() {
     // The other budget had room: it says so, uncharged.
     let tenant = outcome.limits[1].decision;
     assert!(tenant.is_some_and(|d| d.allowed() && d.limit().capacity() == 10));
+    // So had the one whose budget is exactly the cost.
+    let region = outcome.limits[2].decision;
+    assert!(
+        region.is_some_and(|d| d.allowed() && d.remaining() == 0),
+        "{region:?}"
+    );
     // Nothing was charged: both budgets are still full.
     let next = r
         .engine
@@ -950,7 +962,7 @@ fn degraded_cost_above_the_emergency_budget_is_a_reported_rejection() {
         .iter()
         .map(|l| l.decision.map(|d| d.remaining()))
         .collect();
-    assert_eq!(left, [Some(0), Some(8)]);
+    assert_eq!(left, [Some(0), Some(8), Some(1)]);
     // Far above every capacity: still a rejection with in-range figures, never an error.
     let huge = r.engine.decide_degraded("api", &[d], u64::MAX, "down");
     assert!(huge.is_ok_and(|o| !o.allowed && o.limits.iter().all(|l| l.would_reject())));
@@ -1160,6 +1172,72 @@ fn a_shared_store_is_handed_the_old_bucket_until_the_new_one_would_have_refilled
     assert_eq!(carried.len(), 1, "{carried:?}");
     assert_eq!(carried[0].3, Duration::ZERO);
     assert_eq!(decide(&plain), []);
+}
+
+/// A limit grown by a reload keeps what its buckets held: a drained subject does not find a
+/// full bucket under the new parameters.
+#[test]
+fn a_capacity_change_upward_keeps_the_balance() {
+    let r = rig(CHANGE);
+    let plain = [("user", "a")];
+    assert!(
+        r.engine
+            .decide("api", &[plain], 20, None)
+            .is_ok_and(|o| o.allowed)
+    );
+    r.clock.advance(Duration::from_millis(500));
+    let v2 = CHANGE.replace("version: \"1\"", "version: \"2\"").replace(
+        "capacity: 20\n    refill: 10/s",
+        "capacity: 30\n    refill: 10/s",
+    );
+    assert!(r.engine.load("p.yaml", &v2).is_ok());
+    // 0 + 0.5 s * 10/s under the old parameters, within the new capacity.
+    assert_eq!(remaining(&r.engine, &plain), [5]);
+}
+
+/// A change to an override, then one to its limit's own parameters: a shared store is handed
+/// each one's old bucket, the second change keeping the first's carry.
+#[test]
+fn an_override_s_carry_outlives_a_later_change_to_its_limit() {
+    let r = rig(CHANGE);
+    let store = Carries::default();
+    let decide = |d: &[(&str, &str)]| {
+        block_on_ready(r.engine.decide_on(&store, "api", &[d], 1, None))
+            .unwrap_or_else(|e| panic!("{e}"));
+        store.take()
+    };
+    let (plain, gold) = (
+        [("user", "a"), ("tier", "")],
+        [("user", "a"), ("tier", "gold")],
+    );
+    // Gold grows from 40 to 60 (6 s to refill at the limit's 10/s).
+    let v2 = CHANGE
+        .replace("version: \"1\"", "version: \"2\"")
+        .replace("capacity: 40", "capacity: 60");
+    assert!(r.engine.load("p.yaml", &v2).is_ok());
+    r.clock.advance(Duration::from_secs(1));
+    let carried = decide(&gold);
+    assert_eq!(carried.len(), 1, "{carried:?}");
+    assert!(
+        carried[0].0.starts_with("per-user|{a}#gold@"),
+        "{carried:?}"
+    );
+    assert_eq!((carried[0].2, carried[0].3), (40, Duration::from_secs(1)));
+    assert_eq!(decide(&plain), []);
+
+    // Then the limit's own capacity, 20 to 30: gold is as it was in version 2.
+    let v3 = v2.replace("version: \"2\"", "version: \"3\"").replace(
+        "capacity: 20\n    refill: 10/s",
+        "capacity: 30\n    refill: 10/s",
+    );
+    assert!(r.engine.load("p.yaml", &v3).is_ok());
+    r.clock.advance(Duration::from_secs(1));
+    let carried = decide(&gold);
+    assert_eq!(carried.len(), 1, "{carried:?}");
+    assert_eq!((carried[0].2, carried[0].3), (40, Duration::from_secs(2)));
+    let carried = decide(&plain);
+    assert_eq!(carried.len(), 1, "{carried:?}");
+    assert_eq!((carried[0].2, carried[0].3), (20, Duration::from_secs(1)));
 }
 
 const WINDOWS: &str = r#"
@@ -1995,6 +2073,12 @@ fn a_settled_reservation_gives_back_what_it_did_not_use() {
     let unknown = r.engine.settle("llm", &request, 800, 0, "r2").unwrap();
     assert_eq!(unknown.settled, Some(tollgate::SettleStatus::NotFound));
     assert_eq!(balances(&unknown), [Some(700), Some(600)]);
+    // Used all it reserved: settled, nothing given back.
+    let full = r.engine.decide("llm", &request, 100, Some("r4")).unwrap();
+    assert_eq!(balances(&full), [Some(600), Some(500)]);
+    let all = r.engine.settle("llm", &request, 100, 100, "r4").unwrap();
+    assert_eq!(all.settled, Some(tollgate::SettleStatus::Settled));
+    assert_eq!(balances(&all), [Some(600), Some(500)]);
     // A settlement neither counts as a decision nor as unmatched.
     let none = r.engine.settle("other", &request, 5, 1, "r3").unwrap();
     assert_eq!(none.settled, Some(tollgate::SettleStatus::NotFound));
@@ -2264,6 +2348,22 @@ fn a_deny_needs_no_store_and_spends_no_emergency_budget() {
         !degraded.is_empty() && degraded.iter().all(|l| l == "per-user"),
         "{degraded:?}"
     );
+    // The exemption takes its requests out of the deny with the store down too: named, with
+    // no decision of the deny's, counted.
+    let auditor = [("user", "auditor"), ("tenant", "evil")];
+    let outcome = r
+        .engine
+        .decide_degraded("api", &[auditor], 1, "store timeout")
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(outcome.allowed, "{outcome:?}");
+    let blocked = outcome
+        .limits
+        .iter()
+        .find(|l| &*l.name == "blocked-tenants")
+        .unwrap_or_else(|| panic!("{outcome:?}"));
+    assert_eq!(blocked.exempted_by.as_deref(), Some("sec@example.com"));
+    assert!(blocked.decision.is_none(), "{outcome:?}");
+    assert_eq!(r.engine.current().exemptions()[0].uses(), 1);
 }
 
 /// A block list and a banned tier beside a concurrency limit: a deny limit with an exception, a
@@ -2557,4 +2657,100 @@ limits:
         .decide_degraded("api", &[u1], 1, "store timeout")
         .unwrap();
     assert!(outcome.allowed, "{outcome:?}");
+}
+
+/// A slow limit and a lease, under an engine with every option set away from its default.
+const BOUNDED: &str = r#"
+version: "b1"
+limits:
+  - {name: hourly, domain: api, key: [user], capacity: 3, refill: 1/h}
+  - {name: jobs, domain: jobs, key: [user], algorithm: concurrency, max_in_flight: 5, lease_timeout: 30s, failure_mode: open}
+"#;
+
+#[test]
+fn the_engine_runs_on_the_bounds_and_window_it_is_given() {
+    let clock = ManualClock::new();
+    let options = EngineOptions::default()
+        .history(1)
+        .max_buckets(64)
+        .max_leases(1)
+        .idempotency_window(Duration::from_secs(1))
+        .clock(Arc::new(clock.clone()))
+        .wall_clock(Arc::new(ManualWallClock::new(NOW)));
+    assert_eq!(
+        format!("{options:?}"),
+        "EngineOptions { history: 1, max_buckets: 64, max_leases: 1, idempotency_window: 1s, .. }"
+    );
+    let policy = compile("p.yaml", BOUNDED).unwrap_or_else(|e| panic!("{e}"));
+    let engine = PolicyEngine::new(policy, options);
+    assert_eq!(
+        format!("{engine:?}"),
+        r#"PolicyEngine { version: "b1", path: None, .. }"#
+    );
+
+    // A retry inside the window is answered from the record; after it, it is a new request.
+    let hourly = |id: &str| {
+        let outcome = engine
+            .decide("api", &[[("user", "u")]], 1, Some(id))
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(outcome.allowed && !outcome.unmatched(), "{outcome:?}");
+        outcome.limits[0].decision.map(|d| d.remaining())
+    };
+    assert_eq!(hourly("r"), Some(2));
+    clock.advance(Duration::from_millis(500));
+    assert_eq!(hourly("r"), Some(2));
+    clock.advance(Duration::from_secs(1));
+    assert_eq!(hourly("r"), Some(1));
+
+    // A thousand subjects, 64 buckets kept.
+    for i in 0..1_000 {
+        let user = format!("v{i}");
+        let outcome = engine.decide("api", &[[("user", user.as_str())]], 1, None);
+        assert!(outcome.is_ok_and(|o| o.allowed));
+    }
+    let stats = engine.memory_stats();
+    assert!(stats.live_buckets <= 64, "{stats:?}");
+    assert!(stats.evicted >= 1_000 - 64, "{stats:?}");
+
+    // One lease in the lease table, one in the emergency table, counted together.
+    let take = |user: &str, id: &str| engine.acquire("jobs", &[[("user", user)]], id);
+    assert!(take("a", "1").is_ok_and(|o| o.held));
+    assert_eq!(engine.live_leases(), 1);
+    let full = take("b", "2");
+    assert!(
+        matches!(
+            full,
+            Err(tollgate_policy::Error::Check {
+                source: tollgate::Error::TooManyLeases { .. },
+                ..
+            })
+        ),
+        "{full:?}"
+    );
+    let degraded = engine.acquire_degraded("jobs", &[[("user", "b")]], "3", "store timeout");
+    assert!(degraded.is_ok_and(|o| o.held));
+    assert_eq!(engine.live_leases(), 2);
+
+    // Four hours on, every bucket is full and both leases timed out: a sweep drops them all.
+    clock.advance(Duration::from_secs(4 * 3600));
+    let buckets = engine.memory_stats().live_buckets;
+    assert!(buckets > 0);
+    assert_eq!(engine.sweep(), buckets + 2);
+    assert_eq!(
+        (engine.memory_stats().live_buckets, engine.live_leases()),
+        (0, 0)
+    );
+}
+
+/// Each version put in force, by a load or a rollback, counts as a change.
+#[test]
+fn loads_and_rollbacks_are_counted_as_changes() {
+    let r = rig(TWO);
+    assert_eq!(r.engine.status().changes, 1);
+    let second = TWO.replace("version: \"1\"", "version: \"2\"");
+    assert!(r.engine.load("p.yaml", &second).is_ok());
+    assert_eq!(r.engine.status().changes, 2);
+    assert!(r.engine.rollback().is_ok());
+    let status = r.engine.status();
+    assert_eq!((status.changes, status.version.as_str()), (3, "1"));
 }
