@@ -1082,6 +1082,17 @@ impl Carries {
     fn take(&self) -> Vec<(String, String, u64, Duration)> {
         std::mem::take(&mut *self.0.lock())
     }
+
+    /// Decides `d` (cost 1) through this store: what the request carried.
+    fn decide(
+        &self,
+        engine: &PolicyEngine,
+        d: &[(&str, &str)],
+    ) -> Vec<(String, String, u64, Duration)> {
+        block_on_ready(engine.decide_on(self, "api", &[d], 1, None))
+            .unwrap_or_else(|e| panic!("{e}"));
+        self.take()
+    }
 }
 
 impl tollgate::Store for Carries {
@@ -1120,11 +1131,7 @@ impl tollgate::Store for Carries {
 fn a_shared_store_is_handed_the_old_bucket_until_the_new_one_would_have_refilled() {
     let r = rig(CHANGE);
     let store = Carries::default();
-    let decide = |d: &[(&str, &str)]| {
-        block_on_ready(r.engine.decide_on(&store, "api", &[d], 1, None))
-            .unwrap_or_else(|e| panic!("{e}"));
-        store.take()
-    };
+    let decide = |d: &[(&str, &str)]| store.decide(&r.engine, d);
     let (plain, gold, team) = (
         [("user", "a"), ("tier", "")],
         [("user", "a"), ("tier", "gold")],
@@ -1201,11 +1208,7 @@ fn a_capacity_change_upward_keeps_the_balance() {
 fn an_override_s_carry_outlives_a_later_change_to_its_limit() {
     let r = rig(CHANGE);
     let store = Carries::default();
-    let decide = |d: &[(&str, &str)]| {
-        block_on_ready(r.engine.decide_on(&store, "api", &[d], 1, None))
-            .unwrap_or_else(|e| panic!("{e}"));
-        store.take()
-    };
+    let decide = |d: &[(&str, &str)]| store.decide(&r.engine, d);
     let (plain, gold) = (
         [("user", "a"), ("tier", "")],
         [("user", "a"), ("tier", "gold")],
