@@ -806,6 +806,71 @@ fn a_capacity_change_refills_under_the_old_rate_then_clamps() {
     assert_eq!(remaining(&r.engine, &plain), [1]);
 }
 
+const AUDITED: &str = r#"
+version: "a0"
+limits:
+  - name: blocked
+    domain: api
+    key: [ip]
+    capacity: 1
+    refill: 1/s
+  - name: tiers
+    domain: api
+    key: [user]
+    capacity: 20
+    refill: 10/s
+    overrides:
+      - name: gold
+        when: {tier: gold}
+        capacity: 20
+      - name: free
+        when: {tier: free}
+        capacity: 5
+"#;
+
+#[test]
+fn the_load_audit_names_a_limit_for_each_kind_of_change_parameters_hide() {
+    // Each change leaves every rate as it was (a deny limit's nominal rate is 1/s, and an
+    // unlimited or denying override keeps its limit's), so only the change itself can name it.
+    let cases: [(&str, &str, &[&str]); 6] = [
+        ("version: \"a0\"", "version: \"a0\"", &[]),
+        ("capacity: 1\n    refill: 1/s", "deny: true", &["blocked"]),
+        ("name: gold", "name: golden", &["tiers"]),
+        (
+            "capacity: 20\n      - name: free",
+            "unlimited: true\n      - name: free",
+            &["tiers"],
+        ),
+        (
+            "capacity: 20\n      - name: free",
+            "deny: true\n      - name: free",
+            &["tiers"],
+        ),
+        (
+            "capacity: 5\n",
+            "capacity: 5\n      - name: trial\n        when: {tier: trial}\n        capacity: 5\n",
+            &["tiers"],
+        ),
+    ];
+    for (from, to, named) in cases {
+        let r = rig(AUDITED);
+        let next = AUDITED
+            .replace("version: \"a0\"", "version: \"a1\"")
+            .replace(from, to);
+        assert!(r.engine.load("p.yaml", &next).is_ok(), "{to}");
+        let loaded = r
+            .audit
+            .events()
+            .into_iter()
+            .rfind(|e| e["event"] == "loaded");
+        assert_eq!(
+            loaded.map(|e| e["changed_limits"].clone()),
+            Some(serde_json::json!(named)),
+            "{from:?} -> {to:?}"
+        );
+    }
+}
+
 const FAILURE: &str = r#"
 version: "f"
 defaults:
@@ -1241,6 +1306,31 @@ fn an_override_s_carry_outlives_a_later_change_to_its_limit() {
     let carried = decide(&plain);
     assert_eq!(carried.len(), 1, "{carried:?}");
     assert_eq!((carried[0].2, carried[0].3), (20, Duration::from_secs(1)));
+}
+
+#[test]
+fn an_override_carries_its_own_old_parameters_not_a_sibling_s() {
+    let two = CHANGE.replace(
+        "        capacity: 40\n",
+        "        capacity: 40\n      - name: silver\n        when: {tier: silver}\n        capacity: 30\n",
+    );
+    let r = rig(&two);
+    let store = Carries::default();
+    let decide = |d: &[(&str, &str)]| store.decide(&r.engine, d);
+    // Gold grows from 40 to 60; silver, beside it, stays at 30.
+    let v2 = two
+        .replace("version: \"1\"", "version: \"2\"")
+        .replace("capacity: 40", "capacity: 60");
+    assert!(r.engine.load("p.yaml", &v2).is_ok());
+    r.clock.advance(Duration::from_secs(1));
+    let carried = decide(&[("user", "a"), ("tier", "gold")]);
+    assert_eq!(carried.len(), 1, "{carried:?}");
+    assert!(
+        carried[0].0.starts_with("per-user|{a}#gold@"),
+        "{carried:?}"
+    );
+    assert_eq!(carried[0].2, 40, "gold's own old capacity");
+    assert_eq!(decide(&[("user", "a"), ("tier", "silver")]), []);
 }
 
 const WINDOWS: &str = r#"
