@@ -1532,3 +1532,104 @@ fn all_hold<S: AsRef<str>>(conditions: &[(Box<str>, ValueMatch)], entries: &[(S,
         .iter()
         .all(|(entry, test)| lookup(entries, entry).is_some_and(|value| test.matches(value)))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::compile;
+
+    fn network(text: &str) -> Network {
+        text.parse().unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    #[test]
+    fn the_client_is_the_first_address_from_the_right_no_proxy_holds() {
+        let proxies = [network("10.0.0.0/8"), network("2001:db8::/32")];
+        let client = |chain: &[&'static str]| forwarded_client(chain, &proxies);
+        let ip = |text: &str| text.parse::<IpAddr>().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(client(&[]), None);
+        assert_eq!(client(&["198.51.100.7"]), Some(Ok(ip("198.51.100.7"))));
+        assert_eq!(
+            client(&["6.6.6.6", "198.51.100.7", "2001:db8::1", "10.0.0.9"]),
+            Some(Ok(ip("198.51.100.7")))
+        );
+        // Only proxies: the leftmost, the first that handled the request.
+        assert_eq!(
+            client(&["10.0.0.1", "::ffff:10.0.0.2"]),
+            Some(Ok(ip("10.0.0.1")))
+        );
+        // Canonical: an IPv4-mapped client is the IPv4 address, and a mapped proxy is one.
+        assert_eq!(
+            client(&["::ffff:198.51.100.7", "::ffff:10.0.0.2"]),
+            Some(Ok(ip("198.51.100.7")))
+        );
+        // Nothing left of an entry that is no address alone can be vouched for.
+        assert_eq!(client(&["6.6.6.6", "x", "10.0.0.9"]), Some(Err("x")));
+        assert_eq!(
+            client(&["x", "198.51.100.7", "10.0.0.9"]),
+            Some(Ok(ip("198.51.100.7")))
+        );
+        assert!(proxies[0].contains(ip("::ffff:10.1.2.3")));
+        assert!(!proxies[0].contains(ip("11.0.0.1")));
+        assert!(proxies[1].contains(ip("2001:db8::5")));
+    }
+
+    /// One item stays that item, matched inline, not a list of one searched out of line.
+    #[test]
+    fn a_list_that_comes_down_to_one_item_is_that_item() {
+        let one = |values: &[&str], prefixes: &[&str], networks: &[&str]| {
+            ValueMatch::any_of(
+                values.iter().map(|&v| v.into()).collect(),
+                prefixes.iter().map(|&p| p.into()).collect(),
+                networks.iter().map(|&n| network(n)).collect(),
+            )
+        };
+        assert_eq!(one(&[], &[], &[]), None);
+        assert_eq!(
+            one(&["a", "a"], &[], &[]),
+            Some(ValueMatch::Exact("a".into()))
+        );
+        assert_eq!(
+            one(&["eu-1"], &["eu-", "eu-w"], &[]),
+            Some(ValueMatch::Prefix("eu-".into()))
+        );
+        assert_eq!(
+            one(&["10.1.2.3"], &[], &["10.0.0.0/8", "10.1.0.0/16"]),
+            Some(ValueMatch::Network(Box::new(network("10.0.0.0/8"))))
+        );
+        assert!(matches!(
+            one(&["a"], &[], &["10.0.0.0/8"]),
+            Some(ValueMatch::AnyOf(_))
+        ));
+    }
+
+    /// A hash collision in the index could hand matching another pair's limits: what a limit
+    /// is filed under must answer for the very value, prefix or network, not for any.
+    #[test]
+    fn a_limit_is_filed_under_its_own_items_only() {
+        let policy = compile(
+            "p.yaml",
+            "limits:\n  - {name: l, domain: d, capacity: 1, refill: 1/s, \
+             when: {tier: [gold, silver, !prefix beta-, !cidr 10.0.0.0/8]}}\n  \
+             - {name: one, domain: d, capacity: 1, refill: 1/s, when: {tier: gold}}\n",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let list = &policy.limits()[0];
+        assert!(list.filed_under_pair("tier", "gold"));
+        assert!(list.filed_under_pair("tier", "silver"));
+        assert!(!list.filed_under_pair("tier", "bronze"));
+        assert!(!list.filed_under_pair("tier", "beta-1"), "a prefix's value");
+        assert!(!list.filed_under_pair("plan", "gold"));
+        assert!(list.filed_under_prefix("tier", "beta-"));
+        assert!(!list.filed_under_prefix("tier", "beta"));
+        assert!(!list.filed_under_prefix("plan", "beta-"));
+        assert!(list.filed_under_network("tier", &network("10.0.0.0/8").net()));
+        assert!(!list.filed_under_network("tier", &network("10.0.0.0/16").net()));
+        assert!(!list.filed_under_network("plan", &network("10.0.0.0/8").net()));
+        let one = &policy.limits()[1];
+        assert!(one.filed_under_pair("tier", "gold"));
+        assert!(!one.filed_under_pair("tier", "silver"));
+        assert!(!one.filed_under_prefix("tier", "gold"));
+        assert!(!one.filed_under_network("tier", &network("10.0.0.0/8").net()));
+    }
+}

@@ -216,6 +216,13 @@ fn defaults_modes_and_failure_modes() {
     }
     assert_eq!(tenant.mode(), Mode::Enforce);
     assert_eq!(tenant.rollout(), 10_000);
+    // The names the file, metrics and the audit log use.
+    let global_mode = p.limit("global").map(|l| l.mode());
+    assert_eq!(global_mode.map(|m| m.as_str()), Some("shadow"));
+    assert_eq!(tenant.mode().as_str(), "enforce");
+    let keys = |name: &str| p.limit(name).map(|l| l.key().collect::<Vec<_>>());
+    assert_eq!(keys("payments-per-user"), Some(vec!["tenant", "user"]));
+    assert_eq!(keys("global"), Some(vec![]));
     let global = p.matches("api", &[[("a", "b")]], NOW);
     assert_eq!(global[0].effect, Effect::Shadow);
     assert_eq!(global[0].effect.as_str(), "shadow");
@@ -969,6 +976,11 @@ fn concurrency_limits_are_matched_apart_from_rate_limits() {
         .map(|m| m.bucket_key.clone())
         .collect();
     assert_eq!(names, ["gpu|t1"]);
+    // Into a buffer the caller reuses: appended after what it holds.
+    let mut into = p.lease_matches("api", &[other_route], NOW);
+    p.lease_match_into("api", &[export], NOW, &mut into);
+    let keys: Vec<_> = into.iter().map(|m| m.bucket_key.as_str()).collect();
+    assert_eq!(keys, ["gpu|t1", "exports|t1#big", "gpu|t1"]);
     let acme = [("route", "/v1/export"), ("tenant", "acme")];
     assert!(matches!(
         p.lease_matches("api", &[acme], NOW)[0].effect,
