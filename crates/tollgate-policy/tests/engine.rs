@@ -82,6 +82,17 @@ fn rig(policy: &str) -> Rig {
     rig_with(policy, None)
 }
 
+impl Rig {
+    /// The limits the last `loaded` audit event names as changed.
+    fn last_changed_limits(&self) -> Option<serde_json::Value> {
+        self.audit
+            .events()
+            .into_iter()
+            .rfind(|e| e["event"] == "loaded")
+            .map(|e| e["changed_limits"].clone())
+    }
+}
+
 fn temp_file(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("tollgate-policy-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -786,13 +797,8 @@ fn a_capacity_change_refills_under_the_old_rate_then_clamps() {
     assert_eq!(remaining(&r.engine, &plain), [3]);
     assert_eq!(remaining(&r.engine, &gold), [8]);
     assert_eq!(remaining(&r.engine, &team), [0]);
-    let loaded = r
-        .audit
-        .events()
-        .into_iter()
-        .rfind(|e| e["event"] == "loaded");
     assert_eq!(
-        loaded.map(|e| e["changed_limits"].clone()),
+        r.last_changed_limits(),
         Some(serde_json::json!(["per-user"]))
     );
 
@@ -858,13 +864,8 @@ fn the_load_audit_names_a_limit_for_each_kind_of_change_parameters_hide() {
             .replace("version: \"a0\"", "version: \"a1\"")
             .replace(from, to);
         assert!(r.engine.load("p.yaml", &next).is_ok(), "{to}");
-        let loaded = r
-            .audit
-            .events()
-            .into_iter()
-            .rfind(|e| e["event"] == "loaded");
         assert_eq!(
-            loaded.map(|e| e["changed_limits"].clone()),
+            r.last_changed_limits(),
             Some(serde_json::json!(named)),
             "{from:?} -> {to:?}"
         );
@@ -1271,15 +1272,19 @@ fn a_capacity_change_upward_keeps_the_balance() {
 /// each one's old bucket, the second change keeping the first's carry.
 #[test]
 fn an_override_s_carry_outlives_a_later_change_to_its_limit() {
-    let r = rig(CHANGE);
+    let v1 = CHANGE.replace(
+        "        capacity: 40\n",
+        "        capacity: 40\n      - name: silver\n        when: {tier: silver}\n        capacity: 30\n",
+    );
+    let r = rig(&v1);
     let store = Carries::default();
     let decide = |d: &[(&str, &str)]| store.decide(&r.engine, d);
     let (plain, gold) = (
         [("user", "a"), ("tier", "")],
         [("user", "a"), ("tier", "gold")],
     );
-    // Gold grows from 40 to 60 (6 s to refill at the limit's 10/s).
-    let v2 = CHANGE
+    // Gold grows from 40 to 60 (6 s to refill at the limit's 10/s); silver, beside it, stays.
+    let v2 = v1
         .replace("version: \"1\"", "version: \"2\"")
         .replace("capacity: 40", "capacity: 60");
     assert!(r.engine.load("p.yaml", &v2).is_ok());
@@ -1290,8 +1295,10 @@ fn an_override_s_carry_outlives_a_later_change_to_its_limit() {
         carried[0].0.starts_with("per-user|{a}#gold@"),
         "{carried:?}"
     );
+    // Gold's own old capacity, not its sibling's.
     assert_eq!((carried[0].2, carried[0].3), (40, Duration::from_secs(1)));
     assert_eq!(decide(&plain), []);
+    assert_eq!(decide(&[("user", "a"), ("tier", "silver")]), []);
 
     // Then the limit's own capacity, 20 to 30: gold is as it was in version 2.
     let v3 = v2.replace("version: \"2\"", "version: \"3\"").replace(
@@ -1306,31 +1313,6 @@ fn an_override_s_carry_outlives_a_later_change_to_its_limit() {
     let carried = decide(&plain);
     assert_eq!(carried.len(), 1, "{carried:?}");
     assert_eq!((carried[0].2, carried[0].3), (20, Duration::from_secs(1)));
-}
-
-#[test]
-fn an_override_carries_its_own_old_parameters_not_a_sibling_s() {
-    let two = CHANGE.replace(
-        "        capacity: 40\n",
-        "        capacity: 40\n      - name: silver\n        when: {tier: silver}\n        capacity: 30\n",
-    );
-    let r = rig(&two);
-    let store = Carries::default();
-    let decide = |d: &[(&str, &str)]| store.decide(&r.engine, d);
-    // Gold grows from 40 to 60; silver, beside it, stays at 30.
-    let v2 = two
-        .replace("version: \"1\"", "version: \"2\"")
-        .replace("capacity: 40", "capacity: 60");
-    assert!(r.engine.load("p.yaml", &v2).is_ok());
-    r.clock.advance(Duration::from_secs(1));
-    let carried = decide(&[("user", "a"), ("tier", "gold")]);
-    assert_eq!(carried.len(), 1, "{carried:?}");
-    assert!(
-        carried[0].0.starts_with("per-user|{a}#gold@"),
-        "{carried:?}"
-    );
-    assert_eq!(carried[0].2, 40, "gold's own old capacity");
-    assert_eq!(decide(&[("user", "a"), ("tier", "silver")]), []);
 }
 
 const WINDOWS: &str = r#"
