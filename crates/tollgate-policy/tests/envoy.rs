@@ -1140,7 +1140,31 @@ fn several_files_import_into_one_policy_with_names_unique_across_them() {
     let one = import_envoy_files(&[("api.yaml", api)], ImportOptions::default())
         .unwrap_or_else(|e| panic!("{e}"));
     let alone = import_envoy("api.yaml", api).unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        one.notes
+            .iter()
+            .any(|n| n.starts_with("user: detailed_metric")),
+        "a note of one file does not name it: {:?}",
+        one.notes
+    );
     assert_eq!((one.policy, one.notes), (alone.policy, alone.notes));
+    // The note on entry order comes where there is a limit to match, and only there.
+    assert!(
+        imported
+            .notes
+            .iter()
+            .any(|n| n.starts_with("envoy matches descriptor entries in order")),
+        "{:?}",
+        imported.notes
+    );
+    let none = import_envoy("empty.yaml", "domain: empty\ndescriptors: []\n")
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(none.limits, 0);
+    assert!(
+        none.notes.iter().all(|n| !n.contains("in order")),
+        "{:?}",
+        none.notes
+    );
 }
 
 /// A key-only node, a wildcard value and an exact value it covers, each with a subtree of the
@@ -1223,4 +1247,59 @@ descriptors:
         "{notes:?}"
     );
     assert!(notes[1].contains("skipped"), "{notes:?}");
+}
+
+/// A value whose limit cannot be converted is not a value without a limit: the wildcard
+/// sibling's limit applies to it (noted), where an `unlimited: true` value would be let through.
+#[test]
+fn a_value_whose_limit_is_skipped_keeps_its_sibling_s_limit() {
+    let (imported, p) = import(
+        "domain: skip\ndescriptors:\n  \
+         - key: user\n    rate_limit: {unit: second, requests_per_unit: 10}\n  \
+         - key: user\n    value: vip\n    rate_limit: {unit: fortnight, requests_per_unit: 5}\n  \
+         - key: user\n    value: \"svc-*\"\n    rate_limit: {unit: fortnight, requests_per_unit: 5}\n  \
+         - key: user\n    value: root\n    rate_limit: {unlimited: true}\n",
+    );
+    let notes = imported.notes.join("\n");
+    assert!(
+        notes.contains("unknown unit `fortnight`: skipped"),
+        "{notes}"
+    );
+    assert!(
+        notes.contains("its limit was skipped but the wildcard sibling `user` has one"),
+        "{notes}"
+    );
+    for user in ["vip", "svc-1", "u1"] {
+        assert_eq!(
+            matched(&p, "skip", &[("user", user)]),
+            [format!("skip.user|{user} capacity 10 refill 10/s")],
+            "{user}\n{}",
+            imported.policy
+        );
+    }
+    assert_eq!(
+        matched(&p, "skip", &[("user", "root")]),
+        Vec::<String>::new()
+    );
+}
+
+/// Names stay unique however often one repeats, and a limit that names itself in `replaces`
+/// replaces nothing (said), rather than an output that would not compile.
+#[test]
+fn repeated_names_count_up_and_a_limit_does_not_replace_itself() {
+    let (imported, p) = import(
+        "domain: names\ndescriptors:\n  \
+         - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, name: dup}\n  \
+         - key: b\n    rate_limit: {unit: second, requests_per_unit: 2, name: dup}\n  \
+         - key: c\n    rate_limit: {unit: second, requests_per_unit: 3, name: dup}\n  \
+         - key: d\n    rate_limit: {unit: second, requests_per_unit: 4, name: me, replaces: [{name: me}]}\n",
+    );
+    let names: Vec<&str> = p.limits().iter().map(|l| l.name()).collect();
+    assert_eq!(names, ["dup", "dup-2", "dup-3", "me"]);
+    assert!(p.limits()[3].replaces().is_empty());
+    let notes = imported.notes.join("\n");
+    assert!(
+        notes.contains("d: replaces \"me\", which is not a limit of its own here"),
+        "{notes}"
+    );
 }
