@@ -1231,6 +1231,18 @@ mod tests {
         (name.to_owned(), values)
     }
 
+    /// Values that read the same as names (`_` for what a name cannot hold) count up.
+    #[test]
+    fn override_names_count_up_past_the_names_taken() {
+        let mut overrides = Vec::new();
+        for value in ["a b", "a;b", "a,b"] {
+            let condition = ("k", ValueMatch::Exact(value.into()));
+            Importer::add_override(&mut overrides, value, condition, None);
+        }
+        let names: Vec<&str> = overrides.iter().map(|(n, ..)| n.as_str()).collect();
+        assert_eq!(names, ["a_b", "a_b-2", "a_b-3"]);
+    }
+
     #[test]
     fn a_run_of_exact_values_applying_the_same_thing_is_one_override() {
         let every = || Some(Rate::Every(5, "5/s".into()));
