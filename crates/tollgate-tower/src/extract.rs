@@ -433,6 +433,10 @@ mod tests {
             .body(())
             .unwrap();
         assert!(matches!(extract(&key, &req), Err(Error::InvalidKey { .. })));
+        // The bound itself is a key.
+        let longest = "k".repeat(MAX_KEY_BYTES);
+        let req = request().header("x-api-key", &longest).body(()).unwrap();
+        assert_eq!(extract(&key, &req).unwrap(), longest);
         let req = request().header("x-api-key", "").body(()).unwrap();
         assert!(matches!(extract(&key, &req), Err(Error::MissingKey { .. })));
     }
@@ -521,5 +525,34 @@ mod tests {
             Err(Error::MissingKey { .. })
         ));
         assert_eq!(extract(&Global, &other).unwrap(), "global");
+    }
+
+    /// An extractor shared behind an `Arc` keys as the extractor itself, failures included.
+    #[test]
+    fn a_shared_extractor_keys_as_itself() {
+        let key = Arc::new(Header::new(HeaderName::from_static("x-api-key")));
+        let req = request().header("x-api-key", "k1").body(()).unwrap();
+        assert_eq!(extract(&key, &req).unwrap(), "k1");
+        let req = request().body(()).unwrap();
+        assert!(matches!(extract(&key, &req), Err(Error::MissingKey { .. })));
+        let dynamic: Arc<dyn KeyExtractor> = Arc::new(PeerIp::new());
+        let mut req = request().body(()).unwrap();
+        req.extensions_mut()
+            .insert("10.1.2.3:4567".parse::<SocketAddr>().unwrap());
+        assert_eq!(extract(&dynamic, &req).unwrap(), "10.1.2.3");
+    }
+
+    #[test]
+    fn debug_output_shows_the_settings_not_the_closures() {
+        assert_eq!(
+            format!("{:?}", PeerIp::new()),
+            "PeerIp { ipv6_prefix: true, .. }"
+        );
+        assert_eq!(
+            format!("{:?}", PeerIp::new().full_ipv6()),
+            "PeerIp { ipv6_prefix: false, .. }"
+        );
+        let key = KeyFn::new(|_: &RequestHead<'_>| None);
+        assert_eq!(format!("{key:?}"), "KeyFn { .. }");
     }
 }

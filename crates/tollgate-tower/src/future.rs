@@ -193,3 +193,26 @@ where
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Servers size and end responses by what the body says of itself (a `content-length`, no
+    /// chunked trailer on an empty body): the wrapper says what the body it wraps would.
+    #[test]
+    fn a_body_tells_its_size_and_its_end() {
+        let inner = ResponseBody::inner(String::from("hello"));
+        assert!(!inner.is_end_stream());
+        assert_eq!(inner.size_hint().exact(), Some(5));
+        let empty = ResponseBody::inner(String::new());
+        assert!(empty.is_end_stream());
+        assert_eq!(empty.size_hint().exact(), Some(0));
+        let denied = ResponseBody::<String>::denied(Bytes::from_static(b"{}"));
+        assert!(!denied.is_end_stream());
+        assert_eq!(denied.size_hint().exact(), Some(2));
+        let bare = ResponseBody::<String>::denied(Bytes::new());
+        assert!(bare.is_end_stream());
+        assert_eq!(bare.size_hint().exact(), Some(0));
+    }
+}

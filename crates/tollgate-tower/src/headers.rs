@@ -455,6 +455,9 @@ mod tests {
             (r#"a"b\c"#, r#""a\"b\\c""#),
             ("caf\u{e9}\tx", r#""caf??x""#),
             ("", "\"\""),
+            // Names made only of the characters to escape.
+            ("\"", r#""\"""#),
+            ("\\", r#""\\""#),
         ];
         for (name, quoted) in cases {
             let mut out = String::new();
@@ -696,6 +699,21 @@ mod tests {
         });
         assert_eq!(x_rate_limit([("fast", &fast), ("slow", &slow)]), expected);
         assert_eq!(x_rate_limit([("slow", &slow), ("fast", &fast)]), expected);
+    }
+
+    /// Of limits alike in tokens left and in reset, the first given speaks: the same order
+    /// gives the same fields on every answer.
+    #[test]
+    fn x_rate_limit_of_complete_equals_is_the_first() {
+        let (small, _) = limiter(10, "1/s");
+        let (large, _) = limiter(20, "3/s");
+        // 5 left of each, full again in 5 s.
+        let small = small.check_n("k", 5).unwrap();
+        let large = large.check_n("k", 15).unwrap();
+        assert_eq!(reset_secs(&small), reset_secs(&large));
+        let first = |items: [(&'static str, &Decision); 2]| x_rate_limit(items).map(|x| x.limit);
+        assert_eq!(first([("small", &small), ("large", &large)]), Some(10));
+        assert_eq!(first([("large", &large), ("small", &small)]), Some(20));
     }
 
     #[test]

@@ -471,6 +471,152 @@ async fn nested_layers_keep_the_tighter_x_rate_limit() {
     }
 }
 
+/// On a tie in tokens left, the fields already on the response stay: the inner layer's
+/// answer may be a rejection, and its figures are the ones to heed.
+#[tokio::test]
+async fn nested_layers_with_equal_tokens_left_keep_the_inner_fields() {
+    let layer = |name: &str, capacity, rate| {
+        TollgateLayer::limit(name, limit(capacity, rate), api_key())
+            .rate_limit_headers(HeaderStyle::XRateLimit)
+            .clock(ManualClock::new())
+            .build()
+    };
+    let app = Router::new()
+        .route("/", get(|| async { "hello" }))
+        .layer(layer("inner", 3, "1/s"))
+        .layer(layer("outer", 3, "1/m"));
+    // Both have 2 left; the outer one would be full later.
+    let ok = send(&app, get_with_key("k")).await;
+    assert_eq!(header(&ok, "x-ratelimit-remaining"), "2");
+    assert_eq!(header(&ok, "x-ratelimit-reset"), "1");
+
+    let app = Router::new()
+        .route("/", get(|| async { "hello" }))
+        .layer(layer("inner", 1, "1/s"))
+        .layer(layer("outer", 2, "1/m"));
+    assert_eq!(send(&app, get_with_key("k")).await.status(), StatusCode::OK);
+    // The outer layer admits with nothing left; the inner one refuses with nothing left.
+    let refused = send(&app, get_with_key("k")).await;
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(header(&refused, "x-ratelimit-limit"), "1");
+    assert_eq!(header(&refused, "x-ratelimit-reset"), "1");
+    assert_eq!(header(&refused, "retry-after"), "1");
+}
+
+/// A request over two limits at once names both in its problem document.
+#[tokio::test]
+async fn a_429_names_every_limit_it_broke() {
+    let engine = PolicyEngine::new(
+        compile("test.yaml", POLICY).unwrap(),
+        EngineOptions::default().clock(Arc::new(ManualClock::new())),
+    );
+    let app = app(TollgateLayer::policy(Arc::new(engine), "api", descriptors).build());
+    // Five users of acme, two requests each: every one of them and the tenant run dry.
+    for u in ["u1", "u2", "u3", "u4", "u5"] {
+        for _ in 0..2 {
+            assert_eq!(send(&app, user(u)).await.status(), StatusCode::OK);
+        }
+    }
+    let refused = send(&app, user("u1")).await;
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    let text = body(refused).await;
+    assert!(
+        text.contains(r#""violated-policies":["per-user","per-tenant"]"#),
+        "{text}"
+    );
+}
+
+/// A descriptor function that fails for a reason of its own making (not the request's) is a
+/// 500, logged, that tells the client nothing about the configuration; gRPC callers get
+/// `INTERNAL`.
+#[tokio::test]
+async fn a_configuration_failure_is_a_500() {
+    let engine = Arc::new(PolicyEngine::new(
+        compile("test.yaml", POLICY).unwrap(),
+        EngineOptions::default(),
+    ));
+    let broken = |_: &RequestHead<'_>| -> Result<Vec<tollgate_tower::Descriptor>, Error> {
+        Err(Error::Store(tollgate::Error::EmptyCheck))
+    };
+    let app = app(TollgateLayer::policy(engine, "api", broken).build());
+    let failed = send(&app, user("u1")).await;
+    assert_eq!(failed.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(header(&failed, "content-type"), "application/problem+json");
+    assert_eq!(
+        body(failed).await,
+        r#"{"title":"Internal Server Error","status":500,"detail":"the rate limiter cannot decide"}"#
+    );
+    let grpc = Request::post("/")
+        .header("content-type", "application/grpc")
+        .body(Body::empty())
+        .unwrap();
+    let failed = send(&app, grpc).await;
+    assert_eq!(header(&failed, "grpc-status"), "13");
+}
+
+/// An inner service that is never ready, and says why.
+#[derive(Debug, Clone)]
+struct Down;
+
+impl tower::Service<Request<Body>> for Down {
+    type Response = Response;
+    type Error = &'static str;
+    type Future = std::future::Ready<Result<Response, &'static str>>;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Err("the service is down"))
+    }
+
+    fn call(&mut self, _: Request<Body>) -> Self::Future {
+        std::future::ready(Ok(Response::new(Body::empty())))
+    }
+}
+
+/// The layer's readiness is the inner service's: it holds no queue of its own.
+#[tokio::test]
+async fn readiness_is_the_inner_service_s() {
+    let layer = TollgateLayer::limit("per-key", limit(2, "1/s"), api_key()).build();
+    let mut service = tower::Layer::layer(&layer, Down);
+    let ready = service.ready().await.map(|_| ());
+    assert_eq!(ready, Err("the service is down"));
+}
+
+#[tokio::test]
+async fn debug_output_says_what_decides() {
+    let builder = TollgateLayer::limit("per-key", limit(2, "1/s"), api_key());
+    let shown = format!("{builder:?}");
+    assert!(
+        shown.starts_with(r#"LimitBuilder { name: "per-key", limit: "#)
+            && shown.ends_with("missing: Reject, .. }"),
+        "{shown}"
+    );
+    let layer = builder.build();
+    assert_eq!(
+        format!("{layer:?}"),
+        r#"TollgateLayer { limiter: "limit per-key (capacity 2 refill 1/s)", .. }"#
+    );
+    assert_eq!(
+        format!("{:?}", tower::Layer::layer(&layer, Down)),
+        "Tollgate { inner: Down, .. }"
+    );
+    let engine = Arc::new(PolicyEngine::new(
+        compile("test.yaml", POLICY).unwrap(),
+        EngineOptions::default(),
+    ));
+    let builder = TollgateLayer::policy(engine, "api", descriptors);
+    assert_eq!(
+        format!("{builder:?}"),
+        r#"PolicyBuilder { domain: "api", .. }"#
+    );
+    assert_eq!(
+        format!("{:?}", builder.build()),
+        r#"TollgateLayer { limiter: "policy, domain api", .. }"#
+    );
+}
+
 /// A tenant on a block list is answered 429 with a quota of nothing and no `Retry-After` (no
 /// wait lifts it), even beside a limit that is merely empty; its requests charge nothing.
 #[tokio::test]
@@ -606,6 +752,33 @@ async fn reservations_give_back_what_the_handler_did_not_use() {
     assert_eq!(
         send(&app, using("k", 10)).await.status(),
         StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
+/// A handler that settles for the whole reservation (the cost it reports) gives nothing back.
+#[tokio::test]
+async fn a_reservation_settled_for_its_cost_gives_nothing_back() {
+    let layer = TollgateLayer::limit("tokens", limit(100, "100/h"), api_key())
+        .clock(ManualClock::new())
+        .cost(|_| 60)
+        .reservations()
+        .build();
+    // No `x-used`: the handler settles for `cost()`.
+    let app = settling_app(layer.clone());
+    assert_eq!(body(send(&app, get_with_key("k")).await).await, "Settled");
+    assert_eq!(
+        send(&app, get_with_key("k")).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    let shown = |axum::Extension(reservation): axum::Extension<tollgate_tower::Reservation>| async move {
+        format!("{reservation:?}")
+    };
+    let app = Router::new().route("/", get(shown)).layer(layer);
+    let text = body(send(&app, get_with_key("k2")).await).await;
+    assert!(
+        text.starts_with(r#"Reservation { cost: 60, request_id: "reservation-"#)
+            && text.ends_with(r#"", .. }"#),
+        "{text}"
     );
 }
 

@@ -292,3 +292,75 @@ async fn an_infallible_service_stays_infallible() {
     let response: Result<_, Infallible> = service.oneshot(request("k1")).await;
     assert!(matches!(response, Ok(r) if r.status() == StatusCode::OK));
 }
+
+/// An inner service that is never ready, and says why.
+#[derive(Debug, Clone)]
+struct Down;
+
+impl Service<Request<Body>> for Down {
+    type Response = Response<Body>;
+    type Error = &'static str;
+    type Future = std::future::Ready<Result<Response<Body>, &'static str>>;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Err("the service is down"))
+    }
+
+    fn call(&mut self, _: Request<Body>) -> Self::Future {
+        std::future::ready(Ok(Response::new(Body::empty())))
+    }
+}
+
+/// A full key is answered, never waited for: the layer's readiness is the inner service's.
+#[tokio::test]
+async fn readiness_is_the_inner_service_s() {
+    let mut service = ConcurrencyLayer::new("exports", limit(1), api_key()).layer(Down);
+    let ready = service.ready().await.map(|_| ());
+    assert_eq!(ready, Err("the service is down"));
+}
+
+#[tokio::test]
+async fn debug_output_shows_the_limit_and_each_request_s_state() {
+    let builder = ConcurrencyLayer::builder("exports", limit(1), api_key());
+    let shown = format!("{builder:?}");
+    assert!(
+        shown.starts_with(r#"ConcurrencyBuilder { name: "exports", limit: "#)
+            && shown.ends_with("missing: Reject, .. }"),
+        "{shown}"
+    );
+    let layer = builder.clock(ManualClock::new()).build();
+    let shown = format!("{layer:?}");
+    assert!(
+        shown.starts_with(r#"ConcurrencyLayer { name: "exports", limit: "#)
+            && shown.ends_with("missing: Reject, .. }"),
+        "{shown}"
+    );
+    assert_eq!(
+        format!("{:?}", layer.layer(Down)),
+        "Concurrency { inner: Down, .. }"
+    );
+
+    let calls = Calls::default();
+    let mut service = layer.layer(inner(&calls));
+    let (first, first_end) = held("k1");
+    let first = start(&mut service, first).await;
+    assert_eq!(
+        format!("{first:?}"),
+        r#"ConcurrencyFuture { state: "called, holding a slot" }"#
+    );
+    let refused = start(&mut service, request("k1")).await;
+    assert_eq!(
+        format!("{refused:?}"),
+        r#"ConcurrencyFuture { state: "answered" }"#
+    );
+    first_end.0.notify_one();
+    let mut first = Box::pin(first);
+    assert_eq!((&mut first).await.unwrap().status(), StatusCode::OK);
+    assert_eq!(
+        format!("{first:?}"),
+        r#"ConcurrencyFuture { state: "completed" }"#
+    );
+}
