@@ -330,7 +330,40 @@ mod tests {
         }];
         let outcomes = block_on_ready(failover.check(&takes, None, None)).unwrap();
         assert!(matches!(outcomes[0], Outcome::Decided(d) if d.allowed()));
+        assert_eq!(outcomes[0].decision().map(Decision::remaining), Some(0));
+        assert_eq!(outcomes[0].degraded(), None);
         assert_eq!(failover.stats(), FailoverStats::default());
+    }
+
+    /// A cost the emergency budget can never hold makes its own limit unavailable; the
+    /// request's other open limits are read on their emergency budgets, not charged, as
+    /// beside a closed limit.
+    #[test]
+    fn a_cost_above_the_emergency_budget_is_unavailable_and_charges_the_others_nothing() {
+        let failover = Failover::with_clock(Down, ManualClock::new());
+        let l = limit(10, "1/s");
+        let open = |key, cost, capacity| Guarded {
+            take: Take::new(key, &l, cost),
+            on_failure: FailureMode::Open {
+                emergency: limit(capacity, "1/s"),
+            },
+        };
+        let takes = [open("small", 1, 1), open("large", 3, 2)];
+        for _ in 0..3 {
+            let outcomes = block_on_ready(failover.check(&takes, None, None)).unwrap();
+            let read = outcomes[0].decision().copied();
+            assert!(read.is_some_and(|d| d.allowed()), "{outcomes:?}");
+            assert_eq!(
+                outcomes[1],
+                Outcome::Unavailable {
+                    reason: Unavailable::Connection
+                }
+            );
+            assert_eq!(outcomes[1].decision(), None);
+        }
+        let alone = [takes[0]];
+        assert!(block_on_ready(failover.check(&alone, None, None)).unwrap()[0].allowed());
+        assert!(!block_on_ready(failover.check(&alone, None, None)).unwrap()[0].allowed());
     }
 
     #[test]

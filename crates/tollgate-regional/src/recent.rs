@@ -145,4 +145,27 @@ mod tests {
         assert!(recent.get("r1", a, t0 + WINDOW).unwrap().is_none());
         assert!(recent.records.is_empty() && recent.order.is_empty());
     }
+
+    /// Records live side by side up to the bound; past it, the oldest make room.
+    #[test]
+    fn records_are_bounded_oldest_first() {
+        let mut recent = Recent::default();
+        let t0 = Timestamp::ZERO;
+        let a = content([("k", 1)]);
+        for i in 0..=MAX_RECORDS {
+            recent.insert(&format!("r{i}"), a, vec![decision()], t0);
+            if i == 1 {
+                assert!(recent.get("r0", a, t0).unwrap().is_some());
+            }
+        }
+        assert_eq!(recent.records.len(), MAX_RECORDS);
+        assert!(recent.get("r0", a, t0).unwrap().is_none());
+        assert!(recent.get("r1", a, t0).unwrap().is_some());
+        assert!(
+            recent
+                .get(&format!("r{MAX_RECORDS}"), a, t0)
+                .unwrap()
+                .is_some()
+        );
+    }
 }

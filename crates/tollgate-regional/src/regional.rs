@@ -1017,3 +1017,36 @@ impl<S: Store, G: Store, B: Board, C: Clock> Store for Over<'_, S, G, B, C> {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A reservoir keeps its newest charges, as many as it may, to give tokens back under.
+    #[test]
+    fn a_reservoir_keeps_its_newest_charges() {
+        let limit = Limit::new(100, "10/s".parse().unwrap()).unwrap();
+        let mut reservoir = Reservoir {
+            limit,
+            tokens: 0,
+            spent: 0,
+            refused: 0,
+            last_used: Timestamp::ZERO,
+            last_round: Timestamp::ZERO,
+            charges: VecDeque::new(),
+            empty_until: Timestamp::ZERO,
+            unavailable: None,
+            level: 0,
+            ran_short: false,
+        };
+        for n in 0..=KEPT_CHARGES {
+            let id = format!("c{n}").into();
+            reservoir.add(2, Some(Charge { id, limit, cost: 2 }));
+        }
+        reservoir.add(1, None);
+        assert_eq!(reservoir.tokens, 2 * KEPT_CHARGES as u64 + 3);
+        let ids: Vec<&str> = reservoir.charges.iter().map(|c| &*c.id).collect();
+        let newest: Vec<String> = (1..=KEPT_CHARGES).map(|n| format!("c{n}")).collect();
+        assert_eq!(ids, newest);
+    }
+}

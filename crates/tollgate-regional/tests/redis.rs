@@ -277,6 +277,30 @@ async fn balance(store: &RedisStore, key: &str, limit: &Limit) -> u64 {
     decision.remaining() + u64::from(decision.allowed())
 }
 
+/// The board on Redis shows each process the others' wants, never its own, until they leave.
+#[tokio::test]
+async fn the_redis_board_shows_each_process_the_others_wants() {
+    let server = RedisServer::start();
+    let board = connect(&server.url(), LOADED).await;
+    let post = |who: &'static str, tokens: u64| {
+        let board = Arc::clone(&board);
+        async move {
+            tollgate_regional::Board::post(&*board, "g:acme", who, tokens, Duration::from_secs(10))
+                .await
+                .expect("post")
+        }
+    };
+    assert_eq!(post("a", 5).await, Vec::<u64>::new());
+    assert_eq!(post("b", 7).await, [5]);
+    assert_eq!(post("a", 6).await, [7]);
+    let mut seen = post("c", 1).await;
+    seen.sort_unstable();
+    assert_eq!(seen, [6, 7]);
+    // Leaving: the others' wants, without its own.
+    assert_eq!(post("a", 0).await, [7, 1]);
+    assert_eq!(post("b", 0).await, [1]);
+}
+
 /// Every token a reservoir holds goes back at the end, whichever of its charges bought it:
 /// failed about one run in four while a reservoir remembered only its last charge (two
 /// requests' fetches in flight at once, or a top-up before the last charge's tokens were spent,
