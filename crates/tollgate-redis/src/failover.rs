@@ -416,10 +416,86 @@ mod tests {
                 }
             );
         }
+        assert_eq!(
+            failover.stats(),
+            FailoverStats {
+                emergency: 3,
+                unavailable: 3
+            }
+        );
         // Nothing was charged: the single emergency token is still there.
         let alone = [takes[0]];
         assert!(block_on_ready(failover.check(&alone, None, None)).unwrap()[0].allowed());
         assert!(!block_on_ready(failover.check(&alone, None, None)).unwrap()[0].allowed());
+    }
+
+    /// Where the test's log lines go.
+    #[derive(Clone, Default)]
+    struct Lines(std::sync::Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Lines {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// An outage logs a line a second at most, and the next line counts the degraded
+    /// decisions the quiet second held back.
+    #[test]
+    fn degraded_decisions_are_logged_once_a_second_with_a_count_of_the_rest() {
+        let clock = ManualClock::new();
+        let failover = Failover::with_clock(Down, clock.clone());
+        let l = limit(10, "1/s");
+        let takes = [
+            Guarded {
+                take: Take::new("open", &l, 1),
+                on_failure: FailureMode::Open {
+                    emergency: limit(100, "100/s"),
+                },
+            },
+            Guarded {
+                take: Take::new("closed", &l, 1),
+                on_failure: FailureMode::Closed,
+            },
+        ];
+        let lines = Lines::default();
+        let writer = lines.clone();
+        let dispatch = tracing::Dispatch::new(
+            tracing_subscriber::fmt()
+                .with_writer(move || writer.clone())
+                .with_ansi(false)
+                .without_time()
+                .finish(),
+        );
+        let logged = |calls: usize| {
+            tracing::dispatcher::with_default(&dispatch, || {
+                for _ in 0..calls {
+                    block_on_ready(failover.check(&takes, None, None)).unwrap();
+                }
+            });
+            let text = String::from_utf8(std::mem::take(&mut *lines.0.lock().unwrap())).unwrap();
+            text.lines().map(str::to_owned).collect::<Vec<_>>()
+        };
+        let first = logged(1);
+        assert_eq!(first.len(), 1, "{first:?}");
+        assert!(
+            first[0].contains("emergency=1 unavailable=1 not_logged_since_last=0"),
+            "{first:?}"
+        );
+        clock.advance(Duration::from_millis(999));
+        assert_eq!(logged(3), Vec::<String>::new());
+        clock.advance(Duration::from_millis(1));
+        let next = logged(2);
+        assert_eq!(next.len(), 1, "{next:?}");
+        assert!(
+            next[0].contains("emergency=1 unavailable=1 not_logged_since_last=6"),
+            "{next:?}"
+        );
     }
 
     #[test]
