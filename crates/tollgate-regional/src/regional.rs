@@ -1020,7 +1020,167 @@ impl<S: Store, G: Store, B: Board, C: Clock> Store for Over<'_, S, G, B, C> {
 
 #[cfg(test)]
 mod tests {
+    use tollgate::{LocalStore, ManualClock, block_on_ready};
+
     use super::*;
+    use crate::MemoryBoard;
+
+    type Local = Regional<Flaky, MemoryBoard<ManualClock>, ManualClock>;
+
+    /// An in-memory global store that can be cut off.
+    struct Flaky {
+        store: LocalStore<ManualClock>,
+        down: std::sync::atomic::AtomicBool,
+    }
+
+    impl Flaky {
+        fn reach(&self) -> Result<(), Error> {
+            if self.down.load(Ordering::Relaxed) {
+                return Err(Error::StoreUnavailable {
+                    reason: Unavailable::Connection,
+                });
+            }
+            Ok(())
+        }
+    }
+
+    impl Store for Flaky {
+        async fn check(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
+            self.reach()?;
+            self.store.check(request).await
+        }
+
+        async fn peek(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
+            self.reach()?;
+            self.store.peek(request).await
+        }
+
+        async fn settle(
+            &self,
+            request: CheckRequest<'_>,
+            refunds: &[u64],
+        ) -> Result<Settlement, Error> {
+            self.reach()?;
+            self.store.settle(request, refunds).await
+        }
+    }
+
+    /// One process, alone on an in-memory global store.
+    fn alone() -> Local {
+        let clock = ManualClock::new();
+        clock.advance(Duration::from_secs(10));
+        let global = Flaky {
+            store: LocalStore::new(clock.clone()),
+            down: false.into(),
+        };
+        let board = MemoryBoard::new(clock.clone());
+        Regional::new(global, board, clock, "eu", Options::default())
+    }
+
+    /// 10,000 tokens, a token a millisecond.
+    fn limit() -> Limit {
+        Limit::new(10_000, "1000/s".parse().unwrap()).unwrap()
+    }
+
+    /// Puts in a reservoir of `key` holding `tokens`, bought by charges of `costs` (oldest
+    /// first) made on the global store, sized to `level` by a round that found it short, so
+    /// the next round keeps that level.
+    fn holding(shares: &Local, key: &str, costs: &[u64], tokens: u64, level: u64) {
+        let limit = limit();
+        let now = shares.clock.now();
+        let mut charges = VecDeque::new();
+        for &cost in costs {
+            let id = shares.next_id();
+            let takes = [Take::new(key, &limit, cost)];
+            let request = CheckRequest {
+                takes: &takes,
+                request_id: Some(&id),
+                now: None,
+            };
+            assert!(block_on_ready(shares.global.check(request)).unwrap()[0].allowed());
+            charges.push_back(Charge { id, limit, cost });
+        }
+        let reservoir = Reservoir {
+            limit,
+            tokens,
+            spent: 0,
+            refused: 0,
+            last_used: now,
+            last_round: now,
+            charges,
+            empty_until: now,
+            unavailable: None,
+            level,
+            ran_short: true,
+        };
+        shares.books.lock().reservoirs.insert(key.into(), reservoir);
+    }
+
+    fn round(shares: &Local, key: &str) -> (u64, Step) {
+        shares.clock.advance(Duration::from_secs(1));
+        let step = block_on_ready(shares.rebalance_key(key, shares.clock.now()));
+        (shares.books.lock().reservoirs[key].tokens, step)
+    }
+
+    #[test]
+    fn a_round_tops_up_to_the_level_and_no_further() {
+        let shares = alone();
+        holding(&shares, "short", &[10], 10, 100);
+        let (held, step) = round(&shares, "short");
+        assert_eq!((held, step.fetched, step.failed), (100, 90, 0));
+        // At the level already: nothing to fetch, and no empty fetch tried.
+        holding(&shares, "full", &[100], 100, 100);
+        let (held, step) = round(&shares, "full");
+        assert_eq!((held, step.fetched, step.failed), (100, 0, 0));
+    }
+
+    /// Above the level by a quarter and a token at most, a reservoir keeps what it holds;
+    /// past that, it gives back whole charges, newest first, while they fit in the excess.
+    #[test]
+    fn a_round_trims_whole_charges_past_a_quarter_over_the_level() {
+        let shares = alone();
+        holding(&shares, "within", &[100, 26], 126, 100);
+        let (held, step) = round(&shares, "within");
+        assert_eq!((held, step.given_back), (126, 0));
+        holding(&shares, "past", &[100, 27], 127, 100);
+        let (held, step) = round(&shares, "past");
+        assert_eq!((held, step.given_back), (100, 27));
+        // A trim the global store cannot take keeps the tokens and the charges, for later.
+        holding(&shares, "cut", &[100, 27], 127, 100);
+        shares.global.down.store(true, Ordering::Relaxed);
+        let (held, step) = round(&shares, "cut");
+        assert_eq!((held, step.given_back, step.failed), (127, 0, 1));
+        assert_eq!(shares.books.lock().reservoirs["cut"].charges.len(), 2);
+    }
+
+    /// A top-up that finds the global bucket empty waits, before asking again, until the
+    /// token the reservoir lacks is there.
+    #[test]
+    fn a_top_up_that_finds_the_global_bucket_empty_waits_for_a_token() {
+        let shares = alone();
+        holding(&shares, "k", &[10], 10, 100);
+        let limit = limit();
+        let rest = [Take::new("k", &limit, 10_000 - 10)];
+        let request = CheckRequest {
+            takes: &rest,
+            request_id: None,
+            now: None,
+        };
+        assert!(block_on_ready(shares.global.check(request)).unwrap()[0].allowed());
+        // A second passes in `round`: 1,000 tokens refilled, taken back at once.
+        let refill = [Take::new("k", &limit, 1_000)];
+        let request = CheckRequest {
+            takes: &refill,
+            request_id: None,
+            now: Some(shares.clock.now() + Duration::from_secs(1)),
+        };
+        assert!(block_on_ready(shares.global.check(request)).unwrap()[0].allowed());
+        let (held, step) = round(&shares, "k");
+        assert_eq!((held, step.fetched), (10, 0));
+        let now = shares.clock.now();
+        let empty_until = shares.books.lock().reservoirs["k"].empty_until;
+        assert_eq!(empty_until, now + Duration::from_millis(1));
+    }
 
     /// A reservoir keeps its newest charges, as many as it may, to give tokens back under.
     #[test]

@@ -172,6 +172,21 @@ fn a_first_request_fetches_a_few_tokens_and_the_next_are_spent_here() {
     ));
 }
 
+/// What a reservoir holds changes at the next round: that is an admission's reset.
+#[test]
+fn an_admission_resets_at_the_next_round() {
+    let w = World::new();
+    let shares = w.process("eu", Options::default());
+    let limit = Limit::new(100, "10/s".parse().unwrap()).unwrap();
+    let takes = [Take::new("g:acme", &limit, 1)];
+    let first = w.check(&shares, &takes, None).unwrap()[0];
+    assert!(first.allowed());
+    assert_eq!(first.reset_after(), SECOND);
+    w.clock.advance(Duration::from_millis(300));
+    let next = w.check(&shares, &takes, None).unwrap()[0];
+    assert_eq!(next.reset_after(), Duration::from_millis(700));
+}
+
 #[test]
 fn a_burst_gets_the_whole_capacity_then_the_global_buckets_wait() {
     let w = World::new();
