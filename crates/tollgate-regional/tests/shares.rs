@@ -172,6 +172,51 @@ fn a_first_request_fetches_a_few_tokens_and_the_next_are_spent_here() {
     ));
 }
 
+/// A request that finds its reservoir short fetches only what it lacks (and what the round
+/// would add): when the global bucket holds just that, the request passes.
+#[test]
+fn a_short_reservoir_fetches_what_it_lacks() {
+    let w = World::new();
+    let shares = w.process("eu", Options::default());
+    let limit = Limit::new(100, "10/s".parse().unwrap()).unwrap();
+    let one = [Take::new("g:acme", &limit, 1)];
+    assert!(w.check(&shares, &one, None).unwrap()[0].allowed());
+    assert_eq!(shares.held().1, 3);
+    // Someone else takes all but two tokens: the reservoir's 3 and those 2 make 5.
+    let others = [Take::new("g:acme", &limit, 94)];
+    let request = CheckRequest {
+        takes: &others,
+        request_id: None,
+        now: None,
+    };
+    assert!(block_on_ready(w.global.check(request)).unwrap()[0].allowed());
+    let five = [Take::new("g:acme", &limit, 5)];
+    assert!(w.check(&shares, &five, None).unwrap()[0].allowed());
+    assert_eq!((shares.held().1, w.balance("g:acme", &limit)), (0, 0));
+    // A cost of the whole capacity is a cost like any other.
+    let all = [Take::new("g:all", &limit, 100)];
+    assert!(w.check(&shares, &all, None).unwrap()[0].allowed());
+}
+
+/// Beyond the bound on reservoirs, a request the global bucket cannot cover is refused, with
+/// the wait for its tokens, and charges nothing.
+#[test]
+fn beyond_the_bound_a_request_the_global_bucket_cannot_cover_is_refused() {
+    let w = World::new();
+    let options = Options {
+        max_keys: 0,
+        ..Options::default()
+    };
+    let shares = w.process("eu", options);
+    let limit = Limit::new(3, "1/m".parse().unwrap()).unwrap();
+    let takes = [Take::new("g:acme", &limit, 2)];
+    assert!(w.check(&shares, &takes, None).unwrap()[0].allowed());
+    let refused = w.check(&shares, &takes, None).unwrap()[0];
+    assert!(!refused.allowed());
+    assert_eq!(refused.retry_after(), Some(60 * SECOND));
+    assert_eq!((shares.held(), w.balance("g:acme", &limit)), ((0, 0), 1));
+}
+
 /// What a reservoir holds changes at the next round: that is an admission's reset.
 #[test]
 fn an_admission_resets_at_the_next_round() {
