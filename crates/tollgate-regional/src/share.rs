@@ -70,6 +70,8 @@ mod tests {
         assert_eq!(fair_share(100, 80, [80]), 50);
         assert_eq!(fair_share(100, 80, [10, 80]), 45);
         assert_eq!(fair_share(100, 30, []), 30);
+        // A want of exactly an equal share is met, and what rounding left goes on to the next.
+        assert_eq!(fair_share(101, 80, [50]), 51);
         assert_eq!(
             fair_share(2, 5, [5, 5, 5]),
             1,

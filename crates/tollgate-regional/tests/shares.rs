@@ -217,6 +217,140 @@ fn beyond_the_bound_a_request_the_global_bucket_cannot_cover_is_refused() {
     assert_eq!((shares.held(), w.balance("g:acme", &limit)), ((0, 0), 1));
 }
 
+/// Global takes for the reservoirs, regional ones on the regional store.
+fn global_scope(key: &str) -> bool {
+    key.starts_with("g:")
+}
+
+/// A request a regional limit refuses takes nothing from the reservoirs, and what a request
+/// beyond the bound on reservoirs fetched goes back to the global bucket; the global take's
+/// decision shows the reservoir as it is, untouched.
+#[test]
+fn a_regional_refusal_puts_the_global_tokens_back() {
+    for max_keys in [100, 0] {
+        let w = World::new();
+        let options = Options {
+            max_keys,
+            ..Options::default()
+        };
+        let shares = w.process("eu", options);
+        let over = shares.over(&w.regional, &global_scope);
+        let global = Limit::new(100, "1/d".parse().unwrap()).unwrap();
+        let regional = Limit::new(1, "1/d".parse().unwrap()).unwrap();
+        let takes = [
+            Take::new("g:acme", &global, 2),
+            Take::new("r:alice", &regional, 1),
+        ];
+        let check = || {
+            let request = CheckRequest {
+                takes: &takes,
+                request_id: None,
+                now: None,
+            };
+            block_on_ready(over.check(request)).unwrap()
+        };
+        // Only the first request's 2 tokens are spent: the rest of what was fetched is held,
+        // or was given back.
+        let spent_only_the_first = || {
+            let (fetched, given_back) = shares.totals();
+            let held = shares.held().1;
+            assert_eq!(fetched - given_back, 2 + held, "{max_keys}");
+            assert_eq!(w.balance("g:acme", &global), 100 - 2 - held, "{max_keys}");
+            held
+        };
+        assert!(check().iter().all(Decision::allowed));
+        let refused = check();
+        assert!(refused[0].allowed() && !refused[1].allowed(), "{max_keys}");
+        let held = spent_only_the_first();
+        if max_keys > 0 {
+            // Not charged: the reservoir still holds the 2 it would have taken.
+            assert_eq!(refused[0].remaining(), held);
+        }
+        // A regional take the regional store refuses outright (a cost above its capacity)
+        // takes nothing either.
+        let invalid = [
+            Take::new("g:acme", &global, 2),
+            Take::new("r:bob", &regional, 2),
+        ];
+        let request = CheckRequest {
+            takes: &invalid,
+            request_id: None,
+            now: None,
+        };
+        assert!(matches!(
+            block_on_ready(over.check(request)),
+            Err(Error::InvalidCost { .. })
+        ));
+        spent_only_the_first();
+    }
+}
+
+/// A look at global takes reads the reservoir, or the global bucket for a key this process
+/// holds none of; regional ones read the regional store; nothing is charged.
+#[test]
+fn a_peek_reads_reservoirs_the_global_bucket_and_the_regional_store() {
+    let w = World::new();
+    let shares = w.process("eu", Options::default());
+    let over = shares.over(&w.regional, &global_scope);
+    let global = Limit::new(100, "1/d".parse().unwrap()).unwrap();
+    let regional = Limit::new(5, "1/d".parse().unwrap()).unwrap();
+    let one = [Take::new("g:held", &global, 1)];
+    assert!(w.check(&shares, &one, None).unwrap()[0].allowed());
+    let held = shares.held().1;
+    let peek = |takes: &[Take<'_>]| {
+        let request = CheckRequest {
+            takes,
+            request_id: None,
+            now: None,
+        };
+        block_on_ready(over.peek(request)).unwrap()
+    };
+    let takes = [
+        Take::new("g:held", &global, held),
+        Take::new("g:new", &global, 40),
+        Take::new("r:alice", &regional, 2),
+    ];
+    let seen = peek(&takes);
+    assert_eq!(seen.len(), 3);
+    assert!(seen.iter().all(Decision::allowed), "{seen:?}");
+    assert_eq!(
+        seen.iter().map(Decision::remaining).collect::<Vec<_>>(),
+        [held, 60, 3]
+    );
+    let too_much = peek(&[Take::new("g:held", &global, held + 1)]);
+    assert!(!too_much[0].allowed());
+    assert_eq!(shares.held().1, held);
+    assert_eq!(w.balance("g:new", &global), 100);
+}
+
+/// A reset reaches regional buckets only: a global bucket's tokens sit in every region's
+/// reservoir, which no reset here could take back.
+#[test]
+fn a_reset_of_a_global_bucket_is_refused() {
+    let w = World::new();
+    let shares = w.process("eu", Options::default());
+    let over = shares.over(&w.regional, &global_scope);
+    let regional = Limit::new(1, "1/d".parse().unwrap()).unwrap();
+    let alice = [Take::new("r:alice", &regional, 1)];
+    let check = || {
+        let request = CheckRequest {
+            takes: &alice,
+            request_id: None,
+            now: None,
+        };
+        block_on_ready(over.check(request)).unwrap()[0].allowed()
+    };
+    assert!(check());
+    assert!(!check());
+    assert!(matches!(
+        block_on_ready(over.reset(&["g:acme", "r:alice"])),
+        Err(Error::Unsupported { .. })
+    ));
+    assert!(!check());
+    block_on_ready(over.reset(&["r:alice"])).unwrap();
+    assert!(check());
+}
+
 /// What a reservoir holds changes at the next round: that is an admission's reset.
 #[test]
 fn an_admission_resets_at_the_next_round() {
@@ -369,6 +503,12 @@ fn a_retry_is_free_and_a_settlement_gives_back_once() {
     assert_eq!(shares.held().1, held + 7);
     let again = block_on_ready(over.settle(request, &[7])).unwrap();
     assert_eq!(again.status, SettleStatus::Repeated);
+    assert_eq!(shares.held().1, held + 7);
+    // Settled once: other refunds under the same id are a conflict, and give nothing.
+    assert!(matches!(
+        block_on_ready(over.settle(request, &[3])),
+        Err(Error::IdempotencyConflict)
+    ));
     assert_eq!(shares.held().1, held + 7);
     let unknown = CheckRequest {
         request_id: Some("r2"),
