@@ -632,6 +632,14 @@ fn a_board_out_of_reach_fails_the_round_and_keeps_what_is_held() {
     let round = block_on_ready(shares.rebalance());
     assert_eq!((round.fetched, round.given_back, round.failed), (0, 0, 1));
     assert_eq!(shares.held(), (1, held));
+    // The board and the global store are one Redis in production: a request the reservoir
+    // cannot cover follows its failure mode rather than wait on a store just found down.
+    let all = [Take::new("g:acme", &limit, held + 1)];
+    assert!(matches!(
+        w.check(&shares, &all, None),
+        Err(Error::StoreUnavailable { .. })
+    ));
+    assert_eq!(shares.held(), (1, held));
     w.clock.advance(5 * SECOND);
     let round = block_on_ready(shares.rebalance());
     assert_eq!(
