@@ -77,6 +77,12 @@ impl<B: Board> Board for Switch<B> {
     }
 }
 
+/// 1,000 tokens and no refill to speak of over a test, so every token back is a token given
+/// back.
+fn slow() -> Limit {
+    Limit::new(1_000, "1/d".parse().unwrap()).unwrap()
+}
+
 fn everything_global(key: &str) -> bool {
     key.starts_with("g:")
 }
@@ -132,6 +138,22 @@ impl World {
                 .over(&self.regional, &everything_global)
                 .check(request),
         )
+    }
+
+    /// A process that forgets a reservoir after `abandon_after` quiet, once one request on
+    /// `g:acme` ([`slow`]) gave it a reservoir: the process, and what the reservoir holds.
+    fn holding_one(&self, abandon_after: Duration) -> (Process<'_>, u64) {
+        let options = Options {
+            abandon_after,
+            ..Options::default()
+        };
+        let shares = self.process("eu", options);
+        let limit = slow();
+        let takes = [Take::new("g:acme", &limit, 1)];
+        assert!(self.check(&shares, &takes, None).unwrap()[0].allowed());
+        let held = shares.held().1;
+        assert!(held > 0);
+        (shares, held)
     }
 
     /// The global bucket's balance, read without charging.
@@ -551,18 +573,9 @@ fn a_reservoir_whose_demand_falls_gives_its_excess_back() {
 #[test]
 fn a_quiet_reservoir_is_given_back_and_forgotten() {
     let w = World::new();
-    let options = Options {
-        abandon_after: 5 * SECOND,
-        ..Options::default()
-    };
-    let shares = w.process("eu", options);
+    let (shares, held) = w.holding_one(5 * SECOND);
     assert_eq!(shares.options().abandon_after, 5 * SECOND);
-    // No refill to speak of over the test, so every token back is a token given back.
-    let limit = Limit::new(1_000, "1/d".parse().unwrap()).unwrap();
-    let takes = [Take::new("g:acme", &limit, 1)];
-    assert!(w.check(&shares, &takes, None).unwrap()[0].allowed());
-    let held = shares.held().1;
-    assert!(held > 0);
+    let limit = slow();
     assert_eq!(w.balance("g:acme", &limit), 1_000 - 1 - held);
     w.clock.advance(5 * SECOND);
     let round = block_on_ready(shares.rebalance());
@@ -576,15 +589,8 @@ fn a_quiet_reservoir_is_given_back_and_forgotten() {
 #[test]
 fn a_reservoir_quiet_past_the_store_s_memory_gives_nothing_back() {
     let w = World::new();
-    let options = Options {
-        abandon_after: 120 * SECOND,
-        ..Options::default()
-    };
-    let shares = w.process("eu", options);
-    let limit = Limit::new(1_000, "1/d".parse().unwrap()).unwrap();
-    let takes = [Take::new("g:acme", &limit, 1)];
-    assert!(w.check(&shares, &takes, None).unwrap()[0].allowed());
-    let held = shares.held().1;
+    let (shares, held) = w.holding_one(120 * SECOND);
+    let limit = slow();
     w.clock.advance(120 * SECOND);
     let round = block_on_ready(shares.rebalance());
     assert_eq!((round.abandoned, round.given_back, round.failed), (1, 0, 0));
@@ -597,14 +603,7 @@ fn a_reservoir_quiet_past_the_store_s_memory_gives_nothing_back() {
 #[test]
 fn a_give_back_the_global_store_cannot_take_is_a_failure() {
     let w = World::new();
-    let options = Options {
-        abandon_after: 5 * SECOND,
-        ..Options::default()
-    };
-    let shares = w.process("eu", options);
-    let limit = Limit::new(1_000, "1/d".parse().unwrap()).unwrap();
-    let takes = [Take::new("g:acme", &limit, 1)];
-    assert!(w.check(&shares, &takes, None).unwrap()[0].allowed());
+    let (shares, _) = w.holding_one(5 * SECOND);
     w.global.cut(true);
     w.clock.advance(5 * SECOND);
     let round = block_on_ready(shares.rebalance());
@@ -618,15 +617,8 @@ fn a_give_back_the_global_store_cannot_take_is_a_failure() {
 #[test]
 fn a_board_out_of_reach_fails_the_round_and_keeps_what_is_held() {
     let w = World::new();
-    let options = Options {
-        abandon_after: 5 * SECOND,
-        ..Options::default()
-    };
-    let shares = w.process("eu", options);
-    let limit = Limit::new(1_000, "1/d".parse().unwrap()).unwrap();
-    let takes = [Take::new("g:acme", &limit, 1)];
-    assert!(w.check(&shares, &takes, None).unwrap()[0].allowed());
-    let held = shares.held().1;
+    let (shares, held) = w.holding_one(5 * SECOND);
+    let limit = slow();
     w.board.cut(true);
     w.clock.advance(SECOND);
     let round = block_on_ready(shares.rebalance());
