@@ -520,7 +520,7 @@ async fn warm_up(store: &RedisStore, limit: &Limit) {
         take_one_unit(store, "warm-up", limit, None).await.is_ok()
     })
     .await
-    .expect("a first decision through the proxy");
+    .expect("a first decision within 5 s");
 }
 
 /// Tries `attempt` every 50 ms until it succeeds, for at most `within`.
@@ -1063,7 +1063,9 @@ async fn a_cancelled_probe_does_not_wedge_the_breaker() {
         .await
         .unwrap();
     let l = limit(1_000, "1/s");
-    assert!(take_one_unit(&store, "k", &l, None).await.is_ok());
+    // The first call also loads the script: on a loaded host it can pass the 20 ms timeout
+    // (and open this breaker, which closes again once a call goes through).
+    warm_up(&store, &l).await;
 
     server.pause();
     // Times out: the breaker opens.

@@ -7,7 +7,9 @@ mod support;
 
 use std::time::Duration;
 
-use support::{CLUSTER_COMMANDS, Inspector, RedisCluster, RedisServer, as_tollgate_user, command};
+use support::{
+    CLUSTER_COMMANDS, Inspector, RedisCluster, RedisServer, as_tollgate_user, command, info_field,
+};
 use tollgate::{Error, Unavailable};
 use tollgate_redis::{MAX_WANT_TOKENS, MAX_WANT_TTL, RedisConfig, RedisStore, Want};
 
@@ -281,6 +283,29 @@ async fn a_flushed_script_is_sent_again() {
     assert_eq!(
         post(&store, "{flush}", "b", 2, LONG).await,
         [want("a", 1), want("b", 2)]
+    );
+}
+
+/// Only a script Redis does not have is sent again as source: another error (here, Redis out
+/// of memory) is answered as it is, not retried with the source.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_a_missing_script_is_sent_again() {
+    let server = RedisServer::start();
+    let store = connect(&server.url()).await;
+    post(&store, "{loaded}", "a", 1, LONG).await;
+    let full = command(server.port, &["CONFIG", "SET", "maxmemory", "1"]);
+    assert_eq!(full.as_deref(), Some("+OK\r\n"));
+    let refused = store.post_want("{loaded}", "b", 1, LONG).await;
+    assert!(
+        matches!(refused, Err(Error::StoreUnavailable { .. })),
+        "{refused:?}"
+    );
+    let stats = command(server.port, &["INFO", "commandstats"]).unwrap_or_default();
+    assert_eq!(info_field(&stats, "cmdstat_eval:", "calls"), 1.0, "{stats}");
+    assert_eq!(
+        info_field(&stats, "cmdstat_eval:", "rejected_calls"),
+        0.0,
+        "{stats}"
     );
 }
 
