@@ -1,6 +1,8 @@
 //! An axum app behind the layer, in memory: the answers, the headers, the shared budget,
 //! extractor failures and policies. Time is a `ManualClock`; nothing sleeps.
 
+mod support;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,6 +14,7 @@ use axum::response::Response;
 use axum::routing::get;
 use http::header::HeaderName;
 use http::{Request, StatusCode};
+use support::Down;
 use tollgate::{Limit, ManualClock};
 use tollgate_policy::{EngineOptions, PolicyEngine, compile};
 use tollgate_tower::{Error, Header, HeaderStyle, MissingKey, PeerIp, RequestHead, TollgateLayer};
@@ -552,27 +555,6 @@ async fn a_configuration_failure_is_a_500() {
         .unwrap();
     let failed = send(&app, grpc).await;
     assert_eq!(header(&failed, "grpc-status"), "13");
-}
-
-/// An inner service that is never ready, and says why.
-#[derive(Debug, Clone)]
-struct Down;
-
-impl tower::Service<Request<Body>> for Down {
-    type Response = Response;
-    type Error = &'static str;
-    type Future = std::future::Ready<Result<Response, &'static str>>;
-
-    fn poll_ready(
-        &mut self,
-        _: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Result<(), Self::Error>> {
-        std::task::Poll::Ready(Err("the service is down"))
-    }
-
-    fn call(&mut self, _: Request<Body>) -> Self::Future {
-        std::future::ready(Ok(Response::new(Body::empty())))
-    }
 }
 
 /// The layer's readiness is the inner service's: it holds no queue of its own.

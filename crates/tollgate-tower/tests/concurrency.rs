@@ -2,6 +2,8 @@
 //! key, the 429 and its `Retry-After`, release on completion, error and drop, missing keys and
 //! gRPC answers. Time is a `ManualClock`; nothing sleeps.
 
+mod support;
+
 use std::convert::Infallible;
 use std::io;
 use std::sync::Arc;
@@ -11,6 +13,7 @@ use std::time::Duration;
 use axum::body::{Body, to_bytes};
 use http::header::HeaderName;
 use http::{Request, Response, StatusCode};
+use support::Down;
 use tokio::sync::Notify;
 use tollgate::{LeaseLimit, ManualClock};
 use tollgate_tower::{Concurrency, ConcurrencyLayer, Header, MissingKey, ResponseBody};
@@ -291,27 +294,6 @@ async fn an_infallible_service_stays_infallible() {
     ));
     let response: Result<_, Infallible> = service.oneshot(request("k1")).await;
     assert!(matches!(response, Ok(r) if r.status() == StatusCode::OK));
-}
-
-/// An inner service that is never ready, and says why.
-#[derive(Debug, Clone)]
-struct Down;
-
-impl Service<Request<Body>> for Down {
-    type Response = Response<Body>;
-    type Error = &'static str;
-    type Future = std::future::Ready<Result<Response<Body>, &'static str>>;
-
-    fn poll_ready(
-        &mut self,
-        _: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Result<(), Self::Error>> {
-        std::task::Poll::Ready(Err("the service is down"))
-    }
-
-    fn call(&mut self, _: Request<Body>) -> Self::Future {
-        std::future::ready(Ok(Response::new(Body::empty())))
-    }
 }
 
 /// A full key is answered, never waited for: the layer's readiness is the inner service's.
