@@ -188,6 +188,34 @@ mod tests {
     }
 
     #[test]
+    fn a_wait_of_exactly_the_shortest_is_remembered() {
+        let memory = Rejections::new(100).unwrap();
+        let limit = Limit::new(1_000, "1000/s".parse().unwrap()).unwrap();
+        let decision = rejection(&limit, 1);
+        assert_eq!(decision.retry_after(), Some(SHORTEST));
+        memory.remember("k", &decision, at(0));
+        assert!(memory.answer("k", &limit, 1, at(0)).is_some());
+    }
+
+    #[test]
+    fn keys_stay_until_their_shard_fills_even_when_remembered_again() {
+        // 100 keys over 16 shards: many share one, none fills its 10_000 / 16.
+        let memory = Rejections::new(10_000).unwrap();
+        let limit = Limit::new(1, "1/h".parse().unwrap()).unwrap();
+        let keys: Vec<String> = (0..100).map(|key| format!("k{key}")).collect();
+        for _ in 0..2 {
+            for key in &keys {
+                memory.remember(key, &rejection(&limit, 1), at(0));
+            }
+        }
+        let held = keys
+            .iter()
+            .filter(|key| memory.answer(key, &limit, 1, at(1)).is_some())
+            .count();
+        assert_eq!(held, 100);
+    }
+
+    #[test]
     fn memory_stays_bounded() {
         let memory = Rejections::new(32).unwrap();
         let limit = Limit::new(1, "1/h".parse().unwrap()).unwrap();
