@@ -646,6 +646,43 @@ mod tests {
     }
 
     #[test]
+    fn only_the_span_just_before_counts_towards_heat() {
+        let books = TokenBatches::new(10, Duration::from_secs(1)).unwrap();
+        let l = limit(1_000);
+        // Hot in the span from 0 and from 1 ms (the refusals quiet them for a span), then one
+        // check each: 199 ms after the span began is still the next span, 200 ms is not.
+        for (key, start) in [("near", 0), ("far", 1)] {
+            let Plan::Fetch { turn, .. } = heat(&books, key, &l, at(start)) else {
+                panic!("a hot key fetches");
+            };
+            turn.refused(at(start));
+        }
+        assert!(matches!(
+            books.plan("near", &l, 1, at(199)),
+            Plan::Fetch { .. }
+        ));
+        assert!(matches!(books.plan("far", &l, 1, at(201)), Plan::Plain));
+    }
+
+    #[test]
+    fn idle_keys_make_room_and_are_swept() {
+        let books = TokenBatches::new(10, Duration::from_secs(1)).unwrap();
+        let l = limit(1_000);
+        let followed = |books: &TokenBatches| -> usize {
+            books.shards.iter().map(|s| s.lock().unwrap().len()).sum()
+        };
+        for key in 0..100_000 {
+            books.plan(&format!("k{key}"), &l, 1, at(0));
+        }
+        // Every shard filled with idle keys and was emptied of them: a new key is followed.
+        assert!(matches!(heat(&books, "new", &l, at(0)), Plan::Fetch { .. }));
+        assert!(followed(&books) > 0);
+        // The new key's fetch was dropped unanswered: in doubt, given back at the sweep.
+        assert_eq!(books.retire(at(1_000), false).len(), 1);
+        assert_eq!(followed(&books), 0, "quiet for two spans, idle");
+    }
+
+    #[test]
     fn the_books_stay_bounded() {
         let books = TokenBatches::new(10, Duration::from_secs(1)).unwrap();
         let l = limit(1_000);
