@@ -532,6 +532,8 @@ mod tests {
         assert_eq!(asked("a", &limit(800), 1), Some(100));
         // An eighth of 15 is one token: not worth a batch.
         assert_eq!(asked("b", &limit(15), 1), None);
+        // An eighth of 16 is two: the smallest batch worth holding.
+        assert_eq!(asked("d", &limit(16), 1), Some(MIN_EXTRA));
         // The batch and the cost together stay within the capacity.
         assert_eq!(asked("c", &limit(64), 60), Some(4));
     }
@@ -680,6 +682,37 @@ mod tests {
         // The new key's fetch was dropped unanswered: in doubt, given back at the sweep.
         assert_eq!(books.retire(at(1_000), false).len(), 1);
         assert_eq!(followed(&books), 0, "quiet for two spans, idle");
+    }
+
+    #[test]
+    fn a_full_shard_forgets_keys_quiet_for_two_spans_first_then_every_idle_one() {
+        let shard_of = |entries: &[(u64, bool)]| -> HashMap<String, Entry> {
+            let mut shard = HashMap::new();
+            for (i, &(span, busy)) in entries.iter().cycle().take(KEYS_PER_SHARD).enumerate() {
+                let mut entry = Entry::new(at(span));
+                entry.busy = busy;
+                shard.insert(format!("k{i}"), entry);
+            }
+            shard
+        };
+        // Half began a span exactly two spans before, half half a span before.
+        let mut shard = shard_of(&[(100, false), (250, false)]);
+        assert!(TokenBatches::admit(&mut shard, "new", at(300)).is_some());
+        assert_eq!(shard.len(), KEYS_PER_SHARD / 2 + 1);
+        assert!(
+            shard
+                .keys()
+                .all(|key| key == "new" || shard[key].span == at(250))
+        );
+        // None quiet that long: every idle key goes, the busy ones stay.
+        let mut shard = shard_of(&[(250, false), (250, true)]);
+        assert!(TokenBatches::admit(&mut shard, "new", at(300)).is_some());
+        assert_eq!(shard.len(), KEYS_PER_SHARD / 2 + 1);
+        assert!(shard.keys().all(|key| key == "new" || shard[key].busy));
+        // Every key busy: the new one is not followed.
+        let mut shard = shard_of(&[(0, true)]);
+        assert!(TokenBatches::admit(&mut shard, "new", at(300)).is_none());
+        assert_eq!(shard.len(), KEYS_PER_SHARD);
     }
 
     #[test]
