@@ -716,6 +716,33 @@ mod tests {
     }
 
     #[test]
+    fn a_sweep_forgets_idle_keys_quiet_for_two_spans_and_gives_back_no_empty_batch() {
+        let books = TokenBatches::new(10, Duration::from_secs(1)).unwrap();
+        let l = limit(1_000);
+        // Spent to the last token, and expired by the sweep.
+        let Plan::Fetch { extra, turn } = heat(&books, "spent", &l, at(250)) else {
+            panic!("a hot key fetches");
+        };
+        turn.keep(extra);
+        for _ in 0..extra {
+            assert!(matches!(
+                books.plan("spent", &l, 1, at(250)),
+                Plan::Spent(_)
+            ));
+        }
+        assert!(books.retire(at(1_250), false).is_empty());
+        // Its empty batch is dropped: the next check neither spends nor returns one.
+        assert!(matches!(books.plan("spent", &l, 1, at(1_251)), Plan::Plain));
+        let books = TokenBatches::new(10, Duration::from_secs(1)).unwrap();
+        let followed = |key: &str| books.shard(key).contains_key(key);
+        books.plan("old", &l, 1, at(100));
+        books.plan("recent", &l, 1, at(250));
+        assert!(books.retire(at(300), false).is_empty());
+        assert!(!followed("old"));
+        assert!(followed("recent"));
+    }
+
+    #[test]
     fn the_books_stay_bounded() {
         let books = TokenBatches::new(10, Duration::from_secs(1)).unwrap();
         let l = limit(1_000);
