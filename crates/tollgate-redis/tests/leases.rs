@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use redis::cluster_routing::Slot;
-use support::{Inspector, RedisCluster, RedisServer, command, free_port};
+use support::{Inspector, RedisCluster, RedisServer, command, free_port, info_field};
 use tollgate::{
     Error, LeaseDecision, LeaseLimit, LeaseRequest, LeaseStore, LeaseTake, MemoryLeases, Timestamp,
     Unavailable,
@@ -968,6 +968,35 @@ async fn survives_script_flush_mid_run() {
     flush();
     assert!(both.release("f0", at(6)).await);
     assert!(both.acquire(&takes, "f5", at(7)).await.unwrap()[0].allowed());
+}
+
+/// Only a script Redis does not have is sent again as source: another error (here, a user
+/// refused the keys the store's prefix names) is answered as it is, not retried as an `EVAL`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_a_missing_script_is_sent_again() {
+    let server = RedisServer::start();
+    support::grant_tollgate_user(server.port, support::LEASE_COMMANDS);
+    let store = RedisStore::connect(
+        &support::as_tollgate_user(&server.url()),
+        RedisConfig::default()
+            .with_timeout(LOADED)
+            .with_prefix("elsewhere:"),
+    )
+    .await
+    .expect("connect");
+    let l = limit(3, 1_000);
+    let refused = acquire(&store, &[LeaseTake::new("k", &l)], "refused", None).await;
+    assert!(
+        matches!(refused, Err(Error::StoreUnavailable { .. })),
+        "{refused:?}"
+    );
+    let stats = command(server.port, &["INFO", "commandstats"]).unwrap_or_default();
+    assert_eq!(
+        info_field(&stats, "cmdstat_evalsha:", "rejected_calls"),
+        1.0,
+        "{stats}"
+    );
+    assert!(!stats.contains("cmdstat_eval:"), "{stats}");
 }
 
 /// A key holding something that is not a set of leases fails its own acquires as a script
