@@ -1018,10 +1018,61 @@ async fn a_key_that_is_not_a_set_fails_as_a_script_error() {
         })
     );
     assert_eq!(in_flight(&store, &takes[..1], None).await[0].in_flight(), 0);
+    let look = LeaseRequest {
+        takes: &takes,
+        lease_id: "",
+        now: None,
+    };
+    let script_error = || Error::StoreUnavailable {
+        reason: Unavailable::Script,
+    };
+    assert_eq!(store.in_flight(look).await, Err(script_error()));
+    // A record that is not one: its release and renewal fail alike.
+    assert_eq!(
+        command(server.port, &["SET", "tollgate:lease-id:{junk}", "x"]).as_deref(),
+        Some("+OK\r\n")
+    );
+    assert_eq!(store.release("junk", None).await, Err(script_error()));
+    assert_eq!(store.renew("junk", None).await, Err(script_error()));
     assert_eq!(
         command(server.port, &["EXISTS", "tollgate:lease-id:{w}"]).as_deref(),
         Some(":0\r\n")
     );
+}
+
+/// Script calls the servers on `ports` have run so far (`EVALSHA`, and `EVAL` when a script
+/// had to be sent as source).
+fn script_calls(ports: &[u16]) -> f64 {
+    ports
+        .iter()
+        .map(|&port| {
+            let stats = command(port, &["INFO", "commandstats"]).unwrap_or_default();
+            info_field(&stats, "cmdstat_evalsha:", "calls")
+                + info_field(&stats, "cmdstat_eval:", "calls")
+        })
+        .sum()
+}
+
+/// On a single node a lease's record shares its sets' node, so an acquire is one call, whatever
+/// slots a cluster would put them in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquire_on_a_single_node_is_one_call() {
+    let server = RedisServer::start();
+    let store = connect(&server.url()).await;
+    let l = limit(1, 1_000);
+    let (a, b) = ("one:a", "one:b");
+    assert_ne!(
+        Slot::for_key(format!("tollgate:lease:{a}")),
+        Slot::for_key(format!("tollgate:lease:{b}")),
+    );
+    let takes = [LeaseTake::new(a, &l), LeaseTake::new(b, &l)];
+    assert!(acquire(&store, &takes, "warm", Some(at(0))).await.unwrap()[0].allowed());
+    let before = script_calls(&[server.port]);
+    assert!(!acquire(&store, &takes, "one", Some(at(1))).await.unwrap()[0].allowed());
+    assert!(store.release("warm", Some(at(2))).await.unwrap());
+    assert!(acquire(&store, &takes, "one", Some(at(3))).await.unwrap()[0].allowed());
+    // Two acquires of one call each, and a release of two (the record, then the sets).
+    assert_eq!(script_calls(&[server.port]) - before, 4.0);
 }
 
 /// A caller's time between two microseconds: the lease ends at the next whole microsecond past
@@ -1129,6 +1180,10 @@ async fn cluster() {
         .await;
     an_id_held_in_another_slot_is_refused_across_slots(&store, &mut inspect).await;
     a_lease_whose_keys_share_its_records_slot_is_one_call(&store).await;
+    let ports: Vec<u16> = cluster.nodes.iter().map(|node| node.port).collect();
+    an_acquire_takes_one_call_per_slot_and_the_claim(&store, &ports).await;
+    unreadable_keys_fail_across_slots(&store, &mut inspect).await;
+    an_id_found_on_one_slot_is_left_there_when_the_others_give_back(&store, &mut inspect).await;
     a_lease_over_several_slots_is_renewed_on_all_of_them(&store, &mut inspect).await;
     keys_expire_with_their_last_lease(&store, "cluster", &mut inspect).await;
     a_renewal_moves_the_keys_ttls_with_the_ends(&store, "cluster", &mut inspect).await;
@@ -1292,6 +1347,114 @@ async fn an_id_held_in_another_slot_is_refused_across_slots(
 
 /// Keys whose hash tag is the lease id share its record's slot: decided, and recorded, in one
 /// call, as on a single node.
+/// An acquire over two slots, its record in a third, is three calls: the claim, then one per
+/// slot; the record is rewritten only when a soft key was full. One whose keys share the
+/// record's slot is one call.
+async fn an_acquire_takes_one_call_per_slot_and_the_claim(store: &RedisStore, ports: &[u16]) {
+    let l = limit(2, 1_000);
+    let (a, b) = ("calls:a", "calls:b");
+    let slots = [
+        Slot::for_key(format!("tollgate:lease:{a}")),
+        Slot::for_key(format!("tollgate:lease:{b}")),
+        Slot::for_key("tollgate:lease-id:{calls}"),
+    ];
+    assert!(slots[0] != slots[1] && slots[1] != slots[2] && slots[0] != slots[2]);
+    let takes = [LeaseTake::new(a, &l), LeaseTake::new(b, &l)];
+    // Every node has the script by now.
+    assert!(
+        acquire(store, &takes, "calls-warm", Some(at(0)))
+            .await
+            .unwrap()[0]
+            .allowed()
+    );
+    let before = script_calls(ports);
+    assert!(acquire(store, &takes, "calls", Some(at(1))).await.unwrap()[0].allowed());
+    assert_eq!(script_calls(ports) - before, 3.0);
+    let shared = [LeaseTake::new("calls:{calls-one}", &l)];
+    let before = script_calls(ports);
+    assert!(
+        acquire(store, &shared, "calls-one", Some(at(1)))
+            .await
+            .unwrap()[0]
+            .allowed()
+    );
+    assert_eq!(script_calls(ports) - before, 1.0);
+}
+
+/// A set or a record holding something else fails an acquire across slots, and a look, as a
+/// script error: not a rejection, not a protocol failure.
+async fn unreadable_keys_fail_across_slots(store: &RedisStore, inspect: &mut Inspector) {
+    let l = limit(2, 1_000);
+    let script_error = Err(Error::StoreUnavailable {
+        reason: Unavailable::Script,
+    });
+    let (fine, bad) = ("unreadable:fine", "unreadable:bad");
+    assert_ne!(
+        Slot::for_key(format!("tollgate:lease:{fine}")),
+        Slot::for_key(format!("tollgate:lease:{bad}")),
+    );
+    let bad_set = format!("tollgate:lease:{bad}");
+    let _: () = inspect.query(&["SET", &bad_set, "x"]).await;
+    let takes = [LeaseTake::new(fine, &l), LeaseTake::new(bad, &l)];
+    assert_eq!(
+        acquire(store, &takes, "unreadable", Some(at(0))).await,
+        script_error
+    );
+    // A record of another type, in a slot of its own.
+    assert_ne!(
+        Slot::for_key(format!("tollgate:lease:{fine}")),
+        Slot::for_key("tollgate:lease-id:{bad-record}"),
+    );
+    let _: () = inspect
+        .query(&["SET", "tollgate:lease-id:{bad-record}", "x"])
+        .await;
+    assert_eq!(
+        acquire(store, &takes[..1], "bad-record", Some(at(0))).await,
+        script_error
+    );
+    assert_eq!(
+        in_flight(store, &takes[..1], Some(at(0))).await[0].in_flight(),
+        0
+    );
+    let _: () = inspect
+        .query(&["DEL", &bad_set, "tollgate:lease-id:{bad-record}"])
+        .await;
+}
+
+/// A set that still holds an id whose record is gone refuses it across slots, and keeps it:
+/// only the slots that took give the lease back.
+async fn an_id_found_on_one_slot_is_left_there_when_the_others_give_back(
+    store: &RedisStore,
+    inspect: &mut Inspector,
+) {
+    let l = limit(2, 60_000);
+    let (held, other) = ("orphan:held", "orphan:other");
+    assert_ne!(
+        Slot::for_key(format!("tollgate:lease:{held}")),
+        Slot::for_key(format!("tollgate:lease:{other}")),
+    );
+    let first = [LeaseTake::new(held, &l)];
+    assert!(acquire(store, &first, "orphan", Some(at(0))).await.unwrap()[0].allowed());
+    assert_eq!(
+        inspect
+            .integer(&["DEL", "tollgate:lease-id:{orphan}"])
+            .await,
+        1
+    );
+    let takes = [LeaseTake::new(held, &l), LeaseTake::new(other, &l)];
+    assert_eq!(
+        acquire(store, &takes, "orphan", Some(at(1))).await,
+        Err(Error::LeaseIdInUse)
+    );
+    let held_set = format!("tollgate:lease:{held}");
+    assert_eq!(
+        inspect.score(&held_set, "orphan").await,
+        Some(at(60_000).as_nanos() / 1_000)
+    );
+    let other_set = format!("tollgate:lease:{other}");
+    assert_eq!(inspect.score(&other_set, "orphan").await, None);
+}
+
 async fn a_lease_whose_keys_share_its_records_slot_is_one_call(store: &RedisStore) {
     let l = limit(1, 1_000);
     let (k1, k2) = ("job:{same}:a", "job:{same}:b");
