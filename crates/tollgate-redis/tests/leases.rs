@@ -1034,6 +1034,14 @@ async fn a_key_that_is_not_a_set_fails_as_a_script_error() {
     );
     assert_eq!(store.release("junk", None).await, Err(script_error()));
     assert_eq!(store.renew("junk", None).await, Err(script_error()));
+    // A set that turned into something else under a lease fails its renewal.
+    let turned = [LeaseTake::new("turned", &l)];
+    assert!(acquire(&store, &turned, "turned", None).await.unwrap()[0].allowed());
+    assert_eq!(
+        command(server.port, &["SET", "tollgate:lease:turned", "x"]).as_deref(),
+        Some("+OK\r\n")
+    );
+    assert_eq!(store.renew("turned", None).await, Err(script_error()));
     assert_eq!(
         command(server.port, &["EXISTS", "tollgate:lease-id:{w}"]).as_deref(),
         Some(":0\r\n")
@@ -1053,10 +1061,10 @@ fn script_calls(ports: &[u16]) -> f64 {
         .sum()
 }
 
-/// On a single node a lease's record shares its sets' node, so an acquire is one call, whatever
-/// slots a cluster would put them in.
+/// On a single node a lease's record shares its sets' node, so an acquire, or a renewal's
+/// move, is one call, whatever slots a cluster would put them in.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_acquire_on_a_single_node_is_one_call() {
+async fn a_single_node_acquires_and_renews_in_one_call_each() {
     let server = RedisServer::start();
     let store = connect(&server.url()).await;
     let l = limit(1, 1_000);
@@ -1073,6 +1081,13 @@ async fn an_acquire_on_a_single_node_is_one_call() {
     assert!(acquire(&store, &takes, "one", Some(at(3))).await.unwrap()[0].allowed());
     // Two acquires of one call each, and a release of two (the record, then the sets).
     assert_eq!(script_calls(&[server.port]) - before, 4.0);
+    // A renewal: the record read, then the sets and the record moved together.
+    let before = script_calls(&[server.port]);
+    assert_eq!(
+        store.renew("one", Some(at(4))).await,
+        Ok(Some(Duration::from_secs(1)))
+    );
+    assert_eq!(script_calls(&[server.port]) - before, 2.0);
 }
 
 /// A caller's time between two microseconds: the lease ends at the next whole microsecond past
@@ -1181,7 +1196,7 @@ async fn cluster() {
     an_id_held_in_another_slot_is_refused_across_slots(&store, &mut inspect).await;
     a_lease_whose_keys_share_its_records_slot_is_one_call(&store).await;
     let ports: Vec<u16> = cluster.nodes.iter().map(|node| node.port).collect();
-    an_acquire_takes_one_call_per_slot_and_the_claim(&store, &ports).await;
+    an_acquire_takes_one_call_per_slot_and_the_claim(&store, &ports, &mut inspect).await;
     unreadable_keys_fail_across_slots(&store, &mut inspect).await;
     an_id_found_on_one_slot_is_left_there_when_the_others_give_back(&store, &mut inspect).await;
     a_lease_over_several_slots_is_renewed_on_all_of_them(&store, &mut inspect).await;
@@ -1350,7 +1365,11 @@ async fn an_id_held_in_another_slot_is_refused_across_slots(
 /// An acquire over two slots, its record in a third, is three calls: the claim, then one per
 /// slot; the record is rewritten only when a soft key was full. One whose keys share the
 /// record's slot is one call.
-async fn an_acquire_takes_one_call_per_slot_and_the_claim(store: &RedisStore, ports: &[u16]) {
+async fn an_acquire_takes_one_call_per_slot_and_the_claim(
+    store: &RedisStore,
+    ports: &[u16],
+    inspect: &mut Inspector,
+) {
     let l = limit(2, 1_000);
     let (a, b) = ("calls:a", "calls:b");
     let slots = [
@@ -1369,6 +1388,16 @@ async fn an_acquire_takes_one_call_per_slot_and_the_claim(store: &RedisStore, po
     );
     let before = script_calls(ports);
     assert!(acquire(store, &takes, "calls", Some(at(1))).await.unwrap()[0].allowed());
+    assert_eq!(script_calls(ports) - before, 3.0);
+    // A renewal whose sets are gone (deleted by hand) moves nothing: the record read, then
+    // one call per slot, and no record to move.
+    for key in [a, b] {
+        let _: () = inspect
+            .query(&["DEL", &format!("tollgate:lease:{key}")])
+            .await;
+    }
+    let before = script_calls(ports);
+    assert_eq!(store.renew("calls", Some(at(2))).await, Ok(None));
     assert_eq!(script_calls(ports) - before, 3.0);
     let shared = [LeaseTake::new("calls:{calls-one}", &l)];
     let before = script_calls(ports);
@@ -1419,6 +1448,22 @@ async fn unreadable_keys_fail_across_slots(store: &RedisStore, inspect: &mut Ins
     let _: () = inspect
         .query(&["DEL", &bad_set, "tollgate:lease-id:{bad-record}"])
         .await;
+    // A set that turned into something else under a lease fails its renewal.
+    assert!(
+        acquire(store, &takes, "turned", Some(at(0)))
+            .await
+            .unwrap()
+            .iter()
+            .all(LeaseDecision::allowed)
+    );
+    let _: () = inspect.query(&["SET", &bad_set, "x"]).await;
+    assert_eq!(
+        store.renew("turned", Some(at(1))).await,
+        Err(Error::StoreUnavailable {
+            reason: Unavailable::Script
+        })
+    );
+    let _: () = inspect.query(&["DEL", &bad_set]).await;
 }
 
 /// A set that still holds an id whose record is gone refuses it across slots, and keeps it:
