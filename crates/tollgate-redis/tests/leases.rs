@@ -1090,6 +1090,33 @@ async fn a_single_node_acquires_and_renews_in_one_call_each() {
     assert_eq!(script_calls(&[server.port]) - before, 2.0);
 }
 
+/// A release that lands between a renewal's two calls (the record read, then the sets moved)
+/// leaves that renewal nothing to renew: it says so, not a failure. Started together on one
+/// connection, the two calls of each go out in that order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_between_a_renewals_calls_leaves_it_nothing() {
+    let server = RedisServer::start();
+    let store = connect(&server.url()).await;
+    let l = limit(100, 1_000);
+    let takes = [LeaseTake::new("raced", &l)];
+    let mut raced = 0;
+    for i in 0..20 {
+        let id = format!("raced-{i}");
+        assert!(acquire(&store, &takes, &id, Some(at(0))).await.unwrap()[0].allowed());
+        let (renewed, released) = tokio::join!(
+            store.renew(&id, Some(at(1))),
+            store.release(&id, Some(at(1)))
+        );
+        assert_eq!(released, Ok(true));
+        match renewed {
+            Ok(None) => raced += 1,
+            Ok(Some(_)) => {}
+            other => panic!("renewal {i}: {other:?}"),
+        }
+    }
+    assert!(raced > 0, "no release came between a renewal's calls");
+}
+
 /// A caller's time between two microseconds: the lease ends at the next whole microsecond past
 /// its timeout, so it is held a fraction of a microsecond longer than in the memory store,
 /// never shorter, and the figures say so exactly.
