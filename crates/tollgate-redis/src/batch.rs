@@ -285,6 +285,28 @@ impl TakeScript {
     }
 }
 
+/// The arguments and bytes of [`command`]'s call, at most, so that building it never
+/// reallocates: an integer argument is at most 20 digits (three per call, two per segment,
+/// with a mode of at most 6 bytes), the two flags a byte each, a bucket's figures at most 64
+/// bytes, and keys and fingerprints are counted as they are.
+fn capacity(verb: &str, script: &str, segments: &[&Segment]) -> (usize, usize) {
+    let (mut args, mut bytes) = (7, verb.len() + script.len() + 62);
+    for segment in segments {
+        args += 4 + 2 * segment.buckets.len();
+        bytes += 46 + MAX_PARAMS * segment.buckets.len();
+        bytes += segment.buckets.iter().map(|b| b.key.len()).sum::<usize>();
+        for carry in segment.buckets.iter().filter_map(Bucket::carry) {
+            args += 1;
+            bytes += carry.key.len();
+        }
+        if let Some(record) = &segment.record {
+            args += 1;
+            bytes += record.key.len() + record.fingerprint.len() + 21;
+        }
+    }
+    (args, bytes)
+}
+
 /// The script call deciding `segments`: `verb` is `EVALSHA` with the script's hash or `EVAL`
 /// with its source. Integers are written straight into the command, with no string between.
 fn command(verb: &str, script: &str, now: Option<u64>, segments: &[&Segment]) -> Cmd {
@@ -301,24 +323,7 @@ fn command(verb: &str, script: &str, now: Option<u64>, segments: &[&Segment]) ->
             segment.buckets.len() + carried(segment) + usize::from(segment.record.is_some())
         })
         .sum();
-    // Sized up front, so that building the command never reallocates: an integer argument is
-    // at most 20 digits (three per call, two per segment, with a mode of at most 6 bytes), the
-    // two flags a byte each, a bucket's figures at most 64 bytes, and keys and fingerprints are
-    // counted as they are.
-    let (mut args, mut bytes) = (7, verb.len() + script.len() + 62);
-    for segment in segments {
-        args += 4 + 2 * segment.buckets.len();
-        bytes += 46 + MAX_PARAMS * segment.buckets.len();
-        bytes += segment.buckets.iter().map(|b| b.key.len()).sum::<usize>();
-        for carry in segment.buckets.iter().filter_map(Bucket::carry) {
-            args += 1;
-            bytes += carry.key.len();
-        }
-        if let Some(record) = &segment.record {
-            args += 1;
-            bytes += record.key.len() + record.fingerprint.len() + 21;
-        }
-    }
+    let (args, bytes) = capacity(verb, script, segments);
     let mut cmd = Cmd::with_capacity(args, bytes);
     cmd.arg(verb).arg(script).arg(keys);
     for segment in segments {
@@ -686,7 +691,7 @@ mod tests {
 
     use super::{
         Bucket, Carried, Flags, Mode, Params, Record, Segment, WindowKind, caches_token_buckets,
-        command, integer, reply_len,
+        capacity, command, integer, reply_len,
     };
 
     fn bucket(key: &str, old_key: Option<&str>) -> Bucket {
@@ -726,6 +731,78 @@ mod tests {
             buckets,
             record: None,
             mode: Mode::Take,
+        }
+    }
+
+    #[test]
+    fn a_command_is_sized_up_front_closely() {
+        let record = |key: &str| Record {
+            key: key.to_owned(),
+            window_ms: 86_400_000,
+            fingerprint: "f".repeat(40),
+            attempt: u64::MAX,
+        };
+        let recorded = |buckets: Vec<Bucket>, mode: Mode| Segment {
+            record: Some(record("{k}:record")),
+            mode,
+            ..segment(buckets)
+        };
+        let calls: Vec<Vec<Segment>> = vec![
+            vec![segment(vec![bucket("a", None)])],
+            (0..32)
+                .map(|i| segment(vec![bucket(&format!("key-{i}"), None)]))
+                .collect(),
+            vec![
+                segment(vec![bucket("a", Some("old-a")), window("w", Some(1))]),
+                recorded(vec![bucket("b", None), window("v", None)], Mode::Settle),
+                recorded(vec![bucket("c", Some("old-c"))], Mode::Refund),
+            ],
+            // Long keys, old keys and figures.
+            vec![segment(
+                (0..8)
+                    .map(|i| {
+                        let big = (1 << 53) - 1;
+                        let mut bucket = bucket(&format!("{i}{}", "k".repeat(99)), None);
+                        bucket.params = Params::Tokens {
+                            a: big,
+                            p: big,
+                            cap: big,
+                            cost: big,
+                            carry: Some(Carried {
+                                key: format!("{i}{}", "o".repeat(99)),
+                                a: big,
+                                p: big,
+                                cap: big,
+                                since_us: big,
+                            }),
+                        };
+                        bucket
+                    })
+                    .collect(),
+            )],
+        ];
+        for segments in &calls {
+            let segments: Vec<&Segment> = segments.iter().collect();
+            for now in [None, Some(1_700_000_000_123_456_789)] {
+                let cmd = command("EVALSHA", &"s".repeat(40), now, &segments);
+                let (args, bytes) = capacity("EVALSHA", &"s".repeat(40), &segments);
+                let used: Vec<usize> = cmd
+                    .args_iter()
+                    .map(|arg| match arg {
+                        Arg::Simple(bytes) => bytes.len(),
+                        _ => 0,
+                    })
+                    .collect();
+                let used_bytes: usize = used.iter().sum();
+                // Enough, and not much more: at most the four arguments a layout leaves out
+                // per request, and the digits and figures an integer may but need not use.
+                assert!(used.len() <= args && args <= used.len() + 4 * segments.len());
+                assert!(used_bytes <= bytes, "{used_bytes} > {bytes}");
+                assert!(
+                    bytes <= used_bytes + 120 + 110 * segments.len(),
+                    "{bytes} for {used_bytes}"
+                );
+            }
         }
     }
 
