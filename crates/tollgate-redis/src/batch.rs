@@ -846,6 +846,13 @@ mod tests {
         assert_eq!(flags(&windows_twice).as_str(), "w");
         let both = [hot(), hot(), segment(vec![window("w", None)])];
         assert_eq!(flags(&both).as_str(), "w1");
+        // Beside a window too, only a repeated key turns the cache on.
+        let distinct = [
+            segment(vec![bucket("a", None)]),
+            segment(vec![bucket("b", None)]),
+            segment(vec![window("w", None)]),
+        ];
+        assert_eq!(flags(&distinct).as_str(), "w");
         let shared = [hot(), hot(), segment(vec![window("a", None)])];
         assert_eq!(flags(&shared).as_str(), "w");
         // An old key a token bucket carries over is a token bucket's key too.

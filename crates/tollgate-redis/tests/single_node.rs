@@ -1619,6 +1619,33 @@ async fn a_least_privilege_acl_user_suffices() {
     );
 }
 
+/// Only a script Redis is missing is sent again as its source: an `EVALSHA` refused for
+/// anything else (here, keys the user may not touch) fails the decision at once, with no
+/// `EVAL` behind it to be refused again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_a_missing_script_is_sent_again() {
+    let server = RedisServer::start();
+    support::grant_tollgate_user(server.port, &[]);
+    let url = support::as_tollgate_user(&server.url());
+    let config = RedisConfig::default()
+        .with_timeout(LOADED)
+        .with_prefix("elsewhere:");
+    let store = RedisStore::connect(&url, config).await.expect("connect");
+    let l = limit(10, "1/h");
+    let refused = check(&store, &[Take::new("k", &l, 1)], None).await;
+    assert!(
+        matches!(refused, Err(Error::StoreUnavailable { .. })),
+        "{refused:?}"
+    );
+    let stats = command(server.port, &["INFO", "commandstats"]).unwrap_or_default();
+    assert_eq!(
+        info_field(&stats, "cmdstat_evalsha:", "rejected_calls"),
+        1.0,
+        "{stats}"
+    );
+    assert!(!stats.contains("cmdstat_eval:"), "{stats}");
+}
+
 /// Script calls Redis has run so far (EVALSHA and EVAL).
 fn script_calls(server: &RedisServer) -> f64 {
     let stats = command(server.port, &["INFO", "commandstats"]).unwrap_or_default();
