@@ -163,6 +163,17 @@ impl RedisServer {
         Self::start_fresh(|| Self::unstarted(free_port(), Vec::new()))
     }
 
+    /// Starts a server with `args` added to its command line (`--rename-command`, say: what
+    /// only a configuration file or the command line can set).
+    ///
+    /// # Panics
+    ///
+    /// As [`RedisServer::start`].
+    pub fn start_with_args(args: &[&str]) -> Self {
+        let args: Vec<String> = args.iter().map(|arg| (*arg).to_owned()).collect();
+        Self::start_fresh(|| Self::unstarted(free_port(), args.clone()))
+    }
+
     /// Starts a server that also speaks TLS, with `certificates`' server certificate, on
     /// [`RedisServer::tls_port`]; with `require_client_cert` it refuses TLS clients without a
     /// certificate of that authority (Redis' default). The plain port stays open for the

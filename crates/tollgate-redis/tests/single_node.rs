@@ -864,6 +864,54 @@ async fn one_failing_request_does_not_fail_the_others_in_its_batch() {
     );
 }
 
+/// A call that fails as a whole (Redis' error, not a request's status) is sent again request
+/// by request, so that only the request at fault fails: here a sliding log's, on a Redis whose
+/// `RPUSH` is renamed away, in a call with token buckets, which that call failing first left
+/// uncharged. Alone in its call, a failing request is not sent twice.
+#[tokio::test(flavor = "current_thread")]
+async fn a_failed_call_is_sent_again_request_by_request() {
+    let server = RedisServer::start_with_args(&["--rename-command", "RPUSH", "tollgate-hidden"]);
+    let store = one_call_in_flight(&server, LOADED).await;
+    let (l, log) = (
+        limit(10, "1/h"),
+        Limit::sliding_log(3, Duration::from_secs(60)).expect("a log"),
+    );
+    let keys = ["a", "b", "c"];
+    command(server.port, &["CONFIG", "RESETSTAT"]);
+    // All queued before the dispatcher runs (one thread): one call, which fails, then one each.
+    let mut futures = vec![Box::pin(check_at(&store, "log", &log, 1, None, None))];
+    for key in keys {
+        futures.push(Box::pin(check_at(&store, key, &l, 1, None, None)));
+    }
+    let results = futures_util::future::join_all(futures).await;
+    let script_error = |result: &Result<Vec<Decision>, Error>| {
+        matches!(
+            result,
+            Err(Error::StoreUnavailable {
+                reason: Unavailable::Script
+            })
+        )
+    };
+    assert!(script_error(&results[0]), "{:?}", results[0]);
+    for (key, result) in keys.iter().zip(&results[1..]) {
+        let decided = result.as_ref().expect("decided alone");
+        assert_eq!(
+            (decided[0].allowed(), decided[0].remaining()),
+            (true, 9),
+            "{key}"
+        );
+    }
+    let calls = |server: &RedisServer| {
+        let stats = command(server.port, &["INFO", "commandstats"]).unwrap_or_default();
+        info_field(&stats, "cmdstat_evalsha:", "calls")
+    };
+    assert_eq!(calls(&server), 1.0 + 4.0);
+    command(server.port, &["CONFIG", "RESETSTAT"]);
+    let alone = check_at(&store, "log", &log, 1, None, None).await;
+    assert!(script_error(&alone), "{alone:?}");
+    assert_eq!(calls(&server), 1.0);
+}
+
 /// Concurrent requests on one hot key share a script call, which reads that bucket once and
 /// writes it once at the end: each request must still see what the ones before it took, a
 /// rejected request must charge none of its buckets, and the bucket written at the end must
