@@ -24,7 +24,7 @@
 //! 222k–281k, where Redis' core was then full. With one call in flight at most, nothing is
 //! split: a second call would only wait.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -573,15 +573,16 @@ async fn dispatch(
     max_batch: usize,
 ) {
     let mut calls = FuturesUnordered::new();
-    // Jobs taken from the queue that could not join the last batch (another `now`).
-    let mut carried: VecDeque<Job> = VecDeque::new();
+    // The job taken from the queue that could not join the last batch (another `now`): the
+    // next batch's first. One at most, as a batch ends at the first such job.
+    let mut carried: Option<Job> = None;
     let mut open = true;
     while open || !calls.is_empty() {
         if !open || calls.len() >= max_in_flight {
             calls.next().await;
             continue;
         }
-        let first = match carried.pop_front() {
+        let first = match carried.take() {
             Some(job) => Some(job),
             None => tokio::select! {
                 biased;
@@ -597,7 +598,7 @@ async fn dispatch(
         };
         // With nothing in flight, half of what waits leaves now and the rest in a second call
         // right after, so that two calls alternate from then on (the module's comment).
-        let waiting = 1 + carried.len() + queue.len();
+        let waiting = 1 + queue.len();
         let size = if calls.is_empty() && max_in_flight > 1 {
             waiting.div_ceil(2).min(max_batch)
         } else {
@@ -605,19 +606,15 @@ async fn dispatch(
         };
         let mut batch = vec![first];
         while batch.len() < size {
-            let next = match carried.pop_front() {
-                Some(job) => job,
-                None => match queue.try_recv() {
-                    Ok(job) => job,
-                    Err(_) => break,
-                },
+            let Ok(next) = queue.try_recv() else {
+                break;
             };
             // One call has one `now`: requests with caller-supplied times batch only with
             // requests at the same time.
             if next.now == batch[0].now {
                 batch.push(next);
             } else {
-                carried.push_back(next);
+                carried = Some(next);
                 break;
             }
         }
@@ -626,7 +623,7 @@ async fn dispatch(
         batch.retain(|job| !job.reply.is_closed());
         if !batch.is_empty() {
             calls.push(call(script.clone(), link.get(), timeout, batch));
-            if !queue.is_empty() || !carried.is_empty() {
+            if !queue.is_empty() || carried.is_some() {
                 // Another call follows at once. This one is handed to the connection first
                 // (polled once) and written alone (the connection's task runs while this one
                 // yields), so that Redis reads and answers the two apart: see the module's

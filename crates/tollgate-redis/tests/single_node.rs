@@ -1058,6 +1058,7 @@ async fn waiting_requests_leave_in_two_calls_when_none_is_in_flight() {
     let store = connect(&server).await;
     let l = limit(100, "1/s");
     command(server.port, &["CONFIG", "RESETSTAT"]);
+    log_every_command(&server);
     let keys: Vec<String> = (0..15).map(|k| format!("k{k}")).collect();
     let requests: Vec<[Take<'_>; 1]> = keys.iter().map(|key| [Take::new(key, &l, 1)]).collect();
     // All queued before the dispatcher runs (one thread).
@@ -1068,6 +1069,8 @@ async fn waiting_requests_leave_in_two_calls_when_none_is_in_flight() {
         2.0,
         "{stats}"
     );
+    // Half of the waiting requests (rounded up) in the first call, the rest in the second.
+    assert_eq!(keys_per_script_call(&server), [8, 7]);
     for decision in decided {
         let decision = decision.expect("decided");
         assert!(decision[0].allowed() && decision[0].remaining() == 99);
@@ -1077,6 +1080,47 @@ async fn waiting_requests_leave_in_two_calls_when_none_is_in_flight() {
         Some(":15\r\n"),
         "every request charged its own bucket once"
     );
+}
+
+/// Has Redis keep every command it runs, from now on, in its slow log.
+fn log_every_command(server: &RedisServer) {
+    for (setting, value) in [
+        ("slowlog-max-len", "1024"),
+        ("slowlog-log-slower-than", "0"),
+    ] {
+        let set = command(server.port, &["CONFIG", "SET", setting, value]);
+        assert_eq!(set.as_deref(), Some("+OK\r\n"));
+    }
+    assert_eq!(
+        command(server.port, &["SLOWLOG", "RESET"]).as_deref(),
+        Some("+OK\r\n")
+    );
+}
+
+/// The number of keys of each script call in Redis' slow log (see [`log_every_command`]),
+/// oldest first: with one key a request, how many requests each call carried.
+fn keys_per_script_call(server: &RedisServer) -> Vec<u64> {
+    type Entry = (i64, i64, i64, Vec<Vec<u8>>, Vec<u8>, Vec<u8>);
+    let client = redis::Client::open(server.url()).expect("a client");
+    let mut connection = client.get_connection().expect("a connection");
+    let entries: Vec<Entry> = redis::cmd("SLOWLOG")
+        .arg("GET")
+        .arg(-1)
+        .query(&mut connection)
+        .expect("the slow log");
+    let mut keys: Vec<u64> = entries
+        .iter()
+        .filter(|(.., args, _, _)| args.first().is_some_and(|verb| verb == b"EVALSHA"))
+        .map(|(.., args, _, _)| {
+            let keys = args.get(2).expect("a key count");
+            std::str::from_utf8(keys)
+                .expect("text")
+                .parse()
+                .expect("a number")
+        })
+        .collect();
+    keys.reverse();
+    keys
 }
 
 /// A script error caused by one key's data is not an outage: it must not open the circuit
