@@ -299,6 +299,38 @@ async fn retries_with_a_request_id_are_charged_once() {
     ));
 }
 
+/// A peek records nothing, so its request id counts for nothing: it neither replays the
+/// decision a take with that id had, nor claims the id, which a take after it still charges;
+/// and its call leaves the record's key out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peek_neither_replays_nor_claims_a_request_id() {
+    let server = RedisServer::start();
+    let store = connect(&server).await;
+    let limit = limit(10, "1/h");
+    let takes = [Take::new("k", &limit, 2)];
+    let request = |id| CheckRequest {
+        takes: &takes,
+        request_id: Some(id),
+        now: None,
+    };
+    assert_eq!(store.check(request("r-1")).await.unwrap()[0].remaining(), 8);
+    log_every_command(&server);
+    assert_eq!(
+        store.peek(request("r-1")).await.unwrap()[0].remaining(),
+        6,
+        "what a take would leave now, not the first take's reply"
+    );
+    assert_eq!(keys_per_script_call(&server), [1], "the bucket's key alone");
+    assert_eq!(store.peek(request("r-2")).await.unwrap()[0].remaining(), 6);
+    assert_eq!(
+        store.check(request("r-2")).await.unwrap()[0].remaining(),
+        6,
+        "charged: the peek claimed nothing"
+    );
+    // Only the takes' records were written, and their bucket.
+    assert_eq!(command(server.port, &["DBSIZE"]).as_deref(), Some(":3\r\n"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refuses_bad_input_without_touching_redis_state() {
     let server = RedisServer::start();
