@@ -54,6 +54,7 @@ async fn cluster() {
         .expect("connect to the cluster");
     conforms_with_and_without_hash_tags(&patient).await;
     cross_slot_rejection_charges_nothing(&patient).await;
+    a_conflict_across_slots_charges_nothing(&patient).await;
     a_full_window_charges_nothing_beside_it_in_its_slot(&patient).await;
     a_window_charged_across_slots_is_refunded(&patient).await;
     a_changed_limit_carries_over_within_its_slot(&patient).await;
@@ -147,6 +148,29 @@ async fn cross_slot_rejection_charges_nothing(store: &RedisStore) {
     );
     let more = [Take::new(user_key, &user, 1)];
     assert!(!check(store, &more).await[0].allowed());
+}
+
+/// A request whose id one slot has seen on another request (a conflict) while another slot,
+/// new to it, charged: that charge is given back, and the request fails as a conflict.
+async fn a_conflict_across_slots_charges_nothing(store: &RedisStore) {
+    let l = limit(5, "1/h");
+    let (seen, new) = ("{conflict-seen}k", "{conflict-new}k");
+    assert_ne!(Slot::for_key(seen), Slot::for_key(new));
+    let request = |takes| CheckRequest {
+        takes,
+        request_id: Some("c-1"),
+        now: Some(T0),
+    };
+    let first = [Take::new(seen, &l, 1)];
+    let decided = store.check(request(&first)).await.expect("decided");
+    assert_eq!(decided[0].remaining(), 4);
+    let both = [Take::new(seen, &l, 1), Take::new(new, &l, 1)];
+    assert_eq!(
+        store.check(request(&both)).await,
+        Err(Error::IdempotencyConflict)
+    );
+    let alone = [Take::new(new, &l, 1)];
+    assert_eq!(check(store, &alone).await[0].remaining(), 4, "refunded");
 }
 
 fn windows(limit: u64, window: Duration) -> [Limit; 2] {
