@@ -1305,6 +1305,48 @@ async fn waiting_retry_after_is_enough() {
     }
 }
 
+/// At a time between microseconds, Redis (which counts whole ones) decides as from the next,
+/// and gives the decision back the part of a unit its rounding took: a new bucket's
+/// `reset_after` is the exact store's and less than a microsecond more. A retry's replay
+/// answers from the first attempt's time, as the script rounded it, never shorter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn between_microseconds_waits_are_exact_within_one() {
+    let server = RedisServer::start();
+    let store = connect(&server).await;
+    let reference = LocalStore::new(ManualClock::new());
+    let at = |ns: u64| Some(Timestamp::from_nanos(T0.as_nanos() + ns));
+    for rate in ["1/ms", "7/3us", "3/s"] {
+        let l = limit(10, rate);
+        for ns in [1, 400, 999, 1_300] {
+            let key = format!("{rate}:{ns}");
+            let exact = check_at(&reference, &key, &l, 3, at(ns), None)
+                .await
+                .unwrap();
+            let redis = check_at(&store, &key, &l, 3, at(ns), None).await.unwrap();
+            let (exact, redis) = (exact[0].reset_after(), redis[0].reset_after());
+            assert!(
+                exact <= redis && redis < exact + Duration::from_micros(1),
+                "{rate} at +{ns} ns: {redis:?}, exactly {exact:?}"
+            );
+        }
+        let (key, id) = (format!("replayed:{rate}"), format!("id:{rate}"));
+        let first = check_at(&store, &key, &l, 3, at(500), Some(&id))
+            .await
+            .unwrap()[0];
+        let replay = check_at(&store, &key, &l, 3, at(700), Some(&id))
+            .await
+            .unwrap()[0];
+        assert_eq!(
+            (replay.allowed(), replay.remaining()),
+            (first.allowed(), first.remaining())
+        );
+        assert!(
+            replay.reset_after() >= first.reset_after(),
+            "{rate}: replayed {replay:?}, first {first:?}"
+        );
+    }
+}
+
 /// Object-safe shim over the two stores for `waiting_retry_after_is_enough`.
 trait Checker {
     fn at<'a>(
