@@ -494,6 +494,17 @@ async fn windows_carry_nothing_over() {
     let all = [Take::new("{c}:bucket@new", &bucket, 4).carried_from(carry)];
     let decided = check(&store, &all, now, None).await;
     assert!(matches!(&decided, Ok(d) if d[0].allowed()), "{decided:?}");
+
+    // Nor is an old bucket's limit looked at: one Redis could not hold refuses nothing.
+    let odd = tokens(1, "9/7ns");
+    let carry = Carry {
+        key: "{c}:odd@old",
+        limit: &odd,
+        since: Duration::ZERO,
+    };
+    let takes = [Take::new("{c}:window@odd", &window, 1).carried_from(carry)];
+    let decided = check(&store, &takes, now, None).await;
+    assert!(matches!(&decided, Ok(d) if d[0].allowed()), "{decided:?}");
 }
 
 /// A window whose boundaries the script could not hold exactly (longer than 2^50
