@@ -187,6 +187,28 @@ async fn a_batch_held_elsewhere_is_the_only_under_admission_and_comes_back() {
     assert_eq!(a.token_batch_stats().returned, held);
 }
 
+/// A batch Redis refuses (its bucket has the check's cost, not the batch's) leaves the check
+/// to be asked alone: admitted with the last token, never rejected for the batch's sake.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_batch_leaves_the_check_asked_alone() {
+    let server = RedisServer::start();
+    let l = frozen(160);
+    let (a, b) = (
+        batching(&server, 20, Duration::from_secs(30)).await,
+        plain(&server).await,
+    );
+    assert!(check_one(&b, "last", &l, 152).await.allowed());
+    let before = script_calls(&server);
+    // The eighth check makes the key hot: it asks for itself and a batch of 8 more, which the
+    // one token left refuses, then for itself alone.
+    for n in 1..=8 {
+        assert!(check_one(&*a, "last", &l, 1).await.allowed(), "check {n}");
+    }
+    assert_eq!(script_calls(&server) - before, 7.0 + 2.0);
+    assert_eq!(a.token_batch_stats().batches, 0);
+    assert_eq!(balance(&b, "last", &l).await, 0);
+}
+
 /// Cold keys never batch; nor do retries (a request id), a caller's time, several buckets at
 /// once, windows and logs, however often they come: each is a script call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
