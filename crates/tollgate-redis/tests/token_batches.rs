@@ -188,7 +188,8 @@ async fn a_batch_held_elsewhere_is_the_only_under_admission_and_comes_back() {
 }
 
 /// A batch Redis refuses (its bucket has the check's cost, not the batch's) leaves the check
-/// to be asked alone: admitted with the last token, never rejected for the batch's sake.
+/// to be asked alone: admitted with the last token, never rejected for the batch's sake. A
+/// batch taken answers its check with what Redis holds after it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_batch_leaves_the_check_asked_alone() {
     let server = RedisServer::start();
@@ -207,6 +208,15 @@ async fn a_refused_batch_leaves_the_check_asked_alone() {
     assert_eq!(script_calls(&server) - before, 7.0 + 2.0);
     assert_eq!(a.token_batch_stats().batches, 0);
     assert_eq!(balance(&b, "last", &l).await, 0);
+    // With room, the eighth check takes its batch, and answers what Redis holds after it.
+    let mut last = None;
+    for _ in 1..=8 {
+        last = Some(check_one(&*a, "roomy", &l, 1).await);
+    }
+    assert_eq!(a.token_batch_stats().batches, 1);
+    let remaining = last.map(|decision| decision.remaining());
+    assert_eq!(remaining, Some(160 - 7 - 1 - 8));
+    assert_eq!(balance(&b, "roomy", &l).await, 160 - 7 - 1 - 8);
 }
 
 /// Cold keys never batch; nor do retries (a request id), a caller's time, several buckets at
