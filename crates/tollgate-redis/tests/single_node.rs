@@ -119,6 +119,7 @@ const T0: Timestamp = Timestamp::from_nanos(1_700_000_000_000_000_000);
 async fn decides_exactly_like_the_memory_store() {
     let server = RedisServer::start();
     let store = connect(&server).await;
+    assert!(!store.is_cluster());
     for seed in 1..=6 {
         // Resets among the requests: after one, every kind of bucket decides as new, as in
         // the memory store.
