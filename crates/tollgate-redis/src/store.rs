@@ -871,10 +871,7 @@ impl RedisStore {
         if !self.cluster {
             return vec![0];
         }
-        let mut ranges: Vec<usize> = keys
-            .iter()
-            .map(|key| usize::from(slot(key) / SLOT_RANGE))
-            .collect();
+        let mut ranges: Vec<usize> = keys.iter().map(|key| range_of(key)).collect();
         ranges.sort_unstable();
         ranges.dedup();
         ranges
@@ -886,8 +883,8 @@ impl RedisStore {
         if !self.cluster {
             return String::new();
         }
-        let first = index * usize::from(SLOT_RANGE);
-        format!(" on slots {first}-{}", first + usize::from(SLOT_RANGE) - 1)
+        let (first, last) = slots_of_range(index);
+        format!(" on slots {first}-{last}")
     }
 
     async fn decide(
@@ -1635,6 +1632,17 @@ const SLOTS: u16 = 16_384;
 /// dozens holds several ranges whole.
 const SLOT_RANGE: u16 = 128;
 
+/// The range of [`SLOT_RANGE`] slots `key` falls in: on a cluster, its breaker's index.
+fn range_of(key: &str) -> usize {
+    usize::from(slot(key) / SLOT_RANGE)
+}
+
+/// The first and the last slot of range `index`.
+fn slots_of_range(index: usize) -> (usize, usize) {
+    let first = index * usize::from(SLOT_RANGE);
+    (first, first + usize::from(SLOT_RANGE) - 1)
+}
+
 /// The part of `key` Redis Cluster hashes, when it is not the whole key: between the first `{`
 /// and the first `}` after it, if not empty.
 fn hash_tag(key: &str) -> Option<&str> {
@@ -1894,6 +1902,25 @@ mod tests {
             ["redis://h1:1", "redis://h2:2"]
         );
         assert!(cluster_nodes(" , ", false).is_empty());
+    }
+
+    /// A cluster's breakers each answer for a run of 128 slots, which holds every key that
+    /// goes through it; the 128 runs cover the 16,384 slots.
+    #[test]
+    fn each_breaker_answers_for_the_slots_of_its_keys() {
+        for n in 0..2_000 {
+            let key = format!("k{n}");
+            let (first, last) = slots_of_range(range_of(&key));
+            let slot = usize::from(slot(&key));
+            assert!(
+                (first..=last).contains(&slot),
+                "{key}: slot {slot}, not in {first}-{last}"
+            );
+        }
+        assert_eq!(slots_of_range(0), (0, 127));
+        assert_eq!(slots_of_range(1), (128, 255));
+        assert_eq!(slots_of_range(127), (16_256, 16_383));
+        assert_eq!(SLOTS / SLOT_RANGE, 128);
     }
 
     #[test]

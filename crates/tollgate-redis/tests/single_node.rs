@@ -526,6 +526,7 @@ async fn a_frozen_redis_times_out_and_the_breaker_stops_waiting() {
     assert_eq!(reasons[0], Unavailable::Timeout);
     assert!(reasons.contains(&Unavailable::CircuitOpen), "{reasons:?}");
     assert!(store.is_degraded());
+    assert_eq!(store.open_breakers(), 1, "a single node's one breaker");
 
     until(Duration::from_secs(15), || async {
         check(&store, &takes, None).await.is_ok()
@@ -533,6 +534,7 @@ async fn a_frozen_redis_times_out_and_the_breaker_stops_waiting() {
     .await
     .expect("recovers once Redis answers");
     assert!(!store.is_degraded());
+    assert_eq!(store.open_breakers(), 0);
 }
 
 /// A store whose connections go through a proxy in front of its own Redis, so a test can make
