@@ -877,16 +877,6 @@ impl RedisStore {
         ranges
     }
 
-    /// The slots breaker `index` answers for, as log lines name them (` on slots 0-127`) on a
-    /// cluster; nothing on a single node.
-    fn slots_of_breaker(&self, index: usize) -> String {
-        if !self.cluster {
-            return String::new();
-        }
-        let (first, last) = slots_of_range(index);
-        format!(" on slots {first}-{last}")
-    }
-
     async fn decide(
         &self,
         request: CheckRequest<'_>,
@@ -1360,7 +1350,7 @@ impl RedisStore {
         for (ticket, &range) in tickets.into_iter().zip(&ranges) {
             match ticket.record(answered) {
                 Some(Transition::Opened) => {
-                    let slots = self.slots_of_breaker(range);
+                    let slots = slots_of_breaker(self.cluster, range);
                     tracing::warn!(
                         "redis store failing{slots}: circuit breaker open, decisions take their \
                          failure modes"
@@ -1371,7 +1361,7 @@ impl RedisStore {
                 }
                 Some(Transition::ProbeFailed) => self.link.renew(),
                 Some(Transition::Closed) => {
-                    let slots = self.slots_of_breaker(range);
+                    let slots = slots_of_breaker(self.cluster, range);
                     tracing::info!("redis store recovered{slots}: circuit breaker closed");
                 }
                 None => {}
@@ -1641,6 +1631,16 @@ fn range_of(key: &str) -> usize {
 fn slots_of_range(index: usize) -> (usize, usize) {
     let first = index * usize::from(SLOT_RANGE);
     (first, first + usize::from(SLOT_RANGE) - 1)
+}
+
+/// The slots breaker `index` answers for, as log lines name them (` on slots 0-127`) on a
+/// cluster; nothing on a single node, which has one breaker for all.
+fn slots_of_breaker(cluster: bool, index: usize) -> String {
+    if !cluster {
+        return String::new();
+    }
+    let (first, last) = slots_of_range(index);
+    format!(" on slots {first}-{last}")
 }
 
 /// The part of `key` Redis Cluster hashes, when it is not the whole key: between the first `{`
@@ -1921,6 +1921,8 @@ mod tests {
         assert_eq!(slots_of_range(1), (128, 255));
         assert_eq!(slots_of_range(127), (16_256, 16_383));
         assert_eq!(SLOTS / SLOT_RANGE, 128);
+        assert_eq!(slots_of_breaker(true, 2), " on slots 256-383");
+        assert_eq!(slots_of_breaker(false, 0), "");
     }
 
     #[test]
