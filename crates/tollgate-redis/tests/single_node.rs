@@ -1806,13 +1806,7 @@ async fn only_a_missing_script_is_sent_again() {
         matches!(refused, Err(Error::StoreUnavailable { .. })),
         "{refused:?}"
     );
-    let stats = command(server.port, &["INFO", "commandstats"]).unwrap_or_default();
-    assert_eq!(
-        info_field(&stats, "cmdstat_evalsha:", "rejected_calls"),
-        1.0,
-        "{stats}"
-    );
-    assert!(!stats.contains("cmdstat_eval:"), "{stats}");
+    support::assert_refused_once_and_not_sent_again(server.port);
 }
 
 /// Script calls Redis has run so far (EVALSHA and EVAL).

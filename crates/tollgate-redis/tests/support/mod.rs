@@ -266,3 +266,16 @@ impl Inspector {
         .unwrap_or_else(|err| panic!("{args:?}: {err}"))
     }
 }
+
+/// Asserts that Redis refused one `EVALSHA` and was sent no `EVAL` after it: only a missing
+/// script is sent again as its source.
+#[allow(dead_code)] // not every test binary uses it
+pub(crate) fn assert_refused_once_and_not_sent_again(port: u16) {
+    let stats = command(port, &["INFO", "commandstats"]).unwrap_or_default();
+    assert_eq!(
+        info_field(&stats, "cmdstat_evalsha:", "rejected_calls"),
+        1.0,
+        "{stats}"
+    );
+    assert!(!stats.contains("cmdstat_eval:"), "{stats}");
+}
