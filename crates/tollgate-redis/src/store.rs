@@ -1690,12 +1690,9 @@ pub(crate) fn classify(err: &RedisError) -> Unavailable {
     tracing::debug!(error = %err, "redis store call failed");
     if err.is_timeout() {
         Unavailable::Timeout
-    } else if err.is_io_error()
-        || err.is_connection_dropped()
-        || err.is_connection_refusal()
-        || err.is_cluster_error()
-        || refuses_every_call(err)
-    {
+    } else if err.is_io_error() || err.is_cluster_error() || refuses_every_call(err) {
+        // A dropped or refused connection is an I/O error too (the client's own tests for
+        // them look at the I/O error's kind).
         Unavailable::Connection
     } else if matches!(err.kind(), redis::ErrorKind::Server(_)) {
         Unavailable::Script
@@ -1792,7 +1789,8 @@ mod tests {
         assert_eq!(window_ms(Duration::ZERO), 1);
         assert_eq!(window_ms(Duration::from_micros(1_500)), 1);
         // Duration::MAX once went out as a PX Redis refuses: every request with an id failed.
-        assert_eq!(window_ms(Duration::MAX), MAX_WINDOW_MS);
+        assert_eq!(window_ms(Duration::MAX), 31_536_000_000);
+        assert_eq!(MAX_WINDOW_MS, 31_536_000_000);
     }
 
     #[test]
@@ -1805,6 +1803,130 @@ mod tests {
         assert_eq!(
             redact("redis+cluster://:pw@a:1,b:2"),
             "redis+cluster://:***@a:1,b:2"
+        );
+        // A user name alone is no secret: it stays as it is.
+        assert_eq!(redact("redis://reader@h:6379"), "redis://reader@h:6379");
+        assert_eq!(
+            redact("rediss+cluster://reader@a:1,u:pw@b:2"),
+            "rediss+cluster://reader@a:1,u:***@b:2"
+        );
+    }
+
+    /// Processes of different versions share a Redis: a request's fingerprint, and a
+    /// settlement's mark, must not change with the build. FNV-1a over the fields, pinned here.
+    #[test]
+    fn fingerprints_and_refund_marks_are_fnv_1a_and_stable() {
+        let rate = |amount, secs| tollgate::Rate::new(amount, Duration::from_secs(secs));
+        let limit = |capacity, amount, secs| {
+            tollgate::Limit::new(capacity, rate(amount, secs).expect("a rate")).expect("a limit")
+        };
+        let print =
+            |key: &str, limit: &tollgate::Limit, cost| fingerprint(&[Take::new(key, limit, cost)]);
+        let base = limit(10, 1, 1);
+        assert_eq!(print("k", &base, 1), "7a6e5bb16631f7ed");
+        // Every field counts: key, capacity, refill amount and period, cost.
+        let others = [
+            print("j", &base, 1),
+            print("k", &limit(11, 1, 1), 1),
+            print("k", &limit(10, 2, 1), 1),
+            print("k", &limit(10, 1, 2), 1),
+            print("k", &base, 2),
+            fingerprint(&[]),
+        ];
+        for other in &others {
+            assert_ne!(other, "7a6e5bb16631f7ed");
+        }
+        // A window shares a token bucket's capacity and refill; its algorithm tells them apart.
+        let second = Duration::from_secs(1);
+        let bucket = tollgate::Limit::per(10, second).expect("a limit");
+        let window = tollgate::Limit::fixed_window(10, second).expect("a window");
+        let sliding = tollgate::Limit::sliding_window(10, second).expect("a window");
+        assert_eq!(
+            (bucket.capacity(), bucket.refill()),
+            (window.capacity(), window.refill())
+        );
+        let prints = [
+            print("k", &bucket, 1),
+            print("k", &window, 1),
+            print("k", &sliding, 1),
+        ];
+        assert_ne!(prints[0], prints[1]);
+        assert_ne!(prints[1], prints[2]);
+
+        assert_eq!(refunds_mark(&[]), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(refunds_mark(&[5, 0]), 0xfd29_b2d1_0195_eb20);
+        assert_ne!(refunds_mark(&[0, 5]), refunds_mark(&[5, 0]));
+    }
+
+    /// Each builder sets its own setting and keeps those set before it.
+    #[test]
+    fn each_builder_sets_its_own_setting() {
+        let breaker = BreakerConfig {
+            threshold: 9,
+            ..BreakerConfig::default()
+        };
+        let tls = TlsFiles {
+            ca: Some("ca.pem".into()),
+            ..TlsFiles::default()
+        };
+        let config = RedisConfig::default()
+            .with_rejection_memory(7)
+            .with_token_batches(11, Duration::from_millis(300))
+            .with_timeout(Duration::from_millis(45))
+            .with_prefix("elsewhere:")
+            .with_idempotency_window(Duration::from_secs(90))
+            .with_batching(2, 5)
+            .with_breaker(breaker)
+            .with_tls(tls.clone())
+            .with_sentinel_password("hush");
+        assert_eq!(config.rejection_memory, 7);
+        assert_eq!(
+            (config.token_batch, config.token_batch_ttl),
+            (11, Duration::from_millis(300))
+        );
+        assert_eq!(config.timeout, Duration::from_millis(45));
+        assert_eq!(config.prefix, "elsewhere:");
+        assert_eq!(config.idempotency_window, Duration::from_secs(90));
+        assert_eq!((config.max_in_flight, config.max_batch), (2, 5));
+        assert_eq!(config.breaker.threshold, 9);
+        assert_eq!(config.tls, tls);
+        assert_eq!(config.sentinel_password.as_deref(), Some("hush"));
+        // The settings show in logs, but for the password.
+        let shown = format!("{config:?}");
+        for field in [
+            "prefix: \"elsewhere:\"",
+            "timeout: 45ms",
+            "max_batch: 5",
+            "rejection_memory: 7",
+            "token_batch_ttl: 300ms",
+            "sentinel_password: Some(\"***\")",
+        ] {
+            assert!(shown.contains(field), "{field} not in {shown}");
+        }
+        assert!(!shown.contains("hush"), "{shown}");
+    }
+
+    /// A prefix that is empty or holds `{` could give a bucket the key of an idempotency
+    /// record (see [`record_key`]): refused before anything is connected.
+    #[tokio::test]
+    async fn a_prefix_records_could_share_is_refused() {
+        let url = "redis://127.0.0.1:1";
+        for prefix in ["", "{", "a{b}:"] {
+            let config = RedisConfig::default().with_prefix(prefix);
+            let refused = RedisStore::connect(url, config).await;
+            assert!(
+                matches!(refused, Err(ConnectError::InvalidPrefix)),
+                "{prefix:?}: {refused:?}"
+            );
+        }
+        // A single node is connected lazily: a good prefix sets up a store with nothing there.
+        let config = RedisConfig::default().with_prefix("a}b:");
+        let store = RedisStore::connect(url, config).await.expect("a store");
+        let shown = format!("{store:?}");
+        assert!(
+            shown
+                .starts_with("RedisStore { cluster: false, config: RedisConfig { prefix: \"a}b:\""),
+            "{shown}"
         );
     }
 
@@ -1833,6 +1955,26 @@ mod tests {
         }
         let script = "-ERR user_script:1: Script attempted to access nonexistent global\r\n";
         assert_eq!(classify(&error(script)), Unavailable::Script);
+        // A cluster in the middle of a change refuses every call for now, too.
+        for reply in ["-TRYAGAIN keys moving\r\n", "-CLUSTERDOWN no master\r\n"] {
+            assert_eq!(classify(&error(reply)), Unavailable::Connection, "{reply}");
+        }
+        // A connection that fails in any way, and one that waits too long.
+        let io = |kind| RedisError::from(std::io::Error::new(kind, "from the socket"));
+        for kind in [
+            std::io::ErrorKind::ConnectionRefused,
+            std::io::ErrorKind::ConnectionReset,
+            std::io::ErrorKind::Other,
+        ] {
+            assert_eq!(classify(&io(kind)), Unavailable::Connection, "{kind:?}");
+        }
+        assert_eq!(
+            classify(&io(std::io::ErrorKind::TimedOut)),
+            Unavailable::Timeout
+        );
+        // A reply of a shape nothing asked for is the protocol's fault.
+        let parse = redis::parse_redis_value(b"?\r\n").expect_err("not a reply");
+        assert_eq!(classify(&parse), Unavailable::Protocol);
     }
 
     /// The slots Redis Cluster gives these keys (`CLUSTER KEYSLOT`, and the CRC16 check value
