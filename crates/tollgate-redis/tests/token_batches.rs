@@ -348,7 +348,8 @@ async fn expired_batches_are_given_back_exactly_once() {
     );
 }
 
-/// A batch lifetime the idempotency window cannot cover is refused at connect.
+/// A batch lifetime the idempotency window cannot cover is refused at connect; one it covers
+/// is what the store reports.
 #[tokio::test]
 async fn a_lifetime_past_the_idempotency_window_is_refused() {
     let server = RedisServer::start();
@@ -365,7 +366,11 @@ async fn a_lifetime_past_the_idempotency_window_is_refused() {
             "{ttl:?}"
         );
     }
-    // Off, the lifetime is not looked at.
+    // Off, the lifetime is not looked at, and the store says leasing is off.
     let config = RedisConfig::default().with_token_batches(0, Duration::ZERO);
-    assert!(RedisStore::connect(&server.url(), config).await.is_ok());
+    let off = RedisStore::connect(&server.url(), config).await.unwrap();
+    assert_eq!(off.token_batch_ttl(), None);
+    // On, it tells the lifetime (a server sweeps at a fraction of it).
+    let on = batching(&server, 10, Duration::from_millis(300)).await;
+    assert_eq!(on.token_batch_ttl(), Some(Duration::from_millis(300)));
 }
