@@ -140,10 +140,8 @@ impl DirectConnections {
             }
             Asking::No => call.query_async(&mut connection).await,
         };
-        if reply
-            .as_ref()
-            .is_err_and(|err| err.is_io_error() || err.is_connection_dropped())
-        {
+        // A dropped connection is an I/O error too.
+        if reply.as_ref().is_err_and(RedisError::is_io_error) {
             lock(&self.open).remove(&(host.to_owned(), port));
         }
         reply
@@ -257,8 +255,48 @@ mod opening_tests {
 
     use redis::IntoConnectionInfo;
 
-    use super::{Asking, DirectConnections};
+    use super::{Asking, DirectConnections, MAX_DIRECT};
     use crate::test_server::{Proxy, RedisServer, free_port};
+
+    /// A node's connection is opened once and taken by every call redirected there, beside
+    /// other nodes' connections; past `MAX_DIRECT` nodes they are all dropped, and opened again
+    /// as calls need them.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn connections_to_nodes_are_kept_up_to_a_bound() {
+        let server = RedisServer::start();
+        let nodes: Vec<Proxy> = (0..=MAX_DIRECT)
+            .map(|_| Proxy::start(server.port))
+            .collect();
+        let template = nodes[0].url().into_connection_info().expect("a node's URL");
+        let direct = DirectConnections::new(template, None, Duration::from_secs(5));
+        let echo = redis::cmd("ECHO").arg("here").clone();
+        let call = |node: &Proxy| {
+            let port = node.port;
+            let echo = &echo;
+            let direct = &direct;
+            async move {
+                let reply = direct
+                    .query::<Vec<u8>>("127.0.0.1", port, echo, Asking::No)
+                    .await;
+                assert_eq!(reply.as_deref().ok(), Some(&b"here"[..]), "{reply:?}");
+            }
+        };
+        for node in [&nodes[0], &nodes[1], &nodes[0], &nodes[1]] {
+            call(node).await;
+        }
+        assert_eq!((nodes[0].connections(), nodes[1].connections()), (1, 1));
+        // As many nodes as the bound: every connection kept.
+        for node in &nodes[2..MAX_DIRECT] {
+            call(node).await;
+        }
+        call(&nodes[0]).await;
+        assert_eq!(nodes[0].connections(), 1);
+        // One node more: the others' connections are dropped.
+        call(&nodes[MAX_DIRECT]).await;
+        call(&nodes[0]).await;
+        assert_eq!(nodes[0].connections(), 2);
+        assert_eq!(nodes[MAX_DIRECT].connections(), 1);
+    }
 
     /// Calls redirected to one node together (a slot has just moved under traffic) share one
     /// connection's opening; each opened its own, and sixteen calls made sixteen handshakes.

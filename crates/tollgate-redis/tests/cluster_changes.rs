@@ -13,7 +13,8 @@ use std::time::Duration;
 
 use redis::AsyncCommands;
 use support::{
-    RedisCluster, SlotMove, as_tollgate_user, command, node, until_decided, wait_for_replicas,
+    RedisCluster, SlotMove, as_tollgate_user, command, info_field, node, until_decided,
+    wait_for_replicas,
 };
 use tollgate::{CheckRequest, Decision, Error, Limit, Store, Take, Timestamp};
 use tollgate_redis::{RedisConfig, RedisStore};
@@ -46,6 +47,7 @@ async fn cluster_changes() {
     .await
     .expect("connect to the cluster");
     a_slot_moved_between_masters_keeps_its_buckets_and_records(&cluster, &store).await;
+    a_check_over_a_slot_half_moved_is_asked_again(&cluster, &store).await;
     a_busy_key_moved_mid_traffic_is_never_over_admitted(&cluster, 0).await;
     // As a cluster grows: to a master the store has never talked to.
     let new = cluster.add_master(None);
@@ -141,6 +143,49 @@ async fn a_slot_moved_between_masters_keeps_its_buckets_and_records(
         .await
         .expect("EXISTS");
     assert!(stored, "the bucket lives on the target now");
+}
+
+/// A check of two buckets of one slot, one moved to the target and the other not yet: no node
+/// holds both, and the source answers `TRYAGAIN`. The store asks again (a move of a slot's
+/// last keys ends soon); while the move stays half done the check fails as the store's,
+/// charging nothing, and once it ends both buckets have their balance.
+async fn a_check_over_a_slot_half_moved_is_asked_again(cluster: &RedisCluster, store: &RedisStore) {
+    let ten = limit(10);
+    let tag = key_of_master(cluster, "half", 1);
+    let (a, b) = (format!("{tag}:a"), format!("{tag}:b"));
+    let both = || async {
+        let takes = [Take::new(&a, &ten, 1), Take::new(&b, &ten, 1)];
+        let request = CheckRequest {
+            takes: &takes,
+            request_id: None,
+            now: Some(T0),
+        };
+        store.check(request).await.map(|decisions| {
+            decisions
+                .iter()
+                .map(|decision| (decision.allowed(), decision.remaining()))
+                .collect::<Vec<_>>()
+        })
+    };
+    assert_eq!(both().await.unwrap(), [(true, 9), (true, 9)]);
+    let source = cluster.nodes[1].port;
+    let refused = || {
+        let stats = command(source, &["INFO", "commandstats"]).unwrap_or_default();
+        info_field(&stats, "cmdstat_evalsha:", "rejected_calls")
+    };
+    let step = SlotMove::new(cluster, slot_of(cluster, &a), 1, 2);
+    step.begin().await;
+    step.migrate(&[format!("tollgate:{a}")]).await;
+    let before = refused();
+    let failed = both().await;
+    assert!(
+        matches!(failed, Err(Error::StoreUnavailable { .. })),
+        "{failed:?}"
+    );
+    assert_eq!(refused() - before, 4.0, "the first call, then three more");
+    assert_eq!(step.migrate_keys().await, 1);
+    step.finish().await;
+    assert_eq!(both().await.unwrap(), [(true, 8), (true, 8)]);
 }
 
 /// Sixteen tasks taking one token at a time from one bucket, as fast as the store answers,

@@ -102,6 +102,13 @@ impl SlotMove {
         if keys.is_empty() {
             return 0;
         }
+        self.migrate(&keys).await;
+        keys.len()
+    }
+
+    /// Moves `keys`, all on the source, to the target.
+    pub(crate) async fn migrate(&self, keys: &[String]) {
+        let mut source = node(self.source).await;
         let reply: String = redis::cmd("MIGRATE")
             .arg("127.0.0.1")
             .arg(self.target_migrate)
@@ -109,12 +116,11 @@ impl SlotMove {
             .arg(0) // database
             .arg(5_000) // ms
             .arg("KEYS")
-            .arg(&keys)
+            .arg(keys)
             .query_async(&mut source)
             .await
             .expect("MIGRATE");
         assert_eq!(reply, "OK");
-        keys.len()
     }
 
     /// Every master now says the target owns the slot.
