@@ -308,3 +308,45 @@ fn open_in_background(connection: &Connection, timeout: Duration) {
         let _ = tokio::time::timeout(timeout, connection.ping()).await;
     });
 }
+
+#[cfg(test)]
+mod tests {
+    use redis::IntoConnectionInfo;
+    use redis::sentinel::{SentinelClientBuilder, SentinelServerType};
+
+    use super::*;
+
+    /// Log lines about connecting say what the store connects to, one name for each way of
+    /// reaching Redis.
+    #[test]
+    fn each_opener_names_what_it_leads_to() {
+        let url = "redis://127.0.0.1:1";
+        let manager = ConnectionManagerConfig::new();
+        let single = Opener::Single(redis::Client::open(url).expect("a URL"), manager.clone());
+        let direct = DirectConnections::new(
+            url.into_connection_info().expect("a URL"),
+            None,
+            Duration::from_secs(1),
+        );
+        let cluster = Opener::Cluster(
+            ClusterClient::new(vec![url]).expect("a cluster client"),
+            Arc::new(direct),
+        );
+        let sentinels = SentinelClientBuilder::new(
+            [url.into_connection_info().expect("a URL").addr().clone()],
+            "cache",
+            SentinelServerType::Master,
+        )
+        .and_then(|builder| builder.build())
+        .expect("a sentinel client");
+        let sentinel = Opener::Sentinel(Arc::new(SentinelMaster::new(
+            sentinels,
+            manager,
+            Duration::from_secs(1),
+        )));
+        assert_eq!(
+            [single.target(), cluster.target(), sentinel.target()],
+            ["Redis", "the cluster", "the master the sentinels name"]
+        );
+    }
+}

@@ -752,3 +752,34 @@ async fn a_store_dropped_before_its_cluster_answers_stops_trying() {
     silent.resume();
     assert_eq!(later, after_drop, "no tries after the store was dropped");
 }
+
+/// A cluster that does not answer at the start is tried again ever less often, up to once a
+/// second: not in a loop that would hammer the addresses it was given (and this process' CPU)
+/// for as long as it stays away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_away_at_the_start_is_tried_again_ever_less_often() {
+    // A port that takes connections and closes them at once, counting them.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("a free loopback port");
+    let port = listener.local_addr().expect("its address").port();
+    let tries = Arc::new(AtomicU64::new(0));
+    let counted = Arc::clone(&tries);
+    let acceptor = tokio::spawn(async move {
+        while let Ok((connection, _)) = listener.accept().await {
+            counted.fetch_add(1, Ordering::SeqCst);
+            drop(connection);
+        }
+    });
+    let url = format!("redis+cluster://127.0.0.1:{port}");
+    let store = RedisStore::connect(&url, RedisConfig::default())
+        .await
+        .expect("starts without it");
+    tokio::time::sleep(Duration::from_millis(1_600)).await;
+    // The first try, then tries 0.1, 0.3, 0.7 and 1.5 s after it: five (a slow machine may
+    // see one fewer; a try may open a second connection).
+    let tries = tries.load(Ordering::SeqCst);
+    assert!((3..=10).contains(&tries), "{tries} tries in 1.6 s");
+    drop(store);
+    acceptor.abort();
+}
