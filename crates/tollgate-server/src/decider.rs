@@ -103,11 +103,6 @@ impl Decider {
         self
     }
 
-    /// The shares of global limits, if any.
-    pub fn global(&self) -> Option<&Arc<Shares>> {
-        self.global.as_ref()
-    }
-
     /// The same decider, reporting each limit's `top` busiest keys of each `window` (0 keys:
     /// none, and nothing counted).
     #[must_use]
@@ -422,10 +417,7 @@ impl Decider {
                     .map_err(DecideError::Invalid)
                     .inspect(|outcome| metrics::record_degraded_leases(reason, outcome))
             }
-            Err(err @ PolicyError::Check { .. }) if is_caller_error(&err) => {
-                Err(DecideError::Invalid(err))
-            }
-            Err(err) => Err(DecideError::Internal(err)),
+            Err(err) => Err(refused(err)),
         };
         let elapsed = self.clock.now().saturating_duration_since(started);
         metrics::record_lease_decision(self.backend.name(), elapsed, &outcome);
@@ -498,8 +490,7 @@ impl Decider {
                 metrics::record_store_error(reason);
                 DecideError::Unavailable(reason)
             }
-            err @ PolicyError::Check { .. } if is_caller_error(&err) => DecideError::Invalid(err),
-            err => DecideError::Internal(err),
+            err => refused(err),
         }
     }
 
@@ -574,6 +565,44 @@ mod tests {
     use tollgate_policy::{EngineOptions, PolicyEngine, compile};
 
     use super::*;
+
+    /// The request's faults are answered 400 by every API; anything else is the server's: a
+    /// full lease table, an error that is no check's (a limit the policy does not have).
+    #[test]
+    fn refusals_are_the_callers_or_the_servers() {
+        let check = |source| PolicyError::Check {
+            limit: "l".to_owned(),
+            source,
+        };
+        let callers = [
+            CoreError::InvalidCost {
+                cost: 0,
+                capacity: 1,
+            },
+            CoreError::InvalidRequestId { len: 0 },
+            CoreError::IdempotencyConflict,
+            CoreError::InvalidSettlement { reason: "used" },
+            CoreError::InvalidLeaseId { len: 0 },
+            CoreError::LeaseIdInUse,
+        ];
+        for source in callers {
+            let what = source.to_string();
+            assert!(
+                matches!(refused(check(source)), DecideError::Invalid(_)),
+                "{what}"
+            );
+        }
+        for err in [
+            check(CoreError::TooManyLeases { max: 1 }),
+            check(CoreError::EmptyCheck),
+            PolicyError::UnknownLimit {
+                name: "l".to_owned(),
+            },
+        ] {
+            let what = err.to_string();
+            assert!(matches!(refused(err), DecideError::Internal(_)), "{what}");
+        }
+    }
 
     /// A decision's future holds what the memory store needs, not the Redis store's futures:
     /// every request copies it into a box (7 KB each, before those were boxed).

@@ -513,6 +513,98 @@ mod tests {
         }
     }
 
+    /// Each bound of a request (the HTTP API's too) holds at its value and refuses one past
+    /// it, as an invalid argument naming what is wrong.
+    #[test]
+    fn requests_are_refused_just_past_each_bound() {
+        use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+        use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+        use tollgate_policy::{EngineOptions, PolicyEngine, compile};
+
+        use crate::decider::Backend;
+
+        let policy = compile("p.yaml", "limits: []").expect("policy");
+        let engine = Arc::new(PolicyEngine::new(policy, EngineOptions::default()));
+        let decider = Decider::new(engine, Backend::Memory);
+        let entry = |key: String, value: String| Entry { key, value };
+        let request = |domain: String, descriptors: Vec<Vec<Entry>>| RateLimitRequest {
+            domain,
+            descriptors: descriptors
+                .into_iter()
+                .map(|entries| RateLimitDescriptor {
+                    entries,
+                    ..RateLimitDescriptor::default()
+                })
+                .collect(),
+            ..RateLimitRequest::default()
+        };
+        let many = |count| vec![entry("k".to_owned(), "v".to_owned()); count];
+        let one = || many(1);
+        let fine = [
+            request("d".repeat(MAX_NAME_BYTES), vec![one()]),
+            request("d".to_owned(), vec![one(); MAX_DESCRIPTORS]),
+            request("d".to_owned(), vec![many(MAX_ENTRIES)]),
+            request(
+                "d".to_owned(),
+                vec![vec![entry("k".repeat(MAX_NAME_BYTES), String::new())]],
+            ),
+            request(
+                "d".to_owned(),
+                vec![vec![entry("k".to_owned(), "v".repeat(MAX_VALUE_BYTES))]],
+            ),
+        ];
+        for mut request in fine {
+            let sizes = (request.domain.len(), request.descriptors.len());
+            assert!(parse(&mut request, false, &decider).is_ok(), "{sizes:?}");
+        }
+        let refused = [
+            (
+                request(String::new(), vec![one()]),
+                "domain must be 1 to 256",
+            ),
+            (
+                request("d".repeat(MAX_NAME_BYTES + 1), vec![one()]),
+                "domain must be 1 to 256",
+            ),
+            (
+                request("d".to_owned(), vec![one(); MAX_DESCRIPTORS + 1]),
+                "at most 32 descriptors",
+            ),
+            (
+                request("d".to_owned(), vec![one(), many(MAX_ENTRIES + 1)]),
+                "descriptors[1]: at most 32 entries",
+            ),
+            (
+                request(
+                    "d".to_owned(),
+                    vec![vec![entry(String::new(), "v".to_owned())]],
+                ),
+                "descriptors[0]: entry keys must be 1 to 256",
+            ),
+            (
+                request(
+                    "d".to_owned(),
+                    vec![vec![entry("k".repeat(MAX_NAME_BYTES + 1), "v".to_owned())]],
+                ),
+                "descriptors[0]: entry keys must be 1 to 256",
+            ),
+            (
+                request(
+                    "d".to_owned(),
+                    vec![vec![entry("k".to_owned(), "v".repeat(MAX_VALUE_BYTES + 1))]],
+                ),
+                "descriptors[0]: entry values must be at most 1024",
+            ),
+        ];
+        for (mut request, message) in refused {
+            let Err(status) = parse(&mut request, false, &decider) else {
+                panic!("{message}: accepted");
+            };
+            assert_eq!(status.code(), tonic::Code::InvalidArgument, "{message}");
+            assert!(status.message().starts_with(message), "{status:?}");
+        }
+    }
+
     #[test]
     fn current_limit_picks_a_whole_unit() {
         let cases = [

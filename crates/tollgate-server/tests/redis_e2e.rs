@@ -32,6 +32,12 @@ limits:
     capacity: 100
     refill: 100/s
     failure_mode: closed
+  - name: watched-shadow
+    domain: strict
+    key: [watched]
+    capacity: 100
+    refill: 100/s
+    mode: shadow
   - name: open-limit
     domain: lenient
     key: [user]
@@ -371,6 +377,11 @@ fn redis_killed_under_closed_and_open_limits() {
         lenient_allowed += usize::from(answer.status == 200);
     }
     assert_eq!(lenient_allowed, 3, "the emergency budget, never unlimited");
+    // Forward-auth fails closed too, and says why.
+    let headers = [("x-tollgate-user", "quinn")];
+    let answer = request(server.http, "GET", "/v1/forward-auth/strict", &headers, "");
+    assert_eq!(answer.status, 503, "{}", answer.body);
+    assert_eq!(answer.body, "rate limiter store unavailable");
     // A cost the emergency budget can never hold is a rejection of that limit, with its real
     // figures: not a limit reported as allowed beside a made-up Retry-After.
     let big = r#"{"domain":"lenient","descriptors":[{"user":"big"}],"cost":5}"#;
@@ -402,6 +413,11 @@ fn redis_killed_under_closed_and_open_limits() {
     );
     assert!(
         metrics.contains(r#"tollgate_degraded_decisions_total{reason="#),
+        "{metrics}"
+    );
+    // Decided without Redis, still timed as the Redis store's decisions.
+    assert!(
+        metrics.contains(r#"tollgate_decision_duration_seconds_count{api="http",store="redis"}"#),
         "{metrics}"
     );
 }
@@ -503,6 +519,18 @@ async fn rls_with_redis_down_fails_closed_descriptor_by_descriptor() {
     .await;
     assert_eq!(unmatched.overall_code, Code::OverLimit as i32);
     let codes: Vec<i32> = unmatched.statuses.iter().map(|s| s.code).collect();
+    assert_eq!(codes, [Code::OverLimit as i32, Code::Ok as i32]);
+    // A descriptor whose only limit is a shadow one never fails closed, though it cannot be
+    // decided either.
+    let shadowed = ask(
+        "strict",
+        vec![
+            descriptor(&[("user", "q")], None),
+            descriptor(&[("watched", "w")], None),
+        ],
+    )
+    .await;
+    let codes: Vec<i32> = shadowed.statuses.iter().map(|s| s.code).collect();
     assert_eq!(codes, [Code::OverLimit as i32, Code::Ok as i32]);
     // Failing open, a check-only descriptor reports the emergency budget and passes.
     let lenient = ask("lenient", vec![descriptor(&[("user", "q")], Some(0))]).await;
