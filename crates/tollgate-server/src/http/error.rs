@@ -28,11 +28,6 @@ impl ApiError {
         Self::new(StatusCode::BAD_REQUEST, code, message)
     }
 
-    /// The stable machine-readable code.
-    pub fn code(&self) -> &'static str {
-        self.code
-    }
-
     /// The message for people.
     pub fn message(&self) -> &str {
         &self.message
