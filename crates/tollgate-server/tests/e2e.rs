@@ -1202,6 +1202,17 @@ fn wrong_method_is_a_json_error() {
     assert_eq!(request(server.http, "GET", "/nope", &[], "").status, 404);
 }
 
+/// `/v1/noop`, the baseline `tollgate bench` measures the decision against: a short body on
+/// either method.
+#[test]
+fn the_noop_endpoint_answers_without_deciding() {
+    let server = Server::start(&[]);
+    for method in ["GET", "POST"] {
+        let answer = request(server.http, method, "/v1/noop", &[], "{}");
+        assert_eq!((answer.status, answer.body.as_str()), (200, "noop\n"));
+    }
+}
+
 #[test]
 fn bad_requests_are_4xx_and_the_server_keeps_serving() {
     let server = Server::start(&[]);
@@ -2160,6 +2171,28 @@ fn an_operator_resets_a_drained_users_buckets() {
         .collect();
     assert_eq!(resets.len(), 1, "{audited}");
     assert_eq!(resets[0]["bucket_key"], "per-user|rita");
+
+    // At most 64 limits may be named (the same one again counts again).
+    let naming = |n: usize| {
+        let names = vec!["per-user"; n];
+        let body = serde_json::json!({"domain": "api", "descriptors": [{"user": "sam"}],
+            "limits": names});
+        request(server.http, "POST", "/v1/reset", &auth, &body.to_string())
+    };
+    let answer = naming(65);
+    assert_eq!(answer.status, 400, "{}", answer.body);
+    assert_eq!(answer.json()["error"]["code"], "too_large");
+    assert_eq!(
+        post_json(server.http, "/v1/check", &check_body("sam")).status,
+        429
+    );
+    let answer = naming(64);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(answer.json()["reset"][0]["bucket_key"], "per-user|sam");
+    assert_eq!(
+        post_json(server.http, "/v1/check", &check_body("sam")).status,
+        200
+    );
 }
 
 /// A server on `limits` (a policy's `limits:` list) with the forward-auth `flags`, and its

@@ -35,8 +35,21 @@ limits:
     refill: 1/h
 "#;
 
+/// What the tests read of the logs: the global limits' background rounds alone.
+const GLOBAL_LOGS: &str = "tollgate_server::global=info";
+
 fn in_region(config: &Path, redis: &RedisServer, region: &str) -> Server {
-    Server::start(&[
+    in_region_with(config, redis, region, Server::start)
+}
+
+/// A region's server, started by `start` (with its logs or without).
+fn in_region_with<T>(
+    config: &Path,
+    redis: &RedisServer,
+    region: &str,
+    start: impl FnOnce(&[&str]) -> T,
+) -> T {
+    start(&[
         "--config",
         path_str(config),
         "--global-store",
@@ -67,10 +80,10 @@ fn two_regions_share_a_global_limit_without_over_admitting() {
     let redis = RedisServer::start();
     let scratch = Scratch::new("global-shared");
     let config = scratch.write("policy.yaml", POLICY);
-    let regions = [
-        in_region(&config, &redis, "eu"),
-        in_region(&config, &redis, "us"),
-    ];
+    let (eu, eu_logs) = in_region_with(&config, &redis, "eu", |args| {
+        Server::start_logging(args, GLOBAL_LOGS)
+    });
+    let regions = [eu, in_region(&config, &redis, "us")];
     let clock = MonotonicClock::new();
     let start = clock.now();
     let run = Duration::from_secs(2);
@@ -136,7 +149,13 @@ fn two_regions_share_a_global_limit_without_over_admitting() {
         assert_eq!(worldwide["remaining"], 39, "{}", explain.body);
     }
     let [eu, us] = regions;
-    assert!(eu.terminate().success());
+    // On the way out each region gives back what its reservoirs still hold, and says so.
+    let logs = eu.terminate_and_read(eu_logs);
+    assert!(
+        logs.contains("gave back the global limits' unspent reservoirs"),
+        "{logs}"
+    );
+    assert!(!logs.contains("did not answer"), "{logs}");
     assert!(us.terminate().success());
 }
 
@@ -147,7 +166,9 @@ fn with_the_global_store_killed_a_region_spends_what_it_holds_then_fails_as_conf
     let mut redis = RedisServer::start();
     let scratch = Scratch::new("global-killed");
     let config = scratch.write("policy.yaml", POLICY);
-    let server = in_region(&config, &redis, "eu");
+    let (server, logs) = in_region_with(&config, &redis, "eu", |args| {
+        Server::start_logging(args, GLOBAL_LOGS)
+    });
     // Fill both reservoirs with a few requests and a round or two.
     for n in 0..5 {
         assert_eq!(check(&server, "api", "acme", &format!("u{n}")), 200);
@@ -190,10 +211,13 @@ fn with_the_global_store_killed_a_region_spends_what_it_holds_then_fails_as_conf
         );
         std::thread::yield_now();
     }
+    // Failed rounds are logged; nothing is given back to a store that is gone.
+    let logs = server.terminate_and_read(logs);
     assert!(
-        server.terminate().success(),
-        "stops even with the global store gone"
+        logs.contains("the global store did not answer part of a rebalancing round"),
+        "{logs}"
     );
+    assert!(!logs.contains("gave back"), "{logs}");
 }
 
 #[test]
