@@ -1749,10 +1749,18 @@ fn idempotent_retries_over_http() {
     let retry = post_json(server.http, "/v1/check", body).json();
     assert_eq!(first, retry);
     assert_eq!(first["limits"][0]["remaining"], 6);
+    // Four of 5/s come back in 800 ms; nothing to wait for now.
+    assert_eq!(first["limits"][0]["reset_after_ms"], 800);
+    assert_eq!(first["limits"][0]["retry_after_ms"], 0);
+    // The same id for another request is a conflict, and charges nothing either.
+    let other = r#"{"domain":"api","descriptors":[{"user":"jo"}],"cost":2,"request_id":"r-1"}"#;
+    let conflict = post_json(server.http, "/v1/check", other);
+    assert_eq!(conflict.status, 409, "{}", conflict.body);
+    assert_eq!(conflict.json()["error"]["code"], "idempotency_conflict");
     let next = post_json(server.http, "/v1/check", &check_body("jo")).json();
     assert_eq!(
         next["limits"][0]["remaining"], 5,
-        "the retry was not charged"
+        "neither the retry nor the conflict was charged"
     );
 }
 

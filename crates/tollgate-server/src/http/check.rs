@@ -710,6 +710,164 @@ mod tests {
             let err = format!("{:?}", parsed(body).err());
             assert!(err.contains("invalid_json"), "{body}: {err}");
         }
+        // The message says what a descriptor must be.
+        let err = format!("{:?}", parsed(r#"{"domain":"a","descriptors":[5]}"#).err());
+        assert!(
+            err.contains("expected an object of entry names to string values"),
+            "{err}"
+        );
+    }
+
+    /// Each bound holds at its value and is refused one past it, with what is wrong.
+    #[test]
+    fn requests_are_refused_just_past_each_bound() {
+        let entry =
+            |key: &str, value: &str| (Cow::Owned(key.to_owned()), Cow::Owned(value.to_owned()));
+        let many = |count: usize| -> Entries<'static> {
+            (0..count).map(|i| entry(&format!("k{i}"), "v")).collect()
+        };
+        let request = |domain: String, descriptors: Vec<Entries<'static>>| Parsed {
+            domain: Cow::Owned(domain),
+            descriptors,
+            cost: 1,
+            request_id: None,
+        };
+        let with_id = |id: String| Parsed {
+            request_id: Some(Cow::Owned(id)),
+            ..request("d".to_owned(), vec![many(1)])
+        };
+        let long = |c: &str, n: usize| c.repeat(n);
+        let fine = [
+            request(long("d", MAX_NAME_BYTES), vec![many(1)]),
+            request("d".to_owned(), vec![many(1); MAX_DESCRIPTORS]),
+            request("d".to_owned(), vec![many(MAX_ENTRIES)]),
+            request(
+                "d".to_owned(),
+                vec![vec![entry(&long("k", MAX_NAME_BYTES), "")]],
+            ),
+            request(
+                "d".to_owned(),
+                vec![vec![entry("k", &long("v", MAX_VALUE_BYTES))]],
+            ),
+            with_id(long("r", MAX_NAME_BYTES)),
+        ];
+        for parsed in &fine {
+            assert!(check_bounds(parsed).is_ok(), "{parsed:?}");
+        }
+        let refused = [
+            (
+                request(String::new(), vec![many(1)]),
+                "domain must not be empty",
+            ),
+            (
+                request(long("d", MAX_NAME_BYTES + 1), vec![many(1)]),
+                "domain is 257 bytes long; at most 256",
+            ),
+            (request("d".to_owned(), vec![]), "at least one descriptor"),
+            (
+                request("d".to_owned(), vec![many(1); MAX_DESCRIPTORS + 1]),
+                "at most 32 descriptors",
+            ),
+            (
+                request("d".to_owned(), vec![many(1), many(MAX_ENTRIES + 1)]),
+                "descriptors[1] must have 1 to 32 entries",
+            ),
+            (
+                request("d".to_owned(), vec![many(0)]),
+                "descriptors[0] must have 1 to 32 entries",
+            ),
+            (
+                request("d".to_owned(), vec![vec![entry("", "v")]]),
+                "descriptors[0] has an empty entry name",
+            ),
+            (
+                request("d".to_owned(), vec![vec![entry("k", "v"), entry("k", "w")]]),
+                "descriptors[0] names entry \\\"k\\\" twice",
+            ),
+            (
+                request(
+                    "d".to_owned(),
+                    vec![vec![entry(&long("k", MAX_NAME_BYTES + 1), "v")]],
+                ),
+                "an entry name is 257 bytes long; at most 256",
+            ),
+            (
+                request(
+                    "d".to_owned(),
+                    vec![vec![entry("k", &long("v", MAX_VALUE_BYTES + 1))]],
+                ),
+                "an entry value is 1025 bytes long; at most 1024",
+            ),
+            (
+                Parsed {
+                    cost: 0,
+                    ..request("d".to_owned(), vec![many(1)])
+                },
+                "cost must be at least 1",
+            ),
+            (with_id(String::new()), "request_id must be 1 to 256 bytes"),
+            (
+                with_id(long("r", MAX_NAME_BYTES + 1)),
+                "request_id must be 1 to 256 bytes",
+            ),
+        ];
+        for (parsed, message) in &refused {
+            let err = format!("{:?}", check_bounds(parsed).err());
+            assert!(err.contains(message), "{message}: {err}");
+        }
+    }
+
+    /// Each kind of refusal from the decision has its own status and code; the store's
+    /// durations go out in whole milliseconds, rounded up.
+    #[test]
+    fn decision_errors_are_answered_by_kind() {
+        let answer = |source| {
+            let err = decide_error(DecideError::Invalid(tollgate_policy::Error::Check {
+                limit: "per-user".to_owned(),
+                source,
+            }));
+            let text = format!("{err:?}");
+            (err.into_response().status(), text)
+        };
+        for (source, status, code) in [
+            (
+                tollgate::Error::IdempotencyConflict,
+                StatusCode::CONFLICT,
+                "idempotency_conflict",
+            ),
+            (
+                tollgate::Error::InvalidRequestId { len: 0 },
+                StatusCode::BAD_REQUEST,
+                "invalid_request_id",
+            ),
+            (
+                tollgate::Error::InvalidCost {
+                    cost: 9,
+                    capacity: 3,
+                },
+                StatusCode::BAD_REQUEST,
+                "invalid_cost",
+            ),
+        ] {
+            let (got, text) = answer(source);
+            assert_eq!(got, status, "{text}");
+            assert!(text.contains(code), "{code}: {text}");
+        }
+    }
+
+    #[test]
+    fn milliseconds_round_up() {
+        use std::time::Duration;
+        for (duration, millis) in [
+            (Duration::ZERO, 0),
+            (Duration::from_nanos(1), 1),
+            (Duration::from_millis(1), 1),
+            (Duration::from_nanos(1_000_001), 2),
+            (Duration::from_secs(60), 60_000),
+            (Duration::MAX, u64::MAX),
+        ] {
+            assert_eq!(millis_ceil(duration), millis, "{duration:?}");
+        }
     }
 
     /// The body as serde would write it from a derived `Serialize`: the reference that
@@ -812,6 +970,9 @@ exemptions:
             "\u{1F600}\\",
             "tab\tonly",
             "nul\u{1}",
+            // Nothing but bytes to escape, so no plain byte sends them the plain way.
+            "\"",
+            "\u{1}",
             "u-bad",
         ] {
             for cost in [1, 2, 3] {
