@@ -12,8 +12,8 @@ use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
 use support::{
-    Scratch, Server, assert_serve_flags_refused, descriptor, path_str, post_json, request, run,
-    serve_refused, serve_refused_with_env, should_rate_limit,
+    Scratch, Server, assert_serve_flags_refused, descriptor, metric, path_str, post_json, request,
+    run, serve_refused, serve_refused_with_env, should_rate_limit,
 };
 
 const POLICY: &str = r#"
@@ -766,6 +766,16 @@ exemptions:
     ]
     .map(|response| response.overall_code);
     assert_eq!(codes, [Code::Ok as i32, Code::OverLimit as i32]);
+    // Counted apart: the exempted calls under `exempt`, the others as decided.
+    let decisions = |result: &str, mode: &str| {
+        let series = format!(
+            r#"tollgate_decisions_total{{limit="per-user",result="{result}",mode="{mode}",api="grpc"}}"#
+        );
+        metric(&server, &series)
+    };
+    assert_eq!(decisions("exempt", "exempt"), 3.0);
+    assert_eq!(decisions("allowed", "enforce"), 1.0);
+    assert_eq!(decisions("rejected", "enforce"), 1.0);
 }
 
 #[test]
@@ -811,9 +821,38 @@ fn metrics_count_decisions() {
         value(r#"tollgate_decision_duration_seconds_count{api="http",store="memory"}"#),
         13.0
     );
+    // Another API's decisions, on the same threads, are timed under its own label.
+    for _ in 0..4 {
+        let headers = [("x-tollgate-user", "hana")];
+        let answer = request(server.http, "GET", "/v1/forward-auth/api", &headers, "");
+        assert_eq!(answer.status, 200, "{}", answer.body);
+    }
+    let metrics = request(server.http, "GET", "/metrics", &[], "").body;
+    for (api, count) in [("http", "13"), ("forward_auth", "4")] {
+        let series =
+            format!(r#"tollgate_decision_duration_seconds_count{{api="{api}",store="memory"}} "#);
+        let counted = metrics.lines().find_map(|line| line.strip_prefix(&series));
+        assert_eq!(counted, Some(count), "{metrics}");
+    }
     // Of the ten allowed, the 9th and 10th left more than 0.8 of the capacity spent.
     let near = r#"tollgate_near_limit_decisions_total{limit="per-user",mode="enforce",api="http"}"#;
     assert_eq!(value(near), 2.0);
+    // Every family comes with its help text.
+    let families: Vec<&str> = metrics
+        .lines()
+        .filter_map(|line| line.strip_prefix("# TYPE "))
+        .filter_map(|typed| typed.split(' ').next())
+        .collect();
+    assert!(families.len() >= 5, "{metrics}");
+    for family in families {
+        assert!(
+            metrics.contains(&format!("# HELP {family} ")),
+            "no help for {family}"
+        );
+    }
+    assert!(metrics.contains(
+        "# HELP tollgate_decisions_total Limit decisions by limit, result, mode and API.\n"
+    ));
 }
 
 /// `--near-limit-ratio` moves the line: at 0.5, the allowed decisions that left more than 5
