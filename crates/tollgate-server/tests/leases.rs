@@ -111,6 +111,9 @@ fn leases_up_to_max_in_flight_then_429_until_one_is_released() {
     // The two acquires that took acme's last slot left it full: past 0.8 of max_in_flight.
     let near = r#"tollgate_near_limit_decisions_total{limit="exports-per-tenant",mode="enforce",api="leases"}"#;
     assert_eq!(metric(&server, near), 2.0);
+    // Only the lease no concurrency limit applied to is unmatched.
+    let unmatched = r#"tollgate_unmatched_requests_total{api="leases"}"#;
+    assert_eq!(metric(&server, unmatched), 1.0);
     assert_eq!(
         metric(
             &server,
@@ -152,6 +155,9 @@ fn bad_lease_requests_are_4xx_and_change_nothing() {
             answer.body
         );
     }
+    // Each counted once as invalid, the cost no limit can hold as well as the bad bodies.
+    let invalid = r#"tollgate_invalid_requests_total{api="leases"}"#;
+    assert_eq!(metric(&server, invalid), bodies.len() as f64);
     for (id, status) in [
         ("not%20an%20id", 400),
         (&*"x".repeat(65), 400),

@@ -177,6 +177,7 @@ async fn fair_shares((server, _scratch): (Server, Scratch)) {
     let quiet = vec![usage(&[("tenant", "b")], 3, 0, SECOND)];
     assert_eq!(rate(second.report("edge", quiet).await), 4);
     assert_eq!(rate(first.report("edge", busy()).await), 5);
+    assert_eq!(metric(&server, "tollgate_rlqs_streams"), 2.0);
 
     // When an Envoy leaves, its demand goes with it, once the server has seen its stream
     // end: asked again until then (at most 5 s), not after a guess at how long that takes.
@@ -190,6 +191,8 @@ async fn fair_shares((server, _scratch): (Server, Scratch)) {
         }
     }
     assert_eq!(alone, 10, "the first Envoy is alone again");
+    // Its stream was counted out before its demand was forgotten.
+    assert_eq!(metric(&server, "tollgate_rlqs_streams"), 1.0);
 }
 
 #[tokio::test]
