@@ -369,3 +369,26 @@ fn a_retried_acquire_with_a_request_id_returns_the_lease_it_holds() {
     assert_eq!(anew.json()["lease_id"], lease.as_str());
     assert!(anew.json().get("repeated").is_none());
 }
+
+/// A deny limit holds on the lease path too: no lease, no wait offered, and the decision
+/// counted as `denied`, apart from a concurrency limit run dry.
+#[test]
+fn a_deny_refuses_a_lease_and_is_counted_as_denied() {
+    let scratch = Scratch::new("leases-deny");
+    let policy = format!(
+        "{POLICY}  - name: blocked\n    domain: api\n    when: {{tenant: evil}}\n    deny: true\n"
+    );
+    let config = scratch.write("policy.yaml", &policy);
+    let server = Server::start(&["--config", path_str(&config)]);
+    let answer = post_json(server.http, "/v1/leases", &export("evil"));
+    assert_eq!(answer.status, 429, "{}", answer.body);
+    assert!(answer.json()["lease_id"].is_null(), "{}", answer.body);
+    assert!(answer.header("retry-after").is_none(), "{}", answer.body);
+    let denied =
+        r#"tollgate_decisions_total{limit="blocked",result="denied",mode="enforce",api="leases"}"#;
+    assert_eq!(metric(&server, denied), 1.0);
+    assert_eq!(
+        post_json(server.http, "/v1/leases", &export("acme")).status,
+        200
+    );
+}
