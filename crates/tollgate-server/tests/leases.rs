@@ -155,7 +155,7 @@ fn bad_lease_requests_are_4xx_and_change_nothing() {
             answer.body
         );
     }
-    // Each counted once as invalid, the cost no limit can hold as well as the bad bodies.
+    // Each counted once as invalid, under the lease API (a lease has no cost to give).
     let invalid = r#"tollgate_invalid_requests_total{api="leases"}"#;
     assert_eq!(metric(&server, invalid), bodies.len() as f64);
     for (id, status) in [
