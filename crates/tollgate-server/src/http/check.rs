@@ -736,20 +736,19 @@ mod tests {
             request_id: Some(Cow::Owned(id)),
             ..request("d".to_owned(), vec![many(1)])
         };
-        let long = |c: &str, n: usize| c.repeat(n);
         let fine = [
-            request(long("d", MAX_NAME_BYTES), vec![many(1)]),
+            request("d".repeat(MAX_NAME_BYTES), vec![many(1)]),
             request("d".to_owned(), vec![many(1); MAX_DESCRIPTORS]),
             request("d".to_owned(), vec![many(MAX_ENTRIES)]),
             request(
                 "d".to_owned(),
-                vec![vec![entry(&long("k", MAX_NAME_BYTES), "")]],
+                vec![vec![entry(&"k".repeat(MAX_NAME_BYTES), "")]],
             ),
             request(
                 "d".to_owned(),
-                vec![vec![entry("k", &long("v", MAX_VALUE_BYTES))]],
+                vec![vec![entry("k", &"v".repeat(MAX_VALUE_BYTES))]],
             ),
-            with_id(long("r", MAX_NAME_BYTES)),
+            with_id("r".repeat(MAX_NAME_BYTES)),
         ];
         for parsed in &fine {
             assert!(check_bounds(parsed).is_ok(), "{parsed:?}");
@@ -760,7 +759,7 @@ mod tests {
                 "domain must not be empty",
             ),
             (
-                request(long("d", MAX_NAME_BYTES + 1), vec![many(1)]),
+                request("d".repeat(MAX_NAME_BYTES + 1), vec![many(1)]),
                 "domain is 257 bytes long; at most 256",
             ),
             (request("d".to_owned(), vec![]), "at least one descriptor"),
@@ -787,14 +786,14 @@ mod tests {
             (
                 request(
                     "d".to_owned(),
-                    vec![vec![entry(&long("k", MAX_NAME_BYTES + 1), "v")]],
+                    vec![vec![entry(&"k".repeat(MAX_NAME_BYTES + 1), "v")]],
                 ),
                 "an entry name is 257 bytes long; at most 256",
             ),
             (
                 request(
                     "d".to_owned(),
-                    vec![vec![entry("k", &long("v", MAX_VALUE_BYTES + 1))]],
+                    vec![vec![entry("k", &"v".repeat(MAX_VALUE_BYTES + 1))]],
                 ),
                 "an entry value is 1025 bytes long; at most 1024",
             ),
@@ -807,7 +806,7 @@ mod tests {
             ),
             (with_id(String::new()), "request_id must be 1 to 256 bytes"),
             (
-                with_id(long("r", MAX_NAME_BYTES + 1)),
+                with_id("r".repeat(MAX_NAME_BYTES + 1)),
                 "request_id must be 1 to 256 bytes",
             ),
         ];
@@ -817,8 +816,7 @@ mod tests {
         }
     }
 
-    /// Each kind of refusal from the decision has its own status and code; the store's
-    /// durations go out in whole milliseconds, rounded up.
+    /// Each kind of refusal from the decision has its own status and code.
     #[test]
     fn decision_errors_are_answered_by_kind() {
         let answer = |source| {
@@ -878,6 +876,7 @@ mod tests {
         }
     }
 
+    /// Durations go out in whole milliseconds, rounded up: a wait is never shortened.
     #[test]
     fn milliseconds_round_up() {
         use std::time::Duration;
