@@ -202,7 +202,7 @@ impl Decider {
                     request.cost,
                     reason.as_str(),
                 )
-                .map_err(DecideError::Invalid),
+                .map_err(refused),
             other => other,
         }
     }
@@ -375,7 +375,7 @@ impl Decider {
                 request.cost,
                 reason.as_str(),
             )
-            .map_err(DecideError::Invalid)?;
+            .map_err(refused)?;
         metrics::record_degraded(reason, &outcome);
         Ok(outcome)
     }
@@ -414,7 +414,7 @@ impl Decider {
                 metrics::record_store_error(reason);
                 self.engine
                     .acquire_degraded(domain, descriptors, lease_id, reason.as_str())
-                    .map_err(DecideError::Invalid)
+                    .map_err(refused)
                     .inspect(|outcome| metrics::record_degraded_leases(reason, outcome))
             }
             Err(err) => Err(refused(err)),

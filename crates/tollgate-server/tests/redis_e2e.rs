@@ -45,6 +45,13 @@ limits:
     refill: 100/s
     failure_mode: open
     emergency: 3/h
+  - name: lenient-shadow
+    domain: lenient
+    key: [watched]
+    capacity: 100
+    refill: 100/s
+    mode: shadow
+    failure_mode: closed
 "#;
 
 /// `tollgate serve` with `config`, on the store at `url`, plus `args`. The store timeout is 2 s,
@@ -377,6 +384,21 @@ fn redis_killed_under_closed_and_open_limits() {
         lenient_allowed += usize::from(answer.status == 200);
     }
     assert_eq!(lenient_allowed, 3, "the emergency budget, never unlimited");
+    // A shadow limit beside the enforced one is decided without the store too, but no client
+    // is held to it: it is not counted as a degraded decision.
+    let watched = r#"{"domain":"strict","descriptors":[{"user":"quinn","watched":"w"}]}"#;
+    let answer = post_json(server.http, "/v1/check", watched);
+    assert_eq!(answer.status, 503, "{}", answer.body);
+    assert_eq!(answer.json()["limits"][1]["name"], "watched-shadow");
+    // A shadow limit failing closed beside an enforced one failing open: the request is
+    // decided by the enforced one's emergency budget, and the shadow one is counted as
+    // unavailable, not as passed over.
+    let shadowed = r#"{"domain":"lenient","descriptors":[{"user":"wendy","watched":"w"}]}"#;
+    let answer = post_json(server.http, "/v1/check", shadowed);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(answer.json()["degraded"], true);
+    let series = r#"tollgate_decisions_total{limit="lenient-shadow",result="unavailable",mode="shadow",api="http"}"#;
+    assert_eq!(support::metric(&server, series), 1.0);
     // Forward-auth fails closed too, and says why.
     let headers = [("x-tollgate-user", "quinn")];
     let answer = request(server.http, "GET", "/v1/forward-auth/strict", &headers, "");
@@ -411,10 +433,14 @@ fn redis_killed_under_closed_and_open_limits() {
         !metrics.contains(r#"tollgate_store_errors_total{reason="timeout"}"#),
         "a refused connection is not a timeout: {metrics}"
     );
-    assert!(
-        metrics.contains(r#"tollgate_degraded_decisions_total{reason="#),
-        "{metrics}"
-    );
+    // One per enforced limit decided without the store: 20 strict checks, the shadowed one
+    // and the forward-auth request failed closed, 21 lenient checks and the big one open.
+    let degraded = |mode| {
+        let label = format!("failure_mode=\"{mode}\"");
+        support::metric_sum(&server, "tollgate_degraded_decisions_total", &label)
+    };
+    assert_eq!(degraded("closed"), 22.0, "{metrics}");
+    assert_eq!(degraded("open"), 22.0, "{metrics}");
     // Decided without Redis, still timed as the Redis store's decisions.
     assert!(
         metrics.contains(r#"tollgate_decision_duration_seconds_count{api="http",store="redis"}"#),
@@ -729,6 +755,13 @@ limits:
     lease_timeout: 1h
     failure_mode: open
     emergency: 2
+  - name: watched-slots
+    domain: lenient
+    key: [tenant]
+    algorithm: concurrency
+    max_in_flight: 10
+    lease_timeout: 1h
+    mode: shadow
 "#;
 
 fn lease_body(domain: &str, tenant: &str) -> String {
@@ -850,6 +883,40 @@ fn redis_killed_under_concurrency_limits() {
     );
     assert_eq!(explained.status, 503, "{}", explained.body);
     assert_eq!(explained.json()["error"]["code"], "store_unavailable");
+    // One per enforced limit of each lease request decided without the store: 5 strict ones
+    // failed closed, 6 lenient ones open (their shadow limit is not counted, nor are an
+    // explanation or a release, which decide nothing).
+    let degraded = |mode| {
+        let label = format!("failure_mode=\"{mode}\"");
+        support::metric_sum(&server, "tollgate_degraded_decisions_total", &label)
+    };
+    assert_eq!(degraded("closed"), 5.0);
+    assert_eq!(degraded("open"), 6.0);
+}
+
+/// While Redis is down, leases failing open are held in this process's table, bounded by
+/// `--max-leases`: a full table is the server's limit, answered 503 `lease_table_full`, not a
+/// caller's bad request.
+#[test]
+fn a_full_emergency_lease_table_is_not_the_callers_fault() {
+    let mut redis = RedisServer::start();
+    let scratch = Scratch::new("full-emergency-leases");
+    let config = scratch.write("policy.yaml", LEASES);
+    let server = on_store(&config, &redis.url(), &["--max-leases", "1"]);
+    // Held in Redis, not in the process's table.
+    for tenant in ["a", "b"] {
+        let answer = post_json(server.http, "/v1/leases", &lease_body("lenient", tenant));
+        assert_eq!(answer.status, 200, "{}", answer.body);
+    }
+    redis.kill();
+    let answer = post_json(server.http, "/v1/leases", &lease_body("lenient", "c"));
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(answer.json()["degraded"], true);
+    let full = post_json(server.http, "/v1/leases", &lease_body("lenient", "d"));
+    assert_eq!(full.status, 503, "{}", full.body);
+    assert_eq!(full.json()["error"]["code"], "lease_table_full");
+    let invalid = r#"tollgate_invalid_requests_total{api="leases"}"#;
+    assert_eq!(support::metric(&server, invalid), 0.0);
 }
 
 /// Envoys on RLQS through two tollgate processes on one Redis: every assignment is paid in the

@@ -475,6 +475,18 @@ pub fn metric(server: &Server, series: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// The sum of `server`'s `/metrics` lines of the family `name` that carry `label` (say
+/// `failure_mode="open"`) whatever their other labels: 0 when there is none.
+pub fn metric_sum(server: &Server, name: &str, label: &str) -> f64 {
+    let text = request(server.http, "GET", "/metrics", &[], "").body;
+    text.lines()
+        .filter_map(|line| line.strip_prefix(name)?.strip_prefix('{'))
+        .filter_map(|rest| rest.split_once("} "))
+        .filter(|(labels, _)| labels.split(',').any(|pair| pair == label))
+        .filter_map(|(_, value)| value.trim().parse::<f64>().ok())
+        .sum()
+}
+
 /// Runs Prometheus' promtool (from `TOLLGATE_PROMTOOL`, else the `PATH`) with `args` in `dir`,
 /// failing the test with its output when it fails, or with what to install when it is missing.
 pub fn run_promtool(dir: &Path, args: &[&str]) {
