@@ -1466,7 +1466,8 @@ async fn grpc_health_beside_rls_and_a_watch_ends_at_the_stop() {
 #[test]
 fn sigterm_shuts_down_cleanly() {
     let server = Server::start(&[]);
-    assert_eq!(request(server.http, "GET", "/healthz", &[], "").status, 200);
+    let health = request(server.http, "GET", "/healthz", &[], "");
+    assert_eq!((health.status, health.body.as_str()), (200, "ok\n"));
     assert_eq!(
         request(server.http, "GET", "/readyz", &[], "").json()["ready"],
         true
@@ -1846,6 +1847,8 @@ limits:
     algorithm: concurrency
     max_in_flight: 2
     lease_timeout: 30s
+    failure_mode: open
+    emergency: 1
 exemptions:
   - limit: per-user
     when: {user: vip}
@@ -1907,6 +1910,9 @@ exemptions:
     let exports = &limits[2];
     assert_eq!(exports["max_in_flight"], 2);
     assert_eq!(exports["lease_timeout"], "30s");
+    // An emergency of leases is a number in flight, not a rate.
+    assert_eq!(exports["failure_mode"], "open");
+    assert_eq!(exports["emergency"], 1);
     let exemption = &body["exemptions"][0];
     assert_eq!(exemption["limit"], "per-user");
     assert_eq!(exemption["when"]["user"], "vip");
@@ -2115,7 +2121,9 @@ limits:
         (&serde_json::json!(true), &serde_json::json!("deny"))
     );
     assert!(
-        ips.get("capacity").is_none() && ips.get("failure_mode").is_none(),
+        ips.get("capacity").is_none()
+            && ips.get("failure_mode").is_none()
+            && ips.get("replaces").is_none(),
         "{ips}"
     );
     assert_eq!(

@@ -55,6 +55,7 @@ fn leases_up_to_max_in_flight_then_429_until_one_is_released() {
         assert_eq!(body["policy_version"], "leases-1");
         let limit = &body["limits"][0];
         assert_eq!(limit["name"], "exports-per-tenant");
+        assert_eq!(limit["allowed"], true);
         assert_eq!(limit["in_flight"], in_flight);
         assert_eq!(limit["capacity"], 2);
         assert_eq!(limit["remaining"], 2 - in_flight);
@@ -69,6 +70,7 @@ fn leases_up_to_max_in_flight_then_429_until_one_is_released() {
     let body = full.json();
     assert_eq!(body["allowed"], false);
     assert!(body["lease_id"].is_null(), "a rejection holds nothing");
+    assert_eq!(body["limits"][0]["allowed"], false);
     assert_eq!(body["limits"][0]["in_flight"], 2);
     // The oldest lease times out within the hour: the latest a slot frees itself.
     let retry: u64 = full.header("retry-after").unwrap().parse().unwrap();
@@ -158,14 +160,29 @@ fn bad_lease_requests_are_4xx_and_change_nothing() {
     // Each counted once as invalid, under the lease API (a lease has no cost to give).
     let invalid = r#"tollgate_invalid_requests_total{api="leases"}"#;
     assert_eq!(metric(&server, invalid), bodies.len() as f64);
-    for (id, status) in [
-        ("not%20an%20id", 400),
-        (&*"x".repeat(65), 400),
-        ("00000000000000000000000000000000", 404),
+    for (id, code) in [
+        ("not%20an%20id", "invalid_lease_id"),
+        (&*"x".repeat(65), "invalid_lease_id"),
+        ("00000000000000000000000000000000", "lease_not_found"),
     ] {
         let answer = release(&server, id);
-        assert_eq!(answer.status, status, "{id}: {}", answer.body);
+        assert_eq!(
+            answer.json()["error"]["code"],
+            code,
+            "{id}: {}",
+            answer.body
+        );
+        let renewed = post_json(server.http, &format!("/v1/leases/{id}/renew"), "");
+        assert_eq!(
+            renewed.json()["error"]["code"],
+            code,
+            "{id}: {}",
+            renewed.body
+        );
     }
+    // A lease id that cannot be one is a bad request too; one that could be, but is held
+    // nowhere, is not.
+    assert_eq!(metric(&server, invalid), bodies.len() as f64 + 4.0);
     assert_eq!(
         request(server.http, "GET", "/v1/leases", &[], "").status,
         405
@@ -360,6 +377,8 @@ fn a_retried_acquire_with_a_request_id_returns_the_lease_it_holds() {
     let again = post_json(server.http, "/v1/leases", &with_id("9b2f-retry"));
     assert_eq!(again.status, 200, "{}", again.body);
     assert_eq!(again.json()["allowed"], true);
+    // Allowed on its limit too, full as it is: this lease is one of the two it holds.
+    assert_eq!(again.json()["limits"][0]["allowed"], true);
     assert_eq!(again.json()["limits"][0]["in_flight"], 2);
 
     // Given back, the request id takes a lease again (the same id: it is derived from it).

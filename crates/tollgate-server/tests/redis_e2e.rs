@@ -841,6 +841,12 @@ fn redis_killed_under_concurrency_limits() {
         let answer = post_json(server.http, "/v1/leases", &lease_body("strict", "t"));
         assert_eq!(answer.status, 503, "fails closed: {}", answer.body);
         assert_eq!(answer.json()["error"]["code"], "store_unavailable");
+        assert_eq!(
+            answer.json()["limits"][0]["allowed"],
+            false,
+            "{}",
+            answer.body
+        );
     }
     // Open: a per-process table of `emergency` slots, never unlimited; its leases are given
     // back here too.
