@@ -148,6 +148,57 @@ async fn a_call_is_answered_in_one_frame_or_several() {
     assert_eq!(decoded(&answer).statuses[0].limit_remaining, 6);
 }
 
+/// Envoy forwards tracing and custom metadata as headers: a call carrying kilobytes of them is
+/// answered, and the server refuses only a header block past 16 KiB, never reading it whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_with_kilobytes_of_headers_is_answered_up_to_the_limit() {
+    let server = Server::start(&[]);
+    let message = encoded("carol");
+    let whole = framed(0, message.len() as u32, &message);
+    let metadata: &'static str = Box::leak("a".repeat(8 * 1024).into_boxed_str());
+    let answer = call(
+        &server,
+        &[("x-trace-context", metadata)],
+        vec![whole.clone()],
+    )
+    .await;
+    assert_eq!(decoded(&answer).overall_code, Code::Ok as i32);
+
+    let stream = tokio::net::TcpStream::connect(server.grpc)
+        .await
+        .expect("connect to the gRPC port");
+    let (client, connection) = h2::client::handshake(stream).await.expect("a handshake");
+    tokio::spawn(connection);
+    let mut client = client.ready().await.expect("ready to send");
+    let request = http::Request::post(format!("http://tollgate{PATH}"))
+        .header("content-type", "application/grpc")
+        .header("x-trace-context", "a".repeat(32 * 1024))
+        .body(())
+        .expect("a request");
+    let refused = match client.send_request(request, false) {
+        // The client may refuse to send what the server said it would not take.
+        Err(_) => true,
+        Ok((answer, mut sending)) => {
+            let _ = sending.send_data(whole.clone(), true);
+            answer.await.map_or(true, |answer| answer.status() != 200)
+        }
+    };
+    assert!(refused, "a 32 KiB header block was answered");
+    // A message of 2 MiB is read whole and decided (its value is past the bounds of a
+    // descriptor entry), not refused as too large to read, as one past 4 MiB is.
+    let huge = RateLimitRequest {
+        domain: "api".to_owned(),
+        descriptors: vec![descriptor(&[("user", &"u".repeat(2 << 20))])],
+        hits_addend: 1,
+    }
+    .encode_to_vec();
+    let answer = call(&server, &[], vec![framed(0, huge.len() as u32, &huge)]).await;
+    assert_eq!(answer.status, "3", "{}", answer.message);
+    // And the server goes on serving.
+    let answer = call(&server, &[], vec![whole]).await;
+    assert_eq!(decoded(&answer).overall_code, Code::Ok as i32);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_calls_are_refused_as_tonic_refuses_them_and_charge_nothing() {
     let server = Server::start(&[]);
