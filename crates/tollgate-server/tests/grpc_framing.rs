@@ -21,18 +21,23 @@ struct Answer {
     message: String,
 }
 
+/// A new HTTP/2 connection to the gRPC port, ready to send.
+async fn connect(server: &Server) -> h2::client::SendRequest<Bytes> {
+    let stream = tokio::net::TcpStream::connect(server.grpc)
+        .await
+        .expect("connect to the gRPC port");
+    let (client, connection) = h2::client::handshake(stream).await.expect("a handshake");
+    tokio::spawn(connection);
+    client.ready().await.expect("ready to send")
+}
+
 /// Sends one call on a new connection, with `headers` added and `frames` as its data frames.
 async fn call(
     server: &Server,
     headers: &[(&'static str, &'static str)],
     frames: Vec<Bytes>,
 ) -> Answer {
-    let stream = tokio::net::TcpStream::connect(server.grpc)
-        .await
-        .expect("connect to the gRPC port");
-    let (client, connection) = h2::client::handshake(stream).await.expect("a handshake");
-    tokio::spawn(connection);
-    let mut client = client.ready().await.expect("ready to send");
+    let mut client = connect(server).await;
     let mut request = http::Request::post(format!("http://tollgate{PATH}"))
         .header("content-type", "application/grpc")
         .header("te", "trailers")
@@ -164,12 +169,7 @@ async fn a_call_with_kilobytes_of_headers_is_answered_up_to_the_limit() {
     .await;
     assert_eq!(decoded(&answer).overall_code, Code::Ok as i32);
 
-    let stream = tokio::net::TcpStream::connect(server.grpc)
-        .await
-        .expect("connect to the gRPC port");
-    let (client, connection) = h2::client::handshake(stream).await.expect("a handshake");
-    tokio::spawn(connection);
-    let mut client = client.ready().await.expect("ready to send");
+    let mut client = connect(&server).await;
     let request = http::Request::post(format!("http://tollgate{PATH}"))
         .header("content-type", "application/grpc")
         .header("x-trace-context", "a".repeat(32 * 1024))
