@@ -154,9 +154,10 @@ async fn a_call_is_answered_in_one_frame_or_several() {
 }
 
 /// Envoy forwards tracing and custom metadata as headers: a call carrying kilobytes of them is
-/// answered, and the server refuses only a header block past 16 KiB, never reading it whole.
+/// answered, and only a header block past the server's 16 KiB is refused. A message is read
+/// up to 4 MiB.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_call_with_kilobytes_of_headers_is_answered_up_to_the_limit() {
+async fn a_call_is_answered_up_to_the_header_and_message_limits() {
     let server = Server::start(&[]);
     let message = encoded("carol");
     let whole = framed(0, message.len() as u32, &message);

@@ -435,17 +435,20 @@ fn redis_killed_under_closed_and_open_limits() {
     );
     // One per enforced limit decided without the store: 20 strict checks, the shadowed one
     // and the forward-auth request failed closed, 21 lenient checks and the big one open.
-    let degraded = |mode| {
-        let label = format!("failure_mode=\"{mode}\"");
-        support::metric_sum(&server, "tollgate_degraded_decisions_total", &label)
-    };
-    assert_eq!(degraded("closed"), 22.0, "{metrics}");
-    assert_eq!(degraded("open"), 22.0, "{metrics}");
+    assert_eq!(degraded(&server, "closed"), 22.0, "{metrics}");
+    assert_eq!(degraded(&server, "open"), 22.0, "{metrics}");
     // Decided without Redis, still timed as the Redis store's decisions.
     assert!(
         metrics.contains(r#"tollgate_decision_duration_seconds_count{api="http",store="redis"}"#),
         "{metrics}"
     );
+}
+
+/// The decisions `server` made without the store on limits failing `mode` (`open` or
+/// `closed`), whatever the reason.
+fn degraded(server: &Server, mode: &str) -> f64 {
+    let label = format!("failure_mode=\"{mode}\"");
+    support::metric_sum(server, "tollgate_degraded_decisions_total", &label)
 }
 
 fn descriptor(entries: &[(&str, &str)], hits: Option<u64>) -> RateLimitDescriptor {
@@ -892,12 +895,8 @@ fn redis_killed_under_concurrency_limits() {
     // One per enforced limit of each lease request decided without the store: 5 strict ones
     // failed closed, 6 lenient ones open (their shadow limit is not counted, nor are an
     // explanation or a release, which decide nothing).
-    let degraded = |mode| {
-        let label = format!("failure_mode=\"{mode}\"");
-        support::metric_sum(&server, "tollgate_degraded_decisions_total", &label)
-    };
-    assert_eq!(degraded("closed"), 5.0);
-    assert_eq!(degraded("open"), 6.0);
+    assert_eq!(degraded(&server, "closed"), 5.0);
+    assert_eq!(degraded(&server, "open"), 6.0);
 }
 
 /// While Redis is down, leases failing open are held in this process's table, bounded by
