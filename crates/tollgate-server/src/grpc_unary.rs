@@ -231,3 +231,36 @@ impl Body for Unary {
         self.message.is_none() && self.trailers.is_none()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The answer's body says it has ended only once the trailers, which carry the status,
+    /// have gone: a server that trusted an earlier end would send a message without a status.
+    #[tokio::test]
+    async fn an_answer_ends_after_its_trailers() {
+        let mut trailers = HeaderMap::new();
+        trailers.insert(GRPC_STATUS, HeaderValue::from_static("0"));
+        let mut body = std::pin::pin!(Unary {
+            message: Some(Bytes::from_static(b"answer")),
+            trailers: Some(trailers),
+        });
+        assert!(!body.is_end_stream());
+        let data = body
+            .frame()
+            .await
+            .and_then(Result::ok)
+            .map(Frame::into_data);
+        assert!(matches!(data, Some(Ok(bytes)) if bytes == "answer"));
+        assert!(!body.is_end_stream(), "ended before its trailers");
+        let trailers = body
+            .frame()
+            .await
+            .and_then(Result::ok)
+            .map(Frame::into_trailers);
+        assert!(matches!(trailers, Some(Ok(fields)) if fields[GRPC_STATUS] == "0"));
+        assert!(body.is_end_stream());
+        assert!(body.frame().await.is_none());
+    }
+}

@@ -155,7 +155,7 @@ async fn a_call_is_answered_in_one_frame_or_several() {
 
 /// Envoy forwards tracing and custom metadata as headers: a call carrying kilobytes of them is
 /// answered, and only a header block past the server's 16 KiB is refused. A message is read
-/// up to 4 MiB.
+/// up to 4 MiB, and a call is refused once more than that has come.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_is_answered_up_to_the_header_and_message_limits() {
     let server = Server::start(&[]);
@@ -185,16 +185,29 @@ async fn a_call_is_answered_up_to_the_header_and_message_limits() {
         }
     };
     assert!(refused, "a 32 KiB header block was answered");
-    // A message of 2 MiB is read whole and decided (its value is past the bounds of a
-    // descriptor entry), not refused as too large to read, as one past 4 MiB is.
-    let huge = RateLimitRequest {
+    // A message of exactly 4 MiB is read whole and decided (its value is past the bounds of
+    // a descriptor entry), not refused as too large to read.
+    let limit = 4 << 20;
+    let of_value = |len: usize| RateLimitRequest {
         domain: "api".to_owned(),
-        descriptors: vec![descriptor(&[("user", &"u".repeat(2 << 20))])],
+        descriptors: vec![descriptor(&[("user", &"u".repeat(len))])],
         hits_addend: 1,
-    }
-    .encode_to_vec();
-    let answer = call(&server, &[], vec![framed(0, huge.len() as u32, &huge)]).await;
+    };
+    let overhead = of_value(limit).encoded_len() - limit;
+    let huge = of_value(limit - overhead).encode_to_vec();
+    assert_eq!(huge.len(), limit);
+    let whole_huge = framed(0, huge.len() as u32, &huge);
+    let answer = call(&server, &[], vec![whole_huge.clone()]).await;
     assert_eq!(answer.status, "3", "{}", answer.message);
+    // One byte more is refused as too large as soon as it arrives, counted as read: not read
+    // on to the end and refused as a second message.
+    let answer = call(&server, &[], vec![whole_huge, Bytes::from_static(&[0])]).await;
+    assert_eq!(answer.status, "11", "{}", answer.message);
+    let text = percent_decoded(&answer.message);
+    assert!(
+        text.contains(&format!("found {} bytes", limit + 1)),
+        "{text}"
+    );
     // And the server goes on serving.
     let answer = call(&server, &[], vec![whole]).await;
     assert_eq!(decoded(&answer).overall_code, Code::Ok as i32);
