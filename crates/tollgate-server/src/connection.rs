@@ -628,9 +628,9 @@ impl HeadTimeout {
             ready!(self.ticker.poll_tick(cx));
             match self.activity.head_pending() {
                 None => self.pending_checks = 0,
-                Some(started) if self.pending_checks > 0 && started == self.started => {
-                    self.pending_checks += 1;
-                }
+                // Still the head the last check saw (after a check that saw none, the count
+                // is back at 0 and this is a first check, as below).
+                Some(started) if started == self.started => self.pending_checks += 1,
                 // A head began since the last check (which may have been just before it).
                 Some(started) => {
                     self.started = started;
@@ -796,11 +796,157 @@ mod tests {
         tracked.write_all(b"HTTP/1.1 200 OK\r\n\r\n").await.unwrap();
         assert_eq!(expired(&mut head).await, None, "timed out while kept alive");
 
-        // The next head starts and stalls: it times out, counted from its first bytes.
+        // The next head starts just before a check and stalls: it times out a whole timeout
+        // after its first bytes, not at the fourth check that saw it.
+        let mut head = HeadTimeout::new(activity.clone(), timeout);
+        tokio::time::sleep(timeout / CHECKS_PER_PERIOD - Duration::from_millis(1)).await;
         client.write_all(b"GET / HT").await.unwrap();
         let _ = tracked.read(&mut buf).await.unwrap();
         let waited = expired(&mut head).await.expect("a stalled head times out");
         assert!(waited >= timeout && waited <= timeout * 5 / 4, "{waited:?}");
+    }
+
+    /// Timeouts are kept between a millisecond and a year, whatever was asked; the drain has
+    /// no floor (a zero drops the open connections at once).
+    #[test]
+    fn timeouts_are_kept_between_a_millisecond_and_a_year() {
+        let year = Duration::from_secs(365 * 24 * 3600);
+        let asked = ConnectionLimits {
+            max_connections: 7,
+            header_timeout: Duration::MAX,
+            idle_timeout: Duration::ZERO,
+            drain_timeout: Duration::ZERO,
+        };
+        let kept = Connections::new(asked).limits;
+        assert_eq!(
+            kept,
+            ConnectionLimits {
+                max_connections: 7,
+                header_timeout: year,
+                idle_timeout: Duration::from_millis(1),
+                drain_timeout: Duration::ZERO,
+            }
+        );
+        let asked = ConnectionLimits {
+            max_connections: 7,
+            header_timeout: Duration::from_secs(2),
+            idle_timeout: year * 2,
+            drain_timeout: Duration::MAX,
+        };
+        let kept = Connections::new(asked).limits;
+        assert_eq!(kept.header_timeout, Duration::from_secs(2));
+        assert_eq!((kept.idle_timeout, kept.drain_timeout), (year, year));
+    }
+
+    /// The log lines written under a test's dispatcher.
+    #[derive(Clone, Default)]
+    struct Lines(Arc<parking_lot::Mutex<Vec<u8>>>);
+
+    impl io::Write for Lines {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            self.0.lock().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// A connection's task that panics (a bug) is logged as such, and the listener goes on
+    /// serving the next connections.
+    #[tokio::test]
+    async fn a_connection_task_that_panics_is_logged_and_the_rest_are_served() {
+        let lines = Lines::default();
+        let writer = lines.clone();
+        let dispatch = tracing::Dispatch::new(
+            tracing_subscriber::fmt()
+                .with_writer(move || writer.clone())
+                .with_ansi(false)
+                .without_time()
+                .finish(),
+        );
+        // Every task of this (current-thread) runtime logs under the dispatcher.
+        let _logging = tracing::dispatcher::set_default(&dispatch);
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = watch::channel(false);
+        let mut served = 0;
+        let serving = tokio::spawn(serve_each(
+            admit(listener, Arc::new(Gate::new(4))),
+            stopped,
+            Listener::Grpc,
+            Duration::from_secs(5),
+            move |mut admitted: Admitted| {
+                served += 1;
+                let first = served == 1;
+                async move {
+                    assert!(!first, "the first connection's task panics");
+                    admitted.stream.write_all(b"served").await.unwrap();
+                }
+            },
+        ));
+        for expected in [&b""[..], b"served", b"served"] {
+            let mut client = TcpStream::connect(addr).await.unwrap();
+            let mut read = Vec::new();
+            let _ = client.read_to_end(&mut read).await;
+            assert_eq!(read, expected);
+        }
+        stop.send(true).unwrap();
+        tokio::time::timeout(Duration::from_secs(5), serving)
+            .await
+            .expect("stopped")
+            .unwrap();
+        let text = String::from_utf8(lines.0.lock().clone()).unwrap();
+        let panicked: Vec<&str> = text
+            .lines()
+            .filter(|line| line.contains("a connection's task panicked"))
+            .collect();
+        assert_eq!(panicked.len(), 1, "{text}");
+        assert!(
+            panicked[0].contains("ERROR") && panicked[0].contains("listener=\"grpc\""),
+            "{text}"
+        );
+    }
+
+    /// Only reads that bring bytes count: the end of the client's stream is not it speaking.
+    #[tokio::test]
+    async fn the_end_of_a_clients_stream_is_not_counted_as_a_read() {
+        let (mut client, server) = pair().await;
+        let (mut tracked, activity) = Tracked::new(server);
+        client.write_all(b"hi").await.unwrap();
+        client.shutdown().await.unwrap();
+        let mut buf = [0u8; 16];
+        assert_eq!(tracked.read(&mut buf).await.unwrap(), 2);
+        assert_eq!(tracked.read(&mut buf).await.unwrap(), 0);
+        assert_eq!(tracked.read(&mut buf).await.unwrap(), 0);
+        assert_eq!(activity.reads(), 1);
+    }
+
+    /// Checks that each find a head partway in, but each another head (the one before was
+    /// completed and answered in between), do not add up to a timeout: a busy client is not
+    /// timed out for being caught mid-head often.
+    #[tokio::test(start_paused = true)]
+    async fn checks_that_each_see_another_head_do_not_add_up() {
+        let timeout = Duration::from_secs(40);
+        let (mut client, server) = pair().await;
+        let (mut tracked, activity) = Tracked::new(server);
+        let mut head = HeadTimeout::new(activity.clone(), timeout);
+        let mut buf = [0u8; 64];
+        // A millisecond over a check's period, so that each round holds exactly one check.
+        let round = timeout / CHECKS_PER_PERIOD + Duration::from_millis(1);
+        for request in 0..3 * CHECKS_PER_PERIOD {
+            client.write_all(b"GET / HT").await.unwrap();
+            let _ = tracked.read(&mut buf).await.unwrap();
+            let check = std::future::poll_fn(|cx| head.poll_expired(cx));
+            let expired = tokio::time::timeout(round, check).await.is_ok();
+            assert!(!expired, "timed out at request {request}");
+            client.write_all(b"TP/1.1\r\n\r\n").await.unwrap();
+            let _ = tracked.read(&mut buf).await.unwrap();
+            activity.request_started();
+            activity.request_responded();
+            tracked.write_all(b"HTTP/1.1 200 OK\r\n\r\n").await.unwrap();
+        }
     }
 
     /// At the bound, the next connection waits for one to close.
