@@ -377,15 +377,15 @@ mod tests {
     #[test]
     fn keys_above_a_counters_share_are_held_and_never_undercounted() {
         // 8 counters: any key with more than 1/8 of the decisions is held, and a key that took
-        // a counter over counts at most 1/8 of them. Two heavy keys (1/2 and 1/4) among a
-        // stream of distinct light ones.
+        // a counter over counts at most 1/8 of them. Two heavy keys (1/2 and 1/4) among light
+        // ones that come back after their counters were taken over.
         let mut summary = Summary::new(8);
         let mut truth: HashMap<String, u64> = HashMap::new();
         for i in 0..1000u64 {
             let key = match i % 4 {
                 0 | 1 => "heavy-a".to_owned(),
                 2 => "heavy-b".to_owned(),
-                _ => format!("light-{i}"),
+                _ => format!("light-{}", i % 60),
             };
             *truth.entry(key.clone()).or_default() += 1;
             summary.count(&key, false);
@@ -481,6 +481,19 @@ mod tests {
         assert!(hot.last_window(at(250)).is_empty());
     }
 
+    /// Each thread draws its own sequence, so that traffic in step with one thread's draws is
+    /// not in step with another's.
+    #[test]
+    fn each_thread_is_seeded_apart() {
+        let seeds: Vec<u64> = (0..4)
+            .map(|_| std::thread::spawn(seed).join().unwrap())
+            .collect();
+        for (at, seed) in seeds.iter().enumerate() {
+            assert_ne!(*seed, 0);
+            assert!(!seeds[..at].contains(seed), "{seeds:?}");
+        }
+    }
+
     #[test]
     fn about_one_decision_in_the_sample_is_counted() {
         let counted = (0..80_000).filter(|_| sampled()).count();
@@ -489,6 +502,38 @@ mod tests {
             counted.abs_diff(expected) < expected / 10,
             "{counted} of 80000 sampled"
         );
+    }
+
+    /// A long key is cut at the last character boundary within the bound, never past it.
+    #[test]
+    fn a_long_key_is_cut_within_the_bound() {
+        // Two-byte characters from an odd offset: the bound falls inside one.
+        let key = format!("l|x{}", "\u{e9}".repeat(300));
+        let cut = short_key(&key);
+        let (head, hash) = cut.split_once('\u{2026}').unwrap();
+        assert_eq!(head.len(), LONGEST_LABEL - 1);
+        assert!(key.starts_with(head));
+        assert_eq!(hash.len(), 16);
+        assert_eq!(short_key("l|short"), "l|short");
+    }
+
+    /// Traffic in step with the draws cannot hide: whichever of every `period` decisions are
+    /// a key's, about one in [`SAMPLE`] of them is counted.
+    #[test]
+    fn traffic_in_step_with_a_period_is_sampled_alike() {
+        for period in [2usize, 3, 8, 16] {
+            let mut counted = vec![0usize; period];
+            for i in 0..period * 8000 {
+                counted[i % period] += usize::from(sampled());
+            }
+            for (phase, &n) in counted.iter().enumerate() {
+                // 1000 expected, with a standard deviation of about 30.
+                assert!(
+                    n.abs_diff(1000) < 150,
+                    "period {period}, phase {phase}: {n}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -958,7 +958,11 @@ fn metrics_name_the_busiest_keys_of_the_last_window() {
     // Sampled one in 8: at least half of the 400 fell in one window, estimated within wide
     // bounds of it.
     assert!((100.0..=800.0).contains(&decisions), "{decisions}");
-    assert!(rejections > 0.0 && rejections <= decisions, "{rejections}");
+    // All but the busy user's first 3 checks were rejected: at most 3 sampled were not.
+    assert!(
+        rejections <= decisions && rejections >= decisions - 3.0 * 8.0,
+        "{rejections} of {decisions}"
+    );
     // Every quiet user checked once: none is reported near the busy one.
     for (key, decisions, _) in &reported {
         if key != "per-user|busy" {
