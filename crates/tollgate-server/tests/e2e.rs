@@ -958,7 +958,8 @@ fn metrics_name_the_busiest_keys_of_the_last_window() {
     // Sampled one in 8: at least half of the 400 fell in one window, estimated within wide
     // bounds of it.
     assert!((100.0..=800.0).contains(&decisions), "{decisions}");
-    // All but the busy user's first 3 checks were rejected: at most 3 sampled were not.
+    // The bucket holds 3 and refills one a minute: all but the busy user's first 3 checks
+    // were rejected, so at most 3 sampled ones were not.
     assert!(
         rejections <= decisions && rejections >= decisions - 3.0 * 8.0,
         "{rejections} of {decisions}"
