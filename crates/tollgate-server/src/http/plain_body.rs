@@ -217,6 +217,22 @@ mod tests {
         let parsed = read(r#"{"domain":"a","descriptors":[],"request_id":null,"cost":0}"#).unwrap();
         assert!(parsed.descriptors.is_empty());
         assert_eq!((parsed.cost, parsed.request_id), (0, None));
+        // Spaces and DEL are plain in a JSON string: only the bytes below a space end a run.
+        let parsed =
+            super::read(b"{\"domain\":\"a b\",\"descriptors\":[{\"user\":\" \x7f~\"}]}").unwrap();
+        assert_eq!(parsed.domain, "a b");
+        assert_eq!(parsed.descriptors[0][0].1, " \u{7f}~");
+        // Every cost of 19 digits fits a u64 and is read here (20 go to serde, below).
+        for (digits, cost) in [
+            ("1000000000000000000", 1_000_000_000_000_000_000),
+            ("9999999999999999999", 9_999_999_999_999_999_999),
+        ] {
+            let body = format!(r#"{{"domain":"a","descriptors":[],"cost":{digits}}}"#);
+            assert_eq!(
+                super::read(body.as_bytes()).map(|parsed| parsed.cost),
+                Some(cost)
+            );
+        }
     }
 
     #[test]
