@@ -604,3 +604,87 @@ fn reservations_give_back_what_they_did_not_use_when_they_end() {
         (2.into(), 2.into())
     );
 }
+
+/// A reservation is settled at its end and no sooner, on every rate limit it was charged on
+/// (not a concurrency limit, which holds no tokens, nor one it is exempt from), after the leases that ended before it; a retried
+/// line's reservation is settled once, and a line that used all it reserved is no
+/// reservation at all.
+#[test]
+fn reservations_settle_at_their_end_after_leases_that_ended_first() {
+    let dir = Scratch::new("simulate-settle-order");
+    let policy = dir.write(
+        "policy.yaml",
+        "\
+version: settle
+limits:
+  - name: tokens-per-user
+    domain: llm
+    key: [user]
+    capacity: 1000
+    refill: 1/d
+  - name: tokens-total
+    domain: llm
+    capacity: 2000
+    refill: 1/d
+  - name: in-flight
+    domain: llm
+    key: [user]
+    algorithm: concurrency
+    max_in_flight: 1
+    lease_timeout: 1m
+exemptions:
+  - limit: tokens-total
+    when: {user: u2}
+    owner: ops@example.com
+    reason: batch
+    expires: 2026-11-30T00:00:00Z
+",
+    );
+    let request = |time: &str, user: &str, cost: u64, rest: &str| {
+        format!(
+            r#"{{"time":"2026-11-29T10:00:{time}Z","domain":"llm","descriptors":[{{"user":"{user}"}}],"cost":{cost}{rest}}}"#
+        )
+    };
+    let trace = [
+        // u1 reserves 600 and uses 100, for 10 s (its lease and its reservation end at 10 s).
+        request(
+            "00",
+            "u1",
+            600,
+            r#","used":100,"duration_ms":10000,"request_id":"r-1""#,
+        ),
+        // A retry of it: the first decision again, charged and settled once.
+        request(
+            "01",
+            "u1",
+            600,
+            r#","used":100,"duration_ms":10000,"request_id":"r-1""#,
+        ),
+        // 400 left until 10 s: not yet given back, so this is refused.
+        request("05", "u1", 500, ""),
+        // u1 holds its slot until 22 s; u2's reservation ends later, at 25 s.
+        request("20", "u1", 1, r#","duration_ms":2000"#),
+        request("20", "u2", 100, r#","used":50,"duration_ms":5000"#),
+        // u1's slot was given back at 22 s, before u2's settlement comes due.
+        request("23", "u1", 1, r#","duration_ms":1000"#),
+        // Used all it reserved: nothing to settle.
+        request("30", "u3", 10, r#","used":10"#),
+    ];
+    let trace = dir.write("trace.jsonl", &trace.join("\n"));
+    let report = simulate_json(&[path_str(&trace), "--config", path_str(&policy)]);
+    let p = &report["policies"][0];
+    assert_eq!(
+        (p["allowed"].clone(), p["rejected"].clone()),
+        (6.into(), 1.into()),
+        "{p}"
+    );
+    assert_eq!(limit(p, "tokens-per-user")["rejected"], 1, "{p}");
+    assert_eq!(limit(p, "in-flight")["rejected"], 0, "{p}");
+    assert_eq!(
+        (p["settled"].clone(), p["settle_missed"].clone()),
+        (2.into(), 0.into()),
+        "{p}"
+    );
+    // 500 back on each of u1's two token buckets, 50 on u2's one (exempt from the other).
+    assert_eq!(p["given_back"], 2 * 500 + 50, "{p}");
+}

@@ -96,14 +96,13 @@ fn parse_window(text: &str) -> Result<Duration, String> {
     }
 }
 
+/// An interval of the timeline: a whole number of milliseconds (the only durations
+/// `parse_duration` reads), and not 0.
 fn parse_interval(text: &str) -> Result<Duration, String> {
-    let interval = parse_duration(text)?;
-    if interval < Duration::from_millis(1) || interval.subsec_nanos() % 1_000_000 != 0 {
-        return Err(format!(
-            "{text}: an interval is a whole number of milliseconds, at least 1ms"
-        ));
+    match parse_duration(text)? {
+        Duration::ZERO => Err(format!("{text}: an interval is at least 1ms")),
+        interval => Ok(interval),
     }
-    Ok(interval)
 }
 
 /// Why a simulation could not run.
@@ -234,7 +233,8 @@ impl Simulation {
                 outcome
                     .limits
                     .iter()
-                    .filter(|limit| limit.exempted_by.is_none() && limit.decision.is_some())
+                    // Exempt limits are not decided, so hold no decision.
+                    .filter(|limit| limit.decision.is_some())
                     .count() as u64
             })
     }
@@ -707,5 +707,46 @@ mod tests {
         let report = simulator.report("t");
         assert_eq!(report.policies[0].counts.allowed, 2);
         assert_eq!(report.policies[0].counts.rejected, 1);
+    }
+
+    #[test]
+    fn a_line_as_long_as_the_bound_is_a_request() {
+        let (mut simulator, _scratch) = simulator("bound");
+        let padded = |len: usize| {
+            let mut line = LINE.trim_end_matches('}').to_owned();
+            line.push_str(&" ".repeat(len - line.len() - 1));
+            line + "}\r\n"
+        };
+        simulator.feed(padded(MAX_LINE_BYTES).as_bytes());
+        simulator.feed(padded(MAX_LINE_BYTES + 1).as_bytes());
+        let report = simulator.report("t");
+        assert_eq!((report.trace.requests, report.trace.skipped), (1, 1));
+        assert!(
+            report.trace.first_skipped[0]
+                .error
+                .contains("65537 bytes long")
+        );
+    }
+
+    #[test]
+    fn intervals_are_whole_milliseconds_and_not_zero() {
+        for (text, interval) in [
+            ("1ms", 1),
+            ("250ms", 250),
+            ("1500ms", 1500),
+            ("2m", 120_000),
+        ] {
+            assert_eq!(parse_interval(text), Ok(Duration::from_millis(interval)));
+        }
+        for (text, why) in [
+            ("0ms", "at least 1ms"),
+            ("0d", "at least 1ms"),
+            ("1.5s", "unknown unit"),
+            ("ms", "not a duration"),
+            ("999us", "unknown unit"),
+        ] {
+            let refused = parse_interval(text).unwrap_err();
+            assert!(refused.contains(why), "{text}: {refused}");
+        }
     }
 }
