@@ -57,6 +57,7 @@ fn a_burst_is_cut_at_the_capacity_and_refills_on_the_trace_time() {
     assert_eq!(report["trace"]["first"], "2026-11-29T10:00:00Z");
     let policy = &report["policies"][0];
     assert_eq!(policy["version"], "small");
+    assert_eq!(policy["requests"], 15);
     assert_eq!(policy["allowed"], 5 + 1 + 3);
     assert_eq!(policy["rejected"], 5 + 1);
     let per_user = limit(policy, "per-user");
@@ -197,8 +198,14 @@ exemptions:
     // one rejected by per-user included, which a shadow limit reports uncharged).
     assert_eq!(shadow["would_reject"], 5);
     assert_eq!(shadow["rejected"], 0);
-    // Requests allowed that the shadow limit would have stopped.
+    // Requests allowed that the shadow limit would have stopped, all in the one minute.
     assert_eq!(policy["would_reject"], 4);
+    let timeline = policy["timeline"].as_array().expect("a timeline");
+    assert_eq!(
+        (timeline.len(), &timeline[0]["would_reject"]),
+        (1, &4.into()),
+        "{timeline:?}"
+    );
 }
 
 #[test]
@@ -687,4 +694,33 @@ exemptions:
     );
     // 500 back on each of u1's two token buckets, 50 on u2's one (exempt from the other).
     assert_eq!(p["given_back"], 2 * 500 + 50, "{p}");
+}
+
+/// A request no limit applies to is unmatched; one that only a concurrency limit applies to,
+/// and that took its lease, is not.
+#[test]
+fn requests_no_limit_applies_to_are_counted_unmatched() {
+    let dir = Scratch::new("simulate-unmatched");
+    let policy = dir.write(
+        "policy.yaml",
+        &format!(
+            "{BUCKET}  - name: jobs-in-flight\n    domain: jobs\n    key: [user]\n    \
+             algorithm: concurrency\n    max_in_flight: 1\n    lease_timeout: 10s\n"
+        ),
+    );
+    let trace = [
+        line("2026-11-29T10:00:00Z", "u1"),
+        r#"{"time":"2026-11-29T10:00:01Z","domain":"web","descriptors":[{"user":"u1"}]}"#
+            .to_owned(),
+        r#"{"time":"2026-11-29T10:00:02Z","domain":"jobs","descriptors":[{"user":"u1"}],"duration_ms":1000}"#
+            .to_owned(),
+    ];
+    let trace = dir.write("trace.jsonl", &trace.join("\n"));
+    let report = simulate_json(&[path_str(&trace), "--config", path_str(&policy)]);
+    let p = &report["policies"][0];
+    assert_eq!(
+        (&p["requests"], &p["allowed"], &p["unmatched"], &p["leases"]),
+        (&3.into(), &3.into(), &1.into(), &1.into()),
+        "{p}"
+    );
 }

@@ -414,4 +414,214 @@ mod tests {
         assert_eq!(percent(0, 0), "-");
         assert_eq!(percent(u64::MAX, u64::MAX), "100.00 %");
     }
+
+    fn tally_with_slots(indices: &[u64]) -> Tally {
+        let policy = tollgate_policy::compile("t.yaml", "version: 1\nlimits: []\n").unwrap();
+        let mut tally = Tally::new(&policy, std::time::Duration::from_secs(1), 800);
+        for &index in indices {
+            let slot = Slot {
+                requests: 1,
+                ..Slot::default()
+            };
+            tally.timeline.insert(index, slot);
+        }
+        tally
+    }
+
+    #[test]
+    fn a_timeline_lists_empty_intervals_up_to_its_bound() {
+        let dense = timeline(&tally_with_slots(&[5, 5 + MAX_DENSE_INTERVALS - 1]));
+        assert_eq!(dense.len() as u64, MAX_DENSE_INTERVALS);
+        assert_eq!(dense[0].start, "1970-01-01T00:00:05Z");
+        assert_eq!((dense[0].requests, dense[1].requests), (1, 0));
+        let sparse = timeline(&tally_with_slots(&[5, 5 + MAX_DENSE_INTERVALS]));
+        let starts: Vec<&str> = sparse.iter().map(|slot| slot.start.as_str()).collect();
+        assert_eq!(starts, ["1970-01-01T00:00:05Z", "1970-01-02T03:46:45Z"]);
+        assert!(timeline(&tally_with_slots(&[])).is_empty());
+    }
+
+    fn trace(with_duration: u64) -> TraceSummary {
+        TraceSummary {
+            source: "t.jsonl".to_owned(),
+            lines: 3,
+            requests: 3,
+            skipped: 0,
+            first_skipped: Vec::new(),
+            out_of_order: 0,
+            with_duration,
+            with_used: 0,
+            first: None,
+            last: None,
+            interval_ms: 60_000,
+        }
+    }
+
+    fn policy(file: &str) -> PolicyReport {
+        PolicyReport {
+            file: file.to_owned(),
+            version: "1".to_owned(),
+            counts: Counts {
+                requests: 3,
+                allowed: 3,
+                ..Counts::default()
+            },
+            first_invalid: None,
+            concurrency_limits: 0,
+            leases: 0,
+            leases_timed_out: 0,
+            settled: 0,
+            given_back: 0,
+            settle_missed: 0,
+            limits: vec![limit("per-user", &[], 0)],
+            timeline: vec![slot("2026-11-29T10:00:00Z", 3, 0, 0)],
+        }
+    }
+
+    fn limit(name: &str, top_keys: &[(&str, u64)], other_keys: u64) -> LimitReport {
+        LimitReport {
+            name: name.to_owned(),
+            algorithm: "token_bucket".to_owned(),
+            decisions: 3,
+            rejected: 0,
+            would_reject: 0,
+            exempt: 0,
+            near_limit: 0,
+            first_rejection: None,
+            top_keys: top_keys
+                .iter()
+                .map(|&(key, rejections)| KeyCount {
+                    key: key.to_owned(),
+                    rejections,
+                })
+                .collect(),
+            other_keys,
+        }
+    }
+
+    fn slot(start: &str, requests: u64, rejected: u64, would_reject: u64) -> TimelineSlot {
+        TimelineSlot {
+            start: start.to_owned(),
+            requests,
+            rejected,
+            would_reject,
+        }
+    }
+
+    /// Lines of the text report that only some reports have: none of them in a report where
+    /// nothing they tell of happened.
+    const OCCASIONAL: [&str; 9] = [
+        " from ",
+        "earlier than one before them",
+        "skipped",
+        "reservations settled",
+        "concurrency limits not exercised",
+        "held leases",
+        "most rejected keys",
+        "most rejections in one interval",
+        "compared with",
+    ];
+
+    #[test]
+    fn a_quiet_report_has_no_line_for_what_did_not_happen() {
+        let report = Report {
+            trace: trace(0),
+            policies: vec![policy("a.yaml")],
+        };
+        let text = report.text();
+        assert!(
+            text.starts_with("replayed 3 requests of t.jsonl (3 lines)\n"),
+            "{text}"
+        );
+        for occasional in OCCASIONAL {
+            assert!(!text.contains(occasional), "{occasional}: {text}");
+        }
+        // A concurrency limit is only news when there is one.
+        let report = Report {
+            trace: trace(1),
+            ..report
+        };
+        assert!(!report.text().contains("held leases"), "{}", report.text());
+    }
+
+    #[test]
+    fn a_busy_report_tells_each_thing_that_happened() {
+        let mut trace = trace(0);
+        trace.lines = 4;
+        trace.first = Some("2026-11-29T10:00:00Z".to_owned());
+        trace.last = Some("2026-11-29T10:02:00Z".to_owned());
+        trace.out_of_order = 1;
+        trace.skipped = 1;
+        trace.first_skipped = vec![BadLine {
+            line: 2,
+            error: "not UTF-8".to_owned(),
+        }];
+        let mut a = policy("a.yaml");
+        a.counts.rejected = 1;
+        a.counts.would_reject = 2;
+        a.settle_missed = 1;
+        a.concurrency_limits = 1;
+        a.limits = vec![
+            limit("per-user", &[("per-user|bob", 2)], 1),
+            limit("per-ip", &[], 0),
+        ];
+        a.timeline = vec![
+            slot("2026-11-29T10:00:00Z", 5, 0, 0),
+            slot("2026-11-29T10:01:00Z", 3, 1, 0),
+            slot("2026-11-29T10:02:00Z", 4, 0, 2),
+        ];
+        let mut b = policy("b.yaml");
+        b.counts.rejected = 3;
+        b.settled = 2;
+        b.given_back = 10;
+        b.limits = vec![limit("per-user", &[("per-user|alice", 1)], 0)];
+        let text = Report {
+            trace,
+            policies: vec![a, b],
+        }
+        .text();
+        for expected in [
+            "replayed 3 requests of t.jsonl (4 lines) from 2026-11-29T10:00:00Z to \
+             2026-11-29T10:02:00Z\n",
+            "\n1 requests came earlier than one before them",
+            "\nskipped 1 lines that are not requests:\n  line 2: not UTF-8\n",
+            "\n  0 reservations settled, giving back 0 tokens; 1 ended too late",
+            "\n  2 reservations settled, giving back 10 tokens; 0 ended too late",
+            "\n  1 concurrency limits not exercised",
+            "\n  most rejected keys of per-user: per-user|bob (2)\n    and 1 rejections of keys \
+             past the first 100000 distinct ones",
+            "\n  most rejected keys of per-user: per-user|alice (1)\n",
+            "\n  most rejections in one interval: 0 rejected and 2 would be, of 4 requests, from \
+             2026-11-29T10:02:00Z\n",
+            "\ncompared with a.yaml:\n  b.yaml: rejected 1 -> 3 (+2), would reject 2 -> 0 (-2)\n",
+        ] {
+            assert!(text.contains(expected), "{expected}: {text}");
+        }
+        for (line, times) in [
+            ("most rejected keys", 2),
+            ("keys past the first", 1),
+            ("most rejections in one interval", 1),
+            ("held leases", 0),
+        ] {
+            assert_eq!(text.matches(line).count(), times, "{line}: {text}");
+        }
+    }
+
+    #[test]
+    fn leases_are_told_when_lines_say_how_long_requests_ran() {
+        let mut a = policy("a.yaml");
+        a.concurrency_limits = 1;
+        a.leases = 2;
+        a.leases_timed_out = 1;
+        let text = Report {
+            trace: trace(1),
+            policies: vec![a, policy("b.yaml")],
+        }
+        .text();
+        assert!(
+            text.contains("\n  2 requests held leases; 1 of those outlived their lease_timeout\n"),
+            "{text}"
+        );
+        assert_eq!(text.matches("held leases").count(), 1, "{text}");
+        assert!(!text.contains("not exercised"), "{text}");
+    }
 }

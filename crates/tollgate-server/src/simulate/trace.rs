@@ -212,6 +212,10 @@ mod tests {
         let cases = [
             (r#"{"domain":"api","descriptors":[{"user":"u1"}]}"#, "time"),
             (
+                r#"{"time":true,"domain":"api","descriptors":[{"user":"u1"}]}"#,
+                "invalid type: boolean `true`, expected an RFC 3339 instant such as",
+            ),
+            (
                 r#"{"time":0,"domain":"api","descriptors":[{"user":"u1"}],"cots":2}"#,
                 "unknown field `cots`",
             ),
