@@ -612,10 +612,10 @@ fn reservations_give_back_what_they_did_not_use_when_they_end() {
     );
 }
 
-/// A reservation is settled at its end and no sooner, on every rate limit it was charged on
-/// (not a concurrency limit, which holds no tokens, nor one it is exempt from), after the leases that ended before it; a retried
-/// line's reservation is settled once, and a line that used all it reserved is no
-/// reservation at all.
+/// A reservation is settled at its end and no sooner, after the leases that ended before it,
+/// on every rate limit it was charged on (not a concurrency limit, which holds no tokens, nor
+/// one it is exempt from); a retried line's reservation is settled once, and a line that used
+/// all it reserved is no reservation at all.
 #[test]
 fn reservations_settle_at_their_end_after_leases_that_ended_first() {
     let dir = Scratch::new("simulate-settle-order");
@@ -667,7 +667,7 @@ exemptions:
             600,
             r#","used":100,"duration_ms":10000,"request_id":"r-1""#,
         ),
-        // 400 left until 10 s: not yet given back, so this is refused.
+        // u1's bucket holds 400 until 10 s (nothing given back yet): refused by it.
         request("05", "u1", 500, ""),
         // u1 holds its slot until 22 s; u2's reservation ends later, at 25 s.
         request("20", "u1", 1, r#","duration_ms":2000"#),
