@@ -394,6 +394,21 @@ async fn bad_reports_end_the_stream_with_invalid_argument_and_charge_nothing() {
     // The server still serves.
     let mut envoy = Envoy::connect(&server).await;
     assert_eq!(envoy.report("edge", vec![ok()]).await.len(), 1);
+    // A report covering the longest time a protobuf duration holds is no error: the
+    // time-to-live is capped, and so is the time a renewal waits for the next report.
+    let ancient = BucketQuotaUsage {
+        time_elapsed: Some(ProtoDuration {
+            seconds: i64::MAX,
+            nanos: 999_999_999,
+        }),
+        ..usage(&[("tenant", "d")], 1, 0, SECOND)
+    };
+    let mut envoy = Envoy::connect(&server).await;
+    assert!(token_rate(&mut envoy, vec![ancient]).await > 0);
+    assert!(matches!(
+        renewal(&mut envoy).await[..],
+        [Assigned::Tokens { .. }]
+    ));
 }
 
 #[tokio::test]

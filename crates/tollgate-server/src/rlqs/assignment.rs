@@ -218,6 +218,32 @@ mod tests {
     }
 
     #[test]
+    fn an_assignment_is_extendable_only_with_its_margin_to_run() {
+        let start = Timestamp::ZERO;
+        let (assignment, _) = Assignment::fresh(10, SECOND, start, 2 * SECOND);
+        let margin = SECOND / 2;
+        assert!(assignment.extendable(start, margin));
+        let last = start + Duration::from_nanos(1_499_999_999);
+        assert!(assignment.extendable(last, margin));
+        // The extension would arrive as it expires: Envoy may have started a new bucket.
+        assert!(!assignment.extendable(start + SECOND + margin, margin));
+        assert!(!assignment.extendable(start + 3 * SECOND, margin));
+        assert!(!assignment.extendable(start + 3 * SECOND, Duration::ZERO));
+    }
+
+    #[test]
+    fn a_replaced_assignment_gives_back_the_refill_past_its_margin() {
+        let start = Timestamp::ZERO;
+        let (assignment, _) = Assignment::fresh(10, SECOND, start, 2 * SECOND);
+        // Paid until 2 s; replaced at 1 s, reaching the Envoy within 250 ms: 0.75 s of
+        // refill can never be spent, 7.5 tokens, rounded down.
+        assert_eq!(assignment.unused(start + SECOND, SECOND / 4), 7);
+        assert_eq!(assignment.unused(start + SECOND, Duration::ZERO), 10);
+        assert_eq!(assignment.unused(start + 2 * SECOND, Duration::ZERO), 0);
+        assert_eq!(assignment.unused(start + 5 * SECOND, SECOND), 0);
+    }
+
+    #[test]
     fn the_largest_rate_fits_and_one_more_does_not() {
         let cases = [
             (30, SECOND, 2 * SECOND),

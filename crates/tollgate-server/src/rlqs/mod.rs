@@ -230,7 +230,9 @@ impl Drop for Session {
 /// the bounds.
 fn ttl_for(interval: Duration) -> Duration {
     let doubled = interval.saturating_mul(2);
-    let seconds = doubled.as_secs() + u64::from(doubled.subsec_nanos() > 0);
+    let seconds = doubled
+        .as_secs()
+        .saturating_add(u64::from(doubled.subsec_nanos() > 0));
     Duration::from_secs(seconds).clamp(MIN_TTL, MAX_TTL)
 }
 
@@ -360,7 +362,10 @@ impl Session {
             // Envoy reports every bucket it has each interval: one missing from two reports
             // in a row is gone, and renewing it would only pay for tokens no one spends.
             let reported = now.saturating_duration_since(bucket.last_report)
-                <= bucket.interval.saturating_mul(2) + renew_every;
+                <= bucket
+                    .interval
+                    .saturating_mul(2)
+                    .saturating_add(renew_every);
             if !reported {
                 continue;
             }
@@ -585,5 +590,30 @@ impl RateLimitQuotaService for Rlqs {
         Ok(Response::new(
             stream::unfold(session, Session::next).boxed(),
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_time_to_live_is_twice_the_interval_in_whole_seconds_within_bounds() {
+        let ms = Duration::from_millis;
+        assert_eq!(ttl_for(ms(1_000)), Duration::from_secs(2));
+        assert_eq!(ttl_for(ms(1_200)), Duration::from_secs(3));
+        assert_eq!(ttl_for(ms(1_500)), Duration::from_secs(3));
+        assert_eq!(ttl_for(Duration::from_secs(10)), Duration::from_secs(20));
+        assert_eq!(
+            ttl_for(Duration::from_nanos(10_000_000_001)),
+            Duration::from_secs(21)
+        );
+        // Within the bounds: a late report needs two seconds' slack; a policy change must
+        // reach the Envoy within two minutes.
+        assert_eq!(ttl_for(Duration::ZERO), MIN_TTL);
+        assert_eq!(ttl_for(ms(300)), MIN_TTL);
+        assert_eq!(ttl_for(Duration::from_secs(60)), MAX_TTL);
+        assert_eq!(ttl_for(Duration::from_secs(61)), MAX_TTL);
+        assert_eq!(ttl_for(Duration::MAX), MAX_TTL);
     }
 }
