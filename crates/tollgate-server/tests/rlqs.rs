@@ -279,9 +279,16 @@ async fn a_quiet_bucket_is_abandoned() {
     ));
     tokio::time::sleep(Duration::from_millis(1_100)).await;
     assert_eq!(
+        metric(&server, "tollgate_rlqs_given_back_tokens_total"),
+        0.0
+    );
+    assert_eq!(
         assigned(envoy.report("edge", quiet()).await.remove(0)),
         Assigned::Abandon
     );
+    // Its refill was paid 2 s ahead: what lies past the abandonment (and the margin for the
+    // message's trip) goes back.
+    assert!(metric(&server, "tollgate_rlqs_given_back_tokens_total") > 0.0);
     // A request after that subscribes afresh.
     let busy = vec![usage(&[("tenant", "q")], 1, 0, SECOND)];
     assert!(matches!(
@@ -441,6 +448,11 @@ async fn a_reloaded_policy_changes_the_next_assignment() {
         assigned(envoy.report("edge", busy()).await.remove(0)),
         Assigned::Tokens { fill, .. } if fill == SECOND
     ));
+    let tenant = || vec![usage(&[("tenant", "r")], 3, 0, SECOND)];
+    assert!(matches!(
+        assigned(envoy.report("edge", tenant()).await.remove(0)),
+        Assigned::Tokens { .. }
+    ));
     let reload = |text: String| {
         std::fs::write(&config, text).expect("write the policy");
         let answer = request(server.http, "POST", "/v1/policy/reload", &[], "");
@@ -459,14 +471,30 @@ async fn a_reloaded_policy_changes_the_next_assignment() {
         ),
         "{actions:?}"
     );
-    reload(POLICY.replace(
-        "    capacity: 10\n    refill: 1/s",
-        "    capacity: 10\n    refill: 1/s\n    mode: shadow",
-    ));
+    reload(
+        POLICY
+            .replace(
+                "    capacity: 10\n    refill: 1/s",
+                "    capacity: 10\n    refill: 1/s\n    mode: shadow",
+            )
+            .replace(
+                "    capacity: 1000\n    refill: 10/s",
+                "    capacity: 1000\n    refill: 10/s\n    mode: shadow",
+            ),
+    );
     assert!(matches!(
         assigned(envoy.report("edge", busy()).await.remove(0)),
         Assigned::Allow(_)
     ));
+    // The tenant's token bucket was paid for 2 s of refill: once it is `ALLOW_ALL`, what
+    // lies past the margin for the message's trip goes back.
+    let before = metric(&server, "tollgate_rlqs_given_back_tokens_total");
+    assert!(matches!(
+        assigned(envoy.report("edge", tenant()).await.remove(0)),
+        Assigned::Allow(_)
+    ));
+    let given = metric(&server, "tollgate_rlqs_given_back_tokens_total") - before;
+    assert!(given > 0.0, "{given}");
 }
 
 /// An Envoy reporting more buckets than a stream may be assigned gets assignments for the
@@ -649,25 +677,29 @@ async fn renewed_envoys_together_never_get_more_than_the_limit() {
 async fn a_capacity_too_small_for_any_assignment_is_denied_and_logged() {
     let scratch = Scratch::new("rlqs-single");
     let policy = scratch.write("policy.yaml", POLICY);
+    // Renewals a minute apart: none comes during the test, so each warning is a report's.
+    let args = ["--config", policy.to_str().expect("utf-8")];
     let (server, stderr) =
-        Server::start_logging(&["--config", policy.to_str().expect("utf-8")], "warn");
-    let mut envoy = Envoy::connect(&server).await;
-    for _ in 0..2 {
-        let actions = envoy
-            .report("edge", vec![usage(&[("seat", "s")], 1, 0, SECOND)])
-            .await;
-        assert!(
-            matches!(assigned(actions[0]), Assigned::Deny(_)),
-            "{actions:?}"
-        );
+        Server::start_logging(&[&args[..], &["--rlqs-renew-every", "1m"]].concat(), "warn");
+    // Two streams, of two reports and of one: said on the first report of each.
+    for reports in [2, 1] {
+        let mut envoy = Envoy::connect(&server).await;
+        for _ in 0..reports {
+            let actions = envoy
+                .report("edge", vec![usage(&[("seat", "s")], 1, 0, SECOND)])
+                .await;
+            assert!(
+                matches!(assigned(actions[0]), Assigned::Deny(_)),
+                "{actions:?}"
+            );
+        }
     }
     assert_eq!(metric(&server, "tollgate_rlqs_prepaid_tokens_total"), 0.0);
-    drop(envoy);
     let logs = tokio::task::spawn_blocking(move || server.terminate_and_read(stderr))
         .await
         .expect("terminate");
     let said = logs.matches("cannot pay for any assignment").count();
-    assert_eq!(said, 1, "{logs}");
+    assert_eq!(said, 2, "{logs}");
 }
 
 /// A renewal interval outside 10 ms to a minute is refused at the start, in one line.

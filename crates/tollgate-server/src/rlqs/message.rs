@@ -98,3 +98,85 @@ pub(super) fn quota(strategy: RateLimitStrategy, ttl: Duration) -> Action {
         rate_limit_strategy: Some(strategy),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
+
+    use super::*;
+
+    fn id(pairs: impl IntoIterator<Item = (String, String)>) -> Option<BucketId> {
+        Some(BucketId {
+            bucket: pairs.into_iter().collect(),
+        })
+    }
+
+    fn refused(id: Option<BucketId>) -> String {
+        match entries(3, id) {
+            Ok(entries) => panic!("accepted {entries:?}"),
+            Err(status) => {
+                assert_eq!(status.code(), tonic::Code::InvalidArgument);
+                status.message().to_owned()
+            }
+        }
+    }
+
+    #[test]
+    fn a_bucket_id_is_held_to_the_bounds_of_every_api_and_sorted() {
+        let pair = |name: &str, value: &str| (name.to_owned(), value.to_owned());
+        assert_eq!(
+            entries(0, id([pair("b", "1"), pair("a", "")])).ok(),
+            Some(vec![pair("a", ""), pair("b", "1")])
+        );
+        let many = |count: usize| id((0..count).map(|i| (format!("e{i}"), String::new())));
+        assert_eq!(
+            entries(0, many(MAX_ENTRIES)).map(|e| e.len()).ok(),
+            Some(MAX_ENTRIES)
+        );
+        assert!(refused(many(MAX_ENTRIES + 1)).starts_with("bucket_quota_usages[3]: "));
+        assert!(refused(many(0)).contains("1 to 32 entries"));
+        assert!(refused(None).contains("1 to 32 entries"));
+        let name = "n".repeat(MAX_NAME_BYTES);
+        assert!(entries(0, id([pair(&name, "v")])).is_ok());
+        let long = refused(id([pair(&format!("{name}n"), "v")]));
+        assert!(long.contains("names must be 1 to 256 bytes"), "{long}");
+        assert!(refused(id([pair("", "v")])).contains("names must be 1 to 256 bytes"));
+        let value = "v".repeat(MAX_VALUE_BYTES);
+        assert!(entries(0, id([pair("n", &value)])).is_ok());
+        let long = refused(id([pair("n", &format!("{value}v"))]));
+        assert!(long.contains("values must be at most 1024 bytes"), "{long}");
+    }
+
+    #[test]
+    fn time_elapsed_is_a_duration_that_is_neither_negative_nor_malformed() {
+        let usage = |seconds, nanos| BucketQuotaUsage {
+            time_elapsed: Some(ProtoDuration { seconds, nanos }),
+            ..BucketQuotaUsage::default()
+        };
+        assert_eq!(elapsed(0, &BucketQuotaUsage::default()).ok(), Some(None));
+        assert_eq!(elapsed(0, &usage(0, 0)).ok(), Some(None));
+        assert_eq!(
+            elapsed(0, &usage(2, 999_999_999)).ok(),
+            Some(Some(Duration::new(2, 999_999_999)))
+        );
+        assert_eq!(
+            elapsed(0, &usage(0, 1)).ok(),
+            Some(Some(Duration::from_nanos(1)))
+        );
+        for (seconds, nanos, says) in [
+            (-1, 0, "must not be negative"),
+            (0, -1, "must not be negative"),
+            (1, 1_000_000_000, "nanos must be below a second"),
+        ] {
+            let status = elapsed(5, &usage(seconds, nanos)).expect_err("refused");
+            assert_eq!(status.code(), tonic::Code::InvalidArgument);
+            assert!(
+                status
+                    .message()
+                    .starts_with("bucket_quota_usages[5]: time_elapsed"),
+                "{status:?}"
+            );
+            assert!(status.message().contains(says), "{status:?}");
+        }
+    }
+}

@@ -612,6 +612,9 @@ impl Payer {
 
 #[cfg(test)]
 mod tests {
+    use tollgate::{Clock, ManualClock};
+    use tollgate_policy::{EngineOptions, PolicyEngine, compile};
+
     use super::*;
 
     fn bucket() -> (Arc<str>, Entries) {
@@ -652,5 +655,142 @@ mod tests {
         demands.forget(&domain, &entries, 1);
         demands.forget(&domain, &entries, 2);
         assert!(demands.totals().is_empty());
+    }
+
+    const SECOND: Duration = Duration::from_secs(1);
+
+    /// A stream's payer on the memory store, with one limit on the `pool` entry, over a
+    /// clock the test moves.
+    struct Stream {
+        payer: Payer,
+        clock: ManualClock,
+        domain: Arc<str>,
+        entries: Entries,
+    }
+
+    impl Stream {
+        fn new(capacity: u64, renew_every: Duration) -> Self {
+            let text = format!(
+                "limits: [{{name: pool, domain: edge, key: [pool], capacity: {capacity}, \
+                 refill: 105/s}}]"
+            );
+            let policy = compile("p.yaml", &text).expect("policy");
+            let clock = ManualClock::new();
+            let options = EngineOptions::default().clock(Arc::new(clock.clone()));
+            let engine = Arc::new(PolicyEngine::new(policy, options));
+            let payer = Payer {
+                id: 1,
+                nonce: 7,
+                charges: AtomicU64::new(0),
+                decider: Arc::new(Decider::new(engine, crate::decider::Backend::Memory)),
+                demands: Arc::default(),
+                in_flight: Arc::new(Semaphore::new(IN_FLIGHT)),
+                short_ttl: renew_every * 2,
+                warned_small: AtomicBool::new(false),
+            };
+            let (domain, entries) = bucket();
+            Self {
+                payer,
+                clock,
+                domain,
+                entries,
+            }
+        }
+
+        /// A report of `requests` over a second, now, asking for `ttl`: the rate assigned.
+        async fn report(&self, held: &mut Option<Held>, requests: u64, ttl: Duration) -> u32 {
+            let mut step = Step::Assign {
+                held: held.take(),
+                requests,
+                first: false,
+                interval: SECOND,
+                ttl,
+                now: self.clock.now(),
+                renewal: false,
+            };
+            let (answer, after) = self.payer.pay(&self.domain, &self.entries, &mut step).await;
+            *held = after;
+            match answer {
+                Answer::Tokens(assignment) => assignment.rate,
+                _ => panic!("a token bucket, not {}", answer.label()),
+            }
+        }
+
+        fn request(&self, cost: u64) -> Decide<'_, Entries> {
+            Decide {
+                domain: &self.domain,
+                descriptors: std::slice::from_ref(&self.entries),
+                cost: cost.into(),
+                request_id: None,
+            }
+        }
+
+        /// Whether the bucket holds `cost` tokens now.
+        async fn holds(&self, cost: u64) -> bool {
+            let request = self.request(cost);
+            let outcome = self.payer.decider.check_only(&request).await;
+            outcome.expect("decided").allowed
+        }
+    }
+
+    /// Wanted rates, as a report of `requests` in a second asks: demand and a quarter, and one.
+    const WANTS_51: u64 = 40;
+    const WANTS_84: u64 = 67;
+    const WANTS_67: u64 = 53;
+    const WANTS_106: u64 = 84;
+
+    #[tokio::test]
+    async fn a_rate_held_within_the_band_is_extended_and_one_outside_replaced() {
+        assert_eq!(assignment::wanted_rate(WANTS_84, SECOND, SECOND), 84);
+        let stream = Stream::new(1_000, SECOND);
+        let mut held = None;
+        assert_eq!(stream.report(&mut held, WANTS_84, 2 * SECOND).await, 84);
+        // 105 a second is all the limit refills: 84 is exactly four fifths of it, and kept.
+        stream.clock.advance(SECOND / 10);
+        assert_eq!(stream.report(&mut held, WANTS_106, 2 * SECOND).await, 84);
+        // Less demand than the rate held: replaced by the smaller one.
+        assert_eq!(stream.report(&mut held, WANTS_67, 2 * SECOND).await, 67);
+        // 67 is below four fifths of 105: grown to it.
+        assert_eq!(stream.report(&mut held, WANTS_106, 2 * SECOND).await, 105);
+    }
+
+    /// The rate held is replaced when it is more than a quarter above the one the capacity
+    /// pays for now: an Envoy reporting every 2 s gets a time-to-live of 4 s, which a
+    /// capacity of 30 pays at 6 a second (a fill and four more), down from 10 for 2 s.
+    #[tokio::test]
+    async fn a_rate_held_far_above_what_the_capacity_pays_is_replaced() {
+        let stream = Stream::new(30, 2 * SECOND);
+        let mut held = None;
+        assert_eq!(stream.report(&mut held, WANTS_106, 2 * SECOND).await, 10);
+        stream.clock.advance(SECOND / 2);
+        assert_eq!(stream.report(&mut held, WANTS_106, 4 * SECOND).await, 6);
+    }
+
+    /// A rate held below the one wanted grows only to a larger one the bucket pays for: with
+    /// 10 tokens left the bucket pays a fresh 3, so the 51 held is extended instead (nothing
+    /// to pay, as it is paid for 2 s) rather than given back and replaced by what that frees.
+    #[tokio::test]
+    async fn a_rate_held_grows_only_to_a_larger_one_the_bucket_pays_for() {
+        assert_eq!(assignment::wanted_rate(WANTS_51, SECOND, SECOND), 51);
+        let stream = Stream::new(1_000, SECOND);
+        let mut held = None;
+        assert_eq!(stream.report(&mut held, WANTS_51, 2 * SECOND).await, 51);
+        let drain = stream.request(1_000 - 153 - 10);
+        let drained = stream.payer.decider.decide(Api::Http, &drain).await;
+        assert!(drained.expect("decided").allowed);
+        assert_eq!(stream.report(&mut held, WANTS_106, 2 * SECOND).await, 51);
+        assert!(stream.holds(10).await && !stream.holds(11).await);
+    }
+
+    /// Grown, the old assignment gives back the refill it paid beyond the new one's arrival
+    /// (a quarter of the time-to-live after now): 51 a second for 1.5 s, 76 tokens.
+    #[tokio::test]
+    async fn a_grown_assignment_gives_back_what_the_old_one_paid_ahead() {
+        let stream = Stream::new(1_000, SECOND);
+        let mut held = None;
+        assert_eq!(stream.report(&mut held, WANTS_51, 2 * SECOND).await, 51);
+        assert_eq!(stream.report(&mut held, WANTS_106, 2 * SECOND).await, 105);
+        let left = 1_000 - 153 - 315 + 76;
+        assert!(stream.holds(left).await && !stream.holds(left + 1).await);
     }
 }
