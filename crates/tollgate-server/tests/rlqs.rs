@@ -342,8 +342,14 @@ async fn bad_reports_end_the_stream_with_invalid_argument_and_charge_nothing() {
         ..ok()
     };
     let long = "v".repeat(2_000);
+    let long_domain = "d".repeat(257);
     let cases: Vec<(&str, Vec<RateLimitQuotaUsageReports>, &str)> = vec![
         ("no domain", vec![reports("", vec![ok()])], "domain"),
+        (
+            "a domain too long",
+            vec![reports(&long_domain, vec![ok()])],
+            "domain must be 1 to 256 bytes",
+        ),
         (
             "an empty bucket id",
             vec![reports(
@@ -401,6 +407,13 @@ async fn bad_reports_end_the_stream_with_invalid_argument_and_charge_nothing() {
     // The server still serves.
     let mut envoy = Envoy::connect(&server).await;
     assert_eq!(envoy.report("edge", vec![ok()]).await.len(), 1);
+    // A domain of the longest name is one, which no limit of this policy names.
+    let mut envoy = Envoy::connect(&server).await;
+    let answer = envoy.report(&"d".repeat(256), vec![ok()]).await;
+    assert!(
+        matches!(assigned(answer[0]), Assigned::Allow(_)),
+        "{answer:?}"
+    );
     // A report covering the longest time a protobuf duration holds is no error: the
     // time-to-live is capped, and so is the time a renewal waits for the next report.
     let ancient = BucketQuotaUsage {
@@ -700,6 +713,26 @@ async fn a_capacity_too_small_for_any_assignment_is_denied_and_logged() {
         .expect("terminate");
     let said = logs.matches("cannot pay for any assignment").count();
     assert_eq!(said, 2, "{logs}");
+}
+
+/// A renewal asks for the demand the last report measured: a bucket that reports little
+/// keeps its small rate between reports instead of growing to the whole refill, as only a
+/// bucket's first report (sent with its first request) does.
+#[tokio::test]
+async fn a_renewal_keeps_the_rate_the_last_report_sized() {
+    let (server, _scratch) = start();
+    let mut envoy = Envoy::connect(&server).await;
+    // Reported every minute: a capacity of 60 pays only tollgate's short time-to-live.
+    let minute = Duration::from_secs(60);
+    let report = |requests| vec![usage(&[("pool", "slow")], requests, 0, minute)];
+    assert_eq!(token_rate(&mut envoy, report(1)).await, 20);
+    // 120 requests a minute: 2 a second, a quarter more and one.
+    assert_eq!(token_rate(&mut envoy, report(120)).await, 3);
+    let renewed = renewal(&mut envoy).await;
+    assert!(
+        matches!(renewed[..], [Assigned::Tokens { rate: 3, .. }]),
+        "{renewed:?}"
+    );
 }
 
 /// A renewal interval outside 10 ms to a minute is refused at the start, in one line.
