@@ -1258,7 +1258,9 @@ fn example_body(policy: &tollgate_policy::Policy) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{counted, parse_ratio};
+    use std::time::Duration;
+
+    use super::*;
 
     #[test]
     fn ratios_are_read_exactly_in_thousandths() {
@@ -1280,5 +1282,125 @@ mod tests {
         assert_eq!(counted(0, "limit"), "0 limits");
         assert_eq!(counted(1, "limit"), "1 limit");
         assert_eq!(counted(2, "exemption"), "2 exemptions");
+    }
+
+    #[test]
+    fn durations_are_held_to_their_bounds() {
+        let ms = Duration::from_millis;
+        assert!(parse_timeout("0s").is_err());
+        assert_eq!(parse_timeout("1ms"), Ok(ms(1)));
+        assert_eq!(parse_timeout("1d"), Ok(ms(86_400_000)));
+        assert_eq!(
+            parse_timeout("86400001ms"),
+            Err("86400001ms is longer than a day (1440m)".to_owned())
+        );
+        assert_eq!(parse_shutdown_delay("0s"), Ok(Duration::ZERO));
+        assert_eq!(parse_shutdown_delay("10m"), Ok(ms(600_000)));
+        assert!(parse_shutdown_delay("600001ms").is_err());
+        assert_eq!(parse_interval("10ms"), Ok(ms(10)));
+        assert_eq!(
+            parse_interval("9ms"),
+            Err("9ms is shorter than 10ms".to_owned())
+        );
+        assert_eq!(parse_interval("1m"), Ok(ms(60_000)));
+        assert_eq!(
+            parse_interval("60001ms"),
+            Err("60001ms is longer than 1m".to_owned())
+        );
+        for unreadable in ["", "5", "soon", "-1s"] {
+            assert!(parse_timeout(unreadable).is_err(), "{unreadable}");
+            assert!(parse_shutdown_delay(unreadable).is_err(), "{unreadable}");
+            assert!(parse_interval(unreadable).is_err(), "{unreadable}");
+        }
+    }
+
+    #[test]
+    fn region_names_are_short_and_plain() {
+        for good in ["eu-west-1", "us_east.2", "a", &"r".repeat(64)] {
+            assert_eq!(parse_region(good).as_deref(), Ok(good), "{good}");
+        }
+        for bad in ["", &"r".repeat(65), "eu west", "eu/west", "région", "a:b"] {
+            assert!(parse_region(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn hot_keys_are_counted_up_to_a_hundred() {
+        assert_eq!(parse_hot_keys("0"), Ok(0));
+        assert_eq!(parse_hot_keys("100"), Ok(100));
+        for bad in ["101", "-1", "ten", ""] {
+            assert!(parse_hot_keys(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn an_address_header_names_how_many_proxies_to_pass_over() {
+        let source = |text| parse_address_source(text).map(|a| (a.header, a.trusted));
+        assert_eq!(source("X-Real-IP"), Ok(("x-real-ip".to_owned(), 0)));
+        assert_eq!(
+            source("X-Forwarded-For:16"),
+            Ok(("x-forwarded-for".to_owned(), 16))
+        );
+        for bad in [
+            "X-Forwarded-For:17",
+            "X-Forwarded-For:",
+            "X-Forwarded-For:-1",
+            "bad header",
+            "",
+        ] {
+            assert!(source(bad).is_err(), "{bad}");
+        }
+        let mask = |text| parse_address_mask(text).map(|m| (m.v4, m.v6));
+        assert_eq!(mask("24,64"), Ok((24, 64)));
+        assert_eq!(mask(" 0 , 0 "), Ok((0, 0)));
+        assert_eq!(mask("32,128"), Ok((32, 128)));
+        for bad in ["33,64", "24,129", "24", "24;64", "a,b", "-1,64"] {
+            assert!(mask(bad).is_err(), "{bad}");
+        }
+        assert!(parse_network(" 10.0.0.0/8 ").is_ok());
+        assert!(parse_network("10.0.0.0/33").is_err());
+    }
+
+    #[test]
+    fn mappings_and_descriptors_name_every_entry() {
+        assert_eq!(
+            parse_mapping("user=X-User-Id"),
+            Ok(("user".to_owned(), "x-user-id".to_owned()))
+        );
+        for bad in ["user", "=X-User-Id", "user="] {
+            assert!(parse_mapping(bad).is_err(), "{bad}");
+        }
+        let pair = |k: &str, v: &str| (k.to_owned(), v.to_owned());
+        assert_eq!(
+            parse_descriptor("user=alice,path=/a=b,empty="),
+            Ok(vec![
+                pair("user", "alice"),
+                pair("path", "/a=b"),
+                pair("empty", "")
+            ])
+        );
+        for bad in ["user", "=alice", "user=alice,", "user=alice,plan"] {
+            assert!(parse_descriptor(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_banner_example_matches_the_first_limit() {
+        let policy = |text| compile("policy.yaml", text).map_err(|err| err.to_string());
+        let empty = policy("version: \"1\"\nlimits: []\n");
+        assert_eq!(
+            empty.map(|p| example_body(&p)),
+            Ok(r#"{"domain":"api","descriptors":[{"user":"alice"}]}"#.to_owned())
+        );
+        let guarded = policy(
+            "version: \"1\"\nlimits:\n  - name: uploads\n    domain: files\n    when: {method: POST}\n    key: [user, bucket]\n    capacity: 5\n    refill: 1/s\n",
+        );
+        assert_eq!(
+            guarded.map(|p| example_body(&p)),
+            Ok(
+                r#"{"domain":"files","descriptors":[{"method":"POST","user":"alice","bucket":"alice"}]}"#
+                    .to_owned()
+            )
+        );
     }
 }

@@ -791,3 +791,28 @@ async fn an_assignment_the_bucket_cannot_extend_just_now_is_kept() {
         0.0
     );
 }
+
+/// A bucket an Envoy stops reporting while its stream goes on (its requests moved to other
+/// buckets) keeps its want in the fair share until `--rlqs-abandon-after`, then leaves it to
+/// the other Envoys: a stream's state does not hold every bucket it ever had.
+#[tokio::test]
+async fn a_bucket_a_stream_stops_reporting_leaves_the_fair_share() {
+    let (server, _scratch) = start_with("rlqs-silent", &["--rlqs-abandon-after", "1s"]);
+    let (mut first, mut second) = (Envoy::connect(&server).await, Envoy::connect(&server).await);
+    let busy = || vec![usage(&[("tenant", "s")], 400, 100, SECOND)];
+    let elsewhere = || vec![usage(&[("tenant", "t")], 1, 0, SECOND)];
+    assert_eq!(token_rate(&mut first, busy()).await, 10);
+    assert_eq!(token_rate(&mut second, busy()).await, 5);
+    let clock = MonotonicClock::new();
+    let silent_since = clock.now();
+    // Half a second on, the first reports only another bucket: its want on the shared one
+    // still counts.
+    tokio::time::sleep(SECOND / 2).await;
+    first.report("edge", elsewhere()).await;
+    assert_eq!(token_rate(&mut second, busy()).await, 5);
+    // Past the bound it is forgotten at the first's next report.
+    let past = silent_since + Duration::from_millis(1_100);
+    tokio::time::sleep(past.saturating_duration_since(clock.now())).await;
+    first.report("edge", elsewhere()).await;
+    assert_eq!(token_rate(&mut second, busy()).await, 10);
+}

@@ -291,4 +291,166 @@ mod tests {
         );
         assert!(svg.contains("no requests"));
     }
+
+    /// The `points` of the polyline whose line holds `marker`.
+    fn line_with<'a>(svg: &'a str, marker: &str) -> Vec<&'a str> {
+        let line = svg
+            .lines()
+            .find(|l| l.starts_with("<polyline") && l.contains(marker))
+            .unwrap_or_default();
+        line.split('"')
+            .nth(1)
+            .unwrap_or_default()
+            .split(' ')
+            .collect()
+    }
+
+    #[test]
+    fn lines_span_the_plot_and_scale_to_the_peak() {
+        // Three seconds from 10 s after the epoch; 4 requests at the peak, so the axis tops
+        // out at 5: the plot runs from x 80 to 980 and from y 370 (none) up to 60 (5).
+        let timeline: BTreeMap<u64, Slot> = [(10, slot(4, 1)), (11, slot(2, 0)), (12, slot(0, 0))]
+            .into_iter()
+            .collect();
+        let svg = svg(
+            &[Series {
+                label: "p",
+                timeline: &timeline,
+            }],
+            Duration::from_secs(1),
+        );
+        assert!(svg.contains("requests and rejections per 1s"), "{svg}");
+        assert_eq!(
+            line_with(&svg, "#999"),
+            ["80.0,122.0", "530.0,246.0", "980.0,370.0"]
+        );
+        assert_eq!(
+            line_with(&svg, COLOURS[0]),
+            ["80.0,308.0", "530.0,370.0", "980.0,370.0"]
+        );
+        // No shadow limit would have rejected anything: no dashed line, none in the legend.
+        assert!(!svg.contains("stroke-dasharray"), "{svg}");
+        // The y scale at 0, half and the top; the time axis at the first, middle and last
+        // point.
+        for (y, tick) in [("370.0", 0), ("246.0", 2), ("60.0", 5)] {
+            assert!(
+                svg.contains(&format!(r##"y1="{y}" x2="980" y2="{y}" stroke="#eee"/>"##))
+                    && svg.contains(&format!(r#"text-anchor="end">{tick}</text>"#)),
+                "tick {tick} at {y}: {svg}"
+            );
+        }
+        for (x, anchor, at) in [
+            ("80.0", "start", "1970-01-01T00:00:10Z"),
+            ("530.0", "middle", "1970-01-01T00:00:11Z"),
+            ("980.0", "end", "1970-01-01T00:00:12Z"),
+        ] {
+            let label = format!(r#"<text x="{x}" y="390" text-anchor="{anchor}">{at}</text>"#);
+            assert!(svg.contains(&label), "{label}: {svg}");
+        }
+        // The axes: up the left side, along the bottom.
+        assert!(svg.contains(
+            r#"<line x1="80" y1="60" x2="80" y2="370"/><line x1="80" y1="370" x2="980" y2="370"/>"#
+        ));
+    }
+
+    #[test]
+    fn shadow_rejections_are_dashed_and_every_policy_has_its_colour() {
+        let shadowed: BTreeMap<u64, Slot> = [(
+            0,
+            Slot {
+                requests: 10,
+                rejected: 0,
+                would_reject: 5,
+            },
+        )]
+        .into_iter()
+        .collect();
+        let plain: BTreeMap<u64, Slot> = [(0, slot(10, 2))].into_iter().collect();
+        let series: Vec<Series<'_>> = ["one", "two", "three", "four", "five", "six", "seven"]
+            .into_iter()
+            .enumerate()
+            .map(|(index, label)| Series {
+                label,
+                timeline: if index == 1 { &shadowed } else { &plain },
+            })
+            .collect();
+        let svg = svg(&series, Duration::from_millis(250));
+        assert!(svg.contains("per 250ms"), "{svg}");
+        // One point: drawn at the left edge, and the time axis says when once.
+        assert_eq!(line_with(&svg, "#999"), ["80.0,60.0"]);
+        assert_eq!(svg.matches("1970-01-01T00:00:00Z").count(), 1, "{svg}");
+        // The second policy's shadow limit would have rejected half, dashed in its colour.
+        let dashed = svg
+            .lines()
+            .find(|l| l.starts_with("<polyline") && l.contains("stroke-dasharray"))
+            .unwrap_or_default();
+        assert!(
+            dashed.contains(COLOURS[1]) && dashed.contains("80.0,215.0"),
+            "{svg}"
+        );
+        assert_eq!(line_with(&svg, COLOURS[1])[0], "80.0,370.0");
+        // The seventh policy takes the first colour again.
+        let rejected: Vec<&str> = svg
+            .lines()
+            .filter(|l| l.starts_with("<polyline") && !l.contains("#999"))
+            .collect();
+        assert_eq!(rejected.len(), 8, "{svg}");
+        assert!(rejected[7].contains(COLOURS[0]), "{}", rejected[7]);
+        // The legend, a row each, the dashed entry dashed.
+        for (row, text) in [
+            (0, "requests"),
+            (1, "rejected: one"),
+            (2, "rejected: two"),
+            (3, "would reject: two"),
+            (8, "rejected: seven"),
+        ] {
+            let ly = 40 + 16 * row;
+            let entry = format!(r#"y2="{ly}" stroke="#);
+            let line = svg.lines().find(|l| l.contains(&entry)).unwrap_or_default();
+            assert!(
+                line.ends_with(&format!(r#"y="{}">{text}</text>"#, ly + 4)),
+                "{line}"
+            );
+            assert_eq!(line.contains("stroke-dasharray"), row == 3, "{line}");
+        }
+    }
+
+    #[test]
+    fn a_point_is_named_in_the_largest_whole_unit() {
+        let ms = Duration::from_millis;
+        assert_eq!(human(ms(250)), "250ms");
+        assert_eq!(human(ms(1_500)), "1500ms");
+        assert_eq!(human(ms(90_000)), "90s");
+        assert_eq!(human(ms(120_000)), "2m");
+        assert_eq!(human(ms(5_400_000)), "90m");
+        assert_eq!(human(ms(7_200_000)), "2h");
+        assert_eq!(human(ms(172_800_000)), "2d");
+        assert_eq!(nice_ceiling(2), 2);
+        assert_eq!(nice_ceiling(6), 10);
+        assert_eq!(nice_ceiling(11), 20);
+        assert_eq!(
+            nice_ceiling(5_000_000_000_000_000_001),
+            5_000_000_000_000_000_001
+        );
+    }
+
+    #[test]
+    fn points_sum_the_intervals_they_cover() {
+        let timeline: BTreeMap<u64, Slot> = (0..10).map(|i| (100 + i, slot(i, 1))).collect();
+        // Ten intervals as four points of three: the last holds one.
+        let binned = bin(&timeline, 100, 3, 4);
+        assert_eq!(binned, [slot(3, 3), slot(12, 3), slot(21, 3), slot(9, 1)]);
+        let long: BTreeMap<u64, Slot> =
+            [(0, slot(1, 0)), (2_000, slot(1, 0))].into_iter().collect();
+        let svg = svg(
+            &[Series {
+                label: "p",
+                timeline: &long,
+            }],
+            Duration::from_secs(30),
+        );
+        // 2,001 intervals of 30 s as points of three (a minute and a half), 667 of them.
+        assert!(svg.contains("per 90s"), "{svg}");
+        assert_eq!(line_with(&svg, "#999").len(), 667);
+    }
 }

@@ -34,6 +34,20 @@ pub struct Browser {
 impl Browser {
     /// Starts chromedriver on a free loopback port and opens a headless session on it.
     pub async fn open() -> Self {
+        // A driver that takes the session request and closes the connection unanswered (seen
+        // on a machine's first run, every core busy compiling and testing) is no setup error:
+        // another is started, on another port, twice at most.
+        let mut last = String::new();
+        for _ in 0..3 {
+            match Self::try_open().await {
+                Ok(browser) => return browser,
+                Err(err) => last = err,
+            }
+        }
+        panic!("no browser session ({last}): {SETUP}");
+    }
+
+    async fn try_open() -> Result<Self, String> {
         let port = TcpListener::bind("127.0.0.1:0")
             .and_then(|listener| listener.local_addr())
             .expect("a free port")
@@ -74,9 +88,9 @@ impl Browser {
         }
         let mut capabilities = serde_json::Map::new();
         capabilities.insert("goog:chromeOptions".into(), options);
-        // chromedriver takes a moment to listen; one that exits instead (no Chromium where it
-        // looks, say) fails the test at once.
-        for _ in 0..100 {
+        // chromedriver takes a moment to listen (seconds, on a cold, busy machine); one that
+        // exits instead (no Chromium where it looks, say) fails the test at once.
+        for _ in 0..300 {
             if TcpStream::connect(("127.0.0.1", port)).is_ok() {
                 break;
             }
@@ -89,9 +103,9 @@ impl Browser {
             .capabilities(capabilities)
             .connect(&format!("http://127.0.0.1:{port}"))
             .await
-            .unwrap_or_else(|err| panic!("no browser session ({err}): {SETUP}"));
+            .map_err(|err| err.to_string())?;
         browser.client = Some(client);
-        browser
+        Ok(browser)
     }
 
     /// The WebDriver session.
