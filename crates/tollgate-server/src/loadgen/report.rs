@@ -205,3 +205,126 @@ impl fmt::Display for Summary {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::*;
+
+    fn tally(
+        allowed: u64,
+        rejected: u64,
+        errors: u64,
+        first_error: Option<&str>,
+        at_us: &[u64],
+    ) -> Tally {
+        let mut latency = Histogram::<u64>::new_with_bounds(1, 3_600_000_000_000, 3)
+            .unwrap_or_else(|err| panic!("{err}"));
+        for &us in at_us {
+            let _ = latency.record(us * 1_000);
+        }
+        Tally {
+            allowed,
+            rejected,
+            errors,
+            first_error: first_error.map(str::to_owned),
+            lag: latency.clone(),
+            service: latency.clone(),
+            latency,
+        }
+    }
+
+    fn summary(args: &[&str], tallies: Vec<Tally>, elapsed: Duration) -> Summary {
+        let args = BenchArgs::try_parse_from(std::iter::once("bench").chain(args.iter().copied()))
+            .unwrap_or_else(|err| panic!("{err}"));
+        let plan = args.plan().unwrap_or_else(|err| panic!("{err}"));
+        let merged = Histogram::<u64>::new_with_bounds(1, 3_600_000_000_000, 3)
+            .unwrap_or_else(|err| panic!("{err}"));
+        Summary::new(&args, &plan, elapsed, tallies, merged)
+    }
+
+    #[test]
+    fn workers_tallies_add_up_and_only_decisions_count_per_second() {
+        let tallies = vec![
+            tally(6, 2, 0, None, &[100, 200]),
+            tally(3, 1, 2, Some("timed out"), &[300]),
+            tally(0, 0, 1, Some("refused"), &[]),
+        ];
+        let args = [
+            "--target",
+            "http://127.0.0.1:8080",
+            "-c",
+            "3",
+            "--requests",
+            "15",
+        ];
+        let summary = summary(&args, tallies, Duration::from_secs(2));
+        assert_eq!(summary.api, "http");
+        assert_eq!(summary.target, "http://127.0.0.1:8080/v1/check");
+        assert_eq!((summary.concurrency, summary.connections), (3, 3));
+        assert_eq!(
+            (
+                summary.requests,
+                summary.allowed,
+                summary.rejected,
+                summary.errors
+            ),
+            (15, 9, 3, 3)
+        );
+        // Twelve decisions in two seconds; errors are not decisions.
+        assert!(
+            (summary.decisions_per_s - 6.0).abs() < 1e-9,
+            "{}",
+            summary.decisions_per_s
+        );
+        assert_eq!(summary.first_error.as_deref(), Some("timed out"));
+        // Every worker's latencies, merged: 100, 200 and 300 µs.
+        let latency = summary.latency_us;
+        assert!((latency.p50 - 200.0).abs() < 1.0, "{latency:?}");
+        assert!((latency.max - 300.0).abs() < 1.0, "{latency:?}");
+        assert!((latency.mean - 200.0).abs() < 1.0, "{latency:?}");
+        // Closed loop: no schedule to be late for.
+        assert_eq!((summary.schedule_lag_us, summary.service_us), (None, None));
+
+        let text = summary.to_string();
+        for line in [
+            "tollgate bench: http http://127.0.0.1:8080/v1/check, 3 workers over 3 connections, closed loop, uniform over",
+            "  decisions/s  6\n",
+            "  requests     15\n",
+            "  allowed      9\n",
+            "  rejected     3\n",
+            "  errors       3 (first: timed out)\n",
+            "  latency ms   p50 0.200  p90 0.300  p99 0.300  p99.9 0.300  max 0.300\n",
+        ] {
+            assert!(text.contains(line), "{line:?} in {text}");
+        }
+        assert!(!text.contains("late ms"), "{text}");
+        let json: serde_json::Value =
+            serde_json::from_str(&summary.to_json()).unwrap_or_else(|err| panic!("{err}"));
+        assert_eq!(json["allowed"], 9);
+        assert_eq!(
+            json["latency_us"]["p50"].as_f64().map(f64::round),
+            Some(200.0)
+        );
+    }
+
+    #[test]
+    fn an_open_loop_run_says_how_late_requests_left() {
+        let args = ["--grpc", "127.0.0.1:8081", "--rate", "100", "-d", "1s"];
+        let summary = summary(&args, vec![tally(5, 0, 0, None, &[1_000])], Duration::ZERO);
+        assert_eq!(
+            (summary.api, summary.target.as_str()),
+            ("grpc", "127.0.0.1:8081")
+        );
+        assert_eq!(summary.rate, Some(100.0));
+        // A run that took no time measured no rate, rather than an infinite one.
+        assert_eq!(summary.decisions_per_s, 0.0);
+        assert!(summary.schedule_lag_us.is_some() && summary.service_us.is_some());
+        let text = summary.to_string();
+        assert!(text.contains("open loop at 100/s"), "{text}");
+        assert!(text.contains("  errors       0\n"), "{text}");
+        assert!(text.contains("  late ms      p50 1.000"), "{text}");
+        assert!(text.contains("  sent→answer  p50 1.000"), "{text}");
+    }
+}
