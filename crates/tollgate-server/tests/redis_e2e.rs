@@ -1151,3 +1151,52 @@ async fn rlqs_with_redis_killed_follows_each_limits_failure_mode() {
         "{second_answer:?}"
     );
 }
+
+/// RLQS wants that cannot be posted on the board are said once while Redis stays down, not
+/// every second, and said again after posts have succeeded in between.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rlqs_board_failures_are_logged_once_per_outage() {
+    use std::time::Duration;
+
+    use support::rlqs::{Envoy, usage};
+
+    let mut redis = RedisServer::start();
+    let scratch = Scratch::new("rlqs-board-down");
+    let config = scratch.write("policy.yaml", POLICY);
+    let url = redis.url();
+    let args = [
+        "--config",
+        path_str(&config),
+        "--store",
+        &url,
+        "--store-timeout",
+        "2s",
+    ];
+    let (server, logs) = Server::start_logging(&args, "warn");
+    // The stream's want of its bucket is posted every second while the stream lasts.
+    let mut envoy = Envoy::connect(&server).await;
+    let report = vec![usage(&[("user", "w")], 5, 0, Duration::from_secs(1))];
+    envoy.report("lenient", report).await;
+    for _ in 0..2 {
+        redis.kill();
+        // Three rounds of posts fail.
+        tokio::time::sleep(Duration::from_millis(3_500)).await;
+        redis.restart();
+        // The restarted Redis is empty until a post lands on it.
+        let mut posted = false;
+        for _ in 0..100 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            posted = command(redis.port, &["DBSIZE"]).is_some_and(|size| size != ":0\r\n");
+            if posted {
+                break;
+            }
+        }
+        assert!(posted, "no post on the restarted Redis within 10 s");
+    }
+    drop(envoy);
+    let logs = server.terminate_and_read(logs);
+    let said = logs
+        .matches("RLQS wants could not be posted on the store's board")
+        .count();
+    assert_eq!(said, 2, "{logs}");
+}
