@@ -230,3 +230,36 @@ fn global_flags_refuse_what_cannot_work() {
     let refused = support::serve_refused(&["--global-store", "http://127.0.0.1:1"]);
     assert!(refused.contains("cannot use the global store"), "{refused}");
 }
+
+/// `--global-max-keys` bounds the reservoirs a process holds (a key past it is fetched for its
+/// request alone), and `--global-abandon-after` gives a quiet one back.
+#[test]
+fn reservoirs_are_bounded_and_quiet_ones_given_back() {
+    let redis = RedisServer::start();
+    let scratch = Scratch::new("global-bounds");
+    let config = scratch.write("policy.yaml", POLICY);
+    let bounds = ["--global-max-keys", "1", "--global-abandon-after", "1s"];
+    let server = in_region_with(&config, &redis, "eu", |args| {
+        Server::start(&[args, &bounds[..]].concat())
+    });
+    let reservoirs = || metric(&server, "tollgate_global_reservoirs");
+    // One tenant busy for a second and a half, another asking once: the first holds the one
+    // reservoir there is, through rounds every 100 ms.
+    assert_eq!(check(&server, "api", "busy", "u0"), 200);
+    assert_eq!(check(&server, "api", "once", "u0"), 200);
+    let clock = MonotonicClock::new();
+    let start = clock.now();
+    let mut most = 0.0_f64;
+    let mut n = 1;
+    while clock.now().saturating_duration_since(start) < Duration::from_millis(1_500) {
+        check(&server, "api", "busy", &format!("u{n}"));
+        most = most.max(reservoirs());
+        n += 1;
+    }
+    assert_eq!(most, 1.0, "reservoirs held at most");
+    // Quiet for a second, it is given back.
+    support::wait_for("the quiet reservoir given back", || {
+        (reservoirs() == 0.0).then_some(())
+    });
+    assert!(metric(&server, "tollgate_global_given_back_tokens_total") > 0.0);
+}
