@@ -516,12 +516,13 @@ async fn a_reloaded_policy_changes_the_next_assignment() {
 async fn buckets_past_the_bound_get_no_assignment() {
     let scratch = Scratch::new("rlqs-bound");
     let policy = scratch.write("policy.yaml", POLICY);
-    let server = Server::start(&[
+    let args = [
         "--config",
         policy.to_str().expect("utf-8"),
         "--rlqs-max-buckets",
         "2",
-    ]);
+    ];
+    let (server, logs) = Server::start_logging(&args, "warn");
     let mut envoy = Envoy::connect(&server).await;
     let tenants = |names: &[&str]| -> Vec<BucketQuotaUsage> {
         names
@@ -537,6 +538,13 @@ async fn buckets_past_the_bound_get_no_assignment() {
         metric(&server, r#"tollgate_rlqs_answers_total{action="refused"}"#),
         2.0
     );
+    // Said once per stream, not at every report.
+    drop(envoy);
+    let logs = server.terminate_and_read(logs);
+    let said = logs
+        .matches("an RLQS stream reports more buckets than it may be assigned")
+        .count();
+    assert_eq!(said, 1, "{logs}");
 }
 
 /// The actions of the next message tollgate sends of itself (a renewal).
@@ -815,4 +823,44 @@ async fn a_bucket_a_stream_stops_reporting_leaves_the_fair_share() {
     tokio::time::sleep(past.saturating_duration_since(clock.now())).await;
     first.report("edge", elsewhere()).await;
     assert_eq!(token_rate(&mut second, busy()).await, 10);
+}
+
+/// A report without `time_elapsed` is taken to cover the time since the bucket's last one.
+#[tokio::test]
+async fn a_report_without_its_time_covers_the_time_since_the_last() {
+    let (server, _scratch) = start();
+    let mut envoy = Envoy::connect(&server).await;
+    let untimed = |requests| BucketQuotaUsage {
+        time_elapsed: None,
+        ..usage(&[("tenant", "untimed")], requests, 0, SECOND)
+    };
+    assert_eq!(token_rate(&mut envoy, vec![untimed(1)]).await, 10);
+    tokio::time::sleep(2 * SECOND).await;
+    // 8 requests in a little over 2 s: 4 a second, a quarter more and one.
+    assert_eq!(token_rate(&mut envoy, vec![untimed(8)]).await, 6);
+}
+
+/// A bucket's first assignment, cut short by a bucket that held little, grows at the
+/// renewals before the next report: a first report says nothing of the demand, and a busy
+/// bucket should not wait a reporting interval for its share.
+#[tokio::test]
+async fn renewals_after_a_first_report_grow_towards_the_full_share() {
+    let (server, _scratch) = start();
+    let spend = r#"{"domain":"edge","descriptors":[{"pool":"drained"}],"cost":45}"#;
+    assert_eq!(post_json(server.http, "/v1/check", spend).status, 200);
+    let mut envoy = Envoy::connect(&server).await;
+    let minute = Duration::from_secs(60);
+    let report = vec![usage(&[("pool", "drained")], 1, 0, minute)];
+    let first = token_rate(&mut envoy, report).await;
+    assert!(first < 20, "{first}: the bucket held about 15");
+    let mut grown = first;
+    for _ in 0..3 {
+        if let [Assigned::Tokens { rate, .. }] = renewal(&mut envoy).await[..] {
+            grown = rate;
+        }
+        if grown > first {
+            break;
+        }
+    }
+    assert!(grown > first, "still {grown} after three renewals");
 }

@@ -452,5 +452,8 @@ mod tests {
         // 2,001 intervals of 30 s as points of three (a minute and a half), 667 of them.
         assert!(svg.contains("per 90s"), "{svg}");
         assert_eq!(line_with(&svg, "#999").len(), 667);
+        // The time axis names the middle point (the 334th, 333 × 90 s in) at the middle.
+        let middle = r#"<text x="530.0" y="390" text-anchor="middle">1970-01-01T08:19:30Z</text>"#;
+        assert!(svg.contains(middle), "{svg}");
     }
 }
