@@ -282,14 +282,19 @@ mod tests {
     #[test]
     fn an_empty_timeline_says_so() {
         let empty = BTreeMap::new();
-        let svg = svg(
+        let svg = one_policy(&empty, Duration::from_secs(60));
+        assert!(svg.contains("no requests"));
+    }
+
+    /// The plot of one policy, `p`.
+    fn one_policy(timeline: &BTreeMap<u64, Slot>, interval: Duration) -> String {
+        svg(
             &[Series {
                 label: "p",
-                timeline: &empty,
+                timeline,
             }],
-            Duration::from_secs(60),
-        );
-        assert!(svg.contains("no requests"));
+            interval,
+        )
     }
 
     /// The `points` of the polyline whose line holds `marker`.
@@ -312,13 +317,7 @@ mod tests {
         let timeline: BTreeMap<u64, Slot> = [(10, slot(4, 1)), (11, slot(2, 0)), (12, slot(0, 0))]
             .into_iter()
             .collect();
-        let svg = svg(
-            &[Series {
-                label: "p",
-                timeline: &timeline,
-            }],
-            Duration::from_secs(1),
-        );
+        let svg = one_policy(&timeline, Duration::from_secs(1));
         assert!(svg.contains("requests and rejections per 1s"), "{svg}");
         assert_eq!(
             line_with(&svg, "#999"),
@@ -442,13 +441,7 @@ mod tests {
         assert_eq!(binned, [slot(3, 3), slot(12, 3), slot(21, 3), slot(9, 1)]);
         let long: BTreeMap<u64, Slot> =
             [(0, slot(1, 0)), (2_000, slot(1, 0))].into_iter().collect();
-        let svg = svg(
-            &[Series {
-                label: "p",
-                timeline: &long,
-            }],
-            Duration::from_secs(30),
-        );
+        let svg = one_policy(&long, Duration::from_secs(30));
         // 2,001 intervals of 30 s as points of three (a minute and a half), 667 of them.
         assert!(svg.contains("per 90s"), "{svg}");
         assert_eq!(line_with(&svg, "#999").len(), 667);
