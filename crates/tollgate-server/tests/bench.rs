@@ -3,6 +3,8 @@
 //!
 //! Bounded by request count (a few hundred), never by wall time; no assertion on speed.
 
+mod support;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -323,4 +325,41 @@ async fn an_unreachable_target_is_one_clear_error() {
         message.starts_with(&format!("cannot connect to http://{addr}")),
         "{message}"
     );
+}
+
+/// The `tollgate bench` command, on the real binary: a run in which every request got a
+/// decision exits 0 whatever the mix of admissions and rejections, printing its summary as
+/// text or, with `--json`, as JSON; one in which none did exits 1 and says why.
+#[test]
+fn the_command_fails_only_when_no_request_got_a_decision() {
+    let scratch = support::Scratch::new("bench-command");
+    let policy = scratch.write(
+        "policy.yaml",
+        "version: \"1\"\nlimits:\n  - name: ten\n    domain: api\n    key: [user]\n    capacity: 10\n    refill: 1/h\n",
+    );
+    let server = support::Server::start(&["--config", support::path_str(&policy)]);
+    let target = format!("http://{}", server.http);
+    let bench = |extra: &[&str]| {
+        let base = ["bench", "--target", &target, "-c", "2", "--keys", "1"];
+        support::run(&[&base[..], extra].concat())
+    };
+    // Only admissions.
+    let (status, out, err) = bench(&["--path", "/v1/noop", "-n", "30"]);
+    assert!(status.success(), "{err}");
+    assert!(
+        out.contains("  allowed      30\n") && out.contains("  rejected     0\n"),
+        "{out}"
+    );
+    // As many rejections as admissions: one key's ten, then ten refused.
+    let (status, out, err) = bench(&["-n", "20", "--json"]);
+    assert!(status.success(), "{err}");
+    let summary: serde_json::Value = serde_json::from_str(out.trim()).expect("one line of JSON");
+    assert_eq!(
+        (summary["allowed"].as_u64(), summary["rejected"].as_u64()),
+        (Some(10), Some(10))
+    );
+    // Nothing decided: every request went to a path that does not exist.
+    let (status, out, err) = bench(&["--path", "/v1/nowhere", "-n", "5"]);
+    assert_eq!(status.code(), Some(1), "{out}");
+    assert!(err.contains("no request got a decision: HTTP 404"), "{err}");
 }
