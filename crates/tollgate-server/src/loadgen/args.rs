@@ -434,4 +434,47 @@ mod tests {
         assert!(parse_duration("1w").is_err());
         assert!(parse_duration("ms").is_err());
     }
+
+    #[test]
+    fn counts_and_times_are_held_to_their_bounds() {
+        let http = |extra: &[&str]| plan(&[&["--target", "http://x:1"][..], extra].concat());
+        let bound = |extra: &[&str], expected: &str| {
+            let err = http(extra).err().unwrap_or_default();
+            assert!(err.contains(expected), "{extra:?}: {err:?}");
+        };
+        assert_eq!(http(&["-c", "10000"]).map(|p| p.concurrency), Ok(10_000));
+        bound(&["-c", "10001"], "--concurrency must be 1 to 10000");
+        assert_eq!(
+            plan(&["--grpc", "x:1", "-c", "4", "--connections", "4"]).map(|p| p.connections),
+            Ok(4)
+        );
+        assert_eq!(
+            http(&["--keys", "10000000"]).map(|p| p.keys),
+            Ok(10_000_000)
+        );
+        bound(&["--keys", "10000001"], "--keys must be 1 to 10000000");
+        // A run stops after its requests or its duration; a zero duration is refused only
+        // where it would be the one that counts.
+        bound(&["-d", "0s"], "--duration must be above 0");
+        assert_eq!(
+            http(&["-d", "0s", "-n", "5"]).map(|p| p.stop),
+            Ok(Stop::Count(5))
+        );
+        assert_eq!(
+            http(&["-d", "3s"]).map(|p| p.stop),
+            Ok(Stop::After(Duration::from_secs(3)))
+        );
+        bound(&["--domain", ""], "must not be empty");
+        bound(&["--key-entry", ""], "must not be empty");
+        bound(&["--timeout", "0s"], "--timeout must be above 0");
+        for rate in ["--rate=0", "--rate=-1", "--rate=inf", "--rate=NaN"] {
+            bound(&[rate], "--rate must be above 0");
+        }
+        bound(&["--rate", "1e-300"], "is too low");
+        bound(&["--rate", "1e300"], "is too high");
+        assert_eq!(
+            http(&["--rate", "0.5"]).map(|p| p.interval),
+            Ok(Some(Duration::from_secs(2)))
+        );
+    }
 }
