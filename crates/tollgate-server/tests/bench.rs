@@ -363,3 +363,48 @@ fn the_command_fails_only_when_no_request_got_a_decision() {
     assert_eq!(status.code(), Some(1), "{out}");
     assert!(err.contains("no request got a decision: HTTP 404"), "{err}");
 }
+
+/// A 403 is forward-auth's deny (nginx's auth_request passes on only 401 and 403); from the
+/// JSON check it is an error, with its reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_403_is_a_rejection_only_from_forward_auth() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let refusing = axum::Router::new().fallback(|| async { (StatusCode::FORBIDDEN, "go away") });
+    tokio::spawn(async move { axum::serve(listener, refusing).await });
+    let target = format!("http://{addr}");
+    let checks = bench(&["--target", &target, "-n", "10", "-c", "2"])
+        .await
+        .expect("bench runs");
+    let first = all_failed(checks, 10);
+    assert_eq!(first, "HTTP 403 Forbidden: go away");
+    let forward = bench(&["--target", &target, "--forward-auth", "-n", "10", "-c", "2"])
+        .await
+        .expect("bench runs");
+    assert_eq!(
+        (forward.allowed, forward.rejected, forward.errors),
+        (0, 10, 0)
+    );
+}
+
+/// `--cost` goes with forward-auth's requests as with checks: 5 of the demo's 10 tokens each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forward_auth_requests_carry_the_cost() {
+    let server = start_denying_with(StatusCode::FORBIDDEN).await;
+    let target = format!("http://{}", server.http);
+    let args = [
+        "--forward-auth",
+        "--cost",
+        "5",
+        "--keys",
+        "1",
+        "-n",
+        "6",
+        "-c",
+        "1",
+    ];
+    let summary = bench(&[&["--target", &target][..], &args].concat())
+        .await
+        .expect("bench runs");
+    assert_eq!((summary.allowed, summary.rejected), (2, 4), "{summary:?}");
+}
