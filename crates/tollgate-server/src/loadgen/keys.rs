@@ -103,4 +103,20 @@ mod tests {
         assert!((0.12..0.18).contains(&share(hottest)), "{}", share(hottest));
         assert!(share(top_percent) > 0.55, "{}", share(top_percent));
     }
+
+    #[test]
+    fn a_distribution_short_of_one_still_draws_keys_in_range() {
+        // As rounding could leave a sum of many terms: the draws past its last entry go to
+        // the last key.
+        let short: std::sync::Arc<[f64]> = [0.25, 0.5, 0.75].into();
+        let mut picker = KeyPicker::new(Distribution::Zipf, 3, 11, Some(short));
+        let mut seen = [0u32; 3];
+        for _ in 0..1_000 {
+            let k = picker.next();
+            assert!(k < 3, "{k}");
+            seen[k as usize] += 1;
+        }
+        // A quarter each below its entry, and the last key's quarter with the one past it.
+        assert!(seen[2] > 400, "{seen:?}");
+    }
 }
