@@ -390,7 +390,7 @@ mod tests {
             &["--target", "http://x:1", "--concurrency", "0"],
             &["--target", "http://x:1", "--requests", "0"],
             &["--target", "http://x:1", "--keys", "0"],
-            &["--target", "http://x:1", "--rate", "-3"],
+            &["--target", "http://x:1", "--rate=-3"],
             &["--target", "http://x:1", "--cost", "0"],
             &["--target", "http://x:1", "--path", "v1"],
             &["--target", "http://x:1", "--connections", "1"],

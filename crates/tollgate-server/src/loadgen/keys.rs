@@ -106,8 +106,8 @@ mod tests {
 
     #[test]
     fn a_distribution_short_of_one_still_draws_keys_in_range() {
-        // As rounding could leave a sum of many terms: the draws past its last entry go to
-        // the last key.
+        // Rounding could leave the last entry of a long sum a hair under one: draws past it
+        // go to the last key.
         let short: std::sync::Arc<[f64]> = [0.25, 0.5, 0.75].into();
         let mut picker = KeyPicker::new(Distribution::Zipf, 3, 11, Some(short));
         let mut seen = [0u32; 3];

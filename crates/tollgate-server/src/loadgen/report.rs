@@ -210,7 +210,13 @@ impl fmt::Display for Summary {
 mod tests {
     use clap::Parser as _;
 
+    use super::super::run::MAX_LATENCY_NS;
     use super::*;
+
+    /// An empty histogram of the bounds a run's workers use.
+    fn histogram() -> Histogram<u64> {
+        Histogram::new_with_bounds(1, MAX_LATENCY_NS, 3).unwrap_or_else(|err| panic!("{err}"))
+    }
 
     fn tally(
         allowed: u64,
@@ -219,8 +225,7 @@ mod tests {
         first_error: Option<&str>,
         at_us: &[u64],
     ) -> Tally {
-        let mut latency = Histogram::<u64>::new_with_bounds(1, 3_600_000_000_000, 3)
-            .unwrap_or_else(|err| panic!("{err}"));
+        let mut latency = histogram();
         for &us in at_us {
             let _ = latency.record(us * 1_000);
         }
@@ -239,9 +244,7 @@ mod tests {
         let args = BenchArgs::try_parse_from(std::iter::once("bench").chain(args.iter().copied()))
             .unwrap_or_else(|err| panic!("{err}"));
         let plan = args.plan().unwrap_or_else(|err| panic!("{err}"));
-        let merged = Histogram::<u64>::new_with_bounds(1, 3_600_000_000_000, 3)
-            .unwrap_or_else(|err| panic!("{err}"));
-        Summary::new(&args, &plan, elapsed, tallies, merged)
+        Summary::new(&args, &plan, elapsed, tallies, histogram())
     }
 
     #[test]

@@ -39,7 +39,7 @@ use super::keys::{KeyPicker, zipf_cdf};
 use super::report::Summary;
 
 /// The longest latency the histogram holds, in nanoseconds (longer ones count as this).
-const MAX_LATENCY_NS: u64 = 3_600_000_000_000;
+pub(super) const MAX_LATENCY_NS: u64 = 3_600_000_000_000;
 /// How long a closed-loop worker waits after an error, so a dead target is not hammered.
 const ERROR_PAUSE: Duration = Duration::from_millis(10);
 /// How often the progress bar is redrawn.
