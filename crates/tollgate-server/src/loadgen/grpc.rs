@@ -335,8 +335,227 @@ fn decode(message: &[u8]) -> Result<Overall, CallError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
     use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
     use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::DescriptorStatus;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use tokio::net::TcpListener;
+
+    /// How the test server answers one call.
+    struct Reply {
+        status: StatusCode,
+        headers: Vec<(&'static str, &'static str)>,
+        /// The framed message, if any.
+        body: Option<Vec<u8>>,
+        trailers: Option<Vec<(&'static str, &'static str)>>,
+    }
+
+    impl Reply {
+        /// A well-formed answer with `code` overall, its message padded to `message_bytes`
+        /// when given (with a field the client skips).
+        fn decision(code: Code, message_bytes: Option<usize>) -> Self {
+            let mut answer = RateLimitResponse {
+                overall_code: code.into(),
+                ..Default::default()
+            };
+            if let Some(size) = message_bytes {
+                // The padding's own tag and length take a few bytes more than it does.
+                let mut padding = size;
+                while answer.encoded_len() != size && padding > 0 {
+                    padding -= 1;
+                    answer.raw_body = vec![b'x'; padding];
+                }
+                assert_eq!(answer.encoded_len(), size, "no padding fits");
+            }
+            Self {
+                status: StatusCode::OK,
+                headers: vec![("content-type", "application/grpc")],
+                body: Some(framed(&answer.encode_to_vec())),
+                trailers: Some(vec![("grpc-status", "0")]),
+            }
+        }
+
+        /// An answer with headers only, as a gRPC error comes.
+        fn refusal(grpc_status: &'static str) -> Self {
+            Self {
+                status: StatusCode::OK,
+                headers: vec![
+                    ("content-type", "application/grpc"),
+                    ("grpc-status", grpc_status),
+                ],
+                body: None,
+                trailers: None,
+            }
+        }
+    }
+
+    /// A gRPC server on a free loopback port answering the `n`-th call (counted over every
+    /// connection, from 0) with `reply(n)`; returns its address and how many connections it
+    /// accepted.
+    async fn serve(
+        reply: impl Fn(u64) -> Reply + Send + Sync + 'static,
+    ) -> (String, Arc<AtomicU64>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let authority = listener.local_addr().expect("address").to_string();
+        let connections = Arc::new(AtomicU64::new(0));
+        let accepted = Arc::clone(&connections);
+        let reply = Arc::new(reply);
+        let calls = Arc::new(AtomicU64::new(0));
+        tokio::spawn(async move {
+            while let Ok((socket, _)) = listener.accept().await {
+                accepted.fetch_add(1, Ordering::SeqCst);
+                let reply = Arc::clone(&reply);
+                let calls = Arc::clone(&calls);
+                tokio::spawn(async move {
+                    let Ok(mut connection) = h2::server::handshake(socket).await else {
+                        return;
+                    };
+                    while let Some(Ok((_, mut respond))) = connection.accept().await {
+                        let reply = reply(calls.fetch_add(1, Ordering::SeqCst));
+                        let mut response = http::Response::new(());
+                        *response.status_mut() = reply.status;
+                        for (name, value) in reply.headers {
+                            response
+                                .headers_mut()
+                                .insert(name, HeaderValue::from_static(value));
+                        }
+                        let only_headers = reply.body.is_none() && reply.trailers.is_none();
+                        let Ok(mut stream) = respond.send_response(response, only_headers) else {
+                            continue;
+                        };
+                        if let Some(body) = reply.body {
+                            let _ = stream.send_data(body.into(), reply.trailers.is_none());
+                        }
+                        if let Some(trailers) = reply.trailers {
+                            let mut map = HeaderMap::new();
+                            for (name, value) in trailers {
+                                map.insert(name, HeaderValue::from_static(value));
+                            }
+                            let _ = stream.send_trailers(map);
+                        }
+                    }
+                });
+            }
+        });
+        (authority, connections)
+    }
+
+    /// A client of `authority` with a connection of its own.
+    fn client(authority: &str) -> GrpcClient {
+        sharing(authority, &Arc::default())
+    }
+
+    /// A client of `authority` sharing `connection` with others.
+    fn sharing(authority: &str, connection: &Arc<SharedConnection>) -> GrpcClient {
+        let args = crate::loadgen::BenchArgs::try_parse_from(["bench", "--grpc", authority])
+            .expect("flags");
+        let plan = args.plan().expect("plan");
+        GrpcClient::new(&plan, authority, Arc::clone(connection)).expect("client")
+    }
+
+    #[tokio::test]
+    async fn every_answer_but_a_whole_decision_is_an_error_that_says_why() {
+        let (authority, _) = serve(|n| match n {
+            0 => Reply::decision(Code::Ok, None),
+            1 => Reply::decision(Code::OverLimit, None),
+            2 => Reply::decision(Code::Unknown, None),
+            3 => Reply {
+                status: StatusCode::SERVICE_UNAVAILABLE,
+                ..Reply::decision(Code::Ok, None)
+            },
+            4 => Reply {
+                trailers: None,
+                ..Reply::decision(Code::Ok, None)
+            },
+            // The status in the headers, the message after them, and no trailers.
+            5 => Reply {
+                headers: vec![("content-type", "application/grpc"), ("grpc-status", "0")],
+                trailers: None,
+                ..Reply::decision(Code::OverLimit, None)
+            },
+            6 => Reply::refusal("8"),
+            // The largest answer taken, and one byte more.
+            7 => Reply::decision(Code::OverLimit, Some(MAX_ANSWER_BYTES - PREFIX_BYTES)),
+            8 => Reply::decision(Code::OverLimit, Some(MAX_ANSWER_BYTES - PREFIX_BYTES + 1)),
+            _ => Reply::refusal("13"),
+        })
+        .await;
+        let mut client = client(&authority);
+        let mut outcomes = Vec::new();
+        for key in 0..9 {
+            outcomes.push(client.send(key).await);
+        }
+        let expected: Vec<Result<Verdict, String>> = vec![
+            Ok(Verdict::Allowed),
+            Ok(Verdict::Rejected),
+            Err("gRPC answer with overall_code UNKNOWN".into()),
+            Err("HTTP/2 status 503 Service Unavailable".into()),
+            Err("an answer without grpc-status".into()),
+            Ok(Verdict::Rejected),
+            Err("gRPC ResourceExhausted: ".into()),
+            Ok(Verdict::Rejected),
+            Err(format!("an answer over {MAX_ANSWER_BYTES} bytes")),
+        ];
+        assert_eq!(outcomes, expected);
+    }
+
+    #[tokio::test]
+    async fn a_broken_connection_is_replaced_and_a_refusal_keeps_it() {
+        // Calls 1 and 2 fail: a refusal the server chose, then a transport failure, after which
+        // the next call opens a new connection.
+        let (authority, connections) = serve(|n| match n {
+            1 => Reply::refusal("3"),
+            2 => Reply {
+                status: StatusCode::BAD_GATEWAY,
+                ..Reply::decision(Code::Ok, None)
+            },
+            _ => Reply::decision(Code::Ok, None),
+        })
+        .await;
+        let mut client = client(&authority);
+        let mut opened = Vec::new();
+        for key in 0..4 {
+            let _ = client.send(key).await;
+            opened.push(connections.load(Ordering::SeqCst));
+        }
+        assert_eq!(opened, [1, 1, 1, 2], "connections opened after each call");
+    }
+
+    #[tokio::test]
+    async fn a_stale_failure_leaves_the_shared_replacement_alone() {
+        let (authority, connections) = serve(|n| match n {
+            0 | 2 => Reply {
+                status: StatusCode::BAD_GATEWAY,
+                ..Reply::decision(Code::Ok, None)
+            },
+            _ => Reply::decision(Code::Ok, None),
+        })
+        .await;
+        let shared = Arc::default();
+        let (mut first, mut second) = (sharing(&authority, &shared), sharing(&authority, &shared));
+        first.connect().await.expect("connect");
+        second.connect().await.expect("connect");
+        // The first fails and replaces the connection; then the second, still on the old one,
+        // fails too, which must not drop the replacement.
+        assert!(first.send(0).await.is_err());
+        assert_eq!(
+            connections.load(Ordering::SeqCst),
+            1,
+            "one shared connection"
+        );
+        assert_eq!(first.send(1).await, Ok(Verdict::Allowed));
+        assert_eq!(connections.load(Ordering::SeqCst), 2);
+        assert!(second.send(2).await.is_err());
+        let mut third = sharing(&authority, &shared);
+        third.connect().await.expect("connect");
+        assert_eq!(third.send(3).await, Ok(Verdict::Allowed));
+        assert_eq!(second.send(4).await, Ok(Verdict::Allowed));
+        assert_eq!(
+            connections.load(Ordering::SeqCst),
+            2,
+            "the replacement is shared by all three"
+        );
+    }
 
     fn framed(message: &[u8]) -> Vec<u8> {
         let mut framed = vec![0];
