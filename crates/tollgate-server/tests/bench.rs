@@ -167,13 +167,25 @@ async fn grpc_calls_multiplexed_over_shared_connections_all_count() {
 
 /// A loopback proxy to `upstream` that counts the connections it accepts.
 async fn counting_proxy(upstream: SocketAddr) -> (SocketAddr, Arc<AtomicUsize>) {
+    proxy(upstream, false).await
+}
+
+/// A loopback proxy to `upstream` that counts the connections it accepts; with `silent_first`
+/// the first is held open and never forwarded, as a peer that stopped answering.
+async fn proxy(upstream: SocketAddr, silent_first: bool) -> (SocketAddr, Arc<AtomicUsize>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
     let addr = listener.local_addr().expect("proxy addr");
     let accepted = Arc::new(AtomicUsize::new(0));
     let counter = Arc::clone(&accepted);
     tokio::spawn(async move {
         while let Ok((mut inbound, _)) = listener.accept().await {
-            counter.fetch_add(1, Ordering::Relaxed);
+            if counter.fetch_add(1, Ordering::Relaxed) == 0 && silent_first {
+                tokio::spawn(async move {
+                    let _held = inbound;
+                    std::future::pending::<()>().await;
+                });
+                continue;
+            }
             tokio::spawn(async move {
                 if let Ok(mut outbound) = tokio::net::TcpStream::connect(upstream).await {
                     let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
@@ -407,4 +419,87 @@ async fn forward_auth_requests_carry_the_cost() {
         .await
         .expect("bench runs");
     assert_eq!((summary.allowed, summary.rejected), (2, 4), "{summary:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closed_loop_for_a_duration_sends_until_its_end() {
+    let server = start().await;
+    let target = format!("http://{}", server.http);
+    let summary = bench(&[
+        "--target", &target, "--path", "/v1/noop", "-d", "300ms", "-c", "2",
+    ])
+    .await
+    .expect("bench runs");
+    assert_eq!(summary.errors, 0, "{summary:?}");
+    assert!(summary.allowed > 0, "{summary:?}");
+    assert!(summary.elapsed_s >= 0.3, "ended early: {summary:?}");
+}
+
+/// A server that answers each check after `delay`.
+async fn slow_upstream(delay: std::time::Duration) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let slow = axum::Router::new().fallback(move || async move {
+        tokio::time::sleep(delay).await;
+        StatusCode::OK
+    });
+    tokio::spawn(async move { axum::serve(listener, slow).await });
+    addr
+}
+
+/// An open-loop run that falls behind its schedule still ends at its deadline: the tickets
+/// left over are not sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_open_loop_stops_at_its_deadline() {
+    let upstream = slow_upstream(std::time::Duration::from_millis(50)).await;
+    let target = format!("http://{upstream}");
+    // 200 tickets in 200 ms, and one worker taking at least 50 ms a request: at most 4 leave
+    // before the deadline, and one that left at it.
+    let summary = bench(&[
+        "--target", &target, "-d", "200ms", "-c", "1", "--rate", "1000",
+    ])
+    .await
+    .expect("bench runs");
+    assert!(summary.allowed > 0, "{summary:?}");
+    assert!(
+        summary.requests <= 5,
+        "sent after the deadline: {summary:?}"
+    );
+    // Every answer took the upstream's 50 ms at least, from the send and from the schedule.
+    let service = summary.service_us.expect("open loop");
+    assert!(service.p50 >= 50_000.0, "{service:?}");
+    assert!(
+        summary.latency_us.p50 >= 50_000.0,
+        "{:?}",
+        summary.latency_us
+    );
+}
+
+/// A request that times out leaves its connection in an unknown state: the next one opens
+/// another rather than wait behind the lost answer, over HTTP and over gRPC.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_timed_out_is_followed_on_a_new_connection() {
+    let server = start().await;
+    for (flag, upstream) in [("--target", server.http), ("--grpc", server.grpc)] {
+        let (silent, accepted) = proxy(upstream, true).await;
+        let target = match flag {
+            "--target" => format!("http://{silent}"),
+            _ => silent.to_string(),
+        };
+        let args = ["-n", "3", "-c", "1", "--keys", "1", "--timeout", "200ms"];
+        let summary = bench(&[&[flag, &target][..], &args].concat())
+            .await
+            .expect("bench runs");
+        assert_eq!(
+            (summary.allowed, summary.errors),
+            (2, 1),
+            "{flag}: {:?}",
+            summary.first_error
+        );
+        assert_eq!(
+            summary.first_error.as_deref(),
+            Some("no answer within 200ms (--timeout)")
+        );
+        assert_eq!(accepted.load(Ordering::Relaxed), 2, "{flag}: connections");
+    }
 }

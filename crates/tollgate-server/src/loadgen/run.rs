@@ -334,7 +334,8 @@ pub async fn run(args: &BenchArgs) -> Result<Summary, BenchError> {
     }
 
     let shared = Arc::new(Shared::default());
-    let progress = progress_bar(&plan, args.json);
+    let shown = shows_progress(args.json, std::io::stderr().is_terminal());
+    let progress = progress_bar(&plan, shown);
     let start = Instant::now();
     let deadline = match plan.stop {
         Stop::After(duration) => Some(start + duration),
@@ -517,9 +518,15 @@ fn nanos(duration: Duration) -> u64 {
         .max(1)
 }
 
-/// A progress bar on stderr, or a hidden one when nobody is watching.
-fn progress_bar(plan: &Plan, json: bool) -> ProgressBar {
-    if json || !std::io::stderr().is_terminal() {
+/// Whether to draw a progress bar: only for someone watching stderr, and never beside a JSON
+/// summary, which is read by a program (stderr may be a terminal while stdout is piped).
+fn shows_progress(json: bool, terminal: bool) -> bool {
+    !json && terminal
+}
+
+/// A progress bar on stderr, or a hidden one when it is not `shown`.
+fn progress_bar(plan: &Plan, shown: bool) -> ProgressBar {
+    if !shown {
         return ProgressBar::hidden();
     }
     let (len, template) = match plan.stop {
@@ -727,6 +734,49 @@ mod tests {
             .await
             .expect("the pacer still runs after the run ended")
             .expect("pacer");
+    }
+
+    fn plan(stop: &str) -> Plan {
+        use clap::Parser;
+        let args = BenchArgs::try_parse_from(["bench", "--target", "http://127.0.0.1:1", stop]);
+        args.expect("flags").plan().expect("plan")
+    }
+
+    #[test]
+    fn the_progress_bar_shows_only_on_a_terminal_and_never_with_json() {
+        let shown = [(false, false), (false, true), (true, false), (true, true)]
+            .map(|(json, terminal)| shows_progress(json, terminal));
+        assert_eq!(shown, [false, true, false, false]);
+        let hidden = progress_bar(&plan("-n100"), false);
+        assert!(hidden.is_hidden());
+        assert_eq!(hidden.length(), None);
+        // Shown, its length is the requests or the milliseconds of the run.
+        assert_eq!(progress_bar(&plan("-n100"), true).length(), Some(100));
+        assert_eq!(progress_bar(&plan("-d1s"), true).length(), Some(1000));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_progress_bar_follows_the_requests_done_or_the_time_spent() {
+        for (stop, position) in [("-n100", 7), ("-d1s", 200)] {
+            let progress = ProgressBar::hidden();
+            let shared = Arc::new(Shared::default());
+            let ticker = tokio::spawn(tick(
+                progress.clone(),
+                Arc::clone(&shared),
+                plan(stop).stop,
+                Instant::now(),
+            ));
+            // The clock is paused: it moves only when every task waits. The first redraw, at
+            // the start, has no rate to say yet.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            assert_eq!(progress.message(), "", "{stop}");
+            shared.done.store(7, Ordering::Relaxed);
+            // The next, at 200 ms: the requests done, or the milliseconds spent.
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            ticker.abort();
+            assert_eq!(progress.position(), position, "{stop}");
+            assert_eq!(progress.message(), "7 sent, 35/s", "{stop}");
+        }
     }
 
     #[tokio::test]
