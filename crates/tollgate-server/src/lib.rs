@@ -55,6 +55,7 @@ pub mod hot_keys;
 pub mod http;
 pub mod loadgen;
 pub mod metrics;
+mod progress;
 pub mod rlqs;
 pub mod rls;
 pub mod simulate;

@@ -20,7 +20,6 @@
 //! generator nor a server that falls behind can hide a queue (no coordinated omission), and the
 //! summary reports the lateness, and the latency from the send, on their own.
 
-use std::io::IsTerminal;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -334,8 +333,7 @@ pub async fn run(args: &BenchArgs) -> Result<Summary, BenchError> {
     }
 
     let shared = Arc::new(Shared::default());
-    let shown = shows_progress(args.json, std::io::stderr().is_terminal());
-    let progress = progress_bar(&plan, shown);
+    let progress = progress_bar(&plan, crate::progress::shown(args.json));
     let start = Instant::now();
     let deadline = match plan.stop {
         Stop::After(duration) => Some(start + duration),
@@ -516,12 +514,6 @@ fn nanos(duration: Duration) -> u64 {
     u64::try_from(duration.as_nanos())
         .unwrap_or(u64::MAX)
         .max(1)
-}
-
-/// Whether to draw a progress bar: only for someone watching stderr, and never beside a JSON
-/// summary, which is read by a program (stderr may be a terminal while stdout is piped).
-fn shows_progress(json: bool, terminal: bool) -> bool {
-    !json && terminal
 }
 
 /// A progress bar on stderr, or a hidden one when it is not `shown`.
@@ -743,10 +735,7 @@ mod tests {
     }
 
     #[test]
-    fn the_progress_bar_shows_only_on_a_terminal_and_never_with_json() {
-        let shown = [(false, false), (false, true), (true, false), (true, true)]
-            .map(|(json, terminal)| shows_progress(json, terminal));
-        assert_eq!(shown, [false, true, false, false]);
+    fn a_hidden_progress_bar_is_hidden_and_a_shown_one_as_long_as_the_run() {
         let hidden = progress_bar(&plan("-n100"), false);
         assert!(hidden.is_hidden());
         assert_eq!(hidden.length(), None);

@@ -27,7 +27,7 @@ use std::borrow::Cow;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::fs::File;
-use std::io::{self, BufRead, BufReader, IsTerminal as _};
+use std::io::{self, BufRead, BufReader};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -569,7 +569,7 @@ pub fn main(args: &SimulateArgs) -> Result<(), SimulateError> {
         let length = file.metadata().ok().map(|m| m.len());
         (Box::new(BufReader::with_capacity(1 << 16, file)), length)
     };
-    let progress = progress_bar(length, args.json);
+    let progress = progress_bar(length, crate::progress::shown(args.json));
     let mut line = Vec::with_capacity(1024);
     loop {
         line.clear();
@@ -603,9 +603,10 @@ pub fn main(args: &SimulateArgs) -> Result<(), SimulateError> {
     Ok(())
 }
 
-/// Bytes of the trace read, when it is a file and stderr a terminal.
-fn progress_bar(length: Option<u64>, json: bool) -> ProgressBar {
-    if json || !io::stderr().is_terminal() {
+/// Bytes of the trace read (of `length`, when the trace is a file), or a hidden bar when it is
+/// not `shown`.
+fn progress_bar(length: Option<u64>, shown: bool) -> ProgressBar {
+    if !shown {
         return ProgressBar::hidden();
     }
     match length {
@@ -627,6 +628,16 @@ fn progress_bar(length: Option<u64>, json: bool) -> ProgressBar {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_hidden_progress_bar_is_hidden_and_a_shown_one_as_long_as_the_trace() {
+        let hidden = progress_bar(Some(1000), false);
+        assert!(hidden.is_hidden());
+        assert_eq!(hidden.length(), None);
+        assert_eq!(progress_bar(Some(1000), true).length(), Some(1000));
+        // A trace from a pipe has no length: a spinner counts the bytes.
+        assert_eq!(progress_bar(None, true).length(), None);
+    }
 
     /// A simulator of a one-limit policy written to a scratch file (removed on drop).
     struct Scratch(PathBuf);
