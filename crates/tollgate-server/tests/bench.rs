@@ -453,8 +453,8 @@ async fn slow_upstream(delay: std::time::Duration) -> SocketAddr {
 async fn a_late_open_loop_stops_at_its_deadline() {
     let upstream = slow_upstream(std::time::Duration::from_millis(50)).await;
     let target = format!("http://{upstream}");
-    // 200 tickets in 200 ms, and one worker taking at least 50 ms a request: at most 4 leave
-    // before the deadline, and one that left at it.
+    // 200 tickets in 200 ms, and one worker taking at least 50 ms a request: the fifth
+    // would leave at the deadline or later, so at most 4 leave.
     let summary = bench(&[
         "--target", &target, "-d", "200ms", "-c", "1", "--rate", "1000",
     ])
@@ -462,7 +462,7 @@ async fn a_late_open_loop_stops_at_its_deadline() {
     .expect("bench runs");
     assert!(summary.allowed > 0, "{summary:?}");
     assert!(
-        summary.requests <= 5,
+        summary.requests <= 4,
         "sent after the deadline: {summary:?}"
     );
     // Every answer took the upstream's 50 ms at least, from the send and from the schedule.

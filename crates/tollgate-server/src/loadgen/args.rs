@@ -315,14 +315,19 @@ fn parse_entry(text: &str) -> Result<(String, String), String> {
         .ok_or_else(|| format!("expected ENTRY=VALUE, as in method=GET, not {text}"))
 }
 
+/// `tollgate bench ARGS`, parsed: for the tests of the generator's parts.
+#[cfg(test)]
+pub(crate) fn parse(args: &[&str]) -> Result<BenchArgs, String> {
+    BenchArgs::try_parse_from(std::iter::once("bench").chain(args.iter().copied()))
+        .map_err(|err| err.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn plan(args: &[&str]) -> Result<Plan, String> {
-        let args = BenchArgs::try_parse_from(std::iter::once("bench").chain(args.iter().copied()))
-            .map_err(|err| err.to_string())?;
-        args.plan()
+        parse(args)?.plan()
     }
 
     #[test]

@@ -335,7 +335,6 @@ fn decode(message: &[u8]) -> Result<Overall, CallError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
     use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
     use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::DescriptorStatus;
     use std::sync::atomic::{AtomicU64, Ordering};
@@ -447,9 +446,9 @@ mod tests {
 
     /// A client of `authority` sharing `connection` with others.
     fn sharing(authority: &str, connection: &Arc<SharedConnection>) -> GrpcClient {
-        let args = crate::loadgen::BenchArgs::try_parse_from(["bench", "--grpc", authority])
-            .expect("flags");
-        let plan = args.plan().expect("plan");
+        let plan = crate::loadgen::args::parse(&["--grpc", authority])
+            .and_then(|args| args.plan())
+            .expect("plan");
         GrpcClient::new(&plan, authority, Arc::clone(connection)).expect("client")
     }
 

@@ -208,7 +208,6 @@ impl fmt::Display for Summary {
 
 #[cfg(test)]
 mod tests {
-    use clap::Parser as _;
 
     use super::super::run::MAX_LATENCY_NS;
     use super::*;
@@ -241,8 +240,7 @@ mod tests {
     }
 
     fn summary(args: &[&str], tallies: Vec<Tally>, elapsed: Duration) -> Summary {
-        let args = BenchArgs::try_parse_from(std::iter::once("bench").chain(args.iter().copied()))
-            .unwrap_or_else(|err| panic!("{err}"));
+        let args = crate::loadgen::args::parse(args).unwrap_or_else(|err| panic!("{err}"));
         let plan = args.plan().unwrap_or_else(|err| panic!("{err}"));
         Summary::new(&args, &plan, elapsed, tallies, histogram())
     }

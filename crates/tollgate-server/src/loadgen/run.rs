@@ -729,9 +729,9 @@ mod tests {
     }
 
     fn plan(stop: &str) -> Plan {
-        use clap::Parser;
-        let args = BenchArgs::try_parse_from(["bench", "--target", "http://127.0.0.1:1", stop]);
-        args.expect("flags").plan().expect("plan")
+        crate::loadgen::args::parse(&["--target", "http://127.0.0.1:1", stop])
+            .and_then(|args| args.plan())
+            .expect("plan")
     }
 
     #[test]
