@@ -473,7 +473,7 @@ impl PolicyEngine {
                 .into_iter()
                 .chain(limit.overrides().iter().filter_map(|o| o.rate()));
             for rate in rates {
-                check(rate).map_err(|source| Error::Check {
+                check(rate).map_err(|source| Error::Unsupported {
                     limit: limit.name().to_owned(),
                     source,
                 })?;

@@ -65,6 +65,16 @@ pub enum Error {
         /// The core's reason.
         source: tollgate::Error,
     },
+    /// A version with a rate limit the store in use cannot keep exactly (see
+    /// [`crate::EngineOptions::limit_check`]): refused like an invalid file, since every
+    /// decision on that limit would fail.
+    #[error("limit {limit}: {source}")]
+    Unsupported {
+        /// The limit refused.
+        limit: String,
+        /// The store's reason.
+        source: tollgate::Error,
+    },
     /// The file watcher could not be started.
     #[error("cannot watch {}: {source}", path.display())]
     Watch {

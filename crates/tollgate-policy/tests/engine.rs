@@ -2066,6 +2066,10 @@ fn a_reload_with_a_limit_the_store_cannot_keep_is_refused_and_the_last_good_vers
     let too_big = "version: \"2\"\nlimits:\n  - name: small\n    domain: api\n    key: [user]\n    capacity: 10\n    refill: 1/s\n    overrides:\n      - when: {tier: gold}\n        capacity: 1000\n        refill: 1/s\n";
     std::fs::write(&path, too_big).unwrap();
     let err = engine.reload().unwrap_err();
+    assert!(
+        matches!(&err, tollgate_policy::Error::Unsupported { limit, .. } if limit == "small"),
+        "{err:?}"
+    );
     assert_eq!(
         err.to_string(),
         "limit small: this store cannot represent the limit exactly: capacity above 100"

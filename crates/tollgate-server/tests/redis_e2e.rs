@@ -352,6 +352,46 @@ fn a_reload_that_grows_a_limit_carries_redis_balances_over() {
     );
 }
 
+/// A limit the Lua scripts cannot keep exactly (a refill of 9 tokens every 7 ns) is refused at
+/// start on Redis, and on a reload too: the file that brings it is refused as an invalid one
+/// would be, with the limit named, and the version in force keeps deciding. The memory store
+/// keeps any limit, so there the same file goes in force.
+#[test]
+fn a_reload_to_a_limit_redis_cannot_keep_is_refused_on_redis_only() {
+    let redis = RedisServer::start();
+    let scratch = Scratch::new("unkeepable");
+    let on_redis = scratch.write("redis.yaml", POLICY);
+    let on_memory = scratch.write("memory.yaml", POLICY);
+    let token = ["--admin-token", "s3cret"];
+    let redis_server = on_store(&on_redis, &redis.url(), &token);
+    let memory_server = Server::start(&[&["--config", path_str(&on_memory)][..], &token].concat());
+    let unkeepable = POLICY
+        .replace("version: \"shared\"", "version: \"odd\"")
+        .replace("refill: 1/h", "refill: 9/7ns");
+    std::fs::write(&on_redis, &unkeepable).unwrap();
+    std::fs::write(&on_memory, &unkeepable).unwrap();
+    let auth = [("Authorization", "Bearer s3cret")];
+
+    let answer = request(redis_server.http, "POST", "/v1/policy/reload", &auth, "");
+    assert_eq!(answer.status, 422, "{}", answer.body);
+    assert_eq!(answer.json()["error"]["code"], "policy_refused");
+    let message = answer.json()["error"]["message"].to_string();
+    assert!(
+        message.contains("limit shared-quota: ")
+            && message.contains("microseconds")
+            && message.contains("version shared stays in force"),
+        "{message}"
+    );
+    let check = r#"{"domain":"api","descriptors":[{"user":"kim"}]}"#;
+    let answer = post_json(redis_server.http, "/v1/check", check);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(answer.json()["policy_version"], "shared");
+
+    let answer = request(memory_server.http, "POST", "/v1/policy/reload", &auth, "");
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(answer.json()["version"], "odd");
+}
+
 #[test]
 fn redis_killed_under_closed_and_open_limits() {
     let mut redis = RedisServer::start();

@@ -407,7 +407,11 @@ pub(crate) async fn reload(
                 .collect();
             Ok(Json(body).into_response())
         }
-        Err(err @ (PolicyError::Invalid(_) | PolicyError::Io { .. })) => Err(ApiError::new(
+        Err(
+            err @ (PolicyError::Invalid(_)
+            | PolicyError::Io { .. }
+            | PolicyError::Unsupported { .. }),
+        ) => Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             "policy_refused",
             format!(
