@@ -439,7 +439,8 @@ fn the_open_file_limit_is_raised_to_the_hard_limit() {
 }
 
 /// Where even the hard limit is low, the default bound is what it holds on both listeners
-/// (half of it, less 64 descriptors for the rest); a bound asked for is kept as asked.
+/// (half of it, less 64 descriptors for the rest); a bound asked for is kept as asked, with a
+/// warning when the limit cannot hold it.
 #[test]
 #[cfg(target_os = "linux")]
 fn the_default_connection_bound_fits_the_open_file_limit() {
@@ -449,12 +450,32 @@ fn the_default_connection_bound_fits_the_open_file_limit() {
         "{}",
         server.listening
     );
-    let server = Server::start_after("ulimit -n 256", &["--max-connections", "500"]);
+    let warning = "the open-file limit cannot hold --max-connections";
+    let (server, logs) = Server::start_after_logging(
+        "ulimit -n 256",
+        &["--max-connections", "500"],
+        "tollgate_server=warn",
+    );
     assert!(
         server.listening.ends_with(" max_connections=500"),
         "{}",
         server.listening
     );
+    let logs = server.terminate_and_read(logs);
+    assert!(
+        logs.contains(warning) && logs.contains("open_file_limit=256"),
+        "{logs}"
+    );
+    // Plain text off a terminal, without colours' escape codes around the fields.
+    assert!(!logs.contains('\x1b'), "{logs:?}");
+    // The most the limit holds: no warning.
+    let (server, logs) = Server::start_after_logging(
+        "ulimit -n 256",
+        &["--max-connections", "96"],
+        "tollgate_server=warn",
+    );
+    let logs = server.terminate_and_read(logs);
+    assert!(!logs.contains(warning), "{logs}");
     let server = Server::start(&[]);
     let (_, hard) = open_file_limits(server.pid());
     let expected = ((hard - 64) / 2).min(10_000);

@@ -79,6 +79,16 @@ impl Server {
     /// As [`Server::start`], from a shell that first runs `setup` (such as `ulimit -Sn 256`),
     /// then execs the server in its own place (same process id).
     pub fn start_after(setup: &str, args: &[&str]) -> Self {
+        Self::spawn(Self::after(setup, args), None)
+    }
+
+    /// As [`Server::start_after`], logging at `filter` to a pipe the caller reads.
+    pub fn start_after_logging(setup: &str, args: &[&str], filter: &str) -> (Self, ChildStderr) {
+        Self::spawn(Self::after(setup, args), Some(filter)).with_logs()
+    }
+
+    /// `tollgate serve ARGS` from a shell that first runs `setup`.
+    fn after(setup: &str, args: &[&str]) -> Command {
         let mut command = Command::new("sh");
         command
             .arg("-c")
@@ -86,7 +96,7 @@ impl Server {
             .arg(binary())
             .args(["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
             .args(args);
-        Self::spawn(command, None)
+        command
     }
 
     /// As [`Server::start`], logging at `filter` (`TOLLGATE_LOG`) to a pipe the caller reads.
@@ -96,13 +106,17 @@ impl Server {
             .arg("serve")
             .args(["--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
             .args(args);
-        let mut server = Self::spawn(command, Some(filter));
-        let stderr = server
+        Self::spawn(command, Some(filter)).with_logs()
+    }
+
+    /// This server, and the pipe its logs go to.
+    fn with_logs(mut self) -> (Self, ChildStderr) {
+        let stderr = self
             .child
             .as_mut()
             .and_then(|child| child.stderr.take())
             .expect("piped stderr");
-        (server, stderr)
+        (self, stderr)
     }
 
     /// Runs `command`, a `tollgate serve` with addresses of its own (or a program that runs
