@@ -4,6 +4,7 @@
 mod support;
 
 use std::path::Path;
+use std::time::Duration;
 
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
@@ -11,6 +12,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::google::protobuf::UInt64Value;
 use support::{Scratch, Server, metric, path_str, post_json, request, serve_refused};
+use tollgate::{Clock, MonotonicClock};
 use tollgate_redis::test_server::{
     RedisCluster, RedisSentinel, RedisServer, TestCertificates, command, free_port,
 };
@@ -292,6 +294,76 @@ fn token_batch_flags_refuse_what_cannot_work() {
         let stderr = serve_refused(args);
         assert!(stderr.contains(says), "{args:?}: {stderr}");
     }
+    // Without batches their lifetime is moot, whatever it is (an environment may set it for
+    // every process).
+    let server = Server::start(&["--store", &url, "--token-batch-ttl", "2m"]);
+    assert!(server.terminate().success());
+}
+
+/// A batch whose key goes quiet is given back once its lifetime is over, by the server's own
+/// sweep rather than at the key's next check; what is still held at shutdown goes back then,
+/// and the log says how many batches did.
+#[test]
+fn a_quiet_batch_goes_back_after_its_lifetime_and_the_rest_at_shutdown() {
+    const BATCHED: &str = "limits:\n  - name: quota\n    domain: api\n    key: [user]\n    capacity: 100\n    refill: 1/d\n";
+    let redis = RedisServer::start();
+    let scratch = Scratch::new("quiet-batch");
+    let config = scratch.write("policy.yaml", BATCHED);
+    let store = ["--store", &redis.url(), "--store-timeout", "2s"];
+    let args = |ttl| {
+        let mut args = vec!["--config", path_str(&config), "--token-batch", "10"];
+        args.extend(["--token-batch-ttl", ttl]);
+        args.extend(store);
+        args
+    };
+    let held = |server: &Server| metric(server, "tollgate_batched_tokens_held");
+    // Checks in a quick run until the key takes a batch (it does once it is checked often);
+    // how many were admitted.
+    let until_batched = |server: &Server, user: &str| {
+        let body = format!(r#"{{"domain":"api","descriptors":[{{"user":"{user}"}}]}}"#);
+        let mut admitted = 0;
+        while held(server) == 0.0 && admitted < 50 {
+            assert_eq!(post_json(server.http, "/v1/check", &body).status, 200);
+            admitted += 1;
+        }
+        assert!(held(server) > 0.0, "no batch after {admitted} checks");
+        admitted
+    };
+    // What a server without batches then finds in the bucket.
+    let plain = Server::start(&[&["--config", path_str(&config)][..], &store].concat());
+    let left = |user: &str| {
+        let body = format!(r#"{{"domain":"api","descriptors":[{{"user":"{user}"}}]}}"#);
+        (0..120)
+            .take_while(|_| post_json(plain.http, "/v1/check", &body).status == 200)
+            .count()
+    };
+    let logs = "tollgate_server=info";
+
+    // A lifetime of 2 s, swept every half second: the tokens held go back by 2.5 s (and, were
+    // the sweep four times rarer, not before 8 s).
+    let (server, quiet_logs) = Server::start_logging(&args("2s"), logs);
+    let clock = MonotonicClock::new();
+    let admitted = until_batched(&server, "quiet");
+    let taken = clock.now();
+    support::wait_for("the quiet batch given back", || {
+        (held(&server) == 0.0).then_some(())
+    });
+    let after = clock.now().saturating_duration_since(taken);
+    assert!(after < Duration::from_secs(6), "given back after {after:?}");
+    assert_eq!(left("quiet"), 100 - admitted);
+    // Nothing was held at shutdown, and nothing is said of it.
+    let text = server.terminate_and_read(quiet_logs);
+    assert!(!text.contains("gave back the unused tokens"), "{text}");
+
+    // Held at shutdown: given back then, said once.
+    let (server, busy_logs) = Server::start_logging(&args("30s"), logs);
+    let admitted = until_batched(&server, "busy");
+    let text = server.terminate_and_read(busy_logs);
+    assert!(
+        text.contains("gave back the unused tokens of batches batches=1"),
+        "{text}"
+    );
+    assert_eq!(left("busy"), 100 - admitted);
 }
 
 #[test]
