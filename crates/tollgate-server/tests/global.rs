@@ -84,6 +84,16 @@ fn two_regions_share_a_global_limit_without_over_admitting() {
         Server::start_logging(args, GLOBAL_LOGS)
     });
     let regions = [eu, in_region(&config, &redis, "us")];
+    // Two of the three limits are global: the banner says so, and where they are kept.
+    let global = format!(
+        "  global limits  2 on {} (region us, rebalanced every 100ms)",
+        redis.url()
+    );
+    assert!(
+        regions[1].banner.lines().any(|line| line == global),
+        "{}",
+        regions[1].banner
+    );
     let clock = MonotonicClock::new();
     let start = clock.now();
     let run = Duration::from_secs(2);
@@ -229,6 +239,45 @@ fn global_flags_refuse_what_cannot_work() {
     ]);
     let refused = support::serve_refused(&["--global-store", "http://127.0.0.1:1"]);
     assert!(refused.contains("cannot use the global store"), "{refused}");
+    // A global limit Redis cannot keep exactly (9 tokens every 7 ns) is refused before the
+    // global store is reached; the regional limits beside it stay on the memory store, which
+    // keeps any.
+    let scratch = Scratch::new("global-unkeepable");
+    let odd = POLICY.replacen("refill: 20/s", "refill: 9/7ns", 1);
+    let config = scratch.write("policy.yaml", &odd);
+    let refused = support::serve_refused(&[
+        "--config",
+        path_str(&config),
+        "--global-store",
+        "redis://127.0.0.1:1",
+    ]);
+    assert!(
+        refused.contains("global limit tenant-worldwide cannot be kept in Redis"),
+        "{refused}"
+    );
+}
+
+/// `--global-store` with a policy that has no global limit is not an error (a reload may bring
+/// one), but likely a mistake: it is said at start.
+#[test]
+fn a_global_store_without_global_limits_is_warned_of() {
+    let redis = RedisServer::start();
+    let scratch = Scratch::new("global-none");
+    let regional = POLICY.replace("    scope: global\n", "");
+    let config = scratch.write("policy.yaml", &regional);
+    let (server, logs) = in_region_with(&config, &redis, "eu", |args| {
+        Server::start_logging(args, "tollgate_server=warn")
+    });
+    assert!(
+        server.banner.contains("global limits  0 on"),
+        "{}",
+        server.banner
+    );
+    let logs = server.terminate_and_read(logs);
+    assert!(
+        logs.contains("--global-store is set but no limit of the policy is `scope: global`"),
+        "{logs}"
+    );
 }
 
 /// `--global-max-keys` bounds the reservoirs a process holds (a key past it is fetched for its
