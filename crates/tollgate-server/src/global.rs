@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::watch;
-use tollgate::MonotonicClock;
+use tollgate::{Clock, MonotonicClock};
 use tollgate_redis::RedisStore;
 use tollgate_regional::{Options, Regional};
 
@@ -37,6 +37,7 @@ pub fn shares(global: RedisStore, region: &str, options: Options) -> Shares {
 /// Runs a round every interval until `stopped`, then gives back what every reservoir holds,
 /// so the other processes can spend it at once.
 pub async fn rebalance(shares: Arc<Shares>, mut stopped: watch::Receiver<bool>) {
+    let clock = MonotonicClock::new();
     let mut every = tokio::time::interval(shares.options().interval);
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -47,8 +48,10 @@ pub async fn rebalance(shares: Arc<Shares>, mut stopped: watch::Receiver<bool>) 
         if *stopped.borrow() {
             break;
         }
+        let started = clock.now();
         let round = shares.rebalance().await;
-        metrics::record_global_round(&shares, &round);
+        let took = clock.now().saturating_duration_since(started);
+        metrics::record_global_round(&shares, &round, took);
         if round.failed > 0 {
             tracing::warn!(
                 failed = round.failed,

@@ -119,6 +119,10 @@ pub const GLOBAL_FETCHED: &str = "tollgate_global_fetched_tokens_total";
 pub const GLOBAL_GIVEN_BACK: &str = "tollgate_global_given_back_tokens_total";
 /// Counter: calls of a rebalancing round the global store could not answer.
 pub const GLOBAL_ROUND_FAILURES: &str = "tollgate_global_round_failures_total";
+/// Histogram: time a rebalancing round of the global limits took, in seconds; its `_count`
+/// counts the rounds, one per `--rebalance-interval` while they keep up. Rounds that take
+/// longer than the interval run back to back, and reservoirs follow demand that much later.
+pub const GLOBAL_ROUNDS: &str = "tollgate_global_round_duration_seconds";
 
 /// Every metric name above, for dashboards, alerts and tests to check theirs against (the
 /// busiest keys' two series are [`crate::hot_keys`]'s).
@@ -160,6 +164,7 @@ pub const ALL: &[&str] = &[
     GLOBAL_FETCHED,
     GLOBAL_GIVEN_BACK,
     GLOBAL_ROUND_FAILURES,
+    GLOBAL_ROUNDS,
 ];
 
 /// Why the server closed a connection on its client.
@@ -233,8 +238,14 @@ fn builder(
         0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01,
         0.025, 0.05, 0.1,
     ];
+    // A round makes a call per reservoir, a few at a time: milliseconds for a few keys, up to
+    // the longest interval (1 m) for the most a process may hold.
+    let rounds = [
+        0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    ];
     Ok(PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Full(LATENCY.to_owned()), &buckets)?
+        .set_buckets_for_metric(Matcher::Full(GLOBAL_ROUNDS.to_owned()), &rounds)?
         .idle_timeout(MetricKindMask::GAUGE, Some(gauge_idle)))
 }
 
@@ -332,6 +343,11 @@ fn describe() {
     describe_counter!(
         GLOBAL_ROUND_FAILURES,
         "Calls of rebalancing rounds the global store could not answer."
+    );
+    describe_histogram!(
+        GLOBAL_ROUNDS,
+        metrics::Unit::Seconds,
+        "Time a rebalancing round of the global limits took."
     );
 }
 
@@ -668,7 +684,12 @@ pub fn record_rlqs_given_back(tokens: u64) {
 
 /// Records one rebalancing round of the global limits' reservoirs, what they hold after it,
 /// and what requests and rounds have fetched and given back so far.
-pub fn record_global_round(shares: &crate::global::Shares, round: &tollgate_regional::Round) {
+pub fn record_global_round(
+    shares: &crate::global::Shares,
+    round: &tollgate_regional::Round,
+    took: Duration,
+) {
+    histogram!(GLOBAL_ROUNDS).record(took.as_secs_f64());
     let (fetched, given_back) = shares.totals();
     let (reservoirs, held) = shares.held();
     counter!(GLOBAL_FETCHED).absolute(fetched);

@@ -30,7 +30,7 @@ fn the_alerts_read_series_the_server_exports() {
         let metric = ["_bucket", "_sum", "_count"]
             .iter()
             .find_map(|suffix| name.strip_suffix(suffix))
-            .filter(|base| *base == metrics::LATENCY)
+            .filter(|base| [metrics::LATENCY, metrics::GLOBAL_ROUNDS].contains(base))
             .unwrap_or(name);
         assert!(
             metrics::ALL.contains(&metric),

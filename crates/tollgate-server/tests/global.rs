@@ -312,3 +312,63 @@ fn reservoirs_are_bounded_and_quiet_ones_given_back() {
     });
     assert!(metric(&server, "tollgate_global_given_back_tokens_total") > 0.0);
 }
+
+/// A rebalancing round runs every `--rebalance-interval`, timed in a histogram whose count is
+/// the rounds run: over the same two seconds, a process asked for rounds every 100 ms runs
+/// about twenty, one asked for a round a second at most three.
+#[test]
+fn rounds_run_every_rebalance_interval_and_are_timed() {
+    let redis = RedisServer::start();
+    let scratch = Scratch::new("global-rounds");
+    let config = scratch.write("policy.yaml", POLICY);
+    let often = in_region(&config, &redis, "eu");
+    let seldom = Server::start(&[
+        "--config",
+        path_str(&config),
+        "--global-store",
+        &redis.url(),
+        "--region",
+        "us",
+        "--rebalance-interval",
+        "1s",
+    ]);
+    let rounds = |server: &Server| metric(server, "tollgate_global_round_duration_seconds_count");
+    // Traffic on both, so that the rounds have reservoirs to top up.
+    assert_eq!(check(&often, "api", "t1", "u1"), 200);
+    assert_eq!(check(&seldom, "api", "t1", "u2"), 200);
+    let before = [rounds(&often), rounds(&seldom)];
+    let clock = MonotonicClock::new();
+    let start = clock.now();
+    #[allow(clippy::disallowed_methods)]
+    std::thread::sleep(Duration::from_secs(2));
+    let after = [rounds(&often), rounds(&seldom)];
+    let elapsed = clock.now().saturating_duration_since(start);
+    let ran = [after[0] - before[0], after[1] - before[1]];
+    // The scrapes bracket the sleep, so at most a round more than the whole seconds elapsed.
+    let most_seldom = elapsed.as_secs_f64().ceil() + 1.0;
+    assert!(
+        ran[0] >= 10.0,
+        "every 100 ms: {ran:?} rounds in {elapsed:?}"
+    );
+    assert!(
+        (1.0..=most_seldom).contains(&ran[1]),
+        "every second: {ran:?} rounds in {elapsed:?}"
+    );
+    // A histogram with the rounds' buckets, not a summary; every round here took under 10 s.
+    let text = request(often.http, "GET", "/metrics", &[], "").body;
+    let series = |name: &str| -> f64 {
+        text.lines()
+            .find_map(|line| line.strip_prefix(name)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in\n{text}"))
+    };
+    assert!(
+        text.contains("# TYPE tollgate_global_round_duration_seconds histogram"),
+        "{text}"
+    );
+    let count = series("tollgate_global_round_duration_seconds_count");
+    assert!(count >= after[0], "{text}");
+    assert_eq!(
+        series("tollgate_global_round_duration_seconds_bucket{le=\"10\"}"),
+        count
+    );
+}
