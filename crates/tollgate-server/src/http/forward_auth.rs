@@ -15,6 +15,7 @@ use std::net::IpAddr;
 use std::num::NonZeroU64;
 use std::sync::Arc;
 
+use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -176,10 +177,19 @@ fn parse<'a>(
 
 pub(crate) async fn forward_auth(
     State(state): State<Arc<AppState>>,
-    Path(domain): Path<String>,
+    domain: Result<Path<String>, PathRejection>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     let options = &state.options;
+    // axum refuses a domain that is not UTF-8 once percent-decoded (`%A0`) in plain text; the
+    // proxy's logs should get the error body of every other refusal.
+    let Ok(Path(domain)) = domain else {
+        metrics::record_invalid(Api::ForwardAuth);
+        return Err(ApiError::bad_request(
+            "invalid_domain",
+            "the domain in the path is not UTF-8 once percent-decoded",
+        ));
+    };
     let parsed = parse(
         domain,
         &headers,

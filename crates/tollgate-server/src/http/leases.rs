@@ -34,7 +34,7 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
+use axum::extract::rejection::{BytesRejection, PathRejection};
 use axum::extract::{Path, State};
 use axum::http::header::RETRY_AFTER;
 use axum::http::{HeaderValue, StatusCode};
@@ -192,9 +192,9 @@ pub(crate) async fn explain(
 
 pub(crate) async fn release(
     State(state): State<Arc<AppState>>,
-    Path(lease_id): Path<String>,
+    lease_id: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
-    check_id(&lease_id)?;
+    let lease_id = checked_id(lease_id)?;
     let released = state
         .decider
         .release(&lease_id)
@@ -212,9 +212,9 @@ pub(crate) async fn release(
 /// held nowhere any more (a lease that timed out is not revived: take a new one).
 pub(crate) async fn renew(
     State(state): State<Arc<AppState>>,
-    Path(lease_id): Path<String>,
+    lease_id: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
-    check_id(&lease_id)?;
+    let lease_id = checked_id(lease_id)?;
     let left = state
         .decider
         .renew(&lease_id)
@@ -229,14 +229,20 @@ pub(crate) async fn renew(
     Ok(json(StatusCode::OK, out))
 }
 
-fn check_id(lease_id: &str) -> Result<(), ApiError> {
-    tollgate::check_lease_id(lease_id).map_err(|_| {
-        metrics::record_invalid(Api::Leases);
-        ApiError::bad_request(
-            "invalid_lease_id",
-            "a lease id is 1 to 64 characters of ASCII letters, digits, '-' and '_'",
-        )
-    })
+/// The lease id of the path, or a 400 naming what one is. A path segment that is not UTF-8
+/// once percent-decoded (`%A0`) is no lease id either: it gets the same answer, where axum's
+/// own refusal would be plain text rather than the error body of every other refusal.
+fn checked_id(lease_id: Result<Path<String>, PathRejection>) -> Result<String, ApiError> {
+    match lease_id {
+        Ok(Path(id)) if tollgate::check_lease_id(&id).is_ok() => Ok(id),
+        _ => {
+            metrics::record_invalid(Api::Leases);
+            Err(ApiError::bad_request(
+                "invalid_lease_id",
+                "a lease id is 1 to 64 characters of ASCII letters, digits, '-' and '_'",
+            ))
+        }
+    }
 }
 
 fn not_found() -> ApiError {
