@@ -386,11 +386,7 @@ struct Seen {
     refused: usize,
 }
 
-fn one(
-    seen: &mut Seen,
-    text: &str,
-    requests: &[Request],
-) -> Result<(), TestCaseError> {
+fn one(seen: &mut Seen, text: &str, requests: &[Request]) -> Result<(), TestCaseError> {
     let policy = match compile("p.yaml", text) {
         Ok(policy) => policy,
         Err(err) => {

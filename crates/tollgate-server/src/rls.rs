@@ -187,6 +187,16 @@ fn parse(
                     "descriptors[{index}]: at most {MAX_ENTRIES} entries"
                 )));
             }
+            // Envoy's newer refunds: the hits given back rather than taken. Read as an ordinary
+            // descriptor (as before the field existed), a refund would charge its subject
+            // instead; tollgate keeps no record to give back against outside a reservation
+            // (`POST /v1/settle`), so the call is refused, charging nothing.
+            if descriptor.is_negative_hits {
+                return Err(invalid(format!(
+                    "descriptors[{index}]: is_negative_hits (giving hits back) is not \
+                     supported; nothing was charged"
+                )));
+            }
             let mut entries = Vec::with_capacity(descriptor.entries.len());
             for entry in descriptor.entries {
                 if entry.key.is_empty() || entry.key.len() > MAX_NAME_BYTES {
@@ -594,6 +604,14 @@ mod tests {
                     vec![vec![entry("k".to_owned(), "v".repeat(MAX_VALUE_BYTES + 1))]],
                 ),
                 "descriptors[0]: entry values must be at most 1024",
+            ),
+            (
+                {
+                    let mut refund = request("d".to_owned(), vec![one(), one()]);
+                    refund.descriptors[1].is_negative_hits = true;
+                    refund
+                },
+                "descriptors[1]: is_negative_hits (giving hits back) is not supported",
             ),
         ];
         for (mut request, message) in refused {
