@@ -2,7 +2,9 @@
 //! wrong value, a wrong type or a wrong name, then some files cut short or with a character
 //! changed. A file is compiled or refused, never a panic; a refusal points at a place in the
 //! file; and a compiled one is linted and decides random requests, checks and leases, without
-//! a panic either, each decision within its limit's capacity.
+//! a panic either, each decision within its limit's capacity. envoyproxy/ratelimit
+//! configurations, built and broken the same way, are imported into a policy the compiler
+//! takes, or refused.
 //!
 //! `errors.rs` holds each refusal by name; this holds the compiler and the engine against
 //! files nobody thought to write.
@@ -451,5 +453,147 @@ fn any_file_is_compiled_or_refused_and_a_compiled_one_decides() {
     assert!(
         seen.compiled >= 300 && seen.decided >= 300 && seen.refused >= 300,
         "{seen:?}"
+    );
+}
+
+/// An envoyproxy/ratelimit descriptor node, `depth` levels deep at most, as YAML lines
+/// indented by `indent`.
+fn envoy_node(depth: u32) -> BoxedStrategy<Vec<String>> {
+    let rate_limit = (
+        mostly(
+            vec!["second", "minute", "hour", "day", "month", "year", "SECOND"],
+            vec!["week", "", "7"],
+        ),
+        mostly(
+            vec!["0", "1", "10", "600", "4294967295"],
+            vec!["-1", "1.5", "\"10\"", "18446744073709551616"],
+        ),
+        prop::option::weighted(0.3, name()),
+        prop::collection::vec(name(), 0..2),
+        prop::bool::weighted(0.1),
+    )
+        .prop_map(|(unit, requests, name, replaces, unlimited)| {
+            let mut fields = vec![
+                format!("unit: {unit}"),
+                format!("requests_per_unit: {requests}"),
+            ];
+            fields.extend(name.map(|n| format!("name: {n}")));
+            if !replaces.is_empty() {
+                let names: Vec<String> =
+                    replaces.iter().map(|n| format!("{{name: {n}}}")).collect();
+                fields.push(format!("replaces: [{}]", names.join(", ")));
+            }
+            if unlimited {
+                fields.push("unlimited: true".to_owned());
+            }
+            format!("{{{}}}", fields.join(", "))
+        });
+    let leaf = (
+        mostly(ENTRIES.to_vec(), vec!["", "\"\""]),
+        prop::option::weighted(
+            0.7,
+            mostly(VALUES.to_vec(), vec!["\"\"", "u*", "*", "[a]", "7", "null"]),
+        ),
+        prop::option::weighted(0.7, rate_limit),
+        prop::bool::weighted(0.1),
+        prop::bool::weighted(0.05),
+    );
+    let children = if depth == 0 {
+        Just(Vec::new()).boxed()
+    } else {
+        prop::collection::vec(envoy_node(depth - 1), 0..3).boxed()
+    };
+    (leaf, children)
+        .prop_map(|((key, value, rate_limit, shadow, unknown), children)| {
+            let mut lines = vec![format!("- key: {key}")];
+            lines.extend(value.map(|v| format!("  value: {v}")));
+            lines.extend(rate_limit.map(|r| format!("  rate_limit: {r}")));
+            if shadow {
+                lines.push("  shadow_mode: true".to_owned());
+            }
+            if unknown {
+                lines.push("  quota: 3".to_owned());
+            }
+            if !children.is_empty() {
+                lines.push("  descriptors:".to_owned());
+                for child in children {
+                    lines.extend(child.into_iter().map(|line| format!("    {line}")));
+                }
+            }
+            lines
+        })
+        .boxed()
+}
+
+/// An envoyproxy/ratelimit configuration file, then maybe cut short or a character changed.
+fn envoy_file() -> impl Strategy<Value = String> {
+    let text = (
+        prop::option::weighted(0.95, mostly(vec!["api", "edge"], vec!["\"\"", "[a]"])),
+        prop::collection::vec(envoy_node(2), 0..4),
+    )
+        .prop_map(|(domain, nodes)| {
+            let mut text = String::new();
+            if let Some(domain) = domain {
+                text.push_str(&format!("domain: {domain}\n"));
+            }
+            text.push_str("descriptors:\n");
+            for line in nodes.into_iter().flatten() {
+                text.push_str(&format!("  {line}\n"));
+            }
+            text
+        });
+    (text, 0u8..12, any::<prop::sample::Index>(), any::<char>()).prop_map(|(text, how, at, c)| {
+        let mut chars: Vec<char> = text.chars().collect();
+        match how {
+            0 if !chars.is_empty() => chars.truncate(at.index(chars.len())),
+            1 if !chars.is_empty() => {
+                let i = at.index(chars.len());
+                chars[i] = c;
+            }
+            _ => {}
+        }
+        chars.into_iter().collect()
+    })
+}
+
+/// What an import writes is a policy the compiler takes, whatever the configuration it came
+/// from; a configuration it cannot take is refused with a place in the file, never a panic.
+#[test]
+fn any_envoy_configuration_is_imported_into_a_policy_that_compiles_or_refused() {
+    let mut runner = TestRunner::new(Config {
+        cases: 3_000,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    let seen = std::cell::RefCell::new((0usize, 0usize));
+    let result = runner.run(&envoy_file(), |text| {
+        let mut seen = seen.borrow_mut();
+        match tollgate_policy::import_envoy("config.yaml", &text) {
+            Ok(import) => {
+                seen.0 += 1;
+                if let Err(err) = compile("imported.yaml", &import.policy) {
+                    return Err(TestCaseError::fail(format!(
+                        "{err}\nimported from\n{text}\nas\n{}",
+                        import.policy
+                    )));
+                }
+            }
+            Err(err) => {
+                seen.1 += 1;
+                let Some(d) = err.diagnostic() else {
+                    return Err(TestCaseError::fail(format!("no diagnostic: {err}\n{text}")));
+                };
+                prop_assert!(!d.message.is_empty(), "{d}");
+            }
+        }
+        Ok(())
+    });
+    if let Err(failure) = result {
+        panic!("{failure}");
+    }
+    let (imported, refused) = seen.into_inner();
+    assert!(
+        imported >= 300 && refused >= 300,
+        "imported {imported}, refused {refused}"
     );
 }
