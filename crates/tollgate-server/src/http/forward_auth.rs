@@ -58,12 +58,20 @@ const MASKED_REMOTE_ADDRESS: &str = "masked_remote_address";
 /// as IPv4). When every entry is a trusted proxy's (a request only they handled), the first.
 /// `None` when the header is absent, too short, or the entry reached is not an address alone:
 /// a walk stops at the first entry it cannot read, as everything left of it is unvouched for.
+///
+/// A line is read entry by entry, whatever bytes it holds: proxies append to the line the
+/// client sent (nginx's `$proxy_add_x_forwarded_for`), so a line dropped for one bad byte of
+/// the client's would drop the address they vouch for too, and with it every limit keyed by
+/// the address. An entry that is not UTF-8 is unreadable, and stops a walk that reaches it.
 fn client_address(headers: &HeaderMap, source: &ClientAddress) -> Option<IpAddr> {
-    let entries: Vec<&str> = headers
+    let lines: Vec<Cow<'_, str>> = headers
         .get_all(source.header.as_str())
         .iter()
-        .filter_map(|value| value.to_str().ok())
-        .flat_map(|value| value.split(','))
+        .map(|value| String::from_utf8_lossy(value.as_bytes()))
+        .collect();
+    let entries: Vec<&str> = lines
+        .iter()
+        .flat_map(|line| line.split(','))
         .map(str::trim)
         .filter(|entry| !entry.is_empty())
         .collect();
@@ -293,6 +301,15 @@ mod tests {
             HeaderValue::from_static("203.0.113.7:443"),
         );
         assert_eq!(address(&headers, &xff(0)), None);
+        // A client's entry that is not even UTF-8 stops a walk that reaches it, and only then:
+        // what its proxies appended to the same line is read.
+        headers.insert(
+            "x-forwarded-for",
+            HeaderValue::from_bytes(b"6.6.6.\xff, 198.51.100.4,203.0.113.7").unwrap(),
+        );
+        assert_eq!(address(&headers, &xff(0)).as_deref(), Some("203.0.113.7"));
+        assert_eq!(address(&headers, &xff(1)).as_deref(), Some("198.51.100.4"));
+        assert_eq!(address(&headers, &xff(2)), None);
         // One address alone, IPv4-mapped IPv6 read as IPv4.
         let real = ClientAddress {
             header: "x-real-ip".to_owned(),
