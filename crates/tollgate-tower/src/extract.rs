@@ -271,15 +271,21 @@ impl ForwardedFor {
 impl KeyExtractor for ForwardedFor {
     fn extract<'a>(&self, head: &RequestHead<'a>) -> Result<Cow<'a, str>, Error> {
         const WHAT: &str = "x-forwarded-for";
-        // Several header lines form one list, in order.
-        let mut entries: Vec<&str> = Vec::new();
-        for value in head.headers.get_all(WHAT) {
-            let text = value.to_str().map_err(|_| Error::InvalidKey {
-                what: WHAT.into(),
-                reason: "not visible ASCII",
-            })?;
-            entries.extend(text.split(',').map(str::trim));
-        }
+        // Several header lines form one list, in order. A line is read entry by entry whatever
+        // bytes it holds: proxies append to the line the client sent, so refusing the line for
+        // a byte of the client's would refuse the address they vouch for. An entry that is not
+        // UTF-8 is no address, which matters only if the walk reaches it.
+        let lines: Vec<Cow<'_, str>> = head
+            .headers
+            .get_all(WHAT)
+            .iter()
+            .map(|value| String::from_utf8_lossy(value.as_bytes()))
+            .collect();
+        let entries: Vec<&str> = lines
+            .iter()
+            .flat_map(|line| line.split(','))
+            .map(str::trim)
+            .collect();
         let missing = || Error::MissingKey {
             what: format!("{WHAT} entry {} from the right", self.hops),
         };
@@ -466,6 +472,22 @@ mod tests {
             .unwrap();
         assert!(matches!(
             extract(&ForwardedFor::trusting(1), &req),
+            Err(Error::InvalidKey { .. })
+        ));
+        // A client's entry that is not UTF-8 hides nothing its proxy appended to the line.
+        let req = request()
+            .header(
+                "x-forwarded-for",
+                http::HeaderValue::from_bytes(b"6.6.\xff.6, 2.2.2.2").unwrap(),
+            )
+            .body(())
+            .unwrap();
+        assert_eq!(
+            extract(&ForwardedFor::trusting(1), &req).unwrap(),
+            "2.2.2.2"
+        );
+        assert!(matches!(
+            extract(&ForwardedFor::trusting(2), &req),
             Err(Error::InvalidKey { .. })
         ));
     }
