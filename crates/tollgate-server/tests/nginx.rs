@@ -105,3 +105,44 @@ fn the_readme_nginx_configuration_limits_requests_through_nginx() {
     let answer = get("u3");
     assert_eq!(answer.status, 500, "{answer:?}");
 }
+
+/// A limit on a path holds for every spelling of it nginx routes to the same place: nginx
+/// passes the path on as the client wrote it (`$request_uri`), and tollgate reads it
+/// normalised, so doubled slashes, escaped letters and dot segments do not open new buckets.
+#[test]
+fn a_limit_on_a_path_holds_for_every_spelling_of_it() {
+    let (flags, snippet) = readme_snippet();
+    let scratch = support::Scratch::new("nginx-paths");
+    let config = scratch.write(
+        "policy.yaml",
+        "limits:\n  - name: orders\n    domain: api\n    when: {path: /orders}\n    key: [user]\n    capacity: 2\n    refill: 1/h\n",
+    );
+    let mut args: Vec<&str> = flags.iter().map(String::as_str).collect();
+    args.extend(["--config", support::path_str(&config)]);
+    let server = Server::start(&args);
+    let front = snippet.replace("127.0.0.1:8080", &server.http.to_string());
+    let nginx = Nginx::start(&format!(
+        "  upstream app {{ server unix:ROOT/app.sock; }}\n\
+         server {{ listen unix:ROOT/app.sock; location / {{ return 200 \"app $uri\\n\"; }} }}\n\
+         server {{\n  listen LISTEN;\n{front}\n}}"
+    ));
+    let get = |path: &str| request(nginx.addr, "GET", path, &[("X-User-Id", "u1")], "");
+    for path in ["/orders", "//orders?page=2"] {
+        let answer = get(path);
+        assert_eq!(answer.status, 200, "{path}: {answer:?}");
+        assert_eq!(answer.body, "app /orders\n", "{path}");
+    }
+    // The bucket is spent, however the path is written.
+    for path in [
+        "/orders",
+        "//orders",
+        "/%6Frders",
+        "/x/../orders",
+        "/./orders",
+    ] {
+        let answer = get(path);
+        assert_eq!(answer.status, 429, "{path}: {answer:?}");
+    }
+    // Another path is another matter.
+    assert_eq!(get("/other").status, 200);
+}

@@ -4,7 +4,7 @@
 //! The proxy forwards the client's headers; one descriptor is built from them:
 //! `x-tollgate-<entry>: value` gives that entry, `--forward-auth-header ENTRY=HEADER` maps an
 //! existing header (`user=X-User-Id`), and `X-Forwarded-Method`, `X-Forwarded-Uri` or
-//! `X-Original-URI` give `method` and `path`. With `--forward-auth-address HEADER[:TRUSTED]`,
+//! `X-Original-URI` give `method` and `path` (normalised as the proxies route it). With `--forward-auth-address HEADER[:TRUSTED]`,
 //! `remote_address` is the client's address as the proxies recorded it, and nothing the client
 //! sends sets it. The cost comes from `x-tollgate-cost` (default 1).
 //! Allowed: 200 with the rate-limit headers; over the limit: 429 (or the configured deny status,
@@ -87,6 +87,69 @@ fn masked(address: IpAddr, mask: AddressMask) -> String {
     IpNet::new(address, len).map_or_else(|_| address.to_string(), |net| net.trunc().to_string())
 }
 
+/// `path` as the proxy routes it, so that a limit on a path holds for every spelling of it.
+/// The proxies pass the request's path on as the client wrote it (nginx's `$request_uri`,
+/// Traefik's `X-Forwarded-Uri`) but route it normalised, so `/v1//pay%6Dents/./` reaches the
+/// same handler as `/v1/payments/` and must meet the same limit: unreserved characters
+/// written as escapes are decoded (RFC 3986 6.2.2.2; the other escapes keep their meaning,
+/// their hex digits upper-cased), runs of slashes merged (nginx's `merge_slashes`, Envoy's
+/// too), and `.` and `..` segments removed (RFC 3986 5.2.4). A path that does not start with
+/// `/` is left as it is.
+fn normalized_path(path: &str) -> Cow<'_, str> {
+    let plain = !path.contains('%') && !path.contains("//") && !path.contains("/.");
+    if plain || !path.starts_with('/') {
+        return Cow::Borrowed(path);
+    }
+    let hex = |b: u8| char::from(b).to_digit(16);
+    let bytes = path.as_bytes();
+    let mut decoded = String::with_capacity(path.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let escape = (bytes[i] == b'%')
+            .then(|| Some((hex(*bytes.get(i + 1)?)?, hex(*bytes.get(i + 2)?)?)))
+            .flatten();
+        match escape {
+            Some((high, low)) => {
+                // Two hex digits: the value fits a byte.
+                let byte = u8::try_from(high * 16 + low).unwrap_or(b'%');
+                if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
+                    decoded.push(char::from(byte));
+                } else {
+                    decoded.push_str(&format!("%{byte:02X}"));
+                }
+                i += 3;
+            }
+            None => {
+                // Not an escape: copy up to the next '%' whole (the path is UTF-8).
+                let next = path[i + 1..].find('%').map_or(path.len(), |at| i + 1 + at);
+                decoded.push_str(&path[i..next]);
+                i = next;
+            }
+        }
+    }
+    let mut segments: Vec<&str> = Vec::new();
+    let mut trailing = false;
+    for segment in decoded.split('/').skip(1) {
+        trailing = matches!(segment, "" | "." | "..");
+        match segment {
+            "" | "." => {}
+            ".." => {
+                segments.pop();
+            }
+            _ => segments.push(segment),
+        }
+    }
+    let mut out = String::with_capacity(decoded.len());
+    for segment in &segments {
+        out.push('/');
+        out.push_str(segment);
+    }
+    if trailing || segments.is_empty() {
+        out.push('/');
+    }
+    Cow::Owned(out)
+}
+
 /// The descriptor the headers give, its strings borrowed from them and from `mapping`.
 fn descriptor<'a>(
     headers: &'a HeaderMap,
@@ -94,13 +157,15 @@ fn descriptor<'a>(
     address: Option<&ClientAddress>,
 ) -> Result<Entries<'a>, ApiError> {
     let mut entries: Entries<'a> = Vec::new();
-    let mut set =
-        |entry: &'a str, value: &'a str| match entries.iter_mut().find(|(key, _)| key == entry) {
-            Some(existing) => existing.1 = Cow::Borrowed(value),
-            None => entries.push((Cow::Borrowed(entry), Cow::Borrowed(value))),
-        };
+    let mut set = |entry: &'a str, value: Cow<'a, str>| match entries
+        .iter_mut()
+        .find(|(key, _)| key == entry)
+    {
+        Some(existing) => existing.1 = value,
+        None => entries.push((Cow::Borrowed(entry), value)),
+    };
     if let Some(method) = header_str(headers, "x-forwarded-method")? {
-        set("method", method);
+        set("method", Cow::Borrowed(method));
     }
     let uri = match header_str(headers, "x-forwarded-uri")? {
         Some(uri) => Some(uri),
@@ -108,11 +173,14 @@ fn descriptor<'a>(
     };
     if let Some(uri) = uri {
         // The path alone: a query string would make every URL its own bucket.
-        set("path", uri.split('?').next().unwrap_or(uri));
+        set(
+            "path",
+            normalized_path(uri.split('?').next().unwrap_or(uri)),
+        );
     }
     for (entry, header) in mapping {
         if let Some(value) = header_str(headers, header)? {
-            set(entry, value);
+            set(entry, Cow::Borrowed(value));
         }
     }
     // Explicit entries come last, so they win over mapped and derived ones.
@@ -123,7 +191,7 @@ fn descriptor<'a>(
             && !entry.is_empty()
             && let Some(value) = header_str(headers, name)?
         {
-            set(entry, value);
+            set(entry, Cow::Borrowed(value));
         }
     }
     // Last, so that it wins: what the trusted proxies recorded, never what the client sent
@@ -259,6 +327,60 @@ mod tests {
             .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
             .collect();
         assert_eq!(entries, expected);
+    }
+
+    /// Every spelling of a path the proxies route alike is one `path` value; a plain path is
+    /// taken as it is, without a copy.
+    #[test]
+    fn paths_are_normalised_as_proxies_route_them() {
+        for (raw, path) in [
+            ("/orders", "/orders"),
+            ("/", "/"),
+            ("", ""),
+            ("*", "*"),
+            ("//orders///2", "/orders/2"),
+            ("/a/./b/../c", "/a/c"),
+            ("/a/b/..", "/a/"),
+            ("/a/b/.", "/a/b/"),
+            ("/../../etc", "/etc"),
+            ("/a/.hidden/..x", "/a/.hidden/..x"),
+            ("/v1//pay%6Dents/./", "/v1/payments/"),
+            ("/%2E%2E/%2e/x", "/x"),
+            ("/a%2fb%3F", "/a%2Fb%3F"),
+            ("/%7Euser/%41", "/~user/A"),
+            ("/100%/%zz/%4", "/100%/%zz/%4"),
+            ("/ü%C3%BC", "/ü%C3%BC"),
+            ("/a/", "/a/"),
+        ] {
+            assert_eq!(normalized_path(raw), path, "{raw}");
+        }
+        assert!(matches!(normalized_path("/v1/orders/7"), Cow::Borrowed(_)));
+        // Through the headers, with the query left out first.
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            "x-original-uri",
+            HeaderValue::from_static("/v1//%6Frders/../orders?page=2"),
+        );
+        let entries = owned(descriptor(&headers, &[], None).unwrap());
+        assert_eq!(entries, [("path".to_owned(), "/v1/orders".to_owned())]);
+    }
+
+    proptest::proptest! {
+        /// A normalised path is normal: normalising it again changes nothing, and it holds no
+        /// empty, `.` or `..` segment but a last empty one (a trailing slash).
+        #[test]
+        fn a_normalised_path_is_a_fixed_point(path in "/[a-zA-Z0-9./%_~-]{0,24}") {
+            let once = normalized_path(&path).into_owned();
+            proptest::prop_assert_eq!(normalized_path(&once), once.as_str());
+            let segments: Vec<&str> = once.split('/').skip(1).collect();
+            if let Some((_, inner)) = segments.split_last() {
+                proptest::prop_assert!(
+                    inner.iter().all(|s| !matches!(*s, "" | "." | "..")),
+                    "{} -> {}", path, once
+                );
+            }
+            proptest::prop_assert!(!once.ends_with("/.") && !once.ends_with("/.."), "{}", once);
+        }
     }
 
     /// The client's address: from the right of a forwarded chain, past the trusted proxies;
