@@ -4,9 +4,10 @@
 //! The proxy forwards the client's headers; one descriptor is built from them:
 //! `x-tollgate-<entry>: value` gives that entry, `--forward-auth-header ENTRY=HEADER` maps an
 //! existing header (`user=X-User-Id`), and `X-Forwarded-Method`, `X-Forwarded-Uri` or
-//! `X-Original-URI` give `method` and `path` (normalised as the proxies route it). With `--forward-auth-address HEADER[:TRUSTED]`,
-//! `remote_address` is the client's address as the proxies recorded it, and nothing the client
-//! sends sets it. The cost comes from `x-tollgate-cost` (default 1).
+//! `X-Original-URI` give `method` and `path` (normalised as the proxies route it). With
+//! `--forward-auth-address HEADER[:TRUSTED]`, `remote_address` is the client's address as the
+//! proxies recorded it, and nothing the client sends sets it. The cost comes from
+//! `x-tollgate-cost` (default 1).
 //! Allowed: 200 with the rate-limit headers; over the limit: 429 (or the configured deny status,
 //! 403 for nginx); failing closed: 503.
 
