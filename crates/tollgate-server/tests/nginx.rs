@@ -24,7 +24,8 @@ fn readme_snippet() -> (Vec<String>, String) {
 /// Requests through nginx, as the README configures it in front of the demo policy: a user's
 /// requests pass to the application until `per-user` is spent, then the client gets 429 with
 /// `Retry-After` and the rate-limit headers; a POST is checked as a write too (its method
-/// passed on, its body not); a request without the user header is not limited; and with
+/// passed on, its body not); headers the client adds to choose another user, path or method
+/// change nothing; a request without the user header is not limited; and with
 /// tollgate gone, nginx answers 500 rather than let requests through unchecked.
 #[test]
 fn the_readme_nginx_configuration_limits_requests_through_nginx() {
@@ -77,6 +78,22 @@ fn the_readme_nginx_configuration_limits_requests_through_nginx() {
             .is_some_and(|value| value.contains(";r=0")),
         "{rejected:?}"
     );
+    // What the client writes cannot choose its entries: headers naming another user, path or
+    // method reach tollgate no more than its body does.
+    for forged in [
+        ("X-Tollgate-User", "someone-else"),
+        ("X-Forwarded-Uri", "/elsewhere"),
+        ("X-Tollgate-Path", "/elsewhere"),
+    ] {
+        let answer = request(
+            nginx.addr,
+            "GET",
+            "/orders",
+            &[("X-User-Id", "u1"), forged],
+            "",
+        );
+        assert_eq!(answer.status, 429, "{forged:?}: {answer:?}");
+    }
 
     // Writes: three a second per user, on top of per-user; the body stays with nginx.
     let post = || {
@@ -93,6 +110,16 @@ fn the_readme_nginx_configuration_limits_requests_through_nginx() {
     }
     let answer = post();
     assert_eq!(answer.status, 429, "the fourth write: {answer:?}");
+    for forged in [("X-Tollgate-Method", "GET"), ("X-Forwarded-Method", "GET")] {
+        let answer = request(
+            nginx.addr,
+            "POST",
+            "/orders",
+            &[("X-User-Id", "u2"), forged],
+            "",
+        );
+        assert_eq!(answer.status, 429, "a write, {forged:?}: {answer:?}");
+    }
     assert_eq!(get("u2").status, 200, "reads are not writes");
 
     // No user: no limit applies to the request.

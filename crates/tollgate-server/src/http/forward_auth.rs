@@ -10,6 +10,10 @@
 //! `x-tollgate-cost` (default 1).
 //! Allowed: 200 with the rate-limit headers; over the limit: 429 (or the configured deny status,
 //! 403 for nginx); failing closed: 503.
+//!
+//! Whoever reaches this endpoint chooses the entries, so the proxy must pass only the headers
+//! it vouches for (nginx: `proxy_pass_request_headers off` and each header set by name;
+//! Traefik: `authRequestHeaders`), never the client's own `x-tollgate-*`.
 
 use std::borrow::Cow;
 use std::net::IpAddr;
