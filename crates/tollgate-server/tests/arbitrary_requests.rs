@@ -50,7 +50,8 @@ limits:
 "#;
 
 /// The values requests draw their users and addresses from, so that they hit the buckets the
-/// probes read; the last two are refused (empty, too long).
+/// probes read; the last two are not probed: an empty one (a bucket of its own) and one too
+/// long (refused).
 fn values() -> Vec<String> {
     vec![
         "u1".into(),
