@@ -166,6 +166,8 @@ fn a_limit_on_a_path_holds_for_every_spelling_of_it() {
         "/%6Frders",
         "/x/../orders",
         "/./orders",
+        "/%2Forders",
+        "/x%2F..%2Forders",
     ] {
         let answer = get(path);
         assert_eq!(answer.status, 429, "{path}: {answer:?}");
