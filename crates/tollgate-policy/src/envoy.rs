@@ -62,8 +62,8 @@ use std::collections::{BTreeMap, HashSet};
 use std::fmt::Write as _;
 use std::ops::Range;
 
-use serde::Deserialize;
-use serde::de::IgnoredAny;
+use serde::de::{self, IgnoredAny};
+use serde::{Deserialize, Deserializer};
 
 use crate::compile::compile;
 use crate::error::{Diagnostic, Error};
@@ -84,6 +84,7 @@ pub struct EnvoyImport {
 
 #[derive(Debug, Deserialize)]
 struct Config {
+    #[serde(deserialize_with = "non_empty")]
     domain: String,
     #[serde(default)]
     descriptors: Vec<Node>,
@@ -93,6 +94,7 @@ struct Config {
 
 #[derive(Debug, Deserialize)]
 struct Node {
+    #[serde(deserialize_with = "non_empty")]
     key: String,
     #[serde(default)]
     value: Option<Text>,
@@ -106,6 +108,17 @@ struct Node {
     detailed_metric: bool,
     #[serde(flatten)]
     other: BTreeMap<String, IgnoredAny>,
+}
+
+/// A domain or a descriptor's key, which envoyproxy/ratelimit refuses empty too: refused as the
+/// file is read, at its place in it, rather than in the policy the import writes, at a line of
+/// a file its operator never saw.
+fn non_empty<'de, D: Deserializer<'de>>(deserializer: D) -> Result<String, D::Error> {
+    let text = String::deserialize(deserializer)?;
+    if text.is_empty() {
+        return Err(de::Error::custom("must not be empty"));
+    }
+    Ok(text)
 }
 
 impl Node {

@@ -488,11 +488,21 @@ fn envoy_node(depth: u32) -> BoxedStrategy<Vec<String>> {
             }
             format!("{{{}}}", fields.join(", "))
         });
+    let long_key: &'static str = "k".repeat(300).leak();
+    let long_value: &'static str = "v".repeat(2_000).leak();
     let leaf = (
-        mostly(ENTRIES.to_vec(), vec!["", "\"\""]),
+        mostly(
+            ENTRIES.to_vec(),
+            vec!["", "\"\"", "a b", "ü", long_key, "\"a.b\""],
+        ),
         prop::option::weighted(
             0.7,
-            mostly(VALUES.to_vec(), vec!["\"\"", "u*", "*", "[a]", "7", "null"]),
+            mostly(
+                VALUES.to_vec(),
+                vec![
+                    "\"\"", "u*", "*", "[a]", "7", "null", "a b", "ü/ß", long_value,
+                ],
+            ),
         ),
         prop::option::weighted(0.7, rate_limit),
         prop::bool::weighted(0.1),
@@ -528,7 +538,13 @@ fn envoy_node(depth: u32) -> BoxedStrategy<Vec<String>> {
 /// An envoyproxy/ratelimit configuration file, then maybe cut short or a character changed.
 fn envoy_file() -> impl Strategy<Value = String> {
     let text = (
-        prop::option::weighted(0.95, mostly(vec!["api", "edge"], vec!["\"\"", "[a]"])),
+        prop::option::weighted(
+            0.95,
+            mostly(
+                vec!["api", "edge"],
+                vec!["\"\"", "[a]", "a b", "ü", "\"a.b\""],
+            ),
+        ),
         prop::collection::vec(envoy_node(2), 0..4),
     )
         .prop_map(|(domain, nodes)| {
@@ -557,7 +573,8 @@ fn envoy_file() -> impl Strategy<Value = String> {
 }
 
 /// What an import writes is a policy the compiler takes, whatever the configuration it came
-/// from; a configuration it cannot take is refused with a place in the file, never a panic.
+/// from; a configuration it cannot take is refused with a place in the file (the file's own,
+/// not the policy's the import wrote), never a panic.
 #[test]
 fn any_envoy_configuration_is_imported_into_a_policy_that_compiles_or_refused() {
     let mut runner = TestRunner::new(Config {
@@ -584,6 +601,12 @@ fn any_envoy_configuration_is_imported_into_a_policy_that_compiles_or_refused() 
                     return Err(TestCaseError::fail(format!("no diagnostic: {err}\n{text}")));
                 };
                 prop_assert!(!d.message.is_empty(), "{d}");
+                // The import compiles what it writes before answering, and says so by the
+                // file name: a refusal there is the import's fault, not the configuration's.
+                prop_assert!(
+                    !d.file.ends_with("(imported)"),
+                    "the import wrote a policy the compiler refuses: {d}\nfrom\n{text}"
+                );
             }
         }
         Ok(())

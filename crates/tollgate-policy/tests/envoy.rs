@@ -1303,3 +1303,35 @@ fn repeated_names_count_up_and_a_limit_does_not_replace_itself() {
         "{notes}"
     );
 }
+
+/// What envoyproxy/ratelimit refuses empty, a domain or a descriptor's key, is refused at its
+/// place in the file imported: not as an error in the policy the import would have written, at
+/// a line of a file nobody saw.
+#[test]
+fn an_empty_domain_or_key_is_refused_where_the_file_has_it() {
+    for (text, line, column, path) in [
+        (
+            "domain: \"\"\ndescriptors:\n  - key: user\n    rate_limit: {unit: second, requests_per_unit: 1}\n",
+            1,
+            9,
+            "domain",
+        ),
+        (
+            "domain: api\ndescriptors:\n  - key: user\n    descriptors:\n      - key: \"\"\n        rate_limit: {unit: second, requests_per_unit: 1}\n",
+            5,
+            14,
+            "descriptors[0].descriptors[0].key",
+        ),
+    ] {
+        let err = import_envoy("ratelimit.yaml", text).expect_err(text);
+        let d = err
+            .diagnostic()
+            .unwrap_or_else(|| panic!("no place: {err}"));
+        assert_eq!(
+            (d.file.as_str(), d.line, d.column, d.path.as_str()),
+            ("ratelimit.yaml", line, column, path),
+            "{d}"
+        );
+        assert_eq!(d.message, "must not be empty", "{d}");
+    }
+}
