@@ -244,12 +244,42 @@ pub(crate) fn give_back(
         let window = window::charged_window(limit, charged_at, charged.reset_after());
         return window::give_back(limit, state, window, tokens);
     }
+    Some(tokens_back(limit, state, tokens))
+}
+
+/// Gives `tokens` back to a bucket in `state` with no record of the charge they came from: a
+/// caller returning what it took earlier (Envoy's `is_negative_hits`), see
+/// [`crate::Store::give_back`]. They come off the latest charges: a token bucket's full time
+/// moves back by exactly `tokens`' worth, as in a settlement; a window gives back from the
+/// latest count that holds anything (its current window's, else a sliding window's previous
+/// one), never below 0.
+///
+/// # Invariant
+///
+/// At any time from the state's own on, the bucket holds at most `tokens` more than it would
+/// have, and never more than its capacity: what the caller gives back is at most what it could
+/// have spared by taking less, up to full. A token bucket gains exactly
+/// `min(tokens, capacity - balance)`. Returns `None` when there was no state (absent: full).
+pub(crate) fn give_back_latest(
+    limit: &Limit,
+    state: Option<BucketState>,
+    tokens: u64,
+) -> Option<BucketState> {
+    let state = state?;
+    if limit.algorithm().is_window() {
+        return Some(window::give_back_latest(limit, state, tokens));
+    }
+    Some(tokens_back(limit, state, tokens))
+}
+
+/// A token bucket `tokens` fuller: its full time moved back by their worth.
+fn tokens_back(limit: &Limit, state: BucketState, tokens: u64) -> BucketState {
     let tat = state
         .tat(limit)
         .saturating_sub(u128::from(tokens) * u128::from(limit.p()));
     // Kept even when it is already past `now`: a request timed before this one (read from a
     // clock earlier) still sees the charge's rest, as it would have without the refund.
-    Some(BucketState::from_tat(tat, limit))
+    BucketState::from_tat(tat, limit)
 }
 
 /// Carries a bucket over a change of parameters at `now`.

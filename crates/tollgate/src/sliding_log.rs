@@ -311,6 +311,17 @@ pub(crate) fn charged_ms(limit: &Limit, charged_at: Timestamp, charged: &Decisio
     ends.saturating_sub(limit.window_ns() / NANOS_PER_MS)
 }
 
+/// Gives `tokens` back from the latest entry that holds anything, never below 0: the latest
+/// charge, for tokens given back with no record of the charge they came from (see
+/// [`crate::Store::give_back`]). Later entries may be empty: a refund emptied the latest, which
+/// stays to mark the latest time seen, and a later charge may have made it an older one.
+pub(crate) fn give_back_latest(log: &mut RequestLog, tokens: u64) {
+    let latest = log.entries().rev().find(|&e| cost_of(e) > 0);
+    if let Some(entry) = latest {
+        give_back(log, ms_of(entry), tokens);
+    }
+}
+
 /// Gives `tokens` back from the entry of millisecond `ms` (see [`charged_ms`]), never below 0;
 /// nothing when the entry is gone (it no longer counted against anyone). An entry emptied is
 /// dropped, unless it is the latest, which still marks the latest time seen.

@@ -219,6 +219,64 @@ pub trait Store: Send + Sync {
         refunds: &[u64],
     ) -> impl Future<Output = Result<Settlement, Error>> + Send;
 
+    /// Gives each take's `cost` back to its bucket, with no record of the charge it came from:
+    /// for a caller that took tokens earlier and returns some (Envoy's `is_negative_hits`, hits
+    /// given back once a response shows what a request really cost). Where
+    /// [`settle`](Self::settle) gives back against the record of a charge, this trusts the
+    /// caller: a bucket can be filled by it without having been charged. It still never holds
+    /// more than its capacity, nor more than if its latest charges had been `cost` smaller (see
+    /// [`crate::bucket`]): a token bucket's full time moves back by `cost`'s worth, a window
+    /// gives back from the count of the window its state is in, a log from its latest entry,
+    /// never below 0. The request id is ignored; `now` is as for a check.
+    ///
+    /// Returns each bucket's standing afterwards, in the order of the takes: an allowed,
+    /// uncharged decision for its cost. A store that spreads buckets over several places gives
+    /// back in each on its own: after [`Error::StoreUnavailable`], some may have been given
+    /// back and others not (which under-admits).
+    ///
+    /// The default refuses with [`Error::Unsupported`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidCost`] for a cost outside `1..=capacity`, [`Error::DuplicateKey`],
+    /// [`Error::EmptyCheck`] (none gives anything); [`Error::Unsupported`];
+    /// [`Error::StoreUnavailable`].
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use tollgate::{CheckRequest, Limit, LocalStore, ManualClock, Store, Take};
+    /// use tollgate::block_on_ready;
+    ///
+    /// let store = LocalStore::new(ManualClock::new());
+    /// let limit = Limit::new(10, "1/h".parse()?)?;
+    /// let takes = |cost| [Take::new("user:7", &limit, cost)];
+    /// let take = |cost| {
+    ///     let takes = takes(cost);
+    ///     block_on_ready(store.check(CheckRequest { takes: &takes, request_id: None, now: None }))
+    /// };
+    /// let give = |cost| {
+    ///     let takes = takes(cost);
+    ///     let request = CheckRequest { takes: &takes, request_id: None, now: None };
+    ///     block_on_ready(store.give_back(request))
+    /// };
+    /// assert_eq!(take(8)?[0].remaining(), 2);
+    /// // The request used less than it was charged: three hits come back...
+    /// assert_eq!(give(3)?[0].remaining(), 5);
+    /// // ...and never more than the bucket holds.
+    /// assert_eq!(give(10)?[0].remaining(), 10);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    fn give_back(
+        &self,
+        request: CheckRequest<'_>,
+    ) -> impl Future<Output = Result<Vec<Decision>, Error>> + Send {
+        let _ = request;
+        std::future::ready(Err(Error::Unsupported {
+            operation: "give back",
+        }))
+    }
+
     /// Makes the buckets of `keys` as if never used: a token bucket full, a window or a log
     /// counting nothing. For an operator who must let a subject in again now (after an
     /// incident, or a limit set too low); nothing else changes, and idempotency records stay,
@@ -280,6 +338,13 @@ impl<S: Store + ?Sized> Store for &S {
         (**self).settle(request, refunds)
     }
 
+    fn give_back(
+        &self,
+        request: CheckRequest<'_>,
+    ) -> impl Future<Output = Result<Vec<Decision>, Error>> + Send {
+        (**self).give_back(request)
+    }
+
     fn reset(&self, keys: &[&str]) -> impl Future<Output = Result<(), Error>> + Send {
         (**self).reset(keys)
     }
@@ -307,6 +372,13 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
         refunds: &[u64],
     ) -> impl Future<Output = Result<Settlement, Error>> + Send {
         (**self).settle(request, refunds)
+    }
+
+    fn give_back(
+        &self,
+        request: CheckRequest<'_>,
+    ) -> impl Future<Output = Result<Vec<Decision>, Error>> + Send {
+        (**self).give_back(request)
     }
 
     fn reset(&self, keys: &[&str]) -> impl Future<Output = Result<(), Error>> + Send {
@@ -426,6 +498,16 @@ impl<C: Clock> LocalStore<C> {
             .settle(&items_of(request.takes), now, id, refunds)
     }
 
+    /// [`Store::give_back`], without the future.
+    ///
+    /// # Errors
+    ///
+    /// As [`MemoryStore::give_back`].
+    pub fn give_back_now(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
+        let now = request.now.unwrap_or_else(|| self.clock.now());
+        self.store.give_back(&items_of(request.takes), now)
+    }
+
     /// [`Store::peek`], without the future.
     ///
     /// # Errors
@@ -475,6 +557,13 @@ impl<C: Clock> Store for LocalStore<C> {
         refunds: &[u64],
     ) -> impl Future<Output = Result<Settlement, Error>> + Send {
         std::future::ready(self.settle_now(request, refunds))
+    }
+
+    fn give_back(
+        &self,
+        request: CheckRequest<'_>,
+    ) -> impl Future<Output = Result<Vec<Decision>, Error>> + Send {
+        std::future::ready(self.give_back_now(request))
     }
 
     fn reset(&self, keys: &[&str]) -> impl Future<Output = Result<(), Error>> + Send {

@@ -81,6 +81,9 @@ pub struct Trace {
     /// Whether the buckets of a request are now and then reset first ([`Store::reset`]), in
     /// both stores. Off by default: a store may not offer resets.
     pub resets: bool,
+    /// Whether tokens are now and then given back to a request's buckets after its check
+    /// ([`Store::give_back`]), in both stores. Off by default: a store may not offer it.
+    pub gives_back: bool,
 }
 
 impl Trace {
@@ -96,7 +99,14 @@ impl Trace {
             steps_back: true,
             only: None,
             resets: false,
+            gives_back: false,
         }
+    }
+
+    /// The same trace with or without tokens given back (see [`Trace::gives_back`]).
+    pub fn gives_back(mut self, on: bool) -> Self {
+        self.gives_back = on;
+        self
     }
 
     /// The same trace with or without resets of the buckets a request names (see
@@ -322,6 +332,37 @@ pub async fn compare_with_memory<S: Store>(store: &S, trace: &Trace) -> Result<(
                 actual,
             }));
         }
+        // Now and then, tokens given back to the request's buckets at its time, whether it
+        // was charged or not: a caller returning hits (mostly within the capacity; now and
+        // then the request's own costs, which may be refused alike).
+        if trace.gives_back && rng.below(5) == 0 {
+            let given: Vec<Take<'_>> = takes
+                .iter()
+                .zip(&takes_spec)
+                .map(|(take, &(_, _, cost))| {
+                    let cost = match rng.below(8) {
+                        0 => cost,
+                        _ => 1 + rng.below(take.limit.capacity()),
+                    };
+                    Take::new(take.key, take.limit, cost)
+                })
+                .collect();
+            let request = CheckRequest {
+                takes: &given,
+                request_id: None,
+                now: Some(at),
+            };
+            let expected = reference.give_back_now(request);
+            let actual = store.give_back(request).await;
+            if !same(&expected, &actual) {
+                return Err(Box::new(Mismatch {
+                    step,
+                    request: format!("give back {given:?} at {at:?}"),
+                    expected,
+                    actual,
+                }));
+            }
+        }
         // Now and then, an earlier charged request settled: for less than it cost, again with
         // the same refunds (nothing more given back), or with other ones (a conflict).
         // An id reused for another request (a client's bug) is left out: a cluster keeps a
@@ -455,6 +496,61 @@ mod tests {
             if let Err(mismatch) = block_on_ready(compare_with_memory(&store, &trace)) {
                 panic!("{mismatch}");
             }
+            let trace = Trace::new(seed, 500, format!("g{seed}")).gives_back(true);
+            if let Err(mismatch) = block_on_ready(compare_with_memory(&store, &trace)) {
+                panic!("{mismatch}");
+            }
+        }
+    }
+
+    /// A store that gives every hit back twice.
+    struct Doubling(LocalStore<ManualClock>);
+
+    impl Store for Doubling {
+        async fn check(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
+            self.0.check_now(request)
+        }
+
+        async fn peek(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
+            self.0.peek_now(request)
+        }
+
+        async fn settle(
+            &self,
+            request: CheckRequest<'_>,
+            refunds: &[u64],
+        ) -> Result<Settlement, Error> {
+            self.0.settle_now(request, refunds)
+        }
+
+        async fn give_back(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
+            self.0.give_back_now(request)?;
+            self.0.give_back_now(request)
+        }
+    }
+
+    /// Hits given back twice are caught, on every kind of bucket: by a trace over all of them
+    /// and by one on each kind alone.
+    #[test]
+    fn a_store_that_gives_back_too_much_is_caught() {
+        let store = Doubling(LocalStore::new(ManualClock::new()));
+        for seed in 1..4 {
+            let trace = Trace::new(seed, 500, format!("doubling-{seed}")).gives_back(true);
+            assert!(block_on_ready(compare_with_memory(&store, &trace)).is_err());
+            for kind in [
+                Algorithm::TokenBucket,
+                Algorithm::FixedWindow,
+                Algorithm::SlidingWindow,
+                Algorithm::SlidingLog,
+            ] {
+                let trace = Trace::new(seed, 500, format!("doubling-{kind:?}-{seed}"))
+                    .only(kind)
+                    .gives_back(true);
+                assert!(
+                    block_on_ready(compare_with_memory(&store, &trace)).is_err(),
+                    "{kind:?}, seed {seed}"
+                );
+            }
         }
     }
 
@@ -491,6 +587,12 @@ mod tests {
             settlement
         }
 
+        async fn give_back(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
+            let decisions = self.0.give_back_now(request);
+            self.forget(request);
+            decisions
+        }
+
         async fn reset(&self, keys: &[&str]) -> Result<(), Error> {
             self.0.reset(keys).await
         }
@@ -503,8 +605,10 @@ mod tests {
         let store = Forgetful(LocalStore::new(ManualClock::new()));
         for seed in 1..20 {
             let traces = [
-                Trace::new(seed, 500, format!("forgetful-{seed}")),
-                Trace::new(seed, 500, format!("forgetful-logs-{seed}")).only(Algorithm::SlidingLog),
+                Trace::new(seed, 500, format!("forgetful-{seed}")).gives_back(true),
+                Trace::new(seed, 500, format!("forgetful-logs-{seed}"))
+                    .only(Algorithm::SlidingLog)
+                    .gives_back(true),
             ];
             for trace in traces {
                 if let Err(mismatch) = block_on_ready(compare_with_memory(&store, &trace)) {

@@ -240,6 +240,35 @@ pub(crate) fn charged_window(limit: &Limit, charged_at: Timestamp, reset_after: 
     }
 }
 
+/// Gives `tokens` back from the latest count that holds anything, never below 0: the current
+/// count, else a sliding window's previous one; for tokens given back with no record of the
+/// charge they came from (see [`crate::bucket::give_back_latest`]). A count a refund emptied
+/// is passed over, so the state a cross-slot charge and refund left (an empty later window)
+/// gives back as the state of a store never charged does.
+pub(crate) fn give_back_latest(limit: &Limit, state: BucketState, tokens: u64) -> BucketState {
+    let k = held_window(limit, state);
+    let cur = state.full_at().as_nanos() % limit.window_ns();
+    let charged = if cur == 0 && limit.algorithm() == Algorithm::SlidingWindow {
+        k.checked_sub(1)
+    } else {
+        Some(k)
+    };
+    charged
+        .and_then(|charged| give_back(limit, state, charged, tokens))
+        .unwrap_or(state)
+}
+
+/// The window a state counts in (its current count's): the latest window anything was charged
+/// to.
+fn held_window(limit: &Limit, state: BucketState) -> u64 {
+    let w_ns = limit.window_ns();
+    let ends = state.full_at().as_nanos() / w_ns;
+    match limit.algorithm() {
+        Algorithm::SlidingWindow => ends.saturating_sub(2),
+        _ => ends.saturating_sub(1),
+    }
+}
+
 /// Gives `tokens` back to a window state for a charge that went to window `charged`: from the
 /// current count while the state is still in the charged window, from a sliding window's previous count
 /// once it has moved on by one, never below 0; otherwise the state is returned as it was (the
@@ -254,13 +283,8 @@ pub(crate) fn give_back(
     let w_ns = limit.window_ns();
     let full_at = state.full_at().as_nanos();
     let cur = full_at % w_ns;
-    let ends = (full_at - cur) / w_ns;
     let sliding = limit.algorithm() == Algorithm::SlidingWindow;
-    let k = if sliding {
-        ends.saturating_sub(2)
-    } else {
-        ends.saturating_sub(1)
-    };
+    let k = held_window(limit, state);
     let prev = u64::from(state.frac());
     if k == charged {
         let left = cur - cur.min(tokens);

@@ -290,6 +290,45 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2_000))]
+
+    /// Tokens given back with no record (`give_back`) add exactly what is given to the
+    /// reference's balance at their time, clamped at the capacity, and every later decision
+    /// agrees with the model, as do the standings reported.
+    #[test]
+    fn tokens_given_back_match_the_reference(
+        ((capacity, amount, period), start, trace) in case_strategy(),
+        gives in prop::collection::vec((any::<bool>(), 1u64..=60), 80),
+    ) {
+        let limit = make_limit(capacity, amount, period);
+        let store: MemoryStore<u8> = MemoryStore::default();
+        let mut reference = Reference::new(capacity, amount, period);
+        let mut now = start;
+        for ((dt, cost), (give, tokens)) in trace.into_iter().zip(gives) {
+            now += dt;
+            let at = Timestamp::from_nanos(now);
+            if give {
+                let tokens = tokens.min(capacity);
+                let item = tollgate::Item { key: &0u8, limit: &limit, cost: tokens };
+                let given = store.give_back(&[item], at).expect("valid");
+                reference.refill(now);
+                reference.tokens = (&reference.tokens + int(tokens)).min(reference.capacity.clone());
+                let remaining: u64 = reference.tokens.floor().to_integer().try_into().expect("fits");
+                prop_assert!(given[0].allowed());
+                prop_assert_eq!(given[0].remaining(), remaining, "at {} ns", now);
+                continue;
+            }
+            let expected = reference.check(now, cost);
+            let decision = store.check(&0u8, &limit, cost, at).expect("valid");
+            prop_assert_eq!(decision.allowed(), expected.allowed, "at {} ns", now);
+            prop_assert_eq!(decision.remaining(), expected.remaining);
+            prop_assert_eq!(decision.retry_after(), expected.retry_after);
+            prop_assert_eq!(decision.reset_after(), expected.reset_after);
+        }
+    }
+}
+
 #[test]
 fn extreme_rates_match_the_reference() {
     // Rates at both ends of the supported range, with awkward (coprime) amounts.

@@ -44,6 +44,32 @@ impl Reference {
         (now / MS).max(latest)
     }
 
+    /// What the requests admitted at millisecond `ms` still charge.
+    fn charged_at(&self, ms: u64) -> u64 {
+        self.admitted
+            .iter()
+            .filter(|&&(at, _)| at == ms)
+            .map(|&(_, cost)| cost)
+            .sum()
+    }
+
+    /// Takes `tokens` off what the requests admitted at millisecond `ms` still charge, never
+    /// below 0: off request `first` before the others, when given. A log keeps one entry per
+    /// millisecond, so only their sum counts: tokens given back with no record may have taken
+    /// some of a request's cost before its settlement does.
+    fn take_off(&mut self, ms: u64, tokens: u64, first: Option<usize>) {
+        let mut left = tokens;
+        let order = first.into_iter().chain(0..self.admitted.len());
+        for index in order {
+            let (at, cost) = &mut self.admitted[index];
+            if *at == ms {
+                let back = left.min(*cost);
+                *cost -= back;
+                left -= back;
+            }
+        }
+    }
+
     /// Decides `cost` at `now`; the index of the request when admitted.
     fn check(&mut self, now: u64, cost: u64) -> (Expected, Option<usize>) {
         let at = self.position(now);
@@ -80,6 +106,8 @@ enum Step {
     /// The settlement of the `pick`-th admitted request so far (modulo their number), giving
     /// back `share` (modulo its cost plus one).
     Settle { pick: usize, share: u64 },
+    /// `tokens` given back with no record at `now`: off the latest millisecond's requests.
+    GiveBack { now: u64, tokens: u64 },
 }
 
 fn scenario() -> impl Strategy<Value = (u64, u64, Vec<Step>)> {
@@ -94,6 +122,7 @@ fn scenario() -> impl Strategy<Value = (u64, u64, Vec<Step>)> {
                 any::<bool>(),
                 1..=limit,
                 prop::option::weighted(0.15, (any::<usize>(), any::<u64>())),
+                prop::option::weighted(0.15, 1..=limit),
             );
             (
                 Just(limit),
@@ -102,15 +131,16 @@ fn scenario() -> impl Strategy<Value = (u64, u64, Vec<Step>)> {
                     let mut now: u64 = 10 * window_ms * MS;
                     steps
                         .into_iter()
-                        .map(|(delta, back, cost, settle)| {
+                        .map(|(delta, back, cost, settle, give)| {
                             now = if back && delta % 5 == 0 {
                                 now.saturating_sub(delta / 2)
                             } else {
                                 now + delta
                             };
-                            match settle {
-                                Some((pick, share)) => Step::Settle { pick, share },
-                                None => Step::Check { now, cost },
+                            match (settle, give) {
+                                (Some((pick, share)), _) => Step::Settle { pick, share },
+                                (None, Some(tokens)) => Step::GiveBack { now, tokens },
+                                (None, None) => Step::Check { now, cost },
                             }
                         })
                         .collect()
@@ -123,8 +153,9 @@ fn scenario() -> impl Strategy<Value = (u64, u64, Vec<Step>)> {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(400))]
 
-    /// The memory store decides every check and gives back every settlement as the
-    /// reference does, and never admits more than the limit in any window.
+    /// The memory store decides every check and gives back every settlement and every
+    /// unrecorded return of tokens as the reference does, and never admits more than the limit
+    /// in any window.
     #[test]
     fn logs_match_the_reference((n, window_ms, steps) in scenario()) {
         let limit = Limit::sliding_log(n, Duration::from_millis(window_ms)).expect("valid");
@@ -153,6 +184,31 @@ proptest! {
                         charged.push((id, cost, now, false));
                     }
                 }
+                Step::GiveBack { now: at, tokens } => {
+                    now = at;
+                    let item = Item { key: &7u64, limit: &limit, cost: tokens };
+                    let given = store
+                        .give_back(&[item], Timestamp::from_nanos(now))
+                        .expect("valid cost");
+                    // Off the requests of the latest millisecond whose requests still charge
+                    // anything.
+                    let latest = reference
+                        .admitted
+                        .iter()
+                        .filter(|&&(ms, _)| reference.charged_at(ms) > 0)
+                        .map(|&(ms, _)| ms)
+                        .max();
+                    if let Some(latest) = latest {
+                        reference.take_off(latest, tokens, None);
+                    }
+                    let at = reference.position(now);
+                    prop_assert!(given[0].allowed());
+                    prop_assert_eq!(
+                        given[0].remaining(),
+                        n - reference.used(at),
+                        "standing after the tokens given back at step {}", i
+                    );
+                }
                 Step::Settle { pick, share } => {
                     if charged.is_empty() {
                         continue;
@@ -172,7 +228,8 @@ proptest! {
                     let settlement = result.expect("a valid settlement");
                     prop_assert_eq!(settlement.status, SettleStatus::Settled, "step {}", i);
                     *settled = true;
-                    reference.admitted[index].1 -= refund;
+                    let ms = reference.admitted[index].0;
+                    reference.take_off(ms, refund, Some(index));
                     let at = reference.position(now);
                     prop_assert_eq!(
                         settlement.decisions[0].remaining(),

@@ -178,6 +178,59 @@ proptest! {
         }
     }
 
+    /// Tokens given back with no record come off the count of the latest window anything
+    /// was admitted in (once that is empty, a sliding window's previous one), never below 0,
+    /// as the reference takes them off its log of windows; every decision afterwards agrees
+    /// with it.
+    #[test]
+    fn tokens_given_back_come_off_the_latest_window(
+        (sliding, n, window_ms, steps) in scenario(),
+        gives in prop::collection::vec(any::<bool>(), 60),
+    ) {
+        let limit = limit_of(sliding, n, window_ms);
+        let mut reference = Reference {
+            sliding,
+            limit: n,
+            window_ms,
+            admitted: BTreeMap::new(),
+        };
+        let store: MemoryStore<u64> = MemoryStore::default();
+        for (i, (&(now, cost), give)) in steps.iter().zip(gives).enumerate() {
+            let at = Timestamp::from_nanos(now);
+            if give {
+                let item = tollgate::Item { key: &7, limit: &limit, cost };
+                let given = store.give_back(&[item], at).expect("valid cost");
+                // Off the latest window's count; when that is empty, a sliding window's count
+                // of the window before it (the two it keeps).
+                if let Some((&latest, &count)) = reference.admitted.last_key_value() {
+                    let from = if count == 0 && sliding {
+                        latest.checked_sub(1)
+                    } else {
+                        Some(latest)
+                    };
+                    if let Some(count) = from.and_then(|w| reference.admitted.get_mut(&w)) {
+                        *count -= cost.min(*count);
+                    }
+                }
+                let used = reference.used(reference.position(now));
+                let remaining = (int(n) - used).max(int(0)).floor();
+                let remaining: u64 = remaining.to_integer().try_into().expect("fits");
+                prop_assert!(given[0].allowed());
+                prop_assert_eq!(given[0].remaining(), remaining, "step {} at {} ns", i, now);
+                continue;
+            }
+            let expected = reference.check(now, cost);
+            let decision = store.check(&7, &limit, cost, at).expect("valid cost");
+            let got = Expected {
+                allowed: decision.allowed(),
+                remaining: decision.remaining(),
+                retry_after: decision.retry_after(),
+                reset_after: decision.reset_after(),
+            };
+            prop_assert_eq!(&got, &expected, "step {} at {} ns, cost {}", i, now, cost);
+        }
+    }
+
     /// A window never admits more than its limit: per window for a fixed one, and for a
     /// sliding one, in any span of one window's length counted the way it weighs.
     #[test]

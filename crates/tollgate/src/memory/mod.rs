@@ -685,6 +685,58 @@ where
         Ok(Settlement { status, decisions })
     }
 
+    /// Gives `items[i].cost` tokens back to each bucket at `now`, with no record of the charge
+    /// they came from (see [`Store::give_back`](crate::Store::give_back)): a token bucket gets
+    /// them back as if its latest charges had been smaller, up to full; a window from the count
+    /// of the window its state is in, a log from its latest entry, never below 0. A bucket with
+    /// no state is full, and stays as it is. Returns each bucket's standing afterwards, in the
+    /// order of `items`: an allowed, uncharged decision for its `cost`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::EmptyCheck`], [`Error::DuplicateKey`], [`Error::InvalidCost`] for any item (a
+    /// cost is at most the capacity, as in a check: more would fill the bucket just the same).
+    /// None of them changes anything.
+    pub fn give_back<Q>(
+        &self,
+        items: &[Item<'_, Q>],
+        now: Timestamp,
+    ) -> Result<Vec<Decision>, Error>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ToOwned + ?Sized,
+        Q::Owned: Into<K>,
+    {
+        if items.is_empty() {
+            return Err(Error::EmptyCheck);
+        }
+        let hashes = self.hashes_of(items)?;
+        let mut guards = self.lock_all(&hashes, None);
+        let mut decisions = Vec::with_capacity(items.len());
+        for (item, &hash) in items.iter().zip(&hashes) {
+            let g = guard_at(&guards, self.shard_index(hash));
+            let shard = &mut guards[g].1;
+            if item.limit.algorithm().keeps_log() {
+                if let Some(logged) = shard.log_mut(hash, item.key) {
+                    sliding_log::give_back_latest(&mut logged.log, item.cost);
+                }
+                let log = shard.log(hash, item.key);
+                decisions.push(sliding_log::balance(item.limit, log, now, item.cost));
+                continue;
+            }
+            let state = shard
+                .buckets
+                .find(hash, item.key)
+                .and_then(|slot| unpack(slot.state(), &slot.key, hash, &shard.spill));
+            let state = bucket::give_back_latest(item.limit, state, item.cost);
+            if let Some(next) = state {
+                self.store(shard, hash, item.key, next, now);
+            }
+            decisions.push(bucket::balance(item.limit, state, now, item.cost));
+        }
+        Ok(decisions)
+    }
+
     /// What [`check`](Self::check) would decide, without changing anything.
     ///
     /// # Errors
@@ -2028,6 +2080,74 @@ mod tests {
 
     fn log(n: u64, window_ms: u64) -> Limit {
         Limit::sliding_log(n, Duration::from_millis(window_ms)).unwrap()
+    }
+
+    /// Tokens given back with no record come off every kind of bucket's latest charges: a
+    /// token bucket (packed or spilled) gains exactly what it is given, up to full; a window
+    /// gets back from the count of its current window, a log from its latest entry, never
+    /// below 0; a bucket never charged stays full; a refused request changes nothing.
+    #[test]
+    fn tokens_given_back_come_off_the_latest_charges() {
+        let store: MemoryStore<Box<str>> = MemoryStore::default();
+        fn item<'a>(key: &'a str, limit: &'a Limit, cost: u64) -> Item<'a, str> {
+            Item { key, limit, cost }
+        }
+        for limit in [limit(10, "1/h"), limit(10, "3/s")] {
+            store.check("t", &limit, 9, at(SEC)).unwrap();
+            let given = store.give_back(&[item("t", &limit, 4)], at(SEC)).unwrap();
+            assert!(given[0].allowed());
+            assert_eq!(given[0].remaining(), 5);
+            let given = store.give_back(&[item("t", &limit, 10)], at(SEC)).unwrap();
+            assert_eq!(given[0].remaining(), 10, "never past full");
+            assert!(store.check("t", &limit, 10, at(SEC)).unwrap().allowed());
+            assert!(!store.check("t", &limit, 1, at(SEC)).unwrap().allowed());
+            store.reset("t");
+        }
+        let fixed = Limit::fixed_window(5, Duration::from_secs(60)).unwrap();
+        let sliding = Limit::sliding_window(5, Duration::from_secs(60)).unwrap();
+        // (window, left after this minute's 1, left once it is given back).
+        for (window, before, after) in [(&fixed, 4, 5), (&sliding, 0, 1)] {
+            // Last minute's 4 stay counted where they weigh (4 * 59/60 of them for the sliding
+            // window, a second into this minute); this minute's 1 comes back, and no more.
+            store.check("w", window, 4, at(30 * SEC)).unwrap();
+            let charged = store.check("w", window, 1, at(61 * SEC)).unwrap();
+            assert_eq!(charged.remaining(), before, "{window:?}");
+            let given = store
+                .give_back(&[item("w", window, 3)], at(61 * SEC))
+                .unwrap();
+            assert_eq!(given[0].remaining(), after, "{window:?}");
+            store.reset("w");
+        }
+        let log = log(5, 60_000);
+        store.check("l", &log, 2, at(SEC)).unwrap();
+        store.check("l", &log, 2, at(2 * SEC)).unwrap();
+        let given = store.give_back(&[item("l", &log, 5)], at(3 * SEC)).unwrap();
+        assert_eq!(
+            given[0].remaining(),
+            3,
+            "the latest entry's 2, not the older one's"
+        );
+        assert_eq!(
+            store.check("l", &log, 3, at(3 * SEC)).unwrap().remaining(),
+            0
+        );
+        // Never charged: full, and nothing stored.
+        let fresh = limit(10, "1/s");
+        let live = store.stats().live_buckets;
+        let given = store.give_back(&[item("new", &fresh, 3)], at(SEC)).unwrap();
+        assert_eq!(given[0].remaining(), 10);
+        assert_eq!(store.stats().live_buckets, live);
+        // Refused as a check is, changing nothing.
+        store.check("t", &fresh, 10, at(SEC)).unwrap();
+        for refused in [
+            store.give_back(&[item("t", &fresh, 0)], at(SEC)),
+            store.give_back(&[item("t", &fresh, 11)], at(SEC)),
+            store.give_back(&[item("t", &fresh, 1), item("t", &fresh, 1)], at(SEC)),
+            store.give_back::<str>(&[], at(SEC)),
+        ] {
+            assert!(refused.is_err(), "{refused:?}");
+        }
+        assert_eq!(store.peek("t", &fresh, 1, at(SEC)).unwrap().remaining(), 0);
     }
 
     /// A reset makes every kind of bucket as if never used: a packed token bucket, one whose
