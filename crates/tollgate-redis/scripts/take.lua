@@ -58,7 +58,8 @@
 --     32 bytes, a window: kind (1 fixed, 2 sliding, 3 a sliding log), W (the window in
 --       milliseconds), N (the most it admits per window) and cost (requests, 1 to N)
 --     40 bytes, a window in a refund: the same, then the window the take charged (its index k,
---       as the take replied it; for a log, the millisecond its charge went to, as replied)
+--       as the take replied it; for a log, the millisecond its charge went to, as replied);
+--       a refund of 32 bytes gives back from the latest count (see below)
 --   (binary because `tonumber` on a decimal string runs `strtod` twice: read that way, the three
 --   figures cost about a seventh of Redis' instructions per decision; each is an integer below
 --   2^51, so its double is exact)
@@ -86,6 +87,13 @@
 -- the same least TTL as a token bucket on a caller's time. A window's figures are the core's:
 -- retry and reset are waits to a millisecond boundary, replied in whole microseconds from the
 -- microsecond `now`, from which the caller takes `nanos` for the exact nanoseconds.
+--
+-- A refund without a record that names no take (32 bytes: tokens a caller gives back, Envoy's
+-- `is_negative_hits`) gives back from the latest count that holds anything: a window's CUR,
+-- else a sliding window's PREV; a log's latest entry that holds anything (a refund may have
+-- emptied later ones, which stay while they are the latest); a token bucket as any refund. A cross-slot refund
+-- leaves such an empty latest count where the memory store, never charged, has none: read
+-- this way, both give back from the same charge.
 --
 -- A refund of a window gives back `cost` from the count the take charged, only while that
 -- count is still in the state (the same window K, or, for a sliding window, PREV once the
@@ -811,13 +819,31 @@ if windows then
   -- previous count once it has moved on by one, never below 0; otherwise nothing (the window
   -- has passed). Writes the state if it changed, and returns its counts. A log gives back from
   -- the entry of millisecond `charged`, and returns itself as it stands after (as `cur`).
+  -- `charged` nil (tokens given back with no record) gives back from the latest count that
+  -- holds anything: the current one, else a sliding window's previous one; a log's latest
+  -- entry that holds anything (a refund may have emptied later ones).
   give_back_window = function(key, kind, w, held, cur, prev, charged, back)
     if kind == 3 then
+      if charged == nil then
+        -- Refunds leave empty entries behind only now and then: the walk is short.
+        local at, i, cost = cur.last_ms, cur.older, cur.last_cost
+        while cost == 0 and i > 0 do
+          at, cost = log_at(cur, i, true)
+          i = i - 1
+        end
+        charged = at
+      end
       return log_give_back(key, cur, charged, back), nil
     end
     local sliding = kind == 2
     if back <= 0 then
       return cur, prev
+    end
+    if charged == nil then
+      charged = held
+      if sliding and cur == 0 and held > 0 then
+        charged = held - 1
+      end
     end
     if held == charged and cur > 0 then
       cur = max(0, cur - back)
@@ -1129,12 +1155,17 @@ for _ = 1, tonumber(ARGV[2]) do
       for i = 1, n do
         local x = windows and extra[i]
         if x then
-          -- Gives back from the count the take charged, while the state still holds it.
+          -- Gives back from the count the take charged, while the state still holds it; with
+          -- no take named (tokens given back unrecorded), from the latest count: the window
+          -- the state is in, a log's latest entry.
           local arg = ARGV[params + i]
           local held, c, p = states[2 * i - 1], states[2 * i], prevs[i]
           if held and #arg == 40 then
             local kind, w, _, cost, charged = unpack('<ddddd', arg)
             c, p = give_back_window(KEYS[first_key + i], kind, w, held, c, p, charged, cost)
+          elseif held then
+            local kind, w, _, cost = unpack('<dddd', arg)
+            c, p = give_back_window(KEYS[first_key + i], kind, w, held, c, p, nil, cost)
           end
           standing(at, i, x, arg, held, c, p)
         else

@@ -1324,6 +1324,55 @@ impl RedisStore {
         }))
     }
 
+    /// Gives back `request`'s costs (see [`Store::give_back`]): one refund per slot that names
+    /// no record and no take, in parallel, each giving back from its own buckets' latest
+    /// counts.
+    async fn give_back_groups(
+        &self,
+        request: CheckRequest<'_>,
+        prepared: &Prepared,
+    ) -> Result<Result<Vec<Decision>, Error>, Unavailable> {
+        let now = request.now.map(Timestamp::as_nanos);
+        let groups = self.groups(&prepared.keys, None);
+        let call = |group: &Group| {
+            let segment = segment(group, prepared, request.takes, Mode::Refund, None, None);
+            let kinds = Kinds::of(group, &prepared.limits);
+            async move {
+                let reply = match &self.batcher {
+                    Some(batcher) => batcher.submit(now, segment).await?,
+                    None => self.call(now, &segment).await?,
+                };
+                parse_reply(&reply, &kinds)
+            }
+        };
+        let replies = join_all(groups.iter().map(call))
+            .await
+            .into_iter()
+            .collect::<Result<Vec<GroupReply>, Unavailable>>()?;
+        if replies.iter().any(|reply| reply.status != 1) {
+            return Ok(Err(Error::StoreUnavailable {
+                reason: Unavailable::Script,
+            }));
+        }
+        let nanos = now.map_or(0, |now| now % 1_000);
+        let mut decisions: Vec<Option<Decision>> = vec![None; request.takes.len()];
+        for (group, reply) in groups.iter().zip(&replies) {
+            for (&i, answer) in group.takes.iter().zip(&reply.buckets) {
+                let take = &request.takes[i];
+                decisions[i] = Some(match (&prepared.limits[i], *answer) {
+                    (ScriptLimit::Tokens(limit), Answer::Tokens { deficit, .. }) => {
+                        limit.decision(take.limit, true, take.cost, deficit, nanos)?
+                    }
+                    (ScriptLimit::Window(limit), Answer::Window(figures)) => {
+                        limit.decision(take.limit, take.cost, &figures)?
+                    }
+                    _ => return Err(Unavailable::Protocol),
+                });
+            }
+        }
+        Ok(Ok(decisions.into_iter().flatten().collect()))
+    }
+
     /// Runs `work`, a call (or calls) on `keys` (stored keys), through their breakers and
     /// within the timeout: the one way every operation of the store reaches Redis.
     pub(crate) async fn guarded<T>(
@@ -1460,6 +1509,27 @@ impl Store for RedisStore {
 
     async fn peek(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
         self.run(request, true).await
+    }
+
+    /// One script call per slot in refund mode, naming no record: the tokens go back as a
+    /// cross-slot refund gives back a charge (a token bucket's full time moves back, clamped at
+    /// full), and a window's or a log's from its latest count. A rejection remembered for a
+    /// key is forgotten after, as for a settlement.
+    async fn give_back(&self, request: CheckRequest<'_>) -> Result<Vec<Decision>, Error> {
+        let request = CheckRequest {
+            request_id: None,
+            ..request
+        };
+        let prepared = self.prepare(request)?;
+        let given = self
+            .guarded(&prepared.keys, self.give_back_groups(request, &prepared))
+            .await;
+        if let Some(memory) = &self.rejections {
+            for key in &prepared.keys {
+                memory.forget(key);
+            }
+        }
+        given
     }
 
     async fn settle(

@@ -113,8 +113,9 @@ async fn conforms_with_and_without_hash_tags(store: &RedisStore) {
         logs.subjects = 1;
         logs_untagged.subjects = 1;
         for trace in [tagged, untagged, logs, logs_untagged] {
-            // Resets among the requests, each key deleted on its own master.
-            let trace = trace.resets(true);
+            // Resets among the requests, each key deleted on its own master; tokens given back
+            // in each slot on its own.
+            let trace = trace.resets(true).gives_back(true);
             if let Err(mismatch) = compare_with_memory(store, &trace).await {
                 panic!("{mismatch}");
             }

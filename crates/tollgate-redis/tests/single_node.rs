@@ -123,14 +123,29 @@ async fn decides_exactly_like_the_memory_store() {
     for seed in 1..=6 {
         // Resets among the requests: after one, every kind of bucket decides as new, as in
         // the memory store.
-        let trace = Trace::new(seed, 400, format!("conformance-{seed}")).resets(true);
+        // Tokens given back among them too, with no record (Envoy's `is_negative_hits`).
+        let trace = Trace::new(seed, 400, format!("conformance-{seed}"))
+            .resets(true)
+            .gives_back(true);
         // Logs alone too, of one subject: in a trace of every kind, their keys have mostly
-        // stopped counting by the time they are asked again (see `Trace::only`).
+        // stopped counting by the time they are asked again (see `Trace::only`). And each kind
+        // of window alone, given back to while its counts still count.
         let mut logs = Trace::new(seed, 400, format!("logs-{seed}"))
             .only(Algorithm::SlidingLog)
-            .resets(true);
+            .resets(true)
+            .gives_back(true);
         logs.subjects = 1;
-        for trace in [trace, logs] {
+        let focused = |kind: Algorithm, name: &str| {
+            let mut trace = Trace::new(seed, 300, format!("{name}-{seed}"))
+                .only(kind)
+                .gives_back(true);
+            trace.subjects = 1;
+            trace
+        };
+        let fixed = focused(Algorithm::FixedWindow, "fixed");
+        let sliding = focused(Algorithm::SlidingWindow, "sliding");
+        let tokens = focused(Algorithm::TokenBucket, "tokens");
+        for trace in [trace, logs, fixed, sliding, tokens] {
             if let Err(mismatch) = compare_with_memory(&store, &trace).await {
                 panic!("{mismatch}");
             }

@@ -273,7 +273,8 @@ async fn run(call: redis::Cmd, connection: &mut redis::aio::MultiplexedConnectio
 /// current count in the window charged, from the previous one once a sliding window has moved
 /// on by one, nothing once the charged window has passed (fixed) or left the previous one
 /// (sliding), and never below 0. A refund that gave back from whatever window the state holds
-/// now would free requests another window admitted.
+/// now would free requests another window admitted. A refund that names no window (tokens given
+/// back with no record) gives back from the latest count that holds anything.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_window_refund_gives_back_only_what_the_window_still_counts() {
     let server = RedisServer::start();
@@ -344,11 +345,33 @@ async fn a_window_refund_gives_back_only_what_the_window_still_counts() {
     let refund = figures(fixed_kind, 1, Some(k + 1));
     run(window_call("f", "refund", &refund, next), &mut connection).await;
     assert_eq!(state("f"), format!("w{}:0", k + 1));
-    // A refund that does not name the window charged (a take's reply it never had) gives back
-    // nothing.
+    // A refund that names no window (tokens given back with no record, `Store::give_back`)
+    // gives back from the latest count that holds anything: the current one...
     run(window_call("f3", "take", &take(2), T0), &mut connection).await;
+    run(window_call("f3", "refund", &take(1), T0), &mut connection).await;
+    assert_eq!(state("f3"), format!("w{k}:1"));
     run(window_call("f3", "refund", &take(2), T0), &mut connection).await;
-    assert_eq!(state("f3"), format!("w{k}:2"));
+    assert_eq!(state("f3"), format!("w{k}:0"));
+    // ... and, a sliding window's current count empty, its previous one.
+    let unnamed = |cost| figures(sliding_kind, cost, None);
+    run(window_call("s3", "take", &unnamed(3), T0), &mut connection).await;
+    run(
+        window_call("s3", "take", &unnamed(1), next),
+        &mut connection,
+    )
+    .await;
+    run(
+        window_call("s3", "refund", &unnamed(2), next),
+        &mut connection,
+    )
+    .await;
+    assert_eq!(state("s3"), format!("w{}:0:3", k + 1));
+    run(
+        window_call("s3", "refund", &unnamed(2), next),
+        &mut connection,
+    )
+    .await;
+    assert_eq!(state("s3"), format!("w{}:0:1", k + 1));
 }
 
 /// A key holding something that is not a window's state (another program's string, a hash, a
