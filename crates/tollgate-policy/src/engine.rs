@@ -22,8 +22,10 @@
 //! on the way and decides on the emptier of the two.
 //!
 //! Concurrency limits (leases) are decided in [`leases`], against the same policy and the same
-//! kind of store keys; an operator's resets of buckets are in [`reset`].
+//! kind of store keys; an operator's resets of buckets are in [`reset`], and hits a caller
+//! gives back in [`give_back`].
 
+mod give_back;
 mod leases;
 mod reset;
 

@@ -2738,6 +2738,126 @@ limits:
     assert!(outcome.allowed, "{outcome:?}");
 }
 
+const GIVE_BACK: &str = r#"
+version: "g1"
+defaults: {failure_mode: open, emergency: 2/s}
+limits:
+  - {name: per-user, domain: api, key: [user], capacity: 10, refill: 1/h}
+  - {name: per-user-minute, domain: api, key: [user], algorithm: fixed_window, limit: 5, window: 1m}
+  - {name: trial, domain: api, key: [user], capacity: 4, refill: 1/h, mode: shadow}
+  - {name: vip, domain: api, key: [user], capacity: 1, refill: 1/d, when: {user: vip}}
+  - {name: blocked, domain: api, when: {user: evil}, deny: true}
+  - {name: everyone, domain: api, capacity: 1000000, refill: 1000/s, scope: global}
+exemptions:
+  - limit: vip
+    when: {user: vip}
+    owner: ops@example.com
+    reason: launch week
+    expires: 2026-12-31T00:00:00Z
+"#;
+
+/// Hits given back with no record go to the buckets a check charges, never past full: an
+/// enforced token bucket and window, a shadow limit; not an exempt limit, a deny, or a global
+/// limit. Two descriptors on one bucket give back their sum; a cost of 0 is refused.
+#[test]
+fn hits_given_back_go_to_the_buckets_a_check_charges() {
+    let r = rig(GIVE_BACK);
+    let u1 = [("user", "u1")];
+    let left = |user: [(&str, &str); 1]| -> Vec<(String, Option<u64>)> {
+        r.engine
+            .explain("api", &[user], 1)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .limits
+            .iter()
+            .filter(|l| &*l.name != "everyone")
+            .map(|l| (l.name.to_string(), l.decision.map(|d| d.remaining())))
+            .collect()
+    };
+    let named = |pairs: &[(&str, Option<u64>)]| -> Vec<(String, Option<u64>)> {
+        pairs.iter().map(|&(n, d)| (n.to_owned(), d)).collect()
+    };
+    assert!(r.engine.decide("api", &[u1], 4, None).unwrap().allowed);
+    // A peek at cost 1 reports what is left after it.
+    assert_eq!(
+        left(u1),
+        named(&[
+            ("per-user", Some(5)),
+            ("per-user-minute", Some(0)),
+            ("trial", Some(0))
+        ])
+    );
+    let given = r
+        .engine
+        .give_back("api", &[u1], 3)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(given.allowed);
+    assert_eq!(&*given.policy_version, "g1");
+    let standing: Vec<(&str, Option<u64>)> = given
+        .limits
+        .iter()
+        .map(|l| (&*l.name, l.decision.map(|d| d.remaining())))
+        .collect();
+    // The standing after, at the cost given back; the global limit has nothing to give to.
+    assert_eq!(
+        standing,
+        [
+            ("per-user", Some(9)),
+            ("per-user-minute", Some(4)),
+            ("trial", Some(3)),
+            ("everyone", None)
+        ]
+    );
+    // Two descriptors on the same buckets give back their sum, never past full.
+    r.engine.give_back("api", &[u1, u1], 3).unwrap();
+    assert_eq!(
+        left(u1),
+        named(&[
+            ("per-user", Some(9)),
+            ("per-user-minute", Some(4)),
+            ("trial", Some(3))
+        ])
+    );
+    assert!(r.engine.decide("api", &[u1], 5, None).unwrap().allowed);
+
+    // An exempt limit is never charged, a deny has no bucket: nothing to give back to.
+    let vip = r.engine.give_back("api", &[[("user", "vip")]], 1).unwrap();
+    let exempt = vip.limits.iter().find(|l| &*l.name == "vip").unwrap();
+    assert_eq!(exempt.decision, None);
+    assert_eq!(exempt.exempted_by.as_deref(), Some("ops@example.com"));
+    let evil = r.engine.give_back("api", &[[("user", "evil")]], 1).unwrap();
+    assert!(
+        evil.limits
+            .iter()
+            .any(|l| &*l.name == "blocked" && l.decision.is_none())
+    );
+
+    // A cost of 0 gives nothing back: refused, as a check refuses it.
+    assert!(r.engine.give_back("api", &[u1], 0).is_err());
+    // Nothing applies: allowed, nothing given.
+    assert!(r.engine.give_back("web", &[u1], 1).unwrap().unmatched());
+    // Hits given back are neither decisions nor audited.
+    assert!(!r.audit.kinds().iter().any(|k| k.contains("give")));
+}
+
+/// Hits given back reach the emergency budget a degraded check spent, as well as the store.
+#[test]
+fn hits_given_back_reach_the_emergency_budgets() {
+    let r = rig(GIVE_BACK);
+    let u1 = [("user", "u1")];
+    let degraded = |cost| {
+        r.engine
+            .decide_degraded("api", &[u1], cost, "store timeout")
+            .unwrap_or_else(|e| panic!("{e}"))
+            .allowed
+    };
+    // The emergency budget, 2 a second, spent while the store is down.
+    assert!(degraded(2));
+    assert!(!degraded(1));
+    r.engine.give_back("api", &[u1], 1).unwrap();
+    assert!(degraded(1));
+    assert!(!degraded(1));
+}
+
 /// A slow limit and a lease, under an engine with every option set away from its default.
 const BOUNDED: &str = r#"
 version: "b1"
