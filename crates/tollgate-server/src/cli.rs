@@ -23,7 +23,7 @@ use tollgate_tower::HeaderStyle;
 
 use crate::ConnectionLimits;
 use crate::decider::{Backend, Decider};
-use crate::http::{AddressMask, AppState, ClientAddress, HttpOptions};
+use crate::http::{AddressMask, AppState, ClientAddress, HttpOptions, NegativeHits};
 use crate::loadgen::args::parse_duration;
 use crate::rlqs::RlqsOptions;
 
@@ -303,6 +303,13 @@ pub struct ServeArgs {
     /// now), `both`, or `none`. `Retry-After` goes on every 429 a wait can lift.
     #[arg(long, env = "TOLLGATE_RATE_LIMIT_HEADERS", default_value_t = HeaderStyle::Ietf)]
     pub rate_limit_headers: HeaderStyle,
+    /// RLS descriptors whose hits are given back (Envoy's `is_negative_hits`, sent once a
+    /// response shows a request cost less than it was charged): `refuse` them with
+    /// `INVALID_ARGUMENT`, or `give-back` the hits to the buckets a check of the descriptor
+    /// charges, never past full. Giving back trusts the caller, who could fill any bucket:
+    /// only where no one but your proxies reaches the gRPC port.
+    #[arg(long, env = "TOLLGATE_NEGATIVE_HITS", value_enum, default_value_t = NegativeHits::Refuse)]
+    pub negative_hits: NegativeHits,
     /// Audit log (JSON lines): a file path, or `-` for stdout.
     #[arg(long, env = "TOLLGATE_AUDIT_LOG")]
     pub audit_log: Option<PathBuf>,
@@ -1016,6 +1023,7 @@ pub async fn serve(
         forward_auth_headers: args.forward_auth_headers.clone(),
         forward_auth_deny: deny,
         rate_limit_headers: args.rate_limit_headers,
+        negative_hits: args.negative_hits,
         forward_auth_address: args
             .forward_auth_address
             .clone()

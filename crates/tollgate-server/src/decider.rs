@@ -524,6 +524,46 @@ impl Decider {
         Ok(outcome)
     }
 
+    /// Gives `request`'s cost back to the buckets a check of it would charge (hits a trusted
+    /// caller took earlier and returns: Envoy's `is_negative_hits`), on this server's store and
+    /// in its emergency budgets ([`PolicyEngine::give_back_on`]); the tokens are counted per
+    /// limit. Global limits are left as they are.
+    ///
+    /// # Errors
+    ///
+    /// [`DecideError::Unavailable`] when the shared store cannot answer (nothing, or only some
+    /// of it, was given back there: under-admitting); [`DecideError::Invalid`] for a cost of 0.
+    pub async fn give_back<S: AsRef<str>, D: Descriptor<S>>(
+        &self,
+        request: &Request<'_, D>,
+    ) -> Result<Outcome, DecideError> {
+        let Request {
+            domain,
+            descriptors,
+            cost,
+            ..
+        } = *request;
+        let result = match &self.backend {
+            Backend::Memory => self.engine.give_back(domain, descriptors, cost),
+            Backend::Redis(store) => {
+                self.engine
+                    .give_back_on(&**store, domain, descriptors, cost)
+                    .await
+            }
+        };
+        let outcome = result.map_err(|err| self.op_error(err))?;
+        for limit in &outcome.limits {
+            if limit.decision.is_some() {
+                let tokens = match cost {
+                    Costs::Same(tokens) => tokens,
+                    Costs::Each(costs) => costs.get(limit.descriptor).copied().unwrap_or(0),
+                };
+                metrics::record_given_back(&limit.name, tokens);
+            }
+        }
+        Ok(outcome)
+    }
+
     /// Whether the store answers: for `/readyz`.
     pub async fn store_ready(&self) -> Result<(), Unavailable> {
         match &self.backend {

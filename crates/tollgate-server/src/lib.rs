@@ -391,7 +391,8 @@ where
     let limits = state.connections.limits;
     let rls = Arc::new(
         rls::Rls::new(Arc::clone(&state.decider))
-            .with_header_style(state.options.rate_limit_headers),
+            .with_header_style(state.options.rate_limit_headers)
+            .with_negative_hits(state.options.negative_hits),
     );
     let unary = grpc_unary::ShouldRateLimit::new(Arc::clone(&rls));
     let rls = rls::Rls::server(rls);

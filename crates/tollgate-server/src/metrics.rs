@@ -71,6 +71,9 @@ pub const LEASES_RENEWED: &str = "tollgate_lease_renewals_total";
 /// Reservations settled through `POST /v1/settle`: label `status` (`settled`; `repeated`:
 /// settled before; `not_found`: no charge on record).
 pub const SETTLEMENTS: &str = "tollgate_settlements_total";
+/// Hits given back through RLS (`is_negative_hits`), as sent (a bucket takes back no more than
+/// fills it): label `limit`.
+pub const GIVEN_BACK: &str = "tollgate_hits_given_back_total";
 /// Leases held in this process's lease tables (the memory store's, and emergency leases taken
 /// while the shared store was down), counting ended ones not yet swept.
 pub const LIVE_LEASES: &str = "tollgate_live_leases";
@@ -144,6 +147,7 @@ pub const ALL: &[&str] = &[
     LEASES_RELEASED,
     LEASES_RENEWED,
     SETTLEMENTS,
+    GIVEN_BACK,
     LIVE_LEASES,
     LIVE_BUCKETS,
     EVICTIONS,
@@ -289,6 +293,10 @@ fn describe() {
     describe_counter!(
         SETTLEMENTS,
         "Reservations settled, by whether anything was given back."
+    );
+    describe_counter!(
+        GIVEN_BACK,
+        "Hits given back through RLS (is_negative_hits), as sent, by limit."
     );
     describe_counter!(
         EVICTIONS,
@@ -600,6 +608,11 @@ fn record_limits<'a>(
 /// Records a bucket of `limit` reset by an operator.
 pub fn record_reset(limit: &str) {
     counter!(RESETS, "limit" => limit.to_owned()).increment(1);
+}
+
+/// Records `tokens` given back to a bucket of `limit`.
+pub fn record_given_back(limit: &str, tokens: u64) {
+    counter!(GIVEN_BACK, "limit" => limit.to_owned()).increment(tokens);
 }
 
 /// Records a lease given back (or not found).

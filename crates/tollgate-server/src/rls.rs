@@ -14,6 +14,14 @@
 //!   `X-RateLimit-*` headers when asked to. The rate-limit fields of the server's style
 //!   (`--rate-limit-headers`: the IETF `RateLimit-Policy`/`RateLimit` by default, or tollgate's
 //!   own `X-RateLimit-*`, both, or none) go in `response_headers_to_add`.
+//! * A descriptor with `is_negative_hits` gives its hits back rather than taking them (Envoy
+//!   sends them once a response shows its request cost less than it was charged). Refused with
+//!   `INVALID_ARGUMENT` unless the server is started with `--negative-hits give-back`: the
+//!   hits then go back, before anything else of the call is decided, to the buckets a check of
+//!   the descriptor charges, never past full ([`tollgate::Store::give_back`]), and its status
+//!   is `OK` with the standing afterwards. A store that cannot take them back loses them
+//!   (under-admitting), counted as a store error, and the rest of the call is decided as
+//!   usual.
 //! * Never `UNKNOWN`. An unknown domain answers `OK`. A `hits_addend` above a limit's capacity
 //!   can never pass: the request's charged descriptors answer `OVER_LIMIT` (as a gRPC error,
 //!   Envoy would let the request through).
@@ -44,7 +52,7 @@ use tollgate_policy::{
 use tonic::{Request, Response, Status};
 
 use crate::decider::{DecideError, Decider, Request as Decide};
-use crate::http::{MAX_DESCRIPTORS, MAX_ENTRIES, MAX_NAME_BYTES, MAX_VALUE_BYTES};
+use crate::http::{MAX_DESCRIPTORS, MAX_ENTRIES, MAX_NAME_BYTES, MAX_VALUE_BYTES, NegativeHits};
 use crate::metrics::{self, Api};
 use tollgate_tower::HeaderStyle;
 use tollgate_tower::headers as fields;
@@ -56,6 +64,8 @@ pub struct Rls {
     header_style: HeaderStyle,
     /// Whether a descriptor's own `limit` has been reported as ignored (once per process).
     told_limit_ignored: AtomicBool,
+    /// What a descriptor whose hits are given back does.
+    negative_hits: NegativeHits,
 }
 
 impl Rls {
@@ -65,7 +75,15 @@ impl Rls {
             decider,
             header_style: HeaderStyle::default(),
             told_limit_ignored: AtomicBool::new(false),
+            negative_hits: NegativeHits::default(),
         }
+    }
+
+    /// The same service, treating descriptors whose hits are given back (`is_negative_hits`)
+    /// as `negative_hits` says (default: refused).
+    pub fn with_negative_hits(mut self, negative_hits: NegativeHits) -> Self {
+        self.negative_hits = negative_hits;
+        self
     }
 
     /// The same service, answering with the rate-limit fields of `style` in
@@ -159,15 +177,24 @@ fn requested_limit(sent: &RateLimitOverride) -> Result<RequestedLimit, SentLimit
     )?))
 }
 
+/// A descriptor as parsed: what it names, its hits, and whether they are given back.
+struct Parsed {
+    sent: Sent,
+    hits: u64,
+    given_back: bool,
+}
+
 /// Descriptors and their costs, checked against the same bounds as the HTTP API. The
 /// descriptors are taken out of `request`: their strings move rather than copy. The limits
 /// they carry are read only where a limit applies them (`applied`), and refused then when they
-/// cannot be: elsewhere they change nothing, so they fail nothing either.
+/// cannot be: elsewhere they change nothing, so they fail nothing either. Hits given back are
+/// refused unless `negative_hits` lets them through.
 fn parse(
     request: &mut RateLimitRequest,
     applied: bool,
     decider: &Decider,
-) -> Result<Vec<(Sent, u64)>, Status> {
+    negative_hits: NegativeHits,
+) -> Result<Vec<Parsed>, Status> {
     if request.domain.is_empty() || request.domain.len() > MAX_NAME_BYTES {
         return Err(invalid(format!(
             "domain must be 1 to {MAX_NAME_BYTES} bytes"
@@ -189,12 +216,13 @@ fn parse(
             }
             // Envoy's newer refunds: the hits given back rather than taken. Read as an ordinary
             // descriptor (as before the field existed), a refund would charge its subject
-            // instead; tollgate keeps no record to give back against outside a reservation
-            // (`POST /v1/settle`), so the call is refused, charging nothing.
-            if descriptor.is_negative_hits {
+            // instead. Giving back with no record of the charge trusts the caller, so it is
+            // the operator's to switch on; otherwise the call is refused, charging nothing.
+            if descriptor.is_negative_hits && negative_hits == NegativeHits::Refuse {
                 return Err(invalid(format!(
-                    "descriptors[{index}]: is_negative_hits (giving hits back) is not \
-                     supported; nothing was charged"
+                    "descriptors[{index}]: is_negative_hits (giving hits back) is refused by \
+                     this server (start it with --negative-hits give-back to allow it); \
+                     nothing was charged"
                 )));
             }
             let mut entries = Vec::with_capacity(descriptor.entries.len());
@@ -232,7 +260,11 @@ fn parse(
                 .hits_addend
                 .as_ref()
                 .map_or(default_cost, |hits| hits.value);
-            Ok((RequestDescriptor { entries, limit }, cost))
+            Ok(Parsed {
+                sent: RequestDescriptor { entries, limit },
+                hits: cost,
+                given_back: descriptor.is_negative_hits,
+            })
         })
         .collect()
 }
@@ -342,29 +374,50 @@ impl Rls {
                 .current()
                 .applies_request_limits(&request.domain);
         self.tell_limit_ignored(&request, applied);
-        let descriptors = parse(&mut request, applied, &self.decider)
+        let descriptors = parse(&mut request, applied, &self.decider, self.negative_hits)
             .inspect_err(|_| metrics::record_invalid(Api::Grpc))?;
         let count = descriptors.len();
 
-        // Check-only descriptors (`hits_addend: 0`) are decided first, charging nothing; the
-        // charged ones then go in one decision with a cost each, all or nothing, and are charged
-        // only if every check passed: a rejected request is charged nowhere.
+        // Hits given back go back first: they return what earlier requests took. Check-only
+        // descriptors (`hits_addend: 0`, given back or not) are decided next, charging nothing;
+        // the charged ones then go in one decision with a cost each, all or nothing, and are
+        // charged only if every check passed: a rejected request is charged nowhere.
         let (mut checked, mut charged) = ((Vec::new(), Vec::new()), (Vec::new(), Vec::new()));
-        let mut costs = Vec::with_capacity(count);
-        for (index, (sent, cost)) in descriptors.into_iter().enumerate() {
-            let (indexes, group) = if cost == 0 {
+        let mut returned = (Vec::new(), Vec::new());
+        let (mut costs, mut returned_costs) = (Vec::with_capacity(count), Vec::new());
+        for (index, parsed) in descriptors.into_iter().enumerate() {
+            let (indexes, group) = if parsed.hits == 0 {
                 &mut checked
+            } else if parsed.given_back {
+                returned_costs.push(parsed.hits);
+                &mut returned
             } else {
+                costs.push(parsed.hits);
                 &mut charged
             };
             indexes.push(index);
-            group.push(sent);
-            if cost > 0 {
-                costs.push(cost);
-            }
+            group.push(parsed.sent);
         }
         let mut decided: Vec<(Vec<usize>, Outcome)> = Vec::with_capacity(2);
         let mut impossible: Vec<usize> = Vec::new();
+        if !returned.0.is_empty() {
+            let give_back = Decide {
+                domain: &request.domain,
+                descriptors: &returned.1,
+                cost: Costs::Each(&returned_costs),
+                request_id: None,
+            };
+            match self.decider.give_back(&give_back).await {
+                Ok(outcome) => decided.push((returned.0, outcome)),
+                // Lost, which under-admits; the store error is counted (logged at debug only:
+                // an outage would log every call). The call's checks meet the outage
+                // themselves, each limit by its failure mode.
+                Err(DecideError::Unavailable(reason)) => {
+                    tracing::debug!(%reason, "hits given back lost: the store cannot answer");
+                }
+                Err(err) => return Err(status(err)),
+            }
+        }
         if !checked.0.is_empty() {
             let check = Decide {
                 domain: &request.domain,
@@ -565,7 +618,10 @@ mod tests {
         ];
         for mut request in fine {
             let sizes = (request.domain.len(), request.descriptors.len());
-            assert!(parse(&mut request, false, &decider).is_ok(), "{sizes:?}");
+            assert!(
+                parse(&mut request, false, &decider, NegativeHits::Refuse).is_ok(),
+                "{sizes:?}"
+            );
         }
         let refused = [
             (
@@ -611,15 +667,28 @@ mod tests {
                     refund.descriptors[1].is_negative_hits = true;
                     refund
                 },
-                "descriptors[1]: is_negative_hits (giving hits back) is not supported",
+                "descriptors[1]: is_negative_hits (giving hits back) is refused by this server",
             ),
         ];
-        for (mut request, message) in refused {
-            let Err(status) = parse(&mut request, false, &decider) else {
+        for (request, message) in refused {
+            let Err(status) = parse(&mut request.clone(), false, &decider, NegativeHits::Refuse)
+            else {
                 panic!("{message}: accepted");
             };
             assert_eq!(status.code(), tonic::Code::InvalidArgument, "{message}");
             assert!(status.message().starts_with(message), "{status:?}");
+            // Allowing hits given back changes nothing else.
+            let allowed = parse(
+                &mut request.clone(),
+                false,
+                &decider,
+                NegativeHits::GiveBack,
+            );
+            assert_eq!(
+                allowed.is_err(),
+                !message.contains("is_negative_hits"),
+                "{message}"
+            );
         }
     }
 

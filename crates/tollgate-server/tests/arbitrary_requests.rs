@@ -96,6 +96,7 @@ impl Api {
             forward_auth_deny: StatusCode::TOO_MANY_REQUESTS,
             forward_auth_address: None,
             rate_limit_headers: tollgate_tower::HeaderStyle::Ietf,
+            negative_hits: tollgate_server::http::NegativeHits::Refuse,
         };
         let state = Arc::new(AppState::new(decider, None, options));
         Self {

@@ -4,7 +4,9 @@
 //! (`is_negative_hits`), and limits sent with descriptors in every unit, known or not. Whatever arrives, the service answers: on the
 //! memory store, which cannot fail, with a status per descriptor, an overall code that is
 //! `OVER_LIMIT` exactly when one of them is, or `INVALID_ARGUMENT`, never another gRPC
-//! status; and neither a refused nor an over-limit call charges anything.
+//! status; and neither a refused nor an over-limit call charges anything. With hits given back
+//! switched on (`--negative-hits give-back`), the same holds, a descriptor giving hits back is
+//! `OK`, a call that takes nothing charges nothing, and no bucket ever holds more than full.
 //!
 //! The gRPC framing around the calls is `grpc_framing.rs`'s; this holds the service itself.
 
@@ -22,6 +24,7 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use tollgate_policy::{EngineOptions, PolicyEngine, compile};
 use tollgate_server::decider::Request;
+use tollgate_server::http::NegativeHits;
 use tollgate_server::rls::Rls;
 use tollgate_server::{Backend, Decider};
 
@@ -58,12 +61,12 @@ struct Service {
 }
 
 impl Service {
-    fn new() -> Self {
+    fn new(negative_hits: NegativeHits) -> Self {
         let policy = compile("arbitrary.yaml", POLICY).expect("the policy compiles");
         let engine = Arc::new(PolicyEngine::new(policy, EngineOptions::default()));
         let decider = Arc::new(Decider::new(engine, Backend::Memory));
         Self {
-            rls: Rls::new(Arc::clone(&decider)),
+            rls: Rls::new(Arc::clone(&decider)).with_negative_hits(negative_hits),
             decider,
         }
     }
@@ -160,13 +163,37 @@ fn call() -> impl Strategy<Value = RateLimitRequest> {
     })
 }
 
-/// What the run saw, to show that it reached charges, rejections and refusals.
+/// What the run saw, to show that it reached charges, rejections and refusals, and hits
+/// given back that raised a balance.
 #[derive(Debug, Default)]
 struct Seen {
     charged: usize,
     over: usize,
     answered: usize,
     refused: usize,
+    given_back: usize,
+}
+
+/// The most a probe can report: a full bucket's `remaining` after the probe's own 1, per probe
+/// (users', then addresses', per value).
+const FULL: [u64; 6] = [9_999, 199, 9_999, 199, 9_999, 199];
+
+/// Whether a descriptor of `sent` gives hits back (rather than taking them, or checking).
+fn gives_back(sent: &RateLimitRequest, descriptor: &RateLimitDescriptor) -> bool {
+    let hits = descriptor
+        .hits_addend
+        .as_ref()
+        .map_or(u64::from(sent.hits_addend.max(1)), |hits| hits.value);
+    descriptor.is_negative_hits && hits > 0
+}
+
+/// Whether a descriptor of `sent` takes hits.
+fn takes(sent: &RateLimitRequest, descriptor: &RateLimitDescriptor) -> bool {
+    let hits = descriptor
+        .hits_addend
+        .as_ref()
+        .map_or(u64::from(sent.hits_addend.max(1)), |hits| hits.value);
+    !descriptor.is_negative_hits && hits > 0
 }
 
 async fn one(
@@ -184,6 +211,13 @@ async fn one(
     let charged: Vec<usize> = (0..before.len())
         .filter(|&i| after[i] < before[i])
         .collect();
+    prop_assert!(
+        after.iter().zip(FULL).all(|(&left, full)| left <= full),
+        "past full: {after:?} after {sent:?}"
+    );
+    if (0..before.len()).any(|i| after[i] > before[i]) {
+        seen.given_back += 1;
+    }
     match answer {
         Err(status) => {
             prop_assert_eq!(
@@ -203,6 +237,17 @@ async fn one(
         Ok(answer) => {
             let answer = answer.into_inner();
             prop_assert_eq!(answer.statuses.len(), descriptors, "{:?}", answer);
+            for (status, descriptor) in answer.statuses.iter().zip(&sent.descriptors) {
+                if gives_back(&sent, descriptor) {
+                    prop_assert_eq!(status.code, Code::Ok as i32, "{:?} in {:?}", status, sent);
+                }
+            }
+            if !sent.descriptors.iter().any(|d| takes(&sent, d)) {
+                prop_assert!(
+                    charged.is_empty(),
+                    "nothing taken, but charged {charged:?}: {sent:?}"
+                );
+            }
             let over = answer
                 .statuses
                 .iter()
@@ -225,13 +270,14 @@ async fn one(
     Ok(())
 }
 
-#[test]
-fn any_call_is_answered_and_neither_a_refused_nor_an_over_limit_one_charges() {
+/// Runs 3,000 arbitrary calls through a service treating hits given back as `negative_hits`
+/// says.
+fn run(negative_hits: NegativeHits) -> Seen {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .expect("a runtime");
-    let service = Service::new();
+    let service = Service::new(negative_hits);
     let seen = std::cell::RefCell::new(Seen::default());
     let mut runner = TestRunner::new(Config {
         cases: 3_000,
@@ -244,9 +290,23 @@ fn any_call_is_answered_and_neither_a_refused_nor_an_over_limit_one_charges() {
     if let Err(failure) = result {
         panic!("{failure}");
     }
-    let seen = seen.into_inner();
+    seen.into_inner()
+}
+
+#[test]
+fn any_call_is_answered_and_neither_a_refused_nor_an_over_limit_one_charges() {
+    let seen = run(NegativeHits::Refuse);
     assert!(
         seen.charged >= 200 && seen.over >= 200 && seen.refused >= 500,
+        "{seen:?}"
+    );
+}
+
+#[test]
+fn with_hits_given_back_any_call_is_answered_and_no_bucket_passes_full() {
+    let seen = run(NegativeHits::GiveBack);
+    assert!(
+        seen.charged >= 200 && seen.over >= 200 && seen.refused >= 300 && seen.given_back >= 20,
         "{seen:?}"
     );
 }

@@ -44,6 +44,7 @@ async fn start_denying_with(deny: StatusCode) -> Server {
         forward_auth_deny: deny,
         forward_auth_address: None,
         rate_limit_headers: tollgate_tower::HeaderStyle::Ietf,
+        negative_hits: tollgate_server::http::NegativeHits::Refuse,
     };
     let state = Arc::new(AppState::new(decider, None, options));
     let http = TcpListener::bind("127.0.0.1:0").await.expect("bind http");

@@ -411,6 +411,103 @@ async fn rls_descriptors_of_different_costs_are_all_or_nothing() {
     assert_eq!(answer.status, 200, "mixed was charged: {}", answer.body);
 }
 
+/// Envoy's hits given back (`is_negative_hits`) are refused unless the server is started to
+/// take them, charging nothing; taken, they go back to the buckets a check of the descriptor
+/// charges, first in a call, never past full, and are counted per limit in tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rls_hits_given_back_are_refused_unless_switched_on() {
+    let scratch = Scratch::new("grpc-negative-hits");
+    let config = scratch.write("policy.yaml", POLICY);
+    let hits = |user: &str, value: u64, given_back: bool| RateLimitDescriptor {
+        hits_addend: Some(envoy_types::pb::google::protobuf::UInt64Value { value }),
+        is_negative_hits: given_back,
+        ..descriptor(&[("user", user)])
+    };
+    let call = |descriptors| RateLimitRequest {
+        domain: "api".to_owned(),
+        descriptors,
+        hits_addend: 0,
+    };
+    let remaining =
+        |response: &envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse| {
+            response
+                .statuses
+                .iter()
+                .map(|s| (s.code, s.limit_remaining))
+                .collect::<Vec<_>>()
+        };
+    let (ok, over) = (Code::Ok as i32, Code::OverLimit as i32);
+
+    let refusing = Server::start(&["--config", path_str(&config)]);
+    let refused = should_rate_limit(&refusing, call(vec![hits("u", 2, true)]))
+        .await
+        .expect_err("refused by default");
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    assert!(
+        refused.message().contains("--negative-hits give-back"),
+        "{refused:?}"
+    );
+    let full = should_rate_limit(&refusing, call(vec![hits("u", 3, false)]))
+        .await
+        .unwrap();
+    assert_eq!(remaining(&full), [(ok, 0)], "nothing was charged or given");
+
+    let server = Server::start(&[
+        "--config",
+        path_str(&config),
+        "--negative-hits",
+        "give-back",
+    ]);
+    let spent = should_rate_limit(&server, call(vec![hits("u", 3, false)]))
+        .await
+        .unwrap();
+    assert_eq!(remaining(&spent), [(ok, 0)]);
+    let over_limit = should_rate_limit(&server, call(vec![hits("u", 1, false)]))
+        .await
+        .unwrap();
+    assert_eq!(over_limit.overall_code, over);
+    // Two come back: the status is the standing afterwards.
+    let given = should_rate_limit(&server, call(vec![hits("u", 2, true)]))
+        .await
+        .unwrap();
+    assert_eq!(given.overall_code, ok);
+    assert_eq!(remaining(&given), [(ok, 2)]);
+    // Given back first in a call, then charged: one back and three taken pass together.
+    let both = should_rate_limit(&server, call(vec![hits("u", 3, false), hits("u", 1, true)]))
+        .await
+        .unwrap();
+    assert_eq!(both.overall_code, ok, "{both:?}");
+    // Each status as its part left the bucket: three after the one back, none after the take.
+    assert_eq!(remaining(&both), [(ok, 0), (ok, 3)]);
+    // More than the bucket holds fills it, and no more.
+    let flood = should_rate_limit(&server, call(vec![hits("u", 1_000_000, true)]))
+        .await
+        .unwrap();
+    assert_eq!(remaining(&flood), [(ok, 3)]);
+    let again = should_rate_limit(&server, call(vec![hits("u", 3, false)]))
+        .await
+        .unwrap();
+    assert_eq!(remaining(&again), [(ok, 0)]);
+    assert_eq!(
+        should_rate_limit(&server, call(vec![hits("u", 1, false)]))
+            .await
+            .unwrap()
+            .overall_code,
+        over
+    );
+    // Hits of 0 given back are a check, as any hits of 0.
+    let looked = should_rate_limit(&server, call(vec![hits("u", 0, true)]))
+        .await
+        .unwrap();
+    assert_eq!(looked.overall_code, over);
+    let counted = metric(
+        &server,
+        "tollgate_hits_given_back_total{limit=\"per-user\"}",
+    );
+    assert_eq!(counted, 1_000_003.0);
+    assert_serve_flags_refused(&[("--negative-hits", "maybe", "invalid value")]);
+}
+
 /// Envoy's `limit` action sends a limit with the descriptor. tollgate decides by its policy
 /// (a client must not set its own limit), and tells the operator once that the limit sent is
 /// ignored, so a setup moved over from envoyproxy/ratelimit does not change silently.

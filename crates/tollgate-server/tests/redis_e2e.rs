@@ -674,6 +674,82 @@ async fn rls_with_redis_down_fails_closed_descriptor_by_descriptor() {
     assert_eq!(lenient.overall_code, Code::Ok as i32);
 }
 
+/// Hits given back through one server go back to the Redis bucket both share; with Redis
+/// down they are lost (under-admitting, a store error counted) while the rest of the call is
+/// decided by each limit's failure mode, and they reach the emergency budget a degraded
+/// check spent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rls_hits_given_back_are_shared_through_redis_and_lost_when_it_is_down() {
+    let mut redis = RedisServer::start();
+    let scratch = Scratch::new("rls-given-back");
+    let config = scratch.write(
+        "policy.yaml",
+        r#"
+limits:
+  - {name: per-user, domain: api, key: [user], capacity: 3, refill: 1/h, failure_mode: open, emergency: 2/h}
+"#,
+    );
+    let flags = ["--negative-hits", "give-back"];
+    let (a, b) = (
+        on_store(&config, &redis.url(), &flags),
+        on_store(&config, &redis.url(), &flags),
+    );
+    let hits = |value: u64, given_back: bool| RateLimitDescriptor {
+        is_negative_hits: given_back,
+        ..descriptor(&[("user", "q")], Some(value))
+    };
+    let ask = async |server: &Server, descriptors: Vec<RateLimitDescriptor>| {
+        let request = RateLimitRequest {
+            domain: "api".to_owned(),
+            descriptors,
+            hits_addend: 0,
+        };
+        support::should_rate_limit(server, request)
+            .await
+            .unwrap_or_else(|status| panic!("{status:?}"))
+    };
+    let codes = |response: &envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse| {
+        response
+            .statuses
+            .iter()
+            .map(|s| (s.code, s.limit_remaining))
+            .collect::<Vec<_>>()
+    };
+    let (ok, over) = (Code::Ok as i32, Code::OverLimit as i32);
+    assert_eq!(codes(&ask(&a, vec![hits(3, false)]).await), [(ok, 0)]);
+    assert_eq!(ask(&b, vec![hits(1, false)]).await.overall_code, over);
+    assert_eq!(codes(&ask(&b, vec![hits(2, true)]).await), [(ok, 2)]);
+    assert_eq!(codes(&ask(&a, vec![hits(2, false)]).await), [(ok, 0)]);
+    assert_eq!(ask(&a, vec![hits(1, false)]).await.overall_code, over);
+
+    redis.kill();
+    let errors = |server: &Server| -> f64 {
+        [
+            "timeout",
+            "connection",
+            "circuit_open",
+            "protocol",
+            "script",
+        ]
+        .iter()
+        .map(|reason| {
+            let label = format!("reason=\"{reason}\"");
+            support::metric_sum(server, "tollgate_store_errors_total", &label)
+        })
+        .sum()
+    };
+    let before = errors(&a);
+    // Lost, and the call still answers: its charge is decided by the emergency budget.
+    let lost = ask(&a, vec![hits(1, true), hits(2, false)]).await;
+    assert_eq!(lost.overall_code, ok, "{lost:?}");
+    assert!(errors(&a) > before, "the lost hits are a store error");
+    assert_eq!(ask(&a, vec![hits(1, false)]).await.overall_code, over);
+    // Given back to the emergency budget too.
+    assert_eq!(ask(&a, vec![hits(1, true)]).await.overall_code, ok);
+    assert_eq!(ask(&a, vec![hits(1, false)]).await.overall_code, ok);
+    assert_eq!(ask(&a, vec![hits(1, false)]).await.overall_code, over);
+}
+
 /// A limit sent with a descriptor (Envoy's `limit` action) is one bucket in Redis, shared by
 /// every server exactly; one the scripts cannot keep exactly is refused before anything is
 /// charged, as the policy's own limits are refused at load.

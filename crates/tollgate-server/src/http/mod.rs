@@ -61,6 +61,22 @@ pub struct HttpOptions {
     /// The rate-limit fields of `/v1/check`'s and forward-auth's answers (and of RLS's
     /// `response_headers_to_add`).
     pub rate_limit_headers: HeaderStyle,
+    /// What RLS does with hits sent as given back (Envoy's `is_negative_hits`).
+    pub negative_hits: NegativeHits,
+}
+
+/// What the Rate Limit Service does with a descriptor whose hits are given back (Envoy's
+/// `is_negative_hits`): tokens its caller took earlier and returns, with no record of the
+/// charge they came from (see [`tollgate::Store::give_back`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum NegativeHits {
+    /// Refuse the call with `INVALID_ARGUMENT`, charging nothing: whoever can reach the gRPC
+    /// port could otherwise fill any bucket.
+    #[default]
+    Refuse,
+    /// Give the hits back to the buckets a check of the descriptor charges, never past full:
+    /// for a gRPC port only trusted proxies reach.
+    GiveBack,
 }
 
 /// The header a proxy records the client's address in, for forward-auth's `remote_address`
