@@ -1302,26 +1302,8 @@ impl RedisStore {
         } else {
             SettleStatus::NotFound
         };
-        let nanos = now.map_or(0, |now| now % 1_000);
-        let mut decisions: Vec<Option<Decision>> = vec![None; request.takes.len()];
-        for (group, reply) in groups.iter().zip(&replies) {
-            for (&i, answer) in group.takes.iter().zip(&reply.buckets) {
-                let take = &request.takes[i];
-                decisions[i] = Some(match (&prepared.limits[i], *answer) {
-                    (ScriptLimit::Tokens(limit), Answer::Tokens { deficit, .. }) => {
-                        limit.decision(take.limit, true, take.cost, deficit, nanos)?
-                    }
-                    (ScriptLimit::Window(limit), Answer::Window(figures)) => {
-                        limit.decision(take.limit, take.cost, &figures)?
-                    }
-                    _ => return Err(Unavailable::Protocol),
-                });
-            }
-        }
-        Ok(Ok(Settlement {
-            status,
-            decisions: decisions.into_iter().flatten().collect(),
-        }))
+        let decisions = standings(request, prepared, &groups, &replies, now)?;
+        Ok(Ok(Settlement { status, decisions }))
     }
 
     /// Gives back `request`'s costs (see [`Store::give_back`]): one refund per slot that names
@@ -1354,23 +1336,7 @@ impl RedisStore {
                 reason: Unavailable::Script,
             }));
         }
-        let nanos = now.map_or(0, |now| now % 1_000);
-        let mut decisions: Vec<Option<Decision>> = vec![None; request.takes.len()];
-        for (group, reply) in groups.iter().zip(&replies) {
-            for (&i, answer) in group.takes.iter().zip(&reply.buckets) {
-                let take = &request.takes[i];
-                decisions[i] = Some(match (&prepared.limits[i], *answer) {
-                    (ScriptLimit::Tokens(limit), Answer::Tokens { deficit, .. }) => {
-                        limit.decision(take.limit, true, take.cost, deficit, nanos)?
-                    }
-                    (ScriptLimit::Window(limit), Answer::Window(figures)) => {
-                        limit.decision(take.limit, take.cost, &figures)?
-                    }
-                    _ => return Err(Unavailable::Protocol),
-                });
-            }
-        }
-        Ok(Ok(decisions.into_iter().flatten().collect()))
+        Ok(Ok(standings(request, prepared, &groups, &replies, now)?))
     }
 
     /// Runs `work`, a call (or calls) on `keys` (stored keys), through their breakers and
@@ -1556,6 +1522,34 @@ impl Store for RedisStore {
         }
         settled
     }
+}
+
+/// Each take's standing after a settlement or tokens given back, from the replies of the slot
+/// groups that hold them: allowed, uncharged decisions, in the order of the takes.
+fn standings(
+    request: CheckRequest<'_>,
+    prepared: &Prepared,
+    groups: &[Group],
+    replies: &[GroupReply],
+    now: Option<u64>,
+) -> Result<Vec<Decision>, Unavailable> {
+    let nanos = now.map_or(0, |now| now % 1_000);
+    let mut decisions: Vec<Option<Decision>> = vec![None; request.takes.len()];
+    for (group, reply) in groups.iter().zip(replies) {
+        for (&i, answer) in group.takes.iter().zip(&reply.buckets) {
+            let take = &request.takes[i];
+            decisions[i] = Some(match (&prepared.limits[i], *answer) {
+                (ScriptLimit::Tokens(limit), Answer::Tokens { deficit, .. }) => {
+                    limit.decision(take.limit, true, take.cost, deficit, nanos)?
+                }
+                (ScriptLimit::Window(limit), Answer::Window(figures)) => {
+                    limit.decision(take.limit, take.cost, &figures)?
+                }
+                _ => return Err(Unavailable::Protocol),
+            });
+        }
+    }
+    Ok(decisions.into_iter().flatten().collect())
 }
 
 /// A fingerprint of a settlement's refunds, the same in every process (FNV-1a), so that a

@@ -708,18 +708,20 @@ limits:
             .await
             .unwrap_or_else(|status| panic!("{status:?}"))
     };
-    let codes = |response: &envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse| {
-        response
-            .statuses
-            .iter()
-            .map(|s| (s.code, s.limit_remaining))
-            .collect::<Vec<_>>()
-    };
     let (ok, over) = (Code::Ok as i32, Code::OverLimit as i32);
-    assert_eq!(codes(&ask(&a, vec![hits(3, false)]).await), [(ok, 0)]);
+    assert_eq!(
+        support::statuses(&ask(&a, vec![hits(3, false)]).await),
+        [(ok, 0)]
+    );
     assert_eq!(ask(&b, vec![hits(1, false)]).await.overall_code, over);
-    assert_eq!(codes(&ask(&b, vec![hits(2, true)]).await), [(ok, 2)]);
-    assert_eq!(codes(&ask(&a, vec![hits(2, false)]).await), [(ok, 0)]);
+    assert_eq!(
+        support::statuses(&ask(&b, vec![hits(2, true)]).await),
+        [(ok, 2)]
+    );
+    assert_eq!(
+        support::statuses(&ask(&a, vec![hits(2, false)]).await),
+        [(ok, 0)]
+    );
     assert_eq!(ask(&a, vec![hits(1, false)]).await.overall_code, over);
 
     redis.kill();

@@ -462,6 +462,17 @@ pub async fn should_rate_limit(
         .map(tonic::Response::into_inner)
 }
 
+/// Each descriptor status of an RLS answer as `(code, limit_remaining)`.
+pub fn statuses(
+    response: &envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse,
+) -> Vec<(i32, u32)> {
+    response
+        .statuses
+        .iter()
+        .map(|s| (s.code, s.limit_remaining))
+        .collect()
+}
+
 /// An Envoy RLS descriptor of `entries`, as Envoy's rate-limit filter builds one.
 pub fn descriptor(
     entries: &[(&str, &str)],
