@@ -526,8 +526,9 @@ impl Decider {
 
     /// Gives `request`'s cost back to the buckets a check of it would charge (hits a trusted
     /// caller took earlier and returns: Envoy's `is_negative_hits`), on this server's store and
-    /// in its emergency budgets ([`PolicyEngine::give_back_on`]); the tokens are counted per
-    /// limit. Global limits are left as they are.
+    /// in its emergency budgets ([`PolicyEngine::give_back_on`]); the hits are counted per
+    /// limit, each descriptor's at most its bucket's capacity. Global limits' shared
+    /// reservoirs are left as they are.
     ///
     /// # Errors
     ///
@@ -553,12 +554,13 @@ impl Decider {
         };
         let outcome = result.map_err(|err| self.op_error(err))?;
         for limit in &outcome.limits {
-            if limit.decision.is_some() {
+            if let Some(decision) = &limit.decision {
                 let tokens = match cost {
                     Costs::Same(tokens) => tokens,
                     Costs::Each(costs) => costs.get(limit.descriptor).copied().unwrap_or(0),
                 };
-                metrics::record_given_back(&limit.name, tokens);
+                // More than a bucket holds fills it, and would soon overflow the counter.
+                metrics::record_given_back(&limit.name, tokens.min(decision.limit().capacity()));
             }
         }
         Ok(outcome)

@@ -71,8 +71,8 @@ pub const LEASES_RENEWED: &str = "tollgate_lease_renewals_total";
 /// Reservations settled through `POST /v1/settle`: label `status` (`settled`; `repeated`:
 /// settled before; `not_found`: no charge on record).
 pub const SETTLEMENTS: &str = "tollgate_settlements_total";
-/// Hits given back through RLS (`is_negative_hits`), as sent (a bucket takes back no more than
-/// fills it): label `limit`.
+/// Hits given back through RLS (`is_negative_hits`), each descriptor's at most its bucket's
+/// capacity (a bucket takes back no more than fills it): label `limit`.
 pub const GIVEN_BACK: &str = "tollgate_hits_given_back_total";
 /// Leases held in this process's lease tables (the memory store's, and emergency leases taken
 /// while the shared store was down), counting ended ones not yet swept.
@@ -296,7 +296,7 @@ fn describe() {
     );
     describe_counter!(
         GIVEN_BACK,
-        "Hits given back through RLS (is_negative_hits), as sent, by limit."
+        "Hits given back through RLS (is_negative_hits), by limit."
     );
     describe_counter!(
         EVICTIONS,
