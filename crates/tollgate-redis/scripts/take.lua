@@ -91,9 +91,9 @@
 -- A refund without a record that names no take (32 bytes: tokens a caller gives back, Envoy's
 -- `is_negative_hits`) gives back from the latest count that holds anything: a window's CUR,
 -- else a sliding window's PREV; a log's latest entry that holds anything (a refund may have
--- emptied later ones, which stay while they are the latest); a token bucket as any refund. A cross-slot refund
--- leaves such an empty latest count where the memory store, never charged, has none: read
--- this way, both give back from the same charge.
+-- emptied later ones, which stay while they are the latest); a token bucket as any refund.
+-- A cross-slot refund leaves such an empty latest count where the memory store, never
+-- charged, has none: read this way, both give back from the same charge.
 --
 -- A refund of a window gives back `cost` from the count the take charged, only while that
 -- count is still in the state (the same window K, or, for a sliding window, PREV once the
@@ -1156,8 +1156,8 @@ for _ = 1, tonumber(ARGV[2]) do
         local x = windows and extra[i]
         if x then
           -- Gives back from the count the take charged, while the state still holds it; with
-          -- no take named (tokens given back unrecorded), from the latest count: the window
-          -- the state is in, a log's latest entry.
+          -- no take named (tokens given back unrecorded), from the latest count that holds
+          -- anything.
           local arg = ARGV[params + i]
           local held, c, p = states[2 * i - 1], states[2 * i], prevs[i]
           if held and #arg == 40 then

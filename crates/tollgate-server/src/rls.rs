@@ -398,7 +398,7 @@ impl Rls {
             indexes.push(index);
             group.push(parsed.sent);
         }
-        let mut decided: Vec<(Vec<usize>, Outcome)> = Vec::with_capacity(2);
+        let mut decided: Vec<(Vec<usize>, Outcome)> = Vec::with_capacity(3);
         let mut impossible: Vec<usize> = Vec::new();
         if !returned.0.is_empty() {
             let give_back = Decide {

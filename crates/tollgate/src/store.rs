@@ -226,8 +226,9 @@ pub trait Store: Send + Sync {
     /// caller: a bucket can be filled by it without having been charged. It still never holds
     /// more than its capacity, nor more than if its latest charges had been `cost` smaller (see
     /// [`crate::bucket`]): a token bucket's full time moves back by `cost`'s worth, a window
-    /// gives back from the count of the window its state is in, a log from its latest entry,
-    /// never below 0. The request id is ignored; `now` is as for a check.
+    /// gives back from its latest count that holds anything (the current window's, else a
+    /// sliding window's previous one), a log from its latest entry that does, never below 0.
+    /// The request id is ignored; `now` is as for a check.
     ///
     /// Returns each bucket's standing afterwards, in the order of the takes: an allowed,
     /// uncharged decision for its cost. A store that spreads buckets over several places gives

@@ -4,8 +4,8 @@
 //! The memory store is the reference because its math is checked against the exact rational
 //! models (`tests/bucket_model.rs`, `tests/window_model.rs`); any other store is then held to
 //! it here, decision for decision, including balances, retry times, all-or-nothing rejections,
-//! idempotent retries, settlements (refunds of charged requests, repeated or conflicting) and
-//! refused costs, for token buckets, fixed and sliding windows, sliding logs, and requests mixing
+//! idempotent retries, settlements (refunds of charged requests, repeated or conflicting),
+//! tokens given back with no record, resets and refused costs, for token buckets, fixed and sliding windows, sliding logs, and requests mixing
 //! them. Enabled by the `testkit` feature, for other crates' tests.
 
 use std::collections::BTreeSet;

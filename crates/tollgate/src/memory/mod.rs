@@ -687,9 +687,9 @@ where
 
     /// Gives `items[i].cost` tokens back to each bucket at `now`, with no record of the charge
     /// they came from (see [`Store::give_back`](crate::Store::give_back)): a token bucket gets
-    /// them back as if its latest charges had been smaller, up to full; a window from the count
-    /// of the window its state is in, a log from its latest entry, never below 0. A bucket with
-    /// no state is full, and stays as it is. Returns each bucket's standing afterwards, in the
+    /// them back as if its latest charges had been smaller, up to full; a window from its latest
+    /// count that holds anything, a log from its latest entry that does, never below 0. A
+    /// bucket with no state is full, and stays as it is. Returns each bucket's standing afterwards, in the
     /// order of `items`: an allowed, uncharged decision for its `cost`.
     ///
     /// # Errors
