@@ -73,10 +73,12 @@ fn the_page_is_served_and_what_it_reads_is_there() {
     for series in SERIES {
         assert!(page.body.contains(series), "the page reads {series}");
     }
-    // The RLQS and global-limit cards' series appear only on servers with Envoys on RLQS or
-    // a global store; read by the names the server records them under.
+    // The series of hits given back, and the RLQS and global-limit cards', appear only on
+    // servers taking them, with Envoys on RLQS or a global store; read by the names the
+    // server records them under.
     use tollgate_server::metrics;
     for series in [
+        metrics::GIVEN_BACK,
         metrics::RLQS_STREAMS,
         metrics::RLQS_ANSWERS,
         metrics::RLQS_RENEWED,
@@ -155,7 +157,8 @@ const errorShown = document.getElementById("policy-error").style.display !== "no
 return {
   version: text("version"), source: text("source"), store: text("store"), updated: text("updated"),
   rate: text("c-rate"), rejected: text("c-rejected"), shadow: text("c-shadow"), p99: text("c-p99"),
-  buckets: text("c-buckets"), limits: rows("limits"), hot: rows("hot"),
+  buckets: text("c-buckets"), givenBack: text("c-given-back"), limits: rows("limits"),
+  hot: rows("hot"),
   tokenShown: getComputedStyle(document.getElementById("token")).display !== "none",
   token: sessionStorage.getItem("tollgate-token"),
   policyError: errorShown ? text("policy-error-text") : null,
@@ -298,6 +301,8 @@ async fn in_a_browser_the_page_shows_the_traffic_and_the_policy() {
         shown(&page["buckets"]).is_some_and(|buckets| buckets >= 3.0),
         "{page:#}"
     );
+    // No RLS call gave hits back: a rate of 0, read like the others.
+    assert_eq!(shown(&page["givenBack"]), Some(0.0), "{page:#}");
     assert!(!page["tokenShown"].as_bool().unwrap_or(true), "{page:#}");
     assert_eq!(page["policyError"], serde_json::Value::Null);
     assert_eq!(
