@@ -208,6 +208,61 @@ fn idempotent_retries_racing_are_charged_once() {
     assert!(!store.peek("k", &limit, 401, now).unwrap().allowed());
 }
 
+/// Threads giving tokens back race threads taking them, on one drained key with time frozen:
+/// what is admitted, plus what the bucket holds at the end, is at most its capacity plus what
+/// was given back (a return to a full bucket is lost, never banked), and at least twice the
+/// capacity (a return is lost only to a full bucket, which a hundred returns made so), for a
+/// token bucket, a window and a log alike.
+#[test]
+fn tokens_given_back_racing_checks_admit_no_more_than_was_returned() {
+    let limits = [
+        Limit::new(100, "1/h".parse().unwrap()).unwrap(),
+        Limit::fixed_window(100, Duration::from_secs(3_600)).unwrap(),
+        Limit::sliding_log(100, Duration::from_secs(3_600)).unwrap(),
+    ];
+    for limit in &limits {
+        let store: MemoryStore<Box<str>> = MemoryStore::default();
+        let now = Timestamp::from_nanos(1_000_000_000);
+        assert!(store.check("hot", limit, 100, now).unwrap().allowed());
+        let (admitted, returned) = (AtomicU64::new(100), AtomicU64::new(0));
+        thread::scope(|scope| {
+            for thread in 0..THREADS {
+                let (store, admitted, returned) = (&store, &admitted, &returned);
+                scope.spawn(move || {
+                    for _ in 0..300 {
+                        if thread % 2 == 0 {
+                            if store.check("hot", limit, 1, now).unwrap().allowed() {
+                                admitted.fetch_add(1, Ordering::Relaxed);
+                            }
+                        } else {
+                            let item = Item {
+                                key: "hot",
+                                limit,
+                                cost: 1,
+                            };
+                            let given = store.give_back(&[item], now).unwrap();
+                            assert!(given[0].remaining() <= 100, "{limit:?}: {given:?}");
+                            returned.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                });
+            }
+        });
+        let left = store.peek("hot", limit, 1, now).unwrap();
+        let left = if left.allowed() {
+            left.remaining() + 1
+        } else {
+            0
+        };
+        let (admitted, returned) = (admitted.into_inner(), returned.into_inner());
+        let accounted = admitted + left;
+        assert!(
+            (200..=100 + returned).contains(&accounted),
+            "{limit:?}: {admitted} admitted and {left} left, of 100 and {returned} returned"
+        );
+    }
+}
+
 /// On the real clock, threads read the time before taking the shard lock, so a hot key's
 /// checks reach the bucket with their times out of order all the time; a rejection decided at
 /// a time before the last charge must still report a balance in range (it once overflowed).
