@@ -178,22 +178,14 @@ struct Seen {
 /// (users', then addresses', per value).
 const FULL: [u64; 6] = [9_999, 199, 9_999, 199, 9_999, 199];
 
-/// Whether a descriptor of `sent` gives hits back (rather than taking them, or checking).
-fn gives_back(sent: &RateLimitRequest, descriptor: &RateLimitDescriptor) -> bool {
+/// Whether a descriptor of `sent` gives hits back (`true`), takes them (`false`), or only
+/// checks (`None`, its hits 0): its own `hits_addend`, else the request's (0 there meaning 1).
+fn gives_back(sent: &RateLimitRequest, descriptor: &RateLimitDescriptor) -> Option<bool> {
     let hits = descriptor
         .hits_addend
         .as_ref()
         .map_or(u64::from(sent.hits_addend.max(1)), |hits| hits.value);
-    descriptor.is_negative_hits && hits > 0
-}
-
-/// Whether a descriptor of `sent` takes hits.
-fn takes(sent: &RateLimitRequest, descriptor: &RateLimitDescriptor) -> bool {
-    let hits = descriptor
-        .hits_addend
-        .as_ref()
-        .map_or(u64::from(sent.hits_addend.max(1)), |hits| hits.value);
-    !descriptor.is_negative_hits && hits > 0
+    (hits > 0).then_some(descriptor.is_negative_hits)
 }
 
 async fn one(
@@ -238,11 +230,15 @@ async fn one(
             let answer = answer.into_inner();
             prop_assert_eq!(answer.statuses.len(), descriptors, "{:?}", answer);
             for (status, descriptor) in answer.statuses.iter().zip(&sent.descriptors) {
-                if gives_back(&sent, descriptor) {
+                if gives_back(&sent, descriptor) == Some(true) {
                     prop_assert_eq!(status.code, Code::Ok as i32, "{:?} in {:?}", status, sent);
                 }
             }
-            if !sent.descriptors.iter().any(|d| takes(&sent, d)) {
+            if !sent
+                .descriptors
+                .iter()
+                .any(|d| gives_back(&sent, d) == Some(false))
+            {
                 prop_assert!(
                     charged.is_empty(),
                     "nothing taken, but charged {charged:?}: {sent:?}"

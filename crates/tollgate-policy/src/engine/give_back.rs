@@ -17,7 +17,7 @@
 
 use std::sync::Arc;
 
-use tollgate::{CheckRequest, Item, Store, Take, block_on_ready};
+use tollgate::{CheckRequest, Item, Limit, Store, Take, block_on_ready};
 
 use super::{Costs, LimitOutcome, Outcome, PolicyEngine, store_key, zero_cost};
 use crate::error::Error;
@@ -79,8 +79,8 @@ impl PolicyEngine {
         let matched = policy.matches(domain, descriptors, self.match_time(&policy));
         // One take per distinct bucket with the summed cost of the matches on it, as a check
         // charges them; the same for emergency budgets.
-        let mut buckets: Vec<(Box<str>, tollgate::Limit, u64, usize)> = Vec::new();
-        let mut emergency: Vec<(Box<str>, tollgate::Limit, u64)> = Vec::new();
+        let mut buckets: Vec<(Box<str>, Limit, u64, usize)> = Vec::new();
+        let mut emergency: Vec<(Box<str>, Limit, u64)> = Vec::new();
         let mut slot_of: Vec<usize> = Vec::with_capacity(matched.len());
         for (i, m) in matched.iter().enumerate() {
             if matches!(m.effect, Effect::Exempt(_)) || m.denied {
