@@ -148,6 +148,31 @@ struct RateLimit {
     other: BTreeMap<String, IgnoredAny>,
 }
 
+impl RateLimit {
+    /// The units envoyproxy/ratelimit knows.
+    const UNITS: [&str; 7] = ["second", "minute", "hour", "day", "week", "month", "year"];
+
+    /// Whether Envoy rejects every request under this limit ("deny all", a block list):
+    /// `requests_per_unit: 0`, or a known unit without `requests_per_unit`, which
+    /// envoyproxy/ratelimit reads as 0; an unlimited limit admits everything, 0 or not.
+    ///
+    /// One test for both places that ask, so that a node the importer writes as a deny limit
+    /// is also the one it keeps overrides with parameters away from (the compiler refuses
+    /// those on a deny).
+    fn denies_all(&self) -> bool {
+        if self.unlimited {
+            return false;
+        }
+        match self.requests_per_unit {
+            Some(n) => n == 0,
+            None => self
+                .unit
+                .as_deref()
+                .is_some_and(|unit| Self::UNITS.contains(&unit.to_ascii_lowercase().as_str())),
+        }
+    }
+}
+
 /// An entry of a `rate_limit`'s `replaces`: another limit's `name`.
 #[derive(Debug, Deserialize)]
 struct Replaced {
@@ -195,12 +220,10 @@ fn unlimited(node: &Node) -> bool {
     node.rate_limit.as_ref().is_none_or(|r| r.unlimited)
 }
 
-/// Whether a node's limit is Envoy's "deny all" (`requests_per_unit: 0`, not unlimited), which
-/// [`Importer::parsed_rate`] reads as [`Rate::Deny`].
+/// Whether a node's limit is Envoy's "deny all", which [`Importer::parsed_rate`] reads as
+/// [`Rate::Deny`].
 fn denies(node: &Node) -> bool {
-    node.rate_limit
-        .as_ref()
-        .is_some_and(|r| !r.unlimited && r.requests_per_unit == Some(0))
+    node.rate_limit.as_ref().is_some_and(RateLimit::denies_all)
 }
 
 /// Unlimited overrides, on entry `key`, for what Envoy takes before a node (`(value as the
@@ -890,25 +913,21 @@ impl Importer {
         if rate.unlimited {
             return None;
         }
+        let here = describe(path);
         // Envoy's "deny all" (a block list): over the limit from the first request, whatever
         // the unit, so the unit says nothing (nor needs approximating).
-        if rate.requests_per_unit == Some(0) {
-            return Some(Rate::Deny);
-        }
-        let here = describe(path);
-        // A known unit without a number: envoyproxy/ratelimit reads the number as 0 and
-        // denies every request. Imported as Envoy decides, and said, since it may be a slip.
-        const UNITS: [&str; 7] = ["second", "minute", "hour", "day", "week", "month", "year"];
-        if rate.requests_per_unit.is_none()
-            && let Some(unit) = rate.unit.as_deref()
-            && UNITS.contains(&unit.to_ascii_lowercase().as_str())
-        {
-            self.note(
-                &here,
-                "rate_limit without requests_per_unit: envoy reads 0 and denies every request; \
-                 imported as deny: true (give requests_per_unit if a limit was meant)"
-                    .into(),
-            );
+        if rate.denies_all() {
+            // A known unit without a number: envoyproxy/ratelimit reads the number as 0.
+            // Imported as Envoy decides, and said, since it may be a slip.
+            if rate.requests_per_unit.is_none() {
+                self.note(
+                    &here,
+                    "rate_limit without requests_per_unit: envoy reads 0 and denies every \
+                     request; imported as deny: true (give requests_per_unit if a limit was \
+                     meant)"
+                        .into(),
+                );
+            }
             return Some(Rate::Deny);
         }
         let (Some(unit), Some(n)) = (rate.unit.as_deref(), rate.requests_per_unit) else {

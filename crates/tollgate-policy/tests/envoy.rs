@@ -854,6 +854,73 @@ descriptors:
     );
 }
 
+/// A deny written without `requests_per_unit` (Envoy reads 0) is a deny wherever the importer
+/// asks, not only where it writes the limit: a value beside such a key-only node, denied too or
+/// limited, is kept from becoming an override the compiler refuses on a deny, and the import
+/// decides as the one written with 0 does.
+#[test]
+fn a_deny_without_requests_per_unit_takes_overrides_as_one_written_with_0() {
+    let written = |wider: &str| {
+        format!(
+            r#"
+domain: d
+descriptors:
+  - key: addr
+    value: a1
+    rate_limit: {{unit: second, requests_per_unit: 0}}
+    descriptors:
+      - key: user
+  - key: addr
+    value: a2
+    rate_limit: {{unit: second, requests_per_unit: 7}}
+  - key: addr
+    rate_limit: {wider}
+"#
+        )
+    };
+    let (with_0, explicit) = import(&written("{unit: second, requests_per_unit: 0}"));
+    let (without, implied) = import(&written("{unit: minute}"));
+    assert!(
+        without
+            .notes
+            .iter()
+            .any(|n| n.contains("rate_limit without requests_per_unit")),
+        "{:?}",
+        without.notes
+    );
+    assert_eq!(
+        with_0
+            .policy
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .count(),
+        without
+            .policy
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .count(),
+        "{}\n{}",
+        with_0.policy,
+        without.policy
+    );
+    for addr in ["a1", "a2", "a3"] {
+        let d = [("addr", addr)];
+        assert_eq!(
+            matched(&explicit, "d", &d),
+            matched(&implied, "d", &d),
+            "{addr}"
+        );
+    }
+    assert_eq!(
+        matched(&implied, "d", &[("addr", "a3")]),
+        ["d.addr|a3 deny"]
+    );
+    assert_eq!(
+        matched(&implied, "d", &[("addr", "a2")]),
+        ["d.addr_a2 capacity 7 refill 7/s"]
+    );
+}
+
 #[test]
 fn overlapping_wildcard_values_decide_as_envoy_the_first_that_matches() {
     let text = r#"
