@@ -857,7 +857,7 @@ descriptors:
 /// A deny written without `requests_per_unit` (Envoy reads 0) is a deny wherever the importer
 /// asks, not only where it writes the limit: a value beside such a key-only node, denied too or
 /// limited, is kept from becoming an override the compiler refuses on a deny, and the import
-/// decides as the one written with 0 does.
+/// writes what it writes for the one with 0.
 #[test]
 fn a_deny_without_requests_per_unit_takes_overrides_as_one_written_with_0() {
     let written = |wider: &str| {
@@ -878,7 +878,7 @@ descriptors:
 "#
         )
     };
-    let (with_0, explicit) = import(&written("{unit: second, requests_per_unit: 0}"));
+    let (with_0, _) = import(&written("{unit: second, requests_per_unit: 0}"));
     let (without, implied) = import(&written("{unit: minute}"));
     assert!(
         without
@@ -888,29 +888,7 @@ descriptors:
         "{:?}",
         without.notes
     );
-    assert_eq!(
-        with_0
-            .policy
-            .lines()
-            .filter(|l| !l.starts_with('#'))
-            .count(),
-        without
-            .policy
-            .lines()
-            .filter(|l| !l.starts_with('#'))
-            .count(),
-        "{}\n{}",
-        with_0.policy,
-        without.policy
-    );
-    for addr in ["a1", "a2", "a3"] {
-        let d = [("addr", addr)];
-        assert_eq!(
-            matched(&explicit, "d", &d),
-            matched(&implied, "d", &d),
-            "{addr}"
-        );
-    }
+    assert_eq!(with_0.policy, without.policy);
     assert_eq!(
         matched(&implied, "d", &[("addr", "a3")]),
         ["d.addr|a3 deny"]
