@@ -1242,6 +1242,34 @@ impl RedisStore {
         })
     }
 
+    /// Sends each group's segment (made by `segment_of`) in parallel and reads the replies,
+    /// for a settlement and for hits given back. The calls share script calls with concurrent
+    /// requests through the batcher, as checks do: to the script they are requests like any
+    /// other.
+    async fn call_groups(
+        &self,
+        now: Option<u64>,
+        groups: &[Group],
+        prepared: &Prepared,
+        segment_of: impl Fn(&Group) -> Segment,
+    ) -> Result<Vec<GroupReply>, Unavailable> {
+        let call = |group: &Group| {
+            let segment = segment_of(group);
+            let kinds = Kinds::of(group, &prepared.limits);
+            async move {
+                let reply = match &self.batcher {
+                    Some(batcher) => batcher.submit(now, segment).await?,
+                    None => self.call(now, &segment).await?,
+                };
+                parse_reply(&reply, &kinds)
+            }
+        };
+        join_all(groups.iter().map(call))
+            .await
+            .into_iter()
+            .collect()
+    }
+
     /// Settles `request` (see [`Store::settle`]): one call per slot, in parallel, each giving
     /// back from its own buckets once, while the slot's record of the check lives.
     async fn settle_groups(
@@ -1263,29 +1291,17 @@ impl RedisStore {
             .map(|(take, &refund)| Take::new(take.key, take.limit, refund))
             .collect();
         let groups = self.groups(&prepared.keys, Some(request_id));
-        let call = |group: &Group| {
-            let record = group.record.clone().map(|key| Record {
-                key,
-                window_ms,
-                fingerprint: fingerprint.clone(),
-                attempt: mark,
-            });
-            let segment = segment(group, prepared, &given, Mode::Settle, record, None);
-            let kinds = Kinds::of(group, &prepared.limits);
-            // Shares script calls with concurrent requests, as a check does: a settlement is
-            // a request of the script like any other.
-            async move {
-                let reply = match &self.batcher {
-                    Some(batcher) => batcher.submit(now, segment).await?,
-                    None => self.call(now, &segment).await?,
-                };
-                parse_reply(&reply, &kinds)
-            }
-        };
-        let replies = join_all(groups.iter().map(call))
-            .await
-            .into_iter()
-            .collect::<Result<Vec<GroupReply>, Unavailable>>()?;
+        let replies = self
+            .call_groups(now, &groups, prepared, |group| {
+                let record = group.record.clone().map(|key| Record {
+                    key,
+                    window_ms,
+                    fingerprint: fingerprint.clone(),
+                    attempt: mark,
+                });
+                segment(group, prepared, &given, Mode::Settle, record, None)
+            })
+            .await?;
         if replies.iter().any(|reply| reply.status == -1) {
             return Ok(Err(Error::IdempotencyConflict));
         }
@@ -1316,21 +1332,11 @@ impl RedisStore {
     ) -> Result<Result<Vec<Decision>, Error>, Unavailable> {
         let now = request.now.map(Timestamp::as_nanos);
         let groups = self.groups(&prepared.keys, None);
-        let call = |group: &Group| {
-            let segment = segment(group, prepared, request.takes, Mode::Refund, None, None);
-            let kinds = Kinds::of(group, &prepared.limits);
-            async move {
-                let reply = match &self.batcher {
-                    Some(batcher) => batcher.submit(now, segment).await?,
-                    None => self.call(now, &segment).await?,
-                };
-                parse_reply(&reply, &kinds)
-            }
-        };
-        let replies = join_all(groups.iter().map(call))
-            .await
-            .into_iter()
-            .collect::<Result<Vec<GroupReply>, Unavailable>>()?;
+        let replies = self
+            .call_groups(now, &groups, prepared, |group| {
+                segment(group, prepared, request.takes, Mode::Refund, None, None)
+            })
+            .await?;
         if replies.iter().any(|reply| reply.status != 1) {
             return Ok(Err(Error::StoreUnavailable {
                 reason: Unavailable::Script,
