@@ -1,7 +1,9 @@
 //! One limit, one clock, many keys: the in-process entry point most callers want.
 
 use std::borrow::Borrow;
+use std::future::Future;
 use std::hash::{BuildHasher, Hash};
+use std::time::Duration;
 
 use crate::clock::{Clock, MonotonicClock};
 use crate::decision::Decision;
@@ -112,5 +114,283 @@ where
         Q::Owned: Into<K>,
     {
         self.store.check(key, &self.limit, cost, self.clock.now())
+    }
+
+    /// Waits until `key`'s bucket holds one token, then takes it; see [`wait_n`](Self::wait_n).
+    ///
+    /// # Errors
+    ///
+    /// None for a valid limit; the `Result` matches [`wait_n`](Self::wait_n).
+    pub async fn wait<Q, F, W>(
+        &self,
+        key: &Q,
+        patience: Duration,
+        sleep: F,
+    ) -> Result<Decision, Error>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ToOwned + ?Sized,
+        Q::Owned: Into<K>,
+        F: FnMut(Duration) -> W,
+        W: Future<Output = ()>,
+    {
+        self.wait_n(key, 1, patience, sleep).await
+    }
+
+    /// Waits until `key`'s bucket holds `cost` tokens, then takes them, for callers that would
+    /// rather be late than refused: a client pacing its calls to someone else's API, a job
+    /// draining a queue at a set rate.
+    ///
+    /// Each rejected check says exactly how long until `cost` tokens are there
+    /// ([`Decision::retry_after`]); this sleeps that long with `sleep` and checks again. Nothing
+    /// is charged while waiting (a rejected check charges nothing), so dropping the future at
+    /// any point, or wrapping it in a timeout, costs the bucket nothing. `sleep` must let the
+    /// asked time pass on the clock this limiter reads: `tokio::time::sleep` for the
+    /// [`MonotonicClock`], a closure advancing a [`ManualClock`](crate::ManualClock) in tests.
+    /// A caller that wants jitter adds it in `sleep`.
+    ///
+    /// `patience` bounds the wait, counted from the call on this limiter's clock: when the next
+    /// wait would end past it, the rejected decision is returned at once, without sleeping, so
+    /// a caller learns early that it will not get through in time (`Duration::MAX`: wait as
+    /// long as it takes). Waiters form no queue: each checks again when its own wait is over,
+    /// and a token another caller took first sends it back to sleep, so under contention a
+    /// large `cost` can keep losing to small ones until its patience runs out.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::{Limit, RateLimiter};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), tollgate::Error> {
+    /// // Someone else's API takes 2 calls at once and 100 per second.
+    /// let limiter = RateLimiter::with_limit(Limit::new(2, "100/s".parse()?)?);
+    /// for _ in 0..4 {
+    ///     let decision = limiter
+    ///         .wait("their-api", Duration::from_secs(1), tokio::time::sleep)
+    ///         .await?;
+    ///     assert!(decision.allowed());
+    ///     // ...make the call
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidCost`] when `cost` is 0 or above the capacity, before any wait: no wait
+    /// would let it through.
+    pub async fn wait_n<Q, F, W>(
+        &self,
+        key: &Q,
+        cost: u64,
+        patience: Duration,
+        mut sleep: F,
+    ) -> Result<Decision, Error>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ToOwned + ?Sized,
+        Q::Owned: Into<K>,
+        F: FnMut(Duration) -> W,
+        W: Future<Output = ()>,
+    {
+        let deadline = self.clock.now() + patience;
+        loop {
+            let now = self.clock.now();
+            let decision = self.store.check(key, &self.limit, cost, now)?;
+            // `None` only when allowed: a limit of this kind never denies outright.
+            let Some(wait) = decision.retry_after() else {
+                return Ok(decision);
+            };
+            if now + wait > deadline {
+                return Ok(decision);
+            }
+            sleep(wait).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::future::{Ready, ready};
+    use std::time::Duration;
+
+    use super::RateLimiter;
+    use crate::clock::{Clock, ManualClock, MonotonicClock};
+    use crate::error::Error;
+    use crate::limit::Limit;
+
+    const TENTH: Duration = Duration::from_millis(100);
+
+    /// Two tokens, one every 100 ms, both taken: the next is 100 ms away.
+    fn drained() -> (RateLimiter<Box<str>, ManualClock>, ManualClock) {
+        let clock = ManualClock::new();
+        let limit = Limit::new(2, "10/s".parse().unwrap()).unwrap();
+        let limiter = RateLimiter::new(limit, clock.clone());
+        assert!(limiter.check_n("k", 2).unwrap().allowed());
+        (limiter, clock)
+    }
+
+    /// A sleep that lets the time pass on `clock` and writes down how long it was asked for.
+    fn sleeper<'a>(
+        clock: &'a ManualClock,
+        asked: &'a mut Vec<Duration>,
+    ) -> impl FnMut(Duration) -> Ready<()> + 'a {
+        move |wait| {
+            asked.push(wait);
+            clock.advance(wait);
+            ready(())
+        }
+    }
+
+    #[tokio::test]
+    async fn a_token_there_is_taken_without_sleeping() {
+        let clock = ManualClock::new();
+        let limiter = RateLimiter::new(
+            Limit::new(2, "10/s".parse().unwrap()).unwrap(),
+            clock.clone(),
+        );
+        let mut asked = Vec::new();
+        let decision = limiter
+            .wait_n("k", 2, Duration::ZERO, sleeper(&clock, &mut asked))
+            .await
+            .unwrap();
+        assert!(decision.allowed());
+        assert!(asked.is_empty());
+        assert!(
+            !limiter.check("k").unwrap().allowed(),
+            "the wait took both tokens"
+        );
+    }
+
+    #[tokio::test]
+    async fn sleeps_exactly_until_the_tokens_are_there_then_takes_them() {
+        let (limiter, clock) = drained();
+        let mut asked = Vec::new();
+        let decision = limiter
+            .wait("k", Duration::MAX, sleeper(&clock, &mut asked))
+            .await
+            .unwrap();
+        assert!(decision.allowed());
+        assert_eq!(asked, [TENTH]);
+        assert_eq!(clock.now().as_nanos(), 100_000_000);
+        assert!(
+            !limiter.check("k").unwrap().allowed(),
+            "the token was taken"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_wait_ending_exactly_at_the_patience_is_waited() {
+        let (limiter, clock) = drained();
+        let mut asked = Vec::new();
+        let decision = limiter
+            .wait("k", TENTH, sleeper(&clock, &mut asked))
+            .await
+            .unwrap();
+        assert!(decision.allowed());
+        assert_eq!(asked, [TENTH]);
+    }
+
+    #[tokio::test]
+    async fn a_wait_past_the_patience_returns_the_rejection_at_once_and_charges_nothing() {
+        let (limiter, clock) = drained();
+        let mut asked = Vec::new();
+        let decision = limiter
+            .wait(
+                "k",
+                TENTH - Duration::from_nanos(1),
+                sleeper(&clock, &mut asked),
+            )
+            .await
+            .unwrap();
+        assert!(!decision.allowed());
+        assert_eq!(decision.retry_after(), Some(TENTH));
+        assert!(asked.is_empty(), "no sleep when it could not end in time");
+        assert_eq!(clock.now().as_nanos(), 0);
+        clock.advance(TENTH);
+        assert!(
+            limiter.check("k").unwrap().allowed(),
+            "the refused wait took nothing"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_token_taken_while_asleep_sends_the_waiter_back_to_sleep() {
+        let (limiter, clock) = drained();
+        let mut asked = Vec::new();
+        let decision = limiter
+            .wait("k", Duration::MAX, |wait| {
+                asked.push(wait);
+                clock.advance(wait);
+                if asked.len() == 1 {
+                    // Another caller wakes first and takes the token.
+                    assert!(limiter.check("k").unwrap().allowed());
+                }
+                ready(())
+            })
+            .await
+            .unwrap();
+        assert!(decision.allowed());
+        assert_eq!(asked, [TENTH, TENTH]);
+    }
+
+    #[tokio::test]
+    async fn the_patience_counts_the_time_already_waited() {
+        let (limiter, clock) = drained();
+        let mut asked = Vec::new();
+        let decision = limiter
+            .wait("k", TENTH + TENTH / 2, |wait| {
+                asked.push(wait);
+                clock.advance(wait);
+                assert!(
+                    limiter.check("k").unwrap().allowed(),
+                    "someone else woke first"
+                );
+                ready(())
+            })
+            .await
+            .unwrap();
+        assert!(
+            !decision.allowed(),
+            "a second 100 ms would end at 200 ms, past 150"
+        );
+        assert_eq!(asked, [TENTH]);
+    }
+
+    #[tokio::test]
+    async fn a_cost_no_wait_can_pay_is_refused_before_any_sleep() {
+        let (limiter, clock) = drained();
+        let mut asked = Vec::new();
+        for cost in [0, 3] {
+            let refused = limiter
+                .wait_n("k", cost, Duration::MAX, sleeper(&clock, &mut asked))
+                .await;
+            assert!(
+                matches!(refused, Err(Error::InvalidCost { .. })),
+                "{refused:?}"
+            );
+        }
+        assert!(asked.is_empty());
+    }
+
+    #[tokio::test]
+    async fn on_the_real_clock_waits_pace_the_calls_at_the_rate() {
+        // One token at a time, one every 10 ms: five takes need at least 40 ms whatever the
+        // load (a busy host only makes them later).
+        let clock = MonotonicClock::new();
+        let limiter = RateLimiter::new(
+            Limit::new(1, "1/10ms".parse().unwrap()).unwrap(),
+            clock.clone(),
+        );
+        let start = clock.now();
+        for _ in 0..5 {
+            let decision = limiter
+                .wait("k", Duration::MAX, tokio::time::sleep)
+                .await
+                .unwrap();
+            assert!(decision.allowed());
+        }
+        let took = clock.now().saturating_duration_since(start);
+        assert!(took >= Duration::from_millis(40), "{took:?}");
     }
 }
