@@ -26,6 +26,7 @@ use crate::decider::{Backend, Decider};
 use crate::http::{AddressMask, AppState, ClientAddress, HttpOptions, NegativeHits};
 use crate::loadgen::args::parse_duration;
 use crate::rlqs::RlqsOptions;
+use crate::tls::{ListenerTls, TlsFiles as ServerTlsFiles};
 
 /// The demo policy `serve` runs without `--config`.
 pub const DEMO_POLICY: &str = include_str!("demo.yaml");
@@ -106,6 +107,58 @@ pub struct ServeArgs {
     /// gRPC listen address (Envoy Rate Limit Service v3).
     #[arg(long, env = "TOLLGATE_GRPC", default_value = "127.0.0.1:8081")]
     pub grpc: SocketAddr,
+    /// Serve HTTP over TLS with this PEM certificate (chain); needs --http-tls-key. The files
+    /// are read again on SIGHUP and when they change.
+    #[arg(
+        long,
+        env = "TOLLGATE_HTTP_TLS_CERT",
+        value_name = "FILE",
+        requires = "http_tls_key"
+    )]
+    pub http_tls_cert: Option<PathBuf>,
+    /// The HTTP certificate's PEM private key.
+    #[arg(
+        long,
+        env = "TOLLGATE_HTTP_TLS_KEY",
+        value_name = "FILE",
+        requires = "http_tls_cert"
+    )]
+    pub http_tls_key: Option<PathBuf>,
+    /// Require HTTP clients to present a certificate signed by an authority in this PEM file
+    /// (mutual TLS); needs --http-tls-cert.
+    #[arg(
+        long,
+        env = "TOLLGATE_HTTP_TLS_CLIENT_CA",
+        value_name = "FILE",
+        requires = "http_tls_cert"
+    )]
+    pub http_tls_client_ca: Option<PathBuf>,
+    /// Serve gRPC over TLS with this PEM certificate (chain); needs --grpc-tls-key. The files
+    /// are read again on SIGHUP and when they change.
+    #[arg(
+        long,
+        env = "TOLLGATE_GRPC_TLS_CERT",
+        value_name = "FILE",
+        requires = "grpc_tls_key"
+    )]
+    pub grpc_tls_cert: Option<PathBuf>,
+    /// The gRPC certificate's PEM private key.
+    #[arg(
+        long,
+        env = "TOLLGATE_GRPC_TLS_KEY",
+        value_name = "FILE",
+        requires = "grpc_tls_cert"
+    )]
+    pub grpc_tls_key: Option<PathBuf>,
+    /// Require gRPC clients (Envoy) to present a certificate signed by an authority in this
+    /// PEM file (mutual TLS); needs --grpc-tls-cert.
+    #[arg(
+        long,
+        env = "TOLLGATE_GRPC_TLS_CLIENT_CA",
+        value_name = "FILE",
+        requires = "grpc_tls_cert"
+    )]
+    pub grpc_tls_client_ca: Option<PathBuf>,
     /// Where buckets live: `memory`, `redis://HOST:PORT[/DB]`,
     /// `redis+cluster://HOST:PORT,HOST:PORT` or `redis+sentinel://HOST:PORT,HOST:PORT/SERVICE`
     /// (the master Redis Sentinel names); `rediss://`, `rediss+cluster://` and
@@ -807,17 +860,19 @@ async fn stop_after(
 }
 
 /// On SIGHUP, until dropped: reopens the audit log file (after logrotate renamed it away, as
-/// nginx reopens its logs) and reloads the policy file when there is one (`reload`), as
-/// Prometheus and nginx reload theirs. The reload is forced: it also puts the file back in
-/// force after a rollback, which the file watcher leaves alone until the file changes. A file
-/// that fails validation is refused as on any reload, and the version in force stays. With
-/// neither a policy file nor an audit log, SIGHUP keeps its default (it ends the process).
+/// nginx reopens its logs), reads the listeners' TLS files again (`tls`), and reloads the
+/// policy file when there is one (`reload`), as Prometheus and nginx reload theirs. The reload
+/// is forced: it also puts the file back in force after a rollback, which the file watcher
+/// leaves alone until the file changes. A file that fails validation is refused as on any
+/// reload, and the version in force stays. With no policy file, audit log nor TLS, SIGHUP
+/// keeps its default (it ends the process).
 fn on_hangup(
     engine: Arc<PolicyEngine>,
     reload: bool,
     audit: Option<Arc<AuditLog>>,
+    tls: Vec<Arc<ListenerTls>>,
 ) -> Result<Option<AbortOnDrop>> {
-    if !reload && audit.is_none() {
+    if !reload && audit.is_none() && tls.is_empty() {
         return Ok(None);
     }
     #[cfg(unix)]
@@ -832,6 +887,9 @@ fn on_hangup(
                         error = %err,
                         "SIGHUP: cannot reopen the audit log; lines keep going to the file open"
                     );
+                }
+                for listener in &tls {
+                    listener.report(&listener.reload(), "SIGHUP");
                 }
                 if !reload {
                     continue;
@@ -854,8 +912,37 @@ fn on_hangup(
     }
     #[cfg(not(unix))]
     {
-        let _ = (engine, audit);
+        let _ = (engine, audit, tls);
         Ok(None)
+    }
+}
+
+/// A listener's TLS from its flags (certificate, key, client authorities), read now so that
+/// files that cannot be used stop the start with one line naming the file.
+fn listener_tls(
+    flag: &str,
+    (cert, key, client_ca): (&Option<PathBuf>, &Option<PathBuf>, &Option<PathBuf>),
+    make: fn(ServerTlsFiles) -> Result<ListenerTls, crate::tls::TlsError>,
+) -> Result<Option<Arc<ListenerTls>>> {
+    // clap's `requires` pairs the certificate with its key, and the authorities with both.
+    let (Some(cert), Some(key)) = (cert, key) else {
+        return Ok(None);
+    };
+    let files = ServerTlsFiles {
+        cert: cert.clone(),
+        key: key.clone(),
+        client_ca: client_ca.clone(),
+    };
+    let tls = make(files).with_context(|| format!("cannot serve TLS ({flag})"))?;
+    Ok(Some(Arc::new(tls)))
+}
+
+/// How the banner says a listener speaks TLS.
+fn tls_note(tls: Option<&ListenerTls>) -> &'static str {
+    match tls {
+        Some(tls) if tls.files().client_ca.is_some() => " (TLS, client certificates required)",
+        Some(_) => " (TLS)",
+        None => "",
     }
 }
 
@@ -931,7 +1018,32 @@ pub async fn serve(
         ),
         None => None,
     };
-    let _hangups = on_hangup(Arc::clone(&engine), args.config.is_some(), audit_log)?;
+    let http_tls = listener_tls(
+        "--http-tls-cert",
+        (
+            &args.http_tls_cert,
+            &args.http_tls_key,
+            &args.http_tls_client_ca,
+        ),
+        ListenerTls::for_http,
+    )?;
+    let grpc_tls = listener_tls(
+        "--grpc-tls-cert",
+        (
+            &args.grpc_tls_cert,
+            &args.grpc_tls_key,
+            &args.grpc_tls_client_ca,
+        ),
+        ListenerTls::for_grpc,
+    )?;
+    let tls: Vec<_> = http_tls.iter().chain(&grpc_tls).cloned().collect();
+    let _tls_watch = (!tls.is_empty()).then(|| {
+        AbortOnDrop(tokio::spawn(crate::tls::watch(
+            tls.clone(),
+            crate::tls::LOOK_EVERY,
+        )))
+    });
+    let _hangups = on_hangup(Arc::clone(&engine), args.config.is_some(), audit_log, tls)?;
 
     if args.token_batch > 0 && args.token_batch_ttl >= args.idempotency_window {
         bail!(
@@ -1050,6 +1162,7 @@ pub async fn serve(
     let state = Arc::new(
         AppState::new(Arc::clone(&decider), metrics, http_options)
             .with_connection_limits(limits)
+            .with_tls(http_tls.clone(), grpc_tls.clone())
             .with_rlqs(RlqsOptions {
                 abandon_after: args.rlqs_abandon_after,
                 max_buckets: args.rlqs_max_buckets as usize,
@@ -1078,16 +1191,31 @@ pub async fn serve(
         policy.version(),
         policy.source()
     );
+    let scheme = if http_tls.is_some() { "https" } else { "http" };
     println!(
-        "  HTTP  http://{http_addr}  (/v1/check, /v1/explain, /v1/leases, /v1/forward-auth/{{domain}}, /metrics, /healthz)"
+        "  HTTP  {scheme}://{http_addr}{}  (/v1/check, /v1/explain, /v1/leases, /v1/forward-auth/{{domain}}, /metrics, /healthz)",
+        tls_note(http_tls.as_deref())
     );
-    println!("  gRPC  {grpc_addr}  (envoy.service.ratelimit.v3.RateLimitService)");
-    println!("  live dashboard  http://{http_addr}/dashboard");
-    println!("try:");
     println!(
-        "  curl -si -X POST http://{http_addr}/v1/check -H 'content-type: application/json' \\\n    -d '{}'",
+        "  gRPC  {grpc_addr}{}  (envoy.service.ratelimit.v3.RateLimitService)",
+        tls_note(grpc_tls.as_deref())
+    );
+    println!("  live dashboard  {scheme}://{http_addr}/dashboard");
+    println!("try:");
+    // A server asking for client certificates refuses curl without one.
+    let curl_tls = match &args.http_tls_client_ca {
+        Some(_) => " --cert client.pem --key client.key",
+        None => "",
+    };
+    println!(
+        "  curl -si{curl_tls} -X POST {scheme}://{http_addr}/v1/check -H 'content-type: application/json' \\\n    -d '{}'",
         example_body(&policy)
     );
+    if http_tls.is_some() {
+        println!(
+            "  (a certificate from a private authority: add --cacert with the authority's PEM)"
+        );
+    }
     if let Some(url) = &args.global_store {
         let global = policy
             .limits()

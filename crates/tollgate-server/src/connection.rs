@@ -33,6 +33,9 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::JoinSet;
 use tokio::time::{Instant, Sleep};
 
+use crate::metrics::Closed;
+use crate::tls::ListenerTls;
+
 /// How the server bounds each listener's connections (the same for HTTP and gRPC).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ConnectionLimits {
@@ -69,12 +72,16 @@ impl Default for ConnectionLimits {
     }
 }
 
-/// Both listeners' limits and admission gates, shared by every thread serving them.
+/// Both listeners' limits, admission gates and TLS, shared by every thread serving them.
 #[derive(Debug)]
 pub(crate) struct Connections {
     pub(crate) limits: ConnectionLimits,
     pub(crate) http: Arc<Gate>,
     pub(crate) grpc: Arc<Gate>,
+    /// The HTTP listener's TLS, when it speaks TLS.
+    pub(crate) http_tls: Option<Arc<ListenerTls>>,
+    /// The gRPC listener's TLS, when it speaks TLS.
+    pub(crate) grpc_tls: Option<Arc<ListenerTls>>,
 }
 
 /// The longest timeout kept: past it a deadline could overflow the clock, and a longer one
@@ -99,6 +106,8 @@ impl Connections {
             limits,
             http: Arc::new(Gate::new(limits.max_connections)),
             grpc: Arc::new(Gate::new(limits.max_connections)),
+            http_tls: None,
+            grpc_tls: None,
         }
     }
 }
@@ -191,8 +200,16 @@ impl Drop for Place {
 /// A connection the listener let in, holding its place under the bound until dropped.
 #[derive(Debug)]
 pub(crate) struct Admitted {
-    stream: TcpStream,
+    stream: Transport,
     place: Place,
+}
+
+/// What a connection's bytes travel over.
+#[derive(Debug)]
+enum Transport {
+    Plain(TcpStream),
+    /// Boxed: a TLS session's state is a few kilobytes, and most servers serve none.
+    Tls(Box<tokio_rustls::server::TlsStream<TcpStream>>),
 }
 
 impl Admitted {
@@ -202,17 +219,113 @@ impl Admitted {
         if let Err(err) = stream.set_nodelay(true) {
             tracing::debug!(error = %err, "cannot set TCP_NODELAY");
         }
-        Self { stream, place }
+        Self {
+            stream: Transport::Plain(stream),
+            place,
+        }
     }
 
-    /// The connection as a std stream with its permit, to be handed to another runtime.
+    /// The connection as a std stream with its permit, to be handed to another runtime; only
+    /// before any TLS handshake, which is made on the connection's own thread.
     pub(crate) fn into_std(self) -> io::Result<(std::net::TcpStream, Place)> {
-        Ok((self.stream.into_std()?, self.place))
+        match self.stream {
+            Transport::Plain(stream) => Ok((stream.into_std()?, self.place)),
+            Transport::Tls(_) => Err(io::Error::other(
+                "a connection past its TLS handshake cannot change threads",
+            )),
+        }
     }
 
     /// The client's address.
     pub(crate) fn peer(&self) -> io::Result<std::net::SocketAddr> {
-        self.stream.peer_addr()
+        match &self.stream {
+            Transport::Plain(stream) => stream.peer_addr(),
+            Transport::Tls(stream) => stream.get_ref().0.peer_addr(),
+        }
+    }
+
+    /// The connection with its TLS handshake made, when its listener speaks TLS: `None` when
+    /// the handshake fails or takes longer than `limit` (counted as a connection closed for
+    /// it), since there is nothing to answer such a client with.
+    pub(crate) async fn secure(self, tls: Option<&ListenerTls>, limit: Duration) -> Option<Self> {
+        let Some(tls) = tls else {
+            return Some(self);
+        };
+        let Transport::Plain(stream) = self.stream else {
+            return Some(self);
+        };
+        let handshake = tls.acceptor().accept(stream);
+        match tokio::time::timeout(limit, handshake).await {
+            Ok(Ok(stream)) => Some(Self {
+                stream: Transport::Tls(Box::new(stream)),
+                place: self.place,
+            }),
+            outcome => {
+                if let Ok(Err(err)) = outcome {
+                    tracing::debug!(error = %err, listener = tls.listener().as_str(), "TLS handshake failed");
+                }
+                crate::metrics::record_connection_closed(tls.listener(), Closed::TlsHandshake);
+                None
+            }
+        }
+    }
+}
+
+impl AsyncRead for Transport {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Transport::Plain(stream) => Pin::new(stream).poll_read(cx, buf),
+            Transport::Tls(stream) => Pin::new(stream.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Transport {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Transport::Plain(stream) => Pin::new(stream).poll_write(cx, buf),
+            Transport::Tls(stream) => Pin::new(stream.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Transport::Plain(stream) => Pin::new(stream).poll_write_vectored(cx, bufs),
+            Transport::Tls(stream) => Pin::new(stream.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Transport::Plain(stream) => stream.is_write_vectored(),
+            Transport::Tls(stream) => stream.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Transport::Plain(stream) => Pin::new(stream).poll_flush(cx),
+            Transport::Tls(stream) => Pin::new(stream.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Transport::Plain(stream) => Pin::new(stream).poll_shutdown(cx),
+            Transport::Tls(stream) => Pin::new(stream.as_mut()).poll_shutdown(cx),
+        }
     }
 }
 

@@ -22,6 +22,7 @@
 use std::convert::Infallible;
 use std::future::poll_fn;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -39,6 +40,7 @@ use crate::connection::{
     self, Admitted, ConnectionLimits, IdleClose, Listener, Quiet, StopSignal, Tracked,
 };
 use crate::metrics::{self, Closed};
+use crate::tls::ListenerTls;
 
 /// Calls a client may have open at once on one connection (hyper's default): a client that
 /// wants more opens another connection, as Envoy does.
@@ -130,15 +132,21 @@ pub(crate) async fn serve<S, B, I>(
     service: S,
     incoming: I,
     limits: ConnectionLimits,
+    tls: Option<Arc<ListenerTls>>,
     stopped: watch::Receiver<bool>,
 ) where
     S: GrpcService<B>,
     B: Answer,
     I: Stream<Item = std::io::Result<Admitted>>,
 {
-    let each = |admitted| {
-        let (service, stopped) = (service.clone(), stopped.clone());
+    let each = |admitted: Admitted| {
+        let (service, stopped, tls) = (service.clone(), stopped.clone(), tls.clone());
         async move {
+            // The handshake is the connection's first words: bounded as the preface is.
+            let Some(admitted) = admitted.secure(tls.as_deref(), limits.header_timeout).await
+            else {
+                return;
+            };
             // A client that goes away mid-call is routine for a server; not an error of ours
             // to report louder than this.
             if let Err(err) = serve_connection(service, admitted, limits, stopped).await {
@@ -411,6 +419,7 @@ mod tests {
                 held.clone(),
                 incoming,
                 ConnectionLimits::default(),
+                None,
                 stopped,
             ));
             let stream = TcpStream::connect(addr).await.unwrap();
@@ -538,6 +547,7 @@ mod tests {
             held.clone(),
             incoming,
             ConnectionLimits::default(),
+            None,
             stopped,
         ));
 

@@ -59,6 +59,7 @@ mod progress;
 pub mod rlqs;
 pub mod rls;
 pub mod simulate;
+pub mod tls;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -403,6 +404,7 @@ where
         health::Routes::new(rls, unary, health, rlqs::Rlqs::server(rlqs)),
         grpc,
         limits,
+        state.connections.grpc_tls.clone(),
         stopped.clone(),
     );
     let http_server = http::listener::serve(state, http, stopped);

@@ -95,8 +95,12 @@ pub const POLICY_REFUSED: &str = "tollgate_policy_last_load_refused";
 pub const CONNECTIONS_OPEN: &str = "tollgate_connections_open";
 /// Connections the server closed on its clients: labels `listener`, `reason` (`header_timeout`:
 /// a request head or the HTTP/2 preface did not arrive in time; `idle`: the client sent
-/// nothing for the idle timeout).
+/// nothing for the idle timeout; `tls_handshake`: the TLS handshake failed or was too slow).
 pub const CONNECTIONS_CLOSED: &str = "tollgate_connections_closed_total";
+/// Looks at a TLS listener's certificate files that found them changed: labels `listener`,
+/// `result` (`reloaded`: in force for new connections; `refused`: unusable, the certificate in
+/// force stays).
+pub const TLS_RELOADS: &str = "tollgate_tls_reloads_total";
 /// RLQS streams open now (Envoys connected for quota assignments).
 pub const RLQS_STREAMS: &str = "tollgate_rlqs_streams";
 /// Requests RLQS clients reported deciding themselves: label `result` (`allowed`, `denied`).
@@ -157,6 +161,7 @@ pub const ALL: &[&str] = &[
     POLICY_REFUSED,
     CONNECTIONS_OPEN,
     CONNECTIONS_CLOSED,
+    TLS_RELOADS,
     RLQS_STREAMS,
     RLQS_REPORTED,
     RLQS_ANSWERS,
@@ -178,6 +183,9 @@ pub enum Closed {
     HeaderTimeout,
     /// The client sent nothing for the idle timeout.
     Idle,
+    /// The TLS handshake failed (no common protocol, a client certificate missing or not
+    /// trusted, not TLS at all) or did not end within the header timeout.
+    TlsHandshake,
 }
 
 impl Closed {
@@ -186,6 +194,7 @@ impl Closed {
         match self {
             Closed::HeaderTimeout => "header_timeout",
             Closed::Idle => "idle",
+            Closed::TlsHandshake => "tls_handshake",
         }
     }
 }
@@ -313,6 +322,10 @@ fn describe() {
     describe_counter!(
         CONNECTIONS_CLOSED,
         "Connections closed by the server on a slow or silent client, by listener and reason."
+    );
+    describe_counter!(
+        TLS_RELOADS,
+        "TLS certificate files found changed, by listener and result."
     );
     describe_gauge!(RLQS_STREAMS, "RLQS streams open now.");
     describe_counter!(
@@ -750,6 +763,11 @@ fn record_degraded_limits(reason: Unavailable, failed_closed: bool, count: usize
 pub(crate) fn record_connection_closed(listener: Listener, reason: Closed) {
     counter!(CONNECTIONS_CLOSED, "listener" => listener.as_str(), "reason" => reason.as_str())
         .increment(1);
+}
+
+/// Counts a look at a TLS listener's files that found them changed (`reloaded` or `refused`).
+pub(crate) fn record_tls_reload(listener: Listener, result: &'static str) {
+    counter!(TLS_RELOADS, "listener" => listener.as_str(), "result" => result).increment(1);
 }
 
 /// Sets the shared store's breaker gauge; called on scrape.

@@ -35,8 +35,17 @@ where
     I: Stream<Item = std::io::Result<Admitted>>,
 {
     let limits = state.connections.limits;
+    let tls = state.connections.http_tls.clone();
     let app = super::router(state);
-    let each = |admitted| serve_connection(app.clone(), admitted, limits, stopped.clone());
+    let each = |admitted: Admitted| {
+        let (app, tls, stopped) = (app.clone(), tls.clone(), stopped.clone());
+        async move {
+            // The handshake is the connection's first words: bounded as a request head is.
+            if let Some(admitted) = admitted.secure(tls.as_deref(), limits.header_timeout).await {
+                serve_connection(app, admitted, limits, stopped).await;
+            }
+        }
+    };
     let drain = limits.drain_timeout;
     connection::serve_each(incoming, stopped.clone(), Listener::Http, drain, each).await;
 }

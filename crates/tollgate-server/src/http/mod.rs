@@ -30,6 +30,7 @@ use crate::connection::{ConnectionLimits, Connections};
 use crate::decider::Decider;
 use crate::health::Rotation;
 use crate::rlqs::RlqsOptions;
+use crate::tls::ListenerTls;
 
 pub use error::ApiError;
 
@@ -158,7 +159,25 @@ impl AppState {
     /// (timeouts are taken between a millisecond and a year).
     #[must_use]
     pub fn with_connection_limits(mut self, limits: ConnectionLimits) -> Self {
-        self.connections = Connections::new(limits);
+        let connections = Connections::new(limits);
+        self.connections = Connections {
+            http_tls: self.connections.http_tls.take(),
+            grpc_tls: self.connections.grpc_tls.take(),
+            ..connections
+        };
+        self
+    }
+
+    /// The same state, with the HTTP listener speaking TLS as `http` says and the gRPC
+    /// listener as `grpc` says (`None`: plain TCP).
+    #[must_use]
+    pub fn with_tls(
+        mut self,
+        http: Option<Arc<ListenerTls>>,
+        grpc: Option<Arc<ListenerTls>>,
+    ) -> Self {
+        self.connections.http_tls = http;
+        self.connections.grpc_tls = grpc;
         self
     }
 }

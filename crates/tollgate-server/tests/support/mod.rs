@@ -369,35 +369,49 @@ pub fn request(
     headers: &[(&str, &str)],
     body: &str,
 ) -> Answer {
-    let mut stream = TcpStream::connect(addr).expect("connect");
+    let stream = TcpStream::connect(addr).expect("connect");
     stream
         .set_read_timeout(Some(Duration::from_secs(10)))
         .expect("timeout");
-    let mut text = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    exchange(stream, &addr.to_string(), method, path, headers, body).expect("an answer")
+}
+
+/// One HTTP/1.1 request over `stream` (a connection of its own, closed after the answer):
+/// the answer, or the error that ended the exchange.
+pub fn exchange(
+    mut stream: impl Read + Write,
+    host: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> std::io::Result<Answer> {
+    let mut text = format!("{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n");
     for (name, value) in headers {
         text.push_str(&format!("{name}: {value}\r\n"));
     }
     text.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
-    stream.write_all(text.as_bytes()).expect("send");
+    stream.write_all(text.as_bytes())?;
     let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).expect("read");
+    stream.read_to_end(&mut raw)?;
     let raw = String::from_utf8_lossy(&raw).into_owned();
-    let (head, body) = raw.split_once("\r\n\r\n").expect("a full response");
+    let cut_short = || std::io::Error::new(std::io::ErrorKind::UnexpectedEof, raw.clone());
+    let (head, body) = raw.split_once("\r\n\r\n").ok_or_else(cut_short)?;
     let mut lines = head.lines();
     let status = lines
         .next()
         .and_then(|line| line.split_whitespace().nth(1))
         .and_then(|code| code.parse().ok())
-        .expect("a status line");
+        .ok_or_else(cut_short)?;
     let headers = lines
         .filter_map(|line| line.split_once(':'))
         .map(|(name, value)| (name.trim().to_ascii_lowercase(), value.trim().to_owned()))
         .collect();
-    Answer {
+    Ok(Answer {
         status,
         headers,
         body: body.to_owned(),
-    }
+    })
 }
 
 /// `POST path` with a JSON body.
