@@ -58,7 +58,8 @@ enum Command {
     /// Replay a trace of requests against policy files and report what each would reject.
     Simulate(crate::simulate::SimulateArgs),
     /// Load a tollgate deployment over HTTP or gRPC and report decisions/s and latency.
-    Bench(crate::loadgen::BenchArgs),
+    // Boxed: its flags outweigh every other command's but serve's.
+    Bench(Box<crate::loadgen::BenchArgs>),
     /// Convert another rate limiter's configuration into a tollgate policy.
     Import {
         #[command(subcommand)]

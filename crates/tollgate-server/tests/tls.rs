@@ -436,3 +436,86 @@ fn tls_files_that_cannot_be_used_stop_the_start_naming_the_file() {
         assert!(stderr.contains(missing), "{args:?}: {stderr}");
     }
 }
+
+/// `tollgate bench ARGS --json`: its summary, or what it said on failing.
+fn bench_json(args: &[&str]) -> Result<serde_json::Value, String> {
+    let mut all = vec!["bench", "--json", "-c", "2", "-n", "40"];
+    all.extend_from_slice(args);
+    let (status, stdout, stderr) = run(&all);
+    if !status.success() {
+        return Err(stderr);
+    }
+    serde_json::from_str(&stdout).map_err(|err| format!("{err}: {stdout}"))
+}
+
+#[test]
+fn tollgate_bench_loads_tls_listeners_with_the_client_certificate_asked_for() {
+    let certificates = TestCertificates::generate("bench");
+    let (cert, key, ca) = (
+        path_str(&certificates.server_cert),
+        path_str(&certificates.server_key),
+        path_str(&certificates.ca),
+    );
+    let server = Server::start(&[
+        "--http-tls-cert",
+        cert,
+        "--http-tls-key",
+        key,
+        "--grpc-tls-cert",
+        cert,
+        "--grpc-tls-key",
+        key,
+        "--grpc-tls-client-ca",
+        ca,
+    ]);
+    let decided = |summary: &serde_json::Value| {
+        summary["allowed"].as_u64().unwrap_or(0) + summary["rejected"].as_u64().unwrap_or(0)
+    };
+
+    let https_target = format!("https://{}", server.http);
+    let summary = bench_json(&["--target", &https_target, "--tls-ca", ca]).expect("a run");
+    assert_eq!(decided(&summary), 40, "{summary}");
+    assert_eq!(summary["errors"], 0, "{summary}");
+    assert_eq!(
+        summary["target"],
+        format!("https://{}/v1/check", server.http),
+        "{summary}"
+    );
+    let forward_auth = bench_json(&["--target", &https_target, "--tls-ca", ca, "--forward-auth"])
+        .expect("a forward-auth run");
+    assert_eq!(decided(&forward_auth), 40, "{forward_auth}");
+
+    let grpc_target = format!("https://{}", server.grpc);
+    let client = path_str(&certificates.client_cert);
+    let client_key = path_str(&certificates.client_key);
+    let summary = bench_json(&[
+        "--grpc",
+        &grpc_target,
+        "--tls-ca",
+        ca,
+        "--tls-cert",
+        client,
+        "--tls-key",
+        client_key,
+        "--connections",
+        "1",
+    ])
+    .expect("a gRPC run over TLS");
+    assert_eq!(decided(&summary), 40, "{summary}");
+    assert_eq!(summary["errors"], 0, "{summary}");
+
+    // Without the client certificate the server asks for, nothing is decided.
+    let refused = bench_json(&["--grpc", &grpc_target, "--tls-ca", ca]);
+    assert!(refused.is_err(), "{refused:?}");
+    // A certificate for another name than the one asked for fails the handshake.
+    let other_name = bench_json(&[
+        "--target",
+        &https_target,
+        "--tls-ca",
+        ca,
+        "--tls-server-name",
+        "elsewhere.example",
+    ])
+    .expect_err("a certificate without the name");
+    assert!(other_name.contains("TLS handshake"), "{other_name}");
+}

@@ -3,9 +3,12 @@
 //! Everything a user can get wrong is caught here, before a connection is opened, so a run
 //! either starts with sane settings or stops with one line saying which flag to fix.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
+
+use super::tls::TlsClient;
 
 /// The most distinct keys: the skewed distribution keeps one `f64` per key.
 pub(crate) const MAX_KEYS: u64 = 10_000_000;
@@ -16,7 +19,8 @@ pub(crate) const MAX_CONCURRENCY: usize = 10_000;
 /// is raised.
 #[derive(Debug, Clone, Parser)]
 pub struct BenchArgs {
-    /// HTTP target, as `http://HOST:PORT`; requests go to `POST /v1/check` (see --path).
+    /// HTTP target, as `http://HOST:PORT` or `https://HOST:PORT`; requests go to
+    /// `POST /v1/check` (see --path).
     #[arg(
         long,
         value_name = "URL",
@@ -24,9 +28,23 @@ pub struct BenchArgs {
         required_unless_present = "grpc"
     )]
     pub target: Option<String>,
-    /// gRPC target, as `HOST:PORT`: Envoy RLS v3 `ShouldRateLimit`.
+    /// gRPC target, as `HOST:PORT` (or `https://HOST:PORT` for TLS): Envoy RLS v3
+    /// `ShouldRateLimit`.
     #[arg(long, value_name = "HOST:PORT")]
     pub grpc: Option<String>,
+    /// TLS: trust the authorities of this PEM file instead of the system's.
+    #[arg(long, value_name = "FILE")]
+    pub tls_ca: Option<PathBuf>,
+    /// TLS: present this PEM client certificate, to a server that requires one; needs
+    /// --tls-key.
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// TLS: the client certificate's PEM private key.
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// TLS: the name the server's certificate must carry (default: the target's host).
+    #[arg(long, value_name = "NAME")]
+    pub tls_server_name: Option<String>,
     /// HTTP only: send forward-auth subrequests, as nginx `auth_request` and Traefik
     /// ForwardAuth do (`GET /v1/forward-auth/{domain}`, each entry as an `x-tollgate-<entry>`
     /// header, the cost as `x-tollgate-cost`); 429 and 403 count as rejections.
@@ -133,24 +151,60 @@ pub(crate) struct Plan {
     pub(crate) interval: Option<Duration>,
     pub(crate) timeout: Duration,
     pub(crate) seed: u64,
+    /// TLS to the target, for an `https://` one.
+    pub(crate) tls: Option<TlsClient>,
 }
 
 impl BenchArgs {
     /// Checks the flags together.
     pub(crate) fn plan(&self) -> Result<Plan, String> {
-        let target = match (&self.target, &self.grpc) {
-            (Some(url), None) if self.forward_auth => Target::ForwardAuth {
-                authority: http_authority(url)?,
-                path: forward_auth_path(&self.domain, &self.key_entry, &self.entries)?,
-            },
-            (Some(url), None) => Target::Http {
-                authority: http_authority(url)?,
-                path: check_path(&self.path)?,
-            },
-            (None, Some(authority)) => Target::Grpc {
-                authority: check_authority(authority, "--grpc")?,
-            },
+        let (target, secure) = match (&self.target, &self.grpc) {
+            (Some(url), None) => {
+                let (authority, secure) = http_authority(url)?;
+                let target = if self.forward_auth {
+                    Target::ForwardAuth {
+                        authority,
+                        path: forward_auth_path(&self.domain, &self.key_entry, &self.entries)?,
+                    }
+                } else {
+                    Target::Http {
+                        authority,
+                        path: check_path(&self.path)?,
+                    }
+                };
+                (target, secure)
+            }
+            (None, Some(address)) => {
+                let (address, secure) = match address.strip_prefix("https://") {
+                    Some(rest) => (rest, true),
+                    None => (address.strip_prefix("http://").unwrap_or(address), false),
+                };
+                let address = address.strip_suffix('/').unwrap_or(address);
+                let target = Target::Grpc {
+                    authority: check_authority(address, "--grpc")?,
+                };
+                (target, secure)
+            }
             _ => return Err("give one of --target http://HOST:PORT or --grpc HOST:PORT".into()),
+        };
+        let tls = match &target {
+            _ if !secure => {
+                if self.tls_ca.is_some()
+                    || self.tls_cert.is_some()
+                    || self.tls_server_name.is_some()
+                {
+                    return Err(
+                        "--tls-ca, --tls-cert and --tls-server-name are for an https:// \
+                                target (--target https://HOST:PORT or --grpc https://HOST:PORT)"
+                            .into(),
+                    );
+                }
+                None
+            }
+            Target::Grpc { authority } => Some(TlsClient::from_args(self, host(authority), b"h2")?),
+            Target::Http { authority, .. } | Target::ForwardAuth { authority, .. } => {
+                Some(TlsClient::from_args(self, host(authority), b"http/1.1")?)
+            }
         };
         if self.concurrency == 0 || self.concurrency > MAX_CONCURRENCY {
             return Err(format!(
@@ -219,23 +273,36 @@ impl BenchArgs {
             interval,
             timeout: self.timeout,
             seed: self.seed,
+            tls,
         })
     }
 }
 
-/// `http://host:port[/]` → `host:port`. TLS is for a proxy in front: the generator measures
-/// tollgate, not a handshake.
-fn http_authority(url: &str) -> Result<String, String> {
-    let rest = url.strip_prefix("http://").ok_or_else(|| {
-        format!("--target must start with http:// (https is not supported), not {url}")
-    })?;
+/// `http://host:port[/]` → `host:port`, and whether it is `https://`.
+fn http_authority(url: &str) -> Result<(String, bool), String> {
+    let (rest, secure) = match (url.strip_prefix("http://"), url.strip_prefix("https://")) {
+        (Some(rest), _) => (rest, false),
+        (_, Some(rest)) => (rest, true),
+        _ => {
+            return Err(format!(
+                "--target must start with http:// or https://, not {url}"
+            ));
+        }
+    };
     let authority = rest.strip_suffix('/').unwrap_or(rest);
     if authority.contains('/') {
         return Err(format!(
             "--target is http://HOST:PORT without a path (use --path), not {url}"
         ));
     }
-    check_authority(authority, "--target")
+    Ok((check_authority(authority, "--target")?, secure))
+}
+
+/// The host of a checked `host:port`.
+fn host(authority: &str) -> &str {
+    authority
+        .rsplit_once(':')
+        .map_or(authority, |(host, _)| host)
 }
 
 fn check_authority(authority: &str, flag: &str) -> Result<String, String> {
@@ -388,7 +455,7 @@ mod tests {
     #[test]
     fn bad_flags_are_one_line_errors() {
         for args in [
-            &["--target", "https://x:1"][..],
+            &["--target", "ftp://x:1"][..],
             &["--target", "http://x:1/v1/check"],
             &["--target", "http://x"],
             &["--grpc", "x:port"],
@@ -407,6 +474,61 @@ mod tests {
         }
         assert!(plan(&[]).is_err());
         assert!(plan(&["--target", "http://x:1", "--grpc", "x:2"]).is_err());
+    }
+
+    #[test]
+    fn https_targets_speak_tls_and_tls_flags_need_one() {
+        let http = plan(&["--target", "https://127.0.0.1:8443/"]).expect("an https target");
+        assert_eq!(
+            http.target,
+            Target::Http {
+                authority: "127.0.0.1:8443".into(),
+                path: "/v1/check".into()
+            }
+        );
+        assert!(http.tls.is_some());
+        let grpc = plan(&["--grpc", "https://localhost:8081"]).expect("a gRPC TLS target");
+        assert_eq!(
+            grpc.target,
+            Target::Grpc {
+                authority: "localhost:8081".into()
+            }
+        );
+        assert!(grpc.tls.is_some());
+        for plain in [
+            &["--target", "http://x:1"][..],
+            &["--grpc", "http://x:1"],
+            &["--grpc", "x:1"],
+        ] {
+            assert!(
+                plan(plain).expect("a plain target").tls.is_none(),
+                "{plain:?}"
+            );
+            let err = plan(&[plain, &["--tls-server-name", "x"][..]].concat())
+                .err()
+                .unwrap_or_default();
+            assert!(
+                err.contains("are for an https:// target"),
+                "{plain:?}: {err}"
+            );
+        }
+        let err = plan(&["--grpc", "https://x:1", "--tls-ca", "/nonexistent/ca.pem"])
+            .err()
+            .unwrap_or_default();
+        assert!(err.contains("--tls-ca /nonexistent/ca.pem"), "{err}");
+        let err = plan(&[
+            "--grpc",
+            "https://[::1]:1",
+            "--tls-server-name",
+            "not a name!",
+        ])
+        .err()
+        .unwrap_or_default();
+        assert!(err.contains("no TLS server name"), "{err}");
+        assert!(
+            plan(&["--grpc", "https://[::1]:1"]).is_ok(),
+            "an IPv6 address names the server"
+        );
     }
 
     #[test]

@@ -27,6 +27,7 @@ use tokio::net::TcpStream;
 
 use super::Verdict;
 use super::args::Plan;
+use super::tls::TlsClient;
 use crate::grpc_unary::Gathered;
 
 /// The method's path, from the service's package, name and method.
@@ -52,7 +53,7 @@ struct Overall {
 /// One worker's handle on a gRPC target.
 pub(crate) struct GrpcClient {
     authority: String,
-    /// `http://authority/…/ShouldRateLimit`, parsed once.
+    /// `http://authority/…/ShouldRateLimit` (`https://` over TLS), parsed once.
     uri: Uri,
     /// The request with every field but the key's value filled in.
     template: RateLimitRequest,
@@ -60,6 +61,8 @@ pub(crate) struct GrpcClient {
     buffer: BytesMut,
     /// The connection this worker shares with others (or has alone).
     shared: Arc<SharedConnection>,
+    /// TLS to an `https://` target.
+    tls: Option<TlsClient>,
     /// `None` before the first call and after a failure: the next call reconnects. The number
     /// is the shared connection's generation it was taken from.
     client: Option<(u64, SendRequest<Bytes>)>,
@@ -93,6 +96,19 @@ impl SharedConnection {
             current.1 = None;
         }
     }
+}
+
+/// HTTP/2 over `stream`, its driver running in a task of its own, which ends when the
+/// connection does (the next call then reports the failure).
+async fn http2<S>(stream: S) -> Result<SendRequest<Bytes>, h2::Error>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+{
+    let (client, connection) = h2::client::handshake(stream).await?;
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    Ok(client)
 }
 
 /// Why a call failed, and whether the connection can still be trusted.
@@ -129,7 +145,8 @@ impl GrpcClient {
         authority: &str,
         shared: Arc<SharedConnection>,
     ) -> Result<Self, String> {
-        let uri: Uri = format!("http://{authority}{PATH}")
+        let scheme = if plan.tls.is_some() { "https" } else { "http" };
+        let uri: Uri = format!("{scheme}://{authority}{PATH}")
             .parse()
             .map_err(|err| format!("--grpc {authority}: {err}"))?;
         let mut entries: Vec<Entry> = plan
@@ -158,6 +175,7 @@ impl GrpcClient {
             template,
             buffer: BytesMut::new(),
             shared,
+            tls: plan.tls.clone(),
             client: None,
         })
     }
@@ -176,13 +194,11 @@ impl GrpcClient {
             .await
             .map_err(|err| cannot(&err))?;
         stream.set_nodelay(true).map_err(|err| cannot(&err))?;
-        let (client, connection) = h2::client::handshake(stream)
-            .await
-            .map_err(|err| cannot(&err))?;
-        // The driver ends when the connection does; the next call then reports the failure.
-        tokio::spawn(async move {
-            let _ = connection.await;
-        });
+        let client = match &self.tls {
+            None => http2(stream).await,
+            Some(tls) => http2(tls.connect(stream).await.map_err(|err| cannot(&err))?).await,
+        }
+        .map_err(|err| cannot(&err))?;
         self.client = Some((self.shared.set(&client), client));
         Ok(())
     }

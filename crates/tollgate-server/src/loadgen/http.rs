@@ -17,6 +17,7 @@ use tokio::net::TcpStream;
 
 use super::Verdict;
 use super::args::Plan;
+use super::tls::TlsClient;
 
 /// The most bytes of an unexpected response body quoted in an error.
 const QUOTED_BODY_BYTES: usize = 200;
@@ -29,6 +30,8 @@ pub(crate) struct HttpClient {
     authority: String,
     path: String,
     shape: Shape,
+    /// TLS to an `https://` target.
+    tls: Option<TlsClient>,
     /// `None` before the first request and after a failure: the next request reconnects.
     sender: Option<SendRequest<Full<Bytes>>>,
 }
@@ -71,6 +74,7 @@ impl HttpClient {
                 body_head,
                 body_tail: "\"}]}",
             },
+            tls: plan.tls.clone(),
             sender: None,
         }
     }
@@ -107,19 +111,40 @@ impl HttpClient {
                 headers,
                 key_header,
             },
+            tls: plan.tls.clone(),
             sender: None,
         }
     }
 
     /// Opens the connection now, so a run does not start before every worker is connected.
     pub(crate) async fn connect(&mut self) -> Result<(), String> {
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
         let stream = TcpStream::connect(&self.authority)
             .await
-            .map_err(|err| format!("cannot connect to http://{}: {err}", self.authority))?;
+            .map_err(|err| format!("cannot connect to {scheme}://{}: {err}", self.authority))?;
         // One small request per round trip: Nagle would add tens of milliseconds.
         stream
             .set_nodelay(true)
             .map_err(|err| format!("cannot set TCP_NODELAY: {err}"))?;
+        let sender = match &self.tls {
+            None => self.handshake(stream).await?,
+            Some(tls) => {
+                let stream = tls
+                    .connect(stream)
+                    .await
+                    .map_err(|err| format!("TLS handshake with {}: {err}", self.authority))?;
+                self.handshake(stream).await?
+            }
+        };
+        self.sender = Some(sender);
+        Ok(())
+    }
+
+    /// HTTP/1.1 over `stream`.
+    async fn handshake<S>(&self, stream: S) -> Result<SendRequest<Full<Bytes>>, String>
+    where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+    {
         let (sender, connection) = http1::handshake(TokioIo::new(stream))
             .await
             .map_err(|err| format!("HTTP handshake with {}: {err}", self.authority))?;
@@ -128,8 +153,7 @@ impl HttpClient {
         tokio::spawn(async move {
             let _ = connection.await;
         });
-        self.sender = Some(sender);
-        Ok(())
+        Ok(sender)
     }
 
     /// Forgets the connection (after a timeout its state is unknown).

@@ -18,6 +18,7 @@ mod report;
 mod run;
 #[cfg(target_os = "linux")]
 mod timer;
+mod tls;
 
 pub use args::{BenchArgs, Distribution};
 pub use report::{Latency, Summary};

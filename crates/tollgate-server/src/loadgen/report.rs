@@ -125,11 +125,15 @@ impl Summary {
             let _ = service.add(&tally.service);
         }
         let elapsed_s = elapsed.as_secs_f64();
+        let scheme = if plan.tls.is_some() { "https" } else { "http" };
         let (api, target) = match &plan.target {
-            Target::Http { authority, path } => ("http", format!("http://{authority}{path}")),
+            Target::Http { authority, path } => ("http", format!("{scheme}://{authority}{path}")),
+            Target::Grpc { authority } if plan.tls.is_some() => {
+                ("grpc", format!("https://{authority}"))
+            }
             Target::Grpc { authority } => ("grpc", authority.clone()),
             Target::ForwardAuth { authority, path } => {
-                ("forward-auth", format!("http://{authority}{path}"))
+                ("forward-auth", format!("{scheme}://{authority}{path}"))
             }
         };
         Self {
