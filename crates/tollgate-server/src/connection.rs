@@ -254,24 +254,40 @@ impl Admitted {
         let Transport::Plain(stream) = self.stream else {
             return Some(self);
         };
-        let handshake = tls.acceptor().accept(stream);
-        match tokio::time::timeout(limit, handshake).await {
-            Ok(Ok(stream)) => Some(Self {
-                stream: Transport::Tls(Box::new(stream)),
-                place: self.place,
-            }),
-            outcome => {
-                if let Ok(Err(err)) = outcome {
-                    tracing::debug!(error = %err, listener = tls.listener().as_str(), "TLS handshake failed");
-                }
-                crate::metrics::record_connection_closed(tls.listener(), Closed::TlsHandshake);
-                None
-            }
-        }
+        // Boxed: a handshake's state is kilobytes, which every plain connection's task would
+        // otherwise carry too.
+        let stream = Box::pin(handshake(stream, tls, limit)).await?;
+        Some(Self {
+            stream: Transport::Tls(stream),
+            place: self.place,
+        })
     }
 }
 
+/// The TLS handshake of [`Admitted::secure`].
+async fn handshake(
+    stream: TcpStream,
+    tls: &ListenerTls,
+    limit: Duration,
+) -> Option<Box<tokio_rustls::server::TlsStream<TcpStream>>> {
+    let listener = tls.listener();
+    match tokio::time::timeout(limit, tls.acceptor().accept(stream)).await {
+        Ok(Ok(stream)) => return Some(Box::new(stream)),
+        Ok(Err(err)) => {
+            tracing::debug!(error = %err, listener = listener.as_str(), "TLS handshake failed");
+        }
+        Err(_) => tracing::debug!(listener = listener.as_str(), "TLS handshake too slow"),
+    }
+    crate::metrics::record_connection_closed(listener, Closed::TlsHandshake);
+    None
+}
+
+// The plain side of each method is inlined, the TLS side kept out of line: a plain
+// connection, which most servers serve, then reads and writes through hyper and h2 as the
+// bare socket did, at the cost of one test of the variant, and the TLS code does not weigh
+// on the compiler's inlining of those paths (BENCHMARKS.md, "TLS on the listeners").
 impl AsyncRead for Transport {
+    #[inline]
     fn poll_read(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -279,12 +295,13 @@ impl AsyncRead for Transport {
     ) -> Poll<io::Result<()>> {
         match self.get_mut() {
             Transport::Plain(stream) => Pin::new(stream).poll_read(cx, buf),
-            Transport::Tls(stream) => Pin::new(stream.as_mut()).poll_read(cx, buf),
+            Transport::Tls(stream) => tls::read(stream, cx, buf),
         }
     }
 }
 
 impl AsyncWrite for Transport {
+    #[inline]
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -292,10 +309,11 @@ impl AsyncWrite for Transport {
     ) -> Poll<io::Result<usize>> {
         match self.get_mut() {
             Transport::Plain(stream) => Pin::new(stream).poll_write(cx, buf),
-            Transport::Tls(stream) => Pin::new(stream.as_mut()).poll_write(cx, buf),
+            Transport::Tls(stream) => tls::write(stream, cx, buf),
         }
     }
 
+    #[inline]
     fn poll_write_vectored(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -303,10 +321,11 @@ impl AsyncWrite for Transport {
     ) -> Poll<io::Result<usize>> {
         match self.get_mut() {
             Transport::Plain(stream) => Pin::new(stream).poll_write_vectored(cx, bufs),
-            Transport::Tls(stream) => Pin::new(stream.as_mut()).poll_write_vectored(cx, bufs),
+            Transport::Tls(stream) => tls::write_vectored(stream, cx, bufs),
         }
     }
 
+    #[inline]
     fn is_write_vectored(&self) -> bool {
         match self {
             Transport::Plain(stream) => stream.is_write_vectored(),
@@ -314,18 +333,64 @@ impl AsyncWrite for Transport {
         }
     }
 
+    #[inline]
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
             Transport::Plain(stream) => Pin::new(stream).poll_flush(cx),
-            Transport::Tls(stream) => Pin::new(stream.as_mut()).poll_flush(cx),
+            Transport::Tls(stream) => tls::flush(stream, cx),
         }
     }
 
+    #[inline]
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
             Transport::Plain(stream) => Pin::new(stream).poll_shutdown(cx),
-            Transport::Tls(stream) => Pin::new(stream.as_mut()).poll_shutdown(cx),
+            Transport::Tls(stream) => tls::shutdown(stream, cx),
         }
+    }
+}
+
+/// [`Transport`]'s TLS side, out of line.
+mod tls {
+    use super::*;
+
+    type Stream = tokio_rustls::server::TlsStream<TcpStream>;
+
+    #[inline(never)]
+    pub(super) fn read(
+        stream: &mut Stream,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(stream).poll_read(cx, buf)
+    }
+
+    #[inline(never)]
+    pub(super) fn write(
+        stream: &mut Stream,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(stream).poll_write(cx, buf)
+    }
+
+    #[inline(never)]
+    pub(super) fn write_vectored(
+        stream: &mut Stream,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(stream).poll_write_vectored(cx, bufs)
+    }
+
+    #[inline(never)]
+    pub(super) fn flush(stream: &mut Stream, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(stream).poll_flush(cx)
+    }
+
+    #[inline(never)]
+    pub(super) fn shutdown(stream: &mut Stream, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(stream).poll_shutdown(cx)
     }
 }
 

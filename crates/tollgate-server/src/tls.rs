@@ -1,10 +1,10 @@
 //! TLS on the server's own listeners, with certificates that can be replaced while it runs.
 //!
 //! Outside a service mesh nothing else encrypts the calls Envoy, nginx and other clients make
-//! to tollgate, nor the admin token they carry, and a decision server that trusts whoever
-//! reaches its port (hits given back, resets, policy reloads) wants to know who that is. So
-//! each listener can speak TLS with a certificate of its own, and can require clients to
-//! present one signed by a given authority (mutual TLS), as Envoy's `UpstreamTlsContext`
+//! to tollgate, nor the admin token they carry; and a server that takes what its callers say
+//! (hits given back, resets, policy reloads) should hear only from callers it knows. So each
+//! listener can speak TLS with a certificate of its own, and can require every client to
+//! present one signed by a given authority (mutual TLS), which Envoy's `UpstreamTlsContext`
 //! does with a client certificate.
 //!
 //! Certificates are short-lived where they are managed well (cert-manager, an internal ACME
@@ -235,29 +235,37 @@ impl ListenerTls {
     }
 
     fn reload_from(&self, contents: Result<Contents, TlsError>, forced: bool) -> Reload {
-        let mut current = self.current.lock();
-        let contents = match contents {
-            Ok(contents) => contents,
-            Err(err) => {
-                if !forced && current.refused == Some(Refused::Unreadable) {
+        let contents = {
+            let mut current = self.current.lock();
+            match contents {
+                Err(err) => {
+                    if !forced && current.refused == Some(Refused::Unreadable) {
+                        return Reload::Unchanged;
+                    }
+                    current.refused = Some(Refused::Unreadable);
+                    return Reload::Refused(err);
+                }
+                Ok(contents) if !forced && contents == current.made_from => {
+                    // Back to what is in force: a next refusal is news again.
+                    current.refused = None;
                     return Reload::Unchanged;
                 }
-                current.refused = Some(Refused::Unreadable);
-                return Reload::Refused(err);
+                Ok(contents)
+                    if !forced
+                        && matches!(
+                            &current.refused,
+                            Some(Refused::Contents(refused)) if *refused == contents
+                        ) =>
+                {
+                    return Reload::Unchanged;
+                }
+                Ok(contents) => contents,
             }
         };
-        if !forced {
-            if contents == current.made_from {
-                // Back to what is in force: a next refusal is news again.
-                current.refused = None;
-                return Reload::Unchanged;
-            }
-            if matches!(&current.refused, Some(Refused::Contents(refused)) if *refused == contents)
-            {
-                return Reload::Unchanged;
-            }
-        }
-        match make(&self.files, &contents, self.alpn) {
+        // Made without the lock, which every new connection's handshake takes.
+        let made = make(&self.files, &contents, self.alpn);
+        let mut current = self.current.lock();
+        match made {
             Ok(config) => {
                 current.config = config;
                 current.made_from = contents;
@@ -287,14 +295,14 @@ pub async fn watch(listeners: Vec<Arc<ListenerTls>>, every: Duration) {
     loop {
         ticks.tick().await;
         for tls in &listeners {
-            tls.report(&tls.reload_if_changed(), "changed");
+            tls.report(&tls.reload_if_changed(), "files changed");
         }
     }
 }
 
 impl ListenerTls {
     /// Logs and counts what a look found, when it found a change; `cause` says what made the
-    /// server look (`changed`, `SIGHUP`).
+    /// server look (`files changed`, `SIGHUP`).
     pub fn report(&self, outcome: &Reload, cause: &str) {
         let listener = self.listener();
         match outcome {
