@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Measures what TLS on the listeners costs: two `tollgate serve` processes on the memory store,
-# one plain and one with --http-tls-* and --grpc-tls-* (a throwaway P-256 certificate made with
-# openssl), loaded in turn by `tollgate bench` (plain, then https://) so that a slow spell of
+# one plain and one with --http-tls-* and --grpc-tls-* (a throwaway P-256 certificate and its authority,
+# made with openssl), loaded in turn by `tollgate bench` (plain, then https://) so that a slow spell of
 # the host hits both alike. Usage: scripts/bench-tls.sh [seconds] [rounds]
 # (TOLLGATE_BIN=path runs that binary instead of building this checkout). Prints a row per run
 # and, per kind of request, the TLS server's rate and CPU per request against the plain one's
@@ -17,9 +17,15 @@ pids=()
 cleanup() { for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done; rm -rf "$work"; }
 trap cleanup EXIT
 
+# An authority and a server certificate it signs (rustls, in the generator, refuses an
+# authority's own certificate as a server's, which a lone `openssl req -x509` would make).
 openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 1 \
-  -subj /CN=localhost -addext subjectAltName=IP:127.0.0.1,DNS:localhost \
-  -keyout "$work/key.pem" -out "$work/cert.pem" 2>/dev/null
+  -subj /CN=tollgate-bench-ca -keyout "$work/ca.key" -out "$work/ca.pem" 2>/dev/null
+openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj /CN=localhost \
+  -keyout "$work/key.pem" -out "$work/server.csr" 2>/dev/null
+printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n' >"$work/ext"
+openssl x509 -req -in "$work/server.csr" -CA "$work/ca.pem" -CAkey "$work/ca.key" \
+  -CAcreateserial -days 1 -extfile "$work/ext" -out "$work/cert.pem" 2>/dev/null
 
 start() { # name, serve flags...
   local name=$1; shift
@@ -36,7 +42,7 @@ start plain
 start tls --http-tls-cert "$work/cert.pem" --http-tls-key "$work/key.pem" \
   --grpc-tls-cert "$work/cert.pem" --grpc-tls-key "$work/key.pem"
 # shellcheck disable=SC2154 # set by `start`
-tls_args=(--tls-ca "$work/cert.pem")
+tls_args=(--tls-ca "$work/ca.pem")
 
 # shellcheck source=scripts/bench-run.sh
 source scripts/bench-run.sh
