@@ -175,3 +175,76 @@ fn a_limit_on_a_path_holds_for_every_spelling_of_it() {
     // Another path is another matter.
     assert_eq!(get("/other").status, 200);
 }
+
+/// The README's block with tollgate's HTTP listener over TLS asking for client certificates,
+/// nginx reaching it as the README's "TLS on the listeners" says (`proxy_pass https://`,
+/// `proxy_ssl_trusted_certificate`, a client certificate): limited as over plain HTTP, and an
+/// nginx without the client certificate refused, which `auth_request` answers 500.
+#[test]
+fn nginx_reaches_a_tls_forward_auth_port_with_its_client_certificate() {
+    use support::path_str;
+    use tollgate_redis::test_server::TestCertificates;
+
+    let certificates = TestCertificates::generate("nginx");
+    let (flags, snippet) = readme_snippet();
+    let mut args: Vec<&str> = flags.iter().map(String::as_str).collect();
+    args.extend([
+        "--http-tls-cert",
+        path_str(&certificates.server_cert),
+        "--http-tls-key",
+        path_str(&certificates.server_key),
+        "--http-tls-client-ca",
+        path_str(&certificates.ca),
+    ]);
+    let server = Server::start(&args);
+    let over_tls = |client_certificate: bool| {
+        let mut tls = format!(
+            "proxy_ssl_verify on;\n    proxy_ssl_trusted_certificate {};\n    \
+             proxy_ssl_name localhost;\n",
+            path_str(&certificates.ca)
+        );
+        if client_certificate {
+            tls.push_str(&format!(
+                "    proxy_ssl_certificate {};\n    proxy_ssl_certificate_key {};\n",
+                path_str(&certificates.client_cert),
+                path_str(&certificates.client_key)
+            ));
+        }
+        let front = snippet.replace(
+            "proxy_pass http://127.0.0.1:8080/v1/forward-auth/api;\n",
+            &format!(
+                "proxy_pass https://{}/v1/forward-auth/api;\n    {tls}",
+                server.http
+            ),
+        );
+        assert_ne!(
+            front, snippet,
+            "the snippet's proxy_pass to tollgate is where it was"
+        );
+        Nginx::start(&format!(
+            "  upstream app {{ server unix:ROOT/app.sock; }}\n\
+             server {{ listen unix:ROOT/app.sock; location / {{ return 200 \"app\\n\"; }} }}\n\
+             server {{\n  listen LISTEN;\n{front}\n}}"
+        ))
+    };
+
+    let nginx = over_tls(true);
+    let get = |nginx: &Nginx| request(nginx.addr, "GET", "/orders", &[("X-User-Id", "u1")], "");
+    for n in 0..10 {
+        let answer = get(&nginx);
+        assert_eq!(answer.status, 200, "request {n}: {answer:?}");
+        assert!(answer.header("ratelimit").is_some(), "{answer:?}");
+    }
+    assert_eq!(
+        get(&nginx).status,
+        429,
+        "the demo's per-user burst is spent"
+    );
+
+    let anonymous = over_tls(false);
+    let answer = get(&anonymous);
+    assert_eq!(
+        answer.status, 500,
+        "refused without a certificate: {answer:?}"
+    );
+}

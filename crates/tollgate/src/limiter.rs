@@ -216,6 +216,7 @@ mod tests {
 
     use super::RateLimiter;
     use crate::clock::{Clock, ManualClock, MonotonicClock};
+    use crate::decision::Decision;
     use crate::error::Error;
     use crate::limit::Limit;
 
@@ -242,18 +243,28 @@ mod tests {
         }
     }
 
+    /// `wait_n` of `cost` on key `k` with `patience`, sleeping on `clock`: what it returned
+    /// and the sleeps it asked for.
+    async fn wait_on(
+        limiter: &RateLimiter<Box<str>, ManualClock>,
+        clock: &ManualClock,
+        cost: u64,
+        patience: Duration,
+    ) -> (Decision, Vec<Duration>) {
+        let mut asked = Vec::new();
+        let decision = limiter
+            .wait_n("k", cost, patience, sleeper(clock, &mut asked))
+            .await
+            .unwrap();
+        (decision, asked)
+    }
+
     #[tokio::test]
     async fn a_token_there_is_taken_without_sleeping() {
         let clock = ManualClock::new();
-        let limiter = RateLimiter::new(
-            Limit::new(2, "10/s".parse().unwrap()).unwrap(),
-            clock.clone(),
-        );
-        let mut asked = Vec::new();
-        let decision = limiter
-            .wait_n("k", 2, Duration::ZERO, sleeper(&clock, &mut asked))
-            .await
-            .unwrap();
+        let limit = Limit::new(2, "10/s".parse().unwrap()).unwrap();
+        let limiter = RateLimiter::new(limit, clock.clone());
+        let (decision, asked) = wait_on(&limiter, &clock, 2, Duration::ZERO).await;
         assert!(decision.allowed());
         assert!(asked.is_empty());
         assert!(
@@ -265,11 +276,7 @@ mod tests {
     #[tokio::test]
     async fn sleeps_exactly_until_the_tokens_are_there_then_takes_them() {
         let (limiter, clock) = drained();
-        let mut asked = Vec::new();
-        let decision = limiter
-            .wait("k", Duration::MAX, sleeper(&clock, &mut asked))
-            .await
-            .unwrap();
+        let (decision, asked) = wait_on(&limiter, &clock, 1, Duration::MAX).await;
         assert!(decision.allowed());
         assert_eq!(asked, [TENTH]);
         assert_eq!(clock.now().as_nanos(), 100_000_000);
@@ -282,11 +289,7 @@ mod tests {
     #[tokio::test]
     async fn a_wait_ending_exactly_at_the_patience_is_waited() {
         let (limiter, clock) = drained();
-        let mut asked = Vec::new();
-        let decision = limiter
-            .wait("k", TENTH, sleeper(&clock, &mut asked))
-            .await
-            .unwrap();
+        let (decision, asked) = wait_on(&limiter, &clock, 1, TENTH).await;
         assert!(decision.allowed());
         assert_eq!(asked, [TENTH]);
     }
@@ -294,15 +297,8 @@ mod tests {
     #[tokio::test]
     async fn a_wait_past_the_patience_returns_the_rejection_at_once_and_charges_nothing() {
         let (limiter, clock) = drained();
-        let mut asked = Vec::new();
-        let decision = limiter
-            .wait(
-                "k",
-                TENTH - Duration::from_nanos(1),
-                sleeper(&clock, &mut asked),
-            )
-            .await
-            .unwrap();
+        let patience = TENTH - Duration::from_nanos(1);
+        let (decision, asked) = wait_on(&limiter, &clock, 1, patience).await;
         assert!(!decision.allowed());
         assert_eq!(decision.retry_after(), Some(TENTH));
         assert!(asked.is_empty(), "no sleep when it could not end in time");
