@@ -295,7 +295,7 @@ impl AsyncRead for Transport {
     ) -> Poll<io::Result<()>> {
         match self.get_mut() {
             Transport::Plain(stream) => Pin::new(stream).poll_read(cx, buf),
-            Transport::Tls(stream) => tls::read(stream, cx, buf),
+            Transport::Tls(stream) => over_tls::read(stream, cx, buf),
         }
     }
 }
@@ -309,7 +309,7 @@ impl AsyncWrite for Transport {
     ) -> Poll<io::Result<usize>> {
         match self.get_mut() {
             Transport::Plain(stream) => Pin::new(stream).poll_write(cx, buf),
-            Transport::Tls(stream) => tls::write(stream, cx, buf),
+            Transport::Tls(stream) => over_tls::write(stream, cx, buf),
         }
     }
 
@@ -321,7 +321,7 @@ impl AsyncWrite for Transport {
     ) -> Poll<io::Result<usize>> {
         match self.get_mut() {
             Transport::Plain(stream) => Pin::new(stream).poll_write_vectored(cx, bufs),
-            Transport::Tls(stream) => tls::write_vectored(stream, cx, bufs),
+            Transport::Tls(stream) => over_tls::write_vectored(stream, cx, bufs),
         }
     }
 
@@ -337,7 +337,7 @@ impl AsyncWrite for Transport {
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
             Transport::Plain(stream) => Pin::new(stream).poll_flush(cx),
-            Transport::Tls(stream) => tls::flush(stream, cx),
+            Transport::Tls(stream) => over_tls::flush(stream, cx),
         }
     }
 
@@ -345,13 +345,13 @@ impl AsyncWrite for Transport {
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
             Transport::Plain(stream) => Pin::new(stream).poll_shutdown(cx),
-            Transport::Tls(stream) => tls::shutdown(stream, cx),
+            Transport::Tls(stream) => over_tls::shutdown(stream, cx),
         }
     }
 }
 
 /// [`Transport`]'s TLS side, out of line.
-mod tls {
+mod over_tls {
     use super::*;
 
     type Stream = tokio_rustls::server::TlsStream<TcpStream>;
