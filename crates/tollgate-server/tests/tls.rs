@@ -519,3 +519,53 @@ fn tollgate_bench_loads_tls_listeners_with_the_client_certificate_asked_for() {
     .expect_err("a certificate without the name");
     assert!(other_name.contains("TLS handshake"), "{other_name}");
 }
+
+/// A client that connects to a TLS port and says nothing, or starts its handshake and stops,
+/// is let go after the header timeout, as a silent plain client is; counted as a handshake
+/// that failed.
+#[test]
+fn a_client_silent_in_its_handshake_is_let_go_after_the_header_timeout() {
+    use std::io::Write;
+
+    let certificates = TestCertificates::generate("silent");
+    let (cert, key) = (
+        path_str(&certificates.server_cert),
+        path_str(&certificates.server_key),
+    );
+    let server = Server::start(&[
+        "--header-timeout",
+        "500ms",
+        "--grpc-tls-cert",
+        cert,
+        "--grpc-tls-key",
+        key,
+    ]);
+    let silent = TcpStream::connect(server.grpc).expect("connect");
+    // A TLS record header announcing a handshake message, and nothing after it.
+    let mut halfway = TcpStream::connect(server.grpc).expect("connect");
+    halfway
+        .write_all(&[0x16, 0x03, 0x01, 0x02, 0x00, 0x01])
+        .expect("start a handshake");
+    for mut stream in [silent, halfway] {
+        stream
+            .set_read_timeout(Some(Duration::from_secs(15)))
+            .expect("timeout");
+        let mut rest = Vec::new();
+        // Closed by the server: the read ends (rather than timing out) with nothing sent.
+        let read = stream.read_to_end(&mut rest);
+        assert!(
+            read.is_ok()
+                || read
+                    .as_ref()
+                    .is_err_and(|err| err.kind() == std::io::ErrorKind::ConnectionReset),
+            "still open: {read:?}"
+        );
+    }
+    let series = "tollgate_connections_closed_total{listener=\"grpc\",reason=\"tls_handshake\"}";
+    wait_for("both counted", || {
+        (support::metric(&server, series) >= 2.0).then_some(())
+    });
+    // The server serves on.
+    let answer = support::post_json(server.http, "/v1/check", CHECK);
+    assert_eq!(answer.status, 200, "{answer:?}");
+}
