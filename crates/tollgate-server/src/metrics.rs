@@ -97,6 +97,9 @@ pub const CONNECTIONS_OPEN: &str = "tollgate_connections_open";
 /// a request head or the HTTP/2 preface did not arrive in time; `idle`: the client sent
 /// nothing for the idle timeout; `tls_handshake`: the TLS handshake failed or was too slow).
 pub const CONNECTIONS_CLOSED: &str = "tollgate_connections_closed_total";
+/// When the certificate a TLS listener serves expires (its `notAfter`), in Unix seconds: label
+/// `listener`.
+pub const TLS_EXPIRY: &str = "tollgate_tls_certificate_expiry_timestamp_seconds";
 /// Looks at a TLS listener's certificate files that found them changed: labels `listener`,
 /// `result` (`reloaded`: in force for new connections; `refused`: unusable, the certificate in
 /// force stays).
@@ -162,6 +165,7 @@ pub const ALL: &[&str] = &[
     CONNECTIONS_OPEN,
     CONNECTIONS_CLOSED,
     TLS_RELOADS,
+    TLS_EXPIRY,
     RLQS_STREAMS,
     RLQS_REPORTED,
     RLQS_ANSWERS,
@@ -326,6 +330,10 @@ fn describe() {
     describe_counter!(
         TLS_RELOADS,
         "TLS certificate files found changed, by listener and result."
+    );
+    describe_gauge!(
+        TLS_EXPIRY,
+        "When the certificate a TLS listener serves expires, in Unix seconds."
     );
     describe_gauge!(RLQS_STREAMS, "RLQS streams open now.");
     describe_counter!(
@@ -798,6 +806,14 @@ pub(crate) fn refresh_connections(connections: &Connections) {
         (Listener::Grpc, &connections.grpc),
     ] {
         gauge!(CONNECTIONS_OPEN, "listener" => listener.as_str()).set(gate.open() as f64);
+    }
+    for (listener, tls) in [
+        (Listener::Http, &connections.http_tls),
+        (Listener::Grpc, &connections.grpc_tls),
+    ] {
+        if let Some(expires) = tls.as_ref().and_then(|tls| tls.expires()) {
+            gauge!(TLS_EXPIRY, "listener" => listener.as_str()).set(expires as f64);
+        }
     }
 }
 

@@ -139,6 +139,9 @@ pub struct ListenerTls {
 #[derive(Debug)]
 struct Current {
     config: Arc<ServerConfig>,
+    /// When the certificate in force expires, in Unix seconds (`None`: not readable as X.509,
+    /// which rustls does not need it to be).
+    expires: Option<i64>,
     made_from: Contents,
     /// What the last look refused, so that files left broken are reported once, not at every
     /// look.
@@ -195,12 +198,13 @@ impl ListenerTls {
 
     fn load(files: TlsFiles, alpn: Alpn) -> Result<Self, TlsError> {
         let contents = read(&files)?;
-        let config = make(&files, &contents, alpn)?;
+        let (config, expires) = make(&files, &contents, alpn)?;
         Ok(Self {
             files,
             alpn,
             current: Mutex::new(Current {
                 config,
+                expires,
                 made_from: contents,
                 refused: None,
             }),
@@ -210,6 +214,12 @@ impl ListenerTls {
     /// The files this TLS is made from.
     pub fn files(&self) -> &TlsFiles {
         &self.files
+    }
+
+    /// When the certificate in force expires (its `notAfter`), in Unix seconds: what an alert
+    /// on a renewal that never came watches.
+    pub fn expires(&self) -> Option<i64> {
+        self.current.lock().expires
     }
 
     /// The listener this TLS is for.
@@ -266,8 +276,9 @@ impl ListenerTls {
         let made = make(&self.files, &contents, self.alpn);
         let mut current = self.current.lock();
         match made {
-            Ok(config) => {
+            Ok((config, expires)) => {
                 current.config = config;
+                current.expires = expires;
                 current.made_from = contents;
                 current.refused = None;
                 Reload::Reloaded
@@ -356,8 +367,18 @@ fn certificates(path: &Path, pem: &[u8]) -> Result<Vec<CertificateDer<'static>>,
     Ok(certificates)
 }
 
-fn make(files: &TlsFiles, contents: &Contents, alpn: Alpn) -> Result<Arc<ServerConfig>, TlsError> {
+/// The settings made from `contents`, and when their certificate expires.
+fn make(
+    files: &TlsFiles,
+    contents: &Contents,
+    alpn: Alpn,
+) -> Result<(Arc<ServerConfig>, Option<i64>), TlsError> {
     let chain = certificates(&files.cert, &contents.cert)?;
+    let expires = chain.first().and_then(|leaf| {
+        x509_parser::parse_x509_certificate(leaf)
+            .ok()
+            .map(|(_, parsed)| parsed.validity().not_after.timestamp())
+    });
     let key = PrivateKeyDer::from_pem_slice(&contents.key).map_err(|_| TlsError::NoKey {
         path: files.key.clone(),
     })?;
@@ -384,7 +405,7 @@ fn make(files: &TlsFiles, contents: &Contents, alpn: Alpn) -> Result<Arc<ServerC
                 source,
             })?;
     config.alpn_protocols = vec![alpn.protocol().to_vec()];
-    Ok(Arc::new(config))
+    Ok((Arc::new(config), expires))
 }
 
 /// Requires every client to present a certificate signed by an authority in `pem`.
@@ -530,6 +551,36 @@ mod tests {
         // Mended: in force.
         files.put(&second.server_cert, &second.server_key);
         assert!(matches!(files.tls.reload_if_changed(), Reload::Reloaded));
+    }
+
+    #[test]
+    fn the_certificate_in_force_says_when_it_expires() {
+        use rcgen::{CertificateParams, KeyPair, date_time_ymd};
+
+        let dir = std::env::temp_dir().join(format!("tollgate-tls-expiry-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let write = |expires: (i32, u8, u8)| {
+            let mut params = CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
+            params.not_after = date_time_ymd(expires.0, expires.1, expires.2);
+            let key = KeyPair::generate().unwrap();
+            let cert = params.self_signed(&key).unwrap();
+            std::fs::write(dir.join("cert.pem"), cert.pem()).unwrap();
+            std::fs::write(dir.join("key.pem"), key.serialize_pem()).unwrap();
+        };
+        write((2031, 5, 17));
+        let tls = ListenerTls::for_grpc(TlsFiles {
+            cert: dir.join("cert.pem"),
+            key: dir.join("key.pem"),
+            client_ca: None,
+        })
+        .unwrap();
+        // 2031-05-17T00:00:00Z.
+        assert_eq!(tls.expires(), Some(1_936_742_400));
+        // Renewed: the new certificate's date, once in force.
+        write((2032, 1, 1));
+        assert!(matches!(tls.reload_if_changed(), Reload::Reloaded));
+        assert_eq!(tls.expires(), Some(1_956_528_000));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -239,6 +239,16 @@ async fn https_and_grpc_over_tls_decide_as_in_plain_and_plain_clients_are_refuse
             ),
         )
     };
+    // Each listener's certificate expires when rcgen's do by default: 4096-01-01T00:00:00Z.
+    for listener in ["http", "grpc"] {
+        let series =
+            format!("tollgate_tls_certificate_expiry_timestamp_seconds{{listener=\"{listener}\"}}");
+        assert_eq!(
+            metric_over_tls(server.http, &http_client, &series),
+            67_090_118_400.0,
+            "{series}"
+        );
+    }
     wait_for("the HTTP listener's handshakes refused, counted", || {
         (refusals("http") >= 2.0).then_some(())
     });
