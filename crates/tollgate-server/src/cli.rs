@@ -396,6 +396,22 @@ pub struct ServeArgs {
     /// says which are written (default `info`).
     #[arg(long, env = "TOLLGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+    /// Send a span for each request answered to this OpenTelemetry collector, over OTLP/gRPC
+    /// (`http://127.0.0.1:4317`; `https://` checks the collector against the system's
+    /// authorities). A request carrying a W3C `traceparent` (Envoy's, when it traces) gets a
+    /// span in its caller's trace, sampled as the caller's was. Off without it.
+    #[arg(long, env = "TOLLGATE_TRACE_ENDPOINT", value_name = "URL")]
+    pub trace_endpoint: Option<String>,
+    /// The share of requests without a trace context that start a trace of their own (a
+    /// caller's sampled trace is always followed): `0` to `1`, or `0%` to `100%`.
+    #[arg(
+        long,
+        env = "TOLLGATE_TRACE_SAMPLE_RATIO",
+        value_name = "RATIO",
+        default_value = "1",
+        requires = "trace_endpoint"
+    )]
+    pub trace_sample_ratio: crate::traces::SampleRatio,
 }
 
 /// How `tollgate serve` spreads requests over its threads.
@@ -1110,8 +1126,16 @@ pub async fn serve(
         Some(url) => Some(Arc::new(global_shares(&args, url, &engine).await?)),
         None => None,
     };
+    let traces = match &args.trace_endpoint {
+        Some(endpoint) => Some(Arc::new(
+            crate::traces::Traces::start(endpoint, args.trace_sample_ratio)
+                .map_err(|err| anyhow!("{err}"))?,
+        )),
+        None => None,
+    };
     let mut decider = Decider::new(Arc::clone(&engine), backend)
-        .with_hot_keys(args.hot_keys, args.hot_keys_window);
+        .with_hot_keys(args.hot_keys, args.hot_keys_window)
+        .with_traces(traces.is_some());
     if let Some(shares) = &shares {
         decider = decider.with_global(Arc::clone(shares));
     }
@@ -1164,6 +1188,7 @@ pub async fn serve(
         AppState::new(Arc::clone(&decider), metrics, http_options)
             .with_connection_limits(limits)
             .with_tls(http_tls.clone(), grpc_tls.clone())
+            .with_traces(traces.clone())
             .with_rlqs(RlqsOptions {
                 abandon_after: args.rlqs_abandon_after,
                 max_buckets: args.rlqs_max_buckets as usize,
@@ -1264,6 +1289,11 @@ pub async fn serve(
         if returned > 0 {
             tracing::info!(batches = returned, "gave back the unused tokens of batches");
         }
+    }
+    // The last requests' spans go out before the process does. Waiting on the collector
+    // blocks, so off this runtime's thread.
+    if let Some(traces) = traces {
+        let _ = tokio::task::spawn_blocking(move || traces.shutdown()).await;
     }
     Ok(())
 }

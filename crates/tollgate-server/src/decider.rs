@@ -82,6 +82,8 @@ pub struct Decider {
     hot_keys: HotKeys,
     /// The shares of global limits, with `--global-store`.
     global: Option<Arc<Shares>>,
+    /// Whether decisions are written on the spans of the requests they answer.
+    traced: bool,
 }
 
 impl Decider {
@@ -93,7 +95,16 @@ impl Decider {
             clock: MonotonicClock::new(),
             hot_keys: HotKeys::new(DEFAULT_HOT_KEYS, hot_keys::DEFAULT_WINDOW),
             global: None,
+            traced: false,
         }
+    }
+
+    /// The same decider, writing what each decision said on the span of the request it
+    /// answers (see [`crate::traces`]) when `traced`.
+    #[must_use]
+    pub fn with_traces(mut self, traced: bool) -> Self {
+        self.traced = traced;
+        self
     }
 
     /// The same decider, deciding the buckets of `scope: global` limits from `shares`.
@@ -166,7 +177,18 @@ impl Decider {
         if let Ok(outcome) = &outcome {
             self.hot_keys.record(now, outcome);
         }
+        self.trace(request.domain, &outcome);
         outcome
+    }
+
+    /// Writes `outcome` on the span of the request it answers, when traces are sent.
+    fn trace(&self, domain: &str, outcome: &Result<Outcome, DecideError>) {
+        if self.traced {
+            match outcome {
+                Ok(outcome) => crate::traces::record_outcome(domain, self.backend.name(), outcome),
+                Err(err) => crate::traces::record_error(domain, err),
+            }
+        }
     }
 
     /// What [`decide`](Self::decide) would answer, charging nothing.
@@ -193,7 +215,7 @@ impl Decider {
         &self,
         request: &Request<'_, D>,
     ) -> Result<Outcome, DecideError> {
-        match self.run(request, false).await {
+        let outcome = match self.run(request, false).await {
             Err(DecideError::Unavailable(reason)) => self
                 .engine
                 .explain_degraded(
@@ -204,7 +226,9 @@ impl Decider {
                 )
                 .map_err(refused),
             other => other,
-        }
+        };
+        self.trace(request.domain, &outcome);
+        outcome
     }
 
     /// Settles a reservation: `request` as it was checked (its cost the most it could cost,

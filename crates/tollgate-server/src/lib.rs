@@ -60,6 +60,7 @@ pub mod rlqs;
 pub mod rls;
 pub mod simulate;
 pub mod tls;
+pub mod traces;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -405,6 +406,7 @@ where
         grpc,
         limits,
         state.connections.grpc_tls.clone(),
+        state.traces.clone(),
         stopped.clone(),
     );
     let http_server = http::listener::serve(state, http, stopped);

@@ -104,6 +104,9 @@ pub const TLS_EXPIRY: &str = "tollgate_tls_certificate_expiry_timestamp_seconds"
 /// `result` (`reloaded`: in force for new connections; `refused`: unusable, the certificate in
 /// force stays).
 pub const TLS_RELOADS: &str = "tollgate_tls_reloads_total";
+/// Spans of `--trace-endpoint` the collector was sent: label `result` (`sent`: it took them;
+/// `failed`: the export failed after its retries, and they are lost).
+pub const TRACE_SPANS: &str = "tollgate_trace_spans_exported_total";
 /// RLQS streams open now (Envoys connected for quota assignments).
 pub const RLQS_STREAMS: &str = "tollgate_rlqs_streams";
 /// Requests RLQS clients reported deciding themselves: label `result` (`allowed`, `denied`).
@@ -166,6 +169,7 @@ pub const ALL: &[&str] = &[
     CONNECTIONS_CLOSED,
     TLS_RELOADS,
     TLS_EXPIRY,
+    TRACE_SPANS,
     RLQS_STREAMS,
     RLQS_REPORTED,
     RLQS_ANSWERS,
@@ -334,6 +338,10 @@ fn describe() {
     describe_gauge!(
         TLS_EXPIRY,
         "When the certificate a TLS listener serves expires, in Unix seconds."
+    );
+    describe_counter!(
+        TRACE_SPANS,
+        "Spans sent to the trace collector, by result (sent, failed)."
     );
     describe_gauge!(RLQS_STREAMS, "RLQS streams open now.");
     describe_counter!(
@@ -776,6 +784,11 @@ pub(crate) fn record_connection_closed(listener: Listener, reason: Closed) {
 /// Counts a look at a TLS listener's files that found them changed (`reloaded` or `refused`).
 pub(crate) fn record_tls_reload(listener: Listener, result: &'static str) {
     counter!(TLS_RELOADS, "listener" => listener.as_str(), "result" => result).increment(1);
+}
+
+/// Counts `spans` exported to the trace collector (`sent` or `failed`).
+pub(crate) fn record_trace_export(result: &'static str, spans: usize) {
+    counter!(TRACE_SPANS, "result" => result).increment(spans as u64);
 }
 
 /// Sets the shared store's breaker gauge; called on scrape.

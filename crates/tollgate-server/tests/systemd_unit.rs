@@ -176,6 +176,15 @@ fn as_the_unit_starts_it(scratch: &Scratch, policy: &Path, wrapper: &[&str]) -> 
                 audit.to_str().expect("a UTF-8 path").to_owned()
             }
             "TOLLGATE_LOG" => "warn".to_owned(),
+            // A port nothing listens on (taken, then let go), rather than whatever may
+            // listen on the collector's usual port here: spans go nowhere, the way there is
+            // still taken (and at the stop, the last batch tried).
+            "TOLLGATE_TRACE_ENDPOINT" => {
+                let free = std::net::TcpListener::bind("127.0.0.1:0")
+                    .and_then(|listener| listener.local_addr())
+                    .expect("a free port");
+                format!("http://{free}")
+            }
             _ => value,
         };
         command.env(name, value);

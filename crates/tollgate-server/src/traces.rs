@@ -1,0 +1,564 @@
+//! Traces: a span for each request the server answers, joined to its caller's trace and sent
+//! to an OpenTelemetry collector over OTLP/gRPC (`--trace-endpoint`).
+//!
+//! Why: a request that was slow or refused is investigated from its trace, and the rate-limit
+//! call belongs inside it: which API, how long it took, which limits applied and which one
+//! said no. Envoy sends its trace context with every Rate Limit Service call once it traces
+//! (W3C `traceparent` from its OpenTelemetry tracer, B3's `x-b3-*` from its Zipkin tracer),
+//! and so can any HTTP client; tollgate's span becomes the child of the caller's, and is kept
+//! or dropped as the caller's trace was sampled. A request without a trace context starts a trace of its own, sampled at
+//! `--trace-sample-ratio`.
+//!
+//! Nothing here runs unless traces are asked for: the request paths look at one `Option`, and
+//! the HTTP router gains its tracing layer only then. Spans are sent in batches from a thread
+//! of the SDK's own, through a gRPC channel driven by a small runtime of this module's, so a
+//! slow or absent collector never holds a request: spans past the batch queue are dropped, and
+//! the SDK logs the failed exports.
+
+use std::borrow::Cow;
+use std::time::Duration;
+
+use http::HeaderMap;
+use opentelemetry::propagation::TextMapCompositePropagator;
+use opentelemetry::propagation::{Extractor, TextMapPropagator};
+use opentelemetry::trace::{
+    SpanContext, SpanId, SpanKind, Status, TraceContextExt, TraceFlags, TraceId, TraceState,
+    Tracer, TracerProvider as _, get_active_span,
+};
+use opentelemetry::{Context, KeyValue, Value};
+use opentelemetry_otlp::{WithExportConfig, WithTonicConfig};
+use opentelemetry_sdk::Resource;
+use opentelemetry_sdk::error::OTelSdkResult;
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry_sdk::trace::{Sampler, SdkTracer, SdkTracerProvider, SpanData, SpanExporter};
+use tollgate_policy::Outcome;
+
+/// How long a stop waits for the spans still queued to reach the collector.
+const FLUSH_AT_STOP: Duration = Duration::from_secs(5);
+
+/// Why traces could not be set up.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TracesError {
+    /// The endpoint is not an `http://` or `https://` URL.
+    #[error(
+        "--trace-endpoint {endpoint:?} is not an http:// or https:// URL of an OTLP/gRPC collector"
+    )]
+    Endpoint {
+        /// The endpoint given.
+        endpoint: String,
+    },
+    /// The exporter's runtime could not start.
+    #[error("cannot start the runtime that sends traces: {0}")]
+    Runtime(std::io::Error),
+    /// The exporter refused its configuration.
+    #[error("cannot send traces to {endpoint}: {source}")]
+    Exporter {
+        /// The endpoint given.
+        endpoint: String,
+        /// The exporter's reason.
+        source: opentelemetry_otlp::ExporterBuildError,
+    },
+}
+
+/// The share of requests without a trace context of their own that start a sampled trace: from
+/// 0 (none; only callers' sampled traces are followed) to 1 (all).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SampleRatio(f64);
+
+impl SampleRatio {
+    /// Every such request.
+    pub const ALL: SampleRatio = SampleRatio(1.0);
+}
+
+impl std::str::FromStr for SampleRatio {
+    type Err = String;
+
+    /// A number from 0 to 1 (`0.01`), or a percentage (`1%`).
+    fn from_str(text: &str) -> Result<Self, String> {
+        let (number, scale) = match text.strip_suffix('%') {
+            Some(number) => (number, 100.0),
+            None => (text, 1.0),
+        };
+        let ratio = number
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .map(|n| n / scale)
+            .filter(|r| (0.0..=1.0).contains(r))
+            .ok_or_else(|| format!("{text:?} is not a ratio from 0 to 1 (0.01) or 0% to 100%"))?;
+        Ok(SampleRatio(ratio))
+    }
+}
+
+/// The server's tracer: where spans start, and the pipeline that sends them.
+pub struct Traces {
+    tracer: SdkTracer,
+    /// Reads a caller's trace context: B3 (single or multiple headers), then W3C's, which
+    /// wins when a caller sends both.
+    propagator: TextMapCompositePropagator,
+    provider: SdkTracerProvider,
+    /// Drives the exporter's gRPC channel, apart from the runtimes that serve requests.
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+impl std::fmt::Debug for Traces {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Traces").finish_non_exhaustive()
+    }
+}
+
+impl Traces {
+    /// Sends spans to the OTLP/gRPC collector at `endpoint` (`http://collector:4317`, or
+    /// `https://` with the system's authorities). The service is named `tollgate` unless
+    /// `OTEL_SERVICE_NAME` (or `service.name` in `OTEL_RESOURCE_ATTRIBUTES`) says otherwise;
+    /// `OTEL_EXPORTER_OTLP_HEADERS` adds headers (a vendor's API key), and the `OTEL_BSP_*`
+    /// variables size the batches, as in every OpenTelemetry SDK.
+    ///
+    /// # Errors
+    ///
+    /// [`TracesError`] for an endpoint that is no URL, or an exporter that cannot be made.
+    pub fn start(endpoint: &str, ratio: SampleRatio) -> Result<Self, TracesError> {
+        let https = match endpoint.split_once("://") {
+            Some(("http", rest)) if !rest.is_empty() => false,
+            Some(("https", rest)) if !rest.is_empty() => true,
+            _ => {
+                return Err(TracesError::Endpoint {
+                    endpoint: endpoint.to_owned(),
+                });
+            }
+        };
+        // One worker: the channel's connection and its batches are all it runs.
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("tollgate-traces")
+            .enable_all()
+            .build()
+            .map_err(TracesError::Runtime)?;
+        let mut exporter = opentelemetry_otlp::SpanExporter::builder()
+            .with_tonic()
+            .with_endpoint(endpoint);
+        if https {
+            exporter = exporter
+                .with_tls_config(tonic::transport::ClientTlsConfig::new().with_native_roots());
+        }
+        // The channel is made (and its connection task spawned) on the runtime that drives it.
+        let exporter = {
+            let _inside = runtime.enter();
+            exporter.build()
+        }
+        .map_err(|source| TracesError::Exporter {
+            endpoint: endpoint.to_owned(),
+            source,
+        })?;
+        let provider = SdkTracerProvider::builder()
+            .with_batch_exporter(Counted(exporter))
+            .with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
+                ratio.0,
+            ))))
+            .with_resource(resource())
+            .build();
+        let tracer = provider.tracer("tollgate");
+        let propagator = TextMapCompositePropagator::new(vec![
+            Box::new(B3),
+            Box::new(TraceContextPropagator::new()),
+        ]);
+        Ok(Self {
+            tracer,
+            propagator,
+            provider,
+            runtime: Some(runtime),
+        })
+    }
+
+    /// A server span named `name` for a request whose headers are `headers`: the child of
+    /// the trace context they carry, if any. The context returned holds it; the span ends
+    /// when the last clone of that context is dropped.
+    pub(crate) fn server_span(
+        &self,
+        name: impl Into<Cow<'static, str>>,
+        headers: &HeaderMap,
+        attributes: Vec<KeyValue>,
+    ) -> Context {
+        let parent = self.propagator.extract(&Headers(headers));
+        let span = self
+            .tracer
+            .span_builder(name)
+            .with_kind(SpanKind::Server)
+            .with_attributes(attributes)
+            .start_with_context(&self.tracer, &parent);
+        parent.with_span(span)
+    }
+
+    /// Sends the spans still queued (waiting at most a few seconds for the collector); spans
+    /// that end later are not sent. Blocks: call it once serving is over, off a serving
+    /// runtime's thread.
+    pub fn shutdown(&self) {
+        if let Err(err) = self.provider.shutdown_with_timeout(FLUSH_AT_STOP) {
+            tracing::warn!(error = %err, "traces still queued at the stop were not all sent");
+        }
+    }
+}
+
+impl Drop for Traces {
+    fn drop(&mut self) {
+        // A runtime must not be dropped where blocking is not allowed, which is wherever the
+        // last reference to this may go.
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+/// An exporter whose batches are counted as they go (`tollgate_trace_spans_exported_total`), so
+/// that traces that stopped reaching the collector show on a dashboard, not in logs alone.
+#[derive(Debug)]
+struct Counted<E>(E);
+
+impl<E: SpanExporter> SpanExporter for Counted<E> {
+    async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
+        let spans = batch.len();
+        let result = self.0.export(batch).await;
+        let label = if result.is_ok() { "sent" } else { "failed" };
+        crate::metrics::record_trace_export(label, spans);
+        result
+    }
+
+    fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
+        self.0.shutdown_with_timeout(timeout)
+    }
+
+    fn force_flush(&self) -> OTelSdkResult {
+        self.0.force_flush()
+    }
+
+    fn set_resource(&mut self, resource: &Resource) {
+        self.0.set_resource(resource);
+    }
+}
+
+/// The resource every span names: the service, and its version.
+fn resource() -> Resource {
+    let detected = Resource::builder().build();
+    let named = detected
+        .get(&opentelemetry::Key::from_static_str("service.name"))
+        .is_some_and(|name| !name.as_str().starts_with("unknown_service"));
+    let mut resource = Resource::builder()
+        .with_attribute(KeyValue::new("service.version", env!("CARGO_PKG_VERSION")));
+    if !named {
+        resource = resource.with_service_name("tollgate");
+    }
+    resource.build()
+}
+
+/// A request's headers, as the propagator reads them.
+struct Headers<'a>(&'a HeaderMap);
+
+impl Extractor for Headers<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).and_then(|value| value.to_str().ok())
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0.keys().map(http::HeaderName::as_str).collect()
+    }
+}
+
+/// Zipkin's B3 trace context, read (never written: tollgate calls no one on a request's
+/// behalf): the single `b3` header (`{trace}-{span}[-{sampled}[-{parent}]]`), else the
+/// `x-b3-*` headers, as Envoy's Zipkin tracer sends them. Written here because the one crate
+/// that reads it is deprecated with the Zipkin exporter it comes in.
+#[derive(Debug)]
+struct B3;
+
+impl B3 {
+    /// The caller's span, if the headers name a valid one.
+    fn span_context(extractor: &dyn Extractor) -> Option<SpanContext> {
+        let (trace, span, sampling) = match extractor.get("b3") {
+            Some(single) => {
+                let mut parts = single.split('-');
+                (parts.next()?, parts.next()?, parts.next())
+            }
+            None => (
+                extractor.get("x-b3-traceid")?,
+                extractor.get("x-b3-spanid")?,
+                // Debug (`x-b3-flags: 1`) means sampled.
+                match extractor.get("x-b3-flags") {
+                    Some("1") => Some("d"),
+                    _ => extractor.get("x-b3-sampled"),
+                },
+            ),
+        };
+        let lower_hex = |id: &str, lens: &[usize]| {
+            lens.contains(&id.len()) && id.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+        };
+        if !lower_hex(trace, &[16, 32]) || !lower_hex(span, &[16]) {
+            return None;
+        }
+        // A 64-bit trace id is the low half of a 128-bit one.
+        let trace = TraceId::from_hex(trace).ok()?;
+        let span = SpanId::from_hex(span).ok()?;
+        // No sampling state: deferred to the receiver, which has no way to take it up as the
+        // child of a remote span; taken as not sampled, as OpenTelemetry's B3 readers do.
+        let flags = match sampling {
+            Some("1" | "d" | "true") => TraceFlags::SAMPLED,
+            _ => TraceFlags::default(),
+        };
+        let context = SpanContext::new(trace, span, flags, true, TraceState::default());
+        context.is_valid().then_some(context)
+    }
+}
+
+impl TextMapPropagator for B3 {
+    fn inject_context(&self, _: &Context, _: &mut dyn opentelemetry::propagation::Injector) {}
+
+    fn extract_with_context(&self, cx: &Context, extractor: &dyn Extractor) -> Context {
+        match Self::span_context(extractor) {
+            Some(span) => cx.with_remote_span_context(span),
+            None => cx.clone(),
+        }
+    }
+
+    fn fields(&self) -> opentelemetry::propagation::text_map_propagator::FieldIter<'_> {
+        const FIELDS: [String; 0] = [];
+        opentelemetry::propagation::text_map_propagator::FieldIter::new(&FIELDS)
+    }
+}
+
+/// Writes what a decision said on the span of the request being answered (the active one):
+/// the domain, the policy version, the limits that applied and the ones that rejected, by name
+/// (never their keys or the descriptors' values, which identify users).
+pub(crate) fn record_outcome(domain: &str, store: &'static str, outcome: &Outcome) {
+    get_active_span(|span| {
+        // Shadow limits' rejections included: `tollgate.result` says whether the request passed.
+        let names = |rejecting_only: bool| -> Value {
+            let names: Vec<opentelemetry::StringValue> = outcome
+                .limits
+                .iter()
+                .filter(|limit| {
+                    !rejecting_only
+                        || limit
+                            .decision
+                            .as_ref()
+                            .is_some_and(|decision| !decision.allowed())
+                })
+                .map(|limit| limit.name.to_string().into())
+                .collect();
+            Value::Array(names.into())
+        };
+        let result = if outcome.failed_closed {
+            "failed_closed"
+        } else if outcome.limits.is_empty() {
+            "unmatched"
+        } else if outcome.allowed {
+            "allowed"
+        } else {
+            "rejected"
+        };
+        span.set_attributes([
+            KeyValue::new("tollgate.domain", domain.to_owned()),
+            KeyValue::new("tollgate.store", store),
+            KeyValue::new(
+                "tollgate.policy_version",
+                outcome.policy_version.to_string(),
+            ),
+            KeyValue::new("tollgate.result", result),
+            KeyValue::new("tollgate.degraded", outcome.degraded),
+            KeyValue::new("tollgate.limits", names(false)),
+            KeyValue::new("tollgate.limits_rejecting", names(true)),
+        ]);
+    });
+}
+
+/// Writes on the active span why a request could not be decided.
+pub(crate) fn record_error(domain: &str, error: &dyn std::fmt::Display) {
+    get_active_span(|span| {
+        span.set_attributes([
+            KeyValue::new("tollgate.domain", domain.to_owned()),
+            KeyValue::new("tollgate.result", "error"),
+        ]);
+        span.set_status(Status::error(error.to_string()));
+    });
+}
+
+/// Ends an HTTP request's span with its status: an error for a 5xx (the server's failure),
+/// unset otherwise, since a 4xx is the client's (OpenTelemetry's HTTP conventions).
+pub(crate) fn end_http(context: &Context, status: http::StatusCode) {
+    let span = context.span();
+    span.set_attribute(KeyValue::new(
+        "http.response.status_code",
+        i64::from(status.as_u16()),
+    ));
+    if status.is_server_error() {
+        span.set_status(Status::error(status.canonical_reason().unwrap_or("")));
+    }
+}
+
+/// Ends a gRPC call's span with its `grpc-status`: an error for the codes that are the
+/// server's failure (OpenTelemetry's RPC conventions for servers).
+pub(crate) fn end_grpc(context: &Context, code: i64) {
+    let span = context.span();
+    span.set_attribute(KeyValue::new("rpc.grpc.status_code", code));
+    // UNKNOWN, DEADLINE_EXCEEDED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE, DATA_LOSS.
+    if matches!(code, 2 | 4 | 12 | 13 | 14 | 15) {
+        span.set_status(Status::error(format!("grpc-status {code}")));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ratios_are_numbers_from_zero_to_one_or_percentages() {
+        assert_eq!("0.25".parse(), Ok(SampleRatio(0.25)));
+        assert_eq!("1".parse(), Ok(SampleRatio::ALL));
+        assert_eq!("0".parse(), Ok(SampleRatio(0.0)));
+        assert_eq!("5%".parse(), Ok(SampleRatio(0.05)));
+        assert_eq!("100%".parse(), Ok(SampleRatio::ALL));
+        for bad in ["", "-0.1", "1.5", "101%", "half", "NaN", "inf", "%"] {
+            assert!(bad.parse::<SampleRatio>().is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn an_endpoint_must_be_an_http_or_https_url() {
+        for bad in ["collector:4317", "grpc://collector:4317", "http://", ""] {
+            assert!(
+                matches!(
+                    Traces::start(bad, SampleRatio::ALL),
+                    Err(TracesError::Endpoint { .. })
+                ),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn b3_contexts_are_read_in_both_forms() {
+        let read = |headers: &[(&str, &str)]| {
+            let map: HeaderMap = headers
+                .iter()
+                .map(|(k, v)| (k.parse::<http::HeaderName>().unwrap(), v.parse().unwrap()))
+                .collect();
+            B3::span_context(&Headers(&map)).map(|c| {
+                (
+                    c.trace_id().to_string(),
+                    c.span_id().to_string(),
+                    c.is_sampled(),
+                )
+            })
+        };
+        let trace = "463ac35c9f6413ad48485a3953bb6124";
+        let span = "a2fb4a1d1a96d312";
+        let full = |sampled| Some((trace.to_owned(), span.to_owned(), sampled));
+        let multi = |sampled: &str| {
+            read(&[
+                ("x-b3-traceid", trace),
+                ("x-b3-spanid", span),
+                ("x-b3-sampled", sampled),
+            ])
+        };
+        assert_eq!(multi("1"), full(true));
+        assert_eq!(multi("0"), full(false));
+        assert_eq!(
+            read(&[
+                ("x-b3-traceid", trace),
+                ("x-b3-spanid", span),
+                ("x-b3-flags", "1")
+            ]),
+            full(true)
+        );
+        assert_eq!(
+            read(&[("x-b3-traceid", trace), ("x-b3-spanid", span)]),
+            full(false)
+        );
+        let single = format!("{trace}-{span}-1-05e3ac9a4f6e3b90");
+        assert_eq!(read(&[("b3", &single)]), full(true));
+        assert_eq!(read(&[("b3", &format!("{trace}-{span}"))]), full(false));
+        // A 64-bit trace id, padded.
+        assert_eq!(
+            read(&[("b3", "48485a3953bb6124-a2fb4a1d1a96d312-d")]),
+            Some((
+                "000000000000000048485a3953bb6124".to_owned(),
+                span.to_owned(),
+                true
+            ))
+        );
+        for bad in [
+            "0",
+            "48485A3953BB6124-a2fb4a1d1a96d312-1",
+            "48485a3953bb612-a2fb4a1d1a96d312-1",
+            "00000000000000000000000000000000-a2fb4a1d1a96d312-1",
+            "463ac35c9f6413ad48485a3953bb6124-0000000000000000-1",
+            "463ac35c9f6413ad48485a3953bb6124",
+        ] {
+            assert_eq!(read(&[("b3", bad)]), None, "{bad}");
+        }
+        assert_eq!(read(&[("x-b3-traceid", trace)]), None);
+    }
+
+    #[test]
+    fn a_span_is_the_child_of_the_callers_trace_context() {
+        let traces = Traces::start("http://127.0.0.1:9", SampleRatio(0.0)).unwrap();
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            "traceparent",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+                .parse()
+                .unwrap(),
+        );
+        let context = traces.server_span("POST /v1/check", &headers, Vec::new());
+        let span = context.span();
+        let ids = span.span_context();
+        assert_eq!(
+            ids.trace_id().to_string(),
+            "0af7651916cd43dd8448eb211c80319c"
+        );
+        assert_ne!(ids.span_id().to_string(), "b7ad6b7169203331");
+        // Sampled because the caller's was, though this server samples no trace of its own.
+        assert!(ids.is_sampled());
+
+        // The caller's trace unsampled: this span is not recorded either.
+        headers.insert(
+            "traceparent",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"
+                .parse()
+                .unwrap(),
+        );
+        let context = traces.server_span("POST /v1/check", &headers, Vec::new());
+        assert!(!context.span().span_context().is_sampled());
+        // Zipkin's B3, as Envoy's Zipkin tracer sends it.
+        let mut b3 = HeaderMap::new();
+        b3.insert(
+            "x-b3-traceid",
+            "463ac35c9f6413ad48485a3953bb6124".parse().unwrap(),
+        );
+        b3.insert("x-b3-spanid", "a2fb4a1d1a96d312".parse().unwrap());
+        b3.insert("x-b3-sampled", "1".parse().unwrap());
+        let context = traces.server_span("POST /v1/check", &b3, Vec::new());
+        let span = context.span();
+        assert_eq!(
+            span.span_context().trace_id().to_string(),
+            "463ac35c9f6413ad48485a3953bb6124"
+        );
+        assert!(span.span_context().is_sampled());
+        // Both: W3C's wins.
+        b3.insert(
+            "traceparent",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+                .parse()
+                .unwrap(),
+        );
+        let context = traces.server_span("POST /v1/check", &b3, Vec::new());
+        assert_eq!(
+            context.span().span_context().trace_id().to_string(),
+            "0af7651916cd43dd8448eb211c80319c"
+        );
+        // No context: a root of its own, sampled at the ratio (here none).
+        let context = traces.server_span("POST /v1/check", &HeaderMap::new(), Vec::new());
+        assert!(!context.span().span_context().is_sampled());
+        drop(context);
+        traces.shutdown();
+    }
+}

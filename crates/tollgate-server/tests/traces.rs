@@ -1,0 +1,500 @@
+//! Traces through the real binary: a collector of the tests' own (OTLP/gRPC, on a free
+//! loopback port) receives the spans `tollgate serve --trace-endpoint` sends, for HTTP checks,
+//! forward-auth and Envoy's `ShouldRateLimit`, each in its caller's trace (W3C's or B3's).
+
+mod support;
+
+use std::collections::HashMap;
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
+use opentelemetry_proto::tonic::common::v1::any_value::Value;
+use opentelemetry_proto::tonic::common::v1::{AnyValue, KeyValue};
+use opentelemetry_proto::tonic::trace::v1::Span;
+use opentelemetry_proto::tonic::trace::v1::span::SpanKind;
+use opentelemetry_proto::tonic::trace::v1::status::StatusCode;
+use support::{Scratch, Server, binary, descriptor, metric, request, serve_refused, wait_for};
+
+const POLICY: &str = r#"
+version: "traced-1"
+limits:
+  - name: per-user
+    domain: api
+    key: [user]
+    capacity: 1
+    refill: 1/h
+  - name: per-user-shadow
+    domain: api
+    key: [user]
+    capacity: 1
+    refill: 1/h
+    mode: shadow
+"#;
+
+/// A span as received, with the resource it came from.
+#[derive(Debug, Clone)]
+struct Received {
+    service: String,
+    span: Span,
+}
+
+impl Received {
+    fn trace_id(&self) -> String {
+        hex(&self.span.trace_id)
+    }
+
+    fn attribute(&self, key: &str) -> Option<String> {
+        self.span
+            .attributes
+            .iter()
+            .find(|kv| kv.key == key)
+            .map(|kv| show(kv.value.as_ref()))
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn show(value: Option<&AnyValue>) -> String {
+    match value.and_then(|v| v.value.as_ref()) {
+        Some(Value::StringValue(s)) => s.clone(),
+        Some(Value::IntValue(i)) => i.to_string(),
+        Some(Value::BoolValue(b)) => b.to_string(),
+        Some(Value::ArrayValue(array)) => {
+            let items: Vec<String> = array.values.iter().map(|v| show(Some(v))).collect();
+            format!("[{}]", items.join(","))
+        }
+        other => format!("{other:?}"),
+    }
+}
+
+fn string_attribute(attributes: &[KeyValue], key: &str) -> Option<String> {
+    attributes
+        .iter()
+        .find(|kv| kv.key == key)
+        .map(|kv| show(kv.value.as_ref()))
+}
+
+/// An OTLP/gRPC trace collector that keeps what it is sent.
+#[derive(Clone, Default)]
+struct Collector {
+    spans: Arc<Mutex<Vec<Received>>>,
+}
+
+#[tonic::async_trait]
+impl TraceService for Collector {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        let mut spans = self.spans.lock().unwrap();
+        for resource_spans in request.into_inner().resource_spans {
+            let service = resource_spans
+                .resource
+                .as_ref()
+                .and_then(|r| string_attribute(&r.attributes, "service.name"))
+                .unwrap_or_default();
+            for scope in resource_spans.scope_spans {
+                for span in scope.spans {
+                    spans.push(Received {
+                        service: service.clone(),
+                        span,
+                    });
+                }
+            }
+        }
+        Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
+    }
+}
+
+impl Collector {
+    /// Serves on a free loopback port of a runtime of its own: the endpoint to send to.
+    fn start(runtime: &tokio::runtime::Runtime) -> (Self, String) {
+        let collector = Self::default();
+        let listener = runtime
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .unwrap();
+        let endpoint = format!("http://{}", listener.local_addr().unwrap());
+        let service = TraceServiceServer::new(collector.clone());
+        runtime.spawn(
+            tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming(tokio_stream(listener)),
+        );
+        (collector, endpoint)
+    }
+
+    fn spans(&self) -> Vec<Received> {
+        self.spans.lock().unwrap().clone()
+    }
+
+    /// The span of trace `trace_id`, once it has come.
+    fn wait_for_trace(&self, trace_id: &str) -> Received {
+        wait_for(&format!("a span of trace {trace_id}"), || {
+            self.spans().into_iter().find(|s| s.trace_id() == trace_id)
+        })
+    }
+}
+
+/// The listener's connections, as tonic's server takes them.
+fn tokio_stream(
+    listener: tokio::net::TcpListener,
+) -> impl futures_util::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    futures_util::stream::unfold(listener, |listener| async move {
+        let accepted = listener.accept().await.map(|(stream, _)| stream);
+        Some((accepted, listener))
+    })
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// `tollgate serve --config POLICY --trace-endpoint ENDPOINT ARGS`, sending its batches every
+/// `delay_ms` (`OTEL_BSP_SCHEDULE_DELAY`).
+fn traced_server(scratch: &Scratch, endpoint: &str, delay_ms: &str, args: &[&str]) -> Server {
+    let config = scratch.write("policy.yaml", POLICY);
+    let mut command = Command::new(binary());
+    command
+        .args(["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
+        .args(["--config", support::path_str(&config)])
+        .args(["--trace-endpoint", endpoint])
+        .args(args)
+        .env("OTEL_BSP_SCHEDULE_DELAY", delay_ms)
+        .env_remove("OTEL_SERVICE_NAME")
+        .env_remove("OTEL_RESOURCE_ATTRIBUTES");
+    Server::start_command(command)
+}
+
+fn traceparent(trace_id: &str, parent: &str, sampled: bool) -> String {
+    format!(
+        "00-{trace_id}-{parent}-{}",
+        if sampled { "01" } else { "00" }
+    )
+}
+
+fn check(server: &Server, user: &str, headers: &[(&str, &str)]) -> u16 {
+    let mut all = vec![("Content-Type", "application/json")];
+    all.extend_from_slice(headers);
+    let body = format!(r#"{{"domain":"api","descriptors":[{{"user":"{user}"}}]}}"#);
+    request(server.http, "POST", "/v1/check", &all, &body).status
+}
+
+#[test]
+fn each_api_answers_in_a_span_of_its_callers_trace() {
+    let runtime = runtime();
+    let (collector, endpoint) = Collector::start(&runtime);
+    let scratch = Scratch::new("traces");
+    let server = traced_server(&scratch, &endpoint, "50", &[]);
+    let parent = "b7ad6b7169203331";
+
+    // An HTTP check that passes, then one that the enforced limit rejects.
+    let allowed = "0af7651916cd43dd8448eb211c800001";
+    let header = traceparent(allowed, parent, true);
+    assert_eq!(check(&server, "u1", &[("traceparent", &header)]), 200);
+    let rejected = "0af7651916cd43dd8448eb211c800002";
+    let header = traceparent(rejected, parent, true);
+    assert_eq!(check(&server, "u1", &[("traceparent", &header)]), 429);
+
+    let span = collector.wait_for_trace(allowed);
+    assert_eq!(span.service, "tollgate");
+    assert_eq!(span.span.name, "POST /v1/check");
+    assert_eq!(span.span.kind, SpanKind::Server as i32);
+    assert_eq!(hex(&span.span.parent_span_id), parent);
+    assert_eq!(span.attribute("http.route").as_deref(), Some("/v1/check"));
+    assert_eq!(
+        span.attribute("http.response.status_code").as_deref(),
+        Some("200")
+    );
+    assert_eq!(span.attribute("tollgate.domain").as_deref(), Some("api"));
+    assert_eq!(span.attribute("tollgate.store").as_deref(), Some("memory"));
+    assert_eq!(
+        span.attribute("tollgate.policy_version").as_deref(),
+        Some("traced-1")
+    );
+    assert_eq!(
+        span.attribute("tollgate.result").as_deref(),
+        Some("allowed")
+    );
+    assert_eq!(
+        span.attribute("tollgate.limits").as_deref(),
+        Some("[per-user,per-user-shadow]")
+    );
+    assert_eq!(
+        span.attribute("tollgate.limits_rejecting").as_deref(),
+        Some("[]")
+    );
+    // The bucket's key is the user's: never on a span.
+    assert!(
+        span.span
+            .attributes
+            .iter()
+            .all(|kv| !show(kv.value.as_ref()).contains("u1")),
+        "{:?}",
+        span.span.attributes
+    );
+
+    let span = collector.wait_for_trace(rejected);
+    assert_eq!(
+        span.attribute("http.response.status_code").as_deref(),
+        Some("429")
+    );
+    assert_eq!(
+        span.attribute("tollgate.result").as_deref(),
+        Some("rejected")
+    );
+    assert_eq!(
+        span.attribute("tollgate.limits_rejecting").as_deref(),
+        Some("[per-user,per-user-shadow]")
+    );
+    // A rejection is the limit working, not a failure of the server.
+    assert_ne!(
+        span.span.status.as_ref().map(|s| s.code),
+        Some(StatusCode::Error as i32)
+    );
+
+    // Forward-auth, named by its route rather than its domain's path.
+    let forward = "0af7651916cd43dd8448eb211c800003";
+    let header = traceparent(forward, parent, true);
+    let answer = request(
+        server.http,
+        "GET",
+        "/v1/forward-auth/api",
+        &[("x-tollgate-user", "u2"), ("traceparent", &header)],
+        "",
+    );
+    assert_eq!(answer.status, 200);
+    let span = collector.wait_for_trace(forward);
+    assert_eq!(span.span.name, "GET /v1/forward-auth/{domain}");
+    assert_eq!(
+        span.attribute("url.path").as_deref(),
+        Some("/v1/forward-auth/api")
+    );
+    assert_eq!(
+        span.attribute("tollgate.result").as_deref(),
+        Some("allowed")
+    );
+
+    // Envoy's call, with the trace context in its metadata as Envoy sends it.
+    let grpc = "0af7651916cd43dd8448eb211c800004";
+    let header = traceparent(grpc, parent, true);
+    let response = runtime.block_on(async {
+        let mut client = RateLimitServiceClient::new(server.grpc_channel().await);
+        let mut call = tonic::Request::new(
+            envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest {
+                domain: "api".to_owned(),
+                descriptors: vec![descriptor(&[("user", "u2")])],
+                hits_addend: 1,
+            },
+        );
+        call.metadata_mut()
+            .insert("traceparent", header.parse().unwrap());
+        client.should_rate_limit(call).await
+    });
+    // u2's one token went to forward-auth.
+    assert_eq!(response.unwrap().into_inner().overall_code, 2, "OVER_LIMIT");
+    let span = collector.wait_for_trace(grpc);
+    assert_eq!(
+        span.span.name,
+        "envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
+    );
+    assert_eq!(span.span.kind, SpanKind::Server as i32);
+    assert_eq!(hex(&span.span.parent_span_id), parent);
+    assert_eq!(span.attribute("rpc.system").as_deref(), Some("grpc"));
+    assert_eq!(
+        span.attribute("rpc.service").as_deref(),
+        Some("envoy.service.ratelimit.v3.RateLimitService")
+    );
+    assert_eq!(
+        span.attribute("rpc.method").as_deref(),
+        Some("ShouldRateLimit")
+    );
+    assert_eq!(span.attribute("rpc.grpc.status_code").as_deref(), Some("0"));
+    assert_eq!(
+        span.attribute("tollgate.result").as_deref(),
+        Some("rejected")
+    );
+
+    // Envoy's Zipkin tracer sends B3's headers instead.
+    let zipkin = "0af7651916cd43dd8448eb211c800006";
+    let response = runtime.block_on(async {
+        let mut client = RateLimitServiceClient::new(server.grpc_channel().await);
+        let mut call = tonic::Request::new(
+            envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest {
+                domain: "api".to_owned(),
+                descriptors: vec![descriptor(&[("user", "u5")])],
+                hits_addend: 1,
+            },
+        );
+        let metadata = call.metadata_mut();
+        metadata.insert("x-b3-traceid", zipkin.parse().unwrap());
+        metadata.insert("x-b3-spanid", parent.parse().unwrap());
+        metadata.insert("x-b3-sampled", "1".parse().unwrap());
+        client.should_rate_limit(call).await
+    });
+    assert_eq!(response.unwrap().into_inner().overall_code, 1, "OK");
+    let span = collector.wait_for_trace(zipkin);
+    assert_eq!(hex(&span.span.parent_span_id), parent);
+    assert_eq!(
+        span.attribute("tollgate.result").as_deref(),
+        Some("allowed")
+    );
+    // ...or B3's single header.
+    let single = "0af7651916cd43dd8448eb211c800007";
+    let header = format!("{single}-{parent}-1");
+    assert_eq!(check(&server, "u6", &[("b3", &header)]), 200);
+    assert_eq!(
+        hex(&collector.wait_for_trace(single).span.parent_span_id),
+        parent
+    );
+
+    // Bad input: the client's error, answered in a span that is not the server's failure.
+    let bad = "0af7651916cd43dd8448eb211c800005";
+    let header = traceparent(bad, parent, true);
+    let answer = request(
+        server.http,
+        "POST",
+        "/v1/check",
+        &[
+            ("Content-Type", "application/json"),
+            ("traceparent", &header),
+        ],
+        "{",
+    );
+    assert_eq!(answer.status, 400);
+    let span = collector.wait_for_trace(bad);
+    assert_eq!(
+        span.attribute("http.response.status_code").as_deref(),
+        Some("400")
+    );
+    assert_ne!(
+        span.span.status.as_ref().map(|s| s.code),
+        Some(StatusCode::Error as i32)
+    );
+
+    // Probes and scrapes: no spans, though they carry no context either.
+    let before = collector.spans().len();
+    for path in ["/healthz", "/readyz", "/metrics"] {
+        assert_eq!(request(server.http, "GET", path, &[], "").status, 200);
+    }
+    runtime.block_on(async {
+        use tonic_health::pb::HealthCheckRequest;
+        use tonic_health::pb::health_client::HealthClient;
+        let mut client = HealthClient::new(server.grpc_channel().await);
+        client.check(HealthCheckRequest::default()).await.unwrap();
+    });
+    // No trace context: a trace of its own (every one, at the default ratio).
+    assert_eq!(check(&server, "u3", &[]), 200);
+    let root = wait_for("a root span", || {
+        collector
+            .spans()
+            .into_iter()
+            .skip(before)
+            .find(|s| s.span.name == "POST /v1/check")
+    });
+    assert!(root.span.parent_span_id.is_empty());
+    let names: Vec<String> = collector.spans()[before..]
+        .iter()
+        .map(|s| s.span.name.clone())
+        .collect();
+    assert_eq!(names, ["POST /v1/check"]);
+    // Every span so far went out, counted.
+    let sent = wait_for("the spans counted as sent", || {
+        let sent = metric(
+            &server,
+            r#"tollgate_trace_spans_exported_total{result="sent"}"#,
+        );
+        (sent >= collector.spans().len() as f64).then_some(sent)
+    });
+    assert_eq!(sent, 8.0, "every span of this test");
+    assert_eq!(
+        metric(
+            &server,
+            r#"tollgate_trace_spans_exported_total{result="failed"}"#
+        ),
+        0.0
+    );
+
+    assert!(server.terminate().success());
+}
+
+#[test]
+fn sampling_follows_the_caller_and_the_last_spans_go_out_at_the_stop() {
+    let runtime = runtime();
+    let (collector, endpoint) = Collector::start(&runtime);
+    let scratch = Scratch::new("traces-sampling");
+    // Batches every minute: what arrives, arrives at the stop.
+    let server = traced_server(&scratch, &endpoint, "60000", &["--trace-sample-ratio", "0"]);
+    let parent = "b7ad6b7169203331";
+    let sampled = "1af7651916cd43dd8448eb211c800001";
+    let unsampled = "1af7651916cd43dd8448eb211c800002";
+    let header = traceparent(sampled, parent, true);
+    assert_eq!(check(&server, "u1", &[("traceparent", &header)]), 200);
+    let header = traceparent(unsampled, parent, false);
+    assert_eq!(check(&server, "u2", &[("traceparent", &header)]), 200);
+    // Without a context, at a ratio of 0: no trace.
+    assert_eq!(check(&server, "u3", &[]), 200);
+    // A malformed context counts as none.
+    assert_eq!(check(&server, "u4", &[("traceparent", "00-zz-yy-01")]), 200);
+
+    let status = server.terminate_within(Duration::from_secs(20));
+    assert!(status.is_some_and(|s| s.success()), "{status:?}");
+    let spans = collector.spans();
+    let traces: Vec<String> = spans.iter().map(Received::trace_id).collect();
+    assert_eq!(traces, [sampled], "{spans:#?}");
+}
+
+#[test]
+fn a_collector_that_is_down_holds_no_request_nor_the_stop() {
+    // A port nothing listens on: taken, then let go.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let scratch = Scratch::new("traces-down");
+    let server = traced_server(&scratch, &format!("http://127.0.0.1:{port}"), "50", &[]);
+    let mut counts: HashMap<u16, usize> = HashMap::new();
+    for i in 0..200 {
+        *counts
+            .entry(check(&server, &format!("u{i}"), &[]))
+            .or_default() += 1;
+    }
+    assert_eq!(counts, HashMap::from([(200, 200)]));
+    // The lost spans are counted, for a dashboard to show.
+    wait_for("failed exports counted", || {
+        let failed = metric(
+            &server,
+            r#"tollgate_trace_spans_exported_total{result="failed"}"#,
+        );
+        (failed > 0.0).then_some(())
+    });
+    let status = server.terminate_within(Duration::from_secs(20));
+    assert!(status.is_some_and(|s| s.success()), "{status:?}");
+}
+
+#[test]
+fn trace_flags_are_checked_at_the_start() {
+    let line = serve_refused(&["--trace-endpoint", "collector:4317"]);
+    assert!(line.contains("--trace-endpoint"), "{line}");
+    support::assert_serve_flags_refused(&[
+        ("--trace-sample-ratio", "2", "not a ratio from 0 to 1"),
+        ("--trace-sample-ratio", "150%", "not a ratio from 0 to 1"),
+    ]);
+    let (status, _, stderr) = support::run(&["serve", "--trace-sample-ratio", "0.5"]);
+    assert!(!status.success());
+    assert!(stderr.contains("--trace-endpoint"), "{stderr}");
+}
