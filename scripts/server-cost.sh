@@ -8,7 +8,9 @@
 # requests from 4 workers, divided by N; counting is on only then, after a warm-up.
 # KEEP=dir keeps each run's callgrind file there, for callgrind_annotate. STORE=redis runs the
 # server on a redis-server of its own instead of the memory store (the server's instructions
-# only: Redis' are counted by scripts/redis-script-cost.sh).
+# only: Redis' are counted by scripts/redis-script-cost.sh). SERVE_ARGS adds flags to the
+# server's (say "--trace-endpoint http://127.0.0.1:PORT", with target/release/otlp-sink on PORT:
+# every thread of the server is counted, the one sending spans too).
 # Needs valgrind. Starts its own server (and redis-server) on free loopback ports and stops them on exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,8 +37,10 @@ if [[ ${STORE:-memory} == redis ]]; then
   until redis-cli -p "$rport" ping >/dev/null 2>&1; do sleep 0.1; done
   store=redis://127.0.0.1:$rport
 fi
+read -ra extra <<<"${SERVE_ARGS:-}"
 valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$work/cg.out" \
-  "$B" serve --http 127.0.0.1:0 --grpc 127.0.0.1:0 --store "$store" >"$work/server.out" 2>"$work/server.err" &
+  "$B" serve --http 127.0.0.1:0 --grpc 127.0.0.1:0 --store "$store" "${extra[@]}" \
+  >"$work/server.out" 2>"$work/server.err" &
 server=$!
 for _ in $(seq 1 120); do grep -q '^listening' "$work/server.out" 2>/dev/null && break; sleep 0.5; done
 line=$(grep '^listening' "$work/server.out") || { cat "$work/server.err" >&2; exit 1; }
