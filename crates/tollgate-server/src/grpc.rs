@@ -337,6 +337,11 @@ async fn answer<S, B>(
 /// conventions have it (`envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`); none
 /// for health checks (a load balancer's, every few seconds: noise) nor RLQS streams, which
 /// last as long as their Envoy and decide many times over.
+///
+/// Cold and out of line, as [`record_status`]: inlined into the connection's loop, it made the
+/// untraced calls' code around it costlier (BENCHMARKS.md).
+#[cold]
+#[inline(never)]
 fn call_span(
     traces: &Traces,
     request: &http::Request<RecvStream>,
@@ -347,17 +352,21 @@ fn call_span(
     if path.starts_with(crate::health::HEALTH_PATH) || path.starts_with(crate::rlqs::PATH) {
         return None;
     }
-    let method = path.trim_start_matches('/');
-    let (service, name) = method.rsplit_once('/').unwrap_or((method, ""));
-    let attributes = vec![
-        KeyValue::new("rpc.system", "grpc"),
-        KeyValue::new("rpc.service", service.to_owned()),
-        KeyValue::new("rpc.method", name.to_owned()),
-    ];
-    Some(traces.server_span(method.to_owned(), request.headers(), attributes))
+    traces.server_span(request.headers(), || {
+        let method = path.trim_start_matches('/');
+        let (service, name) = method.rsplit_once('/').unwrap_or((method, ""));
+        let attributes = vec![
+            KeyValue::new("rpc.system", "grpc"),
+            KeyValue::new("rpc.service", service.to_owned()),
+            KeyValue::new("rpc.method", name.to_owned()),
+        ];
+        (method.to_owned().into(), attributes)
+    })
 }
 
 /// Writes the `grpc-status` among `headers`, if there, on a call's span.
+#[cold]
+#[inline(never)]
 fn record_status(span: &opentelemetry::Context, headers: &http::HeaderMap) {
     let code = headers
         .get("grpc-status")

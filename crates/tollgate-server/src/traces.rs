@@ -22,8 +22,8 @@ use http::HeaderMap;
 use opentelemetry::propagation::TextMapCompositePropagator;
 use opentelemetry::propagation::{Extractor, TextMapPropagator};
 use opentelemetry::trace::{
-    SpanContext, SpanId, SpanKind, Status, TraceContextExt, TraceFlags, TraceId, TraceState,
-    Tracer, TracerProvider as _, get_active_span,
+    Span as _, SpanContext, SpanId, SpanKind, Status, TraceContextExt, TraceFlags, TraceId,
+    TraceState, Tracer, TracerProvider as _, get_active_span,
 };
 use opentelemetry::{Context, KeyValue, Value};
 use opentelemetry_otlp::{WithExportConfig, WithTonicConfig};
@@ -94,6 +94,9 @@ impl std::str::FromStr for SampleRatio {
 /// The server's tracer: where spans start, and the pipeline that sends them.
 pub struct Traces {
     tracer: SdkTracer,
+    /// The share of requests without a caller's trace that start one: the sampler's, known
+    /// here so that none is made at 0.
+    ratio: f64,
     /// Reads a caller's trace context: B3 (single or multiple headers), then W3C's, which
     /// wins when a caller sends both.
     propagator: TextMapCompositePropagator,
@@ -165,29 +168,58 @@ impl Traces {
         ]);
         Ok(Self {
             tracer,
+            ratio: ratio.0,
             propagator,
             provider,
             runtime: Some(runtime),
         })
     }
 
-    /// A server span named `name` for a request whose headers are `headers`: the child of
-    /// the trace context they carry, if any. The context returned holds it; the span ends
-    /// when the last clone of that context is dropped.
+    /// A server span for a request whose headers are `headers`, if it is recorded: the child
+    /// of the trace context they carry, if any, and sampled as it was; otherwise a trace of
+    /// its own, at the sample ratio. `describe` gives its name and attributes, called for a
+    /// recorded span only. The context returned holds the span; it ends when the last clone
+    /// of that context is dropped.
+    ///
+    /// A span that would not be recorded is not made at all: tollgate calls no one on a
+    /// request's behalf, so it has no context to pass on, and a request that is not traced
+    /// (most of them, where callers sample) costs a few header lookups.
     pub(crate) fn server_span(
         &self,
-        name: impl Into<Cow<'static, str>>,
         headers: &HeaderMap,
-        attributes: Vec<KeyValue>,
-    ) -> Context {
-        let parent = self.propagator.extract(&Headers(headers));
-        let span = self
+        describe: impl FnOnce() -> (Cow<'static, str>, Vec<KeyValue>),
+    ) -> Option<Context> {
+        // Looked for by constant names first: a request without a context then costs three
+        // lookups, not the propagators' six.
+        let carried = [&TRACEPARENT, &B3_SINGLE, &B3_TRACE_ID]
+            .into_iter()
+            .any(|name| headers.contains_key(name));
+        let parent = if carried {
+            self.propagator.extract(&Headers(headers))
+        } else {
+            Context::new()
+        };
+        let caller = parent.span().span_context().clone();
+        let dropped = if caller.is_valid() {
+            !caller.is_sampled()
+        } else {
+            self.ratio == 0.0
+        };
+        if dropped {
+            return None;
+        }
+        let mut span = self
             .tracer
-            .span_builder(name)
+            .span_builder("request")
             .with_kind(SpanKind::Server)
-            .with_attributes(attributes)
             .start_with_context(&self.tracer, &parent);
-        parent.with_span(span)
+        if !span.is_recording() {
+            return None;
+        }
+        let (name, attributes) = describe();
+        span.update_name(name);
+        span.set_attributes(attributes);
+        Some(parent.with_span(span))
     }
 
     /// Sends the spans still queued (waiting at most a few seconds for the collector); spans
@@ -250,6 +282,12 @@ fn resource() -> Resource {
     }
     resource.build()
 }
+
+// The headers a trace context comes in, as constants: a name given as a string is parsed on
+// every lookup.
+const TRACEPARENT: http::HeaderName = http::HeaderName::from_static("traceparent");
+const B3_SINGLE: http::HeaderName = http::HeaderName::from_static("b3");
+const B3_TRACE_ID: http::HeaderName = http::HeaderName::from_static("x-b3-traceid");
 
 /// A request's headers, as the propagator reads them.
 struct Headers<'a>(&'a HeaderMap);
@@ -330,6 +368,9 @@ impl TextMapPropagator for B3 {
 /// (never their keys or the descriptors' values, which identify users).
 pub(crate) fn record_outcome(domain: &str, store: &'static str, outcome: &Outcome) {
     get_active_span(|span| {
+        if !span.is_recording() {
+            return;
+        }
         // Shadow limits' rejections included: `tollgate.result` says whether the request passed.
         let names = |rejecting_only: bool| -> Value {
             let names: Vec<opentelemetry::StringValue> = outcome
@@ -373,6 +414,9 @@ pub(crate) fn record_outcome(domain: &str, store: &'static str, outcome: &Outcom
 /// Writes on the active span why a request could not be decided.
 pub(crate) fn record_error(domain: &str, error: &dyn std::fmt::Display) {
     get_active_span(|span| {
+        if !span.is_recording() {
+            return;
+        }
         span.set_attributes([
             KeyValue::new("tollgate.domain", domain.to_owned()),
             KeyValue::new("tollgate.result", "error"),
@@ -498,9 +542,20 @@ mod tests {
         assert_eq!(read(&[("x-b3-traceid", trace)]), None);
     }
 
+    fn nothing() -> (Cow<'static, str>, Vec<KeyValue>) {
+        ("request".into(), Vec::new())
+    }
+
     #[test]
     fn a_span_is_the_child_of_the_callers_trace_context() {
         let traces = Traces::start("http://127.0.0.1:9", SampleRatio(0.0)).unwrap();
+        let ids = |headers: &HeaderMap| {
+            let context = traces.server_span(headers, nothing)?;
+            let span = context.span();
+            let ids = span.span_context();
+            assert!(ids.is_sampled());
+            Some((ids.trace_id().to_string(), ids.span_id().to_string()))
+        };
         let mut headers = HeaderMap::new();
         headers.insert(
             "traceparent",
@@ -508,26 +563,19 @@ mod tests {
                 .parse()
                 .unwrap(),
         );
-        let context = traces.server_span("POST /v1/check", &headers, Vec::new());
-        let span = context.span();
-        let ids = span.span_context();
-        assert_eq!(
-            ids.trace_id().to_string(),
-            "0af7651916cd43dd8448eb211c80319c"
-        );
-        assert_ne!(ids.span_id().to_string(), "b7ad6b7169203331");
         // Sampled because the caller's was, though this server samples no trace of its own.
-        assert!(ids.is_sampled());
+        let (trace, span) = ids(&headers).expect("a span");
+        assert_eq!(trace, "0af7651916cd43dd8448eb211c80319c");
+        assert_ne!(span, "b7ad6b7169203331");
 
-        // The caller's trace unsampled: this span is not recorded either.
+        // The caller's trace unsampled: no span either.
         headers.insert(
             "traceparent",
             "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"
                 .parse()
                 .unwrap(),
         );
-        let context = traces.server_span("POST /v1/check", &headers, Vec::new());
-        assert!(!context.span().span_context().is_sampled());
+        assert_eq!(ids(&headers), None);
         // Zipkin's B3, as Envoy's Zipkin tracer sends it.
         let mut b3 = HeaderMap::new();
         b3.insert(
@@ -536,13 +584,8 @@ mod tests {
         );
         b3.insert("x-b3-spanid", "a2fb4a1d1a96d312".parse().unwrap());
         b3.insert("x-b3-sampled", "1".parse().unwrap());
-        let context = traces.server_span("POST /v1/check", &b3, Vec::new());
-        let span = context.span();
-        assert_eq!(
-            span.span_context().trace_id().to_string(),
-            "463ac35c9f6413ad48485a3953bb6124"
-        );
-        assert!(span.span_context().is_sampled());
+        let (trace, _) = ids(&b3).expect("a span");
+        assert_eq!(trace, "463ac35c9f6413ad48485a3953bb6124");
         // Both: W3C's wins.
         b3.insert(
             "traceparent",
@@ -550,15 +593,18 @@ mod tests {
                 .parse()
                 .unwrap(),
         );
-        let context = traces.server_span("POST /v1/check", &b3, Vec::new());
-        assert_eq!(
-            context.span().span_context().trace_id().to_string(),
-            "0af7651916cd43dd8448eb211c80319c"
-        );
+        let (trace, _) = ids(&b3).expect("a span");
+        assert_eq!(trace, "0af7651916cd43dd8448eb211c80319c");
         // No context: a root of its own, sampled at the ratio (here none).
-        let context = traces.server_span("POST /v1/check", &HeaderMap::new(), Vec::new());
-        assert!(!context.span().span_context().is_sampled());
-        drop(context);
+        assert_eq!(ids(&HeaderMap::new()), None);
+        traces.shutdown();
+
+        // At a ratio of 1, every request without a context starts a trace.
+        let traces = Traces::start("http://127.0.0.1:9", SampleRatio::ALL).unwrap();
+        let context = traces
+            .server_span(&HeaderMap::new(), nothing)
+            .expect("a span");
+        assert!(context.span().span_context().is_sampled());
         traces.shutdown();
     }
 }

@@ -14,6 +14,7 @@ pub(crate) mod leases;
 pub(crate) mod listener;
 mod plain_body;
 mod reset;
+mod traced;
 
 use std::sync::Arc;
 
@@ -31,7 +32,6 @@ use crate::decider::Decider;
 use crate::health::Rotation;
 use crate::rlqs::RlqsOptions;
 use crate::tls::ListenerTls;
-use crate::traces::Traces;
 
 pub use error::ApiError;
 
@@ -125,7 +125,7 @@ pub struct AppState {
     /// Whether the server is in its load balancers' rotation (`/readyz` says so).
     pub(crate) rotation: Rotation,
     /// Where each request's span goes, when traces are sent.
-    pub(crate) traces: Option<Arc<Traces>>,
+    pub(crate) traces: Option<Arc<crate::traces::Traces>>,
 }
 
 impl AppState {
@@ -149,7 +149,7 @@ impl AppState {
 
     /// The same state, with a span for each request sent to `traces` (`None`: no spans).
     #[must_use]
-    pub fn with_traces(mut self, traces: Option<Arc<Traces>>) -> Self {
+    pub fn with_traces(mut self, traces: Option<Arc<crate::traces::Traces>>) -> Self {
         self.traces = traces;
         self
     }
@@ -199,81 +199,8 @@ pub fn router(state: Arc<AppState>) -> Router {
     let router = routes(state);
     match traces {
         // Only then: the layer costs every request a little even with nothing to send.
-        Some(traces) => router.layer(axum::middleware::from_fn_with_state(traces, traced)),
+        Some(traces) => router.layer(traced::TraceLayer(traces)),
         None => router,
-    }
-}
-
-/// Runs a request in a server span named by its method and route (OpenTelemetry's HTTP
-/// conventions: the route, never the path, which holds lease ids), the child of the caller's
-/// trace context, ending it with the status answered. Health probes and metric scrapes run
-/// without one.
-async fn traced(
-    axum::extract::State(traces): axum::extract::State<Arc<Traces>>,
-    request: axum::extract::Request,
-    next: axum::middleware::Next,
-) -> axum::response::Response {
-    use opentelemetry::KeyValue;
-    use opentelemetry::context::FutureExt as _;
-
-    let path = request.uri().path();
-    // Probes and scrapes come every few seconds from machines, in traces of their own: noise.
-    if matches!(path, "/healthz" | "/readyz" | "/metrics") {
-        return next.run(request).await;
-    }
-    let method = request.method().as_str().to_owned();
-    let mut attributes = vec![
-        KeyValue::new("http.request.method", method.clone()),
-        KeyValue::new("url.path", path.to_owned()),
-    ];
-    let name = match route(path) {
-        Some(route) => {
-            attributes.push(KeyValue::new("http.route", route));
-            format!("{method} {route}")
-        }
-        None => method,
-    };
-    let context = traces.server_span(name, request.headers(), attributes);
-    let response = next.run(request).with_context(context.clone()).await;
-    crate::traces::end_http(&context, response.status());
-    response
-}
-
-/// The route of [`routes`] a path falls under, for spans: written out here rather than read
-/// from the router, whose matched route would be recorded on every request, traced or not.
-fn route(path: &str) -> Option<&'static str> {
-    const FIXED: [&str; 15] = [
-        "/v1/check",
-        "/v1/explain",
-        "/v1/settle",
-        "/v1/leases",
-        "/v1/leases/explain",
-        "/v1/noop",
-        "/healthz",
-        "/readyz",
-        "/metrics",
-        "/v1/policy",
-        "/v1/policy/reload",
-        "/v1/policy/rollback",
-        "/v1/hot-keys",
-        "/v1/reset",
-        "/dashboard",
-    ];
-    if let Some(route) = FIXED.into_iter().find(|route| *route == path) {
-        return Some(route);
-    }
-    let one_segment = |rest: &str| !rest.is_empty() && !rest.contains('/');
-    if path
-        .strip_prefix("/v1/forward-auth/")
-        .is_some_and(one_segment)
-    {
-        return Some("/v1/forward-auth/{domain}");
-    }
-    let lease = path.strip_prefix("/v1/leases/")?;
-    match lease.strip_suffix("/renew") {
-        Some(id) if one_segment(id) => Some("/v1/leases/{lease_id}/renew"),
-        _ if one_segment(lease) => Some("/v1/leases/{lease_id}"),
-        _ => None,
     }
 }
 
@@ -313,35 +240,4 @@ fn routes(state: Arc<AppState>) -> Router {
 /// reading as `/v1/check`, so the two rates differ only by the decision.
 async fn noop(_body: Bytes) -> &'static str {
     "noop\n"
-}
-
-#[cfg(test)]
-mod tests {
-    use super::route;
-
-    #[test]
-    fn spans_are_named_by_route_never_by_a_paths_values() {
-        assert_eq!(route("/v1/check"), Some("/v1/check"));
-        assert_eq!(route("/v1/leases/explain"), Some("/v1/leases/explain"));
-        assert_eq!(
-            route("/v1/forward-auth/edge"),
-            Some("/v1/forward-auth/{domain}")
-        );
-        assert_eq!(route("/v1/leases/5ff94"), Some("/v1/leases/{lease_id}"));
-        assert_eq!(
-            route("/v1/leases/5ff94/renew"),
-            Some("/v1/leases/{lease_id}/renew")
-        );
-        for unknown in [
-            "/",
-            "/v1/checks",
-            "/v1/forward-auth/",
-            "/v1/forward-auth/a/b",
-            "/v1/leases/",
-            "/v1/leases//renew",
-            "/v1/leases/a/b/renew",
-        ] {
-            assert_eq!(route(unknown), None, "{unknown}");
-        }
-    }
 }
