@@ -398,8 +398,9 @@ pub struct ServeArgs {
     pub log_format: LogFormat,
     /// Send a span for each request answered to this OpenTelemetry collector, over OTLP/gRPC
     /// (`http://127.0.0.1:4317`; `https://` checks the collector against the system's
-    /// authorities). A request carrying a W3C `traceparent` (Envoy's, when it traces) gets a
-    /// span in its caller's trace, sampled as the caller's was. Off without it.
+    /// authorities). A request carrying its caller's trace context (W3C `traceparent` or B3
+    /// headers, as Envoy sends once it traces) gets a span in that trace, sampled as the
+    /// caller's was. Off without it.
     #[arg(long, env = "TOLLGATE_TRACE_ENDPOINT", value_name = "URL")]
     pub trace_endpoint: Option<String>,
     /// The share of requests without a trace context that start a trace of their own (a

@@ -338,8 +338,9 @@ async fn answer<S, B>(
 /// for health checks (a load balancer's, every few seconds: noise) nor RLQS streams, which
 /// last as long as their Envoy and decide many times over.
 ///
-/// Cold and out of line, as [`record_status`]: inlined into the connection's loop, it made the
-/// untraced calls' code around it costlier (BENCHMARKS.md).
+/// Cold and out of line, as [`record_status`], so that the connection's loop, which untraced
+/// calls run through too, keeps only a call to them (BENCHMARKS.md has what traces still cost
+/// an untraced call).
 #[cold]
 #[inline(never)]
 fn call_span(

@@ -6,14 +6,14 @@
 //! said no. Envoy sends its trace context with every Rate Limit Service call once it traces
 //! (W3C `traceparent` from its OpenTelemetry tracer, B3's `x-b3-*` from its Zipkin tracer),
 //! and so can any HTTP client; tollgate's span becomes the child of the caller's, and is kept
-//! or dropped as the caller's trace was sampled. A request without a trace context starts a trace of its own, sampled at
-//! `--trace-sample-ratio`.
+//! or dropped as the caller's trace was sampled. A request without a trace context starts a
+//! trace of its own, sampled at `--trace-sample-ratio`.
 //!
 //! Nothing here runs unless traces are asked for: the request paths look at one `Option`, and
 //! the HTTP router gains its tracing layer only then. Spans are sent in batches from a thread
 //! of the SDK's own, through a gRPC channel driven by a small runtime of this module's, so a
-//! slow or absent collector never holds a request: spans past the batch queue are dropped, and
-//! the SDK logs the failed exports.
+//! slow or absent collector never holds a request: spans past the batch queue are dropped,
+//! and failed exports are logged (by the SDK) and counted (here).
 
 use std::borrow::Cow;
 use std::time::Duration;

@@ -51,6 +51,18 @@ impl Received {
         hex(&self.span.trace_id)
     }
 
+    /// Asserts that each `(key, value)` is among the span's attributes.
+    fn assert_has(&self, expected: &[(&str, &str)]) {
+        for (key, value) in expected {
+            assert_eq!(
+                self.attribute(key).as_deref(),
+                Some(*value),
+                "{key} of {}",
+                self.span.name
+            );
+        }
+    }
+
     fn attribute(&self, key: &str) -> Option<String> {
         self.span
             .attributes
@@ -179,6 +191,31 @@ fn traced_server(scratch: &Scratch, endpoint: &str, delay_ms: &str, args: &[&str
     Server::start_command(command)
 }
 
+/// Envoy's call for `user`'s descriptor in domain `api`, with `metadata` as Envoy sends its
+/// trace context: the answer's overall code.
+fn should_rate_limit(
+    runtime: &tokio::runtime::Runtime,
+    server: &Server,
+    user: &str,
+    metadata: &[(&'static str, &str)],
+) -> i32 {
+    runtime.block_on(async {
+        let mut client = RateLimitServiceClient::new(server.grpc_channel().await);
+        let mut call = tonic::Request::new(
+            envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest {
+                domain: "api".to_owned(),
+                descriptors: vec![descriptor(&[("user", user)])],
+                hits_addend: 1,
+            },
+        );
+        for (key, value) in metadata {
+            call.metadata_mut().insert(*key, value.parse().unwrap());
+        }
+        let answer = client.should_rate_limit(call).await.unwrap();
+        answer.into_inner().overall_code
+    })
+}
+
 fn traceparent(trace_id: &str, parent: &str, sampled: bool) -> String {
     format!(
         "00-{trace_id}-{parent}-{}",
@@ -214,29 +251,16 @@ fn each_api_answers_in_a_span_of_its_callers_trace() {
     assert_eq!(span.span.name, "POST /v1/check");
     assert_eq!(span.span.kind, SpanKind::Server as i32);
     assert_eq!(hex(&span.span.parent_span_id), parent);
-    assert_eq!(span.attribute("http.route").as_deref(), Some("/v1/check"));
-    assert_eq!(
-        span.attribute("http.response.status_code").as_deref(),
-        Some("200")
-    );
-    assert_eq!(span.attribute("tollgate.domain").as_deref(), Some("api"));
-    assert_eq!(span.attribute("tollgate.store").as_deref(), Some("memory"));
-    assert_eq!(
-        span.attribute("tollgate.policy_version").as_deref(),
-        Some("traced-1")
-    );
-    assert_eq!(
-        span.attribute("tollgate.result").as_deref(),
-        Some("allowed")
-    );
-    assert_eq!(
-        span.attribute("tollgate.limits").as_deref(),
-        Some("[per-user,per-user-shadow]")
-    );
-    assert_eq!(
-        span.attribute("tollgate.limits_rejecting").as_deref(),
-        Some("[]")
-    );
+    span.assert_has(&[
+        ("http.route", "/v1/check"),
+        ("http.response.status_code", "200"),
+        ("tollgate.domain", "api"),
+        ("tollgate.store", "memory"),
+        ("tollgate.policy_version", "traced-1"),
+        ("tollgate.result", "allowed"),
+        ("tollgate.limits", "[per-user,per-user-shadow]"),
+        ("tollgate.limits_rejecting", "[]"),
+    ]);
     // The bucket's key is the user's: never on a span.
     assert!(
         span.span
@@ -248,18 +272,11 @@ fn each_api_answers_in_a_span_of_its_callers_trace() {
     );
 
     let span = collector.wait_for_trace(rejected);
-    assert_eq!(
-        span.attribute("http.response.status_code").as_deref(),
-        Some("429")
-    );
-    assert_eq!(
-        span.attribute("tollgate.result").as_deref(),
-        Some("rejected")
-    );
-    assert_eq!(
-        span.attribute("tollgate.limits_rejecting").as_deref(),
-        Some("[per-user,per-user-shadow]")
-    );
+    span.assert_has(&[
+        ("http.response.status_code", "429"),
+        ("tollgate.result", "rejected"),
+        ("tollgate.limits_rejecting", "[per-user,per-user-shadow]"),
+    ]);
     // A rejection is the limit working, not a failure of the server.
     assert_ne!(
         span.span.status.as_ref().map(|s| s.code),
@@ -279,33 +296,17 @@ fn each_api_answers_in_a_span_of_its_callers_trace() {
     assert_eq!(answer.status, 200);
     let span = collector.wait_for_trace(forward);
     assert_eq!(span.span.name, "GET /v1/forward-auth/{domain}");
-    assert_eq!(
-        span.attribute("url.path").as_deref(),
-        Some("/v1/forward-auth/api")
-    );
-    assert_eq!(
-        span.attribute("tollgate.result").as_deref(),
-        Some("allowed")
-    );
+    span.assert_has(&[
+        ("url.path", "/v1/forward-auth/api"),
+        ("tollgate.result", "allowed"),
+    ]);
 
     // Envoy's call, with the trace context in its metadata as Envoy sends it.
     let grpc = "0af7651916cd43dd8448eb211c800004";
     let header = traceparent(grpc, parent, true);
-    let response = runtime.block_on(async {
-        let mut client = RateLimitServiceClient::new(server.grpc_channel().await);
-        let mut call = tonic::Request::new(
-            envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest {
-                domain: "api".to_owned(),
-                descriptors: vec![descriptor(&[("user", "u2")])],
-                hits_addend: 1,
-            },
-        );
-        call.metadata_mut()
-            .insert("traceparent", header.parse().unwrap());
-        client.should_rate_limit(call).await
-    });
+    let code = should_rate_limit(&runtime, &server, "u2", &[("traceparent", &header)]);
     // u2's one token went to forward-auth.
-    assert_eq!(response.unwrap().into_inner().overall_code, 2, "OVER_LIMIT");
+    assert_eq!(code, 2, "OVER_LIMIT");
     let span = collector.wait_for_trace(grpc);
     assert_eq!(
         span.span.name,
@@ -313,45 +314,26 @@ fn each_api_answers_in_a_span_of_its_callers_trace() {
     );
     assert_eq!(span.span.kind, SpanKind::Server as i32);
     assert_eq!(hex(&span.span.parent_span_id), parent);
-    assert_eq!(span.attribute("rpc.system").as_deref(), Some("grpc"));
-    assert_eq!(
-        span.attribute("rpc.service").as_deref(),
-        Some("envoy.service.ratelimit.v3.RateLimitService")
-    );
-    assert_eq!(
-        span.attribute("rpc.method").as_deref(),
-        Some("ShouldRateLimit")
-    );
-    assert_eq!(span.attribute("rpc.grpc.status_code").as_deref(), Some("0"));
-    assert_eq!(
-        span.attribute("tollgate.result").as_deref(),
-        Some("rejected")
-    );
+    span.assert_has(&[
+        ("rpc.system", "grpc"),
+        ("rpc.service", "envoy.service.ratelimit.v3.RateLimitService"),
+        ("rpc.method", "ShouldRateLimit"),
+        ("rpc.grpc.status_code", "0"),
+        ("tollgate.result", "rejected"),
+    ]);
 
     // Envoy's Zipkin tracer sends B3's headers instead.
     let zipkin = "0af7651916cd43dd8448eb211c800006";
-    let response = runtime.block_on(async {
-        let mut client = RateLimitServiceClient::new(server.grpc_channel().await);
-        let mut call = tonic::Request::new(
-            envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest {
-                domain: "api".to_owned(),
-                descriptors: vec![descriptor(&[("user", "u5")])],
-                hits_addend: 1,
-            },
-        );
-        let metadata = call.metadata_mut();
-        metadata.insert("x-b3-traceid", zipkin.parse().unwrap());
-        metadata.insert("x-b3-spanid", parent.parse().unwrap());
-        metadata.insert("x-b3-sampled", "1".parse().unwrap());
-        client.should_rate_limit(call).await
-    });
-    assert_eq!(response.unwrap().into_inner().overall_code, 1, "OK");
+    let b3 = [
+        ("x-b3-traceid", zipkin),
+        ("x-b3-spanid", parent),
+        ("x-b3-sampled", "1"),
+    ];
+    let code = should_rate_limit(&runtime, &server, "u5", &b3);
+    assert_eq!(code, 1, "OK");
     let span = collector.wait_for_trace(zipkin);
     assert_eq!(hex(&span.span.parent_span_id), parent);
-    assert_eq!(
-        span.attribute("tollgate.result").as_deref(),
-        Some("allowed")
-    );
+    span.assert_has(&[("tollgate.result", "allowed")]);
     // ...or B3's single header.
     let single = "0af7651916cd43dd8448eb211c800007";
     let header = format!("{single}-{parent}-1");
@@ -376,10 +358,7 @@ fn each_api_answers_in_a_span_of_its_callers_trace() {
     );
     assert_eq!(answer.status, 400);
     let span = collector.wait_for_trace(bad);
-    assert_eq!(
-        span.attribute("http.response.status_code").as_deref(),
-        Some("400")
-    );
+    span.assert_has(&[("http.response.status_code", "400")]);
     assert_ne!(
         span.span.status.as_ref().map(|s| s.code),
         Some(StatusCode::Error as i32)
