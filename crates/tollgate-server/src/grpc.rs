@@ -27,14 +27,12 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures_util::future::Either;
 use futures_util::stream::FuturesUnordered;
 use futures_util::{FutureExt, Stream, StreamExt};
 use h2::server::SendResponse;
 use h2::{Reason, RecvStream};
 use http_body::{Body, Frame};
 use http_body_util::BodyExt;
-use opentelemetry::context::FutureExt as _;
 use tokio::sync::watch;
 use tower_service::Service;
 
@@ -43,7 +41,6 @@ use crate::connection::{
 };
 use crate::metrics::{self, Closed};
 use crate::tls::ListenerTls;
-use crate::traces::Traces;
 
 /// Calls a client may have open at once on one connection (hyper's default): a client that
 /// wants more opens another connection, as Envoy does.
@@ -136,7 +133,6 @@ pub(crate) async fn serve<S, B, I>(
     incoming: I,
     limits: ConnectionLimits,
     tls: Option<Arc<ListenerTls>>,
-    traces: Option<Arc<Traces>>,
     stopped: watch::Receiver<bool>,
 ) where
     S: GrpcService<B>,
@@ -145,7 +141,6 @@ pub(crate) async fn serve<S, B, I>(
 {
     let each = |admitted: Admitted| {
         let (service, stopped, tls) = (service.clone(), stopped.clone(), tls.clone());
-        let traces = traces.clone();
         async move {
             // The handshake is the connection's first words: bounded as the preface is.
             let Some(admitted) = admitted.secure(tls.as_deref(), limits.header_timeout).await
@@ -154,7 +149,7 @@ pub(crate) async fn serve<S, B, I>(
             };
             // A client that goes away mid-call is routine for a server; not an error of ours
             // to report louder than this.
-            if let Err(err) = serve_connection(service, admitted, limits, traces, stopped).await {
+            if let Err(err) = serve_connection(service, admitted, limits, stopped).await {
                 tracing::debug!(error = %err, "gRPC connection ended with an error");
             }
         }
@@ -169,7 +164,6 @@ async fn serve_connection<S, B>(
     service: S,
     admitted: Admitted,
     limits: ConnectionLimits,
-    traces: Option<Arc<Traces>>,
     stopped: watch::Receiver<bool>,
 ) -> Result<(), h2::Error>
 where
@@ -225,10 +219,7 @@ where
             loop {
                 match connection.poll_accept(cx) {
                     Poll::Ready(Some(Ok((request, respond)))) => {
-                        let span = traces
-                            .as_deref()
-                            .and_then(|traces| call_span(traces, &request));
-                        let call = answer(service.clone(), request, respond, span);
+                        let call = answer(service.clone(), request, respond);
                         // A panic fails its call alone (the stream is reset), not the
                         // connection's other calls.
                         calls.push(std::panic::AssertUnwindSafe(call).catch_unwind());
@@ -260,7 +251,6 @@ async fn answer<S, B>(
     mut service: S,
     request: http::Request<RecvStream>,
     mut respond: SendResponse<Bytes>,
-    span: Option<opentelemetry::Context>,
 ) where
     S: GrpcService<B>,
     B: Answer,
@@ -271,11 +261,6 @@ async fn answer<S, B>(
         let Ok(()) = poll_fn(|cx| service.poll_ready(cx)).await;
         let Ok(response) = service.call(request.map(Received)).await;
         response
-    };
-    // The call runs in its span, so that what it decides is written there.
-    let call = match &span {
-        Some(span) => Either::Left(call.with_context(span.clone())),
-        None => Either::Right(call),
     };
     // The client's deadline (Envoy sends its rate-limit timeout): past it the client has given
     // up, so the call stops waiting (on a slow Redis, say) and says so.
@@ -289,10 +274,6 @@ async fn answer<S, B>(
         },
     };
     let (head, body) = response.into_parts();
-    if let Some(span) = &span {
-        // A trailers-only answer (an error, or a deadline passed) has its status here.
-        record_status(span, &head.headers);
-    }
     let end = body.is_end_stream();
     let Ok(mut stream) = respond.send_response(http::Response::from_parts(head, ()), end) else {
         // The client reset the stream: nobody is waiting for the answer.
@@ -312,9 +293,6 @@ async fn answer<S, B>(
                 Ok(data) => stream.send_data(data, false),
                 Err(frame) => match frame.into_trailers() {
                     Ok(trailers) => {
-                        if let Some(span) = &span {
-                            record_status(span, &trailers);
-                        }
                         let _ = stream.send_trailers(trailers);
                         return;
                     }
@@ -330,50 +308,6 @@ async fn answer<S, B>(
         if sent.is_err() {
             return;
         }
-    }
-}
-
-/// A server span for the call `request` starts, named by its method as OpenTelemetry's RPC
-/// conventions have it (`envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`); none
-/// for health checks (a load balancer's, every few seconds: noise) nor RLQS streams, which
-/// last as long as their Envoy and decide many times over.
-///
-/// Cold and out of line, as [`record_status`], so that the connection's loop, which untraced
-/// calls run through too, keeps only a call to them (BENCHMARKS.md has what traces still cost
-/// an untraced call).
-#[cold]
-#[inline(never)]
-fn call_span(
-    traces: &Traces,
-    request: &http::Request<RecvStream>,
-) -> Option<opentelemetry::Context> {
-    use opentelemetry::KeyValue;
-
-    let path = request.uri().path();
-    if path.starts_with(crate::health::HEALTH_PATH) || path.starts_with(crate::rlqs::PATH) {
-        return None;
-    }
-    traces.server_span(request.headers(), || {
-        let method = path.trim_start_matches('/');
-        let (service, name) = method.rsplit_once('/').unwrap_or((method, ""));
-        let attributes = vec![
-            KeyValue::new("rpc.system", "grpc"),
-            KeyValue::new("rpc.service", service.to_owned()),
-            KeyValue::new("rpc.method", name.to_owned()),
-        ];
-        (method.to_owned().into(), attributes)
-    })
-}
-
-/// Writes the `grpc-status` among `headers`, if there, on a call's span.
-#[cold]
-#[inline(never)]
-fn record_status(span: &opentelemetry::Context, headers: &http::HeaderMap) {
-    let code = headers
-        .get("grpc-status")
-        .and_then(|code| code.to_str().ok()?.parse::<i64>().ok());
-    if let Some(code) = code {
-        crate::traces::end_grpc(span, code);
     }
 }
 
@@ -485,7 +419,6 @@ mod tests {
                 held.clone(),
                 incoming,
                 ConnectionLimits::default(),
-                None,
                 None,
                 stopped,
             ));
@@ -614,7 +547,6 @@ mod tests {
             held.clone(),
             incoming,
             ConnectionLimits::default(),
-            None,
             None,
             stopped,
         ));

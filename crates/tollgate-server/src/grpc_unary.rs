@@ -30,6 +30,7 @@ use tower_service::Service;
 
 use crate::grpc::Received;
 use crate::rls::Rls;
+use crate::traces::Traces;
 
 /// The method's path.
 pub(crate) const PATH: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
@@ -48,11 +49,13 @@ const PREFIX: usize = 5;
 #[derive(Clone)]
 pub(crate) struct ShouldRateLimit {
     rls: Arc<Rls>,
+    /// Where each call's span goes, when traces are sent.
+    traces: Option<Arc<Traces>>,
 }
 
 impl ShouldRateLimit {
-    pub(crate) fn new(rls: Arc<Rls>) -> Self {
-        Self { rls }
+    pub(crate) fn new(rls: Arc<Rls>, traces: Option<Arc<Traces>>) -> Self {
+        Self { rls, traces }
     }
 
     /// Whether `request` is a call answered here: the method, as gRPC (protobuf), without
@@ -83,8 +86,51 @@ impl Service<http::Request<Received>> for ShouldRateLimit {
 
     fn call(&mut self, request: http::Request<Received>) -> Self::Future {
         let rls = Arc::clone(&self.rls);
+        if let Some(span) = self.traces.as_deref().and_then(|t| call_span(t, &request)) {
+            return Box::pin(traced(rls, request.into_body(), span));
+        }
         Box::pin(async move { Ok(answer(&rls, request.into_body()).await) })
     }
+}
+
+/// A server span for a call, named by its method as OpenTelemetry's RPC conventions have it:
+/// only for the calls answered here, Envoy's usual `ShouldRateLimit` (not health checks, which
+/// come every few seconds from load balancers, nor RLQS streams, which last as long as their
+/// Envoy). Cold and out of line, as [`traced`]: untraced calls keep a test of an `Option`.
+#[cold]
+#[inline(never)]
+fn call_span(traces: &Traces, request: &http::Request<Received>) -> Option<opentelemetry::Context> {
+    use opentelemetry::KeyValue;
+
+    traces.server_span(request.headers(), || {
+        let attributes = vec![
+            KeyValue::new("rpc.system", "grpc"),
+            KeyValue::new("rpc.service", "envoy.service.ratelimit.v3.RateLimitService"),
+            KeyValue::new("rpc.method", "ShouldRateLimit"),
+        ];
+        (PATH.trim_start_matches('/').into(), attributes)
+    })
+}
+
+/// A call answered in `span`, which what it decides is written on, and then its status: an
+/// error's in the trailers-only answer's headers, `0` otherwise.
+#[cold]
+#[inline(never)]
+async fn traced(
+    rls: Arc<Rls>,
+    body: Received,
+    span: opentelemetry::Context,
+) -> Result<http::Response<tonic::body::Body>, Infallible> {
+    use opentelemetry::context::FutureExt as _;
+
+    let response = answer(&rls, body).with_context(span.clone()).await;
+    let code = response
+        .headers()
+        .get(&GRPC_STATUS)
+        .and_then(|code| code.to_str().ok()?.parse::<i64>().ok())
+        .unwrap_or(0);
+    crate::traces::end_grpc(&span, code);
+    Ok(response)
 }
 
 async fn answer(rls: &Rls, body: Received) -> http::Response<tonic::body::Body> {

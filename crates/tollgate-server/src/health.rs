@@ -30,7 +30,7 @@ use crate::decider::Decider;
 use crate::grpc_unary::ShouldRateLimit;
 
 /// The path prefix of the health service's methods.
-pub(crate) const HEALTH_PATH: &str = "/grpc.health.v1.Health/";
+const HEALTH_PATH: &str = "/grpc.health.v1.Health/";
 
 /// The service names `Check` and `Watch` know.
 const SERVICES: [&str; 3] = [

@@ -396,7 +396,7 @@ where
             .with_header_style(state.options.rate_limit_headers)
             .with_negative_hits(state.options.negative_hits),
     );
-    let unary = grpc_unary::ShouldRateLimit::new(Arc::clone(&rls));
+    let unary = grpc_unary::ShouldRateLimit::new(Arc::clone(&rls), state.traces.clone());
     let rls = rls::Rls::server(rls);
     let health =
         health::GrpcHealth::new(Arc::clone(&state.decider), &state.rotation, stopped.clone())
@@ -406,7 +406,6 @@ where
         grpc,
         limits,
         state.connections.grpc_tls.clone(),
-        state.traces.clone(),
         stopped.clone(),
     );
     let http_server = http::listener::serve(state, http, stopped);

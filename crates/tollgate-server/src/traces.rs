@@ -33,6 +33,8 @@ use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::{Sampler, SdkTracer, SdkTracerProvider, SpanData, SpanExporter};
 use tollgate_policy::Outcome;
 
+use crate::decider::DecideError;
+
 /// How long a stop waits for the spans still queued to reach the collector.
 const FLUSH_AT_STOP: Duration = Duration::from_secs(5);
 
@@ -411,17 +413,26 @@ pub(crate) fn record_outcome(domain: &str, store: &'static str, outcome: &Outcom
     });
 }
 
-/// Writes on the active span why a request could not be decided.
-pub(crate) fn record_error(domain: &str, error: &dyn std::fmt::Display) {
+/// Writes on the active span why a request could not be decided: `invalid` (the caller's
+/// request, such as a cost above a capacity), or, as an error of the span, `unavailable` (the
+/// store could not answer) or `error` (a fault of ours).
+pub(crate) fn record_error(domain: &str, error: &DecideError) {
     get_active_span(|span| {
         if !span.is_recording() {
             return;
         }
+        let result = match error {
+            DecideError::Invalid(_) => "invalid",
+            DecideError::Unavailable(_) => "unavailable",
+            DecideError::Internal(_) => "error",
+        };
         span.set_attributes([
             KeyValue::new("tollgate.domain", domain.to_owned()),
-            KeyValue::new("tollgate.result", "error"),
+            KeyValue::new("tollgate.result", result),
         ]);
-        span.set_status(Status::error(error.to_string()));
+        if !matches!(error, DecideError::Invalid(_)) {
+            span.set_status(Status::error(error.to_string()));
+        }
     });
 }
 

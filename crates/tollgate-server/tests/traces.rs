@@ -191,19 +191,19 @@ fn traced_server(scratch: &Scratch, endpoint: &str, delay_ms: &str, args: &[&str
     Server::start_command(command)
 }
 
-/// Envoy's call for `user`'s descriptor in domain `api`, with `metadata` as Envoy sends its
-/// trace context: the answer's overall code.
+/// Envoy's call for `user`'s descriptor in `domain`, with `metadata` as Envoy sends its trace
+/// context: the answer's overall code, or the call's status code.
 fn should_rate_limit(
     runtime: &tokio::runtime::Runtime,
     server: &Server,
-    user: &str,
+    (domain, user): (&str, &str),
     metadata: &[(&'static str, &str)],
-) -> i32 {
+) -> Result<i32, tonic::Code> {
     runtime.block_on(async {
         let mut client = RateLimitServiceClient::new(server.grpc_channel().await);
         let mut call = tonic::Request::new(
             envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest {
-                domain: "api".to_owned(),
+                domain: domain.to_owned(),
                 descriptors: vec![descriptor(&[("user", user)])],
                 hits_addend: 1,
             },
@@ -211,8 +211,10 @@ fn should_rate_limit(
         for (key, value) in metadata {
             call.metadata_mut().insert(*key, value.parse().unwrap());
         }
-        let answer = client.should_rate_limit(call).await.unwrap();
-        answer.into_inner().overall_code
+        match client.should_rate_limit(call).await {
+            Ok(answer) => Ok(answer.into_inner().overall_code),
+            Err(status) => Err(status.code()),
+        }
     })
 }
 
@@ -304,9 +306,14 @@ fn each_api_answers_in_a_span_of_its_callers_trace() {
     // Envoy's call, with the trace context in its metadata as Envoy sends it.
     let grpc = "0af7651916cd43dd8448eb211c800004";
     let header = traceparent(grpc, parent, true);
-    let code = should_rate_limit(&runtime, &server, "u2", &[("traceparent", &header)]);
+    let code = should_rate_limit(
+        &runtime,
+        &server,
+        ("api", "u2"),
+        &[("traceparent", &header)],
+    );
     // u2's one token went to forward-auth.
-    assert_eq!(code, 2, "OVER_LIMIT");
+    assert_eq!(code, Ok(2), "OVER_LIMIT");
     let span = collector.wait_for_trace(grpc);
     assert_eq!(
         span.span.name,
@@ -329,8 +336,8 @@ fn each_api_answers_in_a_span_of_its_callers_trace() {
         ("x-b3-spanid", parent),
         ("x-b3-sampled", "1"),
     ];
-    let code = should_rate_limit(&runtime, &server, "u5", &b3);
-    assert_eq!(code, 1, "OK");
+    let code = should_rate_limit(&runtime, &server, ("api", "u5"), &b3);
+    assert_eq!(code, Ok(1), "OK");
     let span = collector.wait_for_trace(zipkin);
     assert_eq!(hex(&span.span.parent_span_id), parent);
     span.assert_has(&[("tollgate.result", "allowed")]);
@@ -341,6 +348,19 @@ fn each_api_answers_in_a_span_of_its_callers_trace() {
     assert_eq!(
         hex(&collector.wait_for_trace(single).span.parent_span_id),
         parent
+    );
+
+    // A call refused (no domain): its status on the span, the client's error, not the
+    // server's failure.
+    let refused = "0af7651916cd43dd8448eb211c800008";
+    let header = traceparent(refused, parent, true);
+    let code = should_rate_limit(&runtime, &server, ("", "u7"), &[("traceparent", &header)]);
+    assert_eq!(code, Err(tonic::Code::InvalidArgument));
+    let span = collector.wait_for_trace(refused);
+    span.assert_has(&[("rpc.grpc.status_code", "3")]);
+    assert_ne!(
+        span.span.status.as_ref().map(|s| s.code),
+        Some(StatusCode::Error as i32)
     );
 
     // Bad input: the client's error, answered in a span that is not the server's failure.
@@ -359,6 +379,30 @@ fn each_api_answers_in_a_span_of_its_callers_trace() {
     assert_eq!(answer.status, 400);
     let span = collector.wait_for_trace(bad);
     span.assert_has(&[("http.response.status_code", "400")]);
+    assert_ne!(
+        span.span.status.as_ref().map(|s| s.code),
+        Some(StatusCode::Error as i32)
+    );
+
+    // A cost no bucket can hold: decided as invalid, the client's error.
+    let too_much = "0af7651916cd43dd8448eb211c800009";
+    let header = traceparent(too_much, parent, true);
+    let answer = request(
+        server.http,
+        "POST",
+        "/v1/check",
+        &[
+            ("Content-Type", "application/json"),
+            ("traceparent", &header),
+        ],
+        r#"{"domain":"api","descriptors":[{"user":"u8"}],"cost":5}"#,
+    );
+    assert_eq!(answer.status, 400, "{}", answer.body);
+    let span = collector.wait_for_trace(too_much);
+    span.assert_has(&[
+        ("http.response.status_code", "400"),
+        ("tollgate.result", "invalid"),
+    ]);
     assert_ne!(
         span.span.status.as_ref().map(|s| s.code),
         Some(StatusCode::Error as i32)
@@ -398,7 +442,7 @@ fn each_api_answers_in_a_span_of_its_callers_trace() {
         );
         (sent >= collector.spans().len() as f64).then_some(sent)
     });
-    assert_eq!(sent, 8.0, "every span of this test");
+    assert_eq!(sent, 10.0, "every span of this test");
     assert_eq!(
         metric(
             &server,
