@@ -378,13 +378,7 @@ pub(crate) fn record_outcome(domain: &str, store: &'static str, outcome: &Outcom
             let names: Vec<opentelemetry::StringValue> = outcome
                 .limits
                 .iter()
-                .filter(|limit| {
-                    !rejecting_only
-                        || limit
-                            .decision
-                            .as_ref()
-                            .is_some_and(|decision| !decision.allowed())
-                })
+                .filter(|limit| !rejecting_only || limit.would_reject())
                 .map(|limit| limit.name.to_string().into())
                 .collect();
             Value::Array(names.into())
