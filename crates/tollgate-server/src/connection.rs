@@ -17,6 +17,8 @@
 //! stop (for at most [`ConnectionLimits::drain_timeout`]), [`Tracked`] counts what a client
 //! sends, [`IdleClose`] tells a connection's task when its client has gone quiet, and
 //! [`StopSignal`] when the server stops. HTTP/1 adds [`HeadTimeout`], for a head partway in.
+//! The HTTP listener serves HTTP/1 and HTTP/2 alike, and [`Admitted::speaks_http2`] tells which
+//! a client speaks.
 
 use std::future::Future;
 use std::io;
@@ -261,6 +263,44 @@ impl Admitted {
             stream: Transport::Tls(stream),
             place: self.place,
         })
+    }
+}
+
+/// HTTP/2's connection preface, which a client that speaks it sends before anything else.
+const HTTP2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// How much of the preface tells it from an HTTP/1 request: no method begins with `PRI`.
+const HTTP2_SIGN: usize = 3;
+
+/// How often a client whose first bytes do not yet tell its protocol is looked at again.
+const SNIFF_AGAIN: Duration = Duration::from_millis(5);
+
+impl Admitted {
+    /// Whether the client speaks HTTP/2: it chose `h2` in the TLS handshake or, on a plain
+    /// connection, its first bytes begin HTTP/2's preface (HTTP/2 with prior knowledge, as
+    /// `curl --http2-prior-knowledge` and gRPC clients send it). Waits for the client's first
+    /// bytes, and leaves them to be read. A client that closes first is taken for HTTP/1,
+    /// whose server then sees it go.
+    pub(crate) async fn speaks_http2(&self) -> io::Result<bool> {
+        let stream = match &self.stream {
+            Transport::Tls(stream) => return Ok(stream.get_ref().1.alpn_protocol() == Some(b"h2")),
+            Transport::Plain(stream) => stream,
+        };
+        let mut first = [0u8; HTTP2_SIGN];
+        loop {
+            let read = stream.peek(&mut first).await?;
+            let seen = first.get(..read).unwrap_or_default();
+            if read == 0 || !HTTP2_PREFACE.starts_with(seen) {
+                return Ok(false);
+            }
+            if read == HTTP2_SIGN {
+                return Ok(true);
+            }
+            // `P` or `PR` so far. The socket stays readable while those bytes wait, so a peek
+            // at once would spin; this is rare (a client writes its first line whole) and
+            // bounded by the head timeout.
+            tokio::time::sleep(SNIFF_AGAIN).await;
+        }
     }
 }
 

@@ -28,7 +28,7 @@ use prost::Message;
 use tonic::Status;
 use tower_service::Service;
 
-use crate::grpc::Received;
+use crate::http2::Received;
 use crate::rls::Rls;
 use crate::traces::Traces;
 

@@ -53,6 +53,7 @@ mod grpc_unary;
 mod health;
 pub mod hot_keys;
 pub mod http;
+mod http2;
 pub mod loadgen;
 pub mod metrics;
 mod progress;

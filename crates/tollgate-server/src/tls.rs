@@ -17,9 +17,11 @@
 //! cannot be used there stop the process with one line naming the file.
 //!
 //! rustls with `aws-lc-rs` does the TLS (built in, no system OpenSSL), TLS 1.2 and 1.3, with
-//! its safe defaults. Each listener offers its one protocol by ALPN: `h2` for gRPC,
-//! `http/1.1` for HTTP. A client that offers no ALPN at all is served; one that offers only
-//! other protocols is refused in the handshake rather than misread afterwards.
+//! its safe defaults. Each listener offers its protocols by ALPN: `h2` for gRPC, `h2` then
+//! `http/1.1` for HTTP (a client offering both gets HTTP/2, whose one connection carries many
+//! requests at once). A client that offers no ALPN at all is served (HTTP/1.1 on the HTTP
+//! listener); one that offers only other protocols is refused in the handshake rather than
+//! misread afterwards.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -101,28 +103,30 @@ pub enum TlsError {
     },
 }
 
-/// The protocol a listener serves, which its TLS offers by ALPN.
+/// The protocols a listener serves, which its TLS offers by ALPN.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Alpn {
-    /// HTTP/2, for gRPC.
-    H2,
-    /// HTTP/1.1, for the HTTP API.
-    Http11,
+    /// HTTP/2 only, for gRPC.
+    Grpc,
+    /// HTTP/2 or HTTP/1.1, for the HTTP API.
+    Http,
 }
 
 impl Alpn {
-    fn protocol(self) -> &'static [u8] {
+    /// The protocols offered, in the order the server prefers them (rustls picks the first
+    /// one the client also offers).
+    fn protocols(self) -> Vec<Vec<u8>> {
         match self {
-            Alpn::H2 => b"h2",
-            Alpn::Http11 => b"http/1.1",
+            Alpn::Grpc => vec![b"h2".to_vec()],
+            Alpn::Http => vec![b"h2".to_vec(), b"http/1.1".to_vec()],
         }
     }
 
-    /// The listener this protocol is served on.
+    /// The listener these protocols are served on.
     fn listener(self) -> Listener {
         match self {
-            Alpn::H2 => Listener::Grpc,
-            Alpn::Http11 => Listener::Http,
+            Alpn::Grpc => Listener::Grpc,
+            Alpn::Http => Listener::Http,
         }
     }
 }
@@ -184,7 +188,7 @@ impl ListenerTls {
     ///
     /// [`TlsError`] naming the file that cannot be used.
     pub fn for_http(files: TlsFiles) -> Result<Self, TlsError> {
-        Self::load(files, Alpn::Http11)
+        Self::load(files, Alpn::Http)
     }
 
     /// The gRPC listener's TLS, made from `files`.
@@ -193,7 +197,7 @@ impl ListenerTls {
     ///
     /// [`TlsError`] naming the file that cannot be used.
     pub fn for_grpc(files: TlsFiles) -> Result<Self, TlsError> {
-        Self::load(files, Alpn::H2)
+        Self::load(files, Alpn::Grpc)
     }
 
     fn load(files: TlsFiles, alpn: Alpn) -> Result<Self, TlsError> {
@@ -404,7 +408,7 @@ fn make(
                 key: files.key.clone(),
                 source,
             })?;
-    config.alpn_protocols = vec![alpn.protocol().to_vec()];
+    config.alpn_protocols = alpn.protocols();
     Ok((Arc::new(config), expires))
 }
 
@@ -475,7 +479,7 @@ mod tests {
     }
 
     #[test]
-    fn each_listener_offers_its_one_protocol() {
+    fn each_listener_offers_its_protocols_http2_first() {
         let certificates = TestCertificates::generate("unit-alpn");
         let offered = |tls: ListenerTls| tls.current.lock().config.alpn_protocols.clone();
         let paths = TlsFiles {
@@ -485,7 +489,7 @@ mod tests {
         };
         let http = ListenerTls::for_http(paths.clone()).unwrap();
         assert_eq!(http.listener(), Listener::Http);
-        assert_eq!(offered(http), [b"http/1.1".to_vec()]);
+        assert_eq!(offered(http), [b"h2".to_vec(), b"http/1.1".to_vec()]);
         let grpc = ListenerTls::for_grpc(paths).unwrap();
         assert_eq!(grpc.listener(), Listener::Grpc);
         assert_eq!(offered(grpc), [b"h2".to_vec()]);

@@ -1,8 +1,8 @@
 //! The server's bounds on its connections, seen by clients of the real binary: a client that
-//! never finishes a request head, never opens HTTP/2 or goes quiet is let go (and counted),
-//! while clients that speak keep their connections; past `--max-connections` a new client
-//! waits until a connection closes. On the way out, with `--shutdown-delay`, the server leaves
-//! its load balancers' rotation and goes on serving before it drains.
+//! never finishes a request head, never finishes HTTP/2's preface or goes quiet is let go (and
+//! counted), while clients that speak keep their connections; past `--max-connections` a new
+//! client waits until a connection closes. On the way out, with `--shutdown-delay`, the server
+//! leaves its load balancers' rotation and goes on serving before it drains.
 
 mod support;
 
@@ -47,6 +47,11 @@ const GRPC_HEADER_TIMEOUTS: &str =
     r#"tollgate_connections_closed_total{listener="grpc",reason="header_timeout"}"#;
 const HTTP_IDLE: &str = r#"tollgate_connections_closed_total{listener="http",reason="idle"}"#;
 const GRPC_IDLE: &str = r#"tollgate_connections_closed_total{listener="grpc",reason="idle"}"#;
+
+/// HTTP/2's connection preface, a client's first bytes.
+const HTTP2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+/// A SETTINGS frame with no settings: the rest of a client's opening.
+const EMPTY_SETTINGS: [u8; 9] = [0, 0, 0, 4, 0, 0, 0, 0, 0];
 
 fn connect(addr: SocketAddr) -> TcpStream {
     TcpStream::connect(addr).expect("connect")
@@ -119,9 +124,24 @@ fn clients_that_never_finish_a_request_head_are_let_go() {
     half_next_head
         .write_all(b"POST /v1/check HTTP/1.1\r\n")
         .expect("send half a head");
+    // Begins HTTP/2's preface: too little to tell it from an HTTP/1 head, then more of it.
+    let mut half_sign = connect(server.http);
+    half_sign.write_all(b"PR").expect("send two bytes");
+    let mut half_preface = connect(server.http);
+    half_preface
+        .write_all(&HTTP2_PREFACE[..16])
+        .expect("send half a preface");
     // Is answered and keeps the connection, waiting with nothing to send.
     let mut kept_alive = connect(server.http);
     check_kept_alive(&mut kept_alive);
+    // Opens HTTP/2 whole (preface and settings), then sends nothing.
+    let mut kept_http2 = connect(server.http);
+    kept_http2
+        .write_all(HTTP2_PREFACE)
+        .expect("send the preface");
+    kept_http2
+        .write_all(&EMPTY_SETTINGS)
+        .expect("send the settings");
 
     // The server keeps serving everyone else meanwhile.
     assert_eq!(post_json(server.http, "/v1/check", CHECK).status, 200);
@@ -131,6 +151,8 @@ fn clients_that_never_finish_a_request_head_are_let_go() {
         ("silent gRPC", &mut silent_grpc),
         ("half a head", &mut half_head),
         ("half the next head", &mut half_next_head),
+        ("two bytes of HTTP/2's preface", &mut half_sign),
+        ("half of HTTP/2's preface", &mut half_preface),
     ] {
         assert!(
             closed_within(stream, Duration::from_secs(15)),
@@ -155,13 +177,22 @@ fn clients_that_never_finish_a_request_head_are_let_go() {
         "a kept-alive connection was closed by the head timeout"
     );
     assert!(
-        closed_within(&mut kept_alive, Duration::from_secs(15)),
-        "a kept-alive connection outlived its idle timeout"
+        !closed_within(&mut kept_http2, Duration::from_millis(100)),
+        "a quiet HTTP/2 connection was closed by the head timeout"
     );
+    for (name, stream) in [
+        ("a kept-alive connection", &mut kept_alive),
+        ("a quiet HTTP/2 connection", &mut kept_http2),
+    ] {
+        assert!(
+            closed_within(stream, Duration::from_secs(15)),
+            "{name} outlived its idle timeout"
+        );
+    }
     assert!(started.elapsed() >= Duration::from_millis(2900));
-    assert_eq!(metric(&server, HTTP_HEADER_TIMEOUTS), 3.0);
+    assert_eq!(metric(&server, HTTP_HEADER_TIMEOUTS), 5.0);
     assert_eq!(metric(&server, GRPC_HEADER_TIMEOUTS), 1.0);
-    assert_eq!(metric(&server, HTTP_IDLE), 1.0);
+    assert_eq!(metric(&server, HTTP_IDLE), 2.0);
 }
 
 #[test]

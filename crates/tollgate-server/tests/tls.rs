@@ -1,8 +1,8 @@
-//! The listeners over TLS, through the real binary: HTTPS and gRPC over TLS deciding as they
-//! do in plain, clients without TLS or without a trusted certificate refused in the
-//! handshake (and counted), certificates replaced while the server runs (on SIGHUP and when
-//! the files change, a broken set refused with the one in force kept), and files that cannot
-//! be used refused at the start.
+//! The listeners over TLS, through the real binary: HTTPS (HTTP/1.1, and HTTP/2 when ALPN
+//! chooses it) and gRPC over TLS deciding as they do in plain, clients without TLS or without
+//! a trusted certificate refused in the handshake (and counted), certificates replaced while
+//! the server runs (on SIGHUP and when the files change, a broken set refused with the one in
+//! force kept), and files that cannot be used refused at the start.
 
 mod support;
 
@@ -17,6 +17,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimit
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use rustls::{ClientConfig, ClientConnection, RootCertStore, StreamOwned};
+use support::http2::Http2;
 use support::{Answer, Scratch, Server, descriptor, exchange, path_str, run, wait_for};
 use tollgate_redis::test_server::TestCertificates;
 
@@ -219,16 +220,28 @@ async fn https_and_grpc_over_tls_decide_as_in_plain_and_plain_clients_are_refuse
         plain_grpc.is_err(),
         "answered in plain text: {plain_grpc:?}"
     );
+    // A client that chooses HTTP/2 by ALPN is answered over it.
+    let connector = tokio_rustls::TlsConnector::from(client(&[&certificates.ca], None, b"h2"));
+    let tcp = tokio::net::TcpStream::connect(server.http)
+        .await
+        .expect("connect");
+    let name = ServerName::try_from("localhost").expect("a server name");
+    let tls = connector.connect(name, tcp).await.expect("a TLS handshake");
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+    let over_http2 = Http2::over(tls).await.expect("an HTTP/2 handshake");
+    let answer = over_http2.post_json("/v1/check", CHECK).await;
+    assert_eq!(answer.status, 200, "{answer:?}");
+    assert_eq!(answer.json()["allowed"], true, "{answer:?}");
     // A client offering only a protocol the listener does not speak is refused in the
     // handshake rather than misread after it.
-    let h2_on_http = https(
+    let spdy_on_http = https(
         server.http,
-        &client(&[&certificates.ca], None, b"h2"),
+        &client(&[&certificates.ca], None, b"spdy/3.1"),
         "GET",
         "/healthz",
         "",
     );
-    assert!(h2_on_http.is_err(), "{h2_on_http:?}");
+    assert!(spdy_on_http.is_err(), "{spdy_on_http:?}");
 
     let refusals = |listener: &str| {
         metric_over_tls(

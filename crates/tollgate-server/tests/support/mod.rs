@@ -4,6 +4,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 pub mod browser;
+pub mod http2;
 pub mod nginx;
 pub mod rlqs;
 
