@@ -48,6 +48,7 @@ for round in $(seq "$rounds"); do
   run "HTTP forward-auth" --target "http://$http" --forward-auth -c 16
   run "gRPC RLS" --grpc "$grpc" -c 16
   run "gRPC RLS, 16 streams over 2 connections" --grpc "$grpc" -c 16 --connections 2
+  run "HTTP/2 /v1/check, 16 streams over 2 connections" --target "http://$http" --http2 -c 16 --connections 2
 done
 # Medians of the rates and of the ratios within each round.
 python3 - "$work" <<'PY' >"$work/summary"
@@ -59,18 +60,22 @@ def rates(name):
 noop, check = rates("HTTP__v1_noop"), rates("HTTP__v1_check")
 grpc, mux = rates("gRPC_RLS"), rates("gRPC_RLS__16_streams_over_2_connections")
 forward = rates("HTTP_forward_auth")
+h2 = rates("HTTP_2__v1_check__16_streams_over_2_connections")
 med = statistics.median
 def ratios(a, b):
     return ", ".join(f"{x / y:.0%}" for x, y in zip(a, b))
 print(f"half={int(med(check) / 2)}")
 print(f"# medians over {len(check)} rounds: no-op {med(noop):,.0f}/s, check {med(check):,.0f}/s, "
-      f"forward-auth {med(forward):,.0f}/s, gRPC {med(grpc):,.0f}/s, gRPC over 2 connections {med(mux):,.0f}/s")
+      f"forward-auth {med(forward):,.0f}/s, gRPC {med(grpc):,.0f}/s, gRPC over 2 connections {med(mux):,.0f}/s, "
+      f"HTTP/2 check over 2 connections {med(h2):,.0f}/s")
 print(f"# check / no-op per round: {ratios(check, noop)} (median {med([c / n for c, n in zip(check, noop)]):.0%})")
 print(f"# forward-auth / no-op per round: {ratios(forward, noop)} "
       f"(median {med([f / n for f, n in zip(forward, noop)]):.0%})")
 print(f"# gRPC / check per round: {ratios(grpc, check)} (median {med([g / c for g, c in zip(grpc, check)]):.0%})")
 print(f"# gRPC over 2 connections / check per round: {ratios(mux, check)} "
       f"(median {med([m / c for m, c in zip(mux, check)]):.0%})")
+print(f"# HTTP/2 check over 2 connections / check per round: {ratios(h2, check)} "
+      f"(median {med([h / c for h, c in zip(h2, check)]):.0%})")
 PY
 half=$(sed -n 's/^half=//p' "$work/summary")
 quarter=$((half / 2))

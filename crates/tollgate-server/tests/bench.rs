@@ -1,5 +1,5 @@
 //! `tollgate bench` against a server in this process, on loopback: every request is counted
-//! once, and the demo policy's limit shows up as rejections over both HTTP and gRPC.
+//! once, and the demo policy's limit shows up as rejections over HTTP (1.1 and 2) and gRPC.
 //!
 //! Bounded by request count (a few hundred), never by wall time; no assertion on speed.
 
@@ -163,6 +163,38 @@ async fn grpc_calls_multiplexed_over_shared_connections_all_count() {
     .expect("bench runs");
     assert_eq!((summary.concurrency, summary.connections), (8, 2));
     assert_eq!(accepted.load(Ordering::Relaxed), 2, "connections opened");
+    assert_limited(&summary, 200, 2);
+}
+
+/// Checks and forward-auth subrequests as HTTP/2 streams, the workers sharing connections
+/// when asked, as proxies that keep HTTP/2 to their upstreams send them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_requests_multiplexed_over_shared_connections_all_count() {
+    let server = start().await;
+    let (target, accepted) = counting_proxy(server.http).await;
+    let target = format!("http://{target}");
+    let shared = ["--http2", "-c", "8", "--connections", "2"];
+    let two_keys = ["--requests", "200", "--keys", "2"];
+    let summary = bench(&[&["--target", &target][..], &two_keys, &shared].concat())
+        .await
+        .expect("bench runs");
+    assert_eq!((summary.api, summary.protocol), ("http", "HTTP/2"));
+    assert_eq!((summary.concurrency, summary.connections), (8, 2));
+    assert_eq!(accepted.load(Ordering::Relaxed), 2, "connections opened");
+    assert_limited(&summary, 200, 2);
+
+    let forward_auth = start_denying_with(StatusCode::FORBIDDEN).await;
+    let target = format!("http://{}", forward_auth.http);
+    let summary = bench(
+        &[
+            &["--target", &target, "--forward-auth", "--http2"][..],
+            &TWO_KEYS,
+        ]
+        .concat(),
+    )
+    .await
+    .expect("bench runs");
+    assert_eq!((summary.api, summary.protocol), ("forward-auth", "HTTP/2"));
     assert_limited(&summary, 200, 2);
 }
 
@@ -481,14 +513,19 @@ async fn a_late_open_loop_stops_at_its_deadline() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_that_timed_out_is_followed_on_a_new_connection() {
     let server = start().await;
-    for (flag, upstream) in [("--target", server.http), ("--grpc", server.grpc)] {
+    for (flag, upstream, extra) in [
+        ("--target", server.http, None),
+        ("--target", server.http, Some("--http2")),
+        ("--grpc", server.grpc, None),
+    ] {
         let (silent, accepted) = proxy(upstream, true).await;
         let target = match flag {
             "--target" => format!("http://{silent}"),
             _ => silent.to_string(),
         };
         let args = ["-n", "3", "-c", "1", "--keys", "1", "--timeout", "200ms"];
-        let summary = bench(&[&[flag, &target][..], &args].concat())
+        let extra: &[&str] = extra.as_slice();
+        let summary = bench(&[&[flag, &target][..], &args, extra].concat())
             .await
             .expect("bench runs");
         assert_eq!(

@@ -53,13 +53,19 @@ pub struct BenchArgs {
     /// HTTP path to send the check body to; `/v1/noop` measures the stack without deciding.
     #[arg(long, default_value = "/v1/check")]
     pub path: String,
-    /// Concurrent workers, each with one request in flight. Over HTTP each has its own
-    /// keep-alive connection; over gRPC they share --connections.
+    /// HTTP only: speak HTTP/2 (with prior knowledge to an `http://` target, by ALPN to an
+    /// `https://` one) instead of HTTP/1.1, as proxies and service meshes that keep HTTP/2
+    /// connections to their upstreams do; with --connections, workers share connections.
+    #[arg(long, conflicts_with = "grpc")]
+    pub http2: bool,
+    /// Concurrent workers, each with one request in flight. Over HTTP/1.1 each has its own
+    /// keep-alive connection; over gRPC and HTTP/2 they share --connections.
     #[arg(long, short = 'c', default_value_t = 16)]
     pub concurrency: usize,
-    /// gRPC only: HTTP/2 connections the workers' calls are multiplexed over (default: one per
-    /// worker). Envoy sends its rate-limit calls as streams over a few connections per worker
-    /// thread; fewer connections measure that, and let each read and write carry several calls.
+    /// gRPC and --http2 only: HTTP/2 connections the workers' requests are multiplexed over
+    /// (default: one per worker). Envoy sends its rate-limit calls as streams over a few
+    /// connections per worker thread; fewer connections measure that, and let each read and
+    /// write carry several requests.
     #[arg(long, value_name = "N")]
     pub connections: Option<usize>,
     /// How long to run, as `500ms`, `10s` or `2m` (ignored with --requests).
@@ -118,11 +124,11 @@ pub enum Distribution {
 /// Where the load goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Target {
-    /// `host:port` and the path, over HTTP/1.1.
+    /// `host:port` and the path, over HTTP/1.1 or HTTP/2 ([`Plan::http2`]).
     Http { authority: String, path: String },
     /// `host:port`, over gRPC.
     Grpc { authority: String },
-    /// `host:port` and the forward-auth path of the domain, over HTTP/1.1.
+    /// `host:port` and the forward-auth path of the domain, as [`Target::Http`].
     ForwardAuth { authority: String, path: String },
 }
 
@@ -138,7 +144,10 @@ pub(crate) enum Stop {
 pub(crate) struct Plan {
     pub(crate) target: Target,
     pub(crate) concurrency: usize,
-    /// Connections the workers share: `concurrency` over HTTP, `--connections` over gRPC.
+    /// HTTP targets: over HTTP/2 rather than HTTP/1.1.
+    pub(crate) http2: bool,
+    /// Connections the workers share: `concurrency` over HTTP/1.1, `--connections` over
+    /// gRPC and HTTP/2.
     pub(crate) connections: usize,
     pub(crate) stop: Stop,
     pub(crate) domain: String,
@@ -203,7 +212,8 @@ impl BenchArgs {
             }
             Target::Grpc { authority } => Some(TlsClient::from_args(self, host(authority), b"h2")?),
             Target::Http { authority, .. } | Target::ForwardAuth { authority, .. } => {
-                Some(TlsClient::from_args(self, host(authority), b"http/1.1")?)
+                let alpn: &[u8] = if self.http2 { b"h2" } else { b"http/1.1" };
+                Some(TlsClient::from_args(self, host(authority), alpn)?)
             }
         };
         if self.concurrency == 0 || self.concurrency > MAX_CONCURRENCY {
@@ -212,22 +222,23 @@ impl BenchArgs {
                 self.concurrency
             ));
         }
-        let connections = match (self.connections, &target) {
-            (None, _) => self.concurrency,
-            (Some(_), Target::Http { .. } | Target::ForwardAuth { .. }) => {
+        let multiplexed = self.http2 || matches!(target, Target::Grpc { .. });
+        let connections = match self.connections {
+            None => self.concurrency,
+            Some(_) if !multiplexed => {
                 return Err(
-                    "--connections is for --grpc: HTTP/1.1 carries one request at a \
-                            time per connection, so --concurrency sets the connections"
+                    "--connections is for --grpc and --http2: HTTP/1.1 carries one request \
+                            at a time per connection, so --concurrency sets the connections"
                         .into(),
                 );
             }
-            (Some(n), Target::Grpc { .. }) if n == 0 || n > self.concurrency => {
+            Some(n) if n == 0 || n > self.concurrency => {
                 return Err(format!(
                     "--connections must be 1 to --concurrency ({}), not {n}",
                     self.concurrency
                 ));
             }
-            (Some(n), Target::Grpc { .. }) => n,
+            Some(n) => n,
         };
         let stop = match self.requests {
             Some(0) => return Err("--requests must be at least 1".into()),
@@ -262,6 +273,7 @@ impl BenchArgs {
         Ok(Plan {
             target,
             concurrency: self.concurrency,
+            http2: self.http2,
             connections,
             stop,
             domain: self.domain.clone(),
@@ -468,6 +480,16 @@ mod tests {
             &["--target", "http://x:1", "--connections", "1"],
             &["--grpc", "x:1", "-c", "4", "--connections", "0"],
             &["--grpc", "x:1", "-c", "4", "--connections", "5"],
+            &[
+                "--target",
+                "http://x:1",
+                "--http2",
+                "-c",
+                "4",
+                "--connections",
+                "5",
+            ],
+            &["--grpc", "x:1", "--http2"],
         ] {
             let err = plan(args).err();
             assert!(err.is_some(), "{args:?} was accepted");
@@ -532,16 +554,47 @@ mod tests {
     }
 
     #[test]
-    fn grpc_workers_share_connections_only_when_asked() {
-        let connections = |args: &[&str]| plan(args).map(|p| (p.concurrency, p.connections));
-        assert_eq!(connections(&["--grpc", "x:1", "-c", "8"]), Ok((8, 8)));
+    fn http2_workers_share_connections_only_when_asked() {
+        let connections =
+            |args: &[&str]| plan(args).map(|p| (p.http2, p.concurrency, p.connections));
+        assert_eq!(
+            connections(&["--grpc", "x:1", "-c", "8"]),
+            Ok((false, 8, 8))
+        );
         assert_eq!(
             connections(&["--grpc", "x:1", "-c", "8", "--connections", "2"]),
-            Ok((8, 2))
+            Ok((false, 8, 2))
         );
         assert_eq!(
             connections(&["--target", "http://x:1", "-c", "8"]),
-            Ok((8, 8))
+            Ok((false, 8, 8))
+        );
+        assert_eq!(
+            connections(&["--target", "http://x:1", "--http2", "-c", "8"]),
+            Ok((true, 8, 8))
+        );
+        assert_eq!(
+            connections(&[
+                "--target",
+                "http://x:1",
+                "--http2",
+                "-c",
+                "8",
+                "--connections",
+                "1"
+            ]),
+            Ok((true, 8, 1))
+        );
+        assert_eq!(
+            connections(&[
+                "--target",
+                "http://x:1",
+                "--http2",
+                "--forward-auth",
+                "-c",
+                "2"
+            ]),
+            Ok((true, 2, 2))
         );
     }
 

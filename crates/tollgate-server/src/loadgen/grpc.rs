@@ -22,11 +22,11 @@ use h2::client::SendRequest;
 use http::header::{CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue, TE};
 use http::{Method, Request, StatusCode, Uri};
 use prost::Message;
-use std::sync::{Arc, Mutex, PoisonError};
-use tokio::net::TcpStream;
+use std::sync::Arc;
 
 use super::Verdict;
 use super::args::Plan;
+use super::shared::SharedConnection;
 use super::tls::TlsClient;
 use crate::grpc_unary::Gathered;
 
@@ -66,49 +66,6 @@ pub(crate) struct GrpcClient {
     /// `None` before the first call and after a failure: the next call reconnects. The number
     /// is the shared connection's generation it was taken from.
     client: Option<(u64, SendRequest<Bytes>)>,
-}
-
-/// A connection several workers send their calls over. After a failure the first worker to
-/// notice drops it and the next call opens a new one, which the others then pick up.
-#[derive(Default)]
-pub(crate) struct SharedConnection {
-    /// The generation counts the connections opened here, so a worker holding an older one
-    /// cannot drop its replacement.
-    current: Mutex<(u64, Option<SendRequest<Bytes>>)>,
-}
-
-impl SharedConnection {
-    fn get(&self) -> (u64, Option<SendRequest<Bytes>>) {
-        let current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
-        (current.0, current.1.clone())
-    }
-
-    fn set(&self, client: &SendRequest<Bytes>) -> u64 {
-        let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
-        current.0 += 1;
-        current.1 = Some(client.clone());
-        current.0
-    }
-
-    fn drop_generation(&self, generation: u64) {
-        let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
-        if current.0 == generation {
-            current.1 = None;
-        }
-    }
-}
-
-/// HTTP/2 over `stream`, its driver running in a task of its own, which ends when the
-/// connection does (the next call then reports the failure).
-async fn http2<S>(stream: S) -> Result<SendRequest<Bytes>, h2::Error>
-where
-    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
-{
-    let (client, connection) = h2::client::handshake(stream).await?;
-    tokio::spawn(async move {
-        let _ = connection.await;
-    });
-    Ok(client)
 }
 
 /// Why a call failed, and whether the connection can still be trusted.
@@ -183,23 +140,12 @@ impl GrpcClient {
     /// Takes the shared connection, or opens it now (so a run does not start before every
     /// worker is connected).
     pub(crate) async fn connect(&mut self) -> Result<(), String> {
-        if let (generation, Some(client)) = self.shared.get() {
-            self.client = Some((generation, client));
-            return Ok(());
-        }
-        let cannot = |err: &dyn std::fmt::Display| {
-            format!("cannot connect to gRPC {}: {err}", self.authority)
-        };
-        let stream = TcpStream::connect(&self.authority)
-            .await
-            .map_err(|err| cannot(&err))?;
-        stream.set_nodelay(true).map_err(|err| cannot(&err))?;
-        let client = match &self.tls {
-            None => http2(stream).await,
-            Some(tls) => http2(tls.connect(stream).await.map_err(|err| cannot(&err))?).await,
-        }
-        .map_err(|err| cannot(&err))?;
-        self.client = Some((self.shared.set(&client), client));
+        let what = format!("gRPC {}", self.authority);
+        let client = self
+            .shared
+            .take_or_open(&self.authority, self.tls.as_ref(), &what)
+            .await?;
+        self.client = Some(client);
         Ok(())
     }
 

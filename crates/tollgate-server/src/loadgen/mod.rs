@@ -16,6 +16,7 @@ mod http;
 mod keys;
 mod report;
 mod run;
+mod shared;
 #[cfg(target_os = "linux")]
 mod timer;
 mod tls;

@@ -59,8 +59,10 @@ impl Latency {
 #[derive(Debug, Clone, Serialize)]
 #[non_exhaustive]
 pub struct Summary {
-    /// `http` or `grpc`.
+    /// `http`, `forward-auth` or `grpc`.
     pub api: &'static str,
+    /// What the requests travelled over: `HTTP/1.1` or `HTTP/2` (gRPC's).
+    pub protocol: &'static str,
     /// Where the load went: a URL, or `HOST:PORT` for gRPC.
     pub target: String,
     /// Concurrent workers, each with one request in flight.
@@ -136,8 +138,14 @@ impl Summary {
                 ("forward-auth", format!("{scheme}://{authority}{path}"))
             }
         };
+        let protocol = match plan.target {
+            Target::Grpc { .. } => "HTTP/2",
+            _ if plan.http2 => "HTTP/2",
+            _ => "HTTP/1.1",
+        };
         Self {
             api,
+            protocol,
             target,
             concurrency: plan.concurrency,
             connections: plan.connections,
@@ -179,9 +187,15 @@ impl fmt::Display for Summary {
         };
         writeln!(
             f,
-            "tollgate bench: {} {}, {} workers over {} connections, {load}, {distribution} over {} \
-             keys, {:.2} s",
-            self.api, self.target, self.concurrency, self.connections, self.keys, self.elapsed_s
+            "tollgate bench: {} {} ({}), {} workers over {} connections, {load}, {distribution} \
+             over {} keys, {:.2} s",
+            self.api,
+            self.target,
+            self.protocol,
+            self.concurrency,
+            self.connections,
+            self.keys,
+            self.elapsed_s
         )?;
         writeln!(f, "  decisions/s  {:.0}", self.decisions_per_s)?;
         writeln!(f, "  requests     {}", self.requests)?;
@@ -266,6 +280,7 @@ mod tests {
         ];
         let summary = summary(&args, tallies, Duration::from_secs(2));
         assert_eq!(summary.api, "http");
+        assert_eq!(summary.protocol, "HTTP/1.1");
         assert_eq!(summary.target, "http://127.0.0.1:8080/v1/check");
         assert_eq!((summary.concurrency, summary.connections), (3, 3));
         assert_eq!(
@@ -294,7 +309,7 @@ mod tests {
 
         let text = summary.to_string();
         for line in [
-            "tollgate bench: http http://127.0.0.1:8080/v1/check, 3 workers over 3 connections, closed loop, uniform over",
+            "tollgate bench: http http://127.0.0.1:8080/v1/check (HTTP/1.1), 3 workers over 3 connections, closed loop, uniform over",
             "  decisions/s  6\n",
             "  requests     15\n",
             "  allowed      9\n",
@@ -319,8 +334,8 @@ mod tests {
         let args = ["--grpc", "127.0.0.1:8081", "--rate", "100", "-d", "1s"];
         let summary = summary(&args, vec![tally(5, 0, 0, None, &[1_000])], Duration::ZERO);
         assert_eq!(
-            (summary.api, summary.target.as_str()),
-            ("grpc", "127.0.0.1:8081")
+            (summary.api, summary.protocol, summary.target.as_str()),
+            ("grpc", "HTTP/2", "127.0.0.1:8081")
         );
         assert_eq!(summary.rate, Some(100.0));
         // A run that took no time measured no rate, rather than an infinite one.

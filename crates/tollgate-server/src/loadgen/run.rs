@@ -32,10 +32,11 @@ use tokio::time::Instant;
 
 use super::Verdict;
 use super::args::{BenchArgs, Plan, Stop, Target};
-use super::grpc::{GrpcClient, SharedConnection};
+use super::grpc::GrpcClient;
 use super::http::HttpClient;
 use super::keys::{KeyPicker, zipf_cdf};
 use super::report::Summary;
+use super::shared::SharedConnection;
 
 /// The longest latency the histogram holds, in nanoseconds (longer ones count as this).
 pub(super) const MAX_LATENCY_NS: u64 = 3_600_000_000_000;
@@ -314,19 +315,19 @@ pub async fn run(args: &BenchArgs) -> Result<Summary, BenchError> {
         (0..plan.connections).map(|_| Arc::default()).collect();
     let mut clients = Vec::with_capacity(plan.concurrency);
     for worker in 0..plan.concurrency {
+        // Shared over gRPC and HTTP/2; over HTTP/1.1 there are as many as workers, unused.
+        let connection = Arc::clone(&connections[worker % connections.len()]);
         let mut client = match &plan.target {
-            Target::Http { authority, path } => {
-                Client::Http(HttpClient::new(&plan, authority, path))
-            }
-            Target::ForwardAuth { authority, path } => {
-                Client::Http(HttpClient::forward_auth(&plan, authority, path))
-            }
-            Target::Grpc { authority } => {
-                let connection = Arc::clone(&connections[worker % connections.len()]);
-                Client::Grpc(
-                    GrpcClient::new(&plan, authority, connection).map_err(BenchError::Args)?,
-                )
-            }
+            Target::Http { authority, path } => Client::Http(
+                HttpClient::new(&plan, authority, path, connection).map_err(BenchError::Args)?,
+            ),
+            Target::ForwardAuth { authority, path } => Client::Http(
+                HttpClient::forward_auth(&plan, authority, path, connection)
+                    .map_err(BenchError::Args)?,
+            ),
+            Target::Grpc { authority } => Client::Grpc(
+                GrpcClient::new(&plan, authority, connection).map_err(BenchError::Args)?,
+            ),
         };
         client.connect().await.map_err(BenchError::Connect)?;
         clients.push(client);
