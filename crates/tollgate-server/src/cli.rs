@@ -413,6 +413,32 @@ pub struct ServeArgs {
         requires = "trace_endpoint"
     )]
     pub trace_sample_ratio: crate::traces::SampleRatio,
+    /// With an `https://` --trace-endpoint: trust the authorities of this PEM file (a private
+    /// authority's) instead of the system's.
+    #[arg(
+        long,
+        env = "TOLLGATE_TRACE_TLS_CA",
+        value_name = "FILE",
+        requires = "trace_endpoint"
+    )]
+    pub trace_tls_ca: Option<PathBuf>,
+    /// With an `https://` --trace-endpoint: present this PEM client certificate to a
+    /// collector that requires one (mutual TLS); needs --trace-tls-key.
+    #[arg(
+        long,
+        env = "TOLLGATE_TRACE_TLS_CERT",
+        value_name = "FILE",
+        requires_all = ["trace_endpoint", "trace_tls_key"]
+    )]
+    pub trace_tls_cert: Option<PathBuf>,
+    /// The client certificate's PEM private key.
+    #[arg(
+        long,
+        env = "TOLLGATE_TRACE_TLS_KEY",
+        value_name = "FILE",
+        requires = "trace_tls_cert"
+    )]
+    pub trace_tls_key: Option<PathBuf>,
 }
 
 /// How `tollgate serve` spreads requests over its threads.
@@ -1129,7 +1155,7 @@ pub async fn serve(
     };
     let traces = match &args.trace_endpoint {
         Some(endpoint) => Some(Arc::new(
-            crate::traces::Traces::start(endpoint, args.trace_sample_ratio)
+            crate::traces::Traces::start(endpoint, args.trace_sample_ratio, &trace_tls(&args))
                 .map_err(|err| anyhow!("{err}"))?,
         )),
         None => None,
@@ -1297,6 +1323,14 @@ pub async fn serve(
         let _ = tokio::task::spawn_blocking(move || traces.shutdown()).await;
     }
     Ok(())
+}
+
+/// The trace exporter's TLS files, as the `--trace-tls-*` flags give them.
+fn trace_tls(args: &ServeArgs) -> crate::traces::TraceTls {
+    crate::traces::TraceTls {
+        ca: args.trace_tls_ca.clone(),
+        identity: args.trace_tls_cert.clone().zip(args.trace_tls_key.clone()),
+    }
 }
 
 /// Connects to the global store of `--global-store` and makes this process's shares of it.

@@ -16,6 +16,7 @@
 //! and failed exports are logged (by the SDK) and counted (here).
 
 use std::borrow::Cow;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use http::HeaderMap;
@@ -53,6 +54,34 @@ pub enum TracesError {
     /// The exporter's runtime could not start.
     #[error("cannot start the runtime that sends traces: {0}")]
     Runtime(std::io::Error),
+    /// TLS files were given for an `http://` collector.
+    #[error(
+        "--trace-tls-ca, --trace-tls-cert and --trace-tls-key are for an https:// --trace-endpoint, not {endpoint}"
+    )]
+    TlsInPlain {
+        /// The endpoint given.
+        endpoint: String,
+    },
+    /// A TLS file could not be read.
+    #[error("{flag} {}: {source}", path.display())]
+    TlsFile {
+        /// The flag that named it.
+        flag: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// Why it could not be read.
+        source: std::io::Error,
+    },
+    /// A TLS file holds no PEM of the kind its flag needs.
+    #[error("{flag} {}: no {what} in PEM", path.display())]
+    TlsPem {
+        /// The flag that named it.
+        flag: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// What was looked for.
+        what: &'static str,
+    },
     /// The exporter refused its configuration.
     #[error("cannot send traces to {endpoint}: {source}")]
     Exporter {
@@ -61,6 +90,72 @@ pub enum TracesError {
         /// The exporter's reason.
         source: opentelemetry_otlp::ExporterBuildError,
     },
+}
+
+/// How the exporter speaks TLS to an `https://` collector, beyond checking it against the
+/// system's authorities: a private authority's, and a client certificate for a collector
+/// that requires one (its OTLP receiver's `client_ca_file`).
+#[derive(Debug, Clone, Default)]
+pub struct TraceTls {
+    /// Trust the authorities of this PEM file instead of the system's.
+    pub ca: Option<PathBuf>,
+    /// Present this PEM certificate chain and private key.
+    pub identity: Option<(PathBuf, PathBuf)>,
+}
+
+impl TraceTls {
+    /// Whether any file is given.
+    fn is_set(&self) -> bool {
+        self.ca.is_some() || self.identity.is_some()
+    }
+
+    /// tonic's TLS settings from the files, each read and checked now, so that a wrong file
+    /// stops the start rather than fail every export.
+    fn client_config(&self) -> Result<tonic::transport::ClientTlsConfig, TracesError> {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+
+        let certificates = |flag: &'static str, path: &Path| {
+            let pem = read(flag, path)?;
+            if CertificateDer::pem_slice_iter(&pem).any(|cert| cert.is_ok()) {
+                return Ok(pem);
+            }
+            Err(TracesError::TlsPem {
+                flag,
+                path: path.to_owned(),
+                what: "certificate",
+            })
+        };
+        let mut config = tonic::transport::ClientTlsConfig::new();
+        config = match &self.ca {
+            Some(ca) => config.ca_certificate(tonic::transport::Certificate::from_pem(
+                certificates("--trace-tls-ca", ca)?,
+            )),
+            None => config.with_native_roots(),
+        };
+        if let Some((cert, key)) = &self.identity {
+            let chain = certificates("--trace-tls-cert", cert)?;
+            let key_pem = read("--trace-tls-key", key)?;
+            if PrivateKeyDer::from_pem_slice(&key_pem).is_err() {
+                return Err(TracesError::TlsPem {
+                    flag: "--trace-tls-key",
+                    path: key.clone(),
+                    what: "private key",
+                });
+            }
+            config = config.identity(tonic::transport::Identity::from_pem(chain, key_pem));
+        }
+        Ok(config)
+    }
+}
+
+/// A TLS file's bytes.
+fn read(flag: &'static str, path: &Path) -> Result<Vec<u8>, TracesError> {
+    std::fs::read(path).map_err(|source| TracesError::TlsFile {
+        flag,
+        path: path.to_owned(),
+        source,
+    })
 }
 
 /// The share of requests without a trace context of their own that start a sampled trace: from
@@ -115,15 +210,17 @@ impl std::fmt::Debug for Traces {
 
 impl Traces {
     /// Sends spans to the OTLP/gRPC collector at `endpoint` (`http://collector:4317`, or
-    /// `https://` with the system's authorities). The service is named `tollgate` unless
+    /// `https://` with the system's authorities, or as `tls` says). The service is named
+    /// `tollgate` unless
     /// `OTEL_SERVICE_NAME` (or `service.name` in `OTEL_RESOURCE_ATTRIBUTES`) says otherwise;
     /// `OTEL_EXPORTER_OTLP_HEADERS` adds headers (a vendor's API key), and the `OTEL_BSP_*`
     /// variables size the batches, as in every OpenTelemetry SDK.
     ///
     /// # Errors
     ///
-    /// [`TracesError`] for an endpoint that is no URL, or an exporter that cannot be made.
-    pub fn start(endpoint: &str, ratio: SampleRatio) -> Result<Self, TracesError> {
+    /// [`TracesError`] for an endpoint that is no URL, TLS files that cannot be used, or an
+    /// exporter that cannot be made.
+    pub fn start(endpoint: &str, ratio: SampleRatio, tls: &TraceTls) -> Result<Self, TracesError> {
         let https = match endpoint.split_once("://") {
             Some(("http", rest)) if !rest.is_empty() => false,
             Some(("https", rest)) if !rest.is_empty() => true,
@@ -132,6 +229,17 @@ impl Traces {
                     endpoint: endpoint.to_owned(),
                 });
             }
+        };
+        // Checked before the runtime is made: a runtime dropped on an error here would be
+        // dropped inside the caller's, which tokio refuses.
+        let tls = if https {
+            Some(tls.client_config()?)
+        } else if tls.is_set() {
+            return Err(TracesError::TlsInPlain {
+                endpoint: endpoint.to_owned(),
+            });
+        } else {
+            None
         };
         // One worker: the channel's connection and its batches are all it runs.
         let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -143,19 +251,25 @@ impl Traces {
         let mut exporter = opentelemetry_otlp::SpanExporter::builder()
             .with_tonic()
             .with_endpoint(endpoint);
-        if https {
-            exporter = exporter
-                .with_tls_config(tonic::transport::ClientTlsConfig::new().with_native_roots());
+        if let Some(tls) = tls {
+            exporter = exporter.with_tls_config(tls);
         }
         // The channel is made (and its connection task spawned) on the runtime that drives it.
-        let exporter = {
+        let built = {
             let _inside = runtime.enter();
             exporter.build()
-        }
-        .map_err(|source| TracesError::Exporter {
-            endpoint: endpoint.to_owned(),
-            source,
-        })?;
+        };
+        let exporter = match built {
+            Ok(exporter) => exporter,
+            Err(source) => {
+                // Not dropped here, inside the caller's runtime, where tokio refuses it.
+                runtime.shutdown_background();
+                return Err(TracesError::Exporter {
+                    endpoint: endpoint.to_owned(),
+                    source,
+                });
+            }
+        };
         let provider = SdkTracerProvider::builder()
             .with_batch_exporter(Counted(exporter))
             .with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
@@ -475,7 +589,7 @@ mod tests {
         for bad in ["collector:4317", "grpc://collector:4317", "http://", ""] {
             assert!(
                 matches!(
-                    Traces::start(bad, SampleRatio::ALL),
+                    Traces::start(bad, SampleRatio::ALL, &TraceTls::default()),
                     Err(TracesError::Endpoint { .. })
                 ),
                 "{bad:?}"
@@ -553,7 +667,8 @@ mod tests {
 
     #[test]
     fn a_span_is_the_child_of_the_callers_trace_context() {
-        let traces = Traces::start("http://127.0.0.1:9", SampleRatio(0.0)).unwrap();
+        let traces =
+            Traces::start("http://127.0.0.1:9", SampleRatio(0.0), &TraceTls::default()).unwrap();
         let ids = |headers: &HeaderMap| {
             let context = traces.server_span(headers, nothing)?;
             let span = context.span();
@@ -605,7 +720,8 @@ mod tests {
         traces.shutdown();
 
         // At a ratio of 1, every request without a context starts a trace.
-        let traces = Traces::start("http://127.0.0.1:9", SampleRatio::ALL).unwrap();
+        let traces =
+            Traces::start("http://127.0.0.1:9", SampleRatio::ALL, &TraceTls::default()).unwrap();
         let context = traces
             .server_span(&HeaderMap::new(), nothing)
             .expect("a span");

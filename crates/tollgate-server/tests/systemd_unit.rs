@@ -17,7 +17,7 @@ use std::process::{Command, Output};
 use std::time::Duration;
 
 use support::{Scratch, Server, binary, post_json, request, run, seconds, wait_for};
-use tollgate_redis::test_server::RedisServer;
+use tollgate_redis::test_server::{RedisServer, TestCertificates};
 
 /// Where the unit installs the binary and its files.
 const INSTALLED_BINARY: &str = "/usr/local/bin/tollgate";
@@ -164,6 +164,7 @@ fn as_the_unit_starts_it(scratch: &Scratch, policy: &Path, wrapper: &[&str]) -> 
     };
     command.args(&args);
     let audit = scratch.0.join("audit.jsonl");
+    let certificates = TestCertificates::generate("unit-traces");
     for (name, value) in offered_settings() {
         let value = match name.as_str() {
             "TOLLGATE_HTTP" | "TOLLGATE_GRPC" => "127.0.0.1:0".to_owned(),
@@ -179,17 +180,30 @@ fn as_the_unit_starts_it(scratch: &Scratch, policy: &Path, wrapper: &[&str]) -> 
             // A port nothing listens on (taken, then let go), rather than whatever may
             // listen on the collector's usual port here: spans go nowhere, the way there is
             // still taken (and at the stop, the last batch tried).
+            // Over TLS, as the file's trust and client certificate settings ask.
             "TOLLGATE_TRACE_ENDPOINT" => {
                 let free = std::net::TcpListener::bind("127.0.0.1:0")
                     .and_then(|listener| listener.local_addr())
                     .expect("a free port");
-                format!("http://{free}")
+                format!("https://{free}")
             }
+            "TOLLGATE_TRACE_TLS_CA" => tls_file(scratch, &certificates.ca),
+            "TOLLGATE_TRACE_TLS_CERT" => tls_file(scratch, &certificates.client_cert),
+            "TOLLGATE_TRACE_TLS_KEY" => tls_file(scratch, &certificates.client_key),
             _ => value,
         };
         command.env(name, value);
     }
     command
+}
+
+/// A copy of the PEM file `from` in `scratch`, which outlives the certificates' own directory:
+/// its path.
+fn tls_file(scratch: &Scratch, from: &Path) -> String {
+    let name = from.file_name().expect("a file name");
+    let to = scratch.0.join(name);
+    std::fs::copy(from, &to).expect("copy a PEM file");
+    to.to_str().expect("a UTF-8 path").to_owned()
 }
 
 const POLICY: &str = "version: first\nlimits: [{name: per-user, domain: api, key: [user], capacity: 5, refill: 1/s}]\n";

@@ -22,6 +22,7 @@ use opentelemetry_proto::tonic::trace::v1::Span;
 use opentelemetry_proto::tonic::trace::v1::span::SpanKind;
 use opentelemetry_proto::tonic::trace::v1::status::StatusCode;
 use support::{Scratch, Server, binary, descriptor, metric, request, serve_refused, wait_for};
+use tollgate_redis::test_server::TestCertificates;
 
 const POLICY: &str = r#"
 version: "traced-1"
@@ -147,6 +148,37 @@ impl Collector {
                 .add_service(service)
                 .serve_with_incoming(tokio_stream(listener)),
         );
+        (collector, endpoint)
+    }
+
+    /// Serves over TLS with `certificates`' server certificate, requiring clients to present
+    /// one from their authority: the `https://` endpoint to send to.
+    fn start_tls(
+        runtime: &tokio::runtime::Runtime,
+        certificates: &TestCertificates,
+    ) -> (Self, String) {
+        let read = |path: &std::path::Path| std::fs::read(path).unwrap();
+        let identity = tonic::transport::Identity::from_pem(
+            read(&certificates.server_cert),
+            read(&certificates.server_key),
+        );
+        let tls = tonic::transport::ServerTlsConfig::new()
+            .identity(identity)
+            .client_ca_root(tonic::transport::Certificate::from_pem(read(
+                &certificates.ca,
+            )));
+        let collector = Self::default();
+        let listener = runtime
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .unwrap();
+        let endpoint = format!("https://{}", listener.local_addr().unwrap());
+        let service = TraceServiceServer::new(collector.clone());
+        let server = tonic::transport::Server::builder()
+            .tls_config(tls)
+            .unwrap()
+            .add_service(service)
+            .serve_with_incoming(tokio_stream(listener));
+        runtime.spawn(server);
         (collector, endpoint)
     }
 
@@ -488,10 +520,67 @@ fn a_collector_that_is_down_holds_no_request_nor_the_stop() {
     assert!(status.is_some_and(|s| s.success()), "{status:?}");
 }
 
+/// A collector on TLS with a private authority, requiring a client certificate (as an
+/// OTLP receiver with `client_ca_file`): spans reach it with the authority and the client
+/// certificate given, and without the certificate every export fails, counted.
+#[test]
+fn spans_reach_a_collector_on_mutual_tls_with_a_private_authority() {
+    let runtime = runtime();
+    let certificates = TestCertificates::generate("traces-mtls");
+    let (collector, endpoint) = Collector::start_tls(&runtime, &certificates);
+    let path = |path: &std::path::Path| path.to_str().unwrap().to_owned();
+    let (ca, cert, key) = (
+        path(&certificates.ca),
+        path(&certificates.client_cert),
+        path(&certificates.client_key),
+    );
+    let scratch = Scratch::new("traces-mtls");
+    let trusted = [
+        "--trace-tls-ca",
+        &ca,
+        "--trace-tls-cert",
+        &cert,
+        "--trace-tls-key",
+        &key,
+    ];
+    let server = traced_server(&scratch, &endpoint, "50", &trusted);
+    let trace_id = "5af7651916cd43dd8448eb211c80319c";
+    let header = traceparent(trace_id, "b7ad6b7169203331", true);
+    assert_eq!(check(&server, "u1", &[("traceparent", &header)]), 200);
+    let span = collector.wait_for_trace(trace_id);
+    assert_eq!(span.span.name, "POST /v1/check");
+    drop(server);
+
+    let anonymous = traced_server(&scratch, &endpoint, "50", &["--trace-tls-ca", &ca]);
+    let trace_id = "5af7651916cd43dd8448eb211c80319d";
+    let header = traceparent(trace_id, "b7ad6b7169203331", true);
+    assert_eq!(check(&anonymous, "u1", &[("traceparent", &header)]), 200);
+    wait_for(
+        "exports without a client certificate failed, counted",
+        || {
+            let failed = metric(
+                &anonymous,
+                r#"tollgate_trace_spans_exported_total{result="failed"}"#,
+            );
+            (failed > 0.0).then_some(())
+        },
+    );
+    assert!(
+        collector.spans().iter().all(|s| s.trace_id() != trace_id),
+        "a span arrived without a client certificate"
+    );
+}
+
 #[test]
 fn trace_flags_are_checked_at_the_start() {
     let line = serve_refused(&["--trace-endpoint", "collector:4317"]);
     assert!(line.contains("--trace-endpoint"), "{line}");
+    // A URL the exporter cannot use: one line, not a panic on the way out.
+    let line = serve_refused(&["--trace-endpoint", "http://bad host:4317"]);
+    assert!(
+        line.contains("cannot send traces to http://bad host:4317"),
+        "{line}"
+    );
     support::assert_serve_flags_refused(&[
         ("--trace-sample-ratio", "2", "not a ratio from 0 to 1"),
         ("--trace-sample-ratio", "150%", "not a ratio from 0 to 1"),
@@ -499,4 +588,37 @@ fn trace_flags_are_checked_at_the_start() {
     let (status, _, stderr) = support::run(&["serve", "--trace-sample-ratio", "0.5"]);
     assert!(!status.success());
     assert!(stderr.contains("--trace-endpoint"), "{stderr}");
+
+    // TLS files: for an https:// collector only, each read and checked at the start.
+    let certificates = TestCertificates::generate("traces-flags");
+    let ca = certificates.ca.to_str().unwrap();
+    let key = certificates.client_key.to_str().unwrap();
+    let line = serve_refused(&[
+        "--trace-endpoint",
+        "http://127.0.0.1:4317",
+        "--trace-tls-ca",
+        ca,
+    ]);
+    assert!(
+        line.contains("are for an https:// --trace-endpoint"),
+        "{line}"
+    );
+    let https = ["--trace-endpoint", "https://127.0.0.1:4317"];
+    let line = serve_refused(&[&https[..], &["--trace-tls-ca", "/nonexistent/ca.pem"]].concat());
+    assert!(
+        line.contains("--trace-tls-ca /nonexistent/ca.pem"),
+        "{line}"
+    );
+    let line = serve_refused(&[&https[..], &["--trace-tls-ca", key]].concat());
+    assert!(line.contains("no certificate in PEM"), "{line}");
+    let line =
+        serve_refused(&[&https[..], &["--trace-tls-cert", ca, "--trace-tls-key", ca]].concat());
+    assert!(
+        line.contains("--trace-tls-key") && line.contains("no private key"),
+        "{line}"
+    );
+    let (status, _, stderr) =
+        support::run(&[&["serve"][..], &https, &["--trace-tls-cert", ca]].concat());
+    assert!(!status.success());
+    assert!(stderr.contains("--trace-tls-key"), "{stderr}");
 }
