@@ -507,6 +507,14 @@ fn tollgate_bench_loads_tls_listeners_with_the_client_certificate_asked_for() {
     let forward_auth = bench_json(&["--target", &https_target, "--tls-ca", ca, "--forward-auth"])
         .expect("a forward-auth run");
     assert_eq!(decided(&forward_auth), 40, "{forward_auth}");
+    // HTTP/2, chosen by ALPN, the workers' checks over one connection.
+    let http2 = ["--http2", "--connections", "1"];
+    let over_http2 =
+        bench_json(&[&["--target", &https_target, "--tls-ca", ca][..], &http2].concat())
+            .expect("a run over HTTP/2");
+    assert_eq!(decided(&over_http2), 40, "{over_http2}");
+    assert_eq!(over_http2["errors"], 0, "{over_http2}");
+    assert_eq!(over_http2["protocol"], "HTTP/2", "{over_http2}");
 
     let grpc_target = format!("https://{}", server.grpc);
     let client = path_str(&certificates.client_cert);
