@@ -397,12 +397,22 @@ pub struct ServeArgs {
     #[arg(long, env = "TOLLGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
     /// Send a span for each request answered to this OpenTelemetry collector, over OTLP/gRPC
-    /// (`http://127.0.0.1:4317`; `https://` checks the collector against the system's
-    /// authorities). A request carrying its caller's trace context (W3C `traceparent` or B3
-    /// headers, as Envoy sends once it traces) gets a span in that trace, sampled as the
-    /// caller's was. Off without it.
+    /// (`http://127.0.0.1:4317`) or as --trace-protocol says (`https://` checks the collector
+    /// against the system's authorities). A request carrying its caller's trace context (W3C
+    /// `traceparent` or B3 headers, as Envoy sends once it traces) gets a span in that trace,
+    /// sampled as the caller's was. Off without it.
     #[arg(long, env = "TOLLGATE_TRACE_ENDPOINT", value_name = "URL")]
     pub trace_endpoint: Option<String>,
+    /// How spans go to --trace-endpoint: `grpc` (OTLP/gRPC, a collector's port 4317) or
+    /// `http/protobuf` (OTLP/HTTP, port 4318; to the URL's `/v1/traces` unless it has a path).
+    #[arg(
+        long,
+        env = "TOLLGATE_TRACE_PROTOCOL",
+        value_enum,
+        default_value_t = crate::traces::TraceProtocol::Grpc,
+        requires = "trace_endpoint"
+    )]
+    pub trace_protocol: crate::traces::TraceProtocol,
     /// The share of requests without a trace context that start a trace of their own (a
     /// caller's sampled trace is always followed): `0` to `1`, or `0%` to `100%`.
     #[arg(
@@ -1155,8 +1165,13 @@ pub async fn serve(
     };
     let traces = match &args.trace_endpoint {
         Some(endpoint) => Some(Arc::new(
-            crate::traces::Traces::start(endpoint, args.trace_sample_ratio, &trace_tls(&args))
-                .map_err(|err| anyhow!("{err}"))?,
+            crate::traces::Traces::start(
+                endpoint,
+                args.trace_protocol,
+                args.trace_sample_ratio,
+                &trace_tls(&args),
+            )
+            .map_err(|err| anyhow!("{err}"))?,
         )),
         None => None,
     };

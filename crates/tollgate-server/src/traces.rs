@@ -1,5 +1,5 @@
 //! Traces: a span for each request the server answers, joined to its caller's trace and sent
-//! to an OpenTelemetry collector over OTLP/gRPC (`--trace-endpoint`).
+//! to an OpenTelemetry collector over OTLP/gRPC or OTLP/HTTP (`--trace-endpoint`).
 //!
 //! Why: a request that was slow or refused is investigated from its trace, and the rate-limit
 //! call belongs inside it: which API, how long it took, which limits applied and which one
@@ -11,9 +11,12 @@
 //!
 //! Nothing here runs unless traces are asked for: the request paths look at one `Option`, and
 //! the HTTP router gains its tracing layer only then. Spans are sent in batches from a thread
-//! of the SDK's own, through a gRPC channel driven by a small runtime of this module's, so a
-//! slow or absent collector never holds a request: spans past the batch queue are dropped,
-//! and failed exports are logged (by the SDK) and counted (here).
+//! of the SDK's own, through a gRPC channel (or HTTP connections, `otlp_http.rs`) driven by a
+//! small runtime of this module's, so a slow or absent collector never holds a request: spans
+//! past the batch queue are dropped, and failed exports are logged (by the SDK) and counted
+//! (here).
+
+mod otlp_http;
 
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};
@@ -27,11 +30,13 @@ use opentelemetry::trace::{
     TraceState, Tracer, TracerProvider as _, get_active_span,
 };
 use opentelemetry::{Context, KeyValue, Value};
-use opentelemetry_otlp::{WithExportConfig, WithTonicConfig};
+use opentelemetry_otlp::{WithExportConfig, WithHttpConfig, WithTonicConfig};
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::{Sampler, SdkTracer, SdkTracerProvider, SpanData, SpanExporter};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tollgate_policy::Outcome;
 
 use crate::decider::DecideError;
@@ -44,9 +49,7 @@ const FLUSH_AT_STOP: Duration = Duration::from_secs(5);
 #[non_exhaustive]
 pub enum TracesError {
     /// The endpoint is not an `http://` or `https://` URL.
-    #[error(
-        "--trace-endpoint {endpoint:?} is not an http:// or https:// URL of an OTLP/gRPC collector"
-    )]
+    #[error("--trace-endpoint {endpoint:?} is not an http:// or https:// URL of an OTLP collector")]
     Endpoint {
         /// The endpoint given.
         endpoint: String,
@@ -82,6 +85,9 @@ pub enum TracesError {
         /// What was looked for.
         what: &'static str,
     },
+    /// TLS settings that cannot be made from the files.
+    #[error("{0}")]
+    TlsSettings(String),
     /// The exporter refused its configuration.
     #[error("cannot send traces to {endpoint}: {source}")]
     Exporter {
@@ -109,42 +115,103 @@ impl TraceTls {
         self.ca.is_some() || self.identity.is_some()
     }
 
-    /// tonic's TLS settings from the files, each read and checked now, so that a wrong file
-    /// stops the start rather than fail every export.
-    fn client_config(&self) -> Result<tonic::transport::ClientTlsConfig, TracesError> {
-        use rustls::pki_types::pem::PemObject;
-        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-
+    /// The files' contents, each read and checked now, so that a wrong file stops the start
+    /// rather than fail every export.
+    fn load(&self) -> Result<LoadedTls, TracesError> {
         let certificates = |flag: &'static str, path: &Path| {
             let pem = read(flag, path)?;
-            if CertificateDer::pem_slice_iter(&pem).any(|cert| cert.is_ok()) {
-                return Ok(pem);
-            }
-            Err(TracesError::TlsPem {
-                flag,
-                path: path.to_owned(),
-                what: "certificate",
-            })
-        };
-        let mut config = tonic::transport::ClientTlsConfig::new();
-        config = match &self.ca {
-            Some(ca) => config.ca_certificate(tonic::transport::Certificate::from_pem(
-                certificates("--trace-tls-ca", ca)?,
-            )),
-            None => config.with_native_roots(),
-        };
-        if let Some((cert, key)) = &self.identity {
-            let chain = certificates("--trace-tls-cert", cert)?;
-            let key_pem = read("--trace-tls-key", key)?;
-            if PrivateKeyDer::from_pem_slice(&key_pem).is_err() {
+            let found: Vec<_> = CertificateDer::pem_slice_iter(&pem)
+                .filter_map(Result::ok)
+                .collect();
+            if found.is_empty() {
                 return Err(TracesError::TlsPem {
-                    flag: "--trace-tls-key",
-                    path: key.clone(),
-                    what: "private key",
+                    flag,
+                    path: path.to_owned(),
+                    what: "certificate",
                 });
             }
-            config = config.identity(tonic::transport::Identity::from_pem(chain, key_pem));
+            Ok((pem, found))
+        };
+        let ca = match &self.ca {
+            Some(ca) => Some(certificates("--trace-tls-ca", ca)?),
+            None => None,
+        };
+        let identity = match &self.identity {
+            Some((cert, key)) => {
+                let chain = certificates("--trace-tls-cert", cert)?;
+                let key_pem = read("--trace-tls-key", key)?;
+                let Ok(key_der) = PrivateKeyDer::from_pem_slice(&key_pem) else {
+                    return Err(TracesError::TlsPem {
+                        flag: "--trace-tls-key",
+                        path: key.clone(),
+                        what: "private key",
+                    });
+                };
+                Some((chain, (key_pem, key_der)))
+            }
+            None => None,
+        };
+        Ok(LoadedTls { ca, identity })
+    }
+}
+
+/// A PEM file's bytes and what was parsed from them.
+type Pem<T> = (Vec<u8>, T);
+
+/// [`TraceTls`]'s files, read and parsed.
+struct LoadedTls {
+    ca: Option<Pem<Vec<CertificateDer<'static>>>>,
+    identity: Option<(
+        Pem<Vec<CertificateDer<'static>>>,
+        Pem<PrivateKeyDer<'static>>,
+    )>,
+}
+
+impl LoadedTls {
+    /// tonic's TLS settings, for OTLP/gRPC.
+    fn for_grpc(&self) -> tonic::transport::ClientTlsConfig {
+        use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+        let config = match &self.ca {
+            Some((pem, _)) => ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem)),
+            None => ClientTlsConfig::new().with_native_roots(),
+        };
+        match &self.identity {
+            Some(((chain, _), (key, _))) => config.identity(Identity::from_pem(chain, key)),
+            None => config,
         }
+    }
+
+    /// rustls' settings, for OTLP/HTTP: the given authorities or the system's, and HTTP/1.1.
+    fn for_http(&self) -> Result<rustls::ClientConfig, TracesError> {
+        let mut roots = rustls::RootCertStore::empty();
+        match &self.ca {
+            Some((_, certificates)) => {
+                let (added, _) = roots.add_parsable_certificates(certificates.iter().cloned());
+                if added == 0 {
+                    return Err(TracesError::TlsSettings(
+                        "--trace-tls-ca holds no authority rustls can use".to_owned(),
+                    ));
+                }
+            }
+            None => {
+                let found = rustls_native_certs::load_native_certs();
+                roots.add_parsable_certificates(found.certs);
+            }
+        }
+        let provider = std::sync::Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+        let builder = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|err| TracesError::TlsSettings(err.to_string()))?
+            .with_root_certificates(roots);
+        let mut config = match &self.identity {
+            Some(((_, chain), (_, key))) => builder
+                .with_client_auth_cert(chain.clone(), key.clone_key())
+                .map_err(|err| {
+                    TracesError::TlsSettings(format!("--trace-tls-cert and --trace-tls-key: {err}"))
+                })?,
+            None => builder.with_no_client_auth(),
+        };
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
         Ok(config)
     }
 }
@@ -156,6 +223,30 @@ fn read(flag: &'static str, path: &Path) -> Result<Vec<u8>, TracesError> {
         path: path.to_owned(),
         source,
     })
+}
+
+/// How spans travel to the collector.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum TraceProtocol {
+    /// OTLP over gRPC (a collector's port 4317).
+    #[default]
+    Grpc,
+    /// OTLP over HTTP with protobuf bodies (port 4318), for collectors and vendors' endpoints
+    /// that take only that.
+    #[value(name = "http/protobuf")]
+    HttpProtobuf,
+}
+
+/// The URL spans are posted to over OTLP/HTTP: `endpoint` when it has a path, else its
+/// `/v1/traces`, as the SDKs make it from `OTEL_EXPORTER_OTLP_ENDPOINT`.
+fn traces_url(endpoint: &str) -> String {
+    let trimmed = endpoint.trim_end_matches('/');
+    let after_scheme = trimmed.split_once("://").map_or(trimmed, |(_, rest)| rest);
+    if after_scheme.contains('/') {
+        endpoint.to_owned()
+    } else {
+        format!("{trimmed}/v1/traces")
+    }
 }
 
 /// The share of requests without a trace context of their own that start a sampled trace: from
@@ -209,18 +300,24 @@ impl std::fmt::Debug for Traces {
 }
 
 impl Traces {
-    /// Sends spans to the OTLP/gRPC collector at `endpoint` (`http://collector:4317`, or
-    /// `https://` with the system's authorities, or as `tls` says). The service is named
-    /// `tollgate` unless
-    /// `OTEL_SERVICE_NAME` (or `service.name` in `OTEL_RESOURCE_ATTRIBUTES`) says otherwise;
-    /// `OTEL_EXPORTER_OTLP_HEADERS` adds headers (a vendor's API key), and the `OTEL_BSP_*`
-    /// variables size the batches, as in every OpenTelemetry SDK.
+    /// Sends spans to the OTLP collector at `endpoint` over `protocol` (`http://collector:4317`
+    /// for gRPC, `http://collector:4318` for HTTP, whose path is `/v1/traces` unless the URL
+    /// gives one; `https://` with the system's authorities, or as `tls` says). The service is
+    /// named `tollgate` unless `OTEL_SERVICE_NAME` (or `service.name` in
+    /// `OTEL_RESOURCE_ATTRIBUTES`) says otherwise; `OTEL_EXPORTER_OTLP_HEADERS` adds headers (a
+    /// vendor's API key), and the `OTEL_BSP_*` variables size the batches, as in every
+    /// OpenTelemetry SDK.
     ///
     /// # Errors
     ///
     /// [`TracesError`] for an endpoint that is no URL, TLS files that cannot be used, or an
     /// exporter that cannot be made.
-    pub fn start(endpoint: &str, ratio: SampleRatio, tls: &TraceTls) -> Result<Self, TracesError> {
+    pub fn start(
+        endpoint: &str,
+        protocol: TraceProtocol,
+        ratio: SampleRatio,
+        tls: &TraceTls,
+    ) -> Result<Self, TracesError> {
         let https = match endpoint.split_once("://") {
             Some(("http", rest)) if !rest.is_empty() => false,
             Some(("https", rest)) if !rest.is_empty() => true,
@@ -233,7 +330,7 @@ impl Traces {
         // Checked before the runtime is made: a runtime dropped on an error here would be
         // dropped inside the caller's, which tokio refuses.
         let tls = if https {
-            Some(tls.client_config()?)
+            Some(tls.load()?)
         } else if tls.is_set() {
             return Err(TracesError::TlsInPlain {
                 endpoint: endpoint.to_owned(),
@@ -241,23 +338,36 @@ impl Traces {
         } else {
             None
         };
-        // One worker: the channel's connection and its batches are all it runs.
+        let http_tls = match (protocol, &tls) {
+            (TraceProtocol::HttpProtobuf, Some(tls)) => Some(std::sync::Arc::new(tls.for_http()?)),
+            _ => None,
+        };
+        // One worker: the exporter's connections and its batches are all it runs.
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("tollgate-traces")
             .enable_all()
             .build()
             .map_err(TracesError::Runtime)?;
-        let mut exporter = opentelemetry_otlp::SpanExporter::builder()
-            .with_tonic()
-            .with_endpoint(endpoint);
-        if let Some(tls) = tls {
-            exporter = exporter.with_tls_config(tls);
-        }
-        // The channel is made (and its connection task spawned) on the runtime that drives it.
-        let built = {
-            let _inside = runtime.enter();
-            exporter.build()
+        let built = match protocol {
+            TraceProtocol::Grpc => {
+                let mut exporter = opentelemetry_otlp::SpanExporter::builder()
+                    .with_tonic()
+                    .with_endpoint(endpoint);
+                if let Some(tls) = &tls {
+                    exporter = exporter.with_tls_config(tls.for_grpc());
+                }
+                // The channel is made (and its connection task spawned) on the runtime that
+                // drives it.
+                let _inside = runtime.enter();
+                exporter.build()
+            }
+            TraceProtocol::HttpProtobuf => opentelemetry_otlp::SpanExporter::builder()
+                .with_http()
+                .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
+                .with_endpoint(traces_url(endpoint))
+                .with_http_client(otlp_http::Client::new(runtime.handle().clone(), http_tls))
+                .build(),
         };
         let exporter = match built {
             Ok(exporter) => exporter,
@@ -589,12 +699,27 @@ mod tests {
         for bad in ["collector:4317", "grpc://collector:4317", "http://", ""] {
             assert!(
                 matches!(
-                    Traces::start(bad, SampleRatio::ALL, &TraceTls::default()),
+                    Traces::start(
+                        bad,
+                        TraceProtocol::Grpc,
+                        SampleRatio::ALL,
+                        &TraceTls::default()
+                    ),
                     Err(TracesError::Endpoint { .. })
                 ),
                 "{bad:?}"
             );
         }
+    }
+
+    #[test]
+    fn otlp_http_posts_to_v1_traces_unless_the_url_has_a_path() {
+        assert_eq!(traces_url("http://c:4318"), "http://c:4318/v1/traces");
+        assert_eq!(traces_url("https://c:4318/"), "https://c:4318/v1/traces");
+        assert_eq!(
+            traces_url("https://otlp.example/otlp/v1/traces"),
+            "https://otlp.example/otlp/v1/traces"
+        );
     }
 
     #[test]
@@ -667,8 +792,13 @@ mod tests {
 
     #[test]
     fn a_span_is_the_child_of_the_callers_trace_context() {
-        let traces =
-            Traces::start("http://127.0.0.1:9", SampleRatio(0.0), &TraceTls::default()).unwrap();
+        let traces = Traces::start(
+            "http://127.0.0.1:9",
+            TraceProtocol::Grpc,
+            SampleRatio(0.0),
+            &TraceTls::default(),
+        )
+        .unwrap();
         let ids = |headers: &HeaderMap| {
             let context = traces.server_span(headers, nothing)?;
             let span = context.span();
@@ -720,8 +850,13 @@ mod tests {
         traces.shutdown();
 
         // At a ratio of 1, every request without a context starts a trace.
-        let traces =
-            Traces::start("http://127.0.0.1:9", SampleRatio::ALL, &TraceTls::default()).unwrap();
+        let traces = Traces::start(
+            "http://127.0.0.1:9",
+            TraceProtocol::Grpc,
+            SampleRatio::ALL,
+            &TraceTls::default(),
+        )
+        .unwrap();
         let context = traces
             .server_span(&HeaderMap::new(), nothing)
             .expect("a span");

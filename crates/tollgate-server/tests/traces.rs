@@ -114,8 +114,16 @@ impl TraceService for Collector {
         &self,
         request: tonic::Request<ExportTraceServiceRequest>,
     ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        self.keep(request.into_inner());
+        Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
+    }
+}
+
+impl Collector {
+    /// Keeps the spans of one export.
+    fn keep(&self, request: ExportTraceServiceRequest) {
         let mut spans = self.spans.lock().unwrap();
-        for resource_spans in request.into_inner().resource_spans {
+        for resource_spans in request.resource_spans {
             let service = resource_spans
                 .resource
                 .as_ref()
@@ -130,7 +138,6 @@ impl TraceService for Collector {
                 }
             }
         }
-        Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
     }
 }
 
@@ -182,6 +189,63 @@ impl Collector {
         (collector, endpoint)
     }
 
+    /// Serves OTLP/HTTP (`POST /v1/traces`, protobuf) on a free loopback port, over TLS with
+    /// `certificates`' server certificate and requiring a client certificate when given: the
+    /// endpoint to send to (without a path), and the value of each export's `x-tenant` header.
+    fn start_http(
+        runtime: &tokio::runtime::Runtime,
+        certificates: Option<&TestCertificates>,
+    ) -> (Self, String, Arc<Mutex<Vec<String>>>) {
+        use axum::body::Bytes;
+        use prost::Message;
+
+        let collector = Self::default();
+        let tenants = Arc::new(Mutex::new(Vec::new()));
+        let (keeper, seen) = (collector.clone(), Arc::clone(&tenants));
+        let app = axum::Router::new().route(
+            "/v1/traces",
+            axum::routing::post(move |headers: http::HeaderMap, body: Bytes| async move {
+                let tenant = headers.get("x-tenant").and_then(|v| v.to_str().ok());
+                seen.lock()
+                    .unwrap()
+                    .push(tenant.unwrap_or_default().to_owned());
+                let request = ExportTraceServiceRequest::decode(body).unwrap();
+                keeper.keep(request);
+                let answer = ExportTraceServiceResponse::default().encode_to_vec();
+                ([("content-type", "application/x-protobuf")], answer)
+            }),
+        );
+        let listener = runtime
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .unwrap();
+        let addr = listener.local_addr().unwrap();
+        let Some(certificates) = certificates else {
+            runtime.spawn(async move { axum::serve(listener, app).await });
+            return (collector, format!("http://{addr}"), tenants);
+        };
+        let acceptor = tokio_rustls::TlsAcceptor::from(mutual_tls(certificates));
+        runtime.spawn(async move {
+            loop {
+                let Ok((tcp, _)) = listener.accept().await else {
+                    return;
+                };
+                let (acceptor, app) = (acceptor.clone(), app.clone());
+                tokio::spawn(async move {
+                    let Ok(tls) = acceptor.accept(tcp).await else {
+                        return;
+                    };
+                    let service = hyper::service::service_fn(move |request| {
+                        tower::ServiceExt::oneshot(app.clone(), request)
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(tls), service)
+                        .await;
+                });
+            }
+        });
+        (collector, format!("https://{addr}"), tenants)
+    }
+
     fn spans(&self) -> Vec<Received> {
         self.spans.lock().unwrap().clone()
     }
@@ -192,6 +256,37 @@ impl Collector {
             self.spans().into_iter().find(|s| s.trace_id() == trace_id)
         })
     }
+}
+
+/// A server's TLS with `certificates`' server certificate, requiring a client certificate
+/// from their authority.
+fn mutual_tls(certificates: &TestCertificates) -> Arc<rustls::ServerConfig> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    for ca in CertificateDer::pem_file_iter(&certificates.ca).unwrap() {
+        roots.add(ca.unwrap()).unwrap();
+    }
+    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+        Arc::new(roots),
+        provider.clone(),
+    )
+    .build()
+    .unwrap();
+    let chain = CertificateDer::pem_file_iter(&certificates.server_cert)
+        .unwrap()
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap();
+    let key = PrivateKeyDer::from_pem_file(&certificates.server_key).unwrap();
+    let config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(chain, key)
+        .unwrap();
+    Arc::new(config)
 }
 
 /// The listener's connections, as tonic's server takes them.
@@ -571,6 +666,70 @@ fn spans_reach_a_collector_on_mutual_tls_with_a_private_authority() {
     );
 }
 
+/// OTLP/HTTP, as collectors' port 4318 and vendors' HTTP-only endpoints take it: spans posted
+/// to the endpoint's `/v1/traces` with the SDK's headers, in plain text and on mutual TLS.
+#[test]
+fn spans_reach_a_collector_over_otlp_http() {
+    let runtime = runtime();
+    let (collector, endpoint, tenants) = Collector::start_http(&runtime, None);
+    let scratch = Scratch::new("traces-otlp-http");
+    let config = scratch.write("policy.yaml", POLICY);
+    let mut command = Command::new(binary());
+    command
+        .args(["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
+        .args(["--config", support::path_str(&config)])
+        .args(["--trace-endpoint", &endpoint])
+        .env("TOLLGATE_TRACE_PROTOCOL", "http/protobuf")
+        .env("OTEL_BSP_SCHEDULE_DELAY", "50")
+        .env("OTEL_EXPORTER_OTLP_HEADERS", "x-tenant=t1")
+        .env_remove("OTEL_SERVICE_NAME")
+        .env_remove("OTEL_RESOURCE_ATTRIBUTES");
+    let server = Server::start_command(command);
+    let trace_id = "6af7651916cd43dd8448eb211c80319c";
+    let header = traceparent(trace_id, "b7ad6b7169203331", true);
+    assert_eq!(check(&server, "u1", &[("traceparent", &header)]), 200);
+    let span = collector.wait_for_trace(trace_id);
+    assert_eq!(span.span.name, "POST /v1/check");
+    assert_eq!(span.service, "tollgate");
+    assert!(
+        tenants.lock().unwrap().iter().all(|t| t == "t1"),
+        "{tenants:?}"
+    );
+    wait_for("the export counted as sent", || {
+        let sent = metric(
+            &server,
+            r#"tollgate_trace_spans_exported_total{result="sent"}"#,
+        );
+        (sent >= 1.0).then_some(())
+    });
+    drop(server);
+
+    let certificates = TestCertificates::generate("traces-otlp-https");
+    let (collector, endpoint, _) = Collector::start_http(&runtime, Some(&certificates));
+    let path = |path: &std::path::Path| path.to_str().unwrap().to_owned();
+    let (ca, cert, key) = (
+        path(&certificates.ca),
+        path(&certificates.client_cert),
+        path(&certificates.client_key),
+    );
+    let https = [
+        "--trace-protocol",
+        "http/protobuf",
+        "--trace-tls-ca",
+        &ca,
+        "--trace-tls-cert",
+        &cert,
+        "--trace-tls-key",
+        &key,
+    ];
+    let server = traced_server(&scratch, &endpoint, "50", &https);
+    let trace_id = "6af7651916cd43dd8448eb211c80319d";
+    let header = traceparent(trace_id, "b7ad6b7169203331", true);
+    assert_eq!(check(&server, "u1", &[("traceparent", &header)]), 200);
+    let span = collector.wait_for_trace(trace_id);
+    assert_eq!(span.span.name, "POST /v1/check");
+}
+
 #[test]
 fn trace_flags_are_checked_at_the_start() {
     let line = serve_refused(&["--trace-endpoint", "collector:4317"]);
@@ -584,10 +743,16 @@ fn trace_flags_are_checked_at_the_start() {
     support::assert_serve_flags_refused(&[
         ("--trace-sample-ratio", "2", "not a ratio from 0 to 1"),
         ("--trace-sample-ratio", "150%", "not a ratio from 0 to 1"),
+        ("--trace-protocol", "http/json", "invalid value"),
     ]);
-    let (status, _, stderr) = support::run(&["serve", "--trace-sample-ratio", "0.5"]);
-    assert!(!status.success());
-    assert!(stderr.contains("--trace-endpoint"), "{stderr}");
+    for flag in [
+        ["--trace-sample-ratio", "0.5"],
+        ["--trace-protocol", "grpc"],
+    ] {
+        let (status, _, stderr) = support::run(&[&["serve"][..], &flag].concat());
+        assert!(!status.success(), "{flag:?}");
+        assert!(stderr.contains("--trace-endpoint"), "{stderr}");
+    }
 
     // TLS files: for an https:// collector only, each read and checked at the start.
     let certificates = TestCertificates::generate("traces-flags");
