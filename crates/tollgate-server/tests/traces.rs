@@ -179,7 +179,8 @@ impl Collector {
             .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
             .unwrap();
         let endpoint = format!("https://{}", listener.local_addr().unwrap());
-        let service = TraceServiceServer::new(collector.clone());
+        let service = TraceServiceServer::new(collector.clone())
+            .accept_compressed(tonic::codec::CompressionEncoding::Gzip);
         let server = tonic::transport::Server::builder()
             .tls_config(tls)
             .unwrap()
@@ -189,9 +190,10 @@ impl Collector {
         (collector, endpoint)
     }
 
-    /// Serves OTLP/HTTP (`POST /v1/traces`, protobuf) on a free loopback port, over TLS with
-    /// `certificates`' server certificate and requiring a client certificate when given: the
-    /// endpoint to send to (without a path), and the value of each export's `x-tenant` header.
+    /// Serves OTLP/HTTP (`POST /v1/traces`, protobuf, gzip or not) on a free loopback port,
+    /// over TLS with `certificates`' server certificate and requiring a client certificate when
+    /// given: the endpoint to send to (without a path), and each export's `x-tenant` and
+    /// `content-encoding` headers.
     fn start_http(
         runtime: &tokio::runtime::Runtime,
         certificates: Option<&TestCertificates>,
@@ -205,10 +207,23 @@ impl Collector {
         let app = axum::Router::new().route(
             "/v1/traces",
             axum::routing::post(move |headers: http::HeaderMap, body: Bytes| async move {
-                let tenant = headers.get("x-tenant").and_then(|v| v.to_str().ok());
+                let header = |name: &str| {
+                    let value = headers.get(name).and_then(|v| v.to_str().ok());
+                    value.unwrap_or_default().to_owned()
+                };
+                let encoding = header("content-encoding");
                 seen.lock()
                     .unwrap()
-                    .push(tenant.unwrap_or_default().to_owned());
+                    .push(format!("{}/{encoding}", header("x-tenant")));
+                let body = match encoding.as_str() {
+                    "gzip" => {
+                        let mut plain = Vec::new();
+                        let mut gzip = flate2::read::GzDecoder::new(&body[..]);
+                        std::io::Read::read_to_end(&mut gzip, &mut plain).unwrap();
+                        Bytes::from(plain)
+                    }
+                    _ => body,
+                };
                 let request = ExportTraceServiceRequest::decode(body).unwrap();
                 keeper.keep(request);
                 let answer = ExportTraceServiceResponse::default().encode_to_vec();
@@ -310,6 +325,17 @@ fn runtime() -> tokio::runtime::Runtime {
 /// `tollgate serve --config POLICY --trace-endpoint ENDPOINT ARGS`, sending its batches every
 /// `delay_ms` (`OTEL_BSP_SCHEDULE_DELAY`).
 fn traced_server(scratch: &Scratch, endpoint: &str, delay_ms: &str, args: &[&str]) -> Server {
+    traced_server_with_env(scratch, endpoint, delay_ms, args, &[])
+}
+
+/// As [`traced_server`], with the environment variables `env` set too.
+fn traced_server_with_env(
+    scratch: &Scratch,
+    endpoint: &str,
+    delay_ms: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> Server {
     let config = scratch.write("policy.yaml", POLICY);
     let mut command = Command::new(binary());
     command
@@ -319,7 +345,8 @@ fn traced_server(scratch: &Scratch, endpoint: &str, delay_ms: &str, args: &[&str
         .args(args)
         .env("OTEL_BSP_SCHEDULE_DELAY", delay_ms)
         .env_remove("OTEL_SERVICE_NAME")
-        .env_remove("OTEL_RESOURCE_ATTRIBUTES");
+        .env_remove("OTEL_RESOURCE_ATTRIBUTES")
+        .envs(env.iter().copied());
     Server::start_command(command)
 }
 
@@ -638,7 +665,9 @@ fn spans_reach_a_collector_on_mutual_tls_with_a_private_authority() {
         "--trace-tls-key",
         &key,
     ];
-    let server = traced_server(&scratch, &endpoint, "50", &trusted);
+    // Compressed as the SDK's variable asks, which the collector accepts.
+    let gzip = [("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip")];
+    let server = traced_server_with_env(&scratch, &endpoint, "50", &trusted, &gzip);
     let trace_id = "5af7651916cd43dd8448eb211c80319c";
     let header = traceparent(trace_id, "b7ad6b7169203331", true);
     assert_eq!(check(&server, "u1", &[("traceparent", &header)]), 200);
@@ -667,24 +696,19 @@ fn spans_reach_a_collector_on_mutual_tls_with_a_private_authority() {
 }
 
 /// OTLP/HTTP, as collectors' port 4318 and vendors' HTTP-only endpoints take it: spans posted
-/// to the endpoint's `/v1/traces` with the SDK's headers, in plain text and on mutual TLS.
+/// to the endpoint's `/v1/traces` with the SDK's headers and compression, in plain text and on
+/// mutual TLS.
 #[test]
 fn spans_reach_a_collector_over_otlp_http() {
     let runtime = runtime();
     let (collector, endpoint, tenants) = Collector::start_http(&runtime, None);
     let scratch = Scratch::new("traces-otlp-http");
-    let config = scratch.write("policy.yaml", POLICY);
-    let mut command = Command::new(binary());
-    command
-        .args(["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
-        .args(["--config", support::path_str(&config)])
-        .args(["--trace-endpoint", &endpoint])
-        .env("TOLLGATE_TRACE_PROTOCOL", "http/protobuf")
-        .env("OTEL_BSP_SCHEDULE_DELAY", "50")
-        .env("OTEL_EXPORTER_OTLP_HEADERS", "x-tenant=t1")
-        .env_remove("OTEL_SERVICE_NAME")
-        .env_remove("OTEL_RESOURCE_ATTRIBUTES");
-    let server = Server::start_command(command);
+    let env = [
+        ("TOLLGATE_TRACE_PROTOCOL", "http/protobuf"),
+        ("OTEL_EXPORTER_OTLP_HEADERS", "x-tenant=t1"),
+        ("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip"),
+    ];
+    let server = traced_server_with_env(&scratch, &endpoint, "50", &[], &env);
     let trace_id = "6af7651916cd43dd8448eb211c80319c";
     let header = traceparent(trace_id, "b7ad6b7169203331", true);
     assert_eq!(check(&server, "u1", &[("traceparent", &header)]), 200);
@@ -692,7 +716,7 @@ fn spans_reach_a_collector_over_otlp_http() {
     assert_eq!(span.span.name, "POST /v1/check");
     assert_eq!(span.service, "tollgate");
     assert!(
-        tenants.lock().unwrap().iter().all(|t| t == "t1"),
+        tenants.lock().unwrap().iter().all(|t| t == "t1/gzip"),
         "{tenants:?}"
     );
     wait_for("the export counted as sent", || {
