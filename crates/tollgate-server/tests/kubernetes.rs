@@ -251,21 +251,27 @@ fn the_manifests_objects_name_each_other() {
     );
 }
 
-/// What the kubelet would put in `env`'s variables, with the Secret's values given here.
+/// What the kubelet would put in `env`'s variables, with the Secret's values given here (a
+/// variable whose optional key the Secret lacks is left out, as the kubelet leaves it).
 fn environment(container: &Value, secret: &BTreeMap<&str, String>) -> Vec<(String, String)> {
     container["env"]
         .as_array()
         .expect("env")
         .iter()
-        .map(|env| {
+        .filter_map(|env| {
             let name = text(&env["name"]).to_owned();
             if let Some(value) = env.get("value") {
-                return (name, text(value).to_owned());
+                return Some((name, text(value).to_owned()));
             }
             let from = &env["valueFrom"];
             if let Some(reference) = from.get("secretKeyRef") {
                 let key = text(&reference["key"]);
-                return (name, secret.get(key).cloned().expect("a secret key"));
+                let optional = reference["optional"].as_bool() == Some(true);
+                return match secret.get(key) {
+                    Some(value) => Some((name, value.clone())),
+                    None if optional => None,
+                    None => panic!("the secret lacks {key}, which {name} needs"),
+                };
             }
             let field = &from["resourceFieldRef"];
             let resource = text(&field["resource"]);
@@ -278,7 +284,7 @@ fn environment(container: &Value, secret: &BTreeMap<&str, String>) -> Vec<(Strin
                 Some(milli) => milli.parse::<u64>().expect("millicores").div_ceil(1000),
                 None => quantity.parse().expect("whole CPUs"),
             };
-            (name, cpus.to_string())
+            Some((name, cpus.to_string()))
         })
         .collect()
 }
@@ -296,7 +302,16 @@ fn the_container_started_as_the_deployment_starts_it_serves_and_stops_within_its
     let scratch = Scratch::new("kubernetes");
     let redis = RedisServer::start();
     let token = "from-the-secret";
-    let secret = BTreeMap::from([("store", redis.url()), ("admin-token", token.to_owned())]);
+    // A collector's address where nothing listens (taken, then let go): spans go nowhere,
+    // the way there is still taken.
+    let collector = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a free port");
+    let secret = BTreeMap::from([
+        ("store", redis.url()),
+        ("admin-token", token.to_owned()),
+        ("trace-endpoint", format!("http://{collector}")),
+    ]);
     let config = flag(&args, "--config").to_owned();
     let key = config.rsplit('/').next().expect("a file name");
     let file = text(&config_map["data"][key]);
