@@ -273,6 +273,20 @@ impl Collector {
     }
 }
 
+/// The flags that trust `certificates`' authority and present its client certificate to a
+/// collector.
+fn client_tls_flags(certificates: &TestCertificates) -> Vec<String> {
+    let path = |path: &std::path::Path| path.to_str().unwrap().to_owned();
+    vec![
+        "--trace-tls-ca".to_owned(),
+        path(&certificates.ca),
+        "--trace-tls-cert".to_owned(),
+        path(&certificates.client_cert),
+        "--trace-tls-key".to_owned(),
+        path(&certificates.client_key),
+    ]
+}
+
 /// A server's TLS with `certificates`' server certificate, requiring a client certificate
 /// from their authority.
 fn mutual_tls(certificates: &TestCertificates) -> Arc<rustls::ServerConfig> {
@@ -650,21 +664,9 @@ fn spans_reach_a_collector_on_mutual_tls_with_a_private_authority() {
     let runtime = runtime();
     let certificates = TestCertificates::generate("traces-mtls");
     let (collector, endpoint) = Collector::start_tls(&runtime, &certificates);
-    let path = |path: &std::path::Path| path.to_str().unwrap().to_owned();
-    let (ca, cert, key) = (
-        path(&certificates.ca),
-        path(&certificates.client_cert),
-        path(&certificates.client_key),
-    );
     let scratch = Scratch::new("traces-mtls");
-    let trusted = [
-        "--trace-tls-ca",
-        &ca,
-        "--trace-tls-cert",
-        &cert,
-        "--trace-tls-key",
-        &key,
-    ];
+    let flags = client_tls_flags(&certificates);
+    let trusted: Vec<&str> = flags.iter().map(String::as_str).collect();
     // Compressed as the SDK's variable asks, which the collector accepts.
     let gzip = [("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip")];
     let server = traced_server_with_env(&scratch, &endpoint, "50", &trusted, &gzip);
@@ -675,7 +677,8 @@ fn spans_reach_a_collector_on_mutual_tls_with_a_private_authority() {
     assert_eq!(span.span.name, "POST /v1/check");
     drop(server);
 
-    let anonymous = traced_server(&scratch, &endpoint, "50", &["--trace-tls-ca", &ca]);
+    // The authority alone: no client certificate.
+    let anonymous = traced_server(&scratch, &endpoint, "50", &trusted[..2]);
     let trace_id = "5af7651916cd43dd8448eb211c80319d";
     let header = traceparent(trace_id, "b7ad6b7169203331", true);
     assert_eq!(check(&anonymous, "u1", &[("traceparent", &header)]), 200);
@@ -730,22 +733,9 @@ fn spans_reach_a_collector_over_otlp_http() {
 
     let certificates = TestCertificates::generate("traces-otlp-https");
     let (collector, endpoint, _) = Collector::start_http(&runtime, Some(&certificates));
-    let path = |path: &std::path::Path| path.to_str().unwrap().to_owned();
-    let (ca, cert, key) = (
-        path(&certificates.ca),
-        path(&certificates.client_cert),
-        path(&certificates.client_key),
-    );
-    let https = [
-        "--trace-protocol",
-        "http/protobuf",
-        "--trace-tls-ca",
-        &ca,
-        "--trace-tls-cert",
-        &cert,
-        "--trace-tls-key",
-        &key,
-    ];
+    let flags = client_tls_flags(&certificates);
+    let mut https = vec!["--trace-protocol", "http/protobuf"];
+    https.extend(flags.iter().map(String::as_str));
     let server = traced_server(&scratch, &endpoint, "50", &https);
     let trace_id = "6af7651916cd43dd8448eb211c80319d";
     let header = traceparent(trace_id, "b7ad6b7169203331", true);
