@@ -21,6 +21,7 @@ use opentelemetry_proto::tonic::common::v1::{AnyValue, KeyValue};
 use opentelemetry_proto::tonic::trace::v1::Span;
 use opentelemetry_proto::tonic::trace::v1::span::SpanKind;
 use opentelemetry_proto::tonic::trace::v1::status::StatusCode;
+use support::http2::Http2;
 use support::{Scratch, Server, binary, descriptor, metric, request, serve_refused, wait_for};
 use tollgate_redis::test_server::TestCertificates;
 
@@ -475,6 +476,7 @@ fn each_api_answers_in_a_span_of_its_callers_trace() {
     assert_eq!(span.span.name, "GET /v1/forward-auth/{domain}");
     span.assert_has(&[
         ("url.path", "/v1/forward-auth/api"),
+        ("network.protocol.version", "1.1"),
         ("tollgate.result", "allowed"),
     ]);
 
@@ -718,6 +720,23 @@ fn spans_reach_a_collector_over_otlp_http() {
     let span = collector.wait_for_trace(trace_id);
     assert_eq!(span.span.name, "POST /v1/check");
     assert_eq!(span.service, "tollgate");
+    // A check over HTTP/2 says so.
+    let over_http2 = "6af7651916cd43dd8448eb211c8031aa";
+    let header = traceparent(over_http2, "b7ad6b7169203331", true);
+    let answer = runtime.block_on(async {
+        let connection = Http2::connect(server.http).await;
+        let headers = [
+            ("content-type", "application/json"),
+            ("traceparent", &header),
+        ];
+        let body = r#"{"domain":"api","descriptors":[{"user":"u2"}]}"#;
+        connection
+            .request("POST", "/v1/check", &headers, body)
+            .await
+    });
+    assert_eq!(answer.map(|a| a.status).ok(), Some(200));
+    let span = collector.wait_for_trace(over_http2);
+    span.assert_has(&[("network.protocol.version", "2")]);
     assert!(
         tenants.lock().unwrap().iter().all(|t| t == "t1/gzip"),
         "{tenants:?}"

@@ -79,9 +79,15 @@ fn span(traces: &Traces, request: &Request) -> Option<opentelemetry::Context> {
     }
     traces.server_span(request.headers(), || {
         let method = request.method().as_str();
+        let version = match request.version() {
+            http::Version::HTTP_2 => "2",
+            http::Version::HTTP_10 => "1.0",
+            _ => "1.1",
+        };
         let mut attributes = vec![
             KeyValue::new("http.request.method", method.to_owned()),
             KeyValue::new("url.path", path.to_owned()),
+            KeyValue::new("network.protocol.version", version),
         ];
         let name = match route(path) {
             Some(route) => {
