@@ -1,6 +1,7 @@
 //! The HTTP API over HTTP/2 with prior knowledge, through the real binary: many checks at once
 //! on one connection deciding exactly as over HTTP/1.1 (the same bucket, headers and errors),
-//! the admin endpoints' loopback rule knowing the client, and HTTP/1.1 on the same port.
+//! the admin endpoints' loopback rule knowing the client, HTTP/1.1 on the same port, and an
+//! answer larger than the client's flow-control window arriving whole.
 
 mod support;
 
@@ -126,4 +127,35 @@ async fn checks_multiplexed_on_one_connection_admit_exactly_the_capacity() {
     };
     assert_eq!(decisions("allowed"), 7.0);
     assert_eq!(decisions("rejected"), 8.0);
+}
+
+/// An answer larger than the client's flow-control window (64 KiB, HTTP/2's default) arrives
+/// whole, as the client gives the window back: the policy of a thousand limits, the same
+/// bytes as over HTTP/1.1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_larger_than_the_flow_control_window_arrives_whole() {
+    let mut policy = String::from("version: \"big\"\nlimits:\n");
+    for i in 0..1000 {
+        policy.push_str(&format!(
+            "  - {{name: limit-{i}, domain: d{i}, key: [user], capacity: 10, refill: 1/s}}\n"
+        ));
+    }
+    let scratch = Scratch::new("http2-big");
+    let config = scratch.write("policy.yaml", &policy);
+    let server = Server::start(&["--config", path_str(&config)]);
+    let over_http1 = support::request(server.http, "GET", "/v1/policy", &[], "");
+    assert_eq!(over_http1.status, 200);
+    assert!(
+        over_http1.body.len() > 3 * 65_535,
+        "{}",
+        over_http1.body.len()
+    );
+    let connection = Http2::connect(server.http).await;
+    let over_http2 = connection
+        .request("GET", "/v1/policy", &[], "")
+        .await
+        .expect("an answer");
+    assert_eq!(over_http2.status, 200);
+    assert_eq!(over_http2.body.len(), over_http1.body.len());
+    assert_eq!(over_http2.json(), over_http1.json());
 }
