@@ -763,6 +763,72 @@ fn spans_reach_a_collector_over_otlp_http() {
     assert_eq!(span.span.name, "POST /v1/check");
 }
 
+/// `tollgate bench --header` sends a trace context with every request: over HTTP/1.1, HTTP/2
+/// and gRPC (as metadata) the server's spans join it, the way a user follows a load test in
+/// the traces.
+#[test]
+fn bench_requests_carry_the_headers_given() {
+    let runtime = runtime();
+    let (collector, endpoint) = Collector::start(&runtime);
+    let scratch = Scratch::new("traces-bench");
+    // Only callers' sampled traces: the spans that arrive are the load's.
+    let server = traced_server(&scratch, &endpoint, "50", &["--trace-sample-ratio", "0"]);
+    let http = format!("http://{}", server.http);
+    let grpc = server.grpc.to_string();
+    let cases: [(&str, &[&str], &str); 3] = [
+        (
+            "7af7651916cd43dd8448eb211c800001",
+            &["--target", &http],
+            "1.1",
+        ),
+        (
+            "7af7651916cd43dd8448eb211c800002",
+            &["--target", &http, "--http2"],
+            "2",
+        ),
+        ("7af7651916cd43dd8448eb211c800003", &["--grpc", &grpc], ""),
+    ];
+    for (trace_id, target, version) in cases {
+        let header = format!(
+            "traceparent: {}",
+            traceparent(trace_id, "b7ad6b7169203331", true)
+        );
+        let args = [
+            &["bench"][..],
+            target,
+            &["-n", "2", "-c", "1", "-H", &header, "--json"],
+        ];
+        let (status, stdout, stderr) = support::run(&args.concat());
+        assert!(status.success(), "{target:?}: {stderr}");
+        let summary: serde_json::Value = serde_json::from_str(&stdout).expect("a JSON summary");
+        assert_eq!(summary["errors"], 0, "{summary}");
+        let span = collector.wait_for_trace(trace_id);
+        if version.is_empty() {
+            assert!(
+                span.span.name.ends_with("/ShouldRateLimit"),
+                "{}",
+                span.span.name
+            );
+        } else {
+            assert_eq!(span.span.name, "POST /v1/check");
+            span.assert_has(&[("network.protocol.version", version)]);
+        }
+    }
+    // Two requests each, every one in its run's trace, and nothing else.
+    wait_for("the six requests' spans", || {
+        (collector.spans().len() >= 6).then_some(())
+    });
+    let traces: Vec<String> = collector.spans().iter().map(Received::trace_id).collect();
+    assert_eq!(traces.len(), 6, "{traces:?}");
+    for (trace_id, _, _) in cases {
+        assert_eq!(
+            traces.iter().filter(|t| *t == trace_id).count(),
+            2,
+            "{traces:?}"
+        );
+    }
+}
+
 #[test]
 fn trace_flags_are_checked_at_the_start() {
     let line = serve_refused(&["--trace-endpoint", "collector:4317"]);

@@ -89,6 +89,11 @@ pub struct BenchArgs {
     /// How keys are drawn: `uniform`, or `zipf` (exponent 1.1: a few hot keys, a long tail).
     #[arg(long, value_enum, default_value_t = Distribution::Uniform)]
     pub distribution: Distribution,
+    /// A header sent with every request, as `NAME: VALUE` (repeatable; gRPC metadata over
+    /// gRPC): a gateway's credentials in front of the deployment, or a trace context
+    /// (`traceparent: 00-…-01`) to follow the load in the traces.
+    #[arg(long = "header", short = 'H', value_name = "NAME: VALUE", value_parser = parse_header)]
+    pub headers: Vec<(http::HeaderName, http::HeaderValue)>,
     /// Tokens per request (`cost` over HTTP, `hits_addend` over gRPC).
     #[arg(long, default_value_t = 1)]
     pub cost: u32,
@@ -153,6 +158,8 @@ pub(crate) struct Plan {
     pub(crate) domain: String,
     pub(crate) key_entry: String,
     pub(crate) entries: Vec<(String, String)>,
+    /// `--header`s, sent with every request.
+    pub(crate) headers: http::HeaderMap,
     pub(crate) keys: u64,
     pub(crate) distribution: Distribution,
     pub(crate) cost: u32,
@@ -279,6 +286,7 @@ impl BenchArgs {
             domain: self.domain.clone(),
             key_entry: self.key_entry.clone(),
             entries: self.entries.clone(),
+            headers: self.headers.iter().cloned().collect(),
             keys: self.keys,
             distribution: self.distribution,
             cost: self.cost,
@@ -392,6 +400,34 @@ fn parse_entry(text: &str) -> Result<(String, String), String> {
         .filter(|(entry, _)| !entry.is_empty())
         .map(|(entry, value)| (entry.to_owned(), value.to_owned()))
         .ok_or_else(|| format!("expected ENTRY=VALUE, as in method=GET, not {text}"))
+}
+
+/// Headers the generator writes itself, or that would change what a request is: refused in
+/// `--header`.
+const OWN_HEADERS: [&str; 8] = [
+    "host",
+    "content-type",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+    "upgrade",
+    "te",
+];
+
+/// `NAME: VALUE`, as a header to send.
+fn parse_header(text: &str) -> Result<(http::HeaderName, http::HeaderValue), String> {
+    let (name, value) = text.split_once(':').ok_or_else(|| {
+        format!("expected NAME: VALUE, as in authorization: Bearer T, not {text}")
+    })?;
+    let name = http::HeaderName::from_bytes(name.trim().as_bytes())
+        .map_err(|_| format!("{:?} is not a header name", name.trim()))?;
+    if OWN_HEADERS.contains(&name.as_str()) {
+        return Err(format!("the generator sets {name} itself"));
+    }
+    let value = http::HeaderValue::from_str(value.trim())
+        .map_err(|_| format!("{:?} is not a header value", value.trim()))?;
+    Ok((name, value))
 }
 
 /// `tollgate bench ARGS`, parsed: for the tests of the generator's parts.
@@ -602,6 +638,37 @@ mod tests {
     fn open_loop_spaces_requests_by_the_rate() {
         let plan = plan(&["--target", "http://x:1", "-c", "4", "--rate", "1000"]);
         assert_eq!(plan.map(|p| p.interval), Ok(Some(Duration::from_millis(1))));
+    }
+
+    #[test]
+    fn headers_are_name_colon_value_and_not_the_generators_own() {
+        let headers = |args: &[&str]| plan(args).map(|p| p.headers);
+        let given = headers(&[
+            "--target",
+            "http://x:1",
+            "-H",
+            "Authorization: Bearer t0k",
+            "--header",
+            "traceparent:00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        ])
+        .expect("headers");
+        assert_eq!(given["authorization"], "Bearer t0k");
+        assert_eq!(
+            given["traceparent"],
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        );
+        for (bad, reason) in [
+            ("no colon", "expected NAME: VALUE"),
+            ("bad name: x", "not a header name"),
+            ("x-ok: line\nbreak", "not a header value"),
+            ("Content-Type: text/plain", "sets content-type itself"),
+            ("host: elsewhere", "sets host itself"),
+        ] {
+            let err = headers(&["--grpc", "x:1", "-H", bad])
+                .err()
+                .unwrap_or_default();
+            assert!(err.contains(reason), "{bad:?}: {err}");
+        }
     }
 
     #[test]

@@ -57,6 +57,8 @@ pub(crate) struct GrpcClient {
     uri: Uri,
     /// The request with every field but the key's value filled in.
     template: RateLimitRequest,
+    /// `--header`s, as metadata.
+    headers: HeaderMap,
     /// Where the message is encoded; each call's body is split off it.
     buffer: BytesMut,
     /// The connection this worker shares with others (or has alone).
@@ -130,6 +132,7 @@ impl GrpcClient {
             authority: authority.to_owned(),
             uri,
             template,
+            headers: plan.headers.clone(),
             buffer: BytesMut::new(),
             shared,
             tls: plan.tls.clone(),
@@ -166,7 +169,7 @@ impl GrpcClient {
         let Some((_, client)) = self.client.as_mut() else {
             return Err("no connection".into());
         };
-        match call(client, &self.uri, body).await {
+        match call(client, &self.uri, &self.headers, body).await {
             Ok(response) => match response.overall_code() {
                 Code::Ok => Ok(Verdict::Allowed),
                 Code::OverLimit => Ok(Verdict::Rejected),
@@ -209,6 +212,7 @@ impl GrpcClient {
 async fn call(
     client: &mut SendRequest<Bytes>,
     uri: &Uri,
+    extra: &HeaderMap,
     body: Bytes,
 ) -> Result<Overall, CallError> {
     // Built from parts already checked: a builder parses and validates every header again.
@@ -218,6 +222,9 @@ async fn call(
     let headers = request.headers_mut();
     headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
     headers.insert(TE, HeaderValue::from_static("trailers"));
+    for (name, value) in extra {
+        headers.insert(name, value.clone());
+    }
     // Waits while the connection has as many streams open as the server allows.
     std::future::poll_fn(|cx| client.poll_ready(cx)).await?;
     let (response, mut stream) = client.send_request(request, false)?;

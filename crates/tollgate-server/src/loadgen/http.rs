@@ -37,6 +37,8 @@ pub(crate) struct HttpClient {
     uri: Uri,
     /// The `Host` header, over HTTP/1.1.
     host: Option<HeaderValue>,
+    /// `--header`s.
+    extra: HeaderMap,
     shape: Shape,
     /// TLS to an `https://` target.
     tls: Option<TlsClient>,
@@ -178,6 +180,7 @@ impl HttpClient {
             authority: authority.to_owned(),
             uri,
             host,
+            extra: plan.headers.clone(),
             shape,
             tls: plan.tls.clone(),
             transport,
@@ -324,6 +327,9 @@ impl HttpClient {
         *request.uri_mut() = self.uri.clone();
         if let Some(host) = &self.host {
             request.headers_mut().insert(HOST, host.clone());
+        }
+        for (name, value) in &self.extra {
+            request.headers_mut().insert(name, value.clone());
         }
         Ok(request)
     }
