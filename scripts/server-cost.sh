@@ -10,7 +10,8 @@
 # server on a redis-server of its own instead of the memory store (the server's instructions
 # only: Redis' are counted by scripts/redis-script-cost.sh). SERVE_ARGS adds flags to the
 # server's (say "--trace-endpoint http://127.0.0.1:PORT", with target/release/otlp-sink on PORT:
-# every thread of the server is counted, the one sending spans too).
+# every thread of the server is counted, the one sending spans too). BENCH_ARGS adds flags to
+# every `tollgate bench` (say "-H traceparent:00-<trace>-<span>-00", a caller's unsampled trace).
 # Needs valgrind. Starts its own server (and redis-server) on free loopback ports and stops them on exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,6 +39,7 @@ if [[ ${STORE:-memory} == redis ]]; then
   store=redis://127.0.0.1:$rport
 fi
 read -ra extra <<<"${SERVE_ARGS:-}"
+read -ra bench_extra <<<"${BENCH_ARGS:-}"
 valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$work/cg.out" \
   "$B" serve --http 127.0.0.1:0 --grpc 127.0.0.1:0 --store "$store" "${extra[@]}" \
   >"$work/server.out" 2>"$work/server.err" &
@@ -50,9 +52,9 @@ grpc=$(sed -n 's/.*grpc=\([^ ]*\).*/\1/p' <<<"$line")
 runs=("http /v1/noop" "http /v1/check" "grpc 4" "grpc 1" "http2 4" "http2 1")
 send() { # kind arg count
   case $1 in
-    http) "$B" bench --target "http://$http" --path "$2" -c 4 -n "$3" >/dev/null 2>&1 ;;
-    grpc) "$B" bench --grpc "$grpc" --connections "$2" -c 4 -n "$3" >/dev/null 2>&1 ;;
-    http2) "$B" bench --target "http://$http" --http2 --connections "$2" -c 4 -n "$3" >/dev/null 2>&1 ;;
+    http) "$B" bench --target "http://$http" --path "$2" -c 4 -n "$3" "${bench_extra[@]}" >/dev/null 2>&1 ;;
+    grpc) "$B" bench --grpc "$grpc" --connections "$2" -c 4 -n "$3" "${bench_extra[@]}" >/dev/null 2>&1 ;;
+    http2) "$B" bench --target "http://$http" --http2 --connections "$2" -c 4 -n "$3" "${bench_extra[@]}" >/dev/null 2>&1 ;;
   esac
 }
 for run in "${runs[@]}"; do send $run 1000; done # warm-up: connections, buckets, caches

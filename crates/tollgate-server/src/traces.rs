@@ -420,6 +420,17 @@ impl Traces {
         let carried = [&TRACEPARENT, &B3_SINGLE, &B3_TRACE_ID]
             .into_iter()
             .any(|name| headers.contains_key(name));
+        // A caller that traces at a low ratio sends most requests with a context it did not
+        // sample; the propagators would build a whole context (about 4.5k instructions) for
+        // this to drop. A valid W3C context wins over B3's (see `propagator`), so its flag
+        // alone decides.
+        if carried
+            && headers
+                .get(&TRACEPARENT)
+                .is_some_and(|value| unsampled_w3c(value.as_bytes()))
+        {
+            return None;
+        }
         let parent = if carried {
             self.propagator.extract(&Headers(headers))
         } else {
@@ -512,6 +523,29 @@ fn resource() -> Resource {
 // The headers a trace context comes in, as constants: a name given as a string is parsed on
 // every lookup.
 const TRACEPARENT: http::HeaderName = http::HeaderName::from_static("traceparent");
+
+/// Whether `value` is a W3C `traceparent` of version 00 in its one canonical form
+/// (`00-<32 hex>-<16 hex>-<2 hex>`, lowercase, ids not all zeros) whose sampled flag (the
+/// flags' lowest bit; the others are ignored, as the specification asks) is clear: one the
+/// SDK's propagator reads as a valid, unsampled caller's context. Any other form (sampled,
+/// malformed, another version, spaces around) is `false`, and left to the propagator.
+fn unsampled_w3c(value: &[u8]) -> bool {
+    let (Some(trace), Some(span), Some(flags)) =
+        (value.get(3..35), value.get(36..52), value.get(53..))
+    else {
+        return false;
+    };
+    let hex = |part: &[u8]| part.iter().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+    let non_zero = |part: &[u8]| part.iter().any(|&b| b != b'0');
+    value.starts_with(b"00-")
+        && value.get(35) == Some(&b'-')
+        && value.get(52) == Some(&b'-')
+        && hex(trace)
+        && hex(span)
+        && non_zero(trace)
+        && non_zero(span)
+        && matches!(flags, [high, low] if hex(&[*high]) && b"02468ace".contains(low))
+}
 const B3_SINGLE: http::HeaderName = http::HeaderName::from_static("b3");
 const B3_TRACE_ID: http::HeaderName = http::HeaderName::from_static("x-b3-traceid");
 
@@ -720,6 +754,79 @@ mod tests {
             traces_url("https://otlp.example/otlp/v1/traces"),
             "https://otlp.example/otlp/v1/traces"
         );
+    }
+
+    /// What the SDK's W3C propagator reads from a `traceparent` of `value`: whether it makes
+    /// a valid context, and whether that context is sampled.
+    fn w3c_reads(value: &[u8]) -> (bool, bool) {
+        let mut headers = HeaderMap::new();
+        if let Ok(value) = http::HeaderValue::from_bytes(value) {
+            headers.insert(TRACEPARENT, value);
+        }
+        let parent = TraceContextPropagator::new().extract(&Headers(&headers));
+        let caller = parent.span().span_context().clone();
+        (caller.is_valid(), caller.is_sampled())
+    }
+
+    const UNSAMPLED: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00";
+
+    #[test]
+    fn the_unsampled_shortcut_reads_only_what_the_propagator_reads_as_unsampled() {
+        let (trace, span) = ("0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331");
+        let zeros = ("00000000000000000000000000000000", "0000000000000000");
+        let cases = [
+            (format!("00-{trace}-{span}-00"), true),
+            (format!("00-{trace}-{span}-02"), true),
+            (format!("00-{trace}-{span}-fe"), true),
+            (format!("00-{trace}-{span}-01"), false),
+            (format!("00-{trace}-{span}-03"), false),
+            (format!("00-{trace}-{span}-0C"), false),
+            (format!("00-{}-{span}-00", zeros.0), false),
+            (format!("00-{trace}-{}-00", zeros.1), false),
+            (format!("00-{}-{span}-00", trace.to_uppercase()), false),
+            (format!("01-{trace}-{span}-00"), false),
+            (format!("00-{trace}-{span}-00-x"), false),
+            (format!(" 00-{trace}-{span}-00"), false),
+            (format!("00-{trace}-{}-00", &span[1..]), false),
+            (String::new(), false),
+        ];
+        for (value, shortcut) in cases {
+            assert_eq!(unsampled_w3c(value.as_bytes()), shortcut, "{value:?}");
+            if shortcut {
+                assert_eq!(w3c_reads(value.as_bytes()), (true, false), "{value:?}");
+            }
+        }
+    }
+
+    proptest::proptest! {
+        /// Whatever a caller sends, the shortcut drops a request only where the propagator
+        /// would have found an unsampled caller's context (one byte of a valid context changed
+        /// to anything), and in the canonical shape it drops all of those (any ids and flags).
+        #[test]
+        fn the_unsampled_shortcut_never_drops_what_the_propagator_would_keep(
+            at in 0..UNSAMPLED.len(),
+            byte in proptest::prelude::any::<u8>(),
+            trace in "[0-9a-f]{32}",
+            span in "[0-9a-f]{16}",
+            flags in "[0-9a-f]{2}",
+        ) {
+            let mut changed = UNSAMPLED.as_bytes().to_vec();
+            changed[at] = byte;
+            // Changed anyhow: dropped only if the propagator reads it as unsampled (it may
+            // read more so, another version's, which the shortcut leaves to it).
+            if unsampled_w3c(&changed) {
+                proptest::prop_assert_eq!(w3c_reads(&changed), (true, false));
+            }
+            // In the canonical shape: the two agree exactly.
+            let shaped = format!("00-{trace}-{span}-{flags}");
+            let (valid, sampled) = w3c_reads(shaped.as_bytes());
+            proptest::prop_assert_eq!(
+                unsampled_w3c(shaped.as_bytes()),
+                valid && !sampled,
+                "{}",
+                shaped
+            );
+        }
     }
 
     #[test]
