@@ -87,29 +87,17 @@ async fn checks_multiplexed_on_one_connection_admit_exactly_the_capacity() {
         )
         .await;
     assert_eq!(unknown.status, 400, "{unknown:?}");
-    let missing = connection
-        .request("GET", "/v1/nowhere", &[], "")
-        .await
-        .expect("an answer");
+    let missing = connection.send("GET", "/v1/nowhere").await;
     assert_eq!(missing.status, 404, "{missing:?}");
-    let health = connection
-        .request("GET", "/healthz", &[], "")
-        .await
-        .expect("an answer");
+    let health = connection.send("GET", "/healthz").await;
     assert_eq!(health.status, 200, "{health:?}");
 
     // The admin endpoints see a loopback client, as over HTTP/1.1 (no token configured).
-    let policy = connection
-        .request("GET", "/v1/policy", &[], "")
-        .await
-        .expect("an answer");
+    let policy = connection.send("GET", "/v1/policy").await;
     assert_eq!(policy.status, 200, "{policy:?}");
     assert_eq!(policy.json()["version"], "7");
     std::fs::write(&config, POLICY.replace("\"7\"", "\"8\"")).expect("write the policy");
-    let reloaded = connection
-        .request("POST", "/v1/policy/reload", &[], "")
-        .await
-        .expect("an answer");
+    let reloaded = connection.send("POST", "/v1/policy/reload").await;
     assert_eq!(reloaded.status, 200, "{reloaded:?}");
     let decided = connection
         .post_json("/v1/check", &check_body("carol"))
@@ -151,10 +139,7 @@ async fn an_answer_larger_than_the_flow_control_window_arrives_whole() {
         over_http1.body.len()
     );
     let connection = Http2::connect(server.http).await;
-    let over_http2 = connection
-        .request("GET", "/v1/policy", &[], "")
-        .await
-        .expect("an answer");
+    let over_http2 = connection.send("GET", "/v1/policy").await;
     assert_eq!(over_http2.status, 200);
     assert_eq!(over_http2.body.len(), over_http1.body.len());
     assert_eq!(over_http2.json(), over_http1.json());

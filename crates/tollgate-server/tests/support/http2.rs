@@ -79,6 +79,13 @@ impl Http2 {
         })
     }
 
+    /// `METHOD path` without a body (a GET, or an admin POST).
+    pub async fn send(&self, method: &str, path: &str) -> Answer {
+        self.request(method, path, &[], "")
+            .await
+            .expect("an HTTP/2 answer")
+    }
+
     /// `POST path` with a JSON body.
     pub async fn post_json(&self, path: &str, body: &str) -> Answer {
         self.request("POST", path, &[("content-type", "application/json")], body)
