@@ -886,3 +886,163 @@ fn trace_flags_are_checked_at_the_start() {
     assert!(!status.success());
     assert!(stderr.contains("--trace-tls-key"), "{stderr}");
 }
+
+/// A JSON answer's body with its times (which move between two servers asked a moment
+/// apart) checked to be within a second of `other`'s and taken out; any other body as it is.
+fn without_times(body: &str, other: &str) -> String {
+    let (Ok(mut value), Ok(other)) = (
+        serde_json::from_str::<serde_json::Value>(body),
+        serde_json::from_str::<serde_json::Value>(other),
+    ) else {
+        return body.to_owned();
+    };
+    if let Some(limits) = value.get_mut("limits").and_then(|l| l.as_array_mut()) {
+        for (index, limit) in limits.iter_mut().enumerate() {
+            for field in ["retry_after_ms", "reset_after_ms"] {
+                if let Some(ms) = limit.get(field).and_then(serde_json::Value::as_u64) {
+                    let theirs = other["limits"][index][field].as_u64().unwrap_or(u64::MAX);
+                    assert!(
+                        ms.abs_diff(theirs) < 1000,
+                        "{field}: {body} against {other}"
+                    );
+                    limit[field] = serde_json::Value::Null;
+                }
+            }
+        }
+    }
+    value.to_string()
+}
+
+#[test]
+fn the_usual_routes_answer_alike_through_the_router_and_without_it() {
+    // Traces on send every request through the router, to its span layer; off, `/v1/check`
+    // and `/v1/noop` are answered without it. The same requests get the same answers.
+    let runtime = runtime();
+    let (collector, endpoint) = Collector::start(&runtime);
+    let scratch = Scratch::new("traces-direct-routes");
+    let routed = traced_server(&scratch, &endpoint, "50", &[]);
+    let config = scratch.write("policy.yaml", POLICY);
+    let direct = Server::start(&["--config", support::path_str(&config)]);
+    let json = [("Content-Type", "application/json")];
+    let huge = format!(
+        r#"{{"domain":"api","descriptors":[{{"user":"{}"}}]}}"#,
+        "x".repeat(70_000)
+    );
+    let cases: Vec<(&str, &str, &str)> = vec![
+        (
+            "POST",
+            "/v1/check",
+            r#"{"domain":"api","descriptors":[{"user":"u1"}]}"#,
+        ),
+        (
+            "POST",
+            "/v1/check",
+            r#"{"domain":"api","descriptors":[{"user":"u1"}]}"#,
+        ),
+        (
+            "POST",
+            "/v1/check?from=test",
+            r#"{"domain":"api","descriptors":[{"user":"u2"}]}"#,
+        ),
+        (
+            "POST",
+            "/v1/check",
+            r#"{"domain":"other","descriptors":[{"user":"u1"}]}"#,
+        ),
+        (
+            "POST",
+            "/v1/check",
+            r#"{"domain":"api","descriptors":[{"user":"u3"}],"cost":2}"#,
+        ),
+        (
+            "POST",
+            "/v1/check",
+            r#"{"domain":"api","descriptors":[{"user":"u3"}],"cost":0}"#,
+        ),
+        (
+            "POST",
+            "/v1/check",
+            r#"{"domain":"api","descriptors":[{"user":"u4"}],"cots":1}"#,
+        ),
+        (
+            "POST",
+            "/v1/check",
+            r#"{"domain":"api","descriptors":[{"user":5}]}"#,
+        ),
+        ("POST", "/v1/check", "{not json"),
+        ("POST", "/v1/check", ""),
+        ("POST", "/v1/check", &huge),
+        ("GET", "/v1/check", ""),
+        (
+            "POST",
+            "/v1/check/",
+            r#"{"domain":"api","descriptors":[{"user":"u5"}]}"#,
+        ),
+        ("POST", "/v1/noop", "anything"),
+        ("GET", "/v1/noop", ""),
+        ("HEAD", "/v1/noop", ""),
+        ("POST", "/v1/noop", &huge),
+        (
+            "POST",
+            "/v1/explain",
+            r#"{"domain":"api","descriptors":[{"user":"u1"}]}"#,
+        ),
+    ];
+    let statuses: Vec<u16> = cases
+        .iter()
+        .map(|&(method, path, body)| {
+            let via_router = request(routed.http, method, path, &json, body);
+            let directly = request(direct.http, method, path, &json, body);
+            let what = format!("{method} {path} {}", &body[..body.len().min(60)]);
+            assert_eq!(via_router.status, directly.status, "{what}");
+            assert_eq!(
+                without_times(&via_router.body, &directly.body),
+                without_times(&directly.body, &via_router.body),
+                "{what}"
+            );
+            let mut names: Vec<&String> = via_router.headers.keys().collect();
+            names.sort();
+            let mut direct_names: Vec<&String> = directly.headers.keys().collect();
+            direct_names.sort();
+            assert_eq!(names, direct_names, "{what}");
+            for name in ["content-type", "ratelimit-policy", "allow"] {
+                assert_eq!(
+                    via_router.header(name),
+                    directly.header(name),
+                    "{what}: {name}"
+                );
+            }
+            directly.status
+        })
+        .collect();
+    assert_eq!(
+        statuses,
+        [
+            200, 429, 200, 200, 400, 400, 400, 400, 400, 400, 413, 405, 404, 200, 200, 200, 413,
+            200
+        ]
+    );
+    // The same requests counted alike: decisions, and the ones refused as malformed.
+    for series in [
+        r#"tollgate_invalid_requests_total{api="http"}"#,
+        r#"tollgate_decisions_total{api="http",limit="per-user",mode="enforce",result="allowed"}"#,
+        r#"tollgate_decisions_total{api="http",limit="per-user",mode="enforce",result="rejected"}"#,
+    ] {
+        assert_eq!(metric(&routed, series), metric(&direct, series), "{series}");
+    }
+    assert_eq!(
+        metric(&direct, r#"tollgate_invalid_requests_total{api="http"}"#),
+        7.0
+    );
+    // And the traced server's checks did go through the router's span layer.
+    wait_for("a span of each check", || {
+        let checks = collector
+            .spans()
+            .iter()
+            .filter(|s| s.span.name == "POST /v1/check")
+            .count();
+        (checks >= 10).then_some(())
+    });
+    assert!(routed.terminate().success());
+    assert!(direct.terminate().success());
+}

@@ -207,7 +207,10 @@ impl Parsed<'_> {
 }
 
 fn parse(body: &Result<Bytes, BytesRejection>) -> Result<Parsed<'_>, ApiError> {
-    let body = body_bytes(body)?;
+    parse_bytes(body_bytes(body)?)
+}
+
+fn parse_bytes(body: &[u8]) -> Result<Parsed<'_>, ApiError> {
     let parsed = match plain_body::read(body) {
         Some(parsed) => parsed,
         None => parse_with_serde(body)?,
@@ -218,16 +221,25 @@ fn parse(body: &Result<Bytes, BytesRejection>) -> Result<Parsed<'_>, ApiError> {
 
 /// The body's bytes, or the answer to a body that could not be read (too large, cut short).
 pub(super) fn body_bytes(body: &Result<Bytes, BytesRejection>) -> Result<&Bytes, ApiError> {
-    body.as_ref().map_err(|rejection| {
-        ApiError::new(
-            rejection.status(),
-            "body_unreadable",
-            format!(
-                "cannot read the body: {rejection} (at most {} bytes)",
-                super::MAX_BODY_BYTES
-            ),
-        )
-    })
+    body.as_ref().map_err(rejected)
+}
+
+/// The answer to the router's refusal to read a body.
+fn rejected(rejection: impl std::borrow::Borrow<BytesRejection>) -> ApiError {
+    let rejection = rejection.borrow();
+    unreadable(rejection.status(), rejection)
+}
+
+/// The answer to a body that could not be read: 413 when it is too large, 400 otherwise.
+pub(super) fn unreadable(status: StatusCode, reason: impl fmt::Display) -> ApiError {
+    ApiError::new(
+        status,
+        "body_unreadable",
+        format!(
+            "cannot read the body: {reason} (at most {} bytes)",
+            super::MAX_BODY_BYTES
+        ),
+    )
 }
 
 /// `body` read by serde_json: any body, and every error with its place.
@@ -537,7 +549,17 @@ pub(crate) async fn check(
     State(state): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let parsed = parse(&body).inspect_err(|_| metrics::record_invalid(Api::Http))?;
+    decide(&state, body.map_err(rejected)).await
+}
+
+/// `POST /v1/check` once its body is read (or could not be), by the router or without it
+/// ([`super::direct`]).
+pub(super) async fn decide(
+    state: &AppState,
+    body: Result<Bytes, ApiError>,
+) -> Result<Response, ApiError> {
+    let body = body.inspect_err(|_| metrics::record_invalid(Api::Http))?;
+    let parsed = parse_bytes(&body).inspect_err(|_| metrics::record_invalid(Api::Http))?;
     let outcome = state
         .decider
         .decide(Api::Http, &parsed.request())

@@ -22,6 +22,7 @@ use std::task::{Context, Poll};
 
 use axum::Router;
 use axum::extract::ConnectInfo;
+use futures_util::future::{BoxFuture, Either};
 use futures_util::{FutureExt, Stream};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
@@ -30,6 +31,7 @@ use tollgate_policy::{SystemWallClock, WallClock};
 use tower_service::Service;
 
 use super::AppState;
+use super::direct::Direct;
 use crate::connection::{
     self, Admitted, ConnectionLimits, HeadTimeout, IdleClose, Listener, Quiet, StopSignal, Tracked,
 };
@@ -89,7 +91,11 @@ where
 {
     let limits = state.connections.limits;
     let tls = state.connections.http_tls.clone();
-    let app = super::router(state);
+    let app = Front {
+        // With traces on, every request goes through the router's span layer.
+        direct: state.traces.is_none().then(|| state.clone()),
+        app: super::router(state),
+    };
     let each = |admitted: Admitted| {
         let (app, tls, stopped) = (app.clone(), tls.clone(), stopped.clone());
         async move {
@@ -131,9 +137,25 @@ async fn first_words(
     }
 }
 
+/// What answers a connection's requests: the usual routes directly ([`Direct`]) unless
+/// traces are sent, the router the others.
+#[derive(Clone)]
+struct Front {
+    app: Router,
+    direct: Option<Arc<AppState>>,
+}
+
+impl Front {
+    /// The route and state that answer `request` without the router, if it takes one.
+    fn direct<B>(&self, request: &http::Request<B>) -> Option<(Direct, Arc<AppState>)> {
+        let state = self.direct.as_ref()?;
+        Direct::of(request).map(|route| (route, state.clone()))
+    }
+}
+
 /// Serves one HTTP/2 connection as [`http2::serve_connection`] does the gRPC listener's.
 async fn serve_http2(
-    app: Router,
+    app: Front,
     admitted: Admitted,
     limits: ConnectionLimits,
     stopped: watch::Receiver<bool>,
@@ -149,35 +171,41 @@ async fn serve_http2(
     }
 }
 
-/// The router, told each request's client address as the HTTP/1 connections tell it (the
-/// admin endpoints' loopback rule reads it).
+/// The connection's front, telling the router each request's client address as the HTTP/1
+/// connections tell it (the admin endpoints' loopback rule reads it).
 #[derive(Clone)]
 struct Peered {
-    app: Router,
+    app: Front,
     peer: SocketAddr,
 }
 
 impl Service<http::Request<Received>> for Peered {
     type Response = http::Response<axum::body::Body>;
     type Error = Infallible;
-    type Future = <Router as Service<http::Request<Received>>>::Future;
+    type Future = Either<
+        BoxFuture<'static, Result<Self::Response, Infallible>>,
+        <Router as Service<http::Request<Received>>>::Future,
+    >;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        Service::<http::Request<Received>>::poll_ready(&mut self.app, cx)
+        Service::<http::Request<Received>>::poll_ready(&mut self.app.app, cx)
     }
 
     fn call(&mut self, mut request: http::Request<Received>) -> Self::Future {
+        if let Some((route, state)) = self.app.direct(&request) {
+            return Either::Left(route.answer(state, request).map(Ok).boxed());
+        }
         request
             .extensions_mut()
             .insert(ConnectInfo::<SocketAddr>(self.peer));
-        self.app.call(request)
+        Either::Right(self.app.app.call(request))
     }
 }
 
 /// Serves one connection until the client closes it, until it has drained after `stopped`,
 /// or until its client has been slow or quiet too long.
 async fn serve_connection(
-    app: Router,
+    app: Front,
     admitted: Admitted,
     limits: ConnectionLimits,
     stopped: watch::Receiver<bool>,
@@ -191,11 +219,16 @@ async fn serve_connection(
     let requests = activity.clone();
     let service = hyper::service::service_fn(move |mut request: hyper::Request<Incoming>| {
         requests.request_started();
-        request
-            .extensions_mut()
-            .insert(ConnectInfo::<SocketAddr>(peer));
-        // A router is always ready, and cloning it is a reference count.
-        let answer = app.clone().call(request);
+        let answer = match app.direct(&request) {
+            Some((route, state)) => Either::Left(route.answer(state, request).map(Ok)),
+            None => {
+                request
+                    .extensions_mut()
+                    .insert(ConnectInfo::<SocketAddr>(peer));
+                // A router is always ready, and cloning it is a reference count.
+                Either::Right(app.app.clone().call(request))
+            }
+        };
         let responded = requests.clone();
         // Marked before hyper writes it: a write before then is an interim answer.
         answer.inspect(move |_| responded.request_responded())
