@@ -33,6 +33,7 @@ pub use leases::{LeaseLimitOutcome, LeaseOutcome};
 pub use reset::{ResetBucket, ResetOutcome, SkippedLimit};
 
 use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -887,7 +888,7 @@ impl PolicyEngine {
                 slot_of.push(usize::MAX);
                 continue;
             }
-            let key = store_key(&m.bucket_key, m.tag);
+            let key = store_key(&m.bucket_key, m.subject(), m.tag);
             let cost = cost.of(m.descriptor);
             let refund = used.map_or(0, |used| cost - used.of(m.descriptor));
             // A denial shares no slot with a bucket the store decides (a descriptor asking
@@ -1198,7 +1199,7 @@ impl PolicyEngine {
                 // were it to, denying is the safe reading.
                 FailureMode::Closed | FailureMode::OpenInFlight { .. } => failed_closed = true,
                 FailureMode::Open { emergency } => {
-                    let key = store_key(&m.bucket_key, rate_tag(&emergency));
+                    let key = store_key(&m.bucket_key, m.subject(), rate_tag(&emergency));
                     let cost = cost.of(m.descriptor);
                     match open.iter().position(|(k, ..)| *k == key) {
                         Some(slot) => {
@@ -1514,22 +1515,24 @@ fn never_fits(limit: &Limit) -> Decision {
 /// whole bucket key between braces, `{global#gold}@0a1b2c3d`. Either way the parameter tag
 /// stays outside the braces, so a bucket and its earlier self under other parameters share a
 /// slot, and a store can read both in one script (see [`Carry`]).
-fn store_key(bucket_key: &str, tag: u32) -> Box<str> {
-    // Built on every decision, so by hand: `format!` costs several times as much.
+fn store_key(bucket_key: &str, subject: Option<Range<usize>>, tag: u32) -> Box<str> {
+    // Built on every decision, so by hand: `format!` costs several times as much. Where the
+    // subject's values lie is known from the match, not searched for.
     let mut key = String::with_capacity(bucket_key.len() + 11);
-    match bucket_key.split_once('|') {
-        // Names hold no `|`, so the first one ends the name; an override is the last `#`
-        // unless escaped (values escape theirs, names hold none).
-        Some((name, rest)) => {
-            let values_end = match rest.rfind('#') {
-                Some(at) if !escaped(rest, at) => at,
-                _ => rest.len(),
-            };
+    let parts = subject.and_then(|values| {
+        Some((
+            bucket_key.get(..values.start)?,
+            bucket_key.get(values.clone())?,
+            bucket_key.get(values.end..)?,
+        ))
+    });
+    match parts {
+        Some((name, values, override_)) => {
             key.push_str(name);
-            key.push_str("|{");
-            key.push_str(&rest[..values_end]);
+            key.push('{');
+            key.push_str(values);
             key.push('}');
-            key.push_str(&rest[values_end..]);
+            key.push_str(override_);
         }
         None => {
             key.push('{');
@@ -1726,7 +1729,7 @@ mod tests {
         for (capacity, rate) in [(10, "5/s"), (1, "1/d"), (1_000_000, "999999937/s")] {
             let limit = Limit::new(capacity, rate.parse().unwrap()).unwrap();
             let tag = rate_tag(&limit);
-            let key = store_key("per-user|u1", tag);
+            let key = store_key("per-user|u1", Some(9..11), tag);
             assert_eq!(&*key, format!("per-user|{{u1}}@{tag:08x}"));
             assert_eq!(split_store_key(&key).map(|parts| parts.2), Some(tag));
         }
@@ -1742,40 +1745,91 @@ mod tests {
             .unwrap_or(key)
     }
 
+    /// The store key of each limit `descriptor` matches in `policy`, as the engine makes them.
+    fn store_keys(policy: &Policy, descriptor: &[(&str, &str)]) -> Vec<Box<str>> {
+        let now = UnixTime::parse_rfc3339("2029-06-01T00:00:00Z").unwrap();
+        policy
+            .matches("api", &[descriptor.to_vec()], now)
+            .iter()
+            .map(|m| store_key(&m.bucket_key, m.subject(), m.tag))
+            .collect()
+    }
+
     #[test]
     fn the_buckets_of_one_subject_share_a_cluster_slot() {
-        let a = Limit::new(10, "5/s".parse().unwrap()).unwrap();
-        let b = Limit::new(3, "1/s".parse().unwrap()).unwrap();
-        let subject = [
-            store_key("per-user|acme|u1", rate_tag(&a)),
-            store_key("writes-per-user|acme|u1", rate_tag(&b)),
-            store_key("per-user|acme|u1#gold", rate_tag(&b)),
-        ];
-        for key in &subject {
+        let policy = crate::compile(
+            "p.yaml",
+            r#"
+limits:
+  - name: per-user
+    domain: api
+    key: [tenant, user]
+    capacity: 10
+    refill: 5/s
+    overrides:
+      - {name: gold, when: {tier: gold}, capacity: 3, refill: 1/s}
+  - {name: writes-per-user, domain: api, key: [tenant, user], capacity: 3, refill: 1/s}
+  - name: global
+    domain: api
+    capacity: 100
+    refill: 50/s
+    overrides:
+      - {name: gold, when: {tier: gold}, capacity: 300, refill: 100/s}
+"#,
+        )
+        .unwrap();
+        let plain = store_keys(&policy, &[("tenant", "acme"), ("user", "u1")]);
+        let gold = store_keys(
+            &policy,
+            &[("tenant", "acme"), ("user", "u1"), ("tier", "gold")],
+        );
+        assert_eq!(plain.len(), 3);
+        for key in plain
+            .iter()
+            .chain(&gold)
+            .filter(|k| !k.starts_with("{global"))
+        {
             assert_eq!(hash_tag(key), "acme|u1", "{key}");
         }
+        assert!(
+            gold[0].starts_with("per-user|{acme|u1}#gold@"),
+            "{}",
+            gold[0]
+        );
         // Another subject, even one whose values hold separators or braces, gets its own.
-        for (bucket, tag) in [
-            ("per-user|acme|u2", "acme|u2"),
-            ("per-user|a\\#b#gold", "a\\#b"),
+        for (user, tier, tag) in [
+            ("u2", "", "acme|u2"),
+            ("a#b", "gold", "acme|a\\#b"),
             // A `#` in a value, escaped, is no override's: the braces take it in.
-            ("per-user|a\\#b", "a\\#b"),
-            // An escaped backslash before the override's `#` escapes nothing.
-            ("per-user|a\\\\#gold", "a\\\\"),
-            ("per-user|x}y", "x"),
+            ("a#b", "", "acme|a\\#b"),
+            // A value ending in a backslash, escaped, before the override's `#`.
+            ("a\\", "gold", "acme|a\\\\"),
+            ("x}y", "", "acme|x"),
+            ("a|b", "", "acme|a\\|b"),
         ] {
-            assert_eq!(hash_tag(&store_key(bucket, rate_tag(&a))), tag, "{bucket}");
+            let keys = store_keys(
+                &policy,
+                &[("tenant", "acme"), ("user", user), ("tier", tier)],
+            );
+            assert_eq!(hash_tag(&keys[0]), tag, "{user} {tier}: {}", keys[0]);
+            let (limit, override_, _, _) = split_store_key(&keys[0]).unwrap();
+            assert_eq!(
+                (limit, override_),
+                ("per-user", if tier.is_empty() { "" } else { "gold" })
+            );
         }
         // One bucket for everyone: its bucket key is the tag, the parameters' tag outside it.
-        let global = store_key("global", rate_tag(&a));
-        assert_eq!(hash_tag(&global), "global");
-        assert_eq!(hash_tag(&store_key("global", rate_tag(&b))), "global");
-        let gold = store_key("global#gold", rate_tag(&a));
-        assert_eq!(hash_tag(&gold), "global#gold");
+        let global = &plain[2];
+        assert_eq!(hash_tag(global), "global");
+        let global_gold = &gold[2];
+        assert_eq!(hash_tag(global_gold), "global#gold");
+        let (_, _, tag, bucket) = split_store_key(global_gold).unwrap();
         assert_eq!(
-            split_store_key(&gold),
-            Some(("global", "gold", rate_tag(&a), "{global#gold}"))
+            split_store_key(global_gold),
+            Some(("global", "gold", tag, "{global#gold}"))
         );
+        assert_eq!(bucket, "{global#gold}");
+        assert_ne!(split_store_key(global).unwrap().2, tag);
     }
 
     #[test]

@@ -1067,6 +1067,16 @@ impl<P> Matched<'_, P> {
     pub fn params(&self) -> &P {
         &self.params
     }
+
+    /// Where the subject's values lie in [`Matched::bucket_key`] (`acme|u1` of
+    /// `per-user|acme|u1#gold`), or `None` for a limit keyed by nothing.
+    pub(crate) fn subject(&self) -> Option<std::ops::Range<usize>> {
+        if self.limit.key.is_empty() {
+            return None;
+        }
+        let suffix = self.override_.map_or(0, |o| o.name.len() + 1);
+        Some(self.limit.name.len() + 1..self.bucket_key.len().checked_sub(suffix)?)
+    }
 }
 
 /// What a limit is filed under in its domain's [`DomainIndex`] (see the module docs).

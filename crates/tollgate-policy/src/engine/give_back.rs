@@ -91,7 +91,7 @@ impl PolicyEngine {
             if m.limit.scope() == Scope::Global {
                 slot_of.push(usize::MAX);
             } else {
-                let key = store_key(&m.bucket_key, m.tag);
+                let key = store_key(&m.bucket_key, m.subject(), m.tag);
                 match buckets.iter().position(|(k, ..)| *k == key) {
                     Some(slot) => {
                         buckets[slot].2 = buckets[slot].2.saturating_add(cost);
@@ -107,7 +107,7 @@ impl PolicyEngine {
             if m.effect == Effect::Enforce
                 && let FailureMode::Open { emergency: budget } = m.limit.failure_mode()
             {
-                let key = store_key(&m.bucket_key, rate_tag(&budget));
+                let key = store_key(&m.bucket_key, m.subject(), rate_tag(&budget));
                 match emergency.iter_mut().find(|(k, ..)| *k == key) {
                     Some(open) => open.2 = open.2.saturating_add(cost),
                     None => emergency.push((key, budget, cost)),

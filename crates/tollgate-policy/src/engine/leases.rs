@@ -148,7 +148,7 @@ fn slots(matched: &[LeaseMatched<'_>]) -> (Vec<Slot>, Vec<usize>) {
             slot_of.push(usize::MAX);
             continue;
         }
-        let key = store_key(&m.bucket_key, m.tag);
+        let key = store_key(&m.bucket_key, m.subject(), m.tag);
         let enforce = m.effect == Effect::Enforce;
         match slots.iter().position(|s| s.key == key) {
             Some(at) => {
@@ -439,7 +439,7 @@ impl PolicyEngine {
                     // error, not a panic.
                     let limit = LeaseLimit::new(bound, own.timeout())
                         .map_err(|source| lease_error(m.limit.name(), source))?;
-                    let key = store_key(&m.bucket_key, m.tag);
+                    let key = store_key(&m.bucket_key, m.subject(), m.tag);
                     match open.iter().position(|s| s.key == key) {
                         Some(at) => slot_of[i] = at,
                         None => {

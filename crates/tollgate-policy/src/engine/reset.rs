@@ -145,12 +145,12 @@ impl PolicyEngine {
                 });
                 continue;
             }
-            let key = store_key(&m.bucket_key, m.tag);
+            let key = store_key(&m.bucket_key, m.subject(), m.tag);
             if let Some((old, ..)) = Self::carry_for(&carries, &key, now) {
                 keys.push(old);
             }
             if let FailureMode::Open { emergency: rate } = m.limit.failure_mode() {
-                emergency.push(store_key(&m.bucket_key, rate_tag(&rate)));
+                emergency.push(store_key(&m.bucket_key, m.subject(), rate_tag(&rate)));
             }
             keys.push(key);
             // Two descriptors on one bucket name it twice: reported (and audited) once.
