@@ -9,13 +9,15 @@
 //! as through the router. Every other request goes to the router, as does every request when
 //! traces are sent (the span is a layer of the router's).
 
+use std::pin::pin;
 use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::http::{Method, StatusCode};
 use axum::response::{IntoResponse, Response};
+use bytes::BytesMut;
 use http_body::Body;
-use http_body_util::{BodyExt, LengthLimitError, Limited};
+use http_body_util::BodyExt;
 
 use super::check::{self, unreadable};
 use super::error::ApiError;
@@ -46,7 +48,7 @@ impl Direct {
     pub(crate) async fn answer<B>(self, state: Arc<AppState>, request: http::Request<B>) -> Response
     where
         B: Body<Data = Bytes>,
-        B::Error: std::error::Error + Send + Sync + 'static,
+        B::Error: std::fmt::Display,
     {
         let body = read(request.into_body()).await;
         match self {
@@ -59,30 +61,111 @@ impl Direct {
 }
 
 /// The whole body, at most [`MAX_BODY_BYTES`] of it, as the router's body limit reads it:
-/// 413 past the bound, 400 for a body that breaks off.
+/// 413 past the bound, 400 for a body that breaks off. The usual body comes in one frame,
+/// which is kept as it is rather than copied into a list of frames first.
 async fn read<B>(body: B) -> Result<Bytes, ApiError>
 where
     B: Body<Data = Bytes>,
-    B::Error: std::error::Error + Send + Sync + 'static,
+    B::Error: std::fmt::Display,
 {
-    match Limited::new(body, MAX_BODY_BYTES).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(err) => {
-            let status = if err.is::<LengthLimitError>() {
-                StatusCode::PAYLOAD_TOO_LARGE
-            } else {
-                StatusCode::BAD_REQUEST
-            };
-            // In the router's words.
-            let reason = format!("Failed to buffer the request body: {err}");
-            Err(unreadable(status, reason))
+    // In the router's words.
+    let failed = |status, reason: &dyn std::fmt::Display| {
+        unreadable(
+            status,
+            format!("Failed to buffer the request body: {reason}"),
+        )
+    };
+    let mut body = pin!(body);
+    let mut first: Option<Bytes> = None;
+    let mut joined = BytesMut::new();
+    let mut length = 0;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|err| failed(StatusCode::BAD_REQUEST, &err))?;
+        // Trailers, if any, say nothing a decision reads.
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        length += data.len();
+        if length > MAX_BODY_BYTES {
+            return Err(failed(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                &"length limit exceeded",
+            ));
+        }
+        match first.take() {
+            None if joined.is_empty() => first = Some(data),
+            earlier => {
+                if let Some(earlier) = earlier {
+                    joined.extend_from_slice(&earlier);
+                }
+                joined.extend_from_slice(&data);
+            }
         }
     }
+    Ok(first.unwrap_or_else(|| joined.freeze()))
 }
 
 #[cfg(test)]
 mod tests {
+    use futures_util::stream;
+    use http_body::Frame;
+    use http_body_util::StreamBody;
+
     use super::*;
+
+    /// A body of `frames`, in order.
+    fn body(
+        frames: Vec<Result<Frame<Bytes>, &'static str>>,
+    ) -> StreamBody<impl futures_util::Stream<Item = Result<Frame<Bytes>, &'static str>>> {
+        StreamBody::new(stream::iter(frames))
+    }
+
+    fn data(text: &'static str) -> Result<Frame<Bytes>, &'static str> {
+        Ok(Frame::data(Bytes::from_static(text.as_bytes())))
+    }
+
+    fn read_now<B>(body: B) -> Result<Bytes, ApiError>
+    where
+        B: Body<Data = Bytes>,
+        B::Error: std::fmt::Display,
+    {
+        futures_util::FutureExt::now_or_never(read(body)).expect("ready")
+    }
+
+    #[test]
+    fn a_body_is_read_whole_whatever_its_frames() {
+        let one = Bytes::from_static(b"{\"domain\":\"api\"}");
+        let read_one = read_now(body(vec![Ok(Frame::data(one.clone()))])).unwrap();
+        assert_eq!(read_one, one);
+        // The one frame is kept, not copied.
+        assert_eq!(read_one.as_ptr(), one.as_ptr());
+        let joined = read_now(body(vec![
+            data("{\"dom"),
+            data(""),
+            data("ain\""),
+            data("}"),
+        ]));
+        assert_eq!(joined.unwrap(), "{\"domain\"}");
+        let trailers = Ok(Frame::trailers(http::HeaderMap::new()));
+        assert_eq!(read_now(body(vec![data("ab"), trailers])).unwrap(), "ab");
+        assert_eq!(read_now(body(vec![data(""), data("x")])).unwrap(), "x");
+        assert_eq!(read_now(body(vec![])).unwrap(), "");
+    }
+
+    #[test]
+    fn a_body_past_the_bound_or_broken_off_is_refused() {
+        let half: &'static str = "x".repeat(MAX_BODY_BYTES / 2).leak();
+        assert_eq!(
+            read_now(body(vec![data(half), data(half)])).unwrap().len(),
+            MAX_BODY_BYTES
+        );
+        let over = read_now(body(vec![data(half), data(half), data("x")])).unwrap_err();
+        assert_eq!(over.status(), StatusCode::PAYLOAD_TOO_LARGE);
+        assert!(over.message().contains("length limit exceeded"), "{over:?}");
+        let broken = read_now(body(vec![data("{\"dom"), Err("connection reset")])).unwrap_err();
+        assert_eq!(broken.status(), StatusCode::BAD_REQUEST);
+        assert!(broken.message().contains("connection reset"), "{broken:?}");
+    }
 
     fn request(method: Method, uri: &str) -> http::Request<()> {
         http::Request::builder()

@@ -28,6 +28,11 @@ impl ApiError {
         Self::new(StatusCode::BAD_REQUEST, code, message)
     }
 
+    /// The status answered.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
     /// The message for people.
     pub fn message(&self) -> &str {
         &self.message
