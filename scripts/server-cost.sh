@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Counts `tollgate serve`'s instructions per request under callgrind, on the memory store: the
-# no-op endpoint, the HTTP check, the RLS gRPC call with a connection per worker and with the
-# workers' calls multiplexed over one connection, and the HTTP check over HTTP/2 likewise. Unlike a rate, the count does not move
+# no-op endpoint, the HTTP check, a forward-auth subrequest, the RLS gRPC call with a
+# connection per worker and with the workers' calls multiplexed over one connection, and the
+# HTTP check over HTTP/2 likewise. Unlike a rate, the count does not move
 # with the host's load, so it compares builds (or the paths of one build) on a noisy host.
 # Usage: scripts/server-cost.sh [rounds]   (TOLLGATE_BIN=path measures that build instead)
 # Each figure is the instructions counted while `tollgate bench` (not under valgrind) sends N
@@ -49,17 +50,18 @@ line=$(grep '^listening' "$work/server.out") || { cat "$work/server.err" >&2; ex
 http=$(sed -n 's/.*http=\([^ ]*\).*/\1/p' <<<"$line")
 grpc=$(sed -n 's/.*grpc=\([^ ]*\).*/\1/p' <<<"$line")
 
-runs=("http /v1/noop" "http /v1/check" "grpc 4" "grpc 1" "http2 4" "http2 1")
+runs=("http /v1/noop" "http /v1/check" "fauth -" "grpc 4" "grpc 1" "http2 4" "http2 1")
 send() { # kind arg count
   case $1 in
     http) "$B" bench --target "http://$http" --path "$2" -c 4 -n "$3" "${bench_extra[@]}" >/dev/null 2>&1 ;;
+    fauth) "$B" bench --target "http://$http" --forward-auth -c 4 -n "$3" "${bench_extra[@]}" >/dev/null 2>&1 ;;
     grpc) "$B" bench --grpc "$grpc" --connections "$2" -c 4 -n "$3" "${bench_extra[@]}" >/dev/null 2>&1 ;;
     http2) "$B" bench --target "http://$http" --http2 --connections "$2" -c 4 -n "$3" "${bench_extra[@]}" >/dev/null 2>&1 ;;
   esac
 }
 for run in "${runs[@]}"; do send $run 1000; done # warm-up: connections, buckets, caches
-echo "| round | no-op | HTTP check | gRPC, a connection per worker | gRPC, 4 workers over 1 connection | HTTP/2 check, a connection per worker | HTTP/2 check, 4 workers over 1 connection |"
-echo "|---|---|---|---|---|---|---|"
+echo "| round | no-op | HTTP check | forward-auth | gRPC, a connection per worker | gRPC, 4 workers over 1 connection | HTTP/2 check, a connection per worker | HTTP/2 check, 4 workers over 1 connection |"
+echo "|---|---|---|---|---|---|---|---|"
 for round in $(seq 1 "$rounds"); do
   row="| $round"
   for run in "${runs[@]}"; do

@@ -923,7 +923,11 @@ fn the_usual_routes_answer_alike_through_the_router_and_without_it() {
     let routed = traced_server(&scratch, &endpoint, "50", &[]);
     let config = scratch.write("policy.yaml", POLICY);
     let direct = Server::start(&["--config", support::path_str(&config)]);
-    let json = [("Content-Type", "application/json")];
+    // Forward-auth's descriptor comes from the headers; the others ignore this one.
+    let json = [
+        ("Content-Type", "application/json"),
+        ("x-tollgate-user", "f1"),
+    ];
     let huge = format!(
         r#"{{"domain":"api","descriptors":[{{"user":"{}"}}]}}"#,
         "x".repeat(70_000)
@@ -987,6 +991,14 @@ fn the_usual_routes_answer_alike_through_the_router_and_without_it() {
             "/v1/explain",
             r#"{"domain":"api","descriptors":[{"user":"u1"}]}"#,
         ),
+        ("GET", "/v1/forward-auth/api", ""),
+        ("GET", "/v1/forward-auth/a%70i?from=nginx", ""),
+        ("POST", "/v1/forward-auth/other", "a body no one reads"),
+        ("GET", "/v1/forward-auth/%A0", ""),
+        ("GET", "/v1/forward-auth/", ""),
+        ("GET", "/v1/forward-auth/api/x", ""),
+        ("HEAD", "/v1/forward-auth/api", ""),
+        ("PUT", "/v1/forward-auth/api", ""),
     ];
     let statuses: Vec<u16> = cases
         .iter()
@@ -1019,29 +1031,37 @@ fn the_usual_routes_answer_alike_through_the_router_and_without_it() {
         statuses,
         [
             200, 429, 200, 200, 400, 400, 400, 400, 400, 400, 413, 405, 404, 200, 200, 200, 413,
-            200
+            200, 200, 429, 200, 400, 404, 404, 429, 405
         ]
     );
     // The same requests counted alike: decisions, and the ones refused as malformed.
-    for series in [
-        r#"tollgate_invalid_requests_total{api="http"}"#,
-        r#"tollgate_decisions_total{api="http",limit="per-user",mode="enforce",result="allowed"}"#,
-        r#"tollgate_decisions_total{api="http",limit="per-user",mode="enforce",result="rejected"}"#,
+    let decisions = |api: &str, result: &str| {
+        format!(
+            r#"tollgate_decisions_total{{limit="per-user",result="{result}",mode="enforce",api="{api}"}}"#
+        )
+    };
+    for (series, count) in [
+        (
+            r#"tollgate_invalid_requests_total{api="http"}"#.to_owned(),
+            7.0,
+        ),
+        (
+            r#"tollgate_invalid_requests_total{api="forward_auth"}"#.to_owned(),
+            1.0,
+        ),
+        (decisions("http", "allowed"), 2.0),
+        (decisions("http", "rejected"), 1.0),
+        (decisions("forward_auth", "allowed"), 1.0),
+        (decisions("forward_auth", "rejected"), 2.0),
     ] {
-        assert_eq!(metric(&routed, series), metric(&direct, series), "{series}");
+        assert_eq!(metric(&direct, &series), count, "{series}");
+        assert_eq!(metric(&routed, &series), count, "{series}");
     }
-    assert_eq!(
-        metric(&direct, r#"tollgate_invalid_requests_total{api="http"}"#),
-        7.0
-    );
     // And the traced server's checks did go through the router's span layer.
-    wait_for("a span of each check", || {
-        let checks = collector
-            .spans()
-            .iter()
-            .filter(|s| s.span.name == "POST /v1/check")
-            .count();
-        (checks >= 10).then_some(())
+    wait_for("a span of each check and subrequest", || {
+        let spans = collector.spans();
+        let named = |name: &str| spans.iter().filter(|s| s.span.name == name).count();
+        (named("POST /v1/check") >= 10 && named("GET /v1/forward-auth/{domain}") >= 3).then_some(())
     });
     assert!(routed.terminate().success());
     assert!(direct.terminate().success());

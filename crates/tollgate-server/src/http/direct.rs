@@ -1,4 +1,4 @@
-//! `POST /v1/check` and `/v1/noop`, answered without the router.
+//! `POST /v1/check`, forward-auth and `/v1/noop`, answered without the router.
 //!
 //! They are nearly every request a busy server sees, and the router's generality costs them
 //! more than it gives: a lookup of the path, the route's boxed service cloned and called, its
@@ -9,6 +9,7 @@
 //! as through the router. Every other request goes to the router, as does every request when
 //! traces are sent (the span is a layer of the router's).
 
+use std::borrow::Cow;
 use std::pin::pin;
 use std::sync::Arc;
 
@@ -18,9 +19,11 @@ use axum::response::{IntoResponse, Response};
 use bytes::BytesMut;
 use http_body::Body;
 use http_body_util::BodyExt;
+use percent_encoding::percent_decode_str;
 
 use super::check::{self, unreadable};
 use super::error::ApiError;
+use super::forward_auth;
 use super::{AppState, MAX_BODY_BYTES};
 
 /// A route answered here.
@@ -28,8 +31,20 @@ use super::{AppState, MAX_BODY_BYTES};
 pub(crate) enum Direct {
     /// `POST /v1/check`.
     Check,
+    /// `GET|POST /v1/forward-auth/{domain}`.
+    ForwardAuth,
     /// `GET|POST /v1/noop`.
     Noop,
+}
+
+/// The path of forward-auth's subrequests, up to the domain.
+const FORWARD_AUTH: &str = "/v1/forward-auth/";
+
+/// The domain segment of a forward-auth path, still percent-encoded: one segment, not empty,
+/// as the router's `{domain}` matches it.
+fn forward_auth_domain(path: &str) -> Option<&str> {
+    path.strip_prefix(FORWARD_AUTH)
+        .filter(|domain| !domain.is_empty() && !domain.contains('/'))
 }
 
 impl Direct {
@@ -39,6 +54,9 @@ impl Direct {
         let path = request.uri().path();
         match *request.method() {
             Method::POST if path == "/v1/check" => Some(Self::Check),
+            Method::POST | Method::GET if forward_auth_domain(path).is_some() => {
+                Some(Self::ForwardAuth)
+            }
             Method::POST | Method::GET if path == "/v1/noop" => Some(Self::Noop),
             _ => None,
         }
@@ -50,12 +68,25 @@ impl Direct {
         B: Body<Data = Bytes>,
         B::Error: std::fmt::Display,
     {
-        let body = read(request.into_body()).await;
         match self {
-            Self::Check => check::decide(&state, body)
-                .await
-                .unwrap_or_else(IntoResponse::into_response),
-            Self::Noop => super::noop_answer(body.map(|_| ())),
+            Self::Check => {
+                let body = read(request.into_body()).await;
+                check::decide(&state, body)
+                    .await
+                    .unwrap_or_else(IntoResponse::into_response)
+            }
+            Self::ForwardAuth => {
+                // A subrequest's body, if it has one, says nothing: it is not read, as the
+                // router's handler does not read it.
+                let (head, _) = request.into_parts();
+                let domain = forward_auth_domain(head.uri.path())
+                    .and_then(|domain| percent_decode_str(domain).decode_utf8().ok())
+                    .map(Cow::into_owned);
+                forward_auth::decide(&state, domain, &head.headers)
+                    .await
+                    .unwrap_or_else(IntoResponse::into_response)
+            }
+            Self::Noop => super::noop_answer(read(request.into_body()).await.map(|_| ())),
         }
     }
 }
@@ -197,6 +228,20 @@ mod tests {
             Direct::of(&request(Method::POST, "/v1/noop")),
             Some(Direct::Noop)
         );
+        for uri in [
+            "/v1/forward-auth/api",
+            "/v1/forward-auth/a%70i?x=1",
+            "/v1/forward-auth/%A0",
+        ] {
+            for method in [Method::GET, Method::POST] {
+                assert_eq!(
+                    Direct::of(&request(method, uri)),
+                    Some(Direct::ForwardAuth),
+                    "{uri}"
+                );
+            }
+        }
+        assert_eq!(forward_auth_domain("/v1/forward-auth/a%70i"), Some("a%70i"));
         for (method, uri) in [
             (Method::GET, "/v1/check"),
             (Method::PUT, "/v1/check"),
@@ -207,6 +252,12 @@ mod tests {
             (Method::POST, "/v1/checks"),
             (Method::POST, "/v1/explain"),
             (Method::POST, "//v1/check"),
+            (Method::GET, "/v1/forward-auth/"),
+            (Method::GET, "/v1/forward-auth"),
+            (Method::GET, "/v1/forward-auth/api/"),
+            (Method::GET, "/v1/forward-auth/api/x"),
+            (Method::HEAD, "/v1/forward-auth/api"),
+            (Method::PUT, "/v1/forward-auth/api"),
         ] {
             assert_eq!(
                 Direct::of(&request(method.clone(), uri)),

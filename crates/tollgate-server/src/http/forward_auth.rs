@@ -263,10 +263,20 @@ pub(crate) async fn forward_auth(
     domain: Result<Path<String>, PathRejection>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
+    decide(&state, domain.ok().map(|Path(domain)| domain), &headers).await
+}
+
+/// `/v1/forward-auth/{domain}` once its domain is percent-decoded (`None`: not UTF-8 then),
+/// by the router or without it ([`super::direct`]).
+pub(super) async fn decide(
+    state: &AppState,
+    domain: Option<String>,
+    headers: &HeaderMap,
+) -> Result<Response, ApiError> {
     let options = &state.options;
     // axum refuses a domain that is not UTF-8 once percent-decoded (`%A0`) in plain text; the
     // proxy's logs should get the error body of every other refusal.
-    let Ok(Path(domain)) = domain else {
+    let Some(domain) = domain else {
         metrics::record_invalid(Api::ForwardAuth);
         return Err(ApiError::bad_request(
             "invalid_domain",
@@ -275,7 +285,7 @@ pub(crate) async fn forward_auth(
     };
     let parsed = parse(
         domain,
-        &headers,
+        headers,
         &options.forward_auth_headers,
         options.forward_auth_address.as_ref(),
     )
