@@ -914,15 +914,15 @@ fn without_times(body: &str, other: &str) -> String {
 }
 
 #[test]
-fn the_usual_routes_answer_alike_through_the_router_and_without_it() {
-    // Traces on send every request through the router, to its span layer; off, `/v1/check`
-    // and `/v1/noop` are answered without it. The same requests get the same answers.
+fn the_usual_routes_answer_alike_traced_or_not() {
+    // `/v1/check`, forward-auth and `/v1/noop` are answered without the router, which makes
+    // the other routes' spans: traced, they get the same answers, in spans named alike.
     let runtime = runtime();
     let (collector, endpoint) = Collector::start(&runtime);
     let scratch = Scratch::new("traces-direct-routes");
-    let routed = traced_server(&scratch, &endpoint, "50", &[]);
+    let traced = traced_server(&scratch, &endpoint, "50", &[]);
     let config = scratch.write("policy.yaml", POLICY);
-    let direct = Server::start(&["--config", support::path_str(&config)]);
+    let plain = Server::start(&["--config", support::path_str(&config)]);
     // Forward-auth's descriptor comes from the headers; the others ignore this one.
     let json = [
         ("Content-Type", "application/json"),
@@ -1003,28 +1003,28 @@ fn the_usual_routes_answer_alike_through_the_router_and_without_it() {
     let statuses: Vec<u16> = cases
         .iter()
         .map(|&(method, path, body)| {
-            let via_router = request(routed.http, method, path, &json, body);
-            let directly = request(direct.http, method, path, &json, body);
+            let traced_answer = request(traced.http, method, path, &json, body);
+            let untraced = request(plain.http, method, path, &json, body);
             let what = format!("{method} {path} {}", &body[..body.len().min(60)]);
-            assert_eq!(via_router.status, directly.status, "{what}");
+            assert_eq!(traced_answer.status, untraced.status, "{what}");
             assert_eq!(
-                without_times(&via_router.body, &directly.body),
-                without_times(&directly.body, &via_router.body),
+                without_times(&traced_answer.body, &untraced.body),
+                without_times(&untraced.body, &traced_answer.body),
                 "{what}"
             );
-            let mut names: Vec<&String> = via_router.headers.keys().collect();
+            let mut names: Vec<&String> = traced_answer.headers.keys().collect();
             names.sort();
-            let mut direct_names: Vec<&String> = directly.headers.keys().collect();
-            direct_names.sort();
-            assert_eq!(names, direct_names, "{what}");
+            let mut untraced_names: Vec<&String> = untraced.headers.keys().collect();
+            untraced_names.sort();
+            assert_eq!(names, untraced_names, "{what}");
             for name in ["content-type", "ratelimit-policy", "allow"] {
                 assert_eq!(
-                    via_router.header(name),
-                    directly.header(name),
+                    traced_answer.header(name),
+                    untraced.header(name),
                     "{what}: {name}"
                 );
             }
-            directly.status
+            untraced.status
         })
         .collect();
     assert_eq!(
@@ -1054,15 +1054,15 @@ fn the_usual_routes_answer_alike_through_the_router_and_without_it() {
         (decisions("forward_auth", "allowed"), 1.0),
         (decisions("forward_auth", "rejected"), 2.0),
     ] {
-        assert_eq!(metric(&direct, &series), count, "{series}");
-        assert_eq!(metric(&routed, &series), count, "{series}");
+        assert_eq!(metric(&plain, &series), count, "{series}");
+        assert_eq!(metric(&traced, &series), count, "{series}");
     }
-    // And the traced server's checks did go through the router's span layer.
+    // And the traced server's checks and subrequests were each in a span.
     wait_for("a span of each check and subrequest", || {
         let spans = collector.spans();
         let named = |name: &str| spans.iter().filter(|s| s.span.name == name).count();
         (named("POST /v1/check") >= 10 && named("GET /v1/forward-auth/{domain}") >= 3).then_some(())
     });
-    assert!(routed.terminate().success());
-    assert!(direct.terminate().success());
+    assert!(traced.terminate().success());
+    assert!(plain.terminate().success());
 }

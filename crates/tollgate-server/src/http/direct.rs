@@ -6,8 +6,8 @@
 //! client's address added there too for the admin routes, and the body boxed and read
 //! through three adapters. Here the listener matches the method and the exact path, reads the
 //! body under the same bound, and hands it to the same handler code, which answers exactly
-//! as through the router. Every other request goes to the router, as does every request when
-//! traces are sent (the span is a layer of the router's).
+//! as through the router, in the same span when traces are sent. Every other request goes to
+//! the router.
 
 use std::borrow::Cow;
 use std::pin::pin;
@@ -19,12 +19,13 @@ use axum::response::{IntoResponse, Response};
 use bytes::BytesMut;
 use http_body::Body;
 use http_body_util::BodyExt;
+use opentelemetry::context::FutureExt as _;
 use percent_encoding::percent_decode_str;
 
 use super::check::{self, unreadable};
 use super::error::ApiError;
-use super::forward_auth;
 use super::{AppState, MAX_BODY_BYTES};
+use super::{forward_auth, traced};
 
 /// A route answered here.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,8 +63,29 @@ impl Direct {
         }
     }
 
-    /// Answers `request`, which [`Direct::of`] routed here.
+    /// Answers `request`, which [`Direct::of`] routed here, in a span of its own if it is
+    /// traced.
     pub(crate) async fn answer<B>(self, state: Arc<AppState>, request: http::Request<B>) -> Response
+    where
+        B: Body<Data = Bytes>,
+        B::Error: std::fmt::Display,
+    {
+        let traced = (state.traces.as_deref()).and_then(|traces| traced::span(traces, &request));
+        match traced {
+            None => self.answer_untraced(&state, request).await,
+            Some(span) => {
+                // As the router's span layer does: what is decided is written in the span.
+                let response = self
+                    .answer_untraced(&state, request)
+                    .with_context(span.clone())
+                    .await;
+                crate::traces::end_http(&span, response.status());
+                response
+            }
+        }
+    }
+
+    async fn answer_untraced<B>(self, state: &AppState, request: http::Request<B>) -> Response
     where
         B: Body<Data = Bytes>,
         B::Error: std::fmt::Display,
@@ -71,7 +93,7 @@ impl Direct {
         match self {
             Self::Check => {
                 let body = read(request.into_body()).await;
-                check::decide(&state, body)
+                check::decide(state, body)
                     .await
                     .unwrap_or_else(IntoResponse::into_response)
             }
@@ -82,7 +104,7 @@ impl Direct {
                 let domain = forward_auth_domain(head.uri.path())
                     .and_then(|domain| percent_decode_str(domain).decode_utf8().ok())
                     .map(Cow::into_owned);
-                forward_auth::decide(&state, domain, &head.headers)
+                forward_auth::decide(state, domain, &head.headers)
                     .await
                     .unwrap_or_else(IntoResponse::into_response)
             }
@@ -138,11 +160,119 @@ where
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use futures_util::stream;
     use http_body::Frame;
-    use http_body_util::StreamBody;
+    use http_body_util::{Full, StreamBody};
+    use tollgate::ManualClock;
+    use tollgate_policy::{EngineOptions, PolicyEngine, compile};
+    use tower_service::Service;
 
     use super::*;
+    use crate::decider::{Backend, Decider};
+    use crate::http::{HttpOptions, NegativeHits};
+
+    /// A server's state on `clock`, with a limit of one request an hour per user.
+    fn state(clock: &ManualClock) -> Arc<AppState> {
+        let policy = compile(
+            "p.yaml",
+            "limits: [{name: per-user, domain: api, key: [user], capacity: 1, refill: 1/h}]",
+        )
+        .unwrap();
+        let options = EngineOptions::default().clock(Arc::new(clock.clone()));
+        let engine = Arc::new(PolicyEngine::new(policy, options));
+        let decider = Arc::new(Decider::new(engine, Backend::Memory));
+        let options = HttpOptions {
+            admin_token: None,
+            forward_auth_headers: vec![("user".to_owned(), "x-user-id".to_owned())],
+            forward_auth_deny: StatusCode::FORBIDDEN,
+            forward_auth_address: None,
+            rate_limit_headers: tollgate_tower::HeaderStyle::default(),
+            negative_hits: NegativeHits::Refuse,
+        };
+        Arc::new(AppState::new(decider, None, options))
+    }
+
+    /// An answer's status, headers and body. The router writes the body's length in the
+    /// headers itself; hyper writes the same length from the body's size on the wire.
+    async fn parts(response: Response) -> (StatusCode, http::HeaderMap, Bytes) {
+        let (mut head, body) = response.into_parts();
+        let body = body.collect().await.unwrap().to_bytes();
+        if let Some(length) = head.headers.remove(http::header::CONTENT_LENGTH) {
+            assert_eq!(length.to_str().unwrap(), body.len().to_string());
+        }
+        (head.status, head.headers, body)
+    }
+
+    #[tokio::test]
+    async fn the_routes_answer_here_as_through_the_router() {
+        // Two servers on one manual clock: every figure, times included, must agree.
+        let clock = ManualClock::new();
+        let (routed, direct) = (state(&clock), state(&clock));
+        let router = crate::http::router(Arc::clone(&routed));
+        let check =
+            |user: &str| format!(r#"{{"domain":"api","descriptors":[{{"user":"{user}"}}]}}"#);
+        let huge = check(&"x".repeat(MAX_BODY_BYTES));
+        /// A request: its method, target, headers and body.
+        type Case<'a> = (Method, &'a str, &'a [(&'a str, &'a str)], String);
+        let cases: Vec<Case<'_>> = vec![
+            (Method::POST, "/v1/check", &[], check("u1")),
+            (Method::POST, "/v1/check?x=1", &[], check("u1")),
+            (
+                Method::POST,
+                "/v1/check",
+                &[],
+                check("u2").replace('}', r#","cost":2}"#),
+            ),
+            (Method::POST, "/v1/check", &[], "{".to_owned()),
+            (Method::POST, "/v1/check", &[], String::new()),
+            (
+                Method::POST,
+                "/v1/check",
+                &[],
+                r#"{"domain":"api","descriptors":[{"user":1}]}"#.to_owned(),
+            ),
+            (Method::POST, "/v1/check", &[], huge.clone()),
+            (
+                Method::GET,
+                "/v1/forward-auth/api",
+                &[("x-user-id", "f1")],
+                String::new(),
+            ),
+            (
+                Method::POST,
+                "/v1/forward-auth/a%70i",
+                &[("x-user-id", "f1")],
+                "ignored".to_owned(),
+            ),
+            (
+                Method::GET,
+                "/v1/forward-auth/%A0",
+                &[("x-user-id", "f1")],
+                String::new(),
+            ),
+            (Method::GET, "/v1/forward-auth/api", &[], String::new()),
+            (Method::GET, "/v1/noop", &[], String::new()),
+            (Method::POST, "/v1/noop", &[], huge),
+        ];
+        for (method, uri, headers, body) in cases {
+            let make = || {
+                let mut request = http::Request::builder().method(method.clone()).uri(uri);
+                for (name, value) in headers {
+                    request = request.header(*name, *value);
+                }
+                request.body(Full::new(Bytes::from(body.clone()))).unwrap()
+            };
+            let route = Direct::of(&make()).expect("a route answered here");
+            // A router is always ready.
+            let via_router = router.clone().call(make().map(axum::body::Body::new)).await;
+            let via_router = parts(via_router.unwrap()).await;
+            let directly = parts(route.answer(Arc::clone(&direct), make()).await).await;
+            assert_eq!(via_router, directly, "{method} {uri}");
+            clock.advance(Duration::from_millis(1));
+        }
+    }
 
     /// A body of `frames`, in order.
     fn body(

@@ -92,8 +92,7 @@ where
     let limits = state.connections.limits;
     let tls = state.connections.http_tls.clone();
     let app = Front {
-        // With traces on, every request goes through the router's span layer.
-        direct: state.traces.is_none().then(|| state.clone()),
+        direct: state.clone(),
         app: super::router(state),
     };
     let each = |admitted: Admitted| {
@@ -137,19 +136,18 @@ async fn first_words(
     }
 }
 
-/// What answers a connection's requests: the usual routes directly ([`Direct`]) unless
-/// traces are sent, the router the others.
+/// What answers a connection's requests: the usual routes directly ([`Direct`]), the router
+/// the others.
 #[derive(Clone)]
 struct Front {
     app: Router,
-    direct: Option<Arc<AppState>>,
+    direct: Arc<AppState>,
 }
 
 impl Front {
     /// The route and state that answer `request` without the router, if it takes one.
     fn direct<B>(&self, request: &http::Request<B>) -> Option<(Direct, Arc<AppState>)> {
-        let state = self.direct.as_ref()?;
-        Direct::of(request).map(|route| (route, state.clone()))
+        Direct::of(request).map(|route| (route, self.direct.clone()))
     }
 }
 

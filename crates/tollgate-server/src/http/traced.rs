@@ -1,5 +1,6 @@
 //! Each HTTP request in a server span of its own, when traces are sent
-//! ([`crate::traces`]): a tower layer around the router's routes, added only then.
+//! ([`crate::traces`]): a tower layer around the router's routes, added only then (the
+//! routes answered without the router make their spans with the same [`span`]).
 //!
 //! A layer of its own rather than axum's `from_fn`, which boxes the rest of the router for
 //! every request: a request that is not traced (most of them, where callers sample) goes
@@ -72,7 +73,10 @@ where
 /// The span `request` runs in, if it is traced: named by its method and route
 /// (OpenTelemetry's HTTP conventions: the route, never the path, which holds lease ids).
 /// Health probes and metric scrapes come every few seconds from machines: never traced.
-fn span(traces: &Traces, request: &Request) -> Option<opentelemetry::Context> {
+pub(super) fn span<B>(
+    traces: &Traces,
+    request: &http::Request<B>,
+) -> Option<opentelemetry::Context> {
     let path = request.uri().path();
     if matches!(path, "/healthz" | "/readyz" | "/metrics") {
         return None;
