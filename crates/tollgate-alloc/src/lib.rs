@@ -7,9 +7,9 @@
 //! freed by another worker thread and come back to the page only once collected, it falls back
 //! to a generic path that, unless the size is a power of two, over-allocates `size + align - 1`
 //! bytes from a larger size class. Under load 6 of the 33 allocations of an HTTP check went that
-//! way, about 1.1k instructions of its 26k (BENCHMARKS.md, seventy-second session), and each
-//! such block wasted a size class. Plain `mi_malloc` has no such fallback: an empty page is
-//! refilled from its thread-free list.
+//! way, each block from a size class too large. Plain `mi_malloc` has no such fallback (an
+//! empty page is refilled from its thread-free list): taking it took 0.7k–1.0k instructions
+//! off every request of the server (BENCHMARKS.md, seventy-second session).
 //!
 //! Every block mimalloc hands out is aligned to a machine word (its block sizes are whole
 //! words) and, from 16 bytes up, to 16 (`MI_MAX_ALIGN_SIZE`, the alignment of C's
@@ -61,38 +61,39 @@ fn fits(ptr: *mut c_void, layout: Layout) -> bool {
     (ptr as usize) & (layout.align() - 1) == 0
 }
 
+/// A block for `layout` from `plain` (`mi_malloc` or `mi_zalloc`) when its alignment allows
+/// and the block turns out aligned, else from `aligned`, the same call with an alignment.
+#[inline]
+fn allocate(
+    layout: Layout,
+    plain: unsafe extern "C" fn(usize) -> *mut c_void,
+    aligned: unsafe extern "C" fn(usize, usize) -> *mut c_void,
+) -> *mut u8 {
+    if layout.align() <= PLAIN_ALIGN {
+        // SAFETY: mi_malloc and mi_zalloc take any size.
+        let ptr = unsafe { plain(layout.size()) };
+        if fits(ptr, layout) {
+            return ptr.cast();
+        }
+        // SAFETY: `ptr` came from mimalloc just now and nothing else holds it.
+        unsafe { ffi::mi_free(ptr) };
+    }
+    // SAFETY: a layout's alignment is a nonzero power of two, as the aligned calls need.
+    unsafe { aligned(layout.size(), layout.align()) }.cast()
+}
+
 // SAFETY: every block comes from mimalloc, whose `mi_malloc*` functions return blocks of at
 // least the size asked for (or null), aligned as checked or as `*_aligned` guarantees, and
 // `mi_free` / `mi_realloc*` accept any block any of them returned. Nothing here unwinds.
 unsafe impl GlobalAlloc for Allocator {
     #[inline]
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        if layout.align() <= PLAIN_ALIGN {
-            // SAFETY: mi_malloc takes any size.
-            let ptr = unsafe { ffi::mi_malloc(layout.size()) };
-            if fits(ptr, layout) {
-                return ptr.cast();
-            }
-            // SAFETY: `ptr` came from mi_malloc just now and nothing else holds it.
-            unsafe { ffi::mi_free(ptr) };
-        }
-        // SAFETY: a layout's alignment is a nonzero power of two, as mi_malloc_aligned needs.
-        unsafe { ffi::mi_malloc_aligned(layout.size(), layout.align()) }.cast()
+        allocate(layout, ffi::mi_malloc, ffi::mi_malloc_aligned)
     }
 
     #[inline]
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        if layout.align() <= PLAIN_ALIGN {
-            // SAFETY: mi_zalloc takes any size.
-            let ptr = unsafe { ffi::mi_zalloc(layout.size()) };
-            if fits(ptr, layout) {
-                return ptr.cast();
-            }
-            // SAFETY: `ptr` came from mi_zalloc just now and nothing else holds it.
-            unsafe { ffi::mi_free(ptr) };
-        }
-        // SAFETY: as in `alloc`.
-        unsafe { ffi::mi_zalloc_aligned(layout.size(), layout.align()) }.cast()
+        allocate(layout, ffi::mi_zalloc, ffi::mi_zalloc_aligned)
     }
 
     #[inline]

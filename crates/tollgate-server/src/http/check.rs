@@ -225,8 +225,7 @@ pub(super) fn body_bytes(body: &Result<Bytes, BytesRejection>) -> Result<&Bytes,
 }
 
 /// The answer to the router's refusal to read a body.
-fn rejected(rejection: impl std::borrow::Borrow<BytesRejection>) -> ApiError {
-    let rejection = rejection.borrow();
+fn rejected(rejection: &BytesRejection) -> ApiError {
     unreadable(rejection.status(), rejection)
 }
 
@@ -554,7 +553,7 @@ pub(crate) async fn check(
     State(state): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    decide(&state, body.map_err(rejected)).await
+    decide(&state, body.map_err(|rejection| rejected(&rejection))).await
 }
 
 /// `POST /v1/check` once its body is read (or could not be), by the router or without it

@@ -20,7 +20,6 @@ use bytes::BytesMut;
 use futures_util::future::Either;
 use http_body::Body;
 use http_body_util::BodyExt;
-use opentelemetry::context::FutureExt as _;
 use percent_encoding::percent_decode_str;
 
 use super::check::{self, unreadable};
@@ -44,7 +43,7 @@ const FORWARD_AUTH: &str = "/v1/forward-auth/";
 
 /// The domain segment of a forward-auth path, still percent-encoded: one segment, not empty,
 /// as the router's `{domain}` matches it.
-fn forward_auth_domain(path: &str) -> Option<&str> {
+pub(super) fn forward_auth_domain(path: &str) -> Option<&str> {
     path.strip_prefix(FORWARD_AUTH)
         .filter(|domain| !domain.is_empty() && !domain.contains('/'))
 }
@@ -79,15 +78,9 @@ impl Direct {
         let traced = (state.traces.as_deref()).and_then(|traces| traced::span(traces, &request));
         match traced {
             None => Either::Left(self.answer_untraced(state, request)),
-            Some(span) => Either::Right(async move {
-                // As the router's span layer does: what is decided is written in the span.
-                let response = self
-                    .answer_untraced(state, request)
-                    .with_context(span.clone())
-                    .await;
-                crate::traces::end_http(&span, response.status());
-                response
-            }),
+            Some(span) => {
+                Either::Right(traced::in_span(span, self.answer_untraced(state, request)))
+            }
         }
     }
 
@@ -151,15 +144,14 @@ where
                 &"length limit exceeded",
             ));
         }
-        match first.take() {
-            None if joined.is_empty() => first = Some(data),
-            earlier => {
-                if let Some(earlier) = earlier {
-                    joined.extend_from_slice(&earlier);
-                }
-                joined.extend_from_slice(&data);
-            }
+        if first.is_none() && joined.is_empty() {
+            first = Some(data);
+            continue;
         }
+        if let Some(earlier) = first.take() {
+            joined.extend_from_slice(&earlier);
+        }
+        joined.extend_from_slice(&data);
     }
     Ok(first.unwrap_or_else(|| joined.freeze()))
 }

@@ -92,8 +92,8 @@ where
     let limits = state.connections.limits;
     let tls = state.connections.http_tls.clone();
     let app = Front {
-        direct: state.clone(),
-        app: super::router(state),
+        state: state.clone(),
+        router: super::router(state),
     };
     let each = |admitted: Admitted| {
         let (app, tls, stopped) = (app.clone(), tls.clone(), stopped.clone());
@@ -140,14 +140,14 @@ async fn first_words(
 /// the others.
 #[derive(Clone)]
 struct Front {
-    app: Router,
-    direct: Arc<AppState>,
+    router: Router,
+    state: Arc<AppState>,
 }
 
 impl Front {
     /// The route and state that answer `request` without the router, if it takes one.
     fn direct<B>(&self, request: &http::Request<B>) -> Option<(Direct, Arc<AppState>)> {
-        Direct::of(request).map(|route| (route, self.direct.clone()))
+        Direct::of(request).map(|route| (route, self.state.clone()))
     }
 }
 
@@ -186,7 +186,7 @@ impl Service<http::Request<Received>> for Peered {
     >;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        Service::<http::Request<Received>>::poll_ready(&mut self.app.app, cx)
+        Service::<http::Request<Received>>::poll_ready(&mut self.app.router, cx)
     }
 
     fn call(&mut self, mut request: http::Request<Received>) -> Self::Future {
@@ -196,7 +196,7 @@ impl Service<http::Request<Received>> for Peered {
         request
             .extensions_mut()
             .insert(ConnectInfo::<SocketAddr>(self.peer));
-        Either::Right(self.app.app.call(request))
+        Either::Right(self.app.router.call(request))
     }
 }
 
@@ -224,7 +224,7 @@ async fn serve_connection(
                     .extensions_mut()
                     .insert(ConnectInfo::<SocketAddr>(peer));
                 // A router is always ready, and cloning it is a reference count.
-                Either::Right(app.app.clone().call(request))
+                Either::Right(app.router.clone().call(request))
             }
         };
         let responded = requests.clone();

@@ -12,6 +12,7 @@ use std::task::{Context, Poll};
 
 use axum::extract::Request;
 use axum::response::Response;
+use futures_util::FutureExt as _;
 use futures_util::future::{BoxFuture, Either};
 use opentelemetry::KeyValue;
 use opentelemetry::context::FutureExt as _;
@@ -58,16 +59,20 @@ where
         let Some(span) = span(&self.traces, &request) else {
             return Either::Right(self.inner.call(request));
         };
-        // The route runs in the span, so that what it decides is written there.
-        let answer = self.inner.call(request).with_context(span.clone());
-        Either::Left(Box::pin(async move {
-            let response = answer.await;
-            if let Ok(response) = &response {
-                crate::traces::end_http(&span, response.status());
-            }
-            response
-        }))
+        let answer = self.inner.call(request).map(|Ok(response)| response);
+        Either::Left(Box::pin(in_span(span, answer).map(Ok)))
     }
+}
+
+/// `answer` run in `span`, so that what it decides is written there, and the span ended with
+/// its status.
+pub(super) async fn in_span(
+    span: opentelemetry::Context,
+    answer: impl Future<Output = Response>,
+) -> Response {
+    let response = answer.with_context(span.clone()).await;
+    crate::traces::end_http(&span, response.status());
+    response
 }
 
 /// The span `request` runs in, if it is traced: named by its method and route
@@ -127,13 +132,10 @@ fn route(path: &str) -> Option<&'static str> {
     if let Some(route) = FIXED.into_iter().find(|route| *route == path) {
         return Some(route);
     }
-    let one_segment = |rest: &str| !rest.is_empty() && !rest.contains('/');
-    if path
-        .strip_prefix("/v1/forward-auth/")
-        .is_some_and(one_segment)
-    {
+    if super::direct::forward_auth_domain(path).is_some() {
         return Some("/v1/forward-auth/{domain}");
     }
+    let one_segment = |rest: &str| !rest.is_empty() && !rest.contains('/');
     let lease = path.strip_prefix("/v1/leases/")?;
     match lease.strip_suffix("/renew") {
         Some(id) if one_segment(id) => Some("/v1/leases/{lease_id}/renew"),
