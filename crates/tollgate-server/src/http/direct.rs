@@ -78,9 +78,9 @@ impl Direct {
         let traced = (state.traces.as_deref()).and_then(|traces| traced::span(traces, &request));
         match traced {
             None => Either::Left(self.answer_untraced(state, request)),
-            Some(span) => {
-                Either::Right(traced::in_span(span, self.answer_untraced(state, request)))
-            }
+            Some(span) => Either::Right(traced::in_span(span, move || {
+                self.answer_untraced(state, request)
+            })),
         }
     }
 

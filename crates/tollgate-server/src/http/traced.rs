@@ -60,17 +60,18 @@ where
             return Either::Right(self.inner.call(request));
         };
         let answer = self.inner.call(request).map(|Ok(response)| response);
-        Either::Left(Box::pin(in_span(span, answer).map(Ok)))
+        Either::Left(Box::pin(in_span(span, || answer).map(Ok)))
     }
 }
 
-/// `answer` run in `span`, so that what it decides is written there, and the span ended with
-/// its status.
-pub(super) async fn in_span(
+/// The answer `answer` makes, run in `span` so that what it decides is written there, and the
+/// span ended with its status. The answer is made inside: a future made outside would be held
+/// twice in this one's state (as its argument, and wrapped), and moved twice as far.
+pub(super) async fn in_span<F: Future<Output = Response>>(
     span: opentelemetry::Context,
-    answer: impl Future<Output = Response>,
+    answer: impl FnOnce() -> F,
 ) -> Response {
-    let response = answer.with_context(span.clone()).await;
+    let response = answer().with_context(span.clone()).await;
     crate::traces::end_http(&span, response.status());
     response
 }
