@@ -211,17 +211,20 @@ where
 {
     let started = tokio::time::Instant::now();
     let mut unavailable = 0;
+    let mut last = String::new();
     loop {
         assert!(
             started.elapsed() < std::time::Duration::from_secs(60),
-            "no decision within a minute of the master's death"
+            "no decision within a minute of the master's death ({unavailable} attempts \
+             unavailable, the last: {last})"
         );
         let outcome = tokio::time::timeout(bound, attempt())
             .await
             .expect("an answer within the timeout bound, not a hang");
         match outcome {
             Ok(decided) => return (decided, unavailable),
-            Err(Error::StoreUnavailable { .. }) => {
+            Err(err @ Error::StoreUnavailable { .. }) => {
+                last = err.to_string();
                 unavailable += 1;
                 tokio::time::sleep(std::time::Duration::from_millis(100)).await;
             }
