@@ -4,13 +4,20 @@
 //! tonic's server is made for every kind of call (streams, compression, interceptors), and a
 //! unary call pays for that generality: the request is wrapped and decoded through a streaming
 //! decoder, the answer encoded through a streaming encoder. This path costs about 5,000
-//! instructions less per call (BENCHMARKS.md, twelfth session). A unary call of the usual kind
-//! (a gRPC content type, no compression) is a length-prefixed message in and a length-prefixed
-//! message and `grpc-status: 0` out, which is what this module does. Every other call (another
-//! method, a compressed message, a request that is not gRPC) still goes to tonic's server.
+//! instructions less per call (BENCHMARKS.md, twelfth session). A unary call is a
+//! length-prefixed message in and a length-prefixed message and `grpc-status: 0` out, which is
+//! what this module does, for every `ShouldRateLimit` call with a gRPC content type. Every
+//! other call (another method, a request that is not gRPC) still goes to tonic's server.
 //! Errors are answered with tonic's codes and texts, as a trailers-only response from
 //! [`Status::into_http`], with one exception: a call carrying two messages, whose first tonic
 //! answers and whose second it drops, is refused here.
+//!
+//! A client may compress its message with gzip (`grpc-encoding: gzip`, as gRPC libraries do
+//! when told to compress every call): it is inflated here, up to the same 4 MiB as a plain
+//! message, so a small compressed message cannot make the server hold a huge one. Answers go
+//! uncompressed, which gRPC lets a server choose whatever the client accepts: they are a few
+//! hundred bytes. Another encoding is answered `UNIMPLEMENTED`, naming the ones taken
+//! (`grpc-accept-encoding`), as the gRPC protocol asks.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -26,6 +33,7 @@ use http_body::{Body, Frame};
 use http_body_util::BodyExt;
 use prost::Message;
 use tonic::Status;
+use tonic::metadata::MetadataValue;
 use tower_service::Service;
 
 use crate::http2::Received;
@@ -41,6 +49,9 @@ const MAX_MESSAGE: usize = 4 * 1024 * 1024;
 // Header names as constants: a name given as a string is parsed and checked on every use.
 const GRPC_ENCODING: HeaderName = HeaderName::from_static("grpc-encoding");
 const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
+
+/// The message encodings a call may use, as `grpc-accept-encoding` lists them.
+const ACCEPTED: &str = "identity,gzip";
 
 /// The five bytes before a message: a compression flag and the message's length.
 const PREFIX: usize = 5;
@@ -58,20 +69,46 @@ impl ShouldRateLimit {
         Self { rls, traces }
     }
 
-    /// Whether `request` is a call answered here: the method, as gRPC (protobuf), without
-    /// compression. Anything else is tonic's to answer.
+    /// Whether `request` is a call answered here: the method, as gRPC (protobuf). Anything
+    /// else is tonic's to answer.
     pub(crate) fn answers<B>(request: &http::Request<B>) -> bool {
-        let headers = request.headers();
         request.uri().path() == PATH
-            && headers.get(CONTENT_TYPE).is_some_and(|value| {
+            && request.headers().get(CONTENT_TYPE).is_some_and(|value| {
                 matches!(
                     value.as_bytes(),
                     b"application/grpc" | b"application/grpc+proto"
                 )
             })
-            && headers
-                .get(&GRPC_ENCODING)
-                .is_none_or(|value| value == "identity")
+    }
+}
+
+/// How a call's message may be compressed, as its `grpc-encoding` says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Encoding {
+    Identity,
+    Gzip,
+}
+
+impl Encoding {
+    /// The encoding `headers` name; an unknown one is refused as tonic refuses it.
+    fn of(headers: &HeaderMap) -> Result<Self, Status> {
+        let Some(value) = headers.get(&GRPC_ENCODING) else {
+            return Ok(Encoding::Identity);
+        };
+        match value.as_bytes() {
+            b"identity" => Ok(Encoding::Identity),
+            b"gzip" => Ok(Encoding::Gzip),
+            other => {
+                let mut status = Status::unimplemented(format!(
+                    "Content is compressed with `{}` which isn't supported",
+                    String::from_utf8_lossy(other)
+                ));
+                status
+                    .metadata_mut()
+                    .insert("grpc-accept-encoding", MetadataValue::from_static(ACCEPTED));
+                Err(status)
+            }
+        }
     }
 }
 
@@ -86,10 +123,11 @@ impl Service<http::Request<Received>> for ShouldRateLimit {
 
     fn call(&mut self, request: http::Request<Received>) -> Self::Future {
         let rls = Arc::clone(&self.rls);
+        let encoding = Encoding::of(request.headers());
         if let Some(span) = self.traces.as_deref().and_then(|t| call_span(t, &request)) {
-            return Box::pin(traced(rls, request.into_body(), span));
+            return Box::pin(traced(rls, encoding, request.into_body(), span));
         }
-        Box::pin(async move { Ok(answer(&rls, request.into_body()).await) })
+        Box::pin(async move { Ok(answer(&rls, encoding, request.into_body()).await) })
     }
 }
 
@@ -118,12 +156,15 @@ fn call_span(traces: &Traces, request: &http::Request<Received>) -> Option<opent
 #[inline(never)]
 async fn traced(
     rls: Arc<Rls>,
+    encoding: Result<Encoding, Status>,
     body: Received,
     span: opentelemetry::Context,
 ) -> Result<http::Response<tonic::body::Body>, Infallible> {
     use opentelemetry::context::FutureExt as _;
 
-    let response = answer(&rls, body).with_context(span.clone()).await;
+    let response = answer(&rls, encoding, body)
+        .with_context(span.clone())
+        .await;
     let code = response
         .headers()
         .get(&GRPC_STATUS)
@@ -133,8 +174,16 @@ async fn traced(
     Ok(response)
 }
 
-async fn answer(rls: &Rls, body: Received) -> http::Response<tonic::body::Body> {
-    let answered = match read_message(body).await {
+async fn answer(
+    rls: &Rls,
+    encoding: Result<Encoding, Status>,
+    body: Received,
+) -> http::Response<tonic::body::Body> {
+    let read = match encoding {
+        Ok(encoding) => read_message(body, encoding).await,
+        Err(status) => Err(status),
+    };
+    let answered = match read {
         Ok(request) => rls.decide(request).await,
         Err(status) => Err(status),
     };
@@ -163,10 +212,11 @@ async fn answer(rls: &Rls, body: Received) -> http::Response<tonic::body::Body> 
 /// What tonic's server answers for a message cut short.
 const CUT_SHORT: &str = "Unexpected EOF decoding stream.";
 
-/// The one message of a unary request, read whole: refused as tonic's server refuses it when
-/// missing, cut short, compressed, too large or not a `RateLimitRequest`, and refused when
-/// followed by another.
-async fn read_message(body: Received) -> Result<RateLimitRequest, Status> {
+/// The one message of a unary request, read whole and inflated when compressed with
+/// `encoding`: refused as tonic's server refuses it when missing, cut short, compressed
+/// without an encoding, too large or not a `RateLimitRequest`, and refused when followed by
+/// another.
+async fn read_message(body: Received, encoding: Encoding) -> Result<RateLimitRequest, Status> {
     let mut body = std::pin::pin!(body);
     let mut gathered = Gathered::default();
     while let Some(frame) = body.frame().await {
@@ -189,26 +239,63 @@ async fn read_message(body: Received) -> Result<RateLimitRequest, Status> {
             CUT_SHORT
         }));
     };
-    if head[0] != 0 {
-        return Err(Status::internal(
-            "protocol error: received message with compressed-flag but no grpc-encoding was \
-             specified",
-        ));
-    }
+    let compressed = match (head[0], encoding) {
+        (0, _) => false,
+        (1, Encoding::Gzip) => true,
+        (1, Encoding::Identity) => {
+            return Err(Status::internal(
+                "protocol error: received message with compressed-flag but no grpc-encoding \
+                 was specified",
+            ));
+        }
+        (flag, _) => {
+            return Err(Status::internal(format!(
+                "protocol error: received message with invalid compression flag: {flag} \
+                 (valid flags are 0 and 1)"
+            )));
+        }
+    };
     let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
     if len > MAX_MESSAGE {
         return Err(too_large(len));
     }
     match rest.len().cmp(&len) {
-        std::cmp::Ordering::Less => Err(Status::internal(CUT_SHORT)),
+        std::cmp::Ordering::Less => return Err(Status::internal(CUT_SHORT)),
         // tonic's server answers the first message and drops the rest; a client that sends
         // two has a bug, and is told so rather than charged for half its call.
-        std::cmp::Ordering::Greater => Err(Status::internal(
-            "a unary call carries one request message, and this one carried more",
-        )),
-        std::cmp::Ordering::Equal => RateLimitRequest::decode(rest)
-            .map_err(|err| Status::internal(format!("failed to decode Protobuf message: {err}"))),
+        std::cmp::Ordering::Greater => {
+            return Err(Status::internal(
+                "a unary call carries one request message, and this one carried more",
+            ));
+        }
+        std::cmp::Ordering::Equal => {}
     }
+    let decoded = if compressed {
+        RateLimitRequest::decode(&gunzip(rest)?[..])
+    } else {
+        RateLimitRequest::decode(rest)
+    };
+    decoded.map_err(|err| Status::internal(format!("failed to decode Protobuf message: {err}")))
+}
+
+/// A gzip-compressed message, inflated: refused when it is not gzip, or once it grows past
+/// the largest message read (which a few kilobytes of gzip can reach), without inflating
+/// further.
+fn gunzip(compressed: &[u8]) -> Result<Vec<u8>, Status> {
+    use std::io::Read;
+
+    let mut plain = Vec::with_capacity(compressed.len().saturating_mul(4).min(MAX_MESSAGE));
+    let bound = u64::try_from(MAX_MESSAGE + 1).unwrap_or(u64::MAX);
+    flate2::read::GzDecoder::new(compressed)
+        .take(bound)
+        .read_to_end(&mut plain)
+        .map_err(|err| Status::internal(format!("Error decompressing: {err}")))?;
+    if plain.len() > MAX_MESSAGE {
+        return Err(Status::out_of_range(format!(
+            "Error, decompressed message length too large: more than {MAX_MESSAGE} bytes"
+        )));
+    }
+    Ok(plain)
 }
 
 /// A message's data frames, which usually come as one: the first kept as it came, without a

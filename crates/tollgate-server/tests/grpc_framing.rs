@@ -1,7 +1,8 @@
 //! The RLS call's gRPC framing as a client writing HTTP/2 by hand sees it: a call is answered
 //! whether its message comes in one data frame or several, and a malformed call gets the
 //! status and message tonic's own server gives it (but for two messages in one unary call,
-//! which tonic half-answers and tollgate refuses), while the server keeps serving.
+//! which tonic half-answers and tollgate refuses), while the server keeps serving. A message
+//! compressed with gzip is inflated, within the same bound as a plain one.
 
 mod support;
 
@@ -19,6 +20,8 @@ struct Answer {
     body: Bytes,
     status: String,
     message: String,
+    /// The encodings the server says it takes, when it says.
+    accept_encoding: String,
 }
 
 /// A new HTTP/2 connection to the gRPC port, ready to send.
@@ -80,6 +83,7 @@ async fn call(
         body: bytes.freeze(),
         status: field("grpc-status"),
         message: field("grpc-message"),
+        accept_encoding: field("grpc-accept-encoding"),
     }
 }
 
@@ -266,18 +270,132 @@ async fn malformed_calls_are_refused_as_tonic_refuses_them_and_charge_nothing() 
         let text = percent_decoded(&answer.message);
         assert!(text.contains(message), "{what}: {text}");
     }
-    // A compressed call goes to tonic's server, which takes no compression.
-    let answer = call(
-        &server,
-        &[("grpc-encoding", "gzip")],
-        vec![framed(1, len, &message)],
-    )
-    .await;
-    assert_eq!(answer.status, "12", "{}", answer.message);
-
     // Nothing above was charged, and the server still answers.
     let whole = framed(0, len, &message);
     let answer = decoded(&call(&server, &[], vec![whole]).await);
+    assert_eq!(answer.statuses[0].limit_remaining, 9);
+}
+
+fn gzipped(message: &[u8]) -> Vec<u8> {
+    use std::io::Write;
+
+    let mut gzip = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    gzip.write_all(message).expect("compress");
+    gzip.finish().expect("compress")
+}
+
+/// gRPC libraries compress every call when told to (`grpc-encoding: gzip`): such a call is
+/// inflated and decided like a plain one, by the hand-written client here and by tonic's.
+/// Inflating stops at the bound of a plain message, so a few kilobytes of gzip cannot make the
+/// server hold megabytes; what cannot be inflated, and encodings not taken, are refused and
+/// charge nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compressed_calls_are_inflated_and_decided() {
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+    use tonic::codec::CompressionEncoding;
+
+    // Exactly the bound, inflated, and one byte more: compressed first, as that takes a while
+    // and the bucket refills meanwhile.
+    let limit = 4 << 20;
+    let of_value = |len: usize| RateLimitRequest {
+        domain: "api".to_owned(),
+        descriptors: vec![descriptor(&[("user", &"u".repeat(len))])],
+        hits_addend: 1,
+    };
+    let overhead = of_value(limit).encoded_len() - limit;
+    let at_bound = gzipped(&of_value(limit - overhead).encode_to_vec());
+    let bomb = gzipped(&of_value(limit - overhead + 1).encode_to_vec());
+    assert!(bomb.len() < 64 * 1024, "{} bytes of gzip", bomb.len());
+
+    let server = Server::start(&[]);
+    let gzip = [("grpc-encoding", "gzip")];
+    let message = encoded("zip");
+    let compressed = gzipped(&message);
+    assert_ne!(compressed, message);
+    let whole = framed(1, compressed.len() as u32, &compressed);
+    let answer = decoded(&call(&server, &gzip, vec![whole.clone()]).await);
+    assert_eq!(answer.overall_code, Code::Ok as i32);
+    assert_eq!(answer.statuses[0].limit_remaining, 9);
+    // Cut across frames as well.
+    let frames = vec![whole.slice(..3), whole.slice(3..9), whole.slice(9..)];
+    let answer = decoded(&call(&server, &gzip, frames).await);
+    assert_eq!(answer.statuses[0].limit_remaining, 8);
+    // Each message says whether it is compressed: a plain one under the same header is read
+    // as it is.
+    let plain = framed(0, message.len() as u32, &message);
+    let answer = decoded(&call(&server, &gzip, vec![plain.clone()]).await);
+    assert_eq!(answer.statuses[0].limit_remaining, 7);
+    // tonic's client, told to compress.
+    let mut client = RateLimitServiceClient::new(server.grpc_channel().await)
+        .send_compressed(CompressionEncoding::Gzip);
+    let answer = client
+        .should_rate_limit(request("zip"))
+        .await
+        .expect("a compressed call is answered")
+        .into_inner();
+    assert_eq!(answer.statuses[0].limit_remaining, 6);
+
+    // Exactly the bound, inflated, is read whole and decided (its value is past the bounds of
+    // a descriptor entry: INVALID_ARGUMENT), not refused as too large; one byte more is not.
+    let answer = call(
+        &server,
+        &gzip,
+        vec![framed(1, at_bound.len() as u32, &at_bound)],
+    )
+    .await;
+    assert_eq!(answer.status, "3", "{}", answer.message);
+    // The rest are a user of their own, whose bucket they must leave full.
+    let message = encoded("refused");
+    let compressed = gzipped(&message);
+    let plain = framed(0, message.len() as u32, &message);
+    let cases = [
+        (
+            "past the bound once inflated",
+            "gzip",
+            framed(1, bomb.len() as u32, &bomb),
+            "11",
+            "decompressed message length too large",
+        ),
+        (
+            "not gzip",
+            "gzip",
+            framed(1, message.len() as u32, &message),
+            "13",
+            "Error decompressing",
+        ),
+        (
+            "gzip cut short",
+            "gzip",
+            framed(1, 10, &compressed[..10]),
+            "13",
+            "Error decompressing",
+        ),
+        (
+            "a flag neither 0 nor 1",
+            "gzip",
+            framed(2, compressed.len() as u32, &compressed),
+            "13",
+            "invalid compression flag",
+        ),
+        (
+            "an encoding not taken",
+            "deflate",
+            plain.clone(),
+            "12",
+            "`deflate` which isn't supported",
+        ),
+    ];
+    for (what, encoding, frame, status, text) in cases {
+        let answer = call(&server, &[("grpc-encoding", encoding)], vec![frame]).await;
+        assert_eq!(answer.status, status, "{what}: {}", answer.message);
+        let message = percent_decoded(&answer.message);
+        assert!(message.contains(text), "{what}: {message}");
+        if status == "12" {
+            assert_eq!(answer.accept_encoding, "identity,gzip", "{what}");
+        }
+    }
+    // None of those was charged.
+    let answer = decoded(&call(&server, &[], vec![plain]).await);
     assert_eq!(answer.statuses[0].limit_remaining, 9);
 }
 

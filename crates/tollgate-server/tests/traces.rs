@@ -373,8 +373,22 @@ fn should_rate_limit(
     (domain, user): (&str, &str),
     metadata: &[(&'static str, &str)],
 ) -> Result<i32, tonic::Code> {
+    call_rls(runtime, server, (domain, user), metadata, false)
+}
+
+/// [`should_rate_limit`], its message compressed with gzip when `gzip`.
+fn call_rls(
+    runtime: &tokio::runtime::Runtime,
+    server: &Server,
+    (domain, user): (&str, &str),
+    metadata: &[(&'static str, &str)],
+    gzip: bool,
+) -> Result<i32, tonic::Code> {
     runtime.block_on(async {
         let mut client = RateLimitServiceClient::new(server.grpc_channel().await);
+        if gzip {
+            client = client.send_compressed(tonic::codec::CompressionEncoding::Gzip);
+        }
         let mut call = tonic::Request::new(
             envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest {
                 domain: domain.to_owned(),
@@ -518,6 +532,21 @@ fn each_api_answers_in_a_span_of_its_callers_trace() {
     let span = collector.wait_for_trace(zipkin);
     assert_eq!(hex(&span.span.parent_span_id), parent);
     span.assert_has(&[("tollgate.result", "allowed")]);
+    // A call compressed with gzip, as gRPC libraries send every call when told to.
+    let gzipped = "0af7651916cd43dd8448eb211c80000a";
+    let header = traceparent(gzipped, parent, true);
+    let code = call_rls(
+        &runtime,
+        &server,
+        ("api", "u9"),
+        &[("traceparent", &header)],
+        true,
+    );
+    assert_eq!(code, Ok(1), "OK");
+    collector.wait_for_trace(gzipped).assert_has(&[
+        ("rpc.grpc.status_code", "0"),
+        ("tollgate.result", "allowed"),
+    ]);
     // ...or B3's single header.
     let single = "0af7651916cd43dd8448eb211c800007";
     let header = format!("{single}-{parent}-1");
@@ -591,7 +620,7 @@ fn each_api_answers_in_a_span_of_its_callers_trace() {
         );
         (sent >= collector.spans().len() as f64).then_some(sent)
     });
-    assert_eq!(sent, 10.0, "every span of this test");
+    assert_eq!(sent, 11.0, "every span of this test");
     assert_eq!(
         metric(
             &server,
