@@ -45,9 +45,9 @@ pub struct ConnectionLimits {
     /// accepting; new clients wait in the kernel's backlog until a connection closes.
     pub max_connections: usize,
     /// How long a client may take to send a whole HTTP/1 request head: the first from the
-    /// connection's start, each next one from its first bytes (a kept-alive connection
-    /// waiting between requests is the idle timeout's business); or to open HTTP/2 on the
-    /// gRPC port.
+    /// connection's start (its TLS handshake included), each next one from its first bytes (a
+    /// kept-alive connection waiting between requests is the idle timeout's business); or to
+    /// open HTTP/2 (the handshake and the connection preface) from the connection's start.
     pub header_timeout: Duration,
     /// How long a client may send nothing at all (a kept-alive HTTP/1 connection waiting for
     /// its next request included) before its connection is asked to close (HTTP/2 GOAWAY; an
@@ -204,6 +204,10 @@ impl Drop for Place {
 pub(crate) struct Admitted {
     stream: Transport,
     place: Place,
+    /// When it was let in: the client's first words (a TLS handshake, the bytes that tell its
+    /// protocol, its first request head or HTTP/2's preface) are all due within one head
+    /// timeout of this, not one each.
+    since: Instant,
 }
 
 /// What a connection's bytes travel over.
@@ -224,7 +228,13 @@ impl Admitted {
         Self {
             stream: Transport::Plain(stream),
             place,
+            since: Instant::now(),
         }
+    }
+
+    /// When the client's first words are due: a head timeout after it was let in.
+    pub(crate) fn first_words_by(&self, limits: &ConnectionLimits) -> Instant {
+        self.since + limits.header_timeout.min(LONGEST_TIMEOUT)
     }
 
     /// The connection as a std stream with its permit, to be handed to another runtime; only
@@ -247,9 +257,9 @@ impl Admitted {
     }
 
     /// The connection with its TLS handshake made, when its listener speaks TLS: `None` when
-    /// the handshake fails or takes longer than `limit` (counted as a connection closed for
+    /// the handshake fails or is not done by `deadline` (counted as a connection closed for
     /// it), since there is nothing to answer such a client with.
-    pub(crate) async fn secure(self, tls: Option<&ListenerTls>, limit: Duration) -> Option<Self> {
+    pub(crate) async fn secure(self, tls: Option<&ListenerTls>, deadline: Instant) -> Option<Self> {
         let Some(tls) = tls else {
             return Some(self);
         };
@@ -258,10 +268,11 @@ impl Admitted {
         };
         // Boxed: a handshake's state is kilobytes, which every plain connection's task would
         // otherwise carry too.
-        let stream = Box::pin(handshake(stream, tls, limit)).await?;
+        let stream = Box::pin(handshake(stream, tls, deadline)).await?;
         Some(Self {
             stream: Transport::Tls(stream),
             place: self.place,
+            since: self.since,
         })
     }
 }
@@ -308,10 +319,10 @@ impl Admitted {
 async fn handshake(
     stream: TcpStream,
     tls: &ListenerTls,
-    limit: Duration,
+    deadline: Instant,
 ) -> Option<Box<tokio_rustls::server::TlsStream<TcpStream>>> {
     let listener = tls.listener();
-    match tokio::time::timeout(limit, tls.acceptor().accept(stream)).await {
+    match tokio::time::timeout_at(deadline, tls.acceptor().accept(stream)).await {
         Ok(Ok(stream)) => return Some(Box::new(stream)),
         Ok(Err(err)) => {
             tracing::debug!(error = %err, listener = listener.as_str(), "TLS handshake failed");
@@ -828,15 +839,20 @@ pub(crate) struct HeadTimeout {
     pending_checks: u32,
     started: u64,
     ticker: Ticker,
+    /// When the connection's first head is due, whatever came before it (a TLS handshake, the
+    /// wait for the bytes that tell HTTP/1 from HTTP/2) took.
+    first_by: Instant,
 }
 
 impl HeadTimeout {
-    pub(crate) fn new(activity: Activity, header_timeout: Duration) -> Self {
+    /// A head timeout of `header_timeout` for each head, the first one due by `first_by`.
+    pub(crate) fn new(activity: Activity, header_timeout: Duration, first_by: Instant) -> Self {
         Self {
             activity,
             pending_checks: 0,
             started: 0,
             ticker: Ticker::new(header_timeout.min(LONGEST_TIMEOUT) / CHECKS_PER_PERIOD),
+            first_by,
         }
     }
 
@@ -844,7 +860,13 @@ impl HeadTimeout {
     pub(crate) fn poll_expired(&mut self, cx: &mut Context<'_>) -> Poll<()> {
         loop {
             ready!(self.ticker.poll_tick(cx));
-            match self.activity.head_pending() {
+            let pending = self.activity.head_pending();
+            // Seen at the check after the deadline: at most a quarter timeout late, as any
+            // head is.
+            if pending == Some(0) && Instant::now() >= self.first_by {
+                return Poll::Ready(());
+            }
+            match pending {
                 None => self.pending_checks = 0,
                 // Still the head the last check saw (after a check that saw none, the count
                 // is back at 0 and this is a first check, as below).
@@ -975,7 +997,7 @@ mod tests {
         let timeout = Duration::from_secs(40);
         let (mut client, server) = pair().await;
         let (mut tracked, activity) = Tracked::new(server);
-        let mut head = HeadTimeout::new(activity.clone(), timeout);
+        let mut head = HeadTimeout::new(activity.clone(), timeout, Instant::now() + timeout);
         /// How long `head` took to expire, if it did within three timeouts.
         async fn expired(head: &mut HeadTimeout) -> Option<Duration> {
             let started = Instant::now();
@@ -991,7 +1013,7 @@ mod tests {
 
         // A request read, then in flight while the client waits: no head is pending.
         let mut buf = [0u8; 64];
-        let mut head = HeadTimeout::new(activity.clone(), timeout);
+        let mut head = HeadTimeout::new(activity.clone(), timeout, Instant::now() + timeout);
         client
             .write_all(b"POST / HTTP/1.1\r\nExpect: 100-continue\r\n\r\n")
             .await
@@ -1015,8 +1037,9 @@ mod tests {
         assert_eq!(expired(&mut head).await, None, "timed out while kept alive");
 
         // The next head starts just before a check and stalls: it times out a whole timeout
-        // after its first bytes, not at the fourth check that saw it.
-        let mut head = HeadTimeout::new(activity.clone(), timeout);
+        // after its first bytes, not at the fourth check that saw it (nor at once: the
+        // connection's first words were due long ago, but those were said).
+        let mut head = HeadTimeout::new(activity.clone(), timeout, Instant::now());
         tokio::time::sleep(timeout / CHECKS_PER_PERIOD - Duration::from_millis(1)).await;
         client.write_all(b"GET / HT").await.unwrap();
         let _ = tracked.read(&mut buf).await.unwrap();
@@ -1141,6 +1164,36 @@ mod tests {
         assert_eq!(activity.reads(), 1);
     }
 
+    /// A connection's first head is due a head timeout after the connection came, whatever
+    /// came before it took (a TLS handshake, the bytes that tell HTTP/1 from HTTP/2): a client
+    /// cannot stretch its silence to a timeout for each.
+    #[tokio::test(start_paused = true)]
+    async fn a_first_head_is_due_by_the_first_words_deadline() {
+        let timeout = Duration::from_secs(40);
+        let limits = ConnectionLimits {
+            header_timeout: timeout,
+            ..ConnectionLimits::default()
+        };
+        let (mut client, server) = pair().await;
+        assert_eq!(server.first_words_by(&limits), Instant::now() + timeout);
+        // The client took most of the timeout to say `G`, which told HTTP/1.
+        tokio::time::sleep(timeout * 3 / 4).await;
+        let by = server.first_words_by(&limits);
+        let (mut tracked, activity) = Tracked::new(server);
+        client.write_all(b"G").await.unwrap();
+        let mut buf = [0u8; 8];
+        let _ = tracked.read(&mut buf).await.unwrap();
+        let mut head = HeadTimeout::new(activity, timeout, by);
+        let started = Instant::now();
+        std::future::poll_fn(|cx| head.poll_expired(cx)).await;
+        let waited = started.elapsed();
+        // What was left of the timeout, give or take the quarter between checks.
+        assert!(
+            waited >= timeout / 4 && waited <= timeout / 2,
+            "{waited:?} after the first byte"
+        );
+    }
+
     /// Checks that each find a head partway in, but each another head (the one before was
     /// completed and answered in between), do not add up to a timeout: a busy client is not
     /// timed out for being caught mid-head often.
@@ -1149,7 +1202,7 @@ mod tests {
         let timeout = Duration::from_secs(40);
         let (mut client, server) = pair().await;
         let (mut tracked, activity) = Tracked::new(server);
-        let mut head = HeadTimeout::new(activity.clone(), timeout);
+        let mut head = HeadTimeout::new(activity.clone(), timeout, Instant::now() + timeout);
         let mut buf = [0u8; 64];
         // A millisecond over a check's period, so that each round holds exactly one check.
         let round = timeout / CHECKS_PER_PERIOD + Duration::from_millis(1);

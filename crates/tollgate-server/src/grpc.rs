@@ -56,8 +56,8 @@ pub(crate) async fn serve<S, B, I>(
         let (service, stopped, tls) = (service.clone(), stopped.clone(), tls.clone());
         async move {
             // The handshake is the connection's first words: bounded as the preface is.
-            let Some(admitted) = admitted.secure(tls.as_deref(), limits.header_timeout).await
-            else {
+            let by = admitted.first_words_by(&limits);
+            let Some(admitted) = admitted.secure(tls.as_deref(), by).await else {
                 return;
             };
             let served = http2::serve_connection::<Grpc, _, _>(service, admitted, limits, stopped);

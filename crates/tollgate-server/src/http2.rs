@@ -161,6 +161,7 @@ where
     B: Answer,
 {
     let mut stop = StopSignal::new(stopped);
+    let first_words_by = admitted.first_words_by(&limits);
     let (stream, activity) = Tracked::new(admitted);
     let handshake = h2::server::Builder::new()
         .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
@@ -171,7 +172,7 @@ where
         .handshake::<_, Bytes>(stream);
     // The handshake ends once the client's connection preface is in: a client that connects
     // and says nothing (or too slowly) is let go here.
-    let handshake = tokio::time::timeout(limits.header_timeout, handshake);
+    let handshake = tokio::time::timeout_at(first_words_by, handshake);
     let mut connection = tokio::select! {
         // Stopped before the client said a word: nothing is in flight.
         () = poll_fn(|cx| stop.poll_stopped(cx)) => return Ok(()),

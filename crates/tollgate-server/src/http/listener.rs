@@ -99,8 +99,8 @@ where
         let (app, tls, stopped) = (app.clone(), tls.clone(), stopped.clone());
         async move {
             // The handshake is the connection's first words: bounded as a request head is.
-            let Some(admitted) = admitted.secure(tls.as_deref(), limits.header_timeout).await
-            else {
+            let by = admitted.first_words_by(&limits);
+            let Some(admitted) = admitted.secure(tls.as_deref(), by).await else {
                 return;
             };
             match first_words(&admitted, limits, &stopped).await {
@@ -114,14 +114,16 @@ where
     connection::serve_each(incoming, stopped.clone(), Listener::Http, drain, each).await;
 }
 
-/// Whether the client speaks HTTP/2, once its first words say: `None` when it says nothing
-/// within the head timeout (counted as a head too slow), goes away, or the server stops first.
+/// Whether the client speaks HTTP/2, once its first words say: `None` when it has said
+/// nothing by the time its first words are due (counted as a head too slow), goes away, or the
+/// server stops first.
 async fn first_words(
     admitted: &Admitted,
     limits: ConnectionLimits,
     stopped: &watch::Receiver<bool>,
 ) -> Option<bool> {
-    let sniffed = tokio::time::timeout(limits.header_timeout, admitted.speaks_http2());
+    let by = admitted.first_words_by(&limits);
+    let sniffed = tokio::time::timeout_at(by, admitted.speaks_http2());
     tokio::select! {
         // Stopped before the client said a word: nothing is in flight.
         () = crate::until_stopped(stopped.clone()) => None,
@@ -213,6 +215,7 @@ async fn serve_connection(
         // Gone between the accept and now.
         Err(_) => return,
     };
+    let first_words_by = admitted.first_words_by(&limits);
     let (stream, activity) = Tracked::new(admitted);
     let requests = activity.clone();
     let service = hyper::service::service_fn(move |mut request: hyper::Request<Incoming>| {
@@ -236,7 +239,7 @@ async fn serve_connection(
     let mut connection = pin!(builder.serve_connection(TokioIo::new(stream), service));
     let mut stop = StopSignal::new(stopped);
     let mut stopping = false;
-    let mut head = HeadTimeout::new(activity.clone(), limits.header_timeout);
+    let mut head = HeadTimeout::new(activity.clone(), limits.header_timeout, first_words_by);
     let mut idle = IdleClose::new(activity, limits.idle_timeout);
     // Polled by hand rather than with `select!`: the stop signal and the idle timer are looked
     // at cheaply on each of the many wake-ups that are the connection's (see their docs).
