@@ -215,7 +215,55 @@ pub(crate) struct Admitted {
 enum Transport {
     Plain(TcpStream),
     /// Boxed: a TLS session's state is a few kilobytes, and most servers serve none.
-    Tls(Box<tokio_rustls::server::TlsStream<TcpStream>>),
+    Tls(Box<Secured>),
+}
+
+/// A TLS session, with the bytes read from it to tell the client's protocol, which the server
+/// is still to be given.
+///
+/// A plain connection's first bytes are looked at where they wait in the kernel (a peek), but
+/// a TLS session's come out of its records only by being read: a client that chose no
+/// protocol by ALPN and sends HTTP/2's preface (HAProxy's `proto h2` without `alpn`, HTTP/2
+/// with prior knowledge over TLS) is told from HTTP/1 by its first bytes, read here and then
+/// handed on before anything more.
+#[derive(Debug)]
+pub(crate) struct Secured {
+    stream: tokio_rustls::server::TlsStream<TcpStream>,
+    /// The bytes read ahead: `ahead[given..read]` are still to be handed on.
+    ahead: [u8; HTTP2_SIGN],
+    read: usize,
+    given: usize,
+}
+
+impl Secured {
+    fn new(stream: tokio_rustls::server::TlsStream<TcpStream>) -> Self {
+        Self {
+            stream,
+            ahead: [0; HTTP2_SIGN],
+            read: 0,
+            given: 0,
+        }
+    }
+
+    /// Whether the client speaks HTTP/2: chosen by ALPN, or, when it chose nothing, begun
+    /// with HTTP/2's preface. A client that closes first is taken for HTTP/1.
+    async fn speaks_http2(&mut self) -> io::Result<bool> {
+        if let Some(protocol) = self.stream.get_ref().1.alpn_protocol() {
+            return Ok(protocol == b"h2");
+        }
+        use tokio::io::AsyncReadExt;
+        while self.read < HTTP2_SIGN {
+            let read = self.stream.read(&mut self.ahead[self.read..]).await?;
+            if read == 0 {
+                return Ok(false);
+            }
+            self.read += read;
+            if !HTTP2_PREFACE.starts_with(&self.ahead[..self.read]) {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
 }
 
 impl Admitted {
@@ -252,7 +300,7 @@ impl Admitted {
     pub(crate) fn peer(&self) -> io::Result<std::net::SocketAddr> {
         match &self.stream {
             Transport::Plain(stream) => stream.peer_addr(),
-            Transport::Tls(stream) => stream.get_ref().0.peer_addr(),
+            Transport::Tls(secured) => secured.stream.get_ref().0.peer_addr(),
         }
     }
 
@@ -287,14 +335,14 @@ const HTTP2_SIGN: usize = 3;
 const SNIFF_AGAIN: Duration = Duration::from_millis(5);
 
 impl Admitted {
-    /// Whether the client speaks HTTP/2: it chose `h2` in the TLS handshake or, on a plain
-    /// connection, its first bytes begin HTTP/2's preface (HTTP/2 with prior knowledge, as
-    /// `curl --http2-prior-knowledge` and gRPC clients send it). Waits for the client's first
-    /// bytes, and leaves them to be read. A client that closes first is taken for HTTP/1,
-    /// whose server then sees it go.
-    pub(crate) async fn speaks_http2(&self) -> io::Result<bool> {
-        let stream = match &self.stream {
-            Transport::Tls(stream) => return Ok(stream.get_ref().1.alpn_protocol() == Some(b"h2")),
+    /// Whether the client speaks HTTP/2: it chose `h2` in the TLS handshake or, having chosen
+    /// nothing there or on a plain connection, its first bytes begin HTTP/2's preface (HTTP/2
+    /// with prior knowledge, as `curl --http2-prior-knowledge` and gRPC clients send it).
+    /// Waits for the client's first bytes, and leaves them to be read. A client that closes
+    /// first is taken for HTTP/1, whose server then sees it go.
+    pub(crate) async fn speaks_http2(&mut self) -> io::Result<bool> {
+        let stream = match &mut self.stream {
+            Transport::Tls(secured) => return Box::pin(secured.speaks_http2()).await,
             Transport::Plain(stream) => stream,
         };
         let mut first = [0u8; HTTP2_SIGN];
@@ -320,10 +368,10 @@ async fn handshake(
     stream: TcpStream,
     tls: &ListenerTls,
     deadline: Instant,
-) -> Option<Box<tokio_rustls::server::TlsStream<TcpStream>>> {
+) -> Option<Box<Secured>> {
     let listener = tls.listener();
     match tokio::time::timeout_at(deadline, tls.acceptor().accept(stream)).await {
-        Ok(Ok(stream)) => return Some(Box::new(stream)),
+        Ok(Ok(stream)) => return Some(Box::new(Secured::new(stream))),
         Ok(Err(err)) => {
             tracing::debug!(error = %err, listener = listener.as_str(), "TLS handshake failed");
         }
@@ -380,7 +428,7 @@ impl AsyncWrite for Transport {
     fn is_write_vectored(&self) -> bool {
         match self {
             Transport::Plain(stream) => stream.is_write_vectored(),
-            Transport::Tls(stream) => stream.is_write_vectored(),
+            Transport::Tls(secured) => secured.stream.is_write_vectored(),
         }
     }
 
@@ -405,15 +453,22 @@ impl AsyncWrite for Transport {
 mod over_tls {
     use super::*;
 
-    type Stream = tokio_rustls::server::TlsStream<TcpStream>;
+    type Stream = Secured;
 
     #[inline(never)]
     pub(super) fn read(
-        stream: &mut Stream,
+        secured: &mut Stream,
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        Pin::new(stream).poll_read(cx, buf)
+        let ahead = &secured.ahead[secured.given..secured.read];
+        if !ahead.is_empty() {
+            let given = ahead.len().min(buf.remaining());
+            buf.put_slice(&ahead[..given]);
+            secured.given += given;
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut secured.stream).poll_read(cx, buf)
     }
 
     #[inline(never)]
@@ -422,7 +477,7 @@ mod over_tls {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(stream).poll_write(cx, buf)
+        Pin::new(&mut stream.stream).poll_write(cx, buf)
     }
 
     #[inline(never)]
@@ -431,17 +486,17 @@ mod over_tls {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(stream).poll_write_vectored(cx, bufs)
+        Pin::new(&mut stream.stream).poll_write_vectored(cx, bufs)
     }
 
     #[inline(never)]
     pub(super) fn flush(stream: &mut Stream, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(stream).poll_flush(cx)
+        Pin::new(&mut stream.stream).poll_flush(cx)
     }
 
     #[inline(never)]
     pub(super) fn shutdown(stream: &mut Stream, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(stream).poll_shutdown(cx)
+        Pin::new(&mut stream.stream).poll_shutdown(cx)
     }
 }
 

@@ -19,8 +19,9 @@
 //! rustls with `aws-lc-rs` does the TLS (built in, no system OpenSSL), TLS 1.2 and 1.3, with
 //! its safe defaults. Each listener offers its protocols by ALPN: `h2` for gRPC, `h2` then
 //! `http/1.1` for HTTP (a client offering both gets HTTP/2, whose one connection carries many
-//! requests at once). A client that offers no ALPN at all is served (HTTP/1.1 on the HTTP
-//! listener); one that offers only other protocols is refused in the handshake rather than
+//! requests at once). A client that offers no ALPN at all is served as its first bytes say
+//! (on the HTTP listener, HTTP/2 when they are its preface, HTTP/1.1 otherwise, as on a plain
+//! connection); one that offers only other protocols is refused in the handshake rather than
 //! misread afterwards.
 
 use std::path::{Path, PathBuf};

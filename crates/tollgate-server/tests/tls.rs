@@ -22,7 +22,7 @@ use support::{Answer, Scratch, Server, descriptor, exchange, path_str, run, wait
 use tollgate_redis::test_server::TestCertificates;
 
 /// A client trusting the authorities `cas`, presenting `identity`'s client certificate when
-/// given, offering `alpn`.
+/// given, offering `alpn` (nothing when empty).
 fn client(cas: &[&Path], identity: Option<&TestCertificates>, alpn: &[u8]) -> Arc<ClientConfig> {
     let mut roots = RootCertStore::empty();
     for ca in cas {
@@ -50,7 +50,9 @@ fn client(cas: &[&Path], identity: Option<&TestCertificates>, alpn: &[u8]) -> Ar
         }
         None => builder.with_no_client_auth(),
     };
-    config.alpn_protocols = vec![alpn.to_vec()];
+    if !alpn.is_empty() {
+        config.alpn_protocols = vec![alpn.to_vec()];
+    }
     Arc::new(config)
 }
 
@@ -78,6 +80,53 @@ fn https(
         .map(|cert| cert.clone().into_owned())
         .ok_or_else(|| std::io::Error::other("no server certificate"))?;
     Ok((answer, presented))
+}
+
+/// A stream whose first bytes written were sent already, by hand: they are passed over when
+/// the client writes them again.
+struct AlreadySent<S> {
+    inner: S,
+    sent: &'static [u8],
+}
+
+impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for AlreadySent<S> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for AlreadySent<S> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        if !self.sent.is_empty() {
+            let passed = self.sent.len().min(buf.len());
+            assert_eq!(buf[..passed], self.sent[..passed], "the bytes sent by hand");
+            self.sent = &self.sent[passed..];
+            return std::task::Poll::Ready(Ok(passed));
+        }
+        std::pin::Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
 }
 
 /// The first certificate of a PEM file.
@@ -230,6 +279,43 @@ async fn https_and_grpc_over_tls_decide_as_in_plain_and_plain_clients_are_refuse
     assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
     let over_http2 = Http2::over(tls).await.expect("an HTTP/2 handshake");
     let answer = over_http2.post_json("/v1/check", CHECK).await;
+    assert_eq!(answer.status, 200, "{answer:?}");
+    assert_eq!(answer.json()["allowed"], true, "{answer:?}");
+    // A client that chooses nothing by ALPN is served as its first bytes say: HTTP/2 when they
+    // are its preface (HAProxy's `proto h2` without `alpn`), byte by byte or whole...
+    let no_alpn = client(&[&certificates.ca], None, b"");
+    for whole in [true, false] {
+        let tcp = tokio::net::TcpStream::connect(server.http)
+            .await
+            .expect("connect");
+        let name = ServerName::try_from("localhost").expect("a server name");
+        let connector = tokio_rustls::TlsConnector::from(Arc::clone(&no_alpn));
+        let mut tls = connector.connect(name, tcp).await.expect("a TLS handshake");
+        assert_eq!(tls.get_ref().1.alpn_protocol(), None);
+        if !whole {
+            // The first bytes one record at a time, each flushed, the server reading between.
+            use tokio::io::AsyncWriteExt;
+            for byte in b"PR" {
+                tls.write_all(&[*byte]).await.expect("a byte");
+                tls.flush().await.expect("flushed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            let rest = AlreadySent {
+                inner: tls,
+                sent: b"PR",
+            };
+            let over_http2 = Http2::over(rest).await.expect("an HTTP/2 handshake");
+            let answer = over_http2.post_json("/v1/check", CHECK).await;
+            assert_eq!(answer.status, 200, "{answer:?}");
+            continue;
+        }
+        let over_http2 = Http2::over(tls).await.expect("an HTTP/2 handshake");
+        let answer = over_http2.post_json("/v1/check", CHECK).await;
+        assert_eq!(answer.status, 200, "{answer:?}");
+    }
+    // ...and HTTP/1.1 otherwise.
+    let (answer, _) =
+        https(server.http, &no_alpn, "POST", "/v1/check", CHECK).expect("an HTTPS answer");
     assert_eq!(answer.status, 200, "{answer:?}");
     assert_eq!(answer.json()["allowed"], true, "{answer:?}");
     // A client offering only a protocol the listener does not speak is refused in the

@@ -100,10 +100,10 @@ where
         async move {
             // The handshake is the connection's first words: bounded as a request head is.
             let by = admitted.first_words_by(&limits);
-            let Some(admitted) = admitted.secure(tls.as_deref(), by).await else {
+            let Some(mut admitted) = admitted.secure(tls.as_deref(), by).await else {
                 return;
             };
-            match first_words(&admitted, limits, &stopped).await {
+            match first_words(&mut admitted, limits, &stopped).await {
                 Some(false) => serve_connection(app, admitted, limits, stopped).await,
                 Some(true) => serve_http2(app, admitted, limits, stopped).await,
                 None => {}
@@ -118,7 +118,7 @@ where
 /// nothing by the time its first words are due (counted as a head too slow), goes away, or the
 /// server stops first.
 async fn first_words(
-    admitted: &Admitted,
+    admitted: &mut Admitted,
     limits: ConnectionLimits,
     stopped: &watch::Receiver<bool>,
 ) -> Option<bool> {
