@@ -1177,7 +1177,7 @@ pub async fn serve(
     };
     let mut decider = Decider::new(Arc::clone(&engine), backend)
         .with_hot_keys(args.hot_keys, args.hot_keys_window)
-        .with_traces(traces.is_some());
+        .with_traces(traces.clone());
     if let Some(shares) = &shares {
         decider = decider.with_global(Arc::clone(shares));
     }

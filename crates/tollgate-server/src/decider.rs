@@ -19,6 +19,7 @@ use tollgate_redis::RedisStore;
 use crate::global::Shares;
 use crate::hot_keys::{self, HotKeys};
 use crate::metrics::{self, Api};
+use crate::traces::Traces;
 
 /// Where buckets live.
 pub enum Backend {
@@ -82,8 +83,9 @@ pub struct Decider {
     hot_keys: HotKeys,
     /// The shares of global limits, with `--global-store`.
     global: Option<Arc<Shares>>,
-    /// Whether decisions are written on the spans of the requests they answer.
-    traced: bool,
+    /// Where spans go, when decisions are written on the spans of the requests they answer
+    /// and their waits on Redis get spans of their own.
+    traces: Option<Arc<Traces>>,
 }
 
 impl Decider {
@@ -95,15 +97,16 @@ impl Decider {
             clock: MonotonicClock::new(),
             hot_keys: HotKeys::new(DEFAULT_HOT_KEYS, hot_keys::DEFAULT_WINDOW),
             global: None,
-            traced: false,
+            traces: None,
         }
     }
 
     /// The same decider, writing what each decision said on the span of the request it
-    /// answers (see [`crate::traces`]) when `traced`.
+    /// answers (see [`crate::traces`]), and each wait on Redis in a span of its own, when
+    /// `traces` are sent.
     #[must_use]
-    pub fn with_traces(mut self, traced: bool) -> Self {
-        self.traced = traced;
+    pub fn with_traces(mut self, traces: Option<Arc<Traces>>) -> Self {
+        self.traces = traces;
         self
     }
 
@@ -183,7 +186,7 @@ impl Decider {
 
     /// Writes `outcome` on the span of the request it answers, when traces are sent.
     fn trace(&self, domain: &str, outcome: &Result<Outcome, DecideError>) {
-        if self.traced {
+        if self.traces.is_some() {
             match outcome {
                 Ok(outcome) => crate::traces::record_outcome(domain, self.backend.name(), outcome),
                 Err(err) => crate::traces::record_error(domain, err),
@@ -326,14 +329,18 @@ impl Decider {
                 self.engine.decide(domain, descriptors, cost, request_id)
             }
             (Backend::Memory, None) => self.engine.explain(domain, descriptors, cost),
-            (Backend::Redis(store), None) => Box::pin(self.on(&**store, request, consume)).await,
+            (Backend::Redis(store), None) => {
+                let on = Box::pin(self.on(&**store, request, consume));
+                self.waited_on_redis(on, consume).await
+            }
             (Backend::Memory, Some(shares)) => {
                 let store = shares.over(self.engine.local(), &scope);
                 Box::pin(self.on(&store, request, consume)).await
             }
             (Backend::Redis(redis), Some(shares)) => {
                 let store = shares.over(&**redis, &scope);
-                Box::pin(self.on(&store, request, consume)).await
+                let on = Box::pin(self.on(&store, request, consume));
+                self.waited_on_redis(on, consume).await
             }
         };
         match result {
@@ -347,6 +354,29 @@ impl Decider {
             }
             Err(err) => Err(refused(err)),
         }
+    }
+
+    /// `on`, a decision made on Redis, in a span of its own when the request's is recorded.
+    async fn waited_on_redis(
+        &self,
+        on: impl Future<Output = Result<Outcome, PolicyError>>,
+        charged: bool,
+    ) -> Result<Outcome, PolicyError> {
+        use opentelemetry::context::FutureExt as _;
+
+        let Some(span) = self.traces.as_deref().and_then(|t| t.store_span(charged)) else {
+            return on.await;
+        };
+        let result = on.with_context(span.clone()).await;
+        let unavailable = match &result {
+            Err(PolicyError::Check {
+                source: CoreError::StoreUnavailable { reason },
+                ..
+            }) => Some(reason.as_str()),
+            _ => None,
+        };
+        crate::traces::end_store(&span, unavailable);
+        result
     }
 
     /// The shares, when the policy in force has a global limit for them to decide.

@@ -459,6 +459,32 @@ impl Traces {
         Some(parent.with_span(span))
     }
 
+    /// A client span for a decision's wait on Redis, the child of the request's span (the
+    /// active one) when that span is recorded; `None` otherwise, costing a look at the active
+    /// context. On a shared store the round trip is most of a decision's time, and a trace
+    /// should show it apart from the server's own work. `charged`: a decision, or an
+    /// explanation that charges nothing.
+    pub(crate) fn store_span(&self, charged: bool) -> Option<Context> {
+        let parent = Context::current();
+        if !parent.span().is_recording() {
+            return None;
+        }
+        let span = self
+            .tracer
+            .span_builder("EVALSHA")
+            .with_kind(SpanKind::Client)
+            .with_attributes([
+                KeyValue::new("db.system.name", "redis"),
+                KeyValue::new("db.operation.name", "EVALSHA"),
+                KeyValue::new(
+                    "tollgate.store.call",
+                    if charged { "decide" } else { "explain" },
+                ),
+            ])
+            .start_with_context(&self.tracer, &parent);
+        Some(parent.with_span(span))
+    }
+
     /// Sends the spans still queued (waiting at most a few seconds for the collector); spans
     /// that end later are not sent. Blocks: call it once serving is over, off a serving
     /// runtime's thread.
@@ -686,6 +712,16 @@ pub(crate) fn record_error(domain: &str, error: &DecideError) {
             span.set_status(Status::error(error.to_string()));
         }
     });
+}
+
+/// Ends a store span ([`Traces::store_span`]): an error when the store could not answer,
+/// with the reason the decision's failure mode then went by.
+pub(crate) fn end_store(context: &Context, unavailable: Option<&'static str>) {
+    if let Some(reason) = unavailable {
+        let span = context.span();
+        span.set_attribute(KeyValue::new("tollgate.unavailable", reason));
+        span.set_status(Status::error(reason));
+    }
 }
 
 /// Ends an HTTP request's span with its status: an error for a 5xx (the server's failure),

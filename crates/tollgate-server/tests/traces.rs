@@ -1095,3 +1095,71 @@ fn the_usual_routes_answer_alike_traced_or_not() {
     assert!(traced.terminate().success());
     assert!(plain.terminate().success());
 }
+
+/// On Redis, a decision's wait on the store is a client span of its own, the child of the
+/// request's: in a trace, the round trip shows apart from the server's own work, and a store
+/// that could not answer shows as that span's error, with its reason.
+#[test]
+fn a_decision_on_redis_waits_in_a_span_of_its_own() {
+    let runtime = runtime();
+    let (collector, endpoint) = Collector::start(&runtime);
+    let scratch = Scratch::new("traces-redis");
+    let mut redis = tollgate_redis::test_server::RedisServer::start();
+    let url = redis.url();
+    let server = traced_server(&scratch, &endpoint, "50", &["--store", &url]);
+    let parent = "b7ad6b7169203331";
+    // Both spans of a trace, once both have come: the request's and the store's.
+    let both = |trace_id: &str, request: &str| {
+        wait_for(&format!("two spans of trace {trace_id}"), || {
+            let spans: Vec<Received> = collector
+                .spans()
+                .into_iter()
+                .filter(|s| s.trace_id() == trace_id)
+                .collect();
+            let of = |name: &str| spans.iter().find(|s| s.span.name == name).cloned();
+            Some((of(request)?, of("EVALSHA")?))
+        })
+    };
+
+    let decided = "0af7651916cd43dd8448eb211c800101";
+    let header = traceparent(decided, parent, true);
+    assert_eq!(check(&server, "r1", &[("traceparent", &header)]), 200);
+    let (request, store) = both(decided, "POST /v1/check");
+    assert_eq!(store.span.parent_span_id, request.span.span_id);
+    assert_eq!(store.span.kind, SpanKind::Client as i32);
+    store.assert_has(&[
+        ("db.system.name", "redis"),
+        ("db.operation.name", "EVALSHA"),
+        ("tollgate.store.call", "decide"),
+    ]);
+    assert!(!store.is_error());
+    assert!(store.span.start_time_unix_nano >= request.span.start_time_unix_nano);
+    assert!(store.span.end_time_unix_nano <= request.span.end_time_unix_nano);
+    request.assert_has(&[("tollgate.store", "redis"), ("tollgate.result", "allowed")]);
+
+    // Envoy's call, likewise.
+    let called = "0af7651916cd43dd8448eb211c800102";
+    let header = traceparent(called, parent, true);
+    let code = should_rate_limit(
+        &runtime,
+        &server,
+        ("api", "r2"),
+        &[("traceparent", &header)],
+    );
+    assert_eq!(code, Ok(1), "OK");
+    let (request, store) = both(
+        called,
+        "envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+    );
+    assert_eq!(store.span.parent_span_id, request.span.span_id);
+
+    // Redis gone: the limit fails closed, and the store's span says why.
+    redis.kill();
+    let failed = "0af7651916cd43dd8448eb211c800103";
+    let header = traceparent(failed, parent, true);
+    assert_eq!(check(&server, "r3", &[("traceparent", &header)]), 503);
+    let (request, store) = both(failed, "POST /v1/check");
+    assert!(store.is_error(), "{:?}", store.span.status);
+    assert!(store.attribute("tollgate.unavailable").is_some());
+    request.assert_has(&[("tollgate.result", "failed_closed")]);
+}
