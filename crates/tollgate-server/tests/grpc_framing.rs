@@ -104,6 +104,23 @@ fn framed(flag: u8, length: u32, message: &[u8]) -> Bytes {
     out.freeze()
 }
 
+/// The largest request message the server reads.
+const MESSAGE_LIMIT: usize = 4 << 20;
+
+/// A request encoded in exactly `len` bytes (kilobytes or more), its one value as long as that
+/// takes: past the bounds of a descriptor entry, so decided as `INVALID_ARGUMENT` once read.
+fn of_length(len: usize) -> Vec<u8> {
+    let of_value = |value: usize| RateLimitRequest {
+        domain: "api".to_owned(),
+        descriptors: vec![descriptor(&[("user", &"u".repeat(value))])],
+        hits_addend: 1,
+    };
+    let overhead = of_value(len).encoded_len() - len;
+    let message = of_value(len - overhead).encode_to_vec();
+    assert_eq!(message.len(), len);
+    message
+}
+
 fn encoded(user: &str) -> Vec<u8> {
     request(user).encode_to_vec()
 }
@@ -191,15 +208,8 @@ async fn a_call_is_answered_up_to_the_header_and_message_limits() {
     assert!(refused, "a 32 KiB header block was answered");
     // A message of exactly 4 MiB is read whole and decided (its value is past the bounds of
     // a descriptor entry), not refused as too large to read.
-    let limit = 4 << 20;
-    let of_value = |len: usize| RateLimitRequest {
-        domain: "api".to_owned(),
-        descriptors: vec![descriptor(&[("user", &"u".repeat(len))])],
-        hits_addend: 1,
-    };
-    let overhead = of_value(limit).encoded_len() - limit;
-    let huge = of_value(limit - overhead).encode_to_vec();
-    assert_eq!(huge.len(), limit);
+    let limit = MESSAGE_LIMIT;
+    let huge = of_length(limit);
     let whole_huge = framed(0, huge.len() as u32, &huge);
     let answer = call(&server, &[], vec![whole_huge.clone()]).await;
     assert_eq!(answer.status, "3", "{}", answer.message);
@@ -296,15 +306,8 @@ async fn compressed_calls_are_inflated_and_decided() {
 
     // Exactly the bound, inflated, and one byte more: compressed first, as that takes a while
     // and the bucket refills meanwhile.
-    let limit = 4 << 20;
-    let of_value = |len: usize| RateLimitRequest {
-        domain: "api".to_owned(),
-        descriptors: vec![descriptor(&[("user", &"u".repeat(len))])],
-        hits_addend: 1,
-    };
-    let overhead = of_value(limit).encoded_len() - limit;
-    let at_bound = gzipped(&of_value(limit - overhead).encode_to_vec());
-    let bomb = gzipped(&of_value(limit - overhead + 1).encode_to_vec());
+    let at_bound = gzipped(&of_length(MESSAGE_LIMIT));
+    let bomb = gzipped(&of_length(MESSAGE_LIMIT + 1));
     assert!(bomb.len() < 64 * 1024, "{} bytes of gzip", bomb.len());
 
     let server = Server::start(&[]);
