@@ -227,7 +227,7 @@ enum Transport {
 /// with prior knowledge over TLS) is told from HTTP/1 by its first bytes, read here and then
 /// handed on before anything more.
 #[derive(Debug)]
-pub(crate) struct Secured {
+struct Secured {
     stream: tokio_rustls::server::TlsStream<TcpStream>,
     /// The bytes read ahead: `ahead[given..read]` are still to be handed on.
     ahead: [u8; HTTP2_SIGN],
@@ -248,10 +248,11 @@ impl Secured {
     /// Whether the client speaks HTTP/2: chosen by ALPN, or, when it chose nothing, begun
     /// with HTTP/2's preface. A client that closes first is taken for HTTP/1.
     async fn speaks_http2(&mut self) -> io::Result<bool> {
+        use tokio::io::AsyncReadExt;
+
         if let Some(protocol) = self.stream.get_ref().1.alpn_protocol() {
             return Ok(protocol == b"h2");
         }
-        use tokio::io::AsyncReadExt;
         while self.read < HTTP2_SIGN {
             let read = self.stream.read(&mut self.ahead[self.read..]).await?;
             if read == 0 {
