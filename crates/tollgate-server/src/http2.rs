@@ -177,7 +177,11 @@ where
         // Stopped before the client said a word: nothing is in flight.
         () = poll_fn(|cx| stop.poll_stopped(cx)) => return Ok(()),
         connection = handshake => match connection {
-            Ok(connection) => connection?,
+            Ok(connection) => {
+                let connection = connection?;
+                metrics::record_connection_opened(P::LISTENER, "h2");
+                connection
+            }
             Err(_) => {
                 metrics::record_connection_closed(P::LISTENER, Closed::HeaderTimeout);
                 return Ok(());

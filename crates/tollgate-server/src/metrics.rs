@@ -93,6 +93,10 @@ pub const POLICY_REFUSED: &str = "tollgate_policy_last_load_refused";
 
 /// Connections open: label `listener` (`http`, `grpc`).
 pub const CONNECTIONS_OPEN: &str = "tollgate_connections_open";
+/// Connections by the protocol they turned out to speak: labels `listener`, `protocol`
+/// (`http/1.1`, `h2`), counted once the client's first bytes (or its TLS handshake) told; on
+/// the HTTP listener, whether clients multiplex their requests over HTTP/2.
+pub const CONNECTIONS_OPENED: &str = "tollgate_connections_opened_total";
 /// Connections the server closed on its clients: labels `listener`, `reason` (`header_timeout`:
 /// a request head or the HTTP/2 preface did not arrive in time; `idle`: the client sent
 /// nothing for the idle timeout; `tls_handshake`: the TLS handshake failed or was too slow).
@@ -166,6 +170,7 @@ pub const ALL: &[&str] = &[
     POLICY_CHANGES,
     POLICY_REFUSED,
     CONNECTIONS_OPEN,
+    CONNECTIONS_OPENED,
     CONNECTIONS_CLOSED,
     TLS_RELOADS,
     TLS_EXPIRY,
@@ -327,6 +332,10 @@ fn describe() {
     );
     describe_gauge!(POLICY_REFUSED, "1 while the last policy load was refused.");
     describe_gauge!(CONNECTIONS_OPEN, "Connections open, by listener.");
+    describe_counter!(
+        CONNECTIONS_OPENED,
+        "Connections by the protocol they speak, by listener and protocol."
+    );
     describe_counter!(
         CONNECTIONS_CLOSED,
         "Connections closed by the server on a slow or silent client, by listener and reason."
@@ -773,6 +782,12 @@ pub fn record_degraded_leases(reason: Unavailable, outcome: &LeaseOutcome) {
 fn record_degraded_limits(reason: Unavailable, failed_closed: bool, count: usize) {
     let mode = if failed_closed { "closed" } else { "open" };
     counter!(DEGRADED, "reason" => reason.as_str(), "failure_mode" => mode).increment(count as u64);
+}
+
+/// Records a connection whose client turned out to speak `protocol` (`http/1.1` or `h2`).
+pub(crate) fn record_connection_opened(listener: Listener, protocol: &'static str) {
+    counter!(CONNECTIONS_OPENED, "listener" => listener.as_str(), "protocol" => protocol)
+        .increment(1);
 }
 
 /// Records a connection the server closed on its client.

@@ -518,3 +518,46 @@ fn the_default_connection_bound_fits_the_open_file_limit() {
         server.listening
     );
 }
+
+/// Connections are counted by the protocol their clients turn out to speak, on each listener:
+/// whether clients multiplex their requests over HTTP/2, or open one connection per request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_are_counted_by_the_protocol_they_speak() {
+    let server = Server::start(&[]);
+    let opened = |listener: &str, protocol: &str| {
+        metric(
+            &server,
+            &format!(
+                r#"tollgate_connections_opened_total{{listener="{listener}",protocol="{protocol}"}}"#
+            ),
+        )
+    };
+    let before = [
+        opened("http", "http/1.1"),
+        opened("http", "h2"),
+        opened("grpc", "h2"),
+    ];
+    // Two HTTP/1.1 requests on connections of their own.
+    for _ in 0..2 {
+        assert_eq!(post_json(server.http, "/v1/check", CHECK).status, 200);
+    }
+    // Three requests over one HTTP/2 connection.
+    let multiplexed = support::http2::Http2::connect(server.http).await;
+    for _ in 0..3 {
+        assert_eq!(multiplexed.post_json("/v1/check", CHECK).await.status, 200);
+    }
+    // Two gRPC connections.
+    for _ in 0..2 {
+        let mut client = RateLimitServiceClient::new(server.grpc_channel().await);
+        call(&mut client).await;
+    }
+    let after = [
+        opened("http", "http/1.1"),
+        opened("http", "h2"),
+        opened("grpc", "h2"),
+    ];
+    // Each scrape is an HTTP/1.1 connection too: the two checks, the last two of the three
+    // scrapes before (the first was counted in `before`), and this one.
+    let new: Vec<f64> = after.iter().zip(before).map(|(a, b)| a - b).collect();
+    assert_eq!(new, [2.0 + 3.0, 1.0, 2.0]);
+}

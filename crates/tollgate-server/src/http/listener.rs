@@ -215,6 +215,7 @@ async fn serve_connection(
         // Gone between the accept and now.
         Err(_) => return,
     };
+    metrics::record_connection_opened(Listener::Http, "http/1.1");
     let first_words_by = admitted.first_words_by(&limits);
     let (stream, activity) = Tracked::new(admitted);
     let requests = activity.clone();
