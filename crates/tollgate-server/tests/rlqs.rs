@@ -299,28 +299,71 @@ async fn a_quiet_bucket_is_abandoned() {
 
 #[tokio::test]
 async fn busy_envoys_together_never_get_more_than_the_limit() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
     let (server, _scratch) = start();
-    let mut envoys = Vec::new();
-    for _ in 0..4 {
-        envoys.push(Envoy::connect(&server).await);
-    }
-    let mut admissions = Admissions::default();
     let clock = MonotonicClock::new();
     let start = clock.now();
-    let mut answered = start;
+    let reporting = Arc::new(AtomicBool::new(true));
+    // Each Envoy listens in a task of its own, as Envoy does: a report is owed no answer (the
+    // server keeps an assignment it cannot extend just then), and renewals come unasked.
+    let mut senders = Vec::new();
+    let mut listening = Vec::new();
+    for index in 0..4u32 {
+        let (sender, mut answers) = Envoy::connect(&server).await.split();
+        senders.push(sender);
+        let (clock, reporting) = (clock.clone(), Arc::clone(&reporting));
+        listening.push(tokio::spawn(async move {
+            let mut received = Vec::new();
+            let mut quiet_since = None;
+            loop {
+                let next = tokio::time::timeout(SECOND / 2, answers.message()).await;
+                match next {
+                    Ok(Ok(Some(message))) => {
+                        for action in message.bucket_action {
+                            let action = assigned(action.bucket_action.expect("an action"));
+                            received.push((index, clock.now(), action));
+                        }
+                    }
+                    Ok(Ok(None)) => break,
+                    Ok(Err(status)) => panic!("the stream failed: {status}"),
+                    // Reports are over, and their answers have had a second to come.
+                    Err(_) if !reporting.load(Ordering::Relaxed) => {
+                        let since = *quiet_since.get_or_insert_with(|| clock.now());
+                        if clock.now().saturating_duration_since(since) >= SECOND {
+                            break;
+                        }
+                    }
+                    Err(_) => {}
+                }
+            }
+            received
+        }));
+    }
     // Four Envoys report busy every 100 ms for 3 s, each at its own demand: assignments
     // change, extend and shrink. Whatever they were sent, all they could admit together
     // stays within the bucket's capacity and its refill over the run.
     for round in 0u64..30 {
-        for (index, envoy) in envoys.iter_mut().enumerate() {
+        for (index, sender) in senders.iter().enumerate() {
             let demand = 20 + 40 * index as u64 + round % 7 * 10;
             let usage = usage(&[("pool", "shared")], demand, demand, SECOND / 10);
-            let action = envoy.report("edge", vec![usage]).await.remove(0);
-            answered = clock.now();
-            admissions.receive(index as u32, answered, assigned(action));
+            sender
+                .send(reports("edge", vec![usage]))
+                .expect("the stream is open");
         }
         tokio::time::sleep(SECOND / 10).await;
     }
+    reporting.store(false, Ordering::Relaxed);
+    let mut admissions = Admissions::default();
+    let mut answered = start;
+    for listener in listening {
+        for (index, at, action) in listener.await.expect("the listener") {
+            answered = answered.max(at);
+            admissions.receive(index, at, action);
+        }
+    }
+    drop(senders);
     // Every assignment ends at its expiry at the latest: count its refill up to there. All
     // of it was paid by the last answer, from a bucket holding 60 and refilling 20 a second.
     let end = clock.now() + Duration::from_secs(120);
