@@ -89,6 +89,21 @@ pub use wall::{ManualWallClock, SystemWallClock, UnixTime, WallClock};
 
 use std::path::Path;
 
+/// A JSON Schema (draft 7) of the policy file, for editors: completion, a description of each
+/// field, and the mistakes a schema can see (a misspelt field, a rate without a unit, another
+/// algorithm's parameters) flagged as they are typed. What `tollgate schema` prints.
+///
+/// It never flags a file [`compile`] takes (the crate's tests hold it to the compiler), but it
+/// sees less than the compiler does: unique names, references between limits and
+/// exact-arithmetic bounds are the compiler's alone, so [`validate`] stays the check to run.
+///
+/// ```
+/// let schema: serde_json::Value = serde_json::from_str(tollgate_policy::JSON_SCHEMA)?;
+/// assert_eq!(schema["required"][0], "limits");
+/// # Ok::<(), serde_json::Error>(())
+/// ```
+pub const JSON_SCHEMA: &str = include_str!("../policy.schema.json");
+
 /// Reads and validates the policy file at `path`: what `tollgate validate FILE` runs.
 ///
 /// # Errors

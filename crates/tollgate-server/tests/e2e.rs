@@ -1756,6 +1756,15 @@ fn limits_redis_cannot_hold_exactly_are_refused_at_start() {
 }
 
 #[test]
+fn the_schema_command_prints_the_policy_files_schema() {
+    let (status, stdout, stderr) = run(&["schema"]);
+    assert!(status.success(), "{stderr}");
+    assert_eq!(stdout, tollgate_policy::JSON_SCHEMA);
+    let schema: serde_json::Value = serde_json::from_str(&stdout).expect("JSON");
+    assert_eq!(schema["$schema"], "http://json-schema.org/draft-07/schema#");
+}
+
+#[test]
 fn validate_check_and_import_from_the_command_line() {
     let scratch = Scratch::new("cli");
     let good = scratch.write("good.yaml", POLICY);

@@ -13,9 +13,10 @@ use std::path::{Path, PathBuf};
 use support::{fenced_block, readme, run};
 
 /// The commands the synopsis has a line for, as their `--help` is asked for.
-const COMMANDS: [&[&str]; 7] = [
+const COMMANDS: [&[&str]; 8] = [
     &["serve"],
     &["validate"],
+    &["schema"],
     &["check"],
     &["simulate"],
     &["import", "envoy"],
