@@ -1497,6 +1497,11 @@ fn admin_bearer_scheme_is_case_insensitive() {
             "",
         );
         assert_eq!(answer.status, 401, "{auth}: {}", answer.body);
+        assert_eq!(
+            answer.header("www-authenticate"),
+            Some("Bearer realm=\"tollgate\""),
+            "a 401 names the scheme it takes"
+        );
     }
 }
 

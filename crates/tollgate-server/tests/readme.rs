@@ -26,10 +26,11 @@ const COMMANDS: [&[&str]; 8] = [
 
 /// `TOLLGATE_*` names that are no `serve` flag: the log filter the binary reads, and where
 /// the tests find the tools they drive.
-const OTHER_NAMES: [&str; 6] = [
+const OTHER_NAMES: [&str; 7] = [
     "TOLLGATE_LOG",
     "TOLLGATE_PROMTOOL",
     "TOLLGATE_KUBERNETES_VALIDATE",
+    "TOLLGATE_OPENAPI_SPEC_VALIDATOR",
     "TOLLGATE_NGINX",
     "TOLLGATE_CHROMIUM",
     "TOLLGATE_CHROMEDRIVER",

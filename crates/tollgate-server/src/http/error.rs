@@ -1,7 +1,8 @@
 //! Errors as HTTP answers: a status, and `{"error":{"code","message"}}` with a stable code.
 
 use axum::Json;
-use axum::http::StatusCode;
+use axum::http::header::WWW_AUTHENTICATE;
+use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
@@ -42,7 +43,16 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = json!({"error": {"code": self.code, "message": self.message}});
-        (self.status, Json(body)).into_response()
+        let mut response = (self.status, Json(body)).into_response();
+        if self.status == StatusCode::UNAUTHORIZED {
+            // RFC 9110 §15.5.2: a 401 names the scheme that would be accepted, so that a
+            // client (or a generated one) knows to send its bearer token.
+            response.headers_mut().insert(
+                WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer realm=\"tollgate\""),
+            );
+        }
+        response
     }
 }
 
@@ -50,7 +60,7 @@ pub(crate) async fn not_found() -> ApiError {
     ApiError::new(
         StatusCode::NOT_FOUND,
         "not_found",
-        "no such endpoint: see /v1/check, /v1/explain, /v1/forward-auth/{domain}, /metrics",
+        "no such endpoint: /v1/openapi.json lists them",
     )
 }
 

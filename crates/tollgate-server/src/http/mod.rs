@@ -24,6 +24,7 @@ use axum::body::Bytes;
 use axum::extract::DefaultBodyLimit;
 use axum::extract::rejection::BytesRejection;
 use axum::http::StatusCode;
+use axum::http::header::CONTENT_TYPE;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -231,11 +232,22 @@ fn routes(state: Arc<AppState>) -> Router {
         .route("/v1/hot-keys", get(admin::hot_keys))
         .route("/v1/reset", post(reset::reset))
         .route("/dashboard", get(dashboard::dashboard))
+        .route("/v1/openapi.json", get(openapi))
         // After the routes: it applies to the routes registered before it.
         .method_not_allowed_fallback(error::method_not_allowed)
         .fallback(error::not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
+}
+
+/// This API as an OpenAPI 3.1 document, for the teams that call it: client generators, API
+/// catalogues, request validators. The tests hold it to the server's own answers.
+pub const OPENAPI: &str = include_str!("openapi.json");
+
+/// `GET /v1/openapi.json`: [`OPENAPI`]. Not an admin endpoint: it says what any caller may
+/// already send.
+async fn openapi() -> Response {
+    ([(CONTENT_TYPE, "application/json")], OPENAPI).into_response()
 }
 
 /// `GET|POST /v1/noop`: 200 and a short body, deciding nothing. The baseline of
