@@ -437,26 +437,22 @@ fn memory_script(spec: &Spec) {
             r#"{{"domain":"llm","descriptors":[{{"user":"u1"}}],"cost":4000,"request_id":"{id}","used":{used}}}"#
         )
     };
-    assert_eq!(
-        spec.post(addr, "/v1/settle", &settle(1234, "job-1")).status,
-        200
-    );
-    assert_eq!(
-        spec.post(addr, "/v1/settle", &settle(1234, "job-1")).status,
-        200
-    );
-    assert_eq!(
-        spec.post(addr, "/v1/settle", &settle(5, "job-1")).status,
-        409
-    );
-    assert_eq!(
-        spec.post(addr, "/v1/settle", &settle(5000, "job-1")).status,
-        400
-    );
-    assert_eq!(
-        spec.post(addr, "/v1/settle", &settle(1, "job-2")).status,
-        200
-    );
+    // Settled, repeated, settled before with another `used`, more than reserved, no charge
+    // on record.
+    for (used, id, status) in [
+        (1234, "job-1", 200),
+        (1234, "job-1", 200),
+        (5, "job-1", 409),
+        (5000, "job-1", 400),
+        (1, "job-2", 200),
+    ] {
+        let answer = spec.post(addr, "/v1/settle", &settle(used, id));
+        assert_eq!(
+            answer.status, status,
+            "used {used} of {id}: {}",
+            answer.body
+        );
+    }
     assert_eq!(spec.post(addr, "/v1/settle", "{").status, 400);
 
     // Leases.
