@@ -155,7 +155,8 @@ pub(crate) async fn acquire(
 
 /// The answer to a retried acquire whose lease is still held: 200 with that lease, each
 /// limit's count as it stands now (it includes this lease), and `"repeated":true`. Without
-/// the store the counts cannot be read, and only the lease is given back.
+/// the store the counts cannot be read, and only the lease is given back, with the version
+/// in force (every other answer names one).
 async fn repeated(state: &AppState, parsed: &Parsed<'_>, lease_id: &str) -> Response {
     let body = match state
         .decider
@@ -167,6 +168,8 @@ async fn repeated(state: &AppState, parsed: &Parsed<'_>, lease_id: &str) -> Resp
             let mut out = Vec::with_capacity(96);
             out.extend_from_slice(b"{\"allowed\":true,\"lease_id\":");
             push_str(&mut out, lease_id);
+            out.extend_from_slice(b",\"policy_version\":");
+            push_str(&mut out, state.decider.engine().current().version());
             out.extend_from_slice(b",\"limits\":[],\"repeated\":true}");
             out
         }
