@@ -811,6 +811,16 @@ impl LimitDef {
         self.params.rate().filter(|_| !self.deny)
     }
 
+    /// The tag that ends the store keys of the limit's own buckets: a hash of the parameters
+    /// a bucket's state only means something under (a token bucket's capacity and refill, a
+    /// window's algorithm and length; not a window's limit per window, whose counts mean the
+    /// same under any). Two versions of a limit with the same name, key entries and tag share
+    /// their buckets; with another tag, the new version's buckets are others (a reload
+    /// converts token buckets' balances across, see [`crate::PolicyEngine`]).
+    pub fn bucket_tag(&self) -> u32 {
+        self.tag
+    }
+
     /// Whether every request the limit applies to is rejected (`deny: true`, a block list;
     /// Envoy's `requests_per_unit: 0`), whatever was spent before: no bucket, nothing charged
     /// anywhere, decided without the store. Its overrides can only take requests out of it
@@ -895,6 +905,11 @@ impl Override {
     /// [`deny`](Self::deny) override, which apply none, its limit's.
     pub fn params(&self) -> &Params {
         &self.params
+    }
+
+    /// The tag that ends its buckets' store keys, as [`LimitDef::bucket_tag`].
+    pub fn bucket_tag(&self) -> u32 {
+        self.tag
     }
 
     /// The rate it applies, in an override of a rate limit (`None` when unlimited or when

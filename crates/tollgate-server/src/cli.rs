@@ -53,6 +53,18 @@ enum Command {
         #[arg(long)]
         strict: bool,
     },
+    /// Show what a policy change does: each limit, override and exemption added, removed or
+    /// changed, in the file's terms, and what becomes of each one's buckets (kept, carried
+    /// over on a reload, or started afresh: a full burst for every subject).
+    Diff {
+        /// The policy in force.
+        old: PathBuf,
+        /// The policy proposed.
+        new: PathBuf,
+        /// One JSON document instead of text, for a bot commenting on a change.
+        #[arg(long)]
+        json: bool,
+    },
     /// Decide locally against a policy file (in memory) and print the decisions.
     Check(CheckArgs),
     /// Replay a trace of requests against policy files and report what each would reject.
@@ -655,6 +667,7 @@ pub fn main() -> ExitCode {
         Command::Serve(args) => serve_main(*args),
         Command::Validate { file, strict } => validate(&file, strict),
         Command::Check(args) => check(args),
+        Command::Diff { old, new, json } => diff(&old, &new, json),
         Command::Simulate(args) => crate::simulate::main(&args).map_err(anyhow::Error::from),
         Command::Bench(args) => crate::loadgen::main(&args),
         Command::Import {
@@ -715,6 +728,19 @@ fn validate(file: &Path, strict: bool) -> Result<()> {
             file.display(),
             counted(warnings.len(), "warning")
         );
+    }
+    Ok(())
+}
+
+fn diff(old: &Path, new: &Path, json: bool) -> Result<()> {
+    let old = tollgate_policy::validate(old).map_err(|err| anyhow!("{err}"))?;
+    let new = tollgate_policy::validate(new).map_err(|err| anyhow!("{err}"))?;
+    let diff = crate::diff::diff(&old, &new);
+    if json {
+        let text = serde_json::to_string_pretty(&diff).context("cannot write the diff")?;
+        println!("{text}");
+    } else {
+        print!("{}", crate::diff::render(&diff));
     }
     Ok(())
 }

@@ -47,6 +47,7 @@
 pub mod cli;
 mod connection;
 pub mod decider;
+mod diff;
 pub mod global;
 mod grpc;
 mod grpc_unary;
@@ -56,6 +57,7 @@ pub mod http;
 mod http2;
 pub mod loadgen;
 pub mod metrics;
+mod policy_view;
 mod progress;
 pub mod rlqs;
 pub mod rls;

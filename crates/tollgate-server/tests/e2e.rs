@@ -1769,6 +1769,42 @@ fn the_schema_command_prints_the_policy_files_schema() {
     assert_eq!(schema["$schema"], "http://json-schema.org/draft-07/schema#");
 }
 
+/// `tollgate diff`: the README's two example policies, in text and JSON, and a file that does
+/// not compile refused with its error.
+#[test]
+fn the_diff_command_says_what_a_change_does_to_buckets() {
+    let examples = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/examples");
+    let old = examples.join("policy.yaml");
+    let new = examples.join("policy-proposed.yaml");
+    let (status, stdout, stderr) = run(&["diff", path_str(&old), path_str(&new)]);
+    assert!(status.success(), "{stderr}");
+    assert!(
+        stdout.starts_with("version current -> proposed\n~ limit per-user (domain api)\n    capacity: 10 -> 40\n    buckets: carried over on a reload"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("~ limit writes-per-user (domain api)\n    mode: enforce -> shadow\n    stops rejecting\n    buckets: kept as they are\n"),
+        "{stdout}"
+    );
+    let (status, stdout, _) = run(&["diff", path_str(&old), path_str(&new), "--json"]);
+    assert!(status.success());
+    let diff: serde_json::Value = serde_json::from_str(&stdout).expect("JSON");
+    assert_eq!(diff["limits"][0]["buckets"], "carried_over");
+    assert_eq!(diff["limits"][1]["enforcement"], "stops rejecting");
+    let (status, stdout, _) = run(&["diff", path_str(&old), path_str(&old)]);
+    assert!(status.success());
+    assert!(stdout.contains("no limit or exemption differs"), "{stdout}");
+
+    let scratch = Scratch::new("diff");
+    let bad = scratch.write("bad.yaml", "limits:\n  - name: x\n    capacty: 5\n");
+    let (status, _, stderr) = run(&["diff", path_str(&old), path_str(&bad)]);
+    assert_eq!(status.code(), Some(1));
+    assert!(
+        stderr.contains("bad.yaml:3:") && stderr.contains("capacty"),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn validate_check_and_import_from_the_command_line() {
     let scratch = Scratch::new("cli");

@@ -13,10 +13,11 @@ use std::path::{Path, PathBuf};
 use support::{fenced_block, readme, run};
 
 /// The commands the synopsis has a line for, as their `--help` is asked for.
-const COMMANDS: [&[&str]; 8] = [
+const COMMANDS: [&[&str]; 9] = [
     &["serve"],
     &["validate"],
     &["schema"],
+    &["diff"],
     &["check"],
     &["simulate"],
     &["import", "envoy"],
