@@ -144,6 +144,78 @@ fn the_schema_has_every_field_the_compiler_has() {
     }
 }
 
+/// A field left empty (`capacity:`, null in YAML) is a field not set where the compiler reads
+/// it so, and refused where it refuses it: the schema agrees field by field.
+#[test]
+fn empty_fields_are_read_as_the_compiler_reads_them() {
+    let bucket = "name: a, domain: api, key: [user], capacity: 5, refill: 1/s";
+    let window = "name: a, domain: api, algorithm: fixed_window, limit: 5, window: 1m";
+    let mut files = vec![
+        ("version: ~\nlimits: []\n".to_owned(), true),
+        ("defaults: ~\nlimits: []\n".to_owned(), false),
+        ("limits: ~\n".to_owned(), false),
+        ("limits: []\nexemptions: ~\n".to_owned(), false),
+    ];
+    for field in ["mode", "failure_mode", "emergency"] {
+        files.push((format!("defaults: {{{field}: ~}}\nlimits: []\n"), true));
+    }
+    for field in [
+        "when",
+        "algorithm",
+        "mode",
+        "rollout",
+        "failure_mode",
+        "scope",
+        "emergency",
+        "replaces",
+        "request_limit",
+        "deny",
+        "limit",
+        "window",
+        "max_in_flight",
+        "lease_timeout",
+    ] {
+        files.push((format!("limits:\n  - {{{bucket}, {field}: ~}}\n"), true));
+    }
+    for field in ["capacity", "refill"] {
+        files.push((format!("limits:\n  - {{{window}, {field}: ~}}\n"), true));
+    }
+    for field in ["exact", "overrides"] {
+        files.push((format!("limits:\n  - {{{bucket}, {field}: ~}}\n"), false));
+    }
+    files.push((
+        format!("limits:\n  - {{{bucket}, when: {{tier: ~}}}}\n"),
+        false,
+    ));
+    for field in [
+        "name",
+        "refill",
+        "limit",
+        "window",
+        "max_in_flight",
+        "lease_timeout",
+        "unlimited",
+        "deny",
+    ] {
+        let text = format!(
+            "limits:\n  - {{{bucket}, overrides: [{{when: {{a: b}}, capacity: 6, {field}: ~}}]}}\n"
+        );
+        files.push((text, true));
+    }
+    files.push((
+        format!("limits:\n  - {{{bucket}, overrides: [{{when: ~, capacity: 6}}]}}\n"),
+        false,
+    ));
+    for (text, taken) in files {
+        assert_eq!(
+            compile("p.yaml", &text).is_ok(),
+            taken,
+            "the compiler on\n{text}"
+        );
+        assert_eq!(complaints(&text).is_empty(), taken, "the schema on\n{text}");
+    }
+}
+
 /// Files an editor must flag, each refused by the compiler too.
 const MISTAKES: &[(&str, &str)] = &[
     ("no limits", "version: \"1\"\n"),
