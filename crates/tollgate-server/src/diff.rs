@@ -379,6 +379,14 @@ fn shown(value: &Value) -> String {
     }
 }
 
+/// `field: from -> to`, a line each, after `indent`.
+fn write_fields(out: &mut String, fields: &[Field], indent: &str) {
+    for f in fields {
+        let (from, to) = (shown(&f.from), shown(&f.to));
+        let _ = writeln!(out, "{indent}{}: {from} -> {to}", f.field);
+    }
+}
+
 /// The diff for people, one change a line or a few.
 pub(crate) fn render(diff: &PolicyDiff) -> String {
     let mut out = String::new();
@@ -395,30 +403,14 @@ pub(crate) fn render(diff: &PolicyDiff) -> String {
             limit.name,
             limit.domain
         );
-        for field in &limit.fields {
-            let _ = writeln!(
-                out,
-                "    {}: {} -> {}",
-                field.field,
-                shown(&field.from),
-                shown(&field.to)
-            );
-        }
+        write_fields(&mut out, &limit.fields, "    ");
         if let Some(enforcement) = limit.enforcement {
             let _ = writeln!(out, "    {enforcement}");
         }
         let _ = writeln!(out, "    buckets: {}", limit.buckets.says());
         for o in &limit.overrides {
             let _ = writeln!(out, "  {} override {}", o.change.sign(), o.name);
-            for field in &o.fields {
-                let _ = writeln!(
-                    out,
-                    "      {}: {} -> {}",
-                    field.field,
-                    shown(&field.from),
-                    shown(&field.to)
-                );
-            }
+            write_fields(&mut out, &o.fields, "      ");
             let _ = writeln!(out, "      buckets: {}", o.buckets.says());
         }
     }
@@ -430,15 +422,7 @@ pub(crate) fn render(diff: &PolicyDiff) -> String {
             e.limit,
             e.when
         );
-        for field in &e.fields {
-            let _ = writeln!(
-                out,
-                "    {}: {} -> {}",
-                field.field,
-                shown(&field.from),
-                shown(&field.to)
-            );
-        }
+        write_fields(&mut out, &e.fields, "    ");
     }
     let count = |change: Change| diff.limits.iter().filter(|l| l.change == change).count();
     let afresh = diff

@@ -221,6 +221,25 @@ impl Spec {
         answer
     }
 
+    /// [`send`](Self::send), the answer's status asserted to be `status`: the script reached
+    /// the case it meant to.
+    fn expect(
+        &self,
+        addr: SocketAddr,
+        (method, path): (&str, &str),
+        headers: &[(&str, &str)],
+        body: &str,
+        status: u16,
+    ) -> Answer {
+        let answer = self.send(addr, method, path, headers, body);
+        assert_eq!(
+            answer.status, status,
+            "{method} {path} {body}: {}",
+            answer.body
+        );
+        answer
+    }
+
     fn post(&self, addr: SocketAddr, path: &str, body: &str) -> Answer {
         self.send(
             addr,
@@ -424,7 +443,7 @@ fn memory_script(spec: &Spec) {
         "u".repeat(70_000)
     );
     assert_eq!(spec.post(addr, "/v1/check", &huge).status, 413);
-    assert_eq!(spec.send(addr, "GET", "/v1/check", &[], "").status, 405);
+    spec.expect(addr, ("GET", "/v1/check"), &[], "", 405);
     assert_eq!(spec.post(addr, "/v1/explain", alice).status, 200);
     assert_eq!(spec.post(addr, "/v1/explain", other).status, 200);
 
@@ -472,110 +491,56 @@ fn memory_script(spec: &Spec) {
     assert_eq!(spec.post(addr, "/v1/leases/explain", export).status, 200);
     assert_eq!(spec.post(addr, "/v1/leases/explain", "{").status, 400);
     let renew = format!("/v1/leases/{lease}/renew");
-    assert_eq!(spec.send(addr, "POST", &renew, &[], "").status, 200);
+    spec.expect(addr, ("POST", &renew), &[], "", 200);
     let release = format!("/v1/leases/{lease}");
-    assert_eq!(spec.send(addr, "DELETE", &release, &[], "").status, 204);
-    assert_eq!(spec.send(addr, "DELETE", &release, &[], "").status, 404);
-    assert_eq!(spec.send(addr, "POST", &renew, &[], "").status, 404);
+    spec.expect(addr, ("DELETE", &release), &[], "", 204);
+    spec.expect(addr, ("DELETE", &release), &[], "", 404);
+    spec.expect(addr, ("POST", &renew), &[], "", 404);
 
     // Forward-auth, as nginx and Traefik ask.
     let bob = [("x-tollgate-user", "bob"), ("X-Forwarded-Method", "GET")];
-    assert_eq!(
-        spec.send(addr, "GET", "/v1/forward-auth/api", &bob, "")
-            .status,
-        200
-    );
-    assert_eq!(
-        spec.send(addr, "POST", "/v1/forward-auth/api", &bob, "")
-            .status,
-        200
-    );
-    assert_eq!(
-        spec.send(addr, "GET", "/v1/forward-auth/api", &bob, "")
-            .status,
-        429
-    );
+    spec.expect(addr, ("GET", "/v1/forward-auth/api"), &bob, "", 200);
+    spec.expect(addr, ("POST", "/v1/forward-auth/api"), &bob, "", 200);
+    spec.expect(addr, ("GET", "/v1/forward-auth/api"), &bob, "", 429);
     let costly = [("x-tollgate-user", "carol"), ("x-tollgate-cost", "nope")];
-    assert_eq!(
-        spec.send(addr, "GET", "/v1/forward-auth/api", &costly, "")
-            .status,
-        400
-    );
+    spec.expect(addr, ("GET", "/v1/forward-auth/api"), &costly, "", 400);
 
     // The baseline, health, metrics and the page.
-    assert_eq!(spec.send(addr, "GET", "/v1/noop", &[], "").status, 200);
-    assert_eq!(spec.send(addr, "POST", "/v1/noop", &[], "{}").status, 200);
-    assert_eq!(spec.send(addr, "GET", "/healthz", &[], "").status, 200);
-    assert_eq!(spec.send(addr, "GET", "/readyz", &[], "").status, 200);
-    assert_eq!(
-        spec.send(addr, "GET", "/readyz?exclude=store", &[], "")
-            .status,
-        200
-    );
-    assert_eq!(
-        spec.send(addr, "GET", "/readyz?exclude=etcd", &[], "")
-            .status,
-        400
-    );
-    assert_eq!(spec.send(addr, "GET", "/metrics", &[], "").status, 200);
-    assert_eq!(spec.send(addr, "GET", "/dashboard", &[], "").status, 200);
+    spec.expect(addr, ("GET", "/v1/noop"), &[], "", 200);
+    spec.expect(addr, ("POST", "/v1/noop"), &[], "{}", 200);
+    spec.expect(addr, ("GET", "/healthz"), &[], "", 200);
+    spec.expect(addr, ("GET", "/readyz"), &[], "", 200);
+    spec.expect(addr, ("GET", "/readyz?exclude=store"), &[], "", 200);
+    spec.expect(addr, ("GET", "/readyz?exclude=etcd"), &[], "", 400);
+    spec.expect(addr, ("GET", "/metrics"), &[], "", 200);
+    spec.expect(addr, ("GET", "/dashboard"), &[], "", 200);
 
     // Admin: refused without the token, then each answer with it.
-    assert_eq!(spec.send(addr, "GET", "/v1/policy", &[], "").status, 401);
+    spec.expect(addr, ("GET", "/v1/policy"), &[], "", 401);
     let wrong = [("Authorization", "Bearer nope")];
-    assert_eq!(spec.send(addr, "GET", "/v1/policy", &wrong, "").status, 401);
-    assert_eq!(spec.send(addr, "GET", "/v1/policy", &admin, "").status, 200);
-    assert_eq!(
-        spec.send(addr, "GET", "/v1/hot-keys", &admin, "").status,
-        200
-    );
-    assert_eq!(
-        spec.send(addr, "POST", "/v1/policy/rollback", &admin, "")
-            .status,
-        409
-    );
+    spec.expect(addr, ("GET", "/v1/policy"), &wrong, "", 401);
+    spec.expect(addr, ("GET", "/v1/policy"), &admin, "", 200);
+    spec.expect(addr, ("GET", "/v1/hot-keys"), &admin, "", 200);
+    spec.expect(addr, ("POST", "/v1/policy/rollback"), &admin, "", 409);
     scratch.write("policy.yaml", &POLICY.replace("openapi-1", "openapi-2"));
-    assert_eq!(
-        spec.send(addr, "POST", "/v1/policy/reload", &admin, "")
-            .status,
-        200
-    );
-    assert_eq!(
-        spec.send(addr, "POST", "/v1/policy/rollback", &admin, "")
-            .status,
-        200
-    );
+    spec.expect(addr, ("POST", "/v1/policy/reload"), &admin, "", 200);
+    spec.expect(addr, ("POST", "/v1/policy/rollback"), &admin, "", 200);
     scratch.write("policy.yaml", "limits: [");
-    assert_eq!(
-        spec.send(addr, "POST", "/v1/policy/reload", &admin, "")
-            .status,
-        422
-    );
-    assert_eq!(spec.send(addr, "GET", "/v1/policy", &admin, "").status, 200);
+    spec.expect(addr, ("POST", "/v1/policy/reload"), &admin, "", 422);
+    spec.expect(addr, ("GET", "/v1/policy"), &admin, "", 200);
     let reset = r#"{"domain":"api","descriptors":[{"user":"alice"}]}"#;
-    assert_eq!(
-        spec.send(addr, "POST", "/v1/reset", &admin_json, reset)
-            .status,
-        200
-    );
+    spec.expect(addr, ("POST", "/v1/reset"), &admin_json, reset, 200);
     let unknown = r#"{"domain":"api","descriptors":[{"user":"alice"}],"limits":["nope"]}"#;
-    assert_eq!(
-        spec.send(addr, "POST", "/v1/reset", &admin_json, unknown)
-            .status,
-        400
-    );
-    assert_eq!(spec.send(addr, "POST", "/v1/reset", &[], reset).status, 401);
+    spec.expect(addr, ("POST", "/v1/reset"), &admin_json, unknown, 400);
+    spec.expect(addr, ("POST", "/v1/reset"), &[], reset, 401);
 
-    assert_eq!(spec.send(addr, "GET", "/v1/nowhere", &[], "").status, 404);
+    spec.expect(addr, ("GET", "/v1/nowhere"), &[], "", 404);
     assert!(server.terminate().success());
 
     // Without --hot-keys, the hot keys are not counted.
     let file = scratch.write("policy.yaml", POLICY);
     let plain = Server::start(&["--config", path_str(&file)]);
-    assert_eq!(
-        spec.send(plain.http, "GET", "/v1/hot-keys", &[], "").status,
-        404
-    );
+    spec.expect(plain.http, ("GET", "/v1/hot-keys"), &[], "", 404);
     assert!(plain.terminate().success());
 }
 
@@ -628,22 +593,15 @@ fn redis_script(spec: &Spec) {
     assert_eq!(spec.post(addr, "/v1/leases", export).status, 503);
     assert_eq!(spec.post(addr, "/v1/leases/explain", export).status, 503);
     let renew = format!("/v1/leases/{lease}/renew");
-    assert_eq!(spec.send(addr, "POST", &renew, &[], "").status, 503);
+    spec.expect(addr, ("POST", &renew), &[], "", 503);
     let release = format!("/v1/leases/{lease}");
-    assert_eq!(spec.send(addr, "DELETE", &release, &[], "").status, 503);
+    spec.expect(addr, ("DELETE", &release), &[], "", 503);
     let fa = [("x-tollgate-user", "u1")];
-    assert_eq!(
-        spec.send(addr, "GET", "/v1/forward-auth/api", &fa, "")
-            .status,
-        503
-    );
-    assert_eq!(spec.send(addr, "GET", "/readyz", &[], "").status, 503);
+    spec.expect(addr, ("GET", "/v1/forward-auth/api"), &fa, "", 503);
+    spec.expect(addr, ("GET", "/readyz"), &[], "", 503);
     let reset = r#"{"domain":"api","descriptors":[{"user":"u1"}]}"#;
     let json = [("Content-Type", "application/json")];
-    assert_eq!(
-        spec.send(addr, "POST", "/v1/reset", &json, reset).status,
-        503
-    );
+    spec.expect(addr, ("POST", "/v1/reset"), &json, reset, 503);
     assert!(server.terminate().success());
 }
 
