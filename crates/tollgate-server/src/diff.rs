@@ -139,38 +139,12 @@ pub(crate) fn diff(old: &Policy, new: &Policy) -> PolicyDiff {
     for limit in new.limits() {
         match old.limit(limit.name()) {
             Some(before) => limits.extend(changed(old, before, new, limit)),
-            None => limits.push(LimitChange {
-                name: limit.name().to_owned(),
-                domain: limit.domain().to_owned(),
-                change: Change::Added,
-                fields: Vec::new(),
-                buckets: if limit.deny() {
-                    Buckets::None
-                } else {
-                    Buckets::New
-                },
-                enforcement: (limit.mode() == Mode::Enforce && limit.rollout() > 0)
-                    .then_some("starts rejecting"),
-                overrides: Vec::new(),
-            }),
+            None => limits.push(whole(limit, Change::Added)),
         }
     }
     for limit in old.limits() {
         if new.limit(limit.name()).is_none() {
-            limits.push(LimitChange {
-                name: limit.name().to_owned(),
-                domain: limit.domain().to_owned(),
-                change: Change::Removed,
-                fields: Vec::new(),
-                buckets: if limit.deny() {
-                    Buckets::None
-                } else {
-                    Buckets::Dropped
-                },
-                enforcement: (limit.mode() == Mode::Enforce && limit.rollout() > 0)
-                    .then_some("stops rejecting"),
-                overrides: Vec::new(),
-            });
+            limits.push(whole(limit, Change::Removed));
         }
     }
     PolicyDiff {
@@ -178,6 +152,28 @@ pub(crate) fn diff(old: &Policy, new: &Policy) -> PolicyDiff {
         to_version: new.version().to_owned(),
         limits,
         exemptions: exemptions(old, new),
+    }
+}
+
+/// Whether a limit rejects anyone: enforced, for some subjects at least.
+fn enforces(limit: &LimitDef) -> bool {
+    limit.mode() == Mode::Enforce && limit.rollout() > 0
+}
+
+/// A limit that only one version has: `Added` (its buckets start full) or `Removed`.
+fn whole(limit: &LimitDef, change: Change) -> LimitChange {
+    let (buckets, enforcement) = match change {
+        Change::Added => (Buckets::New, "starts rejecting"),
+        _ => (Buckets::Dropped, "stops rejecting"),
+    };
+    LimitChange {
+        name: limit.name().to_owned(),
+        domain: limit.domain().to_owned(),
+        change,
+        fields: Vec::new(),
+        buckets: if limit.deny() { Buckets::None } else { buckets },
+        enforcement: enforces(limit).then_some(enforcement),
+        overrides: Vec::new(),
     }
 }
 
@@ -240,8 +236,7 @@ fn changed(old: &Policy, before: &LimitDef, new: &Policy, after: &LimitDef) -> O
             });
         }
     }
-    let enforced = |limit: &LimitDef| limit.mode() == Mode::Enforce && limit.rollout() > 0;
-    let enforcement = match (enforced(before), enforced(after)) {
+    let enforcement = match (enforces(before), enforces(after)) {
         (false, true) => Some("starts rejecting"),
         (true, false) => Some("stops rejecting"),
         _ if before.rollout() != after.rollout() && after.mode() == Mode::Enforce => {
