@@ -5,7 +5,8 @@
 use serde_json::json;
 use tollgate_policy::{Exemption, FailureMode, LimitDef, Override, Params, ValueMatch};
 
-/// A limit as the policy file gives it, in force.
+/// A limit as the policy file gives it, in force; `limits` are its policy's, among which its
+/// `replaces` are named.
 pub(crate) fn limit(limits: &[LimitDef], limit: &LimitDef) -> serde_json::Value {
     let mut body = json!({
         "name": limit.name(),
