@@ -42,6 +42,11 @@ pub(crate) enum Buckets {
 }
 
 impl Buckets {
+    /// Whether nothing happens to the buckets: kept, or none before and after.
+    fn unchanged(self) -> bool {
+        matches!(self, Buckets::Kept | Buckets::None)
+    }
+
     fn says(self) -> &'static str {
         match self {
             Buckets::Kept => "kept as they are",
@@ -201,7 +206,7 @@ fn changed(old: &Policy, before: &LimitDef, new: &Policy, after: &LimitDef) -> O
                     (no_bucket(o), o.params().rate(), o.bucket_tag()),
                     same_key,
                 );
-                if !fields.is_empty() || buckets != Buckets::Kept {
+                if !fields.is_empty() || !buckets.unchanged() {
                     overrides.push(OverrideChange {
                         name: o.name().to_owned(),
                         change: Change::Changed,
@@ -248,7 +253,7 @@ fn changed(old: &Policy, before: &LimitDef, new: &Policy, after: &LimitDef) -> O
         }
         _ => None,
     };
-    let unchanged = fields.is_empty() && overrides.is_empty() && buckets == Buckets::Kept;
+    let unchanged = fields.is_empty() && overrides.is_empty() && buckets.unchanged();
     (!unchanged).then(|| LimitChange {
         name: after.name().to_owned(),
         domain: after.domain().to_owned(),
@@ -498,6 +503,13 @@ mod tests {
     fn the_same_file_differs_in_nothing() {
         let text = bucket(", capacity: 5, refill: 1/s");
         assert!(diff(&policy(&text), &policy(&text)).is_empty());
+        // Nor do limits and overrides that count nothing, before and after.
+        let text = format!(
+            "{}  - name: blocked\n    domain: api\n    key: [ip]\n    deny: true\n    overrides:\n      - {{when: {{ip: 10.0.0.1}}, unlimited: true}}\n",
+            bucket(", capacity: 5, refill: 1/s, overrides: [{when: {tier: s}, unlimited: true}]")
+        );
+        let d = diff(&policy(&text), &policy(&text));
+        assert!(d.is_empty(), "{d:?}");
     }
 
     #[test]

@@ -1121,6 +1121,13 @@ fn reload_and_rollback_through_the_api() {
     let answer = request(server.http, "POST", "/v1/policy/reload", &auth, "");
     assert_eq!(answer.status, 200, "{}", answer.body);
     assert_eq!(answer.json()["warnings"], serde_json::json!([]));
+    // What changed, as `tollgate diff` says it: here the version alone.
+    let changes = &answer.json()["diff"];
+    assert_eq!(
+        (&changes["from_version"], &changes["to_version"]),
+        (&"1".into(), &"2".into())
+    );
+    assert_eq!(changes["limits"], serde_json::json!([]), "{changes}");
     assert_eq!(version(&server), "2");
     let decided = post_json(server.http, "/v1/check", &check_body("hank"));
     assert_eq!(decided.json()["policy_version"], "2");
@@ -1141,6 +1148,7 @@ fn reload_and_rollback_through_the_api() {
 
     let answer = request(server.http, "POST", "/v1/policy/rollback", &auth, "");
     assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(answer.json()["diff"]["to_version"], "1");
     assert_eq!(version(&server), "1");
     let answer = request(server.http, "POST", "/v1/policy/rollback", &auth, "");
     assert_eq!(answer.status, 409);
@@ -1159,6 +1167,14 @@ fn reload_and_rollback_through_the_api() {
             .unwrap_or_default()
             .contains("rollout 0%")
     );
+    let changed = &answer.json()["diff"]["limits"][0];
+    assert_eq!(changed["name"], "per-user", "{changed}");
+    assert_eq!(
+        changed["fields"],
+        serde_json::json!([{"field": "rollout", "from": "100%", "to": "0%"}])
+    );
+    assert_eq!(changed["enforcement"], "stops rejecting");
+    assert_eq!(changed["buckets"], "kept");
 }
 
 /// On the demo policy, with an audit log file, SIGHUP opens the log again (after a rotation)

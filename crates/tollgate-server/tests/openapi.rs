@@ -522,8 +522,15 @@ fn memory_script(spec: &Spec) {
     spec.expect(addr, ("GET", "/v1/policy"), &admin, "", 200);
     spec.expect(addr, ("GET", "/v1/hot-keys"), &admin, "", 200);
     spec.expect(addr, ("POST", "/v1/policy/rollback"), &admin, "", 409);
-    scratch.write("policy.yaml", &POLICY.replace("openapi-1", "openapi-2"));
-    spec.expect(addr, ("POST", "/v1/policy/reload"), &admin, "", 200);
+    let changed = POLICY
+        .replace("openapi-1", "openapi-2")
+        .replace("capacity: 2\n", "capacity: 3\n")
+        .replace("2099-01-01", "2098-01-01");
+    scratch.write("policy.yaml", &changed);
+    let reloaded = spec.expect(addr, ("POST", "/v1/policy/reload"), &admin, "", 200);
+    let changes = &reloaded.json()["diff"];
+    assert_eq!(changes["limits"][0]["buckets"], "carried_over", "{changes}");
+    assert_eq!(changes["exemptions"][0]["change"], "changed", "{changes}");
     spec.expect(addr, ("POST", "/v1/policy/rollback"), &admin, "", 200);
     scratch.write("policy.yaml", "limits: [");
     spec.expect(addr, ("POST", "/v1/policy/reload"), &admin, "", 422);

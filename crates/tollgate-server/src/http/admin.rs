@@ -12,7 +12,7 @@ use axum::extract::{ConnectInfo, RawQuery, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
-use tollgate_policy::{Error as PolicyError, SystemWallClock, WallClock};
+use tollgate_policy::{Error as PolicyError, Policy, SystemWallClock, WallClock};
 
 use super::AppState;
 use super::error::ApiError;
@@ -253,14 +253,17 @@ pub(crate) async fn reload(
             "this server runs the built-in demo policy; start it with --config FILE to reload",
         ));
     }
+    let before = engine.current();
     match engine.reload() {
         Ok(policy) => {
-            // What `tollgate validate` would warn about in the version now in force.
+            // What `tollgate validate` would warn about in the version now in force, and what
+            // the reload changed, as `tollgate diff` says it.
             let mut body = status_body(&state);
             body["warnings"] = tollgate_policy::lint(&policy, SystemWallClock.now())
                 .iter()
                 .map(ToString::to_string)
                 .collect();
+            body["diff"] = diff(&before, &policy);
             Ok(Json(body).into_response())
         }
         Err(
@@ -283,14 +286,26 @@ pub(crate) async fn reload(
     }
 }
 
+/// What changed from `before` to `after`, as `tollgate diff --json` gives it: so that whoever
+/// reloads or rolls back reads at once which limits changed and whose buckets started afresh.
+fn diff(before: &Policy, after: &Policy) -> serde_json::Value {
+    serde_json::to_value(crate::diff::diff(before, after)).unwrap_or_default()
+}
+
 pub(crate) async fn rollback(
     State(state): State<Arc<AppState>>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     authorize(state.options.admin_token.as_deref(), &headers, peer)?;
-    match state.decider.engine().rollback() {
-        Ok(_) => Ok(Json(status_body(&state)).into_response()),
+    let engine = state.decider.engine();
+    let before = engine.current();
+    match engine.rollback() {
+        Ok(policy) => {
+            let mut body = status_body(&state);
+            body["diff"] = diff(&before, &policy);
+            Ok(Json(body).into_response())
+        }
         Err(PolicyError::NothingToRollBack) => Err(ApiError::new(
             StatusCode::CONFLICT,
             "nothing_to_roll_back",
