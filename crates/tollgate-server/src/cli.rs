@@ -64,6 +64,11 @@ enum Command {
         /// One JSON document instead of text, for a bot commenting on a change.
         #[arg(long)]
         json: bool,
+        /// Exit 1 when a limit's buckets would start afresh (a full burst for every subject
+        /// at once), after printing the diff: a CI job that makes such a change a deliberate
+        /// step.
+        #[arg(long)]
+        deny_afresh: bool,
     },
     /// Decide locally against a policy file (in memory) and print the decisions.
     Check(CheckArgs),
@@ -667,7 +672,12 @@ pub fn main() -> ExitCode {
         Command::Serve(args) => serve_main(*args),
         Command::Validate { file, strict } => validate(&file, strict),
         Command::Check(args) => check(args),
-        Command::Diff { old, new, json } => diff(&old, &new, json),
+        Command::Diff {
+            old,
+            new,
+            json,
+            deny_afresh,
+        } => diff(&old, &new, json, deny_afresh),
         Command::Simulate(args) => crate::simulate::main(&args).map_err(anyhow::Error::from),
         Command::Bench(args) => crate::loadgen::main(&args),
         Command::Import {
@@ -732,7 +742,7 @@ fn validate(file: &Path, strict: bool) -> Result<()> {
     Ok(())
 }
 
-fn diff(old: &Path, new: &Path, json: bool) -> Result<()> {
+fn diff(old: &Path, new: &Path, json: bool, deny_afresh: bool) -> Result<()> {
     let old = tollgate_policy::validate(old).map_err(|err| anyhow!("{err}"))?;
     let new = tollgate_policy::validate(new).map_err(|err| anyhow!("{err}"))?;
     let diff = crate::diff::diff(&old, &new);
@@ -741,6 +751,14 @@ fn diff(old: &Path, new: &Path, json: bool) -> Result<()> {
         println!("{text}");
     } else {
         print!("{}", crate::diff::render(&diff));
+    }
+    let afresh: Vec<&str> = diff.afresh().map(|l| l.name.as_str()).collect();
+    if deny_afresh && !afresh.is_empty() {
+        bail!(
+            "the buckets of {} would start afresh, full for every subject at once \
+             (--deny-afresh)",
+            afresh.join(", ")
+        );
     }
     Ok(())
 }

@@ -136,6 +136,13 @@ impl PolicyDiff {
     pub(crate) fn is_empty(&self) -> bool {
         self.limits.is_empty() && self.exemptions.is_empty()
     }
+
+    /// The limits whose buckets, or one of whose overrides' buckets, start afresh.
+    pub(crate) fn afresh(&self) -> impl Iterator<Item = &LimitChange> {
+        self.limits.iter().filter(|l| {
+            l.buckets == Buckets::Afresh || l.overrides.iter().any(|o| o.buckets == Buckets::Afresh)
+        })
+    }
 }
 
 /// What changes from `old` to `new`: limits in `new`'s order, then those `old` alone has.
@@ -425,13 +432,7 @@ pub(crate) fn render(diff: &PolicyDiff) -> String {
         write_fields(&mut out, &e.fields, "    ");
     }
     let count = |change: Change| diff.limits.iter().filter(|l| l.change == change).count();
-    let afresh = diff
-        .limits
-        .iter()
-        .filter(|l| {
-            l.buckets == Buckets::Afresh || l.overrides.iter().any(|o| o.buckets == Buckets::Afresh)
-        })
-        .count();
+    let afresh = diff.afresh().count();
     let _ = writeln!(
         out,
         "limits: {} changed, {} added, {} removed; {} whose buckets start afresh; exemptions: {} \

@@ -1811,7 +1811,25 @@ fn the_diff_command_says_what_a_change_does_to_buckets() {
     assert!(status.success());
     assert!(stdout.contains("no limit or exemption differs"), "{stdout}");
 
+    // --deny-afresh passes a change that keeps or carries every bucket over, and fails one
+    // that starts some afresh.
+    let (status, _, stderr) = run(&["diff", path_str(&old), path_str(&new), "--deny-afresh"]);
+    assert!(status.success(), "{stderr}");
     let scratch = Scratch::new("diff");
+    let text = std::fs::read_to_string(&old).expect("the example policy");
+    let rekeyed = scratch.write(
+        "rekeyed.yaml",
+        &text.replacen("key: [user]", "key: [tenant]", 1),
+    );
+    let (status, stdout, stderr) =
+        run(&["diff", path_str(&old), path_str(&rekeyed), "--deny-afresh"]);
+    assert_eq!(status.code(), Some(1), "{stdout}");
+    assert!(stdout.contains("buckets: start afresh"), "{stdout}");
+    assert!(
+        stderr.contains("the buckets of per-user would start afresh"),
+        "{stderr}"
+    );
+
     let bad = scratch.write("bad.yaml", "limits:\n  - name: x\n    capacty: 5\n");
     let (status, _, stderr) = run(&["diff", path_str(&old), path_str(&bad)]);
     assert_eq!(status.code(), Some(1));
