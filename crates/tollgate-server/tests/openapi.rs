@@ -259,6 +259,14 @@ impl Spec {
         !self.complaints(schema, &request).is_empty()
     }
 
+    /// Takes a lease with `body` (which must get one) and answers its id.
+    fn lease(&self, addr: SocketAddr, body: &str) -> String {
+        let taken = self.post(addr, "/v1/leases", body);
+        assert_eq!(taken.status, 200, "{}", taken.body);
+        let id = taken.json()["lease_id"].as_str().map(str::to_owned);
+        id.unwrap_or_else(|| panic!("no lease id: {}", taken.body))
+    }
+
     /// Every operation of the document.
     fn operations(&self) -> BTreeSet<(String, String)> {
         let mut operations = BTreeSet::new();
@@ -476,12 +484,7 @@ fn memory_script(spec: &Spec) {
 
     // Leases.
     let export = r#"{"domain":"api","descriptors":[{"user":"alice","route":"/export"}]}"#;
-    let taken = spec.post(addr, "/v1/leases", export);
-    assert_eq!(taken.status, 200, "{}", taken.body);
-    let lease = taken.json()["lease_id"]
-        .as_str()
-        .expect("a lease id")
-        .to_owned();
+    let lease = spec.lease(addr, export);
     assert_eq!(spec.post(addr, "/v1/leases", export).status, 429);
     let denied = r#"{"domain":"api","descriptors":[{"user":"mallory","route":"/export"}]}"#;
     assert_eq!(spec.post(addr, "/v1/leases", denied).status, 429);
@@ -586,12 +589,7 @@ fn redis_script(spec: &Spec) {
     let check = r#"{"domain":"api","descriptors":[{"user":"u1"}],"request_id":"r-1"}"#;
     assert_eq!(spec.post(addr, "/v1/check", check).status, 200);
     let export = r#"{"domain":"api","descriptors":[{"user":"u1","route":"/export"}]}"#;
-    let taken = spec.post(addr, "/v1/leases", export);
-    assert_eq!(taken.status, 200, "{}", taken.body);
-    let lease = taken.json()["lease_id"]
-        .as_str()
-        .expect("a lease id")
-        .to_owned();
+    let lease = spec.lease(addr, export);
     redis.kill();
     assert_eq!(spec.post(addr, "/v1/check", check).status, 503);
     assert_eq!(spec.post(addr, "/v1/explain", check).status, 503);
