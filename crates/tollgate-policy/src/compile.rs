@@ -20,8 +20,8 @@ use crate::policy::{
     Params, Policy, Scope, ValueMatch,
 };
 use crate::schema::{
-    self, EmergencyText, FailureModeSpec, LeaseTimeoutText, ModeSpec, PolicyFile, RateText,
-    RequestLimitSpec, ScopeSpec, WhenValue, WindowText, at, at_location,
+    self, EmergencyText, ExemptionSpec, FailureModeSpec, LeaseTimeoutText, LimitSpec, ModeSpec,
+    PolicyFile, RateText, RequestLimitSpec, ScopeSpec, WhenValue, WindowText, at, at_location,
 };
 use crate::wall::UnixTime;
 
@@ -35,7 +35,80 @@ const MAX_ENTRIES: usize = 1_000_000;
 /// Parses and validates policy `text`, reporting problems against `file`.
 pub fn compile(file: &str, text: &str) -> Result<Policy, Error> {
     let parsed = schema::parse(file, text)?;
-    build(file, text, parsed)
+    let unit = Unit {
+        file: file.to_owned(),
+        name: None,
+        parsed,
+    };
+    build(file, &Version::OfText(text), vec![unit])
+}
+
+/// Parses and validates the policy files of directory `dir`, given as (file name, text), and
+/// merges them into one policy: what `--config DIR` loads. Problems are reported against
+/// `dir/name`.
+///
+/// Each file is written as a policy file of its own and its `defaults` apply to its own
+/// limits; names are unique across the directory, and `replaces` and exemptions may name a
+/// limit of any file. At most one file may set `version`; without one, the version is a hash of
+/// the names and contents. The files are taken in the order given (the directory reader sorts
+/// them by name), which is the order of [`Policy::limits`].
+///
+/// ```
+/// let policy = tollgate_policy::compile_directory("policy.d", &[
+///     ("payments.yaml", "limits:\n  - {name: pay, domain: api, capacity: 5, refill: 1/s}\n"),
+///     ("search.yaml", "limits:\n  - {name: search, domain: api, capacity: 50, refill: 10/s}\n"),
+/// ])?;
+/// assert_eq!(policy.files().len(), 2);
+/// assert_eq!(policy.limit("search").and_then(|l| l.file()), Some("search.yaml"));
+/// # Ok::<(), tollgate_policy::Error>(())
+/// ```
+///
+/// # Errors
+///
+/// The first problem found, in the file it is in; [`Error::EmptyDirectory`] for no files.
+pub fn compile_directory(dir: &str, files: &[(&str, &str)]) -> Result<Policy, Error> {
+    if files.is_empty() {
+        return Err(Error::EmptyDirectory { path: dir.into() });
+    }
+    let mut units = Vec::with_capacity(files.len());
+    for (name, text) in files {
+        let file = std::path::Path::new(dir).join(name).display().to_string();
+        let parsed = schema::parse(&file, text)?;
+        units.push(Unit {
+            file,
+            name: Some((*name).into()),
+            parsed,
+        });
+    }
+    build(dir, &Version::OfFiles(files), units)
+}
+
+/// One parsed file of a policy being compiled.
+struct Unit {
+    /// The file as diagnostics name it.
+    file: String,
+    /// Its name in a policy directory; `None` for a policy of one file.
+    name: Option<Arc<str>>,
+    parsed: PolicyFile,
+}
+
+/// What a policy that declares no version is versioned by.
+enum Version<'a> {
+    OfText(&'a str),
+    OfFiles(&'a [(&'a str, &'a str)]),
+}
+
+/// The hash a directory's policy is versioned by, and an engine recognises unchanged files by:
+/// names and contents, each length-prefixed so that no two sets of files hash the same bytes.
+pub(crate) fn files_hash<'a>(files: impl IntoIterator<Item = (&'a str, &'a str)>) -> u64 {
+    let mut bytes = Vec::new();
+    for (name, text) in files {
+        for part in [name, text] {
+            bytes.extend_from_slice(&(part.len() as u64).to_le_bytes());
+            bytes.extend_from_slice(part.as_bytes());
+        }
+    }
+    stable_hash(&bytes)
 }
 
 fn check_name(file: &str, name: &Spanned<String>, path: String, what: &str) -> Result<(), Error> {
@@ -101,12 +174,13 @@ fn plain_conditions(when: &BTreeMap<String, WhenValue>) -> Conditions {
 
 /// Resolves each limit's `replaces` to positions: names of other limits of its own domain
 /// (a limit of another domain never applies to the same request), each once.
-fn resolve_replaces(file: &str, parsed: &PolicyFile, limits: &mut [LimitDef]) -> Result<(), Error> {
-    for (i, spec) in parsed.limits.iter().enumerate() {
-        let Some(names) = &spec.replaces else {
+fn resolve_replaces(specs: &[Spec<'_, LimitSpec>], limits: &mut [LimitDef]) -> Result<(), Error> {
+    for (i, spec) in specs.iter().enumerate() {
+        let Some(names) = &spec.spec.replaces else {
             continue;
         };
-        let path = format!("limits[{i}].replaces");
+        let file = spec.file();
+        let path = format!("limits[{}].replaces", spec.at);
         let mut replaced = Vec::with_capacity(names.value.len());
         for name in &names.value {
             let problem = match limits.iter().position(|l| *l.name == **name) {
@@ -716,59 +790,123 @@ fn failure_mode_of(
     Ok(FailureMode::Open { emergency })
 }
 
-fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
-    let version: Arc<str> = match &parsed.version {
-        Some(version) => {
-            let value = version.value.0.trim();
-            if value.is_empty() || value.len() > 64 {
-                return Err(at(
-                    file,
-                    version,
-                    "version".into(),
-                    "version must be 1 to 64 characters".into(),
-                ));
-            }
-            value.into()
+/// One entry of `limits` or `exemptions`, with the file it is in.
+struct Spec<'a, T> {
+    unit: &'a Unit,
+    /// Its position in its file's list, for diagnostics.
+    at: usize,
+    spec: &'a T,
+}
+
+impl<T> Spec<'_, T> {
+    fn file(&self) -> &str {
+        &self.unit.file
+    }
+}
+
+/// The version a policy declares, or the hash of its content: one file's text, or a
+/// directory's names and contents. In a directory at most one file may declare it, since a
+/// version names all of them.
+fn version_of(units: &[Unit], content: &Version<'_>) -> Result<Arc<str>, Error> {
+    let mut declared: Option<(&Unit, &str)> = None;
+    for unit in units {
+        let Some(version) = &unit.parsed.version else {
+            continue;
+        };
+        let value = version.value.0.trim();
+        if value.is_empty() || value.len() > 64 {
+            return Err(at(
+                &unit.file,
+                version,
+                "version".into(),
+                "version must be 1 to 64 characters".into(),
+            ));
         }
+        if let Some((first, _)) = declared {
+            return Err(at(
+                &unit.file,
+                version,
+                "version".into(),
+                format!(
+                    "version is also set in {}: one version names every file of a policy \
+                     directory, so set it in one file, or in none for a hash of the contents",
+                    first.file
+                ),
+            ));
+        }
+        declared = Some((unit, value));
+    }
+    Ok(match (declared, content) {
+        (Some((_, value)), _) => value.into(),
         // Same content, same version: a reload of an unchanged file is recognisable as such.
-        None => format!("sha-{:016x}", stable_hash(text.as_bytes())).into(),
-    };
+        (None, Version::OfText(text)) => {
+            format!("sha-{:016x}", stable_hash(text.as_bytes())).into()
+        }
+        (None, Version::OfFiles(files)) => {
+            format!("sha-{:016x}", files_hash(files.iter().copied())).into()
+        }
+    })
+}
 
-    let default_mode = parsed.defaults.mode.unwrap_or(ModeSpec::Enforce);
-    let default_failure = parsed
-        .defaults
-        .failure_mode
-        .unwrap_or(FailureModeSpec::Closed);
-    let default_emergency = parsed.defaults.emergency.as_ref();
+fn build(source: &str, content: &Version<'_>, units: Vec<Unit>) -> Result<Policy, Error> {
+    let version = version_of(&units, content)?;
+    let specs: Vec<Spec<'_, LimitSpec>> = units
+        .iter()
+        .flat_map(|unit| {
+            (unit.parsed.limits.iter().enumerate()).map(move |(at, spec)| Spec { unit, at, spec })
+        })
+        .collect();
+    let exemption_specs: Vec<Spec<'_, ExemptionSpec>> = units
+        .iter()
+        .flat_map(|unit| {
+            (unit.parsed.exemptions.iter().enumerate()).map(move |(at, spec)| Spec {
+                unit,
+                at,
+                spec,
+            })
+        })
+        .collect();
 
-    if let Some(spec) = parsed.limits.get(MAX_ENTRIES) {
+    if let Some(spec) = specs.get(MAX_ENTRIES) {
         return Err(at(
-            file,
-            &spec.name,
-            format!("limits[{MAX_ENTRIES}]"),
+            spec.file(),
+            &spec.spec.name,
+            format!("limits[{}]", spec.at),
             format!("a policy may hold at most {MAX_ENTRIES} limits"),
         ));
     }
-    if let Some(spec) = parsed.exemptions.get(MAX_ENTRIES) {
+    if let Some(spec) = exemption_specs.get(MAX_ENTRIES) {
         return Err(at(
-            file,
-            &spec.limit,
-            format!("exemptions[{MAX_ENTRIES}]"),
+            spec.file(),
+            &spec.spec.limit,
+            format!("exemptions[{}]", spec.at),
             format!("a policy may hold at most {MAX_ENTRIES} exemptions"),
         ));
     }
-    let mut names: HashSet<String> = HashSet::new();
-    let mut limits = Vec::with_capacity(parsed.limits.len());
-    for (i, spec) in parsed.limits.iter().enumerate() {
-        let path = format!("limits[{i}]");
+    // Where each name was first written, to point a duplicate in another file at it.
+    let mut names: StdHashMap<&str, &Unit> = StdHashMap::new();
+    let mut limits = Vec::with_capacity(specs.len());
+    for (i, entry) in specs.iter().enumerate() {
+        let (unit, spec) = (entry.unit, entry.spec);
+        let file = unit.file.as_str();
+        let defaults = &unit.parsed.defaults;
+        let default_mode = defaults.mode.unwrap_or(ModeSpec::Enforce);
+        let default_failure = defaults.failure_mode.unwrap_or(FailureModeSpec::Closed);
+        let default_emergency = defaults.emergency.as_ref();
+        let path = format!("limits[{}]", entry.at);
         check_name(file, &spec.name, format!("{path}.name"), "limit")?;
-        if !names.insert(spec.name.value.clone()) {
+        if let Some(first) = names.insert(&spec.name.value, unit) {
+            let elsewhere = if first.file == unit.file {
+                String::new()
+            } else {
+                format!(" (also in {})", first.file)
+            };
             return Err(at(
                 file,
                 &spec.name,
                 format!("{path}.name"),
                 format!(
-                    "duplicate limit name {:?}: names identify buckets",
+                    "duplicate limit name {:?}{elsewhere}: names identify buckets",
                     spec.name.value
                 ),
             ));
@@ -986,14 +1124,16 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
             replaces: Box::new([]),
             request_limit,
             deny: deny.is_some(),
+            file: unit.name.clone(),
         });
     }
-    resolve_replaces(file, &parsed, &mut limits)?;
+    resolve_replaces(&specs, &mut limits)?;
 
-    let mut exemptions = Vec::with_capacity(parsed.exemptions.len());
+    let mut exemptions = Vec::with_capacity(exemption_specs.len());
     let mut per_limit: Vec<Vec<u32>> = vec![Vec::new(); limits.len()];
-    for (i, spec) in parsed.exemptions.iter().enumerate() {
-        let path = format!("exemptions[{i}]");
+    for (i, entry) in exemption_specs.iter().enumerate() {
+        let (file, spec) = (entry.file(), entry.spec);
+        let path = format!("exemptions[{}]", entry.at);
         let Some(limit) = limits.iter().position(|l| *l.name == *spec.limit.value) else {
             return Err(at(
                 file,
@@ -1021,6 +1161,7 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
             expires: UnixTime::from_nanos(spec.expires.0),
             uses: Default::default(),
             expiry_reported: Default::default(),
+            file: entry.unit.name.clone(),
         });
     }
     for (limit, list) in limits.iter_mut().zip(per_limit) {
@@ -1200,9 +1341,11 @@ fn build(file: &str, text: &str, parsed: PolicyFile) -> Result<Policy, Error> {
     for (limit, filed) in limits.iter_mut().zip(filed_at) {
         limit.filed = filed;
     }
+    let files = units.iter().filter_map(|u| u.name.clone()).collect();
     Ok(Policy {
         version,
-        source: file.into(),
+        source: source.into(),
+        files,
         limits: limits.into_boxed_slice(),
         exemptions: exemptions.into_boxed_slice(),
         domains,

@@ -48,10 +48,10 @@ use tollgate::{
 };
 
 use crate::audit::{AuditEvent, AuditLog};
-use crate::compile::compile;
 use crate::error::Error;
-use crate::key::{rate_tag, stable_hash};
+use crate::key::rate_tag;
 use crate::policy::{Descriptor, Effect, Exemption, FailureMode, Matched, Policy};
+use crate::sources::Sources;
 use crate::wall::{SystemWallClock, UnixTime, WallClock};
 
 /// One store entry of a request being decided: its bucket key, the limit, the summed cost of
@@ -287,19 +287,20 @@ impl PolicyEngine {
         Self::build(policy, None, None, options)
     }
 
-    /// An engine with the policy file at `path` in force; [`reload`](Self::reload) reads it
-    /// again.
+    /// An engine with the policy file, or the policy directory ([`crate::compile_directory`]),
+    /// at `path` in force; [`reload`](Self::reload) reads it again.
     ///
     /// # Errors
     ///
-    /// When the file cannot be read or does not validate: there is no last good version yet.
+    /// When a file cannot be read or the policy does not validate: there is no last good
+    /// version yet.
     pub fn from_file(path: &Path, options: EngineOptions) -> Result<Self, Error> {
-        let text = read(path)?;
-        let policy = compile(&path.display().to_string(), &text)?;
+        let sources = Sources::read(path)?;
+        let policy = sources.compile(&path.display().to_string())?;
         Ok(Self::build(
             policy,
             Some(path.to_owned()),
-            Some(stable_hash(text.as_bytes())),
+            Some(sources.hash()),
             options,
         ))
     }
@@ -357,7 +358,7 @@ impl PolicyEngine {
         self.current.load_full()
     }
 
-    /// The file this engine reloads from, if any.
+    /// The file or directory this engine reloads from, if any.
     pub fn path(&self) -> Option<&Path> {
         self.path.as_deref()
     }
@@ -370,7 +371,7 @@ impl PolicyEngine {
     /// The validation error.
     pub fn load(&self, source: &str, text: &str) -> Result<Arc<Policy>, Error> {
         let mut control = self.control.lock();
-        self.load_locked(&mut control, source, text)
+        self.load_locked(&mut control, source, &Sources::File(text.to_owned()))
     }
 
     /// Reads the engine's file again (see [`load`](Self::load)): what `POST /v1/policy/reload`
@@ -406,34 +407,37 @@ impl PolicyEngine {
                 source: std::io::Error::other("this engine was not started from a file"),
             });
         };
-        let text = match read(path) {
-            Ok(text) => text,
+        let sources = match Sources::read(path) {
+            Ok(sources) => sources,
             Err(err) => {
                 self.refuse(&mut control, &path.display().to_string(), &err);
                 return Err(err);
             }
         };
-        let hash = stable_hash(text.as_bytes());
+        let hash = sources.hash();
         if !force && control.read_hash == Some(hash) {
             return Ok(self.current.load_full());
         }
         control.read_hash = Some(hash);
-        self.load_locked(&mut control, &path.display().to_string(), &text)
+        self.load_locked(&mut control, &path.display().to_string(), &sources)
     }
 
     fn load_locked(
         &self,
         control: &mut Control,
         source: &str,
-        text: &str,
+        sources: &Sources,
     ) -> Result<Arc<Policy>, Error> {
-        let hash = stable_hash(text.as_bytes());
+        let hash = sources.hash();
         let current = self.current.load_full();
         if control.text_hash == Some(hash) && current.source() == source {
             control.last_error = None;
             return Ok(current);
         }
-        let policy = match compile(source, text).and_then(|p| self.check_limits(p)) {
+        let policy = match sources
+            .compile(source)
+            .and_then(|p| Self::check_limits_of(&self.options, p))
+        {
             Ok(policy) => Arc::new(policy),
             Err(err) => {
                 self.refuse(control, source, &err);
@@ -466,8 +470,8 @@ impl PolicyEngine {
     }
 
     /// `policy`, if every rate limit in it passes [`EngineOptions::limit_check`].
-    fn check_limits(&self, policy: Policy) -> Result<Policy, Error> {
-        let Some(check) = &self.options.limit_check else {
+    fn check_limits_of(options: &EngineOptions, policy: Policy) -> Result<Policy, Error> {
+        let Some(check) = &options.limit_check else {
             return Ok(policy);
         };
         for limit in policy.limits() {
@@ -1685,13 +1689,6 @@ fn changed_limits(old: &Policy, new: &Policy) -> Vec<String> {
         })
         .map(|limit| limit.name().to_owned())
         .collect()
-}
-
-fn read(path: &Path) -> Result<String, Error> {
-    std::fs::read_to_string(path).map_err(|source| Error::Io {
-        path: path.to_owned(),
-        source,
-    })
 }
 
 #[cfg(test)]

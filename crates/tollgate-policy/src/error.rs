@@ -47,6 +47,17 @@ pub enum Error {
         /// Why.
         source: std::io::Error,
     },
+    /// A policy directory with no policy file in it: refused rather than read as a policy
+    /// without limits, since a directory caught mid-deploy may be empty for a moment.
+    #[error(
+        "{} holds no policy file: a policy directory holds .yaml or .yml files, merged into one \
+         policy",
+        path.display()
+    )]
+    EmptyDirectory {
+        /// The directory.
+        path: PathBuf,
+    },
     /// A limit named that the policy in force does not have.
     #[error("the policy has no limit named {name:?}")]
     UnknownLimit {

@@ -5,6 +5,7 @@
 //!
 //! * [`compile`] parses and validates a file in one pass; a [`Policy`] that exists is valid, and
 //!   every error names the file, line, column and field path ([`Diagnostic`]).
+//!   [`compile_directory`] merges the files of a policy directory (one per team) into one.
 //! * [`Policy::match_into`] maps a domain and descriptors to the applicable rate limits, with
 //!   bucket keys and effective parameters (overrides, shadow, rollout, exemptions), through
 //!   per-domain indexes: no scan of the limits, no allocation beyond the bucket keys.
@@ -68,10 +69,11 @@ mod key;
 mod lint;
 mod policy;
 mod schema;
+mod sources;
 mod wall;
 pub mod watch;
 
-pub use compile::compile;
+pub use compile::{compile, compile_directory};
 
 pub use engine::{
     Costs, EngineOptions, LeaseLimitOutcome, LeaseOutcome, LimitOutcome, Outcome, PolicyEngine,
@@ -85,6 +87,7 @@ pub use policy::{
     NetworkError, Override, Params, Policy, RequestDescriptor, RequestedLimit, Scope, ValueList,
     ValueMatch, forwarded_client,
 };
+pub use sources::policy_files_in;
 pub use wall::{ManualWallClock, SystemWallClock, UnixTime, WallClock};
 
 use std::path::Path;
@@ -104,15 +107,13 @@ use std::path::Path;
 /// ```
 pub const JSON_SCHEMA: &str = include_str!("../policy.schema.json");
 
-/// Reads and validates the policy file at `path`: what `tollgate validate FILE` runs.
+/// Reads and validates the policy file, or the policy directory ([`compile_directory`]), at
+/// `path`: what `tollgate validate PATH` runs.
 ///
 /// # Errors
 ///
-/// [`Error::Io`] when the file cannot be read, [`Error::Invalid`] with the first problem.
+/// [`Error::Io`] when a file cannot be read, [`Error::EmptyDirectory`] for a directory without
+/// policy files, [`Error::Invalid`] with the first problem.
 pub fn validate(path: &Path) -> Result<Policy, Error> {
-    let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
-        path: path.to_owned(),
-        source,
-    })?;
-    compile(&path.display().to_string(), &text)
+    sources::Sources::read(path)?.compile(&path.display().to_string())
 }

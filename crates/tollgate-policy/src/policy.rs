@@ -765,12 +765,20 @@ pub struct LimitDef {
     /// `deny: true`: every request it applies to is rejected; `params` is then a nominal rate
     /// that nothing decides by.
     pub(crate) deny: bool,
+    /// The file of a policy directory it is written in.
+    pub(crate) file: Option<Arc<str>>,
 }
 
 impl LimitDef {
     /// The limit's name: its identity, in bucket keys, metrics and the audit log.
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// The file of a policy directory it is written in (its name in the directory), so that a
+    /// reader knows whose limit it is; `None` in a policy of one file.
+    pub fn file(&self) -> Option<&str> {
+        self.file.as_deref()
     }
 
     /// The domain it applies to.
@@ -950,12 +958,19 @@ pub struct Exemption {
     pub(crate) uses: AtomicU64,
     /// Whether its expiry has been audited (carried across reloads, as `uses` is).
     pub(crate) expiry_reported: std::sync::atomic::AtomicBool,
+    /// The file of a policy directory it is written in.
+    pub(crate) file: Option<Arc<str>>,
 }
 
 impl Exemption {
     /// The limit it lifts.
     pub fn limit(&self) -> &str {
         &self.limit
+    }
+
+    /// The file of a policy directory it is written in; `None` in a policy of one file.
+    pub fn file(&self) -> Option<&str> {
+        self.file.as_deref()
     }
 
     /// The descriptor entries and what their values must be for it to apply (none: every
@@ -1179,6 +1194,8 @@ pub(crate) struct DomainIndex {
 pub struct Policy {
     pub(crate) version: Arc<str>,
     pub(crate) source: Arc<str>,
+    /// The files of a policy directory, in the order read; empty for a policy of one file.
+    pub(crate) files: Box<[Arc<str>]>,
     pub(crate) limits: Box<[LimitDef]>,
     pub(crate) exemptions: Box<[Exemption]>,
     pub(crate) domains: HashMap<Box<str>, DomainIndex, foldhash::fast::RandomState>,
@@ -1196,9 +1213,15 @@ impl Policy {
         &self.version
     }
 
-    /// Where the policy came from (a file name, or `<input>`).
+    /// Where the policy came from: a file, a directory, or `<input>`.
     pub fn source(&self) -> &str {
         &self.source
+    }
+
+    /// The files of a policy directory, by name, in the order they were merged; empty for a
+    /// policy of one file.
+    pub fn files(&self) -> &[Arc<str>] {
+        &self.files
     }
 
     /// The limits in declaration order.

@@ -6,7 +6,8 @@
 //! `..data` symlink inside the directory. Any change in the directory triggers a reload after a
 //! debounce; the engine skips bytes it has already read (so an unrelated file does not undo a
 //! rollback or retry a refused file), refuses a bad file and keeps the last good version, so a
-//! spurious event costs one read.
+//! spurious event costs one read. A policy directory is watched itself: a file added, changed,
+//! renamed or removed in it, or a ConfigMap swap inside it, reloads the whole.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -37,7 +38,8 @@ impl std::fmt::Debug for PolicyWatcher {
 }
 
 impl PolicyWatcher {
-    /// Watches the directory of `engine`'s file, reloading `debounce` after the last change.
+    /// Watches the directory of `engine`'s file (or its policy directory), reloading `debounce`
+    /// after the last change.
     ///
     /// # Errors
     ///
@@ -104,6 +106,9 @@ impl PolicyWatcher {
 }
 
 fn directory_of(file: &Path) -> PathBuf {
+    if file.is_dir() {
+        return file.to_owned();
+    }
     match file.parent() {
         Some(dir) if !dir.as_os_str().is_empty() => dir.to_owned(),
         _ => PathBuf::from("."),

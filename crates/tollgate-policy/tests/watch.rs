@@ -180,3 +180,112 @@ fn a_refused_file_is_not_retried_on_unrelated_events() {
     drop(watcher);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A policy directory reloads as a whole when a file is added, changed or removed; a bad file
+/// anywhere in it is refused and the last good version stays.
+#[test]
+fn a_policy_directory_reloads_on_any_of_its_files() {
+    let dir = temp_dir("directory");
+    let team = |name: &str| {
+        format!(
+            "limits:\n  - {{name: {name}, domain: api, key: [user], capacity: 1, refill: 1/s}}\n"
+        )
+    };
+    write(&dir.join("payments.yaml"), &team("pay"));
+    write(&dir.join("search.yaml"), &team("search"));
+    let (engine, watcher, rx) = start(&dir);
+    assert_eq!(watcher.dir(), dir);
+    let names = |engine: &PolicyEngine| -> Vec<String> {
+        let current = engine.current();
+        current
+            .limits()
+            .iter()
+            .map(|l| l.name().to_owned())
+            .collect()
+    };
+    assert_eq!(names(&engine), ["pay", "search"]);
+    let wait_for_limits = |expected: &[&str]| {
+        loop {
+            match rx.recv_timeout(Duration::from_secs(10)) {
+                Ok(Ok(p))
+                    if p.limits()
+                        .iter()
+                        .map(|l| l.name())
+                        .eq(expected.iter().copied()) =>
+                {
+                    return;
+                }
+                Ok(_) => {}
+                Err(err) => panic!("no reload to {expected:?}: {err}"),
+            }
+        }
+    };
+
+    // A new team's file, written aside and renamed in as deploy tools do.
+    let tmp = dir.join(".checkout.yaml.tmp");
+    write(&tmp, &team("checkout"));
+    std::fs::rename(&tmp, dir.join("checkout.yaml")).unwrap_or_else(|e| panic!("{e}"));
+    wait_for_limits(&["checkout", "pay", "search"]);
+
+    // A bad file refuses the whole directory: its limits are not silently dropped.
+    write(&dir.join("search.yaml"), "limits: [\n");
+    wait_for(&rx, None);
+    assert_eq!(names(&engine), ["checkout", "pay", "search"]);
+    assert!(engine.status().last_error.is_some());
+
+    // Removing the bad file is a change like any other.
+    std::fs::remove_file(dir.join("search.yaml")).unwrap_or_else(|e| panic!("{e}"));
+    wait_for_limits(&["checkout", "pay"]);
+    drop(watcher);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A ConfigMap of several keys mounted as a directory: each file is a link through `..data`,
+/// and an update swaps `..data` alone, changing every file at once.
+#[cfg(unix)]
+#[test]
+fn configmap_directory_swap() {
+    use std::os::unix::fs::symlink;
+    let dir = temp_dir("configmap-directory");
+    let mount = |stamp: &str, files: &[(&str, &str)]| {
+        let real = dir.join(stamp);
+        std::fs::create_dir(&real).unwrap_or_else(|e| panic!("{e}"));
+        for (name, text) in files {
+            write(&real.join(name), text);
+        }
+        symlink(stamp, dir.join("..data_tmp")).unwrap_or_else(|e| panic!("{e}"));
+        std::fs::rename(dir.join("..data_tmp"), dir.join("..data"))
+            .unwrap_or_else(|e| panic!("{e}"));
+    };
+    let limit = |name: &str| {
+        format!("limits:\n  - {{name: {name}, domain: api, capacity: 1, refill: 1/s}}\n")
+    };
+    mount(
+        "..2026_12_07_00_00_00.1",
+        &[
+            ("a.yaml", &limit("a")),
+            ("version.yaml", "version: \"1\"\nlimits: []\n"),
+        ],
+    );
+    for name in ["a.yaml", "version.yaml"] {
+        symlink(format!("..data/{name}"), dir.join(name)).unwrap_or_else(|e| panic!("{e}"));
+    }
+    let (engine, _watcher, rx) = start(&dir);
+    assert_eq!(engine.status().version, "1");
+    assert_eq!(
+        engine.current().files().len(),
+        2,
+        "..data is not a policy file"
+    );
+
+    mount(
+        "..2026_12_07_00_01_00.2",
+        &[
+            ("a.yaml", &limit("a2")),
+            ("version.yaml", "version: \"2\"\nlimits: []\n"),
+        ],
+    );
+    wait_for(&rx, Some("2"));
+    assert!(engine.current().limit("a2").is_some());
+    let _ = std::fs::remove_dir_all(&dir);
+}
