@@ -81,7 +81,7 @@ pub use engine::{
 };
 pub use envoy::{ImportOptions, import_envoy, import_envoy_files, import_envoy_with};
 pub use error::{Diagnostic, Error};
-pub use lint::{EXPIRING_SOON, Warning, lint};
+pub use lint::{EXPIRING_SOON, Warning, lint, lint_by_file};
 pub use policy::{
     Descriptor, Effect, Exemption, FailureMode, LeaseMatched, LimitDef, Matched, Mode, Network,
     NetworkError, Override, Params, Policy, RequestDescriptor, RequestedLimit, Scope, ValueList,

@@ -159,29 +159,49 @@ impl fmt::Display for Warning {
 
 /// The warnings about `policy` at `now` (for exemptions' expiry), in file order.
 pub fn lint(policy: &Policy, now: UnixTime) -> Vec<Warning> {
+    lint_by_file(policy, now)
+        .into_iter()
+        .map(|(_, warning)| warning)
+        .collect()
+}
+
+/// [`lint`], each warning with the file of a policy directory the limit or exemption it is
+/// about is written in (`None` for a policy of one file), so that it reaches the team that
+/// owns that file.
+pub fn lint_by_file(policy: &Policy, now: UnixTime) -> Vec<(Option<&str>, Warning)> {
     let mut warnings = Vec::new();
     for limit in policy.limits() {
-        lint_limit(limit, &mut warnings);
+        let mut found = Vec::new();
+        lint_limit(limit, &mut found);
+        warnings.extend(found.into_iter().map(|w| (limit.file(), w)));
     }
     for exemption in policy.exemptions() {
-        star_values(exemption.limit(), exemption.when(), &mut warnings);
+        let mut found = Vec::new();
+        star_values(exemption.limit(), exemption.when(), &mut found);
+        warnings.extend(found.into_iter().map(|w| (exemption.file(), w)));
     }
     let soon = i64::try_from(EXPIRING_SOON.as_nanos()).unwrap_or(i64::MAX);
     for exemption in policy.exemptions() {
         let (limit, owner) = (exemption.limit().to_owned(), exemption.owner().to_owned());
         let expires = exemption.expires();
         if !exemption.is_active(now) {
-            warnings.push(Warning::ExemptionExpired {
-                limit,
-                owner,
-                expired: expires,
-            });
+            warnings.push((
+                exemption.file(),
+                Warning::ExemptionExpired {
+                    limit,
+                    owner,
+                    expired: expires,
+                },
+            ));
         } else if expires.as_nanos().saturating_sub(now.as_nanos()) <= soon {
-            warnings.push(Warning::ExemptionExpiring {
-                limit,
-                owner,
-                expires,
-            });
+            warnings.push((
+                exemption.file(),
+                Warning::ExemptionExpiring {
+                    limit,
+                    owner,
+                    expires,
+                },
+            ));
         }
     }
     warnings

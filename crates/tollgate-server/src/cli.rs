@@ -44,10 +44,11 @@ enum Command {
     /// Serve decisions: Envoy RLS over gRPC, HTTP JSON, forward-auth, metrics.
     // Boxed: the serve flags outweigh every other command's.
     Serve(Box<ServeArgs>),
-    /// Check a policy file; exit 0 if it is valid, 1 with the errors if not. Warnings (parts
-    /// that load but do nothing, exemptions past or near their expiry) go to stderr.
+    /// Check a policy file or directory; exit 0 if it is valid, 1 with the errors if not.
+    /// Warnings (parts that load but do nothing, exemptions past or near their expiry) go to
+    /// stderr.
     Validate {
-        /// The policy file.
+        /// The policy file, or a policy directory (its .yaml and .yml files, merged).
         file: PathBuf,
         /// Exit 1 on warnings too, for a CI job that keeps policies tidy.
         #[arg(long)]
@@ -57,9 +58,9 @@ enum Command {
     /// changed, in the file's terms, and what becomes of each one's buckets (kept, carried
     /// over on a reload, or started afresh: a full burst for every subject).
     Diff {
-        /// The policy in force.
+        /// The policy in force (a file or a policy directory).
         old: PathBuf,
-        /// The policy proposed.
+        /// The policy proposed (a file or a policy directory).
         new: PathBuf,
         /// One JSON document instead of text, for a bot commenting on a change.
         #[arg(long)]
@@ -122,8 +123,9 @@ enum ImportFrom {
 /// `tollgate serve` flags.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServeArgs {
-    /// Policy file (YAML, see docs/policy.md). Without one, a built-in demo policy is used and
-    /// printed. The file is watched and reloaded when it changes.
+    /// Policy file (YAML, see docs/policy.md), or a policy directory whose .yaml and .yml files
+    /// (one per team, say) are merged into one policy. Without one, a built-in demo policy is
+    /// used and printed. The file or directory is watched and reloaded when it changes.
     #[arg(long, env = "TOLLGATE_CONFIG")]
     pub config: Option<PathBuf>,
     /// HTTP listen address (JSON API, forward-auth, metrics, health, admin).
@@ -500,7 +502,7 @@ pub enum LogFormat {
 /// `tollgate check` flags.
 #[derive(Debug, clap::Args)]
 struct CheckArgs {
-    /// The policy file.
+    /// The policy file or directory.
     #[arg(long)]
     config: PathBuf,
     /// The domain.
@@ -720,12 +722,18 @@ fn schema() -> Result<()> {
 
 fn validate(file: &Path, strict: bool) -> Result<()> {
     let policy = tollgate_policy::validate(file).map_err(|err| anyhow!("{err}"))?;
-    let warnings = tollgate_policy::lint(&policy, SystemWallClock.now());
-    for warning in &warnings {
-        eprintln!("warning: {}: {warning}", file.display());
+    let warnings = tollgate_policy::lint_by_file(&policy, SystemWallClock.now());
+    for (within, warning) in &warnings {
+        // In a policy directory, the file of the team to tell.
+        let at = within.map_or_else(|| file.to_owned(), |name| file.join(name));
+        eprintln!("warning: {}: {warning}", at.display());
     }
+    let files = match policy.files().len() {
+        0 => String::new(),
+        n => format!("{}, ", counted(n, "file")),
+    };
     println!(
-        "{}: valid, version {}, {}, {}, {}",
+        "{}: valid, version {}, {files}{}, {}, {}",
         file.display(),
         policy.version(),
         counted(policy.limits().len(), "limit"),
@@ -761,6 +769,17 @@ fn diff(old: &Path, new: &Path, json: bool, deny_afresh: bool) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Logs what `tollgate validate` would warn about in `policy`, with the file of a policy
+/// directory each warning is about.
+fn log_warnings(policy: &tollgate_policy::Policy) {
+    for (file, warning) in tollgate_policy::lint_by_file(policy, SystemWallClock.now()) {
+        match file {
+            Some(file) => tracing::warn!(%warning, file, "policy warning"),
+            None => tracing::warn!(%warning, "policy warning"),
+        }
+    }
 }
 
 /// `1 limit`, `2 limits`: a summary line read by people.
@@ -820,7 +839,7 @@ fn import_envoy(paths: &[PathBuf], fixed_windows: bool, merge_domains: bool) -> 
     let mut files = Vec::new();
     for path in paths {
         if path.is_dir() {
-            let found = config_files_in(path)?;
+            let found = tollgate_policy::policy_files_in(path).map_err(|err| anyhow!("{err}"))?;
             if found.is_empty() {
                 bail!("{} holds no .yaml or .yml file", path.display());
             }
@@ -858,26 +877,6 @@ fn import_envoy(paths: &[PathBuf], fixed_windows: bool, merge_domains: bool) -> 
         imported.notes.len()
     );
     Ok(())
-}
-
-/// The `.yaml` and `.yml` files directly in `dir`, in name order.
-fn config_files_in(dir: &Path) -> Result<Vec<PathBuf>> {
-    let entries =
-        std::fs::read_dir(dir).with_context(|| format!("cannot read {}", dir.display()))?;
-    let mut files = Vec::new();
-    for entry in entries {
-        let path = entry
-            .with_context(|| format!("cannot read {}", dir.display()))?
-            .path();
-        let yaml = path
-            .extension()
-            .is_some_and(|ext| ext == "yaml" || ext == "yml");
-        if yaml && path.is_file() {
-            files.push(path);
-        }
-    }
-    files.sort();
-    Ok(files)
 }
 
 fn serve_main(args: ServeArgs) -> Result<()> {
@@ -1010,9 +1009,7 @@ fn on_hangup(
                 match engine.reload() {
                     Ok(policy) => {
                         tracing::info!("SIGHUP: policy version {} in force", policy.version());
-                        for warning in tollgate_policy::lint(&policy, SystemWallClock.now()) {
-                            tracing::warn!(%warning, "policy warning");
-                        }
+                        log_warnings(&policy);
                     }
                     Err(err) => tracing::warn!(
                         "SIGHUP: policy refused, version {} stays in force: {err}",
@@ -1120,9 +1117,7 @@ pub async fn serve(
         }
     };
     let engine = Arc::new(engine);
-    for warning in tollgate_policy::lint(&engine.current(), SystemWallClock.now()) {
-        tracing::warn!(%warning, "policy warning");
-    }
+    log_warnings(&engine.current());
     // Keep the watcher alive as long as the server: dropping it stops the watching.
     let _watcher = match &args.config {
         Some(_) => Some(

@@ -19,6 +19,10 @@ pub(crate) fn limit(limits: &[LimitDef], limit: &LimitDef) -> serde_json::Value 
         "scope": limit.scope().as_str(),
         "overrides": limit.overrides().iter().map(override_entry).collect::<Vec<_>>(),
     });
+    if let Some(file) = limit.file() {
+        // Whose limit it is, in a policy directory kept one file per team.
+        body["file"] = json!(file);
+    }
     if limit.deny() {
         // No parameters, and no failure mode: a deny is decided without the store.
         body["deny"] = json!(true);
@@ -148,13 +152,17 @@ fn duration(length: std::time::Duration) -> String {
 /// An exemption as the file gives it (without what only a running server knows: whether it is
 /// active now, how often it was used).
 pub(crate) fn exemption(exemption: &Exemption) -> serde_json::Value {
-    json!({
+    let mut body = json!({
         "limit": exemption.limit(),
         "when": conditions(exemption.when()),
         "owner": exemption.owner(),
         "reason": exemption.reason(),
         "expires": exemption.expires().to_rfc3339(),
-    })
+    });
+    if let Some(file) = exemption.file() {
+        body["file"] = json!(file);
+    }
+    body
 }
 
 #[cfg(test)]

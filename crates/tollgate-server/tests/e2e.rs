@@ -13,7 +13,7 @@ use tonic_health::pb::health_client::HealthClient;
 
 use support::{
     Scratch, Server, assert_serve_flags_refused, descriptor, metric, path_str, post_json, request,
-    run, serve_refused, serve_refused_with_env, should_rate_limit, statuses,
+    run, serve_refused, serve_refused_with_env, should_rate_limit, statuses, wait_for,
 };
 
 const POLICY: &str = r#"
@@ -2561,4 +2561,123 @@ fn forward_auth_keys_by_the_clients_network() {
             "not provided:\n  --forward-auth-address <",
         ),
     ]);
+}
+
+/// A policy directory, one file per team: validated and diffed as a whole, served as one
+/// version that says whose each limit is, and reloaded when a team's file changes; a bad file
+/// is refused by name and leaves every team's limits in force.
+#[test]
+fn a_policy_directory_is_one_policy_with_a_file_per_team() {
+    let scratch = Scratch::new("policy-dir");
+    let dir = scratch.0.join("policy.d");
+    std::fs::create_dir(&dir).expect("the policy directory");
+    let limit = |name: &str, capacity: u32| {
+        format!(
+            "  - {{name: {name}, domain: api, when: {{team: {name}}}, key: [user], capacity: {capacity}, refill: 1/h}}\n"
+        )
+    };
+    let write = |file: &str, text: &str| std::fs::write(dir.join(file), text).expect("write");
+    write("payments.yaml", &format!("limits:\n{}", limit("pay", 2)));
+    write(
+        "search.yaml",
+        &format!(
+            "defaults: {{mode: shadow}}\nlimits:\n{}",
+            limit("search", 1)
+        ),
+    );
+    write("README.md", "Each team owns one file.\n");
+
+    let (status, stdout, stderr) = run(&["validate", path_str(&dir)]);
+    assert!(status.success(), "{stderr}");
+    assert!(
+        stdout.contains(": valid, version sha-") && stdout.contains(", 2 files, 2 limits, "),
+        "{stdout}"
+    );
+
+    let server = Server::start(&["--config", path_str(&dir), "--admin-token", "s3cret"]);
+    let auth = [("Authorization", "Bearer s3cret")];
+    let policy = || request(server.http, "GET", "/v1/policy", &auth, "").json();
+    let view = policy();
+    assert_eq!(
+        view["files"],
+        serde_json::json!(["payments.yaml", "search.yaml"])
+    );
+    assert_eq!(view["source"], path_str(&dir));
+    let owners: Vec<(String, String, String)> = view["limits"]
+        .as_array()
+        .expect("limits")
+        .iter()
+        .map(|l| {
+            let text = |f: &str| l[f].as_str().unwrap_or_default().to_owned();
+            (text("name"), text("file"), text("mode"))
+        })
+        .collect();
+    let owned =
+        |name: &str, file: &str, mode: &str| (name.to_owned(), file.to_owned(), mode.to_owned());
+    assert_eq!(
+        owners,
+        [
+            owned("pay", "payments.yaml", "enforce"),
+            owned("search", "search.yaml", "shadow")
+        ],
+        "each file's defaults are its own"
+    );
+    let check = |team: &str| {
+        let body = format!(r#"{{"domain":"api","descriptors":[{{"team":"{team}","user":"u1"}}]}}"#);
+        post_json(server.http, "/v1/check", &body).status
+    };
+    assert_eq!([check("pay"), check("pay"), check("pay")], [200, 200, 429]);
+
+    // A new team's file is seen by the watcher and goes in force.
+    write(
+        "checkout.yaml",
+        &format!("limits:\n{}", limit("checkout", 1)),
+    );
+    let files = wait_for("the reload of the new file", || {
+        let files = policy()["files"].clone();
+        (files.as_array().map(Vec::len) == Some(3)).then_some(files)
+    });
+    assert_eq!(
+        files,
+        serde_json::json!(["checkout.yaml", "payments.yaml", "search.yaml"])
+    );
+    assert_eq!([check("checkout"), check("checkout")], [200, 429]);
+    assert_eq!(check("pay"), 429, "the other teams' buckets are kept");
+
+    // One team's mistake is refused by file and line; everyone's limits stay in force.
+    write("search.yaml", &format!("limits:\n{}", limit("pay", 5)));
+    let answer = request(server.http, "POST", "/v1/policy/reload", &auth, "");
+    assert_eq!(answer.status, 422, "{}", answer.body);
+    let message = answer.json()["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    let search_file = dir.join("search.yaml");
+    assert!(
+        message.contains(&format!("{}:2:", search_file.display()))
+            && message.contains("duplicate limit name \"pay\""),
+        "{message}"
+    );
+    assert_eq!(policy()["files"].as_array().map(Vec::len), Some(3));
+    assert_eq!(check("pay"), 429);
+    let (status, _, stderr) = run(&["validate", path_str(&dir)]);
+    assert_eq!(status.code(), Some(1));
+    assert!(stderr.contains("search.yaml:2:"), "{stderr}");
+
+    // The diff of two directories says a limit moved between files, and keeps its buckets.
+    let moved = scratch.0.join("moved.d");
+    std::fs::create_dir(&moved).expect("a second directory");
+    std::fs::write(
+        moved.join("shared.yaml"),
+        format!("limits:\n{}{}", limit("pay", 2), limit("checkout", 1)),
+    )
+    .expect("write");
+    write("search.yaml", &format!("limits:\n{}", limit("search", 1)));
+    let (status, stdout, stderr) = run(&["diff", path_str(&dir), path_str(&moved)]);
+    assert!(status.success(), "{stderr}");
+    assert!(
+        stdout.contains("~ limit pay (domain api)\n    file: payments.yaml -> shared.yaml\n    buckets: kept as they are\n"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("- limit search (domain api)"), "{stdout}");
 }

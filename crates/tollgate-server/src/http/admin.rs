@@ -194,6 +194,9 @@ pub(crate) async fn policy(
     authorize(state.options.admin_token.as_deref(), &headers, peer)?;
     let mut body = status_body(&state);
     let policy = state.decider.engine().current();
+    if !policy.files().is_empty() {
+        body["files"] = policy.files().iter().map(|f| json!(&**f)).collect();
+    }
     body["limits"] = policy
         .limits()
         .iter()
@@ -259,9 +262,12 @@ pub(crate) async fn reload(
             // What `tollgate validate` would warn about in the version now in force, and what
             // the reload changed, as `tollgate diff` says it.
             let mut body = status_body(&state);
-            body["warnings"] = tollgate_policy::lint(&policy, SystemWallClock.now())
+            body["warnings"] = tollgate_policy::lint_by_file(&policy, SystemWallClock.now())
                 .iter()
-                .map(ToString::to_string)
+                .map(|(file, warning)| match file {
+                    Some(file) => format!("{file}: {warning}"),
+                    None => warning.to_string(),
+                })
                 .collect();
             body["diff"] = diff(&before, &policy);
             Ok(Json(body).into_response())

@@ -62,9 +62,9 @@ pub struct SimulateArgs {
     /// and optionally `duration_ms`, how long it was in flight (for concurrency limits);
     /// `-` reads standard input.
     pub trace: PathBuf,
-    /// A policy file; repeat it to compare several on the same trace (the first is the
-    /// baseline).
-    #[arg(long, required = true, value_name = "FILE")]
+    /// A policy file or directory; repeat it to compare several on the same trace (the first
+    /// is the baseline).
+    #[arg(long, required = true, value_name = "PATH")]
     pub config: Vec<PathBuf>,
     /// Length of the timeline's intervals: `500ms`, `10s`, `1m`, `1h`, `1d`.
     #[arg(long, default_value = "1m", value_parser = parse_interval)]

@@ -51,7 +51,7 @@ pub(crate) struct TraceSummary {
 /// One policy's report.
 #[derive(Debug, Clone, Serialize)]
 pub(crate) struct PolicyReport {
-    /// The policy file.
+    /// The policy file or directory.
     pub(crate) file: String,
     /// Its version.
     pub(crate) version: String,
