@@ -2084,6 +2084,7 @@ fn a_reload_with_a_limit_the_store_cannot_keep_is_refused_and_the_last_good_vers
     let leases = "version: \"3\"\nlimits:\n  - name: slots\n    domain: api\n    key: [user]\n    algorithm: concurrency\n    max_in_flight: 1000\n    lease_timeout: 1m\n";
     std::fs::write(&path, leases).unwrap();
     assert_eq!(engine.reload().unwrap().version(), "3");
+    let _ = std::fs::remove_dir_all(path.parent().unwrap_or(&path));
 }
 
 const TOKENS: &str = r#"
