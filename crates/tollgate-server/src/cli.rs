@@ -53,6 +53,10 @@ enum Command {
         /// Exit 1 on warnings too, for a CI job that keeps policies tidy.
         #[arg(long)]
         strict: bool,
+        /// How to report: lines for people, GitHub Actions annotations on the files and lines
+        /// of a pull request, or one JSON document.
+        #[arg(long, value_enum, default_value_t = crate::validate::Format::Text)]
+        format: crate::validate::Format,
     },
     /// Show what a policy change does: each limit, override and exemption added, removed or
     /// changed, in the file's terms, and what becomes of each one's buckets (kept, carried
@@ -672,7 +676,11 @@ pub fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Serve(args) => serve_main(*args),
-        Command::Validate { file, strict } => validate(&file, strict),
+        Command::Validate {
+            file,
+            strict,
+            format,
+        } => crate::validate::run(&file, strict, format),
         Command::Check(args) => check(args),
         Command::Diff {
             old,
@@ -720,36 +728,6 @@ fn schema() -> Result<()> {
         .context("cannot write the schema")
 }
 
-fn validate(file: &Path, strict: bool) -> Result<()> {
-    let policy = tollgate_policy::validate(file).map_err(|err| anyhow!("{err}"))?;
-    let warnings = tollgate_policy::lint_by_file(&policy, SystemWallClock.now());
-    for (within, warning) in &warnings {
-        // In a policy directory, the file of the team to tell.
-        let at = within.map_or_else(|| file.to_owned(), |name| file.join(name));
-        eprintln!("warning: {}: {warning}", at.display());
-    }
-    let files = match policy.files().len() {
-        0 => String::new(),
-        n => format!("{}, ", counted(n, "file")),
-    };
-    println!(
-        "{}: valid, version {}, {files}{}, {}, {}",
-        file.display(),
-        policy.version(),
-        counted(policy.limits().len(), "limit"),
-        counted(policy.exemptions().len(), "exemption"),
-        counted(warnings.len(), "warning")
-    );
-    if strict && !warnings.is_empty() {
-        bail!(
-            "{}: {} with --strict",
-            file.display(),
-            counted(warnings.len(), "warning")
-        );
-    }
-    Ok(())
-}
-
 fn diff(old: &Path, new: &Path, json: bool, deny_afresh: bool) -> Result<()> {
     let old = tollgate_policy::validate(old).map_err(|err| anyhow!("{err}"))?;
     let new = tollgate_policy::validate(new).map_err(|err| anyhow!("{err}"))?;
@@ -779,15 +757,6 @@ fn log_warnings(policy: &tollgate_policy::Policy) {
             Some(file) => tracing::warn!(%warning, file, "policy warning"),
             None => tracing::warn!(%warning, "policy warning"),
         }
-    }
-}
-
-/// `1 limit`, `2 limits`: a summary line read by people.
-fn counted(n: usize, noun: &str) -> String {
-    if n == 1 {
-        format!("1 {noun}")
-    } else {
-        format!("{n} {noun}s")
     }
 }
 
@@ -1549,13 +1518,6 @@ mod tests {
         ] {
             assert!(parse_ratio(bad).is_err(), "{bad}");
         }
-    }
-
-    #[test]
-    fn counts_read_as_english() {
-        assert_eq!(counted(0, "limit"), "0 limits");
-        assert_eq!(counted(1, "limit"), "1 limit");
-        assert_eq!(counted(2, "exemption"), "2 exemptions");
     }
 
     #[test]

@@ -64,6 +64,7 @@ pub mod rls;
 pub mod simulate;
 pub mod tls;
 pub mod traces;
+mod validate;
 
 use std::future::Future;
 use std::sync::Arc;

@@ -2681,3 +2681,82 @@ fn a_policy_directory_is_one_policy_with_a_file_per_team() {
     );
     assert!(stdout.contains("- limit search (domain api)"), "{stdout}");
 }
+
+/// `validate --format github` annotates the file and line of a pull request, and in a policy
+/// directory each warning lands on the file of the team it concerns; `--format json` gives the
+/// same as one document. The exit status is the text format's.
+#[test]
+fn validate_reports_for_ci_systems() {
+    let scratch = Scratch::new("validate-formats");
+    let dir = scratch.0.join("policy.d");
+    std::fs::create_dir(&dir).expect("the policy directory");
+    let write = |file: &str, text: &str| std::fs::write(dir.join(file), text).expect("write");
+    write(
+        "payments.yaml",
+        "limits:\n  - {name: pay, domain: api, key: [user], capacity: 5, refill: 1/s}\n",
+    );
+    write(
+        "trial.yaml",
+        "limits:\n  - {name: trial, domain: api, key: [user], capacity: 5, refill: 1/s, rollout: 0%}\n",
+    );
+    let trial = dir.join("trial.yaml").display().to_string();
+
+    let (status, stdout, stderr) = run(&["validate", "--format", "github", path_str(&dir)]);
+    assert!(status.success(), "{stderr}");
+    let mut lines = stdout.lines();
+    let warning = lines.next().unwrap_or_default();
+    assert!(
+        warning.starts_with(&format!(
+            "::warning file={trial},title=tollgate validate::limit \"trial\" has rollout 0%25"
+        )),
+        "{stdout}"
+    );
+    assert!(
+        lines
+            .next()
+            .unwrap_or_default()
+            .contains(": valid, version sha-"),
+        "{stdout}"
+    );
+    let (status, _, _) = run(&["validate", "--format", "github", "--strict", path_str(&dir)]);
+    assert_eq!(status.code(), Some(1));
+
+    let (status, stdout, stderr) = run(&["validate", "--format", "json", path_str(&dir)]);
+    assert!(status.success(), "{stderr}");
+    let report: serde_json::Value = serde_json::from_str(&stdout).expect("one JSON document");
+    assert_eq!(report["valid"], true);
+    assert_eq!(
+        report["files"],
+        serde_json::json!(["payments.yaml", "trial.yaml"])
+    );
+    assert_eq!(
+        (&report["limits"], &report["exemptions"]),
+        (&2.into(), &0.into())
+    );
+    assert_eq!(report["warnings"][0]["file"], trial.as_str());
+    assert_eq!(report["error"], serde_json::Value::Null);
+
+    // A refused directory: the error on its file, line and column.
+    write(
+        "trial.yaml",
+        "limits:\n  - {name: trial, domain: api, capacity: 5, refill: 1/s}\n  - {name: pay, domain: api, capacity: 5, refill: 1/s}\n",
+    );
+    let (status, stdout, stderr) = run(&["validate", "--format", "github", path_str(&dir)]);
+    assert_eq!(status.code(), Some(1), "{stdout}");
+    assert!(
+        stdout.starts_with(&format!(
+            "::error file={trial},line=3,col=12,title=tollgate validate::limits[1].name: duplicate limit name \"pay\" (also in "
+        )),
+        "{stdout}"
+    );
+    assert!(stderr.contains("error: "), "{stderr}");
+    let (status, stdout, _) = run(&["validate", "--format", "json", path_str(&dir)]);
+    assert_eq!(status.code(), Some(1));
+    let report: serde_json::Value = serde_json::from_str(&stdout).expect("one JSON document");
+    assert_eq!(report["valid"], false);
+    let error = &report["error"];
+    assert_eq!(
+        (&error["file"], &error["line"], &error["path"]),
+        (&trial.as_str().into(), &3.into(), &"limits[1].name".into())
+    );
+}
