@@ -1,7 +1,8 @@
 //! The audit trail of the control plane, as JSON lines.
 //!
 //! Operators need to answer "who changed what, when, and what did it do" after the fact: every
-//! policy load, refused file, rollback, exemption use and degraded decision is one JSON object
+//! policy load, refused file, rollback, exemption use, switch of every limit to shadow mode and
+//! degraded decision is one JSON object
 //! on one line, with a wall-clock timestamp, so the log can be shipped and queried as is.
 //! Writing must never break a decision: a failed write is counted, not returned.
 
@@ -94,6 +95,23 @@ pub enum AuditEvent {
         /// The bucket.
         bucket_key: String,
         /// The policy version that matched.
+        policy_version: String,
+    },
+    /// An operator put every limit in shadow mode ([`crate::PolicyEngine::set_shadow_all`]):
+    /// nothing is rejected until it is turned off.
+    ShadowAllOn {
+        /// Why, as the operator gave it.
+        reason: String,
+        /// The policy version in force.
+        policy_version: String,
+    },
+    /// Every limit has its own mode again.
+    ShadowAllOff {
+        /// Why it had been turned on.
+        reason: String,
+        /// When it had been turned on (RFC 3339).
+        since: String,
+        /// The policy version in force.
         policy_version: String,
     },
     /// A decision made without the shared store (failure mode closed or open).

@@ -22,21 +22,24 @@
 //! on the way and decides on the emptier of the two.
 //!
 //! Concurrency limits (leases) are decided in [`leases`], against the same policy and the same
-//! kind of store keys; an operator's resets of buckets are in [`reset`], and hits a caller
-//! gives back in [`give_back`].
+//! kind of store keys; an operator's resets of buckets are in [`reset`], hits a caller gives
+//! back in [`give_back`], and the switch that puts every limit in shadow mode at once in
+//! [`shadow_all`].
 
 mod give_back;
 mod leases;
 mod reset;
+mod shadow_all;
 
 pub use leases::{LeaseLimitOutcome, LeaseOutcome};
 pub use reset::{ResetBucket, ResetOutcome, SkippedLimit};
+pub use shadow_all::ShadowAll;
 
 use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -235,6 +238,8 @@ pub struct PolicyStatus {
     pub unmatched: u64,
     /// Versions put in force since start (loads and rollbacks).
     pub changes: u64,
+    /// Whether every limit is in shadow mode ([`PolicyEngine::set_shadow_all`]).
+    pub shadow_all: Option<ShadowAll>,
 }
 
 struct Control {
@@ -249,6 +254,7 @@ struct Control {
     /// file written in the directory) does not re-apply it over a rollback or a refusal.
     read_hash: Option<u64>,
     changes: u64,
+    shadow_all: Option<ShadowAll>,
 }
 
 /// The control plane of one process: the policy in force, earlier versions, the buckets.
@@ -270,6 +276,8 @@ pub struct PolicyEngine {
     options: EngineOptions,
     path: Option<PathBuf>,
     unmatched: AtomicU64,
+    /// Whether `control.shadow_all` is on, read by every decision without the lock.
+    shadow_all: AtomicBool,
 }
 
 impl std::fmt::Debug for PolicyEngine {
@@ -331,6 +339,7 @@ impl PolicyEngine {
                 text_hash,
                 read_hash: text_hash,
                 changes: 1,
+                shadow_all: None,
             }),
             local,
             emergency: MemoryStore::builder()
@@ -340,6 +349,7 @@ impl PolicyEngine {
             options,
             path,
             unmatched: AtomicU64::new(0),
+            shadow_all: AtomicBool::new(false),
         };
         let policy = engine.current.load_full();
         engine.audit(|| AuditEvent::Loaded {
@@ -543,6 +553,7 @@ impl PolicyEngine {
             last_error: control.last_error.clone(),
             unmatched: self.unmatched.load(Ordering::Relaxed),
             changes: control.changes,
+            shadow_all: control.shadow_all.clone(),
         }
     }
 
@@ -662,8 +673,9 @@ impl PolicyEngine {
         S: AsRef<str>,
     {
         let policy = self.current.load_full();
-        policy
-            .matches(domain, descriptors, self.match_time(&policy))
+        let mut matched = policy.matches(domain, descriptors, self.match_time(&policy));
+        self.shadow_if_switched(&mut matched);
+        matched
             .into_iter()
             .filter(|m| m.effect == Effect::Enforce)
             .map(|m| (!m.denied).then_some(*m.params()))
@@ -865,7 +877,8 @@ impl PolicyEngine {
             });
         }
         let policy = self.current.load_full();
-        let matched = policy.matches(domain, descriptors, self.match_time(&policy));
+        let mut matched = policy.matches(domain, descriptors, self.match_time(&policy));
+        self.shadow_if_switched(&mut matched);
         if matched.is_empty() {
             if consume && used.is_none() {
                 self.unmatched.fetch_add(1, Ordering::Relaxed);
@@ -1169,7 +1182,8 @@ impl PolicyEngine {
         }
         let policy = self.current.load();
         let now = self.options.clock.now();
-        let matched = policy.matches(domain, descriptors, self.match_time(&policy));
+        let mut matched = policy.matches(domain, descriptors, self.match_time(&policy));
+        self.shadow_if_switched(&mut matched);
         let version = Arc::clone(policy.version_arc());
         if matched.is_empty() {
             if consume {

@@ -2954,3 +2954,108 @@ fn loads_and_rollbacks_are_counted_as_changes() {
     let status = r.engine.status();
     assert_eq!((status.changes, status.version.as_str()), (3, "1"));
 }
+
+const SWITCHED: &str = r#"
+version: "s1"
+limits:
+  - name: per-user
+    domain: api
+    key: [user]
+    capacity: 2
+    refill: 1/h
+  - name: blocked
+    domain: api
+    when: {user: mallory}
+    deny: true
+  - name: exports
+    domain: api
+    key: [tenant]
+    algorithm: concurrency
+    max_in_flight: 1
+    lease_timeout: 1m
+"#;
+
+/// The operator's switch: every limit decided as in shadow mode, deny limits, degraded
+/// decisions failing closed and concurrency limits included; balances kept and charged as a
+/// shadow limit's are; switched back, the same buckets reject again.
+#[test]
+fn shadow_all_stops_every_rejection_and_keeps_the_buckets() {
+    let r = rig(SWITCHED);
+    let user = |name| [("user", name)];
+    let decide = |name| {
+        r.engine
+            .decide("api", &[user(name)], 1, None)
+            .unwrap_or_else(|e| panic!("{e}"))
+    };
+    assert!(decide("u1").allowed && decide("u1").allowed);
+    assert!(!decide("u1").allowed);
+    assert!(!decide("mallory").allowed);
+    let tenant = [("tenant", "t")];
+    assert!(acquire(&r.engine, &tenant, "a").held);
+    assert!(!acquire(&r.engine, &tenant, "b").allowed);
+    assert!(r.engine.shadow_all().is_none());
+    assert!(r.engine.status().shadow_all.is_none());
+
+    r.wall.set(UnixTime::from_secs(1_790_000_060));
+    let on = r.engine.set_shadow_all(Some("INC-42: false rejections"));
+    let on = on.unwrap_or_else(|| panic!("the switch is on"));
+    assert_eq!(on.reason, "INC-42: false rejections");
+    assert_eq!(on.since, UnixTime::from_secs(1_790_000_060));
+    assert_eq!(r.engine.status().shadow_all, Some(on.clone()));
+
+    let outcome = decide("u1");
+    assert!(outcome.allowed);
+    assert_eq!(outcome.limits[0].mode, "shadow");
+    assert!(
+        outcome.limits[0].would_reject(),
+        "what would be rejected is still seen"
+    );
+    let denied = decide("mallory");
+    assert!(denied.allowed && denied.limits.iter().all(|l| l.mode == "shadow"));
+    let lease = acquire(&r.engine, &tenant, "b");
+    assert!(lease.allowed && lease.limits[0].would_reject());
+    assert!(
+        r.engine
+            .decide_degraded("api", &[user("u9")], 1, "store down")
+            .is_ok_and(|o| o.allowed && !o.failed_closed),
+        "a limit failing closed does not reject either"
+    );
+    // Outlives a reload and a rollback: it is the process's, not a version's.
+    assert!(
+        r.engine
+            .load("p.yaml", &SWITCHED.replace("\"s1\"", "\"s2\""))
+            .is_ok()
+    );
+    assert!(decide("u1").allowed);
+    assert!(r.engine.rollback().is_ok());
+    assert!(decide("u1").allowed);
+    // Turned on again, the first reason and time stay, and nothing more is audited.
+    r.wall.set(UnixTime::from_secs(1_790_000_120));
+    assert_eq!(r.engine.set_shadow_all(Some("again")), Some(on));
+
+    // Off: each limit has its own mode back, and the buckets are where the traffic left them.
+    assert_eq!(r.engine.set_shadow_all(None), None);
+    assert_eq!(r.engine.set_shadow_all(None), None);
+    assert!(!decide("u1").allowed);
+    assert!(decide("u2").allowed, "another subject's bucket is full");
+    assert!(!decide("mallory").allowed);
+    assert!(!acquire(&r.engine, &tenant, "c").allowed);
+
+    let events: Vec<serde_json::Value> = r
+        .audit
+        .events()
+        .into_iter()
+        .filter(|e| {
+            e["event"]
+                .as_str()
+                .is_some_and(|k| k.starts_with("shadow_all"))
+        })
+        .collect();
+    assert_eq!(events.len(), 2, "{events:?}");
+    assert_eq!(events[0]["event"], "shadow_all_on");
+    assert_eq!(events[0]["reason"], "INC-42: false rejections");
+    assert_eq!(events[0]["policy_version"], "s1");
+    assert_eq!(events[1]["event"], "shadow_all_off");
+    assert_eq!(events[1]["reason"], "INC-42: false rejections");
+    assert_eq!(events[1]["since"], "2026-09-21T14:14:20Z");
+}

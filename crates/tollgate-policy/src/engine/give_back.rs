@@ -76,7 +76,8 @@ impl PolicyEngine {
             return Err(zero_cost());
         }
         let policy = self.current.load_full();
-        let matched = policy.matches(domain, descriptors, self.match_time(&policy));
+        let mut matched = policy.matches(domain, descriptors, self.match_time(&policy));
+        self.shadow_if_switched(&mut matched);
         // One take per distinct bucket with the summed cost of the matches on it, as a check
         // charges them; the same for emergency budgets.
         let mut buckets: Vec<(Box<str>, Limit, u64, usize)> = Vec::new();

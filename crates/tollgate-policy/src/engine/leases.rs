@@ -415,7 +415,8 @@ impl PolicyEngine {
         check_lease_id(lease_id).map_err(|source| lease_error("", source))?;
         let policy = self.current.load_full();
         let now = self.options.clock.now();
-        let matched = policy.lease_matches(domain, descriptors, self.match_time(&policy));
+        let mut matched = policy.lease_matches(domain, descriptors, self.match_time(&policy));
+        self.shadow_if_switched(&mut matched);
         let version = Arc::clone(policy.version_arc());
         if matched.is_empty() {
             self.unmatched.fetch_add(1, Ordering::Relaxed);
@@ -541,7 +542,8 @@ impl PolicyEngine {
         }
         let acquire = lease_id.is_some();
         let policy = self.current.load_full();
-        let matched = policy.lease_matches(domain, descriptors, self.match_time(&policy));
+        let mut matched = policy.lease_matches(domain, descriptors, self.match_time(&policy));
+        self.shadow_if_switched(&mut matched);
         let version = Arc::clone(policy.version_arc());
         if matched.is_empty() {
             if acquire {
