@@ -332,6 +332,11 @@ pub struct ServeArgs {
     /// loopback clients only.
     #[arg(long, env = "TOLLGATE_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// Start with every limit in shadow mode, for this reason (audited): decided and counted,
+    /// never rejecting, until `POST /v1/policy/shadow-all {"on":false}`. For a first rollout
+    /// in front of live traffic, or a restart in the middle of an incident.
+    #[arg(long, env = "TOLLGATE_SHADOW_ALL", value_name = "REASON")]
+    pub shadow_all: Option<String>,
     /// Forward-auth: take descriptor entry ENTRY from request header HEADER (repeatable).
     #[arg(
         long = "forward-auth-header",
@@ -1056,6 +1061,11 @@ pub async fn serve(
              unset to keep the admin endpoints to loopback clients"
         );
     }
+    // The reason is what the audit log keeps of why nothing was rejected.
+    if let Some(reason) = &args.shadow_all {
+        crate::http::admin::check_reason(reason)
+            .map_err(|problem| anyhow!("--shadow-all (TOLLGATE_SHADOW_ALL): {problem}"))?;
+    }
     let mut options = EngineOptions::default()
         .idempotency_window(args.idempotency_window)
         .max_buckets(args.max_buckets)
@@ -1087,6 +1097,14 @@ pub async fn serve(
     };
     let engine = Arc::new(engine);
     log_warnings(&engine.current());
+    if let Some(reason) = &args.shadow_all {
+        engine.set_shadow_all(Some(reason));
+        tracing::warn!(
+            reason = reason.as_str(),
+            "every limit is in shadow mode (--shadow-all): nothing is rejected until \
+             POST /v1/policy/shadow-all turns it off"
+        );
+    }
     // Keep the watcher alive as long as the server: dropping it stops the watching.
     let _watcher = match &args.config {
         Some(_) => Some(

@@ -90,6 +90,8 @@ pub const POLICY_CHANGES: &str = "tollgate_policy_changes_total";
 /// 1 while the last attempt to load the policy file was refused (the previous version is in
 /// force), else 0.
 pub const POLICY_REFUSED: &str = "tollgate_policy_last_load_refused";
+/// 1 while every limit is in shadow mode by an operator's switch (nothing is rejected), else 0.
+pub const SHADOW_ALL: &str = "tollgate_shadow_all";
 
 /// Connections open: label `listener` (`http`, `grpc`).
 pub const CONNECTIONS_OPEN: &str = "tollgate_connections_open";
@@ -169,6 +171,7 @@ pub const ALL: &[&str] = &[
     POLICY_INFO,
     POLICY_CHANGES,
     POLICY_REFUSED,
+    SHADOW_ALL,
     CONNECTIONS_OPEN,
     CONNECTIONS_OPENED,
     CONNECTIONS_CLOSED,
@@ -331,6 +334,10 @@ fn describe() {
         "Policy versions put in force (loads and rollbacks)."
     );
     describe_gauge!(POLICY_REFUSED, "1 while the last policy load was refused.");
+    describe_gauge!(
+        SHADOW_ALL,
+        "1 while every limit is in shadow mode by an operator's switch."
+    );
     describe_gauge!(CONNECTIONS_OPEN, "Connections open, by listener.");
     describe_counter!(
         CONNECTIONS_OPENED,
@@ -852,6 +859,11 @@ pub fn refresh(engine: &PolicyEngine, previous: &mut Option<String>) {
     let version = status.version.as_str();
     counter!(POLICY_CHANGES).absolute(status.changes);
     gauge!(POLICY_REFUSED).set(if status.last_error.is_some() {
+        1.0
+    } else {
+        0.0
+    });
+    gauge!(SHADOW_ALL).set(if status.shadow_all.is_some() {
         1.0
     } else {
         0.0

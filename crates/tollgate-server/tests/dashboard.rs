@@ -154,6 +154,7 @@ for (let i = 0; i < above; i += 4) {
   if (near(i, [0xd6, 0x27, 0x28])) rejected++;
 }
 const errorShown = document.getElementById("policy-error").style.display !== "none";
+const shadowAllShown = document.getElementById("shadow-all").style.display !== "none";
 return {
   version: text("version"), source: text("source"), store: text("store"), updated: text("updated"),
   rate: text("c-rate"), rejected: text("c-rejected"), shadow: text("c-shadow"), p99: text("c-p99"),
@@ -162,6 +163,7 @@ return {
   tokenShown: getComputedStyle(document.getElementById("token")).display !== "none",
   token: sessionStorage.getItem("tollgate-token"),
   policyError: errorShown ? text("policy-error-text") : null,
+  shadowAll: shadowAllShown ? text("shadow-all-text") : null,
   chart: { allowed, rejected },
   // How far the page is wider than the window: a row of cards or a table's columns
   // pushing the rest out of sight.
@@ -380,6 +382,32 @@ async fn in_a_browser_the_page_shows_the_traffic_and_the_policy() {
         .wait_until("the RLQS cards", READ_PAGE, |page| page["rlqs"] == "1")
         .await;
     drop(envoy);
+
+    // The incident switch: the page says since when and why while it is on.
+    let on = r#"{"on":true,"reason":"INC-42: false rejections"}"#;
+    let json = [("Content-Type", "application/json")];
+    let switched = request(server.http, "POST", "/v1/policy/shadow-all", &json, on);
+    assert_eq!(switched.status, 200, "{}", switched.body);
+    browser
+        .wait_until("the switch shown", READ_PAGE, |page| {
+            page["shadowAll"].as_str().is_some_and(|text| {
+                text.starts_with("since ") && text.ends_with(": INC-42: false rejections")
+            })
+        })
+        .await;
+    let off = request(
+        server.http,
+        "POST",
+        "/v1/policy/shadow-all",
+        &json,
+        r#"{"on":false}"#,
+    );
+    assert_eq!(off.status, 200, "{}", off.body);
+    browser
+        .wait_until("the switch gone", READ_PAGE, |page| {
+            page["shadowAll"].is_null()
+        })
+        .await;
 
     // A policy file that cannot load: the reload is refused, the page says so, and the
     // version in force stays.

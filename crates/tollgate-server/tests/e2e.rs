@@ -2760,3 +2760,88 @@ fn validate_reports_for_ci_systems() {
         (&trial.as_str().into(), &3.into(), &"limits[1].name".into())
     );
 }
+
+/// The incident switch: started with `--shadow-all`, the server rejects nothing and says so
+/// (the status, the metric, each limit's mode); turned off through the API, the same buckets
+/// reject again; turned on again through the API, checks and RLS calls pass as shadow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shadow_all_stops_rejections_until_turned_off() {
+    let scratch = Scratch::new("shadow-all");
+    let config = scratch.write("policy.yaml", POLICY);
+    let server = Server::start(&[
+        "--config",
+        path_str(&config),
+        "--admin-token",
+        "s3cret",
+        "--shadow-all",
+        "first rollout",
+    ]);
+    let auth = [("Authorization", "Bearer s3cret")];
+    let auth_json = [
+        ("Authorization", "Bearer s3cret"),
+        ("Content-Type", "application/json"),
+    ];
+    let status = request(server.http, "GET", "/v1/policy", &auth, "").json();
+    assert_eq!(status["shadow_all"]["reason"], "first rollout", "{status}");
+    assert_eq!(metric(&server, "tollgate_shadow_all"), 1.0);
+    for _ in 0..4 {
+        let answer = post_json(server.http, "/v1/check", &check_body("ivy"));
+        assert_eq!(answer.status, 200, "{}", answer.body);
+    }
+    let last = post_json(server.http, "/v1/check", &check_body("ivy")).json();
+    assert_eq!(last["limits"][0]["mode"], "shadow", "{last}");
+    assert_eq!(
+        last["limits"][0]["allowed"], false,
+        "what would be rejected is seen"
+    );
+
+    let shadow = "/v1/policy/shadow-all";
+    assert_eq!(
+        request(server.http, "POST", shadow, &[], r#"{"on":false}"#).status,
+        401
+    );
+    let off = request(server.http, "POST", shadow, &auth_json, r#"{"on":false}"#);
+    assert_eq!(off.status, 200, "{}", off.body);
+    assert_eq!(off.json()["shadow_all"], serde_json::Value::Null);
+    assert_eq!(metric(&server, "tollgate_shadow_all"), 0.0);
+    assert_eq!(
+        post_json(server.http, "/v1/check", &check_body("ivy")).status,
+        429
+    );
+
+    for bad in [
+        r#"{"on":true}"#,
+        r#"{"on":true,"reason":""}"#,
+        r#"{"on":false,"reason":"done"}"#,
+        r#"{"on":1}"#,
+    ] {
+        let answer = request(server.http, "POST", shadow, &auth_json, bad);
+        assert_eq!(answer.status, 400, "{bad}: {}", answer.body);
+    }
+    assert_eq!(
+        metric(&server, "tollgate_shadow_all"),
+        0.0,
+        "nothing changed"
+    );
+
+    let on = r#"{"on":true,"reason":"INC-42: false rejections"}"#;
+    let answer = request(server.http, "POST", shadow, &auth_json, on);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(
+        post_json(server.http, "/v1/check", &check_body("ivy")).status,
+        200
+    );
+    // RLS as Envoy calls it: OK, whatever the bucket says.
+    let request = RateLimitRequest {
+        domain: "api".to_owned(),
+        descriptors: vec![descriptor(&[("user", "ivy")])],
+        hits_addend: 1,
+    };
+    let reply = should_rate_limit(&server, request)
+        .await
+        .expect("an answer");
+    assert_eq!(reply.overall_code, Code::Ok as i32);
+    assert_eq!(metric(&server, "tollgate_shadow_all"), 1.0);
+
+    assert_serve_flags_refused(&[("--shadow-all", " ", "give a reason")]);
+}

@@ -543,6 +543,30 @@ fn memory_script(spec: &Spec) {
     let unknown = r#"{"domain":"api","descriptors":[{"user":"alice"}],"limits":["nope"]}"#;
     spec.expect(addr, ("POST", "/v1/reset"), &admin_json, unknown, 400);
     spec.expect(addr, ("POST", "/v1/reset"), &[], reset, 401);
+    // The switch of every limit to shadow mode: on, then a check its limit would reject passes
+    // as shadow, then off; bad bodies refused by the server and the document alike.
+    let shadow = "/v1/policy/shadow-all";
+    let on = r#"{"on":true,"reason":"INC-42"}"#;
+    let switched = spec.expect(addr, ("POST", shadow), &admin_json, on, 200);
+    assert_eq!(switched.json()["shadow_all"]["reason"], "INC-42");
+    spec.expect(addr, ("POST", shadow), &admin_json, r#"{"on":false}"#, 200);
+    spec.expect(addr, ("POST", shadow), &[], on, 401);
+    for bad in [
+        r#"{"on":true}"#,
+        r#"{"on":"yes"}"#,
+        r#"{"on":false,"why":1}"#,
+    ] {
+        spec.expect(addr, ("POST", shadow), &admin_json, bad, 400);
+        assert!(spec.refuses("post", shadow, bad), "{bad}");
+    }
+    // Refused by the server alone: what only it checks.
+    spec.expect(
+        addr,
+        ("POST", shadow),
+        &admin_json,
+        r#"{"on":true,"reason":" "}"#,
+        400,
+    );
 
     spec.expect(addr, ("GET", "/v1/nowhere"), &[], "", 404);
     assert!(server.terminate().success());

@@ -8,13 +8,17 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::Json;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::{ConnectInfo, RawQuery, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
 use serde_json::json;
 use tollgate_policy::{Error as PolicyError, Policy, SystemWallClock, WallClock};
 
 use super::AppState;
+use super::check::body_bytes;
 use super::error::ApiError;
 use crate::{metrics, policy_view};
 
@@ -183,7 +187,77 @@ fn status_body(state: &AppState) -> serde_json::Value {
         })),
         "unmatched": status.unmatched,
         "changes": status.changes,
+        "shadow_all": status.shadow_all.map(|on| json!({
+            "since": on.since.to_rfc3339(),
+            "reason": on.reason,
+        })),
     })
+}
+
+/// The longest reason the switch of every limit to shadow mode takes: a line of the audit log,
+/// such as an incident's name and a few words.
+const MAX_REASON: usize = 256;
+
+/// Why a reason for the switch is refused, if it is.
+pub(crate) fn check_reason(reason: &str) -> Result<(), String> {
+    if reason.trim().is_empty() {
+        return Err("give a reason (an incident, a rollout): the audit log keeps it".to_owned());
+    }
+    if reason.len() > MAX_REASON {
+        return Err(format!("a reason is at most {MAX_REASON} bytes"));
+    }
+    if reason.chars().any(char::is_control) {
+        return Err("a reason is one line of text, without control characters".to_owned());
+    }
+    Ok(())
+}
+
+/// The body of `POST /v1/policy/shadow-all`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ShadowAllBody {
+    on: bool,
+    #[serde(default)]
+    reason: Option<String>,
+}
+
+/// `POST /v1/policy/shadow-all`: every limit in shadow mode (`{"on":true,"reason":"..."}`),
+/// or each back to its own (`{"on":false}`), from the next decision on; answers the policy
+/// status with the switch's state. See [`tollgate_policy::PolicyEngine::set_shadow_all`].
+pub(crate) async fn shadow_all(
+    State(state): State<Arc<AppState>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    authorize(state.options.admin_token.as_deref(), &headers, peer)?;
+    let body: ShadowAllBody = serde_json::from_slice(body_bytes(&body)?).map_err(|err| {
+        ApiError::bad_request("invalid_json", format!("invalid request body: {err}"))
+    })?;
+    let engine = state.decider.engine();
+    match (body.on, body.reason) {
+        (true, Some(reason)) => {
+            check_reason(&reason)
+                .map_err(|problem| ApiError::bad_request("invalid_reason", problem))?;
+            engine.set_shadow_all(Some(&reason));
+        }
+        (true, None) => {
+            return Err(ApiError::bad_request(
+                "invalid_reason",
+                "give a reason to turn it on (an incident, a rollout): the audit log keeps it",
+            ));
+        }
+        (false, None) => {
+            engine.set_shadow_all(None);
+        }
+        (false, Some(_)) => {
+            return Err(ApiError::bad_request(
+                "invalid_reason",
+                "a reason is given to turn it on; the audit log keeps it with the turning off",
+            ));
+        }
+    }
+    Ok(Json(status_body(&state)).into_response())
 }
 
 pub(crate) async fn policy(

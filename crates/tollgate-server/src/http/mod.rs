@@ -5,7 +5,7 @@
 //! headers. Bad input of any kind is a 4xx with `{"error":{"code","message"}}` and decides
 //! nothing.
 
-mod admin;
+pub(crate) mod admin;
 pub(crate) mod check;
 mod dashboard;
 mod direct;
@@ -229,6 +229,7 @@ fn routes(state: Arc<AppState>) -> Router {
         .route("/v1/policy", get(admin::policy))
         .route("/v1/policy/reload", post(admin::reload))
         .route("/v1/policy/rollback", post(admin::rollback))
+        .route("/v1/policy/shadow-all", post(admin::shadow_all))
         .route("/v1/hot-keys", get(admin::hot_keys))
         .route("/v1/reset", post(reset::reset))
         .route("/dashboard", get(dashboard::dashboard))
