@@ -18,7 +18,7 @@ use serde_json::json;
 use tollgate_policy::{Error as PolicyError, Policy, SystemWallClock, WallClock};
 
 use super::AppState;
-use super::check::body_bytes;
+use super::check::{body_bytes, json_body};
 use super::error::ApiError;
 use crate::{metrics, policy_view};
 
@@ -231,9 +231,7 @@ pub(crate) async fn shadow_all(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     authorize(state.options.admin_token.as_deref(), &headers, peer)?;
-    let body: ShadowAllBody = serde_json::from_slice(body_bytes(&body)?).map_err(|err| {
-        ApiError::bad_request("invalid_json", format!("invalid request body: {err}"))
-    })?;
+    let body: ShadowAllBody = json_body(body_bytes(&body)?)?;
     let engine = state.decider.engine();
     match (body.on, body.reason) {
         (true, Some(reason)) => {

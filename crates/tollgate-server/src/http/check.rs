@@ -241,11 +241,16 @@ pub(super) fn unreadable(status: StatusCode, reason: impl fmt::Display) -> ApiEr
     )
 }
 
+/// `body` read by serde_json as a `T`, or the 400 that says where it is not one.
+pub(super) fn json_body<'a, T: serde::Deserialize<'a>>(body: &'a [u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|err| {
+        ApiError::bad_request("invalid_json", format!("invalid request body: {err}"))
+    })
+}
+
 /// `body` read by serde_json: any body, and every error with its place.
 pub(super) fn parse_with_serde(body: &[u8]) -> Result<Parsed<'_>, ApiError> {
-    let body: CheckBody<'_> = serde_json::from_slice(body).map_err(|err| {
-        ApiError::bad_request("invalid_json", format!("invalid request body: {err}"))
-    })?;
+    let body: CheckBody<'_> = json_body(body)?;
     Ok(Parsed {
         domain: body.domain,
         descriptors: entries_of(body.descriptors)?,

@@ -46,7 +46,7 @@ use tollgate_policy::LeaseOutcome;
 use super::AppState;
 use super::check::{
     Parsed, RawDescriptor, STORE_UNAVAILABLE, body_bytes, check_bounds, decide_error, entries_of,
-    json, millis_ceil, push_bool, push_number, push_str,
+    json, json_body, millis_ceil, push_bool, push_number, push_str,
 };
 use super::error::ApiError;
 use crate::decider::DecideError;
@@ -68,9 +68,7 @@ struct LeaseBody<'a> {
 
 fn parse(body: &Result<Bytes, BytesRejection>) -> Result<Parsed<'_>, ApiError> {
     let body = body_bytes(body)?;
-    let body: LeaseBody<'_> = serde_json::from_slice(body).map_err(|err| {
-        ApiError::bad_request("invalid_json", format!("invalid request body: {err}"))
-    })?;
+    let body: LeaseBody<'_> = json_body(body)?;
     let parsed = Parsed {
         domain: body.domain,
         descriptors: entries_of(body.descriptors)?,

@@ -28,7 +28,9 @@ use tollgate_policy::Error as PolicyError;
 
 use super::AppState;
 use super::admin::authorize;
-use super::check::{Parsed, RawDescriptor, body_bytes, check_bounds, decide_error, entries_of};
+use super::check::{
+    Parsed, RawDescriptor, body_bytes, check_bounds, decide_error, entries_of, json_body,
+};
 use super::error::ApiError;
 use crate::decider::DecideError;
 
@@ -56,9 +58,7 @@ pub(crate) async fn reset(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     authorize(state.options.admin_token.as_deref(), &headers, peer)?;
-    let body: ResetBody<'_> = serde_json::from_slice(body_bytes(&body)?).map_err(|err| {
-        ApiError::bad_request("invalid_json", format!("invalid request body: {err}"))
-    })?;
+    let body: ResetBody<'_> = json_body(body_bytes(&body)?)?;
     let parsed = Parsed {
         domain: body.domain,
         descriptors: entries_of(body.descriptors)?,
