@@ -65,7 +65,7 @@ use std::ops::Range;
 use serde::de::{self, IgnoredAny};
 use serde::{Deserialize, Deserializer};
 
-use crate::compile::compile;
+use crate::compile::{compile, compile_directory};
 use crate::error::{Diagnostic, Error};
 use crate::policy::ValueMatch;
 use crate::schema::{Text, parse_as};
@@ -76,6 +76,10 @@ use crate::schema::{Text, parse_as};
 pub struct EnvoyImport {
     /// The tollgate policy, as YAML text that [`crate::compile`] accepts.
     pub policy: String,
+    /// The same policy as a policy directory, which [`crate::compile_directory`] accepts: one
+    /// file per domain, named after the file that declares it (as envoyproxy/ratelimit's
+    /// configuration directory holds one domain per file), in the order the domains came.
+    pub files: Vec<(String, String)>,
     /// How many limits it holds.
     pub limits: usize,
     /// What could not be expressed exactly, one line each, with the descriptor path.
@@ -392,6 +396,7 @@ pub fn import_envoy_files(
     let mut names = HashSet::new();
     let mut header = String::new();
     let mut body = String::new();
+    let mut directory: Vec<(String, String)> = Vec::with_capacity(domains.len());
     let (mut limits, mut notes) = (0, Vec::new());
     // Limits that count requests: a deny counts nothing, so the note on counting is not for it.
     let mut counting = 0;
@@ -411,8 +416,14 @@ pub fn import_envoy_files(
         importer.level(&config.descriptors, &[]);
         importer.resolve_replaces();
         let label = from.join(" + ");
-        importer.render_header(&mut header, &label);
-        importer.render_limits(&mut body);
+        let mut own = String::new();
+        importer.render_header(&mut own, &label);
+        header.push_str(&own);
+        let mut limits_text = String::new();
+        importer.render_limits(&mut limits_text);
+        body.push_str(&limits_text);
+        own.push_str(&limits_list(&limits_text));
+        directory.push((file_name_for(from[0], &directory), own));
         limits += importer.limits.len();
         counting += importer
             .limits
@@ -429,16 +440,17 @@ pub fn import_envoy_files(
         names = importer.names;
     }
     let mut policy = header;
-    if body.is_empty() {
-        policy.push_str("limits: []\n");
-    } else {
-        policy.push_str("limits:\n");
-        policy.push_str(&body);
-    }
-    // The output must be a policy tollgate accepts: compile it now rather than hand the
-    // operator a file that fails at load time.
+    policy.push_str(&limits_list(&body));
+    // The output must be a policy tollgate accepts, in one file or as a directory: compile it
+    // now rather than hand the operator files that fail at load time.
     let named: Vec<&str> = files.iter().map(|(file, _)| *file).collect();
-    compile(&format!("{} (imported)", named.join(", ")), &policy)?;
+    let source = format!("{} (imported)", named.join(", "));
+    compile(&source, &policy)?;
+    let as_directory: Vec<(&str, &str)> = directory
+        .iter()
+        .map(|(n, t)| (n.as_str(), t.as_str()))
+        .collect();
+    compile_directory(&source, &as_directory)?;
     if limits > 0 {
         notes.insert(
             0,
@@ -461,8 +473,43 @@ pub fn import_envoy_files(
     Ok(EnvoyImport {
         limits,
         policy,
+        files: directory,
         notes,
     })
+}
+
+/// A policy's `limits` list of rendered entries (none: an empty list, which a policy file
+/// still needs).
+fn limits_list(entries: &str) -> String {
+    if entries.is_empty() {
+        "limits: []\n".to_owned()
+    } else {
+        format!("limits:\n{entries}")
+    }
+}
+
+/// The name in a policy directory of the domain `source` declares: the source's own file name
+/// (`config/api.yaml` gives `api.yaml`), with `.yaml` added to another extension, and `-2`,
+/// `-3`... for a name already `taken` (two sources of one name in different directories).
+/// Never hidden, so that the directory reader takes it.
+fn file_name_for(source: &str, taken: &[(String, String)]) -> String {
+    let base = std::path::Path::new(source)
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let base = base.trim_start_matches('.');
+    let (stem, extension) = match base.rsplit_once('.') {
+        Some((stem, ext)) if !stem.is_empty() && (ext == "yaml" || ext == "yml") => (stem, ext),
+        _ if base.is_empty() => ("domain", "yaml"),
+        _ => (base, "yaml"),
+    };
+    let mut name = format!("{stem}.{extension}");
+    let mut n = 2;
+    while taken.iter().any(|(t, _)| *t == name) {
+        name = format!("{stem}-{n}.{extension}");
+        n += 1;
+    }
+    name
 }
 
 type Path<'a> = [(&'a str, Option<&'a str>)];

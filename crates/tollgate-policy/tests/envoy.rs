@@ -3,7 +3,8 @@
 
 use tollgate_policy::envoy::EnvoyImport;
 use tollgate_policy::{
-    ImportOptions, Policy, UnixTime, ValueMatch, compile, import_envoy, import_envoy_files,
+    ImportOptions, Policy, UnixTime, ValueMatch, compile, compile_directory, import_envoy,
+    import_envoy_files,
 };
 
 fn import(text: &str) -> (EnvoyImport, Policy) {
@@ -1379,4 +1380,57 @@ fn an_empty_domain_or_key_is_refused_where_the_file_has_it() {
         );
         assert_eq!(d.message, "must not be empty", "{d}");
     }
+}
+
+/// As a policy directory: a file per domain, named after its source (numbered when two
+/// sources share a name), holding that domain's limits alone, and compiling to the same limits
+/// as the one-file import, names made unique across files included.
+#[test]
+fn several_files_import_into_a_policy_directory_of_the_same_limits() {
+    let edge = "domain: edge\ndescriptors:\n  - key: remote_address\n    rate_limit: {unit: second, requests_per_unit: 50, name: per-client}\n";
+    let api = "domain: api\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 600, name: per-client}\n";
+    let empty = "domain: quiet\n";
+    let imported = import_envoy_files(
+        &[
+            ("a/config.yaml", edge),
+            ("b/config.yaml", api),
+            ("c/quiet.conf", empty),
+        ],
+        ImportOptions::default(),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let names: Vec<&str> = imported.files.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["config.yaml", "config-2.yaml", "quiet.conf.yaml"]);
+    assert!(
+        imported.files[0].1.contains("domain: \"edge\"")
+            && !imported.files[0].1.contains("domain: \"api\""),
+        "{}",
+        imported.files[0].1
+    );
+    assert!(
+        imported.files[2].1.contains("limits: []"),
+        "{}",
+        imported.files[2].1
+    );
+    let files: Vec<(&str, &str)> = imported
+        .files
+        .iter()
+        .map(|(n, t)| (n.as_str(), t.as_str()))
+        .collect();
+    let directory = compile_directory("policy.d", &files).unwrap_or_else(|e| panic!("{e}"));
+    let single = compile("out.yaml", &imported.policy).unwrap_or_else(|e| panic!("{e}"));
+    let limits = |p: &Policy| -> Vec<(String, String, Option<u64>)> {
+        p.limits()
+            .iter()
+            .map(|l| {
+                let capacity = l.params().rate().map(|r| r.capacity());
+                (l.name().to_owned(), l.domain().to_owned(), capacity)
+            })
+            .collect()
+    };
+    assert_eq!(limits(&directory), limits(&single));
+    assert_eq!(
+        directory.limit("per-client-2").and_then(|l| l.file()),
+        Some("config-2.yaml")
+    );
 }

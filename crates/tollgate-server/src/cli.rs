@@ -107,7 +107,8 @@ enum Command {
 
 #[derive(Debug, Subcommand)]
 enum ImportFrom {
-    /// envoyproxy/ratelimit configuration files (one domain each), into one policy.
+    /// envoyproxy/ratelimit configuration files (one domain each), into one policy (or a
+    /// policy directory of one file per domain, with --out-dir).
     Envoy {
         /// The configuration files, or directories whose `.yaml` and `.yml` files are read
         /// (in name order), as envoyproxy/ratelimit reads its configuration directory.
@@ -121,6 +122,11 @@ enum ImportFrom {
         /// `MERGE_DOMAIN_CONFIG`) rather than refuse them.
         #[arg(long)]
         merge_domains: bool,
+        /// Write a policy directory here, one file per domain named after the file that
+        /// declares it, rather than one policy on standard output. The directory is made if
+        /// missing; a file already there is never overwritten.
+        #[arg(long, value_name = "DIR")]
+        out_dir: Option<PathBuf>,
     },
 }
 
@@ -701,8 +707,9 @@ pub fn main() -> ExitCode {
                     files,
                     fixed_windows,
                     merge_domains,
+                    out_dir,
                 },
-        } => import_envoy(&files, fixed_windows, merge_domains),
+        } => import_envoy(&files, fixed_windows, merge_domains, out_dir.as_deref()),
         Command::Completions { shell } => completions(shell),
         Command::Schema => schema(),
     };
@@ -809,7 +816,12 @@ fn check(args: CheckArgs) -> Result<()> {
     Ok(())
 }
 
-fn import_envoy(paths: &[PathBuf], fixed_windows: bool, merge_domains: bool) -> Result<()> {
+fn import_envoy(
+    paths: &[PathBuf],
+    fixed_windows: bool,
+    merge_domains: bool,
+    out_dir: Option<&Path>,
+) -> Result<()> {
     let mut files = Vec::new();
     for path in paths {
         if path.is_dir() {
@@ -837,7 +849,10 @@ fn import_envoy(paths: &[PathBuf], fixed_windows: bool, merge_domains: bool) -> 
         .merge_domains(merge_domains);
     let imported =
         tollgate_policy::import_envoy_files(&named, options).map_err(|err| anyhow!("{err}"))?;
-    print!("{}", imported.policy);
+    match out_dir {
+        Some(dir) => write_policy_directory(dir, &imported.files)?,
+        None => print!("{}", imported.policy),
+    }
     for note in &imported.notes {
         eprintln!("note: {note}");
     }
@@ -849,6 +864,35 @@ fn import_envoy(paths: &[PathBuf], fixed_windows: bool, merge_domains: bool) -> 
         "imported {} limits from {from}; {} notes on what could not be expressed exactly",
         imported.limits,
         imported.notes.len()
+    );
+    Ok(())
+}
+
+/// Writes `files` into `dir` (made if missing), each created new: an import must not overwrite
+/// a team's file, nor merge into a policy directory that already holds one of the names.
+fn write_policy_directory(dir: &Path, files: &[(String, String)]) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot make {}", dir.display()))?;
+    if let Some((name, _)) = files.iter().find(|(name, _)| dir.join(name).exists()) {
+        bail!(
+            "{} already exists: write the import to a new or empty directory",
+            dir.join(name).display()
+        );
+    }
+    for (name, text) in files {
+        use std::io::Write;
+        let path = dir.join(name);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .and_then(|mut file| file.write_all(text.as_bytes()))
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    eprintln!(
+        "wrote {} to {}: `tollgate validate {}` reads them as one policy",
+        crate::validate::counted(files.len(), "file"),
+        dir.display(),
+        dir.display()
     );
     Ok(())
 }

@@ -1934,6 +1934,38 @@ fn validate_check_and_import_from_the_command_line() {
     let imported = scratch.write("imported-dir.yaml", &stdout);
     let (status, _, stderr) = run(&["validate", path_str(&imported)]);
     assert!(status.success(), "the import validates: {stderr}");
+    // Or as a policy directory of the same layout: a file per domain, named after its source,
+    // that validates as one policy of the same limits and is never written over.
+    let out = scratch.0.join("policy.d");
+    let out_dir = path_str(&out);
+    let (status, stdout, stderr) =
+        run(&["import", "envoy", path_str(&dir.0), "--out-dir", out_dir]);
+    assert!(status.success(), "{stderr}");
+    assert!(stdout.is_empty(), "{stdout}");
+    assert!(stderr.contains("wrote 2 files to "), "{stderr}");
+    let api = std::fs::read_to_string(out.join("api.yml")).expect("api.yml");
+    let edge = std::fs::read_to_string(out.join("edge.yaml")).expect("edge.yaml");
+    assert!(
+        api.contains("domain: \"api\"") && !api.contains("domain: \"edge\""),
+        "{api}"
+    );
+    assert!(edge.contains("domain: \"edge\""), "{edge}");
+    let (status, stdout, stderr) = run(&["validate", out_dir]);
+    assert!(status.success(), "the directory validates: {stderr}");
+    assert!(stdout.contains("2 files, 2 limits"), "{stdout}");
+    let (status, stdout, _) = run(&["diff", path_str(&imported), out_dir]);
+    assert!(status.success());
+    assert!(
+        stdout.contains("buckets: kept as they are") && !stdout.contains("- limit"),
+        "a file or a directory, the same limits: {stdout}"
+    );
+    let (status, _, stderr) = run(&["import", "envoy", path_str(&dir.0), "--out-dir", out_dir]);
+    assert_eq!(status.code(), Some(1));
+    assert!(stderr.contains("already exists"), "{stderr}");
+    assert_eq!(
+        std::fs::read_to_string(out.join("edge.yaml")).ok(),
+        Some(edge)
+    );
     // Two files of one domain are refused, naming both.
     let again = dir.write(
         "edge-again.yaml",
