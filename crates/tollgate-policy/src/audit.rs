@@ -37,6 +37,10 @@ pub enum AuditEvent {
         /// carried over; window counts and leases keep their keys unless the window or the
         /// algorithm changed.
         changed_limits: Vec<String>,
+        /// In a policy directory, the files added, removed or changed since the version it
+        /// replaced: whose change this load is. Left out when there are none.
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        changed_files: Vec<String>,
     },
     /// A file failed validation; the version in force stays.
     Refused {

@@ -359,6 +359,7 @@ impl PolicyEngine {
             limits: policy.limits().len(),
             exemptions: policy.exemptions().len(),
             changed_limits: Vec::new(),
+            changed_files: Vec::new(),
         });
         engine
     }
@@ -475,6 +476,11 @@ impl PolicyEngine {
             limits: policy.limits().len(),
             exemptions: policy.exemptions().len(),
             changed_limits: changed,
+            changed_files: policy
+                .file_changes(&current)
+                .into_iter()
+                .map(|(name, _)| name.to_string())
+                .collect(),
         });
         Ok(policy)
     }

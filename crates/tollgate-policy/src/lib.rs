@@ -83,9 +83,9 @@ pub use envoy::{ImportOptions, import_envoy, import_envoy_files, import_envoy_wi
 pub use error::{Diagnostic, Error};
 pub use lint::{EXPIRING_SOON, Warning, lint, lint_by_file};
 pub use policy::{
-    Descriptor, Effect, Exemption, FailureMode, LeaseMatched, LimitDef, Matched, Mode, Network,
-    NetworkError, Override, Params, Policy, RequestDescriptor, RequestedLimit, Scope, ValueList,
-    ValueMatch, forwarded_client,
+    Descriptor, Effect, Exemption, FailureMode, FileChange, LeaseMatched, LimitDef, Matched, Mode,
+    Network, NetworkError, Override, Params, Policy, RequestDescriptor, RequestedLimit, Scope,
+    SourceFile, ValueList, ValueMatch, forwarded_client,
 };
 pub use sources::policy_files_in;
 pub use wall::{ManualWallClock, SystemWallClock, UnixTime, WallClock};

@@ -1186,6 +1186,37 @@ pub(crate) struct DomainIndex {
     pub(crate) request_limits: bool,
 }
 
+/// One file of a policy directory, as it was compiled.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SourceFile {
+    pub(crate) name: Arc<str>,
+    pub(crate) digest: u64,
+}
+
+impl SourceFile {
+    /// Its name in the directory.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// A stable hash of its text: two versions whose file has the same digest have the same
+    /// text in it, so a reload can say which files it changed.
+    pub fn digest(&self) -> u64 {
+        self.digest
+    }
+}
+
+/// How a file of a policy directory differs from one version to the next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileChange {
+    /// Only the later version has it.
+    Added,
+    /// Only the earlier version has it.
+    Removed,
+    /// Both have it, with other text.
+    Changed,
+}
+
 /// A validated, indexed policy: one version of the control plane.
 ///
 /// Immutable once built, and shared behind an `Arc` so that readers hold a whole version for as
@@ -1195,7 +1226,7 @@ pub struct Policy {
     pub(crate) version: Arc<str>,
     pub(crate) source: Arc<str>,
     /// The files of a policy directory, in the order read; empty for a policy of one file.
-    pub(crate) files: Box<[Arc<str>]>,
+    pub(crate) files: Box<[SourceFile]>,
     pub(crate) limits: Box<[LimitDef]>,
     pub(crate) exemptions: Box<[Exemption]>,
     pub(crate) domains: HashMap<Box<str>, DomainIndex, foldhash::fast::RandomState>,
@@ -1218,10 +1249,36 @@ impl Policy {
         &self.source
     }
 
-    /// The files of a policy directory, by name, in the order they were merged; empty for a
-    /// policy of one file.
-    pub fn files(&self) -> &[Arc<str>] {
+    /// The files of a policy directory, in the order they were merged; empty for a policy of
+    /// one file.
+    pub fn files(&self) -> &[SourceFile] {
         &self.files
+    }
+
+    /// The files of a policy directory added, removed or changed since `before`: this
+    /// version's in its order, then those only `before` had. Empty when both are policies of
+    /// one file; from a policy of one file to a directory, every file is added.
+    pub fn file_changes(&self, before: &Policy) -> Vec<(Arc<str>, FileChange)> {
+        let find = |files: &[SourceFile], name: &str| -> Option<u64> {
+            files.iter().find(|f| *f.name == *name).map(|f| f.digest)
+        };
+        let mut changes: Vec<(Arc<str>, FileChange)> = self
+            .files
+            .iter()
+            .filter_map(|file| match find(&before.files, &file.name) {
+                None => Some((Arc::clone(&file.name), FileChange::Added)),
+                Some(digest) if digest != file.digest => {
+                    Some((Arc::clone(&file.name), FileChange::Changed))
+                }
+                Some(_) => None,
+            })
+            .collect();
+        changes.extend(
+            (before.files.iter())
+                .filter(|file| find(&self.files, &file.name).is_none())
+                .map(|file| (Arc::clone(&file.name), FileChange::Removed)),
+        );
+        changes
     }
 
     /// The limits in declaration order.

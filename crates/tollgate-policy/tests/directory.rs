@@ -2,10 +2,12 @@
 //! here is one a team relies on when it owns a file and not the whole policy.
 
 use std::path::Path;
+use std::sync::Arc;
 
+use tollgate_policy::audit::AuditLog;
 use tollgate_policy::{
-    Diagnostic, EngineOptions, Error, Mode, PolicyEngine, UnixTime, compile, compile_directory,
-    validate,
+    Diagnostic, EngineOptions, Error, FileChange, Mode, PolicyEngine, UnixTime, compile,
+    compile_directory, validate,
 };
 
 fn limit(name: &str) -> String {
@@ -53,7 +55,7 @@ fn files_merge_in_order_and_each_limit_keeps_its_file() {
             ("search", Some("search.yaml"))
         ]
     );
-    let files: Vec<&str> = policy.files().iter().map(|f| &**f).collect();
+    let files: Vec<&str> = policy.files().iter().map(|f| f.name()).collect();
     assert_eq!(files, ["pay.yaml", "search.yaml"]);
     assert_eq!(policy.source(), "policy.d");
     // Requests match across files as in one file.
@@ -233,10 +235,23 @@ fn the_engine_reloads_a_directory_and_moves_keep_buckets() {
     // The pay team's limit moves to a shared file beside a new one.
     std::fs::remove_file(path.join("pay.yaml")).unwrap_or_else(|e| panic!("{e}"));
     write(&path.join("shared.yaml"), &limits(&["pay", "search"]));
+    let before = engine.current();
     let policy = engine.reload().unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(
         policy.limit("pay").and_then(|l| l.file()),
         Some("shared.yaml")
+    );
+    let changes: Vec<(String, FileChange)> = policy
+        .file_changes(&before)
+        .into_iter()
+        .map(|(name, change)| (name.to_string(), change))
+        .collect();
+    assert_eq!(
+        changes,
+        [
+            ("shared.yaml".to_owned(), FileChange::Added),
+            ("pay.yaml".to_owned(), FileChange::Removed)
+        ]
     );
     assert_eq!(
         remaining(&engine),
@@ -265,4 +280,77 @@ fn the_engine_reloads_a_directory_and_moves_keep_buckets() {
             .last_error
             .is_some_and(|(_, e)| e.contains("zz.yaml"))
     );
+}
+
+/// A file's digest is its text's: a reload says which files it changed (and the audit log's
+/// `loaded` event names them), and a file left as it was is not among them.
+#[test]
+fn a_version_says_which_files_changed() {
+    let a = limits(&["a"]);
+    let b = limits(&["b"]);
+    let compiled = |files: &[(&str, &str)]| {
+        compile_directory("policy.d", files).unwrap_or_else(|e| panic!("{e}"))
+    };
+    let before = compiled(&[("a.yaml", &a), ("b.yaml", &b)]);
+    let b2 = b.replace("capacity: 3", "capacity: 4");
+    let after = compiled(&[("a.yaml", &a), ("b.yaml", &b2), ("c.yaml", "limits: []\n")]);
+    let changes: Vec<(String, FileChange)> = after
+        .file_changes(&before)
+        .into_iter()
+        .map(|(name, change)| (name.to_string(), change))
+        .collect();
+    assert_eq!(
+        changes,
+        [
+            ("b.yaml".to_owned(), FileChange::Changed),
+            ("c.yaml".to_owned(), FileChange::Added)
+        ]
+    );
+    assert!(after.file_changes(&after).is_empty());
+    assert_ne!(before.files()[1].digest(), after.files()[1].digest());
+    assert_eq!(before.files()[0].digest(), after.files()[0].digest());
+    // Between policies of one file there are no files to name.
+    let one = compile("p.yaml", &a).unwrap_or_else(|e| panic!("{e}"));
+    assert!(one.file_changes(&one).is_empty());
+
+    // The audit log's `loaded` event names the files a reload changed.
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    write(&dir.path().join("a.yaml"), &a);
+    write(&dir.path().join("b.yaml"), &b);
+    let lines = Arc::new(parking_lot::Mutex::new(Vec::<u8>::new()));
+    let log = AuditLog::new(
+        Box::new(Sink(Arc::clone(&lines))),
+        Box::new(tollgate_policy::SystemWallClock),
+    );
+    let options = EngineOptions::default().audit(Arc::new(log));
+    let engine = PolicyEngine::from_file(dir.path(), options).unwrap_or_else(|e| panic!("{e}"));
+    write(&dir.path().join("b.yaml"), &b2);
+    assert!(engine.reload().is_ok());
+    let text = String::from_utf8(lines.lock().clone()).unwrap_or_default();
+    let loaded: Vec<serde_json::Value> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .filter(|e: &serde_json::Value| e["event"] == "loaded")
+        .collect();
+    assert_eq!(loaded.len(), 2, "{text}");
+    assert_eq!(
+        loaded[0].get("changed_files"),
+        None,
+        "the first load replaces nothing"
+    );
+    assert_eq!(loaded[1]["changed_files"], serde_json::json!(["b.yaml"]));
+}
+
+/// Audit lines, kept for reading.
+struct Sink(Arc<parking_lot::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Sink {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }

@@ -15,7 +15,7 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 use serde_json::Value;
-use tollgate_policy::{LimitDef, Mode, Override, Policy};
+use tollgate_policy::{FileChange, LimitDef, Mode, Override, Policy};
 
 use crate::policy_view;
 
@@ -122,11 +122,21 @@ pub(crate) struct ExemptionChange {
     pub(crate) fields: Vec<Field>,
 }
 
+/// A file of a policy directory added, removed or changed.
+#[derive(Debug, Serialize)]
+pub(crate) struct FileDiff {
+    pub(crate) name: String,
+    pub(crate) change: Change,
+}
+
 /// Everything that differs between two versions of a policy.
 #[derive(Debug, Serialize)]
 pub(crate) struct PolicyDiff {
     pub(crate) from_version: String,
     pub(crate) to_version: String,
+    /// In a policy directory, the files added, removed or changed: whose change it is.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub(crate) files: Vec<FileDiff>,
     pub(crate) limits: Vec<LimitChange>,
     pub(crate) exemptions: Vec<ExemptionChange>,
 }
@@ -159,9 +169,22 @@ pub(crate) fn diff(old: &Policy, new: &Policy) -> PolicyDiff {
             limits.push(whole(limit, Change::Removed));
         }
     }
+    let files = new
+        .file_changes(old)
+        .into_iter()
+        .map(|(name, change)| FileDiff {
+            name: name.to_string(),
+            change: match change {
+                FileChange::Added => Change::Added,
+                FileChange::Removed => Change::Removed,
+                FileChange::Changed => Change::Changed,
+            },
+        })
+        .collect();
     PolicyDiff {
         from_version: old.version().to_owned(),
         to_version: new.version().to_owned(),
+        files,
         limits,
         exemptions: exemptions(old, new),
     }
@@ -398,6 +421,9 @@ fn write_fields(out: &mut String, fields: &[Field], indent: &str) {
 pub(crate) fn render(diff: &PolicyDiff) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "version {} -> {}", diff.from_version, diff.to_version);
+    for file in &diff.files {
+        let _ = writeln!(out, "{} file {}", file.change.sign(), file.name);
+    }
     if diff.is_empty() {
         out.push_str("no limit or exemption differs\n");
         return out;

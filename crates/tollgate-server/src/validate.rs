@@ -158,7 +158,7 @@ fn json_valid(
         // Under --strict a warning fails the check as an error does.
         "valid": !strict || warnings.is_empty(),
         "version": policy.version(),
-        "files": policy.files().iter().map(|f| &**f).collect::<Vec<_>>(),
+        "files": policy.files().iter().map(|f| f.name()).collect::<Vec<_>>(),
         "limits": policy.limits().len(),
         "exemptions": policy.exemptions().len(),
         "warnings": warnings,

@@ -2708,6 +2708,10 @@ fn a_policy_directory_is_one_policy_with_a_file_per_team() {
     let (status, stdout, stderr) = run(&["diff", path_str(&dir), path_str(&moved)]);
     assert!(status.success(), "{stderr}");
     assert!(
+        stdout.contains("\n+ file shared.yaml\n- file checkout.yaml\n- file payments.yaml\n- file search.yaml\n"),
+        "the files, whose change it is: {stdout}"
+    );
+    assert!(
         stdout.contains("~ limit pay (domain api)\n    file: payments.yaml -> shared.yaml\n    buckets: kept as they are\n"),
         "{stdout}"
     );

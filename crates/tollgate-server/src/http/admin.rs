@@ -267,7 +267,7 @@ pub(crate) async fn policy(
     let mut body = status_body(&state);
     let policy = state.decider.engine().current();
     if !policy.files().is_empty() {
-        body["files"] = policy.files().iter().map(|f| json!(&**f)).collect();
+        body["files"] = policy.files().iter().map(|f| json!(f.name())).collect();
     }
     body["limits"] = policy
         .limits()
