@@ -2626,6 +2626,26 @@ fn a_policy_directory_is_one_policy_with_a_file_per_team() {
         "{stdout}"
     );
 
+    // Decided locally as the server would: the payments team's limit, from its own file.
+    let (status, stdout, stderr) = run(&[
+        "check",
+        "--config",
+        path_str(&dir),
+        "--domain",
+        "api",
+        "--descriptor",
+        "team=pay,user=u1",
+        "--times",
+        "3",
+    ]);
+    assert!(status.success(), "{stderr}");
+    assert_eq!(
+        stdout.matches(" allowed (policy sha-").count(),
+        2,
+        "{stdout}"
+    );
+    assert!(stdout.contains("#3 rejected"), "{stdout}");
+
     let server = Server::start(&["--config", path_str(&dir), "--admin-token", "s3cret"]);
     let auth = [("Authorization", "Bearer s3cret")];
     let policy = || request(server.http, "GET", "/v1/policy", &auth, "").json();
@@ -2708,7 +2728,9 @@ fn a_policy_directory_is_one_policy_with_a_file_per_team() {
     let (status, stdout, stderr) = run(&["diff", path_str(&dir), path_str(&moved)]);
     assert!(status.success(), "{stderr}");
     assert!(
-        stdout.contains("\n+ file shared.yaml\n- file checkout.yaml\n- file payments.yaml\n- file search.yaml\n"),
+        stdout.contains(
+            "\n+ file shared.yaml\n- file checkout.yaml\n- file payments.yaml\n- file search.yaml\n"
+        ),
         "the files, whose change it is: {stdout}"
     );
     assert!(
