@@ -1281,6 +1281,31 @@ fn sanitize(text: &str, max: usize) -> String {
 mod tests {
     use super::*;
 
+    /// A policy directory's file for each source: its name kept where it is a visible YAML
+    /// name, made one otherwise (never hidden, never empty), numbered when taken.
+    #[test]
+    fn each_domain_gets_a_visible_yaml_file_name() {
+        let taken = |names: &[&str]| -> Vec<(String, String)> {
+            names
+                .iter()
+                .map(|n| ((*n).to_owned(), String::new()))
+                .collect()
+        };
+        let name = |source: &str, names: &[&str]| file_name_for(source, &taken(names));
+        assert_eq!(name("config/api.yaml", &[]), "api.yaml");
+        assert_eq!(name("config/api.yml", &[]), "api.yml");
+        assert_eq!(name("config/api.conf", &[]), "api.conf.yaml");
+        assert_eq!(name("config/.api.yaml", &[]), "api.yaml");
+        assert_eq!(name("config/api", &[]), "api.yaml");
+        assert_eq!(name("config/.yaml", &[]), "yaml.yaml");
+        assert_eq!(name("", &[]), "domain.yaml");
+        assert_eq!(name("config/...", &[]), "domain.yaml");
+        assert_eq!(
+            name("b/api.yaml", &["api.yaml", "api-2.yaml"]),
+            "api-3.yaml"
+        );
+    }
+
     fn exact(entry: &str, value: &str, rate: Option<Rate>) -> OverrideOut {
         let test = ValueMatch::Exact(value.into());
         (sanitize(value, 100), (entry.to_owned(), test), rate)

@@ -3002,6 +3002,7 @@ fn shadow_all_stops_every_rejection_and_keeps_the_buckets() {
     assert_eq!(on.reason, "INC-42: false rejections");
     assert_eq!(on.since, UnixTime::from_secs(1_790_000_060));
     assert_eq!(r.engine.status().shadow_all, Some(on.clone()));
+    assert_eq!(r.engine.shadow_all(), Some(on.clone()));
 
     let outcome = decide("u1");
     assert!(outcome.allowed);
@@ -3036,6 +3037,7 @@ fn shadow_all_stops_every_rejection_and_keeps_the_buckets() {
     // Off: each limit has its own mode back, and the buckets are where the traffic left them.
     assert_eq!(r.engine.set_shadow_all(None), None);
     assert_eq!(r.engine.set_shadow_all(None), None);
+    assert_eq!(r.engine.shadow_all(), None);
     assert!(!decide("u1").allowed);
     assert!(decide("u2").allowed, "another subject's bucket is full");
     assert!(!decide("mallory").allowed);

@@ -18,7 +18,10 @@
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! # let server = tollgate_redis::test_server::RedisServer::start();
 //! # let url = server.url();
-//! let store = RedisStore::connect(&url, RedisConfig::default()).await?;
+//! // Each call waits at most this long (20 ms by default) before the limit's failure mode
+//! // decides; the first call also connects and loads the script.
+//! let config = RedisConfig::default().with_timeout(std::time::Duration::from_secs(1));
+//! let store = RedisStore::connect(&url, config).await?;
 //! let limit = Limit::new(20, "10/s".parse()?)?;
 //! let takes = [Take::new("user:{42}", &limit, 1)];
 //! let decisions = store

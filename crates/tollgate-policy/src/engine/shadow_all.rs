@@ -55,10 +55,8 @@ impl PolicyEngine {
     /// ```
     pub fn set_shadow_all(&self, reason: Option<&str>) -> Option<ShadowAll> {
         let mut control = self.control.lock();
-        match (reason, &control.shadow_all) {
-            (Some(_), Some(on)) => return Some(on.clone()),
-            (None, None) => return None,
-            _ => {}
+        if let (Some(_), Some(on)) = (reason, &control.shadow_all) {
+            return Some(on.clone());
         }
         let version = self.current.load().version().to_owned();
         match reason {
@@ -77,6 +75,7 @@ impl PolicyEngine {
             }
             None => {
                 self.shadow_all.store(false, Ordering::Relaxed);
+                // Off when it is off already: nothing to audit.
                 if let Some(was) = control.shadow_all.take() {
                     self.audit(|| AuditEvent::ShadowAllOff {
                         reason: was.reason,
