@@ -7,7 +7,10 @@
 //! debounce; the engine skips bytes it has already read (so an unrelated file does not undo a
 //! rollback or retry a refused file), refuses a bad file and keeps the last good version, so a
 //! spurious event costs one read. A policy directory is watched itself: a file added, changed,
-//! renamed or removed in it, or a ConfigMap swap inside it, reloads the whole.
+//! renamed or removed in it, or a ConfigMap swap inside it, reloads the whole. One reached
+//! through a link (`current -> releases/7`) is also seen when the link is swapped to another
+//! release; the watch inside stays on the release it started on, so a release is changed by
+//! swapping to a new one (or by a reload on request), not edited in place.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -69,6 +72,10 @@ impl PolicyWatcher {
             });
         };
         let dir = directory_of(file);
+        // A policy directory reached through a link (`current -> releases/7`) is replaced by
+        // swapping the link, which only the link's own directory sees: the watch on `dir`
+        // follows the link to the release it pointed at when it started.
+        let link_parent = is_linked_directory(file).then(|| parent_of(file));
         let handler = move |result: DebounceEventResult| {
             let relevant = match &result {
                 // Reading the file ourselves produces access events: reacting to them would
@@ -93,6 +100,14 @@ impl PolicyWatcher {
         debouncer
             .watch(&dir, RecursiveMode::NonRecursive)
             .map_err(watch_error)?;
+        if let Some(parent) = &link_parent {
+            debouncer
+                .watch(parent, RecursiveMode::NonRecursive)
+                .map_err(|source| Error::Watch {
+                    path: parent.clone(),
+                    source,
+                })?;
+        }
         Ok(Self {
             _debouncer: debouncer,
             dir,
@@ -109,10 +124,23 @@ fn directory_of(file: &Path) -> PathBuf {
     if file.is_dir() {
         return file.to_owned();
     }
-    match file.parent() {
+    parent_of(file)
+}
+
+/// The directory `path` is named in.
+fn parent_of(path: &Path) -> PathBuf {
+    match path.parent() {
         Some(dir) if !dir.as_os_str().is_empty() => dir.to_owned(),
         _ => PathBuf::from("."),
     }
+}
+
+/// Whether `path` is a link to a directory.
+fn is_linked_directory(path: &Path) -> bool {
+    path.is_dir()
+        && path
+            .symlink_metadata()
+            .is_ok_and(|meta| meta.file_type().is_symlink())
 }
 
 #[cfg(test)]

@@ -289,3 +289,28 @@ fn configmap_directory_swap() {
     assert!(engine.current().limit("a2").is_some());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Releases deployed side by side and a `current` link swapped from one to the next: the
+/// swap is seen, though the watch inside follows the link to the release it started on.
+#[cfg(unix)]
+#[test]
+fn a_linked_policy_directory_reloads_when_the_link_is_swapped() {
+    use std::os::unix::fs::symlink;
+    let dir = temp_dir("linked-directory");
+    let release = |name: &str, version: &str| {
+        let path = dir.join(name);
+        std::fs::create_dir(&path).unwrap_or_else(|e| panic!("{e}"));
+        write(&path.join("policy.yaml"), &policy(version));
+    };
+    release("r1", "1");
+    release("r2", "2");
+    symlink("r1", dir.join("current")).unwrap_or_else(|e| panic!("{e}"));
+    let (engine, _watcher, rx) = start(&dir.join("current"));
+    assert_eq!(engine.status().version, "1");
+    // The deploy tools' swap: a new link renamed over the old one.
+    symlink("r2", dir.join("current.tmp")).unwrap_or_else(|e| panic!("{e}"));
+    std::fs::rename(dir.join("current.tmp"), dir.join("current")).unwrap_or_else(|e| panic!("{e}"));
+    wait_for(&rx, Some("2"));
+    assert_eq!(engine.status().version, "2");
+    let _ = std::fs::remove_dir_all(&dir);
+}
