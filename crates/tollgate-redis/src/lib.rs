@@ -99,6 +99,7 @@ mod breaker;
 mod cluster;
 mod connection;
 mod failover;
+mod flags;
 mod lease;
 mod rejections;
 mod store;
@@ -130,6 +131,7 @@ mod wants;
 
 pub use breaker::BreakerConfig;
 pub use failover::{Failover, FailoverStats, FailureMode, Guarded, Outcome};
+pub use flags::MAX_FLAG_BYTES;
 pub use store::{ConnectError, RedisConfig, RedisStore, redact};
 pub use tls::TlsFiles;
 pub use token_batches::TokenBatchStats;
