@@ -106,15 +106,20 @@ pub enum AuditEvent {
     ShadowAllOn {
         /// Why, as the operator gave it.
         reason: String,
+        /// Whether it is the fleet's switch, read from the shared store.
+        fleet: bool,
         /// The policy version in force.
         policy_version: String,
     },
-    /// Every limit has its own mode again.
+    /// The switch is off: every limit has its own mode again, unless the other switch (this
+    /// process's or the fleet's) is on.
     ShadowAllOff {
         /// Why it had been turned on.
         reason: String,
         /// When it had been turned on (RFC 3339).
         since: String,
+        /// Whether it was the fleet's switch.
+        fleet: bool,
         /// The policy version in force.
         policy_version: String,
     },

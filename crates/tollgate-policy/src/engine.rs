@@ -238,7 +238,8 @@ pub struct PolicyStatus {
     pub unmatched: u64,
     /// Versions put in force since start (loads and rollbacks).
     pub changes: u64,
-    /// Whether every limit is in shadow mode ([`PolicyEngine::set_shadow_all`]).
+    /// Whether every limit is in shadow mode ([`PolicyEngine::set_shadow_all`], or the
+    /// fleet's switch: [`PolicyEngine::set_fleet_shadow_all`]).
     pub shadow_all: Option<ShadowAll>,
 }
 
@@ -255,6 +256,7 @@ struct Control {
     read_hash: Option<u64>,
     changes: u64,
     shadow_all: Option<ShadowAll>,
+    fleet_shadow_all: Option<ShadowAll>,
 }
 
 /// The control plane of one process: the policy in force, earlier versions, the buckets.
@@ -340,6 +342,7 @@ impl PolicyEngine {
                 read_hash: text_hash,
                 changes: 1,
                 shadow_all: None,
+                fleet_shadow_all: None,
             }),
             local,
             emergency: MemoryStore::builder()
@@ -559,7 +562,10 @@ impl PolicyEngine {
             last_error: control.last_error.clone(),
             unmatched: self.unmatched.load(Ordering::Relaxed),
             changes: control.changes,
-            shadow_all: control.shadow_all.clone(),
+            shadow_all: control
+                .shadow_all
+                .clone()
+                .or_else(|| control.fleet_shadow_all.clone()),
         }
     }
 

@@ -9,8 +9,8 @@ use parking_lot::Mutex;
 use tollgate::{Clock, Limit, ManualClock, block_on_ready};
 use tollgate_policy::audit::AuditLog;
 use tollgate_policy::{
-    EngineOptions, ManualWallClock, PolicyEngine, RequestDescriptor, RequestedLimit, UnixTime,
-    compile,
+    EngineOptions, ManualWallClock, PolicyEngine, RequestDescriptor, RequestedLimit, ShadowAll,
+    UnixTime, compile,
 };
 
 const NOW: UnixTime = UnixTime::from_secs(1_790_000_000); // 2026-09-21
@@ -3060,4 +3060,60 @@ fn shadow_all_stops_every_rejection_and_keeps_the_buckets() {
     assert_eq!(events[1]["event"], "shadow_all_off");
     assert_eq!(events[1]["reason"], "INC-42: false rejections");
     assert_eq!(events[1]["since"], "2026-09-21T14:14:20Z");
+}
+
+/// The fleet's switch, as a server reads it from the shared store, sits beside this process's
+/// own: either puts every limit in shadow mode, turning one off leaves the other, and the same
+/// value read again changes and audits nothing.
+#[test]
+fn the_fleets_switch_and_the_processs_own_are_apart() {
+    let r = rig(SWITCHED);
+    let decide = || {
+        r.engine
+            .decide("api", &[[("user", "u1")]], 1, None)
+            .unwrap_or_else(|e| panic!("{e}"))
+    };
+    assert!(decide().allowed && decide().allowed && !decide().allowed);
+    let fleet = ShadowAll::fleet(UnixTime::from_secs(1_790_000_000), "INC-7");
+    r.engine.set_fleet_shadow_all(Some(fleet.clone()));
+    r.engine.set_fleet_shadow_all(Some(fleet.clone()));
+    assert!(decide().allowed);
+    assert_eq!(r.engine.shadow_all(), Some(fleet.clone()));
+    assert!(r.engine.status().shadow_all.is_some_and(|s| s.fleet));
+
+    // This process's switch turned on and off again: the fleet's stays in force.
+    let own = r.engine.set_shadow_all(Some("local look"));
+    assert!(own.is_some_and(|s| !s.fleet));
+    assert_eq!(r.engine.set_shadow_all(None), None);
+    assert!(decide().allowed);
+    assert_eq!(r.engine.shadow_all(), Some(fleet));
+
+    r.engine.set_fleet_shadow_all(None);
+    assert!(!decide().allowed);
+    assert_eq!(r.engine.shadow_all(), None);
+
+    let events: Vec<(String, bool)> = r
+        .audit
+        .events()
+        .into_iter()
+        .filter(|e| {
+            e["event"]
+                .as_str()
+                .is_some_and(|k| k.starts_with("shadow_all"))
+        })
+        .map(|e| {
+            let kind = e["event"].as_str().unwrap_or_default().to_owned();
+            (kind, e["fleet"].as_bool().unwrap_or_default())
+        })
+        .collect();
+    let event = |kind: &str, fleet| (kind.to_owned(), fleet);
+    assert_eq!(
+        events,
+        [
+            event("shadow_all_on", true),
+            event("shadow_all_on", false),
+            event("shadow_all_off", false),
+            event("shadow_all_off", true)
+        ]
+    );
 }

@@ -28,6 +28,21 @@ pub struct ShadowAll {
     pub since: UnixTime,
     /// Why, as the operator gave it.
     pub reason: String,
+    /// Whether it is the fleet's switch, read from a store every process shares
+    /// ([`PolicyEngine::set_fleet_shadow_all`]), rather than this process's own.
+    pub fleet: bool,
+}
+
+impl ShadowAll {
+    /// The fleet's switch, as a process read it from the shared store: turned on at `since`
+    /// for `reason`.
+    pub fn fleet(since: UnixTime, reason: impl Into<String>) -> Self {
+        Self {
+            since,
+            reason: reason.into(),
+            fleet: true,
+        }
+    }
 }
 
 impl PolicyEngine {
@@ -58,39 +73,61 @@ impl PolicyEngine {
         if let (Some(_), Some(on)) = (reason, &control.shadow_all) {
             return Some(on.clone());
         }
+        let on = reason.map(|reason| ShadowAll {
+            since: self.options.wall.now(),
+            reason: reason.to_owned(),
+            fleet: false,
+        });
+        let was = std::mem::replace(&mut control.shadow_all, on.clone());
+        self.switched(&control, was, on.clone());
+        on
+    }
+
+    /// Puts every limit in shadow mode by the fleet's switch (`Some`), or takes that away
+    /// (`None`), beside this process's own switch: either puts every limit in shadow mode.
+    /// What a server calls with what it reads, every second, from the store its fleet shares;
+    /// a value equal to the one in force changes nothing, and each change is audited (with
+    /// `fleet: true`) in every process that reads it.
+    pub fn set_fleet_shadow_all(&self, fleet: Option<ShadowAll>) {
+        let mut control = self.control.lock();
+        let fleet = fleet.map(|on| ShadowAll { fleet: true, ..on });
+        if control.fleet_shadow_all == fleet {
+            return;
+        }
+        let was = std::mem::replace(&mut control.fleet_shadow_all, fleet.clone());
+        self.switched(&control, was, fleet);
+    }
+
+    /// Audits a change of one switch from `was` to `now`, and sets what decisions read.
+    fn switched(&self, control: &super::Control, was: Option<ShadowAll>, now: Option<ShadowAll>) {
+        let on = control.shadow_all.is_some() || control.fleet_shadow_all.is_some();
+        self.shadow_all.store(on, Ordering::Relaxed);
         let version = self.current.load().version().to_owned();
-        match reason {
-            Some(reason) => {
-                let on = ShadowAll {
-                    since: self.options.wall.now(),
-                    reason: reason.to_owned(),
-                };
-                control.shadow_all = Some(on.clone());
-                self.shadow_all.store(true, Ordering::Relaxed);
-                self.audit(|| AuditEvent::ShadowAllOn {
-                    reason: on.reason.clone(),
-                    policy_version: version,
-                });
-                Some(on)
-            }
-            None => {
-                self.shadow_all.store(false, Ordering::Relaxed);
-                // Off when it is off already: nothing to audit.
-                if let Some(was) = control.shadow_all.take() {
-                    self.audit(|| AuditEvent::ShadowAllOff {
-                        reason: was.reason,
-                        since: was.since.to_rfc3339(),
-                        policy_version: version,
-                    });
-                }
-                None
-            }
+        match (was, now) {
+            (_, Some(now)) => self.audit(|| AuditEvent::ShadowAllOn {
+                reason: now.reason,
+                fleet: now.fleet,
+                policy_version: version,
+            }),
+            // Off when it was off already: nothing to audit.
+            (Some(was), None) => self.audit(|| AuditEvent::ShadowAllOff {
+                reason: was.reason,
+                since: was.since.to_rfc3339(),
+                fleet: was.fleet,
+                policy_version: version,
+            }),
+            (None, None) => {}
         }
     }
 
-    /// Whether every limit is in shadow mode now, since when and why.
+    /// Whether every limit is in shadow mode now, since when and why: this process's switch
+    /// when it is on, else the fleet's.
     pub fn shadow_all(&self) -> Option<ShadowAll> {
-        self.control.lock().shadow_all.clone()
+        let control = self.control.lock();
+        control
+            .shadow_all
+            .clone()
+            .or_else(|| control.fleet_shadow_all.clone())
     }
 
     /// Under the switch, an enforced match is decided as a shadow one. One relaxed load per
