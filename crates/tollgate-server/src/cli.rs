@@ -1267,6 +1267,9 @@ pub async fn serve(
         decider = decider.with_global(Arc::clone(shares));
     }
     let decider = Arc::new(decider);
+    // On a shared store, the fleet's incident switch is read every second; stopped with the
+    // server.
+    let _fleet_switch = AbortOnDrop(tokio::spawn(Arc::clone(&decider).follow_fleet_switch()));
 
     let deny = StatusCode::from_u16(args.forward_auth_deny_status)
         .ok()

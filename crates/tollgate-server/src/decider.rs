@@ -12,7 +12,7 @@ use std::time::Duration;
 use tollgate::{Clock, Error as CoreError, Limit, MonotonicClock, Store, Unavailable};
 use tollgate_policy::{
     Costs, Descriptor, Error as PolicyError, LeaseOutcome, Outcome, Policy, PolicyEngine,
-    ResetOutcome,
+    ResetOutcome, ShadowAll, UnixTime,
 };
 use tollgate_redis::RedisStore;
 
@@ -620,6 +620,55 @@ impl Decider {
         Ok(outcome)
     }
 
+    /// Writes the fleet's incident switch to the shared store (`Some`: every limit in shadow
+    /// mode in every process that reads it; `None`: off), and applies it here at once. The
+    /// others follow within [`FLEET_SWITCH_EVERY`] ([`Decider::follow_fleet_switch`]).
+    ///
+    /// # Errors
+    ///
+    /// [`FleetError::NoSharedStore`] on the memory store, which no other process reads;
+    /// [`FleetError::Store`] when the store cannot be written (nothing changed here).
+    pub async fn set_fleet_shadow_all(&self, on: Option<ShadowAll>) -> Result<(), FleetError> {
+        let Backend::Redis(store) = &self.backend else {
+            return Err(FleetError::NoSharedStore);
+        };
+        let value = on.as_ref().map(|on| {
+            serde_json::json!({"reason": on.reason, "since": on.since.to_rfc3339()}).to_string()
+        });
+        store
+            .write_flag(FLEET_SHADOW_ALL, value.as_deref())
+            .await
+            .map_err(FleetError::Store)?;
+        self.engine.set_fleet_shadow_all(on);
+        Ok(())
+    }
+
+    /// Reads the fleet's incident switch from the shared store every [`FLEET_SWITCH_EVERY`]
+    /// and applies it, for as long as the server runs; on the memory store, returns at once.
+    /// A read that fails keeps what was last read: an unreachable store must not turn the
+    /// switch on or off by itself.
+    pub async fn follow_fleet_switch(self: Arc<Self>) {
+        let Backend::Redis(store) = &self.backend else {
+            return;
+        };
+        let mut every = tokio::time::interval(FLEET_SWITCH_EVERY);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            every.tick().await;
+            match store.read_flag(FLEET_SHADOW_ALL).await {
+                Ok(None) => self.engine.set_fleet_shadow_all(None),
+                Ok(Some(text)) => match fleet_switch_of(&text) {
+                    Some(on) => self.engine.set_fleet_shadow_all(Some(on)),
+                    None => tracing::warn!(
+                        value = text.as_str(),
+                        "the fleet's shadow-all switch in the store is unreadable; kept as it was"
+                    ),
+                },
+                Err(err) => tracing::debug!(%err, "cannot read the fleet's shadow-all switch"),
+            }
+        }
+    }
+
     /// Whether the store answers: for `/readyz`.
     pub async fn store_ready(&self) -> Result<(), Unavailable> {
         match &self.backend {
@@ -627,6 +676,35 @@ impl Decider {
             Backend::Redis(store) => store.ping().await,
         }
     }
+}
+
+/// The flag the fleet's incident switch is kept in, in the shared store.
+const FLEET_SHADOW_ALL: &str = "shadow-all";
+
+/// How often each server reads the fleet's incident switch: how soon a change reaches every
+/// process, for one small read per second per process.
+pub const FLEET_SWITCH_EVERY: Duration = Duration::from_secs(1);
+
+/// Why the fleet's incident switch could not be set.
+#[derive(Debug, thiserror::Error)]
+pub enum FleetError {
+    /// The memory store is this process's alone.
+    #[error(
+        "this server runs on the memory store, which no other process reads: start the fleet on \
+         a shared store (--store redis://...) for a fleet's switch, or leave out \"fleet\""
+    )]
+    NoSharedStore,
+    /// The shared store could not be written.
+    #[error("the shared store cannot be written: {0}")]
+    Store(CoreError),
+}
+
+/// The switch as written in the store: `{"reason": ..., "since": RFC 3339}`.
+fn fleet_switch_of(text: &str) -> Option<ShadowAll> {
+    let value: serde_json::Value = serde_json::from_str(text).ok()?;
+    let reason = value["reason"].as_str()?;
+    let since = UnixTime::parse_rfc3339(value["since"].as_str()?)?;
+    Some(ShadowAll::fleet(since, reason))
 }
 
 /// A refusal other than the store's: the request's fault, or the server's.

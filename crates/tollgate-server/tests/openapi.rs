@@ -567,6 +567,9 @@ fn memory_script(spec: &Spec) {
         r#"{"on":true,"reason":" "}"#,
         400,
     );
+    // The fleet's switch needs a store other servers read.
+    let fleet = r#"{"on":true,"reason":"INC-42","fleet":true}"#;
+    spec.expect(addr, ("POST", shadow), &admin_json, fleet, 409);
 
     spec.expect(addr, ("GET", "/v1/nowhere"), &[], "", 404);
     assert!(server.terminate().success());
@@ -614,7 +617,16 @@ fn redis_script(spec: &Spec) {
     assert_eq!(spec.post(addr, "/v1/check", check).status, 200);
     let export = r#"{"domain":"api","descriptors":[{"user":"u1","route":"/export"}]}"#;
     let lease = spec.lease(addr, export);
+    // The fleet's switch, kept in the store: on and off while it answers.
+    let json = [("Content-Type", "application/json")];
+    let shadow = "/v1/policy/shadow-all";
+    let fleet_on = r#"{"on":true,"reason":"INC-42","fleet":true}"#;
+    let switched = spec.expect(addr, ("POST", shadow), &json, fleet_on, 200);
+    assert_eq!(switched.json()["shadow_all"]["fleet"], true);
+    let fleet_off = r#"{"on":false,"fleet":true}"#;
+    spec.expect(addr, ("POST", shadow), &json, fleet_off, 200);
     redis.kill();
+    spec.expect(addr, ("POST", shadow), &json, fleet_off, 503);
     assert_eq!(spec.post(addr, "/v1/check", check).status, 503);
     assert_eq!(spec.post(addr, "/v1/explain", check).status, 503);
     let settle = r#"{"domain":"api","descriptors":[{"user":"u1"}],"request_id":"r-1","used":0}"#;
@@ -629,7 +641,6 @@ fn redis_script(spec: &Spec) {
     spec.expect(addr, ("GET", "/v1/forward-auth/api"), &fa, "", 503);
     spec.expect(addr, ("GET", "/readyz"), &[], "", 503);
     let reset = r#"{"domain":"api","descriptors":[{"user":"u1"}]}"#;
-    let json = [("Content-Type", "application/json")];
     spec.expect(addr, ("POST", "/v1/reset"), &json, reset, 503);
     assert!(server.terminate().success());
 }

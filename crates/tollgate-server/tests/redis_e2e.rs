@@ -1390,3 +1390,95 @@ async fn rlqs_board_failures_are_logged_once_per_outage() {
         .count();
     assert_eq!(said, 2, "{logs}");
 }
+
+/// The fleet's incident switch: set through one server, kept in the shared Redis, read by
+/// every server within a second or two; each server's own switch stays its own; a store
+/// that cannot be written refuses the change, and a store that cannot be read leaves the
+/// switch as last read.
+#[test]
+fn the_fleets_switch_reaches_every_server_on_the_store() {
+    let mut redis = RedisServer::start();
+    let scratch = Scratch::new("fleet-switch");
+    let config = scratch.write("policy.yaml", POLICY);
+    let servers = [
+        on_store(&config, &redis.url(), &[]),
+        on_store(&config, &redis.url(), &[]),
+    ];
+    let json = [("Content-Type", "application/json")];
+    let switch = |server: &Server, body: &str| {
+        request(server.http, "POST", "/v1/policy/shadow-all", &json, body)
+    };
+    let shadowed = |server: &Server| {
+        let status = request(server.http, "GET", "/v1/policy", &[], "").json();
+        status["shadow_all"].clone()
+    };
+    let check = |server: &Server| {
+        let body = r#"{"domain":"api","descriptors":[{"user":"fleet"}]}"#;
+        post_json(server.http, "/v1/check", body).status
+    };
+    for _ in 0..50 {
+        assert_eq!(check(&servers[0]), 200);
+    }
+    assert_eq!([check(&servers[0]), check(&servers[1])], [429, 429]);
+
+    let on = r#"{"on":true,"reason":"INC-42: fleet-wide","fleet":true}"#;
+    let answer = switch(&servers[0], on);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(answer.json()["shadow_all"]["fleet"], true);
+    let seen = support::wait_for("the other server to read the switch", || {
+        let state = shadowed(&servers[1]);
+        state.is_object().then_some(state)
+    });
+    assert_eq!(
+        (&seen["reason"], &seen["fleet"]),
+        (&"INC-42: fleet-wide".into(), &true.into())
+    );
+    assert_eq!([check(&servers[0]), check(&servers[1])], [200, 200]);
+    assert_eq!(metric(&servers[1], "tollgate_shadow_all"), 1.0);
+
+    // A server's own switch turned off leaves the fleet's in force.
+    let local_off = switch(&servers[1], r#"{"on":false}"#);
+    assert_eq!(local_off.status, 200, "{}", local_off.body);
+    assert_eq!(check(&servers[1]), 200);
+
+    // Off through the other server: both enforce again.
+    let off = switch(&servers[1], r#"{"on":false,"fleet":true}"#);
+    assert_eq!(off.status, 200, "{}", off.body);
+    support::wait_for("the first server to read the switch off", || {
+        shadowed(&servers[0]).is_null().then_some(())
+    });
+    assert_eq!([check(&servers[0]), check(&servers[1])], [429, 429]);
+
+    // Turned on again, then Redis dies: a switch that cannot be written is refused, and the
+    // one last read stays in force.
+    assert_eq!(switch(&servers[0], on).status, 200);
+    support::wait_for("the second server to read the switch on", || {
+        shadowed(&servers[1]).is_object().then_some(())
+    });
+    redis.kill();
+    let refused = switch(&servers[0], r#"{"on":false,"fleet":true}"#);
+    assert_eq!(refused.status, 503, "{}", refused.body);
+    assert_eq!(refused.json()["error"]["code"], "store_unavailable");
+    // Nothing to wait for but the server's own reads: two of them fail meanwhile.
+    #[allow(clippy::disallowed_methods)]
+    std::thread::sleep(two_reads());
+    assert!(shadowed(&servers[1]).is_object(), "kept as last read");
+}
+
+/// Long enough for a server to try reading the fleet's switch twice (it reads every second).
+fn two_reads() -> Duration {
+    tollgate_server::decider::FLEET_SWITCH_EVERY * 5 / 2
+}
+
+/// On the memory store no other process reads the switch: the fleet's is refused, clearly.
+#[test]
+fn the_fleets_switch_needs_a_shared_store() {
+    let server = Server::start(&[]);
+    let json = [("Content-Type", "application/json")];
+    let body = r#"{"on":true,"reason":"INC-42","fleet":true}"#;
+    let answer = request(server.http, "POST", "/v1/policy/shadow-all", &json, body);
+    assert_eq!(answer.status, 409, "{}", answer.body);
+    assert_eq!(answer.json()["error"]["code"], "no_shared_store");
+    let status = request(server.http, "GET", "/v1/policy", &[], "").json();
+    assert_eq!(status["shadow_all"], serde_json::Value::Null);
+}

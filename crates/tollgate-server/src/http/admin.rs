@@ -15,11 +15,12 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::json;
-use tollgate_policy::{Error as PolicyError, Policy, SystemWallClock, WallClock};
+use tollgate_policy::{Error as PolicyError, Policy, ShadowAll, SystemWallClock, WallClock};
 
 use super::AppState;
 use super::check::{body_bytes, json_body};
 use super::error::ApiError;
+use crate::decider::FleetError;
 use crate::{metrics, policy_view};
 
 pub(crate) async fn healthz() -> &'static str {
@@ -190,8 +191,27 @@ fn status_body(state: &AppState) -> serde_json::Value {
         "shadow_all": status.shadow_all.map(|on| json!({
             "since": on.since.to_rfc3339(),
             "reason": on.reason,
+            "fleet": on.fleet,
         })),
     })
+}
+
+/// Sets the fleet's switch through the shared store.
+async fn set_fleet(state: &AppState, on: Option<ShadowAll>) -> Result<(), ApiError> {
+    state
+        .decider
+        .set_fleet_shadow_all(on)
+        .await
+        .map_err(|err| match err {
+            FleetError::NoSharedStore => {
+                ApiError::new(StatusCode::CONFLICT, "no_shared_store", err.to_string())
+            }
+            FleetError::Store(_) => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store_unavailable",
+                format!("{err}; the switch is as it was: try again"),
+            ),
+        })
 }
 
 /// The longest reason the switch of every limit to shadow mode takes: a line of the audit log,
@@ -219,6 +239,9 @@ struct ShadowAllBody {
     on: bool,
     #[serde(default)]
     reason: Option<String>,
+    /// The fleet's switch, in the shared store every server reads, rather than this one's.
+    #[serde(default)]
+    fleet: bool,
 }
 
 /// `POST /v1/policy/shadow-all`: every limit in shadow mode (`{"on":true,"reason":"..."}`),
@@ -237,7 +260,12 @@ pub(crate) async fn shadow_all(
         (true, Some(reason)) => {
             check_reason(&reason)
                 .map_err(|problem| ApiError::bad_request("invalid_reason", problem))?;
-            engine.set_shadow_all(Some(&reason));
+            if body.fleet {
+                let on = ShadowAll::fleet(SystemWallClock.now(), reason);
+                set_fleet(&state, Some(on)).await?;
+            } else {
+                engine.set_shadow_all(Some(&reason));
+            }
         }
         (true, None) => {
             return Err(ApiError::bad_request(
@@ -245,6 +273,7 @@ pub(crate) async fn shadow_all(
                 "give a reason to turn it on (an incident, a rollout): the audit log keeps it",
             ));
         }
+        (false, None) if body.fleet => set_fleet(&state, None).await?,
         (false, None) => {
             engine.set_shadow_all(None);
         }
