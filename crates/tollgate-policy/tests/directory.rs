@@ -241,13 +241,8 @@ fn the_engine_reloads_a_directory_and_moves_keep_buckets() {
         policy.limit("pay").and_then(|l| l.file()),
         Some("shared.yaml")
     );
-    let changes: Vec<(String, FileChange)> = policy
-        .file_changes(&before)
-        .into_iter()
-        .map(|(name, change)| (name.to_string(), change))
-        .collect();
     assert_eq!(
-        changes,
+        changed_files(&policy, &before),
         [
             ("shared.yaml".to_owned(), FileChange::Added),
             ("pay.yaml".to_owned(), FileChange::Removed)
@@ -294,13 +289,8 @@ fn a_version_says_which_files_changed() {
     let before = compiled(&[("a.yaml", &a), ("b.yaml", &b)]);
     let b2 = b.replace("capacity: 3", "capacity: 4");
     let after = compiled(&[("a.yaml", &a), ("b.yaml", &b2), ("c.yaml", "limits: []\n")]);
-    let changes: Vec<(String, FileChange)> = after
-        .file_changes(&before)
-        .into_iter()
-        .map(|(name, change)| (name.to_string(), change))
-        .collect();
     assert_eq!(
-        changes,
+        changed_files(&after, &before),
         [
             ("b.yaml".to_owned(), FileChange::Changed),
             ("c.yaml".to_owned(), FileChange::Added)
@@ -353,4 +343,16 @@ impl std::io::Write for Sink {
     fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
     }
+}
+
+/// The files `after` added, removed or changed since `before`, by name.
+fn changed_files(
+    after: &tollgate_policy::Policy,
+    before: &tollgate_policy::Policy,
+) -> Vec<(String, FileChange)> {
+    after
+        .file_changes(before)
+        .into_iter()
+        .map(|(name, change)| (name.to_string(), change))
+        .collect()
 }

@@ -83,6 +83,19 @@ fn rig(policy: &str) -> Rig {
 }
 
 impl Rig {
+    /// The audit events of the switches that put every limit in shadow mode.
+    fn shadow_all_events(&self) -> Vec<serde_json::Value> {
+        self.audit
+            .events()
+            .into_iter()
+            .filter(|e| {
+                e["event"]
+                    .as_str()
+                    .is_some_and(|k| k.starts_with("shadow_all"))
+            })
+            .collect()
+    }
+
     /// The limits the last `loaded` audit event names as changed.
     fn last_changed_limits(&self) -> Option<serde_json::Value> {
         self.audit
@@ -3043,16 +3056,7 @@ fn shadow_all_stops_every_rejection_and_keeps_the_buckets() {
     assert!(!decide("mallory").allowed);
     assert!(!acquire(&r.engine, &tenant, "c").allowed);
 
-    let events: Vec<serde_json::Value> = r
-        .audit
-        .events()
-        .into_iter()
-        .filter(|e| {
-            e["event"]
-                .as_str()
-                .is_some_and(|k| k.starts_with("shadow_all"))
-        })
-        .collect();
+    let events = r.shadow_all_events();
     assert_eq!(events.len(), 2, "{events:?}");
     assert_eq!(events[0]["event"], "shadow_all_on");
     assert_eq!(events[0]["reason"], "INC-42: false rejections");
@@ -3093,14 +3097,8 @@ fn the_fleets_switch_and_the_processs_own_are_apart() {
     assert_eq!(r.engine.shadow_all(), None);
 
     let events: Vec<(String, bool)> = r
-        .audit
-        .events()
+        .shadow_all_events()
         .into_iter()
-        .filter(|e| {
-            e["event"]
-                .as_str()
-                .is_some_and(|k| k.starts_with("shadow_all"))
-        })
         .map(|e| {
             let kind = e["event"].as_str().unwrap_or_default().to_owned();
             (kind, e["fleet"].as_bool().unwrap_or_default())
