@@ -37,8 +37,7 @@ pub fn compile(file: &str, text: &str) -> Result<Policy, Error> {
     let parsed = schema::parse(file, text)?;
     let unit = Unit {
         file: file.to_owned(),
-        name: None,
-        digest: stable_hash(text.as_bytes()),
+        source: None,
         parsed,
     };
     build(file, &Version::OfText(text), vec![unit])
@@ -77,8 +76,10 @@ pub fn compile_directory(dir: &str, files: &[(&str, &str)]) -> Result<Policy, Er
         let parsed = schema::parse(&file, text)?;
         units.push(Unit {
             file,
-            name: Some((*name).into()),
-            digest: stable_hash(text.as_bytes()),
+            source: Some(SourceFile {
+                name: (*name).into(),
+                digest: stable_hash(text.as_bytes()),
+            }),
             parsed,
         });
     }
@@ -89,11 +90,16 @@ pub fn compile_directory(dir: &str, files: &[(&str, &str)]) -> Result<Policy, Er
 struct Unit {
     /// The file as diagnostics name it.
     file: String,
-    /// Its name in a policy directory; `None` for a policy of one file.
-    name: Option<Arc<str>>,
-    /// A stable hash of its text.
-    digest: u64,
+    /// Its name and digest in a policy directory; `None` for a policy of one file.
+    source: Option<SourceFile>,
     parsed: PolicyFile,
+}
+
+impl Unit {
+    /// Its name in a policy directory, which its limits and exemptions keep.
+    fn name(&self) -> Option<Arc<str>> {
+        self.source.as_ref().map(|s| Arc::clone(&s.name))
+    }
 }
 
 /// What a policy that declares no version is versioned by.
@@ -1128,7 +1134,7 @@ fn build(source: &str, content: &Version<'_>, units: Vec<Unit>) -> Result<Policy
             replaces: Box::new([]),
             request_limit,
             deny: deny.is_some(),
-            file: unit.name.clone(),
+            file: unit.name(),
         });
     }
     resolve_replaces(&specs, &mut limits)?;
@@ -1165,7 +1171,7 @@ fn build(source: &str, content: &Version<'_>, units: Vec<Unit>) -> Result<Policy
             expires: UnixTime::from_nanos(spec.expires.0),
             uses: Default::default(),
             expiry_reported: Default::default(),
-            file: entry.unit.name.clone(),
+            file: entry.unit.name(),
         });
     }
     for (limit, list) in limits.iter_mut().zip(per_limit) {
@@ -1345,15 +1351,7 @@ fn build(source: &str, content: &Version<'_>, units: Vec<Unit>) -> Result<Policy
     for (limit, filed) in limits.iter_mut().zip(filed_at) {
         limit.filed = filed;
     }
-    let files = units
-        .iter()
-        .filter_map(|u| {
-            u.name.clone().map(|name| SourceFile {
-                name,
-                digest: u.digest,
-            })
-        })
-        .collect();
+    let files = units.iter().filter_map(|u| u.source.clone()).collect();
     Ok(Policy {
         version,
         source: source.into(),

@@ -385,7 +385,8 @@ impl PolicyEngine {
     /// The validation error.
     pub fn load(&self, source: &str, text: &str) -> Result<Arc<Policy>, Error> {
         let mut control = self.control.lock();
-        self.load_locked(&mut control, source, &Sources::File(text.to_owned()))
+        let sources = Sources::File(text.to_owned());
+        self.load_locked(&mut control, source, &sources, sources.hash())
     }
 
     /// Reads the engine's file again (see [`load`](Self::load)): what `POST /v1/policy/reload`
@@ -433,16 +434,18 @@ impl PolicyEngine {
             return Ok(self.current.load_full());
         }
         control.read_hash = Some(hash);
-        self.load_locked(&mut control, &path.display().to_string(), &sources)
+        self.load_locked(&mut control, &path.display().to_string(), &sources, hash)
     }
 
+    /// Puts `sources` in force unless they are what is in force already; `hash` is their
+    /// [`Sources::hash`], which the caller has made once for its own check too.
     fn load_locked(
         &self,
         control: &mut Control,
         source: &str,
         sources: &Sources,
+        hash: u64,
     ) -> Result<Arc<Policy>, Error> {
-        let hash = sources.hash();
         let current = self.current.load_full();
         if control.text_hash == Some(hash) && current.source() == source {
             control.last_error = None;

@@ -430,6 +430,19 @@ pub(crate) async fn rollback(
 mod tests {
     use super::*;
 
+    /// A reason is what the audit log keeps of why nothing was rejected: one line of text,
+    /// not blank, of bounded length.
+    #[test]
+    fn a_reason_is_one_line_of_text() {
+        assert_eq!(check_reason("INC-42: false rejections, é"), Ok(()));
+        assert_eq!(check_reason(&"x".repeat(MAX_REASON)), Ok(()));
+        for bad in ["", " \t ", "two\nlines", "a\rb", "bell\u{7}"] {
+            assert!(check_reason(bad).is_err(), "{bad:?}");
+        }
+        let long = check_reason(&"x".repeat(MAX_REASON + 1));
+        assert_eq!(long, Err("a reason is at most 256 bytes".to_owned()));
+    }
+
     #[test]
     fn readiness_may_leave_the_store_out_and_nothing_else() {
         assert_eq!(excluded(None), Ok(false));
