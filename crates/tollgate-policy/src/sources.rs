@@ -59,15 +59,7 @@ impl Sources {
         if !path.is_dir() {
             return read_text(path).map(Sources::File);
         }
-        let mut files = Vec::new();
-        for file in policy_files_in(path)? {
-            let name = file
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_default();
-            files.push((name, read_text(&file)?));
-        }
-        Ok(Sources::Directory(files))
+        read_directory(path, |_| {}).map(Sources::Directory)
     }
 
     /// A hash of what was read, to recognise an unchanged file or directory: a file's text, or
@@ -94,6 +86,79 @@ impl Sources {
             }
         }
     }
+}
+
+/// Kubernetes' link, inside a mounted ConfigMap, to the directory holding its current contents.
+const CONFIGMAP_DATA: &str = "..data";
+
+/// How many times a directory is read again when a ConfigMap update removed what was being read.
+const CONFIGMAP_READS: usize = 3;
+
+/// Reads the policy files of `dir`, by name, calling `after_each` with each path read (the tests
+/// change the directory there).
+///
+/// A mounted ConfigMap's files are links through `..data`, which an update swaps to a new
+/// directory before deleting the old one. Reading file after file through the links could
+/// take some from the version before a swap and some from the version after, a mix nobody
+/// wrote; so a ConfigMap is read from the one directory `..data` led to when reading began,
+/// and read again if an update deleted that directory meanwhile.
+fn read_directory(
+    dir: &Path,
+    mut after_each: impl FnMut(&Path),
+) -> Result<Vec<(String, String)>, Error> {
+    let mut tries = 0;
+    loop {
+        let snapshot = configmap_snapshot(dir)?;
+        let root = snapshot.as_deref().unwrap_or(dir);
+        match read_files(root, &mut after_each) {
+            Err(err) if snapshot.is_some() && tries + 1 < CONFIGMAP_READS => {
+                // Only a swap since excuses the error: anything else is the directory's own.
+                if configmap_snapshot(dir).ok().flatten() == snapshot {
+                    return Err(err);
+                }
+                tries += 1;
+            }
+            read => return read,
+        }
+    }
+}
+
+fn read_files(
+    dir: &Path,
+    after_each: &mut impl FnMut(&Path),
+) -> Result<Vec<(String, String)>, Error> {
+    let mut files = Vec::new();
+    for file in policy_files_in(dir)? {
+        let name = file
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        files.push((name, read_text(&file)?));
+        after_each(&file);
+    }
+    Ok(files)
+}
+
+/// The directory a mounted ConfigMap's `..data` leads to, when `dir` is one: `..data` links to a
+/// directory and every policy file is Kubernetes' link `NAME -> ..data/NAME`. A directory that
+/// merely holds a `..data` is read as it is.
+fn configmap_snapshot(dir: &Path) -> Result<Option<PathBuf>, Error> {
+    let Ok(target) = std::fs::read_link(dir.join(CONFIGMAP_DATA)) else {
+        return Ok(None);
+    };
+    let snapshot = dir.join(target);
+    if !snapshot.is_dir() {
+        return Ok(None);
+    }
+    for file in policy_files_in(dir)? {
+        let through_data = file.file_name().is_some_and(|name| {
+            std::fs::read_link(&file).is_ok_and(|link| link == Path::new(CONFIGMAP_DATA).join(name))
+        });
+        if !through_data {
+            return Ok(None);
+        }
+    }
+    Ok(Some(snapshot))
 }
 
 fn read_text(path: &Path) -> Result<String, Error> {
@@ -141,6 +206,105 @@ mod tests {
         assert_eq!(names, ["a.yaml", "b.yml", "g.yaml"]);
         #[cfg(not(unix))]
         assert_eq!(names, ["a.yaml", "b.yml"]);
+    }
+
+    /// A ConfigMap mounted as Kubernetes mounts one: `..data` links to `stamp`'s directory,
+    /// each file is a link through it.
+    #[cfg(unix)]
+    fn configmap(dir: &Path, versions: &[(&str, &[(&str, &str)])]) {
+        for (stamp, files) in versions {
+            std::fs::create_dir(dir.join(stamp)).unwrap_or_else(|e| panic!("{e}"));
+            for (name, text) in *files {
+                std::fs::write(dir.join(stamp).join(name), text).unwrap_or_else(|e| panic!("{e}"));
+            }
+        }
+        std::os::unix::fs::symlink(versions[0].0, dir.join("..data"))
+            .unwrap_or_else(|e| panic!("{e}"));
+        for (name, _) in versions[0].1 {
+            std::os::unix::fs::symlink(format!("..data/{name}"), dir.join(name))
+                .unwrap_or_else(|e| panic!("{e}"));
+        }
+    }
+
+    /// Kubernetes' update: a new `..data` link renamed over the old one.
+    #[cfg(unix)]
+    fn swap(dir: &Path, stamp: &str) {
+        std::os::unix::fs::symlink(stamp, dir.join("..data_tmp")).unwrap_or_else(|e| panic!("{e}"));
+        std::fs::rename(dir.join("..data_tmp"), dir.join("..data"))
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    const TWO_VERSIONS: &[(&str, &[(&str, &str)])] = &[
+        ("..2026_12_07_1", &[("a.yaml", "a1"), ("b.yaml", "b1")]),
+        ("..2026_12_07_2", &[("a.yaml", "a2"), ("b.yaml", "b2")]),
+    ];
+
+    fn read_with(dir: &Path, mut once: impl FnMut()) -> Vec<(String, String)> {
+        let mut done = false;
+        read_directory(dir, |_| {
+            if !std::mem::replace(&mut done, true) {
+                once();
+            }
+        })
+        .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn texts(files: &[(&str, &str)]) -> Vec<(String, String)> {
+        files
+            .iter()
+            .map(|(n, t)| ((*n).to_owned(), (*t).to_owned()))
+            .collect()
+    }
+
+    /// An update landing between two files' reads does not mix the versions: the read stays
+    /// on the version it began with.
+    #[cfg(unix)]
+    #[test]
+    fn a_configmap_swapped_mid_read_is_read_as_one_version() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        configmap(dir.path(), TWO_VERSIONS);
+        let read = read_with(dir.path(), || swap(dir.path(), "..2026_12_07_2"));
+        assert_eq!(read, texts(TWO_VERSIONS[0].1));
+        // The next read is all of the new version.
+        assert_eq!(read_with(dir.path(), || {}), texts(TWO_VERSIONS[1].1));
+    }
+
+    /// An update that also deleted the version being read has the directory read again, whole,
+    /// at the new version; without `..data` moving, a missing file is the directory's error.
+    #[cfg(unix)]
+    #[test]
+    fn a_configmap_version_deleted_mid_read_is_read_again() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        configmap(dir.path(), TWO_VERSIONS);
+        let read = read_with(dir.path(), || {
+            swap(dir.path(), "..2026_12_07_2");
+            std::fs::remove_dir_all(dir.path().join("..2026_12_07_1"))
+                .unwrap_or_else(|e| panic!("{e}"));
+        });
+        assert_eq!(read, texts(TWO_VERSIONS[1].1));
+
+        let mut once = true;
+        let refused = read_directory(dir.path(), |_| {
+            if std::mem::replace(&mut once, false) {
+                std::fs::remove_file(dir.path().join("..2026_12_07_2/b.yaml"))
+                    .unwrap_or_else(|e| panic!("{e}"));
+            }
+        });
+        assert!(matches!(refused, Err(Error::Io { .. })), "{refused:?}");
+    }
+
+    /// A directory that merely holds a `..data`, its policy files its own, is read as it is.
+    #[cfg(unix)]
+    #[test]
+    fn only_a_configmap_s_own_links_are_read_through_data() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        configmap(dir.path(), TWO_VERSIONS);
+        std::fs::remove_file(dir.path().join("b.yaml")).unwrap_or_else(|e| panic!("{e}"));
+        std::fs::write(dir.path().join("b.yaml"), "own").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            read_with(dir.path(), || {}),
+            texts(&[("a.yaml", "a1"), ("b.yaml", "own")])
+        );
     }
 
     /// The hash tells a renamed file from an unchanged directory, and a directory from its
