@@ -7,28 +7,39 @@
 //! debounce; the engine skips bytes it has already read (so an unrelated file does not undo a
 //! rollback or retry a refused file), refuses a bad file and keeps the last good version, so a
 //! spurious event costs one read. A policy directory is watched itself: a file added, changed,
-//! renamed or removed in it, or a ConfigMap swap inside it, reloads the whole. One reached
-//! through a link (`current -> releases/7`) is also seen when the link is swapped to another
-//! release; the watch inside stays on the release it started on, so a release is changed by
-//! swapping to a new one (or by a reload on request), not edited in place.
+//! renamed or removed in it, or a ConfigMap swap inside it, reloads the whole.
+//!
+//! Links are followed to where the bytes live, and followed again when they move. A policy
+//! file linked from elsewhere (`/etc/tollgate/policy.yaml -> /srv/policies/prod.yaml`) is
+//! watched in both directories, so an edit of the target is seen; a policy directory reached
+//! through a link (`current -> releases/7`) is watched where the link lives too, so a deploy
+//! that swaps the link is seen, and from then on the watch is on the new release, so an edit
+//! made inside it is seen as well.
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use notify_debouncer_full::notify::{EventKind, RecommendedWatcher, RecursiveMode};
 use notify_debouncer_full::{DebounceEventResult, Debouncer, RecommendedCache, new_debouncer};
+use parking_lot::Mutex;
 
 use crate::engine::PolicyEngine;
 use crate::error::Error;
 use crate::policy::Policy;
+use crate::sources::policy_files_in;
 
 /// The result of one reload the watcher triggered.
 pub type ReloadResult = Result<Arc<Policy>, Error>;
 
+type Watching = Debouncer<RecommendedWatcher, RecommendedCache>;
+
 /// Reloads a [`PolicyEngine`] from its file on every change, until dropped.
 pub struct PolicyWatcher {
-    _debouncer: Debouncer<RecommendedWatcher, RecommendedCache>,
+    // Shared with the event handler, which moves the watches when a link moves: it holds only
+    // a weak reference, so dropping the watcher stops it.
+    _debouncer: Arc<Mutex<Option<Watching>>>,
     dir: PathBuf,
 }
 
@@ -63,7 +74,7 @@ impl PolicyWatcher {
         debounce: Duration,
         mut on_reload: impl FnMut(ReloadResult) + Send + 'static,
     ) -> Result<Self, Error> {
-        let Some(file) = engine.path() else {
+        let Some(file) = engine.path().map(Path::to_owned) else {
             return Err(Error::Watch {
                 path: PathBuf::new(),
                 source: notify_debouncer_full::notify::Error::generic(
@@ -71,11 +82,11 @@ impl PolicyWatcher {
                 ),
             });
         };
-        let dir = directory_of(file);
-        // A policy directory reached through a link (`current -> releases/7`) is replaced by
-        // swapping the link, which only the link's own directory sees: the watch on `dir`
-        // follows the link to the release it pointed at when it started.
-        let link_parent = is_linked_directory(file).then(|| parent_of(file));
+        let dir = directory_of(&file);
+        let mut watched = directories_behind(&file);
+        let shared = Arc::new(Mutex::new(None));
+        let weak: Weak<Mutex<Option<Watching>>> = Arc::downgrade(&shared);
+        let first = watched.clone();
         let handler = move |result: DebounceEventResult| {
             let relevant = match &result {
                 // Reading the file ourselves produces access events: reacting to them would
@@ -86,30 +97,34 @@ impl PolicyWatcher {
                 // Lost events (a queue overflow) may hide a change: reload to be sure.
                 Err(_) => true,
             };
-            if relevant {
-                // Any file in the directory triggers this, so only bytes that changed since the
-                // last read are loaded: an unrelated file must not undo a rollback.
-                on_reload(engine.reload_if_changed());
+            if !relevant {
+                return;
             }
+            // Before reading, so that an edit made after the read is seen in its new place.
+            let now = directories_behind(&file);
+            if now != watched
+                && let Some(shared) = weak.upgrade()
+                && let Some(debouncer) = shared.lock().as_mut()
+            {
+                watched = move_watches(debouncer, &watched, &now);
+            }
+            // Any file in the directory triggers this, so only bytes that changed since the
+            // last read are loaded: an unrelated file must not undo a rollback.
+            on_reload(engine.reload_if_changed());
         };
-        let watch_error = |source| Error::Watch {
-            path: dir.clone(),
-            source,
+        let watch_error = |path: &Path| {
+            let path = path.to_owned();
+            move |source| Error::Watch { path, source }
         };
-        let mut debouncer = new_debouncer(debounce, None, handler).map_err(watch_error)?;
-        debouncer
-            .watch(&dir, RecursiveMode::NonRecursive)
-            .map_err(watch_error)?;
-        if let Some(parent) = &link_parent {
+        let mut debouncer = new_debouncer(debounce, None, handler).map_err(watch_error(&dir))?;
+        for path in &first {
             debouncer
-                .watch(parent, RecursiveMode::NonRecursive)
-                .map_err(|source| Error::Watch {
-                    path: parent.clone(),
-                    source,
-                })?;
+                .watch(path, RecursiveMode::NonRecursive)
+                .map_err(watch_error(path))?;
         }
+        *shared.lock() = Some(debouncer);
         Ok(Self {
-            _debouncer: debouncer,
+            _debouncer: shared,
             dir,
         })
     }
@@ -118,6 +133,52 @@ impl PolicyWatcher {
     pub fn dir(&self) -> &Path {
         &self.dir
     }
+}
+
+/// Moves the watches from directories `before` to `now`, and says which are watched: one that
+/// could not be watched is left out, to be tried again on the next event.
+fn move_watches(
+    debouncer: &mut Watching,
+    before: &BTreeSet<PathBuf>,
+    now: &BTreeSet<PathBuf>,
+) -> BTreeSet<PathBuf> {
+    for gone in before.difference(now) {
+        // A release deleted since took its watch with it; there is nothing else to undo.
+        let _ = debouncer.unwatch(gone);
+    }
+    now.iter()
+        .filter(|path| {
+            before.contains(*path) || debouncer.watch(path, RecursiveMode::NonRecursive).is_ok()
+        })
+        .cloned()
+        .collect()
+}
+
+/// The directories in which a change can change what `path` reads, as real paths: where its
+/// name is (a file renamed over it, a ConfigMap's `..data` swapped beside it), where a link
+/// to a directory is (the link swapped), and where linked files really are (edits made there).
+fn directories_behind(path: &Path) -> BTreeSet<PathBuf> {
+    let mut dirs = BTreeSet::new();
+    let mut add = |dir: &Path| {
+        dirs.insert(dir.canonicalize().unwrap_or_else(|_| dir.to_owned()));
+    };
+    let (dir, files) = if path.is_dir() {
+        (path.to_owned(), policy_files_in(path).unwrap_or_default())
+    } else {
+        (parent_of(path), vec![path.to_owned()])
+    };
+    add(&dir);
+    if is_link(&dir) {
+        add(&parent_of(&dir));
+    }
+    for file in files {
+        // A file that is not there now (an editor between writing and renaming) adds nothing;
+        // its next event puts it back.
+        if let Ok(real) = file.canonicalize() {
+            add(&parent_of(&real));
+        }
+    }
+    dirs
 }
 
 fn directory_of(file: &Path) -> PathBuf {
@@ -135,12 +196,10 @@ fn parent_of(path: &Path) -> PathBuf {
     }
 }
 
-/// Whether `path` is a link to a directory.
-fn is_linked_directory(path: &Path) -> bool {
-    path.is_dir()
-        && path
-            .symlink_metadata()
-            .is_ok_and(|meta| meta.file_type().is_symlink())
+/// Whether `path` is itself a link.
+fn is_link(path: &Path) -> bool {
+    path.symlink_metadata()
+        .is_ok_and(|meta| meta.file_type().is_symlink())
 }
 
 #[cfg(test)]
@@ -154,5 +213,38 @@ mod tests {
         assert_eq!(directory_of(Path::new("policy.yaml")), Path::new("."));
         assert_eq!(directory_of(Path::new("etc/p.yaml")), Path::new("etc"));
         assert_eq!(directory_of(Path::new("/p.yaml")), Path::new("/"));
+    }
+
+    /// A linked file is watched where its name is and where it really is; a linked directory
+    /// where it really is and where its link is; a plain file in its directory alone.
+    #[cfg(unix)]
+    #[test]
+    fn links_are_watched_at_both_ends() {
+        use std::os::unix::fs::symlink;
+        let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let root = tmp.path().canonicalize().unwrap_or_else(|e| panic!("{e}"));
+        for dir in ["etc", "srv", "releases/7"] {
+            std::fs::create_dir_all(root.join(dir)).unwrap_or_else(|e| panic!("{e}"));
+        }
+        for file in ["srv/prod.yaml", "etc/plain.yaml", "releases/7/a.yaml"] {
+            std::fs::write(root.join(file), "limits: []\n").unwrap_or_else(|e| panic!("{e}"));
+        }
+        symlink(root.join("srv/prod.yaml"), root.join("etc/policy.yaml"))
+            .unwrap_or_else(|e| panic!("{e}"));
+        symlink("releases/7", root.join("current")).unwrap_or_else(|e| panic!("{e}"));
+        let set =
+            |paths: &[&str]| -> BTreeSet<PathBuf> { paths.iter().map(|p| root.join(p)).collect() };
+        assert_eq!(
+            directories_behind(&root.join("etc/policy.yaml")),
+            set(&["etc", "srv"])
+        );
+        assert_eq!(
+            directories_behind(&root.join("etc/plain.yaml")),
+            set(&["etc"])
+        );
+        assert_eq!(
+            directories_behind(&root.join("current")),
+            set(&["", "releases/7"])
+        );
     }
 }

@@ -291,7 +291,7 @@ fn configmap_directory_swap() {
 }
 
 /// Releases deployed side by side and a `current` link swapped from one to the next: the
-/// swap is seen, though the watch inside follows the link to the release it started on.
+/// swap is seen, and from then on an edit inside the new release.
 #[cfg(unix)]
 #[test]
 fn a_linked_policy_directory_reloads_when_the_link_is_swapped() {
@@ -312,5 +312,32 @@ fn a_linked_policy_directory_reloads_when_the_link_is_swapped() {
     std::fs::rename(dir.join("current.tmp"), dir.join("current")).unwrap_or_else(|e| panic!("{e}"));
     wait_for(&rx, Some("2"));
     assert_eq!(engine.status().version, "2");
+    // Edited in place, as a hotfix would be: the watch moved to r2 with the link.
+    write(&dir.join("r2/policy.yaml"), &policy("3"));
+    wait_for(&rx, Some("3"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A policy file linked from where the server reads it to where it is kept: an edit where it
+/// is kept is seen, and so is the link moved to another file.
+#[cfg(unix)]
+#[test]
+fn a_linked_policy_file_reloads_when_its_target_is_edited() {
+    use std::os::unix::fs::symlink;
+    let dir = temp_dir("linked-file");
+    for sub in ["etc", "srv"] {
+        std::fs::create_dir(dir.join(sub)).unwrap_or_else(|e| panic!("{e}"));
+    }
+    write(&dir.join("srv/prod.yaml"), &policy("1"));
+    write(&dir.join("srv/next.yaml"), &policy("3"));
+    let path = dir.join("etc/policy.yaml");
+    symlink("../srv/prod.yaml", &path).unwrap_or_else(|e| panic!("{e}"));
+    let (engine, _watcher, rx) = start(&path);
+    assert_eq!(engine.status().version, "1");
+    write(&dir.join("srv/prod.yaml"), &policy("2"));
+    wait_for(&rx, Some("2"));
+    symlink("../srv/next.yaml", dir.join("etc/.policy.yaml.tmp")).unwrap_or_else(|e| panic!("{e}"));
+    std::fs::rename(dir.join("etc/.policy.yaml.tmp"), &path).unwrap_or_else(|e| panic!("{e}"));
+    wait_for(&rx, Some("3"));
     let _ = std::fs::remove_dir_all(&dir);
 }
