@@ -108,6 +108,13 @@ pub enum AuditEvent {
         reason: String,
         /// Whether it is the fleet's switch, read from the shared store.
         fleet: bool,
+        /// The domains it is narrowed to ([`crate::ShadowScope`]); with `limits` empty too, it
+        /// covers every limit.
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        domains: Vec<String>,
+        /// The limits it is narrowed to.
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        limits: Vec<String>,
         /// The policy version in force.
         policy_version: String,
     },
@@ -120,6 +127,12 @@ pub enum AuditEvent {
         since: String,
         /// Whether it was the fleet's switch.
         fleet: bool,
+        /// The domains it had been narrowed to.
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        domains: Vec<String>,
+        /// The limits it had been narrowed to.
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        limits: Vec<String>,
         /// The policy version in force.
         policy_version: String,
     },

@@ -33,7 +33,7 @@ mod shadow_all;
 
 pub use leases::{LeaseLimitOutcome, LeaseOutcome};
 pub use reset::{ResetBucket, ResetOutcome, SkippedLimit};
-pub use shadow_all::ShadowAll;
+pub use shadow_all::{ShadowAll, ShadowScope};
 
 use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
@@ -278,8 +278,11 @@ pub struct PolicyEngine {
     options: EngineOptions,
     path: Option<PathBuf>,
     unmatched: AtomicU64,
-    /// Whether `control.shadow_all` is on, read by every decision without the lock.
+    /// Whether `control.shadow_all` or `control.fleet_shadow_all` is on, read by every
+    /// decision without the lock.
     shadow_all: AtomicBool,
+    /// What the switches on cover, read by decisions while `shadow_all` is set.
+    shadow_coverage: ArcSwap<shadow_all::Coverage>,
 }
 
 impl std::fmt::Debug for PolicyEngine {
@@ -353,6 +356,7 @@ impl PolicyEngine {
             path,
             unmatched: AtomicU64::new(0),
             shadow_all: AtomicBool::new(false),
+            shadow_coverage: ArcSwap::from_pointee(shadow_all::Coverage::default()),
         };
         let policy = engine.current.load_full();
         engine.audit(|| AuditEvent::Loaded {

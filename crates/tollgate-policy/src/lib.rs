@@ -77,7 +77,7 @@ pub use compile::{compile, compile_directory};
 
 pub use engine::{
     Costs, EngineOptions, LeaseLimitOutcome, LeaseOutcome, LimitOutcome, Outcome, PolicyEngine,
-    PolicyStatus, ResetBucket, ResetOutcome, ShadowAll, SkippedLimit,
+    PolicyStatus, ResetBucket, ResetOutcome, ShadowAll, ShadowScope, SkippedLimit,
 };
 pub use envoy::{ImportOptions, import_envoy, import_envoy_files, import_envoy_with};
 pub use error::{Diagnostic, Error};

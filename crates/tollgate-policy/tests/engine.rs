@@ -10,7 +10,7 @@ use tollgate::{Clock, Limit, ManualClock, block_on_ready};
 use tollgate_policy::audit::AuditLog;
 use tollgate_policy::{
     EngineOptions, ManualWallClock, PolicyEngine, RequestDescriptor, RequestedLimit, ShadowAll,
-    UnixTime, compile,
+    ShadowScope, UnixTime, compile,
 };
 
 const NOW: UnixTime = UnixTime::from_secs(1_790_000_000); // 2026-09-21
@@ -3113,5 +3113,102 @@ fn the_fleets_switch_and_the_processs_own_are_apart() {
             event("shadow_all_off", false),
             event("shadow_all_off", true)
         ]
+    );
+}
+
+const TWO_DOMAINS: &str = r#"
+version: "s2"
+limits:
+  - {name: checkout, domain: shop, key: [user], capacity: 1, refill: 1/h}
+  - {name: search, domain: shop, key: [user], capacity: 1, refill: 1/h}
+  - {name: login, domain: auth, key: [user], capacity: 1, refill: 1/h}
+"#;
+
+/// A switch narrowed to some domains or limits shadows those alone, the others enforcing
+/// through the incident; the process's and the fleet's scopes add up; a new scope is audited
+/// with its names, the same scope again is not.
+#[test]
+fn a_narrowed_switch_shadows_its_scope_alone() {
+    let r = rig(TWO_DOMAINS);
+    let u = [("user", "u1")];
+    let modes = |domain: &str| -> Vec<(String, bool)> {
+        let outcome = r
+            .engine
+            .decide(domain, &[u], 1, None)
+            .unwrap_or_else(|e| panic!("{e}"));
+        outcome
+            .limits
+            .iter()
+            .map(|l| (l.mode.to_string(), l.would_reject()))
+            .collect()
+    };
+    assert_eq!(modes("shop").len(), 2);
+    assert_eq!(modes("auth").len(), 1);
+    let both = |a: &str, b: &str| vec![(a.to_owned(), true), (b.to_owned(), true)];
+
+    let on = r
+        .engine
+        .set_shadow_within("INC-1", ShadowScope::limits(["checkout"]));
+    assert_eq!(on.scope.limit_names(), ["checkout"]);
+    assert_eq!(modes("shop"), both("shadow", "enforce"));
+    assert_eq!(modes("auth"), [("enforce".to_owned(), true)]);
+    // The same scope again: the first reason stays, nothing audited.
+    let again = r
+        .engine
+        .set_shadow_within("INC-1 again", ShadowScope::limits(["checkout"]));
+    assert_eq!(again.reason, "INC-1");
+
+    // Narrowed to a domain instead: search joins checkout, login still enforces.
+    r.engine
+        .set_shadow_within("INC-2", ShadowScope::domains(["shop"]));
+    assert_eq!(modes("shop"), both("shadow", "shadow"));
+    assert_eq!(modes("auth"), [("enforce".to_owned(), true)]);
+
+    // The fleet's switch over auth adds to the process's over shop.
+    let fleet = ShadowAll::fleet(UnixTime::from_secs(1_790_000_000), "INC-3")
+        .within(ShadowScope::domains(["auth"]));
+    r.engine.set_fleet_shadow_all(Some(fleet));
+    assert_eq!(modes("auth"), [("shadow".to_owned(), true)]);
+    r.engine.set_shadow_all(None);
+    assert_eq!(modes("shop"), both("enforce", "enforce"));
+    assert_eq!(modes("auth"), [("shadow".to_owned(), true)]);
+    r.engine.set_fleet_shadow_all(None);
+    assert_eq!(modes("auth"), [("enforce".to_owned(), true)]);
+
+    let events = r.shadow_all_events();
+    let summary: Vec<(&str, &str, serde_json::Value)> = events
+        .iter()
+        .map(|e| {
+            let scope = serde_json::json!([e.get("domains"), e.get("limits")]);
+            (
+                e["event"].as_str().unwrap_or_default(),
+                e["reason"].as_str().unwrap_or_default(),
+                scope,
+            )
+        })
+        .collect();
+    let scope =
+        |domains: Option<&[&str]>, limits: Option<&[&str]>| serde_json::json!([domains, limits]);
+    assert_eq!(
+        summary,
+        [
+            ("shadow_all_on", "INC-1", scope(None, Some(&["checkout"]))),
+            ("shadow_all_on", "INC-2", scope(Some(&["shop"]), None)),
+            ("shadow_all_on", "INC-3", scope(Some(&["auth"]), None)),
+            ("shadow_all_off", "INC-2", scope(Some(&["shop"]), None)),
+            ("shadow_all_off", "INC-3", scope(Some(&["auth"]), None)),
+        ]
+    );
+
+    // Names the policy lacks are found before a switch is narrowed to them.
+    let scope = ShadowScope::domains(["shop", "shpo"]).with_limits(["login", "logn"]);
+    assert_eq!(
+        scope.unknown_in(&r.engine.current()),
+        ["domain shpo", "limit logn"]
+    );
+    assert!(
+        ShadowScope::all()
+            .unknown_in(&r.engine.current())
+            .is_empty()
     );
 }

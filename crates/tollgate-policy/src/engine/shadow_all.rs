@@ -11,11 +11,15 @@
 //! it is about the process and not about one version, and each switch is audited with its
 //! reason. Exemptions still apply, and buckets are kept: switching back finds every balance
 //! where the traffic left it.
+//!
+//! When the trouble is known to be one service's, the switch can be narrowed to some domains
+//! or some limits ([`ShadowScope`]), so that the limits protecting everything else keep
+//! enforcing through the incident.
 
 use std::sync::atomic::Ordering;
 
 use crate::audit::AuditEvent;
-use crate::policy::{Effect, Matched};
+use crate::policy::{Effect, LimitDef, Matched, Policy};
 use crate::wall::UnixTime;
 
 use super::PolicyEngine;
@@ -31,17 +35,146 @@ pub struct ShadowAll {
     /// Whether it is the fleet's switch, read from a store every process shares
     /// ([`PolicyEngine::set_fleet_shadow_all`]), rather than this process's own.
     pub fleet: bool,
+    /// Which limits it puts in shadow mode: every limit unless narrowed.
+    pub scope: ShadowScope,
 }
 
 impl ShadowAll {
     /// The fleet's switch, as a process read it from the shared store: turned on at `since`
-    /// for `reason`.
+    /// for `reason`, for every limit.
     pub fn fleet(since: UnixTime, reason: impl Into<String>) -> Self {
         Self {
             since,
             reason: reason.into(),
             fleet: true,
+            scope: ShadowScope::all(),
         }
+    }
+
+    /// The same switch for the limits of `scope` alone.
+    #[must_use]
+    pub fn within(self, scope: ShadowScope) -> Self {
+        Self { scope, ..self }
+    }
+}
+
+/// The limits a switch puts in shadow mode: those of its domains and those it names, or every
+/// limit when it lists neither.
+///
+/// ```
+/// use tollgate_policy::{EngineOptions, PolicyEngine, ShadowScope, compile};
+///
+/// let policy = compile("p.yaml", "limits:
+///   - {name: checkout, domain: shop, capacity: 1, refill: 1/h}
+///   - {name: search, domain: shop, capacity: 1, refill: 1/h}
+///   - {name: login, domain: auth, capacity: 1, refill: 1/h}
+/// ")?;
+/// let engine = PolicyEngine::new(policy, EngineOptions::default());
+/// let user = [[("user", "u1")]];
+/// for domain in ["shop", "auth", "shop", "auth"] {
+///     engine.decide(domain, &user, 1, None)?;
+/// }
+///
+/// // Only checkout stops rejecting: search and login protect what they did.
+/// engine.set_shadow_within("INC-42: checkout", ShadowScope::limits(["checkout"]));
+/// let shop = engine.decide("shop", &user, 1, None)?;
+/// assert!(!shop.allowed);
+/// assert_eq!(shop.limits[0].mode, "shadow");
+/// assert_eq!(shop.limits[1].mode, "enforce");
+///
+/// // The whole auth domain stops rejecting.
+/// engine.set_shadow_within("INC-43: logins", ShadowScope::domains(["auth"]));
+/// assert!(engine.decide("auth", &user, 1, None)?.allowed);
+/// assert!(!engine.decide("shop", &user, 1, None)?.allowed);
+/// # Ok::<(), tollgate_policy::Error>(())
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ShadowScope {
+    domains: Vec<String>,
+    limits: Vec<String>,
+}
+
+impl ShadowScope {
+    /// Every limit.
+    pub fn all() -> Self {
+        Self::default()
+    }
+
+    /// The limits of these domains.
+    pub fn domains<S: Into<String>>(domains: impl IntoIterator<Item = S>) -> Self {
+        Self::all().with_domains(domains)
+    }
+
+    /// The limits of these names.
+    pub fn limits<S: Into<String>>(limits: impl IntoIterator<Item = S>) -> Self {
+        Self::all().with_limits(limits)
+    }
+
+    /// The limits of these domains as well.
+    #[must_use]
+    pub fn with_domains<S: Into<String>>(mut self, domains: impl IntoIterator<Item = S>) -> Self {
+        self.domains.extend(domains.into_iter().map(Into::into));
+        self.domains.sort_unstable();
+        self.domains.dedup();
+        self
+    }
+
+    /// The limits of these names as well.
+    #[must_use]
+    pub fn with_limits<S: Into<String>>(mut self, limits: impl IntoIterator<Item = S>) -> Self {
+        self.limits.extend(limits.into_iter().map(Into::into));
+        self.limits.sort_unstable();
+        self.limits.dedup();
+        self
+    }
+
+    /// The domains listed, in order.
+    pub fn domain_names(&self) -> &[String] {
+        &self.domains
+    }
+
+    /// The limits named, in order.
+    pub fn limit_names(&self) -> &[String] {
+        &self.limits
+    }
+
+    /// Whether it is every limit.
+    pub fn is_all(&self) -> bool {
+        self.domains.is_empty() && self.limits.is_empty()
+    }
+
+    /// Whether `limit` is in it.
+    pub fn covers(&self, limit: &LimitDef) -> bool {
+        self.is_all()
+            || self.domains.iter().any(|d| d == limit.domain())
+            || self.limits.iter().any(|n| n == limit.name())
+    }
+
+    /// The domains and limits it lists that `policy` has none of (`domain NAME`, `limit
+    /// NAME`): a switch narrowed to a misspelt name would leave the rejections it was meant to
+    /// stop.
+    pub fn unknown_in(&self, policy: &Policy) -> Vec<String> {
+        let domains = self
+            .domains
+            .iter()
+            .filter(|d| !policy.limits().iter().any(|l| l.domain() == d.as_str()))
+            .map(|d| format!("domain {d}"));
+        let limits = self
+            .limits
+            .iter()
+            .filter(|n| policy.limit(n).is_none())
+            .map(|n| format!("limit {n}"));
+        domains.chain(limits).collect()
+    }
+}
+
+/// What the switches in force cover, read by decisions while one is on.
+#[derive(Debug, Default)]
+pub(super) struct Coverage(Vec<ShadowScope>);
+
+impl Coverage {
+    fn covers(&self, limit: &LimitDef) -> bool {
+        self.0.iter().any(|scope| scope.covers(limit))
     }
 }
 
@@ -69,17 +202,38 @@ impl PolicyEngine {
     /// # Ok::<(), tollgate_policy::Error>(())
     /// ```
     pub fn set_shadow_all(&self, reason: Option<&str>) -> Option<ShadowAll> {
-        let mut control = self.control.lock();
-        if let (Some(_), Some(on)) = (reason, &control.shadow_all) {
-            return Some(on.clone());
+        match reason {
+            Some(reason) => Some(self.set_shadow_within(reason, ShadowScope::all())),
+            None => {
+                let mut control = self.control.lock();
+                let was = control.shadow_all.take();
+                self.switched(&control, was, None);
+                None
+            }
         }
-        let on = reason.map(|reason| ShadowAll {
+    }
+
+    /// Puts the limits of `scope` in shadow mode, for `reason`, from the next decision on, in
+    /// place of what this process's switch covered before; answers the switch's state after.
+    /// Turning on what is on, over the same scope, changes nothing (the first reason and time
+    /// stay) and is not audited; a new scope is a change, audited with its reason. Names
+    /// `scope` lists that the policy lacks cover nothing ([`ShadowScope::unknown_in`] finds
+    /// them).
+    pub fn set_shadow_within(&self, reason: &str, scope: ShadowScope) -> ShadowAll {
+        let mut control = self.control.lock();
+        if let Some(on) = &control.shadow_all
+            && on.scope == scope
+        {
+            return on.clone();
+        }
+        let on = ShadowAll {
             since: self.options.wall.now(),
             reason: reason.to_owned(),
             fleet: false,
-        });
-        let was = std::mem::replace(&mut control.shadow_all, on.clone());
-        self.switched(&control, was, on.clone());
+            scope,
+        };
+        let was = control.shadow_all.replace(on.clone());
+        self.switched(&control, was, Some(on.clone()));
         on
     }
 
@@ -100,13 +254,23 @@ impl PolicyEngine {
 
     /// Audits a change of one switch from `was` to `now`, and sets what decisions read.
     fn switched(&self, control: &super::Control, was: Option<ShadowAll>, now: Option<ShadowAll>) {
-        let on = control.shadow_all.is_some() || control.fleet_shadow_all.is_some();
-        self.shadow_all.store(on, Ordering::Relaxed);
+        let scopes: Vec<ShadowScope> = [&control.shadow_all, &control.fleet_shadow_all]
+            .into_iter()
+            .flatten()
+            .map(|on| on.scope.clone())
+            .collect();
+        let on = !scopes.is_empty();
+        // The scopes go first: a decision that sees the flag must find them.
+        self.shadow_coverage
+            .store(std::sync::Arc::new(Coverage(scopes)));
+        self.shadow_all.store(on, Ordering::Release);
         let version = self.current.load().version().to_owned();
         match (was, now) {
             (_, Some(now)) => self.audit(|| AuditEvent::ShadowAllOn {
                 reason: now.reason,
                 fleet: now.fleet,
+                domains: now.scope.domains,
+                limits: now.scope.limits,
                 policy_version: version,
             }),
             // Off when it was off already: nothing to audit.
@@ -114,6 +278,8 @@ impl PolicyEngine {
                 reason: was.reason,
                 since: was.since.to_rfc3339(),
                 fleet: was.fleet,
+                domains: was.scope.domains,
+                limits: was.scope.limits,
                 policy_version: version,
             }),
             (None, None) => {}
@@ -130,12 +296,13 @@ impl PolicyEngine {
             .or_else(|| control.fleet_shadow_all.clone())
     }
 
-    /// Under the switch, an enforced match is decided as a shadow one. One relaxed load per
-    /// decision while it is off.
+    /// Under a switch, an enforced match it covers is decided as a shadow one. One load per
+    /// decision while none is on.
     pub(super) fn shadow_if_switched<P>(&self, matched: &mut [Matched<'_, P>]) {
-        if self.shadow_all.load(Ordering::Relaxed) {
+        if self.shadow_all.load(Ordering::Acquire) {
+            let coverage = self.shadow_coverage.load();
             for m in matched {
-                if m.effect == Effect::Enforce {
+                if m.effect == Effect::Enforce && coverage.covers(m.limit) {
                     m.effect = Effect::Shadow;
                 }
             }
