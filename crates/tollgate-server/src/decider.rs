@@ -12,7 +12,7 @@ use std::time::Duration;
 use tollgate::{Clock, Error as CoreError, Limit, MonotonicClock, Store, Unavailable};
 use tollgate_policy::{
     Costs, Descriptor, Error as PolicyError, LeaseOutcome, Outcome, Policy, PolicyEngine,
-    ResetOutcome, ShadowAll, UnixTime,
+    ResetOutcome, ShadowAll, ShadowScope, UnixTime,
 };
 use tollgate_redis::RedisStore;
 
@@ -633,7 +633,16 @@ impl Decider {
             return Err(FleetError::NoSharedStore);
         };
         let value = on.as_ref().map(|on| {
-            serde_json::json!({"reason": on.reason, "since": on.since.to_rfc3339()}).to_string()
+            let mut value =
+                serde_json::json!({"reason": on.reason, "since": on.since.to_rfc3339()});
+            // Absent: every limit (as servers that predate narrowing read every value).
+            if !on.scope.domain_names().is_empty() {
+                value["domains"] = serde_json::json!(on.scope.domain_names());
+            }
+            if !on.scope.limit_names().is_empty() {
+                value["limits"] = serde_json::json!(on.scope.limit_names());
+            }
+            value.to_string()
         });
         store
             .write_flag(FLEET_SHADOW_ALL, value.as_deref())
@@ -699,12 +708,20 @@ pub enum FleetError {
     Store(CoreError),
 }
 
-/// The switch as written in the store: `{"reason": ..., "since": RFC 3339}`.
+/// The switch as written in the store: `{"reason": ..., "since": RFC 3339}`, with `"domains"`
+/// and `"limits"` (lists of names) when it is narrowed.
 fn fleet_switch_of(text: &str) -> Option<ShadowAll> {
     let value: serde_json::Value = serde_json::from_str(text).ok()?;
     let reason = value["reason"].as_str()?;
     let since = UnixTime::parse_rfc3339(value["since"].as_str()?)?;
-    Some(ShadowAll::fleet(since, reason))
+    let names = |field: &str| -> Option<Vec<String>> {
+        match &value[field] {
+            serde_json::Value::Null => Some(Vec::new()),
+            list => serde_json::from_value(list.clone()).ok(),
+        }
+    };
+    let scope = ShadowScope::domains(names("domains")?).with_limits(names("limits")?);
+    Some(ShadowAll::fleet(since, reason).within(scope))
 }
 
 /// A refusal other than the store's: the request's fault, or the server's.
@@ -739,6 +756,31 @@ mod tests {
     use tollgate_policy::{EngineOptions, PolicyEngine, compile};
 
     use super::*;
+
+    /// The fleet's switch as the store keeps it: every limit, or narrowed; a value this
+    /// server cannot read entirely is not half-read (the switch stays as it was).
+    #[test]
+    fn the_fleet_switch_is_read_whole_or_not_at_all() {
+        let since = r#""since":"2026-12-07T10:00:00Z""#;
+        let all = fleet_switch_of(&format!(r#"{{"reason":"INC-1",{since}}}"#));
+        assert!(all.is_some_and(|on| on.fleet && on.scope.is_all() && on.reason == "INC-1"));
+        let narrowed = fleet_switch_of(&format!(
+            r#"{{"reason":"INC-2",{since},"domains":["shop"],"limits":["login","auth"]}}"#
+        ));
+        let scope = narrowed.map(|on| on.scope);
+        assert_eq!(
+            scope,
+            Some(ShadowScope::domains(["shop"]).with_limits(["auth", "login"]))
+        );
+        for bad in [
+            format!(r#"{{"reason":"INC-3",{since},"domains":"shop"}}"#),
+            format!(r#"{{"reason":"INC-3",{since},"limits":[1]}}"#),
+            r#"{"reason":"INC-3","since":"yesterday"}"#.to_owned(),
+            "on".to_owned(),
+        ] {
+            assert_eq!(fleet_switch_of(&bad), None, "{bad}");
+        }
+    }
 
     /// The request's faults are answered 400 by every API; anything else is the server's: a
     /// full lease table, an error that is no check's (a limit the policy does not have).

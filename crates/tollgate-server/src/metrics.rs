@@ -90,7 +90,8 @@ pub const POLICY_CHANGES: &str = "tollgate_policy_changes_total";
 /// 1 while the last attempt to load the policy file was refused (the previous version is in
 /// force), else 0.
 pub const POLICY_REFUSED: &str = "tollgate_policy_last_load_refused";
-/// 1 while every limit is in shadow mode by an operator's switch (nothing is rejected), else 0.
+/// 1 while an operator's switch puts limits in shadow mode (every limit, or those it is
+/// narrowed to: they reject nothing), else 0.
 pub const SHADOW_ALL: &str = "tollgate_shadow_all";
 
 /// Connections open: label `listener` (`http`, `grpc`).

@@ -395,6 +395,23 @@ async fn in_a_browser_the_page_shows_the_traffic_and_the_policy() {
             })
         })
         .await;
+    // Narrowed, the page says to what.
+    let narrowed = r#"{"on":true,"reason":"INC-43","domains":["api"],"limits":["trial-tenants"]}"#;
+    let switched = request(
+        server.http,
+        "POST",
+        "/v1/policy/shadow-all",
+        &json,
+        narrowed,
+    );
+    assert_eq!(switched.status, 200, "{}", switched.body);
+    browser
+        .wait_until("the narrowed switch shown", READ_PAGE, |page| {
+            page["shadowAll"].as_str().is_some_and(|text| {
+                text.ends_with(": INC-43 (only domain api, limit trial-tenants)")
+            })
+        })
+        .await;
     let off = request(
         server.http,
         "POST",

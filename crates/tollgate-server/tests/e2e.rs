@@ -2872,19 +2872,61 @@ async fn shadow_all_stops_rejections_until_turned_off() {
         r#"{"on":true,"reason":""}"#,
         r#"{"on":false,"reason":"done"}"#,
         r#"{"on":1}"#,
+        r#"{"on":true,"reason":"INC-41","limits":[]}"#,
+        r#"{"on":true,"reason":"INC-41","limits":"per-user"}"#,
+        r#"{"on":false,"domains":["api"]}"#,
+        r#"{"on":true,"reason":"INC-41","scope":"api"}"#,
     ] {
         let answer = request(server.http, "POST", shadow, &auth_json, bad);
         assert_eq!(answer.status, 400, "{bad}: {}", answer.body);
     }
+    // A misspelt name would leave the rejections the switch was meant to stop.
+    let misspelt = r#"{"on":true,"reason":"INC-41","domains":["api"],"limits":["per-usr"]}"#;
+    let answer = request(server.http, "POST", shadow, &auth_json, misspelt);
+    assert_eq!(answer.status, 400, "{}", answer.body);
+    assert_eq!(answer.json()["error"]["code"], "invalid_scope");
+    assert!(
+        answer.body.contains("has no limit per-usr"),
+        "{}",
+        answer.body
+    );
     assert_eq!(
         metric(&server, "tollgate_shadow_all"),
         0.0,
         "nothing changed"
     );
 
+    // Narrowed to a limit that is not the one rejecting: ivy is still rejected.
+    let narrow = r#"{"on":true,"reason":"INC-41","limits":["per-tenant"]}"#;
+    let answer = request(server.http, "POST", shadow, &auth_json, narrow);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let switch = &answer.json()["shadow_all"];
+    assert_eq!(
+        switch["limits"],
+        serde_json::json!(["per-tenant"]),
+        "{switch}"
+    );
+    assert_eq!(switch.get("domains"), None, "{switch}");
+    assert_eq!(metric(&server, "tollgate_shadow_all"), 1.0);
+    assert_eq!(
+        post_json(server.http, "/v1/check", &check_body("ivy")).status,
+        429
+    );
+    // Narrowed to the domain: ivy passes, as shadow.
+    let domain = r#"{"on":true,"reason":"INC-41","domains":["api"]}"#;
+    let answer = request(server.http, "POST", shadow, &auth_json, domain);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let passed = post_json(server.http, "/v1/check", &check_body("ivy"));
+    assert_eq!(passed.status, 200, "{}", passed.body);
+    assert_eq!(passed.json()["limits"][0]["mode"], "shadow");
+
+    // Widened to every limit: a new switch, with its own reason.
     let on = r#"{"on":true,"reason":"INC-42: false rejections"}"#;
     let answer = request(server.http, "POST", shadow, &auth_json, on);
     assert_eq!(answer.status, 200, "{}", answer.body);
+    let switch = &answer.json()["shadow_all"];
+    assert_eq!(switch["reason"], "INC-42: false rejections", "{switch}");
+    assert_eq!(switch.get("domains"), None, "{switch}");
     assert_eq!(
         post_json(server.http, "/v1/check", &check_body("ivy")).status,
         200

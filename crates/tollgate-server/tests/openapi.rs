@@ -549,12 +549,17 @@ fn memory_script(spec: &Spec) {
     let on = r#"{"on":true,"reason":"INC-42"}"#;
     let switched = spec.expect(addr, ("POST", shadow), &admin_json, on, 200);
     assert_eq!(switched.json()["shadow_all"]["reason"], "INC-42");
+    let narrowed = r#"{"on":true,"reason":"INC-43","domains":["llm"],"limits":["per-user"]}"#;
+    let switched = spec.expect(addr, ("POST", shadow), &admin_json, narrowed, 200);
+    assert_eq!(switched.json()["shadow_all"]["domains"][0], "llm");
     spec.expect(addr, ("POST", shadow), &admin_json, r#"{"on":false}"#, 200);
     spec.expect(addr, ("POST", shadow), &[], on, 401);
     for bad in [
         r#"{"on":true}"#,
         r#"{"on":"yes"}"#,
         r#"{"on":false,"why":1}"#,
+        r#"{"on":true,"reason":"INC-43","limits":[]}"#,
+        r#"{"on":false,"domains":["api"]}"#,
     ] {
         spec.expect(addr, ("POST", shadow), &admin_json, bad, 400);
         assert!(spec.refuses("post", shadow, bad), "{bad}");
@@ -565,6 +570,13 @@ fn memory_script(spec: &Spec) {
         ("POST", shadow),
         &admin_json,
         r#"{"on":true,"reason":" "}"#,
+        400,
+    );
+    spec.expect(
+        addr,
+        ("POST", shadow),
+        &admin_json,
+        r#"{"on":true,"reason":"INC-43","domains":["nowhere"]}"#,
         400,
     );
     // The fleet's switch needs a store other servers read.

@@ -15,7 +15,9 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::json;
-use tollgate_policy::{Error as PolicyError, Policy, ShadowAll, SystemWallClock, WallClock};
+use tollgate_policy::{
+    Error as PolicyError, Policy, ShadowAll, ShadowScope, SystemWallClock, WallClock,
+};
 
 use super::AppState;
 use super::check::{body_bytes, json_body};
@@ -188,11 +190,21 @@ fn status_body(state: &AppState) -> serde_json::Value {
         })),
         "unmatched": status.unmatched,
         "changes": status.changes,
-        "shadow_all": status.shadow_all.map(|on| json!({
-            "since": on.since.to_rfc3339(),
-            "reason": on.reason,
-            "fleet": on.fleet,
-        })),
+        "shadow_all": status.shadow_all.map(|on| {
+            let mut switch = json!({
+                "since": on.since.to_rfc3339(),
+                "reason": on.reason,
+                "fleet": on.fleet,
+            });
+            // Absent: every limit.
+            if !on.scope.domain_names().is_empty() {
+                switch["domains"] = json!(on.scope.domain_names());
+            }
+            if !on.scope.limit_names().is_empty() {
+                switch["limits"] = json!(on.scope.limit_names());
+            }
+            switch
+        }),
     })
 }
 
@@ -232,6 +244,10 @@ pub(crate) fn check_reason(reason: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// The most domains, and the most limits, a narrowed switch lists: an incident's few services,
+/// with room to spare.
+const MAX_SCOPE: usize = 64;
+
 /// The body of `POST /v1/policy/shadow-all`.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -242,6 +258,45 @@ struct ShadowAllBody {
     /// The fleet's switch, in the shared store every server reads, rather than this one's.
     #[serde(default)]
     fleet: bool,
+    /// Narrowed to the limits of these domains (and of `limits`), rather than every limit.
+    #[serde(default)]
+    domains: Option<Vec<String>>,
+    /// Narrowed to these limits (and those of `domains`).
+    #[serde(default)]
+    limits: Option<Vec<String>>,
+}
+
+impl ShadowAllBody {
+    /// The limits the switch is for, each name known to the policy in force.
+    fn scope(&mut self, policy: &Policy) -> Result<ShadowScope, ApiError> {
+        let (domains, limits) = (self.domains.take(), self.limits.take());
+        for list in [&domains, &limits].into_iter().flatten() {
+            if list.is_empty() || list.len() > MAX_SCOPE {
+                return Err(ApiError::bad_request(
+                    "invalid_scope",
+                    format!(
+                        "\"domains\" and \"limits\" list 1 to {MAX_SCOPE} names; leave both out \
+                         for every limit"
+                    ),
+                ));
+            }
+        }
+        let scope = ShadowScope::domains(domains.unwrap_or_default())
+            .with_limits(limits.unwrap_or_default());
+        let unknown = scope.unknown_in(policy);
+        if !unknown.is_empty() {
+            return Err(ApiError::bad_request(
+                "invalid_scope",
+                format!(
+                    "the policy in force ({}) has no {}: the switch would not cover what it \
+                     names",
+                    policy.version(),
+                    unknown.join(", no ")
+                ),
+            ));
+        }
+        Ok(scope)
+    }
 }
 
 /// `POST /v1/policy/shadow-all`: every limit in shadow mode (`{"on":true,"reason":"..."}`),
@@ -254,17 +309,24 @@ pub(crate) async fn shadow_all(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     authorize(state.options.admin_token.as_deref(), &headers, peer)?;
-    let body: ShadowAllBody = json_body(body_bytes(&body)?)?;
+    let mut body: ShadowAllBody = json_body(body_bytes(&body)?)?;
     let engine = state.decider.engine();
-    match (body.on, body.reason) {
+    if !body.on && (body.domains.is_some() || body.limits.is_some()) {
+        return Err(ApiError::bad_request(
+            "invalid_scope",
+            "\"domains\" and \"limits\" narrow a switch turned on; turning off takes neither",
+        ));
+    }
+    match (body.on, body.reason.take()) {
         (true, Some(reason)) => {
             check_reason(&reason)
                 .map_err(|problem| ApiError::bad_request("invalid_reason", problem))?;
+            let scope = body.scope(&engine.current())?;
             if body.fleet {
-                let on = ShadowAll::fleet(SystemWallClock.now(), reason);
+                let on = ShadowAll::fleet(SystemWallClock.now(), reason).within(scope);
                 set_fleet(&state, Some(on)).await?;
             } else {
-                engine.set_shadow_all(Some(&reason));
+                engine.set_shadow_within(&reason, scope);
             }
         }
         (true, None) => {
