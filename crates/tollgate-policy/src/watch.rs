@@ -35,11 +35,17 @@ pub type ReloadResult = Result<Arc<Policy>, Error>;
 
 type Watching = Debouncer<RecommendedWatcher, RecommendedCache>;
 
+/// The debouncer and the directories it watches.
+struct Watches {
+    debouncer: Watching,
+    dirs: BTreeSet<PathBuf>,
+}
+
 /// Reloads a [`PolicyEngine`] from its file on every change, until dropped.
 pub struct PolicyWatcher {
     // Shared with the event handler, which moves the watches when a link moves: it holds only
     // a weak reference, so dropping the watcher stops it.
-    _debouncer: Arc<Mutex<Option<Watching>>>,
+    _watches: Arc<Mutex<Option<Watches>>>,
     dir: PathBuf,
 }
 
@@ -83,10 +89,9 @@ impl PolicyWatcher {
             });
         };
         let dir = directory_of(&file);
-        let mut watched = directories_behind(&file);
         let shared = Arc::new(Mutex::new(None));
-        let weak: Weak<Mutex<Option<Watching>>> = Arc::downgrade(&shared);
-        let first = watched.clone();
+        let weak: Weak<Mutex<Option<Watches>>> = Arc::downgrade(&shared);
+        let behind = file.clone();
         let handler = move |result: DebounceEventResult| {
             let relevant = match &result {
                 // Reading the file ourselves produces access events: reacting to them would
@@ -101,12 +106,10 @@ impl PolicyWatcher {
                 return;
             }
             // Before reading, so that an edit made after the read is seen in its new place.
-            let now = directories_behind(&file);
-            if now != watched
-                && let Some(shared) = weak.upgrade()
-                && let Some(debouncer) = shared.lock().as_mut()
+            if let Some(shared) = weak.upgrade()
+                && let Some(watches) = shared.lock().as_mut()
             {
-                watched = move_watches(debouncer, &watched, &now);
+                watches.follow(directories_behind(&behind));
             }
             // Any file in the directory triggers this, so only bytes that changed since the
             // last read are loaded: an unrelated file must not undo a rollback.
@@ -117,14 +120,20 @@ impl PolicyWatcher {
             move |source| Error::Watch { path, source }
         };
         let mut debouncer = new_debouncer(debounce, None, handler).map_err(watch_error(&dir))?;
-        for path in &first {
-            debouncer
-                .watch(path, RecursiveMode::NonRecursive)
-                .map_err(watch_error(path))?;
-        }
-        *shared.lock() = Some(debouncer);
+        // The directory the policy is named in must be watched; the others behind links are
+        // watched when they can be, and tried again on each event when they cannot.
+        let main = real_path(&dir);
+        debouncer
+            .watch(&main, RecursiveMode::NonRecursive)
+            .map_err(watch_error(&dir))?;
+        let mut watches = Watches {
+            debouncer,
+            dirs: BTreeSet::from([main]),
+        };
+        watches.follow(directories_behind(&file));
+        *shared.lock() = Some(watches);
         Ok(Self {
-            _debouncer: shared,
+            _watches: shared,
             dir,
         })
     }
@@ -135,23 +144,29 @@ impl PolicyWatcher {
     }
 }
 
-/// Moves the watches from directories `before` to `now`, and says which are watched: one that
-/// could not be watched is left out, to be tried again on the next event.
-fn move_watches(
-    debouncer: &mut Watching,
-    before: &BTreeSet<PathBuf>,
-    now: &BTreeSet<PathBuf>,
-) -> BTreeSet<PathBuf> {
-    for gone in before.difference(now) {
-        // A release deleted since took its watch with it; there is nothing else to undo.
-        let _ = debouncer.unwatch(gone);
+impl Watches {
+    /// Moves the watches to directories `now`: one that could not be watched is left out, to
+    /// be tried again on the next event.
+    fn follow(&mut self, now: BTreeSet<PathBuf>) {
+        if now == self.dirs {
+            return;
+        }
+        for gone in self.dirs.difference(&now) {
+            // A release deleted since took its watch with it; there is nothing else to undo.
+            let _ = self.debouncer.unwatch(gone);
+        }
+        let before = std::mem::take(&mut self.dirs);
+        for dir in now {
+            if before.contains(&dir)
+                || self
+                    .debouncer
+                    .watch(&dir, RecursiveMode::NonRecursive)
+                    .is_ok()
+            {
+                self.dirs.insert(dir);
+            }
+        }
     }
-    now.iter()
-        .filter(|path| {
-            before.contains(*path) || debouncer.watch(path, RecursiveMode::NonRecursive).is_ok()
-        })
-        .cloned()
-        .collect()
 }
 
 /// The directories in which a change can change what `path` reads, as real paths: where its
@@ -160,7 +175,7 @@ fn move_watches(
 fn directories_behind(path: &Path) -> BTreeSet<PathBuf> {
     let mut dirs = BTreeSet::new();
     let mut add = |dir: &Path| {
-        dirs.insert(dir.canonicalize().unwrap_or_else(|_| dir.to_owned()));
+        dirs.insert(real_path(dir));
     };
     let (dir, files) = if path.is_dir() {
         (path.to_owned(), policy_files_in(path).unwrap_or_default())
@@ -179,6 +194,11 @@ fn directories_behind(path: &Path) -> BTreeSet<PathBuf> {
         }
     }
     dirs
+}
+
+/// `path` with every link followed, or as given when it cannot be (it is not there now).
+fn real_path(path: &Path) -> PathBuf {
+    path.canonicalize().unwrap_or_else(|_| path.to_owned())
 }
 
 fn directory_of(file: &Path) -> PathBuf {
