@@ -9,6 +9,7 @@ use support::browser::Browser;
 use support::nginx::Nginx;
 use support::rlqs::{Envoy, usage};
 use support::{Scratch, Server, metric, path_str, post_json, request};
+use tollgate_redis::test_server::RedisServer;
 
 /// What the page's script reads, by name: endpoints, and metric series in `/metrics`.
 /// Relative to the page, so that a proxy serving the server under a prefix serves them too.
@@ -555,6 +556,28 @@ async fn in_a_browser_the_page_says_when_the_server_is_shutting_down() {
     browser
         .wait_until("the store not ready", READ_PAGE, |page| {
             page["store"] == "memory · not ready (shutting down)"
+        })
+        .await;
+    browser.close().await;
+}
+
+/// The fleet's switch, kept in the shared store, is named as such: turning it off here is
+/// turning it off for every server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_a_browser_the_page_names_the_fleets_switch() {
+    let redis = RedisServer::start();
+    let server = Server::start(&["--store", &redis.url(), "--store-timeout", "2s"]);
+    let browser = Browser::open().await;
+    browser.visit(&server.url("/dashboard")).await;
+    let json = [("Content-Type", "application/json")];
+    let on = r#"{"on":true,"reason":"INC-44","fleet":true,"domains":["api"]}"#;
+    let switched = request(server.http, "POST", "/v1/policy/shadow-all", &json, on);
+    assert_eq!(switched.status, 200, "{}", switched.body);
+    browser
+        .wait_until("the fleet's switch named", READ_PAGE, |page| {
+            page["shadowAll"].as_str().is_some_and(|text| {
+                text.ends_with(": INC-44 (only domain api; the fleet's switch)")
+            })
         })
         .await;
     browser.close().await;
