@@ -293,6 +293,34 @@ mod tests {
         assert!(matches!(refused, Err(Error::Io { .. })), "{refused:?}");
     }
 
+    /// A ConfigMap updated during every read is given up on after three reads, not read for
+    /// ever: the reload is refused, and the update's own event reloads it again.
+    #[cfg(unix)]
+    #[test]
+    fn a_configmap_updated_during_every_read_is_given_up_on() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        configmap(dir.path(), &TWO_VERSIONS[..1]);
+        let mut current = TWO_VERSIONS[0].0.to_owned();
+        let mut reads = 0;
+        let refused = read_directory(dir.path(), |file| {
+            if file.file_name().is_some_and(|name| name == "a.yaml") && reads < 10 {
+                reads += 1;
+                let next = format!("..2026_12_07_next_{reads}");
+                std::fs::create_dir(dir.path().join(&next)).unwrap_or_else(|e| panic!("{e}"));
+                for name in ["a.yaml", "b.yaml"] {
+                    std::fs::write(dir.path().join(&next).join(name), "x")
+                        .unwrap_or_else(|e| panic!("{e}"));
+                }
+                swap(dir.path(), &next);
+                std::fs::remove_dir_all(dir.path().join(&current))
+                    .unwrap_or_else(|e| panic!("{e}"));
+                current = next;
+            }
+        });
+        assert!(matches!(refused, Err(Error::Io { .. })), "{refused:?}");
+        assert_eq!(reads, CONFIGMAP_READS);
+    }
+
     /// A directory that merely holds a `..data`, its policy files its own, is read as it is.
     #[cfg(unix)]
     #[test]

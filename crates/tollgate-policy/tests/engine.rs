@@ -3159,8 +3159,11 @@ fn a_narrowed_switch_shadows_its_scope_alone() {
     assert_eq!(again.reason, "INC-1");
 
     // Narrowed to a domain instead: search joins checkout, login still enforces.
-    r.engine
-        .set_shadow_within("INC-2", ShadowScope::domains(["shop"]));
+    let on = r
+        .engine
+        .set_shadow_within("INC-2", ShadowScope::domains(["shop", "shop"]));
+    assert_eq!(on.scope.domain_names(), ["shop"]);
+    assert!(on.scope.limit_names().is_empty());
     assert_eq!(modes("shop"), both("shadow", "shadow"));
     assert_eq!(modes("auth"), [("enforce".to_owned(), true)]);
 
@@ -3174,6 +3177,12 @@ fn a_narrowed_switch_shadows_its_scope_alone() {
     assert_eq!(modes("auth"), [("shadow".to_owned(), true)]);
     r.engine.set_fleet_shadow_all(None);
     assert_eq!(modes("auth"), [("enforce".to_owned(), true)]);
+    // Whatever is handed to the fleet's switch is the fleet's.
+    let own = r.engine.set_shadow_within("INC-4", ShadowScope::all());
+    r.engine.set_shadow_all(None);
+    r.engine.set_fleet_shadow_all(Some(own));
+    assert!(r.engine.shadow_all().is_some_and(|on| on.fleet));
+    r.engine.set_fleet_shadow_all(None);
 
     let events = r.shadow_all_events();
     let summary: Vec<(&str, &str, serde_json::Value)> = events
@@ -3197,6 +3206,10 @@ fn a_narrowed_switch_shadows_its_scope_alone() {
             ("shadow_all_on", "INC-3", scope(Some(&["auth"]), None)),
             ("shadow_all_off", "INC-2", scope(Some(&["shop"]), None)),
             ("shadow_all_off", "INC-3", scope(Some(&["auth"]), None)),
+            ("shadow_all_on", "INC-4", scope(None, None)),
+            ("shadow_all_off", "INC-4", scope(None, None)),
+            ("shadow_all_on", "INC-4", scope(None, None)),
+            ("shadow_all_off", "INC-4", scope(None, None)),
         ]
     );
 
