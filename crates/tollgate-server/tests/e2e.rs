@@ -2880,6 +2880,26 @@ async fn shadow_all_stops_rejections_until_turned_off() {
         let answer = request(server.http, "POST", shadow, &auth_json, bad);
         assert_eq!(answer.status, 400, "{bad}: {}", answer.body);
     }
+    // At most 64 names in a list, counted as sent.
+    let names = |n: usize| vec!["\"per-user\""; n].join(",");
+    let too_many = format!(
+        r#"{{"on":true,"reason":"INC-41","limits":[{}]}}"#,
+        names(65)
+    );
+    let answer = request(server.http, "POST", shadow, &auth_json, &too_many);
+    assert_eq!(answer.status, 400, "{}", answer.body);
+    let most = format!(
+        r#"{{"on":true,"reason":"INC-41","limits":[{}]}}"#,
+        names(64)
+    );
+    let answer = request(server.http, "POST", shadow, &auth_json, &most);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(
+        answer.json()["shadow_all"]["limits"],
+        serde_json::json!(["per-user"])
+    );
+    let off = request(server.http, "POST", shadow, &auth_json, r#"{"on":false}"#);
+    assert_eq!(off.status, 200, "{}", off.body);
     // A misspelt name would leave the rejections the switch was meant to stop.
     let misspelt = r#"{"on":true,"reason":"INC-41","domains":["api"],"limits":["per-usr"]}"#;
     let answer = request(server.http, "POST", shadow, &auth_json, misspelt);

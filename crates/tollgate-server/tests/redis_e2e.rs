@@ -1451,13 +1451,14 @@ fn the_fleets_switch_reaches_every_server_on_the_store() {
 
     // Narrowed to another domain than the one rejecting: every server reads the narrowing,
     // and still rejects.
-    let narrow = r#"{"on":true,"reason":"INC-43","fleet":true,"domains":["strict"]}"#;
+    let narrow = r#"{"on":true,"reason":"INC-43","fleet":true,"domains":["strict"],"limits":["open-limit"]}"#;
     assert_eq!(switch(&servers[0], narrow).status, 200);
     let seen = support::wait_for("the other server to read the narrowed switch", || {
         let state = shadowed(&servers[1]);
         state.is_object().then_some(state)
     });
     assert_eq!(seen["domains"], serde_json::json!(["strict"]), "{seen}");
+    assert_eq!(seen["limits"], serde_json::json!(["open-limit"]), "{seen}");
     assert_eq!([check(&servers[0]), check(&servers[1])], [429, 429]);
     assert_eq!(
         switch(&servers[1], r#"{"on":false,"fleet":true}"#).status,
