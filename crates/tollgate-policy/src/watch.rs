@@ -115,17 +115,17 @@ impl PolicyWatcher {
             // last read are loaded: an unrelated file must not undo a rollback.
             on_reload(engine.reload_if_changed());
         };
-        let watch_error = |path: &Path| {
-            let path = path.to_owned();
-            move |source| Error::Watch { path, source }
+        let watch_error = |source| Error::Watch {
+            path: dir.clone(),
+            source,
         };
-        let mut debouncer = new_debouncer(debounce, None, handler).map_err(watch_error(&dir))?;
+        let mut debouncer = new_debouncer(debounce, None, handler).map_err(watch_error)?;
         // The directory the policy is named in must be watched; the others behind links are
         // watched when they can be, and tried again on each event when they cannot.
         let main = real_path(&dir);
         debouncer
             .watch(&main, RecursiveMode::NonRecursive)
-            .map_err(watch_error(&dir))?;
+            .map_err(watch_error)?;
         let mut watches = Watches {
             debouncer,
             dirs: BTreeSet::from([main]),

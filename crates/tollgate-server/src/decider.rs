@@ -635,13 +635,8 @@ impl Decider {
         let value = on.as_ref().map(|on| {
             let mut value =
                 serde_json::json!({"reason": on.reason, "since": on.since.to_rfc3339()});
-            // Absent: every limit (as servers that predate narrowing read every value).
-            if !on.scope.domain_names().is_empty() {
-                value["domains"] = serde_json::json!(on.scope.domain_names());
-            }
-            if !on.scope.limit_names().is_empty() {
-                value["limits"] = serde_json::json!(on.scope.limit_names());
-            }
+            // Servers that predate narrowing read any value as every limit.
+            add_scope(&mut value, &on.scope);
             value.to_string()
         });
         store
@@ -706,6 +701,18 @@ pub enum FleetError {
     /// The shared store could not be written.
     #[error("the shared store cannot be written: {0}")]
     Store(CoreError),
+}
+
+/// Adds what `scope` narrows a switch to, as `"domains"` and `"limits"` lists of names, to
+/// the object `value`; neither for a switch of every limit. How the status and the store's
+/// flag both write it.
+pub(crate) fn add_scope(value: &mut serde_json::Value, scope: &ShadowScope) {
+    if !scope.domain_names().is_empty() {
+        value["domains"] = serde_json::json!(scope.domain_names());
+    }
+    if !scope.limit_names().is_empty() {
+        value["limits"] = serde_json::json!(scope.limit_names());
+    }
 }
 
 /// The switch as written in the store: `{"reason": ..., "since": RFC 3339}`, with `"domains"`

@@ -22,7 +22,7 @@ use tollgate_policy::{
 use super::AppState;
 use super::check::{body_bytes, json_body};
 use super::error::ApiError;
-use crate::decider::FleetError;
+use crate::decider::{FleetError, add_scope};
 use crate::{metrics, policy_view};
 
 pub(crate) async fn healthz() -> &'static str {
@@ -196,13 +196,7 @@ fn status_body(state: &AppState) -> serde_json::Value {
                 "reason": on.reason,
                 "fleet": on.fleet,
             });
-            // Absent: every limit.
-            if !on.scope.domain_names().is_empty() {
-                switch["domains"] = json!(on.scope.domain_names());
-            }
-            if !on.scope.limit_names().is_empty() {
-                switch["limits"] = json!(on.scope.limit_names());
-            }
+            add_scope(&mut switch, &on.scope);
             switch
         }),
     })
